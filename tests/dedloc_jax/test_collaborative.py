@@ -1,0 +1,179 @@
+from __future__ import annotations
+
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from dedloc_jax.collaborative import CollaborativeState, collaborative
+from tests.dedloc_jax.lockstep import LockstepGroup
+
+DIM = 6
+
+
+def _data(n: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, DIM)).astype(np.float32)
+    w = rng.normal(size=(DIM,)).astype(np.float32)
+    y = x @ w + 0.1 * rng.normal(size=(n,)).astype(np.float32)
+    return x, y
+
+
+def _loss(params: dict, x: jax.Array, y: jax.Array) -> jax.Array:
+    pred = x @ params["w"] + params["b"]
+    return jnp.mean((pred - y) ** 2)
+
+
+def _init_params() -> dict:
+    return {"w": jnp.zeros((DIM,), jnp.float32), "b": jnp.zeros((), jnp.float32)}
+
+
+def _inner() -> optax.GradientTransformation:
+    return optax.adam(0.05)
+
+
+def _train_collaborative(
+    peers: int, epochs: int, micro: int, per_peer: int
+) -> tuple[list[dict], LockstepGroup, list[int]]:
+    """Each peer feeds its shard of every epoch's global batch in micro-batches."""
+    x, y = _data(peers * per_peer * epochs)
+    group = LockstepGroup(peers, target_batch_size=peers * per_peer)
+    results: list[dict | None] = [None] * peers
+    cache_sizes: list[int] = [0] * peers
+    errors: list[BaseException] = []
+
+    def run(index: int) -> None:
+        try:
+            tx = collaborative(_inner(), group.peer(index), target_batch_size=peers * per_peer)
+            params = _init_params()
+            state = tx.init(params)
+
+            @jax.jit
+            def step(params, state, xb, yb):
+                grads = jax.grad(_loss)(params, xb, yb)
+                updates, state = tx.update(grads, state, params, batch_size=xb.shape[0])
+                return optax.apply_updates(params, updates), state
+
+            for e in range(epochs):
+                base = e * peers * per_peer + index * per_peer
+                for s in range(0, per_peer, micro):
+                    sl = slice(base + s, base + s + micro)
+                    params, state = step(params, state, x[sl], y[sl])
+            results[index] = jax.device_get(params)
+            cache_sizes[index] = step._cache_size()
+        except BaseException as e:  # noqa: BLE001 - re-raised in the main thread below
+            errors.append(e)
+            group._barrier.abort()
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(peers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return results, group, cache_sizes  # type: ignore[return-value]
+
+
+def _train_single(epochs: int, batch: int) -> dict:
+    x, y = _data(batch * epochs)
+    tx = _inner()
+    params = _init_params()
+    state = tx.init(params)
+    for e in range(epochs):
+        sl = slice(e * batch, (e + 1) * batch)
+        grads = jax.grad(_loss)(params, x[sl], y[sl])
+        updates, state = tx.update(grads, state, params)
+        params = optax.apply_updates(params, updates)
+    return jax.device_get(params)
+
+
+@pytest.mark.parametrize("peers", [1, 2, 4])
+def test_peers_match_single_process_training_and_each_other(peers: int) -> None:
+    epochs, micro, per_peer = 4, 4, 8
+    results, group, cache_sizes = _train_collaborative(peers, epochs, micro, per_peer)
+    assert group.averagings == epochs
+    for other in results[1:]:
+        for k in results[0]:
+            np.testing.assert_array_equal(other[k], results[0][k])  # bit-identical
+    reference = _train_single(epochs, peers * per_peer)
+    for k in reference:
+        np.testing.assert_allclose(results[0][k], reference[k], rtol=1e-5, atol=1e-6)
+    # One compilation for all micro-steps and epochs.
+    assert cache_sizes == [1] * peers
+
+
+def test_zero_updates_between_steps_and_state_is_fixed_shape() -> None:
+    group = LockstepGroup(1, target_batch_size=12)
+    tx = collaborative(_inner(), group.peer(0), target_batch_size=12)
+    params = _init_params()
+    state = tx.init(params)
+    x, y = _data(12)
+    shapes = jax.tree.map(lambda a: (a.shape, a.dtype), state)
+    for i, expect_step in ((0, False), (4, False), (8, True)):
+        grads = jax.grad(_loss)(params, x[i : i + 4], y[i : i + 4])
+        updates, state = tx.update(grads, state, params, batch_size=4)
+        moved = any(bool(jnp.any(u != 0)) for u in jax.tree.leaves(updates))
+        assert moved == expect_step
+        assert jax.tree.map(lambda a: (a.shape, a.dtype), state) == shapes
+    assert isinstance(state, CollaborativeState)
+    assert int(state.epoch) == 1 and int(state.samples) == 0
+    # The inner optimizer's step count is the collaboration's epoch.
+    assert int(optax.tree_utils.tree_get(state.inner_state, "count")) == 1
+
+
+def test_composes_with_chain_and_inject_hyperparams() -> None:
+    group = LockstepGroup(1, target_batch_size=8)
+    schedule = optax.linear_schedule(0.1, 0.0, transition_steps=10)
+    inner = optax.inject_hyperparams(optax.sgd)(learning_rate=schedule)
+    tx = optax.chain(
+        optax.clip_by_global_norm(1.0),
+        collaborative(inner, group.peer(0), target_batch_size=8),
+    )
+    params = _init_params()
+    state = tx.init(params)
+    x, y = _data(32)
+    step = jax.jit(lambda g, s, p: tx.update(g, s, p, batch_size=4))
+    for i in range(0, 32, 4):
+        grads = jax.grad(_loss)(params, x[i : i + 4], y[i : i + 4])
+        updates, state = step(grads, state, params)
+        params = optax.apply_updates(params, updates)
+    collab_state = state[1]
+    assert int(collab_state.epoch) == 4
+    hp = collab_state.inner_state.hyperparams
+    np.testing.assert_allclose(float(hp["learning_rate"]), float(schedule(3)), rtol=1e-6)
+
+
+def test_flax_nnx_optimizer() -> None:
+    group = LockstepGroup(1, target_batch_size=8)
+    model = nnx.Linear(DIM, 1, rngs=nnx.Rngs(0))
+    optimizer = nnx.Optimizer(
+        model, collaborative(optax.sgd(0.1), group.peer(0), target_batch_size=8), wrt=nnx.Param
+    )
+    x, y = _data(16)
+
+    @nnx.jit
+    def train_step(model, optimizer, xb, yb):
+        def loss_fn(m):
+            return jnp.mean((m(xb)[:, 0] - yb) ** 2)
+
+        loss, grads = nnx.value_and_grad(loss_fn)(model)
+        optimizer.update(model, grads, batch_size=xb.shape[0])
+        return loss
+
+    kernel0 = np.array(model.kernel.value)
+    train_step(model, optimizer, x[:4], y[:4])
+    np.testing.assert_array_equal(np.array(model.kernel.value), kernel0)  # accumulating
+    train_step(model, optimizer, x[4:8], y[4:8])
+    assert not np.array_equal(np.array(model.kernel.value), kernel0)  # stepped
+    assert group.averagings == 1
+
+
+def test_rejects_bad_target() -> None:
+    group = LockstepGroup(1, target_batch_size=8)
+    with pytest.raises(ValueError, match="target_batch_size"):
+        collaborative(optax.sgd(0.1), group.peer(0), target_batch_size=0)
