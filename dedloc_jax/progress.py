@@ -1,0 +1,167 @@
+"""Progress of a collaboration: per-peer records and the collaboration-wide estimate.
+
+Each peer publishes a :class:`PeerProgress` in the DHT (one signed subkey per peer under the
+run's progress key). Every peer reads all records and, with :func:`estimate_collaboration`,
+extrapolates how many samples the collaboration has accumulated toward the current epoch and
+when it will reach the target. Pure logic: no I/O, times are passed in.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+MODES = ("node", "client", "aux")
+
+
+@dataclass(frozen=True, slots=True)
+class PeerProgress:
+    """One peer's report: it holds ``samples`` samples toward ``epoch`` as of ``time``."""
+
+    peer_id: str
+    epoch: int
+    samples: int
+    samples_per_second: float
+    time: float
+    mode: str = "node"
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        if self.epoch < 0 or self.samples < 0:
+            raise ValueError("epoch and samples must be non-negative")
+        if not math.isfinite(self.samples_per_second) or self.samples_per_second < 0:
+            raise ValueError("samples_per_second must be finite and non-negative")
+        if not math.isfinite(self.time):
+            raise ValueError("time must be finite")
+
+    def to_record(self) -> dict[str, Any]:
+        """The msgpack-able value stored in the DHT (the peer ID is the subkey)."""
+        return {
+            "epoch": self.epoch,
+            "samples": self.samples,
+            "sps": self.samples_per_second,
+            "time": self.time,
+            "mode": self.mode,
+        }
+
+    @classmethod
+    def from_record(cls, peer_id: str, record: Any) -> PeerProgress:
+        """Parse a record read from the DHT; raises ValueError on anything malformed."""
+        if not isinstance(record, dict):
+            raise ValueError("a progress record is a map")
+        try:
+            epoch, samples = record["epoch"], record["samples"]
+            sps, time, mode = record["sps"], record["time"], record["mode"]
+        except KeyError as e:
+            raise ValueError(f"progress record misses {e}") from None
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in (epoch, samples)):
+            raise ValueError("epoch and samples must be integers")
+        if not all(isinstance(v, int | float) and not isinstance(v, bool) for v in (sps, time)):
+            raise ValueError("sps and time must be numbers")
+        if not isinstance(mode, str):
+            raise ValueError("mode must be text")
+        return cls(peer_id, epoch, samples, float(sps), float(time), mode)
+
+
+@dataclass(frozen=True, slots=True)
+class CollaborationEstimate:
+    """What a peer believes about the collaboration at time ``now``."""
+
+    epoch: int  # the global epoch: highest epoch among non-client peers
+    samples: float  # samples accumulated toward ``epoch``, extrapolated to now
+    samples_per_second: float  # summed throughput of the peers at ``epoch``
+    eta: float  # seconds until ``samples`` reaches the target (0 when reached)
+    num_peers: int  # peers that reported (any epoch)
+    num_clients: int
+    target: int
+
+    @property
+    def ready(self) -> bool:
+        return self.samples >= self.target
+
+
+def estimate_collaboration(
+    records: Iterable[PeerProgress],
+    *,
+    now: float,
+    target_batch_size: int,
+    max_extrapolation: float = 60.0,
+) -> CollaborationEstimate:
+    """Sum the progress of the peers at the global epoch, extrapolated to ``now``.
+
+    A report older than ``max_extrapolation`` seconds is extrapolated by that much at most, so
+    one stale record cannot claim a whole batch on its own.
+    """
+    records = list(records)
+    trainers = [r for r in records if r.mode != "client"]
+    epoch = max((r.epoch for r in (trainers or records)), default=0)
+    samples = 0.0
+    sps = 0.0
+    for r in records:
+        if r.epoch != epoch:
+            continue
+        elapsed = min(max(0.0, now - r.time), max_extrapolation)
+        samples += r.samples + elapsed * r.samples_per_second
+        sps += r.samples_per_second
+    remaining = max(0.0, target_batch_size - samples)
+    if remaining == 0:
+        eta = 0.0
+    elif sps > 0:
+        eta = remaining / sps
+    else:
+        eta = math.inf
+    return CollaborationEstimate(
+        epoch=epoch,
+        samples=samples,
+        samples_per_second=sps,
+        eta=eta,
+        num_peers=len(records),
+        num_clients=len(records) - len(trainers),
+        target=target_batch_size,
+    )
+
+
+def refresh_delay(estimate: CollaborationEstimate, *, min_delay: float, max_delay: float) -> float:
+    """How long to wait before re-reading the DHT: often near the target, rarely far from it."""
+    if not min_delay <= max_delay:
+        raise ValueError("min_delay must not exceed max_delay")
+    return min(max(estimate.eta / 2, min_delay), max_delay)
+
+
+class ThroughputMeter:
+    """Smoothed samples per second of this peer, from its micro-step events.
+
+    An exponential moving average over time, so a pause in training decays the estimate instead
+    of freezing it at the last burst.
+    """
+
+    def __init__(self, half_life: float = 30.0) -> None:
+        if half_life <= 0:
+            raise ValueError("half_life must be positive")
+        self._half_life = half_life
+        self._last_time: float | None = None
+        self._rate = 0.0
+        self._observed = 0.0
+
+    @property
+    def samples_per_second(self) -> float:
+        return self._rate
+
+    def update(self, samples: int, now: float) -> float:
+        """Record ``samples`` processed since the previous call, at time ``now``."""
+        if self._last_time is None:
+            self._last_time = now
+            return self._rate
+        dt = now - self._last_time
+        if dt <= 0:
+            self._observed += samples
+            return self._rate
+        rate = (samples + self._observed) / dt
+        self._observed = 0.0
+        alpha = 1.0 - 0.5 ** (dt / self._half_life)
+        self._rate = rate if self._rate == 0 else self._rate + alpha * (rate - self._rate)
+        self._last_time = now
+        return self._rate

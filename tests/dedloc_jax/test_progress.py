@@ -1,0 +1,106 @@
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from dedloc_jax.progress import (
+    PeerProgress,
+    ThroughputMeter,
+    estimate_collaboration,
+    refresh_delay,
+)
+
+
+def _p(pid: str, epoch: int, samples: int, sps: float, time: float, mode: str = "node"):
+    return PeerProgress(pid, epoch, samples, sps, time, mode)
+
+
+def test_global_epoch_ignores_clients_and_sums_peers_at_that_epoch() -> None:
+    records = [
+        _p("a", 5, 100, 10.0, 0.0),
+        _p("b", 5, 50, 5.0, 0.0),
+        _p("c", 4, 900, 50.0, 0.0),  # behind: does not count toward epoch 5
+        _p("d", 9, 10, 1.0, 0.0, mode="client"),  # a client cannot raise the epoch
+    ]
+    est = estimate_collaboration(records, now=2.0, target_batch_size=400)
+    assert est.epoch == 5
+    assert est.samples == pytest.approx(100 + 20 + 50 + 10)
+    assert est.samples_per_second == pytest.approx(15.0)
+    assert est.eta == pytest.approx((400 - 180) / 15.0)
+    assert est.num_peers == 4 and est.num_clients == 1
+    assert not est.ready
+
+
+def test_ready_when_target_reached_and_extrapolation_is_capped() -> None:
+    records = [_p("a", 1, 10, 100.0, 0.0)]
+    est = estimate_collaboration(records, now=1e6, target_batch_size=10_000, max_extrapolation=5)
+    assert est.samples == pytest.approx(510)
+    est = estimate_collaboration(records, now=2.0, target_batch_size=100)
+    assert est.ready and est.eta == 0.0
+
+
+def test_no_throughput_means_infinite_eta() -> None:
+    est = estimate_collaboration([_p("a", 0, 0, 0.0, 0.0)], now=0.0, target_batch_size=8)
+    assert math.isinf(est.eta)
+    assert estimate_collaboration([], now=0.0, target_batch_size=8).epoch == 0
+
+
+@given(
+    st.lists(
+        st.tuples(
+            st.integers(0, 3),
+            st.integers(0, 1000),
+            st.floats(0, 100),
+            st.sampled_from(["node", "client", "aux"]),
+        ),
+        max_size=20,
+    ),
+    st.floats(0, 100),
+)
+def test_estimate_is_monotone_in_time(rows, now) -> None:
+    records = [_p(str(i), e, s, r, 0.0, m) for i, (e, s, r, m) in enumerate(rows)]
+    a = estimate_collaboration(records, now=now, target_batch_size=5000)
+    b = estimate_collaboration(records, now=now + 1.0, target_batch_size=5000)
+    assert b.epoch == a.epoch
+    assert b.samples >= a.samples
+    assert b.eta <= a.eta
+
+
+def test_record_round_trip_and_rejection_of_malformed_records() -> None:
+    p = _p("a", 3, 7, 1.5, 12.0, "aux")
+    assert PeerProgress.from_record("a", p.to_record()) == p
+    bad = [
+        None,
+        [],
+        {"epoch": 1},
+        {**p.to_record(), "epoch": "3"},
+        {**p.to_record(), "epoch": -1},
+        {**p.to_record(), "sps": float("nan")},
+        {**p.to_record(), "mode": "boss"},
+        {**p.to_record(), "samples": True},
+    ]
+    for record in bad:
+        with pytest.raises(ValueError):
+            PeerProgress.from_record("a", record)
+
+
+def test_refresh_delay_shrinks_near_the_target() -> None:
+    far = estimate_collaboration([_p("a", 0, 0, 1.0, 0.0)], now=0.0, target_batch_size=1000)
+    near = estimate_collaboration([_p("a", 0, 990, 1.0, 0.0)], now=0.0, target_batch_size=1000)
+    assert refresh_delay(far, min_delay=0.5, max_delay=30) == 30
+    assert refresh_delay(near, min_delay=0.5, max_delay=30) == 5
+    with pytest.raises(ValueError):
+        refresh_delay(far, min_delay=2, max_delay=1)
+
+
+def test_throughput_meter_tracks_rate_and_decays_when_idle() -> None:
+    meter = ThroughputMeter(half_life=10.0)
+    meter.update(0, 0.0)
+    for t in range(1, 50):
+        meter.update(8, float(t))
+    assert meter.samples_per_second == pytest.approx(8.0)
+    meter.update(0, 80.0)  # a long pause
+    assert meter.samples_per_second < 8.0
