@@ -1,0 +1,70 @@
+"""DHT settings: one frozen dataclass with named presets."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+
+@dataclass(frozen=True)
+class DHTConfig:
+    """Tunables of a DHT node. Defaults follow Kademlia (k=20, alpha=3)."""
+
+    k: int = 20  # bucket size and lookup beam width
+    alpha: int = 3  # parallel requests per lookup
+    replication: int = 20  # how many of the nearest nodes a store goes to (<= k)
+    request_timeout: float = 5.0  # seconds per RPC
+    bootstrap_timeout: float = 10.0  # seconds to wait for initial peers
+    replacement_cache_size: int = 20  # per bucket
+    refresh_interval: float = 600.0  # a bucket untouched this long is refreshed
+    republish_interval: float = 1800.0  # held records are re-sent to the nearest nodes this often
+    maintenance_interval: float = 60.0  # how often refresh/republish/purge checks run
+    blacklist_base: float = 5.0  # first ban after a failed request, doubled per further failure
+    blacklist_max: float = 600.0
+    cache_on_path: bool = True  # cache found values at the closest node on the path lacking them
+    cache_size: int = 10_000  # cached records kept (LRU)
+    max_keys: int = 100_000  # stored keys (new keys refused beyond)
+    max_subkeys: int = 10_000  # subkeys per dictionary value
+    max_value_bytes: int = 256 * 1024  # serialized value size
+    max_key_chars: int = 512
+    max_ttl: float = 7 * 24 * 3600.0  # expirations further ahead than this are refused
+    max_records_per_store: int = 64  # records in one STORE request
+    max_queries_per_find: int = 64  # targets in one FIND request
+    max_addrs_per_peer: int = 8
+    max_clock_skew: float = 3600.0  # peer clock offsets beyond this are ignored
+    clock_samples: int = 64  # recent peer offsets kept for the median
+    handoff_concurrency: int = 4
+    max_pending_evictions: int = 64
+
+    def __post_init__(self) -> None:
+        if self.k < 1 or self.alpha < 1:
+            raise ValueError("k and alpha must be positive")
+        if not 1 <= self.replication <= self.k:
+            raise ValueError("replication must be between 1 and k")
+
+    @classmethod
+    def default(cls) -> DHTConfig:
+        return cls()
+
+    @classmethod
+    def fast(cls) -> DHTConfig:
+        """Short timeouts and intervals: loopback, simulations and tests."""
+        return cls(
+            request_timeout=2.0,
+            bootstrap_timeout=5.0,
+            refresh_interval=120.0,
+            republish_interval=300.0,
+            maintenance_interval=10.0,
+            blacklist_base=1.0,
+            blacklist_max=60.0,
+        )
+
+    @classmethod
+    def small(cls) -> DHTConfig:
+        """A small network (a handful to a few dozen nodes): smaller buckets, fewer replicas."""
+        return cls(k=8, replication=5)
+
+    def with_(self, **changes: object) -> DHTConfig:
+        return replace(self, **changes)  # type: ignore[arg-type]
+
+
+PRESETS = {"default": DHTConfig.default, "fast": DHTConfig.fast, "small": DHTConfig.small}

@@ -1,0 +1,150 @@
+"""DHT records, their serialization, ordering and merge rules (pure).
+
+A record is ``(key, subkey, value, expiration, proof)``: ``value`` is the msgpack encoding of
+any msgpack-able object, ``expiration`` an absolute DHT time (seconds), ``subkey`` is None for
+a plain value or names one entry of a dictionary value, and ``proof`` is None or the writer's
+32-byte Ed25519 public key followed by its 64-byte signature (see :mod:`p2p.dht.validation`).
+
+Merge rules (the same on every node, so replicas converge whatever the order of arrival):
+- a record replaces another of the same (key, subkey) when it expires later; equal expirations
+  are broken by the larger value bytes, so every node keeps the same winner;
+- a key shows its plain value when no subkey expires after it, otherwise the subkeys that expire
+  after the plain value (all of them when there is none): later expiration always wins.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any, TypeAlias
+
+import msgpack
+
+from p2p.identity import PeerID
+
+OWNER_MARKER_RE = re.compile(r"\[owner:([^\]]*)\]")
+
+
+@dataclass(frozen=True, slots=True)
+class Record:
+    key: str
+    subkey: str | None
+    value: bytes
+    expiration: float
+    proof: bytes | None = None
+
+    def sort_key(self) -> tuple[float, bytes]:
+        return (self.expiration, self.value)
+
+    def newer_than(self, other: Record) -> bool:
+        return self.sort_key() > other.sort_key()
+
+    def same_as(self, other: Record) -> bool:
+        return self.sort_key() == other.sort_key()
+
+    def decoded(self) -> Any:
+        return unpack_value(self.value)
+
+
+# What a reader sees of one key: a plain record, or a dictionary of subkey -> record.
+View: TypeAlias = "Record | dict[str, Record]"
+
+
+def pack_value(value: Any) -> bytes:
+    """Serialize a value; raises TypeError for something msgpack cannot encode."""
+    try:
+        return msgpack.packb(value, use_bin_type=True)
+    except (TypeError, ValueError, OverflowError) as e:
+        raise TypeError(f"DHT values must be msgpack-able: {e}") from None
+
+
+def unpack_value(raw: bytes) -> Any:
+    return msgpack.unpackb(raw, raw=False, strict_map_key=False)
+
+
+def signing_payload(key: str, subkey: str | None, value: bytes, expiration: float) -> bytes:
+    """The bytes an owner signs: every field that decides what readers see."""
+    return msgpack.packb(
+        ["p2p-dht-record/v1", key, subkey, value, float(expiration)], use_bin_type=True
+    )
+
+
+def owner_marker(peer: PeerID) -> str:
+    """The text that, inside a key or subkey, reserves it to ``peer`` (writes must be signed)."""
+    return f"[owner:{peer.to_base58()}]"
+
+
+def owner_markers(text: str | None) -> list[str]:
+    """The base58 peer IDs named by owner markers in ``text`` (not yet validated)."""
+    return OWNER_MARKER_RE.findall(text) if text else []
+
+
+@dataclass
+class KeyState:
+    """Everything held for one key: the newest plain record and the newest record per subkey.
+
+    Superseded slots are kept (not deleted) so that the visible value is a function of the
+    set of records received, whatever their order: replicas converge.
+    """
+
+    plain: Record | None = None
+    subs: dict[str, Record] = field(default_factory=dict)
+
+    def apply(self, rec: Record, max_subkeys: int) -> bool:
+        """Take ``rec`` into its slot if newer; True when it is now part of the visible value."""
+        if rec.subkey is None:
+            if self.plain is None or rec.newer_than(self.plain):
+                self.plain = rec
+            elif not rec.same_as(self.plain):
+                return False
+        else:
+            old = self.subs.get(rec.subkey)
+            if old is None:
+                if len(self.subs) >= max_subkeys:
+                    return False
+                self.subs[rec.subkey] = rec
+            elif rec.newer_than(old):
+                self.subs[rec.subkey] = rec
+            elif not rec.same_as(old):
+                return False
+        return self.visible(rec)
+
+    def view(self) -> View | None:
+        """A plain value wins when no subkey expires after it; otherwise the subkeys that do."""
+        plain = self.plain
+        if plain is not None and all(r.expiration <= plain.expiration for r in self.subs.values()):
+            return plain
+        floor = plain.expiration if plain is not None else float("-inf")
+        subs = {s: r for s, r in self.subs.items() if r.expiration > floor}
+        return subs or None
+
+    def visible(self, rec: Record) -> bool:
+        view = self.view()
+        if isinstance(view, Record):
+            return view is rec or (rec.subkey is None and view.same_as(rec))
+        if view is None or rec.subkey is None:
+            return False
+        held = view.get(rec.subkey)
+        return held is not None and held.same_as(rec)
+
+    def drop_expired(self, now: float) -> bool:
+        """Forget expired slots; True when nothing is left."""
+        if self.plain is not None and self.plain.expiration <= now:
+            self.plain = None
+        for sub in [s for s, r in self.subs.items() if r.expiration <= now]:
+            del self.subs[sub]
+        return self.plain is None and not self.subs
+
+
+def view_records(view: View | None) -> list[Record]:
+    if view is None:
+        return []
+    return [view] if isinstance(view, Record) else list(view.values())
+
+
+def merge_views(records: list[Record], max_subkeys: int = 1 << 30) -> View | None:
+    """The value readers see after receiving ``records`` (in any order)."""
+    state = KeyState()
+    for rec in records:
+        state.apply(rec, max_subkeys)
+    return state.view()

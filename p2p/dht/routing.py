@@ -1,0 +1,172 @@
+"""The Kademlia routing table: k-buckets over the ID space, split when they hold our own ID.
+
+Pure logic: no I/O, time is passed in. Each bucket keeps its peers least-recently-seen first.
+When a full bucket cannot split, the newcomer goes to the bucket's replacement cache and the
+least-recently-seen peer is returned to the caller, who pings it (ping-before-evict): if it
+answers it is refreshed (:meth:`RoutingTable.add_or_update`), otherwise it is removed
+(:meth:`RoutingTable.remove`) and the freshest replacement takes its place. Old peers that
+still answer are kept, which is what makes Kademlia resist flooding with new IDs.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import OrderedDict
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+
+from p2p.dht.ids import ID_BITS
+from p2p.identity import PeerID
+
+
+@dataclass
+class PeerEntry:
+    """One known peer: its ID, dialable addresses and when we last heard from it."""
+
+    peer: PeerID
+    id: int
+    addrs: tuple[str, ...] = ()
+    last_seen: float = 0.0
+
+
+@dataclass
+class KBucket:
+    """Peers whose IDs fall in ``[lo, hi)``; ``peers`` is ordered least-recently-seen first."""
+
+    lo: int
+    hi: int
+    depth: int
+    peers: OrderedDict[PeerID, PeerEntry] = field(default_factory=OrderedDict)
+    replacements: OrderedDict[PeerID, PeerEntry] = field(default_factory=OrderedDict)
+    last_updated: float = 0.0
+
+    def covers(self, ident: int) -> bool:
+        return self.lo <= ident < self.hi
+
+
+class RoutingTable:
+    """k-buckets with splitting, least-recently-seen eviction and replacement caches."""
+
+    def __init__(self, local_id: int, k: int = 20, replacement_cache_size: int = 20) -> None:
+        self.local_id = local_id
+        self.k = k
+        self.replacement_cache_size = replacement_cache_size
+        self.buckets: list[KBucket] = [KBucket(0, 1 << ID_BITS, 0)]
+        self._index: dict[PeerID, KBucket] = {}
+
+    # --- lookups -------------------------------------------------------------------------
+    def bucket_for(self, ident: int) -> KBucket:
+        """The bucket whose range holds ``ident`` (buckets are sorted and contiguous)."""
+        lo, hi = 0, len(self.buckets)
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if self.buckets[mid].lo <= ident:
+                lo = mid
+            else:
+                hi = mid
+        return self.buckets[lo]
+
+    def __contains__(self, peer: object) -> bool:
+        return peer in self._index
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    def get(self, peer: PeerID) -> PeerEntry | None:
+        bucket = self._index.get(peer)
+        return bucket.peers[peer] if bucket is not None else None
+
+    def peers(self) -> Iterator[PeerEntry]:
+        for bucket in self.buckets:
+            yield from bucket.peers.values()
+
+    def nearest(
+        self, target: int, count: int | None = None, exclude: Iterable[PeerID] = ()
+    ) -> list[PeerEntry]:
+        """The ``count`` (default k) known peers nearest to ``target`` by XOR distance."""
+        skip = set(exclude)
+        return heapq.nsmallest(
+            count if count is not None else self.k,
+            (e for e in self.peers() if e.peer not in skip),
+            key=lambda e: e.id ^ target,
+        )
+
+    # --- updates -------------------------------------------------------------------------
+    def add_or_update(
+        self, peer: PeerID, ident: int, addrs: Iterable[str] = (), now: float = 0.0
+    ) -> PeerEntry | None:
+        """Record that ``peer`` was heard from.
+
+        Returns None when the peer is now in the table (refreshed or added), or the
+        least-recently-seen entry of its full bucket: the caller should ping that one and
+        call :meth:`remove` if it does not answer (the newcomer waits in the replacement cache).
+        """
+        if ident == self.local_id:
+            return None
+        addrs = tuple(addrs)
+        bucket = self._index.get(peer)
+        if bucket is not None:
+            entry = bucket.peers.pop(peer)
+            if addrs:
+                entry.addrs = addrs
+            entry.last_seen = now
+            bucket.peers[peer] = entry
+            bucket.last_updated = now
+            return None
+        while True:
+            bucket = self.bucket_for(ident)
+            if len(bucket.peers) < self.k:
+                bucket.replacements.pop(peer, None)
+                bucket.peers[peer] = PeerEntry(peer, ident, addrs, now)
+                bucket.last_updated = now
+                self._index[peer] = bucket
+                return None
+            if bucket.covers(self.local_id) and bucket.depth < ID_BITS:
+                self._split(bucket)
+                continue
+            old = bucket.replacements.pop(peer, None)
+            entry = PeerEntry(peer, ident, addrs or (old.addrs if old else ()), now)
+            bucket.replacements[peer] = entry
+            while len(bucket.replacements) > self.replacement_cache_size:
+                bucket.replacements.popitem(last=False)
+            return next(iter(bucket.peers.values()))
+
+    def remove(self, peer: PeerID) -> bool:
+        """Forget a peer that stopped answering; its bucket's freshest replacement moves in."""
+        bucket = self._index.pop(peer, None)
+        if bucket is None:
+            return any(b.replacements.pop(peer, None) is not None for b in self.buckets)
+        del bucket.peers[peer]
+        if bucket.replacements:
+            _, repl = bucket.replacements.popitem(last=True)
+            bucket.peers[repl.peer] = repl
+            self._index[repl.peer] = bucket
+        return True
+
+    def _split(self, bucket: KBucket) -> None:
+        mid = (bucket.lo + bucket.hi) // 2
+        left = KBucket(bucket.lo, mid, bucket.depth + 1, last_updated=bucket.last_updated)
+        right = KBucket(mid, bucket.hi, bucket.depth + 1, last_updated=bucket.last_updated)
+        for pid, entry in bucket.peers.items():
+            target = left if entry.id < mid else right
+            target.peers[pid] = entry
+            self._index[pid] = target
+        for pid, entry in bucket.replacements.items():
+            (left if entry.id < mid else right).replacements[pid] = entry
+        i = self.buckets.index(bucket)
+        self.buckets[i : i + 1] = [left, right]
+        # a replacement may now fit in a half that has room
+        for half in (left, right):
+            while half.replacements and len(half.peers) < self.k:
+                _, repl = half.replacements.popitem(last=True)
+                half.peers[repl.peer] = repl
+                self._index[repl.peer] = half
+
+    # --- maintenance ---------------------------------------------------------------------
+    def stale_buckets(self, now: float, max_age: float) -> list[KBucket]:
+        """Buckets not updated for ``max_age`` seconds: look up a random ID in each to refresh."""
+        return [b for b in self.buckets if now - b.last_updated >= max_age]
+
+    def touch_bucket(self, ident: int, now: float) -> None:
+        """Mark the bucket holding ``ident`` as refreshed (after a lookup of that ID)."""
+        self.bucket_for(ident).last_updated = now

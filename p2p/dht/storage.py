@@ -1,0 +1,94 @@
+"""A node's local record store (pure: time is passed in).
+
+Keys hold a :class:`~p2p.dht.records.KeyState` (plain record and/or subkey records; see
+:mod:`p2p.dht.records` for the merge rules). Expired records are never returned; they are
+dropped lazily and by :meth:`LocalStorage.purge`. The same class serves as the cache of values
+seen along lookup paths, with ``lru=True``: a full cache forgets its least recently used key
+instead of refusing new ones.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterator
+
+from p2p.dht.records import KeyState, Record, View, view_records
+
+
+class LocalStorage:
+    def __init__(self, max_keys: int = 100_000, max_subkeys: int = 10_000, lru: bool = False):
+        self.max_keys = max_keys
+        self.max_subkeys = max_subkeys
+        self.lru = lru
+        self._data: OrderedDict[str, KeyState] = OrderedDict()
+        self._received: dict[str, float] = {}  # key -> last time a STORE brought it
+
+    def __len__(self) -> int:
+        return len(self._data)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._data
+
+    def store(self, rec: Record, now: float) -> bool:
+        """Apply a record; True when it is part of the key's visible value afterwards."""
+        if rec.expiration <= now:
+            return False
+        state = self._live(rec.key, now)
+        if state is None:
+            if len(self._data) >= self.max_keys:
+                self.purge(now)
+            if len(self._data) >= self.max_keys:
+                if not self.lru:
+                    return False
+                oldest = next(iter(self._data))
+                del self._data[oldest]
+                self._received.pop(oldest, None)
+            state = self._data[rec.key] = KeyState()
+        elif self.lru:
+            self._data.move_to_end(rec.key)
+        held = state.apply(rec, self.max_subkeys)
+        if state.plain is None and not state.subs:
+            del self._data[rec.key]
+        if held:
+            self._received[rec.key] = now
+        return held
+
+    def get(self, key: str, now: float) -> View | None:
+        """The visible value of ``key`` (a dictionary is a fresh copy)."""
+        state = self._live(key, now)
+        if state is None:
+            return None
+        if self.lru:
+            self._data.move_to_end(key)
+        return state.view()
+
+    def last_received(self, key: str) -> float | None:
+        return self._received.get(key)
+
+    def keys(self) -> list[str]:
+        return list(self._data)
+
+    def records(self, now: float) -> Iterator[Record]:
+        """Every visible live record (republishing and handing values to new nodes)."""
+        for key in list(self._data):
+            state = self._live(key, now)
+            if state is not None:
+                yield from view_records(state.view())
+
+    def purge(self, now: float) -> int:
+        """Drop expired records; returns how many keys disappeared."""
+        gone = 0
+        for key in list(self._data):
+            if self._live(key, now) is None:
+                gone += 1
+        return gone
+
+    def _live(self, key: str, now: float) -> KeyState | None:
+        state = self._data.get(key)
+        if state is None:
+            return None
+        if state.drop_expired(now):
+            del self._data[key]
+            self._received.pop(key, None)
+            return None
+        return state

@@ -1,0 +1,261 @@
+"""Pluggable record validators: signed (owned) records and value schemas.
+
+Every record a node accepts, from a local ``store`` call, a STORE request, or a FIND answer,
+goes through :class:`ValidatorChain`. A validator raises :class:`InvalidRecordError` with a
+reason; a STORE answers that reason to the writer, and a FIND answer with an invalid record
+has that record dropped.
+
+Owned records: a key or subkey containing ``[owner:<peer-id-base58>]`` (see
+:func:`p2p.dht.records.owner_marker`) can only be written by that peer. Its record carries a
+proof = the owner's raw Ed25519 public key (32 bytes) + signature (64 bytes) over
+:func:`p2p.dht.records.signing_payload` ``(key, subkey, value, expiration)``; the public key must
+hash to the named peer ID. The collaboration stores its progress reports under one key with
+subkey ``owner_marker(peer_id)``, so nobody can overwrite another peer's report. Replaying an old
+signed record is harmless: it expires before the owner's newer one and loses the merge.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+from p2p.dht.errors import InvalidRecordError
+from p2p.dht.records import Record, owner_markers, signing_payload, unpack_value
+from p2p.errors import IdentityError
+from p2p.identity import PUBLIC_KEY_BYTES, SIGNATURE_BYTES, Identity, PeerID, verify_signature
+
+PROOF_BYTES = PUBLIC_KEY_BYTES + SIGNATURE_BYTES
+
+
+@runtime_checkable
+class RecordValidator(Protocol):
+    def validate(self, record: Record) -> None:
+        """Raise InvalidRecordError(reason) when the record must be refused."""
+
+
+def record_owner(record: Record) -> PeerID | None:
+    """The peer named by the record's owner markers, or None; malformed markers are refused."""
+    names = set(owner_markers(record.key)) | set(owner_markers(record.subkey))
+    if not names:
+        return None
+    if len(names) > 1:
+        raise InvalidRecordError("key and subkey name different owners")
+    (name,) = names
+    try:
+        return PeerID.from_base58(name)
+    except IdentityError:
+        raise InvalidRecordError(f"malformed owner marker {name!r:.80}") from None
+
+
+def sign_record(record: Record, identity: Identity) -> Record:
+    """The record with a proof made by ``identity``."""
+    sig = identity.sign(signing_payload(record.key, record.subkey, record.value, record.expiration))
+    return Record(
+        record.key, record.subkey, record.value, record.expiration, identity.public_key + sig
+    )
+
+
+class SignatureValidator:
+    """Owned keys/subkeys need a valid signature of their owner (always on)."""
+
+    def validate(self, record: Record) -> None:
+        owner = record_owner(record)
+        if owner is None:
+            return
+        proof = record.proof
+        if proof is None:
+            raise InvalidRecordError(f"record owned by {owner} is not signed")
+        if len(proof) != PROOF_BYTES:
+            raise InvalidRecordError("malformed signature proof")
+        pub, sig = proof[:PUBLIC_KEY_BYTES], proof[PUBLIC_KEY_BYTES:]
+        if not owner.matches(pub):
+            raise InvalidRecordError(f"record owned by {owner} is signed by another key")
+        payload = signing_payload(record.key, record.subkey, record.value, record.expiration)
+        if not verify_signature(pub, sig, payload):
+            raise InvalidRecordError(f"bad signature on record owned by {owner}")
+
+
+@dataclass(frozen=True)
+class LimitsValidator:
+    """Basic field bounds every record must meet (the node's own limits)."""
+
+    max_key_chars: int = 512
+    max_value_bytes: int = 256 * 1024
+
+    def validate(self, record: Record) -> None:
+        if not record.key or len(record.key) > self.max_key_chars:
+            raise InvalidRecordError(f"key must have 1..{self.max_key_chars} characters")
+        if record.subkey is not None and len(record.subkey) > self.max_key_chars:
+            raise InvalidRecordError(f"subkey longer than {self.max_key_chars} characters")
+        if len(record.value) > self.max_value_bytes:
+            raise InvalidRecordError(f"value larger than {self.max_value_bytes} bytes")
+        if not math.isfinite(record.expiration):
+            raise InvalidRecordError("expiration must be finite")
+        if record.proof is not None and len(record.proof) != PROOF_BYTES:
+            raise InvalidRecordError("malformed signature proof")
+
+
+# --- schemas ---------------------------------------------------------------------------------
+class Spec(Protocol):
+    def check(self, value: Any, path: str) -> str | None:
+        """None when ``value`` fits, otherwise a reason."""
+
+
+@dataclass(frozen=True)
+class AnyValue:
+    def check(self, value: Any, path: str) -> str | None:
+        return None
+
+
+@dataclass(frozen=True)
+class Int:
+    min: int | None = None
+    max: int | None = None
+
+    def check(self, value: Any, path: str) -> str | None:
+        if not isinstance(value, int) or isinstance(value, bool):
+            return f"{path} must be an integer"
+        return _bounds(value, self.min, self.max, path)
+
+
+@dataclass(frozen=True)
+class Float:
+    """A finite number (integers accepted)."""
+
+    min: float | None = None
+    max: float | None = None
+
+    def check(self, value: Any, path: str) -> str | None:
+        if not isinstance(value, int | float) or isinstance(value, bool):
+            return f"{path} must be a number"
+        if not math.isfinite(value):
+            return f"{path} must be finite"
+        return _bounds(value, self.min, self.max, path)
+
+
+@dataclass(frozen=True)
+class Bool:
+    def check(self, value: Any, path: str) -> str | None:
+        return None if isinstance(value, bool) else f"{path} must be a boolean"
+
+
+@dataclass(frozen=True)
+class Str:
+    max_len: int = 1024
+
+    def check(self, value: Any, path: str) -> str | None:
+        if not isinstance(value, str):
+            return f"{path} must be a string"
+        return f"{path} longer than {self.max_len}" if len(value) > self.max_len else None
+
+
+@dataclass(frozen=True)
+class Bytes:
+    max_len: int = 65536
+
+    def check(self, value: Any, path: str) -> str | None:
+        if not isinstance(value, bytes):
+            return f"{path} must be bytes"
+        return f"{path} longer than {self.max_len}" if len(value) > self.max_len else None
+
+
+@dataclass(frozen=True)
+class Optional:
+    inner: Spec
+
+    def check(self, value: Any, path: str) -> str | None:
+        return None if value is None else self.inner.check(value, path)
+
+
+@dataclass(frozen=True)
+class ListOf:
+    item: Spec
+    max_len: int = 1024
+
+    def check(self, value: Any, path: str) -> str | None:
+        if not isinstance(value, list):
+            return f"{path} must be a list"
+        if len(value) > self.max_len:
+            return f"{path} has more than {self.max_len} items"
+        for i, v in enumerate(value):
+            if (reason := self.item.check(v, f"{path}[{i}]")) is not None:
+                return reason
+        return None
+
+
+@dataclass(frozen=True)
+class Struct:
+    """A map with named fields; ``optional`` fields may be missing, others are refused."""
+
+    fields: Mapping[str, Spec]
+    optional: frozenset[str] = field(default_factory=frozenset)
+
+    def check(self, value: Any, path: str) -> str | None:
+        if not isinstance(value, dict):
+            return f"{path} must be a map"
+        extra = [k for k in value if k not in self.fields]
+        if extra:
+            return f"{path} has unknown field {str(extra[0])[:64]!r}"
+        for name, spec in self.fields.items():
+            if name not in value:
+                if name in self.optional:
+                    continue
+                return f"{path}.{name} is missing"
+            if (reason := spec.check(value[name], f"{path}.{name}")) is not None:
+                return reason
+        return None
+
+
+def _bounds(value: float, lo: float | None, hi: float | None, path: str) -> str | None:
+    if lo is not None and value < lo:
+        return f"{path} below {lo}"
+    if hi is not None and value > hi:
+        return f"{path} above {hi}"
+    return None
+
+
+@dataclass(frozen=True)
+class SchemaValidator:
+    """Values of keys starting with ``prefix`` (each subkey's value too) must fit ``spec``."""
+
+    prefix: str
+    spec: Spec
+
+    def validate(self, record: Record) -> None:
+        if not record.key.startswith(self.prefix):
+            return
+        try:
+            value = unpack_value(record.value)
+        except (ValueError, TypeError) as e:  # msgpack errors; unhashable map keys
+            raise InvalidRecordError(f"value is not valid msgpack: {e}") from None
+        if (reason := self.spec.check(value, "value")) is not None:
+            raise InvalidRecordError(f"schema of {self.prefix!r}: {reason}")
+
+
+class ValidatorChain:
+    """Limits, then signatures, then the user's validators, in order."""
+
+    def __init__(
+        self,
+        validators: Iterable[RecordValidator] = (),
+        *,
+        limits: LimitsValidator | None = None,
+    ) -> None:
+        self.validators: Sequence[RecordValidator] = (
+            limits or LimitsValidator(),
+            SignatureValidator(),
+            *validators,
+        )
+
+    def validate(self, record: Record) -> None:
+        for v in self.validators:
+            v.validate(record)
+
+    def reason(self, record: Record) -> str | None:
+        try:
+            self.validate(record)
+        except InvalidRecordError as e:
+            return e.reason
+        return None
