@@ -22,6 +22,7 @@ from p2p.errors import IdentityError
 PEER_ID_BYTES = 32
 PUBLIC_KEY_BYTES = 32
 SIGNATURE_BYTES = 64
+_MAX_PEER_ID_TEXT = 64
 
 
 @dataclass(frozen=True, order=True, slots=True)
@@ -42,6 +43,10 @@ class PeerID:
 
     @classmethod
     def from_base58(cls, text: str) -> PeerID:
+        # 32 bytes take at most 44 base58 characters; refusing long text early keeps a hostile
+        # input from costing quadratic big-integer work in b58decode.
+        if not isinstance(text, str) or len(text) > _MAX_PEER_ID_TEXT:
+            raise IdentityError(f"malformed peer ID {text!r:.80}: not text of a sane length")
         try:
             raw = b58decode(text)
         except ValueError as e:

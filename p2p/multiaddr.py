@@ -31,7 +31,8 @@ def _check_value(proto: str, value: str) -> str:
         except ValueError:
             raise MultiaddrError(f"invalid IPv6 address {value!r}") from None
     if proto == "tcp":
-        if not value.isdigit() or not 0 <= int(value) <= 65535:
+        # isascii(): str.isdigit() also accepts digits like '²' that int() rejects.
+        if not (value.isascii() and value.isdigit()) or not 0 <= int(value) <= 65535:
             raise MultiaddrError(f"invalid TCP port {value!r}")
         return str(int(value))
     if proto == "p2p":
