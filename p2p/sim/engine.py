@@ -1,0 +1,76 @@
+"""A tiny discrete-event engine in virtual time: the simulator's only clock-driven machinery.
+
+Pure logic, no trio: the simulated network calls :meth:`Engine.run_until` with
+``trio.current_time()`` whenever a task touches it, and one waiting task sleeps until
+:meth:`Engine.next_time`, so every event fires at its exact virtual time without a task or a
+trio timer per event. Ties are broken by scheduling order, which keeps runs deterministic.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Callable
+from typing import Any
+
+
+class Event:
+    """A scheduled callback; :meth:`cancel` makes it a no-op (it is dropped lazily)."""
+
+    __slots__ = ("time", "seq", "fn", "args", "alive")
+
+    def __init__(self, time: float, seq: int, fn: Callable[..., None], args: tuple[Any, ...]):
+        self.time = time
+        self.seq = seq
+        self.fn = fn
+        self.args = args
+        self.alive = True
+
+    def cancel(self) -> None:
+        self.alive = False
+
+    def __lt__(self, other: Event) -> bool:
+        return (self.time, self.seq) < (other.time, other.seq)
+
+
+class Engine:
+    """Events ordered by (time, scheduling order); time only moves forward."""
+
+    def __init__(self) -> None:
+        self._heap: list[Event] = []
+        self._seq = 0
+        self.now = -math.inf
+        self.on_new_head: Callable[[], None] | None = None
+
+    def at(self, time: float, fn: Callable[..., None], *args: Any) -> Event:
+        """Schedule ``fn(*args)`` at ``time`` (clamped to now)."""
+        if time < self.now:
+            time = self.now
+        ev = Event(time, self._seq, fn, args)
+        self._seq += 1
+        heap = self._heap
+        heapq.heappush(heap, ev)
+        if heap[0] is ev and self.on_new_head is not None:
+            self.on_new_head()
+        return ev
+
+    def next_time(self) -> float:
+        """Time of the earliest live event, or inf."""
+        heap = self._heap
+        while heap and not heap[0].alive:
+            heapq.heappop(heap)
+        return heap[0].time if heap else math.inf
+
+    def run_until(self, time: float) -> None:
+        """Fire every live event due at or before ``time``, in order, then set now = time."""
+        heap = self._heap
+        while heap and heap[0].time <= time:
+            ev = heapq.heappop(heap)
+            if not ev.alive:
+                continue
+            ev.alive = False
+            if ev.time > self.now:
+                self.now = ev.time
+            ev.fn(*ev.args)
+        if time > self.now:
+            self.now = time
