@@ -482,8 +482,9 @@ def _clitics(rng: random.Random, tagged: Tagged, p: float = 0.05) -> Tagged:
     seeds its pieces from substrings shared by distinct words.
     """
     out = []
-    for word, tag in tagged:
-        if word[-1] in _BENGALI_LETTER_END and rng.random() < p:
+    for i, (word, tag) in enumerate(tagged):
+        # Leave the verb group (the last two words) alone, so agreement stays easy to check.
+        if i < len(tagged) - 2 and word[-1] in _BENGALI_LETTER_END and rng.random() < p:
             word += rng.choice("ইও")
         out.append((word, tag))
     return out
@@ -510,7 +511,7 @@ def _document(rng: random.Random, topic: Topic, n_sentences: int, noise: float) 
 
 
 def generate_documents(
-    n: int, *, seed: int, min_sentences: int = 3, max_sentences: int = 9
+    n: int, *, seed: int, min_sentences: int = 4, max_sentences: int = 12
 ) -> list[str]:
     """``n`` SYNTHETIC Bengali documents (one string each, no newlines), deterministic by seed."""
     if n < 0 or min_sentences < 1 or max_sentences < min_sentences:

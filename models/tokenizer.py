@@ -89,7 +89,7 @@ def _iter_texts(texts_or_files: Iterable[str | Path]) -> Iterator[str]:
     for item in texts_or_files:
         if isinstance(item, Path):
             with item.open(encoding="utf-8") as f:
-                yield from (line for line in f if line.strip())
+                yield from (line.strip() for line in f if line.strip())
         else:
             yield item
 
@@ -105,6 +105,8 @@ def wrap_fast(tok: Tokenizer) -> PreTrainedTokenizerFast:
         sep_token=SEP,
         mask_token=MASK,
         padding_side="right",
+        # transformers 5 defaults to ids and mask only; ALBERT needs the segment ids too.
+        model_input_names=["input_ids", "token_type_ids", "attention_mask"],
     )
 
 
@@ -119,8 +121,13 @@ def train_tokenizer(
     """Train the sahajBERT tokenizer on texts (``str``) or text files (``Path``).
 
     ``vocab_size`` counts the 5 special tokens (sahajBERT: 31,995 pieces + 5 = 32,000). A small
-    corpus can yield fewer pieces than asked. When ``out_dir`` is given the tokenizer is saved
-    there in transformers format.
+    corpus can yield fewer pieces than asked: HF's trainer seeds pieces from substrings shared by
+    distinct words, so a corpus with a small lexicon caps the vocabulary. When ``out_dir`` is
+    given the tokenizer is saved there in transformers format.
+
+    Training twice on the same text gives the same pieces but not always the same ids (the
+    trainer iterates Rust hash maps), so peers of one collaboration must share the saved
+    tokenizer files rather than each train their own.
     """
     if vocab_size <= NUM_SPECIAL:
         raise ValueError(f"vocab_size must exceed the {NUM_SPECIAL} special tokens")
