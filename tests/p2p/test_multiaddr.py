@@ -5,7 +5,7 @@ from __future__ import annotations
 import ipaddress
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from p2p.errors import MultiaddrError
@@ -153,6 +153,7 @@ def _addresses(draw):
     return text
 
 
+@settings(deadline=None)
 @given(_addresses())
 def test_generated_addresses_round_trip(text):
     addr = Multiaddr.parse(text)
@@ -163,6 +164,7 @@ def test_generated_addresses_round_trip(text):
         assert ipaddress.IPv6Address(addr.host)
 
 
+@settings(deadline=None)
 @given(st.ip_addresses(v=6), _ports, _peer_ids)
 def test_ip6_round_trip_keeps_peer(ip, port, pid):
     addr = Multiaddr.parse(f"/ip6/{ip.exploded}/tcp/{port}/p2p/{pid}")
@@ -179,6 +181,7 @@ _pieces = st.sampled_from(
 _joined = st.lists(_pieces, max_size=8).map(lambda p: "/" + "/".join(p))
 
 
+@settings(deadline=None)
 @given(st.one_of(st.text(max_size=60), _joined))
 def test_random_text_parses_or_raises_multiaddr_error(text):
     try:

@@ -1,0 +1,375 @@
+"""The secure channel: an authenticated, encrypted frame pipe over any ``trio.abc.Stream``.
+
+``secure_outbound`` (dialer) and ``secure_inbound`` (listener) run the handshake of
+:mod:`p2p.handshake` under a deadline, then return a :class:`SecureChannel` that sends and
+receives whole frames. On the wire each frame is a 4-byte big-endian ciphertext length followed by
+the AEAD ciphertext (plaintext + 16-byte tag); the nonce is a per-direction 64-bit counter that is
+never sent, so a replayed, reordered, dropped or altered frame fails authentication. Any such
+failure, a length prefix above ``max_frame + 16`` or a truncated frame closes the connection and
+raises :class:`ConnectionClosed`; the reason is logged.
+
+Speed: on a trio ``SocketStream`` the channel reads with ``recv_into`` into one reusable buffer
+and encrypts with ``encrypt_into`` into one reusable send buffer (header and ciphertext leave in
+one ``send``), so a frame costs one cipher pass and no Python-level copies. Other streams (memory
+streams, the simulator) get a fresh buffer per sent frame, since they may keep what they are given.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import struct
+from collections.abc import Awaitable, Callable
+
+import trio
+from cryptography.exceptions import InvalidTag
+
+from p2p.aead import MAX_COUNTER, TAG_BYTES, local_offers, make_aead, nonce_for
+from p2p.errors import ConnectionClosed, HandshakeError
+from p2p.handshake import (
+    MAX_HANDSHAKE_MESSAGE,
+    InitiatorHandshake,
+    ResponderHandshake,
+    SessionKeys,
+)
+from p2p.identity import Identity, PeerID
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_FRAME = 1 << 20  # plaintext bytes per frame
+HEADER_BYTES = 4
+_HEADER = struct.Struct(">I")
+_HS_HEADER = struct.Struct(">H")
+_INITIAL_BUFFER = 64 * 1024
+_SLACK = 64 * 1024  # room to read ahead past the current frame
+_STREAM_ERRORS = (trio.BrokenResourceError, trio.ClosedResourceError, OSError)
+
+
+class _EOF(Exception):
+    """The peer closed its side (internal; becomes ConnectionClosed or HandshakeError)."""
+
+
+class _Reader:
+    """Buffered reader over a stream: reads greedily into one buffer, hands out memoryviews.
+
+    Views returned by :meth:`take` stay valid until the next :meth:`ensure`.
+    """
+
+    def __init__(self, stream: trio.abc.Stream, max_capacity: int) -> None:
+        self._stream = stream
+        sock = getattr(stream, "socket", None)
+        self._sock = sock if isinstance(sock, trio.socket.SocketType) else None
+        self._max_capacity = max_capacity
+        self._buf = bytearray(min(_INITIAL_BUFFER, max_capacity))
+        self._view = memoryview(self._buf)
+        self._start = 0
+        self._end = 0
+
+    @property
+    def buffered(self) -> int:
+        return self._end - self._start
+
+    def peek(self) -> memoryview:
+        return self._view[self._start : self._end]
+
+    def _make_room(self, n: int) -> None:
+        """Arrange that ``n`` bytes fit from the read position (compacting or growing)."""
+        start, end = self._start, self._end
+        if start == end:
+            self._start = self._end = start = end = 0
+        if start + n <= len(self._buf):
+            return
+        pending = end - start
+        if n <= len(self._buf):
+            self._view[:pending] = self._view[start:end]  # memmove, overlap-safe
+        else:
+            size = min(max(n + _SLACK, 2 * len(self._buf)), self._max_capacity)
+            if size < n:
+                raise ValueError(f"cannot buffer {n} bytes (limit {self._max_capacity})")
+            buf = bytearray(size)
+            buf[:pending] = self._view[start:end]
+            self._buf, self._view = buf, memoryview(buf)
+        self._start, self._end = 0, pending
+
+    async def _fill(self) -> None:
+        free = self._view[self._end :]
+        if self._sock is not None:
+            got = await self._sock.recv_into(free)
+        else:
+            data = await self._stream.receive_some(len(free))
+            got = len(data)
+            free[:got] = data
+        if not got:
+            raise _EOF
+        self._end += got
+
+    async def ensure(self, n: int) -> None:
+        """Wait until at least ``n`` bytes are buffered; raises _EOF if the peer closes first."""
+        if self._end - self._start >= n:
+            return
+        self._make_room(n)
+        while self._end - self._start < n:
+            await self._fill()
+
+    def take(self, n: int) -> memoryview:
+        start = self._start
+        self._start = start + n
+        return self._view[start : start + n]
+
+
+class SecureChannel:
+    """An encrypted, authenticated frame channel to a peer whose identity has been proven.
+
+    ``send_frame`` and ``receive_frame`` may run concurrently with each other, but each allows one
+    caller at a time. Cancelling ``send_frame`` midway (like trio's ``send_all``) may leave half a
+    frame on the wire; the channel then closes itself.
+    """
+
+    def __init__(
+        self,
+        stream: trio.abc.Stream,
+        reader: _Reader,
+        keys: SessionKeys,
+        local_peer: PeerID,
+        *,
+        max_frame: int = DEFAULT_MAX_FRAME,
+        frame_timeout: float | None = None,
+    ) -> None:
+        self.transport_stream = stream
+        self.local_peer = local_peer
+        self.remote_peer: PeerID = keys.remote_peer
+        self.remote_public_key: bytes = keys.remote_public_key
+        self.cipher: str = keys.cipher
+        self.max_frame = max_frame
+        self.frame_timeout = frame_timeout
+        self._reader = reader
+        self._sock = reader._sock
+        self._send_aead = make_aead(keys.cipher, keys.send_key)
+        self._recv_aead = make_aead(keys.cipher, keys.recv_key)
+        self._send_counter = 0
+        self._recv_counter = 0
+        self._send_buf = bytearray(0)
+        self._send_view = memoryview(self._send_buf)
+        self._closed_reason: str | None = None
+
+    def __repr__(self) -> str:
+        return f"SecureChannel({self.local_peer} <-> {self.remote_peer}, {self.cipher})"
+
+    @property
+    def closed(self) -> bool:
+        return self._closed_reason is not None
+
+    async def _fail(self, reason: str, *, level: int = logging.WARNING) -> ConnectionClosed:
+        """Close the connection for ``reason`` and return the error to raise."""
+        if self._closed_reason is None:
+            self._closed_reason = reason
+            logger.log(level, "closing secure channel to %s: %s", self.remote_peer, reason)
+            await trio.aclose_forcefully(self.transport_stream)
+        return self._closed_error()
+
+    def _closed_error(self) -> ConnectionClosed:
+        return ConnectionClosed(f"connection to {self.remote_peer} closed: {self._closed_reason}")
+
+    # ---- sending -------------------------------------------------------------------------
+
+    def _frame_buffer(self, total: int) -> memoryview:
+        if self._sock is None:
+            return memoryview(bytearray(total))  # the stream may keep it: never reuse
+        if len(self._send_buf) < total:
+            cap = HEADER_BYTES + self.max_frame + TAG_BYTES
+            self._send_buf = bytearray(max(total, min(2 * len(self._send_buf), cap)))
+            self._send_view = memoryview(self._send_buf)
+        return self._send_view[:total]
+
+    async def send_frame(self, data: bytes | bytearray | memoryview) -> None:
+        """Encrypt and send one frame of at most ``max_frame`` bytes."""
+        if self._closed_reason is not None:
+            raise self._closed_error()
+        size = data.nbytes if isinstance(data, memoryview) else len(data)
+        if size > self.max_frame:
+            raise ValueError(f"frame of {size} bytes exceeds max_frame {self.max_frame}")
+        if self._send_counter >= MAX_COUNTER:
+            raise await self._fail("send nonce counter exhausted")
+        total = HEADER_BYTES + size + TAG_BYTES
+        frame = self._frame_buffer(total)
+        _HEADER.pack_into(frame, 0, size + TAG_BYTES)
+        nonce = nonce_for(self._send_counter)
+        self._send_aead.encrypt_into(nonce, data, None, frame[HEADER_BYTES:])
+        sent = 0
+        try:
+            if self._sock is not None:
+                sock = self._sock
+                while sent < total:
+                    sent += await sock.send(frame[sent:])
+            else:
+                sent = -1  # unknown progress once send_all starts
+                await self.transport_stream.send_all(frame)
+        except _STREAM_ERRORS as e:
+            raise await self._fail(f"send failed: {e!r}", level=logging.INFO) from None
+        except BaseException:
+            if sent:
+                await self._fail("send interrupted mid-frame", level=logging.INFO)
+            raise
+        self._send_counter += 1
+
+    # ---- receiving -----------------------------------------------------------------------
+
+    async def receive_frame(self) -> bytes:
+        """Receive and authenticate the next frame; ConnectionClosed on EOF or any violation."""
+        if self._closed_reason is not None:
+            raise self._closed_error()
+        reader = self._reader
+        try:
+            if self.frame_timeout is None:
+                await reader.ensure(HEADER_BYTES)
+                length = _HEADER.unpack_from(reader.peek())[0]
+                if length < TAG_BYTES or length > self.max_frame + TAG_BYTES:
+                    raise await self._fail(f"invalid frame length {length}")
+                await reader.ensure(HEADER_BYTES + length)
+            else:
+                await reader.ensure(1)  # idle time between frames is not limited here
+                with trio.move_on_after(self.frame_timeout) as scope:
+                    await reader.ensure(HEADER_BYTES)
+                    length = _HEADER.unpack_from(reader.peek())[0]
+                    if length < TAG_BYTES or length > self.max_frame + TAG_BYTES:
+                        raise await self._fail(f"invalid frame length {length}")
+                    await reader.ensure(HEADER_BYTES + length)
+                if scope.cancelled_caught:
+                    raise await self._fail(f"frame not completed within {self.frame_timeout} s")
+        except _EOF:
+            if reader.buffered:
+                raise await self._fail("connection ended inside a frame") from None
+            raise await self._fail("peer closed the connection", level=logging.DEBUG) from None
+        except _STREAM_ERRORS as e:
+            raise await self._fail(f"receive failed: {e!r}", level=logging.INFO) from None
+        if self._recv_counter >= MAX_COUNTER:
+            raise await self._fail("receive nonce counter exhausted")
+        reader.take(HEADER_BYTES)
+        ciphertext = reader.take(length)
+        try:
+            plaintext = self._recv_aead.decrypt(nonce_for(self._recv_counter), ciphertext, None)
+        except InvalidTag:
+            raise await self._fail(
+                "frame failed authentication (tampered, replayed or reordered)"
+            ) from None
+        self._recv_counter += 1
+        return plaintext
+
+    async def aclose(self) -> None:
+        """Close the connection (idempotent)."""
+        if self._closed_reason is None:
+            self._closed_reason = "closed locally"
+            await self.transport_stream.aclose()
+        else:
+            await trio.lowlevel.checkpoint()
+
+    async def __aenter__(self) -> SecureChannel:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+
+# ---- handshake I/O ---------------------------------------------------------------------------
+
+
+async def _send_message(stream: trio.abc.Stream, message: bytes) -> None:
+    await stream.send_all(_HS_HEADER.pack(len(message)) + message)
+
+
+async def _receive_message(reader: _Reader) -> bytes:
+    await reader.ensure(2)
+    size = _HS_HEADER.unpack_from(reader.peek())[0]
+    if size > MAX_HANDSHAKE_MESSAGE:
+        raise HandshakeError(f"handshake message of {size} bytes exceeds {MAX_HANDSHAKE_MESSAGE}")
+    await reader.ensure(2 + size)
+    reader.take(2)
+    return bytes(reader.take(size))
+
+
+def _check_timeout(timeout: float) -> None:
+    if not (timeout > 0 and math.isfinite(timeout)):
+        raise ValueError(f"handshake timeout must be a positive number of seconds, got {timeout}")
+
+
+async def _run_handshake(
+    stream: trio.abc.Stream,
+    steps: Callable[[_Reader], Awaitable[SessionKeys]],
+    role: str,
+    timeout: float,
+    max_frame: int,
+) -> tuple[_Reader, SessionKeys]:
+    """Run ``steps(reader)`` under the deadline; on any failure close the stream and raise."""
+    _check_timeout(timeout)
+    reader = _Reader(stream, HEADER_BYTES + max_frame + TAG_BYTES + _SLACK)
+    try:
+        try:
+            with trio.fail_after(timeout):
+                keys = await steps(reader)
+        except trio.TooSlowError:
+            raise HandshakeError(f"{role} handshake timed out after {timeout} s") from None
+        except _EOF:
+            raise HandshakeError(f"peer closed the connection in the {role} handshake") from None
+        except _STREAM_ERRORS as e:
+            raise HandshakeError(f"connection failed during the {role} handshake: {e!r}") from None
+    except HandshakeError as e:
+        logger.info("%s handshake failed: %s", role, e)
+        await trio.aclose_forcefully(stream)
+        raise
+    except BaseException:
+        await trio.aclose_forcefully(stream)
+        raise
+    return reader, keys
+
+
+async def secure_outbound(
+    stream: trio.abc.Stream,
+    identity: Identity,
+    expected: PeerID | None = None,
+    *,
+    timeout: float = 10.0,
+    cipher: str | None = None,
+    max_frame: int = DEFAULT_MAX_FRAME,
+    frame_timeout: float | None = None,
+) -> SecureChannel:
+    """Secure a dialed stream. Raises PeerIDMismatch if the answering key is not ``expected``.
+
+    ``cipher`` overrides AES hardware detection (see :func:`p2p.aead.local_offers`). On any
+    failure, cancellation included, the stream is closed.
+    """
+    handshake = InitiatorHandshake(identity, local_offers(cipher), expected)
+
+    async def steps(reader: _Reader) -> SessionKeys:
+        await _send_message(stream, handshake.hello())
+        reply = await _receive_message(reader)
+        finish, keys = handshake.process_reply(reply)
+        await _send_message(stream, finish)
+        return keys
+
+    reader, keys = await _run_handshake(stream, steps, "outbound", timeout, max_frame)
+    return SecureChannel(
+        stream, reader, keys, identity.peer_id, max_frame=max_frame, frame_timeout=frame_timeout
+    )
+
+
+async def secure_inbound(
+    stream: trio.abc.Stream,
+    identity: Identity,
+    *,
+    timeout: float = 10.0,
+    cipher: str | None = None,
+    max_frame: int = DEFAULT_MAX_FRAME,
+    frame_timeout: float | None = None,
+) -> SecureChannel:
+    """Secure an accepted stream; the returned channel's ``remote_peer`` is proven."""
+    handshake = ResponderHandshake(identity, local_offers(cipher))
+
+    async def steps(reader: _Reader) -> SessionKeys:
+        hello = await _receive_message(reader)
+        await _send_message(stream, handshake.process_hello(hello))
+        return handshake.process_finish(await _receive_message(reader))
+
+    reader, keys = await _run_handshake(stream, steps, "inbound", timeout, max_frame)
+    return SecureChannel(
+        stream, reader, keys, identity.peer_id, max_frame=max_frame, frame_timeout=frame_timeout
+    )
