@@ -1,0 +1,71 @@
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra.numpy import arrays
+
+from dedloc_jax.averaging.codecs import CODECS, get_codec
+from dedloc_jax.averaging.errors import CodecError
+
+finite_f32 = arrays(
+    np.float32,
+    st.integers(0, 700),
+    elements=st.floats(-(2.0**126), 2.0**126, width=32),
+)
+
+
+def _bound(name, x, block=256):
+    ax = np.abs(x.astype(np.float64))
+    if name == "none":
+        return np.zeros_like(ax)
+    if name == "fp16":
+        return np.maximum(ax * 2.0**-11, 2.0**-25)
+    if name == "bf16":
+        return np.maximum(ax * 2.0**-8, 2.0**-133)
+    nb = -(-x.size // block)
+    pad = np.zeros(nb * block)
+    pad[: x.size] = ax
+    absmax = np.repeat(pad.reshape(nb, block).max(axis=1), block)[: x.size]
+    return absmax / 254 * (1 + 2.0**-20)
+
+
+@settings(max_examples=150, deadline=None)
+@given(finite_f32, st.sampled_from(sorted(CODECS)))
+def test_roundtrip_within_documented_error_bound(x, name):
+    codec = get_codec(name)
+    if name == "fp16":
+        x = np.clip(x, -65504, 65504)
+    data = codec.encode(x)
+    assert len(data) == codec.encoded_size(x.size)
+    y = codec.decode(data, x.size)
+    assert y.dtype == np.float32 and y.shape == x.shape
+    err = np.abs(x.astype(np.float64) - y.astype(np.float64))
+    assert np.all(err <= _bound(name, x)), (name, x[err > _bound(name, x)])
+
+
+def test_fp16_clips_instead_of_overflowing_to_inf():
+    codec = get_codec("fp16")
+    y = codec.decode(codec.encode(np.array([1e6, -1e6], np.float32)), 2)
+    assert np.all(np.isfinite(y)) and y[0] == 65504
+
+
+@pytest.mark.parametrize("name", sorted(CODECS))
+def test_decode_is_deterministic_and_rejects_wrong_sizes(name):
+    codec = get_codec(name)
+    x = np.random.default_rng(1).standard_normal(1000).astype(np.float32)
+    data = codec.encode(x)
+    assert np.array_equal(codec.decode(data, 1000), codec.decode(bytes(data), 1000))
+    with pytest.raises(CodecError):
+        codec.decode(data[:-1], 1000)
+    with pytest.raises(CodecError):
+        codec.decode(data, 1001)
+
+
+def test_int8_rejects_bad_scales_and_unknown_codec():
+    codec = get_codec("int8")
+    data = bytearray(codec.encode(np.ones(10, np.float32)))
+    data[0:4] = np.array([np.nan], "<f4").tobytes()
+    with pytest.raises(CodecError):
+        codec.decode(bytes(data), 10)
+    with pytest.raises(CodecError):
+        get_codec("zip")
