@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tokenizers import (
     Regex,
@@ -26,7 +27,9 @@ from tokenizers import (
     trainers,
 )
 from tokenizers.models import Unigram
-from transformers import PreTrainedTokenizerFast
+
+if TYPE_CHECKING:  # transformers is heavy to import; only the functions that need it import it
+    from transformers import PreTrainedTokenizerFast
 
 logger = logging.getLogger(__name__)
 
@@ -96,6 +99,8 @@ def _iter_texts(texts_or_files: Iterable[str | Path]) -> Iterator[str]:
 
 def wrap_fast(tok: Tokenizer) -> PreTrainedTokenizerFast:
     """Wrap a trained ``tokenizers.Tokenizer`` as a transformers fast tokenizer."""
+    from transformers import PreTrainedTokenizerFast
+
     return PreTrainedTokenizerFast(
         tokenizer_object=tok,
         model_max_length=MODEL_MAX_LENGTH,
@@ -166,6 +171,8 @@ def load_tokenizer(directory: str | Path) -> PreTrainedTokenizerFast:
     directory = Path(directory)
     if not (directory / "tokenizer.json").is_file():
         raise FileNotFoundError(f"no tokenizer.json in {directory}")
+    from transformers import PreTrainedTokenizerFast
+
     tok = PreTrainedTokenizerFast.from_pretrained(str(directory), local_files_only=True)
     for i, special in enumerate(SPECIAL_TOKENS):
         if tok.convert_tokens_to_ids(special) != i:
