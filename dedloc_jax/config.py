@@ -1,0 +1,64 @@
+"""Configuration of a collaboration: one frozen dataclass with named presets."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Literal
+
+
+@dataclass(frozen=True)
+class CollaborationConfig:
+    """How a peer takes part in a collaboration.
+
+    Deadlines left as None are derived at run time from what the progress tracker and the
+    measured bandwidths predict (see :mod:`dedloc_jax.timing`); setting them fixes them.
+    """
+
+    target_batch_size: int = 4096
+    max_group_size: int = 64  # Moshpit-style cap; groups are reshuffled every epoch
+    matchmaking_time: float | None = None  # seconds a leader waits for joins
+    averaging_timeout: float | None = None  # seconds an all-reduce round may take
+    codec: str = "fp16"  # on the wire: none, fp16, bf16, int8
+    mode: Literal["node", "client", "aux"] | None = None  # None: detect (client if unreachable)
+    upload_bps: float | None = None  # override the measured bandwidth (bytes/s)
+    download_bps: float | None = None
+    min_refresh: float = 0.25  # seconds between progress reads near the target
+    max_refresh: float = 5.0  # ... and far from it
+    progress_ttl: float = 60.0  # a vanished peer's progress expires after this
+    on_no_group: Literal["local", "skip"] = "local"  # no group in time: step alone, or skip
+    state_chunk_bytes: int = 1 << 20
+    rpc_timeout: float = 10.0
+
+    def __post_init__(self) -> None:
+        if self.target_batch_size <= 0:
+            raise ValueError("target_batch_size must be positive")
+        if self.max_group_size < 1:
+            raise ValueError("max_group_size must be at least 1")
+        if self.codec not in ("none", "fp16", "bf16", "int8"):
+            raise ValueError(f"unknown codec {self.codec!r}")
+        if not 0 < self.min_refresh <= self.max_refresh:
+            raise ValueError("need 0 < min_refresh <= max_refresh")
+        for name in ("matchmaking_time", "averaging_timeout", "upload_bps", "download_bps"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"{name} must be positive when set")
+
+    def replace(self, **changes: object) -> CollaborationConfig:
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def sahajbert(cls) -> CollaborationConfig:
+        """The public sahajBERT run: 4096 samples per step, fp16 on the wire."""
+        return cls()
+
+    @classmethod
+    def local_demo(cls, target_batch_size: int = 64) -> CollaborationConfig:
+        """A few peers on one machine: small batches, quick refreshes, exact averages."""
+        return cls(
+            target_batch_size=target_batch_size,
+            codec="none",
+            min_refresh=0.05,
+            max_refresh=0.5,
+            progress_ttl=20.0,
+        )
