@@ -40,7 +40,7 @@ DEFAULT_MAX_FRAME = 1 << 20  # plaintext bytes per frame
 HEADER_BYTES = 4
 _HEADER = struct.Struct(">I")
 _HS_HEADER = struct.Struct(">H")
-_INITIAL_BUFFER = 64 * 1024
+_INITIAL_BUFFER = 4096  # grows on demand: half-open connections stay cheap
 _SLACK = 64 * 1024  # room to read ahead past the current frame
 _STREAM_ERRORS = (trio.BrokenResourceError, trio.ClosedResourceError, OSError)
 
@@ -151,6 +151,8 @@ class SecureChannel:
         self._send_buf = bytearray(0)
         self._send_view = memoryview(self._send_buf)
         self._closed_reason: str | None = None
+        self._sending = False
+        self._receiving = False
 
     def __repr__(self) -> str:
         return f"SecureChannel({self.local_peer} <-> {self.remote_peer}, {self.cipher})"
@@ -183,6 +185,15 @@ class SecureChannel:
 
     async def send_frame(self, data: bytes | bytearray | memoryview) -> None:
         """Encrypt and send one frame of at most ``max_frame`` bytes."""
+        if self._sending:
+            raise trio.BusyResourceError("another task is already sending on this channel")
+        self._sending = True
+        try:
+            await self._send_frame(data)
+        finally:
+            self._sending = False
+
+    async def _send_frame(self, data: bytes | bytearray | memoryview) -> None:
         if self._closed_reason is not None:
             raise self._closed_error()
         size = data.nbytes if isinstance(data, memoryview) else len(data)
@@ -216,6 +227,15 @@ class SecureChannel:
 
     async def receive_frame(self) -> bytes:
         """Receive and authenticate the next frame; ConnectionClosed on EOF or any violation."""
+        if self._receiving:
+            raise trio.BusyResourceError("another task is already receiving on this channel")
+        self._receiving = True
+        try:
+            return await self._receive_frame()
+        finally:
+            self._receiving = False
+
+    async def _receive_frame(self) -> bytes:
         if self._closed_reason is not None:
             raise self._closed_error()
         reader = self._reader

@@ -551,6 +551,33 @@ def test_cancelled_receive_keeps_partial_data():
     run_mock(main)
 
 
+def test_concurrent_receivers_or_senders_are_refused():
+    async def main():
+        out, inn, tap = await memory_pair(tap=True)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(inn.receive_frame)
+            await trio.testing.wait_all_tasks_blocked()
+            with pytest.raises(trio.BusyResourceError):
+                await inn.receive_frame()
+            nursery.cancel_scope.cancel()
+        release = trio.Event()
+
+        async def slow_send(data):
+            await release.wait()
+            await tap.inner.send_all(data)
+
+        tap.send_all = slow_send
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(out.send_frame, b"one")
+            await trio.testing.wait_all_tasks_blocked()
+            with pytest.raises(trio.BusyResourceError):
+                await out.send_frame(b"two")
+            release.set()
+        assert await inn.receive_frame() == b"one"
+
+    run_mock(main)
+
+
 def test_memoryview_and_bytearray_frames():
     async def main():
         out, inn, _ = await memory_pair()
