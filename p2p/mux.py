@@ -1,0 +1,681 @@
+"""Stream multiplexer: many logical byte streams over one frame channel.
+
+Why: one (encrypted) connection per peer pair carries everything, from 100 MB gradient
+transfers to tiny DHT queries. Each logical stream has its own receive window: a peer may
+send a stream only as many bytes as the reader granted, so a slow reader stalls only its
+own stream, and a big transfer cannot starve a small call (writers take a fair FIFO lock per
+frame, so frames of concurrent streams interleave). A peer sending beyond its window, or
+otherwise breaking the protocol, gets its whole connection closed; memory per connection is
+bounded by ``max_inbound_streams * initial_window``.
+
+Wire format: each channel frame carries exactly one mux frame, a 5-byte header (kind: u8,
+stream id: u32 big-endian) and a payload. Stream ids opened by the dialing side are odd,
+by the listening side even, and increase monotonically, so both sides can open streams
+without coordinating and stale frames for finished streams are recognised and dropped.
+
+Kinds: OPEN (empty payload), DATA (bytes), WINDOW (u32 credit increment), EOF (the sender
+will write no more), DATA_EOF (DATA then EOF: a whole request or response in one frame),
+RESET (utf-8 reason; both directions abort, data already received stays readable), GOAWAY
+(utf-8 reason; the sender is closing the connection).
+"""
+
+from __future__ import annotations
+
+import logging
+import struct
+from collections import deque
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import trio
+
+from p2p.errors import ConnectionClosed, ProtocolError
+
+logger = logging.getLogger(__name__)
+
+OPEN, DATA, WINDOW, EOF, RESET, GOAWAY, DATA_EOF = range(7)
+KIND_NAMES = ("OPEN", "DATA", "WINDOW", "EOF", "RESET", "GOAWAY", "DATA_EOF")
+HEADER = struct.Struct("!BI")
+_WINDOW_PAYLOAD = struct.Struct("!I")
+MAX_REASON_BYTES = 256
+MAX_STREAM_ID = 2**32 - 1
+MAX_WINDOW = 2**31 - 1
+
+
+class FrameChannel(Protocol):
+    """A reliable, ordered channel of frames (the secure channel, or a test stand-in)."""
+
+    async def send_frame(self, data: bytes | bytearray | memoryview) -> None: ...
+
+    async def receive_frame(self) -> bytes | bytearray | memoryview: ...
+
+    async def aclose(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class MuxConfig:
+    """Limits and window sizes of one multiplexed connection."""
+
+    initial_window: int = 1 << 20
+    """Bytes a peer may send on a stream before the reader grants more."""
+    max_frame_payload: int = 256 << 10
+    """Largest DATA payload per frame (also capped by the channel's ``max_frame``)."""
+    max_inbound_streams: int = 512
+    """Streams the remote side may have open at once; more are reset ("too many streams")."""
+    max_outbound_streams: int = 256
+    """Streams we open at once; further opens wait for a slot (stays below a peer's limit)."""
+    max_pending_control: int = 1024
+    """Queued control frames (resets, window updates); a peer provoking more is cut off."""
+
+    def __post_init__(self) -> None:
+        if not 0 < self.max_frame_payload <= self.initial_window <= MAX_WINDOW:
+            raise ValueError("need 0 < max_frame_payload <= initial_window < 2**31")
+
+
+def encode_frame(kind: int, stream_id: int, payload: bytes | bytearray | memoryview = b"") -> bytes:
+    """One mux frame as bytes (pure; used for every frame we send)."""
+    return b"".join((HEADER.pack(kind, stream_id), payload))
+
+
+def decode_frame(frame: bytes | bytearray | memoryview) -> tuple[int, int, memoryview]:
+    """Split a frame into (kind, stream id, payload); ProtocolError for malformed frames."""
+    view = memoryview(frame)
+    if view.format != "B":
+        view = view.cast("B")
+    if len(view) < HEADER.size:
+        raise ProtocolError(f"mux frame of {len(view)} bytes is shorter than its header")
+    kind, stream_id = HEADER.unpack_from(view)
+    if kind > DATA_EOF:
+        raise ProtocolError(f"unknown mux frame kind {kind}")
+    payload = view[HEADER.size :]
+    if kind == OPEN and len(payload):
+        raise ProtocolError("OPEN frame with a payload")
+    if kind == EOF and len(payload):
+        raise ProtocolError("EOF frame with a payload")
+    if kind == WINDOW and len(payload) != _WINDOW_PAYLOAD.size:
+        raise ProtocolError("WINDOW frame payload is not 4 bytes")
+    if kind in (RESET, GOAWAY) and len(payload) > MAX_REASON_BYTES:
+        raise ProtocolError(f"{KIND_NAMES[kind]} reason longer than {MAX_REASON_BYTES} bytes")
+    if stream_id == 0 and kind != GOAWAY:
+        raise ProtocolError(f"{KIND_NAMES[kind]} frame for stream 0")
+    return kind, stream_id, payload
+
+
+def _reason_bytes(reason: str) -> bytes:
+    return reason.encode("utf-8", "replace")[:MAX_REASON_BYTES]
+
+
+class MuxStream:
+    """One logical, bidirectional byte stream (a ``trio.abc.HalfCloseableStream`` lookalike).
+
+    ``receive_some`` returns an empty bytes object once the peer sent EOF; after a reset,
+    every operation raises :class:`ConnectionClosed` carrying the reason.
+    """
+
+    def __init__(self, mux: Mux, stream_id: int, *, outbound: bool) -> None:
+        self._mux = mux
+        self.stream_id = stream_id
+        self.outbound = outbound
+        self._chunks: deque[memoryview] = deque()
+        self._buffered = 0
+        self._recv_window = mux.config.initial_window  # what the peer may still send us
+        self._consumed = 0  # read by our user but not yet granted back to the peer
+        self._send_window = mux.config.initial_window  # what we may still send
+        self._remote_eof = False
+        self._local_eof = False
+        self._reset_reason: str | None = None
+        self._recv_lot = trio.lowlevel.ParkingLot()
+        self._send_lot = trio.lowlevel.ParkingLot()
+        self._cancel_scopes: list[trio.CancelScope] = []
+
+    # -- state ---------------------------------------------------------------------------
+    @property
+    def is_reset(self) -> bool:
+        return self._reset_reason is not None
+
+    @property
+    def finished(self) -> bool:
+        return self._reset_reason is not None or (self._local_eof and self._remote_eof)
+
+    def cancel_on_reset(self, scope: trio.CancelScope) -> None:
+        """Cancel ``scope`` if the stream is reset (how a remote cancellation reaches a handler)."""
+        if self._reset_reason is not None:
+            scope.cancel()
+        else:
+            self._cancel_scopes.append(scope)
+
+    def _raise_if_reset(self) -> None:
+        if self._reset_reason is not None:
+            raise ConnectionClosed(f"stream reset: {self._reset_reason}")
+
+    # -- receiving -----------------------------------------------------------------------
+    async def receive_some(self, max_bytes: int | None = None) -> bytes | memoryview:
+        """Up to ``max_bytes`` bytes (any amount when None); ``b""`` at EOF."""
+        await trio.lowlevel.checkpoint()
+        while not self._chunks:
+            self._raise_if_reset()
+            if self._remote_eof:
+                return b""
+            await self._recv_lot.park()
+        chunk = self._chunks[0]
+        if max_bytes is not None and len(chunk) > max_bytes:
+            out = chunk[:max_bytes]
+            self._chunks[0] = chunk[max_bytes:]
+        else:
+            out = self._chunks.popleft()
+        self._consumed_bytes(len(out))
+        return out
+
+    async def receive_exactly(self, n: int, *, eof_ok: bool = False) -> bytes | memoryview | None:
+        """Exactly ``n`` bytes, granting credit as they arrive (``n`` may exceed the window).
+
+        At a clean EOF before the first byte, returns None if ``eof_ok``; any other early end
+        raises ConnectionClosed.
+        """
+        await trio.lowlevel.checkpoint()
+        parts: list[memoryview] = []
+        got = 0
+        try:
+            while got < n:
+                if not self._chunks:
+                    self._raise_if_reset()
+                    if self._remote_eof:
+                        if got == 0 and eof_ok:
+                            return None
+                        raise ConnectionClosed(f"stream ended after {got} of {n} bytes")
+                    await self._recv_lot.park()
+                    continue
+                chunk = self._chunks[0]
+                take = min(len(chunk), n - got)
+                if take == len(chunk):
+                    parts.append(self._chunks.popleft())
+                else:
+                    parts.append(chunk[:take])
+                    self._chunks[0] = chunk[take:]
+                got += take
+                self._consumed_bytes(take)
+        except trio.Cancelled:
+            if got:
+                self.reset("receive cancelled mid-message")
+            raise
+        if len(parts) == 1:
+            return parts[0]
+        return b"".join(parts)
+
+    async def wait_eof(self) -> None:
+        """Wait until the peer sent EOF (discarding nothing; raises if data is still queued)."""
+        while not self._remote_eof:
+            self._raise_if_reset()
+            await self._recv_lot.park()
+
+    def _consumed_bytes(self, n: int) -> None:
+        self._buffered -= n
+        if self._reset_reason is not None:
+            return
+        self._consumed += n
+        # Grant credit back once a quarter of the window was read: fewer frames, full pipe.
+        if self._consumed >= self._mux.config.initial_window // 4 and not self._remote_eof:
+            self._recv_window += self._consumed
+            self._mux._queue_window_update(self.stream_id, self._consumed)
+            self._consumed = 0
+
+    # -- sending -------------------------------------------------------------------------
+    async def send_all(self, data: bytes | bytearray | memoryview) -> None:
+        await self.send_parts((data,))
+
+    async def send_parts(
+        self, parts: Iterable[bytes | bytearray | memoryview], *, eof: bool = False
+    ) -> None:
+        """Send several buffers back to back as one byte sequence (saves a concatenation).
+
+        With ``eof`` the last frame also carries EOF (one frame for a small request).
+        """
+        views = deque(memoryview(p).cast("B") for p in parts)
+        await trio.lowlevel.checkpoint_if_cancelled()
+        if self._local_eof:
+            raise trio.ClosedResourceError("stream already closed for sending")
+        max_payload = self._mux.max_payload
+        try:
+            while views:
+                while self._send_window <= 0:
+                    self._raise_if_reset()
+                    self._mux._raise_if_closed()
+                    await self._send_lot.park()
+                self._raise_if_reset()
+                budget = min(self._send_window, max_payload)
+                frame_parts: list[memoryview] = []
+                size = 0
+                while views and size < budget:
+                    v = views[0]
+                    take = min(len(v), budget - size)
+                    if take == len(v):
+                        frame_parts.append(views.popleft())
+                    else:
+                        frame_parts.append(v[:take])
+                        views[0] = v[take:]
+                    size += take
+                if size == 0:
+                    continue  # empty buffers
+                self._send_window -= size
+                last = eof and not views
+                if last:
+                    self._local_eof = True
+                await self._mux._send(DATA_EOF if last else DATA, self.stream_id, frame_parts)
+                if last:
+                    self._mux._maybe_forget(self)
+                    return
+        except trio.Cancelled:
+            # A partly sent message cannot be finished later: the stream is unusable.
+            self.reset("send cancelled")
+            raise
+        if eof:
+            await self.send_eof()
+
+    async def send_eof(self) -> None:
+        """Tell the peer we will send no more (its reads then end with ``b""``)."""
+        await trio.lowlevel.checkpoint_if_cancelled()
+        if self._local_eof:
+            return
+        self._raise_if_reset()
+        self._local_eof = True
+        try:
+            await self._mux._send(EOF, self.stream_id, ())
+        except trio.Cancelled:
+            self.reset("send_eof cancelled")
+            raise
+        self._mux._maybe_forget(self)
+
+    async def wait_send_all_might_not_block(self) -> None:
+        while self._send_window <= 0:
+            self._raise_if_reset()
+            await self._send_lot.park()
+
+    # -- closing -------------------------------------------------------------------------
+    def reset(self, reason: str = "reset") -> None:
+        """Abort both directions now (synchronous, so it also works from cancelled code)."""
+        if self.finished:
+            return
+        self._mux._queue_reset(self.stream_id, reason)
+        self._on_reset(f"local: {reason}", discard=True)
+
+    async def aclose(self) -> None:
+        """Finish the stream: EOF if not sent yet, and a reset if the peer may still write."""
+        if self.finished:
+            await trio.lowlevel.checkpoint()
+            return
+        if not self._local_eof:
+            with trio.move_on_after(5) as cs:
+                try:
+                    await self.send_eof()
+                except (ConnectionClosed, trio.ClosedResourceError):
+                    pass
+            if cs.cancelled_caught:
+                self.reset("close timed out")
+        if not self._remote_eof:
+            self.reset("closed by reader")
+
+    def _on_reset(self, reason: str, *, discard: bool = False) -> None:
+        if self._reset_reason is not None:
+            return
+        self._reset_reason = reason
+        if discard:
+            self._chunks.clear()
+            self._buffered = 0
+        # cancel handlers first: a parked handler then sees Cancelled, not a reset error
+        for scope in self._cancel_scopes:
+            scope.cancel()
+        self._cancel_scopes.clear()
+        self._recv_lot.unpark_all()
+        self._send_lot.unpark_all()
+        self._mux._forget(self)
+
+    async def __aenter__(self) -> MuxStream:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if exc[0] is not None:
+            self.reset("aborted by error")
+        else:
+            await self.aclose()
+
+    def __repr__(self) -> str:
+        return f"MuxStream({self.stream_id}, {'out' if self.outbound else 'in'})"
+
+
+StreamHandler = Callable[[MuxStream], Awaitable[None]]
+
+
+class Mux:
+    """The multiplexer of one connection. Run :meth:`run` in a nursery; it owns the tasks.
+
+    ``handle_stream`` runs for each stream the peer opens, in the mux's nursery, inside a
+    cancel scope that a reset of that stream (or the end of the connection) cancels.
+    """
+
+    def __init__(
+        self,
+        channel: FrameChannel,
+        *,
+        initiator: bool,
+        handle_stream: StreamHandler,
+        config: MuxConfig = MuxConfig(),
+        label: str = "",
+    ) -> None:
+        self.channel = channel
+        self.config = config
+        self.initiator = initiator
+        self.label = label
+        self._handle_stream = handle_stream
+        channel_max = getattr(channel, "max_frame", None)
+        payload = config.max_frame_payload
+        if channel_max is not None:
+            payload = min(payload, int(channel_max) - HEADER.size)
+        self.max_payload = payload
+        self._streams: dict[int, MuxStream] = {}
+        self._next_id = 1 if initiator else 2
+        self._last_remote_id = 0
+        self._inbound = 0
+        self._outbound_slots = trio.Semaphore(config.max_outbound_streams)
+        self._send_lock = trio.Lock()
+        self._control: deque[bytes] = deque()
+        self._window_updates: dict[int, int] = {}
+        self._control_lot = trio.lowlevel.ParkingLot()
+        self._streams_lot = trio.lowlevel.ParkingLot()
+        self._nursery: trio.Nursery | None = None
+        self._closed_reason: str | None = None
+        self._closing = False
+        self._pending_close: str | None = None
+        self.closed = trio.Event()
+
+    # -- public --------------------------------------------------------------------------
+    @property
+    def is_closed(self) -> bool:
+        return self._closed_reason is not None
+
+    @property
+    def close_reason(self) -> str | None:
+        return self._closed_reason
+
+    @property
+    def num_streams(self) -> int:
+        return len(self._streams)
+
+    async def wait_streams_changed(self) -> None:
+        """Return after the next stream is opened or finished (or the mux closes)."""
+        if self.is_closed:
+            await trio.lowlevel.checkpoint()
+            return
+        await self._streams_lot.park()
+
+    async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        """Serve the connection until it closes; returns after the channel is closed."""
+        try:
+            async with trio.open_nursery() as nursery:
+                self._nursery = nursery
+                nursery.start_soon(self._control_loop)
+                task_status.started()
+                await self._receive_loop()
+                nursery.cancel_scope.cancel()
+        finally:
+            self._teardown(self._closed_reason or "connection closed")
+            with trio.CancelScope(shield=True):
+                await trio.aclose_forcefully(self.channel)  # type: ignore[arg-type]
+
+    async def open_stream(self) -> MuxStream:
+        """A new outbound stream; waits while ``max_outbound_streams`` are open."""
+        self._raise_if_closed()
+        await self._outbound_slots.acquire()
+        try:
+            self._raise_if_closed()
+            if self._next_id > MAX_STREAM_ID:
+                raise ConnectionClosed("stream ids exhausted on this connection")
+            stream = MuxStream(self, self._next_id, outbound=True)
+            self._next_id += 2
+            self._streams[stream.stream_id] = stream
+            self._streams_lot.unpark_all()
+        except BaseException:
+            self._outbound_slots.release()
+            raise
+        try:
+            await self._send(OPEN, stream.stream_id, ())
+        except BaseException:
+            stream._on_reset("open failed", discard=True)
+            raise
+        return stream
+
+    async def aclose(self, reason: str = "closed") -> None:
+        """Tell the peer why (GOAWAY, best effort) and close the connection."""
+        if self.is_closed or self._closing:
+            await trio.lowlevel.checkpoint()
+            return
+        self._closing = True
+        with trio.move_on_after(2) as cs:
+            cs.shield = True
+            try:
+                async with self._send_lock:
+                    await self.channel.send_frame(encode_frame(GOAWAY, 0, _reason_bytes(reason)))
+            except _CHANNEL_ERRORS:
+                pass
+        self._close_now(reason)
+        await trio.lowlevel.checkpoint()
+
+    def close_nowait(self, reason: str) -> None:
+        """Close without waiting (queue a GOAWAY the control task flushes first if it can)."""
+        if self.is_closed:
+            return
+        self._closing = True
+        self._control.appendleft(encode_frame(GOAWAY, 0, _reason_bytes(reason)))
+        self._control_lot.unpark_all()
+        self._pending_close = reason
+
+    # -- sending -------------------------------------------------------------------------
+    def _raise_if_closed(self) -> None:
+        if self._closed_reason is not None:
+            raise ConnectionClosed(f"connection closed: {self._closed_reason}")
+        if self._closing:
+            raise ConnectionClosed("connection is closing")
+
+    async def _send(self, kind: int, stream_id: int, parts: Iterable[memoryview | bytes]) -> None:
+        frame = b"".join((HEADER.pack(kind, stream_id), *parts))
+        async with self._send_lock:
+            if self._closed_reason is not None:
+                raise ConnectionClosed(f"connection closed: {self._closed_reason}")
+            try:
+                await self.channel.send_frame(frame)
+            except _CHANNEL_ERRORS as e:
+                self._close_now(f"send failed: {e!r}")
+                raise ConnectionClosed(f"connection closed: {e!r}") from e
+
+    def _queue_window_update(self, stream_id: int, increment: int) -> None:
+        if self.is_closed:
+            return
+        self._window_updates[stream_id] = self._window_updates.get(stream_id, 0) + increment
+        self._control_lot.unpark_all()
+
+    def _queue_reset(self, stream_id: int, reason: str) -> None:
+        if self.is_closed:
+            return
+        if len(self._control) >= self.config.max_pending_control:
+            self._fail("too many queued control frames (peer not reading?)")
+            return
+        self._window_updates.pop(stream_id, None)
+        self._control.append(encode_frame(RESET, stream_id, _reason_bytes(reason)))
+        self._control_lot.unpark_all()
+
+    async def _control_loop(self) -> None:
+        """Flush control frames; the receive loop never blocks on sending."""
+        while True:
+            if not self._control and not self._window_updates:
+                if self._pending_close is not None:
+                    self._close_now(self._pending_close)
+                    return
+                await self._control_lot.park()
+                continue
+            async with self._send_lock:
+                while self._control or self._window_updates:
+                    if self._control:
+                        frame = self._control.popleft()
+                    else:
+                        sid, inc = self._window_updates.popitem()
+                        frame = encode_frame(WINDOW, sid, _WINDOW_PAYLOAD.pack(inc))
+                    try:
+                        await self.channel.send_frame(frame)
+                    except _CHANNEL_ERRORS as e:
+                        self._close_now(f"send failed: {e!r}")
+                        return
+
+    # -- receiving -----------------------------------------------------------------------
+    async def _receive_loop(self) -> None:
+        while self._closed_reason is None:
+            try:
+                frame = await self.channel.receive_frame()
+            except _CHANNEL_ERRORS as e:
+                self._close_now(f"channel closed: {e}")
+                return
+            try:
+                self.handle_frame(frame)
+            except ProtocolError as e:
+                self._fail(str(e))
+                with trio.move_on_after(1) as cs:
+                    cs.shield = True
+                    try:
+                        async with self._send_lock:
+                            payload = _reason_bytes(f"protocol violation: {e}")
+                            await self.channel.send_frame(encode_frame(GOAWAY, 0, payload))
+                    except _CHANNEL_ERRORS:
+                        pass
+                return
+
+    def handle_frame(self, frame: bytes | bytearray | memoryview) -> None:
+        """Apply one received frame (pure state change; ProtocolError on a violation)."""
+        kind, sid, payload = decode_frame(frame)
+        if not isinstance(frame, bytes):
+            payload = memoryview(bytes(payload))  # the channel may reuse its buffer: keep a copy
+        if kind == GOAWAY:
+            reason = bytes(payload).decode("utf-8", "replace")
+            logger.info("%s: peer is closing the connection: %s", self.label, reason)
+            self._close_now(f"peer closed: {reason}")
+            return
+        remote_parity = 0 if self.initiator else 1  # ids the peer opens
+        from_remote = sid % 2 == remote_parity
+        if kind == OPEN:
+            if not from_remote:
+                raise ProtocolError(f"peer opened stream {sid} with our parity")
+            if sid <= self._last_remote_id:
+                raise ProtocolError(f"peer reused or reordered stream id {sid}")
+            self._last_remote_id = sid
+            if self._closing:
+                self._queue_reset(sid, "connection closing")
+            elif self._inbound >= self.config.max_inbound_streams:
+                logger.info("%s: refusing stream %d: too many streams", self.label, sid)
+                self._queue_reset(sid, "too many streams")
+            else:
+                stream = MuxStream(self, sid, outbound=False)
+                self._streams[sid] = stream
+                self._inbound += 1
+                self._streams_lot.unpark_all()
+                assert self._nursery is not None
+                self._nursery.start_soon(self._run_handler, stream)
+            return
+        stream = self._streams.get(sid)
+        if stream is None:
+            known = sid <= self._last_remote_id if from_remote else sid < self._next_id
+            if not known:
+                raise ProtocolError(f"{KIND_NAMES[kind]} frame for unopened stream {sid}")
+            return  # a frame for a stream that already finished: harmless, drop it
+        if kind in (DATA, DATA_EOF):
+            n = len(payload)
+            if stream._remote_eof:
+                raise ProtocolError(f"DATA after EOF on stream {sid}")
+            if n > stream._recv_window:
+                raise ProtocolError(
+                    f"stream {sid}: peer sent {n} bytes with only {stream._recv_window} granted"
+                )
+            if n:
+                stream._recv_window -= n
+                stream._chunks.append(payload)
+                stream._buffered += n
+                stream._recv_lot.unpark_all()
+            if kind == DATA_EOF:
+                stream._remote_eof = True
+                stream._recv_lot.unpark_all()
+                self._maybe_forget(stream)
+        elif kind == WINDOW:
+            (inc,) = _WINDOW_PAYLOAD.unpack(payload)
+            stream._send_window += inc
+            if stream._send_window > MAX_WINDOW:
+                raise ProtocolError(f"stream {sid}: send window overflow")
+            stream._send_lot.unpark_all()
+        elif kind == EOF:
+            if stream._remote_eof:
+                raise ProtocolError(f"duplicate EOF on stream {sid}")
+            stream._remote_eof = True
+            stream._recv_lot.unpark_all()
+            self._maybe_forget(stream)
+        elif kind == RESET:
+            reason = bytes(payload).decode("utf-8", "replace")
+            stream._on_reset(f"remote: {reason}")
+
+    async def _run_handler(self, stream: MuxStream) -> None:
+        with trio.CancelScope() as scope:
+            stream.cancel_on_reset(scope)
+            try:
+                await self._handle_stream(stream)
+            except ConnectionClosed as e:
+                if not stream.is_reset and not self.is_closed:
+                    raise
+                logger.debug("%s: stream %d handler ended: %s", self.label, stream.stream_id, e)
+            finally:
+                if not stream.finished:
+                    stream.reset("handler finished")
+
+    # -- bookkeeping ---------------------------------------------------------------------
+    def _maybe_forget(self, stream: MuxStream) -> None:
+        if stream._local_eof and stream._remote_eof:
+            self._forget(stream)
+
+    def _forget(self, stream: MuxStream) -> None:
+        if self._streams.pop(stream.stream_id, None) is None:
+            return
+        self._window_updates.pop(stream.stream_id, None)
+        if stream.outbound:
+            self._outbound_slots.release()
+        else:
+            self._inbound -= 1
+        self._streams_lot.unpark_all()
+
+    def _fail(self, reason: str) -> None:
+        """A protocol violation: log it and close the connection."""
+        if self._closed_reason is None:
+            logger.warning("%s: closing connection: protocol violation: %s", self.label, reason)
+        self._close_now(f"protocol violation: {reason}")
+
+    def _close_now(self, reason: str) -> None:
+        if self._closed_reason is not None:
+            return
+        self._closed_reason = reason
+        self._teardown(reason)
+        if self._nursery is not None:
+            self._nursery.cancel_scope.cancel()
+
+    def _teardown(self, reason: str) -> None:
+        if self._closed_reason is None:
+            self._closed_reason = reason
+        for stream in list(self._streams.values()):
+            stream._on_reset(f"connection closed: {reason}", discard=True)
+        self._control.clear()
+        self._window_updates.clear()
+        self._control_lot.unpark_all()
+        self._streams_lot.unpark_all()
+        self.closed.set()
+
+
+_CHANNEL_ERRORS = (
+    ConnectionClosed,
+    ProtocolError,
+    trio.BrokenResourceError,
+    trio.ClosedResourceError,
+    trio.EndOfChannel,
+    OSError,
+)

@@ -1,0 +1,511 @@
+"""The node: listeners, dialing, one secure multiplexed connection per peer, RPC handlers.
+
+Why one connection per peer pair: the handshake costs two round trips and a few signatures,
+and the mux already isolates streams from each other. When both sides dial each other at the
+same moment, both keep the connection initiated by the smaller peer ID (the same choice on
+both ends), and the other one is drained: no new streams, closed when its last stream ends.
+
+Every task belongs to the nursery :func:`open_node` owns: listeners, accepted and dialed
+connections, their multiplexers and handlers. Leaving the ``async with`` block sends GOAWAY
+on every connection and cancels them all.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections import Counter
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, replace
+from functools import partial
+from typing import Any
+
+import trio
+
+from p2p.errors import (
+    ConnectionClosed,
+    DialError,
+    HandshakeError,
+    P2PError,
+    PeerIDMismatch,
+    RPCTimeout,
+)
+from p2p.identity import Identity, PeerID
+from p2p.multiaddr import Multiaddr
+from p2p.mux import Mux, MuxConfig, MuxStream
+from p2p.peerstore import PeerStore
+from p2p.rpc import (
+    STREAMING,
+    UNARY,
+    CallContext,
+    MessageStream,
+    Registry,
+    ServeLimits,
+    call_on_stream,
+    open_message_stream,
+    serve_stream,
+)
+from p2p.secure import SecureChannel, secure_inbound, secure_outbound
+from p2p.transport import TcpTransport, Transport
+
+logger = logging.getLogger(__name__)
+
+PeerLike = PeerID | Multiaddr | str
+
+
+@dataclass(frozen=True)
+class NodeConfig:
+    """Limits and timeouts of a node. ``NodeConfig()`` is the Internet-facing default."""
+
+    max_message_size: int = 32 << 20
+    """Largest msgpack message accepted or sent on a stream (bytes)."""
+    handshake_timeout: float = 10.0
+    """An accepted connection must finish the secure handshake within this (slowloris)."""
+    dial_timeout: float = 10.0
+    """Opening the raw transport connection must finish within this."""
+    frame_timeout: float | None = 30.0
+    """A frame, once started, must arrive completely within this (slowloris mid-frame)."""
+    call_timeout: float | None = 60.0
+    """Deadline of :meth:`Node.call` when the caller gives none (None: no deadline)."""
+    header_timeout: float = 10.0
+    """A new stream must name its protocol within this."""
+    request_timeout: float = 30.0
+    """A unary request must arrive completely within this."""
+    idle_timeout: float = 120.0
+    """A connection with no streams for this long is closed."""
+    drain_grace: float = 1.0
+    """A duplicate connection (simultaneous dial) is closed after being idle this long."""
+    max_connections: int = 1024
+    """Connections in total (inbound, outbound, still handshaking)."""
+    max_connections_per_ip: int = 64
+    """Inbound connections from one IP address (or simulated host)."""
+    max_streams_per_connection: int = 512
+    """Streams a peer may have open to us on one connection; more are reset."""
+    max_outbound_streams_per_connection: int = 256
+    """Streams we open on one connection at once; more wait for a free slot."""
+    stream_window: int = 1 << 20
+    """Per-stream receive window (bytes a peer may send before we grant more)."""
+    max_frame_payload: int = 256 << 10
+    """Largest mux DATA frame."""
+    cipher: str | None = None
+    """Force "chacha20-poly1305" or "aes-256-gcm"; None picks by hardware."""
+
+    @classmethod
+    def internet(cls) -> NodeConfig:
+        """The default: peers on home connections across the Internet."""
+        return cls()
+
+    @classmethod
+    def bulk(cls) -> NodeConfig:
+        """Large transfers between few peers (gradients): bigger windows and frames."""
+        return cls(stream_window=8 << 20, max_frame_payload=1 << 20, max_message_size=128 << 20)
+
+    @classmethod
+    def testing(cls) -> NodeConfig:
+        """Short timeouts so tests of misbehaving peers finish quickly."""
+        return cls(
+            handshake_timeout=2.0,
+            dial_timeout=2.0,
+            frame_timeout=2.0,
+            call_timeout=10.0,
+            header_timeout=2.0,
+            request_timeout=2.0,
+            idle_timeout=10.0,
+        )
+
+    def with_(self, **changes: Any) -> NodeConfig:
+        return replace(self, **changes)
+
+    def mux_config(self, channel_max_frame: int | None = None) -> MuxConfig:
+        payload = self.max_frame_payload
+        if channel_max_frame is not None:
+            payload = min(payload, channel_max_frame - 8)
+        return MuxConfig(
+            initial_window=max(self.stream_window, payload),
+            max_frame_payload=payload,
+            max_inbound_streams=self.max_streams_per_connection,
+            max_outbound_streams=self.max_outbound_streams_per_connection,
+        )
+
+
+class Connection:
+    """One secure, multiplexed connection to a proven peer."""
+
+    def __init__(
+        self,
+        channel: SecureChannel,
+        remote_addr: Multiaddr | None,
+        outbound: bool,
+        local_peer: PeerID,
+    ) -> None:
+        self.channel = channel
+        self.peer: PeerID = channel.remote_peer
+        self.remote_addr = remote_addr
+        self.outbound = outbound
+        self.initiator: PeerID = local_peer if outbound else channel.remote_peer
+        self.draining = False
+        self.mux: Mux  # set by the node before use
+
+    @property
+    def usable(self) -> bool:
+        return not self.draining and not self.mux.is_closed and not self.mux._closing
+
+    def __repr__(self) -> str:
+        direction = "out" if self.outbound else "in"
+        return f"Connection({self.peer}, {direction}, {self.remote_addr})"
+
+
+class Node:
+    """A peer: use :func:`open_node` to create one."""
+
+    def __init__(
+        self, identity: Identity, transport: Transport, config: NodeConfig, nursery: trio.Nursery
+    ) -> None:
+        self.identity = identity
+        self.peer_id: PeerID = identity.peer_id
+        self.transport = transport
+        self.config = config
+        self.addrs: list[Multiaddr] = []
+        self.peerstore = PeerStore()
+        self._nursery = nursery
+        self._registry = Registry()
+        self._conns: dict[PeerID, Connection] = {}  # the connection used for new streams
+        self._all_conns: set[Connection] = set()
+        self._dialing: dict[PeerID, trio.Event] = {}
+        self._pending_inbound = 0
+        self._per_ip: Counter[str] = Counter()
+        self._closing = False
+        self._serve_limits = ServeLimits(
+            max_message_size=config.max_message_size,
+            header_timeout=config.header_timeout,
+            request_timeout=config.request_timeout,
+        )
+
+    def __repr__(self) -> str:
+        return f"Node({self.peer_id})"
+
+    # ---- handlers -------------------------------------------------------------------------
+
+    def add_handler(self, name: str, handler: Callable[[CallContext, Any], Awaitable[Any]]) -> None:
+        """Serve unary calls of protocol ``name``: ``await handler(ctx, request) -> response``."""
+        self._registry.add(name, UNARY, handler)
+
+    def add_stream_handler(
+        self, name: str, handler: Callable[[CallContext, MessageStream], Awaitable[None]]
+    ) -> None:
+        """Serve streams of protocol ``name``: ``await handler(ctx, message_stream)``."""
+        self._registry.add(name, STREAMING, handler)
+
+    def remove_handler(self, name: str) -> None:
+        self._registry.handlers.pop(name, None)
+
+    # ---- connections ----------------------------------------------------------------------
+
+    def connected_peers(self) -> list[PeerID]:
+        return [p for p, c in self._conns.items() if c.usable]
+
+    def connection_to(self, peer: PeerID) -> Connection | None:
+        conn = self._conns.get(peer)
+        return conn if conn is not None and conn.usable else None
+
+    @property
+    def num_connections(self) -> int:
+        return len(self._all_conns)
+
+    async def connect(self, peer: PeerLike) -> PeerID:
+        """Make sure a connection to ``peer`` exists; returns its proven peer ID."""
+        return (await self._get_connection(peer)).peer
+
+    async def disconnect(self, peer: PeerID, reason: str = "disconnect") -> None:
+        for conn in [c for c in self._all_conns if c.peer == peer]:
+            await conn.mux.aclose(reason)
+
+    def _resolve(self, peer: PeerLike) -> tuple[PeerID | None, list[Multiaddr]]:
+        if isinstance(peer, str):
+            peer = Multiaddr.parse(peer) if peer.startswith("/") else PeerID.from_base58(peer)
+        if isinstance(peer, PeerID):
+            return peer, self.peerstore.addrs_of(peer)
+        if isinstance(peer, Multiaddr):
+            if peer.is_relayed:
+                raise DialError(f"relayed addresses are not supported by this node: {peer}")
+            return peer.peer_id, [peer]
+        raise TypeError(f"expected PeerID, Multiaddr or str, got {type(peer).__name__}")
+
+    async def _get_connection(self, peer: PeerLike) -> Connection:
+        pid, addrs = self._resolve(peer)
+        if pid == self.peer_id:
+            raise DialError("cannot connect to ourselves")
+        if self._closing:
+            raise DialError("node is closing")
+        if pid is not None:
+            conn = self.connection_to(pid)
+            if conn is not None:
+                return conn
+            pending = self._dialing.get(pid)
+            if pending is not None:
+                await pending.wait()
+                conn = self.connection_to(pid)
+                if conn is not None:
+                    return conn
+            if not addrs:
+                addrs = self.peerstore.addrs_of(pid)
+        if not addrs:
+            raise DialError(f"no known address for {pid}")
+        return await self._dial(pid, addrs)
+
+    async def _dial(self, pid: PeerID | None, addrs: list[Multiaddr]) -> Connection:
+        done = trio.Event()
+        if pid is not None:
+            self._dialing[pid] = done
+        try:
+            errors: list[str] = []
+            mismatch: PeerIDMismatch | None = None
+            for addr in addrs:
+                try:
+                    return await self._dial_one(addr, pid)
+                except PeerIDMismatch as e:
+                    mismatch = e
+                    errors.append(f"{addr}: {e}")
+                except (DialError, HandshakeError, ConnectionClosed) as e:
+                    errors.append(f"{addr}: {e}")
+            if mismatch is not None and len(addrs) == 1:
+                raise mismatch
+            raise DialError(f"cannot reach {pid or addrs[0]}: " + "; ".join(errors))
+        finally:
+            if pid is not None and self._dialing.get(pid) is done:
+                del self._dialing[pid]
+            done.set()
+
+    async def _dial_one(self, addr: Multiaddr, expected: PeerID | None) -> Connection:
+        if len(self._all_conns) + self._pending_inbound >= self.config.max_connections:
+            raise DialError(f"connection limit ({self.config.max_connections}) reached")
+        with trio.move_on_after(self.config.dial_timeout) as scope:
+            raw = await self.transport.dial(addr.transport_part())
+        if scope.cancelled_caught:
+            raise DialError(f"dialing {addr} timed out after {self.config.dial_timeout} s")
+        channel = await secure_outbound(
+            raw,
+            self.identity,
+            expected,
+            timeout=self.config.handshake_timeout,
+            cipher=self.config.cipher,
+            frame_timeout=self.config.frame_timeout,
+        )
+        if channel.remote_peer == self.peer_id:
+            await channel.aclose()
+            raise DialError(f"{addr} is ourselves")
+        conn: Connection = await self._nursery.start(self._run_connection, channel, addr, True)
+        self.peerstore.add_addrs(conn.peer, [addr])
+        return conn
+
+    async def _handle_inbound(self, raw: trio.abc.Stream, observed: Multiaddr | None) -> None:
+        """Transport handler for accepted connections (runs in the listener's nursery)."""
+        ip = (observed.host if observed is not None else None) or "?"
+        if self._closing:
+            return
+        if len(self._all_conns) + self._pending_inbound >= self.config.max_connections:
+            logger.warning(
+                "refusing connection from %s: %d connections open", observed, len(self._all_conns)
+            )
+            return
+        if self._per_ip[ip] >= self.config.max_connections_per_ip:
+            logger.warning(
+                "refusing connection from %s: %d connections from %s already",
+                observed,
+                self._per_ip[ip],
+                ip,
+            )
+            return
+        self._per_ip[ip] += 1
+        try:
+            self._pending_inbound += 1
+            try:
+                channel = await secure_inbound(
+                    raw,
+                    self.identity,
+                    timeout=self.config.handshake_timeout,
+                    cipher=self.config.cipher,
+                    frame_timeout=self.config.frame_timeout,
+                )
+            except HandshakeError as e:
+                logger.info("inbound handshake from %s failed: %s", observed, e)
+                return
+            finally:
+                self._pending_inbound -= 1
+            if channel.remote_peer == self.peer_id:
+                await channel.aclose()
+                return
+            await self._run_connection(channel, observed, False)
+        finally:
+            self._per_ip[ip] -= 1
+            if self._per_ip[ip] <= 0:
+                del self._per_ip[ip]
+
+    async def _run_connection(
+        self,
+        channel: SecureChannel,
+        remote_addr: Multiaddr | None,
+        outbound: bool,
+        *,
+        task_status: Any = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        conn = Connection(channel, remote_addr, outbound, self.peer_id)
+        conn.mux = Mux(
+            channel,
+            initiator=outbound,
+            handle_stream=partial(self._serve_stream, conn),
+            config=self.config.mux_config(getattr(channel, "max_frame", None)),
+            label=f"{str(conn.peer)[:10]}{'>' if outbound else '<'}",
+        )
+        self._all_conns.add(conn)
+        try:
+            async with trio.open_nursery() as nursery:
+                await nursery.start(conn.mux.run)
+                self._register(conn)
+                task_status.started(conn)
+                logger.debug("connected to %s", conn)
+                await self._watch_idle(conn)
+        finally:
+            self._all_conns.discard(conn)
+            if self._conns.get(conn.peer) is conn:
+                del self._conns[conn.peer]
+                # promote a remaining live connection, if any (e.g. the drained duplicate)
+                for other in self._all_conns:
+                    if other.peer == conn.peer and not other.mux.is_closed:
+                        other.draining = False
+                        self._conns[conn.peer] = other
+                        break
+            logger.debug("connection %s closed: %s", conn, conn.mux.close_reason)
+
+    def _register(self, conn: Connection) -> None:
+        """Make ``conn`` the connection to its peer, or drain it if a better one exists."""
+        existing = self._conns.get(conn.peer)
+        if existing is None or not existing.usable:
+            self._conns[conn.peer] = conn
+            return
+        if existing.initiator == conn.initiator:
+            keep, drop = conn, existing  # a redial: the old one is probably dead
+        else:
+            smaller = min(self.peer_id, conn.peer)
+            keep, drop = (conn, existing) if conn.initiator == smaller else (existing, conn)
+        self._conns[conn.peer] = keep
+        drop.draining = True
+        drop.mux._streams_lot.unpark_all()  # its idle watcher re-checks with drain_grace
+        logger.debug("duplicate connection to %s: keeping %s, draining %s", conn.peer, keep, drop)
+
+    async def _watch_idle(self, conn: Connection) -> None:
+        """Close ``conn`` after it had no streams for the idle timeout; return when closed."""
+        mux = conn.mux
+        while not mux.is_closed:
+            if mux.num_streams:
+                await mux.wait_streams_changed()
+                continue
+            timeout = self.config.drain_grace if conn.draining else self.config.idle_timeout
+            with trio.move_on_after(timeout) as scope:
+                await mux.wait_streams_changed()
+            if scope.cancelled_caught and mux.num_streams == 0:
+                logger.debug("closing %s: %s", conn, "duplicate" if conn.draining else "idle")
+                await mux.aclose("duplicate connection" if conn.draining else "idle")
+        await mux.closed.wait()
+
+    async def _serve_stream(self, conn: Connection, stream: MuxStream) -> None:
+        def make_context(name: str) -> CallContext:
+            return CallContext(conn.peer, conn.remote_addr, self, name)
+
+        await serve_stream(stream, self._registry, make_context, self._serve_limits)
+
+    # ---- calls ----------------------------------------------------------------------------
+
+    async def _new_stream(self, peer: PeerLike) -> MuxStream:
+        conn = await self._get_connection(peer)
+        try:
+            return await conn.mux.open_stream()
+        except ConnectionClosed:
+            # the connection died under us: forget it and redial once
+            conn.draining = True
+            if self._conns.get(conn.peer) is conn:
+                del self._conns[conn.peer]
+            conn = await self._get_connection(conn.peer)
+            return await conn.mux.open_stream()
+
+    async def call(
+        self, peer: PeerLike, name: str, request: Any, *, timeout: float | None = None
+    ) -> Any:
+        """Call ``name`` on ``peer`` and return its response.
+
+        Raises RPCError(remote=True) when the handler failed, RPCTimeout past the deadline,
+        DialError when the peer cannot be reached. Cancelling the call cancels the handler.
+        """
+        if timeout is None:
+            timeout = self.config.call_timeout
+        with trio.move_on_after(math.inf if timeout is None else timeout) as scope:
+            stream = await self._new_stream(peer)
+            try:
+                return await call_on_stream(stream, name, request, self.config.max_message_size)
+            finally:
+                if not stream.finished:
+                    stream.reset("call cancelled")
+        assert scope.cancelled_caught
+        raise RPCTimeout(f"{name} on {peer}: no response within {timeout} s")
+
+    @asynccontextmanager
+    async def open_stream(
+        self, peer: PeerLike, name: str, *, timeout: float | None = None
+    ) -> AsyncIterator[MessageStream]:
+        """A message stream to ``name`` on ``peer``; ``timeout`` bounds opening it only."""
+        if timeout is None:
+            timeout = self.config.call_timeout
+        ms: MessageStream | None = None
+        with trio.move_on_after(math.inf if timeout is None else timeout):
+            stream = await self._new_stream(peer)
+            try:
+                ms = await open_message_stream(stream, name, self.config.max_message_size)
+            finally:
+                if ms is None:
+                    stream.reset("open cancelled")
+        if ms is None:
+            raise RPCTimeout(f"opening {name} on {peer}: no answer within {timeout} s")
+        try:
+            yield ms
+        except BaseException:
+            ms.reset("aborted by the caller")
+            raise
+        else:
+            await ms.aclose()
+
+    async def _shutdown(self) -> None:
+        self._closing = True
+        with trio.move_on_after(2) as scope:
+            scope.shield = True
+            async with trio.open_nursery() as nursery:
+                for conn in list(self._all_conns):
+                    nursery.start_soon(conn.mux.aclose, "node shutting down")
+
+
+@asynccontextmanager
+async def open_node(
+    identity: Identity | None = None,
+    *,
+    listen: Sequence[str | Multiaddr] = ("/ip4/127.0.0.1/tcp/0",),
+    transport: Transport | None = None,
+    config: NodeConfig = NodeConfig(),
+) -> AsyncIterator[Node]:
+    """Run a node for the duration of the block; everything it starts ends with it."""
+    identity = identity if identity is not None else Identity.generate()
+    transport = transport if transport is not None else TcpTransport()
+    async with trio.open_nursery() as nursery:
+        node = Node(identity, transport, config, nursery)
+        for addr in listen:
+            bound: Multiaddr = await nursery.start(
+                transport.listen, Multiaddr.parse(addr), node._handle_inbound
+            )
+            node.addrs.append(bound.with_peer(node.peer_id))
+        try:
+            yield node
+        finally:
+            await node._shutdown()
+            nursery.cancel_scope.cancel()
+
+
+__all__ = ["Connection", "Node", "NodeConfig", "open_node", "P2PError"]

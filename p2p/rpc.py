@@ -1,0 +1,282 @@
+"""RPC over multiplexed streams: protocol headers, unary calls, message streams.
+
+Wire conventions on each new stream (all messages length-prefixed msgpack, see
+:mod:`p2p.messages`):
+
+* the opener sends a header ``["u" | "s", protocol_name]`` (unary or streaming);
+* unary: then the request, then EOF; the server answers with one message, the response or
+  an error (msgpack ext type ``EXT_ERROR`` with utf-8 text), then EOF;
+* streaming: the server first answers ``EXT_ACCEPT`` (or ``EXT_ERROR``, e.g. unknown
+  protocol), then both sides exchange messages freely until each sends EOF.
+
+Cancelling a call resets its stream; the mux cancels the remote handler's scope on reset.
+The server side lives here (:func:`serve_stream`); the node opens streams and calls
+:func:`call_on_stream` / :func:`open_message_stream`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import msgpack
+import trio
+
+from p2p.errors import ConnectionClosed, P2PError, ProtocolError, RPCError
+from p2p.identity import PeerID
+from p2p.messages import EXT_ACCEPT, EXT_ERROR, check_length, encode_message, unpack
+from p2p.multiaddr import Multiaddr
+from p2p.mux import MuxStream
+
+if TYPE_CHECKING:
+    from p2p.node import Node
+
+logger = logging.getLogger(__name__)
+
+UNARY = "u"
+STREAMING = "s"
+MAX_PROTOCOL_NAME = 128
+MAX_ERROR_TEXT = 1024
+
+
+@dataclass(frozen=True)
+class CallContext:
+    """Who is calling a handler: the proven peer ID and the address it was observed at."""
+
+    remote_peer: PeerID
+    remote_addr: Multiaddr | None
+    node: Node
+    protocol: str = ""
+
+
+class MessageStream:
+    """Messages (any msgpack value; bytes travel as-is) over one multiplexed stream."""
+
+    def __init__(self, stream: MuxStream, max_message_size: int) -> None:
+        self.stream = stream
+        self.max_message_size = max_message_size
+
+    async def send(self, msg: Any) -> None:
+        """Send one message; ProtocolError when it is too large or not encodable."""
+        if isinstance(msg, msgpack.ExtType):
+            raise ProtocolError("ext types are reserved for the RPC layer")
+        await self._send_raw(msg)
+
+    async def _send_raw(self, msg: Any) -> None:
+        prefix, body = encode_message(msg, self.max_message_size)
+        await self.stream.send_parts((prefix, body))
+
+    async def _receive_raw(self, *, eof_ok: bool = False) -> Any:
+        prefix = await self.stream.receive_exactly(4, eof_ok=eof_ok)
+        if prefix is None:
+            raise _EndOfStream
+        try:
+            n = check_length(prefix, self.max_message_size)
+        except ProtocolError:
+            self.stream.reset("message too large")
+            raise
+        body = await self.stream.receive_exactly(n)
+        assert body is not None
+        try:
+            return unpack(body)
+        except ProtocolError:
+            self.stream.reset("malformed message")
+            raise
+
+    async def receive(self) -> Any:
+        """The next message; ConnectionClosed when the peer closed its side (or reset)."""
+        try:
+            msg = await self._receive_raw(eof_ok=True)
+        except _EndOfStream:
+            raise ConnectionClosed("the peer closed the stream") from None
+        return _check_ext(msg)
+
+    def __aiter__(self) -> MessageStream:
+        return self
+
+    async def __anext__(self) -> Any:
+        try:
+            msg = await self._receive_raw(eof_ok=True)
+        except _EndOfStream:
+            raise StopAsyncIteration from None
+        return _check_ext(msg)
+
+    async def send_eof(self) -> None:
+        await self.stream.send_eof()
+
+    def reset(self, reason: str = "reset") -> None:
+        """Abort the stream in both directions (also cancels the remote handler)."""
+        self.stream.reset(reason)
+
+    async def aclose(self) -> None:
+        await self.stream.aclose()
+
+    async def __aenter__(self) -> MessageStream:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if exc[0] is not None:
+            self.reset("aborted")
+        else:
+            await self.aclose()
+
+
+class _EndOfStream(Exception):
+    """Internal: clean EOF at a message boundary."""
+
+
+def _check_ext(msg: Any) -> Any:
+    if isinstance(msg, msgpack.ExtType):
+        if msg.code == EXT_ERROR:
+            raise RPCError(bytes(msg.data).decode("utf-8", "replace"), remote=True)
+        raise ProtocolError(f"unexpected control message (ext type {msg.code})")
+    return msg
+
+
+def error_message(text: str) -> msgpack.ExtType:
+    return msgpack.ExtType(EXT_ERROR, text.encode("utf-8", "replace")[:MAX_ERROR_TEXT])
+
+
+UnaryHandler = Callable[[CallContext, Any], Awaitable[Any]]
+StreamHandler = Callable[[CallContext, MessageStream], Awaitable[None]]
+
+
+@dataclass
+class Registry:
+    """Protocol name -> (kind, handler)."""
+
+    handlers: dict[str, tuple[str, Callable[..., Awaitable[Any]]]] = field(default_factory=dict)
+
+    def add(self, name: str, kind: str, handler: Callable[..., Awaitable[Any]]) -> None:
+        if not isinstance(name, str) or not name or len(name) > MAX_PROTOCOL_NAME:
+            raise ValueError(f"protocol names are 1..{MAX_PROTOCOL_NAME} characters: {name!r}")
+        self.handlers[name] = (kind, handler)
+
+
+# ---- server side ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ServeLimits:
+    max_message_size: int
+    header_timeout: float
+    request_timeout: float
+
+
+async def serve_stream(
+    stream: MuxStream,
+    registry: Registry,
+    make_context: Callable[[str], CallContext],
+    limits: ServeLimits,
+) -> None:
+    """Serve one inbound stream. Never raises for the peer's or the handler's faults."""
+    ms = MessageStream(stream, limits.max_message_size)
+    try:
+        with trio.move_on_after(limits.header_timeout) as scope:
+            header = await ms._receive_raw()
+        if scope.cancelled_caught:
+            logger.info("stream %s sent no header in %s s", stream.stream_id, limits.header_timeout)
+            stream.reset("no protocol header in time")
+            return
+        if (
+            not isinstance(header, list)
+            or len(header) != 2
+            or header[0] not in (UNARY, STREAMING)
+            or not isinstance(header[1], str)
+        ):
+            raise ProtocolError(f"malformed stream header {header!r:.100}")
+        kind, name = header
+        entry = registry.handlers.get(name)
+        if entry is None or entry[0] != kind:
+            what = "unknown protocol" if entry is None else "wrong call kind for protocol"
+            prefix, body = encode_message(error_message(f"{what} {name!r:.130}"))
+            await stream.send_parts((prefix, body), eof=True)
+            return
+        ctx = make_context(name)
+        if kind == UNARY:
+            await _serve_unary(ms, entry[1], ctx, limits)
+        else:
+            await _serve_streaming(ms, entry[1], ctx)
+    except (ConnectionClosed, trio.ClosedResourceError):
+        stream.reset("closed")
+    except ProtocolError as e:
+        logger.info("bad stream from peer: %s", e)
+        stream.reset(f"protocol error: {e}")
+
+
+async def _serve_unary(
+    ms: MessageStream, handler: UnaryHandler, ctx: CallContext, limits: ServeLimits
+) -> None:
+    with trio.move_on_after(limits.request_timeout) as scope:
+        request = await ms._receive_raw()
+    if scope.cancelled_caught:
+        ms.reset("request not received in time")
+        return
+    ok, result = await _run_handler(ctx, handler, request)
+    if ok:
+        try:
+            prefix, body = encode_message(result, ms.max_message_size)
+        except ProtocolError as e:
+            ok, result = False, error_message(f"bad response from {ctx.protocol}: {e}")
+    if not ok:
+        prefix, body = encode_message(result, ms.max_message_size)
+    await ms.stream.send_parts((prefix, body), eof=True)
+
+
+async def _serve_streaming(ms: MessageStream, handler: StreamHandler, ctx: CallContext) -> None:
+    await ms._send_raw(msgpack.ExtType(EXT_ACCEPT, b""))
+    ok, result = await _run_handler(ctx, handler, ms)
+    if not ok:
+        try:
+            await ms._send_raw(result)
+        except (ConnectionClosed, trio.ClosedResourceError):
+            return
+    await ms.aclose()
+
+
+async def _run_handler(
+    ctx: CallContext, handler: Callable[..., Awaitable[Any]], arg: Any
+) -> tuple[bool, Any]:
+    """(True, result) or (False, error message): a handler's fault never escapes."""
+    try:
+        return True, await handler(ctx, arg)
+    except (P2PError, ValueError) as e:
+        # RPCError/ValueError/ProtocolError are the handler's way to answer with an error; other
+        # P2P errors come from calls the handler made to other peers.
+        logger.debug("handler %s raised %r", ctx.protocol, e)
+        return False, error_message(str(e) or type(e).__name__)
+    except Exception:  # noqa: BLE001 - the node must outlive a buggy handler; logged in full
+        logger.exception("handler %s crashed serving %s", ctx.protocol, ctx.remote_peer)
+        return False, error_message(f"internal error in handler {ctx.protocol}")
+
+
+# ---- client side ----------------------------------------------------------------------------
+
+
+async def call_on_stream(stream: MuxStream, name: str, request: Any, max_message_size: int) -> Any:
+    """A unary call on a fresh stream; the caller resets the stream if this is cancelled."""
+    ms = MessageStream(stream, max_message_size)
+    h_prefix, h_body = encode_message([UNARY, name], max_message_size)
+    r_prefix, r_body = encode_message(request, max_message_size)
+    await stream.send_parts((h_prefix, h_body, r_prefix, r_body), eof=True)
+    try:
+        response = await ms._receive_raw()
+    except ConnectionClosed as e:
+        raise RPCError(f"{name}: stream closed before a response ({e})") from e
+    return _check_ext(response)
+
+
+async def open_message_stream(stream: MuxStream, name: str, max_message_size: int) -> MessageStream:
+    """Send a streaming header and wait for the server to accept it."""
+    ms = MessageStream(stream, max_message_size)
+    await ms._send_raw([STREAMING, name])
+    try:
+        reply = await ms._receive_raw()
+    except ConnectionClosed as e:
+        raise RPCError(f"{name}: stream closed before it was accepted ({e})") from e
+    if isinstance(reply, msgpack.ExtType) and reply.code == EXT_ACCEPT:
+        return ms
+    _check_ext(reply)
+    raise ProtocolError(f"{name}: unexpected reply to a stream header")

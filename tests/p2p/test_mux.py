@@ -1,0 +1,447 @@
+"""The stream multiplexer over an in-memory frame channel (no encryption, virtual time)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+
+import pytest
+import trio
+import trio.testing
+
+from p2p.errors import ConnectionClosed, ProtocolError
+from p2p.mux import (
+    DATA,
+    EOF,
+    OPEN,
+    RESET,
+    WINDOW,
+    Mux,
+    MuxConfig,
+    MuxStream,
+    decode_frame,
+    encode_frame,
+)
+
+
+class MemoryFrameChannel:
+    """A test-only plaintext frame channel: one side of a pair of trio memory channels."""
+
+    def __init__(
+        self,
+        send: trio.MemorySendChannel,
+        receive: trio.MemoryReceiveChannel,
+        max_frame: int = 1 << 20,
+    ) -> None:
+        self._send = send
+        self._receive = receive
+        self.max_frame = max_frame
+        self.sent: list[bytes] = []
+
+    async def send_frame(self, data: bytes | bytearray | memoryview) -> None:
+        frame = bytes(data)
+        assert len(frame) <= self.max_frame
+        self.sent.append(frame)
+        try:
+            await self._send.send(frame)
+        except (trio.BrokenResourceError, trio.ClosedResourceError) as e:
+            raise ConnectionClosed("peer gone") from e
+
+    async def receive_frame(self) -> bytes:
+        try:
+            return await self._receive.receive()
+        except (trio.EndOfChannel, trio.ClosedResourceError) as e:
+            raise ConnectionClosed("channel closed") from e
+
+    async def aclose(self) -> None:
+        await self._send.aclose()
+        await self._receive.aclose()
+
+
+def frame_channel_pair(capacity: int = 4) -> tuple[MemoryFrameChannel, MemoryFrameChannel]:
+    a_send, b_receive = trio.open_memory_channel[bytes](capacity)
+    b_send, a_receive = trio.open_memory_channel[bytes](capacity)
+    return MemoryFrameChannel(a_send, a_receive), MemoryFrameChannel(b_send, b_receive)
+
+
+Handler = Callable[[MuxStream], Awaitable[None]]
+
+
+async def _no_streams(stream: MuxStream) -> None:
+    raise AssertionError("unexpected inbound stream")
+
+
+@asynccontextmanager
+async def mux_pair(
+    server_handler: Handler, config: MuxConfig = MuxConfig()
+) -> AsyncIterator[tuple[Mux, Mux]]:
+    """(client mux, server mux), both running; the server runs ``server_handler`` per stream."""
+    ca, cb = frame_channel_pair()
+    client = Mux(ca, initiator=True, handle_stream=_no_streams, config=config, label="client")
+    server = Mux(cb, initiator=False, handle_stream=server_handler, config=config, label="server")
+    async with trio.open_nursery() as nursery:
+        await nursery.start(client.run)
+        await nursery.start(server.run)
+        yield client, server
+        nursery.cancel_scope.cancel()
+
+
+def run_virtual(fn: Callable[[], Awaitable[None]]) -> None:
+    trio.run(fn, clock=trio.testing.MockClock(autojump_threshold=0))
+
+
+async def echo(stream: MuxStream) -> None:
+    while True:
+        data = await stream.receive_some()
+        if not data:
+            break
+        await stream.send_all(data)
+    await stream.send_eof()
+
+
+async def read_all(stream: MuxStream) -> bytes:
+    parts = []
+    while True:
+        data = await stream.receive_some()
+        if not data:
+            return b"".join(bytes(p) for p in parts)
+        parts.append(bytes(data))
+
+
+def test_frame_roundtrip() -> None:
+    frame = encode_frame(DATA, 7, b"hello")
+    kind, sid, payload = decode_frame(frame)
+    assert (kind, sid, bytes(payload)) == (DATA, 7, b"hello")
+    with pytest.raises(ProtocolError):
+        decode_frame(b"\x01\x00")
+    with pytest.raises(ProtocolError):
+        decode_frame(encode_frame(WINDOW, 1, b"\x00\x01"))  # window payload must be 4 bytes
+    with pytest.raises(ProtocolError):
+        decode_frame(encode_frame(99, 1))
+
+
+def test_echo_and_eof() -> None:
+    async def main() -> None:
+        async with mux_pair(echo) as (client, _server):
+            stream = await client.open_stream()
+            await stream.send_all(b"ping")
+            assert bytes(await stream.receive_exactly(4)) == b"ping"
+            await stream.send_eof()
+            assert await stream.receive_some() == b""
+            assert stream.finished
+            assert client.num_streams == 0
+
+    run_virtual(main)
+
+
+def test_many_concurrent_streams_keep_their_data_apart() -> None:
+    async def main() -> None:
+        async with mux_pair(echo) as (client, _server):
+            results: dict[int, bytes] = {}
+
+            async def one(i: int) -> None:
+                stream = await client.open_stream()
+                payload = bytes([i]) * (50_000 + i * 1000)
+                async with trio.open_nursery() as n:
+                    n.start_soon(
+                        stream.send_parts,
+                        [payload],
+                    )
+                    results[i] = await stream.receive_exactly(len(payload))
+                await stream.send_eof()
+                assert await stream.receive_some() == b""
+
+            async with trio.open_nursery() as nursery:
+                for i in range(40):
+                    nursery.start_soon(one, i)
+            for i in range(40):
+                assert bytes(results[i]) == bytes([i]) * (50_000 + i * 1000)
+
+    run_virtual(main)
+
+
+def test_transfer_larger_than_window_completes() -> None:
+    config = MuxConfig(initial_window=64 << 10, max_frame_payload=16 << 10)
+
+    async def main() -> None:
+        got = []
+
+        async def sink(stream: MuxStream) -> None:
+            got.append(await read_all(stream))
+            await stream.send_eof()
+
+        async with mux_pair(sink, config) as (client, _server):
+            stream = await client.open_stream()
+            payload = bytes(range(256)) * 4096  # 1 MiB, 16 windows
+            await stream.send_all(payload)
+            await stream.send_eof()
+            assert await stream.receive_some() == b""
+        assert got == [payload]
+
+    run_virtual(main)
+
+
+def test_slow_reader_blocks_only_its_own_stream() -> None:
+    config = MuxConfig(initial_window=64 << 10, max_frame_payload=16 << 10)
+
+    async def main() -> None:
+        stalled: list[MuxStream] = []
+        release = trio.Event()
+
+        async def server(stream: MuxStream) -> None:
+            first = await stream.receive_exactly(1)
+            if bytes(first) == b"S":  # the slow reader: reads nothing until released
+                stalled.append(stream)
+                await release.wait()
+                await read_all(stream)
+                await stream.send_eof()
+            else:
+                await echo_rest(stream, first)
+
+        async def echo_rest(stream: MuxStream, first: bytes | memoryview) -> None:
+            await stream.send_all(first)
+            await echo(stream)
+
+        async with mux_pair(server, config) as (client, _server):
+            slow = await client.open_stream()
+            sent = 0
+
+            async def push() -> None:
+                nonlocal sent
+                await slow.send_all(b"S")
+                for _ in range(64):
+                    await slow.send_all(bytes(16 << 10))
+                    sent += 16 << 10
+                await slow.send_eof()
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(push)
+                await trio.testing.wait_all_tasks_blocked()
+                # the writer is stuck at the window, not buffering without bound
+                assert sent <= config.initial_window
+                assert stalled and stalled[0]._buffered <= config.initial_window
+                # meanwhile a small exchange on another stream goes through
+                quick = await client.open_stream()
+                await quick.send_all(b"hi")
+                assert bytes(await quick.receive_exactly(2)) == b"hi"
+                await quick.aclose()
+                release.set()
+            assert sent == 64 * (16 << 10)
+
+    run_virtual(main)
+
+
+def test_small_call_is_not_starved_by_a_big_transfer() -> None:
+    async def main() -> None:
+        order: list[str] = []
+
+        async def server(stream: MuxStream) -> None:
+            await echo(stream)
+
+        async with mux_pair(server) as (client, _server):
+            big = await client.open_stream()
+
+            async def transfer() -> None:
+                async with trio.open_nursery() as n:
+                    n.start_soon(big.send_all, bytes(20 << 20))
+                    await big.receive_exactly(20 << 20)
+                order.append("big")
+
+            async def small() -> None:
+                await trio.sleep(0)  # start once the transfer is under way
+                s = await client.open_stream()
+                await s.send_all(b"x")
+                await s.receive_exactly(1)
+                order.append("small")
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(transfer)
+                nursery.start_soon(small)
+            assert order == ["small", "big"]
+
+    run_virtual(main)
+
+
+def test_reset_cancels_the_remote_handler() -> None:
+    async def main() -> None:
+        started = trio.Event()
+        cancelled = trio.Event()
+
+        async def server(stream: MuxStream) -> None:
+            started.set()
+            try:
+                await trio.sleep_forever()
+            finally:
+                cancelled.set()
+
+        async with mux_pair(server) as (client, server_mux):
+            stream = await client.open_stream()
+            await stream.send_all(b"x")
+            await started.wait()
+            stream.reset("caller gave up")
+            with trio.fail_after(5):
+                await cancelled.wait()
+            with pytest.raises(ConnectionClosed):
+                await stream.send_all(b"more")
+            await trio.testing.wait_all_tasks_blocked()
+            assert server_mux.num_streams == 0 and client.num_streams == 0
+            assert not client.is_closed  # a reset touches only its stream
+
+    run_virtual(main)
+
+
+def test_data_received_before_a_remote_reset_stays_readable() -> None:
+    async def main() -> None:
+        async def server(stream: MuxStream) -> None:
+            await stream.send_all(b"last words")
+            stream.reset("bye")
+
+        async with mux_pair(server) as (client, _server):
+            stream = await client.open_stream()
+            await trio.testing.wait_all_tasks_blocked()
+            assert bytes(await stream.receive_exactly(10)) == b"last words"
+            with pytest.raises(ConnectionClosed, match="bye"):
+                await stream.receive_some()
+
+    run_virtual(main)
+
+
+def test_too_many_inbound_streams_are_reset() -> None:
+    config = MuxConfig(max_inbound_streams=3, max_outbound_streams=10)
+
+    async def main() -> None:
+        hold = trio.Event()
+
+        async def server(stream: MuxStream) -> None:
+            await hold.wait()
+
+        async with mux_pair(server, config) as (client, server_mux):
+            streams = [await client.open_stream() for _ in range(5)]
+            await trio.testing.wait_all_tasks_blocked()
+            assert server_mux.num_streams == 3
+            refused = [s for s in streams if s.is_reset]
+            assert len(refused) == 2
+            with pytest.raises(ConnectionClosed, match="too many streams"):
+                await refused[0].receive_some()
+            hold.set()
+            assert not client.is_closed
+
+    run_virtual(main)
+
+
+def test_outbound_streams_wait_for_a_free_slot() -> None:
+    config = MuxConfig(max_outbound_streams=2)
+
+    async def main() -> None:
+        async with mux_pair(echo, config) as (client, _server):
+            a = await client.open_stream()
+            await client.open_stream()
+            with trio.move_on_after(1) as scope:
+                await client.open_stream()
+            assert scope.cancelled_caught  # blocked, not refused
+            a.reset()
+            with trio.fail_after(1):
+                await client.open_stream()
+
+    run_virtual(main)
+
+
+class RawPeer:
+    """Drives one side of a frame channel by hand, to break the protocol on purpose."""
+
+    def __init__(self, channel: MemoryFrameChannel) -> None:
+        self.channel = channel
+
+    async def send(self, kind: int, sid: int, payload: bytes = b"") -> None:
+        await self.channel.send_frame(encode_frame(kind, sid, payload))
+
+
+@asynccontextmanager
+async def raw_vs_mux(
+    handler: Handler = echo, config: MuxConfig = MuxConfig()
+) -> AsyncIterator[tuple[RawPeer, Mux]]:
+    ca, cb = frame_channel_pair(capacity=1000)
+    mux = Mux(cb, initiator=False, handle_stream=handler, config=config, label="victim")
+    async with trio.open_nursery() as nursery:
+        await nursery.start(mux.run)
+        yield RawPeer(ca), mux
+        nursery.cancel_scope.cancel()
+
+
+def test_sending_beyond_the_window_closes_the_connection(caplog: pytest.LogCaptureFixture) -> None:
+    config = MuxConfig(initial_window=32 << 10, max_frame_payload=16 << 10)
+
+    async def silent(stream: MuxStream) -> None:
+        await trio.sleep_forever()
+
+    async def main() -> None:
+        async with raw_vs_mux(silent, config) as (peer, mux):
+            await peer.send(OPEN, 1)
+            for _ in range(3):  # 48 KiB into a 32 KiB window
+                await peer.send(DATA, 1, bytes(16 << 10))
+            with trio.fail_after(5):
+                await mux.closed.wait()
+            assert "granted" in (mux.close_reason or "")
+
+    with caplog.at_level(logging.WARNING, logger="p2p.mux"):
+        run_virtual(main)
+    assert any("protocol violation" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize(
+    "frames, reason",
+    [
+        ([(DATA, 1, b"x")], "unopened"),
+        ([(OPEN, 2, b"")], "parity"),
+        ([(OPEN, 3, b""), (OPEN, 1, b"")], "reused"),
+        ([(OPEN, 1, b""), (EOF, 1, b""), (DATA, 1, b"x")], "after EOF"),
+        ([(OPEN, 1, b""), (WINDOW, 1, (2**31).to_bytes(4, "big"))], "overflow"),
+    ],
+)
+def test_protocol_violations_close_the_connection(frames: list, reason: str) -> None:
+    async def main() -> None:
+        async with raw_vs_mux() as (peer, mux):
+            for kind, sid, payload in frames:
+                await peer.send(kind, sid, payload)
+            with trio.fail_after(5):
+                await mux.closed.wait()
+            assert reason in (mux.close_reason or "")
+
+    run_virtual(main)
+
+
+def test_frames_for_finished_streams_are_ignored() -> None:
+    async def main() -> None:
+        async def resetter(stream: MuxStream) -> None:
+            stream.reset("no thanks")
+
+        async with raw_vs_mux(resetter) as (peer, mux):
+            await peer.send(OPEN, 1)
+            await trio.testing.wait_all_tasks_blocked()
+            # the peer had these in flight when our reset crossed them
+            await peer.send(DATA, 1, b"late")
+            await peer.send(EOF, 1)
+            await peer.send(RESET, 1, b"late reset")
+            await trio.testing.wait_all_tasks_blocked()
+            assert not mux.is_closed
+
+    run_virtual(main)
+
+
+def test_peer_closing_resets_every_stream() -> None:
+    async def main() -> None:
+        async def hang(stream: MuxStream) -> None:
+            await trio.sleep_forever()
+
+        async with mux_pair(hang) as (client, server):
+            stream = await client.open_stream()
+            await trio.testing.wait_all_tasks_blocked()
+            await server.aclose("shutting down")
+            with trio.fail_after(5):
+                await client.closed.wait()
+            assert "shutting down" in (client.close_reason or "")
+            with pytest.raises(ConnectionClosed):
+                await stream.receive_some()
+
+    run_virtual(main)
