@@ -118,7 +118,42 @@ async def _secure_receiver_async(
             conn.send(time.process_time() - cpu)
 
 
-def _spawn(target: Callable[..., None], *args: Any) -> tuple[Any, Any, int]:
+def _node_receiver(conn: Any, preset: str) -> None:
+    trio.run(_node_receiver_async, conn, preset)
+
+
+async def _node_receiver_async(conn: Any, preset: str) -> None:
+    from p2p.node import NodeConfig, open_node
+
+    stop = trio.Event()
+
+    async def sink(ctx: Any, stream: Any) -> None:
+        got = 0
+        async for message in stream:
+            got += len(message)
+        await stream.send(got)
+
+    async def echo(ctx: Any, request: Any) -> Any:
+        return request
+
+    async def cpu(ctx: Any, request: Any) -> float:
+        return time.process_time()
+
+    async def stop_handler(ctx: Any, request: Any) -> None:
+        stop.set()
+
+    config = getattr(NodeConfig, preset)()
+    async with open_node(Identity.from_seed(SERVER_SEED), config=config) as node:
+        node.add_stream_handler("bench.sink", sink)
+        node.add_handler("bench.echo", echo)
+        node.add_handler("bench.cpu", cpu)
+        node.add_handler("bench.stop", stop_handler)
+        conn.send(str(node.addrs[0]))
+        await stop.wait()
+        await trio.sleep(0.1)  # let the reply to bench.stop leave
+
+
+def _spawn(target: Callable[..., None], *args: Any) -> tuple[Any, Any, Any]:
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
     proc = ctx.Process(target=target, args=(child, *args), daemon=True)
@@ -230,6 +265,66 @@ def measure_secure_rtt(rounds: int) -> list[float]:
         _join(proc)
 
 
+async def _node_sender(
+    addr: str, total: int, streams: int, preset: str, rounds: int
+) -> tuple[Throughput, list[float]]:
+    from p2p.node import NodeConfig, open_node
+
+    config = getattr(NodeConfig, preset)()
+    async with open_node(Identity.from_seed(CLIENT_SEED), listen=(), config=config) as node:
+        await node.connect(addr)
+        payload = bytes(MIB)
+        per_stream = total // streams // MIB
+        send_cpu = 0.0
+
+        async def one_stream() -> None:
+            nonlocal send_cpu
+            async with node.open_stream(addr, "bench.sink") as stream:
+                for _ in range(per_stream):
+                    await stream.send(payload)
+                send_cpu = max(send_cpu, time.process_time() - cpu)
+                await stream.send_eof()
+                if await stream.receive() != per_stream * MIB:
+                    raise RuntimeError("the receiver counted different bytes")
+
+        remote_cpu = await node.call(addr, "bench.cpu", None)
+        start, cpu = time.perf_counter(), time.process_time()
+        async with trio.open_nursery() as nursery:
+            for _ in range(streams):
+                nursery.start_soon(one_stream)
+        elapsed = time.perf_counter() - start
+        remote_cpu = await node.call(addr, "bench.cpu", None) - remote_cpu
+        samples = []
+        request = bytes(RPC_PAYLOAD)
+        for i in range(rounds + RPC_WARMUP if rounds else 0):
+            t0 = time.perf_counter()
+            await node.call(addr, "bench.echo", request)
+            if i >= RPC_WARMUP:
+                samples.append(time.perf_counter() - t0)
+        await node.call(addr, "bench.stop", None)
+        channel = node.connection_to(node.connected_peers()[0]).channel
+        gb = total / 1e9
+        return Throughput(gb / elapsed, send_cpu / gb, remote_cpu / gb, channel.cipher), samples
+
+
+def measure_node(
+    total: int, streams: int, preset: str, rounds: int = 0
+) -> tuple[Throughput, list[float]]:
+    proc, _, addr = _spawn(_node_receiver, preset)
+    try:
+        return trio.run(_node_sender, addr, total, streams, preset, rounds)
+    finally:
+        _join(proc)
+
+
+def _node_available() -> bool:
+    try:
+        import p2p.node  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def _percentile(samples: list[float], q: float) -> float:
     ordered = sorted(samples)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
@@ -246,8 +341,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mib", type=int, default=1024, help="MiB moved per throughput figure")
     parser.add_argument("--rounds", type=int, default=2000, help="RPC round trips to time")
+    parser.add_argument(
+        "--channel-only", action="store_true", help="measure the secure channel, not the node"
+    )
     args = parser.parse_args(argv)
     total = max(8, args.mib - args.mib % 8) * MIB
+    use_node = not args.channel_only and _node_available()
 
     sock = measure_socket(total)
     _show("plain socket", sock)
@@ -258,33 +357,61 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     chacha = measure_secure(total, 1, "chacha20-poly1305")
     _show("secure channel, ChaCha20", chacha)
     rtts = measure_secure_rtt(args.rounds)
-    rtt_median, rtt_p99 = statistics.median(rtts) * 1e6, _percentile(rtts, 0.99) * 1e6
-    print(f"secure channel echo RTT      median {rtt_median:.0f} us, p99 {rtt_p99:.0f} us")
+    sc_median, sc_p99 = statistics.median(rtts) * 1e6, _percentile(rtts, 0.99) * 1e6
+    print(f"secure channel echo RTT      median {sc_median:.0f} us, p99 {sc_p99:.0f} us")
 
     def busier(t: Throughput) -> float:
         return max(t.send_cpu_s_per_gb, t.recv_cpu_s_per_gb)
 
-    result: dict[str, Any] = {
-        "encrypted_gbps": round(sc1.gbps, 3),
-        "encrypted8_gbps": round(sc8.gbps, 3),
+    result: dict[str, Any] = {}
+    if use_node:
+        node1, node_rtts = measure_node(total, 1, "internet", args.rounds)
+        _show("node, 1 stream (default)", node1)
+        node8, _ = measure_node(total, 8, "internet")
+        _show("node, 8 streams (default)", node8)
+        bulk1, _ = measure_node(total, 1, "bulk")
+        _show("node, 1 stream (bulk)", bulk1)
+        rtt_median = statistics.median(node_rtts) * 1e6
+        rtt_p99 = _percentile(node_rtts, 0.99) * 1e6
+        print(f"Node.call RTT                median {rtt_median:.0f} us, p99 {rtt_p99:.0f} us")
+        enc1, enc8 = node1, node8
+        result["node_bulk_gbps"] = round(bulk1.gbps, 3)
+        result["node_send_cpu_s_per_gb"] = round(node1.send_cpu_s_per_gb, 3)
+        result["node_recv_cpu_s_per_gb"] = round(node1.recv_cpu_s_per_gb, 3)
+        measured_over = (
+            "Node.open_stream (1 MiB msgpack messages, NodeConfig.internet) on one connection; "
+            "RTT: Node.call"
+        )
+    else:
+        enc1, enc8, rtt_median, rtt_p99 = sc1, sc8, sc_median, sc_p99
+        measured_over = "secure channel over TCP (one connection per stream); RTT: frame echo"
+
+    result = {
+        "encrypted_gbps": round(enc1.gbps, 3),
+        "encrypted8_gbps": round(enc8.gbps, 3),
         "socket_gbps": round(sock.gbps, 3),
         "rpc_rtt_median_us": round(rtt_median, 1),
         "rpc_rtt_p99_us": round(rtt_p99, 1),
         "cipher": sc1.cipher,
-        "encrypted_vs_socket": round(sc1.gbps / sock.gbps, 3),
+        "encrypted_vs_socket": round(enc1.gbps / sock.gbps, 3),
         "secure_channel_gbps": round(sc1.gbps, 3),
         "secure_channel8_gbps": round(sc8.gbps, 3),
         "secure_channel_chacha_gbps": round(chacha.gbps, 3),
+        "secure_channel_vs_socket": round(sc1.gbps / sock.gbps, 3),
+        "secure_channel_rtt_median_us": round(sc_median, 1),
+        "secure_channel_rtt_p99_us": round(sc_p99, 1),
+        **result,
         "socket_send_cpu_s_per_gb": round(sock.send_cpu_s_per_gb, 3),
         "socket_recv_cpu_s_per_gb": round(sock.recv_cpu_s_per_gb, 3),
-        "encrypted_send_cpu_s_per_gb": round(sc1.send_cpu_s_per_gb, 3),
-        "encrypted_recv_cpu_s_per_gb": round(sc1.recv_cpu_s_per_gb, 3),
+        "secure_channel_send_cpu_s_per_gb": round(sc1.send_cpu_s_per_gb, 3),
+        "secure_channel_recv_cpu_s_per_gb": round(sc1.recv_cpu_s_per_gb, 3),
         "chacha_send_cpu_s_per_gb": round(chacha.send_cpu_s_per_gb, 3),
         "chacha_recv_cpu_s_per_gb": round(chacha.recv_cpu_s_per_gb, 3),
-        "cpu_bound_ratio": round(busier(sock) / busier(sc1), 3),
+        "cpu_bound_ratio": round(busier(sock) / busier(enc1), 3),
+        "secure_channel_cpu_bound_ratio": round(busier(sock) / busier(sc1), 3),
         "chacha_cpu_bound_ratio": round(busier(sock) / busier(chacha), 3),
         "bytes_per_measurement": total,
-        "measured_over": "secure channel over TCP (one connection per stream)",
+        "measured_over": measured_over,
     }
     print(json.dumps(result))
     return result

@@ -35,22 +35,26 @@ nonce_for = _NONCE.pack
 Aead = ChaCha20Poly1305 | AESGCM
 
 
+def cpuinfo_has_aes(cpuinfo: str) -> bool:
+    """True when /proc/cpuinfo text lists the 'aes' flag (x86 "flags", arm "Features")."""
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip().lower() in ("flags", "features") and "aes" in value.split():
+            return True
+    return False
+
+
 @functools.cache
 def has_aes_hardware() -> bool:
-    """True when the CPU advertises AES instructions ('aes' flag on x86, Features on arm)."""
+    """True when the CPU advertises AES instructions."""
     if sys.platform == "darwin":
         # Every Apple silicon and every x86 Mac since 2010 has AES instructions.
         return True
     try:
         with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
-            text = f.read()
+            return cpuinfo_has_aes(f.read())
     except OSError:
         return False
-    for line in text.splitlines():
-        key, _, value = line.partition(":")
-        if key.strip().lower() in ("flags", "features") and "aes" in value.split():
-            return True
-    return False
 
 
 def local_offers(cipher: str | None = None) -> int:

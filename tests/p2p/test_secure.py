@@ -19,6 +19,7 @@ from p2p.aead import (
     OFFER_AES,
     OFFER_CHACHA,
     choose_cipher,
+    cpuinfo_has_aes,
     has_aes_hardware,
     local_offers,
 )
@@ -177,6 +178,15 @@ def test_automatic_cipher_follows_aes_hardware():
         assert out.cipher == (AES_256_GCM if has_aes_hardware() else CHACHA20_POLY1305)
 
     run_mock(main)
+
+
+def test_aes_detection_reads_x86_and_arm_cpuinfo():
+    x86 = "processor\t: 0\nflags\t\t: fpu vme sse2 aes avx2\n"
+    arm = "processor\t: 0\nFeatures\t: fp asimd evtstrm aes pmull sha1\n"
+    assert cpuinfo_has_aes(x86) and cpuinfo_has_aes(arm)
+    assert not cpuinfo_has_aes("flags\t\t: fpu vme sse2 vaes-like aesni\n")
+    assert not cpuinfo_has_aes("model name\t: aes 9000\n")
+    assert not cpuinfo_has_aes("")
 
 
 def test_cipher_choice_rules():
