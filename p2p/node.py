@@ -301,6 +301,12 @@ class Node:
 
     async def _handle_inbound(self, raw: trio.abc.Stream, observed: Multiaddr | None) -> None:
         """Transport handler for accepted connections (runs in the listener's nursery)."""
+        try:
+            await self._serve_inbound(raw, observed)
+        finally:
+            await trio.aclose_forcefully(raw)
+
+    async def _serve_inbound(self, raw: trio.abc.Stream, observed: Multiaddr | None) -> None:
         ip = (observed.host if observed is not None else None) or "?"
         if self._closing:
             return
