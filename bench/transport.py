@@ -301,10 +301,11 @@ async def _node_sender(
             await node.call(addr, "bench.echo", request)
             if i >= RPC_WARMUP:
                 samples.append(time.perf_counter() - t0)
+        connection = node.connection_to(Identity.from_seed(SERVER_SEED).peer_id)
+        cipher = connection.channel.cipher if connection is not None else "unknown"
         await node.call(addr, "bench.stop", None)
-        channel = node.connection_to(node.connected_peers()[0]).channel
         gb = total / 1e9
-        return Throughput(gb / elapsed, send_cpu / gb, remote_cpu / gb, channel.cipher), samples
+        return Throughput(gb / elapsed, send_cpu / gb, remote_cpu / gb, cipher), samples
 
 
 def measure_node(

@@ -37,6 +37,7 @@ from p2p.identity import Identity, PeerID
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_FRAME = 1 << 20  # plaintext bytes per frame
+MAX_FRAME_LIMIT = 1 << 30  # far below what the 4-byte length prefix could express
 HEADER_BYTES = 4
 _HEADER = struct.Struct(">I")
 _HS_HEADER = struct.Struct(">H")
@@ -321,6 +322,8 @@ async def _run_handshake(
 ) -> tuple[_Reader, SessionKeys]:
     """Run ``steps(reader)`` under the deadline; on any failure close the stream and raise."""
     _check_timeout(timeout)
+    if not 0 < max_frame <= MAX_FRAME_LIMIT:
+        raise ValueError(f"max_frame must be in 1..{MAX_FRAME_LIMIT}, got {max_frame}")
     reader = _Reader(stream, HEADER_BYTES + max_frame + TAG_BYTES + _SLACK)
     try:
         try:

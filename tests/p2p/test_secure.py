@@ -375,11 +375,13 @@ def test_cancelling_a_handshake_closes_the_stream():
     run_mock(main)
 
 
-def test_invalid_timeout_is_rejected():
+def test_invalid_arguments_are_rejected():
     async def main():
         ours, _ = trio.testing.memory_stream_pair()
         with pytest.raises(ValueError, match="timeout"):
             await secure_inbound(ours, BOB, timeout=0)
+        with pytest.raises(ValueError, match="max_frame"):
+            await secure_inbound(ours, BOB, max_frame=0)
 
     run_mock(main)
 
