@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import math
 import struct
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 
 import trio
 from cryptography.exceptions import InvalidTag
@@ -176,53 +176,65 @@ class SecureChannel:
     # ---- sending -------------------------------------------------------------------------
 
     def _frame_buffer(self, total: int) -> memoryview:
-        if self._sock is None:
-            return memoryview(bytearray(total))  # the stream may keep it: never reuse
+        cap = HEADER_BYTES + self.max_frame + TAG_BYTES
+        if self._sock is None or total > cap:
+            return memoryview(bytearray(total))  # the stream may keep it / too big to keep
         if len(self._send_buf) < total:
-            cap = HEADER_BYTES + self.max_frame + TAG_BYTES
             self._send_buf = bytearray(max(total, min(2 * len(self._send_buf), cap)))
             self._send_view = memoryview(self._send_buf)
         return self._send_view[:total]
 
     async def send_frame(self, data: bytes | bytearray | memoryview) -> None:
         """Encrypt and send one frame of at most ``max_frame`` bytes."""
+        await self.send_frames((data,))
+
+    async def send_frames(self, frames: Sequence[bytes | bytearray | memoryview]) -> None:
+        """Encrypt several frames and send them with one write (fewer syscalls for small ones).
+
+        The receiver sees ordinary frames, one ``receive_frame`` each.
+        """
         if self._sending:
             raise trio.BusyResourceError("another task is already sending on this channel")
         self._sending = True
         try:
-            await self._send_frame(data)
+            await self._send_frames(frames)
         finally:
             self._sending = False
 
-    async def _send_frame(self, data: bytes | bytearray | memoryview) -> None:
+    async def _send_frames(self, frames: Sequence[bytes | bytearray | memoryview]) -> None:
         if self._closed_reason is not None:
             raise self._closed_error()
-        size = data.nbytes if isinstance(data, memoryview) else len(data)
-        if size > self.max_frame:
-            raise ValueError(f"frame of {size} bytes exceeds max_frame {self.max_frame}")
-        if self._send_counter >= MAX_COUNTER:
+        sizes = [f.nbytes if isinstance(f, memoryview) else len(f) for f in frames]
+        if sizes and max(sizes) > self.max_frame:
+            raise ValueError(f"frame of {max(sizes)} bytes exceeds max_frame {self.max_frame}")
+        counter = self._send_counter
+        if counter + len(sizes) > MAX_COUNTER:
             raise await self._fail("send nonce counter exhausted")
-        total = HEADER_BYTES + size + TAG_BYTES
-        frame = self._frame_buffer(total)
-        _HEADER.pack_into(frame, 0, size + TAG_BYTES)
-        nonce = nonce_for(self._send_counter)
-        self._send_aead.encrypt_into(nonce, data, None, frame[HEADER_BYTES:])
+        total = len(sizes) * (HEADER_BYTES + TAG_BYTES) + sum(sizes)
+        buf = self._frame_buffer(total)
+        offset = 0
+        encrypt_into = self._send_aead.encrypt_into
+        for i, (data, size) in enumerate(zip(frames, sizes, strict=True)):
+            _HEADER.pack_into(buf, offset, size + TAG_BYTES)
+            end = offset + HEADER_BYTES + size + TAG_BYTES
+            encrypt_into(nonce_for(counter + i), data, None, buf[offset + HEADER_BYTES : end])
+            offset = end
         sent = 0
         try:
             if self._sock is not None:
                 sock = self._sock
                 while sent < total:
-                    sent += await sock.send(frame[sent:])
+                    sent += await sock.send(buf[sent:])
             else:
                 sent = -1  # unknown progress once send_all starts
-                await self.transport_stream.send_all(frame)
+                await self.transport_stream.send_all(buf)
         except _STREAM_ERRORS as e:
             raise await self._fail(f"send failed: {e!r}", level=logging.INFO) from None
         except BaseException:
             if sent:
                 await self._fail("send interrupted mid-frame", level=logging.INFO)
             raise
-        self._send_counter += 1
+        self._send_counter = counter + len(sizes)
 
     # ---- receiving -----------------------------------------------------------------------
 

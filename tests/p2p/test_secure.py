@@ -590,6 +590,27 @@ def test_concurrent_receivers_or_senders_are_refused():
     run_mock(main)
 
 
+@pytest.mark.parametrize("transport", ["memory", "tcp"])
+def test_send_frames_batches_into_ordinary_frames(transport):
+    async def main():
+        out, inn, _ = await (memory_pair() if transport == "memory" else tcp_pair())
+        batch = [b"", b"a", os.urandom(1000), os.urandom(DEFAULT_MAX_FRAME), b"z" * 17]
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(out.send_frames, batch)
+            got = [bytes(await inn.receive_frame()) for _ in batch]
+        assert got == batch
+        await out.send_frames([])
+        assert await transfer(out, inn, [b"after"]) == [b"after"]  # counters stayed in step
+        with pytest.raises(ValueError, match="exceeds max_frame"):
+            await out.send_frames([b"ok", b"x" * (DEFAULT_MAX_FRAME + 1)])
+        assert await transfer(out, inn, [b"still fine"]) == [b"still fine"]
+
+    if transport == "memory":
+        run_mock(main)
+    else:
+        trio.run(main)
+
+
 def test_memoryview_and_bytearray_frames():
     async def main():
         out, inn, _ = await memory_pair()
