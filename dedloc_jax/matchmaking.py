@@ -1,0 +1,244 @@
+"""Matchmaking: the peers of an epoch agree on averaging groups and one GroupSpec per group.
+
+1. Each peer that is ready to average at epoch ``e`` registers (a signed subkey) under
+   ``<run_id>.group.<e>`` and waits one matchmaking window, so that peers who learned of the
+   target a refresh later can register too.
+2. It reads the registrations and runs :func:`~dedloc_jax.grouping.assign_groups` (capped,
+   reshuffled per epoch). The first member of its group is the group's leader.
+3. Followers send ``collab.join`` to their leader, a call that returns once the leader has
+   formed the group. The leader accepts joins for one window, then answers every join with the
+   same :class:`GroupSpec` (members = itself + those who joined in time, each with its measured
+   bandwidth and sample count, plus the share split from the load-balancing LP).
+
+Only the leader decides, so two peers that saw different registrations cannot form
+conflicting specs: at worst a peer that joined nobody in time averages alone (no deadlock: every
+wait is bounded by a cancel scope). Clients reach leaders by dialing out, like everyone else.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import trio
+
+from dedloc_jax.averaging.errors import GroupError
+from dedloc_jax.averaging.group import GroupSpec, Member
+from dedloc_jax.grouping import assign_groups, group_seed
+from p2p.dht import DHT, InvalidRecordError
+from p2p.dht.records import owner_marker, owner_markers
+from p2p.errors import P2PError
+from p2p.identity import PeerID
+from p2p.multiaddr import Multiaddr
+from p2p.rpc import CallContext
+
+log = logging.getLogger(__name__)
+
+JOIN = "collab.join"
+
+
+def group_key(run_id: str, epoch: int) -> str:
+    return f"{run_id}.group.{epoch}"
+
+
+def _member_to_wire(m: Member) -> dict[str, Any]:
+    return {
+        "mode": m.mode,
+        "up": float(m.upload_bps),
+        "down": float(m.download_bps),
+        "weight": float(m.weight),
+    }
+
+
+def _member_from_wire(peer_id: str, msg: Any) -> Member:
+    if not isinstance(msg, dict):
+        raise GroupError("a member description is a map")
+    try:
+        return Member(peer_id, msg["mode"], msg["up"], msg["down"], msg["weight"])
+    except KeyError as e:
+        raise GroupError(f"member description misses {e}") from None
+    except TypeError as e:
+        raise GroupError(f"malformed member description: {e}") from None
+
+
+@dataclass
+class _LeaderRound:
+    epoch: int
+    me: Member
+    max_size: int
+    joined: dict[str, Member] = field(default_factory=dict)
+    open: bool = True
+    formed: trio.Event = field(default_factory=trio.Event)
+    spec: GroupSpec | None = None
+
+
+class Matchmaker:
+    """Forms averaging groups for one peer; registers the ``collab.join`` handler."""
+
+    def __init__(self, node: Any, dht: DHT, run_id: str, *, max_group_size: int) -> None:
+        self.node = node
+        self.dht = dht
+        self.run_id = run_id
+        self.max_group_size = max_group_size
+        self.peer_id = str(node.peer_id)
+        self._rounds: dict[int, _LeaderRound] = {}
+        self._round_opened: dict[int, trio.Event] = {}
+        self.window = 1.0  # seconds; updated by the collaboration from its predictions
+
+    def register(self) -> None:
+        self.node.add_handler(JOIN, self._handle_join)
+
+    def _opened(self, epoch: int) -> trio.Event:
+        if epoch not in self._round_opened:
+            self._round_opened[epoch] = trio.Event()
+            for old in [e for e in self._round_opened if e < epoch - 2]:
+                del self._round_opened[old]
+        return self._round_opened[epoch]
+
+    async def _handle_join(self, ctx: CallContext, request: Any) -> Any:
+        if not isinstance(request, dict) or not isinstance(request.get("epoch"), int):
+            raise ValueError("a join request is a map with an integer epoch")
+        epoch = request["epoch"]
+        peer = str(ctx.remote_peer)
+        member = _member_from_wire(peer, request.get("member"))
+        addrs = request.get("addrs", [])
+        if isinstance(addrs, list):
+            try:
+                self.node.peerstore.add_addrs(
+                    ctx.remote_peer, [Multiaddr.parse(a) for a in addrs[:8] if isinstance(a, str)]
+                )
+            except P2PError as e:
+                log.info("ignoring bad addresses from %s: %s", peer, e)
+        # The follower may come before we decided to lead this epoch: wait a bounded time.
+        with trio.move_on_after(2 * self.window + 1.0):
+            await self._opened(epoch).wait()
+        rnd = self._rounds.get(epoch)
+        if rnd is None:
+            return {"ok": False, "reason": f"not leading epoch {epoch}"}
+        if not rnd.open:
+            return {"ok": False, "reason": "group already formed"}
+        if len(rnd.joined) + 1 >= rnd.max_size:
+            return {"ok": False, "reason": "group full"}
+        rnd.joined[peer] = member
+        with trio.move_on_after(4 * self.window + 5.0):
+            await rnd.formed.wait()
+        if rnd.spec is None or peer not in {m.peer_id for m in rnd.spec.members}:
+            return {"ok": False, "reason": "group was not formed"}
+        return {"ok": True, "spec": rnd.spec.to_bytes()}
+
+    async def form_group(self, epoch: int, me: Member) -> GroupSpec | None:
+        """The group this peer averages with at ``epoch``, or None if it must go alone."""
+        window = self.window
+        key = group_key(self.run_id, epoch)
+        try:
+            await self.dht.store(
+                key,
+                {"member": _member_to_wire(me), "addrs": [str(a) for a in self.node.addrs]},
+                self.dht.now() + 6 * window + 30.0,
+                subkey=owner_marker(self.node.peer_id),
+            )
+        except (P2PError, InvalidRecordError) as e:
+            log.warning("could not register for matchmaking: %s", e)
+        await trio.sleep(window)
+        candidates = {self.peer_id}
+        try:
+            value = await self.dht.get(key)
+        except P2PError as e:
+            log.warning("could not read matchmaking registrations: %s", e)
+            value = None
+        if isinstance(value, dict):
+            for subkey, item in value.items():
+                names = owner_markers(subkey)
+                if len(names) == 1 and names[0] != self.peer_id:
+                    candidates.add(names[0])
+                    self._learn_addrs(names[0], item.value)
+        groups = assign_groups(
+            sorted(candidates),
+            max_group_size=self.max_group_size,
+            seed=group_seed(self.run_id, epoch),
+        )
+        mine = next(g for g in groups if self.peer_id in g)
+        if len(mine) == 1:
+            return None
+        if mine[0] == self.peer_id:
+            return await self._lead(epoch, me, window)
+        return await self._follow(epoch, me, mine[0], window)
+
+    async def _lead(self, epoch: int, me: Member, window: float) -> GroupSpec | None:
+        rnd = _LeaderRound(epoch, me, self.max_group_size)
+        self._rounds[epoch] = rnd
+        for old in [e for e in self._rounds if e < epoch - 2]:
+            del self._rounds[old]
+        self._opened(epoch).set()
+        try:
+            await trio.sleep(window)
+            rnd.open = False
+            if rnd.joined:
+                members = [me, *(rnd.joined[p] for p in sorted(rnd.joined))]
+                spec = GroupSpec(tuple(members), group_id=self._group_id(epoch))
+                rnd.spec = spec.with_parts()
+            return rnd.spec
+        except GroupError as e:
+            log.warning("could not form a group at epoch %d: %s", epoch, e)
+            return None
+        finally:
+            rnd.open = False
+            rnd.formed.set()
+
+    async def _follow(self, epoch: int, me: Member, leader: str, window: float) -> GroupSpec | None:
+        request = {
+            "epoch": epoch,
+            "member": _member_to_wire(me),
+            "addrs": [str(a) for a in self.node.addrs],
+        }
+        try:
+            answer = await self.node.call(
+                self._leader_addr(leader), JOIN, request, timeout=6 * window + 10.0
+            )
+        except P2PError as e:
+            log.info("leader %s of epoch %d did not take us: %s", leader, epoch, e)
+            return None
+        if not isinstance(answer, dict) or not answer.get("ok"):
+            reason = answer.get("reason") if isinstance(answer, dict) else "malformed answer"
+            log.info("leader %s refused us at epoch %d: %s", leader, epoch, reason)
+            return None
+        try:
+            spec = GroupSpec.from_bytes(answer["spec"])
+            spec.index_of(self.peer_id)
+        except (GroupError, KeyError, TypeError) as e:
+            log.warning("leader %s sent a bad group spec: %s", leader, e)
+            return None
+        return spec
+
+    def _leader_addr(self, leader: str) -> PeerID:
+        return PeerID.from_base58(leader)
+
+    def _learn_addrs(self, peer: str, registration: Any) -> None:
+        """Remember a registered peer's addresses, so that we can dial it if it leads."""
+        addrs = registration.get("addrs") if isinstance(registration, dict) else None
+        if not isinstance(addrs, list):
+            return
+        try:
+            pid = PeerID.from_base58(peer)
+            parsed = [Multiaddr.parse(a) for a in addrs[:8] if isinstance(a, str)]
+        except P2PError as e:
+            log.info("ignoring bad addresses of %s: %s", peer, e)
+            return
+        self.node.peerstore.add_addrs(pid, parsed)
+
+    def _group_id(self, epoch: int) -> bytes:
+        return f"{self.run_id}:{epoch}:{self.peer_id}".encode()
+
+
+def member_for(
+    peer_id: str, mode: str, upload_bps: float, download_bps: float, weight: float
+) -> Member:
+    """This peer's member entry; infinite or unknown bandwidths become a large finite value."""
+    big = 1e12
+
+    def finite(x: float) -> float:
+        return big if not math.isfinite(x) or x <= 0 else float(x)
+
+    return Member(peer_id, mode, finite(upload_bps), finite(download_bps), float(weight))

@@ -1,0 +1,65 @@
+"""Helpers to start many collaboration peers on the simulated network."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+from contextlib import AsyncExitStack, asynccontextmanager
+from typing import Any
+
+from dedloc_jax.config import CollaborationConfig
+from p2p.dht import DHT, DHTConfig, open_dht
+from p2p.node import Node, NodeConfig
+from p2p.testing import SimNetwork, open_sim_nodes
+
+
+@asynccontextmanager
+async def open_sim_dhts(
+    net: SimNetwork, n: int, **host_kwargs: Any
+) -> AsyncIterator[list[tuple[Node, DHT]]]:
+    """``n`` nodes with a DHT each; node 0 is the bootstrap node."""
+    async with (
+        open_sim_nodes(net, n, config=NodeConfig.testing(), **host_kwargs) as nodes,
+        AsyncExitStack() as stack,
+    ):
+        out = []
+        first = [str(nodes[0].addrs[0])]
+        for i, node in enumerate(nodes):
+            dht = await stack.enter_async_context(
+                open_dht(node, initial_peers=[] if i == 0 else first, config=DHTConfig.fast())
+            )
+            out.append((node, dht))
+        yield out
+
+
+@asynccontextmanager
+async def open_sim_collaboration(
+    net: SimNetwork,
+    n: int,
+    *,
+    config: CollaborationConfig,
+    modes: Sequence[str] | None = None,
+    run_id: str = "run",
+    **host_kwargs: Any,
+) -> AsyncIterator[list[Any]]:
+    """``n`` peers of one collaboration (CollaborationCore); peer 0 is the first peer."""
+    from dedloc_jax.collaboration import open_collaboration
+
+    async with (
+        open_sim_nodes(net, n, config=NodeConfig.testing(), **host_kwargs) as nodes,
+        AsyncExitStack() as stack,
+    ):
+        cores = []
+        first = [str(nodes[0].addrs[0])]
+        for i, node in enumerate(nodes):
+            core = await stack.enter_async_context(
+                open_collaboration(
+                    node,
+                    run_id,
+                    initial_peers=[] if i == 0 else first,
+                    config=config,
+                    mode=modes[i] if modes else "node",
+                    dht_config=DHTConfig.fast(),
+                )
+            )
+            cores.append(core)
+        yield cores

@@ -1,0 +1,56 @@
+from __future__ import annotations
+
+import trio
+
+from dedloc_jax.config import CollaborationConfig
+from dedloc_jax.matchmaking import Matchmaker, member_for
+from p2p.testing import SimNetwork, run_sim
+from tests.dedloc_jax.simcollab import open_sim_dhts
+
+
+def _form_all(n: int, cap: int, seed: int = 0) -> list:
+    async def main() -> list:
+        net = SimNetwork(seed=seed)
+        config = CollaborationConfig.local_demo().replace(max_group_size=cap)
+        async with open_sim_dhts(net, n, latency=0.01) as peers:
+            specs: list = [None] * n
+            makers = []
+            for node, dht in peers:
+                mm = Matchmaker(node, dht, "run", max_group_size=config.max_group_size)
+                mm.register()
+                mm.window = 1.0
+                makers.append(mm)
+
+            async def one(i: int) -> None:
+                me = member_for(str(peers[i][0].peer_id), "node", 1e6, 1e6, 8.0)
+                specs[i] = await makers[i].form_group(3, me)
+
+            async with trio.open_nursery() as nursery:
+                for i in range(n):
+                    nursery.start_soon(one, i)
+            ids = [str(node.peer_id) for node, _ in peers]
+            return list(zip(ids, specs, strict=True))
+
+    return run_sim(main, seed=seed)
+
+
+def test_every_peer_lands_in_exactly_one_group_with_one_spec() -> None:
+    results = _form_all(12, cap=5)
+    by_digest: dict[bytes, set[str]] = {}
+    for pid, spec in results:
+        assert spec is not None, f"{pid} got no group"
+        members = {m.peer_id for m in spec.members}
+        assert pid in members
+        by_digest.setdefault(spec.digest, set()).add(pid)
+    # Everyone in a group holds the same spec, and the groups partition the peers.
+    all_members = [p for group in by_digest.values() for p in group]
+    assert sorted(all_members) == sorted(pid for pid, _ in results)
+    for digest, holders in by_digest.items():
+        spec = next(s for _, s in results if s.digest == digest)
+        assert holders == {m.peer_id for m in spec.members}
+        assert len(spec.members) <= 5
+
+
+def test_a_lonely_peer_gets_no_group_without_hanging() -> None:
+    results = _form_all(1, cap=4)
+    assert results[0][1] is None

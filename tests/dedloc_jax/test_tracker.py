@@ -1,0 +1,76 @@
+from __future__ import annotations
+
+import pytest
+import trio
+
+from dedloc_jax.config import CollaborationConfig
+from dedloc_jax.tracker import ProgressTracker
+from p2p.testing import SimNetwork, run_sim
+from tests.dedloc_jax.simcollab import open_sim_dhts
+
+
+def test_peers_see_each_others_progress_and_the_global_epoch() -> None:
+    config = CollaborationConfig.local_demo(target_batch_size=500).replace(
+        max_refresh=1.0, progress_ttl=10.0
+    )
+
+    async def main() -> None:
+        net = SimNetwork(seed=1)
+        async with open_sim_dhts(net, 6, latency=0.005) as peers, trio.open_nursery() as nursery:
+            trackers = []
+            for i, (_, dht) in enumerate(peers):
+                tracker = ProgressTracker(dht, "run", config, "client" if i == 5 else "node")
+                await nursery.start(tracker.run)
+                trackers.append(tracker)
+            # Peers 0-4 process 10 samples per second each for 10 seconds; peer 5 is a client.
+            for _ in range(10):
+                for tracker in trackers:
+                    tracker.report(0, tracker.samples + 10, 10)
+                await trio.sleep(1.0)
+            await trio.sleep(2 * config.max_refresh)
+            for tracker in trackers:
+                est = tracker.current_estimate()
+                assert est.num_peers == 6 and est.num_clients == 1
+                # 6 peers x 100 samples, plus a little extrapolation since their last report.
+                assert 600 <= est.samples <= 600 + 6 * 10 * 3
+                assert est.ready
+            # A peer at a newer epoch raises the global epoch; a client cannot.
+            trackers[5].set_epoch(7)
+            trackers[1].set_epoch(1)
+            await trio.sleep(3 * config.max_refresh)
+            assert trackers[0].current_estimate().epoch == 1
+            nursery.cancel_scope.cancel()
+
+    run_sim(main)
+
+
+@pytest.mark.parametrize("seed", [3])
+def test_estimate_reaches_target_near_true_sum(seed: int) -> None:
+    """Throughputs spread over 10x; the estimate tracks the true sum within a refresh."""
+    config = CollaborationConfig.local_demo(target_batch_size=2_000).replace(max_refresh=1.0)
+
+    async def main() -> None:
+        net = SimNetwork(seed=seed)
+        rates = [5, 10, 15, 25, 50, 50, 20, 35]
+        async with (
+            open_sim_dhts(net, len(rates), latency=0.01) as peers,
+            trio.open_nursery() as nursery,
+        ):
+            trackers = []
+            for _, dht in peers:
+                tracker = ProgressTracker(dht, "run", config, "node")
+                await nursery.start(tracker.run)
+                trackers.append(tracker)
+            while True:
+                for tracker, rate in zip(trackers, rates, strict=True):
+                    tracker.report(0, tracker.samples + rate, rate)
+                await trio.sleep(1.0)
+                true_sum = sum(tr.samples for tr in trackers)
+                est = trackers[0].current_estimate()
+                assert abs(est.samples - true_sum) <= 2 * sum(rates) * config.max_refresh
+                if est.ready:
+                    break
+            assert true_sum >= config.target_batch_size - 2 * sum(rates)
+            nursery.cancel_scope.cancel()
+
+    run_sim(main, seed=seed)
