@@ -1,0 +1,200 @@
+"""State sync: up-to-date peers serve their state; newcomers download it, verified.
+
+Donors announce ``{epoch, digest}`` under ``<run_id>.state`` (one signed subkey each) and
+answer two RPCs: the manifest of a digest, and one chunk of it. A newcomer picks the newest
+epoch that donors announce, fetches the manifest, checks that its digest is the announced one,
+then fetches chunks from all donors of that digest at once, checks each chunk against the
+manifest, and when a donor leaves or lies, re-plans its chunks over the remaining donors.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import trio
+
+from dedloc_jax.state_chunks import (
+    StateAssembler,
+    StateError,
+    StateManifest,
+    chunk_of,
+    pack_state,
+    plan_downloads,
+)
+from p2p.dht import DHT, InvalidRecordError
+from p2p.dht.records import owner_marker, owner_markers
+from p2p.errors import P2PError
+from p2p.identity import PeerID
+from p2p.multiaddr import Multiaddr
+from p2p.rpc import CallContext
+
+log = logging.getLogger(__name__)
+
+MANIFEST = "collab.state.manifest"
+CHUNK = "collab.state.chunk"
+_KEEP = 2  # snapshots kept, so a download started before our last step can finish
+
+
+class StateSyncError(RuntimeError):
+    """No verified state could be downloaded (no donors, or all of them failed)."""
+
+
+def state_key(run_id: str) -> str:
+    return f"{run_id}.state"
+
+
+class StateServer:
+    """Serves this peer's latest state snapshots to others."""
+
+    def __init__(self, node: Any, dht: DHT, run_id: str, *, chunk_bytes: int, ttl: float) -> None:
+        self.node = node
+        self.dht = dht
+        self.run_id = run_id
+        self.chunk_bytes = chunk_bytes
+        self.ttl = ttl
+        self._snapshots: dict[bytes, tuple[StateManifest, bytes]] = {}
+        self.latest: StateManifest | None = None
+        self.chunks_served = 0
+
+    def register(self) -> None:
+        self.node.add_handler(MANIFEST, self._handle_manifest)
+        self.node.add_handler(CHUNK, self._handle_chunk)
+
+    def set_state(self, arrays: Sequence[np.ndarray], epoch: int) -> StateManifest:
+        manifest, buffer = pack_state(arrays, epoch, chunk_bytes=self.chunk_bytes)
+        self._snapshots[manifest.digest] = (manifest, buffer)
+        while len(self._snapshots) > _KEEP:
+            del self._snapshots[next(iter(self._snapshots))]
+        self.latest = manifest
+        return manifest
+
+    async def announce(self) -> None:
+        if self.latest is None:
+            return
+        try:
+            await self.dht.store(
+                state_key(self.run_id),
+                {
+                    "epoch": self.latest.epoch,
+                    "digest": self.latest.digest,
+                    "addrs": [str(a) for a in self.node.addrs],
+                },
+                self.dht.now() + self.ttl,
+                subkey=owner_marker(self.node.peer_id),
+            )
+        except (P2PError, InvalidRecordError) as e:
+            log.warning("could not announce state: %s", e)
+
+    def _snapshot(self, request: Any) -> tuple[StateManifest, bytes]:
+        digest = request.get("digest") if isinstance(request, dict) else None
+        if not isinstance(digest, bytes) or digest not in self._snapshots:
+            raise ValueError("no such state (it may have been replaced by a newer one)")
+        return self._snapshots[digest]
+
+    async def _handle_manifest(self, ctx: CallContext, request: Any) -> Any:
+        return self._snapshot(request)[0].to_wire()
+
+    async def _handle_chunk(self, ctx: CallContext, request: Any) -> Any:
+        manifest, buffer = self._snapshot(request)
+        index = request.get("index")
+        if not isinstance(index, int):
+            raise ValueError("chunk index must be an integer")
+        try:
+            data = chunk_of(buffer, manifest, index)
+        except StateError as e:
+            raise ValueError(str(e)) from None
+        self.chunks_served += 1
+        return data
+
+
+async def find_donors(node: Any, dht: DHT, run_id: str) -> tuple[int, bytes, list[PeerID]] | None:
+    """The newest announced state: (epoch, digest, donors), or None."""
+    value = await dht.get(state_key(run_id))
+    if not isinstance(value, dict):
+        return None
+    offers: dict[tuple[int, bytes], list[PeerID]] = {}
+    for subkey, item in value.items():
+        names = owner_markers(subkey)
+        v = item.value
+        if len(names) != 1 or names[0] == str(node.peer_id) or not isinstance(v, dict):
+            continue
+        epoch, digest, addrs = v.get("epoch"), v.get("digest"), v.get("addrs", [])
+        if not (isinstance(epoch, int) and isinstance(digest, bytes) and isinstance(addrs, list)):
+            continue
+        try:
+            pid = PeerID.from_base58(names[0])
+            node.peerstore.add_addrs(pid, [Multiaddr.parse(a) for a in addrs[:8]])
+        except (P2PError, TypeError) as e:
+            log.info("ignoring a malformed state offer: %s", e)
+            continue
+        offers.setdefault((epoch, digest), []).append(pid)
+    if not offers:
+        return None
+    counts = Counter({k: len(v) for k, v in offers.items()})
+    (epoch, digest), _ = max(counts.items(), key=lambda kv: (kv[0][0], kv[1]))
+    return epoch, digest, sorted(offers[(epoch, digest)])
+
+
+async def download_state(
+    node: Any,
+    dht: DHT,
+    run_id: str,
+    *,
+    timeout: float = 60.0,
+    request_timeout: float = 10.0,
+) -> tuple[int, list[np.ndarray], int]:
+    """Download the newest state; returns (epoch, arrays, number of donors used)."""
+    with trio.move_on_after(timeout) as scope:
+        found = await find_donors(node, dht, run_id)
+        if found is None:
+            raise StateSyncError("no peer announces a state")
+        epoch, digest, donors = found
+        request = {"digest": digest}
+        manifest = None
+        for donor in donors:
+            try:
+                wire = await node.call(donor, MANIFEST, request, timeout=request_timeout)
+                candidate = StateManifest.from_wire(wire)
+            except (P2PError, StateError) as e:
+                log.info("donor %s gave no manifest: %s", donor, e)
+                continue
+            if candidate.digest == digest:
+                manifest = candidate
+                break
+            log.warning("donor %s sent a manifest that does not match its announcement", donor)
+        if manifest is None:
+            raise StateSyncError("no donor served a manifest matching its announcement")
+        assembler = StateAssembler(manifest)
+        live = list(donors)
+        used: set[PeerID] = set()
+        while not assembler.complete:
+            if not live:
+                raise StateSyncError(f"all donors failed with {len(assembler.missing())} left")
+            plan = plan_downloads(assembler.missing(), [str(d) for d in live])
+            failed: set[str] = set()
+
+            async def fetch(donor: str, indices: list[int], failed: set[str] = failed) -> None:
+                pid = PeerID.from_base58(donor)
+                for i in indices:
+                    try:
+                        data = await node.call(
+                            pid, CHUNK, {**request, "index": i}, timeout=request_timeout
+                        )
+                        assembler.add(i, data)
+                        used.add(pid)
+                    except (P2PError, StateError) as e:
+                        log.info("donor %s failed on chunk %d: %s", donor, i, e)
+                        failed.add(donor)
+                        return
+
+            async with trio.open_nursery() as nursery:
+                for donor, indices in plan.items():
+                    nursery.start_soon(fetch, donor, indices)
+            live = [d for d in live if str(d) not in failed]
+        return manifest.epoch, assembler.arrays(), len(used)
+    assert scope.cancelled_caught
+    raise StateSyncError(f"state download did not finish within {timeout} s")
