@@ -32,6 +32,7 @@ class DHTConfig:
     max_addrs_per_peer: int = 8
     max_clock_skew: float = 3600.0  # peer clock offsets beyond this are ignored
     clock_samples: int = 64  # recent peer offsets kept for the median
+    stale_failures: int = 5  # consecutive failures after which a peer leaves its bucket
     handoff_concurrency: int = 4
     max_pending_evictions: int = 64
 

@@ -50,6 +50,23 @@ class Record:
 View: TypeAlias = "Record | dict[str, Record]"
 
 
+@dataclass(frozen=True, slots=True)
+class ValueWithExpiration:
+    """What ``get`` returns for a plain value, and for each subkey of a dictionary value."""
+
+    value: Any
+    expiration: float
+
+
+def decode_view(view: View | None) -> ValueWithExpiration | dict[str, ValueWithExpiration] | None:
+    """Readers' form of a view: decoded values with their expirations."""
+    if view is None:
+        return None
+    if isinstance(view, Record):
+        return ValueWithExpiration(view.decoded(), view.expiration)
+    return {s: ValueWithExpiration(r.decoded(), r.expiration) for s, r in sorted(view.items())}
+
+
 def pack_value(value: Any) -> bytes:
     """Serialize a value; raises TypeError for something msgpack cannot encode."""
     try:

@@ -14,6 +14,7 @@ import heapq
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 from p2p.dht.ids import ID_BITS
 from p2p.identity import PeerID
@@ -25,7 +26,7 @@ class PeerEntry:
 
     peer: PeerID
     id: int
-    addrs: tuple[str, ...] = ()
+    addrs: tuple[Any, ...] = ()  # Multiaddr objects (opaque here)
     last_seen: float = 0.0
 
 
@@ -93,7 +94,7 @@ class RoutingTable:
 
     # --- updates -------------------------------------------------------------------------
     def add_or_update(
-        self, peer: PeerID, ident: int, addrs: Iterable[str] = (), now: float = 0.0
+        self, peer: PeerID, ident: int, addrs: Iterable[Any] = (), now: float = 0.0
     ) -> PeerEntry | None:
         """Record that ``peer`` was heard from.
 

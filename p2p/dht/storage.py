@@ -65,7 +65,7 @@ class LocalStorage:
     def last_received(self, key: str) -> float | None:
         return self._received.get(key)
 
-    def keys(self) -> list[str]:
+    def held_keys(self) -> list[str]:
         return list(self._data)
 
     def records(self, now: float) -> Iterator[Record]:

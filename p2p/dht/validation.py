@@ -95,6 +95,10 @@ class LimitsValidator:
             raise InvalidRecordError("expiration must be finite")
         if record.proof is not None and len(record.proof) != PROOF_BYTES:
             raise InvalidRecordError("malformed signature proof")
+        try:
+            unpack_value(record.value)
+        except (ValueError, TypeError, RecursionError) as e:  # msgpack's errors, bad map keys
+            raise InvalidRecordError(f"value is not valid msgpack: {e!r:.100}") from None
 
 
 # --- schemas ---------------------------------------------------------------------------------

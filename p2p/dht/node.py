@@ -1,0 +1,416 @@
+"""The DHT node: joins through initial peers, stores and gets values, keeps itself healthy.
+
+``open_dht(node, ...)`` runs a :class:`DHT` on a :class:`p2p.node.Node` for the duration of an
+``async with`` block. Background work (ping-before-evict, handing records to new nodes,
+caching/repairing along lookup paths, bucket refresh, republishing, purging expired records)
+runs in a nursery the DHT owns and ends with the block.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Iterable, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import trio
+
+from p2p.dht.clock import DHTClock
+from p2p.dht.config import DHTConfig
+from p2p.dht.errors import BootstrapError, InvalidRecordError
+from p2p.dht.ids import key_id, node_id, random_id
+from p2p.dht.protocol import DHTProtocol
+from p2p.dht.records import (
+    Record,
+    ValueWithExpiration,
+    View,
+    decode_view,
+    merge_views,
+    pack_value,
+    view_records,
+)
+from p2p.dht.traverse import FindBatcher, LookupResult, lookup
+from p2p.dht.validation import RecordValidator, ValidatorChain, record_owner, sign_record
+from p2p.dht.wire import Contact
+from p2p.errors import P2PError
+from p2p.identity import PeerID
+from p2p.multiaddr import Multiaddr
+
+log = logging.getLogger(__name__)
+
+DHTValue = ValueWithExpiration | dict[str, ValueWithExpiration]
+
+
+@dataclass
+class StoreResult:
+    """How a store went: on how many nodes the record is now held, and why others refused."""
+
+    stored: int = 0
+    outdated: int = 0  # nodes holding a newer record
+    failed: int = 0  # nodes that did not answer
+    refused: dict[str, str] = field(default_factory=dict)  # peer -> reason
+
+    @property
+    def ok(self) -> bool:
+        return self.stored > 0
+
+
+class DHT:
+    """A Kademlia node; create it with :func:`open_dht`."""
+
+    def __init__(
+        self,
+        node: Any,
+        *,
+        config: DHTConfig = DHTConfig(),
+        client_mode: bool = False,
+        validators: Iterable[RecordValidator] = (),
+        clock: DHTClock | None = None,
+    ) -> None:
+        self.node = node
+        self.peer_id: PeerID = node.peer_id
+        self.config = config
+        self.client_mode = client_mode
+        self.clock = clock or DHTClock(samples=config.clock_samples, max_skew=config.max_clock_skew)
+        self.validators = ValidatorChain(validators)
+        self.protocol = DHTProtocol(
+            node,
+            config=config,
+            clock=self.clock,
+            validators=self.validators,
+            client_mode=client_mode,
+        )
+        self.routing = self.protocol.routing
+        self.storage = self.protocol.storage
+        self.cache = self.protocol.cache
+        self._batcher: FindBatcher = FindBatcher(self.protocol.find)
+        self._gets: dict[str, _SharedGet] = {}
+        self.lookups: list[LookupResult] = []  # the last few lookups (rounds/messages figures)
+        self.initial_peers: list[str | Multiaddr] = []
+
+    def now(self) -> float:
+        """The DHT time (skew-corrected) in which expirations are written."""
+        return self.clock.now()
+
+    @property
+    def _nursery(self) -> trio.Nursery:
+        assert self.protocol.nursery is not None, "the DHT is not running"
+        return self.protocol.nursery
+
+    # --- joining -------------------------------------------------------------------------
+    async def bootstrap(self, initial_peers: Sequence[str | Multiaddr]) -> int:
+        """Ping the initial peers, then look up our own ID; returns how many peers answered."""
+        if not initial_peers:
+            return 0
+        self.initial_peers = list(initial_peers)
+        answered: list[PeerID] = []
+        errors: list[str] = []
+
+        async def try_peer(addr: str | Multiaddr) -> None:
+            try:
+                ma = Multiaddr.parse(addr)
+                with trio.fail_after(self.config.bootstrap_timeout):
+                    peer = await self.node.connect(ma)
+                    if peer == self.peer_id:
+                        return
+                    if await self.protocol.ping(Contact(peer, (ma.with_peer(peer),))):
+                        answered.append(peer)
+                    else:
+                        errors.append(f"{addr}: no answer to ping")
+            except (P2PError, trio.TooSlowError) as e:
+                errors.append(f"{addr}: {e or type(e).__name__}")
+
+        async with trio.open_nursery() as nursery:
+            for addr in initial_peers:
+                nursery.start_soon(try_peer, addr)
+        if not answered:
+            raise BootstrapError(
+                f"none of the {len(initial_peers)} initial peers answered: " + "; ".join(errors)
+            )
+        await self.find_nearest(node_id(self.peer_id))
+        return len(answered)
+
+    async def _reping_initial_peers(self) -> None:
+        """A small table may mean we were cut off (a partition): greet the initial peers."""
+
+        async def one(addr: str | Multiaddr) -> None:
+            try:
+                ma = Multiaddr.parse(addr)
+                with trio.move_on_after(self.config.request_timeout):
+                    peer = await self.node.connect(ma)
+                    await self.protocol.ping(Contact(peer, (ma.with_peer(peer),)))
+            except P2PError as e:
+                log.debug("initial peer %s still unreachable: %s", addr, e)
+
+        async with trio.open_nursery() as nursery:
+            for addr in self.initial_peers:
+                nursery.start_soon(one, addr)
+
+    # --- lookups -------------------------------------------------------------------------
+    async def find_nearest(self, target: int, query: int | str | None = None) -> LookupResult:
+        """An iterative lookup of ``target`` (sending ``query``: the ID itself, or a key)."""
+        now = trio.current_time()
+        initial = [Contact(e.peer, e.addrs) for e in self.routing.nearest(target, self.config.k)]
+        result = await lookup(
+            target,
+            target if query is None else query,
+            initial,
+            self._find_one,
+            k=self.config.k,
+            alpha=self.config.alpha,
+            local=self.peer_id,
+            skip=lambda p: self.protocol.blacklist.is_banned(p, trio.current_time()),
+        )
+        self.routing.touch_bucket(target, now)
+        self.lookups.append(result)
+        del self.lookups[:-100]
+        return result
+
+    async def _find_one(self, contact: Contact, query: int | str) -> Any:
+        return await self._batcher.find(contact, query)
+
+    # --- store ---------------------------------------------------------------------------
+    def make_record(
+        self, key: str, value: Any, expiration: float, subkey: str | None = None
+    ) -> Record:
+        """A record, signed when its key or subkey names this node as owner; validated."""
+        rec = Record(key, subkey, pack_value(value), float(expiration))
+        if record_owner(rec) == self.peer_id:
+            rec = sign_record(rec, self.node.identity)
+        self.validators.validate(rec)
+        return rec
+
+    async def store(
+        self, key: str, value: Any, expiration: float, *, subkey: str | None = None
+    ) -> StoreResult:
+        """Store ``value`` under ``key`` (or one subkey of it) until ``expiration`` (DHT time).
+
+        Raises InvalidRecordError when the record is invalid (here, or refused by every node
+        that answered, with their reason).
+        """
+        rec = self.make_record(key, value, expiration, subkey)
+        return (await self.store_records([rec]))[0]
+
+    async def store_records(self, records: Sequence[Record]) -> list[StoreResult]:
+        """Store several records: one lookup per key, one STORE per target node."""
+        now = self.now()
+        for rec in records:
+            self.validators.validate(rec)
+            if rec.expiration <= now:
+                raise InvalidRecordError(f"record of {rec.key!r} expired already")
+            if rec.expiration > now + self.config.max_ttl:
+                raise InvalidRecordError(f"expiration more than {self.config.max_ttl} s ahead")
+        results = [StoreResult() for _ in records]
+        targets: dict[str, list[Contact]] = {}
+        local: dict[str, bool] = {}
+
+        async def locate(key: str) -> None:
+            kid = key_id(key)
+            found = await self.find_nearest(kid)
+            nearest = found.nearest[: self.config.replication]
+            local[key] = not self.client_mode and (
+                len(nearest) < self.config.replication
+                or self.protocol.local_id ^ kid < node_id(nearest[-1].peer) ^ kid
+            )
+            targets[key] = nearest[: self.config.replication - local[key]]
+
+        async with trio.open_nursery() as nursery:
+            for key in {r.key for r in records}:
+                nursery.start_soon(locate, key)
+
+        per_peer: dict[PeerID, tuple[Contact, list[int]]] = {}
+        for i, rec in enumerate(records):
+            if local[rec.key]:
+                if self.storage.store(rec, now):
+                    results[i].stored += 1
+                else:
+                    results[i].outdated += 1
+            for c in targets[rec.key]:
+                per_peer.setdefault(c.peer, (c, []))[1].append(i)
+
+        async def send(contact: Contact, indices: list[int]) -> None:
+            answers = await self.protocol.store(contact, [records[i] for i in indices])
+            for j, i in enumerate(indices):
+                res = results[i]
+                if answers is None:
+                    res.failed += 1
+                elif answers[j] is True:
+                    res.stored += 1
+                elif answers[j] is False:
+                    res.outdated += 1
+                else:
+                    res.refused[str(contact.peer)] = answers[j]
+
+        async with trio.open_nursery() as nursery:
+            for contact, indices in per_peer.values():
+                nursery.start_soon(send, contact, indices)
+        for res in results:
+            if not res.stored and not res.outdated and res.refused:
+                raise InvalidRecordError("refused: " + next(iter(res.refused.values())))
+        return results
+
+    # --- get -----------------------------------------------------------------------------
+    async def get(self, key: str, *, latest: bool = True) -> DHTValue | None:
+        """The value under ``key``: a ValueWithExpiration, or for a dictionary value a
+        ``{subkey: ValueWithExpiration}``; None when nothing live is found.
+
+        With ``latest=False`` a value held locally is returned without a network lookup.
+        """
+        return decode_view(await self.get_view(key, latest=latest))
+
+    async def get_many(self, keys: Iterable[str], *, latest: bool = True) -> dict[str, Any]:
+        """Several gets at once (their FIND requests to the same node are merged)."""
+        out: dict[str, Any] = {}
+
+        async def one(key: str) -> None:
+            out[key] = await self.get(key, latest=latest)
+
+        async with trio.open_nursery() as nursery:
+            for key in dict.fromkeys(keys):
+                nursery.start_soon(one, key)
+        return out
+
+    async def get_view(self, key: str, *, latest: bool = True) -> View | None:
+        """The merged records of ``key``; concurrent gets of one key share one search."""
+        if not latest:
+            held = self._local_records(key)
+            if held:
+                return merge_views(held)
+        shared = self._gets.get(key)
+        if shared is None:
+            shared = self._gets[key] = _SharedGet()
+            self._nursery.start_soon(self._search, key, shared)
+        await shared.done.wait()
+        if shared.error is not None:
+            raise shared.error
+        return shared.view
+
+    def _local_records(self, key: str) -> list[Record]:
+        now = self.now()
+        return view_records(self.storage.get(key, now)) + view_records(self.cache.get(key, now))
+
+    async def _search(self, key: str, shared: _SharedGet) -> None:
+        try:
+            shared.view = await self._lookup_value(key)
+        except P2PError as e:
+            shared.error = e
+        finally:
+            del self._gets[key]
+            shared.done.set()
+
+    async def _lookup_value(self, key: str) -> View | None:
+        kid = key_id(key)
+        found = await self.find_nearest(kid, key)
+        now = self.now()
+        seen: dict[tuple, Record] = {}
+        for records in found.records.values():
+            for r in records:
+                seen.setdefault((r.subkey, r.value, r.expiration, r.proof), r)
+        valid = [
+            r for r in seen.values() if r.expiration > now and self.validators.reason(r) is None
+        ]
+        if len(valid) < len(seen):
+            self.protocol.stats["invalid_records_seen"] += len(seen) - len(valid)
+        view = merge_views(valid + self._local_records(key))
+        if view is not None:
+            self._nursery.start_soon(self._repair_and_cache, found, view_records(view))
+        return view
+
+    async def _repair_and_cache(self, found: LookupResult, want: list[Record]) -> None:
+        """Give the latest records to the nearest nodes lacking them; cache at the closest
+        node further along the path that lacks them."""
+
+        def missing(peer: PeerID) -> list[Record]:
+            got = {(r.subkey, r.value, r.expiration) for r in found.records.get(peer, [])}
+            return [r for r in want if (r.subkey, r.value, r.expiration) not in got]
+
+        async with trio.open_nursery() as nursery:
+            repl = self.config.replication
+            for contact in found.nearest[:repl]:
+                if lacking := missing(contact.peer):
+                    nursery.start_soon(self.protocol.store, contact, lacking)
+            if self.config.cache_on_path:
+                for contact in found.nearest[repl:]:
+                    if lacking := missing(contact.peer):
+                        nursery.start_soon(_store_cached, self.protocol, contact, lacking)
+                        break
+
+    # --- maintenance ---------------------------------------------------------------------
+    async def _maintenance(self) -> None:
+        while True:
+            await trio.sleep(self.config.maintenance_interval)
+            await self.maintain()
+
+    async def maintain(self) -> None:
+        """Purge expired records, refresh stale buckets, republish what was not re-stored."""
+        now = self.now()
+        self.storage.purge(now)
+        self.cache.purge(now)
+        mono = trio.current_time()
+        stale = self.routing.stale_buckets(mono, self.config.refresh_interval)
+        async with trio.open_nursery() as nursery:
+            if self.initial_peers and len(self.routing) < self.config.k:
+                nursery.start_soon(self._reping_initial_peers)
+            for bucket in stale:
+                nursery.start_soon(self.find_nearest, random_id(bucket.lo, bucket.hi))
+        if self.client_mode:
+            return
+        due = [
+            r
+            for r in self.storage.records(now)
+            if now - (self.storage.last_received(r.key) or now) >= self.config.republish_interval
+        ]
+        if due:
+            self.protocol.stats["republished"] += len(due)
+            for rec in due:
+                self.storage.store(rec, now)  # marks them received now
+            await self.store_records(due)
+
+
+@dataclass
+class _SharedGet:
+    done: trio.Event = field(default_factory=trio.Event)
+    view: View | None = None
+    error: P2PError | None = None
+
+
+async def _store_cached(protocol: DHTProtocol, contact: Contact, records: list[Record]) -> None:
+    await protocol.store(contact, records, cache=True)
+
+
+@asynccontextmanager
+async def open_dht(
+    node: Any,
+    *,
+    initial_peers: Sequence[str | Multiaddr] = (),
+    config: DHTConfig = DHTConfig(),
+    client_mode: bool = False,
+    validators: Iterable[RecordValidator] = (),
+    clock: DHTClock | None = None,
+) -> AsyncIterator[DHT]:
+    """Run a DHT on ``node`` for the block; raises BootstrapError if no initial peer answers.
+
+    With no initial peers the node starts a new DHT (the first bootstrap node).
+    """
+    dht = DHT(node, config=config, client_mode=client_mode, validators=validators, clock=clock)
+    failed: BootstrapError | None = None
+    async with trio.open_nursery() as nursery:
+        dht.protocol.nursery = nursery
+        dht.protocol.register()
+        try:
+            try:
+                await dht.bootstrap(initial_peers)
+            except BootstrapError as e:
+                failed = e  # raised below, outside the nursery, unwrapped
+            else:
+                nursery.start_soon(dht._maintenance)
+                yield dht
+        finally:
+            dht.protocol.nursery = None
+            if not client_mode:
+                for name in ("dht.ping", "dht.store", "dht.find"):
+                    node.remove_handler(name)
+            nursery.cancel_scope.cancel()
+    if failed is not None:
+        raise failed

@@ -1,0 +1,167 @@
+"""Iterative Kademlia lookups: alpha requests in flight, a beam of the k nearest candidates.
+
+A lookup keeps every candidate it heard of, sorted by XOR distance to the target. It keeps
+up to ``alpha`` requests in flight to the nearest candidates not yet asked, and ends when the
+``k`` nearest candidates that did not fail have all answered (those still in flight are then
+cancelled). Hop counts (how many responses separate a candidate from our own table) give the
+number of rounds. The request function is supplied by the caller: it applies per-request
+timeouts, the blacklist and batching of concurrent lookups (see :class:`FindBatcher`).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Generic, TypeVar
+
+import trio
+
+from p2p.dht.ids import node_id
+from p2p.dht.records import Record
+from p2p.dht.wire import Contact
+from p2p.identity import PeerID
+
+log = logging.getLogger(__name__)
+
+FindAnswer = tuple[list[Contact], list[Record] | None]
+FindFn = Callable[[Contact, "int | str"], Awaitable[FindAnswer | None]]
+
+_NEW, _WAITING, _DONE, _FAILED = range(4)
+
+
+@dataclass
+class _Candidate:
+    contact: Contact
+    distance: int
+    hop: int
+    state: int = _NEW
+
+
+@dataclass
+class LookupResult:
+    """The k nearest peers that answered (nearest first) and what they held for the key."""
+
+    nearest: list[Contact]
+    records: dict[PeerID, list[Record]] = field(default_factory=dict)
+    rounds: int = 0
+    messages: int = 0
+
+
+async def lookup(
+    target: int,
+    query: int | str,
+    initial: Iterable[Contact],
+    find: FindFn,
+    *,
+    k: int,
+    alpha: int,
+    local: PeerID | None = None,
+    skip: Callable[[PeerID], bool] = lambda peer: False,
+) -> LookupResult:
+    """Find the k nodes nearest to ``target``; ``query`` is sent to each (an ID or a key)."""
+    cands: dict[PeerID, _Candidate] = {}
+    result = LookupResult([])
+
+    def learn(contacts: Iterable[Contact], hop: int) -> None:
+        for c in contacts:
+            if c.peer == local or skip(c.peer):
+                continue
+            old = cands.get(c.peer)
+            if old is None:
+                cands[c.peer] = _Candidate(c, node_id(c.peer) ^ target, hop)
+            elif old.state == _NEW and hop < old.hop:
+                old.hop = hop
+
+    learn(initial, 1)
+    send_done, recv_done = trio.open_memory_channel[None](1000)
+
+    async def ask(cand: _Candidate) -> None:
+        answer = await find(cand.contact, query)
+        if answer is None:
+            cand.state = _FAILED
+        else:
+            cand.state = _DONE
+            contacts, records = answer
+            if records is not None:
+                result.records[cand.contact.peer] = records
+            learn(contacts, cand.hop + 1)
+        send_done.send_nowait(None)
+
+    async with trio.open_nursery() as nursery:
+        in_flight = 0
+        while True:
+            beam = sorted(
+                (c for c in cands.values() if c.state != _FAILED), key=lambda c: c.distance
+            )[:k]
+            if all(c.state == _DONE for c in beam):
+                break
+            for cand in beam:
+                if in_flight >= alpha:
+                    break
+                if cand.state == _NEW:
+                    cand.state = _WAITING
+                    in_flight += 1
+                    result.messages += 1
+                    nursery.start_soon(ask, cand)
+            if in_flight == 0:
+                break
+            await recv_done.receive()
+            in_flight -= 1
+        nursery.cancel_scope.cancel()
+
+    done = sorted((c for c in cands.values() if c.state == _DONE), key=lambda c: c.distance)
+    result.nearest = [c.contact for c in done[:k]]
+    result.rounds = max((c.hop for c in done), default=0)
+    return result
+
+
+T = TypeVar("T")
+
+
+@dataclass
+class _Batch(Generic[T]):
+    queries: list = field(default_factory=list)
+    done: trio.Event = field(default_factory=trio.Event)
+    results: list[T] | None = None
+    completed: bool = False
+
+
+class FindBatcher(Generic[T]):
+    """Merges queries that concurrent lookups send to the same peer at the same moment.
+
+    The first caller for a peer yields once, letting others add their queries, then sends one
+    request for all of them; the others wait for its answer. ``send`` returns one result per
+    query, or None when the request failed.
+    """
+
+    def __init__(self, send: Callable[[Contact, list], Awaitable[list[T] | None]]) -> None:
+        self._send = send
+        self._pending: dict[PeerID, _Batch[T]] = {}
+
+    async def find(self, contact: Contact, query: int | str) -> T | None:
+        while True:
+            batch = self._pending.get(contact.peer)
+            if batch is None:
+                return await self._lead(contact, query)
+            index = len(batch.queries)
+            batch.queries.append(query)
+            await batch.done.wait()
+            if batch.completed:
+                return batch.results[index] if batch.results is not None else None
+            # the leader was cancelled before answering: try again ourselves
+
+    async def _lead(self, contact: Contact, query: int | str) -> T | None:
+        batch: _Batch[T] = _Batch([query])
+        self._pending[contact.peer] = batch
+        try:
+            try:
+                await trio.lowlevel.checkpoint()
+            finally:
+                if self._pending.get(contact.peer) is batch:
+                    del self._pending[contact.peer]
+            batch.results = await self._send(contact, batch.queries)
+            batch.completed = True
+        finally:
+            batch.done.set()
+        return batch.results[0] if batch.results is not None else None

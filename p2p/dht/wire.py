@@ -1,0 +1,247 @@
+"""The DHT's RPC messages: building them, and checking every field of what peers send.
+
+Everything that arrives from the network is untrusted: these parsers check types, sizes and
+counts and raise :class:`p2p.errors.ProtocolError` with a reason (a handler that raises it
+answers the caller with an error; a bad response counts as a failed request).
+
+Requests (msgpack maps) all carry ``client`` (bool: a client-mode sender is never added to
+routing tables) and ``addrs`` (the sender's listen addresses, text multiaddrs):
+
+- ``dht.ping``:  {} -> {"time"}
+- ``dht.store``: {"records": [[key, subkey|None, value, expiration, proof|None, cache], ...]}
+  -> {"time", "results": [True | False | reason, ...]}  (False: a newer record is held)
+- ``dht.find``:  {"queries": [target, ...]}, a target being a 32-byte node ID (FIND_NODE) or
+  a key text (FIND_VALUE: nearest nodes to the key's ID plus the held records)
+  -> {"time", "results": [[peers, records|None], ...]}, peers = [[peer_id, [addr, ...]], ...],
+  records = [[subkey|None, value, expiration, proof|None], ...]
+
+Every response carries ``time``, the responder's raw local clock (see :mod:`p2p.dht.clock`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from p2p.dht.ids import ID_BYTES
+from p2p.dht.records import Record
+from p2p.errors import IdentityError, MultiaddrError, ProtocolError
+from p2p.identity import PeerID
+from p2p.multiaddr import Multiaddr
+
+PING = "dht.ping"
+STORE = "dht.store"
+FIND = "dht.find"
+
+MAX_ADDR_CHARS = 512
+MAX_KEY_CHARS = 512
+MAX_PROOF_BYTES = 96
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_addrs: int = 8
+    max_records: int = 64
+    max_queries: int = 64
+    max_peers: int = 64  # peers per FIND result
+    max_subkeys: int = 10_000  # records per FIND result
+    max_value_bytes: int = 256 * 1024
+
+
+@dataclass(frozen=True)
+class Contact:
+    """A peer and the addresses it can be dialed at."""
+
+    peer: PeerID
+    addrs: tuple[Multiaddr, ...] = ()
+
+
+# --- small checkers ------------------------------------------------------------------------
+def _map(msg: Any, what: str) -> dict:
+    if not isinstance(msg, dict):
+        raise ProtocolError(f"{what} must be a map")
+    return msg
+
+
+def _list(value: Any, what: str, max_len: int) -> list:
+    if not isinstance(value, list):
+        raise ProtocolError(f"{what} must be a list")
+    if len(value) > max_len:
+        raise ProtocolError(f"{what} has {len(value)} items (limit {max_len})")
+    return value
+
+
+def _text(value: Any, what: str, max_len: int = MAX_KEY_CHARS, *, empty: bool = False) -> str:
+    if not isinstance(value, str) or len(value) > max_len or (not empty and not value):
+        raise ProtocolError(f"{what} must be text of 1..{max_len} characters")
+    return value
+
+
+def _time(value: Any, what: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise ProtocolError(f"{what} must be a finite number")
+    return float(value)
+
+
+def _bytes(value: Any, what: str, max_len: int) -> bytes:
+    if not isinstance(value, bytes) or len(value) > max_len:
+        raise ProtocolError(f"{what} must be at most {max_len} bytes")
+    return value
+
+
+def _peer_id(value: Any) -> PeerID:
+    if not isinstance(value, bytes) or len(value) != 32:
+        raise ProtocolError("peer ID must be 32 bytes")
+    return PeerID(value)
+
+
+_addr_cache: dict[str, tuple[Multiaddr, PeerID | None]] = {}
+_ADDR_CACHE_SIZE = 8192
+
+
+def _parse_addr(text: str) -> tuple[Multiaddr, PeerID | None]:
+    """Parse (and remember: addresses repeat in every FIND answer) one address."""
+    hit = _addr_cache.get(text)
+    if hit is None:
+        try:
+            ma = Multiaddr.parse(text)
+            hit = (ma, ma.peer_id)
+        except (MultiaddrError, IdentityError) as e:
+            raise ProtocolError(f"bad address {text[:80]!r}: {e}") from None
+        if len(_addr_cache) >= _ADDR_CACHE_SIZE:
+            _addr_cache.clear()
+        _addr_cache[text] = hit
+    return hit
+
+
+def parse_addrs(value: Any, peer: PeerID | None, max_addrs: int) -> tuple[Multiaddr, ...]:
+    """Multiaddrs of ``peer``: each must parse and name no other peer."""
+    out = []
+    for a in _list(value, "addrs", max_addrs):
+        ma, named = _parse_addr(_text(a, "address", MAX_ADDR_CHARS))
+        if peer is not None:
+            if named is not None and named != peer:
+                raise ProtocolError("address names another peer")
+            if named is None:
+                ma = ma.with_peer(peer)
+        out.append(ma)
+    return tuple(out)
+
+
+# --- requests ------------------------------------------------------------------------------
+def request(client: bool, addrs: tuple[Multiaddr, ...], **body: Any) -> dict:
+    return {"client": client, "addrs": [str(a) for a in addrs], **body}
+
+
+def parse_sender(msg: Any, sender: PeerID, limits: Limits) -> tuple[bool, tuple[Multiaddr, ...]]:
+    """(client flag, addresses) of a request's sender."""
+    msg = _map(msg, "request")
+    client = msg.get("client", False)
+    if not isinstance(client, bool):
+        raise ProtocolError("client must be a boolean")
+    return client, parse_addrs(msg.get("addrs", []), sender, limits.max_addrs)
+
+
+def record_to_wire(rec: Record, cache: bool = False) -> list:
+    return [rec.key, rec.subkey, rec.value, rec.expiration, rec.proof, cache]
+
+
+def parse_store_request(msg: Any, limits: Limits) -> list[tuple[Record, bool]]:
+    items = _list(_map(msg, "request").get("records"), "records", limits.max_records)
+    out = []
+    for item in items:
+        if not isinstance(item, list) or len(item) != 6:
+            raise ProtocolError("a record is [key, subkey, value, expiration, proof, cache]")
+        key, subkey, value, exp, proof, cache = item
+        if not isinstance(cache, bool):
+            raise ProtocolError("cache must be a boolean")
+        out.append((_record(key, subkey, value, exp, proof, limits), cache))
+    return out
+
+
+def _record(key: Any, subkey: Any, value: Any, exp: Any, proof: Any, limits: Limits) -> Record:
+    return Record(
+        _text(key, "key"),
+        None if subkey is None else _text(subkey, "subkey", empty=True),
+        _bytes(value, "value", limits.max_value_bytes),
+        _time(exp, "expiration"),
+        None if proof is None else _bytes(proof, "proof", MAX_PROOF_BYTES),
+    )
+
+
+def parse_find_request(msg: Any, limits: Limits) -> list[int | str]:
+    """Targets: an int node ID (FIND_NODE) or a key text (FIND_VALUE)."""
+    out: list[int | str] = []
+    for q in _list(_map(msg, "request").get("queries"), "queries", limits.max_queries):
+        if isinstance(q, bytes) and len(q) == ID_BYTES:
+            out.append(int.from_bytes(q, "big"))
+        elif isinstance(q, str):
+            out.append(_text(q, "key"))
+        else:
+            raise ProtocolError("a query is a 32-byte ID or a key")
+    return out
+
+
+def query_to_wire(q: int | str) -> bytes | str:
+    return q if isinstance(q, str) else q.to_bytes(ID_BYTES, "big")
+
+
+# --- responses -----------------------------------------------------------------------------
+def response(now: float, **body: Any) -> dict:
+    return {"time": now, **body}
+
+
+def parse_time(msg: Any) -> float:
+    return _time(_map(msg, "response").get("time"), "time")
+
+
+def parse_store_response(msg: Any, count: int) -> list[bool | str]:
+    results = _list(_map(msg, "response").get("results"), "results", count)
+    if len(results) != count:
+        raise ProtocolError("one result per record expected")
+    out: list[bool | str] = []
+    for r in results:
+        if isinstance(r, bool):
+            out.append(r)
+        elif isinstance(r, str):
+            out.append(r[:500])
+        else:
+            raise ProtocolError("a store result is a boolean or a reason")
+    return out
+
+
+def find_result_to_wire(peers: list[Contact], records: list[Record] | None) -> list:
+    return [
+        [[c.peer.to_bytes(), [str(a) for a in c.addrs]] for c in peers],
+        None if records is None else [[r.subkey, r.value, r.expiration, r.proof] for r in records],
+    ]
+
+
+def parse_find_response(
+    msg: Any, queries: list[int | str], limits: Limits
+) -> list[tuple[list[Contact], list[Record] | None]]:
+    results = _list(_map(msg, "response").get("results"), "results", len(queries))
+    if len(results) != len(queries):
+        raise ProtocolError("one result per query expected")
+    out = []
+    for q, res in zip(queries, results, strict=True):
+        if not isinstance(res, list) or len(res) != 2:
+            raise ProtocolError("a find result is [peers, records]")
+        contacts = []
+        for item in _list(res[0], "peers", limits.max_peers):
+            if not isinstance(item, list) or len(item) != 2:
+                raise ProtocolError("a peer is [peer_id, addrs]")
+            pid = _peer_id(item[0])
+            contacts.append(Contact(pid, parse_addrs(item[1], pid, limits.max_addrs)))
+        records = None
+        if res[1] is not None:
+            if not isinstance(q, str):
+                raise ProtocolError("records answered to a node query")
+            records = []
+            for item in _list(res[1], "records", limits.max_subkeys):
+                if not isinstance(item, list) or len(item) != 4:
+                    raise ProtocolError("a record is [subkey, value, expiration, proof]")
+                records.append(_record(q, *item, limits))
+        out.append((contacts, records))
+    return out
