@@ -10,8 +10,9 @@ raises :class:`ConnectionClosed`; the reason is logged.
 
 Speed: on a trio ``SocketStream`` the channel reads with ``recv_into`` into one reusable buffer
 and encrypts with ``encrypt_into`` into one reusable send buffer (header and ciphertext leave in
-one ``send``), so a frame costs one cipher pass and no Python-level copies. Other streams (memory
-streams, the simulator) get a fresh buffer per sent frame, since they may keep what they are given.
+one ``send``), so a frame costs one cipher pass and no Python-level copies; ``send_frames``
+batches several frames into one write. Other streams (memory streams, the simulator) get a fresh
+buffer per write, since they may keep what they are given.
 """
 
 from __future__ import annotations
