@@ -18,6 +18,12 @@ from p2p.errors import ProtocolError
 
 LENGTH = struct.Struct("!I")
 DEFAULT_MAX_MESSAGE_SIZE = 64 << 20
+BIG_BYTES = 32 << 10
+"""Byte values at least this long are framed without copying (see :func:`encode_parts`)."""
+_BIN16 = struct.Struct("!BH")
+_BIN32 = struct.Struct("!BI")
+_PACKER = msgpack.Packer(use_bin_type=True)
+_BYTES_TYPES = (bytes, bytearray, memoryview)
 
 # Extension type codes the RPC layer uses for its own control messages.
 EXT_ERROR = 1
@@ -40,12 +46,72 @@ def unpack(body: bytes | bytearray | memoryview) -> Any:
         raise ProtocolError(f"malformed message: {e!r:.200}") from None
 
 
+def bin_header(n: int) -> bytes:
+    """The msgpack header of a byte string of length ``n``."""
+    if n < 256:
+        return bytes((0xC4, n))
+    if n < 65536:
+        return _BIN16.pack(0xC5, n)
+    return _BIN32.pack(0xC6, n)
+
+
+def _big(value: Any) -> memoryview | None:
+    if type(value) in _BYTES_TYPES:
+        view = memoryview(value)
+        if view.nbytes >= BIG_BYTES:
+            return view.cast("B") if view.format != "B" or view.ndim != 1 else view
+    return None
+
+
+def _item_parts(value: Any, parts: list[Any]) -> None:
+    view = _big(value)
+    if view is not None:
+        parts.append(bin_header(len(view)))
+        parts.append(view)
+    else:
+        parts.append(pack(value))
+
+
+def encode_parts(obj: Any, max_size: int = DEFAULT_MAX_MESSAGE_SIZE) -> list[Any]:
+    """A message as buffers to send back to back: the length prefix, then the body in pieces.
+
+    Why pieces: a large byte string (a tensor chunk), alone or as a direct value of a dict or
+    list, is referenced rather than copied into a msgpack buffer, so a 1 MiB chunk costs no
+    extra pass over memory. The bytes on the wire are exactly ``msgpack.packb(obj)``.
+    """
+    t = type(obj)
+    parts: list[Any] = []
+    if t is dict and any(_big(v) is not None for v in obj.values()):
+        parts.append(_PACKER.pack_map_header(len(obj)))
+        for key, value in obj.items():
+            parts.append(pack(key))
+            _item_parts(value, parts)
+    elif (t is list or t is tuple) and any(_big(v) is not None for v in obj):
+        parts.append(_PACKER.pack_array_header(len(obj)))
+        for value in obj:
+            _item_parts(value, parts)
+    else:
+        _item_parts(obj, parts)
+    size = sum(len(p) for p in parts)
+    if size > max_size:
+        raise ProtocolError(f"message of {size} bytes exceeds the limit of {max_size}")
+    return [LENGTH.pack(size), *parts]
+
+
 def encode_message(obj: Any, max_size: int = DEFAULT_MAX_MESSAGE_SIZE) -> tuple[bytes, bytes]:
     """(length prefix, body) of ``obj``; ProtocolError when the body exceeds ``max_size``."""
-    body = pack(obj)
-    if len(body) > max_size:
-        raise ProtocolError(f"message of {len(body)} bytes exceeds the limit of {max_size}")
-    return LENGTH.pack(len(body)), body
+    prefix, *parts = encode_parts(obj, max_size)
+    return prefix, b"".join(parts)
+
+
+def bin_payload_length(head: bytes | bytearray | memoryview) -> tuple[int, int] | None:
+    """For a body starting with a msgpack bin header: (header length, payload length)."""
+    kind = head[0]
+    if kind == 0xC6 and len(head) >= 5:
+        return 5, _BIN32.unpack_from(head)[1]
+    if kind == 0xC5 and len(head) >= 3:
+        return 3, _BIN16.unpack_from(head)[1]
+    return None
 
 
 def check_length(prefix: bytes | bytearray | memoryview, max_size: int) -> int:

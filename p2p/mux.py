@@ -15,6 +15,8 @@ without coordinating and stale frames for finished streams are recognised and dr
 
 Kinds: OPEN (empty payload), DATA (bytes), WINDOW (u32 credit increment), EOF (the sender
 will write no more), DATA_EOF (DATA then EOF: a whole request or response in one frame),
+OPEN_DATA and OPEN_DATA_EOF (a stream's first frame carrying data: a unary call is one frame
+each way; the opener assigns the id when that frame leaves, keeping ids ordered on the wire),
 RESET (utf-8 reason; both directions abort, data already received stays readable), GOAWAY
 (utf-8 reason; the sender is closing the connection).
 """
@@ -34,8 +36,19 @@ from p2p.errors import ConnectionClosed, ProtocolError
 
 logger = logging.getLogger(__name__)
 
-OPEN, DATA, WINDOW, EOF, RESET, GOAWAY, DATA_EOF = range(7)
-KIND_NAMES = ("OPEN", "DATA", "WINDOW", "EOF", "RESET", "GOAWAY", "DATA_EOF")
+OPEN, DATA, WINDOW, EOF, RESET, GOAWAY, DATA_EOF, OPEN_DATA, OPEN_DATA_EOF = range(9)
+KIND_NAMES = (
+    "OPEN",
+    "DATA",
+    "WINDOW",
+    "EOF",
+    "RESET",
+    "GOAWAY",
+    "DATA_EOF",
+    "OPEN_DATA",
+    "OPEN_DATA_EOF",
+)
+_OPENING = {DATA: OPEN_DATA, DATA_EOF: OPEN_DATA_EOF, EOF: OPEN_DATA_EOF}
 HEADER = struct.Struct("!BI")
 _WINDOW_PAYLOAD = struct.Struct("!I")
 MAX_REASON_BYTES = 256
@@ -86,7 +99,7 @@ def decode_frame(frame: bytes | bytearray | memoryview) -> tuple[int, int, memor
     if len(view) < HEADER.size:
         raise ProtocolError(f"mux frame of {len(view)} bytes is shorter than its header")
     kind, stream_id = HEADER.unpack_from(view)
-    if kind > DATA_EOF:
+    if kind > OPEN_DATA_EOF:
         raise ProtocolError(f"unknown mux frame kind {kind}")
     payload = view[HEADER.size :]
     if kind == OPEN and len(payload):
@@ -113,9 +126,11 @@ class MuxStream:
     every operation raises :class:`ConnectionClosed` carrying the reason.
     """
 
-    def __init__(self, mux: Mux, stream_id: int, *, outbound: bool) -> None:
+    def __init__(self, mux: Mux, stream_id: int | None, *, outbound: bool) -> None:
         self._mux = mux
-        self.stream_id = stream_id
+        self.stream_id = stream_id  # None until an outbound stream's first frame is sent
+        self.frames_sent = 0  # 0: the peer has seen nothing of this stream (safe to retry)
+        self._forgotten = False
         self.outbound = outbound
         self._chunks: deque[memoryview] = deque()
         self._buffered = 0
@@ -173,6 +188,15 @@ class MuxStream:
         At a clean EOF before the first byte, returns None if ``eof_ok``; any other early end
         raises ConnectionClosed.
         """
+        parts = await self.receive_parts(n, eof_ok=eof_ok)
+        if parts is None:
+            return None
+        if len(parts) == 1:
+            return parts[0]
+        return b"".join(parts)
+
+    async def receive_parts(self, n: int, *, eof_ok: bool = False) -> list[memoryview] | None:
+        """Like :meth:`receive_exactly`, as the received pieces (the caller joins them once)."""
         await trio.lowlevel.checkpoint()
         parts: list[memoryview] = []
         got = 0
@@ -199,9 +223,7 @@ class MuxStream:
             if got:
                 self.reset("receive cancelled mid-message")
             raise
-        if len(parts) == 1:
-            return parts[0]
-        return b"".join(parts)
+        return parts
 
     async def wait_eof(self) -> None:
         """Wait until the peer sent EOF (discarding nothing; raises if data is still queued)."""
@@ -216,6 +238,7 @@ class MuxStream:
         self._consumed += n
         # Grant credit back once a quarter of the window was read: fewer frames, full pipe.
         if self._consumed >= self._mux.config.initial_window // 4 and not self._remote_eof:
+            assert self.stream_id is not None
             self._recv_window += self._consumed
             self._mux._queue_window_update(self.stream_id, self._consumed)
             self._consumed = 0
@@ -261,7 +284,7 @@ class MuxStream:
                 last = eof and not views
                 if last:
                     self._local_eof = True
-                await self._mux._send(DATA_EOF if last else DATA, self.stream_id, frame_parts)
+                await self._mux._send(DATA_EOF if last else DATA, self, frame_parts)
                 if last:
                     self._mux._maybe_forget(self)
                     return
@@ -280,7 +303,7 @@ class MuxStream:
         self._raise_if_reset()
         self._local_eof = True
         try:
-            await self._mux._send(EOF, self.stream_id, ())
+            await self._mux._send(EOF, self, ())
         except trio.Cancelled:
             self.reset("send_eof cancelled")
             raise
@@ -296,7 +319,8 @@ class MuxStream:
         """Abort both directions now (synchronous, so it also works from cancelled code)."""
         if self.finished:
             return
-        self._mux._queue_reset(self.stream_id, reason)
+        if self.stream_id is not None:  # a never-sent stream: the peer does not know it
+            self._mux._queue_reset(self.stream_id, reason)
         self._on_reset(f"local: {reason}", discard=True)
 
     async def aclose(self) -> None:
@@ -373,6 +397,7 @@ class Mux:
             payload = min(payload, int(channel_max) - HEADER.size)
         self.max_payload = payload
         self._streams: dict[int, MuxStream] = {}
+        self._unopened: set[MuxStream] = set()  # outbound streams whose first frame is unsent
         self._next_id = 1 if initiator else 2
         self._last_remote_id = 0
         self._inbound = 0
@@ -399,10 +424,13 @@ class Mux:
 
     @property
     def num_streams(self) -> int:
-        return len(self._streams)
+        return len(self._streams) + len(self._unopened)
 
     async def wait_streams_changed(self) -> None:
-        """Return after the next stream is opened or finished (or the mux closes)."""
+        """Return when the stream count next becomes 0 or 1 (or the mux closes).
+
+        Only those transitions wake waiters: enough for idle detection, and cheap.
+        """
         if self.is_closed:
             await trio.lowlevel.checkpoint()
             return
@@ -423,25 +451,18 @@ class Mux:
                 await trio.aclose_forcefully(self.channel)  # type: ignore[arg-type]
 
     async def open_stream(self) -> MuxStream:
-        """A new outbound stream; waits while ``max_outbound_streams`` are open."""
+        """A new outbound stream; waits while ``max_outbound_streams`` are open.
+
+        Nothing is sent yet: the peer learns of the stream with its first data (or EOF).
+        """
         self._raise_if_closed()
         await self._outbound_slots.acquire()
-        try:
-            self._raise_if_closed()
-            if self._next_id > MAX_STREAM_ID:
-                raise ConnectionClosed("stream ids exhausted on this connection")
-            stream = MuxStream(self, self._next_id, outbound=True)
-            self._next_id += 2
-            self._streams[stream.stream_id] = stream
-            self._streams_lot.unpark_all()
-        except BaseException:
+        if self._closed_reason is not None or self._closing:
             self._outbound_slots.release()
-            raise
-        try:
-            await self._send(OPEN, stream.stream_id, ())
-        except BaseException:
-            stream._on_reset("open failed", discard=True)
-            raise
+            self._raise_if_closed()
+        stream = MuxStream(self, None, outbound=True)
+        self._unopened.add(stream)
+        self._streams_changed()
         return stream
 
     async def aclose(self, reason: str = "closed") -> None:
@@ -476,16 +497,29 @@ class Mux:
         if self._closing:
             raise ConnectionClosed("connection is closing")
 
-    async def _send(self, kind: int, stream_id: int, parts: Iterable[memoryview | bytes]) -> None:
-        frame = b"".join((HEADER.pack(kind, stream_id), *parts))
+    async def _send(
+        self, kind: int, stream: MuxStream, parts: Iterable[memoryview | bytes]
+    ) -> None:
         async with self._send_lock:
             if self._closed_reason is not None:
                 raise ConnectionClosed(f"connection closed: {self._closed_reason}")
+            sid = stream.stream_id
+            if sid is None:  # the stream's first frame: give it the next id now
+                stream._raise_if_reset()
+                if self._next_id > MAX_STREAM_ID:
+                    raise ConnectionClosed("stream ids exhausted on this connection")
+                sid = stream.stream_id = self._next_id
+                self._next_id += 2
+                self._unopened.discard(stream)
+                self._streams[sid] = stream
+                kind = _OPENING[kind]
+            frame = b"".join((HEADER.pack(kind, sid), *parts))
             try:
                 await self.channel.send_frame(frame)
             except _CHANNEL_ERRORS as e:
                 self._close_now(f"send failed: {e!r}")
                 raise ConnectionClosed(f"connection closed: {e!r}") from e
+            stream.frames_sent += 1
 
     def _queue_window_update(self, stream_id: int, increment: int) -> None:
         if self.is_closed:
@@ -559,7 +593,7 @@ class Mux:
             return
         remote_parity = 0 if self.initiator else 1  # ids the peer opens
         from_remote = sid % 2 == remote_parity
-        if kind == OPEN:
+        if kind in (OPEN, OPEN_DATA, OPEN_DATA_EOF):
             if not from_remote:
                 raise ProtocolError(f"peer opened stream {sid} with our parity")
             if sid <= self._last_remote_id:
@@ -567,17 +601,20 @@ class Mux:
             self._last_remote_id = sid
             if self._closing:
                 self._queue_reset(sid, "connection closing")
-            elif self._inbound >= self.config.max_inbound_streams:
+                return
+            if self._inbound >= self.config.max_inbound_streams:
                 logger.info("%s: refusing stream %d: too many streams", self.label, sid)
                 self._queue_reset(sid, "too many streams")
-            else:
-                stream = MuxStream(self, sid, outbound=False)
-                self._streams[sid] = stream
-                self._inbound += 1
-                self._streams_lot.unpark_all()
-                assert self._nursery is not None
-                self._nursery.start_soon(self._run_handler, stream)
-            return
+                return
+            new = MuxStream(self, sid, outbound=False)
+            self._streams[sid] = new
+            self._inbound += 1
+            self._streams_changed()
+            assert self._nursery is not None
+            self._nursery.start_soon(self._run_handler, new)
+            if kind == OPEN:
+                return
+            kind = DATA if kind == OPEN_DATA else DATA_EOF
         stream = self._streams.get(sid)
         if stream is None:
             known = sid <= self._last_remote_id if from_remote else sid < self._next_id
@@ -636,14 +673,23 @@ class Mux:
             self._forget(stream)
 
     def _forget(self, stream: MuxStream) -> None:
-        if self._streams.pop(stream.stream_id, None) is None:
+        if stream._forgotten:
             return
-        self._window_updates.pop(stream.stream_id, None)
+        stream._forgotten = True
+        if stream.stream_id is None:
+            self._unopened.discard(stream)
+        else:
+            self._streams.pop(stream.stream_id, None)
+            self._window_updates.pop(stream.stream_id, None)
         if stream.outbound:
             self._outbound_slots.release()
         else:
             self._inbound -= 1
-        self._streams_lot.unpark_all()
+        self._streams_changed()
+
+    def _streams_changed(self) -> None:
+        if self.num_streams <= 1:
+            self._streams_lot.unpark_all()
 
     def _fail(self, reason: str) -> None:
         """A protocol violation: log it and close the connection."""
@@ -662,7 +708,7 @@ class Mux:
     def _teardown(self, reason: str) -> None:
         if self._closed_reason is None:
             self._closed_reason = reason
-        for stream in list(self._streams.values()):
+        for stream in [*self._streams.values(), *self._unopened]:
             stream._on_reset(f"connection closed: {reason}", discard=True)
         self._control.clear()
         self._window_updates.clear()

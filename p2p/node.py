@@ -423,17 +423,44 @@ class Node:
 
     # ---- calls ----------------------------------------------------------------------------
 
-    async def _new_stream(self, peer: PeerLike) -> MuxStream:
-        conn = await self._get_connection(peer)
-        try:
-            return await conn.mux.open_stream()
-        except ConnectionClosed:
-            # the connection died under us: forget it and redial once
-            conn.draining = True
-            if self._conns.get(conn.peer) is conn:
-                del self._conns[conn.peer]
-            conn = await self._get_connection(conn.peer)
-            return await conn.mux.open_stream()
+    def _drop(self, conn: Connection) -> None:
+        """Stop using a connection that failed under us (its task closes it)."""
+        conn.draining = True
+        if self._conns.get(conn.peer) is conn:
+            del self._conns[conn.peer]
+        conn.mux.close_nowait("failed")
+
+    async def _on_new_stream(
+        self, peer: PeerLike, use: Callable[[MuxStream], Awaitable[Any]], *, keep: bool
+    ) -> Any:
+        """``await use(stream)`` on a new stream to ``peer``.
+
+        A reused connection can turn out dead only when we first write to it; if nothing of
+        the stream reached the peer, retrying on a fresh connection is safe, so we do, once.
+        The stream is reset unless ``use`` succeeded with ``keep`` (or it finished cleanly).
+        """
+        for attempt in (0, 1):
+            conn = await self._get_connection(peer)
+            try:
+                stream = await conn.mux.open_stream()
+            except ConnectionClosed:
+                if attempt:
+                    raise
+                self._drop(conn)
+                continue
+            ok = False
+            try:
+                result = await use(stream)
+                ok = True
+                return result
+            except ConnectionClosed:
+                if attempt or stream.frames_sent:
+                    raise
+                self._drop(conn)
+            finally:
+                if not (ok and keep) and not stream.finished:
+                    stream.reset("call cancelled" if not ok else "done")
+        raise AssertionError("unreachable")
 
     async def call(
         self, peer: PeerLike, name: str, request: Any, *, timeout: float | None = None
@@ -445,14 +472,13 @@ class Node:
         """
         if timeout is None:
             timeout = self.config.call_timeout
-        with trio.move_on_after(math.inf if timeout is None else timeout) as scope:
-            stream = await self._new_stream(peer)
-            try:
-                return await call_on_stream(stream, name, request, self.config.max_message_size)
-            finally:
-                if not stream.finished:
-                    stream.reset("call cancelled")
-        assert scope.cancelled_caught
+        limit = self.config.max_message_size
+        with trio.move_on_after(math.inf if timeout is None else timeout):
+            return await self._on_new_stream(
+                peer,
+                partial(call_on_stream, name=name, request=request, max_message_size=limit),
+                keep=False,
+            )
         raise RPCTimeout(f"{name} on {peer}: no response within {timeout} s")
 
     @asynccontextmanager
@@ -462,14 +488,12 @@ class Node:
         """A message stream to ``name`` on ``peer``; ``timeout`` bounds opening it only."""
         if timeout is None:
             timeout = self.config.call_timeout
+        limit = self.config.max_message_size
         ms: MessageStream | None = None
         with trio.move_on_after(math.inf if timeout is None else timeout):
-            stream = await self._new_stream(peer)
-            try:
-                ms = await open_message_stream(stream, name, self.config.max_message_size)
-            finally:
-                if ms is None:
-                    stream.reset("open cancelled")
+            ms = await self._on_new_stream(
+                peer, partial(open_message_stream, name=name, max_message_size=limit), keep=True
+            )
         if ms is None:
             raise RPCTimeout(f"opening {name} on {peer}: no answer within {timeout} s")
         try:

@@ -26,7 +26,15 @@ import trio
 
 from p2p.errors import ConnectionClosed, P2PError, ProtocolError, RPCError
 from p2p.identity import PeerID
-from p2p.messages import EXT_ACCEPT, EXT_ERROR, check_length, encode_message, unpack
+from p2p.messages import (
+    BIG_BYTES,
+    EXT_ACCEPT,
+    EXT_ERROR,
+    bin_payload_length,
+    check_length,
+    encode_parts,
+    unpack,
+)
 from p2p.multiaddr import Multiaddr
 from p2p.mux import MuxStream
 
@@ -65,8 +73,7 @@ class MessageStream:
         await self._send_raw(msg)
 
     async def _send_raw(self, msg: Any) -> None:
-        prefix, body = encode_message(msg, self.max_message_size)
-        await self.stream.send_parts((prefix, body))
+        await self.stream.send_parts(encode_parts(msg, self.max_message_size))
 
     async def _receive_raw(self, *, eof_ok: bool = False) -> Any:
         prefix = await self.stream.receive_exactly(4, eof_ok=eof_ok)
@@ -77,8 +84,18 @@ class MessageStream:
         except ProtocolError:
             self.stream.reset("message too large")
             raise
-        body = await self.stream.receive_exactly(n)
-        assert body is not None
+        if n >= BIG_BYTES:
+            # a big byte string arrives in pieces: join them once, straight into the result
+            head = await self.stream.receive_exactly(5)
+            assert head is not None
+            rest = await self.stream.receive_parts(n - 5)
+            assert rest is not None
+            sizes = bin_payload_length(head)
+            if sizes is not None and sum(sizes) == n:
+                return b"".join([head[sizes[0] :], *rest])
+            body: Any = b"".join([head, *rest])
+        else:
+            body = await self.stream.receive_exactly(n)
         try:
             return unpack(body)
         except ProtocolError:
@@ -191,8 +208,8 @@ async def serve_stream(
         entry = registry.handlers.get(name)
         if entry is None or entry[0] != kind:
             what = "unknown protocol" if entry is None else "wrong call kind for protocol"
-            prefix, body = encode_message(error_message(f"{what} {name!r:.130}"))
-            await stream.send_parts((prefix, body), eof=True)
+            reply = error_message(f"{what} {name!r:.130}")
+            await stream.send_parts(encode_parts(reply, limits.max_message_size), eof=True)
             return
         ctx = make_context(name)
         if kind == UNARY:
@@ -217,12 +234,12 @@ async def _serve_unary(
     ok, result = await _run_handler(ctx, handler, request)
     if ok:
         try:
-            prefix, body = encode_message(result, ms.max_message_size)
+            parts = encode_parts(result, ms.max_message_size)
         except ProtocolError as e:
             ok, result = False, error_message(f"bad response from {ctx.protocol}: {e}")
     if not ok:
-        prefix, body = encode_message(result, ms.max_message_size)
-    await ms.stream.send_parts((prefix, body), eof=True)
+        parts = encode_parts(result, ms.max_message_size)
+    await ms.stream.send_parts(parts, eof=True)
 
 
 async def _serve_streaming(ms: MessageStream, handler: StreamHandler, ctx: CallContext) -> None:
@@ -258,9 +275,9 @@ async def _run_handler(
 async def call_on_stream(stream: MuxStream, name: str, request: Any, max_message_size: int) -> Any:
     """A unary call on a fresh stream; the caller resets the stream if this is cancelled."""
     ms = MessageStream(stream, max_message_size)
-    h_prefix, h_body = encode_message([UNARY, name], max_message_size)
-    r_prefix, r_body = encode_message(request, max_message_size)
-    await stream.send_parts((h_prefix, h_body, r_prefix, r_body), eof=True)
+    parts = encode_parts([UNARY, name], max_message_size)
+    parts += encode_parts(request, max_message_size)
+    await stream.send_parts(parts, eof=True)
     try:
         response = await ms._receive_raw()
     except ConnectionClosed as e:

@@ -15,6 +15,7 @@ from p2p.mux import (
     DATA,
     EOF,
     OPEN,
+    OPEN_DATA,
     RESET,
     WINDOW,
     Mux,
@@ -119,6 +120,31 @@ def test_frame_roundtrip() -> None:
         decode_frame(encode_frame(WINDOW, 1, b"\x00\x01"))  # window payload must be 4 bytes
     with pytest.raises(ProtocolError):
         decode_frame(encode_frame(99, 1))
+
+
+def test_a_stream_is_announced_by_its_first_frame() -> None:
+    async def main() -> None:
+        async with mux_pair(echo) as (client, _server):
+            first = await client.open_stream()
+            second = await client.open_stream()
+            assert first.stream_id is None and client.num_streams == 2
+            await second.send_all(b"b")  # ids follow the order frames leave in
+            await first.send_all(b"a")
+            assert (second.stream_id, first.stream_id) == (1, 3)
+            channel = client.channel
+            assert isinstance(channel, MemoryFrameChannel)
+            assert [decode_frame(f)[0] for f in channel.sent] == [OPEN_DATA, OPEN_DATA]
+            first.reset()
+            await second.aclose()
+            unused = await client.open_stream()
+            unused.reset()  # never announced: nothing to send
+            await trio.testing.wait_all_tasks_blocked()
+            assert client.num_streams == 0
+            sent = [decode_frame(f)[:2] for f in channel.sent]
+            assert (RESET, 3) in sent
+            assert {sid for _, sid in sent} == {1, 3}  # nothing about the unused stream
+
+    run_virtual(main)
 
 
 def test_echo_and_eof() -> None:
@@ -299,6 +325,7 @@ def test_data_received_before_a_remote_reset_stays_readable() -> None:
 
         async with mux_pair(server) as (client, _server):
             stream = await client.open_stream()
+            await stream.send_all(b"?")
             await trio.testing.wait_all_tasks_blocked()
             assert bytes(await stream.receive_exactly(10)) == b"last words"
             with pytest.raises(ConnectionClosed, match="bye"):
@@ -318,6 +345,8 @@ def test_too_many_inbound_streams_are_reset() -> None:
 
         async with mux_pair(server, config) as (client, server_mux):
             streams = [await client.open_stream() for _ in range(5)]
+            for stream in streams:
+                await stream.send_all(b"hello")
             await trio.testing.wait_all_tasks_blocked()
             assert server_mux.num_streams == 3
             refused = [s for s in streams if s.is_reset]
@@ -436,6 +465,7 @@ def test_peer_closing_resets_every_stream() -> None:
 
         async with mux_pair(hang) as (client, server):
             stream = await client.open_stream()
+            await stream.send_eof()
             await trio.testing.wait_all_tasks_blocked()
             await server.aclose("shutting down")
             with trio.fail_after(5):

@@ -234,3 +234,37 @@ def test_identity_is_proven_to_handlers() -> None:
             assert addr.startswith("/ip4/127.0.0.1/tcp/")
 
     trio.run(main)
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        b"\x07" * 100_000,
+        bytearray(b"\x01" * 70_000),
+        {"chunk": b"\x02" * 40_000, "index": 3, "tail": b"small"},
+        [1, b"\x03" * 200_000, "x", b"\x04" * 33_000],
+        (b"\x05" * 65_535,),
+        memoryview(bytes(range(256)) * 300),
+    ],
+)
+def test_large_bytes_are_framed_exactly_like_msgpack(value: Any) -> None:
+    import msgpack
+
+    from p2p.messages import encode_parts
+
+    prefix, *parts = encode_parts(value)
+    body = b"".join(parts)
+    assert body == msgpack.packb(value, use_bin_type=True)
+    assert int.from_bytes(prefix, "big") == len(body)
+
+    async def main() -> None:
+        async with open_node() as a, open_node() as b:
+            a.add_handler("echo", same)
+            got = await b.call(a.addrs[0], "echo", value)
+            assert got == msgpack.unpackb(body, raw=False)
+
+    trio.run(main)
+
+
+async def same(ctx: CallContext, value: Any) -> Any:
+    return value
