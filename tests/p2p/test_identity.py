@@ -141,20 +141,20 @@ def test_peer_id_rejects_wrong_digest():
         PeerID(bytearray(32))  # type: ignore[arg-type]
 
 
-@settings(deadline=None)
+@settings(deadline=None, derandomize=True, database=None)
 @given(st.binary(min_size=32, max_size=32))
 def test_peer_id_base58_round_trip_property(digest):
     pid = PeerID(digest)
     assert PeerID.from_base58(pid.to_base58()) == pid
 
 
-@settings(deadline=None)
+@settings(deadline=None, derandomize=True, database=None)
 @given(st.binary(max_size=64))
 def test_base58_round_trip_property(data):
     assert b58decode(b58encode(data)) == data
 
 
-@settings(deadline=None)
+@settings(deadline=None, derandomize=True, database=None)
 @given(st.text(max_size=80))
 def test_peer_id_parsing_never_raises_anything_else(text):
     try:
@@ -164,7 +164,7 @@ def test_peer_id_parsing_never_raises_anything_else(text):
     assert str(pid) == text  # base58 is canonical: only one text per peer ID
 
 
-@settings(deadline=None)
+@settings(deadline=None, derandomize=True, database=None)
 @given(st.text(alphabet=ALPHABET, min_size=40, max_size=48))
 def test_valid_alphabet_text_parses_or_fails_cleanly(text):
     try:

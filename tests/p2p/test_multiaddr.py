@@ -153,7 +153,7 @@ def _addresses(draw):
     return text
 
 
-@settings(deadline=None)
+@settings(deadline=None, derandomize=True, database=None)
 @given(_addresses())
 def test_generated_addresses_round_trip(text):
     addr = Multiaddr.parse(text)
@@ -164,7 +164,7 @@ def test_generated_addresses_round_trip(text):
         assert ipaddress.IPv6Address(addr.host)
 
 
-@settings(deadline=None)
+@settings(deadline=None, derandomize=True, database=None)
 @given(st.ip_addresses(v=6), _ports, _peer_ids)
 def test_ip6_round_trip_keeps_peer(ip, port, pid):
     addr = Multiaddr.parse(f"/ip6/{ip.exploded}/tcp/{port}/p2p/{pid}")
@@ -181,7 +181,7 @@ _pieces = st.sampled_from(
 _joined = st.lists(_pieces, max_size=8).map(lambda p: "/" + "/".join(p))
 
 
-@settings(deadline=None)
+@settings(deadline=None, derandomize=True, database=None)
 @given(st.one_of(st.text(max_size=60), _joined))
 def test_random_text_parses_or_raises_multiaddr_error(text):
     try:
