@@ -1,0 +1,55 @@
+"""Bandwidth-proportional butterfly all-reduce of gradient pytrees (DeDLOC's averaging).
+
+Usage: build a :class:`GroupSpec` (matchmaking does it), :func:`install` the handlers on each
+node before the round, then ``await all_reduce(node, spec, grads, weight=samples)``.
+"""
+
+from .bandwidth import BandwidthMeter, install_probe, probe
+from .butterfly import AllReduceResult, AveragingService, ShareResult, all_reduce, install
+from .codecs import CODECS, Codec, get_codec
+from .config import AllReduceConfig
+from .errors import (
+    AllReduceError,
+    AveragingError,
+    BadContributionError,
+    CodecError,
+    GroupError,
+    LoadBalancingError,
+    PartitionError,
+    ShareLostError,
+)
+from .group import GroupSpec, Member
+from .load_balancing import ShareSolution, equal_split, predicted_time, solve_shares
+from .partition import TreeSpec, flatten, unflatten
+
+__all__ = [
+    "CODECS",
+    "AllReduceConfig",
+    "AllReduceError",
+    "AllReduceResult",
+    "AveragingError",
+    "AveragingService",
+    "BadContributionError",
+    "BandwidthMeter",
+    "Codec",
+    "CodecError",
+    "GroupError",
+    "GroupSpec",
+    "LoadBalancingError",
+    "Member",
+    "PartitionError",
+    "ShareLostError",
+    "ShareResult",
+    "ShareSolution",
+    "TreeSpec",
+    "all_reduce",
+    "equal_split",
+    "flatten",
+    "get_codec",
+    "install",
+    "install_probe",
+    "predicted_time",
+    "probe",
+    "solve_shares",
+    "unflatten",
+]

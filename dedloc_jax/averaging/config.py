@@ -1,0 +1,51 @@
+"""Tunables of a butterfly round, with named presets."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+
+@dataclass(frozen=True)
+class AllReduceConfig:
+    """Chunking, stall detection and how a round's timeout is split between its phases.
+
+    Phases are fractions of the round's timeout, measured from when this member started it:
+    reducers stop waiting for parts at ``collect_fraction``; senders stop waiting for results
+    at ``exchange_fraction``; a repair coordinator stops waiting for participants at
+    ``join_fraction`` and for their data at ``data_fraction``; everything ends at 1.
+    """
+
+    chunk_elems: int = 1 << 16
+    """Values per chunk (the unit of pipelining, of accumulation and of fault exclusion)."""
+    stall_timeout: float = 20.0
+    """A peer that makes no progress for this long is treated as failed (senders are excluded,
+    reducers are repaired)."""
+    open_timeout: float = 10.0
+    """Opening a stream (dial + protocol negotiation) must finish within this."""
+    collect_fraction: float = 0.5
+    exchange_fraction: float = 0.75
+    join_fraction: float = 0.85
+    data_fraction: float = 0.95
+    max_pending_rounds: int = 16
+    """Rounds a peer may announce before we start them locally; more are refused."""
+    linger: float = 60.0
+    """How long a finished round stays available to relay its results to repairing peers."""
+
+    @classmethod
+    def internet(cls) -> AllReduceConfig:
+        """Volunteers on home links: 256 KiB chunks, generous stall detection."""
+        return cls()
+
+    @classmethod
+    def loopback(cls) -> AllReduceConfig:
+        """Peers on one machine or a LAN: 1 MiB chunks, quick stall detection."""
+        return cls(chunk_elems=1 << 18, stall_timeout=5.0, open_timeout=5.0)
+
+    @classmethod
+    def testing(cls) -> AllReduceConfig:
+        """Tiny chunks so small test vectors still span many chunks; short stalls."""
+        return cls(chunk_elems=16, stall_timeout=2.0, open_timeout=2.0, linger=30.0)
+
+    def with_(self, **changes: Any) -> AllReduceConfig:
+        return replace(self, **changes)

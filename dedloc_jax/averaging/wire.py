@@ -1,0 +1,139 @@
+"""Messages of the all-reduce protocols and their validation (pure; nothing here does I/O).
+
+Everything read from the network goes through a ``parse_*`` function that checks types, ranges
+and sizes against what the local round expects, and raises :class:`BadContributionError`
+otherwise; no size or offset is ever taken from a message without such a check.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from .errors import BadContributionError
+
+PROTOCOL = "dedloc/allreduce/1"
+REPAIR_PROTOCOL = "dedloc/allreduce-repair/1"
+
+
+def _get(msg: Any, key: str, kind: type | tuple[type, ...]) -> Any:
+    if not isinstance(msg, dict):
+        raise BadContributionError(f"expected a map, got {type(msg).__name__}")
+    value = msg.get(key)
+    if isinstance(value, bool) and kind is not bool:
+        raise BadContributionError(f"field {key!r} has the wrong type")
+    if not isinstance(value, kind):
+        raise BadContributionError(f"field {key!r} missing or of the wrong type")
+    return value
+
+
+def kind_of(msg: Any) -> str:
+    return _get(msg, "t", str)
+
+
+@dataclass(frozen=True)
+class Hello:
+    """First message of a sender's exchange stream (and of a repair request)."""
+
+    round_id: bytes
+    digest: bytes
+    sender: int
+    weight: float
+    size: int
+    codec: str
+    abstain: bool
+    share: int = -1  # repair only: the share being repaired
+    held: int = 0  # repair only: how many leading chunks of that share the sender holds
+
+
+def hello(h: Hello) -> dict:
+    return {
+        "t": "hello",
+        "r": h.round_id,
+        "g": h.digest,
+        "s": h.sender,
+        "w": float(h.weight),
+        "n": h.size,
+        "c": h.codec,
+        "a": h.abstain,
+        "j": h.share,
+        "h": h.held,
+    }
+
+
+def parse_hello(msg: Any) -> Hello:
+    if kind_of(msg) != "hello":
+        raise BadContributionError("expected hello")
+    weight = float(_get(msg, "w", (int, float)))
+    if not math.isfinite(weight) or weight < 0:
+        raise BadContributionError(f"bad weight {weight!r}")
+    size = _get(msg, "n", int)
+    if size < 0:
+        raise BadContributionError("negative vector size")
+    return Hello(
+        round_id=_get(msg, "r", bytes),
+        digest=_get(msg, "g", bytes),
+        sender=_get(msg, "s", int),
+        weight=weight,
+        size=size,
+        codec=_get(msg, "c", str),
+        abstain=_get(msg, "a", bool),
+        share=_get(msg, "j", int),
+        held=_get(msg, "h", int),
+    )
+
+
+def part(k: int, data: bytes) -> dict:
+    return {"t": "part", "k": k, "d": data}
+
+
+def parse_chunk(msg: Any, expected_k: int, expected_bytes: int) -> bytes:
+    """The payload of a part/res/held/final message for chunk ``expected_k`` of known size."""
+    k = _get(msg, "k", int)
+    if k != expected_k:
+        raise BadContributionError(f"chunk {k} out of order (expected {expected_k})")
+    data = _get(msg, "d", bytes)
+    if len(data) != expected_bytes:
+        raise BadContributionError(f"chunk {k}: {len(data)} bytes, expected {expected_bytes}")
+    return data
+
+
+def result(k: int, data: bytes, contributors: Iterable[int], kind: str = "res") -> dict:
+    return {"t": kind, "k": k, "d": data, "m": sorted(contributors)}
+
+
+def parse_contributors(msg: Any, allowed: frozenset[int]) -> frozenset[int]:
+    raw = _get(msg, "m", list)
+    if len(raw) > len(allowed) or not all(
+        isinstance(i, int) and not isinstance(i, bool) for i in raw
+    ):
+        raise BadContributionError("malformed contributor list")
+    out = frozenset(raw)
+    if len(out) != len(raw) or not out <= allowed:
+        raise BadContributionError("contributor list names non-senders or repeats")
+    return out
+
+
+def need(held: tuple[int, int], parts: tuple[int, int]) -> dict:
+    return {"t": "need", "held": list(held), "parts": list(parts)}
+
+
+def parse_need(msg: Any, n_chunks: int) -> tuple[tuple[int, int], tuple[int, int]]:
+    if kind_of(msg) != "need":
+        raise BadContributionError("expected need")
+    out = []
+    for key in ("held", "parts"):
+        rng = _get(msg, key, list)
+        if len(rng) != 2 or not all(isinstance(v, int) for v in rng):
+            raise BadContributionError(f"malformed {key} range")
+        a, b = rng
+        if not 0 <= a <= b <= n_chunks:
+            raise BadContributionError(f"{key} range {a}..{b} outside 0..{n_chunks}")
+        out.append((a, b))
+    return out[0], out[1]
+
+
+def simple(kind: str, **fields: Any) -> dict:
+    return {"t": kind, **fields}

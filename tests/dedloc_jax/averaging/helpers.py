@@ -1,0 +1,136 @@
+"""Shared helpers: run one all-reduce round on simulated nodes and check the results."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import trio
+
+from dedloc_jax.averaging import AllReduceConfig, GroupSpec, Member, all_reduce, install
+from dedloc_jax.averaging.errors import AveragingError
+from p2p.sim import SimNetwork
+from p2p.testing import host_of, open_sim_nodes, run_sim
+
+
+def make_tree(rng: np.random.Generator, shapes: Sequence[tuple[int, ...]]) -> dict:
+    return {f"leaf{i}": rng.standard_normal(s).astype(np.float32) for i, s in enumerate(shapes)}
+
+
+def run_round(
+    modes: Sequence[str],
+    trees: Sequence[Any],
+    weights: Sequence[float],
+    *,
+    codec: str = "none",
+    timeout: float = 60.0,
+    config: AllReduceConfig | None = None,
+    bandwidth: Sequence[tuple[float, float]] | None = None,
+    fault: Callable[[SimNetwork, list, list], Any] | None = None,
+    seed: int = 0,
+    parts: tuple[int, ...] | None = None,
+    codecs: Sequence[Any] | None = None,
+) -> tuple[list, float, list[str]]:
+    """Run one round; returns (per-member result, exception or None if killed; virtual duration;
+    member peer IDs)."""
+    cfg = config or AllReduceConfig.testing()
+    outcome: list = [None] * len(modes)
+    duration = [0.0]
+    names: list[str] = []
+
+    async def main() -> None:
+        net = SimNetwork(seed=seed)
+        async with open_sim_nodes(net, len(modes)) as nodes:
+            for i, node in enumerate(nodes):
+                install(node, cfg)
+                if bandwidth is not None:
+                    net.set_bandwidth(host_of(net, node), *bandwidth[i])
+            members = tuple(
+                Member(
+                    str(node.peer_id),
+                    mode,
+                    *(bandwidth[i] if bandwidth is not None else (float("inf"),) * 2),
+                )
+                for i, (node, mode) in enumerate(zip(nodes, modes, strict=True))
+            )
+            names.extend(m.peer_id for m in members)
+            spec = GroupSpec(members, b"test-round", parts)
+            for a in nodes:
+                for b in nodes:
+                    if a is not b:
+                        a.peerstore.add_addrs(b.peer_id, b.addrs)
+            scopes = [trio.CancelScope() for _ in nodes]
+            t0 = trio.current_time()
+
+            async def one(i: int) -> None:
+                with scopes[i]:
+                    try:
+                        outcome[i] = await all_reduce(
+                            nodes[i],
+                            spec,
+                            trees[i],
+                            weights[i],
+                            codec=codecs[i] if codecs else codec,
+                            timeout=timeout,
+                            config=cfg,
+                        )
+                    except AveragingError as e:
+                        outcome[i] = e
+
+            async with trio.open_nursery() as nursery:
+                for i in range(len(nodes)):
+                    nursery.start_soon(one, i)
+                if fault is not None:
+                    nursery.start_soon(fault, net, nodes, scopes)
+            duration[0] = trio.current_time() - t0
+
+    run_sim(main, seed=seed)
+    return outcome, duration[0], names
+
+
+def expected_mean(trees: Sequence[Any], weights: Sequence[float], include: Sequence[int]) -> Any:
+    import jax
+
+    total = sum(weights[i] for i in include)
+    return jax.tree_util.tree_map(
+        lambda *xs: (
+            sum(np.asarray(xs[i], np.float64) * weights[i] for i in range(len(xs)) if i in include)
+            / total
+        ),
+        *trees,
+    )
+
+
+def check_survivors(
+    outcome: Sequence[Any],
+    trees: Sequence[Any],
+    weights: Sequence[float],
+    names: Sequence[str],
+    *,
+    rtol: float = 1e-5,
+    atol: float = 1e-6,
+) -> list:
+    """Every survivor's result is bit-identical, and each segment is the weighted mean of exactly
+    the members its contributor set names. Returns the successful results."""
+    from dedloc_jax.averaging import flatten
+
+    results = [
+        o
+        for o in outcome
+        if o is not None and not isinstance(o, Exception) and o.vector is not None
+    ]
+    assert results, outcome
+    first = results[0]
+    for r in results[1:]:
+        assert r.vector.tobytes() == first.vector.tobytes()
+        assert r.shares == first.shares
+    vecs = [flatten(t)[0].astype(np.float64) for t in trees]
+    index = {n: i for i, n in enumerate(names)}
+    for share in first.shares:
+        for a, b, who in share.segments:
+            members = [index[n] for n in who]
+            total = sum(weights[i] for i in members)
+            want = sum(vecs[i][a:b] * weights[i] for i in members) / total
+            np.testing.assert_allclose(first.vector[a:b], want, rtol=rtol, atol=atol)
+    return results
