@@ -176,6 +176,7 @@ class Node:
         self._pending_inbound = 0
         self._per_ip: Counter[str] = Counter()
         self._closing = False
+        self._parsed: dict[str, PeerID | Multiaddr] = {}
         self._serve_limits = ServeLimits(
             max_message_size=config.max_message_size,
             header_timeout=config.header_timeout,
@@ -223,7 +224,13 @@ class Node:
 
     def _resolve(self, peer: PeerLike) -> tuple[PeerID | None, list[Multiaddr]]:
         if isinstance(peer, str):
-            peer = Multiaddr.parse(peer) if peer.startswith("/") else PeerID.from_base58(peer)
+            parsed = self._parsed.get(peer)
+            if parsed is None:
+                parsed = Multiaddr.parse(peer) if peer.startswith("/") else PeerID.from_base58(peer)
+                if len(self._parsed) >= 1024:  # callers repeat a few addresses; keep it small
+                    self._parsed.clear()
+                self._parsed[peer] = parsed
+            peer = parsed
         if isinstance(peer, PeerID):
             return peer, self.peerstore.addrs_of(peer)
         if isinstance(peer, Multiaddr):
