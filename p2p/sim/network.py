@@ -94,7 +94,8 @@ class _Sleeper:
 class SimNetwork:
     """An in-memory network of :class:`SimHost` s; use it inside one ``trio.run``.
 
-    ``buffer_bytes`` is the per-direction socket buffer (grown by the bandwidth-delay product);
+    ``buffer_bytes`` is the per-direction socket buffer (bytes written but not yet read, not
+    counting those in propagation; ``max_inflight_bytes`` bounds the latter on infinite links);
     with ``silent_failures`` a dial to a dead, unreachable or partitioned host hangs until the
     caller's timeout instead of failing at once (as a SYN into the void does); ``record=True``
     keeps an event list in :attr:`trace` for determinism checks.
@@ -105,6 +106,7 @@ class SimNetwork:
         seed: int = 0,
         *,
         buffer_bytes: int = 512 * 1024,
+        max_inflight_bytes: int = 64 * 1024 * 1024,
         silent_failures: bool = False,
         record: bool = False,
     ) -> None:
@@ -113,6 +115,7 @@ class SimNetwork:
         self.seed = seed
         self.rng = random.Random(seed)
         self.buffer_bytes = buffer_bytes
+        self.max_inflight_bytes = max_inflight_bytes
         self.silent_failures = silent_failures
         self.engine = Engine()
         self.engine.on_new_head = self._refresh_keeper

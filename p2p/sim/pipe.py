@@ -3,9 +3,10 @@
 Bytes written by the sender enter a fluid :class:`~p2p.sim.fluid.Flow`; each finished chunk
 lands on the "wire" with a delivery time (completion + one-way latency, never before the
 previous chunk, so a latency change cannot reorder bytes) and becomes readable then. The
-sender may have at most ``window`` bytes written but not yet read by the receiver, so a slow
-reader back-pressures the writer like a socket buffer; the window grows with the path's
-bandwidth-delay product, as TCP autotuning does, so it never caps throughput on its own.
+sender may have at most ``buffer_bytes`` written but neither read by the receiver nor in
+propagation, so a slow reader back-pressures the writer like a socket buffer, while bytes on the
+wire (up to twice the path's bandwidth-delay product, as TCP autotuning allows) never count,
+so the buffer does not cap throughput on a long fat path.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ class Pipe:
         "send_waiter",
         "last_deliver",
         "bytes_delivered",
+        "inflight",
     )
 
     def __init__(self, net: SimNetwork, src: SimHost, dst: SimHost) -> None:
@@ -57,19 +59,20 @@ class Pipe:
         self.send_waiter: trio.CancelScope | None = None
         self.last_deliver = -math.inf
         self.bytes_delivered = 0
+        self.inflight = 0  # bytes landed on the wire whose delivery time is still ahead
 
     # -- sender side -----------------------------------------------------------------------
 
-    def window(self) -> int:
-        """Bytes the sender may have in flight or unread: the base buffer plus 2x the BDP."""
-        base = self.net.buffer_bytes
+    def inflight_allowance(self) -> float:
+        """Bytes in propagation that do not count against the buffer: 2x the path's BDP."""
         bottleneck = min(self.src.uplink.cap, self.dst.downlink.cap)
         if bottleneck == math.inf:
-            return base
-        return base + int(2 * bottleneck * self.net.latency(self.src, self.dst))
+            return self.net.max_inflight_bytes
+        return 2 * bottleneck * self.net.latency(self.src, self.dst)
 
     def send_space(self) -> int:
-        return self.window() - self.unread
+        counted = self.unread - min(self.inflight, self.inflight_allowance())
+        return int(self.net.buffer_bytes - counted)
 
     def write(self, view: memoryview) -> int:
         """Queue as much of ``view`` as the window allows now; returns the bytes taken."""
@@ -134,6 +137,7 @@ class Pipe:
         self.wire.clear()
         self.head_off = 0
         self.unread = 0
+        self.inflight = 0
         self.wake_all()
 
     def wake_all(self) -> None:
@@ -154,17 +158,23 @@ class Pipe:
         deliver = max(t + net.latency(self.src, self.dst), self.last_deliver)
         self.last_deliver = deliver
         self.wire.append((deliver, payload))
+        n = 0
         if payload is not None:
-            self.bytes_delivered += len(payload)
+            n = len(payload)
+            self.bytes_delivered += n
             net.stats.bytes += len(payload)
             net.stats.chunks += 1
             if net.trace is not None:
                 net.trace.append((deliver, "bytes", self.src.name, self.dst.name, len(payload)))
         if deliver <= net.engine.now:
-            self._wake_reader()
+            self._arrive(0)
         else:
-            net.engine.at(deliver, self._wake_reader)
+            self.inflight += n
+            net.engine.at(deliver, self._arrive, n)
 
-    def _wake_reader(self) -> None:
+    def _arrive(self, n: int) -> None:
+        if self.broken is not None:
+            return
+        self.inflight -= n
         if self.recv_waiter is not None:
             self.recv_waiter.cancel()

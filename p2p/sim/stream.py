@@ -101,8 +101,9 @@ class SimStream(trio.abc.HalfCloseableStream):
                     raise trio.BrokenResourceError(pipe.broken)
                 if pos >= len(view):
                     break
-                pos += pipe.write(view[pos:])
-                if pos < len(view):
+                taken = pipe.write(view[pos:])
+                pos += taken
+                if taken == 0:
                     await net._wait(pipe, "send_waiter")
         finally:
             self._sending = False
