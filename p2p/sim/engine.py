@@ -17,14 +17,17 @@ from typing import Any
 class Event:
     """A scheduled callback; :meth:`cancel` makes it a no-op (it is dropped lazily)."""
 
-    __slots__ = ("time", "seq", "fn", "args", "alive")
+    __slots__ = ("time", "seq", "fn", "args", "alive", "owner")
 
-    def __init__(self, time: float, seq: int, fn: Callable[..., None], args: tuple[Any, ...]):
+    def __init__(
+        self, time: float, seq: int, fn: Callable[..., None], args: tuple[Any, ...], owner: Any
+    ) -> None:
         self.time = time
         self.seq = seq
         self.fn = fn
         self.args = args
         self.alive = True
+        self.owner = owner  # whoever this event will wake, if known (a hint for the waker)
 
     def cancel(self) -> None:
         self.alive = False
@@ -42,11 +45,11 @@ class Engine:
         self.now = -math.inf
         self.on_new_head: Callable[[], None] | None = None
 
-    def at(self, time: float, fn: Callable[..., None], *args: Any) -> Event:
+    def at(self, time: float, fn: Callable[..., None], *args: Any, owner: Any = None) -> Event:
         """Schedule ``fn(*args)`` at ``time`` (clamped to now)."""
         if time < self.now:
             time = self.now
-        ev = Event(time, self._seq, fn, args)
+        ev = Event(time, self._seq, fn, args, owner)
         self._seq += 1
         heap = self._heap
         heapq.heappush(heap, ev)
@@ -54,12 +57,17 @@ class Engine:
             self.on_new_head()
         return ev
 
-    def next_time(self) -> float:
-        """Time of the earliest live event, or inf."""
+    def peek(self) -> Event | None:
+        """The earliest live event, or None."""
         heap = self._heap
         while heap and not heap[0].alive:
             heapq.heappop(heap)
-        return heap[0].time if heap else math.inf
+        return heap[0] if heap else None
+
+    def next_time(self) -> float:
+        """Time of the earliest live event, or inf."""
+        ev = self.peek()
+        return ev.time if ev is not None else math.inf
 
     def run_until(self, time: float) -> None:
         """Fire every live event due at or before ``time``, in order, then set now = time."""

@@ -125,9 +125,8 @@ class SimNetwork:
         self.trace: list[tuple] | None = [] if record else None
         self._latency_override: dict[frozenset[str], float] = {}
         self._partitions: list[tuple[frozenset[str], frozenset[str]]] = []
-        self._waiters: dict[int, trio.CancelScope] = {}
-        self._waiter_seq = 0
-        self._keeper: int | None = None
+        self._waiters: dict[trio.CancelScope, None] = {}
+        self._keeper: trio.CancelScope | None = None
 
     # -- topology --------------------------------------------------------------------------
 
@@ -257,31 +256,43 @@ class SimNetwork:
     async def _wait(self, owner: object, attr: str) -> None:
         """Block until ``owner.<attr>`` (a cancel scope) is cancelled by a notifier.
 
-        If this task is the keeper it also wakes at the engine's next event time.
+        This is the task's checkpoint. If this task is the keeper it also wakes at the engine's
+        next event time.
         """
         scope = trio.CancelScope()
-        key = self._waiter_seq
-        self._waiter_seq += 1
         setattr(owner, attr, scope)
-        self._waiters[key] = scope
+        self._waiters[scope] = None
         try:
             with scope:
                 self._refresh_keeper()
                 await trio.sleep_forever()
         finally:
             setattr(owner, attr, None)
-            del self._waiters[key]
-            if self._keeper == key:
+            del self._waiters[scope]
+            if self._keeper is scope:
                 self._keeper = None
+                self._settle()  # fire what woke us before handing the next deadline on
                 self._refresh_keeper()
 
     def _refresh_keeper(self) -> None:
+        """Give the next event's deadline to one waiting task: the one it wakes, if waiting."""
         if not self._waiters:
             self._keeper = None
             return
-        if self._keeper is None:
-            self._keeper = next(iter(self._waiters))
-        self._waiters[self._keeper].deadline = self.engine.next_time()
+        ev = self.engine.peek()
+        if ev is None:
+            if self._keeper is not None:
+                self._keeper.deadline = math.inf
+            return
+        target = getattr(ev.owner, "waiter", None) if ev.owner is not None else None
+        keeper = self._keeper
+        if target is not None and target is not keeper and target in self._waiters:
+            if keeper is not None:
+                keeper.deadline = math.inf
+            self._keeper = keeper = target
+        elif keeper is None:
+            self._keeper = keeper = next(iter(self._waiters))
+        keeper.deadline = ev.time
 
     async def sleep_until(self, t: float) -> None:
         """Sleep in the simulator's event order (deterministic ties, unlike trio deadlines)."""
@@ -290,7 +301,7 @@ class SimNetwork:
         if t <= self.engine.now:
             await trio.lowlevel.checkpoint()
             return
-        ev = self.engine.at(t, sleeper.fire)
+        ev = self.engine.at(t, sleeper.fire, owner=sleeper)
         try:
             while not sleeper.fired:
                 await self._wait(sleeper, "waiter")

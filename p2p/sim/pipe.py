@@ -95,6 +95,11 @@ class Pipe:
 
     # -- receiver side ---------------------------------------------------------------------
 
+    @property
+    def waiter(self) -> trio.CancelScope | None:
+        """The blocked reader, whom a delivery event wakes (see ``SimNetwork._refresh_keeper``)."""
+        return self.recv_waiter
+
     def readable(self, now: float) -> bool:
         return bool(self.wire) and self.wire[0][0] <= now
 
@@ -170,7 +175,7 @@ class Pipe:
             self._arrive(0)
         else:
             self.inflight += n
-            net.engine.at(deliver, self._arrive, n)
+            net.engine.at(deliver, self._arrive, n, owner=self)
 
     def _arrive(self, n: int) -> None:
         if self.broken is not None:

@@ -84,8 +84,7 @@ class SimStream(trio.abc.HalfCloseableStream):
         self._sending = True
         try:
             self._check_open()
-            await trio.lowlevel.checkpoint()
-            self._check_open()
+            await trio.lowlevel.checkpoint_if_cancelled()
             if self._send.eof_sent:
                 raise trio.ClosedResourceError("cannot send after send_eof")
             view = memoryview(data)
@@ -94,6 +93,7 @@ class SimStream(trio.abc.HalfCloseableStream):
             pos = 0
             net = self._net
             pipe = self._send
+            yielded = False
             while True:
                 net._settle()
                 self._check_open()
@@ -105,6 +105,9 @@ class SimStream(trio.abc.HalfCloseableStream):
                 pos += taken
                 if taken == 0:
                     await net._wait(pipe, "send_waiter")
+                    yielded = True
+            if not yielded:
+                await trio.lowlevel.cancel_shielded_checkpoint()
         finally:
             self._sending = False
 
@@ -144,9 +147,10 @@ class SimStream(trio.abc.HalfCloseableStream):
         self._receiving = True
         try:
             self._check_open()
-            await trio.lowlevel.checkpoint()
+            await trio.lowlevel.checkpoint_if_cancelled()
             net = self._net
             pipe = self._recv
+            yielded = False
             while True:
                 net._settle()
                 self._check_open()
@@ -154,10 +158,13 @@ class SimStream(trio.abc.HalfCloseableStream):
                     raise trio.BrokenResourceError(pipe.broken)
                 now = net.engine.now
                 if pipe.readable(now):
-                    if pipe.at_eof():
-                        return b""
-                    return pipe.read(now, max_bytes)
+                    data = b"" if pipe.at_eof() else pipe.read(now, max_bytes)
+                    break
                 await net._wait(pipe, "recv_waiter")
+                yielded = True
+            if not yielded:
+                await trio.lowlevel.cancel_shielded_checkpoint()
+            return data
         finally:
             self._receiving = False
 
