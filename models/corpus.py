@@ -100,6 +100,10 @@ ADJECTIVES: tuple[str, ...] = (
 )  # fmt: skip
 # Words spelled with visarga; the generator sometimes writes ':' instead, as people do.
 VISARGA_WORDS: tuple[str, ...] = ("অতঃপর", "নিঃসন্দেহে", "দুঃখজনক", "দুঃসময়", "প্রাতঃকালে")
+# Discourse connectives that open only non-first sentences ("then", "after this", "besides",
+# "later"), and the one that opens a closing sentence ("finally").
+CONNECTIVES: tuple[str, ...] = ("তারপর", "এরপর", "তাছাড়া", "পরে")
+CLOSING = "অবশেষে"
 UNITS: tuple[str, ...] = ("টাকা", "লক্ষ টাকা", "কোটি টাকা")
 
 
@@ -253,6 +257,7 @@ class _DocumentWriter:
         self.cast = [self._new_person() for _ in range(n_cast)]
         self.home = rng.sample(topic.places, k=min(2, len(topic.places)))
         self.org = rng.choice(topic.orgs)
+        self.introduced: set[str] = set()
 
     # ----- lexical choices -------------------------------------------------------------
     def _new_person(self) -> _Person:
@@ -308,6 +313,10 @@ class _DocumentWriter:
         r = rng.random()
         if r < 0.5:
             p = rng.choice(self.cast)
+            if p.name in self.introduced and rng.random() < 0.7:
+                # Once introduced, a person is mostly called by the first name alone.
+                return _entity(p.name.split(" ")[0], "PER"), p.person
+            self.introduced.add(p.name)
             tagged = _plain(p.title) if p.title else []
             return tagged + _entity(p.name, "PER"), p.person
         if r < 0.8:
@@ -501,12 +510,19 @@ def _render(rng: random.Random, tagged: Tagged, end: str) -> str:
 
 
 def _document(rng: random.Random, topic: Topic, n_sentences: int, noise: float) -> str:
+    """Sentences in an order a model can detect (for SOP): people are introduced in full before
+    being called by first name, and only later sentences open with a connective."""
     writer = _DocumentWriter(rng, topic, noise)
     out = ""
     for i in range(n_sentences):
+        tagged, end = writer.sentence()
+        if i == n_sentences - 1 and n_sentences >= 4 and rng.random() < 0.5:
+            tagged = [(CLOSING, "O")] + tagged
+        elif i and rng.random() < 0.35:
+            tagged = [(rng.choice(CONNECTIVES), "O")] + tagged
         if i:
             out += "  " if rng.random() < 0.1 else " "
-        out += _render(rng, *writer.sentence())
+        out += _render(rng, tagged, end)
     return out
 
 

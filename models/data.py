@@ -24,7 +24,16 @@ from pathlib import Path
 
 import numpy as np
 
-from models.tokenizer import CLS_ID, MASK_ID, NUM_SPECIAL, PAD_ID, SEP_ID, encode_batch
+from models.tokenizer import (
+    CLS_ID,
+    MASK_ID,
+    NUM_SPECIAL,
+    PAD_ID,
+    SEP_ID,
+    encode_batch,
+    load_tokenizer,
+    train_tokenizer,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -207,6 +216,28 @@ def load_or_tokenize(path: str | Path, texts: Sequence[str], tokenizer) -> Token
     corpus = tokenize_corpus(texts, tokenizer)
     corpus.save(path)
     return corpus
+
+
+def prepare_pretraining_data(work_dir: str | Path, texts: Sequence[str], *, vocab_size: int):
+    """Tokenizer and tokenized corpus for ``texts``, built once and reused from ``work_dir``.
+
+    The tokenizer is trained only if ``work_dir/tokenizer`` holds none (training is not
+    bit-reproducible, so reusing the saved one keeps ids stable across runs and peers); the
+    tokenized corpus is cached in ``work_dir/corpus.npz`` and rebuilt when texts or tokenizer
+    change. Returns ``(tokenizer, corpus)``.
+    """
+    work_dir = Path(work_dir)
+    tok_dir = work_dir / "tokenizer"
+    if (tok_dir / "tokenizer.json").is_file():
+        tokenizer = load_tokenizer(tok_dir)
+        if len(tokenizer) > vocab_size:
+            raise ValueError(
+                f"{tok_dir} holds a tokenizer of {len(tokenizer)} pieces, more than "
+                f"vocab_size={vocab_size}; remove it to retrain"
+            )
+    else:
+        tokenizer = train_tokenizer(texts, vocab_size, tok_dir)
+    return tokenizer, load_or_tokenize(work_dir / "corpus.npz", texts, tokenizer)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -7,6 +7,8 @@ from collections import Counter
 import pytest
 
 from models.corpus import (
+    CLOSING,
+    CONNECTIVES,
     NCC_LABELS,
     NER_TAGS,
     PAST_TIMES,
@@ -83,6 +85,8 @@ def test_verbs_agree_with_pronoun_subjects_and_time_adverbs(docs):
     for doc in docs:
         for sentence in split_sentences(doc):
             words = sentence.rstrip("।|?!\u09e4\u09e5\u09f7").split()
+            if words[0] in CONNECTIVES or words[0] == CLOSING:
+                words = words[1:]
             if words[-1] == "না":
                 words = words[:-1]
             verb = words[-1]
@@ -167,3 +171,17 @@ def test_news_categories_are_learnable_from_words():
 
     correct = sum(max(NCC_LABELS, key=lambda lab: score(text, lab)) == y for text, y in test)
     assert correct / len(test) > 0.8
+
+
+def test_sentence_order_is_detectable(docs):
+    # What SOP can learn: connectives open only later sentences, and a person's short name
+    # appears only after the full introduction.
+    first_openers = Counter()
+    later_openers = Counter()
+    for doc in docs:
+        sentences = split_sentences(doc)
+        first_openers[sentences[0].split()[0]] += 1
+        later_openers.update(s.split()[0] for s in sentences[1:])
+    cues = set(CONNECTIVES) | {CLOSING}
+    assert not cues & set(first_openers)
+    assert sum(later_openers[c] for c in cues) > 0.2 * sum(later_openers.values())

@@ -15,6 +15,7 @@ from models.data import (
     encode_pair,
     load_or_tokenize,
     mask_tokens,
+    prepare_pretraining_data,
     pretraining_batches,
     split_sentences,
     tokenize_corpus,
@@ -267,3 +268,15 @@ def test_hf_source_without_datasets_fails_with_a_hint(monkeypatch):
     monkeypatch.setitem(sys.modules, "datasets", None)  # makes `import datasets` fail
     with pytest.raises(SourceUnavailableError, match="datasets"):
         next(stream_hf_documents(seed=0))
+
+
+def test_prepare_trains_once_then_reuses_tokenizer_and_cache(tmp_path):
+    texts = generate_documents(60, seed=8)
+    tok, corpus = prepare_pretraining_data(tmp_path, texts, vocab_size=300)
+    assert (tmp_path / "tokenizer" / "tokenizer.json").is_file()
+    assert (tmp_path / "corpus.npz").is_file()
+    tok2, corpus2 = prepare_pretraining_data(tmp_path, texts, vocab_size=300)
+    assert tok2.get_vocab() == tok.get_vocab()  # loaded, not retrained
+    assert np.array_equal(corpus2.tokens, corpus.tokens)
+    with pytest.raises(ValueError, match="retrain"):
+        prepare_pretraining_data(tmp_path, texts, vocab_size=100)
