@@ -58,7 +58,7 @@ class CollaborationConfig:
         return cls(
             target_batch_size=target_batch_size,
             codec="none",
-            min_refresh=0.05,
+            min_refresh=0.1,
             max_refresh=0.5,
             progress_ttl=20.0,
         )

@@ -26,6 +26,7 @@ class PeerProgress:
     samples_per_second: float
     time: float
     mode: str = "node"
+    step_interval: float = 0.0  # smoothed seconds between this peer's micro-steps
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -36,6 +37,8 @@ class PeerProgress:
             raise ValueError("samples_per_second must be finite and non-negative")
         if not math.isfinite(self.time):
             raise ValueError("time must be finite")
+        if not math.isfinite(self.step_interval) or self.step_interval < 0:
+            raise ValueError("step_interval must be finite and non-negative")
 
     def to_record(self) -> dict[str, Any]:
         """The msgpack-able value stored in the DHT (the peer ID is the subkey)."""
@@ -45,6 +48,7 @@ class PeerProgress:
             "sps": self.samples_per_second,
             "time": self.time,
             "mode": self.mode,
+            "interval": self.step_interval,
         }
 
     @classmethod
@@ -63,7 +67,10 @@ class PeerProgress:
             raise ValueError("sps and time must be numbers")
         if not isinstance(mode, str):
             raise ValueError("mode must be text")
-        return cls(peer_id, epoch, samples, float(sps), float(time), mode)
+        interval = record.get("interval", 0.0)
+        if not isinstance(interval, int | float) or isinstance(interval, bool):
+            raise ValueError("interval must be a number")
+        return cls(peer_id, epoch, samples, float(sps), float(time), mode, float(interval))
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,6 +84,7 @@ class CollaborationEstimate:
     num_peers: int  # peers that reported (any epoch)
     num_clients: int
     target: int
+    max_step_interval: float = 0.0  # slowest micro-step among peers at ``epoch``
 
     @property
     def ready(self) -> bool:
@@ -100,12 +108,14 @@ def estimate_collaboration(
     epoch = max((r.epoch for r in (trainers or records)), default=0)
     samples = 0.0
     sps = 0.0
+    interval = 0.0
     for r in records:
         if r.epoch != epoch:
             continue
         elapsed = min(max(0.0, now - r.time), max_extrapolation)
         samples += r.samples + elapsed * r.samples_per_second
         sps += r.samples_per_second
+        interval = max(interval, r.step_interval)
     remaining = max(0.0, target_batch_size - samples)
     if remaining == 0:
         eta = 0.0
@@ -121,6 +131,7 @@ def estimate_collaboration(
         num_peers=len(records),
         num_clients=len(records) - len(trainers),
         target=target_batch_size,
+        max_step_interval=interval,
     )
 
 
@@ -149,6 +160,11 @@ class ThroughputMeter:
     @property
     def samples_per_second(self) -> float:
         return self._rate
+
+    def pause(self) -> None:
+        """Forget the time since the last update (e.g. an averaging round is not training)."""
+        self._last_time = None
+        self._observed = 0.0
 
     def update(self, samples: int, now: float) -> float:
         """Record ``samples`` processed since the previous call, at time ``now``."""

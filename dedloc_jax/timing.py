@@ -9,13 +9,22 @@ lower bound on the round time for the actual group and vector size.
 from __future__ import annotations
 
 
-def matchmaking_window(refresh_delay: float, dht_latency: float, *, minimum: float = 0.2) -> float:
-    """How long a leader waits for joins after it decides to average.
+def matchmaking_window(
+    refresh_delay: float,
+    dht_latency: float,
+    step_interval: float = 0.0,
+    *,
+    minimum: float = 0.2,
+    maximum: float = 60.0,
+) -> float:
+    """How long a peer waits for others to register, and a leader for joins.
 
-    Peers learn that the target is reached at most one refresh period apart, then need a DHT
-    read and an RPC to join: wait for both, twice over for safety.
+    Peers notice that the target is reached up to one refresh period apart, and a peer only
+    looks between micro-steps, so the slowest peer's ``step_interval`` adds to the spread; each
+    then needs a DHT write and read and an RPC to join.
     """
-    return max(minimum, 2.0 * (refresh_delay + 2.0 * dht_latency))
+    spread = 1.2 * step_interval + refresh_delay
+    return min(maximum, max(minimum, spread + 2.0 * (refresh_delay + 2.0 * dht_latency)))
 
 
 def averaging_timeout(

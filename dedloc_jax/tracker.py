@@ -51,29 +51,49 @@ class ProgressTracker:
         self._wake = trio.Event()
         self._published_at = -math.inf
         self._published_epoch = -1
+        self._frozen = False
+        self.step_interval = 0.0
+        self._last_report: float | None = None
         self.dht_latency = 0.05  # smoothed seconds per DHT read, for deadlines
 
     # --- called by the collaboration (inside the trio loop) -------------------------------
     def report(self, epoch: int, samples: int, batch_size: int) -> None:
         """Record local progress; wakes the publisher when the peer moves to a new epoch."""
-        self.meter.update(batch_size, trio.current_time())
+        now = trio.current_time()
+        self.meter.update(batch_size, now)
+        if self._last_report is not None:
+            dt = now - self._last_report
+            self.step_interval = (
+                dt if self.step_interval == 0 else 0.7 * self.step_interval + 0.3 * dt
+            )
+        self._last_report = now
         new_epoch = epoch != self.epoch
         self.epoch, self.samples = epoch, samples
         if new_epoch:
             self._wake.set()
 
     def set_epoch(self, epoch: int) -> None:
+        """Move to ``epoch`` with no samples; the time spent averaging is not training time."""
         self.epoch, self.samples = epoch, 0
+        self._frozen = False
+        self.meter.pause()
+        self._last_report = None
         self._wake.set()
+
+    async def freeze(self) -> None:
+        """Publish that this peer stopped accumulating (it is averaging): rate zero."""
+        self._frozen = True
+        await self.publish()
 
     def own_progress(self) -> PeerProgress:
         return PeerProgress(
             self.peer_id,
             self.epoch,
             self.samples,
-            self.meter.samples_per_second,
+            0.0 if self._frozen else self.meter.samples_per_second,
             self.dht.now(),
             self.mode,
+            self.step_interval,
         )
 
     def current_estimate(self) -> CollaborationEstimate:
@@ -140,9 +160,11 @@ class ProgressTracker:
             with trio.move_on_after(delay):
                 await self._wake.wait()
             self._wake = trio.Event()
-            # Others extrapolate from our rate, so a report every couple of refresh periods
-            # suffices; a new epoch is published at once.
+            # Others extrapolate from our rate, so far from the target a report every couple
+            # of refresh periods suffices; a new epoch is published at once.
+            # Near the target every refresh publishes, so that others' sums stay exact.
             stale = trio.current_time() - self._published_at > 2 * self.config.max_refresh
-            if stale or self._published_epoch != self.epoch:
+            near = self.estimate.eta < 3 * self.config.max_refresh
+            if stale or near or self._published_epoch != self.epoch:
                 await self.publish()
             await self.fetch()

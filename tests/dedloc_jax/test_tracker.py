@@ -11,7 +11,7 @@ from tests.dedloc_jax.simcollab import open_sim_dhts
 
 def test_peers_see_each_others_progress_and_the_global_epoch() -> None:
     config = CollaborationConfig.local_demo(target_batch_size=500).replace(
-        max_refresh=1.0, progress_ttl=10.0
+        min_refresh=0.25, max_refresh=1.0, progress_ttl=10.0
     )
 
     async def main() -> None:

@@ -1,0 +1,325 @@
+"""A peer's membership in a collaboration: the async core and the synchronous facade.
+
+:func:`open_collaboration` runs, on a p2p node, everything a peer needs: the DHT, the progress
+tracker, matchmaking, the butterfly all-reduce and the state server. :class:`Collaboration`
+runs the same in one background trio thread for ordinary Python (the JAX training loop), and
+implements :class:`dedloc_jax.host.CollaborationHost` for :func:`dedloc_jax.collaborative`.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from typing import Any
+
+import numpy as np
+import trio
+
+from dedloc_jax.averaging import (
+    AllReduceError,
+    BandwidthMeter,
+    GroupError,
+    all_reduce,
+    install,
+    solve_shares,
+)
+from dedloc_jax.config import CollaborationConfig
+from dedloc_jax.host import AveragingOutcome
+from dedloc_jax.matchmaking import Matchmaker, member_for
+from dedloc_jax.progress import CollaborationEstimate
+from dedloc_jax.state_sync import StateServer, StateSyncError, download_state
+from dedloc_jax.timing import averaging_timeout, matchmaking_window
+from dedloc_jax.tracker import ProgressTracker
+from p2p.bridge import TrioThread
+from p2p.dht import DHTConfig, open_dht
+from p2p.identity import Identity
+from p2p.multiaddr import Multiaddr
+from p2p.node import NodeConfig, open_node
+from p2p.transport import Transport
+
+log = logging.getLogger(__name__)
+
+
+class CollaborationCore:
+    """The trio side of a collaboration; use :func:`open_collaboration`."""
+
+    def __init__(self, node: Any, dht: Any, run_id: str, config: CollaborationConfig, mode: str):
+        self.node = node
+        self.dht = dht
+        self.run_id = run_id
+        self.config = config
+        self.mode = mode
+        self.tracker = ProgressTracker(dht, run_id, config, mode)
+        self.matchmaker = Matchmaker(node, dht, run_id, max_group_size=config.max_group_size)
+        self.state_server = StateServer(
+            node, dht, run_id, chunk_bytes=config.state_chunk_bytes, ttl=config.progress_ttl
+        )
+        self.meter = BandwidthMeter(
+            upload_override=config.upload_bps, download_override=config.download_bps
+        )
+        self.epoch = 0
+        self.history: list[dict[str, Any]] = []  # one entry per averaging step
+
+    # --- progress ------------------------------------------------------------------------
+    def report(self, epoch: int, samples: int, batch_size: int) -> bool:
+        """Record a micro-step; True when this peer should average now."""
+        self.epoch = max(self.epoch, epoch)
+        self.tracker.report(epoch, samples, batch_size)
+        est = self.tracker.current_estimate()
+        if est.epoch > epoch:
+            return False  # behind: never contribute gradients of an old epoch
+        return est.ready
+
+    @property
+    def estimate(self) -> CollaborationEstimate:
+        return self.tracker.current_estimate()
+
+    @property
+    def behind(self) -> bool:
+        return self.tracker.current_estimate().epoch > self.tracker.epoch
+
+    # --- averaging -----------------------------------------------------------------------
+    def _bandwidth(self) -> tuple[float, float]:
+        """Measured (or overridden) link speeds; unknown ones count as fast and equal."""
+        return self.meter.upload_bps or math.inf, self.meter.download_bps or math.inf
+
+    async def average(
+        self, epoch: int, arrays: Sequence[np.ndarray], samples: int
+    ) -> AveragingOutcome:
+        """Form a group for ``epoch`` and average ``arrays`` (weight ``samples``) with it."""
+        est = self.tracker.current_estimate()
+        self.matchmaker.window = self.config.matchmaking_time or matchmaking_window(
+            self.config.min_refresh, self.tracker.dht_latency, est.max_step_interval
+        )
+        await self.tracker.freeze()  # others must not extrapolate our samples any further
+        up, down = self._bandwidth()
+        me = member_for(str(self.node.peer_id), self.mode, up, down, float(samples))
+        started = trio.current_time()
+        spec = await self.matchmaker.form_group(epoch, me)
+        group_size = 1
+        result = [np.asarray(a) for a in arrays]
+        if spec is not None:
+            nbytes = sum(int(np.asarray(a).size) * 4 for a in arrays)
+            try:
+                bound = solve_shares(spec.members).lower_bound(nbytes)
+                timeout = self.config.averaging_timeout or averaging_timeout(
+                    bound, self.tracker.dht_latency
+                )
+                averaged = await all_reduce(
+                    self.node,
+                    spec,
+                    list(arrays),
+                    float(samples),
+                    codec=self.config.codec,
+                    timeout=timeout,
+                    meter=self.meter,
+                )
+                result = [np.asarray(a) for a in averaged.average]
+                group_size = len(spec.members)
+            except (AllReduceError, GroupError) as e:
+                log.warning("averaging at epoch %d failed: %s", epoch, e)
+        if group_size == 1 and self.config.on_no_group == "skip":
+            result = [np.zeros_like(np.asarray(a)) for a in arrays]
+        self.epoch = epoch + 1
+        self.tracker.set_epoch(self.epoch)
+        self.history.append(
+            {
+                "epoch": epoch,
+                "group_size": group_size,
+                "seconds": trio.current_time() - started,
+                "collab_samples": est.samples,
+            }
+        )
+        return AveragingOutcome(result, self.epoch, group_size)
+
+    # --- state ---------------------------------------------------------------------------
+    async def share_state(self, arrays: Sequence[np.ndarray], epoch: int) -> None:
+        self.state_server.set_state(arrays, epoch)
+        await self.state_server.announce()
+
+    async def load_state(self, *, timeout: float = 60.0) -> tuple[int, list[np.ndarray]]:
+        epoch, arrays, donors = await download_state(
+            self.node,
+            self.dht,
+            self.run_id,
+            timeout=timeout,
+            request_timeout=self.config.rpc_timeout,
+        )
+        log.info("loaded the state of epoch %d from %d donors", epoch, donors)
+        self.epoch = epoch
+        self.tracker.set_epoch(epoch)
+        return epoch, arrays
+
+    async def _announce_state(self) -> None:
+        while True:
+            await trio.sleep(self.config.progress_ttl / 3)
+            await self.state_server.announce()
+
+
+@asynccontextmanager
+async def open_collaboration(
+    node: Any,
+    run_id: str,
+    *,
+    initial_peers: Sequence[str | Multiaddr] = (),
+    config: CollaborationConfig = CollaborationConfig(),
+    mode: str | None = None,
+    dht_config: DHTConfig = DHTConfig(),
+) -> AsyncIterator[CollaborationCore]:
+    """Join (or start, with no initial peers) the collaboration ``run_id`` on ``node``."""
+    mode = mode or config.mode or ("node" if node.addrs else "client")
+    async with open_dht(
+        node, initial_peers=initial_peers, config=dht_config, client_mode=mode == "client"
+    ) as dht:
+        core = CollaborationCore(node, dht, run_id, config, mode)
+        install(node)
+        core.matchmaker.register()
+        core.state_server.register()
+        async with trio.open_nursery() as nursery:
+            await nursery.start(core.tracker.run)
+            nursery.start_soon(core._announce_state)
+            try:
+                yield core
+            finally:
+                nursery.cancel_scope.cancel()
+
+
+class Collaboration:
+    """Join a collaboration from ordinary Python; implements ``CollaborationHost``.
+
+    Use as a context manager. It owns one background thread running a trio loop with the node,
+    the DHT, the tracker, matchmaking, the averager and the state server::
+
+        with dedloc_jax.Collaboration("sahajbert", initial_peers=[...]) as collab:
+            tx = dedloc_jax.collaborative(optax.lamb(1e-3), collab, target_batch_size=4096)
+    """
+
+    def __init__(
+        self,
+        run_id: str,
+        *,
+        initial_peers: Sequence[str | Multiaddr] = (),
+        listen: Sequence[str | Multiaddr] = ("/ip4/127.0.0.1/tcp/0",),
+        identity: Identity | None = None,
+        client_mode: bool | None = None,
+        config: CollaborationConfig = CollaborationConfig(),
+        node_config: NodeConfig | None = None,
+        dht_config: DHTConfig | None = None,
+        transport: Transport | None = None,
+    ) -> None:
+        if not run_id or any(c in run_id for c in "[]"):
+            raise ValueError(f"invalid run_id {run_id!r}")
+        self.run_id = run_id
+        self.config = config
+        self._initial_peers = list(initial_peers)
+        self._listen = [] if client_mode else list(listen)
+        self._mode = "client" if client_mode else config.mode
+        self._identity = identity or Identity.generate()
+        self._node_config = node_config or NodeConfig.bulk()
+        self._dht_config = dht_config or DHTConfig.fast()
+        self._transport = transport
+        self._thread: TrioThread | None = None
+        self._stop: trio.Event | None = None
+        self.core: CollaborationCore | None = None
+
+    # --- lifecycle -----------------------------------------------------------------------
+    def start(self) -> Collaboration:
+        self._thread = TrioThread(name=f"dedloc-{self.run_id}").start()
+        try:
+            self.core = self._thread.start_service(self._serve)
+        except BaseException:
+            self._thread.stop()
+            raise
+        return self
+
+    async def _serve(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        self._stop = trio.Event()
+        async with (
+            open_node(
+                self._identity,
+                listen=self._listen,
+                transport=self._transport,
+                config=self._node_config,
+            ) as node,
+            open_collaboration(
+                node,
+                self.run_id,
+                initial_peers=self._initial_peers,
+                config=self.config,
+                mode=self._mode,
+                dht_config=self._dht_config,
+            ) as core,
+        ):
+            task_status.started(core)
+            await self._stop.wait()
+
+    def close(self) -> None:
+        if self._thread is None:
+            return
+        if self._stop is not None and self._thread.running:
+            self._thread.run_sync(self._stop.set)
+        self._thread.stop()
+        self._thread = None
+
+    def __enter__(self) -> Collaboration:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _core(self) -> tuple[TrioThread, CollaborationCore]:
+        if self._thread is None or self.core is None:
+            raise RuntimeError("the collaboration is not started (use it as a context manager)")
+        return self._thread, self.core
+
+    # --- what others need ----------------------------------------------------------------
+    @property
+    def addrs(self) -> list[str]:
+        _, core = self._core()
+        return [str(a) for a in core.node.addrs]
+
+    @property
+    def peer_id(self) -> str:
+        _, core = self._core()
+        return str(core.node.peer_id)
+
+    @property
+    def estimate(self) -> CollaborationEstimate:
+        thread, core = self._core()
+        return thread.run_sync(lambda: core.estimate)
+
+    @property
+    def epoch(self) -> int:
+        _, core = self._core()
+        return core.epoch
+
+    # --- CollaborationHost ---------------------------------------------------------------
+    def report_progress(self, epoch: int, samples: int, batch_size: int) -> bool:
+        thread, core = self._core()
+        return thread.run_sync(core.report, epoch, samples, batch_size)
+
+    def average_gradients(
+        self, epoch: int, gradients: Sequence[np.ndarray], samples: int
+    ) -> AveragingOutcome:
+        thread, core = self._core()
+        return thread.run(core.average, epoch, list(gradients), samples)
+
+    # --- state sync ----------------------------------------------------------------------
+    def share_state(self, arrays: Sequence[np.ndarray], epoch: int) -> None:
+        thread, core = self._core()
+        thread.run(core.share_state, [np.asarray(a) for a in arrays], epoch)
+
+    def load_state(self, *, timeout: float = 60.0) -> tuple[int, list[np.ndarray]]:
+        thread, core = self._core()
+        return thread.run(functools.partial(core.load_state, timeout=timeout))
+
+    @property
+    def behind(self) -> bool:
+        thread, core = self._core()
+        return thread.run_sync(lambda: core.behind)
+
+
+__all__ = ["Collaboration", "CollaborationCore", "StateSyncError", "open_collaboration"]
