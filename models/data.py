@@ -15,6 +15,7 @@ each peer of a collaboration (its own ``peer_seed``) walks the data in its own o
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import re
@@ -278,20 +279,23 @@ class PretrainingConfig:
         return cls(seq_len=64, shuffle_buffer=64)
 
 
-def _truncate_pair(a: np.ndarray, b: np.ndarray, max_tokens: int, rng) -> tuple:
-    """Trim the longer segment, from its front or back at random, until both fit."""
-    a_lo, a_hi, b_lo, b_hi = 0, len(a), 0, len(b)
-    while (a_hi - a_lo) + (b_hi - b_lo) > max_tokens:
-        if (a_hi - a_lo) >= (b_hi - b_lo):
-            if rng.random() < 0.5:
-                a_lo += 1
-            else:
-                a_hi -= 1
-        elif rng.random() < 0.5:
-            b_lo += 1
-        else:
-            b_hi -= 1
-    return a[a_lo:a_hi], b[b_lo:b_hi]
+def truncate_pair(
+    a: np.ndarray, b: np.ndarray, max_tokens: int, rng: np.random.Generator
+) -> tuple[np.ndarray, np.ndarray]:
+    """Trim the longer segment, one token at a time from its front or back at random, until
+    both fit in ``max_tokens`` (ALBERT's rule), computed in closed form."""
+    la, lb = len(a), len(b)
+    excess = la + lb - max_tokens
+    if excess <= 0:
+        return a, b
+    if abs(la - lb) >= excess:  # only the longer one is trimmed
+        new_a, new_b = (la - excess, lb) if la >= lb else (la, lb - excess)
+    else:  # trimmed to balance, then alternately (ties trim A first)
+        new_a = max_tokens // 2
+        new_b = max_tokens - new_a
+    front_a = int(rng.binomial(la - new_a, 0.5))
+    front_b = int(rng.binomial(lb - new_b, 0.5))
+    return a[front_a : front_a + new_a], b[front_b : front_b + new_b]
 
 
 def document_pairs(
@@ -321,7 +325,7 @@ def document_pairs(
             cut = int(rng.integers(1, len(chunk)))
             a = np.concatenate(chunk[:cut])
             b = np.concatenate(chunk[cut:])
-            a, b = _truncate_pair(a, b, max_tokens, rng)
+            a, b = truncate_pair(a, b, max_tokens, rng)
             if len(a) and len(b):
                 if rng.random() < config.swap_probability:
                     yield b, a, 1
@@ -433,7 +437,7 @@ def pretraining_batches(
     """
     config = config or PretrainingConfig()
     if seq_len is not None and seq_len != config.seq_len:
-        config = PretrainingConfig(**{**config.__dict__, "seq_len": seq_len})
+        config = dataclasses.replace(config, seq_len=seq_len)
     if batch_size < 1:
         raise ValueError("batch_size must be >= 1")
     if isinstance(texts, TokenizedCorpus):

@@ -116,7 +116,7 @@ def stream_hf_documents(
     for spec in specs:
         try:
             ds = datasets.load_dataset(spec.path, spec.name, split=spec.split, streaming=True)
-        except (OSError, ConnectionError, ValueError, FileNotFoundError) as err:
+        except (OSError, ValueError) as err:  # includes connection and not-found errors
             raise SourceUnavailableError(
                 f"cannot stream {spec.path}/{spec.name}: {err} (offline? hub name changed? "
                 "set another HFStreamSpec)"
@@ -127,7 +127,14 @@ def stream_hf_documents(
     mixed = datasets.interleave_datasets(
         streams, probabilities=[w / total for w in weights], seed=seed
     )
-    for row in mixed:
+    rows = iter(mixed)
+    while True:
+        try:
+            row = next(rows)
+        except StopIteration:
+            return
+        except OSError as err:  # the connection dropped mid-stream
+            raise SourceUnavailableError(f"streaming stopped: {err}") from err
         text = row["text"].strip()
         if text:
             yield text

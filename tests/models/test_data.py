@@ -19,6 +19,7 @@ from models.data import (
     pretraining_batches,
     split_sentences,
     tokenize_corpus,
+    truncate_pair,
 )
 from models.sources import SourceUnavailableError, iter_local_documents, stream_hf_documents
 from models.tokenizer import CLS_ID, MASK_ID, NUM_SPECIAL, PAD_ID, SEP_ID, train_tokenizer
@@ -280,3 +281,32 @@ def test_prepare_trains_once_then_reuses_tokenizer_and_cache(tmp_path):
     assert np.array_equal(corpus2.tokens, corpus.tokens)
     with pytest.raises(ValueError, match="retrain"):
         prepare_pretraining_data(tmp_path, texts, vocab_size=100)
+
+
+def _greedy_lengths(la: int, lb: int, max_tokens: int) -> tuple[int, int]:
+    while la + lb > max_tokens:
+        if la >= lb:
+            la -= 1
+        else:
+            lb -= 1
+    return la, lb
+
+
+@pytest.mark.parametrize(
+    ("la", "lb", "max_tokens"),
+    [(10, 3, 20), (10, 3, 9), (3, 10, 9), (50, 40, 61), (40, 50, 61), (7, 7, 10), (9, 9, 9)],
+)
+def test_truncate_pair_trims_the_longer_segment_into_contiguous_runs(la, lb, max_tokens):
+    a, b = np.arange(100, 100 + la), np.arange(500, 500 + lb)
+    rng = np.random.default_rng(0)
+    fronts = set()
+    for _ in range(30):
+        ta, tb = truncate_pair(a, b, max_tokens, rng)
+        assert (len(ta), len(tb)) == _greedy_lengths(la, lb, max_tokens)
+        for kept, full in ((ta, a), (tb, b)):
+            if len(kept):
+                assert np.array_equal(kept, np.arange(kept[0], kept[0] + len(kept)))
+                assert full[0] <= kept[0] and kept[-1] <= full[-1]
+        fronts.add((int(ta[0]), int(tb[0])))
+    if la + lb > max_tokens:
+        assert len(fronts) > 1, "tokens are dropped from the front as well as the back"
