@@ -80,10 +80,33 @@ class MuxConfig:
     """Streams we open at once; further opens wait for a slot (stays below a peer's limit)."""
     max_pending_control: int = 1024
     """Queued control frames (resets, window updates); a peer provoking more is cut off."""
+    max_buffered_bytes: int = 96 << 20
+    """Received bytes held at once on this connection: queued in streams or in messages being
+    assembled (granted credit frees window space, so windows alone do not bound a message).
+    Data that would exceed it resets its stream ("memory limit")."""
 
     def __post_init__(self) -> None:
         if not 0 < self.max_frame_payload <= self.initial_window <= MAX_WINDOW:
             raise ValueError("need 0 < max_frame_payload <= initial_window < 2**31")
+        if self.max_buffered_bytes < self.initial_window:
+            raise ValueError("max_buffered_bytes must be at least initial_window")
+
+
+class MemoryBudget:
+    """Received bytes held by all connections of a node, against one limit (shared by muxes)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.used = 0
+
+    def try_reserve(self, n: int) -> bool:
+        if self.used + n > self.limit:
+            return False
+        self.used += n
+        return True
+
+    def release(self, n: int) -> None:
+        self.used -= n
 
 
 def encode_frame(kind: int, stream_id: int, payload: bytes | bytearray | memoryview = b"") -> bytes:
@@ -133,7 +156,8 @@ class MuxStream:
         self._forgotten = False
         self.outbound = outbound
         self._chunks: deque[memoryview] = deque()
-        self._buffered = 0
+        self._buffered = 0  # bytes queued in _chunks
+        self._held = 0  # bytes counted against the memory limits: queued + in messages being read
         self._recv_window = mux.config.initial_window  # what the peer may still send us
         self._consumed = 0  # read by our user but not yet granted back to the peer
         self._send_window = mux.config.initial_window  # what we may still send
@@ -180,6 +204,7 @@ class MuxStream:
         else:
             out = self._chunks.popleft()
         self._consumed_bytes(len(out))
+        self._release(len(out))
         return out
 
     async def receive_exactly(self, n: int, *, eof_ok: bool = False) -> bytes | memoryview | None:
@@ -223,6 +248,8 @@ class MuxStream:
             if got:
                 self.reset("receive cancelled mid-message")
             raise
+        finally:
+            self._release(got)  # the caller owns these bytes now (or they are gone)
         return parts
 
     async def wait_eof(self) -> None:
@@ -230,6 +257,12 @@ class MuxStream:
         while not self._remote_eof:
             self._raise_if_reset()
             await self._recv_lot.park()
+
+    def _release(self, n: int) -> None:
+        n = min(n, self._held)
+        if n:
+            self._held -= n
+            self._mux._release(n)
 
     def _consumed_bytes(self, n: int) -> None:
         self._buffered -= n
@@ -346,6 +379,7 @@ class MuxStream:
         if discard:
             self._chunks.clear()
             self._buffered = 0
+        self._release(self._held)  # a dead stream's leftovers no longer count
         # cancel handlers first: a parked handler then sees Cancelled, not a reset error
         for scope in self._cancel_scopes:
             scope.cancel()
@@ -385,6 +419,7 @@ class Mux:
         handle_stream: StreamHandler,
         config: MuxConfig = MuxConfig(),
         label: str = "",
+        budget: MemoryBudget | None = None,
     ) -> None:
         self.channel = channel
         self.config = config
@@ -397,6 +432,8 @@ class Mux:
             payload = min(payload, int(channel_max) - HEADER.size)
         self.max_payload = payload
         self._streams: dict[int, MuxStream] = {}
+        self.budget = budget
+        self._held_total = 0
         self._unopened: set[MuxStream] = set()  # outbound streams whose first frame is unsent
         self._next_id = 1 if initiator else 2
         self._last_remote_id = 0
@@ -631,6 +668,16 @@ class Mux:
                 )
             if n:
                 stream._recv_window -= n
+                if not self._reserve(n):
+                    logger.info(
+                        "%s: resetting stream %d: memory limit (%d bytes held)",
+                        self.label,
+                        sid,
+                        self._held_total,
+                    )
+                    stream.reset("memory limit")
+                    return
+                stream._held += n
                 stream._chunks.append(payload)
                 stream._buffered += n
                 stream._recv_lot.unpark_all()
@@ -686,6 +733,24 @@ class Mux:
         else:
             self._inbound -= 1
         self._streams_changed()
+
+    def _reserve(self, n: int) -> bool:
+        if self._held_total + n > self.config.max_buffered_bytes:
+            return False
+        if self.budget is not None and not self.budget.try_reserve(n):
+            return False
+        self._held_total += n
+        return True
+
+    def _release(self, n: int) -> None:
+        self._held_total -= n
+        if self.budget is not None:
+            self.budget.release(n)
+
+    @property
+    def held_bytes(self) -> int:
+        """Received bytes currently counted against the memory limits."""
+        return self._held_total
 
     def _streams_changed(self) -> None:
         if self.num_streams <= 1:

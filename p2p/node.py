@@ -33,7 +33,7 @@ from p2p.errors import (
 )
 from p2p.identity import Identity, PeerID
 from p2p.multiaddr import Multiaddr
-from p2p.mux import Mux, MuxConfig, MuxStream
+from p2p.mux import MemoryBudget, Mux, MuxConfig, MuxStream
 from p2p.peerstore import PeerStore
 from p2p.rpc import (
     STREAMING,
@@ -88,6 +88,11 @@ class NodeConfig:
     """Per-stream receive window (bytes a peer may send before we grant more)."""
     max_frame_payload: int = 256 << 10
     """Largest mux DATA frame."""
+    max_buffered_per_connection: int = 96 << 20
+    """Received bytes one connection may make us hold (queued or in half-read messages);
+    a stream whose data would exceed it is reset."""
+    max_buffered_total: int = 1 << 30
+    """The same, summed over every connection of the node."""
     cipher: str | None = None
     """Force "chacha20-poly1305" or "aes-256-gcm"; None picks by hardware."""
 
@@ -99,7 +104,13 @@ class NodeConfig:
     @classmethod
     def bulk(cls) -> NodeConfig:
         """Large transfers between few peers (gradients): bigger windows and frames."""
-        return cls(stream_window=8 << 20, max_frame_payload=1 << 20, max_message_size=128 << 20)
+        return cls(
+            stream_window=8 << 20,
+            max_frame_payload=1 << 20,
+            max_message_size=128 << 20,
+            max_buffered_per_connection=320 << 20,
+            max_buffered_total=2 << 30,
+        )
 
     @classmethod
     def testing(cls) -> NodeConfig:
@@ -126,6 +137,7 @@ class NodeConfig:
             max_frame_payload=payload,
             max_inbound_streams=self.max_streams_per_connection,
             max_outbound_streams=self.max_outbound_streams_per_connection,
+            max_buffered_bytes=max(self.max_buffered_per_connection, self.stream_window, payload),
         )
 
 
@@ -177,6 +189,7 @@ class Node:
         self._per_ip: Counter[str] = Counter()
         self._closing = False
         self._parsed: dict[str, PeerID | Multiaddr] = {}
+        self._budget = MemoryBudget(config.max_buffered_total)
         self._serve_limits = ServeLimits(
             max_message_size=config.max_message_size,
             header_timeout=config.header_timeout,
@@ -370,6 +383,7 @@ class Node:
             handle_stream=partial(self._serve_stream, conn),
             config=self.config.mux_config(getattr(channel, "max_frame", None)),
             label=f"{str(conn.peer)[:10]}{'>' if outbound else '<'}",
+            budget=self._budget,
         )
         self._all_conns.add(conn)
         try:

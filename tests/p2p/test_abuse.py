@@ -296,7 +296,11 @@ frames = st.one_of(
 def test_mux_survives_any_frame_sequence(sequence: list[bytes]) -> None:
     """Arbitrary frames only ever cause a ProtocolError; buffers never exceed the window."""
     config = MuxConfig(
-        initial_window=64, max_frame_payload=32, max_inbound_streams=3, max_pending_control=8
+        initial_window=64,
+        max_frame_payload=32,
+        max_inbound_streams=3,
+        max_pending_control=8,
+        max_buffered_bytes=100,
     )
     mux = Mux(_NullChannel(), initiator=True, handle_stream=echo, config=config)  # type: ignore[arg-type]
     nursery = _FakeNursery()
@@ -312,6 +316,7 @@ def test_mux_survives_any_frame_sequence(sequence: list[bytes]) -> None:
         assert len(mux._control) <= config.max_pending_control
         for stream in mux._streams.values():
             assert stream._buffered <= config.initial_window
+        assert mux.held_bytes <= config.max_buffered_bytes
 
 
 @given(st.binary(max_size=200))

@@ -18,6 +18,7 @@ from p2p.mux import (
     OPEN_DATA,
     RESET,
     WINDOW,
+    MemoryBudget,
     Mux,
     MuxConfig,
     MuxStream,
@@ -197,12 +198,13 @@ def test_transfer_larger_than_window_completes() -> None:
             got.append(await read_all(stream))
             await stream.send_eof()
 
-        async with mux_pair(sink, config) as (client, _server):
+        async with mux_pair(sink, config) as (client, server):
             stream = await client.open_stream()
             payload = bytes(range(256)) * 4096  # 1 MiB, 16 windows
             await stream.send_all(payload)
             await stream.send_eof()
             assert await stream.receive_some() == b""
+            assert server.held_bytes == 0 and client.held_bytes == 0
         assert got == [payload]
 
     run_virtual(main)
@@ -473,5 +475,47 @@ def test_peer_closing_resets_every_stream() -> None:
             assert "shutting down" in (client.close_reason or "")
             with pytest.raises(ConnectionClosed):
                 await stream.receive_some()
+
+    run_virtual(main)
+
+
+def test_memory_limit_resets_the_stream_that_would_exceed_it() -> None:
+    config = MuxConfig(
+        initial_window=64 << 10, max_frame_payload=16 << 10, max_buffered_bytes=96 << 10
+    )
+    budget = MemoryBudget(1 << 30)
+
+    async def main() -> None:
+        arrived: list[MuxStream] = []
+        release = trio.Event()
+
+        async def hoard(stream: MuxStream) -> None:
+            arrived.append(stream)
+            await release.wait()
+            got = await read_all(stream)
+            await stream.send_all(len(got).to_bytes(4, "big"))
+            await stream.send_eof()
+
+        ca, cb = frame_channel_pair()
+        client = Mux(ca, initiator=True, handle_stream=_no_streams, config=config)
+        server = Mux(cb, initiator=False, handle_stream=hoard, config=config, budget=budget)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(client.run)
+            await nursery.start(server.run)
+            first, second = await client.open_stream(), await client.open_stream()
+            await first.send_all(bytes(64 << 10))  # a full window each: 128 KiB > 96 KiB
+            await first.send_eof()
+            nursery.start_soon(second.send_all, bytes(64 << 10))
+            await trio.testing.wait_all_tasks_blocked()
+            assert server.held_bytes <= 96 << 10 and budget.used == server.held_bytes
+            assert second.is_reset
+            with pytest.raises(ConnectionClosed, match="memory limit"):
+                await second.receive_some()
+            release.set()
+            assert int.from_bytes(await first.receive_exactly(4), "big") == 64 << 10
+            await trio.testing.wait_all_tasks_blocked()
+            assert server.held_bytes == 0 and budget.used == 0
+            assert not server.is_closed
+            nursery.cancel_scope.cancel()
 
     run_virtual(main)
