@@ -443,7 +443,7 @@ class Mux:
         self._control: deque[bytes] = deque()
         self._window_updates: dict[int, int] = {}
         self._control_lot = trio.lowlevel.ParkingLot()
-        self._streams_lot = trio.lowlevel.ParkingLot()
+        self.activity = 0  # bumped whenever a stream opens or finishes (idle detection)
         self._nursery: trio.Nursery | None = None
         self._closed_reason: str | None = None
         self._closing = False
@@ -462,16 +462,6 @@ class Mux:
     @property
     def num_streams(self) -> int:
         return len(self._streams) + len(self._unopened)
-
-    async def wait_streams_changed(self) -> None:
-        """Return when the stream count next becomes 0 or 1 (or the mux closes).
-
-        Only those transitions wake waiters: enough for idle detection, and cheap.
-        """
-        if self.is_closed:
-            await trio.lowlevel.checkpoint()
-            return
-        await self._streams_lot.park()
 
     async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         """Serve the connection until it closes; returns after the channel is closed."""
@@ -753,8 +743,7 @@ class Mux:
         return self._held_total
 
     def _streams_changed(self) -> None:
-        if self.num_streams <= 1:
-            self._streams_lot.unpark_all()
+        self.activity += 1
 
     def _fail(self, reason: str) -> None:
         """A protocol violation: log it and close the connection."""
@@ -778,7 +767,6 @@ class Mux:
         self._control.clear()
         self._window_updates.clear()
         self._control_lot.unpark_all()
-        self._streams_lot.unpark_all()
         self.closed.set()
 
 

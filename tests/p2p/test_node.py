@@ -121,7 +121,7 @@ def test_idle_connections_are_closed_in_virtual_time() -> None:
             await b.call(a.peer_id, "echo", 1)  # activity restarts the clock
             await trio.sleep(25)
             assert b.num_connections == 1
-            await trio.sleep(10)
+            await trio.sleep(30)  # closed between 30 s and 37.5 s after the last call
             assert b.num_connections == 0 and a.num_connections == 0
             # and a new call simply redials
             assert await b.call(a.peer_id, "echo", 7) == 7
@@ -223,3 +223,29 @@ def test_peerstore_is_bounded_and_normalises() -> None:
     store.add_addrs(ids[1], ["/ip4/2.2.2.2/tcp/1"])
     store.add_addrs(ids[2], ["/ip4/3.3.3.3/tcp/1"])
     assert len(store) == 2 and ids[0] not in store  # least recently used evicted
+
+
+def test_simultaneous_dial_on_the_simulator_keeps_the_smaller_ids_connection() -> None:
+    config = NodeConfig(drain_grace=1.0)
+
+    async def main() -> None:
+        net = SimNetwork(seed=5)
+        async with open_sim_nodes(net, 2, config=config, latency=0.05) as (a, b):
+            a.add_handler("echo", echo)
+            b.add_handler("echo", echo)
+            async with trio.open_nursery() as nursery:  # both dial at the same virtual instant
+                nursery.start_soon(a.connect, b.addrs[0])
+                nursery.start_soon(b.connect, a.addrs[0])
+            await trio.sleep(0.2)  # the inbound halves finish their handshakes too
+            assert a.num_connections == 2 and b.num_connections == 2  # the race happened
+            smaller = min(a.peer_id, b.peer_id)
+            ca, cb = a.connection_to(b.peer_id), b.connection_to(a.peer_id)
+            assert ca is not None and cb is not None
+            assert ca.initiator == cb.initiator == smaller
+            await trio.sleep(5)  # the duplicate drains, idle, and is closed
+            assert a.num_connections == 1 and b.num_connections == 1
+            assert await a.call(b.peer_id, "echo", 1) == 1
+            assert await b.call(a.peer_id, "echo", 2) == 2
+            assert a.num_connections == 1 and b.num_connections == 1
+
+    run_sim(main)
