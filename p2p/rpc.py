@@ -190,30 +190,28 @@ async def serve_stream(
 ) -> None:
     """Serve one inbound stream. Never raises for the peer's or the handler's faults."""
     ms = MessageStream(stream, limits.max_message_size)
+    request: Any = None
     try:
+        # one deadline covers the header and, for unary calls, the request (slow peers)
         with trio.move_on_after(limits.header_timeout) as scope:
             header = await ms._receive_raw()
+            kind, name = _parse_header(header)
+            entry = registry.handlers.get(name)
+            if entry is None or entry[0] != kind:
+                what = "unknown protocol" if entry is None else "wrong call kind for protocol"
+                reply = error_message(f"{what} {name!r:.130}")
+                await stream.send_parts(encode_parts(reply, limits.max_message_size), eof=True)
+                return
+            if kind == UNARY:
+                scope.deadline += limits.request_timeout
+                request = await ms._receive_raw()
         if scope.cancelled_caught:
-            logger.info("stream %s sent no header in %s s", stream.stream_id, limits.header_timeout)
-            stream.reset("no protocol header in time")
-            return
-        if (
-            not isinstance(header, list)
-            or len(header) != 2
-            or header[0] not in (UNARY, STREAMING)
-            or not isinstance(header[1], str)
-        ):
-            raise ProtocolError(f"malformed stream header {header!r:.100}")
-        kind, name = header
-        entry = registry.handlers.get(name)
-        if entry is None or entry[0] != kind:
-            what = "unknown protocol" if entry is None else "wrong call kind for protocol"
-            reply = error_message(f"{what} {name!r:.130}")
-            await stream.send_parts(encode_parts(reply, limits.max_message_size), eof=True)
+            logger.info("stream %s: no complete request in time", stream.stream_id)
+            stream.reset("request not received in time")
             return
         ctx = make_context(name)
         if kind == UNARY:
-            await _serve_unary(ms, entry[1], ctx, limits)
+            await _serve_unary(ms, entry[1], ctx, request)
         else:
             await _serve_streaming(ms, entry[1], ctx)
     except (ConnectionClosed, trio.ClosedResourceError):
@@ -223,14 +221,20 @@ async def serve_stream(
         stream.reset(f"protocol error: {e}")
 
 
+def _parse_header(header: Any) -> tuple[str, str]:
+    if (
+        not isinstance(header, list)
+        or len(header) != 2
+        or header[0] not in (UNARY, STREAMING)
+        or not isinstance(header[1], str)
+    ):
+        raise ProtocolError(f"malformed stream header {header!r:.100}")
+    return header[0], header[1]
+
+
 async def _serve_unary(
-    ms: MessageStream, handler: UnaryHandler, ctx: CallContext, limits: ServeLimits
+    ms: MessageStream, handler: UnaryHandler, ctx: CallContext, request: Any
 ) -> None:
-    with trio.move_on_after(limits.request_timeout) as scope:
-        request = await ms._receive_raw()
-    if scope.cancelled_caught:
-        ms.reset("request not received in time")
-        return
     ok, result = await _run_handler(ctx, handler, request)
     if ok:
         try:

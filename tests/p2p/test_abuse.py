@@ -370,3 +370,32 @@ def test_messages_roundtrip_through_the_parser_in_any_split(value: Any) -> None:
         parser.feed(data[i : i + 7])
     ok, decoded = parser.next_message()
     assert ok and decoded == value and parser.at_boundary
+
+
+def test_a_stream_that_never_completes_its_request_is_reset(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    config = NodeConfig(header_timeout=5.0, request_timeout=10.0)
+
+    async def main() -> None:
+        from p2p.messages import encode_parts
+
+        net = SimNetwork(seed=2)
+        async with open_sim_nodes(net, 2, config=config) as (node, slow):
+            node.add_handler("echo", echo)
+            await slow.connect(node.addrs[0])
+            conn = slow.connection_to(node.peer_id)
+            assert conn is not None
+            silent = await conn.mux.open_stream()
+            await silent.send_all(b"\x00\x00")  # half a length prefix, then silence
+            header_only = await conn.mux.open_stream()
+            await header_only.send_parts(encode_parts(["u", "echo"]))  # ... and no request
+            start = trio.current_time()
+            for stream in (header_only, silent):
+                with pytest.raises(ConnectionClosed, match="in time"):
+                    await stream.receive_some()
+            assert trio.current_time() - start <= 15.0 + 1.0
+            assert await slow.call(node.peer_id, "echo", "fine") == "fine"
+
+    with caplog.at_level(logging.INFO):
+        run_sim(main)
