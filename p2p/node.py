@@ -181,6 +181,8 @@ class Node:
         self.config = config
         self.addrs: list[Multiaddr] = []
         self.peerstore = PeerStore()
+        self.circuit_transport: Transport | None = None
+        """Dials relayed (``/p2p-circuit``) addresses when set (see :mod:`p2p.nat.circuit`)."""
         self._nursery = nursery
         self._registry = Registry()
         self._conns: dict[PeerID, Connection] = {}  # the connection used for new streams
@@ -248,7 +250,7 @@ class Node:
         if isinstance(peer, PeerID):
             return peer, self.peerstore.addrs_of(peer)
         if isinstance(peer, Multiaddr):
-            if peer.is_relayed:
+            if peer.is_relayed and self.circuit_transport is None:
                 raise DialError(f"relayed addresses are not supported by this node: {peer}")
             return peer.peer_id, [peer]
         raise TypeError(f"expected PeerID, Multiaddr or str, got {type(peer).__name__}")
@@ -302,7 +304,12 @@ class Node:
         if len(self._all_conns) + self._pending_inbound >= self.config.max_connections:
             raise DialError(f"connection limit ({self.config.max_connections}) reached")
         with trio.move_on_after(self.config.dial_timeout) as scope:
-            raw = await self.transport.dial(addr.transport_part())
+            if addr.is_relayed:
+                if self.circuit_transport is None:
+                    raise DialError(f"relayed addresses are not supported by this node: {addr}")
+                raw = await self.circuit_transport.dial(addr)
+            else:
+                raw = await self.transport.dial(addr.transport_part())
         if scope.cancelled_caught:
             raise DialError(f"dialing {addr} timed out after {self.config.dial_timeout} s")
         channel = await secure_outbound(
@@ -319,6 +326,11 @@ class Node:
         conn: Connection = await self._nursery.start(self._run_connection, channel, addr, True)
         self.peerstore.add_addrs(conn.peer, [addr])
         return conn
+
+    async def accept_inbound(self, raw: trio.abc.Stream, observed: Multiaddr | None) -> None:
+        """Serve a raw stream that arrived some other way (a relayed circuit) as an inbound
+        connection: secure handshake, then the usual connection; returns when it ends."""
+        await self._handle_inbound(raw, observed)
 
     async def _handle_inbound(self, raw: trio.abc.Stream, observed: Multiaddr | None) -> None:
         """Transport handler for accepted connections (runs in the listener's nursery)."""
