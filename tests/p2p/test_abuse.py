@@ -392,7 +392,7 @@ def test_a_stream_that_never_completes_its_request_is_reset(
             await header_only.send_parts(encode_parts(["u", "echo"]))  # ... and no request
             start = trio.current_time()
             for stream in (header_only, silent):
-                with pytest.raises(ConnectionClosed, match="in time"):
+                with pytest.raises(ConnectionClosed, match="in time|cancelled mid-message"):
                     await stream.receive_some()
             assert trio.current_time() - start <= 15.0 + 1.0
             assert await slow.call(node.peer_id, "echo", "fine") == "fine"
