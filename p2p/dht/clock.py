@@ -33,14 +33,16 @@ class DHTClock:
         self.samples = samples
         self.max_skew = max_skew
         self._offsets: OrderedDict[Hashable, float] = OrderedDict()
-        self._offset = 0.0
+        self._offset: float | None = 0.0  # None: recompute the median on next use
 
     def now(self) -> float:
         """The current DHT time."""
-        return self.local_time() + self._offset
+        return self.local_time() + self.offset
 
     @property
     def offset(self) -> float:
+        if self._offset is None:
+            self._offset = statistics.median([0.0, *self._offsets.values()])
         return self._offset
 
     def observe(self, peer: Hashable, peer_time: object, sent: float, received: float) -> None:
@@ -54,4 +56,4 @@ class DHTClock:
         self._offsets[peer] = offset
         while len(self._offsets) > self.samples:
             self._offsets.popitem(last=False)
-        self._offset = statistics.median([0.0, *self._offsets.values()])
+        self._offset = None

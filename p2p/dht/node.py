@@ -114,7 +114,7 @@ class DHT:
                     peer = await self.node.connect(ma)
                     if peer == self.peer_id:
                         return
-                    if await self.protocol.ping(Contact(peer, (ma.with_peer(peer),))):
+                    if await self.protocol.ping(Contact(peer, (str(ma.with_peer(peer)),))):
                         answered.append(peer)
                     else:
                         errors.append(f"{addr}: no answer to ping")
@@ -139,7 +139,7 @@ class DHT:
                 ma = Multiaddr.parse(addr)
                 with trio.move_on_after(self.config.request_timeout):
                     peer = await self.node.connect(ma)
-                    await self.protocol.ping(Contact(peer, (ma.with_peer(peer),)))
+                    await self.protocol.ping(Contact(peer, (str(ma.with_peer(peer)),)))
             except P2PError as e:
                 log.debug("initial peer %s still unreachable: %s", addr, e)
 
@@ -160,7 +160,7 @@ class DHT:
             k=self.config.k,
             alpha=self.config.alpha,
             local=self.peer_id,
-            skip=lambda p: self.protocol.blacklist.is_banned(p, trio.current_time()),
+            skip=lambda p: self.protocol.blacklist.is_banned(p.digest, trio.current_time()),
         )
         self.routing.touch_bucket(target, now)
         self.lookups.append(result)

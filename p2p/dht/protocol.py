@@ -46,7 +46,6 @@ from p2p.dht.wire import (
 )
 from p2p.errors import P2PError, ProtocolError
 from p2p.identity import PeerID
-from p2p.multiaddr import Multiaddr
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +87,7 @@ class DHTProtocol:
         self._evicting: set[PeerID] = set()
         self._handoff_limiter = trio.CapacityLimiter(config.handoff_concurrency)
         self._handoffs_pending = 0
+        self._own_addrs: tuple[str, ...] | None = None
 
     # --- wiring --------------------------------------------------------------------------
     def register(self) -> None:
@@ -98,24 +98,29 @@ class DHTProtocol:
         self.node.add_handler(STORE, self.handle_store)
         self.node.add_handler(FIND, self.handle_find)
 
-    def own_addrs(self) -> tuple[Multiaddr, ...]:
+    def own_addrs(self) -> tuple[str, ...]:
         if self.client_mode:
             return ()
-        return tuple(self.node.addrs[: self.config.max_addrs_per_peer])
+        if self._own_addrs is None:
+            self._own_addrs = tuple(str(a) for a in self.node.addrs)
+        return self._own_addrs[: self.config.max_addrs_per_peer]
 
     def _running(self) -> bool:
         return self.nursery is not None
 
     # --- bookkeeping ---------------------------------------------------------------------
-    def peer_seen(self, peer: PeerID, addrs: tuple[Multiaddr, ...], *, client: bool) -> None:
+    def peer_seen(self, peer: PeerID, addrs: tuple[str, ...], *, client: bool) -> None:
         """A request or answer came from ``peer``: refresh it in the routing table."""
-        self.blacklist.succeeded(peer)
-        if client or peer == self.node.peer_id:
+        self.blacklist.succeeded(peer.digest)
+        if client or peer.digest == self.node.peer_id.digest:
             return
         entry = self.routing.get(peer)
         known = entry is not None
-        if addrs and (entry is None or entry.addrs != addrs):
-            self.node.peerstore.add_addrs(peer, addrs)
+        if addrs and (
+            (entry is None and peer not in self.node.peerstore)
+            or (entry is not None and entry.addrs != addrs)
+        ):
+            self._remember_addrs(peer, addrs)
         lrs = self.routing.add_or_update(peer, node_id(peer), addrs, trio.current_time())
         if not self._running():
             return
@@ -124,17 +129,24 @@ class DHTProtocol:
         elif not known and peer in self.routing and not self.client_mode:
             self._schedule_handoff(Contact(peer, addrs))
 
+    def _remember_addrs(self, peer: PeerID, addrs: tuple[str, ...]) -> None:
+        try:
+            self.node.peerstore.add_addrs(peer, addrs)
+        except P2PError as e:  # addresses were validated on arrival; be safe anyway
+            log.debug("bad addresses for %s: %s", peer, e)
+
     def peer_failed(self, peer: PeerID) -> None:
         """Ban the peer for a while; drop it from its bucket if a replacement can take its
         place or it failed too often (a lone stale peer is kept, banned, as Kademlia does:
         after a partition heals it is tried again and answers)."""
         self.stats["failures"] += 1
-        self.blacklist.failed(peer, trio.current_time())
+        self.blacklist.failed(peer.digest, trio.current_time())
         entry = self.routing.get(peer)
         if entry is None:
             return
         bucket = self.routing.bucket_for(entry.id)
-        if bucket.replacements or self.blacklist.failures(peer) >= self.config.stale_failures:
+        stale = self.blacklist.failures(peer.digest) >= self.config.stale_failures
+        if bucket.replacements or stale:
             self.routing.remove(peer)
 
     def _check_eviction(self, lrs: PeerEntry) -> None:
@@ -231,10 +243,10 @@ class DHTProtocol:
     # --- calls ---------------------------------------------------------------------------
     async def _call(self, contact: Contact, name: str, **body: Any) -> Any | None:
         """One request; None (and the peer is banned) when it fails or answers garbage."""
-        if contact.peer == self.node.peer_id:
+        if contact.peer.digest == self.node.peer_id.digest:
             return None
-        if contact.addrs and contact.peer not in self.routing:
-            self.node.peerstore.add_addrs(contact.peer, contact.addrs)
+        if contact.addrs and contact.peer not in self.node.peerstore:
+            self._remember_addrs(contact.peer, contact.addrs)
         self.stats[name] += 1
         sent = self.clock.local_time()
         try:
@@ -249,7 +261,7 @@ class DHTProtocol:
             log.debug("%s to %s failed: %r", name, contact.peer, e)
             self.peer_failed(contact.peer)
             return None
-        self.clock.observe(contact.peer, peer_time, sent, self.clock.local_time())
+        self.clock.observe(contact.peer.digest, peer_time, sent, self.clock.local_time())
         self.peer_seen(contact.peer, contact.addrs, client=False)
         return resp
 

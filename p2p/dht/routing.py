@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import heapq
 from collections import OrderedDict
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,13 +32,16 @@ class PeerEntry:
 
 @dataclass
 class KBucket:
-    """Peers whose IDs fall in ``[lo, hi)``; ``peers`` is ordered least-recently-seen first."""
+    """Peers whose IDs fall in ``[lo, hi)``; ``peers`` is ordered least-recently-seen first.
+
+    Dictionaries are keyed by the peer ID's raw digest (bytes cache their hash).
+    """
 
     lo: int
     hi: int
     depth: int
-    peers: OrderedDict[PeerID, PeerEntry] = field(default_factory=OrderedDict)
-    replacements: OrderedDict[PeerID, PeerEntry] = field(default_factory=OrderedDict)
+    peers: OrderedDict[bytes, PeerEntry] = field(default_factory=OrderedDict)
+    replacements: OrderedDict[bytes, PeerEntry] = field(default_factory=OrderedDict)
     last_updated: float = 0.0
 
     def covers(self, ident: int) -> bool:
@@ -53,7 +56,7 @@ class RoutingTable:
         self.k = k
         self.replacement_cache_size = replacement_cache_size
         self.buckets: list[KBucket] = [KBucket(0, 1 << ID_BITS, 0)]
-        self._index: dict[PeerID, KBucket] = {}
+        self._index: dict[bytes, KBucket] = {}
 
     # --- lookups -------------------------------------------------------------------------
     def bucket_for(self, ident: int) -> KBucket:
@@ -68,28 +71,28 @@ class RoutingTable:
         return self.buckets[lo]
 
     def __contains__(self, peer: object) -> bool:
-        return peer in self._index
+        return isinstance(peer, PeerID) and peer.digest in self._index
 
     def __len__(self) -> int:
         return len(self._index)
 
     def get(self, peer: PeerID) -> PeerEntry | None:
-        bucket = self._index.get(peer)
-        return bucket.peers[peer] if bucket is not None else None
+        bucket = self._index.get(peer.digest)
+        return bucket.peers[peer.digest] if bucket is not None else None
 
-    def peers(self) -> Iterator[PeerEntry]:
-        for bucket in self.buckets:
-            yield from bucket.peers.values()
+    def peers(self) -> list[PeerEntry]:
+        return [e for bucket in self.buckets for e in bucket.peers.values()]
 
     def nearest(
         self, target: int, count: int | None = None, exclude: Iterable[PeerID] = ()
     ) -> list[PeerEntry]:
         """The ``count`` (default k) known peers nearest to ``target`` by XOR distance."""
-        skip = set(exclude)
+        entries = self.peers()
+        skip = {p.digest for p in exclude}
+        if skip:
+            entries = [e for e in entries if e.peer.digest not in skip]
         return heapq.nsmallest(
-            count if count is not None else self.k,
-            (e for e in self.peers() if e.peer not in skip),
-            key=lambda e: e.id ^ target,
+            count if count is not None else self.k, entries, key=lambda e: e.id ^ target
         )
 
     # --- updates -------------------------------------------------------------------------
@@ -105,43 +108,45 @@ class RoutingTable:
         if ident == self.local_id:
             return None
         addrs = tuple(addrs)
-        bucket = self._index.get(peer)
+        key = peer.digest
+        bucket = self._index.get(key)
         if bucket is not None:
-            entry = bucket.peers.pop(peer)
+            entry = bucket.peers.pop(key)
             if addrs:
                 entry.addrs = addrs
             entry.last_seen = now
-            bucket.peers[peer] = entry
+            bucket.peers[key] = entry
             bucket.last_updated = now
             return None
         while True:
             bucket = self.bucket_for(ident)
             if len(bucket.peers) < self.k:
-                bucket.replacements.pop(peer, None)
-                bucket.peers[peer] = PeerEntry(peer, ident, addrs, now)
+                bucket.replacements.pop(key, None)
+                bucket.peers[key] = PeerEntry(peer, ident, addrs, now)
                 bucket.last_updated = now
-                self._index[peer] = bucket
+                self._index[key] = bucket
                 return None
             if bucket.covers(self.local_id) and bucket.depth < ID_BITS:
                 self._split(bucket)
                 continue
-            old = bucket.replacements.pop(peer, None)
+            old = bucket.replacements.pop(key, None)
             entry = PeerEntry(peer, ident, addrs or (old.addrs if old else ()), now)
-            bucket.replacements[peer] = entry
+            bucket.replacements[key] = entry
             while len(bucket.replacements) > self.replacement_cache_size:
                 bucket.replacements.popitem(last=False)
             return next(iter(bucket.peers.values()))
 
     def remove(self, peer: PeerID) -> bool:
         """Forget a peer that stopped answering; its bucket's freshest replacement moves in."""
-        bucket = self._index.pop(peer, None)
+        key = peer.digest
+        bucket = self._index.pop(key, None)
         if bucket is None:
-            return any(b.replacements.pop(peer, None) is not None for b in self.buckets)
-        del bucket.peers[peer]
+            return any(b.replacements.pop(key, None) is not None for b in self.buckets)
+        del bucket.peers[key]
         if bucket.replacements:
-            _, repl = bucket.replacements.popitem(last=True)
-            bucket.peers[repl.peer] = repl
-            self._index[repl.peer] = bucket
+            rkey, repl = bucket.replacements.popitem(last=True)
+            bucket.peers[rkey] = repl
+            self._index[rkey] = bucket
         return True
 
     def _split(self, bucket: KBucket) -> None:
@@ -159,9 +164,9 @@ class RoutingTable:
         # a replacement may now fit in a half that has room
         for half in (left, right):
             while half.replacements and len(half.peers) < self.k:
-                _, repl = half.replacements.popitem(last=True)
-                half.peers[repl.peer] = repl
-                self._index[repl.peer] = half
+                rkey, repl = half.replacements.popitem(last=True)
+                half.peers[rkey] = repl
+                self._index[rkey] = half
 
     # --- maintenance ---------------------------------------------------------------------
     def stale_buckets(self, now: float, max_age: float) -> list[KBucket]:

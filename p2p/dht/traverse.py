@@ -17,7 +17,6 @@ from typing import Generic, TypeVar
 
 import trio
 
-from p2p.dht.ids import node_id
 from p2p.dht.records import Record
 from p2p.dht.wire import Contact
 from p2p.identity import PeerID
@@ -60,16 +59,18 @@ async def lookup(
     skip: Callable[[PeerID], bool] = lambda peer: False,
 ) -> LookupResult:
     """Find the k nodes nearest to ``target``; ``query`` is sent to each (an ID or a key)."""
-    cands: dict[PeerID, _Candidate] = {}
+    cands: dict[bytes, _Candidate] = {}  # keyed by peer ID digest (cheap hashing)
     result = LookupResult([])
+    local_key = local.digest if local is not None else None
 
     def learn(contacts: Iterable[Contact], hop: int) -> None:
         for c in contacts:
-            if c.peer == local or skip(c.peer):
-                continue
-            old = cands.get(c.peer)
+            key = c.peer.digest
+            old = cands.get(key)
             if old is None:
-                cands[c.peer] = _Candidate(c, node_id(c.peer) ^ target, hop)
+                if key == local_key or skip(c.peer):
+                    continue
+                cands[key] = _Candidate(c, int.from_bytes(key, "big") ^ target, hop)
             elif old.state == _NEW and hop < old.hop:
                 old.hop = hop
 

@@ -54,7 +54,7 @@ class Contact:
     """A peer and the addresses it can be dialed at."""
 
     peer: PeerID
-    addrs: tuple[Multiaddr, ...] = ()
+    addrs: tuple[str, ...] = ()  # text multiaddrs ending in /p2p/<peer>
 
 
 # --- small checkers ------------------------------------------------------------------------
@@ -93,45 +93,53 @@ def _bytes(value: Any, what: str, max_len: int) -> bytes:
 def _peer_id(value: Any) -> PeerID:
     if not isinstance(value, bytes) or len(value) != 32:
         raise ProtocolError("peer ID must be 32 bytes")
-    return PeerID(value)
+    peer = _peer_cache.get(value)
+    if peer is None:
+        if len(_peer_cache) >= _CACHE_SIZE:
+            _peer_cache.clear()
+        peer = _peer_cache[value] = PeerID(value)
+    return peer
 
 
-_addr_cache: dict[str, tuple[Multiaddr, PeerID | None]] = {}
-_ADDR_CACHE_SIZE = 8192
+_addr_cache: dict[str, PeerID | None] = {}
+_peer_cache: dict[bytes, PeerID] = {}
+_CACHE_SIZE = 8192
 
 
-def _parse_addr(text: str) -> tuple[Multiaddr, PeerID | None]:
-    """Parse (and remember: addresses repeat in every FIND answer) one address."""
-    hit = _addr_cache.get(text)
-    if hit is None:
-        try:
-            ma = Multiaddr.parse(text)
-            hit = (ma, ma.peer_id)
-        except (MultiaddrError, IdentityError) as e:
-            raise ProtocolError(f"bad address {text[:80]!r}: {e}") from None
-        if len(_addr_cache) >= _ADDR_CACHE_SIZE:
-            _addr_cache.clear()
-        _addr_cache[text] = hit
-    return hit
+def _named_peer(text: str) -> PeerID | None:
+    """Validate an address (remembered: the same addresses recur in every FIND answer);
+    returns the peer its ``/p2p/`` part names."""
+    if text in _addr_cache:
+        return _addr_cache[text]
+    try:
+        named = Multiaddr.parse(text).peer_id
+    except (MultiaddrError, IdentityError) as e:
+        raise ProtocolError(f"bad address {text[:80]!r}: {e}") from None
+    if len(_addr_cache) >= _CACHE_SIZE:
+        _addr_cache.clear()
+    _addr_cache[text] = named
+    return named
 
 
-def parse_addrs(value: Any, peer: PeerID | None, max_addrs: int) -> tuple[Multiaddr, ...]:
-    """Multiaddrs of ``peer``: each must parse and name no other peer."""
+def parse_addrs(value: Any, peer: PeerID | None, max_addrs: int) -> tuple[str, ...]:
+    """Text multiaddrs of ``peer`` (each ending in its ``/p2p/`` ID): each must parse and
+    name no other peer."""
     out = []
     for a in _list(value, "addrs", max_addrs):
-        ma, named = _parse_addr(_text(a, "address", MAX_ADDR_CHARS))
+        text = _text(a, "address", MAX_ADDR_CHARS)
+        named = _named_peer(text)
         if peer is not None:
-            if named is not None and named != peer:
-                raise ProtocolError("address names another peer")
             if named is None:
-                ma = ma.with_peer(peer)
-        out.append(ma)
+                text = f"{text}/p2p/{peer.to_base58()}"
+            elif named.digest != peer.digest:
+                raise ProtocolError("address names another peer")
+        out.append(text)
     return tuple(out)
 
 
 # --- requests ------------------------------------------------------------------------------
-def request(client: bool, addrs: tuple[Multiaddr, ...], **body: Any) -> dict:
-    return {"client": client, "addrs": [str(a) for a in addrs], **body}
+def request(client: bool, addrs: tuple[str, ...], **body: Any) -> dict:
+    return {"client": client, "addrs": list(addrs), **body}
 
 
 def parse_sender(msg: Any, sender: PeerID, limits: Limits) -> tuple[bool, tuple[Multiaddr, ...]]:
@@ -213,7 +221,7 @@ def parse_store_response(msg: Any, count: int) -> list[bool | str]:
 
 def find_result_to_wire(peers: list[Contact], records: list[Record] | None) -> list:
     return [
-        [[c.peer.to_bytes(), [str(a) for a in c.addrs]] for c in peers],
+        [[c.peer.digest, list(c.addrs)] for c in peers],
         None if records is None else [[r.subkey, r.value, r.expiration, r.proof] for r in records],
     ]
 

@@ -113,4 +113,8 @@ async def dht_swarm(
         try:
             yield swarm
         finally:
+            # resetting every connection first makes the nodes' shutdown cheap
+            for host in swarm.net.hosts.values():
+                if host.alive:
+                    swarm.net.kill(host)
             nursery.cancel_scope.cancel()

@@ -100,7 +100,7 @@ def test_update_moves_to_tail_and_keeps_addrs() -> None:
     table.add_or_update(pid(b), b, now=2)
     table.add_or_update(pid(a), a, now=3)
     bucket = table.bucket_for(a)
-    assert list(bucket.peers) == [pid(b), pid(a)]
+    assert [e.peer for e in bucket.peers.values()] == [pid(b), pid(a)]
     assert table.get(pid(a)).addrs == ("/ip4/1.2.3.4/tcp/1",)
     assert table.get(pid(a)).last_seen == 3
 
