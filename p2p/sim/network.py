@@ -251,7 +251,12 @@ class SimNetwork:
 
     def _settle(self) -> None:
         """Fire every event due by trio's current time."""
-        self.engine.run_until(trio.current_time())
+        now = trio.current_time()
+        if now < self.engine.now:
+            raise RuntimeError(
+                "trio's clock is behind this SimNetwork's: use one network per trio.run"
+            )
+        self.engine.run_until(now)
 
     async def _wait(self, owner: object, attr: str) -> None:
         """Block until ``owner.<attr>`` (a cancel scope) is cancelled by a notifier.

@@ -401,6 +401,19 @@ def test_dial_errors_and_observed_address():
     run_sim(main)
 
 
+def test_sim_transport_is_a_transport():
+    from p2p.transport import Transport
+
+    net = SimNetwork()
+    assert isinstance(net.add_host().transport, Transport)
+    assert isinstance(net.add_host().transport, Transport)
+    assert sorted(net.hosts) == ["h0", "h1"]
+    with pytest.raises(ValueError):
+        net.add_host("h0")
+    with pytest.raises(ValueError):
+        net.add_host("bad/name")
+
+
 def test_unreachable_host_dials_out_but_refuses_inbound():
     async def main():
         net = SimNetwork()
@@ -752,3 +765,26 @@ def test_10_mb_stream_takes_the_bandwidth_predicted_time():
     # a's 10 MB/s uplink is the bottleneck; framing and encryption add well under 1%
     expected = total / (10 * MB) + 0.04
     assert expected <= elapsed <= expected * 1.01
+
+
+@pytest.mark.slow
+def test_500_hosts_exchange_messages():
+    log, _, stats = run_sim(_gossip, 1, 500, 4, 5)
+    assert len(log) == 2000
+    assert stats["bytes"] == 500 * 4 * 5 * 100
+
+
+def test_one_network_per_trio_run():
+    net = SimNetwork()
+    a, b = net.add_host("a"), net.add_host("b")
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            addr = await _listen(nursery, b, lambda s, r: _keep([], s))
+            await net.sleep(5)
+            await a.transport.dial(addr)
+            nursery.cancel_scope.cancel()
+
+    run_sim(main)
+    with pytest.raises(RuntimeError, match="one network per trio.run"):
+        run_sim(net.sleep, 1.0)  # a new run's clock starts behind this network's
