@@ -2,10 +2,10 @@
 
     python -m examples.demo            # the hub; it starts two worker processes itself
 
-The hub starts, two workers dial it and register; the hub times RPC round trips to each
-worker, then asks worker A to pull a 100 MB stream from worker B (over the encrypted,
-multiplexed connection A dials to B), while small RPCs keep flowing on the same connections.
-Everything printed is measured in this run.
+The hub starts, two workers dial it and register; all three join a small DHT. The hub times
+RPC round trips to each worker, stores a value in the DHT that a worker then reads, and asks
+worker A to pull a 100 MB stream from worker B (over the encrypted, multiplexed connection A
+dials to B) while small RPCs keep flowing. Everything printed is measured in this run.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from typing import Any
 import trio
 
 from p2p import CallContext, MessageStream, Multiaddr, Node, open_node
+from p2p.dht import open_dht
 
 CHUNK = 1 << 20
 logger = logging.getLogger("examples.demo")
@@ -30,7 +31,7 @@ logger = logging.getLogger("examples.demo")
 
 async def run_worker(hub: str, name: str) -> None:
     stop = trio.Event()
-    async with open_node() as node:
+    async with open_node() as node, open_dht(node, initial_peers=[hub]) as dht:
 
         async def ping(ctx: CallContext, request: Any) -> Any:
             return request
@@ -59,10 +60,15 @@ async def run_worker(hub: str, name: str) -> None:
         async def halt(ctx: CallContext, request: Any) -> None:
             stop.set()
 
+        async def dht_get(ctx: CallContext, key: str) -> Any:
+            found = await dht.get(key)
+            return None if found is None else found.value
+
         node.add_handler("demo.ping", ping)
         node.add_stream_handler("demo.blob", blob)
         node.add_handler("demo.fetch_from", fetch_from)
         node.add_handler("demo.stop", halt)
+        node.add_handler("demo.dht_get", dht_get)
         await node.call(hub, "demo.register", {"name": name, "addrs": [str(a) for a in node.addrs]})
         await stop.wait()
         await trio.sleep(0.05)  # let the reply to demo.stop leave
@@ -84,7 +90,7 @@ async def run_hub(size_mb: int, rounds: int) -> None:
     t0 = time.perf_counter()
     registered: dict[str, list[str]] = {}
     both = trio.Event()
-    async with open_node() as hub:
+    async with open_node() as hub, open_dht(hub) as dht:
 
         async def register(ctx: CallContext, request: dict[str, Any]) -> str:
             registered[request["name"]] = request["addrs"]
@@ -114,6 +120,17 @@ async def run_hub(size_mb: int, rounds: int) -> None:
                     f"RPC round trips hub -> {label}: {rounds} calls, median "
                     f"{statistics.median(rtts) * 1e6:.0f} us, max {max(rtts) * 1e6:.0f} us"
                 )
+
+            key, value = "demo/greeting", {"from": str(hub.peer_id)[:8], "text": "hello"}
+            start = time.perf_counter()
+            result = await dht.store(key, value, dht.now() + 60)
+            stored = time.perf_counter() - start
+            start = time.perf_counter()
+            seen = await hub.call(b, "demo.dht_get", key)
+            print(
+                f"DHT: hub stored {key!r} on {result.stored} node(s) in {stored * 1e3:.0f} ms; "
+                f"worker-b read {seen} in {(time.perf_counter() - start) * 1e3:.0f} ms"
+            )
 
             size = size_mb * 1_000_000
             print(f"worker-a pulls {size_mb} MB from worker-b over one encrypted stream ...")

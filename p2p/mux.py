@@ -153,6 +153,7 @@ class MuxStream:
         self._mux = mux
         self.stream_id = stream_id  # None until an outbound stream's first frame is sent
         self.frames_sent = 0  # 0: the peer has seen nothing of this stream (safe to retry)
+        self._announced = stream_id is not None  # the peer knows (or is about to know) the id
         self._forgotten = False
         self.outbound = outbound
         self._chunks: deque[memoryview] = deque()
@@ -352,7 +353,8 @@ class MuxStream:
         """Abort both directions now (synchronous, so it also works from cancelled code)."""
         if self.finished:
             return
-        if self.stream_id is not None:  # a never-sent stream: the peer does not know it
+        if self._announced:  # a never-sent stream: the peer does not know it
+            assert self.stream_id is not None
             self._mux._queue_reset(self.stream_id, reason)
         self._on_reset(f"local: {reason}", discard=True)
 
@@ -536,16 +538,22 @@ class Mux:
                 if self._next_id > MAX_STREAM_ID:
                     raise ConnectionClosed("stream ids exhausted on this connection")
                 sid = stream.stream_id = self._next_id
-                self._next_id += 2
+                self._next_id += 2  # ids may skip (a failed first send): only order matters
                 self._unopened.discard(stream)
                 self._streams[sid] = stream
                 kind = _OPENING[kind]
             frame = b"".join((HEADER.pack(kind, sid), *parts))
+            stream._announced = True
             try:
                 await self.channel.send_frame(frame)
             except _CHANNEL_ERRORS as e:
                 self._close_now(f"send failed: {e!r}")
                 raise ConnectionClosed(f"connection closed: {e!r}") from e
+            except trio.Cancelled:
+                # cancelled before the frame left (a cut frame closes the channel anyway)
+                if stream.frames_sent == 0:
+                    stream._announced = False
+                raise
             stream.frames_sent += 1
 
     def _queue_window_update(self, stream_id: int, increment: int) -> None:

@@ -519,3 +519,44 @@ def test_memory_limit_resets_the_stream_that_would_exceed_it() -> None:
             nursery.cancel_scope.cancel()
 
     run_virtual(main)
+
+
+class StallingFrameChannel(MemoryFrameChannel):
+    """Blocks every send until ``release`` is set (a congested connection)."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self.release = trio.Event()
+
+    async def send_frame(self, data: bytes | bytearray | memoryview) -> None:
+        await self.release.wait()
+        await super().send_frame(data)
+
+
+def test_cancelling_a_first_send_leaves_no_trace_on_the_wire() -> None:
+    async def main() -> None:
+        a_send, b_receive = trio.open_memory_channel[bytes](10)
+        b_send, a_receive = trio.open_memory_channel[bytes](10)
+        ca = StallingFrameChannel(a_send, a_receive)
+        cb = MemoryFrameChannel(b_send, b_receive)
+        client = Mux(ca, initiator=True, handle_stream=_no_streams)
+        server = Mux(cb, initiator=False, handle_stream=echo)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(client.run)
+            await nursery.start(server.run)
+            stream = await client.open_stream()
+            with trio.move_on_after(1):
+                await stream.send_all(b"never sent")
+            assert stream.is_reset and client.num_streams == 0
+            ca.release.set()
+            other = await client.open_stream()
+            await other.send_all(b"ok")
+            assert bytes(await other.receive_exactly(2)) == b"ok"
+            await trio.testing.wait_all_tasks_blocked()
+            assert not server.is_closed and not client.is_closed
+            sent = [decode_frame(f)[:2] for f in ca.sent]
+            assert RESET not in [kind for kind, _ in sent]  # nothing about the first stream
+            assert sent[0] == (OPEN_DATA, 3)  # id 1 was skipped: allowed, order is kept
+            nursery.cancel_scope.cancel()
+
+    run_virtual(main)
