@@ -1,0 +1,190 @@
+"""The standalone DHT command: run a DHT node, or store/get one value, without JAX.
+
+    python -m p2p.dht serve [--listen MADDR ...] [--initial-peers MADDR ...]
+                            [--identity FILE] [--client-mode]
+    python -m p2p.dht store KEY VALUE --ttl SECONDS [--subkey S | --owned] --initial-peers MADDR ...
+    python -m p2p.dht get KEY --initial-peers MADDR ...
+
+``serve`` prints each full address it listens on (``/ip4/.../tcp/PORT/p2p/PEERID``), one per
+line, then serves until SIGINT/SIGTERM. ``store`` parses VALUE as JSON when it can (else keeps
+it as text) and prints on how many nodes it was stored. ``get`` prints the value as JSON (a
+dictionary value as an object of subkeys; bytes as ``"base64:..."``) or exits 1 when not found.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import json
+import logging
+import signal
+import sys
+from typing import Any
+
+import trio
+
+from p2p.dht.config import PRESETS
+from p2p.dht.errors import InvalidRecordError
+from p2p.dht.node import open_dht
+from p2p.dht.records import ValueWithExpiration, owner_marker
+from p2p.errors import P2PError
+from p2p.identity import Identity
+from p2p.node import open_node
+
+DEFAULT_LISTEN = "/ip4/127.0.0.1/tcp/0"
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m p2p.dht", description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="command", required=True)
+
+    def common(sp: argparse.ArgumentParser, peers_required: bool) -> None:
+        sp.add_argument(
+            "--initial-peers", nargs="+", default=[], required=peers_required, metavar="MADDR"
+        )
+        sp.add_argument("--identity", metavar="FILE", help="key file (created if missing)")
+        sp.add_argument("--config", choices=sorted(PRESETS), default="default")
+        sp.add_argument("-v", "--verbose", action="count", default=0)
+
+    serve = sub.add_parser("serve", help="run a DHT node until SIGINT/SIGTERM")
+    serve.add_argument("--listen", nargs="+", default=None, metavar="MADDR")
+    serve.add_argument("--client-mode", action="store_true", help="query only, accept nothing")
+    common(serve, False)
+
+    store = sub.add_parser("store", help="store one value and exit")
+    store.add_argument("key")
+    store.add_argument("value", help="JSON, or plain text if it is not valid JSON")
+    store.add_argument("--ttl", type=float, required=True, metavar="SECONDS")
+    group = store.add_mutually_exclusive_group()
+    group.add_argument("--subkey")
+    group.add_argument("--owned", action="store_true", help="subkey = this identity's owner marker")
+    common(store, True)
+
+    get = sub.add_parser("get", help="print a value as JSON and exit (1 if not found)")
+    get.add_argument("key")
+    common(get, True)
+    return p
+
+
+def _to_json(value: Any) -> Any:
+    if isinstance(value, bytes):
+        return "base64:" + base64.b64encode(value).decode()
+    if isinstance(value, dict):
+        return {
+            k if isinstance(k, str) else json.dumps(_to_json(k)): _to_json(v)
+            for k, v in value.items()
+        }
+    if isinstance(value, list | tuple):
+        return [_to_json(v) for v in value]
+    return value
+
+
+def _parse_value(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+def _identity(args: argparse.Namespace) -> Identity:
+    return Identity.load_or_create(args.identity) if args.identity else Identity.generate()
+
+
+async def _serve(args: argparse.Namespace) -> int:
+    listen = args.listen
+    if listen is None:
+        listen = [] if args.client_mode else [DEFAULT_LISTEN]
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async with (
+            open_node(_identity(args), listen=listen) as node,
+            open_dht(
+                node,
+                initial_peers=args.initial_peers,
+                config=PRESETS[args.config](),
+                client_mode=args.client_mode,
+            ),
+        ):
+            for addr in node.addrs:
+                print(addr, flush=True)
+            async for _ in signals:
+                break
+    return 0
+
+
+async def _store(args: argparse.Namespace) -> int:
+    identity = _identity(args)
+    subkey = owner_marker(identity.peer_id) if args.owned else args.subkey
+    async with (
+        open_node(identity, listen=[]) as node,
+        open_dht(
+            node,
+            initial_peers=args.initial_peers,
+            config=PRESETS[args.config](),
+            client_mode=True,
+        ) as dht,
+    ):
+        result = await dht.store(
+            args.key, _parse_value(args.value), dht.now() + args.ttl, subkey=subkey
+        )
+    if not result.ok:
+        print(
+            f"not stored: {result.outdated} nodes hold a newer value, "
+            f"{result.failed} did not answer",
+            file=sys.stderr,
+        )
+        return 1
+    print(f"stored on {result.stored} nodes", flush=True)
+    return 0
+
+
+async def _get(args: argparse.Namespace) -> int:
+    async with (
+        open_node(_identity(args), listen=[]) as node,
+        open_dht(
+            node,
+            initial_peers=args.initial_peers,
+            config=PRESETS[args.config](),
+            client_mode=True,
+        ) as dht,
+    ):
+        found = await dht.get(args.key)
+    if found is None:
+        print(f"not found: {args.key}", file=sys.stderr)
+        return 1
+    if isinstance(found, ValueWithExpiration):
+        out = _to_json(found.value)
+    else:
+        out = {sub: _to_json(v.value) for sub, v in found.items()}
+    print(json.dumps(out, ensure_ascii=False), flush=True)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    level = logging.WARNING if args.verbose == 0 else logging.INFO if args.verbose == 1 else 10
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    command = {"serve": _serve, "store": _store, "get": _get}[args.command]
+    try:
+        return trio.run(command, args)
+    except KeyboardInterrupt:
+        return 130
+    except (P2PError, BaseExceptionGroup) as e:
+        err = _leaf(e)
+        if isinstance(err, InvalidRecordError):
+            print(f"refused: {err.reason}", file=sys.stderr)
+        elif isinstance(err, P2PError):  # BootstrapError, DialError, ...
+            print(f"error: {err}", file=sys.stderr)
+        else:
+            raise
+        return 1
+
+
+def _leaf(exc: BaseException) -> BaseException:
+    """The one error inside nested single-exception groups (nurseries wrap what they raise)."""
+    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
+        exc = exc.exceptions[0]
+    return exc
+
+
+if __name__ == "__main__":
+    sys.exit(main())

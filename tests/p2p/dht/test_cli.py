@@ -1,0 +1,141 @@
+"""Real sockets: ``python -m p2p.dht serve`` processes on loopback, driven by the CLI."""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from p2p.multiaddr import Multiaddr
+
+ROOT = Path(__file__).resolve().parents[3]
+CMD = [sys.executable, "-m", "p2p.dht"]
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+def _serve(*args: str) -> tuple[subprocess.Popen, str]:
+    proc = subprocess.Popen(
+        [*CMD, "serve", "--config", "fast", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+        env=_env(),
+    )
+    ready, _, _ = select.select([proc.stdout], [], [], 60)
+    line = proc.stdout.readline().strip() if ready else ""
+    if not line:
+        proc.kill()
+        raise AssertionError(f"serve printed no address: {proc.stderr.read()[-2000:]}")
+    addr = Multiaddr.parse(line)  # a full address: /ip4/127.0.0.1/tcp/PORT/p2p/PEERID
+    assert addr.host == "127.0.0.1" and addr.port and addr.peer_id is not None
+    return proc, line
+
+
+def _run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [*CMD, *args, "--config", "fast"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=_env(),
+        timeout=60,
+    )
+
+
+@pytest.fixture
+def servers():
+    procs: list[subprocess.Popen] = []
+    try:
+        first, addr0 = _serve()
+        procs.append(first)
+        addrs = [addr0]
+        for _ in range(3):
+            proc, addr = _serve("--initial-peers", addr0)
+            procs.append(proc)
+            addrs.append(addr)
+        yield procs, addrs
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(10)
+
+
+def test_serve_store_get_kill_get(servers) -> None:
+    procs, addrs = servers
+    stored = _run(
+        "store",
+        "run/alpha",
+        '{"loss": 2.5, "step": [1, 2]}',
+        "--ttl",
+        "120",
+        "--initial-peers",
+        addrs[1],
+    )
+    assert stored.returncode == 0, stored.stderr
+    assert "stored on 4 nodes" in stored.stdout
+    owned = _run(
+        "store", "run/peers", '"me"', "--ttl", "120", "--owned", "--initial-peers", addrs[2]
+    )
+    assert owned.returncode == 0, owned.stderr
+
+    got = _run("get", "run/alpha", "--initial-peers", addrs[2])
+    assert got.returncode == 0, got.stderr
+    assert json.loads(got.stdout) == {"loss": 2.5, "step": [1, 2]}
+
+    procs[1].send_signal(signal.SIGKILL)  # the node we stored through dies
+    procs[1].wait(10)
+    got = _run("get", "run/alpha", "--initial-peers", addrs[3])
+    assert got.returncode == 0, got.stderr
+    assert json.loads(got.stdout) == {"loss": 2.5, "step": [1, 2]}
+    subkeys = json.loads(_run("get", "run/peers", "--initial-peers", addrs[0]).stdout)
+    assert list(subkeys.values()) == ["me"] and list(subkeys)[0].startswith("[owner:")
+
+    missing = _run("get", "run/none", "--initial-peers", addrs[0])
+    assert missing.returncode == 1
+    assert "not found: run/none" in missing.stderr
+
+    for i in (0, 2, 3):  # SIGINT / SIGTERM: clean shutdown, exit 0
+        procs[i].send_signal(signal.SIGTERM if i else signal.SIGINT)
+        assert procs[i].wait(20) == 0, procs[i].stderr.read()[-2000:]
+
+
+def test_cli_errors_are_messages_not_tracebacks() -> None:
+    dead = _run("get", "k", "--initial-peers", "/ip4/127.0.0.1/tcp/1")
+    assert dead.returncode == 1
+    assert "none of the 1 initial peers answered" in dead.stderr
+    assert "Traceback" not in dead.stderr
+
+
+def test_dht_needs_no_jax() -> None:
+    code = (
+        "import sys; sys.modules['jax'] = None; sys.modules['flax'] = None\n"
+        "import p2p, p2p.dht, p2p.dht.__main__, p2p.dht.memnet\n"
+        "assert not any(m.split('.')[0] in ('jax', 'flax', 'optax', 'dedloc_jax', 'models')\n"
+        "               for m, v in sys.modules.items() if v is not None)\n"
+    )
+    res = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=_env(),
+        timeout=60,
+    )
+    assert res.returncode == 0, res.stderr
+    helped = subprocess.run(
+        [*CMD, "--help"], capture_output=True, text=True, cwd=ROOT, env=_env(), timeout=60
+    )
+    assert helped.returncode == 0 and "serve" in helped.stdout
