@@ -562,11 +562,13 @@ class Mux:
         self._window_updates[stream_id] = self._window_updates.get(stream_id, 0) + increment
         self._control_lot.unpark_all()
 
-    def _queue_reset(self, stream_id: int, reason: str) -> None:
+    def _queue_reset(self, stream_id: int, reason: str, *, refusal: bool = False) -> None:
+        """Queue a RESET. Refusals of streams the peer opens are unbounded in number, so a
+        peer that keeps opening while not reading our answers is cut off."""
         if self.is_closed:
             return
-        if len(self._control) >= self.config.max_pending_control:
-            self._fail("too many queued control frames (peer not reading?)")
+        if refusal and len(self._control) >= self.config.max_pending_control:
+            self._fail("too many refused streams queued (peer not reading?)")
             return
         self._window_updates.pop(stream_id, None)
         self._control.append(encode_frame(RESET, stream_id, _reason_bytes(reason)))
@@ -635,11 +637,11 @@ class Mux:
                 raise ProtocolError(f"peer reused or reordered stream id {sid}")
             self._last_remote_id = sid
             if self._closing:
-                self._queue_reset(sid, "connection closing")
+                self._queue_reset(sid, "connection closing", refusal=True)
                 return
             if self._inbound >= self.config.max_inbound_streams:
                 logger.info("%s: refusing stream %d: too many streams", self.label, sid)
-                self._queue_reset(sid, "too many streams")
+                self._queue_reset(sid, "too many streams", refusal=True)
                 return
             new = MuxStream(self, sid, outbound=False)
             self._streams[sid] = new

@@ -560,3 +560,24 @@ def test_cancelling_a_first_send_leaves_no_trace_on_the_wire() -> None:
             nursery.cancel_scope.cancel()
 
     run_virtual(main)
+
+
+def test_many_local_resets_at_once_keep_the_connection() -> None:
+    config = MuxConfig(max_pending_control=4)
+
+    async def main() -> None:
+        async def hang(stream: MuxStream) -> None:
+            await trio.sleep_forever()
+
+        async with mux_pair(hang, config) as (client, server):
+            streams = [await client.open_stream() for _ in range(20)]
+            for stream in streams:
+                await stream.send_all(b"x")
+            await trio.testing.wait_all_tasks_blocked()
+            for stream in streams:  # e.g. a batch of calls cancelled together
+                stream.reset("cancelled")
+            await trio.testing.wait_all_tasks_blocked()
+            assert not client.is_closed and not server.is_closed
+            assert server.num_streams == 0
+
+    run_virtual(main)
