@@ -1,0 +1,229 @@
+"""AutoNAT: are we reachable? Ask a few peers to dial us back, then conclude.
+
+A node cannot tell from inside whether a NAT or firewall sits in front of it. It sends a few
+peers its candidate addresses (listen and observed ones); each tries a *fresh* connection to
+them, with the full secure handshake expecting our peer ID, and says which one worked.
+``public`` needs ``min_confirmations`` peers to have reached us, ``private`` that many to
+have failed with none succeeding; anything else is ``unknown``.
+
+Against abuse (using us to attack a third party): a server dials only addresses on the host
+it observed the request coming from, at most ``max_addrs_per_request`` of them, one request
+per peer at a time and ``max_concurrent_dialbacks`` in all.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import trio
+
+from p2p.errors import MultiaddrError, P2PError, ProtocolError
+from p2p.identity import PeerID
+from p2p.multiaddr import Multiaddr
+from p2p.rpc import CallContext
+from p2p.secure import secure_outbound
+
+logger = logging.getLogger(__name__)
+
+DIAL_BACK = "nat.dialback"
+
+
+class Reachability(enum.StrEnum):
+    """Whether other peers can open connections to us."""
+
+    PUBLIC = "public"
+    PRIVATE = "private"
+    UNKNOWN = "unknown"
+
+
+@dataclass(frozen=True)
+class AutoNATConfig:
+    """How reachability is probed, and how much dialing-back a node does for others."""
+
+    peers_per_probe: int = 4
+    """Peers asked to dial us back in one check."""
+    min_confirmations: int = 2
+    """Agreeing answers needed for a verdict (fewer if fewer peers answered at all)."""
+    max_addrs_per_request: int = 8
+    dial_timeout: float = 5.0
+    """Server side: per address, transport dial plus handshake."""
+    request_timeout: float = 20.0
+    """Client side: waiting for one peer's verdict."""
+    recheck_interval: float = 900.0
+    """Re-check this often once settled (sooner when our observed addresses change)."""
+    unknown_recheck_interval: float = 60.0
+    max_concurrent_dialbacks: int = 8
+
+    @classmethod
+    def default(cls) -> AutoNATConfig:
+        return cls()
+
+    @classmethod
+    def testing(cls) -> AutoNATConfig:
+        """Short timeouts: simulator and loopback tests."""
+        return cls(
+            dial_timeout=2.0,
+            request_timeout=8.0,
+            recheck_interval=120.0,
+            unknown_recheck_interval=20.0,
+        )
+
+    def with_(self, **changes: Any) -> AutoNATConfig:
+        return replace(self, **changes)
+
+
+@dataclass(frozen=True)
+class DialBackAnswer:
+    """One peer's verdict: ``ok`` (reached us at ``addr``), ``failed`` or ``refused``/error."""
+
+    peer: PeerID
+    status: str
+    addr: Multiaddr | None = None
+    reason: str = ""
+
+
+def conclude(answers: Sequence[DialBackAnswer], min_confirmations: int) -> Reachability:
+    """The verdict from several peers' answers (pure)."""
+    ok = sum(1 for a in answers if a.status == "ok")
+    failed = sum(1 for a in answers if a.status == "failed")
+    need = max(1, min(min_confirmations, ok + failed))
+    if ok >= need:
+        return Reachability.PUBLIC
+    if failed >= need and ok == 0:
+        return Reachability.PRIVATE
+    return Reachability.UNKNOWN
+
+
+def eligible_addrs(requested: Any, observed: Multiaddr | None, limit: int) -> list[Multiaddr]:
+    """The requested addresses a server may dial: on the requester's observed host only."""
+    if observed is None or observed.is_relayed or observed.host is None:
+        return []
+    if not isinstance(requested, list):
+        raise ProtocolError("dial-back request: addrs is not a list")
+    out: list[Multiaddr] = []
+    for text in requested[: limit * 4]:
+        try:
+            ma = Multiaddr.parse(text)
+        except MultiaddrError:
+            continue
+        if ma.is_relayed or ma.host != observed.host or ma.port in (None, 0):
+            continue
+        if ma.components[0][0] != observed.components[0][0]:
+            continue
+        bare = ma.transport_part()
+        if bare not in out:
+            out.append(bare)
+        if len(out) >= limit:
+            break
+    return out
+
+
+@dataclass
+class DialBackServer:
+    """Dials peers back on request (the ``nat.dialback`` RPC)."""
+
+    node: Any
+    config: AutoNATConfig = field(default_factory=AutoNATConfig)
+    _busy: set[PeerID] = field(default_factory=set)
+    _limit: trio.CapacityLimiter | None = None
+
+    def register(self) -> None:
+        self._limit = trio.CapacityLimiter(self.config.max_concurrent_dialbacks)
+        self.node.add_handler(DIAL_BACK, self.handle)
+
+    async def handle(self, ctx: CallContext, request: Any) -> dict:
+        if not isinstance(request, dict):
+            raise ProtocolError("dial-back request is not a map")
+        addrs = eligible_addrs(
+            request.get("addrs"), ctx.remote_addr, self.config.max_addrs_per_request
+        )
+        if not addrs:
+            return {"status": "refused", "reason": "no address on the host the request came from"}
+        if ctx.remote_peer in self._busy:
+            return {"status": "refused", "reason": "a dial-back for this peer is in progress"}
+        assert self._limit is not None
+        if self._limit.available_tokens == 0:
+            return {"status": "refused", "reason": "too many dial-backs in progress"}
+        self._busy.add(ctx.remote_peer)
+        try:
+            async with self._limit:
+                errors = []
+                for addr in addrs:
+                    why = await self._try(addr, ctx.remote_peer)
+                    if why is None:
+                        return {"status": "ok", "addr": str(addr)}
+                    errors.append(f"{addr}: {why}")
+                return {"status": "failed", "reason": "; ".join(errors)[:900]}
+        finally:
+            self._busy.discard(ctx.remote_peer)
+
+    async def _try(self, addr: Multiaddr, peer: PeerID) -> str | None:
+        """None when a new connection to ``addr`` proved to reach ``peer``, else why not."""
+        with trio.move_on_after(self.config.dial_timeout):
+            try:
+                raw = await self.node.transport.dial(addr)
+            except (P2PError, OSError) as e:
+                return str(e) or type(e).__name__
+            try:
+                channel = await secure_outbound(
+                    raw, self.node.identity, peer, timeout=self.config.dial_timeout
+                )
+            except P2PError as e:
+                await trio.aclose_forcefully(raw)
+                return str(e) or type(e).__name__
+            await trio.aclose_forcefully(channel)
+            return None
+        return "timed out"
+
+
+async def ask_dial_back(
+    node: Any, peer: PeerID, addrs: Sequence[Multiaddr], config: AutoNATConfig
+) -> DialBackAnswer:
+    """One peer's dial-back verdict on ``addrs``; errors become ``status="error"``."""
+    try:
+        reply = await node.call(
+            peer, DIAL_BACK, {"addrs": [str(a) for a in addrs]}, timeout=config.request_timeout
+        )
+    except P2PError as e:
+        return DialBackAnswer(peer, "error", reason=str(e) or type(e).__name__)
+    if not isinstance(reply, dict) or reply.get("status") not in ("ok", "failed", "refused"):
+        return DialBackAnswer(peer, "error", reason="malformed answer")
+    status = reply["status"]
+    reason = reply.get("reason") if isinstance(reply.get("reason"), str) else ""
+    addr = None
+    if status == "ok":
+        try:
+            addr = Multiaddr.parse(reply.get("addr", ""))
+        except MultiaddrError:
+            return DialBackAnswer(peer, "error", reason="bad address in answer")
+        if addr.transport_part() not in [a.transport_part() for a in addrs]:
+            return DialBackAnswer(peer, "error", reason="answer names an address we did not send")
+    return DialBackAnswer(peer, status, addr, reason[:300])
+
+
+async def probe(
+    node: Any, peers: Sequence[PeerID], addrs: Sequence[Multiaddr], config: AutoNATConfig
+) -> tuple[Reachability, list[DialBackAnswer]]:
+    """Ask ``peers`` (in parallel) to dial back ``addrs``; the verdict and every answer."""
+    answers: list[DialBackAnswer] = []
+    if not addrs:
+        return Reachability.UNKNOWN, answers
+
+    async def one(peer: PeerID) -> None:
+        answers.append(await ask_dial_back(node, peer, addrs, config))
+
+    async with trio.open_nursery() as nursery:
+        for peer in peers[: config.peers_per_probe]:
+            nursery.start_soon(one, peer)
+    answers.sort(key=lambda a: a.peer)
+    verdict = conclude(answers, config.min_confirmations)
+    logger.info(
+        "reachability %s from %s",
+        verdict.value,
+        ", ".join(f"{str(a.peer)[:8]}:{a.status}" for a in answers),
+    )
+    return verdict, answers

@@ -1,0 +1,90 @@
+"""Finding relays and peers' (relayed) addresses through the DHT.
+
+Relays advertise themselves under ``nat.relays``, one subkey per relay; a peer publishes its
+current addresses under ``nat.addrs.[owner:<id>]``. Both carry an owner marker, so the DHT
+accepts them only signed by that peer: nobody can advertise a relay, or addresses, for
+someone else. (An address list could still be stale; the end-to-end handshake is what
+proves who answers at an address.)
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from p2p.dht import owner_marker
+from p2p.dht.records import owner_markers
+from p2p.errors import IdentityError, MultiaddrError
+from p2p.identity import PeerID
+from p2p.multiaddr import Multiaddr
+
+logger = logging.getLogger(__name__)
+
+RELAYS_KEY = "nat.relays"
+MAX_ADDRS = 8
+
+
+def addrs_key(peer: PeerID) -> str:
+    return f"nat.addrs.{owner_marker(peer)}"
+
+
+def _parse_addrs(value: Any, peer: PeerID) -> list[Multiaddr]:
+    """Addresses of ``peer`` from a DHT value; entries naming someone else are dropped."""
+    out: list[Multiaddr] = []
+    if not isinstance(value, list):
+        return out
+    for text in value[:MAX_ADDRS]:
+        try:
+            ma = Multiaddr.parse(text)
+        except MultiaddrError:
+            continue
+        if ma.peer_id == peer:
+            out.append(ma)
+    return out
+
+
+async def advertise_relay(dht: Any, node: Any, ttl: float = 600.0) -> bool:
+    """Announce ``node`` (its direct addresses) as a relay; True if some DHT node stored it."""
+    addrs = [str(a) for a in node.addrs if not a.is_relayed][:MAX_ADDRS]
+    result = await dht.store(RELAYS_KEY, addrs, dht.now() + ttl, subkey=owner_marker(node.peer_id))
+    return bool(result.ok)
+
+
+async def find_relays(dht: Any, limit: int = 8) -> list[Multiaddr]:
+    """Direct addresses of advertised relays (one per relay, at most ``limit``)."""
+    found = await dht.get(RELAYS_KEY)
+    out: list[Multiaddr] = []
+    if not isinstance(found, dict):
+        return out
+    for subkey, item in found.items():
+        names = owner_markers(subkey)
+        if len(names) != 1:
+            continue
+        try:
+            relay = PeerID.from_base58(names[0])
+        except IdentityError:
+            continue
+        addrs = [a for a in _parse_addrs(item.value, relay) if not a.is_relayed]
+        if relay != dht.peer_id and addrs:
+            out.append(addrs[0])
+        if len(out) >= limit:
+            break
+    return out
+
+
+async def publish_addrs(dht: Any, node: Any, ttl: float = 600.0) -> bool:
+    """Publish ``node``'s current addresses (relayed ones included) for others to find."""
+    addrs = [str(a) for a in node.addrs][:MAX_ADDRS]
+    result = await dht.store(addrs_key(node.peer_id), addrs, dht.now() + ttl)
+    return bool(result.ok)
+
+
+async def lookup_addrs(dht: Any, peer: PeerID) -> list[Multiaddr]:
+    """``peer``'s published addresses (also added to the node's peerstore)."""
+    found = await dht.get(addrs_key(peer))
+    if found is None or isinstance(found, dict):
+        return []
+    addrs = _parse_addrs(found.value, peer)
+    if addrs:
+        dht.node.peerstore.add_addrs(peer, addrs)
+    return addrs

@@ -1,0 +1,309 @@
+"""The NAT manager: observe, probe, and pick a role (public, relayed, or client).
+
+:func:`open_nat` wires everything into a node: the identify and dial-back services, the relay
+service (on by default, refusing while we are known to be private), the circuit transport.
+It then asks the given peers how they see us and whether they can dial us back. A private
+node keeps reservations on up to ``max_relays`` relays (given, or tried among the peers) and
+adds the relayed addresses to ``node.addrs``; with no relay it becomes a *client*: it uses
+the network (DHT queries, sending its gradients) without serving others. The verdict is
+re-checked periodically and whenever the observed addresses change; a user can force it.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import trio
+
+from p2p.errors import P2PError
+from p2p.identity import PeerID
+from p2p.multiaddr import Multiaddr
+from p2p.nat.autonat import AutoNATConfig, DialBackServer, Reachability, probe
+from p2p.nat.circuit import CircuitTransport, attach
+from p2p.nat.observed import IDENTIFY, ObservedAddrs, handle_identify, identify
+from p2p.nat.relay import RelayConfig, RelayService
+
+logger = logging.getLogger(__name__)
+
+
+class Role(enum.StrEnum):
+    """How a node takes part: serving others directly, through relays, or as a client."""
+
+    PUBLIC = "public"
+    RELAYED = "relayed"
+    CLIENT = "client"
+    UNKNOWN = "unknown"
+
+
+def decide_role(
+    reachability: Reachability, relays: int, *, force_client: bool | None = None
+) -> Role:
+    """The role for a reachability verdict and a count of relay reservations held (pure).
+
+    An unknown verdict keeps the node a server (``UNKNOWN``): wrongly serving costs others a
+    failed dial, wrongly hiding would shrink a young network that cannot judge us yet.
+    """
+    if force_client is True:
+        return Role.CLIENT
+    if reachability is Reachability.PUBLIC:
+        return Role.PUBLIC
+    if reachability is Reachability.PRIVATE:
+        if relays > 0:
+            return Role.RELAYED
+        return Role.UNKNOWN if force_client is False else Role.CLIENT
+    return Role.UNKNOWN
+
+
+@dataclass(frozen=True)
+class NATConfig:
+    """Reachability detection, relaying and client-mode settings of a node."""
+
+    force_reachability: Reachability | None = None
+    """Skip detection and take this verdict (e.g. a server with a known public address)."""
+    force_client_mode: bool | None = None
+    """True: always a client; False: never a client; None: decide from reachability."""
+    offer_relay: bool = True
+    """Serve as a relay for others while not known to be private."""
+    max_relays: int = 2
+    """Reservations an unreachable node keeps."""
+    autonat: AutoNATConfig = field(default_factory=AutoNATConfig)
+    relay: RelayConfig = field(default_factory=RelayConfig)
+    identify_timeout: float = 10.0
+    observe_interval: float = 60.0
+    """How often connected peers are asked again how they see us."""
+
+    @classmethod
+    def default(cls) -> NATConfig:
+        return cls()
+
+    @classmethod
+    def testing(cls) -> NATConfig:
+        return cls(
+            autonat=AutoNATConfig.testing(), relay=RelayConfig.testing(), identify_timeout=5.0
+        )
+
+    def with_(self, **changes: Any) -> NATConfig:
+        return replace(self, **changes)
+
+
+class NATManager:
+    """Reachability and role of one node; create it with :func:`open_nat`."""
+
+    def __init__(self, node: Any, config: NATConfig, nursery: trio.Nursery) -> None:
+        self.node = node
+        self.config = config
+        self._nursery = nursery
+        self.observed = ObservedAddrs()
+        self.dialback = DialBackServer(node, config.autonat)
+        self.relay = RelayService(node, config.relay, enabled=config.offer_relay)
+        self.circuits: CircuitTransport = attach(node)
+        self.reachability = config.force_reachability or Reachability.UNKNOWN
+        self.public_addrs: list[Multiaddr] = []
+        self.peers: list[Multiaddr | PeerID] = []
+        self.relay_candidates: list[Multiaddr] = []
+        self._relay_tasks: dict[PeerID, trio.CancelScope] = {}
+        self._direct_addrs = [a for a in node.addrs if not a.is_relayed]
+        self._changed = trio.Event()
+        self._recheck = trio.Event()
+        self.role = self._decide()
+
+    # ---- state ---------------------------------------------------------------------------
+
+    @property
+    def client_mode(self) -> bool:
+        """Whether to take part as a client (DHT client mode, no aggregation share)."""
+        return self.role is Role.CLIENT
+
+    @property
+    def relayed_addrs(self) -> list[Multiaddr]:
+        return list(self.circuits.reservations.values())
+
+    def _decide(self) -> Role:
+        return decide_role(
+            self.reachability,
+            len(self.circuits.reservations),
+            force_client=self.config.force_client_mode,
+        )
+
+    def _update(self) -> None:
+        role = self._decide()
+        self.relay.enabled = (
+            self.config.offer_relay and self.reachability is not Reachability.PRIVATE
+        )
+        self.node.addrs[:] = self.relayed_addrs + self._direct_addrs
+        if role is not self.role:
+            logger.info(
+                "role %s -> %s (%s, %d relays)",
+                self.role.value,
+                role.value,
+                self.reachability.value,
+                len(self.circuits.reservations),
+            )
+            self.role = role
+        self._changed.set()
+        self._changed = trio.Event()
+
+    async def wait_changed(self) -> None:
+        """Return at the next change of reachability, reservations or role."""
+        await self._changed.wait()
+
+    def force(self, reachability: Reachability | None) -> None:
+        """Force a verdict (None: detect again)."""
+        self.config = self.config.with_(force_reachability=reachability)
+        if reachability is not None:
+            self.reachability = reachability
+            self._update()
+        self._recheck.set()
+
+    # ---- probing -------------------------------------------------------------------------
+
+    def _probe_peers(self) -> list[PeerID]:
+        out: list[PeerID] = []
+        for peer in self.node.connected_peers():
+            conn = self.node.connection_to(peer)
+            if conn is not None and conn.remote_addr is not None and conn.remote_addr.is_relayed:
+                continue
+            out.append(peer)
+        return out
+
+    async def _identify_all(self, peers: Sequence[Multiaddr | PeerID]) -> None:
+        async def one(peer: Multiaddr | PeerID) -> None:
+            try:
+                result = await identify(self.node, peer, timeout=self.config.identify_timeout)
+            except P2PError as e:
+                logger.debug("identify %s failed: %s", peer, e)
+                return
+            if result.observed is not None:
+                self.observed.record(result.peer, result.observed, trio.current_time())
+
+        async with trio.open_nursery() as nursery:
+            for peer in peers:
+                nursery.start_soon(one, peer)
+
+    async def check(self, *, identify_first: bool = True) -> Reachability:
+        """Identify the known peers, ask them to dial us back, and update the verdict."""
+        if identify_first:
+            await self._identify_all([*self.peers, *self._probe_peers()])
+        if self.config.force_reachability is not None:
+            self.reachability = self.config.force_reachability
+        else:
+            candidates = self.observed.candidates(self._direct_addrs)
+            verdict, answers = await probe(
+                self.node, self._probe_peers(), candidates, self.config.autonat
+            )
+            self.public_addrs = [a.addr for a in answers if a.status == "ok" and a.addr]
+            self.reachability = verdict
+        self._update()
+        if self.reachability is Reachability.PRIVATE:
+            await self.ensure_relays()
+        return self.reachability
+
+    # ---- relays --------------------------------------------------------------------------
+
+    async def ensure_relays(self, candidates: Sequence[Multiaddr | str] = ()) -> int:
+        """Hold reservations on up to ``max_relays`` relays; returns how many are held."""
+        pool = [Multiaddr.parse(c) for c in candidates] + self.relay_candidates
+        pool += [p for p in self.peers if isinstance(p, Multiaddr)]
+        for addr in pool:
+            if len(self._relay_tasks) >= self.config.max_relays:
+                break
+            rid = addr.peer_id
+            if (
+                rid is None
+                or addr.is_relayed
+                or rid in self._relay_tasks
+                or rid == self.node.peer_id
+            ):
+                continue
+            try:
+                await self._nursery.start(self._keep_relay, addr)
+            except P2PError as e:
+                logger.info("no reservation on %s: %s", addr, e)
+        self._update()
+        return len(self.circuits.reservations)
+
+    async def _keep_relay(
+        self, addr: Multiaddr, *, task_status: Any = trio.TASK_STATUS_IGNORED
+    ) -> None:
+        rid = addr.peer_id
+        assert rid is not None
+        with trio.CancelScope() as scope:
+            self._relay_tasks[rid] = scope
+            try:
+                await self.circuits.listen(addr, self.node.accept_inbound, task_status=task_status)
+            finally:
+                del self._relay_tasks[rid]
+                self._update()
+
+    async def drop_relays(self) -> None:
+        for scope in list(self._relay_tasks.values()):
+            scope.cancel()
+        await trio.lowlevel.checkpoint()
+
+    # ---- background ----------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Re-check periodically, sooner when our observed host changes or on request."""
+        self._nursery.start_soon(self._follow_reservations)
+        last_check = trio.current_time()
+        while True:
+            interval = (
+                self.config.autonat.unknown_recheck_interval
+                if self.reachability is Reachability.UNKNOWN
+                else self.config.autonat.recheck_interval
+            )
+            with trio.move_on_after(min(interval, self.config.observe_interval)):
+                await self._recheck.wait()
+            asked = self._recheck.is_set()
+            self._recheck = trio.Event()
+            before = self.observed.hosts()
+            await self._identify_all(self._probe_peers())
+            moved = self.observed.hosts() != before
+            if moved:
+                logger.info("observed address changed: re-checking reachability")
+            if asked or moved or trio.current_time() - last_check >= interval:
+                await self.check(identify_first=False)
+                last_check = trio.current_time()
+                if self.reachability is Reachability.PUBLIC and self._relay_tasks:
+                    await self.drop_relays()
+
+    async def _follow_reservations(self) -> None:
+        while True:
+            await self.circuits.wait_changed()
+            self._update()
+
+
+@asynccontextmanager
+async def open_nat(
+    node: Any,
+    *,
+    peers: Sequence[str | Multiaddr | PeerID] = (),
+    relays: Sequence[str | Multiaddr] = (),
+    config: NATConfig = NATConfig(),
+    background: bool = True,
+) -> AsyncIterator[NATManager]:
+    """Run NAT traversal on ``node`` for the block: services, a first check, re-checks.
+
+    ``peers``: whom to ask (typically the DHT's initial peers); ``relays``: preferred relays
+    (otherwise the peers are tried as relays). Open the DHT *after* this, with
+    ``client_mode=nat.client_mode``, so it advertises the relayed addresses.
+    """
+    async with trio.open_nursery() as nursery:
+        nat = NATManager(node, config, nursery)
+        nat.peers = [p if isinstance(p, PeerID) else Multiaddr.parse(p) for p in peers]
+        nat.relay_candidates = [Multiaddr.parse(r) for r in relays]
+        node.add_handler(IDENTIFY, handle_identify)
+        nat.dialback.register()
+        nat.relay.register()
+        try:
+            await nat.check()
+            if background:
+                nursery.start_soon(nat.run)
+            yield nat
+        finally:
+            nursery.cancel_scope.cancel()

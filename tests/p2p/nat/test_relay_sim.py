@@ -1,0 +1,271 @@
+"""Relays and circuits on the simulator: unreachable peers reach each other end to end."""
+
+from __future__ import annotations
+
+from contextlib import AsyncExitStack
+
+import pytest
+import trio
+
+from p2p.errors import ConnectionClosed, DialError, PeerIDMismatch
+from p2p.nat import RelayConfig, RelayRefused, RelayService, attach, circuit_addr
+from p2p.nat.relay import Circuit
+from p2p.node import NodeConfig, open_node
+from p2p.testing import SimNetwork, run_sim, sim_identity
+
+SECRET = b"attack at dawn: the known plaintext 0123456789"
+
+
+class TappedRelay(RelayService):
+    """A relay that keeps everything it forwards (to check it only sees ciphertext)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.seen = bytearray()
+
+    def observe(self, circuit: Circuit, data):
+        self.seen += bytes(data)
+        return data
+
+
+class RedirectingRelay(TappedRelay):
+    """A malicious relay: every circuit goes to ``self.redirect`` whatever the dialer asked."""
+
+    redirect = None
+
+    def circuit_refusal(self, src, dst, relayed):
+        return None
+
+    async def _connect(self, ms, circuit):
+        await super()._connect(ms, Circuit(circuit.src, self.redirect, circuit.started))
+
+
+async def _echo(ctx, request):
+    return {"echo": request, "from": str(ctx.remote_peer), "addr": str(ctx.remote_addr)}
+
+
+class Lab:
+    """One public relay and some unreachable peers on a simulated network."""
+
+    def __init__(self, stack: AsyncExitStack, nursery: trio.Nursery, net: SimNetwork) -> None:
+        self.stack = stack
+        self.nursery = nursery
+        self.net = net
+        self.count = 0
+
+    async def node(self, *, reachable: bool):
+        host = self.net.add_host(f"h{self.count}", reachable=reachable)
+        ident = sim_identity(self.net, self.count)
+        self.count += 1
+        node = await self.stack.enter_async_context(
+            open_node(
+                ident,
+                transport=host.transport,
+                listen=[host.listen_addr],
+                config=NodeConfig.testing(),
+            )
+        )
+        node.add_handler("echo", _echo)
+        return node
+
+    async def relay(self, cls=TappedRelay, config: RelayConfig = RelayConfig.testing()):
+        node = await self.node(reachable=True)
+        service = cls(node, config)
+        service.register()
+        return node, service
+
+    async def private(self, relay_node=None):
+        """An unreachable node, holding a reservation on ``relay_node`` if given."""
+        node = await self.node(reachable=False)
+        ct = attach(node)
+        if relay_node is not None:
+            mine = await self.nursery.start(ct.listen, relay_node.addrs[0], node.accept_inbound)
+            assert mine == circuit_addr(relay_node.addrs[0], node.peer_id)
+        return node
+
+
+def lab_run(body):
+    async def main():
+        net = SimNetwork(seed=1)
+        async with trio.open_nursery() as nursery, AsyncExitStack() as stack:
+            await body(Lab(stack, nursery, net))
+            nursery.cancel_scope.cancel()
+
+    run_sim(main)
+
+
+def test_two_unreachable_peers_talk_end_to_end_through_a_relay():
+    async def body(lab: Lab):
+        relay, service = await lab.relay()
+        a = await lab.private(relay)
+        b = await lab.private(relay)
+        with pytest.raises(DialError):  # no direct path: both are behind NAT
+            await a.call(b.addrs[0], "echo", 1)
+        addr_b = circuit_addr(relay.addrs[0], b.peer_id)
+        reply = await a.call(addr_b, "echo", {"msg": SECRET})
+        assert reply["echo"] == {"msg": SECRET}
+        assert reply["from"] == str(a.peer_id)  # b authenticated a, end to end
+        assert "p2p-circuit" in reply["addr"]  # and knows a came through the relay
+        conn = a.connection_to(b.peer_id)
+        assert conn is not None and conn.remote_addr == addr_b
+        # b can call back over the same circuit connection
+        assert (await b.call(a.peer_id, "echo", "back"))["echo"] == "back"
+        assert service.stats.circuits_opened == 1
+        assert len(service.seen) > len(SECRET)  # the data did cross the relay ...
+        assert SECRET not in service.seen  # ... but only as ciphertext
+        assert SECRET[:16] not in service.seen
+
+    lab_run(body)
+
+
+def test_bulk_data_crosses_a_circuit_intact():
+    async def body(lab: Lab):
+        relay, service = await lab.relay(
+            config=RelayConfig.testing().with_(max_circuit_bytes=64 << 20)
+        )
+        a = await lab.private(relay)
+        b = await lab.private(relay)
+        got = bytearray()
+
+        async def sink(ctx, ms):
+            async for msg in ms:
+                got.extend(msg)
+
+        b.add_stream_handler("sink", sink)
+        blob = bytes(range(256)) * 4096  # 1 MiB
+        async with a.open_stream(circuit_addr(relay.addrs[0], b.peer_id), "sink") as ms:
+            for i in range(0, len(blob), 100_000):
+                await ms.send(blob[i : i + 100_000])
+        while len(got) < len(blob):
+            await trio.sleep(0.1)
+        assert bytes(got) == blob
+        assert service.stats.bytes_relayed > len(blob)
+
+    lab_run(body)
+
+
+def test_relay_refuses_reservations_past_its_limit():
+    async def body(lab: Lab):
+        relay, service = await lab.relay(config=RelayConfig.testing().with_(max_reservations=1))
+        await lab.private(relay)
+        late = await lab.private()
+        with pytest.raises(RelayRefused, match="reservation limit reached"):
+            await lab.nursery.start(attach(late).listen, relay.addrs[0], late.accept_inbound)
+        assert service.stats.reservations_refused == 1
+        assert len(service.reservations) == 1
+
+    lab_run(body)
+
+
+def test_relay_refuses_circuits_past_the_per_peer_limit_and_unknown_targets():
+    async def body(lab: Lab):
+        relay, service = await lab.relay(
+            config=RelayConfig.testing().with_(max_circuits_per_peer=1)
+        )
+        target = await lab.private(relay)
+        addr = circuit_addr(relay.addrs[0], target.peer_id)
+        first = await lab.private()
+        second = await lab.private()
+        assert (await first.call(addr, "echo", 1))["echo"] == 1
+        with pytest.raises(RelayRefused, match="circuit limit per peer") as info:
+            await attach(second).dial(addr)
+        assert str(target.peer_id) in info.value.reason
+        # a peer without a reservation cannot be reached through the relay
+        stranger = await lab.node(reachable=False)
+        with pytest.raises(RelayRefused, match="no reservation"):
+            await attach(second).dial(circuit_addr(relay.addrs[0], stranger.peer_id))
+        assert service.stats.circuits_refused == 2
+
+    lab_run(body)
+
+
+def test_circuit_past_its_byte_budget_is_closed():
+    async def body(lab: Lab):
+        relay, service = await lab.relay(
+            config=RelayConfig.testing().with_(max_circuit_bytes=200_000)
+        )
+        a = await lab.private(relay)
+        b = await lab.private(relay)
+
+        async def sink(ctx, ms):
+            async for _ in ms:
+                pass
+
+        b.add_stream_handler("sink", sink)
+        with pytest.raises((ConnectionClosed, DialError)):
+            async with a.open_stream(circuit_addr(relay.addrs[0], b.peer_id), "sink") as ms:
+                for _ in range(100):
+                    await ms.send(b"x" * 10_000)
+                    await trio.sleep(0.01)
+        assert service.stats.cuts == {"circuit data limit": 1}
+        assert not service.circuits
+        await trio.sleep(1)
+        assert a.connection_to(b.peer_id) is None
+
+    lab_run(body)
+
+
+def test_circuit_past_its_duration_is_closed():
+    async def body(lab: Lab):
+        cfg = RelayConfig.testing().with_(max_circuit_duration=30.0)
+        relay, service = await lab.relay(config=cfg)
+        a = await lab.private(relay)
+        b = await lab.private(relay)
+        addr = circuit_addr(relay.addrs[0], b.peer_id)
+
+        async def hold(ctx, ms):
+            async for _ in ms:
+                pass
+
+        b.add_stream_handler("hold", hold)
+        started = trio.current_time()
+        with pytest.raises(ConnectionClosed):
+            async with a.open_stream(addr, "hold") as ms:
+                while True:
+                    await ms.send(b"tick")
+                    await trio.sleep(1)
+        assert trio.current_time() - started == pytest.approx(30.0, abs=2.0)
+        assert service.stats.circuits_cut == 1
+        assert service.stats.cuts == {"circuit duration limit": 1}
+        assert a.connection_to(b.peer_id) is None
+
+    lab_run(body)
+
+
+def test_a_relayed_address_cannot_be_claimed_for_another_peer():
+    async def body(lab: Lab):
+        relay, service = await lab.relay()
+        victim = await lab.private()  # no reservation anywhere
+        mallory = await lab.private(relay)  # holds a reservation under her own ID
+        alice = await lab.private()
+        forged = circuit_addr(relay.addrs[0], victim.peer_id)
+        # the honest relay binds reservations to the authenticated ID: none for the victim
+        assert set(service.reservations) == {mallory.peer_id}
+        with pytest.raises(DialError, match="no reservation"):
+            await alice.call(forged, "echo", 1)
+
+        # a lying relay that hands the circuit to mallory: the end-to-end handshake catches it
+        evil, evil_service = await lab.relay(cls=RedirectingRelay)
+        evil_service.redirect = mallory.peer_id
+        await lab.nursery.start(attach(mallory).listen, evil.addrs[0], mallory.accept_inbound)
+        with pytest.raises(PeerIDMismatch):
+            await alice.call(circuit_addr(evil.addrs[0], victim.peer_id), "echo", 1)
+        assert alice.connection_to(victim.peer_id) is None
+        assert alice.connection_to(mallory.peer_id) is None
+
+    lab_run(body)
+
+
+def test_circuits_arrive_only_from_relays_we_hold_a_reservation_on():
+    async def body(lab: Lab):
+        relay, service = await lab.relay()
+        target = await lab.private()
+        attach(target)  # serves the stop protocol but reserved nowhere
+        # the relay's node is connected to target (target dialed it) but holds no reservation
+        await target.connect(relay.addrs[0])
+        async with relay.open_stream(target.peer_id, "nat.relay.stop") as ms:
+            await ms.send({"src": str(relay.peer_id)})
+            answer = await ms.receive()
+        assert answer == {"ok": False, "reason": "no reservation with this relay"}
+
+    lab_run(body)
