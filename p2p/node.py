@@ -248,7 +248,7 @@ class Node:
                 self._parsed[peer] = parsed
             peer = parsed
         if isinstance(peer, PeerID):
-            return peer, self.peerstore.addrs_of(peer)
+            return peer, []  # addresses come from the peer store, only if we must dial
         if isinstance(peer, Multiaddr):
             if peer.is_relayed and self.circuit_transport is None:
                 raise DialError(f"relayed addresses are not supported by this node: {peer}")
