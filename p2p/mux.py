@@ -155,6 +155,8 @@ class MuxStream:
         self.frames_sent = 0  # 0: the peer has seen nothing of this stream (safe to retry)
         self._announced = stream_id is not None  # the peer knows (or is about to know) the id
         self._forgotten = False
+        self._sending = False
+        self._receiving = False
         self.outbound = outbound
         self._chunks: deque[memoryview] = deque()
         self._buffered = 0  # bytes queued in _chunks
@@ -224,6 +226,9 @@ class MuxStream:
     async def receive_parts(self, n: int, *, eof_ok: bool = False) -> list[memoryview] | None:
         """Like :meth:`receive_exactly`, as the received pieces (the caller joins them once)."""
         await trio.lowlevel.checkpoint()
+        if self._receiving:
+            raise trio.BusyResourceError("another task is receiving on this stream")
+        self._receiving = True
         parts: list[memoryview] = []
         got = 0
         try:
@@ -250,6 +255,7 @@ class MuxStream:
                 self.reset("receive cancelled mid-message")
             raise
         finally:
+            self._receiving = False
             self._release(got)  # the caller owns these bytes now (or they are gone)
         return parts
 
@@ -292,6 +298,9 @@ class MuxStream:
         await trio.lowlevel.checkpoint_if_cancelled()
         if self._local_eof:
             raise trio.ClosedResourceError("stream already closed for sending")
+        if self._sending:
+            raise trio.BusyResourceError("another task is sending on this stream")
+        self._sending = True
         max_payload = self._mux.max_payload
         try:
             while views:
@@ -326,6 +335,8 @@ class MuxStream:
             # A partly sent message cannot be finished later: the stream is unusable.
             self.reset("send cancelled")
             raise
+        finally:
+            self._sending = False
         if eof:
             await self.send_eof()
 

@@ -581,3 +581,25 @@ def test_many_local_resets_at_once_keep_the_connection() -> None:
             assert server.num_streams == 0
 
     run_virtual(main)
+
+
+def test_concurrent_senders_or_receivers_on_one_stream_are_refused() -> None:
+    config = MuxConfig(initial_window=16 << 10, max_frame_payload=16 << 10)
+
+    async def main() -> None:
+        async def hang(stream: MuxStream) -> None:
+            await trio.sleep_forever()
+
+        async with mux_pair(hang, config) as (client, _server):
+            stream = await client.open_stream()
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(stream.send_all, bytes(64 << 10))  # blocks at the window
+                nursery.start_soon(stream.receive_exactly, 10)  # blocks: nothing comes
+                await trio.testing.wait_all_tasks_blocked()
+                with pytest.raises(trio.BusyResourceError):
+                    await stream.send_all(b"interleaved")
+                with pytest.raises(trio.BusyResourceError):
+                    await stream.receive_exactly(1)
+                nursery.cancel_scope.cancel()
+
+    run_virtual(main)
