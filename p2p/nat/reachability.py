@@ -23,7 +23,7 @@ import trio
 from p2p.errors import P2PError
 from p2p.identity import PeerID
 from p2p.multiaddr import Multiaddr
-from p2p.nat.autonat import AutoNATConfig, DialBackServer, Reachability, probe
+from p2p.nat.autonat import AutoNATConfig, DialBackAnswer, DialBackServer, Reachability, probe
 from p2p.nat.circuit import CircuitTransport, attach
 from p2p.nat.observed import IDENTIFY, ObservedAddrs, handle_identify, identify
 from p2p.nat.relay import RelayConfig, RelayService
@@ -77,6 +77,12 @@ class NATConfig:
     observe_interval: float = 60.0
     """How often connected peers are asked again how they see us."""
 
+    def __post_init__(self) -> None:
+        if self.force_reachability is not None:  # accept "public"/"private" as well
+            object.__setattr__(self, "force_reachability", Reachability(self.force_reachability))
+        if self.max_relays < 0:
+            raise ValueError("max_relays must be >= 0")
+
     @classmethod
     def default(cls) -> NATConfig:
         return cls()
@@ -104,6 +110,8 @@ class NATManager:
         self.circuits: CircuitTransport = attach(node)
         self.reachability = config.force_reachability or Reachability.UNKNOWN
         self.public_addrs: list[Multiaddr] = []
+        self.answers: list[DialBackAnswer] = []
+        """The answers of the last dial-back probe."""
         self.peers: list[Multiaddr | PeerID] = []
         self.relay_candidates: list[Multiaddr] = []
         self._relay_tasks: dict[PeerID, trio.CancelScope] = {}
@@ -155,8 +163,8 @@ class NATManager:
     def force(self, reachability: Reachability | None) -> None:
         """Force a verdict (None: detect again)."""
         self.config = self.config.with_(force_reachability=reachability)
-        if reachability is not None:
-            self.reachability = reachability
+        if self.config.force_reachability is not None:
+            self.reachability = self.config.force_reachability
             self._update()
         self._recheck.set()
 
@@ -196,6 +204,7 @@ class NATManager:
             verdict, answers = await probe(
                 self.node, self._probe_peers(), candidates, self.config.autonat
             )
+            self.answers = answers
             self.public_addrs = [a.addr for a in answers if a.status == "ok" and a.addr]
             self.reachability = verdict
         self._update()

@@ -1,0 +1,203 @@
+"""Reachability detection and client mode on the simulator (NAT = ``reachable=False``)."""
+
+from __future__ import annotations
+
+from contextlib import AsyncExitStack
+
+import trio
+
+from p2p.dht import DHTConfig, open_dht
+from p2p.nat import NATConfig, Reachability, Role, open_nat
+from p2p.nat.discovery import advertise_relay, find_relays, lookup_addrs, publish_addrs
+from p2p.node import NodeConfig, open_node
+from p2p.testing import SimNetwork, run_sim, sim_identity
+
+
+async def _echo(ctx, request):
+    return {"echo": request, "from": str(ctx.remote_peer)}
+
+
+class World:
+    def __init__(self, stack: AsyncExitStack, net: SimNetwork) -> None:
+        self.stack = stack
+        self.net = net
+        self.count = 0
+
+    async def node(self, *, reachable: bool):
+        host = self.net.add_host(f"h{self.count}", reachable=reachable)
+        ident = sim_identity(self.net, self.count)
+        self.count += 1
+        node = await self.stack.enter_async_context(
+            open_node(
+                ident,
+                transport=host.transport,
+                listen=[host.listen_addr],
+                config=NodeConfig.testing(),
+            )
+        )
+        node.add_handler("echo", _echo)
+        return node
+
+    async def nat(self, node, peers, config=NATConfig.testing(), **kwargs):
+        return await self.stack.enter_async_context(
+            open_nat(node, peers=[str(p.addrs[0]) for p in peers], config=config, **kwargs)
+        )
+
+
+def world_run(body):
+    async def main():
+        async with AsyncExitStack() as stack:
+            await body(World(stack, SimNetwork(seed=2)))
+
+    run_sim(main)
+
+
+def test_public_and_private_peers_are_told_apart():
+    async def body(w: World):
+        publics = [await w.node(reachable=True) for _ in range(3)]
+        nats = [await w.nat(n, [p for p in publics if p is not n]) for n in publics]
+        for nat in nats:  # the first ones had nobody ready to dial them back: ask again
+            await nat.check()
+        assert [nat.reachability for nat in nats] == [Reachability.PUBLIC] * 3
+        assert all(nat.role is Role.PUBLIC and not nat.client_mode for nat in nats)
+        assert all(nat.public_addrs for nat in nats)
+
+        hidden = await w.node(reachable=False)
+        direct = list(hidden.addrs)
+        nat = await w.nat(hidden, publics)
+        assert nat.reachability is Reachability.PRIVATE
+        # it holds reservations on two of the public peers and advertises relayed addresses
+        assert nat.role is Role.RELAYED and not nat.client_mode
+        assert len(nat.relayed_addrs) == 2
+        assert hidden.addrs[:2] == nat.relayed_addrs and hidden.addrs[2:] == direct
+        assert all(a.peer_id == hidden.peer_id and a.is_relayed for a in nat.relayed_addrs)
+        # a public peer reaches it by its relayed address
+        reply = await publics[2].call(nat.relayed_addrs[0], "echo", "hi")
+        assert reply == {"echo": "hi", "from": str(publics[2].peer_id)}
+
+    world_run(body)
+
+
+def test_unreachable_peer_without_relay_becomes_a_dht_client():
+    async def body(w: World):
+        no_relay = NATConfig.testing().with_(offer_relay=False)
+        boot = await w.node(reachable=True)
+        boot_nat = await w.nat(boot, [], config=no_relay.with_(force_reachability="public"))
+        assert boot_nat.reachability is Reachability.PUBLIC
+        helpers = [await w.node(reachable=True) for _ in range(2)]
+        for h in helpers:
+            await w.nat(h, [boot], config=no_relay)
+        boot_dht = await w.stack.enter_async_context(open_dht(boot, config=DHTConfig.fast()))
+        for h in helpers:
+            await w.stack.enter_async_context(
+                open_dht(h, initial_peers=[boot.addrs[0]], config=DHTConfig.fast())
+            )
+
+        hidden = await w.node(reachable=False)
+        nat = await w.nat(hidden, [boot, *helpers])
+        assert nat.reachability is Reachability.PRIVATE
+        assert nat.relayed_addrs == []  # every relay refused: none offers the service
+        assert nat.role is Role.CLIENT and nat.client_mode
+        dht = await w.stack.enter_async_context(
+            open_dht(
+                hidden,
+                initial_peers=[boot.addrs[0]],
+                config=DHTConfig.fast(),
+                client_mode=nat.client_mode,
+            )
+        )
+        # a client can store and read, but nobody puts it in a routing table
+        assert (await dht.store("k", "v", dht.now() + 60)).ok
+        assert (await boot_dht.get("k")).value == "v"
+        assert hidden.peer_id not in boot_dht.routing
+        assert all(hidden.peer_id not in d.routing for d in [boot_dht])
+
+        nat.force(Reachability.PUBLIC)  # the user knows better (e.g. a forwarded port)
+        assert nat.role is Role.PUBLIC and not nat.client_mode
+
+    world_run(body)
+
+
+def test_forced_client_mode_and_forced_verdict_skip_detection():
+    async def body(w: World):
+        boot = await w.node(reachable=True)
+        await w.nat(boot, [], config=NATConfig.testing().with_(force_reachability="public"))
+        forced = NATConfig.testing().with_(force_client_mode=True)
+        nat = await w.nat(await w.node(reachable=True), [boot], config=forced)
+        assert nat.role is Role.CLIENT and nat.client_mode
+        told = NATConfig.testing().with_(force_reachability=Reachability.PRIVATE, max_relays=1)
+        hidden_nat = await w.nat(await w.node(reachable=True), [boot], config=told)
+        # forced private (though reachable): it went for a relay instead of probing
+        assert hidden_nat.reachability is Reachability.PRIVATE
+        assert hidden_nat.role is Role.RELAYED
+        assert hidden_nat.answers == []
+
+    world_run(body)
+
+
+def test_verdict_follows_a_change_of_reachability():
+    async def body(w: World):
+        publics = [await w.node(reachable=True) for _ in range(2)]
+        for p in publics:
+            await w.nat(p, [q for q in publics if q is not p])
+        host = w.net.add_host("roamer", reachable=False)
+        node = await w.stack.enter_async_context(
+            open_node(
+                sim_identity(w.net, 99),
+                transport=host.transport,
+                listen=[host.listen_addr],
+                config=NodeConfig.testing(),
+            )
+        )
+        nat = await w.nat(node, publics)
+        assert nat.role is Role.RELAYED
+        host.reachable = True  # e.g. the user forwarded a port
+        changed = trio.Event()
+        with trio.move_on_after(NATConfig.testing().autonat.recheck_interval + 60):
+            while nat.reachability is not Reachability.PUBLIC:
+                await nat.wait_changed()
+            changed.set()
+        assert changed.is_set()
+        assert nat.role is Role.PUBLIC
+        await trio.sleep(1)
+        assert nat.relayed_addrs == []
+        assert not any(a.is_relayed for a in node.addrs)
+
+    world_run(body)
+
+
+def test_relays_and_relayed_addresses_are_found_through_the_dht():
+    async def body(w: World):
+        boot = await w.node(reachable=True)
+        await w.nat(boot, [], config=NATConfig.testing().with_(force_reachability="public"))
+        boot_dht = await w.stack.enter_async_context(open_dht(boot, config=DHTConfig.fast()))
+        assert await advertise_relay(boot_dht, boot)
+
+        hidden = await w.node(reachable=False)
+        nat = await w.nat(hidden, [boot], relays=[], config=NATConfig.testing().with_(max_relays=0))
+        assert nat.role is Role.CLIENT
+        dht = await w.stack.enter_async_context(
+            open_dht(
+                hidden, initial_peers=[boot.addrs[0]], config=DHTConfig.fast(), client_mode=True
+            )
+        )
+        relays = await find_relays(dht)
+        assert relays == [boot.addrs[0]]
+        nat.config = nat.config.with_(max_relays=1)
+        assert await nat.ensure_relays(relays) == 1
+        assert nat.role is Role.RELAYED
+        assert await publish_addrs(dht, hidden)
+
+        other = await w.node(reachable=False)
+        await w.nat(other, [boot], config=NATConfig.testing().with_(max_relays=0))
+        other_dht = await w.stack.enter_async_context(
+            open_dht(
+                other, initial_peers=[boot.addrs[0]], config=DHTConfig.fast(), client_mode=True
+            )
+        )
+        found = await lookup_addrs(other_dht, hidden.peer_id)
+        assert found[0] == nat.relayed_addrs[0]
+        reply = await other.call(hidden.peer_id, "echo", 7)  # by peer ID: the peerstore knows
+        assert reply == {"echo": 7, "from": str(other.peer_id)}
+
+    world_run(body)
