@@ -207,9 +207,10 @@ class NATManager:
             self.answers = answers
             self.public_addrs = [a.addr for a in answers if a.status == "ok" and a.addr]
             self.reachability = verdict
-        self._update()
         if self.reachability is Reachability.PRIVATE:
-            await self.ensure_relays()
+            await self.ensure_relays()  # decide once the reservations are known (no flapping)
+        else:
+            self._update()
         return self.reachability
 
     # ---- relays --------------------------------------------------------------------------
