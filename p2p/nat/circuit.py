@@ -151,32 +151,40 @@ class CircuitTransport:
         started = False
         try:
             while True:
+                granted_at: float | None = None
                 try:
                     async with self.node.open_stream(relay, RESERVE) as ms:
                         answer = await ms.receive()
                         if not isinstance(answer, dict) or answer.get("ok") is not True:
                             reason = answer.get("reason") if isinstance(answer, dict) else None
                             raise RelayRefused(str(reason or "malformed answer")[:300])
-                        self.reservations[rid] = mine
-                        self._notify()
+                        granted_at = trio.current_time()
+                        if rid not in self.reservations:
+                            self.reservations[rid] = mine
+                            self._notify()
+                            logger.info("reservation on %s held", rid)
                         if not started:
                             started = True
                             task_status.started(mine)
-                        logger.info("reservation on %s held", rid)
-                        backoff = self.renew_backoff
                         async for _ in ms:
                             pass
+                    # The relay ended it (its TTL): renew at once, keeping our address meanwhile;
+                    # a relay that keeps ending reservations quickly is treated as failing.
+                    if trio.current_time() - granted_at >= self.renew_backoff:
+                        backoff = self.renew_backoff
+                        continue
                 except P2PError as e:
                     if not started:
                         raise
                     logger.info("reservation on %s lost: %s", rid, e)
-                finally:
-                    if self.reservations.pop(rid, None) is not None:
-                        self._notify()
+                if self.reservations.pop(rid, None) is not None:
+                    self._notify()
                 await trio.sleep(backoff)
                 backoff = min(backoff * 2, self.max_backoff)
         finally:
             del self._listeners[rid]
+            if self.reservations.pop(rid, None) is not None:
+                self._notify()
 
     def _notify(self) -> None:
         self._changed.set()

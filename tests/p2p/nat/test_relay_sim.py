@@ -269,3 +269,30 @@ def test_circuits_arrive_only_from_relays_we_hold_a_reservation_on():
         assert answer == {"ok": False, "reason": "no reservation with this relay"}
 
     lab_run(body)
+
+
+def test_reservations_are_renewed_without_losing_the_relayed_address():
+    async def body(lab: Lab):
+        relay, service = await lab.relay(config=RelayConfig.testing().with_(reservation_ttl=30.0))
+        b = await lab.private(relay)
+        ct = b.circuit_transport
+        lost = []
+
+        async def watch():
+            while True:
+                await ct.wait_changed()
+                lost.append((trio.current_time(), dict(ct.reservations)))
+
+        lab.nursery.start_soon(watch)
+        await trio.sleep(100)  # three renewals
+        assert lost == []  # the address never went away
+        assert relay.peer_id in ct.reservations and b.peer_id in service.reservations
+        a = await lab.private()
+        reply = await a.call(circuit_addr(relay.addrs[0], b.peer_id), "echo", "still there")
+        assert reply["echo"] == "still there"
+        # when the relay goes, the reservation (and the relayed address) goes with it
+        await relay.disconnect(b.peer_id)
+        await trio.sleep(1)
+        assert ct.reservations == {} and len(lost) == 1
+
+    lab_run(body)
