@@ -44,7 +44,9 @@ async def _sink(ctx: Any, ms: Any) -> None:
 
 
 async def _wait_for_stop(conn: Any) -> None:
-    await trio.to_thread.run_sync(conn.recv, abandon_on_cancel=True)
+    """Serve until the parent says stop (polled: no thread needed)."""
+    while not conn.poll():
+        await trio.sleep(0.2)
 
 
 def _relay_main(conn: Any) -> None:
