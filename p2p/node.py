@@ -312,6 +312,13 @@ class Node:
                 raw = await self.transport.dial(addr.transport_part())
         if scope.cancelled_caught:
             raise DialError(f"dialing {addr} timed out after {self.config.dial_timeout} s")
+        return await self.adopt_outbound(raw, addr, expected)
+
+    async def adopt_outbound(
+        self, raw: trio.abc.Stream, addr: Multiaddr, expected: PeerID | None
+    ) -> Connection:
+        """Run the outbound handshake on a raw stream opened some other way (a hole punched
+        through NATs) and use it as a connection to the proven peer."""
         channel = await secure_outbound(
             raw,
             self.identity,
