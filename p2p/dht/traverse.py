@@ -3,7 +3,10 @@
 A lookup keeps every candidate it heard of, sorted by XOR distance to the target. It keeps
 up to ``alpha`` requests in flight to the nearest candidates not yet asked, and ends when the
 ``k`` nearest candidates that did not fail have all answered (those still in flight are then
-cancelled). Hop counts (how many responses separate a candidate from our own table) give the
+cancelled). As in the Kademlia paper, once ``alpha`` answers in a row bring no candidate closer
+than the closest already known, the lookup has converged and asks all of the k nearest it has
+not asked yet at once, instead of alpha at a time (this cuts the sequential waves of a lookup
+roughly in half). Hop counts (how many responses separate a candidate from our own table) give the
 number of rounds. The request function is supplied by the caller: it applies per-request
 timeouts, the blacklist and batching of concurrent lookups (see :class:`FindBatcher`).
 """
@@ -76,8 +79,11 @@ async def lookup(
 
     learn(initial, 1)
     send_done, recv_done = trio.open_memory_channel[None](1000)
+    closest = min((c.distance for c in cands.values()), default=None)
+    stale_answers = 0  # answers in a row that brought nothing closer
 
     async def ask(cand: _Candidate) -> None:
+        nonlocal closest, stale_answers
         answer = await find(cand.contact, query)
         if answer is None:
             cand.state = _FAILED
@@ -87,6 +93,11 @@ async def lookup(
             if records is not None:
                 result.records[cand.contact.peer] = records
             learn(contacts, cand.hop + 1)
+            best = min((c.distance for c in cands.values()), default=None)
+            if best is not None and (closest is None or best < closest):
+                closest, stale_answers = best, 0
+            else:
+                stale_answers += 1
         send_done.send_nowait(None)
 
     async with trio.open_nursery() as nursery:
@@ -97,8 +108,9 @@ async def lookup(
             )[:k]
             if all(c.state == _DONE for c in beam):
                 break
+            width = k if stale_answers >= alpha else alpha
             for cand in beam:
-                if in_flight >= alpha:
+                if in_flight >= width:
                     break
                 if cand.state == _NEW:
                     cand.state = _WAITING

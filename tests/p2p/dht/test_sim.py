@@ -1,8 +1,9 @@
 """The DHT on the simulated network (real nodes and secure channels, virtual time).
 
-Sizes: building N real nodes costs ~0.15-0.4 s of CPU each on this 2-core machine, so the
-default suite uses 100 nodes for lookup accuracy and smaller swarms elsewhere; the 500-node
-version is marked slow.
+Sizes: a real node on the simulator costs ~0.2 s of CPU to start and join (secure handshakes
+with its ~30 routing-table peers), and up to 3x more wall time when the 2 cores are shared, so
+the default suite uses 64 nodes for lookup accuracy and 12-30 node swarms elsewhere; the
+500-node accuracy test is marked slow.
 """
 
 from __future__ import annotations
@@ -51,8 +52,7 @@ async def _lookup_accuracy(n: int, lookups: int, seed: int) -> tuple[float, floa
 
 
 def test_lookups_find_the_true_k_nearest() -> None:
-    top1, overlap, rounds = run_sim(_lookup_accuracy, 100, 30, 1)
-    # measured: top-1 1.00, overlap 1.00 at N=100 (k=20)
+    top1, overlap, rounds = run_sim(_lookup_accuracy, 64, 20, 1)
     assert top1 >= 0.95, top1
     assert overlap >= 0.95, overlap
     assert rounds >= 1
@@ -68,12 +68,12 @@ def test_lookups_find_the_true_k_nearest_500() -> None:
 def test_value_survives_30_percent_of_nodes_dying() -> None:
     async def main() -> None:
         rng = random.Random(3)
-        async with dht_swarm(40, seed=3, silent_failures=True) as swarm:
-            keys = {f"key-{i}": {"i": i, "blob": bytes(range(i))} for i in range(10)}
+        async with dht_swarm(30, seed=3, silent_failures=True) as swarm:
+            keys = {f"key-{i}": {"i": i, "blob": bytes(range(i))} for i in range(6)}
             for key, value in keys.items():
                 res = await rng.choice(swarm.dhts).store(key, value, trio.current_time() + 3600)
                 assert res.stored >= TEST_CONFIG.replication * 0.9
-            victims = rng.sample(range(len(swarm.dhts)), k=12)  # 30%
+            victims = rng.sample(range(len(swarm.dhts)), k=9)  # 30%
             for v in victims:
                 swarm.net.kill(swarm.hosts[v])
             alive = [d for i, d in enumerate(swarm.dhts) if i not in victims]
@@ -86,9 +86,9 @@ def test_value_survives_30_percent_of_nodes_dying() -> None:
 
 def test_partition_heals() -> None:
     async def main() -> None:
-        async with dht_swarm(40, seed=4) as swarm:
-            a, b = swarm.hosts[:20], swarm.hosts[20:]
-            side_a, side_b = swarm.dhts[:20], swarm.dhts[20:]
+        async with dht_swarm(24, seed=4) as swarm:
+            a, b = swarm.hosts[:12], swarm.hosts[12:]
+            side_a, side_b = swarm.dhts[:12], swarm.dhts[12:]
             swarm.net.partition(a, b)
             res = await side_a[3].store("made-in-a", "hello", trio.current_time() + 3600)
             assert res.stored >= 1
@@ -105,7 +105,7 @@ def test_partition_heals() -> None:
             res = await side_b[9].find_nearest(target)
             truth = [p for p in swarm.brute_force_nearest(target, 21) if p != side_b[9].peer_id]
             found = {c.peer for c in res.nearest}
-            assert len(found & set(truth[:20])) >= 18
+            assert len(found & set(truth[:20])) >= 19
             assert found & {d.peer_id for d in side_a}
 
     run_sim(main)
@@ -113,8 +113,8 @@ def test_partition_heals() -> None:
 
 def test_expired_values_disappear() -> None:
     async def main() -> None:
-        async with dht_swarm(20, seed=5) as swarm:
-            writer, reader = swarm.dhts[2], swarm.dhts[17]
+        async with dht_swarm(14, seed=5) as swarm:
+            writer, reader = swarm.dhts[2], swarm.dhts[13]
             await writer.store("short", 1, writer.now() + 30)
             await writer.store("long", 2, writer.now() + 300)
             assert (await reader.get("short")).value == 1
@@ -133,7 +133,7 @@ PROGRESS = SchemaValidator("progress", Struct({"epoch": Int(min=0), "samples": I
 
 def test_subkeys_merge_and_schema_refusals_reach_the_writer() -> None:
     async def main() -> None:
-        async with dht_swarm(20, seed=6, validators=[PROGRESS]) as swarm:
+        async with dht_swarm(16, seed=6, validators=[PROGRESS]) as swarm:
             now = trio.current_time()
             writers = swarm.dhts[:5]
             for i, d in enumerate(writers):
@@ -141,7 +141,7 @@ def test_subkeys_merge_and_schema_refusals_reach_the_writer() -> None:
                 await d.store("progress", {"epoch": 1, "samples": i}, now + 100, subkey=sub)
             first = owner_marker(writers[0].peer_id)
             await writers[0].store("progress", {"epoch": 2, "samples": 7}, now + 200, subkey=first)
-            got = await swarm.dhts[19].get("progress")
+            got = await swarm.dhts[15].get("progress")
             assert set(got) == {owner_marker(d.peer_id) for d in writers}
             assert got[owner_marker(writers[0].peer_id)].value == {"epoch": 2, "samples": 7}
             assert got[owner_marker(writers[3].peer_id)].value == {"epoch": 1, "samples": 3}
@@ -178,7 +178,7 @@ def test_subkeys_merge_and_schema_refusals_reach_the_writer() -> None:
 
 def test_forged_writes_to_a_signed_subkey_are_refused_everywhere() -> None:
     async def main() -> None:
-        async with dht_swarm(20, seed=7) as swarm:
+        async with dht_swarm(16, seed=7) as swarm:
             owner, thief = swarm.dhts[4], swarm.dhts[9]
             sub = owner_marker(owner.peer_id)
             now = trio.current_time()
@@ -219,12 +219,12 @@ def test_forged_writes_to_a_signed_subkey_are_refused_everywhere() -> None:
 
 def test_client_mode_queries_but_never_enters_routing_tables() -> None:
     async def main() -> None:
-        async with dht_swarm(15, seed=8) as swarm:
+        async with dht_swarm(12, seed=8) as swarm:
             client = await swarm.add(
                 99, [str(swarm.dhts[0].node.addrs[0])], config=TEST_CONFIG, client_mode=True
             )
             res = await client.store("from-client", [1, 2, 3], trio.current_time() + 60)
-            assert res.stored >= 10
+            assert res.stored == 12
             assert (await swarm.dhts[6].get("from-client")).value == [1, 2, 3]
             assert (await client.get("from-client")).value == [1, 2, 3]
             assert all(client.peer_id not in d.routing for d in swarm.dhts)
@@ -250,7 +250,7 @@ def test_bootstrap_fails_clearly_when_no_initial_peer_answers() -> None:
 
 def test_concurrent_gets_of_one_key_share_one_search_and_stores_batch_keys() -> None:
     async def main() -> None:
-        async with dht_swarm(15, seed=10) as swarm:
+        async with dht_swarm(12, seed=10) as swarm:
             d = swarm.dhts[3]
             await swarm.dhts[8].store("shared", "v", trio.current_time() + 60)
             before = len(d.lookups)
@@ -268,7 +268,7 @@ def test_concurrent_gets_of_one_key_share_one_search_and_stores_batch_keys() -> 
             sent = d.protocol.stats["dht.store"]
             recs = [d.make_record(f"batch-{i}", i, d.now() + 60) for i in range(6)]
             results = await d.store_records(recs)
-            assert all(r.stored >= 10 for r in results)
+            assert all(r.stored == 12 for r in results)
             assert d.protocol.stats["dht.store"] - sent <= len(swarm.dhts) - 1
 
     run_sim(main)
@@ -280,7 +280,7 @@ def test_clock_skew_is_corrected_by_the_median() -> None:
         skews = [rng.uniform(-2, 2) for _ in range(15)]
         skews[5] = 500.0  # one node with a clock far ahead
         skews[6] = -300.0
-        async with dht_swarm(15, seed=11, skews=skews) as swarm:
+        async with dht_swarm(12, seed=11, skews=skews) as swarm:
             for d in swarm.dhts:  # talk to everyone so every node has samples
                 await d.find_nearest(random_id(rng=rng))
             truth = trio.current_time()
@@ -297,12 +297,12 @@ def test_clock_skew_is_corrected_by_the_median() -> None:
 
 def test_new_nodes_receive_values_they_are_now_nearest_to() -> None:
     async def main() -> None:
-        async with dht_swarm(12, seed=12) as swarm:
+        async with dht_swarm(10, seed=12) as swarm:
             await swarm.dhts[0].store("handoff", 42, trio.current_time() + 600)
             joined = []
-            for i in range(12, 28):
+            for i in range(10, 24):
                 joined.append(
-                    await swarm.add(i, [str(swarm.dhts[i % 12].node.addrs[0])], config=TEST_CONFIG)
+                    await swarm.add(i, [str(swarm.dhts[i % 10].node.addrs[0])], config=TEST_CONFIG)
                 )
                 swarm.dhts.append(joined[-1])
             await trio.sleep(5)
