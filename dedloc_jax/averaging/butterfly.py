@@ -37,7 +37,7 @@ from p2p.rpc import CallContext, MessageStream
 
 from . import wire
 from .bandwidth import BandwidthMeter
-from .codecs import Codec, get_codec
+from .codecs import Codec, get_codec, is_finite
 from .config import AllReduceConfig
 from .errors import AllReduceError, BadContributionError, CodecError, ShareLostError
 from .group import GroupSpec
@@ -155,7 +155,7 @@ class AveragingService:
 
     async def _handle_repair(self, ctx: CallContext, ms: MessageStream) -> None:
         rnd, hello = await self._hello(ctx, ms)
-        if hello.share not in rnd.chunks or hello.share == hello.sender:
+        if hello.share not in rnd.chunks:
             raise BadContributionError(f"bad share {hello.share} to repair")
         await rnd.serve_repair(hello, ms)
 
@@ -219,9 +219,7 @@ class _Round:
         self.size = int(vec.size) if vec is not None else 0
         self.weight = float(weight)
         self.abstain = (
-            (not self.is_sender)
-            or self.weight <= 0
-            or (vec is not None and not bool(np.isfinite(vec).all()))
+            (not self.is_sender) or self.weight <= 0 or (vec is not None and not is_finite(vec))
         )
         self.bounds = share_bounds(self.size, spec.share_parts())
         self.reducers = [j for j in range(len(self.members)) if self.bounds[j + 1] > self.bounds[j]]
@@ -311,7 +309,7 @@ class _Round:
             with trio.move_on_at(self.exchange_at):
                 peer = PeerID.from_base58(self.name(j))
                 async with self.node.open_stream(
-                    peer, wire.PROTOCOL, timeout=self.config.open_timeout
+                    peer, wire.PROTOCOL, timeout=self.config.stall_timeout
                 ) as ms:
                     await ms.send(wire.hello(self.hello()))
                     async with trio.open_nursery() as inner:
@@ -361,11 +359,10 @@ class _Round:
             a, b = self.share_slice(j, k)
             data = wire.parse_chunk(msg, k, self.codec.encoded_size(b - a))
             mask = wire.parse_contributors(msg, self.senders)
-            values = self.codec.decode(data, b - a)
-            if not np.isfinite(values).all():
+            self.codec.decode_into(data, self.out[a:b])
+            if not is_finite(self.out[a:b]):
                 raise BadContributionError("non-finite result")
             self.count("down", len(data))
-            self.out[a:b] = values
             self.masks[j].append(mask)
             self.held[j] = k + 1
             if k + 1 == n_chunks:
@@ -401,7 +398,7 @@ class _Round:
         peer = PeerID.from_base58(self.name(c))
         with trio.move_on_at(self.deadline):
             async with self.node.open_stream(
-                peer, wire.REPAIR_PROTOCOL, timeout=self.config.open_timeout
+                peer, wire.REPAIR_PROTOCOL, timeout=self.config.stall_timeout
             ) as ms:
                 await ms.send(wire.hello(self.hello(share=j)))
                 held_rng, parts_rng = wire.parse_need(await ms.receive(), n_chunks)
@@ -481,10 +478,12 @@ class _Reducer:
         self.chunks = rnd.chunks[j]
         n = len(self.chunks)
         self.acc = np.zeros(rnd.bounds[j + 1] - self.start, np.float32)
+        self.scratch = np.empty(max((b - a for a, b in self.chunks), default=0), np.float32)
         self.wsum = np.zeros(n, np.float64)
         self.cmask: list[set[int]] = [set() for _ in range(n)]
         self.expected = {s for s in rnd.senders if s != j}
         self.receivers = set(self.expected)
+        self.initial_receivers = frozenset(self.receivers)
         self.weights: dict[int, float] = {}
         self.next_k: dict[int, int] = {}
         t0 = trio.current_time()
@@ -546,8 +545,6 @@ class _Reducer:
                         min([r.collect_at] + [self.last[s] + stall for s in missing])
                     )
             self._finalise(k)
-        r.ok[r.me] = True
-        r.settled[r.me].set()
         # Commit once every live receiver acked; drop receivers that stop making progress.
         while not self.receivers <= self.acked:
             now = trio.current_time()
@@ -567,6 +564,12 @@ class _Reducer:
                 await self.changes.wait(min([r.exchange_at, *due.values()]))
         self.commit = frozenset(self.acked & self.receivers)
         self.changes.notify()
+        # Keeping our own share is safe only if someone else holds it too; otherwise we repair
+        # it like any receiver would (and relay our copy if we can).
+        r.ok[r.me] = bool(self.commit) or not self.initial_receivers
+        if not r.ok[r.me]:
+            logger.warning("round %s: nobody acked our share; repairing it", r.round_id.hex()[:8])
+        r.settled[r.me].set()
 
     def _progress_due(self, s: int) -> float:
         """When receiver ``s`` counts as stalled: no send to it completed, or no ack after all."""
@@ -578,17 +581,17 @@ class _Reducer:
     def _finalise(self, k: int) -> None:
         r = self.r
         a, b = self.chunks[k]
+        avg = self.acc[a:b]  # averaged in place: the accumulator of this chunk is done
         if self.wsum[k] > 0:
-            avg = self.acc[a:b] / np.float32(self.wsum[k])
-        else:
-            avg = np.zeros(b - a, np.float32)
-        data = r.codec.encode(avg.astype(np.float32, copy=False))
-        values = r.codec.decode(data, b - a)
+            np.divide(avg, np.float32(self.wsum[k]), out=avg)
+        data = r.codec.encode(avg)
+        if not r.codec.lossless:
+            r.codec.decode_into(data, avg)  # use exactly what the receivers will decode
         mask = frozenset(self.cmask[k])
         self.enc.append(data)
         self.final_masks.append(mask)
         if r.out is not None:
-            r.out[self.start + a : self.start + b] = values
+            r.out[self.start + a : self.start + b] = avg
             r.masks[r.me].append(mask)
             r.held[r.me] = k + 1
         self.done = k + 1
@@ -645,17 +648,20 @@ class _Reducer:
         if s not in self.expected:
             return  # excluded earlier: its late parts are ignored
         a, b = self.chunks[k]
+        values = self.scratch[: b - a]
         try:
             data = wire.parse_chunk(msg, k, self.r.codec.encoded_size(b - a))
-            values = self.r.codec.decode(data, b - a)
+            self.r.codec.decode_into(data, values)
         except (BadContributionError, CodecError) as e:
             self.exclude(s, f"malformed chunk {k}: {e}")
             return
-        if not np.isfinite(values).all():
+        if not is_finite(values):
             self.exclude(s, f"non-finite values in chunk {k}")
             return
         w = self.weights[s]
-        self.acc[a:b] += values * np.float32(w)
+        if w != 1.0:
+            np.multiply(values, np.float32(w), out=values)
+        self.acc[a:b] += values
         self.wsum[k] += w
         self.cmask[k].add(s)
         self.r.count("down", len(data))
@@ -730,8 +736,8 @@ class _Repair:
             expected = set(r.senders) - {j, r.me} - dead
             while not expected <= set(self.joined) and trio.current_time() < r.join_at:
                 await self.changes.wait(r.join_at)
-            if expected and not self.joined:
-                logger.warning("repair of share %d: no survivor joined; giving up", j)
+            if not self.joined:  # alone we could only make up a private value: refuse
+                logger.warning("repair of share %d: no other member joined; giving up", j)
                 return
             held = {s: h.held for s, h in self.joined.items()}
             own = self._own_held()
@@ -819,7 +825,7 @@ class _Repair:
             data = wire.parse_chunk(msg, k, 4 * (y - x))
             mask = wire.parse_contributors(msg, r.senders)
             values = np.frombuffer(data, _F32).astype(np.float32)
-            if not np.isfinite(values).all():
+            if not is_finite(values):
                 raise BadContributionError("non-finite relayed chunk")
             self.base[x:y] = values
             self.base_masks[k] = mask
@@ -830,7 +836,7 @@ class _Repair:
                 raise BadContributionError("expected part")
             data = wire.parse_chunk(msg, k, r.codec.encoded_size(y - x))
             values = r.codec.decode(data, y - x)
-            if not np.isfinite(values).all():
+            if not is_finite(values):
                 logger.warning("repair: non-finite chunk %d from %s excluded", k, r.name(s))
                 continue
             if self.ready.is_set():
@@ -865,7 +871,7 @@ async def _receive_finals(
             raise ShareLostError(f"coordinator could not repair share {j}", shares=(j,))
         data = wire.parse_chunk(msg, k, 4 * (y - x))
         chunk = np.frombuffer(data, _F32).astype(np.float32)
-        if not np.isfinite(chunk).all():
+        if not is_finite(chunk):
             raise BadContributionError("non-finite repaired chunk")
         values[x:y] = chunk
         masks.append(wire.parse_contributors(msg, r.senders))
@@ -906,7 +912,7 @@ async def all_reduce(
     w = member.weight if weight is None else float(weight)
     if not math.isfinite(w) or w < 0:
         raise ValueError(f"weight must be finite and >= 0, got {weight!r}")
-    if not np.isfinite(vec).all() and member.sends:
+    if not is_finite(vec) and member.sends:
         logger.warning("round: local contribution has non-finite values; abstaining")
     rnd = _Round(
         service,

@@ -31,12 +31,20 @@ class Codec(Protocol):
     """What the all-reduce needs from a codec."""
 
     name: str
+    lossless: bool  # decode(encode(x)) == x bit for bit
 
     def encode(self, x: np.ndarray) -> bytes: ...
 
     def decode(self, data: bytes | bytearray | memoryview, n: int) -> np.ndarray: ...
 
+    def decode_into(self, data: bytes | bytearray | memoryview, out: np.ndarray) -> None: ...
+
     def encoded_size(self, n: int) -> int: ...
+
+
+def is_finite(x: np.ndarray) -> bool:
+    """Whether every value is finite (NaN/Inf contributions are rejected)."""
+    return bool(np.isfinite(x).all())
 
 
 def _as_f32(x: np.ndarray) -> np.ndarray:
@@ -60,9 +68,15 @@ class NoCompression:
     def encode(self, x: np.ndarray) -> bytes:
         return _as_f32(x).astype("<f4", copy=False).tobytes()
 
+    lossless = True
+
     def decode(self, data: bytes | bytearray | memoryview, n: int) -> np.ndarray:
         _check_size(data, 4 * n, self.name)
         return np.frombuffer(data, dtype="<f4", count=n).astype(np.float32)
+
+    def decode_into(self, data: bytes | bytearray | memoryview, out: np.ndarray) -> None:
+        _check_size(data, 4 * out.size, self.name)
+        out[...] = np.frombuffer(data, dtype="<f4", count=out.size)
 
     def encoded_size(self, n: int) -> int:
         return 4 * n
@@ -78,9 +92,15 @@ class Float16Compression:
         x = _as_f32(x)
         return np.clip(x, -_F16_MAX, _F16_MAX).astype("<f2").tobytes()
 
+    lossless = False
+
     def decode(self, data: bytes | bytearray | memoryview, n: int) -> np.ndarray:
         _check_size(data, 2 * n, self.name)
         return np.frombuffer(data, dtype="<f2", count=n).astype(np.float32)
+
+    def decode_into(self, data: bytes | bytearray | memoryview, out: np.ndarray) -> None:
+        _check_size(data, 2 * out.size, self.name)
+        out[...] = np.frombuffer(data, dtype="<f2", count=out.size)
 
     def encoded_size(self, n: int) -> int:
         return 2 * n
@@ -96,9 +116,15 @@ class BFloat16Compression:
         x = _as_f32(x)
         return np.clip(x, -_BF16_MAX, _BF16_MAX).astype(ml_dtypes.bfloat16).tobytes()
 
+    lossless = False
+
     def decode(self, data: bytes | bytearray | memoryview, n: int) -> np.ndarray:
         _check_size(data, 2 * n, self.name)
         return np.frombuffer(data, dtype=ml_dtypes.bfloat16, count=n).astype(np.float32)
+
+    def decode_into(self, data: bytes | bytearray | memoryview, out: np.ndarray) -> None:
+        _check_size(data, 2 * out.size, self.name)
+        out[...] = np.frombuffer(data, dtype=ml_dtypes.bfloat16, count=out.size)
 
     def encoded_size(self, n: int) -> int:
         return 2 * n
@@ -113,6 +139,7 @@ class BlockwiseInt8Compression:
 
     name: str = "int8"
     block: int = 256
+    lossless = False
 
     def _blocks(self, n: int) -> int:
         return -(-n // self.block)
@@ -143,6 +170,9 @@ class BlockwiseInt8Compression:
         out[n:] = 0
         out = out.reshape(nb, self.block) * scales[:, None]
         return out.reshape(-1)[:n].copy()
+
+    def decode_into(self, data: bytes | bytearray | memoryview, out: np.ndarray) -> None:
+        out[...] = self.decode(data, out.size)
 
     def encoded_size(self, n: int) -> int:
         return 4 * self._blocks(n) + n

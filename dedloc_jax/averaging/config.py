@@ -19,10 +19,8 @@ class AllReduceConfig:
     chunk_elems: int = 1 << 16
     """Values per chunk (the unit of pipelining, of accumulation and of fault exclusion)."""
     stall_timeout: float = 20.0
-    """A peer that makes no progress for this long is treated as failed (senders are excluded,
-    reducers are repaired)."""
-    open_timeout: float = 10.0
-    """Opening a stream (dial + protocol negotiation) must finish within this."""
+    """A peer that makes no progress for this long (including opening a stream to it) is
+    treated as failed: senders are excluded, reducers are repaired."""
     collect_fraction: float = 0.5
     exchange_fraction: float = 0.75
     join_fraction: float = 0.85
@@ -40,12 +38,12 @@ class AllReduceConfig:
     @classmethod
     def loopback(cls) -> AllReduceConfig:
         """Peers on one machine or a LAN: 1 MiB chunks, quick stall detection."""
-        return cls(chunk_elems=1 << 18, stall_timeout=5.0, open_timeout=5.0)
+        return cls(chunk_elems=1 << 18, stall_timeout=5.0)
 
     @classmethod
     def testing(cls) -> AllReduceConfig:
         """Tiny chunks so small test vectors still span many chunks; short stalls."""
-        return cls(chunk_elems=16, stall_timeout=2.0, open_timeout=2.0, linger=30.0)
+        return cls(chunk_elems=16, stall_timeout=2.0, linger=30.0)
 
     def with_(self, **changes: Any) -> AllReduceConfig:
         return replace(self, **changes)

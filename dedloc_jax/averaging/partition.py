@@ -56,9 +56,12 @@ def flatten(tree: Any) -> tuple[np.ndarray, TreeSpec]:
     offsets = [0]
     for a in arrays:
         offsets.append(offsets[-1] + int(a.size))
-    vec = np.empty(offsets[-1], dtype=np.float32)
-    for a, start, stop in zip(arrays, offsets[:-1], offsets[1:], strict=True):
-        vec[start:stop] = a.reshape(-1)
+    if len(arrays) == 1 and arrays[0].dtype == np.float32:
+        vec = arrays[0].reshape(-1)  # a view when contiguous: the vector is only read
+    else:
+        vec = np.empty(offsets[-1], dtype=np.float32)
+        for a, start, stop in zip(arrays, offsets[:-1], offsets[1:], strict=True):
+            vec[start:stop] = a.reshape(-1)
     spec = TreeSpec(
         treedef, tuple(tuple(int(d) for d in a.shape) for a in arrays), dtypes, tuple(offsets)
     )
@@ -66,7 +69,10 @@ def flatten(tree: Any) -> tuple[np.ndarray, TreeSpec]:
 
 
 def unflatten(vec: np.ndarray, spec: TreeSpec) -> Any:
-    """Rebuild the pytree of ``spec`` from a float32 vector: same structure, shapes and dtypes."""
+    """Rebuild the pytree of ``spec`` from a float32 vector: same structure, shapes and dtypes.
+
+    float32 leaves are views of ``vec`` (no copy); other dtypes are converted copies.
+    """
     vec = np.asarray(vec)
     if vec.ndim != 1 or vec.size != spec.size:
         raise PartitionError(f"vector of shape {vec.shape} does not hold {spec.size} values")
@@ -74,7 +80,7 @@ def unflatten(vec: np.ndarray, spec: TreeSpec) -> Any:
     for shape, dtype, start, stop in zip(
         spec.shapes, spec.dtypes, spec.offsets[:-1], spec.offsets[1:], strict=True
     ):
-        leaves.append(vec[start:stop].astype(_DTYPES[dtype]).reshape(shape))
+        leaves.append(vec[start:stop].astype(_DTYPES[dtype], copy=False).reshape(shape))
     return jax.tree_util.tree_unflatten(spec.treedef, leaves)
 
 

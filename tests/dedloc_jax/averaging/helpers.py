@@ -60,6 +60,12 @@ def run_round(
                 for b in nodes:
                     if a is not b:
                         a.peerstore.add_addrs(b.peer_id, b.addrs)
+            # matchmaking leaves the members connected; clients are only ever dialed out of
+            for i, a in enumerate(nodes):
+                for j, b in enumerate(nodes):
+                    dial = (i < j or modes[i] == "client") and modes[j] != "client"
+                    if dial and a is not b:
+                        await a.connect(b.peer_id)
             scopes = [trio.CancelScope() for _ in nodes]
             t0 = trio.current_time()
 

@@ -1,0 +1,321 @@
+"""Butterfly all-reduce benchmark: N peer processes on loopback, vs plain sockets.
+
+    python -m bench.allreduce --peers 4 --size 18000000 [--clients K] [--codec C] [--rounds R]
+    python -m bench.allreduce --sim-hetero [--size S] [--codec C]
+
+Each peer process runs a node (secure channel + mux) and averages S float32 values (peer i's
+vector is seeded by i, weight i + 1). In the same run, the same peers move the same per-peer
+traffic pattern over plain TCP (no encryption, no framing): each sender sends every reducer its
+slice of that reducer's share and gets the same number of bytes back. Prints per-round times
+and, as the last line, a JSON object with ``seconds`` (median round), ``socket_seconds``
+(median plain-socket round), ``max_abs_error`` (vs the float64 weighted mean) and
+``identical`` (all peers hold the same bits).
+
+``--sim-hetero`` runs the simulator instead: four nodes with 10/25/50/100 Mbit/s uplinks (and
+100 Mbit/s downlinks), comparing the round's virtual time with the LP bound and with an equal
+split of the same vector.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import multiprocessing as mp
+import statistics
+import sys
+import time
+from functools import partial
+from typing import Any
+
+import numpy as np
+
+
+def _vector(i: int, size: int) -> np.ndarray:
+    return np.random.default_rng(1000 + i).standard_normal(size, dtype=np.float32)
+
+
+# ---- worker process -------------------------------------------------------------------------
+
+
+def _worker(index: int, size: int, mode: str, codec_name: str, rounds: int, conn: Any) -> None:
+    import trio
+
+    from dedloc_jax.averaging import AllReduceConfig, GroupSpec, all_reduce, get_codec, install
+    from p2p.identity import Identity, PeerID
+    from p2p.node import NodeConfig, open_node
+
+    vec = _vector(index, size)
+    weight = float(index + 1)
+    codec = get_codec(codec_name)
+
+    async def serve_plain(stream: trio.SocketStream) -> None:
+        # reducer side of the plain-socket pattern: read the part, send as many bytes back
+        header = await _read_exactly(stream, 8)
+        n = int.from_bytes(header, "little")
+        buf = await _read_exactly(stream, n)
+        await stream.send_all(buf)
+        await stream.aclose()
+
+    async def plain_round(targets: list[tuple[int, int]]) -> None:
+        async def one(port: int, n: int) -> None:
+            stream = await trio.open_tcp_stream("127.0.0.1", port)
+            payload = bytes(n)
+            await stream.send_all(n.to_bytes(8, "little") + payload)
+            await _read_exactly(stream, n)
+            await stream.aclose()
+
+        async with trio.open_nursery() as nursery:
+            for port, n in targets:
+                nursery.start_soon(one, port, n)
+
+    async def recv() -> Any:
+        # the pipe blocks: wait in a worker thread so this peer keeps serving the others
+        return await trio.to_thread.run_sync(conn.recv)
+
+    async def main() -> None:
+        identity = Identity.from_seed(f"bench-allreduce/{index}".encode())
+        config = AllReduceConfig.loopback()
+        async with (
+            open_node(identity, config=NodeConfig.bulk()) as node,
+            trio.open_nursery() as nursery,
+        ):
+            install(node, config)
+            serve = partial(trio.serve_tcp, serve_plain, 0, host="127.0.0.1")
+            listeners = await nursery.start(serve)
+            plain_port = listeners[0].socket.getsockname()[1]
+            conn.send((str(node.peer_id), [str(a) for a in node.addrs], plain_port))
+            spec_bytes, addrs, plain_ports = await recv()
+            spec = GroupSpec.from_bytes(spec_bytes)
+            for pid, pa in addrs.items():
+                if pid != str(node.peer_id):
+                    node.peerstore.add_addrs(PeerID.from_base58(pid), pa)
+            me = spec.index_of(node.peer_id)
+            targets = []
+            if spec.members[me].sends:
+                for j in range(len(spec.members)):
+                    nbytes = _my_part(spec, size, codec, j)
+                    if j != me and nbytes:
+                        targets.append((plain_ports[j], nbytes))
+            times, plain_times = [], []
+            result = None
+            for r in range(rounds):
+                await recv()  # barrier: plain-socket round
+                t0 = time.perf_counter()
+                await plain_round(targets)
+                plain_times.append(time.perf_counter() - t0)
+                conn.send("plain-done")
+                await recv()  # barrier: all-reduce round
+                t0 = time.perf_counter()
+                result = await all_reduce(
+                    node,
+                    spec,
+                    {"g": vec},
+                    weight,
+                    codec=codec,
+                    timeout=300,
+                    round_id=f"bench/{r}".encode(),
+                    config=config,
+                )
+                times.append(time.perf_counter() - t0)
+                conn.send("round-done")
+            await recv()
+            digest, err = None, None
+            if result is not None and result.vector is not None:
+                digest = hashlib.sha256(result.vector.tobytes()).hexdigest()
+                want = np.zeros(size, np.float64)
+                total = 0.0
+                for i, m in enumerate(spec.members):
+                    if m.sends:
+                        want += _vector(i, size).astype(np.float64) * (i + 1)
+                        total += i + 1
+                err = float(np.max(np.abs(result.vector - want / total)))
+            conn.send((times, plain_times, digest, err))
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+
+
+def _my_part(spec: Any, size: int, codec: Any, j: int) -> int:
+    """Bytes a sender sends reducer ``j`` (and gets back) in the butterfly."""
+    from dedloc_jax.averaging.partition import chunk_bounds, share_bounds
+
+    bounds = share_bounds(size, spec.share_parts())
+    n = bounds[j + 1] - bounds[j]
+    return sum(codec.encoded_size(b - a) for a, b in chunk_bounds(n, 1 << 18))
+
+
+async def _read_exactly(stream: Any, n: int) -> bytes:
+    buf = bytearray()
+    while len(buf) < n:
+        data = await stream.receive_some(min(1 << 20, n - len(buf)))
+        if not data:
+            raise EOFError("peer closed early")
+        buf += data
+    return bytes(buf)
+
+
+def run_loopback(peers: int, size: int, clients: int, codec: str, rounds: int) -> dict:
+    from dedloc_jax.averaging import GroupSpec, Member
+
+    ctx = mp.get_context("spawn")
+    modes = ["node"] * (peers - clients) + ["client"] * clients
+    pipes, procs = [], []
+    for i in range(peers):
+        parent, child = ctx.Pipe()
+        p = ctx.Process(target=_worker, args=(i, size, modes[i], codec, rounds, child))
+        p.start()
+        pipes.append(parent)
+        procs.append(p)
+    try:
+        hellos = [p.recv() for p in pipes]
+        members = tuple(Member(pid, mode) for (pid, _, _), mode in zip(hellos, modes, strict=True))
+        spec = GroupSpec(members, b"bench-allreduce").with_parts()
+        addrs = {pid: a for pid, a, _ in hellos}
+        plain_ports = [port for _, _, port in hellos]
+        for p in pipes:
+            p.send((spec.to_bytes(), addrs, plain_ports))
+        for r in range(rounds):
+            for p in pipes:
+                p.send("go-plain")
+            for p in pipes:
+                p.recv()
+            for p in pipes:
+                p.send("go")
+            for p in pipes:
+                p.recv()
+            print(f"round {r + 1}/{rounds} done", file=sys.stderr)
+        for p in pipes:
+            p.send("report")
+        reports = [p.recv() for p in pipes]
+    finally:
+        for p in procs:
+            p.join(timeout=60)
+            if p.is_alive():
+                p.kill()
+    per_round = [max(rep[0][r] for rep in reports) for r in range(rounds)]
+    per_plain = [max(rep[1][r] for rep in reports) for r in range(rounds)]
+    digests = {rep[2] for rep in reports if rep[2] is not None}
+    errors = [rep[3] for rep in reports if rep[3] is not None]
+    for r in range(rounds):
+        print(f"round {r + 1}: all-reduce {per_round[r]:.3f} s, plain sockets {per_plain[r]:.3f} s")
+    return {
+        "peers": peers,
+        "clients": clients,
+        "size": size,
+        "codec": codec,
+        "rounds": rounds,
+        "seconds": statistics.median(per_round),
+        "socket_seconds": statistics.median(per_plain),
+        "max_abs_error": max(errors),
+        "identical": len(digests) == 1,
+    }
+
+
+# ---- simulator: heterogeneous links ---------------------------------------------------------
+
+
+def run_sim_hetero(size: int, codec: str) -> dict:
+    import trio
+
+    from dedloc_jax.averaging import (
+        AllReduceConfig,
+        GroupSpec,
+        Member,
+        all_reduce,
+        get_codec,
+        install,
+        solve_shares,
+    )
+    from dedloc_jax.averaging.load_balancing import equal_split, predicted_time
+    from dedloc_jax.averaging.partition import fractions_to_parts
+    from p2p.sim import SimNetwork
+    from p2p.testing import host_of, open_sim_nodes, run_sim
+
+    mbit = 1e6 / 8
+    links = [(u * mbit, 100 * mbit) for u in (10, 25, 50, 100)]
+    vectors = [_vector(i, size) for i in range(len(links))]
+    wire_bytes = get_codec(codec).encoded_size(size)
+    members_model = [Member(f"p{i}", "node", u, d) for i, (u, d) in enumerate(links)]
+    lp = solve_shares(members_model)
+    splits = {"lp": lp.parts, "equal": fractions_to_parts(equal_split(members_model))}
+    config = AllReduceConfig.internet().with_(chunk_elems=1 << 16)
+    times: dict[str, float] = {}
+
+    for label, parts in splits.items():
+
+        async def main(parts: tuple[int, ...] = parts, label: str = label) -> None:
+            net = SimNetwork(seed=0)
+            async with open_sim_nodes(net, len(links)) as nodes:
+                for node, (up, down) in zip(nodes, links, strict=True):
+                    install(node, config)
+                    net.set_bandwidth(host_of(net, node), up, down)
+                    for other in nodes:
+                        if other is not node:
+                            node.peerstore.add_addrs(other.peer_id, other.addrs)
+                spec = GroupSpec(
+                    tuple(
+                        Member(str(n.peer_id), "node", u, d)
+                        for n, (u, d) in zip(nodes, links, strict=True)
+                    ),
+                    b"hetero",
+                    parts,
+                )
+                t0 = trio.current_time()
+                async with trio.open_nursery() as nursery:
+                    for i, node in enumerate(nodes):
+                        nursery.start_soon(
+                            lambda node=node, i=i: all_reduce(
+                                node,
+                                spec,
+                                {"g": vectors[i]},
+                                1.0,
+                                codec=codec,
+                                timeout=3600,
+                                config=config,
+                            )
+                        )
+                times[label] = trio.current_time() - t0
+
+        run_sim(main)
+    equal_model = predicted_time(members_model, equal_split(members_model), wire_bytes)
+    bound = lp.lower_bound(wire_bytes)
+    for label in splits:
+        print(f"sim {label:5s} split: round {times[label]:.2f} s (virtual)")
+    print(f"LP bound {bound:.2f} s; model time of the equal split {equal_model:.2f} s")
+    print(f"LP fractions {[round(f, 4) for f in lp.fractions]}")
+    return {
+        "sim_hetero": True,
+        "uplinks_mbit": [10, 25, 50, 100],
+        "size": size,
+        "codec": codec,
+        "seconds": times["lp"],
+        "lp_bound_seconds": bound,
+        "equal_split_seconds": times["equal"],
+        "ratio_to_bound": times["lp"] / bound,
+        "speedup_vs_equal": times["equal"] / times["lp"],
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--peers", type=int, default=4)
+    ap.add_argument("--size", type=int, default=None, help="float32 values per peer")
+    ap.add_argument("--clients", type=int, default=0)
+    ap.add_argument("--codec", default="none", choices=["none", "fp16", "bf16", "int8"])
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--sim-hetero", action="store_true")
+    args = ap.parse_args(argv)
+    if args.sim_hetero:
+        result = run_sim_hetero(args.size or 2_000_000, args.codec)
+    else:
+        if not 0 <= args.clients < args.peers:
+            ap.error("--clients must leave at least one node")
+        result = run_loopback(
+            args.peers, args.size or 18_000_000, args.clients, args.codec, args.rounds
+        )
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
