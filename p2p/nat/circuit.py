@@ -14,6 +14,7 @@ circuits are accepted only from relays we hold a reservation on.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from contextlib import AsyncExitStack
 from typing import Any
 
@@ -88,6 +89,8 @@ class CircuitTransport:
         self.reservations: dict[PeerID, Multiaddr] = {}
         """Relay -> our relayed address through it, for every reservation held now."""
         self._changed = trio.Event()
+        self.on_dialed: Callable[[PeerID], None] | None = None
+        """Called with the target after each successful relayed dial (hole punching hooks in)."""
 
     # ---- dialing -------------------------------------------------------------------------
 
@@ -123,6 +126,8 @@ class CircuitTransport:
             await stack.aclose()
             reason = answer.get("reason") if isinstance(answer, dict) else None
             raise RelayRefused(str(reason or "malformed answer")[:300])
+        if self.on_dialed is not None:
+            self.on_dialed(target)
         return CircuitStream(ms.stream, stack)
 
     # ---- listening -----------------------------------------------------------------------

@@ -25,6 +25,7 @@ from p2p.identity import PeerID
 from p2p.multiaddr import Multiaddr
 from p2p.nat.autonat import AutoNATConfig, DialBackAnswer, DialBackServer, Reachability, probe
 from p2p.nat.circuit import CircuitTransport, attach
+from p2p.nat.holepunch import HolePunchConfig, HolePuncher
 from p2p.nat.observed import IDENTIFY, ObservedAddrs, handle_identify, identify
 from p2p.nat.relay import RelayConfig, RelayService
 
@@ -73,6 +74,8 @@ class NATConfig:
     """Reservations an unreachable node keeps."""
     autonat: AutoNATConfig = field(default_factory=AutoNATConfig)
     relay: RelayConfig = field(default_factory=RelayConfig)
+    hole_punching: HolePunchConfig | None = field(default_factory=HolePunchConfig)
+    """Try to replace relayed connections by direct ones (None: never)."""
     identify_timeout: float = 10.0
     observe_interval: float = 60.0
     """How often connected peers are asked again how they see us."""
@@ -108,6 +111,11 @@ class NATManager:
         self.dialback = DialBackServer(node, config.autonat)
         self.relay = RelayService(node, config.relay, enabled=config.offer_relay)
         self.circuits: CircuitTransport = attach(node)
+        self.puncher: HolePuncher | None = None
+        if config.hole_punching is not None:
+            self.puncher = HolePuncher(node, nursery, self.observed.hosts, config.hole_punching)
+            if self.puncher.supported and config.hole_punching.auto:
+                self.circuits.on_dialed = self._schedule_upgrade
         self.reachability = config.force_reachability or Reachability.UNKNOWN
         self.public_addrs: list[Multiaddr] = []
         self.answers: list[DialBackAnswer] = []
@@ -255,6 +263,19 @@ class NATManager:
             scope.cancel()
         await trio.lowlevel.checkpoint()
 
+    # ---- direct connection upgrade --------------------------------------------------------
+
+    def _schedule_upgrade(self, peer: PeerID) -> None:
+        self._nursery.start_soon(self._upgrade_soon, peer)
+
+    async def _upgrade_soon(self, peer: PeerID) -> None:
+        """Once the relayed connection we just dialed is up, try to go direct."""
+        assert self.puncher is not None
+        with trio.move_on_after(self.node.config.handshake_timeout + 1):
+            while self.node.connection_to(peer) is None:
+                await trio.sleep(0.05)
+        await self.puncher.upgrade(peer)
+
     # ---- background ----------------------------------------------------------------------
 
     async def run(self) -> None:
@@ -310,6 +331,8 @@ async def open_nat(
         node.add_handler(IDENTIFY, handle_identify)
         nat.dialback.register()
         nat.relay.register()
+        if nat.puncher is not None:
+            nat.puncher.register()
         try:
             await nat.check()
             if background:

@@ -8,8 +8,10 @@ Topology (every address private, every interface inside namespaces this lab crea
     [r2]  10.77.0.12 ─┘                 [r2] masquerades 10.77.2.0/24 -> 10.77.0.12
     [h1] 10.77.1.2 (via r1)   [h2] 10.77.2.2 (via r2)
 
-The routers accept no new inbound connections (only established/related traffic goes in),
-so h1 and h2 can dial out but nobody can dial them: home NATs. ``fully_random=True`` gives
+The routers accept no new inbound connections (only established/related traffic goes in;
+unsolicited SYNs are dropped, as home routers do), so h1 and h2 can dial out but nobody can
+dial them. Masquerade keeps source ports where it can: a cone NAT that TCP hole punching
+gets through. ``fully_random=True`` gives
 symmetric NATs (a new external port per connection). Names carry a per-process prefix so
 parallel runs do not collide; :meth:`NetnsLab.close` deletes everything (namespaces take
 their interfaces, bridge and rules with them) and kills the processes started in them.
@@ -111,6 +113,10 @@ table ip nat {{
     }}
 }}
 table ip filter {{
+    chain input {{
+        type filter hook input priority filter; policy accept;
+        iifname "wan0" ct state new drop
+    }}
     chain forward {{
         type filter hook forward priority filter; policy drop;
         ct state established,related accept

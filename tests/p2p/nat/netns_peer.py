@@ -21,8 +21,9 @@ import trio
 
 from p2p.dht import DHTConfig, open_dht
 from p2p.identity import PeerID
-from p2p.nat import NATConfig, open_nat
+from p2p.nat import AutoNATConfig, NATConfig, open_nat
 from p2p.nat.discovery import advertise_relay, lookup_addrs, publish_addrs
+from p2p.nat.holepunch import HolePunchConfig
 from p2p.node import NodeConfig, open_node
 
 
@@ -58,7 +59,12 @@ def commands() -> tuple[trio.MemoryReceiveChannel, Callable[[], Awaitable[None]]
 async def serve(args: argparse.Namespace) -> None:
     marker = bytes.fromhex(args.marker)
     cfg = NodeConfig.testing().with_(call_timeout=30.0, idle_timeout=60.0)
-    nat_cfg = NATConfig.default()
+    # short timeouts: the routers drop unsolicited SYNs, so failed dial-backs and punches
+    # end by timing out
+    nat_cfg = NATConfig.default().with_(
+        autonat=AutoNATConfig.testing(),
+        hole_punching=HolePunchConfig(auto=False, attempts=2, connect_timeout=2.0),
+    )
     dht_cfg = DHTConfig.fast()
     async with trio.open_nursery() as nursery, open_node(listen=[args.listen], config=cfg) as node:
         receive, pump = commands()
@@ -75,7 +81,6 @@ async def serve(args: argparse.Namespace) -> None:
                     await advertise_relay(dht, node)
                 else:
                     await publish_addrs(dht, node)
-                    received = {}
 
                     async def sink(ctx, ms):
                         digest = hashlib.sha256()
@@ -83,8 +88,9 @@ async def serve(args: argparse.Namespace) -> None:
                         async for chunk in ms:
                             digest.update(chunk)
                             n += len(chunk)
-                        received["addr"] = str(ctx.remote_addr)
-                        await ms.send({"n": n, "sha256": digest.hexdigest()})
+                        await ms.send(
+                            {"n": n, "sha256": digest.hexdigest(), "via": str(ctx.remote_addr)}
+                        )
 
                     node.add_stream_handler("sink", sink)
                 emit(
@@ -97,7 +103,7 @@ async def serve(args: argparse.Namespace) -> None:
                     relayed=[str(a) for a in nat.relayed_addrs],
                 )
                 if args.send_to:
-                    await send(node, dht, PeerID.from_base58(args.send_to), marker, args.size)
+                    await send(node, dht, nat, PeerID.from_base58(args.send_to), marker, args.size)
                 async for command in receive:
                     if command == "report":
                         emit(
@@ -113,10 +119,18 @@ async def serve(args: argparse.Namespace) -> None:
         nursery.cancel_scope.cancel()
 
 
-async def send(node, dht, target: PeerID, marker: bytes, size: int) -> None:
+async def send(node, dht, nat, target: PeerID, marker: bytes, size: int) -> None:
     with trio.fail_after(30):
         while not await lookup_addrs(dht, target):
             await trio.sleep(0.5)
+    await stream_to(node, target, marker, size, "result")
+    # then try to go direct (explicitly here, so the first transfer surely used the relay)
+    ok = await nat.puncher.upgrade(target)
+    emit("upgrade", ok=ok, upgraded=nat.puncher.upgraded, failed=nat.puncher.failed)
+    await stream_to(node, target, marker, size // 4, "after-upgrade")
+
+
+async def stream_to(node, target: PeerID, marker: bytes, size: int, event: str) -> None:
     data = payload(marker, size)
     start = time.perf_counter()
     async with node.open_stream(target, "sink") as ms:
@@ -127,9 +141,10 @@ async def send(node, dht, target: PeerID, marker: bytes, size: int) -> None:
     secs = time.perf_counter() - start
     conn = node.connection_to(target)
     emit(
-        "result",
+        event,
         n=answer["n"],
         sha_ok=answer["sha256"] == hashlib.sha256(data).hexdigest(),
+        via=answer["via"],  # how the target saw us: the path this stream took
         remote_addr=str(conn.remote_addr) if conn is not None else None,
         cipher=conn.channel.cipher if conn is not None else None,
         mbps=size * 8 / secs / 1e6,
@@ -146,6 +161,7 @@ def main() -> None:
     parser.add_argument("--size", type=int, default=4 << 20)
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, stream=sys.stderr)
+    logging.getLogger("p2p.nat").setLevel(logging.DEBUG)
     trio.run(serve, args)
 
 

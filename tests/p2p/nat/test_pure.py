@@ -9,6 +9,7 @@ from p2p.identity import Identity
 from p2p.multiaddr import Multiaddr
 from p2p.nat import DialBackAnswer, ObservedAddrs, Reachability, Role, conclude, decide_role
 from p2p.nat.autonat import eligible_addrs
+from p2p.nat.holepunch import parse_punch_addrs, punch_addrs
 from p2p.nat.observed import parse_identify
 
 P = [Identity.from_seed(bytes([i]) * 32).peer_id for i in range(6)]
@@ -105,3 +106,35 @@ def test_parse_identify_rejects_bad_observed_and_foreign_addrs():
             parse_identify(P[0], {"observed": bad, "addrs": []})
     with pytest.raises(ProtocolError):
         parse_identify(P[0], [1, 2])
+
+
+def test_punch_addrs_announce_public_ipv4_hosts_then_our_own():
+    hosts = ["203.0.113.7", "::1", "sim-host", "203.0.113.7", "0.0.0.0"]
+    assert punch_addrs(hosts, "10.0.0.5", 4242) == [
+        "/ip4/203.0.113.7/tcp/4242",
+        "/ip4/10.0.0.5/tcp/4242",
+    ]
+    assert punch_addrs([], "127.0.0.1", 1) == []
+
+
+def test_parse_punch_addrs_rejects_what_we_must_not_dial():
+    assert parse_punch_addrs(["/ip4/203.0.113.7/tcp/4242", "/ip4/10.0.0.5/tcp/1"]) == [
+        ("203.0.113.7", 4242),
+        ("10.0.0.5", 1),
+    ]
+    assert len(parse_punch_addrs(["/ip4/10.0.0.5/tcp/1"] * 10)) == 4  # bounded
+    relayed = "/ip4/1.2.3.4/tcp/1/p2p/" + P[0].to_base58() + "/p2p-circuit/p2p/" + P[1].to_base58()
+    for bad in (
+        [],
+        "x",
+        ["/ip4/0.0.0.0/tcp/5"],
+        ["/ip4/127.0.0.1/tcp/5"],
+        ["/ip4/224.0.0.1/tcp/5"],
+        ["/ip4/1.2.3.4/tcp/0"],
+        ["/ip6/::2/tcp/5"],
+        ["/sim/h/tcp/5"],
+        [relayed],
+        ["garbage"],
+    ):
+        with pytest.raises(ProtocolError):
+            parse_punch_addrs(bad)
