@@ -20,6 +20,7 @@ class DHTConfig:
     maintenance_interval: float = 60.0  # how often refresh/republish/purge checks run
     blacklist_base: float = 5.0  # first ban after a failed request, doubled per further failure
     blacklist_max: float = 600.0
+    get_quorum: int = 3  # a get stops once this many nodes returned valid records (0: never)
     cache_on_path: bool = True  # cache found values at the closest node on the path lacking them
     cache_size: int = 10_000  # cached records kept (LRU)
     max_keys: int = 100_000  # stored keys (new keys refused beyond)

@@ -9,7 +9,7 @@ runs in a nursery the DHT owns and ends with the block.
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -148,7 +148,12 @@ class DHT:
                 nursery.start_soon(one, addr)
 
     # --- lookups -------------------------------------------------------------------------
-    async def find_nearest(self, target: int, query: int | str | None = None) -> LookupResult:
+    async def find_nearest(
+        self,
+        target: int,
+        query: int | str | None = None,
+        enough: Callable[[PeerID, list[Record]], bool] | None = None,
+    ) -> LookupResult:
         """An iterative lookup of ``target`` (sending ``query``: the ID itself, or a key)."""
         now = trio.current_time()
         initial = [Contact(e.peer, e.addrs) for e in self.routing.nearest(target, self.config.k)]
@@ -161,6 +166,7 @@ class DHT:
             alpha=self.config.alpha,
             local=self.peer_id,
             skip=lambda p: self.protocol.blacklist.is_banned(p.digest, trio.current_time()),
+            enough=enough,
         )
         self.routing.touch_bucket(target, now)
         self.lookups.append(result)
@@ -300,26 +306,41 @@ class DHT:
             shared.done.set()
 
     async def _lookup_value(self, key: str) -> View | None:
-        kid = key_id(key)
-        found = await self.find_nearest(kid, key)
+        """Look the key up; stop once ``get_quorum`` nodes answered with valid live records."""
+        verdicts: dict[tuple, bool] = {}  # each distinct record is validated once
+        holders: set[PeerID] = set()
+
+        def valid(r: Record, now: float) -> bool:
+            ident = (r.subkey, r.value, r.expiration, r.proof)
+            ok = verdicts.get(ident)
+            if ok is None:
+                ok = verdicts[ident] = self.validators.reason(r) is None
+            return ok and r.expiration > now
+
+        def enough(peer: PeerID, records: list[Record]) -> bool:
+            now = self.now()
+            if any(valid(r, now) for r in records):
+                holders.add(peer)
+            return 0 < self.config.get_quorum <= len(holders)
+
+        found = await self.find_nearest(key_id(key), key, enough)
         now = self.now()
-        seen: dict[tuple, Record] = {}
+        good: dict[tuple, Record] = {}
         for records in found.records.values():
             for r in records:
-                seen.setdefault((r.subkey, r.value, r.expiration, r.proof), r)
-        valid = [
-            r for r in seen.values() if r.expiration > now and self.validators.reason(r) is None
-        ]
-        if len(valid) < len(seen):
-            self.protocol.stats["invalid_records_seen"] += len(seen) - len(valid)
-        view = merge_views(valid + self._local_records(key))
+                if valid(r, now):
+                    good.setdefault((r.subkey, r.value, r.expiration, r.proof), r)
+        bad = sum(not ok for ok in verdicts.values())
+        if bad:
+            self.protocol.stats["invalid_records_seen"] += bad
+        view = merge_views([*good.values(), *self._local_records(key)])
         if view is not None:
             self._nursery.start_soon(self._repair_and_cache, found, view_records(view))
         return view
 
     async def _repair_and_cache(self, found: LookupResult, want: list[Record]) -> None:
-        """Give the latest records to the nearest nodes lacking them; cache at the closest
-        node further along the path that lacks them."""
+        """Give the latest records to the nearest answering nodes lacking them (repair), and
+        cache them at the closest node further along the lookup path that lacks them."""
 
         def missing(peer: PeerID) -> list[Record]:
             got = {(r.subkey, r.value, r.expiration) for r in found.records.get(peer, [])}
@@ -327,11 +348,11 @@ class DHT:
 
         async with trio.open_nursery() as nursery:
             repl = self.config.replication
-            for contact in found.nearest[:repl]:
+            for contact in found.responders[:repl]:
                 if lacking := missing(contact.peer):
                     nursery.start_soon(self.protocol.store, contact, lacking)
             if self.config.cache_on_path:
-                for contact in found.nearest[repl:]:
+                for contact in found.responders[repl:]:
                     if lacking := missing(contact.peer):
                         nursery.start_soon(_store_cached, self.protocol, contact, lacking)
                         break

@@ -45,6 +45,7 @@ class LookupResult:
     """The k nearest peers that answered (nearest first) and what they held for the key."""
 
     nearest: list[Contact]
+    responders: list[Contact] = field(default_factory=list)  # every peer that answered
     records: dict[PeerID, list[Record]] = field(default_factory=dict)
     rounds: int = 0
     messages: int = 0
@@ -60,8 +61,13 @@ async def lookup(
     alpha: int,
     local: PeerID | None = None,
     skip: Callable[[PeerID], bool] = lambda peer: False,
+    enough: Callable[[PeerID, list[Record]], bool] | None = None,
 ) -> LookupResult:
-    """Find the k nodes nearest to ``target``; ``query`` is sent to each (an ID or a key)."""
+    """Find the k nodes nearest to ``target``; ``query`` is sent to each (an ID or a key).
+
+    ``enough(peer, records)`` is called for each answer holding records; when it returns True
+    the lookup stops early (a get that has heard the value from enough nodes).
+    """
     cands: dict[bytes, _Candidate] = {}  # keyed by peer ID digest (cheap hashing)
     result = LookupResult([])
     local_key = local.digest if local is not None else None
@@ -81,9 +87,10 @@ async def lookup(
     send_done, recv_done = trio.open_memory_channel[None](1000)
     closest = min((c.distance for c in cands.values()), default=None)
     stale_answers = 0  # answers in a row that brought nothing closer
+    satisfied = False
 
     async def ask(cand: _Candidate) -> None:
-        nonlocal closest, stale_answers
+        nonlocal closest, stale_answers, satisfied
         answer = await find(cand.contact, query)
         if answer is None:
             cand.state = _FAILED
@@ -92,6 +99,8 @@ async def lookup(
             contacts, records = answer
             if records is not None:
                 result.records[cand.contact.peer] = records
+                if enough is not None and enough(cand.contact.peer, records):
+                    satisfied = True
             learn(contacts, cand.hop + 1)
             best = min((c.distance for c in cands.values()), default=None)
             if best is not None and (closest is None or best < closest):
@@ -106,7 +115,7 @@ async def lookup(
             beam = sorted(
                 (c for c in cands.values() if c.state != _FAILED), key=lambda c: c.distance
             )[:k]
-            if all(c.state == _DONE for c in beam):
+            if satisfied or all(c.state == _DONE for c in beam):
                 break
             width = k if stale_answers >= alpha else alpha
             for cand in beam:
@@ -124,7 +133,8 @@ async def lookup(
         nursery.cancel_scope.cancel()
 
     done = sorted((c for c in cands.values() if c.state == _DONE), key=lambda c: c.distance)
-    result.nearest = [c.contact for c in done[:k]]
+    result.responders = [c.contact for c in done]
+    result.nearest = result.responders[:k]
     result.rounds = max((c.hop for c in done), default=0)
     return result
 
