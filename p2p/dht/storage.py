@@ -62,6 +62,11 @@ class LocalStorage:
             self._data.move_to_end(key)
         return state.view()
 
+    def remove(self, key: str) -> bool:
+        """Forget a key (a node that lost its data, or an operator clearing it)."""
+        self._received.pop(key, None)
+        return self._data.pop(key, None) is not None
+
     def last_received(self, key: str) -> float | None:
         return self._received.get(key)
 

@@ -311,3 +311,26 @@ def test_new_nodes_receive_values_they_are_now_nearest_to() -> None:
             assert sum("handoff" in d.storage for d in nearest_new) >= 4
 
     run_sim(main)
+
+
+def test_republish_restores_lost_replicas_and_gets_cache_along_the_path() -> None:
+    config = TEST_CONFIG.with_(
+        replication=3, get_quorum=0, republish_interval=30.0, maintenance_interval=10.0
+    )
+
+    async def main() -> None:
+        async with dht_swarm(16, seed=13, config=config) as swarm:
+            await swarm.dhts[0].store("kept", "v", trio.current_time() + 3600)
+            holders = [d for d in swarm.dhts if "kept" in d.storage]
+            assert len(holders) == 3
+            for d in holders[1:]:  # two replicas lose their data
+                d.storage.remove("kept")
+            await trio.sleep(45)  # the survivor's republish puts them back
+            assert sum("kept" in d.storage for d in swarm.dhts) >= 3
+            # a full lookup caches the value at the nearest node past the replicas
+            reader = next(d for d in swarm.dhts if "kept" not in d.storage)
+            assert (await reader.get("kept")).value == "v"
+            await trio.sleep(1)
+            assert any("kept" in d.cache for d in swarm.dhts)
+
+    run_sim(main)
