@@ -1,0 +1,46 @@
+"""dedloc-jax: collaborative training over the Internet (DeDLOC) for JAX.
+
+The public API: join a run with :class:`Collaboration`, wrap your optax optimizer with
+:func:`collaborative`, load the run's state with :func:`sync_state` when you join.
+"""
+
+from dedloc_jax.averaging import (
+    AllReduceError,
+    AllReduceResult,
+    BandwidthMeter,
+    GroupSpec,
+    Member,
+    all_reduce,
+    solve_shares,
+)
+from dedloc_jax.collaboration import Collaboration, CollaborationCore, open_collaboration
+from dedloc_jax.collaborative import CollaborativeState, collaborative
+from dedloc_jax.config import CollaborationConfig
+from dedloc_jax.host import AveragingOutcome, CollaborationHost
+from dedloc_jax.progress import CollaborationEstimate, PeerProgress
+from dedloc_jax.state_sync import StateSyncError
+from dedloc_jax.training_state import collaboration_epoch, share_state, sync_state
+
+__all__ = [
+    "AllReduceError",
+    "AllReduceResult",
+    "AveragingOutcome",
+    "BandwidthMeter",
+    "Collaboration",
+    "CollaborationConfig",
+    "CollaborationCore",
+    "CollaborationEstimate",
+    "CollaborationHost",
+    "CollaborativeState",
+    "GroupSpec",
+    "Member",
+    "PeerProgress",
+    "StateSyncError",
+    "all_reduce",
+    "collaboration_epoch",
+    "collaborative",
+    "open_collaboration",
+    "share_state",
+    "solve_shares",
+    "sync_state",
+]

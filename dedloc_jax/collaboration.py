@@ -98,7 +98,7 @@ class CollaborationCore:
         up, down = self._bandwidth()
         me = member_for(str(self.node.peer_id), self.mode, up, down, float(samples))
         started = trio.current_time()
-        spec = await self.matchmaker.form_group(epoch, me)
+        spec = await self.matchmaker.form_group(epoch, me, target=self.config.target_batch_size)
         group_size = 1
         result = [np.asarray(a) for a in arrays]
         if spec is not None:

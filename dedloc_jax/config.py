@@ -26,6 +26,9 @@ class CollaborationConfig:
     min_refresh: float = 0.25  # seconds between progress reads near the target
     max_refresh: float = 5.0  # ... and far from it
     progress_ttl: float = 60.0  # a vanished peer's progress expires after this
+    # Count others' samples since their last report from their rate (DeDLOC): less overshoot,
+    # but a peer may stop early and wait in matchmaking for the rest. False: published only.
+    extrapolate: bool = True
     on_no_group: Literal["local", "skip"] = "local"  # no group in time: step alone, or skip
     state_chunk_bytes: int = 1 << 20
     rpc_timeout: float = 10.0

@@ -1,12 +1,15 @@
 """Matchmaking: the peers of an epoch agree on averaging groups and one GroupSpec per group.
 
-1. Each peer that is ready to average at epoch ``e`` registers (a signed subkey) under
-   ``<run_id>.group.<e>`` and waits one matchmaking window, so that peers who learned of the
-   target a refresh later can register too.
+1. Each peer that is ready to average at epoch ``e`` registers (a signed subkey, with the
+   samples it brings) under ``<run_id>.group.<e>`` and waits one matchmaking window, so that
+   peers who learned of the target a refresh later can register too; while the registered
+   samples fall short of the target (a decision made on an extrapolated estimate), it waits a
+   little more, within a bound.
 2. It reads the registrations and runs :func:`~dedloc_jax.grouping.assign_groups` (capped,
    reshuffled per epoch). The first member of its group is the group's leader.
 3. Followers send ``collab.join`` to their leader, a call that returns once the leader has
-   formed the group. The leader accepts joins for one window, then answers every join with the
+   formed the group. The leader accepts joins for one window (longer, within a bound, while a
+   peer it saw registered in its group has not joined), then answers every join with the
    same :class:`GroupSpec` (members = itself + those who joined in time, each with its measured
    bandwidth and sample count, plus the share split from the load-balancing LP).
 
@@ -71,6 +74,8 @@ class _LeaderRound:
     joined: dict[str, Member] = field(default_factory=dict)
     open: bool = True
     formed: trio.Event = field(default_factory=trio.Event)
+    changed: trio.Event = field(default_factory=trio.Event)  # set when someone joins
+    expected: set[str] = field(default_factory=set)
     spec: GroupSpec | None = None
 
 
@@ -112,7 +117,7 @@ class Matchmaker:
             except P2PError as e:
                 log.info("ignoring bad addresses from %s: %s", peer, e)
         # The follower may come before we decided to lead this epoch: wait a bounded time.
-        with trio.move_on_after(2 * self.window + 1.0):
+        with trio.move_on_after(self.max_wait + 2 * self.window):
             await self._opened(epoch).wait()
         rnd = self._rounds.get(epoch)
         if rnd is None:
@@ -122,40 +127,67 @@ class Matchmaker:
         if len(rnd.joined) + 1 >= rnd.max_size:
             return {"ok": False, "reason": "group full"}
         rnd.joined[peer] = member
+        rnd.changed.set()
         with trio.move_on_after(4 * self.window + 5.0):
             await rnd.formed.wait()
         if rnd.spec is None or peer not in {m.peer_id for m in rnd.spec.members}:
             return {"ok": False, "reason": "group was not formed"}
         return {"ok": True, "spec": rnd.spec.to_bytes()}
 
-    async def form_group(self, epoch: int, me: Member) -> GroupSpec | None:
-        """The group this peer averages with at ``epoch``, or None if it must go alone."""
+    @property
+    def max_wait(self) -> float:
+        """The longest a peer waits for others to register (then it goes with what it has)."""
+        return 10 * self.window + 5.0
+
+    async def _registrations(self, key: str) -> dict[str, float]:
+        """Registered peers at this epoch and the samples each will contribute."""
+        try:
+            value = await self.dht.get(key)
+        except P2PError as e:
+            log.warning("could not read matchmaking registrations: %s", e)
+            return {}
+        found: dict[str, float] = {}
+        if isinstance(value, dict):
+            for subkey, item in value.items():
+                names = owner_markers(subkey)
+                reg = item.value
+                if len(names) != 1 or names[0] == self.peer_id or not isinstance(reg, dict):
+                    continue
+                try:
+                    member = _member_from_wire(names[0], reg.get("member"))
+                except GroupError as e:
+                    log.info("ignoring a malformed registration of %s: %s", names[0], e)
+                    continue
+                found[names[0]] = member.weight
+                self._learn_addrs(names[0], reg)
+        return found
+
+    async def form_group(self, epoch: int, me: Member, *, target: float = 0.0) -> GroupSpec | None:
+        """The group this peer averages with at ``epoch``, or None if it must go alone.
+
+        Registration stays open for one window and then, while the registered peers hold fewer
+        than ``target`` samples (this peer may have decided early on an extrapolated estimate),
+        a little longer, up to :attr:`max_wait`.
+        """
         window = self.window
         key = group_key(self.run_id, epoch)
         try:
             await self.dht.store(
                 key,
                 {"member": _member_to_wire(me), "addrs": [str(a) for a in self.node.addrs]},
-                self.dht.now() + 6 * window + 30.0,
+                self.dht.now() + self.max_wait + 6 * window + 30.0,
                 subkey=owner_marker(self.node.peer_id),
             )
         except (P2PError, InvalidRecordError) as e:
             log.warning("could not register for matchmaking: %s", e)
+        give_up = trio.current_time() + self.max_wait
         await trio.sleep(window)
-        candidates = {self.peer_id}
-        try:
-            value = await self.dht.get(key)
-        except P2PError as e:
-            log.warning("could not read matchmaking registrations: %s", e)
-            value = None
-        if isinstance(value, dict):
-            for subkey, item in value.items():
-                names = owner_markers(subkey)
-                if len(names) == 1 and names[0] != self.peer_id:
-                    candidates.add(names[0])
-                    self._learn_addrs(names[0], item.value)
+        others = await self._registrations(key)
+        while me.weight + sum(others.values()) < target and trio.current_time() < give_up:
+            await trio.sleep(window / 2)
+            others = await self._registrations(key)
         groups = assign_groups(
-            sorted(candidates),
+            sorted({self.peer_id, *others}),
             max_group_size=self.max_group_size,
             seed=group_seed(self.run_id, epoch),
         )
@@ -163,17 +195,26 @@ class Matchmaker:
         if len(mine) == 1:
             return None
         if mine[0] == self.peer_id:
-            return await self._lead(epoch, me, window)
+            return await self._lead(epoch, me, window, expected=set(mine[1:]))
         return await self._follow(epoch, me, mine[0], window)
 
-    async def _lead(self, epoch: int, me: Member, window: float) -> GroupSpec | None:
+    async def _lead(
+        self, epoch: int, me: Member, window: float, *, expected: set[str]
+    ) -> GroupSpec | None:
+        """Accept joins for one window, and longer (bounded) while an expected member (one
+        that registered in our group) has not joined yet."""
         rnd = _LeaderRound(epoch, me, self.max_group_size)
+        rnd.expected = expected
         self._rounds[epoch] = rnd
         for old in [e for e in self._rounds if e < epoch - 2]:
             del self._rounds[old]
         self._opened(epoch).set()
         try:
             await trio.sleep(window)
+            with trio.move_on_after(self.max_wait):
+                while not rnd.expected <= set(rnd.joined):
+                    await rnd.changed.wait()
+                    rnd.changed = trio.Event()
             rnd.open = False
             if rnd.joined:
                 members = [me, *(rnd.joined[p] for p in sorted(rnd.joined))]
@@ -195,7 +236,10 @@ class Matchmaker:
         }
         try:
             answer = await self.node.call(
-                self._leader_addr(leader), JOIN, request, timeout=6 * window + 10.0
+                self._leader_addr(leader),
+                JOIN,
+                request,
+                timeout=self.max_wait + 6 * window + 10.0,
             )
         except P2PError as e:
             log.info("leader %s of epoch %d did not take us: %s", leader, epoch, e)

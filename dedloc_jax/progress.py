@@ -149,10 +149,11 @@ class ThroughputMeter:
     of freezing it at the last burst.
     """
 
-    def __init__(self, half_life: float = 30.0) -> None:
-        if half_life <= 0:
-            raise ValueError("half_life must be positive")
+    def __init__(self, half_life: float = 30.0, min_span: float = 0.2) -> None:
+        if half_life <= 0 or min_span < 0:
+            raise ValueError("half_life must be positive and min_span non-negative")
         self._half_life = half_life
+        self._min_span = min_span
         self._last_time: float | None = None
         self._rate = 0.0
         self._observed = 0.0
@@ -172,7 +173,8 @@ class ThroughputMeter:
             self._last_time = now
             return self._rate
         dt = now - self._last_time
-        if dt <= 0:
+        if dt <= 0 or dt < self._min_span:
+            # Too short to measure (the first steps after a pause are bursty): pool them.
             self._observed += samples
             return self._rate
         rate = (samples + self._observed) / dt

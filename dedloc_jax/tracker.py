@@ -104,7 +104,7 @@ class ProgressTracker:
             records.values(),
             now=self.dht.now(),
             target_batch_size=self.config.target_batch_size,
-            max_extrapolation=self.config.max_refresh * 2,
+            max_extrapolation=self.config.max_refresh * 2 if self.config.extrapolate else 0.0,
         )
 
     # --- DHT I/O -----------------------------------------------------------------------
