@@ -296,6 +296,19 @@ class Collaboration:
         _, core = self._core()
         return core.epoch
 
+    def run_async(self, async_fn: Any, *args: Any) -> Any:
+        """Run ``await async_fn(core, *args)`` in the collaboration's trio loop and return it.
+
+        For code that needs the DHT or the node directly (e.g. publishing metrics):
+        ``collab.run_async(lambda core: core.dht.get("key"))``.
+        """
+        thread, core = self._core()
+
+        async def call() -> Any:
+            return await async_fn(core, *args)
+
+        return thread.run(call)
+
     # --- CollaborationHost ---------------------------------------------------------------
     def report_progress(self, epoch: int, samples: int, batch_size: int) -> bool:
         thread, core = self._core()
