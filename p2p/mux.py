@@ -70,9 +70,9 @@ class FrameChannel(Protocol):
 class MuxConfig:
     """Limits and window sizes of one multiplexed connection."""
 
-    initial_window: int = 1 << 20
+    initial_window: int = 4 << 20
     """Bytes a peer may send on a stream before the reader grants more."""
-    max_frame_payload: int = 256 << 10
+    max_frame_payload: int = 1 << 20
     """Largest DATA payload per frame (also capped by the channel's ``max_frame``)."""
     max_inbound_streams: int = 512
     """Streams the remote side may have open at once; more are reset ("too many streams")."""
