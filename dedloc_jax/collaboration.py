@@ -29,7 +29,7 @@ from dedloc_jax.averaging import (
 from dedloc_jax.config import CollaborationConfig
 from dedloc_jax.host import AveragingOutcome
 from dedloc_jax.matchmaking import Matchmaker, member_for
-from dedloc_jax.progress import CollaborationEstimate
+from dedloc_jax.progress import CollaborationEstimate, refresh_delay
 from dedloc_jax.state_sync import StateServer, StateSyncError, download_state
 from dedloc_jax.timing import averaging_timeout, matchmaking_window
 from dedloc_jax.tracker import ProgressTracker
@@ -102,12 +102,8 @@ class CollaborationCore:
         group_size = 1
         result = [np.asarray(a) for a in arrays]
         if spec is not None:
-            nbytes = sum(int(np.asarray(a).size) * 4 for a in arrays)
             try:
-                bound = solve_shares(spec.members).lower_bound(nbytes)
-                timeout = self.config.averaging_timeout or averaging_timeout(
-                    bound, self.tracker.dht_latency
-                )
+                timeout = self._timeout(spec, arrays)
                 averaged = await all_reduce(
                     self.node,
                     spec,
@@ -134,6 +130,58 @@ class CollaborationCore:
             }
         )
         return AveragingOutcome(result, self.epoch, group_size)
+
+    async def run_aux(self, template: Sequence[np.ndarray], *, epochs: int | None = None) -> int:
+        """Serve as an auxiliary peer: join every averaging round and reduce a share.
+
+        An aux peer has no accelerator and computes no gradients; it brings its bandwidth.
+        ``template`` gives the shapes and dtypes of the averaged arrays (values unused).
+        Returns after ``epochs`` rounds (never, when None); returns the rounds joined.
+        """
+        if self.mode != "aux":
+            raise RuntimeError("run_aux needs a collaboration opened with mode='aux'")
+        template = [np.zeros(np.shape(a), np.asarray(a).dtype) for a in template]
+        rounds = 0
+        while epochs is None or rounds < epochs:
+            est = await self.tracker.fetch()
+            if est.epoch > self.tracker.epoch:
+                self.tracker.set_epoch(est.epoch)
+            if not est.ready:
+                await trio.sleep(
+                    refresh_delay(
+                        est, min_delay=self.config.min_refresh, max_delay=self.config.max_refresh
+                    )
+                )
+                continue
+            epoch = est.epoch
+            self.matchmaker.window = self.config.matchmaking_time or matchmaking_window(
+                self.config.min_refresh, self.tracker.dht_latency, est.max_step_interval
+            )
+            up, down = self._bandwidth()
+            me = member_for(str(self.node.peer_id), "aux", up, down, 0.0)
+            spec = await self.matchmaker.form_group(epoch, me, target=self.config.target_batch_size)
+            if spec is not None:
+                try:
+                    await all_reduce(
+                        self.node,
+                        spec,
+                        template,
+                        0.0,
+                        codec=self.config.codec,
+                        timeout=self._timeout(spec, template),
+                        meter=self.meter,
+                    )
+                    rounds += 1
+                except (AllReduceError, GroupError) as e:
+                    log.warning("aux averaging at epoch %d failed: %s", epoch, e)
+            self.epoch = epoch + 1
+            self.tracker.set_epoch(self.epoch)
+        return rounds
+
+    def _timeout(self, spec: Any, arrays: Sequence[np.ndarray]) -> float:
+        nbytes = sum(int(np.asarray(a).size) * 4 for a in arrays)
+        bound = solve_shares(spec.members).lower_bound(nbytes)
+        return self.config.averaging_timeout or averaging_timeout(bound, self.tracker.dht_latency)
 
     # --- state ---------------------------------------------------------------------------
     async def share_state(self, arrays: Sequence[np.ndarray], epoch: int) -> None:
@@ -333,6 +381,11 @@ class Collaboration:
     def behind(self) -> bool:
         thread, core = self._core()
         return thread.run_sync(lambda: core.behind)
+
+    def run_aux(self, template: Sequence[np.ndarray], *, epochs: int | None = None) -> int:
+        """Blocking :meth:`CollaborationCore.run_aux` (open with ``config.mode="aux"``)."""
+        thread, core = self._core()
+        return thread.run(functools.partial(core.run_aux, list(template), epochs=epochs))
 
 
 __all__ = ["Collaboration", "CollaborationCore", "StateSyncError", "open_collaboration"]

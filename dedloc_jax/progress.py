@@ -77,7 +77,7 @@ class PeerProgress:
 class CollaborationEstimate:
     """What a peer believes about the collaboration at time ``now``."""
 
-    epoch: int  # the global epoch: highest epoch among non-client peers
+    epoch: int  # the global epoch: highest epoch among trainers (mode "node")
     samples: float  # samples accumulated toward ``epoch``, extrapolated to now
     samples_per_second: float  # summed throughput of the peers at ``epoch``
     eta: float  # seconds until ``samples`` reaches the target (0 when reached)
@@ -104,7 +104,8 @@ def estimate_collaboration(
     one stale record cannot claim a whole batch on its own.
     """
     records = list(records)
-    trainers = [r for r in records if r.mode != "client"]
+    # Only trainers move the epoch: clients may lag or lie about it, aux peers follow.
+    trainers = [r for r in records if r.mode == "node"]
     epoch = max((r.epoch for r in (trainers or records)), default=0)
     samples = 0.0
     sps = 0.0
@@ -129,7 +130,7 @@ def estimate_collaboration(
         samples_per_second=sps,
         eta=eta,
         num_peers=len(records),
-        num_clients=len(records) - len(trainers),
+        num_clients=sum(1 for r in records if r.mode == "client"),
         target=target_batch_size,
         max_step_interval=interval,
     )
