@@ -11,6 +11,7 @@ Non-async code uses :class:`SyncNode` (over the one bridge thread, :class:`TrioT
 
 from __future__ import annotations
 
+from p2p.bridge import SyncNode, TrioThread
 from p2p.errors import (
     ConnectionClosed,
     DialError,
@@ -29,17 +30,8 @@ from p2p.node import Connection, Node, NodeConfig, open_node
 from p2p.peerstore import PeerStore
 from p2p.rpc import CallContext, MessageStream
 from p2p.secure import SecureChannel, secure_inbound, secure_outbound
+from p2p.sim import SimNetwork
 from p2p.transport import ConnHandler, TcpTransport, Transport
-
-try:
-    from p2p.bridge import SyncNode, TrioThread
-except ImportError:  # pragma: no cover - bridge lands in the same change set
-    pass
-
-try:
-    from p2p.sim import SimNetwork
-except ImportError:  # pragma: no cover - the simulator is built in parallel
-    pass
 
 __all__ = [
     "CallContext",
