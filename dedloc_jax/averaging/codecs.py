@@ -33,7 +33,7 @@ class Codec(Protocol):
     name: str
     lossless: bool  # decode(encode(x)) == x bit for bit
 
-    def encode(self, x: np.ndarray) -> bytes: ...
+    def encode(self, x: np.ndarray) -> bytes | memoryview: ...
 
     def decode(self, data: bytes | bytearray | memoryview, n: int) -> np.ndarray: ...
 
@@ -54,6 +54,12 @@ def _as_f32(x: np.ndarray) -> np.ndarray:
     return x
 
 
+def _bytes_view(a: np.ndarray) -> memoryview:
+    """The bytes of a contiguous array without copying them (the p2p layer frames a
+    memoryview without a copy; the array must not change until it is sent)."""
+    return memoryview(np.ascontiguousarray(a)).cast("B")
+
+
 def _check_size(data: bytes | bytearray | memoryview, expected: int, name: str) -> None:
     if len(data) != expected:
         raise CodecError(f"{name}: expected {expected} bytes, got {len(data)}")
@@ -65,8 +71,8 @@ class NoCompression:
 
     name: str = "none"
 
-    def encode(self, x: np.ndarray) -> bytes:
-        return _as_f32(x).astype("<f4", copy=False).tobytes()
+    def encode(self, x: np.ndarray) -> memoryview:
+        return _bytes_view(_as_f32(x).astype("<f4", copy=False))
 
     lossless = True
 
@@ -88,9 +94,13 @@ class Float16Compression:
 
     name: str = "fp16"
 
-    def encode(self, x: np.ndarray) -> bytes:
+    def encode(self, x: np.ndarray) -> memoryview:
         x = _as_f32(x)
-        return np.clip(x, -_F16_MAX, _F16_MAX).astype("<f2").tobytes()
+        with np.errstate(over="ignore"):
+            y = x.astype("<f2")
+        if not np.isfinite(y).all():  # overflow (or non-finite input): clip, then convert again
+            y = np.clip(x, -_F16_MAX, _F16_MAX).astype("<f2")
+        return _bytes_view(y)
 
     lossless = False
 
@@ -112,9 +122,12 @@ class BFloat16Compression:
 
     name: str = "bf16"
 
-    def encode(self, x: np.ndarray) -> bytes:
+    def encode(self, x: np.ndarray) -> memoryview:
         x = _as_f32(x)
-        return np.clip(x, -_BF16_MAX, _BF16_MAX).astype(ml_dtypes.bfloat16).tobytes()
+        y = x.astype(ml_dtypes.bfloat16)
+        if not np.isfinite(y.astype(np.float32)).all():
+            y = np.clip(x, -_BF16_MAX, _BF16_MAX).astype(ml_dtypes.bfloat16)
+        return _bytes_view(y.view(np.uint16))
 
     lossless = False
 
