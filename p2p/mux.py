@@ -18,7 +18,9 @@ will write no more), DATA_EOF (DATA then EOF: a whole request or response in one
 OPEN_DATA and OPEN_DATA_EOF (a stream's first frame carrying data: a unary call is one frame
 each way; the opener assigns the id when that frame leaves, keeping ids ordered on the wire),
 RESET (utf-8 reason; both directions abort, data already received stays readable), GOAWAY
-(utf-8 reason; the sender is closing the connection).
+(utf-8 reason; the sender is closing the connection; its stream id field is the last stream
+the sender saw opened, so the peer knows which of its streams were never processed and may
+safely retry them elsewhere: :attr:`MuxStream.unprocessed`).
 """
 
 from __future__ import annotations
@@ -157,6 +159,7 @@ class MuxStream:
         self._forgotten = False
         self._sending = False
         self._receiving = False
+        self.unprocessed = False  # known never to have reached the peer's handler
         self.outbound = outbound
         self._chunks: deque[memoryview] = deque()
         self._buffered = 0  # bytes queued in _chunks
@@ -515,7 +518,7 @@ class Mux:
             cs.shield = True
             try:
                 async with self._send_lock:
-                    await self.channel.send_frame(encode_frame(GOAWAY, 0, _reason_bytes(reason)))
+                    await self.channel.send_frame(self._goaway(reason))
             except _CHANNEL_ERRORS:
                 pass
         self._close_now(reason)
@@ -526,7 +529,7 @@ class Mux:
         if self.is_closed:
             return
         self._closing = True
-        self._control.appendleft(encode_frame(GOAWAY, 0, _reason_bytes(reason)))
+        self._control.appendleft(self._goaway(reason))
         self._control_lot.unpark_all()
         self._pending_close = reason
 
@@ -623,8 +626,7 @@ class Mux:
                     cs.shield = True
                     try:
                         async with self._send_lock:
-                            payload = _reason_bytes(f"protocol violation: {e}")
-                            await self.channel.send_frame(encode_frame(GOAWAY, 0, payload))
+                            await self.channel.send_frame(self._goaway(f"protocol violation: {e}"))
                     except _CHANNEL_ERRORS:
                         pass
                 return
@@ -637,6 +639,9 @@ class Mux:
         if kind == GOAWAY:
             reason = bytes(payload).decode("utf-8", "replace")
             logger.info("%s: peer is closing the connection: %s", self.label, reason)
+            for stream in self._streams.values():
+                if stream.outbound and stream.stream_id is not None and stream.stream_id > sid:
+                    stream.unprocessed = True
             self._close_now(f"peer closed: {reason}")
             return
         remote_parity = 0 if self.initiator else 1  # ids the peer opens
@@ -745,6 +750,9 @@ class Mux:
             self._inbound -= 1
         self._streams_changed()
 
+    def _goaway(self, reason: str) -> bytes:
+        return encode_frame(GOAWAY, self._last_remote_id, _reason_bytes(reason))
+
     def _reserve(self, n: int) -> bool:
         if self._held_total + n > self.config.max_buffered_bytes:
             return False
@@ -783,6 +791,8 @@ class Mux:
     def _teardown(self, reason: str) -> None:
         if self._closed_reason is None:
             self._closed_reason = reason
+        for stream in self._unopened:
+            stream.unprocessed = True
         for stream in [*self._streams.values(), *self._unopened]:
             stream._on_reset(f"connection closed: {reason}", discard=True)
         self._control.clear()

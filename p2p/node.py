@@ -494,8 +494,9 @@ class Node:
     ) -> Any:
         """``await use(stream)`` on a new stream to ``peer``.
 
-        A reused connection can turn out dead only when we first write to it; if nothing of
-        the stream reached the peer, retrying on a fresh connection is safe, so we do, once.
+        A reused connection can turn out dead only when we first write to it, or the peer may
+        close it (idle, shutting down) as our stream is on its way; when the peer certainly did
+        not process the stream, retrying on a fresh connection is safe, so we do, once.
         The stream is reset unless ``use`` succeeded with ``keep`` (or it finished cleanly).
         """
         for attempt in (0, 1):
@@ -513,7 +514,7 @@ class Node:
                 ok = True
                 return result
             except ConnectionClosed:
-                if attempt or stream.frames_sent:
+                if attempt or not (stream.frames_sent == 0 or stream.unprocessed):
                     raise
                 self._drop(conn)
             finally:

@@ -285,6 +285,8 @@ async def call_on_stream(stream: MuxStream, name: str, request: Any, max_message
     try:
         response = await ms._receive_raw()
     except ConnectionClosed as e:
+        if stream.unprocessed:
+            raise  # the peer never saw the call: the node may retry it
         raise RPCError(f"{name}: stream closed before a response ({e})") from e
     return _check_ext(response)
 
@@ -296,6 +298,8 @@ async def open_message_stream(stream: MuxStream, name: str, max_message_size: in
     try:
         reply = await ms._receive_raw()
     except ConnectionClosed as e:
+        if stream.unprocessed:
+            raise
         raise RPCError(f"{name}: stream closed before it was accepted ({e})") from e
     if isinstance(reply, msgpack.ExtType) and reply.code == EXT_ACCEPT:
         return ms

@@ -14,6 +14,7 @@ from p2p.errors import ConnectionClosed, ProtocolError
 from p2p.mux import (
     DATA,
     EOF,
+    GOAWAY,
     OPEN,
     OPEN_DATA,
     RESET,
@@ -601,5 +602,23 @@ def test_concurrent_senders_or_receivers_on_one_stream_are_refused() -> None:
                 with pytest.raises(trio.BusyResourceError):
                     await stream.receive_exactly(1)
                 nursery.cancel_scope.cancel()
+
+    run_virtual(main)
+
+
+def test_goaway_names_the_streams_the_peer_never_processed() -> None:
+    async def main() -> None:
+        async with raw_vs_mux() as (peer, mux):
+            first, second = await mux.open_stream(), await mux.open_stream()
+            await first.send_all(b"a")
+            await second.send_all(b"b")
+            ids = [decode_frame(await peer.channel.receive_frame())[1] for _ in range(2)]
+            assert ids == [2, 4]
+            await peer.send(GOAWAY, 2, b"idle")  # saw stream 2, never stream 4
+            with trio.fail_after(5):
+                await mux.closed.wait()
+            assert not first.unprocessed and second.unprocessed
+            with pytest.raises(ConnectionClosed, match="idle"):
+                await second.receive_some()
 
     run_virtual(main)

@@ -249,3 +249,27 @@ def test_simultaneous_dial_on_the_simulator_keeps_the_smaller_ids_connection() -
             assert a.num_connections == 1 and b.num_connections == 1
 
     run_sim(main)
+
+
+def test_a_call_crossing_the_peers_goaway_is_retried_on_a_new_connection() -> None:
+    async def main() -> None:
+        net = SimNetwork(seed=4)
+        async with open_sim_nodes(net, 2, latency=0.05) as (a, b):
+            calls = []
+
+            async def count(ctx: CallContext, request: Any) -> Any:
+                calls.append(request)
+                return request
+
+            a.add_handler("count", count)
+            assert await b.call(a.addrs[0], "count", 0) == 0
+            conn = a.connection_to(b.peer_id)
+            assert conn is not None
+            async with trio.open_nursery() as nursery:
+                # a closes the connection (say, idle) while b's next call is on the wire
+                nursery.start_soon(conn.mux.aclose, "idle")
+                assert await b.call(a.peer_id, "count", 1) == 1
+            assert calls == [0, 1]  # delivered once, on a fresh connection
+            assert b.connection_to(a.peer_id) is not None
+
+    run_sim(main)
