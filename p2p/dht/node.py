@@ -386,7 +386,10 @@ class DHT:
             self.protocol.stats["republished"] += len(due)
             for rec in due:
                 self.storage.store(rec, now)  # marks them received now
-            await self.store_records(due)
+            try:
+                await self.store_records(due)
+            except InvalidRecordError as e:  # e.g. validators changed since it was stored
+                log.warning("republishing failed: %s", e)
 
 
 @dataclass

@@ -78,7 +78,7 @@ class DHTProtocol:
             max_addrs=config.max_addrs_per_peer,
             max_records=config.max_records_per_store,
             max_queries=config.max_queries_per_find,
-            max_peers=max(config.k, 20),
+            max_peers=max(config.k, 64),  # peers with a larger k may answer more
             max_subkeys=config.max_subkeys,
             max_value_bytes=config.max_value_bytes,
         )
