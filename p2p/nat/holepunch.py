@@ -207,6 +207,9 @@ class HolePuncher:
             sock.close()
             self.failed += 1
             return False
+        except BaseException:
+            sock.close()
+            raise
         return await self._finish(peer, result)
 
     async def handle(self, ctx: CallContext, ms: MessageStream) -> None:

@@ -151,7 +151,14 @@ class NATManager:
         self.relay.enabled = (
             self.config.offer_relay and self.reachability is not Reachability.PRIVATE
         )
-        self.node.addrs[:] = self.relayed_addrs + self._direct_addrs
+        advertised = list(self.relayed_addrs)
+        if self.reachability is Reachability.PUBLIC:
+            # dial-back proven addresses first (e.g. a forwarded port on the router's address)
+            advertised += [a.with_peer(self.node.peer_id) for a in self.public_addrs]
+        for addr in self._direct_addrs:  # kept even when private: peers on the same LAN
+            if addr not in advertised:
+                advertised.append(addr)
+        self.node.addrs[:] = advertised
         if role is not self.role:
             logger.info(
                 "role %s -> %s (%s, %d relays)",
@@ -213,7 +220,8 @@ class NATManager:
                 self.node, self._probe_peers(), candidates, self.config.autonat
             )
             self.answers = answers
-            self.public_addrs = [a.addr for a in answers if a.status == "ok" and a.addr]
+            confirmed = [a.addr.transport_part() for a in answers if a.status == "ok" and a.addr]
+            self.public_addrs = list(dict.fromkeys(confirmed))
             self.reachability = verdict
         if self.reachability is Reachability.PRIVATE:
             await self.ensure_relays()  # decide once the reservations are known (no flapping)

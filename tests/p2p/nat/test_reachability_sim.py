@@ -60,7 +60,8 @@ def test_public_and_private_peers_are_told_apart():
             await nat.check()
         assert [nat.reachability for nat in nats] == [Reachability.PUBLIC] * 3
         assert all(nat.role is Role.PUBLIC and not nat.client_mode for nat in nats)
-        assert all(nat.public_addrs for nat in nats)
+        for node, nat in zip(publics, nats, strict=True):  # the dial-back proved the listen address
+            assert [a.with_peer(node.peer_id) for a in nat.public_addrs] == node.addrs
 
         hidden = await w.node(reachable=False)
         direct = list(hidden.addrs)
