@@ -196,8 +196,12 @@ class MuxStream:
 
     # -- receiving -----------------------------------------------------------------------
     async def receive_some(self, max_bytes: int | None = None) -> bytes | memoryview:
-        """Up to ``max_bytes`` bytes (any amount when None); ``b""`` at EOF."""
-        await trio.lowlevel.checkpoint()
+        """Up to ``max_bytes`` bytes (any amount when None); ``b""`` at EOF.
+
+        Reading buffered data does not yield to the scheduler (only a cancellation point):
+        a reader runs out of buffered data within one window and then waits anyway.
+        """
+        await trio.lowlevel.checkpoint_if_cancelled()
         while not self._chunks:
             self._raise_if_reset()
             if self._remote_eof:
@@ -228,7 +232,7 @@ class MuxStream:
 
     async def receive_parts(self, n: int, *, eof_ok: bool = False) -> list[memoryview] | None:
         """Like :meth:`receive_exactly`, as the received pieces (the caller joins them once)."""
-        await trio.lowlevel.checkpoint()
+        await trio.lowlevel.checkpoint_if_cancelled()
         if self._receiving:
             raise trio.BusyResourceError("another task is receiving on this stream")
         self._receiving = True
