@@ -648,10 +648,10 @@ class _Reducer:
         if s not in self.expected:
             return  # excluded earlier: its late parts are ignored
         a, b = self.chunks[k]
-        values = self.scratch[: b - a]
+        scratch = self.scratch[: b - a]
         try:
             data = wire.parse_chunk(msg, k, self.r.codec.encoded_size(b - a))
-            self.r.codec.decode_into(data, values)
+            values = self.r.codec.decode_view(data, scratch)  # no copy when lossless
         except (BadContributionError, CodecError) as e:
             self.exclude(s, f"malformed chunk {k}: {e}")
             return
@@ -660,7 +660,7 @@ class _Reducer:
             return
         w = self.weights[s]
         if w != 1.0:
-            np.multiply(values, np.float32(w), out=values)
+            values = np.multiply(values, np.float32(w), out=scratch)
         self.acc[a:b] += values
         self.wsum[k] += w
         self.cmask[k].add(s)

@@ -39,6 +39,10 @@ class Codec(Protocol):
 
     def decode_into(self, data: bytes | bytearray | memoryview, out: np.ndarray) -> None: ...
 
+    def decode_view(
+        self, data: bytes | bytearray | memoryview, scratch: np.ndarray
+    ) -> np.ndarray: ...
+
     def encoded_size(self, n: int) -> int: ...
 
 
@@ -52,6 +56,13 @@ def _as_f32(x: np.ndarray) -> np.ndarray:
     if x.dtype != np.float32 or x.ndim != 1:
         raise CodecError(f"codecs take 1-D float32 arrays, got {x.dtype} {x.shape}")
     return x
+
+
+def _decode_view(
+    codec: Codec, data: bytes | bytearray | memoryview, scratch: np.ndarray
+) -> np.ndarray:
+    codec.decode_into(data, scratch)
+    return scratch
 
 
 def _bytes_view(a: np.ndarray) -> memoryview:
@@ -84,6 +95,11 @@ class NoCompression:
         _check_size(data, 4 * out.size, self.name)
         out[...] = np.frombuffer(data, dtype="<f4", count=out.size)
 
+    def decode_view(self, data: bytes | bytearray | memoryview, scratch: np.ndarray) -> np.ndarray:
+        """Read-only values of ``data`` (``scratch.size`` of them) without copying."""
+        _check_size(data, 4 * scratch.size, self.name)
+        return np.frombuffer(data, dtype="<f4", count=scratch.size)
+
     def encoded_size(self, n: int) -> int:
         return 4 * n
 
@@ -115,6 +131,9 @@ class Float16Compression:
     def encoded_size(self, n: int) -> int:
         return 2 * n
 
+    def decode_view(self, data: bytes | bytearray | memoryview, scratch: np.ndarray) -> np.ndarray:
+        return _decode_view(self, data, scratch)
+
 
 @dataclass(frozen=True)
 class BFloat16Compression:
@@ -141,6 +160,9 @@ class BFloat16Compression:
 
     def encoded_size(self, n: int) -> int:
         return 2 * n
+
+    def decode_view(self, data: bytes | bytearray | memoryview, scratch: np.ndarray) -> np.ndarray:
+        return _decode_view(self, data, scratch)
 
 
 @dataclass(frozen=True)
@@ -189,6 +211,9 @@ class BlockwiseInt8Compression:
 
     def encoded_size(self, n: int) -> int:
         return 4 * self._blocks(n) + n
+
+    def decode_view(self, data: bytes | bytearray | memoryview, scratch: np.ndarray) -> np.ndarray:
+        return _decode_view(self, data, scratch)
 
 
 CODECS: dict[str, Codec] = {
