@@ -25,6 +25,7 @@ from p2p.identity import PeerID
 from p2p.multiaddr import Multiaddr
 from p2p.nat.autonat import AutoNATConfig, DialBackAnswer, DialBackServer, Reachability, probe
 from p2p.nat.circuit import CircuitTransport, attach
+from p2p.nat.discovery import advertise_relay, find_relays, publish_addrs
 from p2p.nat.holepunch import HolePunchConfig, HolePuncher
 from p2p.nat.observed import IDENTIFY, ObservedAddrs, handle_identify, identify
 from p2p.nat.relay import RelayConfig, RelayService
@@ -79,6 +80,9 @@ class NATConfig:
     identify_timeout: float = 10.0
     observe_interval: float = 60.0
     """How often connected peers are asked again how they see us."""
+    advertise_interval: float = 300.0
+    """How often relay adverts and relayed addresses are refreshed in the DHT (see use_dht)."""
+    """How often connected peers are asked again how they see us."""
 
     def __post_init__(self) -> None:
         if self.force_reachability is not None:  # accept "public"/"private" as well
@@ -127,6 +131,7 @@ class NATManager:
         self._changed = trio.Event()
         self._recheck = trio.Event()
         self.role = self._decide()
+        self._state: tuple[Role, Reachability, tuple[Multiaddr, ...]] | None = None
 
     # ---- state ---------------------------------------------------------------------------
 
@@ -158,6 +163,10 @@ class NATManager:
         for addr in self._direct_addrs:  # kept even when private: peers on the same LAN
             if addr not in advertised:
                 advertised.append(addr)
+        state = (role, self.reachability, tuple(advertised))
+        if state == self._state:
+            return  # nothing changed: wake nobody (waiters loop on changes)
+        self._state = state
         self.node.addrs[:] = advertised
         if role is not self.role:
             logger.info(
@@ -270,6 +279,30 @@ class NATManager:
         for scope in list(self._relay_tasks.values()):
             scope.cancel()
         await trio.lowlevel.checkpoint()
+
+    # ---- the DHT -----------------------------------------------------------------------------
+
+    def use_dht(self, dht: Any) -> None:
+        """Keep the DHT in step with our role, in the background: a public relay advertises
+        itself; a private node short of relays looks for some there; a relayed node
+        publishes its (relayed) addresses so that others can find it by peer ID."""
+        self._nursery.start_soon(self._dht_loop, dht)
+
+    async def _dht_loop(self, dht: Any) -> None:
+        ttl = 2 * self.config.advertise_interval
+        while True:
+            try:
+                if self.role is Role.PUBLIC and self.relay.enabled:
+                    await advertise_relay(dht, self.node, ttl)
+                if self.reachability is Reachability.PRIVATE:
+                    if len(self._relay_tasks) < self.config.max_relays:
+                        await self.ensure_relays(await find_relays(dht))
+                    if self.relayed_addrs:
+                        await publish_addrs(dht, self.node, ttl)
+            except P2PError as e:
+                logger.info("DHT upkeep failed: %s", e)
+            with trio.move_on_after(self.config.advertise_interval):
+                await self.wait_changed()
 
     # ---- direct connection upgrade --------------------------------------------------------
 

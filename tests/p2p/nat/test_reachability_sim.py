@@ -202,3 +202,35 @@ def test_relays_and_relayed_addresses_are_found_through_the_dht():
         assert reply == {"echo": 7, "from": str(other.peer_id)}
 
     world_run(body)
+
+
+def test_the_nat_manager_keeps_the_dht_in_step_with_its_role():
+    async def body(w: World):
+        boot = await w.node(reachable=True)
+        boot_nat = await w.nat(
+            boot, [], config=NATConfig.testing().with_(force_reachability="public")
+        )
+        boot_dht = await w.stack.enter_async_context(open_dht(boot, config=DHTConfig.fast()))
+        boot_nat.use_dht(boot_dht)  # advertises itself as a relay
+
+        # a private node that was given no relay and tried none (max_relays=0 at first)
+        hidden = await w.node(reachable=False)
+        nat = await w.nat(hidden, [boot], config=NATConfig.testing().with_(max_relays=0))
+        assert nat.role is Role.CLIENT
+        dht = await w.stack.enter_async_context(
+            open_dht(
+                hidden, initial_peers=[boot.addrs[0]], config=DHTConfig.fast(), client_mode=True
+            )
+        )
+        nat.config = nat.config.with_(max_relays=1)
+        nat.use_dht(dht)  # finds the advertised relay, reserves, publishes its relayed address
+        with trio.fail_after(30):
+            while nat.role is not Role.RELAYED:
+                await nat.wait_changed()
+        assert nat.relayed_addrs[0].relay_parts()[0] == boot.addrs[0]
+        with trio.fail_after(30):
+            while not await lookup_addrs(boot_dht, hidden.peer_id):
+                await trio.sleep(1)
+        assert (await lookup_addrs(boot_dht, hidden.peer_id))[0] == nat.relayed_addrs[0]
+
+    world_run(body)
