@@ -44,6 +44,8 @@ class Engine:
         self._seq = 0
         self.now = -math.inf
         self.on_new_head: Callable[[], None] | None = None
+        self.pending: Callable[[], bool] | None = None
+        self.flush: Callable[[], bool] | None = None
 
     def at(self, time: float, fn: Callable[..., None], *args: Any, owner: Any = None) -> Event:
         """Schedule ``fn(*args)`` at ``time`` (clamped to now)."""
@@ -65,17 +67,28 @@ class Engine:
         return heap[0] if heap else None
 
     def next_time(self) -> float:
-        """Time of the earliest live event, or inf."""
+        """Time of the earliest live event (now, if work is pending for this instant), or inf."""
+        if self.pending is not None and self.pending():
+            return self.now
         ev = self.peek()
         return ev.time if ev is not None else math.inf
 
     def run_until(self, time: float) -> None:
-        """Fire every live event due at or before ``time``, in order, then set now = time."""
+        """Fire every live event due at or before ``time``, in order, then set now = time.
+
+        Before virtual time moves past the current instant, ``flush`` (if set) runs once more
+        for work deferred within the instant (it returns whether it did anything).
+        """
         heap = self._heap
-        while heap and heap[0].time <= time:
-            ev = heapq.heappop(heap)
-            if not ev.alive:
+        while True:
+            while heap and not heap[0].alive:
+                heapq.heappop(heap)
+            nxt = heap[0].time if heap else math.inf
+            if nxt > self.now and time > self.now and self.flush is not None and self.flush():
                 continue
+            if nxt > time:
+                break
+            ev = heapq.heappop(heap)
             ev.alive = False
             if ev.time > self.now:
                 self.now = ev.time

@@ -276,13 +276,21 @@ class SimNetwork:
             del self._waiters[scope]
             if self._keeper is scope:
                 self._keeper = None
-                self._settle()  # fire what woke us before handing the next deadline on
+                # do what woke us (an event, or rates to recompute) before handing on the deadline
+                self._settle()
+                if self.fluid.flush():
+                    self._settle()
                 self._refresh_keeper()
 
     def _refresh_keeper(self) -> None:
         """Give the next event's deadline to one waiting task: the one it wakes, if waiting."""
         if not self._waiters:
             self._keeper = None
+            return
+        if self.fluid.has_pending():  # rates to recompute before time moves: wake a keeper now
+            if self._keeper is None:
+                self._keeper = next(iter(self._waiters))
+            self._keeper.deadline = self.engine.now
             return
         ev = self.engine.peek()
         if ev is None:

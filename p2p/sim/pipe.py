@@ -74,6 +74,9 @@ class Pipe:
         counted = self.unread - min(self.inflight, self.inflight_allowance())
         return int(self.net.buffer_bytes - counted)
 
+    def wake_threshold(self) -> int:
+        return min(self.net.buffer_bytes // 2, CHUNK)
+
     def write(self, view: memoryview) -> int:
         """Queue as much of ``view`` as the window allows now; returns the bytes taken."""
         space = self.send_space()
@@ -127,7 +130,9 @@ class Pipe:
                 self.head_off += want
                 taken += want
         self.unread -= taken
-        if self.send_waiter is not None and self.send_space() > 0:
+        # wake a blocked writer only for a worthwhile amount of space (TCP's silly-window
+        # avoidance), so one-byte reads do not turn a transfer into one-byte chunks
+        if self.send_waiter is not None and self.send_space() >= self.wake_threshold():
             self.send_waiter.cancel()
         return out[0] if len(out) == 1 else b"".join(out)
 

@@ -70,6 +70,8 @@ def test_fluid_max_min_rates():
     eng.run_until(0.0)
     for f in (ab, ac, ad):
         fluid.enqueue(f, b"x" * 1000)
+    assert fluid.flush()  # the three starts are one reallocation
+    assert fluid.reallocations == 1 and not fluid.flush()
     # a.up = 100 shared by three flows, but a->b is held to 20 by b's downlink: 40 + 40 + 20
     assert ab.rate == pytest.approx(20.0)
     assert ac.rate == pytest.approx(40.0)
@@ -131,6 +133,84 @@ def test_data_integrity_and_ordering():
         return bytes(got)
 
     assert run_sim(main) == payload
+
+
+async def _random_traffic(seed: int) -> tuple[int, int]:
+    """Random hosts, links and connections carrying random writes in both directions, read
+    in random sizes with random pauses; returns (bytes checked, bytes sent). A lost wakeup in the
+    simulator would stall virtual time, which ``fail_after`` turns into a failure."""
+    rng = random.Random(seed)
+    net = SimNetwork(seed=seed, buffer_bytes=rng.choice([4096, 65536, 512 * 1024]))
+    speeds = [math.inf, 50_000, 1 * MB, 20 * MB]
+    hosts = [
+        net.add_host(
+            upload_bps=rng.choice(speeds),
+            download_bps=rng.choice(speeds),
+            latency=rng.choice([0.0, 0.001, 0.03]),
+        )
+        for _ in range(rng.randint(2, 5))
+    ]
+    checked = 0
+
+    async def pump(stream: trio.abc.Stream, data: bytes) -> None:
+        pos = 0
+        while pos < len(data):
+            n = 1 if rng.random() < 0.02 else rng.choice([100, 5000, 70_000, 300_000])
+            await stream.send_all(data[pos : pos + n])
+            pos += n
+            if rng.random() < 0.3:
+                await trio.sleep(rng.uniform(0, 0.01))
+        await stream.send_eof()
+
+    async def drain(stream: trio.abc.Stream, expected: bytes) -> None:
+        nonlocal checked
+        got = bytearray()
+        while True:
+            size = 1 if rng.random() < 0.02 else rng.choice([1000, 65536, None])
+            chunk = await stream.receive_some(size)
+            if not chunk:
+                break
+            got.extend(chunk)
+            if rng.random() < 0.2:
+                await trio.sleep(rng.uniform(0, 0.02))
+        assert got == expected
+        checked += len(got)
+
+    async def both_ways(stream: trio.abc.Stream, out: bytes, back: bytes) -> None:
+        async with trio.open_nursery() as n:
+            n.start_soon(pump, stream, out)
+            n.start_soon(drain, stream, back)
+
+    with trio.fail_after(10_000):
+        async with trio.open_nursery() as nursery:
+            plans: dict[str, tuple[bytes, bytes]] = {}
+
+            async def serve(stream, remote):
+                out, back = plans[str(remote)]
+                await both_ways(stream, back, out)
+
+            addrs = [await _listen(nursery, h, serve) for h in hosts]
+            expected = 0
+            async with trio.open_nursery() as conns:
+                for _ in range(rng.randint(1, 6)):
+                    a, b = rng.sample(range(len(hosts)), 2)
+                    out = rng.randbytes(rng.choice([0, 10, 100_000, 700_000]))
+                    back = rng.randbytes(rng.choice([0, 10, 100_000]))
+                    expected += len(out) + len(back)
+                    stream = await hosts[a].transport.dial(addrs[b])
+                    plans[str(stream.local_addr)] = (out, back)
+                    conns.start_soon(both_ways, stream, out, back)
+            while checked < expected:  # the listeners' sides may still be reading
+                await trio.sleep(0.1)
+            nursery.cancel_scope.cancel()
+    assert net.stats.bytes == checked
+    return checked, expected
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_random_traffic_arrives_intact_without_stalls(seed):
+    checked, sent = run_sim(_random_traffic, seed)
+    assert checked == sent
 
 
 @pytest.mark.parametrize(
