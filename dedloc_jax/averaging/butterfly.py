@@ -24,7 +24,6 @@ import logging
 import math
 import weakref
 from collections import OrderedDict
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,22 +38,14 @@ from . import wire
 from .bandwidth import BandwidthMeter
 from .codecs import Codec, get_codec, is_finite
 from .config import AllReduceConfig
-from .errors import AllReduceError, BadContributionError, CodecError, ShareLostError
+from .errors import AllReduceError, BadContributionError, ShareLostError
 from .group import GroupSpec
 from .partition import chunk_bounds, flatten, share_bounds, unflatten
+from .reducer import Reducer
+from .repair import Repair, expect_done, receive_finals, send_finals
+from .sync import FAILURES, is_failure
 
 logger = logging.getLogger(__name__)
-
-_F32 = np.dtype("<f4")
-_FAILURES = (P2PError, BadContributionError, CodecError)
-
-
-def _is_failure(e: BaseException) -> bool:
-    """Whether ``e`` (possibly a group from a nursery) consists only of a peer's failures."""
-    if isinstance(e, BaseExceptionGroup):
-        return all(_is_failure(x) for x in e.exceptions)
-    return isinstance(e, _FAILURES)
-
 
 # ---- results ------------------------------------------------------------------------------
 
@@ -99,19 +90,19 @@ class AveragingService:
     def __init__(self, node: Any, config: AllReduceConfig) -> None:
         self.node = node
         self.config = config
-        self._rounds: dict[bytes, _Round] = {}
+        self._rounds: dict[bytes, Round] = {}
         self._started: dict[bytes, trio.Event] = {}
-        self._finished: OrderedDict[bytes, tuple[float, _Round]] = OrderedDict()
+        self._finished: OrderedDict[bytes, tuple[float, Round]] = OrderedDict()
         node.add_stream_handler(wire.PROTOCOL, self._handle_exchange)
         node.add_stream_handler(wire.REPAIR_PROTOCOL, self._handle_repair)
 
-    def _open(self, rnd: _Round) -> None:
+    def _open(self, rnd: Round) -> None:
         if rnd.round_id in self._rounds:
             raise AllReduceError("a round with this id is already running on this node")
         self._rounds[rnd.round_id] = rnd
         self._started.pop(rnd.round_id, trio.Event()).set()
 
-    def _close(self, rnd: _Round) -> None:
+    def _close(self, rnd: Round) -> None:
         self._rounds.pop(rnd.round_id, None)
         now = trio.current_time()
         self._finished[rnd.round_id] = (now + self.config.linger, rnd)
@@ -120,7 +111,7 @@ class AveragingService:
         ):
             self._finished.popitem(last=False)
 
-    async def _find(self, round_id: bytes) -> _Round:
+    async def _find(self, round_id: bytes) -> Round:
         """The round, waiting (bounded) for it to start here if a peer started it first."""
         if round_id in self._rounds:
             return self._rounds[round_id]
@@ -139,7 +130,7 @@ class AveragingService:
             raise BadContributionError("unknown round")
         return self._rounds[round_id]
 
-    async def _hello(self, ctx: CallContext, ms: MessageStream) -> tuple[_Round, wire.Hello]:
+    async def _hello(self, ctx: CallContext, ms: MessageStream) -> tuple[Round, wire.Hello]:
         with trio.move_on_after(self.config.stall_timeout):
             hello = wire.parse_hello(await ms.receive())
             rnd = await self._find(hello.round_id)
@@ -176,25 +167,7 @@ def install(node: Any, config: AllReduceConfig | None = None) -> AveragingServic
 # ---- one round ------------------------------------------------------------------------------
 
 
-class _Changes:
-    """A broadcast "something changed" signal for tasks that re-check a condition."""
-
-    def __init__(self) -> None:
-        self._event = trio.Event()
-
-    def notify(self) -> None:
-        self._event.set()
-        self._event = trio.Event()
-
-    async def wait(self, until: float) -> bool:
-        """Wait for a change until ``until``; True if one happened."""
-        event = self._event
-        with trio.move_on_at(until):
-            await event.wait()
-        return event.is_set()
-
-
-class _Round:
+class Round:
     """State of one all-reduce round on one member (sender, reducer and repair roles)."""
 
     def __init__(
@@ -234,14 +207,14 @@ class _Round:
         self.ok = dict.fromkeys(self.reducers, False)
         self.repaired: set[int] = set()
         self.failed_peers: set[int] = set()
-        self.repairs: dict[int, _Repair] = {}
+        self.repairs: dict[int, Repair] = {}
         t0 = trio.current_time()
         self.deadline = t0 + timeout
         self.collect_at = t0 + config.collect_fraction * timeout
         self.exchange_at = t0 + config.exchange_fraction * timeout
         self.join_at = t0 + config.join_fraction * timeout
         self.data_at = t0 + config.data_fraction * timeout
-        self.reducer = _Reducer(self) if me in self.chunks else None
+        self.reducer = Reducer(self) if me in self.chunks else None
         self.traffic = {"up": [0, math.inf, -math.inf], "down": [0, math.inf, -math.inf]}
 
     # -- helpers ------------------------------------------------------------------------------
@@ -320,7 +293,7 @@ class _Round:
             if not ok:
                 logger.warning("reducer %s stalled or stopped before committing", self.name(j))
         except BaseException as e:
-            if not _is_failure(e):
+            if not is_failure(e):
                 raise
             logger.warning("exchange with reducer %s failed: %r", self.name(j), e)
         finally:
@@ -383,7 +356,7 @@ class _Round:
                     ok = await self._coordinate(j)
                 else:
                     ok = await self._request_repair(c, j)
-            except _FAILURES as e:
+            except FAILURES as e:
                 logger.warning("repair of share %d via %s failed: %s", j, self.name(c), e)
                 self.failed_peers.add(c)
                 continue
@@ -413,7 +386,7 @@ class _Round:
                         a, b = self.share_slice(j, k)
                         await ms.send(wire.part(k, self.codec.encode(self.vec[a:b])))
                 await ms.send(wire.simple("done"))
-                values, masks = await _receive_finals(ms, self, j)
+                values, masks = await receive_finals(ms, self, j)
                 a, b = self.bounds[j], self.bounds[j + 1]
                 self.out[a:b] = values
                 self.masks[j] = masks
@@ -438,9 +411,9 @@ class _Round:
         self.held[j] = len(self.chunks[j])
         return True
 
-    def repair(self, j: int) -> _Repair:
+    def repair(self, j: int) -> Repair:
         if j not in self.repairs:
-            self.repairs[j] = _Repair(self, j)
+            self.repairs[j] = Repair(self, j)
         return self.repairs[j]
 
     # -- repair (coordinator side, serving a participant) -------------------------------------
@@ -453,10 +426,10 @@ class _Round:
                 await self.settled[j].wait()
         if self.is_sender and self.held[j] == n_chunks and j not in self.repairs:
             await ms.send(wire.need((0, 0), (0, 0)))
-            await _expect_done(ms)
+            await expect_done(ms)
             assert self.out is not None
             a, b = self.bounds[j], self.bounds[j + 1]
-            await _send_finals(ms, self, j, self.out[a:b], self.masks[j])
+            await send_finals(ms, self, j, self.out[a:b], self.masks[j])
             return
         rep = self.repair(j)
         async with trio.open_nursery() as nursery:
@@ -464,420 +437,8 @@ class _Round:
                 nursery.start_soon(rep.drive)  # runs to its end even if this participant fails
             try:
                 await rep.serve(h, ms)
-            except _FAILURES as e:
+            except FAILURES as e:
                 logger.warning("repair participant %s failed: %s", self.name(h.sender), e)
-
-
-class _Reducer:
-    """The reducer role: accumulate parts, finalise chunks in order, stream them back."""
-
-    def __init__(self, rnd: _Round) -> None:
-        self.r = rnd
-        j = rnd.me
-        self.start = rnd.bounds[j]
-        self.chunks = rnd.chunks[j]
-        n = len(self.chunks)
-        self.acc = np.zeros(rnd.bounds[j + 1] - self.start, np.float32)
-        self.scratch = np.empty(max((b - a for a, b in self.chunks), default=0), np.float32)
-        self.wsum = np.zeros(n, np.float64)
-        self.cmask: list[set[int]] = [set() for _ in range(n)]
-        self.expected = {s for s in rnd.senders if s != j}
-        self.receivers = set(self.expected)
-        self.initial_receivers = frozenset(self.receivers)
-        self.weights: dict[int, float] = {}
-        self.next_k: dict[int, int] = {}
-        t0 = trio.current_time()
-        self.last = dict.fromkeys(self.expected, t0)
-        self.seen: set[int] = set()
-        self.acked: set[int] = set()
-        self.dead: set[int] = set()
-        self.done = 0
-        self.enc: list[bytes] = []
-        self.final_masks: list[frozenset[int]] = []
-        self.commit: frozenset[int] | None = None
-        self.last_sent: dict[int, float] = {}
-        self.sent_all_at: dict[int, float] = {}
-        self.changes = _Changes()
-        if rnd.is_sender and not rnd.abstain:
-            assert rnd.vec is not None
-            self.acc[:] = rnd.vec[self.start : rnd.bounds[j + 1]] * np.float32(rnd.weight)
-            self.wsum[:] = rnd.weight
-            for m in self.cmask:
-                m.add(j)
-
-    def exclude(self, s: int, why: str) -> None:
-        if s in self.expected:
-            self.expected.discard(s)
-            logger.warning(
-                "round %s: excluding %s from chunk %d on: %s",
-                self.r.round_id.hex()[:8],
-                self.r.name(s),
-                self.next_k.get(s, 0),
-                why,
-            )
-        if s not in self.seen:
-            self.receivers.discard(s)
-        self.changes.notify()
-
-    def _died(self, s: int, why: str) -> None:
-        self.dead.add(s)
-        self.exclude(s, why)
-        self.receivers.discard(s)
-        self.changes.notify()
-
-    async def run(self) -> None:
-        r, stall = self.r, self.r.config.stall_timeout
-        for k in range(len(self.chunks)):
-            while True:
-                missing = [s for s in self.expected if self.next_k.get(s, 0) <= k]
-                if not missing:
-                    break
-                now = trio.current_time()
-                if now >= r.collect_at:
-                    for s in missing:
-                        self.exclude(s, "collection deadline passed")
-                    break
-                stalled = [s for s in missing if now >= self.last[s] + stall]
-                for s in stalled:
-                    self.exclude(s, f"no progress for {stall} s")
-                if not stalled:
-                    await self.changes.wait(
-                        min([r.collect_at] + [self.last[s] + stall for s in missing])
-                    )
-            self._finalise(k)
-        # Commit once every live receiver acked; drop receivers that stop making progress.
-        while not self.receivers <= self.acked:
-            now = trio.current_time()
-            if now >= r.exchange_at:
-                break
-            waiting = self.receivers - self.acked
-            due = {s: self._progress_due(s) for s in waiting}
-            laggards = [s for s, t in due.items() if now >= t]
-            for s in laggards:
-                logger.warning(
-                    "round %s: receiver %s made no progress; not waiting for its ack",
-                    r.round_id.hex()[:8],
-                    r.name(s),
-                )
-                self.receivers.discard(s)
-            if not laggards:
-                await self.changes.wait(min([r.exchange_at, *due.values()]))
-        self.commit = frozenset(self.acked & self.receivers)
-        self.changes.notify()
-        # Keeping our own share is safe only if someone else holds it too; otherwise we repair
-        # it like any receiver would (and relay our copy if we can).
-        r.ok[r.me] = bool(self.commit) or not self.initial_receivers
-        if not r.ok[r.me]:
-            logger.warning("round %s: nobody acked our share; repairing it", r.round_id.hex()[:8])
-        r.settled[r.me].set()
-
-    def _progress_due(self, s: int) -> float:
-        """When receiver ``s`` counts as stalled: no send to it completed, or no ack after all."""
-        stall = self.r.config.stall_timeout
-        last = self.last_sent.get(s, self.last.get(s, self.r.deadline))
-        done = self.sent_all_at.get(s)
-        return min(last + stall, done + stall) if done is not None else last + stall
-
-    def _finalise(self, k: int) -> None:
-        r = self.r
-        a, b = self.chunks[k]
-        avg = self.acc[a:b]  # averaged in place: the accumulator of this chunk is done
-        if self.wsum[k] > 0:
-            np.divide(avg, np.float32(self.wsum[k]), out=avg)
-        data = r.codec.encode(avg)
-        if not r.codec.lossless:
-            r.codec.decode_into(data, avg)  # use exactly what the receivers will decode
-        mask = frozenset(self.cmask[k])
-        self.enc.append(data)
-        self.final_masks.append(mask)
-        if r.out is not None:
-            r.out[self.start + a : self.start + b] = avg
-            r.masks[r.me].append(mask)
-            r.held[r.me] = k + 1
-        self.done = k + 1
-        self.changes.notify()
-
-    async def serve(self, h: wire.Hello, ms: MessageStream) -> None:
-        s = h.sender
-        if s in self.seen or s not in self.receivers:
-            raise BadContributionError(f"{self.r.name(s)} connected twice or too late")
-        self.seen.add(s)
-        self.weights[s] = h.weight
-        self.last[s] = trio.current_time()
-        if h.abstain or h.weight <= 0:
-            self.exclude(s, "abstains (no or non-finite contribution)")
-        try:
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(self._send_results, s, ms)
-                await self._receive_parts(s, ms)
-                if s not in self.acked or s in self.dead:
-                    nursery.cancel_scope.cancel()
-        finally:  # also when the connection's death cancels this handler
-            if s not in self.acked:
-                self._died(s, "stream ended before its ack")
-
-    async def _receive_parts(self, s: int, ms: MessageStream) -> None:
-        r = self.r
-        try:
-            with trio.move_on_at(r.deadline):
-                while True:
-                    msg = await ms.receive()
-                    kind = wire.kind_of(msg)
-                    if kind == "ack":
-                        if self.done < len(self.chunks):
-                            raise BadContributionError("ack before all results were sent")
-                        self.acked.add(s)
-                        self.changes.notify()
-                    elif kind == "part":
-                        self._accept_part(s, msg)
-                    else:
-                        raise BadContributionError(f"unexpected {kind!r}")
-        except P2PError as e:
-            if s not in self.acked:
-                self._died(s, f"stream ended: {e}")
-        except (BadContributionError, CodecError) as e:
-            self._died(s, f"protocol violation: {e}")
-            ms.reset("protocol violation")
-
-    def _accept_part(self, s: int, msg: Any) -> None:
-        k = self.next_k.get(s, 0)
-        if k >= len(self.chunks):
-            raise BadContributionError("more parts than chunks")
-        self.next_k[s] = k + 1
-        self.last[s] = trio.current_time()
-        if s not in self.expected:
-            return  # excluded earlier: its late parts are ignored
-        a, b = self.chunks[k]
-        scratch = self.scratch[: b - a]
-        try:
-            data = wire.parse_chunk(msg, k, self.r.codec.encoded_size(b - a))
-            values = self.r.codec.decode_view(data, scratch)  # no copy when lossless
-        except (BadContributionError, CodecError) as e:
-            self.exclude(s, f"malformed chunk {k}: {e}")
-            return
-        if not is_finite(values):
-            self.exclude(s, f"non-finite values in chunk {k}")
-            return
-        w = self.weights[s]
-        if w != 1.0:
-            values = np.multiply(values, np.float32(w), out=scratch)
-        self.acc[a:b] += values
-        self.wsum[k] += w
-        self.cmask[k].add(s)
-        self.r.count("down", len(data))
-        self.changes.notify()
-
-    async def _send_results(self, s: int, ms: MessageStream) -> None:
-        try:
-            await self._send_results_to(s, ms)
-        except P2PError as e:
-            self._died(s, f"sending results failed: {e}")
-
-    async def _send_results_to(self, s: int, ms: MessageStream) -> None:
-        r = self.r
-        heartbeat = r.config.stall_timeout / 3
-        k = 0
-        while True:
-            while k < self.done:
-                await ms.send(wire.result(k, self.enc[k], self.final_masks[k]))
-                r.count("up", len(self.enc[k]))
-                k += 1
-                self.last_sent[s] = trio.current_time()
-                if k == len(self.chunks):
-                    self.sent_all_at[s] = self.last_sent[s]
-                    self.changes.notify()
-            if self.commit is not None and k == self.done == len(self.chunks):
-                break
-            if s not in self.receivers:
-                return
-            if not await self.changes.wait(trio.current_time() + heartbeat):
-                await ms.send(wire.simple("hb"))
-                self.last_sent[s] = trio.current_time()
-        if s in self.commit:
-            await ms.send(wire.simple("commit"))
-        else:
-            ms.reset("no ack in time")
-
-
-class _Repair:
-    """Coordinator state for re-reducing one lost share from the survivors."""
-
-    def __init__(self, rnd: _Round, j: int) -> None:
-        self.r, self.j = rnd, j
-        self.n_chunks = len(rnd.chunks[j])
-        self.length = rnd.bounds[j + 1] - rnd.bounds[j]
-        self.joined: dict[int, wire.Hello] = {}
-        self.delivered: set[int] = set()
-        self.plan: tuple[int, int, int] | None = None  # (holder, relay from, prefix H)
-        self.acc = np.zeros(self.length, np.float32)
-        self.wsum = np.zeros(self.n_chunks, np.float64)
-        self.cmask: list[set[int]] = [set() for _ in range(self.n_chunks)]
-        self.base = np.zeros(self.length, np.float32)  # relayed prefix values
-        self.base_masks: list[frozenset[int] | None] = [None] * self.n_chunks
-        self.values: np.ndarray | None = None
-        self.masks: tuple[frozenset[int], ...] = ()
-        self.changes = _Changes()
-        self.planned = trio.Event()
-        self.ready = trio.Event()
-        self._claimed = False
-
-    def claim(self) -> bool:
-        first = not self._claimed
-        self._claimed = True
-        return first
-
-    def _own_held(self) -> int:
-        return self.r.held.get(self.j, 0) if self.r.is_sender else 0
-
-    async def drive(self) -> None:
-        r, j = self.r, self.j
-        try:
-            dead = r.reducer.dead if r.reducer is not None else set()
-            expected = set(r.senders) - {j, r.me} - dead
-            while not expected <= set(self.joined) and trio.current_time() < r.join_at:
-                await self.changes.wait(r.join_at)
-            if not self.joined:  # alone we could only make up a private value: refuse
-                logger.warning("repair of share %d: no other member joined; giving up", j)
-                return
-            held = {s: h.held for s, h in self.joined.items()}
-            own = self._own_held()
-            if r.is_sender:
-                held[r.me] = own
-            prefix = max(held.values(), default=0)
-            holder = (
-                min((s for s, v in held.items() if v == prefix), key=lambda s: (s != r.me, s))
-                if held
-                else r.me
-            )
-            relay_from = own if holder != r.me else prefix
-            self.plan = (holder, relay_from, prefix)
-            if r.out is not None:
-                a = r.bounds[j]
-                for k in range(min(own, prefix)):
-                    x, y = r.chunks[j][k]
-                    self.base[x:y] = r.out[a + x : a + y]
-                    self.base_masks[k] = r.masks[j][k]
-            if r.is_sender and not r.abstain:
-                assert r.vec is not None
-                for k in range(prefix, self.n_chunks):
-                    x, y = r.chunks[j][k]
-                    self.acc[x:y] = r.vec[r.bounds[j] + x : r.bounds[j] + y] * np.float32(r.weight)
-                    self.wsum[k] = r.weight
-                    self.cmask[k].add(r.me)
-            self.planned.set()
-            while not set(self.joined) <= self.delivered and trio.current_time() < r.data_at:
-                await self.changes.wait(r.data_at)
-            if any(m is None for m in self.base_masks[:prefix]):
-                logger.warning("repair of share %d: the holder of its prefix did not deliver", j)
-                return
-            values = self.base.copy()
-            masks = list(self.base_masks[:prefix])
-            for k in range(prefix, self.n_chunks):
-                x, y = r.chunks[j][k]
-                total = np.float32(self.wsum[k]) if self.wsum[k] > 0 else np.float32(1)
-                avg = self.acc[x:y] / total
-                data = r.codec.encode(avg.astype(np.float32, copy=False))
-                values[x:y] = r.codec.decode(data, y - x)
-                masks.append(frozenset(self.cmask[k]))
-            self.values, self.masks = values, tuple(masks)
-        finally:
-            self.planned.set()
-            self.ready.set()
-
-    async def serve(self, h: wire.Hello, ms: MessageStream) -> None:
-        s, r = h.sender, self.r
-        if self.plan is None and s not in self.joined:
-            self.joined[s] = h
-            self.changes.notify()
-        await self.planned.wait()
-        if self.plan is None or s not in self.joined:  # failed, or a latecomer: send finals only
-            await ms.send(wire.need((0, 0), (0, 0)))
-            await _expect_done(ms)
-        else:
-            holder, relay_from, prefix = self.plan
-            relay = (relay_from, prefix) if s == holder else (0, 0)
-            parts = (prefix, self.n_chunks) if not h.abstain and h.weight > 0 else (0, 0)
-            await ms.send(wire.need(relay, parts))
-            with trio.move_on_at(r.data_at):
-                await self._receive_data(s, h, ms, relay, parts)
-                self.delivered.add(s)
-                self.changes.notify()
-        await self.ready.wait()
-        if self.values is None:
-            await ms.send(wire.simple("err", e="share could not be repaired"))
-            return
-        await _send_finals(ms, r, self.j, self.values, self.masks)
-
-    async def _receive_data(
-        self,
-        s: int,
-        h: wire.Hello,
-        ms: MessageStream,
-        relay: tuple[int, int],
-        parts: tuple[int, int],
-    ) -> None:
-        r, j = self.r, self.j
-        for k in range(*relay):
-            x, y = r.chunks[j][k]
-            msg = await ms.receive()
-            if wire.kind_of(msg) != "held":
-                raise BadContributionError("expected held chunk")
-            data = wire.parse_chunk(msg, k, 4 * (y - x))
-            mask = wire.parse_contributors(msg, r.senders)
-            values = np.frombuffer(data, _F32).astype(np.float32)
-            if not is_finite(values):
-                raise BadContributionError("non-finite relayed chunk")
-            self.base[x:y] = values
-            self.base_masks[k] = mask
-        for k in range(*parts):
-            x, y = r.chunks[j][k]
-            msg = await ms.receive()
-            if wire.kind_of(msg) != "part":
-                raise BadContributionError("expected part")
-            data = wire.parse_chunk(msg, k, r.codec.encoded_size(y - x))
-            values = r.codec.decode(data, y - x)
-            if not is_finite(values):
-                logger.warning("repair: non-finite chunk %d from %s excluded", k, r.name(s))
-                continue
-            if self.ready.is_set():
-                return
-            self.acc[x:y] += values * np.float32(h.weight)
-            self.wsum[k] += h.weight
-            self.cmask[k].add(s)
-        await _expect_done(ms)
-
-
-async def _expect_done(ms: MessageStream) -> None:
-    if wire.kind_of(await ms.receive()) != "done":
-        raise BadContributionError("expected done")
-
-
-async def _send_finals(
-    ms: MessageStream, r: _Round, j: int, values: np.ndarray, masks: Sequence[frozenset[int]]
-) -> None:
-    for k, (x, y) in enumerate(r.chunks[j]):
-        await ms.send(wire.result(k, values[x:y].astype(_F32).tobytes(), masks[k], "final"))
-    await ms.send(wire.simple("end"))
-
-
-async def _receive_finals(
-    ms: MessageStream, r: _Round, j: int
-) -> tuple[np.ndarray, list[frozenset[int]]]:
-    values = np.zeros(r.bounds[j + 1] - r.bounds[j], np.float32)
-    masks = []
-    for k, (x, y) in enumerate(r.chunks[j]):
-        msg = await ms.receive()
-        if wire.kind_of(msg) == "err":
-            raise ShareLostError(f"coordinator could not repair share {j}", shares=(j,))
-        data = wire.parse_chunk(msg, k, 4 * (y - x))
-        chunk = np.frombuffer(data, _F32).astype(np.float32)
-        if not is_finite(chunk):
-            raise BadContributionError("non-finite repaired chunk")
-        values[x:y] = chunk
-        masks.append(wire.parse_contributors(msg, r.senders))
-    if wire.kind_of(await ms.receive()) != "end":
-        raise BadContributionError("expected end")
-    return values, masks
 
 
 # ---- entry point ----------------------------------------------------------------------------
@@ -914,7 +475,7 @@ async def all_reduce(
         raise ValueError(f"weight must be finite and >= 0, got {weight!r}")
     if not is_finite(vec) and member.sends:
         logger.warning("round: local contribution has non-finite values; abstaining")
-    rnd = _Round(
+    rnd = Round(
         service,
         group,
         me,

@@ -1,0 +1,259 @@
+"""The reducer role of a round: accumulate parts, finalise chunks in order, stream them back.
+
+A reducer waits for each chunk until every expected sender delivered it; a sender that stalls
+(no progress for ``stall_timeout``), dies, or sends a malformed or non-finite chunk is excluded
+from that chunk on. It commits (tells receivers they may keep its values) only once every live
+receiver acked, and keeps its own copy only if someone else holds it too.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import trio
+
+from p2p.errors import P2PError
+from p2p.rpc import MessageStream
+
+from . import wire
+from .codecs import is_finite
+from .errors import BadContributionError, CodecError
+from .sync import Changes
+
+if TYPE_CHECKING:
+    from .butterfly import Round
+
+logger = logging.getLogger(__name__)
+
+
+class Reducer:
+    """The reducer role: accumulate parts, finalise chunks in order, stream them back."""
+
+    def __init__(self, rnd: Round) -> None:
+        self.r = rnd
+        j = rnd.me
+        self.start = rnd.bounds[j]
+        self.chunks = rnd.chunks[j]
+        n = len(self.chunks)
+        self.acc = np.zeros(rnd.bounds[j + 1] - self.start, np.float32)
+        self.scratch = np.empty(max((b - a for a, b in self.chunks), default=0), np.float32)
+        self.wsum = np.zeros(n, np.float64)
+        self.cmask: list[set[int]] = [set() for _ in range(n)]
+        self.expected = {s for s in rnd.senders if s != j}
+        self.receivers = set(self.expected)
+        self.initial_receivers = frozenset(self.receivers)
+        self.weights: dict[int, float] = {}
+        self.next_k: dict[int, int] = {}
+        t0 = trio.current_time()
+        self.last = dict.fromkeys(self.expected, t0)
+        self.seen: set[int] = set()
+        self.acked: set[int] = set()
+        self.dead: set[int] = set()
+        self.done = 0
+        self.enc: list[bytes] = []
+        self.final_masks: list[frozenset[int]] = []
+        self.commit: frozenset[int] | None = None
+        self.last_sent: dict[int, float] = {}
+        self.sent_all_at: dict[int, float] = {}
+        self.changes = Changes()
+        if rnd.is_sender and not rnd.abstain:
+            assert rnd.vec is not None
+            self.acc[:] = rnd.vec[self.start : rnd.bounds[j + 1]] * np.float32(rnd.weight)
+            self.wsum[:] = rnd.weight
+            for m in self.cmask:
+                m.add(j)
+
+    def exclude(self, s: int, why: str) -> None:
+        if s in self.expected:
+            self.expected.discard(s)
+            logger.warning(
+                "round %s: excluding %s from chunk %d on: %s",
+                self.r.round_id.hex()[:8],
+                self.r.name(s),
+                self.next_k.get(s, 0),
+                why,
+            )
+        if s not in self.seen:
+            self.receivers.discard(s)
+        self.changes.notify()
+
+    def _died(self, s: int, why: str) -> None:
+        self.dead.add(s)
+        self.exclude(s, why)
+        self.receivers.discard(s)
+        self.changes.notify()
+
+    async def run(self) -> None:
+        r, stall = self.r, self.r.config.stall_timeout
+        for k in range(len(self.chunks)):
+            while True:
+                missing = [s for s in self.expected if self.next_k.get(s, 0) <= k]
+                if not missing:
+                    break
+                now = trio.current_time()
+                if now >= r.collect_at:
+                    for s in missing:
+                        self.exclude(s, "collection deadline passed")
+                    break
+                stalled = [s for s in missing if now >= self.last[s] + stall]
+                for s in stalled:
+                    self.exclude(s, f"no progress for {stall} s")
+                if not stalled:
+                    await self.changes.wait(
+                        min([r.collect_at] + [self.last[s] + stall for s in missing])
+                    )
+            self._finalise(k)
+        # Commit once every live receiver acked; drop receivers that stop making progress.
+        while not self.receivers <= self.acked:
+            now = trio.current_time()
+            if now >= r.exchange_at:
+                break
+            waiting = self.receivers - self.acked
+            due = {s: self._progress_due(s) for s in waiting}
+            laggards = [s for s, t in due.items() if now >= t]
+            for s in laggards:
+                logger.warning(
+                    "round %s: receiver %s made no progress; not waiting for its ack",
+                    r.round_id.hex()[:8],
+                    r.name(s),
+                )
+                self.receivers.discard(s)
+            if not laggards:
+                await self.changes.wait(min([r.exchange_at, *due.values()]))
+        self.commit = frozenset(self.acked & self.receivers)
+        self.changes.notify()
+        # Keeping our own share is safe only if someone else holds it too; otherwise we repair
+        # it like any receiver would (and relay our copy if we can).
+        r.ok[r.me] = bool(self.commit) or not self.initial_receivers
+        if not r.ok[r.me]:
+            logger.warning("round %s: nobody acked our share; repairing it", r.round_id.hex()[:8])
+        r.settled[r.me].set()
+
+    def _progress_due(self, s: int) -> float:
+        """When receiver ``s`` counts as stalled: no send to it completed, or no ack after all."""
+        stall = self.r.config.stall_timeout
+        last = self.last_sent.get(s, self.last.get(s, self.r.deadline))
+        done = self.sent_all_at.get(s)
+        return min(last + stall, done + stall) if done is not None else last + stall
+
+    def _finalise(self, k: int) -> None:
+        r = self.r
+        a, b = self.chunks[k]
+        avg = self.acc[a:b]  # averaged in place: the accumulator of this chunk is done
+        if self.wsum[k] > 0:
+            np.divide(avg, np.float32(self.wsum[k]), out=avg)
+        data = r.codec.encode(avg)
+        if not r.codec.lossless:
+            r.codec.decode_into(data, avg)  # use exactly what the receivers will decode
+        mask = frozenset(self.cmask[k])
+        self.enc.append(data)
+        self.final_masks.append(mask)
+        if r.out is not None:
+            r.out[self.start + a : self.start + b] = avg
+            r.masks[r.me].append(mask)
+            r.held[r.me] = k + 1
+        self.done = k + 1
+        self.changes.notify()
+
+    async def serve(self, h: wire.Hello, ms: MessageStream) -> None:
+        s = h.sender
+        if s in self.seen or s not in self.receivers:
+            raise BadContributionError(f"{self.r.name(s)} connected twice or too late")
+        self.seen.add(s)
+        self.weights[s] = h.weight
+        self.last[s] = trio.current_time()
+        if h.abstain or h.weight <= 0:
+            self.exclude(s, "abstains (no or non-finite contribution)")
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._send_results, s, ms)
+                await self._receive_parts(s, ms)
+                if s not in self.acked or s in self.dead:
+                    nursery.cancel_scope.cancel()
+        finally:  # also when the connection's death cancels this handler
+            if s not in self.acked:
+                self._died(s, "stream ended before its ack")
+
+    async def _receive_parts(self, s: int, ms: MessageStream) -> None:
+        r = self.r
+        try:
+            with trio.move_on_at(r.deadline):
+                while True:
+                    msg = await ms.receive()
+                    kind = wire.kind_of(msg)
+                    if kind == "ack":
+                        if self.done < len(self.chunks):
+                            raise BadContributionError("ack before all results were sent")
+                        self.acked.add(s)
+                        self.changes.notify()
+                    elif kind == "part":
+                        self._accept_part(s, msg)
+                    else:
+                        raise BadContributionError(f"unexpected {kind!r}")
+        except P2PError as e:
+            if s not in self.acked:
+                self._died(s, f"stream ended: {e}")
+        except (BadContributionError, CodecError) as e:
+            self._died(s, f"protocol violation: {e}")
+            ms.reset("protocol violation")
+
+    def _accept_part(self, s: int, msg: Any) -> None:
+        k = self.next_k.get(s, 0)
+        if k >= len(self.chunks):
+            raise BadContributionError("more parts than chunks")
+        self.next_k[s] = k + 1
+        self.last[s] = trio.current_time()
+        if s not in self.expected:
+            return  # excluded earlier: its late parts are ignored
+        a, b = self.chunks[k]
+        scratch = self.scratch[: b - a]
+        try:
+            data = wire.parse_chunk(msg, k, self.r.codec.encoded_size(b - a))
+            values = self.r.codec.decode_view(data, scratch)  # no copy when lossless
+        except (BadContributionError, CodecError) as e:
+            self.exclude(s, f"malformed chunk {k}: {e}")
+            return
+        if not is_finite(values):
+            self.exclude(s, f"non-finite values in chunk {k}")
+            return
+        w = self.weights[s]
+        if w != 1.0:
+            values = np.multiply(values, np.float32(w), out=scratch)
+        self.acc[a:b] += values
+        self.wsum[k] += w
+        self.cmask[k].add(s)
+        self.r.count("down", len(data))
+        self.changes.notify()
+
+    async def _send_results(self, s: int, ms: MessageStream) -> None:
+        try:
+            await self._send_results_to(s, ms)
+        except P2PError as e:
+            self._died(s, f"sending results failed: {e}")
+
+    async def _send_results_to(self, s: int, ms: MessageStream) -> None:
+        r = self.r
+        heartbeat = r.config.stall_timeout / 3
+        k = 0
+        while True:
+            while k < self.done:
+                await ms.send(wire.result(k, self.enc[k], self.final_masks[k]))
+                r.count("up", len(self.enc[k]))
+                k += 1
+                self.last_sent[s] = trio.current_time()
+                if k == len(self.chunks):
+                    self.sent_all_at[s] = self.last_sent[s]
+                    self.changes.notify()
+            if self.commit is not None and k == self.done == len(self.chunks):
+                break
+            if s not in self.receivers:
+                return
+            if not await self.changes.wait(trio.current_time() + heartbeat):
+                await ms.send(wire.simple("hb"))
+                self.last_sent[s] = trio.current_time()
+        if s in self.commit:
+            await ms.send(wire.simple("commit"))
+        else:
+            ms.reset("no ack in time")

@@ -1,0 +1,209 @@
+"""Repair of a share whose reducer failed: the coordinator's side and the final transfer.
+
+The coordinator waits for the survivors (each sends how many leading chunks of the share it
+holds), relays the longest prefix any of them holds, re-reduces the rest from their own
+vectors, and sends every participant the same float32 values. It refuses to act alone, so no
+member ever ends a round with a value nobody else holds.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import numpy as np
+import trio
+
+from p2p.rpc import MessageStream
+
+from . import wire
+from .codecs import is_finite
+from .errors import BadContributionError, ShareLostError
+from .sync import F32, Changes
+
+if TYPE_CHECKING:
+    from .butterfly import Round
+
+logger = logging.getLogger(__name__)
+
+
+class Repair:
+    """Coordinator state for re-reducing one lost share from the survivors."""
+
+    def __init__(self, rnd: Round, j: int) -> None:
+        self.r, self.j = rnd, j
+        self.n_chunks = len(rnd.chunks[j])
+        self.length = rnd.bounds[j + 1] - rnd.bounds[j]
+        self.joined: dict[int, wire.Hello] = {}
+        self.delivered: set[int] = set()
+        self.plan: tuple[int, int, int] | None = None  # (holder, relay from, prefix H)
+        self.acc = np.zeros(self.length, np.float32)
+        self.wsum = np.zeros(self.n_chunks, np.float64)
+        self.cmask: list[set[int]] = [set() for _ in range(self.n_chunks)]
+        self.base = np.zeros(self.length, np.float32)  # relayed prefix values
+        self.base_masks: list[frozenset[int] | None] = [None] * self.n_chunks
+        self.values: np.ndarray | None = None
+        self.masks: tuple[frozenset[int], ...] = ()
+        self.changes = Changes()
+        self.planned = trio.Event()
+        self.ready = trio.Event()
+        self._claimed = False
+
+    def claim(self) -> bool:
+        first = not self._claimed
+        self._claimed = True
+        return first
+
+    def _own_held(self) -> int:
+        return self.r.held.get(self.j, 0) if self.r.is_sender else 0
+
+    async def drive(self) -> None:
+        r, j = self.r, self.j
+        try:
+            dead = r.reducer.dead if r.reducer is not None else set()
+            expected = set(r.senders) - {j, r.me} - dead
+            while not expected <= set(self.joined) and trio.current_time() < r.join_at:
+                await self.changes.wait(r.join_at)
+            if not self.joined:  # alone we could only make up a private value: refuse
+                logger.warning("repair of share %d: no other member joined; giving up", j)
+                return
+            held = {s: h.held for s, h in self.joined.items()}
+            own = self._own_held()
+            if r.is_sender:
+                held[r.me] = own
+            prefix = max(held.values(), default=0)
+            holder = (
+                min((s for s, v in held.items() if v == prefix), key=lambda s: (s != r.me, s))
+                if held
+                else r.me
+            )
+            relay_from = own if holder != r.me else prefix
+            self.plan = (holder, relay_from, prefix)
+            if r.out is not None:
+                a = r.bounds[j]
+                for k in range(min(own, prefix)):
+                    x, y = r.chunks[j][k]
+                    self.base[x:y] = r.out[a + x : a + y]
+                    self.base_masks[k] = r.masks[j][k]
+            if r.is_sender and not r.abstain:
+                assert r.vec is not None
+                for k in range(prefix, self.n_chunks):
+                    x, y = r.chunks[j][k]
+                    self.acc[x:y] = r.vec[r.bounds[j] + x : r.bounds[j] + y] * np.float32(r.weight)
+                    self.wsum[k] = r.weight
+                    self.cmask[k].add(r.me)
+            self.planned.set()
+            while not set(self.joined) <= self.delivered and trio.current_time() < r.data_at:
+                await self.changes.wait(r.data_at)
+            if any(m is None for m in self.base_masks[:prefix]):
+                logger.warning("repair of share %d: the holder of its prefix did not deliver", j)
+                return
+            values = self.base.copy()
+            masks = list(self.base_masks[:prefix])
+            for k in range(prefix, self.n_chunks):
+                x, y = r.chunks[j][k]
+                total = np.float32(self.wsum[k]) if self.wsum[k] > 0 else np.float32(1)
+                avg = self.acc[x:y] / total
+                data = r.codec.encode(avg.astype(np.float32, copy=False))
+                values[x:y] = r.codec.decode(data, y - x)
+                masks.append(frozenset(self.cmask[k]))
+            self.values, self.masks = values, tuple(masks)
+        finally:
+            self.planned.set()
+            self.ready.set()
+
+    async def serve(self, h: wire.Hello, ms: MessageStream) -> None:
+        s, r = h.sender, self.r
+        if self.plan is None and s not in self.joined:
+            self.joined[s] = h
+            self.changes.notify()
+        await self.planned.wait()
+        if self.plan is None or s not in self.joined:  # failed, or a latecomer: send finals only
+            await ms.send(wire.need((0, 0), (0, 0)))
+            await expect_done(ms)
+        else:
+            holder, relay_from, prefix = self.plan
+            relay = (relay_from, prefix) if s == holder else (0, 0)
+            parts = (prefix, self.n_chunks) if not h.abstain and h.weight > 0 else (0, 0)
+            await ms.send(wire.need(relay, parts))
+            with trio.move_on_at(r.data_at):
+                await self._receive_data(s, h, ms, relay, parts)
+                self.delivered.add(s)
+                self.changes.notify()
+        await self.ready.wait()
+        if self.values is None:
+            await ms.send(wire.simple("err", e="share could not be repaired"))
+            return
+        await send_finals(ms, r, self.j, self.values, self.masks)
+
+    async def _receive_data(
+        self,
+        s: int,
+        h: wire.Hello,
+        ms: MessageStream,
+        relay: tuple[int, int],
+        parts: tuple[int, int],
+    ) -> None:
+        r, j = self.r, self.j
+        for k in range(*relay):
+            x, y = r.chunks[j][k]
+            msg = await ms.receive()
+            if wire.kind_of(msg) != "held":
+                raise BadContributionError("expected held chunk")
+            data = wire.parse_chunk(msg, k, 4 * (y - x))
+            mask = wire.parse_contributors(msg, r.senders)
+            values = np.frombuffer(data, F32).astype(np.float32)
+            if not is_finite(values):
+                raise BadContributionError("non-finite relayed chunk")
+            self.base[x:y] = values
+            self.base_masks[k] = mask
+        for k in range(*parts):
+            x, y = r.chunks[j][k]
+            msg = await ms.receive()
+            if wire.kind_of(msg) != "part":
+                raise BadContributionError("expected part")
+            data = wire.parse_chunk(msg, k, r.codec.encoded_size(y - x))
+            values = r.codec.decode(data, y - x)
+            if not is_finite(values):
+                logger.warning("repair: non-finite chunk %d from %s excluded", k, r.name(s))
+                continue
+            if self.ready.is_set():
+                return
+            self.acc[x:y] += values * np.float32(h.weight)
+            self.wsum[k] += h.weight
+            self.cmask[k].add(s)
+        await expect_done(ms)
+
+
+async def expect_done(ms: MessageStream) -> None:
+    if wire.kind_of(await ms.receive()) != "done":
+        raise BadContributionError("expected done")
+
+
+async def send_finals(
+    ms: MessageStream, r: Round, j: int, values: np.ndarray, masks: Sequence[frozenset[int]]
+) -> None:
+    for k, (x, y) in enumerate(r.chunks[j]):
+        await ms.send(wire.result(k, values[x:y].astype(F32).tobytes(), masks[k], "final"))
+    await ms.send(wire.simple("end"))
+
+
+async def receive_finals(
+    ms: MessageStream, r: Round, j: int
+) -> tuple[np.ndarray, list[frozenset[int]]]:
+    values = np.zeros(r.bounds[j + 1] - r.bounds[j], np.float32)
+    masks = []
+    for k, (x, y) in enumerate(r.chunks[j]):
+        msg = await ms.receive()
+        if wire.kind_of(msg) == "err":
+            raise ShareLostError(f"coordinator could not repair share {j}", shares=(j,))
+        data = wire.parse_chunk(msg, k, 4 * (y - x))
+        chunk = np.frombuffer(data, F32).astype(np.float32)
+        if not is_finite(chunk):
+            raise BadContributionError("non-finite repaired chunk")
+        values[x:y] = chunk
+        masks.append(wire.parse_contributors(msg, r.senders))
+    if wire.kind_of(await ms.receive()) != "end":
+        raise BadContributionError("expected end")
+    return values, masks
