@@ -59,6 +59,7 @@ def test_lookups_find_the_true_k_nearest() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(3600)
 def test_lookups_find_the_true_k_nearest_500() -> None:
     top1, overlap, _ = run_sim(_lookup_accuracy, 500, 50, 2)
     assert top1 >= 0.95, top1
