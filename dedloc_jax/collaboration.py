@@ -11,8 +11,10 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import time
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -29,7 +31,7 @@ from dedloc_jax.averaging import (
 from dedloc_jax.config import CollaborationConfig
 from dedloc_jax.host import AveragingOutcome
 from dedloc_jax.matchmaking import Matchmaker, member_for
-from dedloc_jax.progress import CollaborationEstimate, refresh_delay
+from dedloc_jax.progress import CollaborationEstimate, estimate_collaboration, refresh_delay
 from dedloc_jax.state_sync import StateServer, StateSyncError, download_state
 from dedloc_jax.timing import averaging_timeout, matchmaking_window
 from dedloc_jax.tracker import ProgressTracker
@@ -41,6 +43,23 @@ from p2p.node import NodeConfig, open_node
 from p2p.transport import Transport
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ProgressSnapshot:
+    """The others' progress at one instant: lets a training thread decide without a hop."""
+
+    epoch: int
+    others_samples: float
+    others_samples_per_second: float
+    at: float  # time.monotonic() of the snapshot
+    max_extrapolation: float
+
+    def ready(self, epoch: int, samples: int, target: int) -> bool:
+        if self.epoch > epoch:
+            return False
+        elapsed = min(max(0.0, time.monotonic() - self.at), self.max_extrapolation)
+        return samples + self.others_samples + elapsed * self.others_samples_per_second >= target
 
 
 class CollaborationCore:
@@ -76,6 +95,27 @@ class CollaborationCore:
     @property
     def estimate(self) -> CollaborationEstimate:
         return self.tracker.current_estimate()
+
+    def snapshot(self) -> ProgressSnapshot:
+        """What the other peers hold now, for deciding outside the trio thread."""
+        me = self.tracker.peer_id
+        others = [r for pid, r in self.tracker.records.items() if pid != me]
+        cap = self.config.max_refresh * 2 if self.config.extrapolate else 0.0
+        est = estimate_collaboration(
+            [*others, self.tracker.own_progress()],
+            now=self.dht.now(),
+            target_batch_size=self.config.target_batch_size,
+            max_extrapolation=cap,
+        )
+        rest = estimate_collaboration(
+            [r for r in others if r.epoch == est.epoch],
+            now=self.dht.now(),
+            target_batch_size=self.config.target_batch_size,
+            max_extrapolation=cap,
+        )
+        return ProgressSnapshot(
+            est.epoch, rest.samples, rest.samples_per_second, time.monotonic(), cap
+        )
 
     @property
     def behind(self) -> bool:
@@ -270,6 +310,7 @@ class Collaboration:
         self._dht_config = dht_config or DHTConfig.fast()
         self._transport = transport
         self._thread: TrioThread | None = None
+        self._snapshot: ProgressSnapshot | None = None
         self._stop: trio.Event | None = None
         self.core: CollaborationCore | None = None
 
@@ -359,14 +400,31 @@ class Collaboration:
 
     # --- CollaborationHost ---------------------------------------------------------------
     def report_progress(self, epoch: int, samples: int, batch_size: int) -> bool:
+        """Called on every micro-step: posts the numbers to the trio thread without waiting,
+        and decides from the last snapshot of the others' progress plus our exact samples."""
         thread, core = self._core()
-        return thread.run_sync(core.report, epoch, samples, batch_size)
+        snap = self._snapshot
+        if snap is None or snap.epoch != epoch:
+            ready = thread.run_sync(core.report, epoch, samples, batch_size)
+            self._snapshot = thread.run_sync(core.snapshot)
+            return ready
+        thread.post(self._apply_report, core, epoch, samples, batch_size)
+        return snap.ready(epoch, samples, self.config.target_batch_size)
+
+    def _apply_report(
+        self, core: CollaborationCore, epoch: int, samples: int, batch_size: int
+    ) -> None:
+        core.report(epoch, samples, batch_size)
+        self._snapshot = core.snapshot()
 
     def average_gradients(
         self, epoch: int, gradients: Sequence[np.ndarray], samples: int
     ) -> AveragingOutcome:
         thread, core = self._core()
-        return thread.run(core.average, epoch, list(gradients), samples)
+        try:
+            return thread.run(core.average, epoch, list(gradients), samples)
+        finally:
+            self._snapshot = None
 
     # --- state sync ----------------------------------------------------------------------
     def share_state(self, arrays: Sequence[np.ndarray], epoch: int) -> None:

@@ -105,6 +105,25 @@ class TrioThread:
         except trio.RunFinishedError as e:
             raise BridgeError("trio thread stopped") from e
 
+    def post(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Queue a synchronous ``fn(*args)`` to run in the loop thread; returns at once.
+
+        For hot paths (a training step reporting progress) that must not wait for the loop.
+        Callbacks run in the order posted, before any later :meth:`run`. Errors are logged.
+        """
+        token = self._check()
+
+        def call() -> None:
+            try:
+                fn(*args)
+            except Exception:  # a posted callback has no caller to raise to
+                logger.exception("callback posted to the trio thread failed")
+
+        try:
+            token.run_sync_soon(call)
+        except trio.RunFinishedError as e:
+            raise BridgeError("trio thread stopped") from e
+
     def start_service(self, async_fn: Callable[..., Awaitable[Any]], *args: Any) -> Any:
         """Start a long-lived task in the loop's nursery via ``nursery.start``.
 

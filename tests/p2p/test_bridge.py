@@ -88,3 +88,14 @@ def test_sync_node_with_its_own_thread_closes_cleanly() -> None:
         own = a.thread
     assert not own.running
     a.close()  # idempotent
+
+
+def test_post_runs_callbacks_in_order_without_waiting() -> None:
+    from p2p.bridge import TrioThread
+
+    seen: list[int] = []
+    with TrioThread() as thread:
+        for i in range(100):
+            thread.post(seen.append, i)
+        # A later blocking call runs after every callback posted before it.
+        assert thread.run_sync(lambda: list(seen)) == list(range(100))
