@@ -44,6 +44,8 @@ def run_round(
         async with open_sim_nodes(net, len(modes)) as nodes:
             for i, node in enumerate(nodes):
                 install(node, cfg)
+                if modes[i] == "client":  # behind NAT: it can only dial out
+                    host_of(net, node).reachable = False
                 if bandwidth is not None:
                     net.set_bandwidth(host_of(net, node), *bandwidth[i])
             members = tuple(

@@ -55,12 +55,15 @@ def test_round_over_tcp_with_a_client_is_exact_and_identical():
             async with trio.open_nursery() as nursery:
                 for i in range(len(nodes)):
                     nursery.start_soon(one, i)
+            client = nodes[3]
+            peers = client.connected_peers()
+            assert len(peers) == 3  # it reached every reducer...
+            assert all(client.connection_to(p).outbound for p in peers)  # ...dialing them all
             return [m.peer_id for m in members]
 
     names = trio.run(main)
     results = check_survivors(outcome, trees, weights, names, rtol=0, atol=1e-2)
     assert len(results) == 4
-    # the client accepted no connection: every connection it has, it dialed
     assert all(s.contributors == frozenset(names) for s in results[0].shares)
 
 
