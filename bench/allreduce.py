@@ -215,7 +215,10 @@ def run_loopback(peers: int, size: int, clients: int, codec: str, rounds: int) -
 # ---- simulator: heterogeneous links ---------------------------------------------------------
 
 
-def run_sim_hetero(size: int, codec: str) -> dict:
+def _sim_case(
+    modes: list[str], links_mbit: list[tuple[float, float]], size: int, codec: str
+) -> dict:
+    """One heterogeneous simulated round with the LP's split and with an equal split."""
     import trio
 
     from dedloc_jax.averaging import (
@@ -233,12 +236,14 @@ def run_sim_hetero(size: int, codec: str) -> dict:
     from p2p.testing import host_of, open_sim_nodes, run_sim
 
     mbit = 1e6 / 8
-    links = [(u * mbit, 100 * mbit) for u in (10, 25, 50, 100)]
+    links = [(u * mbit, d * mbit) for u, d in links_mbit]
     vectors = [_vector(i, size) for i in range(len(links))]
     wire_bytes = get_codec(codec).encoded_size(size)
-    members_model = [Member(f"p{i}", "node", u, d) for i, (u, d) in enumerate(links)]
-    lp = solve_shares(members_model)
-    splits = {"lp": lp.parts, "equal": fractions_to_parts(equal_split(members_model))}
+    model = [
+        Member(f"p{i}", m, u, d) for i, (m, (u, d)) in enumerate(zip(modes, links, strict=True))
+    ]
+    lp = solve_shares(model)
+    splits = {"lp": lp.parts, "equal": fractions_to_parts(equal_split(model))}
     config = AllReduceConfig.internet().with_(chunk_elems=1 << 16)
     times: dict[str, float] = {}
 
@@ -247,16 +252,17 @@ def run_sim_hetero(size: int, codec: str) -> dict:
         async def main(parts: tuple[int, ...] = parts, label: str = label) -> None:
             net = SimNetwork(seed=0)
             async with open_sim_nodes(net, len(links)) as nodes:
-                for node, (up, down) in zip(nodes, links, strict=True):
+                for node, mode, (up, down) in zip(nodes, modes, links, strict=True):
                     install(node, config)
                     net.set_bandwidth(host_of(net, node), up, down)
+                    host_of(net, node).reachable = mode != "client"
                     for other in nodes:
                         if other is not node:
                             node.peerstore.add_addrs(other.peer_id, other.addrs)
                 spec = GroupSpec(
                     tuple(
-                        Member(str(n.peer_id), "node", u, d)
-                        for n, (u, d) in zip(nodes, links, strict=True)
+                        Member(str(n.peer_id), m, u, d)
+                        for n, m, (u, d) in zip(nodes, modes, links, strict=True)
                     ),
                     b"hetero",
                     parts,
@@ -278,22 +284,42 @@ def run_sim_hetero(size: int, codec: str) -> dict:
                 times[label] = trio.current_time() - t0
 
         run_sim(main)
-    equal_model = predicted_time(members_model, equal_split(members_model), wire_bytes)
     bound = lp.lower_bound(wire_bytes)
-    for label in splits:
-        print(f"sim {label:5s} split: round {times[label]:.2f} s (virtual)")
-    print(f"LP bound {bound:.2f} s; model time of the equal split {equal_model:.2f} s")
-    print(f"LP fractions {[round(f, 4) for f in lp.fractions]}")
+    print(f"  members {list(zip(modes, links_mbit, strict=True))} (Mbit/s up, down)")
+    print(f"  LP fractions {[round(f, 4) for f in lp.fractions]}")
+    print(
+        f"  LP split {times['lp']:.2f} s, equal split {times['equal']:.2f} s (virtual); "
+        f"LP bound {bound:.2f} s, model time of the equal split "
+        f"{predicted_time(model, equal_split(model), wire_bytes):.2f} s"
+    )
     return {
-        "sim_hetero": True,
-        "uplinks_mbit": [10, 25, 50, 100],
-        "size": size,
-        "codec": codec,
         "seconds": times["lp"],
         "lp_bound_seconds": bound,
         "equal_split_seconds": times["equal"],
         "ratio_to_bound": times["lp"] / bound,
         "speedup_vs_equal": times["equal"] / times["lp"],
+    }
+
+
+def run_sim_hetero(size: int, codec: str) -> dict:
+    """Two cases: four nodes with 10/25/50/100 Mbit/s uplinks and 100 Mbit/s downlinks, and a
+    mix of symmetric nodes, a client and a fast aux peer."""
+    print("case 1: asymmetric home links")
+    first = _sim_case(["node"] * 4, [(10, 100), (25, 100), (50, 100), (100, 100)], size, codec)
+    print("case 2: nodes 25/50/100 symmetric, client 50/50, aux 200/200")
+    mixed = _sim_case(
+        ["node", "node", "node", "client", "aux"],
+        [(25, 25), (50, 50), (100, 100), (50, 50), (200, 200)],
+        size,
+        codec,
+    )
+    return {
+        "sim_hetero": True,
+        "uplinks_mbit": [10, 25, 50, 100],
+        "size": size,
+        "codec": codec,
+        **first,
+        "mixed": mixed,
     }
 
 

@@ -107,7 +107,7 @@ class AveragingService:
         now = trio.current_time()
         self._finished[rnd.round_id] = (now + self.config.linger, rnd)
         while self._finished and (
-            len(self._finished) > 4 or next(iter(self._finished.values()))[0] < now
+            len(self._finished) > 2 or next(iter(self._finished.values()))[0] < now
         ):
             self._finished.popitem(last=False)
 
