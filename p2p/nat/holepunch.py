@@ -22,7 +22,7 @@ from typing import Any
 
 import trio
 
-from p2p.errors import MultiaddrError, P2PError, ProtocolError
+from p2p.errors import ConnectionClosed, MultiaddrError, P2PError, ProtocolError
 from p2p.identity import PeerID
 from p2p.multiaddr import Multiaddr
 from p2p.rpc import CallContext, MessageStream
@@ -185,23 +185,28 @@ class HolePuncher:
         if not self.supported or not self._relayed(peer):
             return False
         sock, mine = await self._prepare()
-        result = None
         try:
-            with trio.fail_after(self.config.exchange_timeout):
-                async with self.node.open_stream(peer, UPGRADE) as ms:
+            async with self.node.open_stream(peer, UPGRADE) as ms:
+                with trio.fail_after(self.config.exchange_timeout):
                     start = trio.current_time()
                     await ms.send({"addrs": mine})
                     answer = await ms.receive()
                     rtt = trio.current_time() - start
-                    theirs = parse_punch_addrs(
-                        answer.get("addrs") if isinstance(answer, dict) else None
-                    )
+                    offered = answer.get("addrs") if isinstance(answer, dict) else None
+                    theirs = parse_punch_addrs(offered)
                     await ms.send({"go": True})
-            logger.debug(
-                "hole punch with %s: ours %s, theirs %s, rtt %.3f s", peer, mine, theirs, rtt
-            )
-            await trio.sleep(rtt / 2)
-            result = await connect_from(self._local_ip(), sock, theirs, self.config)
+                    await ms.send_eof()
+                logger.debug("hole punch with %s: %s <-> %s, rtt %.3f s", peer, mine, theirs, rtt)
+                await trio.sleep(rtt / 2)  # "go" reaches the other side about now
+                result = await connect_from(self._local_ip(), sock, theirs, self.config)
+                # Let the responder end the stream: closing it first would reset it, and a
+                # reset that overtakes "go" would cancel the responder's side of the punch.
+                with trio.move_on_after(self.config.exchange_timeout):
+                    try:
+                        async for _ in ms:
+                            pass
+                    except ConnectionClosed:
+                        pass
         except (P2PError, trio.TooSlowError) as e:
             logger.info("hole punch with %s: exchange failed: %s", peer, e)
             sock.close()
@@ -216,21 +221,24 @@ class HolePuncher:
         peer = ctx.remote_peer
         if ctx.remote_addr is None or not ctx.remote_addr.is_relayed or not self.supported:
             raise ProtocolError("hole punching is only for relayed connections over TCP")
-        with trio.fail_after(self.config.exchange_timeout):
+        with trio.move_on_after(self.config.exchange_timeout) as scope:
             request = await ms.receive()
-            theirs = parse_punch_addrs(request.get("addrs") if isinstance(request, dict) else None)
-            sock, mine = await self._prepare()
-            try:
+        if scope.cancelled_caught:
+            raise ProtocolError("hole punch: no addresses from the initiator in time")
+        theirs = parse_punch_addrs(request.get("addrs") if isinstance(request, dict) else None)
+        sock, mine = await self._prepare()
+        try:
+            with trio.move_on_after(self.config.exchange_timeout) as scope:
                 await ms.send({"addrs": mine})
                 go = await ms.receive()
-            except BaseException:
-                sock.close()
-                raise
-        if go != {"go": True}:
+            if scope.cancelled_caught or go != {"go": True}:
+                raise ProtocolError("hole punch: no go from the initiator")
+        except BaseException:
             sock.close()
-            raise ProtocolError("hole punch: expected go")
+            raise
         logger.debug("hole punch from %s: ours %s, theirs %s", peer, mine, theirs)
-        # not in this handler: the initiator closes the stream (cancelling us) once it said go
+        # in the manager's nursery: the punch, and the connection it makes, outlive this stream
+        # (and the relayed connection, which is drained once the direct one is up)
         self.nursery.start_soon(self._punch, peer, sock, theirs)
 
     async def _punch(
