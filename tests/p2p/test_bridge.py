@@ -99,3 +99,26 @@ def test_post_runs_callbacks_in_order_without_waiting() -> None:
             thread.post(seen.append, i)
         # A later blocking call runs after every callback posted before it.
         assert thread.run_sync(lambda: list(seen)) == list(range(100))
+
+
+def test_post_runs_callbacks_in_the_loop_thread_in_order(caplog: pytest.LogCaptureFixture) -> None:
+    with TrioThread() as thread:
+        seen: list[tuple[int, bool]] = []
+        loop_thread: list[threading.Thread] = []
+
+        def record(i: int) -> None:
+            seen.append((i, threading.current_thread() is loop_thread[0]))
+
+        def fail() -> None:
+            raise RuntimeError("posted callback failed")
+
+        loop_thread.append(thread.run_sync(threading.current_thread))
+        for i in range(5):
+            thread.post(record, i)
+        thread.post(fail)
+        thread.post(record, 5)
+        thread.run(trio.sleep, 0)  # everything posted before this has run
+        assert seen == [(i, True) for i in range(6)]
+    assert "posted callback failed" in caplog.text
+    with pytest.raises(BridgeError):
+        thread.post(record, 6)
