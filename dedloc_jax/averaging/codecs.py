@@ -65,6 +65,11 @@ def _decode_view(
     return scratch
 
 
+def _exceeds(x: np.ndarray, limit: float) -> bool:
+    """Whether some value is beyond +-limit (two passes, no temporary array)."""
+    return x.size > 0 and (float(x.max()) > limit or float(x.min()) < -limit)
+
+
 def _bytes_view(a: np.ndarray) -> memoryview:
     """The bytes of a contiguous array without copying them (the p2p layer frames a
     memoryview without a copy; the array must not change until it is sent)."""
@@ -112,11 +117,9 @@ class Float16Compression:
 
     def encode(self, x: np.ndarray) -> memoryview:
         x = _as_f32(x)
-        with np.errstate(over="ignore"):
-            y = x.astype("<f2")
-        if not np.isfinite(y).all():  # overflow (or non-finite input): clip, then convert again
-            y = np.clip(x, -_F16_MAX, _F16_MAX).astype("<f2")
-        return _bytes_view(y)
+        if _exceeds(x, _F16_MAX):
+            x = np.clip(x, -_F16_MAX, _F16_MAX)
+        return _bytes_view(x.astype("<f2"))
 
     lossless = False
 
@@ -143,10 +146,9 @@ class BFloat16Compression:
 
     def encode(self, x: np.ndarray) -> memoryview:
         x = _as_f32(x)
-        y = x.astype(ml_dtypes.bfloat16)
-        if not np.isfinite(y.astype(np.float32)).all():
-            y = np.clip(x, -_BF16_MAX, _BF16_MAX).astype(ml_dtypes.bfloat16)
-        return _bytes_view(y.view(np.uint16))
+        if _exceeds(x, _BF16_MAX):
+            x = np.clip(x, -_BF16_MAX, _BF16_MAX)
+        return _bytes_view(x.astype(ml_dtypes.bfloat16).view(np.uint16))
 
     lossless = False
 
