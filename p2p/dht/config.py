@@ -24,6 +24,8 @@ class DHTConfig:
     cache_on_path: bool = True  # cache found values at the closest node on the path lacking them
     cache_size: int = 10_000  # cached records kept (LRU)
     max_keys: int = 100_000  # stored keys (new keys refused beyond)
+    max_storage_bytes: int = 256 << 20  # bytes of records stored (new ones refused beyond)
+    cache_bytes: int = 64 << 20
     max_subkeys: int = 10_000  # subkeys per dictionary value
     max_value_bytes: int = 256 * 1024  # serialized value size
     max_key_chars: int = 512

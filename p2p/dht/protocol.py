@@ -71,8 +71,12 @@ class DHTProtocol:
         self.client_mode = client_mode
         self.local_id = node_id(node.peer_id)
         self.routing = RoutingTable(self.local_id, config.k, config.replacement_cache_size)
-        self.storage = LocalStorage(config.max_keys, config.max_subkeys)
-        self.cache = LocalStorage(config.cache_size, config.max_subkeys, lru=True)
+        self.storage = LocalStorage(
+            config.max_keys, config.max_subkeys, max_bytes=config.max_storage_bytes
+        )
+        self.cache = LocalStorage(
+            config.cache_size, config.max_subkeys, lru=True, max_bytes=config.cache_bytes
+        )
         self.blacklist = Blacklist(config.blacklist_base, config.blacklist_max)
         self.limits = Limits(
             max_addrs=config.max_addrs_per_peer,

@@ -106,11 +106,13 @@ class KeyState:
 
     plain: Record | None = None
     subs: dict[str, Record] = field(default_factory=dict)
+    nbytes: int = 0  # approximate memory held (values, subkeys, proofs)
 
     def apply(self, rec: Record, max_subkeys: int) -> bool:
         """Take ``rec`` into its slot if newer; True when it is now part of the visible value."""
         if rec.subkey is None:
             if self.plain is None or rec.newer_than(self.plain):
+                self.nbytes += record_size(rec) - (record_size(self.plain) if self.plain else 0)
                 self.plain = rec
             elif not rec.same_as(self.plain):
                 return False
@@ -120,8 +122,10 @@ class KeyState:
                 if len(self.subs) >= max_subkeys:
                     return False
                 self.subs[rec.subkey] = rec
+                self.nbytes += record_size(rec)
             elif rec.newer_than(old):
                 self.subs[rec.subkey] = rec
+                self.nbytes += record_size(rec) - record_size(old)
             elif not rec.same_as(old):
                 return False
         return self.visible(rec)
@@ -147,10 +151,16 @@ class KeyState:
     def drop_expired(self, now: float) -> bool:
         """Forget expired slots; True when nothing is left."""
         if self.plain is not None and self.plain.expiration <= now:
+            self.nbytes -= record_size(self.plain)
             self.plain = None
         for sub in [s for s, r in self.subs.items() if r.expiration <= now]:
-            del self.subs[sub]
+            self.nbytes -= record_size(self.subs.pop(sub))
         return self.plain is None and not self.subs
+
+
+def record_size(rec: Record) -> int:
+    """Approximate bytes a stored record holds (for the store's memory bound)."""
+    return 100 + len(rec.key) + len(rec.subkey or "") + len(rec.value) + len(rec.proof or b"")
 
 
 def view_records(view: View | None) -> list[Record]:

@@ -12,14 +12,22 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterator
 
-from p2p.dht.records import KeyState, Record, View, view_records
+from p2p.dht.records import KeyState, Record, View, record_size, view_records
 
 
 class LocalStorage:
-    def __init__(self, max_keys: int = 100_000, max_subkeys: int = 10_000, lru: bool = False):
+    def __init__(
+        self,
+        max_keys: int = 100_000,
+        max_subkeys: int = 10_000,
+        lru: bool = False,
+        max_bytes: int = 256 << 20,
+    ) -> None:
         self.max_keys = max_keys
         self.max_subkeys = max_subkeys
+        self.max_bytes = max_bytes
         self.lru = lru
+        self.nbytes = 0  # approximate bytes held by all keys
         self._data: OrderedDict[str, KeyState] = OrderedDict()
         self._received: dict[str, float] = {}  # key -> last time a STORE brought it
 
@@ -34,24 +42,38 @@ class LocalStorage:
         if rec.expiration <= now:
             return False
         state = self._live(rec.key, now)
-        if state is None:
-            if len(self._data) >= self.max_keys:
-                self.purge(now)
-            if len(self._data) >= self.max_keys:
-                if not self.lru:
+        if state is None and len(self._data) >= self.max_keys:
+            self.purge(now)
+            if len(self._data) >= self.max_keys and not self._evict_lru(rec.key):
+                return False
+        if self.nbytes + record_size(rec) > self.max_bytes:
+            self.purge(now)
+            while self.nbytes + record_size(rec) > self.max_bytes:
+                if not self._evict_lru(rec.key):
                     return False
-                oldest = next(iter(self._data))
-                del self._data[oldest]
-                self._received.pop(oldest, None)
+            state = self._live(rec.key, now)
+        if state is None:
             state = self._data[rec.key] = KeyState()
         elif self.lru:
             self._data.move_to_end(rec.key)
+        before = state.nbytes
         held = state.apply(rec, self.max_subkeys)
+        self.nbytes += state.nbytes - before
         if state.plain is None and not state.subs:
             del self._data[rec.key]
         if held:
             self._received[rec.key] = now
         return held
+
+    def _evict_lru(self, keep: str) -> bool:
+        """In a cache, forget the least recently used key (not ``keep``); False otherwise."""
+        if not self.lru:
+            return False
+        for key in self._data:
+            if key != keep:
+                self.remove(key)
+                return True
+        return False
 
     def get(self, key: str, now: float) -> View | None:
         """The visible value of ``key`` (a dictionary is a fresh copy)."""
@@ -65,7 +87,10 @@ class LocalStorage:
     def remove(self, key: str) -> bool:
         """Forget a key (a node that lost its data, or an operator clearing it)."""
         self._received.pop(key, None)
-        return self._data.pop(key, None) is not None
+        state = self._data.pop(key, None)
+        if state is not None:
+            self.nbytes -= state.nbytes
+        return state is not None
 
     def last_received(self, key: str) -> float | None:
         return self._received.get(key)
@@ -92,7 +117,10 @@ class LocalStorage:
         state = self._data.get(key)
         if state is None:
             return None
-        if state.drop_expired(now):
+        before = state.nbytes
+        empty = state.drop_expired(now)
+        self.nbytes += state.nbytes - before
+        if empty:
             del self._data[key]
             self._received.pop(key, None)
             return None

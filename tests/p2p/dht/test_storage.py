@@ -192,3 +192,23 @@ def test_clock_uses_median_offset() -> None:
     for i in range(5):
         clock.observe(f"q{i}", 1000.0 - 3.0, 1000.0, 1000.0)
     assert clock.now() == pytest.approx(997.0, abs=1e-9) or clock.offset == -3.0
+
+
+def test_memory_bound_refuses_or_evicts() -> None:
+    big = 10_000
+    s = LocalStorage(max_bytes=3 * big)
+    assert s.store(Record("a", None, b"x" * big, 10.0), 0)
+    assert s.store(Record("b", None, b"x" * big, 10.0), 0)
+    assert not s.store(Record("c", None, b"x" * big, 10.0), 0)  # storage refuses
+    assert s.store(Record("c", None, b"x" * big, 20.0), 11.0)  # expired ones made room
+    assert 0 < s.nbytes <= 3 * big
+    # replacing a record accounts the difference; removal gives it back
+    assert s.store(Record("c", None, b"y" * 10, 30.0), 11.0)
+    assert s.nbytes < big
+    s.remove("c")
+    assert s.nbytes == 0
+    cache = LocalStorage(max_bytes=3 * big, lru=True)
+    for key in "abcd":
+        assert cache.store(Record(key, None, b"x" * big, 10.0), 0)  # the cache evicts
+    assert cache.get("a", 0) is None and cache.get("d", 0) is not None
+    assert cache.nbytes <= 3 * big
