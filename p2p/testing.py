@@ -8,6 +8,7 @@ on simulated hosts. Everything in :mod:`p2p.sim` is re-exported here.
 from __future__ import annotations
 
 import logging
+import math
 import random
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
@@ -51,15 +52,29 @@ def _seed_trio_scheduler(seed: int) -> None:
         logger.warning("cannot seed trio's scheduler; runs may not repeat exactly")
 
 
-def run_sim(async_fn: Callable[..., Awaitable[T]], *args: Any, seed: int | None = 0) -> T:
+def run_sim(
+    async_fn: Callable[..., Awaitable[T]],
+    *args: Any,
+    seed: int | None = 0,
+    timeout: float | None = None,
+) -> T:
     """``trio.run(async_fn, *args)`` in virtual time; returns its result.
 
     With ``seed`` (default 0) trio's scheduler is seeded too, so a simulation whose code uses
     only ``SimNetwork(seed)`` randomness repeats event for event; ``seed=None`` leaves it alone.
+    ``timeout`` (virtual seconds) raises :class:`trio.TooSlowError` past it: use it where a bug
+    could leave every task blocked with no deadline, which under an autojumping MockClock
+    otherwise spins in real time until the test runner's own timeout.
     """
     if seed is not None:
         _seed_trio_scheduler(seed)
-    return trio.run(async_fn, *args, clock=trio.testing.MockClock(autojump_threshold=0))
+
+    async def main() -> T:
+        with trio.fail_after(math.inf if timeout is None else timeout):
+            return await async_fn(*args)
+        raise AssertionError("unreachable")  # pragma: no cover - fail_after raises
+
+    return trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
 
 
 def sim_identity(net: SimNetwork, index: int) -> Identity:

@@ -854,6 +854,15 @@ def test_500_hosts_exchange_messages():
     assert stats["bytes"] == 500 * 4 * 5 * 100
 
 
+def test_run_sim_timeout_turns_a_deadlock_into_an_error():
+    async def stuck():
+        await trio.Event().wait()  # nothing will ever set it, and no deadline is pending
+
+    with pytest.raises(trio.TooSlowError):
+        run_sim(stuck, timeout=60)
+    assert run_sim(trio.sleep, 5, timeout=60) is None
+
+
 def test_one_network_per_trio_run():
     net = SimNetwork()
     a, b = net.add_host("a"), net.add_host("b")
