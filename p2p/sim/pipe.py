@@ -181,6 +181,9 @@ class Pipe:
         else:
             self.inflight += n
             net.engine.at(deliver, self._arrive, n, owner=self)
+            # bytes now in propagation stop counting against the buffer: the writer may go on
+            if self.send_waiter is not None and self.send_space() >= self.wake_threshold():
+                self.send_waiter.cancel()
 
     def _arrive(self, n: int) -> None:
         if self.broken is not None:

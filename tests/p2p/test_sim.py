@@ -220,6 +220,7 @@ def test_random_traffic_arrives_intact_without_stalls(seed):
         (10 * MB, 2.5 * MB, 0.05, 0.0, 10 * MB),  # receiver's downlink is the bottleneck
         (math.inf, 0.5 * MB, 0.1, 0.1, 1 * MB),
         (math.inf, math.inf, 0.2, 0.05, 2 * MB),  # only latency
+        (100 * MB, 200 * MB, 0.05, 0.05, 20 * MB),  # bandwidth-delay product >> socket buffer
     ],
 )
 def test_transfer_time_matches_the_model(up, down, lat_a, lat_b, size):
