@@ -75,7 +75,7 @@ requests = msgpack_values | st.fixed_dictionaries(
 )
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(name=st.sampled_from(["ping", "store", "find"]), request=requests)
 def test_handlers_refuse_garbage_with_protocol_errors(name: str, request: object) -> None:
     proto = make_protocol()
