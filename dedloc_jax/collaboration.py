@@ -171,6 +171,10 @@ class CollaborationCore:
         )
         return AveragingOutcome(result, self.epoch, group_size)
 
+    def _peers_at(self, epoch: int) -> set[str]:
+        """Peers whose latest progress report is at ``epoch``: who should register."""
+        return {pid for pid, r in self.tracker.records.items() if r.epoch == epoch}
+
     async def run_aux(self, template: Sequence[np.ndarray], *, epochs: int | None = None) -> int:
         """Serve as an auxiliary peer: join every averaging round and reduce a share.
 

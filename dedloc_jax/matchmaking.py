@@ -162,12 +162,20 @@ class Matchmaker:
                 self._learn_addrs(names[0], reg)
         return found
 
-    async def form_group(self, epoch: int, me: Member, *, target: float = 0.0) -> GroupSpec | None:
+    async def form_group(
+        self,
+        epoch: int,
+        me: Member,
+        *,
+        target: float = 0.0,
+        expected: set[str] | frozenset[str] = frozenset(),
+    ) -> GroupSpec | None:
         """The group this peer averages with at ``epoch``, or None if it must go alone.
 
-        Registration stays open for one window and then, while the registered peers hold fewer
-        than ``target`` samples (this peer may have decided early on an extrapolated estimate),
-        a little longer, up to :attr:`max_wait`.
+        Registration stays open for one window, or less once every ``expected`` peer (those
+        the tracker sees at this epoch) has registered; then, while the registered peers hold
+        fewer than ``target`` samples (this peer may have decided early on an extrapolated
+        estimate), a little longer, up to :attr:`max_wait`.
         """
         window = self.window
         key = group_key(self.run_id, epoch)
@@ -180,9 +188,15 @@ class Matchmaker:
             )
         except (P2PError, InvalidRecordError) as e:
             log.warning("could not register for matchmaking: %s", e)
-        give_up = trio.current_time() + self.max_wait
-        await trio.sleep(window)
-        others = await self._registrations(key)
+        start = trio.current_time()
+        give_up = start + self.max_wait
+        expected = set(expected) - {self.peer_id}
+        while True:
+            await trio.sleep(window / 8)
+            others = await self._registrations(key)
+            everyone = bool(expected) and expected <= set(others)
+            if everyone or trio.current_time() - start >= window:
+                break
         while me.weight + sum(others.values()) < target and trio.current_time() < give_up:
             await trio.sleep(window / 2)
             others = await self._registrations(key)
@@ -205,15 +219,21 @@ class Matchmaker:
         that registered in our group) has not joined yet."""
         rnd = _LeaderRound(epoch, me, self.max_group_size)
         rnd.expected = expected
+        started = trio.current_time()
         self._rounds[epoch] = rnd
         for old in [e for e in self._rounds if e < epoch - 2]:
             del self._rounds[old]
         self._opened(epoch).set()
         try:
-            await trio.sleep(window)
+            # Close as soon as every peer we saw registered has joined; otherwise keep the
+            # door open for one window for peers we did not see, and longer (bounded) for
+            # those we did.
             with trio.move_on_after(self.max_wait):
-                while not rnd.expected <= set(rnd.joined):
-                    await rnd.changed.wait()
+                while not (rnd.expected <= set(rnd.joined)) or (
+                    not rnd.expected and trio.current_time() - started < window
+                ):
+                    with trio.move_on_after(window):
+                        await rnd.changed.wait()
                     rnd.changed = trio.Event()
             rnd.open = False
             if rnd.joined:
