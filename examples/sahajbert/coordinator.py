@@ -1,0 +1,197 @@
+"""The coordinator: the run's first peer, its monitor, checkpointer and state server.
+
+It opens the collaboration (others pass its address as ``--initial-peers``) as an ``aux``-mode
+peer that trains nothing, then polls: every peer's signed metrics from the DHT become one row
+per collaboration epoch (sample-weighted loss, samples/s, peers) appended to ``metrics.jsonl``
+and ``metrics.csv``; the live status goes to the dashboard and to ``status.json``. Every
+``checkpoint_every`` epochs it downloads the collaboration's state (verified, from the
+trainers), saves an orbax checkpoint, announces it in the DHT, and serves that state to
+newcomers itself, so a run whose trainers all left can still be resumed.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import logging
+import os
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from examples.sahajbert import checkpoint, metrics, trainer, training
+from examples.sahajbert.config import NetConfig, TrainerConfig
+from examples.sahajbert.dashboard import Dashboard, clean_json
+
+log = logging.getLogger(__name__)
+
+CSV_FIELDS = ("epoch", "loss", "samples", "peers", "seconds", "samples_per_second", "time")
+
+
+@dataclass(frozen=True)
+class CoordinatorOptions:
+    out_dir: Path = Path("sahajbert-run")  # metrics.jsonl, metrics.csv, status.json
+    checkpoint_dir: Path | None = None  # default: out_dir / "checkpoints"
+    checkpoint_every: int = 10  # epochs
+    dashboard_port: int = 0  # 0: any free port (printed)
+    poll_interval: float = 0.5
+    exit_after_epoch: int | None = None  # stop once this epoch is checkpointed (demo, tests)
+    addr_file: Path | None = None  # write our dialable addresses here (for scripts)
+
+
+class MetricsLog:
+    """Appends finished epoch rows to JSONL and CSV."""
+
+    def __init__(self, out_dir: Path) -> None:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        self.jsonl = out_dir / "metrics.jsonl"
+        self.csv = out_dir / "metrics.csv"
+        for path in (self.jsonl, self.csv):
+            path.unlink(missing_ok=True)
+        with self.csv.open("w", newline="") as f:
+            csv.writer(f).writerow(CSV_FIELDS)
+
+    def write(self, rows: list[dict[str, Any]]) -> None:
+        with self.jsonl.open("a") as f:
+            for row in rows:
+                f.write(json.dumps(clean_json(row)) + "\n")
+        with self.csv.open("a", newline="") as f:
+            w = csv.writer(f)
+            for row in rows:
+                w.writerow([row[k] for k in CSV_FIELDS])
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+class Coordinator:
+    def __init__(self, cfg: TrainerConfig, net: NetConfig, opts: CoordinatorOptions) -> None:
+        self.cfg = cfg
+        self.net = net
+        self.opts = opts
+        self.ckpt_dir = opts.checkpoint_dir or opts.out_dir / "checkpoints"
+        self.table = metrics.EpochTable()
+        self.log = MetricsLog(opts.out_dir)
+        self.last_checkpoint: tuple[int, Path] | None = None
+        self.started = time.monotonic()
+
+    def run(self) -> dict[str, Any]:
+        training.enable_compilation_cache(self.cfg.work_dir / "jax-cache")
+        tokenizer, _ = training.prepare_data(self.cfg)
+        self.model_cfg = training.model_config(
+            self.cfg.model, len(tokenizer), self.cfg.seq_length, self.cfg.bf16
+        )
+        _, params, _ = training.build_model(self.model_cfg, seed=self.cfg.seed)
+        collab = trainer.open_collaboration(self.cfg, self.net, mode="aux")
+        try:
+            tx = training.make_optimizer(self.cfg.optimizer, collab, self.cfg.target_batch_size)
+            self.template = (params, tx.init(params))
+            addrs = trainer.dialable(collab)
+            if self.opts.addr_file is not None:
+                _write_atomic(self.opts.addr_file, json.dumps(addrs))
+            with Dashboard(self.cfg.run_id, port=self.opts.dashboard_port) as dash:
+                log.info("dashboard at %s", dash.url)
+                log.info("join with: --initial-peers %s", addrs[0])
+                return self._poll(collab, dash, addrs)
+        finally:
+            collab.close()
+
+    def _poll(self, collab: Any, dash: Dashboard, addrs: list[str]) -> dict[str, Any]:
+        while True:
+            try:
+                records = collab.run_async(metrics.fetch)
+            except RuntimeError as e:  # P2PError: the DHT could not be read this time
+                log.warning("could not read metrics: %s", e)
+                records = {}
+            est = collab.estimate
+            now = time.time()
+            self.table.add(records, now=now)
+            rows = self.table.ready(est.epoch)
+            if rows:
+                self.log.write(rows)
+            due = self._checkpoint_due(est.epoch)
+            if due:
+                self._checkpoint(collab)
+            status = self._status(records, est, dash.url, addrs)
+            dash.status = status
+            _write_atomic(self.opts.out_dir / "status.json", json.dumps(clean_json(status)))
+            final = self.opts.exit_after_epoch
+            if final is not None and self.last_checkpoint and self.last_checkpoint[0] >= final:
+                time.sleep(1.0)  # the trainers' last metrics
+                self.table.add(collab.run_async(metrics.fetch), now=time.time())
+                self.log.write(self.table.flush())
+                status = self._status(records, est, dash.url, addrs)
+                _write_atomic(self.opts.out_dir / "status.json", json.dumps(clean_json(status)))
+                return status
+            time.sleep(self.opts.poll_interval)
+
+    def _checkpoint_due(self, epoch: int) -> bool:
+        done = self.last_checkpoint[0] if self.last_checkpoint else 0
+        final = self.opts.exit_after_epoch
+        if epoch <= done:
+            return False
+        return epoch - done >= self.opts.checkpoint_every or (final is not None and epoch >= final)
+
+    def _checkpoint(self, collab: Any) -> None:
+        import dedloc_jax
+
+        params, opt_state = self.template
+        try:
+            params, opt_state, epoch = dedloc_jax.sync_state(collab, params, opt_state, timeout=30)
+        except (dedloc_jax.StateSyncError, ValueError) as e:
+            log.warning("could not download the state to checkpoint: %s", e)
+            return
+        path = checkpoint.save_checkpoint(
+            self.ckpt_dir,
+            epoch,
+            training.flat_params(params),
+            self.model_cfg,
+            training.tokenizer_dir(self.cfg),
+            self.cfg.run_id,
+        )
+        self.last_checkpoint = (epoch, path)
+        dedloc_jax.share_state(collab, params, opt_state)  # serve it to newcomers too
+
+        async def announce(core: Any) -> None:
+            await core.dht.store(
+                metrics.checkpoint_key(core.run_id),
+                {"epoch": epoch, "path": str(path)},
+                core.dht.now() + 3600,
+            )
+
+        try:
+            collab.run_async(announce)
+        except RuntimeError as e:
+            log.warning("could not announce the checkpoint: %s", e)
+
+    def _status(self, records: dict, est: Any, url: str, addrs: list[str]) -> dict[str, Any]:
+        peers = [
+            {k: v for k, v in asdict(r).items() if k != "history"}
+            for r in sorted(records.values(), key=lambda r: r.peer)
+        ]
+        return {
+            "run_id": self.cfg.run_id,
+            "target_batch_size": self.cfg.target_batch_size,
+            "estimate": {
+                "epoch": est.epoch,
+                "samples": est.samples,
+                "samples_per_second": est.samples_per_second,
+                "eta": est.eta,
+                "num_peers": getattr(est, "num_peers", len(peers)),
+            },
+            "peers": peers,
+            "rows": self.table.rows,
+            "checkpoint": str(self.last_checkpoint[1]) if self.last_checkpoint else None,
+            "checkpoint_epoch": self.last_checkpoint[0] if self.last_checkpoint else None,
+            "dashboard": url,
+            "addrs": addrs,
+            "uptime": time.monotonic() - self.started,
+        }
+
+
+def run_coordinator(cfg: TrainerConfig, net: NetConfig, opts: CoordinatorOptions) -> dict:
+    return Coordinator(cfg, net, opts).run()

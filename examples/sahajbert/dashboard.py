@@ -1,0 +1,142 @@
+"""The coordinator's live dashboard: one HTML page polling a JSON endpoint, on 127.0.0.1.
+
+``GET /`` serves the page, ``GET /api/status`` the coordinator's current status (peers with
+their throughput and bandwidth, the collaboration's estimate, one row per finished epoch).
+The page draws the loss and throughput curves as inline SVG: no external assets, so it works
+offline. The server is the standard library's, in one daemon thread of the coordinator's
+process (it only reads a snapshot the coordinator swaps in).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+PAGE = """<!doctype html>
+<html><head><meta charset="utf-8"><title>dedloc-jax: RUN_ID</title>
+<style>
+body{font-family:system-ui,sans-serif;margin:1.5em;color:#222}
+table{border-collapse:collapse;margin:.5em 0}td,th{padding:.2em .7em;border-bottom:1px solid #ddd;
+text-align:right}th{background:#f4f4f4}td:first-child,th:first-child{text-align:left}
+.charts{display:flex;gap:2em;flex-wrap:wrap}svg{border:1px solid #ccc;background:#fcfcfc}
+#summary span{margin-right:1.5em}
+</style></head><body>
+<h1>Collaboration <code id="run">RUN_ID</code></h1>
+<div id="summary">loading...</div>
+<h2>Peers</h2>
+<table id="peers"><thead><tr><th>peer</th><th>mode</th><th>epoch</th><th>samples</th>
+<th>samples/s</th><th>loss</th><th>upload MB/s</th><th>download MB/s</th></tr></thead>
+<tbody></tbody></table>
+<div class="charts"><div><h2>Loss per epoch</h2><svg id="loss" width="420" height="220"></svg>
+</div><div><h2>Samples/s per epoch</h2><svg id="tput" width="420" height="220"></svg></div></div>
+<script>
+function fmt(x,d){return (x===null||x===undefined||isNaN(x))?"-":Number(x).toFixed(d)}
+function plot(id,xs,ys,color){
+  const svg=document.getElementById(id),W=svg.width.baseVal.value,H=svg.height.baseVal.value,P=34;
+  svg.innerHTML="";const pts=xs.map((x,i)=>[x,ys[i]]).filter(p=>isFinite(p[1]));
+  if(!pts.length)return;
+  const x0=Math.min(...pts.map(p=>p[0])),x1=Math.max(...pts.map(p=>p[0]))||1;
+  const y0=Math.min(...pts.map(p=>p[1])),y1=Math.max(...pts.map(p=>p[1]));
+  const sx=x=>P+(W-2*P)*(x-x0)/((x1-x0)||1),sy=y=>H-P-(H-2*P)*(y-y0)/((y1-y0)||1);
+  const d=pts.map((p,i)=>(i?"L":"M")+sx(p[0]).toFixed(1)+","+sy(p[1]).toFixed(1)).join("");
+  svg.innerHTML=`<path d="${d}" fill="none" stroke="${color}" stroke-width="2"/>`+
+    `<text x="4" y="${P-8}" font-size="11">${fmt(y1,3)}</text>`+
+    `<text x="4" y="${H-P+4}" font-size="11">${fmt(y0,3)}</text>`+
+    `<text x="${W-P}" y="${H-8}" font-size="11">epoch ${x1}</text>`;
+}
+async function refresh(){
+  try{
+    const s=await (await fetch("api/status")).json(),e=s.estimate||{};
+    document.getElementById("summary").innerHTML=
+      `<span>epoch <b id="epoch">${e.epoch}</b></span>`+
+      `<span>samples ${fmt(e.samples,0)} / ${s.target_batch_size}</span>`+
+      `<span>${fmt(e.samples_per_second,1)} samples/s</span><span>ETA ${fmt(e.eta,1)} s</span>`+
+      `<span>${(s.peers||[]).length} peers</span><span>last checkpoint: ${s.checkpoint||"-"}</span>`;
+    document.querySelector("#peers tbody").innerHTML=(s.peers||[]).map(p=>
+      `<tr class="peer"><td><code>${p.peer.slice(0,16)}</code></td><td>${p.mode}</td>`+
+      `<td>${p.epoch}</td><td>${p.samples}</td><td>${fmt(p.samples_per_second,1)}</td>`+
+      `<td>${fmt(p.loss,3)}</td><td>${fmt(p.upload_bps/1e6,2)}</td>`+
+      `<td>${fmt(p.download_bps/1e6,2)}</td></tr>`).join("");
+    const rows=s.rows||[];
+    plot("loss",rows.map(r=>r.epoch),rows.map(r=>r.loss),"#c33");
+    plot("tput",rows.map(r=>r.epoch),rows.map(r=>r.samples_per_second),"#36c");
+  }catch(err){document.getElementById("summary").textContent="coordinator unreachable"}
+}
+refresh();setInterval(refresh,1000);
+</script></body></html>
+"""
+
+
+class Dashboard:
+    """Serves :attr:`status` (a JSON-able dict replaced by the coordinator) over HTTP."""
+
+    def __init__(self, run_id: str, host: str = "127.0.0.1", port: int = 0) -> None:
+        self.status: dict[str, Any] = {"run_id": run_id, "peers": [], "rows": []}
+        page = PAGE.replace("RUN_ID", run_id.replace("<", "").replace("&", "")).encode()
+        dashboard = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # noqa: N802 (the standard library's name)
+                if self.path.split("?")[0] in ("/", "/index.html"):
+                    self._send(200, "text/html; charset=utf-8", page)
+                elif self.path.split("?")[0] == "/api/status":
+                    body = json.dumps(clean_json(dashboard.status)).encode()
+                    self._send(200, "application/json", body)
+                else:
+                    self._send(404, "text/plain", b"not found")
+
+            def _send(self, code: int, kind: str, body: bytes) -> None:
+                self.send_response(code)
+                self.send_header("Content-Type", kind)
+                self.send_header("Content-Length", str(len(body)))
+                self.send_header("Cache-Control", "no-store")
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, format: str, *args: Any) -> None:
+                log.debug("dashboard: " + format, *args)
+
+        self._server = ThreadingHTTPServer((host, port), Handler)
+        self._server.daemon_threads = True
+        self._thread = threading.Thread(
+            target=self._server.serve_forever, name="dashboard", daemon=True
+        )
+
+    @property
+    def url(self) -> str:
+        host, port = self._server.server_address[:2]
+        return f"http://{host}:{port}/"
+
+    def start(self) -> Dashboard:
+        self._thread.start()
+        return self
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join(5)
+
+    def __enter__(self) -> Dashboard:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def clean_json(x: Any) -> Any:
+    """``x`` with NaN/inf replaced by None (JSON has no such numbers; browsers reject them)."""
+    if isinstance(x, float):
+        return x if math.isfinite(x) else None
+    if isinstance(x, dict):
+        return {str(k): clean_json(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return [clean_json(v) for v in x]
+    if x is None or isinstance(x, str | int | bool):
+        return x
+    return str(x)

@@ -1,0 +1,271 @@
+"""The volunteer's program: join a run, load its state, compute gradients, step with everyone.
+
+A trainer loads the run's newest parameters and optimizer state from peers (or starts from the
+shared initialisation when it is the first), then loops: one jitted micro-step computes the
+gradients of a batch and hands them to :func:`dedloc_jax.collaborative`, which steps once the
+whole collaboration has gathered the target batch. After each collaboration step the trainer
+serves its state to newcomers and publishes its signed metrics. A trainer that was killed and is
+started again simply loads the state again and carries on.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+
+from examples.sahajbert import metrics, training
+from examples.sahajbert.config import NetConfig, TrainerConfig
+
+log = logging.getLogger(__name__)
+
+METRICS_TTL = 30.0
+
+
+def collaboration_config(cfg: TrainerConfig, mode: str | None = None) -> Any:
+    """Quick refreshes and exact (uncompressed) averages for the tiny local model."""
+    from dedloc_jax import CollaborationConfig
+
+    if cfg.model == "tiny":
+        base = CollaborationConfig.local_demo(cfg.target_batch_size).replace(matchmaking_time=0.5)
+    else:
+        base = CollaborationConfig.sahajbert().replace(target_batch_size=cfg.target_batch_size)
+    return base.replace(mode=mode) if mode else base
+
+
+def open_collaboration(cfg: TrainerConfig, net: NetConfig, mode: str | None = None) -> Any:
+    """A started :class:`dedloc_jax.Collaboration` for this peer (close it when done)."""
+    from dedloc_jax import Collaboration
+    from p2p.identity import Identity
+
+    identity = Identity.load_or_create(net.identity) if net.identity else None
+    collab = Collaboration(
+        cfg.run_id,
+        initial_peers=list(net.initial_peers),
+        listen=list(net.listen),
+        identity=identity,
+        client_mode=net.client_mode or None,
+        config=collaboration_config(cfg, mode),
+    )
+    collab.start()
+    for addr in [*collab.addrs, *(f"{a}/p2p/{collab.peer_id}" for a in net.announce)]:
+        log.info("peer %s reachable at %s", collab.peer_id, addr)
+    return collab
+
+
+def dialable(collab: Any) -> list[str]:
+    """This peer's addresses as others pass them to ``--initial-peers``."""
+    return [a if "/p2p/" in a else f"{a}/p2p/{collab.peer_id}" for a in collab.addrs]
+
+
+@dataclass
+class TrainerResult:
+    epoch: int
+    micro_steps: int
+    samples: int
+    history: list[metrics.EpochFigures] = field(default_factory=list)
+    final_params: Path | None = None
+
+
+class _Throughput:
+    """Samples per second, smoothed over the last few seconds of computing."""
+
+    def __init__(self, half_life: float = 5.0) -> None:
+        self.rate = 0.0
+        self.half_life = half_life
+        self._last: float | None = None
+
+    def update(self, samples: int, now: float) -> float:
+        if self._last is not None and now > self._last:
+            dt = now - self._last
+            alpha = 1.0 - 0.5 ** (dt / self.half_life)
+            self.rate = (
+                (1 - alpha) * self.rate + alpha * samples / dt if self.rate else samples / dt
+            )
+        self._last = now
+        return self.rate
+
+
+def run_trainer(
+    cfg: TrainerConfig,
+    net: NetConfig,
+    *,
+    final_params: Path | None = None,
+    linger: float = 30.0,
+) -> TrainerResult:
+    """Train until ``cfg.max_epochs`` (forever when None); see the module docstring."""
+
+    training.enable_compilation_cache(cfg.work_dir / "jax-cache")
+    tokenizer, corpus = training.prepare_data(cfg)
+    vocab = len(tokenizer)
+    model_cfg = training.model_config(cfg.model, vocab, cfg.seq_length, cfg.bf16)
+    graphdef, params, rest = training.build_model(model_cfg, seed=cfg.seed)
+    collab = open_collaboration(cfg, net)
+    try:
+        tx = training.make_optimizer(cfg.optimizer, collab, cfg.target_batch_size)
+        opt_state = tx.init(params)
+        params, opt_state = _load_or_start(collab, params, opt_state)
+        devices = jax.local_device_count()
+        if devices > 1:  # data parallel over this peer's accelerators
+            from models.sharding import make_mesh, replicate
+
+            mesh = make_mesh()
+            params, opt_state = replicate((params, opt_state), mesh)
+        micro = cfg.per_device_batch_size * devices * cfg.grad_accumulation
+        step = training.make_train_step(graphdef, rest, tx, micro)
+        peer_seed = int.from_bytes(hashlib.sha256(collab.peer_id.encode()).digest()[:4], "big")
+        data = training.batches(cfg, corpus, vocab, peer_seed)
+        result = _loop(cfg, collab, step, data, params, opt_state, devices)
+        params, opt_state = result.pop("params"), result.pop("opt_state")
+        out = TrainerResult(**result)
+        if final_params is not None:
+            final_params.parent.mkdir(parents=True, exist_ok=True)
+            flat = training.flat_params(params)
+            np.savez(final_params, __epoch__=np.int64(out.epoch), **flat)
+            out.final_params = final_params
+        _linger(collab, out.epoch, linger)
+        return out
+    finally:
+        collab.close()
+
+
+def _load_or_start(
+    collab: Any, params: Any, opt_state: Any, *, share: bool = True
+) -> tuple[Any, Any]:
+    """Load the newest state peers serve; without one, keep (and serve) ours."""
+    import dedloc_jax
+
+    try:
+        params, opt_state, epoch = dedloc_jax.sync_state(collab, params, opt_state)
+        log.info("loaded the collaboration's state of epoch %d", epoch)
+    except dedloc_jax.StateSyncError as e:
+        log.info("nobody serves a state (%s): keeping this peer's", e)
+        if share:
+            dedloc_jax.share_state(collab, params, opt_state)
+    return params, opt_state
+
+
+def _other_trainers(collab: Any) -> bool:
+    """Whether other peers that compute gradients are in the run."""
+    core = collab.core
+    records = collab.run_async(_records)
+    return any(r.mode != "aux" and peer != collab.peer_id for peer, r in records.items()) or (
+        core is None
+    )
+
+
+async def _records(core: Any) -> dict:
+    return dict(core.tracker.records)
+
+
+def _loop(
+    cfg: TrainerConfig,
+    collab: Any,
+    step: Any,
+    data: Any,
+    params: Any,
+    opt_state: Any,
+    devices: int,
+) -> dict[str, Any]:
+    import dedloc_jax
+
+    micro = cfg.per_device_batch_size * devices * cfg.grad_accumulation
+    epoch = int(opt_state.epoch)
+    history: list[metrics.EpochFigures] = []
+    meter = _Throughput()
+    micro_steps = samples = 0
+    epoch_losses: list[float] = []
+    epoch_samples = 0
+    epoch_started = last_publish = time.monotonic()
+    last_loss = math.nan
+
+    def publish() -> None:
+        core = collab.core
+        record = metrics.PeerMetrics(
+            peer=collab.peer_id,
+            epoch=epoch,
+            loss=last_loss,
+            samples_per_second=meter.rate,
+            micro_steps=micro_steps,
+            samples=samples,
+            mode=core.mode,
+            upload_bps=float(core.meter.upload_bps or 0.0),
+            download_bps=float(core.meter.download_bps or 0.0),
+            time=core.dht.now(),
+            devices=devices,
+            history=tuple(history[-metrics.HISTORY :]),
+        )
+        try:
+            collab.run_async(lambda c: metrics.publish(c, record, METRICS_TTL))
+        except (OSError, RuntimeError, ValueError) as e:  # P2PError is a RuntimeError
+            log.warning("could not publish metrics: %s", e)
+
+    while cfg.max_epochs is None or epoch < cfg.max_epochs:
+        batch = next(data)
+        params, opt_state, loss = step(params, opt_state, batch)
+        loss = float(loss)
+        micro_steps += 1
+        samples += micro
+        epoch_samples += micro
+        epoch_losses.append(loss)
+        now = time.monotonic()
+        meter.update(micro, now)
+        new_epoch = int(opt_state.epoch)
+        if new_epoch != epoch:
+            last_loss = float(np.mean(epoch_losses))
+            history.append(
+                metrics.EpochFigures(epoch, last_loss, epoch_samples, now - epoch_started)
+            )
+            log.info("epoch %d done: loss %.4f (%d samples here)", epoch, last_loss, epoch_samples)
+            epoch, epoch_losses, epoch_samples, epoch_started = new_epoch, [], 0, now
+            if int(opt_state.group_size) <= 1 and _other_trainers(collab):
+                # Stepped alone (no group, or the all-reduce failed): this state differs from
+                # the others'; serve nothing and load theirs.
+                log.warning("epoch %d: averaged alone; loading the collaboration's state", epoch)
+                time.sleep(0.5)
+                params, opt_state = _load_or_start(collab, params, opt_state, share=False)
+                epoch = int(opt_state.epoch)
+            else:
+                dedloc_jax.share_state(collab, params, opt_state)
+            publish()
+            last_publish = now
+        elif now - last_publish > 2.0:
+            publish()
+            last_publish = now
+        if collab.behind:  # missed a step (e.g. paused too long): load the others' state
+            params, opt_state = _load_or_start(collab, params, opt_state)
+            epoch, epoch_losses, epoch_samples = int(opt_state.epoch), [], 0
+        if cfg.step_delay:
+            time.sleep(cfg.step_delay)
+    publish()
+    return {
+        "epoch": epoch,
+        "micro_steps": micro_steps,
+        "samples": samples,
+        "history": history,
+        "params": params,
+        "opt_state": opt_state,
+    }
+
+
+def _linger(collab: Any, epoch: int, seconds: float) -> None:
+    """Keep serving the final state until the coordinator has checkpointed it (or time is up)."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            found = collab.run_async(lambda c: c.dht.get(metrics.checkpoint_key(c.run_id)))
+        except RuntimeError as e:
+            log.info("could not read the checkpoint announcement: %s", e)
+            found = None
+        value = getattr(found, "value", found)
+        if isinstance(value, dict) and int(value.get("epoch", -1)) >= epoch:
+            log.info("the coordinator saved epoch %d to %s", value["epoch"], value.get("path"))
+            return
+        time.sleep(0.5)

@@ -1,0 +1,264 @@
+"""What trainers, the coordinator and fine-tuning share: data, model, optimizer, the jitted step.
+
+Parameters travel as an ``nnx.State`` of ``nnx.Param`` (a pytree); the rest of the model (dropout
+RNG counters) stays outside the step. The optimizer is sahajBERT's: the collaboration's averaged
+gradient is clipped to norm 1.0 and fed to LAMB with weight decay on every weight except biases
+and LayerNorm parameters, on a warmup-then-linear-decay schedule indexed by the collaboration
+epoch. Clipping sits inside :func:`dedloc_jax.collaborative`, so it acts on the global average
+(the same vector on every peer) rather than on each micro-batch.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from examples.sahajbert.config import OptimizerConfig, TrainerConfig
+from models.albert import AlbertConfig, AlbertForPreTraining, pretraining_batch_loss
+
+log = logging.getLogger(__name__)
+
+SYNTHETIC_DOCUMENTS = 1000  # documents of the synthetic corpus the demo trains on
+TOKENIZER_VOCAB = 32000  # sahajBERT's size; a small corpus yields fewer pieces
+
+
+# ------------------------------------------------------------------------------------ data
+def _texts(cfg: TrainerConfig) -> tuple[list[str], Path]:
+    """Documents to train on, and the cache directory that belongs to them."""
+    from models.sources import read_local_documents
+
+    if cfg.data is None:
+        from models.corpus import write_corpus
+
+        cache = cache_dir(cfg)
+        path = cache / "corpus.txt"
+        if not path.is_file():
+            log.info("writing the synthetic Bengali corpus to %s (once)", path)
+            write_corpus(path, SYNTHETIC_DOCUMENTS, seed=0)
+        return read_local_documents(path), cache
+    if cfg.data == "hf":
+        import itertools
+
+        from models.sources import stream_hf_documents
+
+        docs = list(itertools.islice(stream_hf_documents(seed=cfg.seed), 100_000))
+        return docs, cache_dir(cfg)
+    files = [Path(p) for p in cfg.data.split(",") if p]
+    return read_local_documents(files), cache_dir(cfg)
+
+
+def prepare_data(cfg: TrainerConfig) -> tuple[Any, Any]:
+    """``(tokenizer, tokenized corpus)``, built once and cached under the work directory."""
+    from models.data import load_or_tokenize, prepare_pretraining_data
+    from models.tokenizer import load_tokenizer
+
+    texts, cache = _texts(cfg)
+    if cfg.tokenizer:
+        tokenizer = load_tokenizer(cfg.tokenizer)
+        return tokenizer, load_or_tokenize(cache / "corpus-custom-tokenizer.npz", texts, tokenizer)
+    return prepare_pretraining_data(cache, texts, vocab_size=TOKENIZER_VOCAB)
+
+
+def cache_dir(cfg: TrainerConfig) -> Path:
+    """The directory holding the tokenizer and tokenized corpus of ``cfg.data``."""
+    if cfg.data is None:
+        return cfg.work_dir / "synthetic"
+    if cfg.data == "hf":
+        return cfg.work_dir / "hf"
+    files = [Path(p) for p in cfg.data.split(",") if p]
+    return cfg.work_dir / f"local-{'-'.join(p.stem for p in files)[:60] or 'data'}"
+
+
+def tokenizer_dir(cfg: TrainerConfig) -> Path:
+    return Path(cfg.tokenizer) if cfg.tokenizer else cache_dir(cfg) / "tokenizer"
+
+
+def batches(cfg: TrainerConfig, corpus: Any, vocab: int, peer_seed: int) -> Iterator[dict]:
+    """Endless ``[grad_accumulation, micro_batch, seq]`` batches for one peer."""
+    from models.data import PretrainingConfig, pretraining_batches
+
+    micro = cfg.per_device_batch_size * jax.local_device_count()
+    data_cfg = PretrainingConfig(seq_len=cfg.seq_length, shuffle_buffer=256)
+    stream = pretraining_batches(
+        corpus,
+        batch_size=micro * cfg.grad_accumulation,
+        seed=cfg.seed,
+        peer_seed=peer_seed,
+        config=data_cfg,
+        vocab_size=vocab,
+    )
+    for batch in stream:
+        yield {k: v.reshape(cfg.grad_accumulation, micro, *v.shape[1:]) for k, v in batch.items()}
+
+
+# ------------------------------------------------------------------------------------ model
+def model_config(name: str, vocab_size: int, seq_length: int, bf16: bool) -> AlbertConfig:
+    """The ALBERT shape for ``name`` with the tokenizer's vocabulary."""
+    base = AlbertConfig.tiny if name == "tiny" else AlbertConfig.sahajbert
+    overrides: dict[str, Any] = {"vocab_size": vocab_size}
+    overrides["max_position_embeddings"] = max(seq_length, 128 if name == "tiny" else 512)
+    if bf16:
+        overrides["dtype"] = "bfloat16"
+    return base(**overrides)
+
+
+def save_model_config(config: AlbertConfig, path: Path) -> None:
+    fields = {k: v for k, v in vars(config).items() if isinstance(v, int | float | str | bool)}
+    path.write_text(json.dumps(fields, indent=1))
+
+
+def load_model_config(path: Path) -> AlbertConfig:
+    return AlbertConfig(**json.loads(path.read_text()))
+
+
+def build_model(config: AlbertConfig, seed: int = 0) -> tuple[Any, Any, Any]:
+    """``(graphdef, params, rest)`` of a fresh pretraining model (same init on every peer).
+
+    Initialised in one compiled program (op-by-op initialisation is slow on a busy CPU).
+    """
+
+    @nnx.jit
+    def create() -> AlbertForPreTraining:
+        return AlbertForPreTraining(config, rngs=nnx.Rngs(seed))
+
+    return nnx.split(create(), nnx.Param, ...)
+
+
+def _is_decayed(path: tuple, _: Any) -> bool:
+    names = [str(getattr(k, "key", getattr(k, "name", k))) for k in path]
+    names = [n for n in names if n != "value"]
+    if names and names[-1] == "bias":
+        return False
+    return not any("LayerNorm" in n or "layer_norm" in n for n in names)
+
+
+def weight_decay_mask(params: Any) -> Any:
+    """True for weights that decay: everything but biases and LayerNorm parameters."""
+    return jax.tree_util.tree_map_with_path(_is_decayed, params)
+
+
+def schedule(opt: OptimizerConfig) -> optax.Schedule:
+    """Linear warmup to the peak rate, then linear decay to 0 at ``total_steps``."""
+    return optax.join_schedules(
+        [
+            optax.linear_schedule(0.0, opt.learning_rate, max(opt.warmup_steps, 1)),
+            optax.linear_schedule(opt.learning_rate, 0.0, opt.total_steps - opt.warmup_steps),
+        ],
+        [max(opt.warmup_steps, 1)],
+    )
+
+
+def inner_optimizer(opt: OptimizerConfig) -> optax.GradientTransformation:
+    return optax.chain(
+        optax.clip_by_global_norm(opt.clip_norm),
+        optax.lamb(
+            schedule(opt),
+            b1=opt.b1,
+            b2=opt.b2,
+            eps=opt.eps,
+            weight_decay=opt.weight_decay,
+            mask=weight_decay_mask,
+        ),
+    )
+
+
+def make_optimizer(opt: OptimizerConfig, collab: Any, target_batch_size: int) -> Any:
+    """``collaborative(clip + LAMB)``; the inner optimizer is jitted on its own.
+
+    The training step runs ``collaborative`` on the host (its documented non-jit path): the
+    expensive pieces (gradients, the inner update) are separate jitted functions without host
+    callbacks, which JAX's persistent compilation cache can store. Peers of a local demo then
+    compile once instead of once each.
+    """
+    import dedloc_jax
+
+    inner = inner_optimizer(opt)
+    inner = optax.GradientTransformation(jax.jit(inner.init), jax.jit(inner.update))
+    return dedloc_jax.collaborative(inner, collab, target_batch_size=target_batch_size)
+
+
+def enable_compilation_cache(directory: Path) -> None:
+    """Share compiled programs between this machine's processes (and runs)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", str(directory))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+
+
+def make_grad_step(graphdef: Any, rest: Any):
+    """A jitted ``grad_step(params, batch) -> (mean grads, mean loss)``.
+
+    ``batch`` arrays are ``[accumulation, micro_batch, ...]``: gradients of the micro-batches
+    are averaged locally with ``lax.scan``.
+    """
+
+    def loss_fn(params: Any, batch: dict) -> jax.Array:
+        model = nnx.merge(graphdef, params, rest)
+        return pretraining_batch_loss(model, batch, deterministic=True)
+
+    grad_fn = jax.value_and_grad(loss_fn)
+
+    @jax.jit
+    def grad_step(params: Any, batch: dict) -> tuple[Any, jax.Array]:
+        def body(acc: Any, mb: dict) -> tuple[Any, jax.Array]:
+            loss, grads = grad_fn(params, mb)
+            return jax.tree.map(jnp.add, acc, grads), loss
+
+        zeros = jax.tree.map(jnp.zeros_like, params)
+        grad_sum, losses = jax.lax.scan(body, zeros, batch)
+        n = losses.shape[0]
+        return jax.tree.map(lambda g: g / n, grad_sum), jnp.mean(losses)
+
+    return grad_step
+
+
+_apply_updates = jax.jit(optax.apply_updates)
+
+
+def make_train_step(graphdef: Any, rest: Any, tx: Any, samples_per_step: int):
+    """``step(params, opt_state, batch) -> (params, opt_state, loss)``: the gradients of the
+    batch go to ``tx`` (the collaborative optimizer) as ``samples_per_step`` samples."""
+    grad_step = make_grad_step(graphdef, rest)
+
+    def step(params: Any, opt_state: Any, batch: dict) -> tuple[Any, Any, jax.Array]:
+        grads, loss = grad_step(params, batch)
+        updates, opt_state = tx.update(grads, opt_state, params, batch_size=samples_per_step)
+        return _apply_updates(params, updates), opt_state, loss
+
+    return step
+
+
+# ------------------------------------------------------------------------------ saving
+def flat_params(params: Any) -> dict[str, np.ndarray]:
+    """``{"albert.embeddings.LayerNorm.bias": array, ...}`` on the host."""
+    out = {}
+    for path, leaf in jax.tree_util.tree_leaves_with_path(jax.device_get(params)):
+        names = [str(getattr(k, "key", getattr(k, "name", k))) for k in path]
+        out[".".join(n for n in names if n != "value")] = np.asarray(leaf)
+    return out
+
+
+def unflat_params(template: Any, flat: dict[str, np.ndarray]) -> Any:
+    """Fill a params pytree shaped like ``template`` from :func:`flat_params` output."""
+    names = list(flat_params(jax.eval_shape(lambda: template)).keys())
+    leaves, treedef = jax.tree.flatten(template)
+    if len(names) != len(leaves):
+        raise ValueError("checkpoint does not match the model")
+    missing = [n for n in names if n not in flat]
+    if missing:
+        raise ValueError(f"checkpoint lacks {missing[:3]}...")
+    new = []
+    for name, leaf in zip(names, leaves, strict=True):
+        got = np.asarray(flat[name])
+        if got.shape != np.shape(leaf):
+            raise ValueError(f"{name}: checkpoint shape {got.shape}, model {np.shape(leaf)}")
+        new.append(jnp.asarray(got, dtype=jnp.result_type(leaf)))
+    return jax.tree.unflatten(treedef, new)

@@ -1,0 +1,155 @@
+"""Pure pieces of examples.sahajbert: metrics records, epoch rows, scoring, options, dashboard."""
+
+from __future__ import annotations
+
+import json
+import math
+import urllib.request
+
+import jax.numpy as jnp
+import pytest
+
+from examples.sahajbert import metrics
+from examples.sahajbert.__main__ import build_parser, trainer_config
+from examples.sahajbert.config import OptimizerConfig, TrainerConfig
+from examples.sahajbert.dashboard import Dashboard, clean_json
+from examples.sahajbert.finetune import entity_spans, f1_score
+from examples.sahajbert.training import schedule, weight_decay_mask
+
+
+def _record(peer: str, epoch: int, history: list[tuple[int, float, int]]) -> metrics.PeerMetrics:
+    return metrics.PeerMetrics(
+        peer=peer,
+        epoch=epoch,
+        loss=history[-1][1] if history else math.nan,
+        samples_per_second=10.0,
+        micro_steps=5,
+        samples=40,
+        mode="node",
+        history=tuple(metrics.EpochFigures(e, loss, s, 2.0) for e, loss, s in history),
+    )
+
+
+def test_metrics_record_round_trip_and_rejects_garbage() -> None:
+    rec = _record("peerA", 3, [(1, 7.5, 32), (2, 7.25, 40)])
+    wire = rec.to_record()
+    assert "peer" not in wire  # the signed subkey names the peer
+    assert metrics.PeerMetrics.from_record("peerA", wire) == rec
+    for bad in (None, [], {"epoch": 1}, {**wire, "epoch": -1}, {**wire, "history": [[1, 2]]}):
+        with pytest.raises(ValueError):
+            metrics.PeerMetrics.from_record("peerA", bad)
+
+
+def test_parse_records_keeps_only_owner_signed_slots() -> None:
+    good = _record("x", 1, [(0, 7.0, 8)]).to_record()
+    value = {"[owner:3mAbc]": good, "unsigned": good, "[owner:3mDef]": {"epoch": "?"}}
+    parsed = metrics.parse_records(value)
+    assert list(parsed) == ["3mAbc"]
+    assert parsed["3mAbc"].epoch == 1
+
+
+def test_epoch_table_weights_loss_by_samples_and_writes_each_epoch_once() -> None:
+    table = metrics.EpochTable()
+    a = _record("a", 2, [(0, 8.0, 30), (1, 6.0, 10)])
+    b = _record("b", 2, [(0, 4.0, 10), (1, 6.0, 30)])
+    table.add({"a": a, "b": b}, now=1.0)
+    assert table.ready(1) == []  # epoch 0 is final only once the run is two epochs past it
+    rows = table.ready(2)
+    assert [r["epoch"] for r in rows] == [0] and table.rows == rows
+    assert rows[0]["loss"] == pytest.approx((8.0 * 30 + 4.0 * 10) / 40)
+    assert rows[0]["samples"] == 40 and rows[0]["peers"] == 2
+    table.add({"a": a, "b": b}, now=2.0)  # the same history again: no new row for epoch 0
+    assert table.ready(2) == []
+    assert [r["epoch"] for r in table.flush()] == [1]
+    assert [r["epoch"] for r in table.rows] == [0, 1]
+
+
+@pytest.mark.parametrize(
+    ("tags", "spans"),
+    [
+        (["B-PER", "I-PER", "O", "B-LOC"], {(0, 2, "PER"), (3, 4, "LOC")}),
+        (["I-ORG", "I-ORG", "O"], {(0, 2, "ORG")}),  # I- after O opens a chunk (conlleval)
+        (["B-PER", "I-LOC"], {(0, 1, "PER"), (1, 2, "LOC")}),
+        (["B-PER", "B-PER"], {(0, 1, "PER"), (1, 2, "PER")}),
+        (["O", "O"], set()),
+    ],
+)
+def test_entity_spans(tags: list[str], spans: set) -> None:
+    assert entity_spans(tags) == spans
+
+
+def test_f1_counts_exact_entities() -> None:
+    gold = [["B-PER", "I-PER", "O", "B-LOC"], ["B-ORG", "O"]]
+    pred = [["B-PER", "I-PER", "O", "O"], ["B-ORG", "B-LOC"]]
+    s = f1_score(gold, pred)
+    assert s["precision"] == pytest.approx(2 / 3)
+    assert s["recall"] == pytest.approx(2 / 3)
+    assert s["f1"] == pytest.approx(2 / 3)
+    assert f1_score(gold, gold)["f1"] == 1.0
+
+
+def test_weight_decay_skips_biases_and_layer_norms() -> None:
+    params = {
+        "dense": {"kernel": jnp.ones((2, 2)), "bias": jnp.ones(2)},
+        "LayerNorm": {"scale": jnp.ones(2), "bias": jnp.ones(2)},
+        "full_layer_layer_norm": {"scale": jnp.ones(2)},
+        "word_embeddings": {"embedding": jnp.ones((3, 2))},
+    }
+    mask = weight_decay_mask(params)
+    assert mask["dense"] == {"kernel": True, "bias": False}
+    assert mask["LayerNorm"] == {"scale": False, "bias": False}
+    assert mask["full_layer_layer_norm"] == {"scale": False}
+    assert mask["word_embeddings"] == {"embedding": True}
+
+
+def test_schedule_warms_up_then_decays_linearly() -> None:
+    opt = OptimizerConfig()  # sahajBERT: 0.00176, 5000 warmup steps
+    lr = schedule(opt)
+    assert float(lr(0)) == 0.0
+    assert float(lr(2500)) == pytest.approx(0.00088, rel=1e-4)
+    assert float(lr(5000)) == pytest.approx(0.00176, rel=1e-4)
+    mid = opt.warmup_steps + (opt.total_steps - opt.warmup_steps) // 2
+    assert float(lr(mid)) == pytest.approx(0.00088, rel=1e-3)
+    assert float(lr(opt.total_steps)) == pytest.approx(0.0, abs=1e-9)
+
+
+def test_command_line_defaults_are_sahajbert_and_options_apply() -> None:
+    parser = build_parser()
+    cfg = trainer_config(parser.parse_args(["trainer", "--initial-peers", "/ip4/1.2.3.4/tcp/1"]))
+    assert cfg == TrainerConfig(work_dir=cfg.work_dir)
+    assert cfg.optimizer.learning_rate == 0.00176 and cfg.target_batch_size == 4096
+    assert cfg.seq_length == 512 and cfg.model == "sahajbert"
+    args = parser.parse_args(
+        ["--config", "tiny", "--target-batch-size", "64", "--seq-length", "32",
+         "--learning-rate", "0.1", "--grad-accumulation", "2", "--client-mode"]
+    )  # fmt: skip
+    cfg = trainer_config(args)
+    assert (cfg.model, cfg.target_batch_size, cfg.seq_length) == ("tiny", 64, 32)
+    assert cfg.optimizer.learning_rate == 0.1 and cfg.grad_accumulation == 2
+    assert args.client_mode
+    help_text = parser.format_help()
+    for option in ("--initial-peers", "--client-mode", "--identity", "--bf16", "--announce",
+                   "--checkpoint-dir", "--per-device-batch-size", "--data", "--tokenizer"):  # fmt: skip
+        assert option in help_text
+
+
+def test_dashboard_serves_page_and_json() -> None:
+    with Dashboard("demo-run") as dash:
+        dash.status = {
+            "run_id": "demo-run",
+            "peers": [{"peer": "3mPeerOne", "mode": "node", "loss": math.nan}],
+            "rows": [{"epoch": 0, "loss": 7.5}],
+        }
+        with urllib.request.urlopen(dash.url + "api/status", timeout=10) as r:
+            status = json.loads(r.read())  # strict JSON: NaN became null
+        with urllib.request.urlopen(dash.url, timeout=10) as r:
+            page = r.read().decode()
+    assert status["peers"][0]["peer"] == "3mPeerOne" and status["peers"][0]["loss"] is None
+    assert "api/status" in page and "demo-run" in page
+
+
+def test_clean_json_replaces_non_finite_numbers() -> None:
+    assert clean_json({"a": [1.0, math.inf, {"b": math.nan}], 2: (None, "x")}) == {
+        "a": [1.0, None, {"b": None}],
+        "2": [None, "x"],
+    }
