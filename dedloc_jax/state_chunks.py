@@ -37,7 +37,7 @@ def _dtype_from_name(name: str) -> np.dtype:
         return np.dtype(ml_dtypes.bfloat16)
     try:
         dt = np.dtype(name)
-    except TypeError:
+    except (TypeError, ValueError):  # numpy raises either for a malformed name
         raise StateError(f"unknown dtype {name!r}") from None
     if dt.kind not in "biuf" or dt.hasobject:
         raise StateError(f"dtype {name!r} is not a numeric array dtype")
