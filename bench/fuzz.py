@@ -120,7 +120,9 @@ def _finish(data: bytes) -> None:
     resp.process_finish(data)
 
 
-_KEYS = SessionKeys("chacha20-poly1305", b"\x01" * 32, b"\x02" * 32, ALICE.public_key, ALICE.peer_id)
+_KEYS = SessionKeys(
+    "chacha20-poly1305", b"\x01" * 32, b"\x02" * 32, ALICE.public_key, ALICE.peer_id
+)
 
 
 class _BytesStream(trio.abc.Stream):
@@ -207,9 +209,7 @@ def _dht_seeds() -> dict[str, tuple[bytes, ...]]:
             _pack(dht_wire.request(False, addrs, records=[dht_wire.record_to_wire(signed)])),
             _pack(dht_wire.request(True, (), records=[dht_wire.record_to_wire(plain, True)])),
         ),
-        "find_request": (
-            _pack(dht_wire.request(False, addrs, queries=["key", b"\x07" * 32])),
-        ),
+        "find_request": (_pack(dht_wire.request(False, addrs, queries=["key", b"\x07" * 32])),),
         "find_response": (
             _pack(
                 dht_wire.response(
@@ -414,7 +414,9 @@ def random_object(rng: np.random.Generator, depth: int = 0, keys: tuple[Any, ...
     if kind == 1:
         return bool(rng.integers(0, 2))
     if kind == 2:
-        return _INTS[int(rng.integers(0, len(_INTS)))] if rng.random() < 0.6 else int(rng.integers(-1000, 1000))
+        if rng.random() < 0.6:
+            return _INTS[int(rng.integers(0, len(_INTS)))]
+        return int(rng.integers(-1000, 1000))
     if kind == 3:
         return float(rng.choice(_FLOATS)) if rng.random() < 0.6 else float(rng.normal() * 1e3)
     if kind == 4:
@@ -640,7 +642,8 @@ def main(argv: list[str] | None = None) -> None:
             flush=True,
         )
     for what, hex_data in examples.items():
-        print(f"first {what}: {hex_data} (sha256 {hashlib.sha256(bytes.fromhex(hex_data)).hexdigest()[:12]})")
+        digest = hashlib.sha256(bytes.fromhex(hex_data)).hexdigest()[:12]
+        print(f"first {what} (first 200 bytes, sha256 {digest}): {hex_data}")
     summary = {
         "decoders": results,
         "crashes": sum(c["crashes"] for c in results.values()),
