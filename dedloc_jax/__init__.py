@@ -5,12 +5,16 @@ The public API: join a run with :class:`Collaboration`, wrap your optax optimize
 """
 
 from dedloc_jax.averaging import (
+    AllReduceConfig,
     AllReduceError,
     AllReduceResult,
+    AveragingError,
     BandwidthMeter,
     GroupSpec,
     Member,
+    ShareLostError,
     all_reduce,
+    install,
     solve_shares,
 )
 from dedloc_jax.collaboration import Collaboration, CollaborationCore, open_collaboration
@@ -22,8 +26,10 @@ from dedloc_jax.state_sync import StateSyncError
 from dedloc_jax.training_state import collaboration_epoch, share_state, sync_state
 
 __all__ = [
+    "AllReduceConfig",
     "AllReduceError",
     "AllReduceResult",
+    "AveragingError",
     "AveragingOutcome",
     "BandwidthMeter",
     "Collaboration",
@@ -35,10 +41,12 @@ __all__ = [
     "GroupSpec",
     "Member",
     "PeerProgress",
+    "ShareLostError",
     "StateSyncError",
     "all_reduce",
     "collaboration_epoch",
     "collaborative",
+    "install",
     "open_collaboration",
     "share_state",
     "solve_shares",
