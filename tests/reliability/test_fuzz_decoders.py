@@ -13,6 +13,7 @@ import math
 import msgpack
 import numpy as np
 import pytest
+import trio
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -142,3 +143,119 @@ def test_progress_record_rejects_non_finite_numbers() -> None:
     record = {"epoch": 1, "samples": 2, "sps": math.nan, "time": 0.0, "mode": "node"}
     with pytest.raises(ValueError):
         PeerProgress.from_record("peer", record)
+
+
+# ---- a live node ------------------------------------------------------------------------------
+RPC_NAMES = ("dht.ping", "dht.store", "dht.find", "collab.join", "collab.state.manifest",
+             "collab.state.chunk")  # fmt: skip
+STREAM_NAMES = ("dedloc/allreduce/1", "dedloc/allreduce-repair/1", "dedloc/bwprobe/1")
+
+
+def test_live_node_survives_garbage_and_random_rpcs() -> None:
+    """A collaboration node on loopback gets raw garbage connections, garbage frames after a
+    valid handshake, and random requests to its real DHT / matchmaking / state / all-reduce
+    handlers; afterwards an honest peer still joins its DHT and downloads its state."""
+    from contextlib import AsyncExitStack
+
+    from dedloc_jax.collaboration import open_collaboration
+    from dedloc_jax.config import CollaborationConfig
+    from dedloc_jax.state_sync import download_state
+    from p2p.dht import DHTConfig, open_dht
+    from p2p.errors import P2PError
+    from p2p.identity import Identity
+    from p2p.node import NodeConfig, open_node
+    from p2p.secure import secure_outbound
+
+    rng = np.random.default_rng(7)
+    state = np.arange(300, dtype=np.float32)
+    stats = {"garbage": 0, "frames": 0, "rpc_errors": 0, "rpc_ok": 0, "streams": 0}
+
+    async def main() -> tuple[int, list[np.ndarray]]:
+        async with AsyncExitStack() as stack:
+            node = await stack.enter_async_context(
+                open_node(Identity.from_seed(b"live-target"), config=NodeConfig.testing())
+            )
+            core = await stack.enter_async_context(
+                open_collaboration(
+                    node,
+                    "live",
+                    config=CollaborationConfig.local_demo(64),
+                    dht_config=DHTConfig.fast(),
+                )  # fmt: skip
+            )
+            core.state_server.set_state([state], 3)
+            await core.state_server.announce()
+            port = node.addrs[0].port
+
+            async def raw_garbage(i: int) -> None:
+                with trio.move_on_after(5):
+                    stream = await trio.open_tcp_stream("127.0.0.1", port)
+                    try:
+                        for _ in range(3):
+                            await stream.send_all(rng.bytes(int(rng.integers(1, 3000))))
+                        stats["garbage"] += 1
+                    except trio.BrokenResourceError:
+                        stats["garbage"] += 1  # the node hung up on us: fine
+                    finally:
+                        await stream.aclose()
+
+            async def garbage_frames(i: int) -> None:
+                with trio.move_on_after(5):
+                    stream = await trio.open_tcp_stream("127.0.0.1", port)
+                    channel = await secure_outbound(stream, Identity.from_seed(b"g%d" % i))
+                    try:
+                        for _ in range(5):
+                            await channel.send_frame(rng.bytes(int(rng.integers(0, 600))))
+                            stats["frames"] += 1
+                    except P2PError:
+                        pass
+                    finally:
+                        await channel.aclose()
+
+            async with trio.open_nursery() as nursery:
+                for i in range(20):
+                    nursery.start_soon(raw_garbage, i)
+                    nursery.start_soon(garbage_frames, i)
+
+            attacker = await stack.enter_async_context(
+                open_node(Identity.from_seed(b"live-attacker"), config=NodeConfig.testing())
+            )
+            attacker.peerstore.add_addrs(node.peer_id, node.addrs)
+            for i in range(120):
+                name = RPC_NAMES[i % len(RPC_NAMES)]
+                try:
+                    await attacker.call(node.peer_id, name, random_object(rng), timeout=5)
+                    stats["rpc_ok"] += 1
+                except P2PError:
+                    stats["rpc_errors"] += 1
+            for i in range(30):
+                name = STREAM_NAMES[i % len(STREAM_NAMES)]
+                with trio.move_on_after(3):
+                    try:
+                        async with attacker.open_stream(node.peer_id, name, timeout=3) as s:
+                            for _ in range(3):
+                                await s.send(random_object(rng))
+                            await s.send_eof()
+                            async for _msg in s:
+                                pass
+                    except P2PError:
+                        pass
+                stats["streams"] += 1
+
+            # An honest peer: joins the DHT through the flooded node and downloads its state.
+            honest = await stack.enter_async_context(
+                open_node(Identity.from_seed(b"live-honest"), config=NodeConfig.testing())
+            )
+            dht = await stack.enter_async_context(
+                open_dht(honest, initial_peers=[str(node.addrs[0])], config=DHTConfig.fast())
+            )
+            with trio.fail_after(30):
+                assert (await dht.store("after-flood", 42, dht.now() + 60)).ok
+                epoch, arrays, _ = await download_state(honest, dht, "live")
+            return epoch, arrays
+
+    epoch, arrays = trio.run(main)
+    assert epoch == 3 and arrays[0].tobytes() == state.tobytes()
+    assert stats["garbage"] == 20 and stats["streams"] == 30
+    assert stats["rpc_errors"] > 0  # most random requests are refused...
+    assert stats["rpc_ok"] + stats["rpc_errors"] == 120  # ...and every one got an answer
