@@ -20,7 +20,8 @@ top-k agreement with brute force. Sizes whose build would not fit ``--sim-budget
 (extrapolated from the previous size) are skipped and reported as such.
 
 The last line is one JSON object: store_median_ms, store_p95_ms, get_median_ms, get_p95_ms,
-gets_per_s, rss_mb_per_node, nodes, procs, sim.
+gets_per_s, rss_mb_per_node, store_cpu_ms and get_cpu_ms (CPU time of the measuring
+process per operation: a load-independent view when the machine is shared), nodes, procs, sim.
 """
 
 from __future__ import annotations
@@ -148,19 +149,23 @@ async def _loopback(nodes: int, procs: int, ops: int) -> dict[str, float]:
                 for i in range(ops)
             }
             store_ms, get_ms = [], []
+            cpu0 = time.process_time()
             for key, value in values.items():
                 d = rng.choice(dhts)
                 t = time.perf_counter()
                 res = await d.store(key, value, d.now() + 600)
                 store_ms.append((time.perf_counter() - t) * 1000)
                 assert res.ok
+            store_cpu = (time.process_time() - cpu0) * 1000 / len(values)
             misses = 0
+            cpu0 = time.process_time()
             for key, value in values.items():
                 d = rng.choice(dhts)
                 t = time.perf_counter()
                 got = await d.get(key)
                 get_ms.append((time.perf_counter() - t) * 1000)
                 misses += got is None or got.value != value
+            get_cpu = (time.process_time() - cpu0) * 1000 / len(values)
             one = dhts[-1]
             keys = list(values) * 2
             sem = trio.Semaphore(16)
@@ -191,6 +196,8 @@ async def _loopback(nodes: int, procs: int, ops: int) -> dict[str, float]:
         "get_p95_ms": _pct(get_ms, 0.95),
         "gets_per_s": gets_per_s,
         "rss_mb_per_node": rss / nodes,
+        "store_cpu_ms": store_cpu,
+        "get_cpu_ms": get_cpu,
         "get_misses": misses,
     }
 
@@ -277,11 +284,15 @@ def main(argv: list[str] | None = None) -> None:
     )
     print(f"loopback gets/s from one node (16 in flight): {loop['gets_per_s']:.0f}")
     print(f"RSS per node: {loop['rss_mb_per_node']:.1f} MB")
+    print(
+        f"CPU of this process per op (its nodes serve ~1/{args.procs} of the requests): "
+        f"store {loop['store_cpu_ms']:.1f} ms, get {loop['get_cpu_ms']:.1f} ms"
+    )
 
     sim: dict[str, Any] = {}
     spent = 0.0
     last: tuple[int, float] | None = None
-    for n in (int(x) for x in args.sim_sizes.split(",")):
+    for n in (int(x) for x in args.sim_sizes.split(",") if x):
         if last is not None:
             projected = last[1] * n / last[0] * 1.2
             if spent + projected > args.sim_budget:
