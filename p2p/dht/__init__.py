@@ -10,7 +10,7 @@ Typical use::
 
 from p2p.dht.clock import DHTClock
 from p2p.dht.config import DHTConfig
-from p2p.dht.errors import BootstrapError, DHTError, InvalidRecordError, StoreError
+from p2p.dht.errors import BootstrapError, DHTError, InvalidRecordError
 from p2p.dht.node import DHT, DHTValue, StoreResult, open_dht
 from p2p.dht.records import Record, ValueWithExpiration, owner_marker
 from p2p.dht.validation import (
@@ -48,7 +48,6 @@ __all__ = [
     "RecordValidator",
     "SchemaValidator",
     "SignatureValidator",
-    "StoreError",
     "StoreResult",
     "Str",
     "Struct",

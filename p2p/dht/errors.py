@@ -19,7 +19,3 @@ class InvalidRecordError(DHTError, ValueError):
     def __init__(self, reason: str) -> None:
         super().__init__(reason)
         self.reason = reason
-
-
-class StoreError(DHTError):
-    """A value could not be stored on any node."""
