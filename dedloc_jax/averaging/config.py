@@ -29,6 +29,11 @@ class AllReduceConfig:
     """Rounds a peer may announce before we start them locally; more are refused."""
     linger: float = 60.0
     """How long a finished round stays available to relay its results to repairing peers."""
+    robust_tau: float | None = None
+    """None: plain weighted mean. Otherwise reducers aggregate each chunk with CenteredClip
+    (:mod:`.robust`) at this L2 radius per chunk, buffering the chunk's parts until all arrived,
+    so one peer sending scaled values moves a chunk by a bounded amount."""
+    robust_iters: int = 20
 
     @classmethod
     def internet(cls) -> AllReduceConfig:
@@ -44,6 +49,12 @@ class AllReduceConfig:
     def testing(cls) -> AllReduceConfig:
         """Tiny chunks so small test vectors still span many chunks; short stalls."""
         return cls(chunk_elems=16, stall_timeout=2.0, linger=30.0)
+
+    def __post_init__(self) -> None:
+        if self.robust_tau is not None and not self.robust_tau > 0:
+            raise ValueError("robust_tau must be positive when set")
+        if self.robust_iters < 1:
+            raise ValueError("robust_iters must be at least 1")
 
     def with_(self, **changes: Any) -> AllReduceConfig:
         return replace(self, **changes)

@@ -20,6 +20,7 @@ from p2p.rpc import MessageStream
 from . import wire
 from .codecs import is_finite
 from .errors import BadContributionError, CodecError
+from .robust import cap_weights, centered_clip
 from .sync import Changes
 
 if TYPE_CHECKING:
@@ -58,12 +59,17 @@ class Reducer:
         self.last_sent: dict[int, float] = {}
         self.sent_all_at: dict[int, float] = {}
         self.changes = Changes()
+        # Robust mode buffers each chunk's parts (sender -> values) until it is finalised.
+        self.robust = rnd.config.robust_tau is not None
+        self.parts: list[dict[int, np.ndarray]] = [{} for _ in range(n)] if self.robust else []
         if rnd.is_sender and not rnd.abstain:
             assert rnd.vec is not None
             self.acc[:] = rnd.vec[self.start : rnd.bounds[j + 1]] * np.float32(rnd.weight)
             self.wsum[:] = rnd.weight
             for m in self.cmask:
                 m.add(j)
+            for k, (a, b) in enumerate(self.chunks if self.robust else ()):
+                self.parts[k][j] = rnd.vec[self.start + a : self.start + b]
 
     def exclude(self, s: int, why: str) -> None:
         if s in self.expected:
@@ -142,7 +148,9 @@ class Reducer:
         r = self.r
         a, b = self.chunks[k]
         avg = self.acc[a:b]  # averaged in place: the accumulator of this chunk is done
-        if self.wsum[k] > 0:
+        if self.robust and self.parts[k]:
+            self._robust_finalise(k, avg)
+        elif self.wsum[k] > 0:
             np.divide(avg, np.float32(self.wsum[k]), out=avg)
         data = r.codec.encode(avg)
         if not r.codec.lossless:
@@ -156,6 +164,19 @@ class Reducer:
             r.held[r.me] = k + 1
         self.done = k + 1
         self.changes.notify()
+
+    def _robust_finalise(self, k: int, out: np.ndarray) -> None:
+        """CenteredClip over the chunk's buffered parts (weights capped) into ``out``."""
+        r = self.r
+        parts = self.parts[k]
+        self.parts[k] = {}
+        senders = sorted(parts)
+        own = r.weight if r.is_sender and not r.abstain else 0.0
+        weights = cap_weights([own if s == r.me else self.weights[s] for s in senders])
+        assert r.config.robust_tau is not None
+        out[:] = centered_clip(
+            [parts[s] for s in senders], weights, r.config.robust_tau, r.config.robust_iters
+        )
 
     async def serve(self, h: wire.Hello, ms: MessageStream) -> None:
         s = h.sender
@@ -219,9 +240,12 @@ class Reducer:
             self.exclude(s, f"non-finite values in chunk {k}")
             return
         w = self.weights[s]
-        if w != 1.0:
-            values = np.multiply(values, np.float32(w), out=scratch)
-        self.acc[a:b] += values
+        if self.robust:
+            self.parts[k][s] = values.copy()  # weighed at finalisation
+        else:
+            if w != 1.0:
+                values = np.multiply(values, np.float32(w), out=scratch)
+            self.acc[a:b] += values
         self.wsum[k] += w
         self.cmask[k].add(s)
         self.r.count("down", len(data))
