@@ -16,7 +16,7 @@ install: $(STAMP)
 
 ## The main job: a short local collaboration on loopback.
 run: $(STAMP)
-	$(BIN)/python -m examples.demo
+	$(BIN)/python -m examples.sahajbert
 
 ## The default test suite (under 10 minutes on 2 cores), with lint and format checks.
 test: $(STAMP) lint

@@ -1,4 +1,4 @@
-"""``python -m examples.sahajbert``: the demo, the volunteer's trainer, the coordinator, aux, finetune.
+"""``python -m examples.sahajbert``: the demo, trainer, coordinator, aux and finetune roles.
 
 python -m examples.sahajbert                       # local demo: coordinator + 3 trainers
 python -m examples.sahajbert coordinator           # start a run (prints the address to join)

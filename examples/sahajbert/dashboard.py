@@ -57,7 +57,8 @@ async function refresh(){
       `<span>epoch <b id="epoch">${e.epoch}</b></span>`+
       `<span>samples ${fmt(e.samples,0)} / ${s.target_batch_size}</span>`+
       `<span>${fmt(e.samples_per_second,1)} samples/s</span><span>ETA ${fmt(e.eta,1)} s</span>`+
-      `<span>${(s.peers||[]).length} peers</span><span>last checkpoint: ${s.checkpoint||"-"}</span>`;
+      `<span>${(s.peers||[]).length} peers</span>`+
+      `<span>last checkpoint: ${s.checkpoint||"-"}</span>`;
     document.querySelector("#peers tbody").innerHTML=(s.peers||[]).map(p=>
       `<tr class="peer"><td><code>${p.peer.slice(0,16)}</code></td><td>${p.mode}</td>`+
       `<td>${p.epoch}</td><td>${p.samples}</td><td>${fmt(p.samples_per_second,1)}</td>`+

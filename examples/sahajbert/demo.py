@@ -16,6 +16,7 @@ import json
 import logging
 import math
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -46,7 +47,7 @@ def cli_args(cfg: TrainerConfig) -> list[str]:
     """The command-line options that reproduce ``cfg`` in a child process."""
     o = cfg.optimizer
     args = [
-        "--run-id", cfg.run_id,
+        "--run-id", cfg.run_id or "sahajbert",
         "--config", cfg.model,
         "--target-batch-size", str(cfg.target_batch_size),
         "--per-device-batch-size", str(cfg.per_device_batch_size),
@@ -67,9 +68,20 @@ def cli_args(cfg: TrainerConfig) -> list[str]:
 
 
 def warm_up(cfg: TrainerConfig) -> None:
-    """Build the data cache and compile the jitted pieces once, into the persistent cache."""
+    """Build the data cache and compile the jitted pieces once, into the persistent cache.
+
+    Skipped when a marker says this configuration was warmed before (the peers then load
+    the compiled programs from the cache).
+    """
+    import hashlib
+
     import jax
 
+    shape = [a for a in cli_args(cfg.replace(run_id="", max_epochs=None)) if a]
+    digest = hashlib.sha256(json.dumps([shape, jax.__version__]).encode()).hexdigest()[:16]
+    marker = cfg.work_dir / "jax-cache" / f"warm-{digest}"
+    if marker.is_file():
+        return
     training.enable_compilation_cache(cfg.work_dir / "jax-cache")
     tokenizer, corpus = training.prepare_data(cfg)
     model_cfg = training.model_config(cfg.model, len(tokenizer), cfg.seq_length, cfg.bf16)
@@ -80,6 +92,7 @@ def warm_up(cfg: TrainerConfig) -> None:
     state = jax.jit(inner.init)(params)
     updates, _ = jax.jit(inner.update)(grads, state, params)
     jax.block_until_ready((loss, updates))
+    marker.write_text(json.dumps(shape))
 
 
 class Processes:
@@ -89,9 +102,10 @@ class Processes:
         self.log_dir = log_dir
         log_dir.mkdir(parents=True, exist_ok=True)
         self.procs: dict[str, subprocess.Popen] = {}
+        self.args: dict[str, list[str]] = {}
 
     def start(self, name: str, args: list[str]) -> subprocess.Popen:
-        out = (self.log_dir / f"{name}.log").open("w")
+        out = (self.log_dir / f"{name}.log").open("a")
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         proc = subprocess.Popen(
             [sys.executable, "-m", "examples.sahajbert", *args],
@@ -101,7 +115,13 @@ class Processes:
         )
         out.close()
         self.procs[name] = proc
+        self.args[name] = args
         return proc
+
+    def kill(self, name: str) -> None:
+        """SIGKILL, as a crash or a preempted machine would end it."""
+        self.procs[name].kill()
+        self.procs[name].wait()
 
     def stop(self, name: str, timeout: float = 10.0) -> None:
         proc = self.procs[name]
@@ -262,24 +282,43 @@ def params_identical(paths: list[Path]) -> bool:
 
 
 def run_collaboration(
-    demo: DemoConfig, cfg: TrainerConfig, out: Path, *, live: bool = True
+    demo: DemoConfig,
+    cfg: TrainerConfig,
+    out: Path,
+    *,
+    live: bool = True,
+    on_tick: Any = None,
 ) -> DemoResult:
-    """Everything but the printing: start, watch, wait, collect."""
+    """Everything but the printing: start, watch, wait, collect.
+
+    ``on_tick(procs, status)`` is called while waiting (tests use it to kill a peer).
+    """
     cfg = cfg.replace(max_epochs=demo.epochs)
     started = time.monotonic()
     warm_up(cfg)
+    if (out / "logs").is_dir():
+        shutil.rmtree(out / "logs")
     with Processes(out / "logs") as procs:
         _, finals = start_run(demo, cfg, out, procs)
         deadline = started + demo.timeout
+
+        def tick() -> Any:
+            status = _status(out)
+            if on_tick is not None:
+                on_tick(procs, status)
+            return status
+
         if live:
             from rich.live import Live
 
             with Live(render(None, started, demo), refresh_per_second=4) as view:
-                _wait(procs, deadline, lambda: view.update(render(_status(out), started, demo)))
+                _wait(procs, deadline, lambda: view.update(render(tick(), started, demo)))
         else:
-            _wait(procs, deadline, lambda: None)
+            _wait(procs, deadline, tick)
         codes = {name: p.poll() for name, p in procs.procs.items()}
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line]
+    jsonl = out / "metrics.jsonl"
+    lines = jsonl.read_text().splitlines() if jsonl.is_file() else []
+    rows = [json.loads(line) for line in lines if line]
     status = read_status(out / "status.json") or {}
     return DemoResult(
         rows=rows,

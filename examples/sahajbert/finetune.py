@@ -122,7 +122,9 @@ def synthetic_task_data(task: str, *, seed: int = 0, sizes=(400, 100, 100)) -> d
     from models.corpus import generate_ncc_examples, generate_ner_examples
 
     gen = generate_ner_examples if task == "ner" else generate_ncc_examples
-    return {s: gen(n, seed=seed * 10 + i) for i, (s, n) in enumerate(zip(SPLITS, sizes))}
+    return {
+        s: gen(n, seed=seed * 10 + i) for i, (s, n) in enumerate(zip(SPLITS, sizes, strict=True))
+    }
 
 
 def write_jsonl_split(task: str, out: Path, splits: dict[str, list]) -> Path:

@@ -26,12 +26,12 @@ def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
-FAST = FinetuneConfig(learning_rate=2e-3, seq_length=48, batch_size=32, epochs=4, patience=2)
+FAST = FinetuneConfig(learning_rate=1e-3, seq_length=48, batch_size=16, epochs=6, patience=3)
 
 
 def test_ncc_finetunes_from_local_files_and_beats_chance(tiny_checkpoint: Path, tmp_path: Path):
     data = write_jsonl_split(
-        "ncc", tmp_path / "ncc", synthetic_task_data("ncc", sizes=(192, 64, 96))
+        "ncc", tmp_path / "ncc", synthetic_task_data("ncc", sizes=(320, 64, 96))
     )
     result = finetune("ncc", tiny_checkpoint, str(data), FAST)
     assert result["checkpoint_epoch"] == 0
