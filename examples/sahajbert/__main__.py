@@ -143,7 +143,8 @@ def _add_finetune_options(p: argparse.ArgumentParser) -> None:
         dest="finetune_data",
         default=None,
         help="directory with train/validation/test .jsonl, or 'hf' (wikiann bn / indic_glue "
-        "sna.bn); default: generate a small synthetic set",
+        "sna.bn); default: generate a small synthetic set. With the finetune role, --data "
+        "means the same",
     )
     g.add_argument("--lr", type=float, default=f.learning_rate, help="learning rate")
     g.add_argument("--epochs", type=int, default=f.epochs, help="maximum epochs")

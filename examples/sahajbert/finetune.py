@@ -1,6 +1,6 @@
 """Evaluation as sahajBERT was judged: NER on WikiANN bn and news classification on sna.bn.
 
-``python -m examples.sahajbert finetune --task ner|ncc --checkpoint DIR [--finetune-data D]``
+``python -m examples.sahajbert finetune --task ner|ncc --checkpoint DIR [--data D]``
 fine-tunes the checkpoint's encoder with the published recipe (AdamW at lr 1e-5, sequences of
 128, batches of 128, up to 20 epochs, early stopping when the validation loss has not improved
 for 3 epochs; the best epoch's weights are kept) and prints the test scores: entity-level F1
@@ -324,7 +324,8 @@ def main_finetune(args: argparse.Namespace) -> int:
         patience=args.patience,
         seq_length=args.ft_seq_length,
     )
-    result = finetune(args.task, args.checkpoint, args.finetune_data, cfg)
+    data = args.finetune_data or args.data  # with the finetune role, --data means its data
+    result = finetune(args.task, args.checkpoint, data, cfg)
     metric = "f1" if args.task == "ner" else "accuracy"
     print(
         f"{args.task}: test {metric} {100 * result[metric]:.2f} "

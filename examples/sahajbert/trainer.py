@@ -113,15 +113,13 @@ def run_trainer(
         opt_state = tx.init(params)
         params, opt_state = _load_or_start(collab, params, opt_state)
         devices = jax.local_device_count()
-        if devices > 1:  # data parallel over this peer's accelerators
-            from models.sharding import make_mesh, replicate
-
-            mesh = make_mesh()
-            params, opt_state = replicate((params, opt_state), mesh)
         micro = cfg.per_device_batch_size * devices * cfg.grad_accumulation
         step = training.make_train_step(graphdef, rest, tx, micro)
         peer_seed = int.from_bytes(hashlib.sha256(collab.peer_id.encode()).digest()[:4], "big")
         data = training.batches(cfg, corpus, vocab, peer_seed)
+        if devices > 1:  # data parallel over this peer's accelerators (jax.sharding)
+            params, opt_state, data = _spread(params, opt_state, data)
+        log.info("training on %d local device(s), %d samples per micro-step", devices, micro)
         result = _loop(cfg, collab, step, data, params, opt_state, devices)
         params, opt_state = result.pop("params"), result.pop("opt_state")
         out = TrainerResult(**result)
@@ -134,6 +132,18 @@ def run_trainer(
         return out
     finally:
         collab.close()
+
+
+def _spread(params: Any, opt_state: Any, data: Any) -> tuple[Any, Any, Any]:
+    """Replicate the state on every local device and split each micro-batch across them."""
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from models.sharding import DATA_AXIS, make_mesh, replicate
+
+    mesh = make_mesh()
+    params, opt_state = replicate((params, opt_state), mesh)
+    split = NamedSharding(mesh, PartitionSpec(None, DATA_AXIS))  # [accumulation, batch, ...]
+    return params, opt_state, (jax.device_put(b, split) for b in data)
 
 
 def _load_or_start(
@@ -154,11 +164,8 @@ def _load_or_start(
 
 def _other_trainers(collab: Any) -> bool:
     """Whether other peers that compute gradients are in the run."""
-    core = collab.core
     records = collab.run_async(_records)
-    return any(r.mode != "aux" and peer != collab.peer_id for peer, r in records.items()) or (
-        core is None
-    )
+    return any(r.mode != "aux" and peer != collab.peer_id for peer, r in records.items())
 
 
 async def _records(core: Any) -> dict:
