@@ -1,0 +1,247 @@
+"""Butterfly all-reduce over real, tbf-shaped links: LP split vs the LP bound vs an equal split.
+
+    sudo python -m bench.allreduce_netns [--uplinks 10,25,50,100] [--downlink 100]
+                                         [--size 2000000] [--rounds 2] [--codec none]
+
+Each peer is a process in its own network namespace (see :mod:`bench.netns_lab`), attached to
+one bridge; its uplink is shaped with tbf to the given rate, and its downlink to ``--downlink``
+Mbit/s (0 leaves downlinks unshaped, given to the LP as infinite). The LP is given exactly the
+shaped rates (tbf delivers ~96-97% of them as TCP goodput, so the bound is slightly optimistic).
+Rounds alternate between the LP's split and an equal split in the same run, with the same
+vectors (S float32 values per peer, peer i weighted i + 1). A round's time is the slowest peer's
+time from a common start signal to its result. Prints per-round figures and, as the last line,
+a JSON object with ``lp_seconds`` and ``equal_seconds`` (medians), ``lp_bound_seconds``,
+``lp_vs_bound`` (lp_seconds / bound) and ``equal_vs_lp`` (equal_seconds / lp_seconds), plus
+``identical`` and ``max_abs_error`` over every round.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import multiprocessing as mp
+import signal
+import statistics
+import sys
+import time
+from typing import Any
+
+import numpy as np
+
+from bench.netns_lab import ShapedLab, enter_namespace, peer_ip, unavailable_reason
+
+MBIT = 1e6 / 8  # bytes/s per Mbit/s
+
+
+def _vector(i: int, size: int) -> np.ndarray:
+    return np.random.default_rng(2000 + i).standard_normal(size, dtype=np.float32)
+
+
+# ---- worker process (inside its namespace) --------------------------------------------------
+
+
+def _worker(index: int, ns: str, size: int, codec_name: str, conn: Any) -> None:
+    enter_namespace(ns)  # first, while this process has one thread: later threads inherit it
+
+    import trio
+
+    from dedloc_jax.averaging import AllReduceConfig, GroupSpec, all_reduce, get_codec, install
+    from p2p.identity import Identity, PeerID
+    from p2p.node import NodeConfig, open_node
+
+    vec = _vector(index, size)
+    weight = float(index + 1)
+    codec = get_codec(codec_name)
+    config = AllReduceConfig.internet()
+
+    async def recv() -> Any:
+        # the pipe blocks: wait in a worker thread so this peer keeps serving the others
+        return await trio.to_thread.run_sync(conn.recv)
+
+    async def main() -> None:
+        identity = Identity.from_seed(f"bench-allreduce-netns/{index}".encode())
+        listen = [f"/ip4/{peer_ip(index)}/tcp/0"]
+        async with open_node(identity, listen=listen, config=NodeConfig.bulk()) as node:
+            install(node, config)
+            conn.send((str(node.peer_id), [str(a) for a in node.addrs]))
+            addrs = await recv()
+            for pid, pa in addrs.items():
+                if pid != str(node.peer_id):
+                    node.peerstore.add_addrs(PeerID.from_base58(pid), pa)
+            while True:
+                msg = await recv()
+                if msg == "quit":
+                    return
+                spec_bytes, round_id, timeout, length = msg
+                spec = GroupSpec.from_bytes(spec_bytes)
+                t0 = time.perf_counter()
+                result = await all_reduce(
+                    node,
+                    spec,
+                    {"g": vec[:length]},
+                    weight,
+                    codec=codec,
+                    timeout=timeout,
+                    round_id=round_id,
+                    config=config,
+                )
+                elapsed = time.perf_counter() - t0
+                assert result.vector is not None
+                digest = hashlib.sha256(result.vector.tobytes()).hexdigest()
+                conn.send((elapsed, digest, result.vector[:: max(1, length // 4096)].copy()))
+
+    trio.run(main)
+
+
+# ---- driver ---------------------------------------------------------------------------------
+
+
+def _expected_sample(n: int, size: int) -> np.ndarray:
+    step = max(1, size // 4096)
+    total = np.zeros(len(range(0, size, step)), np.float64)
+    for i in range(n):
+        total += _vector(i, size)[::step].astype(np.float64) * (i + 1)
+    return total / sum(range(1, n + 1))
+
+
+def run_netns(
+    uplinks_mbit: list[float],
+    downlink_mbit: float | None,
+    size: int,
+    rounds: int,
+    codec: str = "none",
+) -> dict:
+    """Start the lab and the peers, run ``rounds`` LP and ``rounds`` equal-split rounds."""
+    from dedloc_jax.averaging import GroupSpec, Member, get_codec, solve_shares
+    from dedloc_jax.averaging.load_balancing import equal_split, predicted_time
+    from dedloc_jax.averaging.partition import fractions_to_parts
+
+    n = len(uplinks_mbit)
+    down_bps = downlink_mbit * MBIT if downlink_mbit else float("inf")
+    wire_bytes = get_codec(codec).encoded_size(size)
+    ctx = mp.get_context("spawn")
+    procs: list[Any] = []
+    pipes: list[Any] = []
+    with ShapedLab(uplinks_mbit, [downlink_mbit] * n) as lab:
+        try:
+            for i in range(n):
+                parent, child = ctx.Pipe()
+                p = ctx.Process(target=_worker, args=(i, lab.host(i), size, codec, child))
+                p.start()
+                procs.append(p)
+                pipes.append(parent)
+            hellos = [_recv(p, procs, 120) for p in pipes]
+            addrs = dict(hellos)
+            for p in pipes:
+                p.send(addrs)
+            members = tuple(
+                Member(pid, "node", up * MBIT, down_bps, float(i + 1))
+                for i, ((pid, _), up) in enumerate(zip(hellos, uplinks_mbit, strict=True))
+            )
+            lp = solve_shares(members)
+            equal = equal_split(members)
+            specs = {
+                "lp": GroupSpec(members, b"netns-lp", lp.parts),
+                "equal": GroupSpec(members, b"netns-equal", fractions_to_parts(equal)),
+            }
+            bound = lp.lower_bound(wire_bytes)
+            timeout = 30 * bound + 120
+            print(f"uplinks {uplinks_mbit} Mbit/s, downlinks {downlink_mbit or 'unshaped'}")
+            print(f"LP fractions {[round(f, 4) for f in lp.fractions]}; bound {bound:.2f} s")
+            print(f"equal split: model time {predicted_time(members, equal, wire_bytes):.2f} s")
+            # warm-up: connections are dialed and TCP windows opened before anything is timed
+            # (a collaboration reuses its connections round after round)
+            warm = min(size, 1 << 18)
+            for p in pipes:
+                p.send((specs["lp"].to_bytes(), b"warm-up", timeout, warm))
+            warm_s = max(_recv(p, procs, timeout + 60)[0] for p in pipes)
+            print(f"warm-up round ({warm} values): {warm_s:.2f} s")
+            times: dict[str, list[float]] = {"lp": [], "equal": []}
+            identical = True
+            err = 0.0
+            want = _expected_sample(n, size)
+            for r in range(rounds):
+                for label in ("lp", "equal"):
+                    for p in pipes:
+                        p.send((specs[label].to_bytes(), f"{label}/{r}".encode(), timeout, size))
+                    reports = [_recv(p, procs, timeout + 60) for p in pipes]
+                    seconds = max(rep[0] for rep in reports)
+                    times[label].append(seconds)
+                    round_digests = {rep[1] for rep in reports}
+                    identical = identical and len(round_digests) == 1
+                    err = max(err, max(float(np.max(np.abs(rep[2] - want))) for rep in reports))
+                    print(
+                        f"round {r + 1} {label:>5}: {seconds:.2f} s "
+                        f"({seconds / bound:.3f} x bound), identical {len(round_digests) == 1}"
+                    )
+            for p in pipes:
+                p.send("quit")
+            for p in procs:
+                p.join(timeout=30)
+        finally:
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+                    p.join(timeout=10)
+    lp_s, eq_s = statistics.median(times["lp"]), statistics.median(times["equal"])
+    print(
+        f"LP split {lp_s:.2f} s = {lp_s / bound:.3f} x the LP bound {bound:.2f} s; "
+        f"equal split {eq_s:.2f} s = {eq_s / lp_s:.3f} x the LP split"
+    )
+    return {
+        "uplinks_mbit": uplinks_mbit,
+        "downlink_mbit": downlink_mbit,
+        "size": size,
+        "codec": codec,
+        "rounds": rounds,
+        "lp_fractions": list(lp.fractions),
+        "lp_seconds": lp_s,
+        "equal_seconds": eq_s,
+        "lp_bound_seconds": bound,
+        "lp_vs_bound": lp_s / bound,
+        "equal_vs_lp": eq_s / lp_s,
+        "lp_rounds": times["lp"],
+        "equal_rounds": times["equal"],
+        # in every round, every peer ended with the same bits
+        "identical": identical,
+        "max_abs_error": err,
+    }
+
+
+def _recv(pipe: Any, procs: list[Any], timeout: float) -> Any:
+    """A message from a peer, or a clear error when a peer died or took too long."""
+    if not pipe.poll(timeout):
+        dead = [i for i, p in enumerate(procs) if not p.is_alive()]
+        raise RuntimeError(f"no answer from a peer within {timeout:.0f} s (dead peers: {dead})")
+    return pipe.recv()
+
+
+def _terminate(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt  # unwinds through the finally blocks that tear the lab down
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--uplinks", default="10,25,50,100", help="Mbit/s, one per peer")
+    ap.add_argument("--downlink", type=float, default=100.0, help="Mbit/s; 0 = unshaped")
+    ap.add_argument("--size", type=int, default=2_000_000, help="float32 values per peer")
+    ap.add_argument("--rounds", type=int, default=2, help="rounds of each split")
+    ap.add_argument("--codec", default="none", choices=["none", "fp16", "bf16", "int8"])
+    args = ap.parse_args(argv)
+    try:
+        uplinks = [float(x) for x in args.uplinks.split(",")]
+    except ValueError:
+        ap.error("--uplinks must be comma-separated numbers")
+    if len(uplinks) < 2 or min(uplinks) <= 0 or args.rounds < 1 or args.size < 1:
+        ap.error("need at least 2 positive uplinks, --rounds >= 1 and --size >= 1")
+    reason = unavailable_reason()
+    if reason is not None:
+        sys.exit(f"bench.allreduce_netns cannot run: {reason}")
+    signal.signal(signal.SIGTERM, _terminate)
+    result = run_netns(uplinks, args.downlink or None, args.size, args.rounds, args.codec)
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
