@@ -1,11 +1,13 @@
 """Butterfly all-reduce over real, tbf-shaped links: LP split vs the LP bound vs an equal split.
 
     sudo python -m bench.allreduce_netns [--uplinks 10,25,50,100] [--downlink 100]
+                                         [--modes node,node,node,node]
                                          [--size 2000000] [--rounds 2] [--codec none]
 
 Each peer is a process in its own network namespace (see :mod:`bench.netns_lab`), attached to
 one bridge; its uplink is shaped with tbf to the given rate, and its downlink to ``--downlink``
-Mbit/s (0 leaves downlinks unshaped, given to the LP as infinite). The LP is given exactly the
+Mbit/s (one rate or one per peer; 0 leaves a downlink unshaped, given to the LP as infinite).
+``--modes`` makes peers clients (send only) or aux peers (reduce only). The LP is given exactly the
 shaped rates (tbf delivers ~96-97% of them as TCP goodput, so the bound is slightly optimistic).
 Rounds alternate between the LP's split and an equal split in the same run, with the same
 vectors (S float32 values per peer, peer i weighted i + 1). A round's time is the slowest peer's
@@ -25,6 +27,7 @@ import signal
 import statistics
 import sys
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -41,7 +44,7 @@ def _vector(i: int, size: int) -> np.ndarray:
 # ---- worker process (inside its namespace) --------------------------------------------------
 
 
-def _worker(index: int, ns: str, size: int, codec_name: str, conn: Any) -> None:
+def _worker(index: int, ns: str, mode: str, size: int, codec_name: str, conn: Any) -> None:
     enter_namespace(ns)  # first, while this process has one thread: later threads inherit it
 
     import trio
@@ -51,7 +54,7 @@ def _worker(index: int, ns: str, size: int, codec_name: str, conn: Any) -> None:
     from p2p.node import NodeConfig, open_node
 
     vec = _vector(index, size)
-    weight = float(index + 1)
+    weight = _weight(index, mode)
     codec = get_codec(codec_name)
     config = AllReduceConfig.internet()
 
@@ -87,7 +90,9 @@ def _worker(index: int, ns: str, size: int, codec_name: str, conn: Any) -> None:
                     config=config,
                 )
                 elapsed = time.perf_counter() - t0
-                assert result.vector is not None
+                if result.vector is None:  # an aux peer: it reduced, it holds no result
+                    conn.send((elapsed, None, None))
+                    continue
                 digest = hashlib.sha256(result.vector.tobytes()).hexdigest()
                 conn.send((elapsed, digest, result.vector[:: max(1, length // 4096)].copy()))
 
@@ -97,37 +102,56 @@ def _worker(index: int, ns: str, size: int, codec_name: str, conn: Any) -> None:
 # ---- driver ---------------------------------------------------------------------------------
 
 
-def _expected_sample(n: int, size: int) -> np.ndarray:
+def _weight(index: int, mode: str) -> float:
+    return 0.0 if mode == "aux" else float(index + 1)
+
+
+def _expected_sample(modes: Sequence[str], size: int) -> np.ndarray:
+    """Every (size // 4096)-th value of the weighted mean of the senders' vectors (float64)."""
     step = max(1, size // 4096)
     total = np.zeros(len(range(0, size, step)), np.float64)
-    for i in range(n):
-        total += _vector(i, size)[::step].astype(np.float64) * (i + 1)
-    return total / sum(range(1, n + 1))
+    weights = [_weight(i, m) for i, m in enumerate(modes)]
+    for i, w in enumerate(weights):
+        if w:
+            total += _vector(i, size)[::step].astype(np.float64) * w
+    return total / sum(weights)
 
 
 def run_netns(
-    uplinks_mbit: list[float],
-    downlink_mbit: float | None,
+    uplinks_mbit: Sequence[float],
+    downlink_mbit: float | Sequence[float | None] | None,
     size: int,
     rounds: int,
     codec: str = "none",
+    modes: Sequence[str] | None = None,
 ) -> dict:
-    """Start the lab and the peers, run ``rounds`` LP and ``rounds`` equal-split rounds."""
+    """Start the lab and the peers, run ``rounds`` LP and ``rounds`` equal-split rounds.
+
+    ``downlink_mbit``: one rate for every peer or one per peer; None (or 0) leaves a downlink
+    unshaped. ``modes``: "node" (default), "client" or "aux" per peer.
+    """
     from dedloc_jax.averaging import GroupSpec, Member, get_codec, solve_shares
     from dedloc_jax.averaging.load_balancing import equal_split, predicted_time
     from dedloc_jax.averaging.partition import fractions_to_parts
 
     n = len(uplinks_mbit)
-    down_bps = downlink_mbit * MBIT if downlink_mbit else float("inf")
+    uplinks = [float(u) for u in uplinks_mbit]
+    if downlink_mbit is None or isinstance(downlink_mbit, int | float):
+        downlinks = [downlink_mbit or None] * n
+    else:
+        downlinks = [d or None for d in downlink_mbit]
+    modes = list(modes or ["node"] * n)
+    if len(downlinks) != n or len(modes) != n:
+        raise ValueError("one downlink and one mode per uplink")
     wire_bytes = get_codec(codec).encoded_size(size)
     ctx = mp.get_context("spawn")
     procs: list[Any] = []
     pipes: list[Any] = []
-    with ShapedLab(uplinks_mbit, [downlink_mbit] * n) as lab:
+    with ShapedLab(uplinks, downlinks) as lab:
         try:
             for i in range(n):
                 parent, child = ctx.Pipe()
-                p = ctx.Process(target=_worker, args=(i, lab.host(i), size, codec, child))
+                p = ctx.Process(target=_worker, args=(i, lab.host(i), modes[i], size, codec, child))
                 p.start()
                 procs.append(p)
                 pipes.append(parent)
@@ -136,8 +160,14 @@ def run_netns(
             for p in pipes:
                 p.send(addrs)
             members = tuple(
-                Member(pid, "node", up * MBIT, down_bps, float(i + 1))
-                for i, ((pid, _), up) in enumerate(zip(hellos, uplinks_mbit, strict=True))
+                Member(
+                    pid,
+                    modes[i],  # type: ignore[arg-type]
+                    uplinks[i] * MBIT,
+                    downlinks[i] * MBIT if downlinks[i] else float("inf"),  # type: ignore[operator]
+                    _weight(i, modes[i]),
+                )
+                for i, (pid, _) in enumerate(hellos)
             )
             lp = solve_shares(members)
             equal = equal_split(members)
@@ -147,7 +177,8 @@ def run_netns(
             }
             bound = lp.lower_bound(wire_bytes)
             timeout = 30 * bound + 120
-            print(f"uplinks {uplinks_mbit} Mbit/s, downlinks {downlink_mbit or 'unshaped'}")
+            print(f"modes {modes}")
+            print(f"uplinks {uplinks} Mbit/s, downlinks {[d or 'unshaped' for d in downlinks]}")
             print(f"LP fractions {[round(f, 4) for f in lp.fractions]}; bound {bound:.2f} s")
             print(f"equal split: model time {predicted_time(members, equal, wire_bytes):.2f} s")
             # warm-up: connections are dialed and TCP windows opened before anything is timed
@@ -160,7 +191,7 @@ def run_netns(
             times: dict[str, list[float]] = {"lp": [], "equal": []}
             identical = True
             err = 0.0
-            want = _expected_sample(n, size)
+            want = _expected_sample(modes, size)
             for r in range(rounds):
                 for label in ("lp", "equal"):
                     for p in pipes:
@@ -168,6 +199,7 @@ def run_netns(
                     reports = [_recv(p, procs, timeout + 60) for p in pipes]
                     seconds = max(rep[0] for rep in reports)
                     times[label].append(seconds)
+                    reports = [rep for rep in reports if rep[1] is not None]
                     round_digests = {rep[1] for rep in reports}
                     identical = identical and len(round_digests) == 1
                     err = max(err, max(float(np.max(np.abs(rep[2] - want))) for rep in reports))
@@ -190,8 +222,9 @@ def run_netns(
         f"equal split {eq_s:.2f} s = {eq_s / lp_s:.3f} x the LP split"
     )
     return {
-        "uplinks_mbit": uplinks_mbit,
-        "downlink_mbit": downlink_mbit,
+        "modes": modes,
+        "uplinks_mbit": uplinks,
+        "downlinks_mbit": downlinks,
         "size": size,
         "codec": codec,
         "rounds": rounds,
@@ -221,25 +254,46 @@ def _terminate(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt  # unwinds through the finally blocks that tear the lab down
 
 
+def _numbers(text: str) -> list[float]:
+    return [float(x) for x in text.split(",")]
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--uplinks", default="10,25,50,100", help="Mbit/s, one per peer")
-    ap.add_argument("--downlink", type=float, default=100.0, help="Mbit/s; 0 = unshaped")
+    ap.add_argument(
+        "--downlink", default="100", help="Mbit/s, one for all or one per peer; 0 = unshaped"
+    )
+    ap.add_argument("--modes", default=None, help="node/client/aux per peer (default: all node)")
     ap.add_argument("--size", type=int, default=2_000_000, help="float32 values per peer")
     ap.add_argument("--rounds", type=int, default=2, help="rounds of each split")
     ap.add_argument("--codec", default="none", choices=["none", "fp16", "bf16", "int8"])
     args = ap.parse_args(argv)
     try:
-        uplinks = [float(x) for x in args.uplinks.split(",")]
+        uplinks = _numbers(args.uplinks)
+        downlinks = _numbers(args.downlink)
     except ValueError:
-        ap.error("--uplinks must be comma-separated numbers")
-    if len(uplinks) < 2 or min(uplinks) <= 0 or args.rounds < 1 or args.size < 1:
+        ap.error("--uplinks and --downlink must be comma-separated numbers")
+    n = len(uplinks)
+    if len(downlinks) == 1:
+        downlinks *= n
+    modes = args.modes.split(",") if args.modes else ["node"] * n
+    if n < 2 or min(uplinks) <= 0 or min(downlinks) < 0 or args.rounds < 1 or args.size < 1:
         ap.error("need at least 2 positive uplinks, --rounds >= 1 and --size >= 1")
+    if len(downlinks) != n or len(modes) != n:
+        ap.error("--downlink and --modes need one value per uplink")
+    if any(m not in ("node", "client", "aux") for m in modes):
+        ap.error("--modes: each one of node, client, aux")
     reason = unavailable_reason()
     if reason is not None:
         sys.exit(f"bench.allreduce_netns cannot run: {reason}")
     signal.signal(signal.SIGTERM, _terminate)
-    result = run_netns(uplinks, args.downlink or None, args.size, args.rounds, args.codec)
+    try:
+        result = run_netns(
+            uplinks, [d or None for d in downlinks], args.size, args.rounds, args.codec, modes
+        )
+    except KeyboardInterrupt:
+        sys.exit("interrupted: peers stopped, namespaces deleted")
     print(json.dumps(result))
 
 
