@@ -91,7 +91,8 @@ class DHTProtocol:
         self._evicting: set[PeerID] = set()
         self._handoff_limiter = trio.CapacityLimiter(config.handoff_concurrency)
         self._handoffs_pending = 0
-        self._own_addrs: tuple[str, ...] | None = None
+        self._own_addrs: tuple[str, ...] = ()
+        self._own_addrs_of: tuple[Any, ...] | None = None
 
     # --- wiring --------------------------------------------------------------------------
     def register(self) -> None:
@@ -105,8 +106,11 @@ class DHTProtocol:
     def own_addrs(self) -> tuple[str, ...]:
         if self.client_mode:
             return ()
-        if self._own_addrs is None:
-            self._own_addrs = tuple(str(a) for a in self.node.addrs)
+        # Re-read each time: relayed addresses come and go (p2p.nat); render text only on change.
+        current = tuple(self.node.addrs)
+        if current != self._own_addrs_of:
+            self._own_addrs_of = current
+            self._own_addrs = tuple(str(a) for a in current)
         return self._own_addrs[: self.config.max_addrs_per_peer]
 
     def _running(self) -> bool:
