@@ -199,13 +199,15 @@ def run_netns(
                     reports = [_recv(p, procs, timeout + 60) for p in pipes]
                     seconds = max(rep[0] for rep in reports)
                     times[label].append(seconds)
+                    all_reports = reports
                     reports = [rep for rep in reports if rep[1] is not None]
                     round_digests = {rep[1] for rep in reports}
                     identical = identical and len(round_digests) == 1
                     err = max(err, max(float(np.max(np.abs(rep[2] - want))) for rep in reports))
                     print(
                         f"round {r + 1} {label:>5}: {seconds:.2f} s "
-                        f"({seconds / bound:.3f} x bound), identical {len(round_digests) == 1}"
+                        f"({seconds / bound:.3f} x bound), identical {len(round_digests) == 1}; "
+                        f"per peer {[round(rep[0], 2) for rep in all_reports]}"
                     )
             for p in pipes:
                 p.send("quit")
