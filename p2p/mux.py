@@ -56,7 +56,6 @@ _WINDOW_PAYLOAD = struct.Struct("!I")
 MAX_REASON_BYTES = 256
 MAX_STREAM_ID = 2**32 - 1
 MAX_WINDOW = 2**31 - 1
-_CONTROL_BATCH = 64  # control frames sent with one channel write
 
 
 class FrameChannel(Protocol):
@@ -284,9 +283,8 @@ class MuxStream:
         if self._reset_reason is not None:
             return
         self._consumed += n
-        # Grant credit back once half the window was read: few control frames (each costs a
-        # write on both sides), while the other half keeps the pipe full.
-        if self._consumed >= self._mux.config.initial_window // 2 and not self._remote_eof:
+        # Grant credit back once a quarter of the window was read: fewer frames, full pipe.
+        if self._consumed >= self._mux.config.initial_window // 4 and not self._remote_eof:
             assert self.stream_id is not None
             self._recv_window += self._consumed
             self._mux._queue_window_update(self.stream_id, self._consumed)
@@ -453,8 +451,6 @@ class Mux:
         if channel_max is not None:
             payload = min(payload, int(channel_max) - HEADER.size)
         self.max_payload = payload
-        self._send_gathered = getattr(channel, "send_gathered", None)
-        self._send_batch = getattr(channel, "send_frames", None)
         self._streams: dict[int, MuxStream] = {}
         self.budget = budget
         self._held_total = 0
@@ -564,12 +560,10 @@ class Mux:
                 self._unopened.discard(stream)
                 self._streams[sid] = stream
                 kind = _OPENING[kind]
+            frame = b"".join((HEADER.pack(kind, sid), *parts))
             stream._announced = True
             try:
-                if self._send_gathered is not None:  # the channel gathers: no frame copy here
-                    await self._send_gathered(((HEADER.pack(kind, sid), *parts),))
-                else:
-                    await self.channel.send_frame(b"".join((HEADER.pack(kind, sid), *parts)))
+                await self.channel.send_frame(frame)
             except _CHANNEL_ERRORS as e:
                 self._close_now(f"send failed: {e!r}")
                 raise ConnectionClosed(f"connection closed: {e!r}") from e
@@ -609,19 +603,13 @@ class Mux:
                 continue
             async with self._send_lock:
                 while self._control or self._window_updates:
-                    # everything queued leaves in one channel write when the channel batches
-                    limit = _CONTROL_BATCH if self._send_batch is not None else 1
-                    batch: list[bytes] = []
-                    while self._control and len(batch) < limit:
-                        batch.append(self._control.popleft())
-                    while self._window_updates and len(batch) < limit:
+                    if self._control:
+                        frame = self._control.popleft()
+                    else:
                         sid, inc = self._window_updates.popitem()
-                        batch.append(encode_frame(WINDOW, sid, _WINDOW_PAYLOAD.pack(inc)))
+                        frame = encode_frame(WINDOW, sid, _WINDOW_PAYLOAD.pack(inc))
                     try:
-                        if self._send_batch is not None:
-                            await self._send_batch(batch)
-                        else:
-                            await self.channel.send_frame(batch[0])
+                        await self.channel.send_frame(frame)
                     except _CHANNEL_ERRORS as e:
                         self._close_now(f"send failed: {e!r}")
                         return

@@ -54,12 +54,6 @@ logger = logging.getLogger(__name__)
 PeerLike = PeerID | Multiaddr | str
 
 
-FRAME_HEADROOM = 1024
-"""Bytes a mux frame may carry above ``max_frame_payload``: a message holding a chunk of exactly
-that size (its length prefix and msgpack headers included) then travels in one frame, not in a
-full frame plus a tiny one (each frame costs a cipher call and a write on both sides)."""
-
-
 @dataclass(frozen=True)
 class NodeConfig:
     """Limits and timeouts of a node. ``NodeConfig()`` is the Internet-facing default."""
@@ -93,9 +87,8 @@ class NodeConfig:
     stream_window: int = 4 << 20
     """Per-stream receive window (bytes a peer may send before we grant more)."""
     max_frame_payload: int = 1 << 20
-    """Largest chunk of a mux DATA frame (plus ``FRAME_HEADROOM`` for message headers; the
-    secure channel's frames are sized to match). Bigger frames cost less CPU per byte; a small
-    call waits behind at most one frame per busy stream."""
+    """Largest mux DATA frame (also capped by the secure channel's frame size). Bigger frames
+    cost less CPU per byte; a small call waits behind at most one frame per busy stream."""
     max_buffered_per_connection: int = 96 << 20
     """Received bytes one connection may make us hold (queued or in half-read messages);
     a stream whose data would exceed it is reset."""
@@ -136,13 +129,8 @@ class NodeConfig:
     def with_(self, **changes: Any) -> NodeConfig:
         return replace(self, **changes)
 
-    @property
-    def channel_max_frame(self) -> int:
-        """The secure channel's frame size: a full payload plus the mux header."""
-        return self.max_frame_payload + FRAME_HEADROOM + 8
-
     def mux_config(self, channel_max_frame: int | None = None) -> MuxConfig:
-        payload = self.max_frame_payload + FRAME_HEADROOM
+        payload = self.max_frame_payload
         if channel_max_frame is not None:
             payload = min(payload, channel_max_frame - 8)
         return MuxConfig(
@@ -338,7 +326,6 @@ class Node:
             expected,
             timeout=self.config.handshake_timeout,
             cipher=self.config.cipher,
-            max_frame=self.config.channel_max_frame,
             frame_timeout=self.config.frame_timeout,
         )
         if channel.remote_peer == self.peer_id:
@@ -386,7 +373,6 @@ class Node:
                     self.identity,
                     timeout=self.config.handshake_timeout,
                     cipher=self.config.cipher,
-                    max_frame=self.config.channel_max_frame,
                     frame_timeout=self.config.frame_timeout,
                 )
             except HandshakeError as e:

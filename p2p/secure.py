@@ -44,7 +44,6 @@ _HEADER = struct.Struct(">I")
 _HS_HEADER = struct.Struct(">H")
 _INITIAL_BUFFER = 4096  # grows on demand: half-open connections stay cheap
 _SLACK = 64 * 1024  # room to read ahead past the current frame
-Buffer = bytes | bytearray | memoryview
 _STREAM_ERRORS = (trio.BrokenResourceError, trio.ClosedResourceError, OSError)
 
 
@@ -153,8 +152,6 @@ class SecureChannel:
         self._recv_counter = 0
         self._send_buf = bytearray(0)
         self._send_view = memoryview(self._send_buf)
-        self._plain_buf = bytearray(0)  # where a frame given in pieces is gathered
-        self._plain_view = memoryview(self._plain_buf)
         self._closed_reason: str | None = None
         self._sending = False
         self._receiving = False
@@ -197,14 +194,6 @@ class SecureChannel:
 
         The receiver sees ordinary frames, one ``receive_frame`` each.
         """
-        await self.send_gathered([(f,) for f in frames])
-
-    async def send_gathered(self, frames: Sequence[Sequence[Buffer]]) -> None:
-        """Like :meth:`send_frames`, each frame given as pieces (a header and a payload view).
-
-        Why: the multiplexer prefixes its header to a 1 MiB payload; gathering the pieces here,
-        into a reused buffer, spares it allocating and filling a fresh 1 MiB frame each time.
-        """
         if self._sending:
             raise trio.BusyResourceError("another task is already sending on this channel")
         self._sending = True
@@ -213,28 +202,10 @@ class SecureChannel:
         finally:
             self._sending = False
 
-    def _gather(self, pieces: Sequence[Buffer], size: int) -> memoryview:
-        """One frame's pieces as one contiguous buffer (copied into a reused scratch buffer)."""
-        if len(pieces) == 1:
-            return memoryview(pieces[0])
-        if len(self._plain_buf) < size:
-            self._plain_buf = bytearray(max(size, min(2 * len(self._plain_buf), self.max_frame)))
-            self._plain_view = memoryview(self._plain_buf)
-        view = self._plain_view
-        offset = 0
-        for piece in pieces:
-            n = piece.nbytes if isinstance(piece, memoryview) else len(piece)
-            view[offset : offset + n] = piece
-            offset += n
-        return view[:size]
-
-    async def _send_frames(self, frames: Sequence[Sequence[Buffer]]) -> None:
+    async def _send_frames(self, frames: Sequence[bytes | bytearray | memoryview]) -> None:
         if self._closed_reason is not None:
             raise self._closed_error()
-        sizes = [
-            sum(p.nbytes if isinstance(p, memoryview) else len(p) for p in pieces)
-            for pieces in frames
-        ]
+        sizes = [f.nbytes if isinstance(f, memoryview) else len(f) for f in frames]
         if sizes and max(sizes) > self.max_frame:
             raise ValueError(f"frame of {max(sizes)} bytes exceeds max_frame {self.max_frame}")
         counter = self._send_counter
@@ -244,10 +215,9 @@ class SecureChannel:
         buf = self._frame_buffer(total)
         offset = 0
         encrypt_into = self._send_aead.encrypt_into
-        for i, (pieces, size) in enumerate(zip(frames, sizes, strict=True)):
+        for i, (data, size) in enumerate(zip(frames, sizes, strict=True)):
             _HEADER.pack_into(buf, offset, size + TAG_BYTES)
             end = offset + HEADER_BYTES + size + TAG_BYTES
-            data = self._gather(pieces, size)
             encrypt_into(nonce_for(counter + i), data, None, buf[offset + HEADER_BYTES : end])
             offset = end
         sent = 0
