@@ -31,7 +31,7 @@ import optax
 from flax import nnx
 
 from examples.sahajbert import checkpoint, training
-from examples.sahajbert.config import FinetuneConfig
+from examples.sahajbert.config import DEFAULT_WORK_DIR, FinetuneConfig
 from models.albert import (
     IGNORE_INDEX,
     AlbertForPreTraining,
@@ -267,6 +267,7 @@ def finetune(
     """Fine-tune and score; returns test scores, the epochs run and the validation losses."""
     from models.tokenizer import load_tokenizer
 
+    training.enable_compilation_cache(DEFAULT_WORK_DIR / "jax-cache")
     pretrained, meta = load_pretrained(ckpt)
     tokenizer = load_tokenizer(checkpoint.resolve(ckpt) / "tokenizer")
     splits = load_task_data(task, data, seed=cfg.seed)

@@ -26,9 +26,12 @@ def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
+pytestmark = pytest.mark.timeout(600)  # compiles two models on a busy CPU
+
 FAST = FinetuneConfig(learning_rate=1e-3, seq_length=48, batch_size=16, epochs=6, patience=3)
 
 
+@pytest.mark.slow  # ~3 min on a busy 2-core machine
 def test_ncc_finetunes_from_local_files_and_beats_chance(tiny_checkpoint: Path, tmp_path: Path):
     data = write_jsonl_split(
         "ncc", tmp_path / "ncc", synthetic_task_data("ncc", sizes=(320, 64, 96))
@@ -41,7 +44,7 @@ def test_ncc_finetunes_from_local_files_and_beats_chance(tiny_checkpoint: Path, 
     assert losses[-1] < losses[0]
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # ~3 min on a busy 2-core machine
 def test_ner_finetunes_and_finds_entities(tiny_checkpoint: Path) -> None:
     cfg = FAST.replace(epochs=6, patience=3)
     result = finetune("ner", tiny_checkpoint, None, cfg)
