@@ -154,3 +154,62 @@ def test_clean_json_replaces_non_finite_numbers() -> None:
         "a": [1.0, None, {"b": None}],
         "2": [None, "x"],
     }
+
+
+@pytest.mark.slow
+def test_dashboard_page_renders_the_peers_in_headless_chromium() -> None:
+    import shutil
+    import subprocess
+
+    browser = shutil.which("chromium") or shutil.which("chromium-browser")
+    if browser is None:
+        pytest.skip("Debian's chromium package is not installed")
+    with Dashboard("demo-run") as dash:
+        dash.status = {
+            "run_id": "demo-run",
+            "target_batch_size": 96,
+            "estimate": {"epoch": 3, "samples": 40.0, "samples_per_second": 12.5, "eta": 4.0},
+            "peers": [
+                {
+                    "peer": "3mPeerOneXYZ",
+                    "mode": "node",
+                    "epoch": 3,
+                    "samples": 80,
+                    "samples_per_second": 8.0,
+                    "loss": 7.1,
+                    "upload_bps": 1e6,
+                    "download_bps": 2e6,
+                },
+                {
+                    "peer": "3mPeerTwoXYZ",
+                    "mode": "client",
+                    "epoch": 3,
+                    "samples": 40,
+                    "samples_per_second": 4.5,
+                    "loss": 7.2,
+                    "upload_bps": 0,
+                    "download_bps": 0,
+                },
+            ],  # fmt: skip
+            "rows": [
+                {"epoch": 0, "loss": 7.5, "samples_per_second": 10.0},
+                {"epoch": 1, "loss": 7.3, "samples_per_second": 11.0},
+            ],  # fmt: skip
+        }
+        dom = subprocess.run(
+            [
+                browser,
+                "--headless",
+                "--no-sandbox",
+                "--disable-gpu",
+                "--virtual-time-budget=5000",
+                "--dump-dom",
+                dash.url,
+            ],  # fmt: skip
+            capture_output=True,
+            text=True,
+            timeout=120,
+        ).stdout
+    assert dom.count('class="peer"') == 2
+    assert "3mPeerOneXYZ" in dom and "3mPeerTwoXYZ" in dom
+    assert '<b id="epoch">3</b>' in dom and "<path" in dom  # summary and a drawn curve
