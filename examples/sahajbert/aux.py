@@ -2,7 +2,8 @@
 
 It joins every averaging round and reduces a share of the gradients, but computes none and
 contributes no samples (DeDLOC's auxiliary peers). It only needs the shapes of the averaged
-arrays, which it takes from the model the run trains.
+arrays, which it takes from the model the run trains. It runs until interrupted, or until the
+run reaches ``--max-epochs``.
 """
 
 from __future__ import annotations
@@ -30,9 +31,12 @@ def run_aux(cfg: TrainerConfig, net: NetConfig) -> int:
         if not hasattr(collab, "run_aux"):
             log.error("this dedloc_jax has no aux support (Collaboration.run_aux); exiting")
             return 2
-        epochs = None if cfg.max_epochs is None else cfg.max_epochs - collab.epoch
-        rounds = collab.run_aux(template, epochs=epochs)
-        log.info("aux peer joined %d averaging rounds", rounds)
+        rounds = 0
+        # One round per call, so that with --max-epochs the helper stops with the run even
+        # when it joined late (it follows the run's epoch, not a count of rounds).
+        while cfg.max_epochs is None or collab.epoch < cfg.max_epochs:
+            rounds += collab.run_aux(template, epochs=1)
+            log.info("aux peer: %d averaging rounds joined, now at epoch %d", rounds, collab.epoch)
         return 0
     finally:
         collab.close()

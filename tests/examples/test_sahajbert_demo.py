@@ -88,3 +88,31 @@ def test_a_killed_trainer_restarts_and_catches_up(tmp_path: Path) -> None:
     assert result.identical  # the restarted trainer ends with the others' parameters
     assert int(np.load(result.final_params[0])["__epoch__"]) == demo.epochs
     assert signal.SIGKILL  # (the kill was a SIGKILL: no clean shutdown)
+
+
+@pytest.mark.slow
+def test_aux_peer_joins_every_averaging_round(tmp_path: Path) -> None:
+    """Coordinator, trainer and aux started from the command line, as on separate machines."""
+    import re
+    import time
+
+    from examples.sahajbert.demo import Processes, cli_args, wait_for_file
+
+    cfg = CFG.replace(run_id="sahajbert-aux", target_batch_size=32, max_epochs=3)
+    base = cli_args(cfg)
+    addr_file = tmp_path / "addrs.json"
+    with Processes(tmp_path / "logs") as procs:
+        coord = procs.start(
+            "coordinator",
+            ["coordinator", *base, "--out", str(tmp_path), "--addr-file", str(addr_file)],
+        )
+        wait_for_file(addr_file, coord, timeout=300)
+        addr = json.loads(addr_file.read_text())[0]
+        aux = procs.start("aux", ["aux", *base, "--initial-peers", addr])
+        time.sleep(10)  # the helper is in the run before the first step
+        trainer = procs.start("trainer", ["trainer", *base, "--initial-peers", addr])
+        codes = [p.wait(timeout=400) for p in (trainer, aux, coord)]
+    assert codes == [0, 0, 0]
+    log = (tmp_path / "logs" / "aux.log").read_text()
+    joined = [int(n) for n in re.findall(r"aux peer: (\d+) averaging rounds joined", log)]
+    assert joined and joined[-1] >= 2  # it may miss the first round while still starting
