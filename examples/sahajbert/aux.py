@@ -8,15 +8,27 @@ run reaches ``--max-epochs``.
 
 from __future__ import annotations
 
+import functools
 import logging
+from typing import Any
 
 import jax
 import numpy as np
+import trio
 
 from examples.sahajbert import trainer, training
 from examples.sahajbert.config import NetConfig, TrainerConfig
 
 log = logging.getLogger(__name__)
+
+
+ROUND_WAIT = 30.0  # seconds one call waits for a round before the loop looks again
+
+
+async def _one_round(core: Any, *, template: list[np.ndarray]) -> int:
+    with trio.move_on_after(ROUND_WAIT):
+        return await core.run_aux(template, epochs=1)
+    return 0
 
 
 def run_aux(cfg: TrainerConfig, net: NetConfig) -> int:
@@ -28,14 +40,17 @@ def run_aux(cfg: TrainerConfig, net: NetConfig) -> int:
     template = [np.zeros(np.shape(x), np.float32) for x in jax.tree.leaves(params)]
     collab = trainer.open_collaboration(cfg, net, mode="aux")
     try:
-        if not hasattr(collab, "run_aux"):
+        if not hasattr(collab.core, "run_aux"):
             log.error("this dedloc_jax has no aux support (Collaboration.run_aux); exiting")
             return 2
-        rounds = 0
-        # One round per call, so that with --max-epochs the helper stops with the run even
-        # when it joined late (it follows the run's epoch, not a count of rounds).
-        while cfg.max_epochs is None or collab.epoch < cfg.max_epochs:
-            rounds += collab.run_aux(template, epochs=1)
+        rounds, seen_epoch = 0, 0
+        while True:
+            seen_epoch = max(seen_epoch, collab.epoch, collab.estimate.epoch)
+            if cfg.max_epochs is not None and seen_epoch >= cfg.max_epochs:
+                break
+            # One round at a time, each bounded: a helper that missed the last rounds of a run
+            # (or whose trainers left) must not wait forever for a round that never comes.
+            rounds += collab.run_async(functools.partial(_one_round, template=template))
             log.info("aux peer: %d averaging rounds joined, now at epoch %d", rounds, collab.epoch)
         return 0
     finally:
