@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 import trio
 
+from dedloc_jax.access import PrivateRun
 from dedloc_jax.averaging import (
     AllReduceError,
     BandwidthMeter,
@@ -263,13 +264,22 @@ async def open_collaboration(
 ) -> AsyncIterator[CollaborationCore]:
     """Join (or start, with no initial peers) the collaboration ``run_id`` on ``node``."""
     mode = mode or config.mode or ("node" if node.addrs else "client")
+    private = PrivateRun.for_config(node, run_id, config.owner_public_key, config.invitation)
     async with open_dht(
-        node, initial_peers=initial_peers, config=dht_config, client_mode=mode == "client"
+        node,
+        initial_peers=initial_peers,
+        config=dht_config,
+        client_mode=mode == "client",
+        validators=private.validators if private is not None else (),
     ) as dht:
+        if private is not None:
+            dht = private.attach(dht)
         core = CollaborationCore(node, dht, run_id, config, mode)
-        install(node)
+        averaging = install(node)
         core.matchmaker.register()
         core.state_server.register()
+        if private is not None:
+            private.protect(core, averaging)
         async with trio.open_nursery() as nursery:
             await nursery.start(core.tracker.run)
             nursery.start_soon(core._announce_state)

@@ -32,6 +32,10 @@ class CollaborationConfig:
     on_no_group: Literal["local", "skip"] = "local"  # no group in time: step alone, or skip
     state_chunk_bytes: int = 1 << 20
     rpc_timeout: float = 10.0
+    # Private runs (dedloc_jax.access): the owner's raw Ed25519 public key, and this peer's
+    # invitation signed by it (Invitation.to_bytes). None: an open run.
+    owner_public_key: bytes | None = None
+    invitation: bytes | None = None
 
     def __post_init__(self) -> None:
         if self.target_batch_size <= 0:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -91,6 +92,8 @@ class Matchmaker:
         self._rounds: dict[int, _LeaderRound] = {}
         self._round_opened: dict[int, trio.Event] = {}
         self.window = 1.0  # seconds; updated by the collaboration from its predictions
+        # Private runs (dedloc_jax.access): raises ValueError unless the peer may take part.
+        self.admit: Callable[[PeerID, str | None], Awaitable[None]] | None = None
 
     def register(self) -> None:
         self.node.add_handler(JOIN, self._handle_join)
@@ -108,6 +111,8 @@ class Matchmaker:
         epoch = request["epoch"]
         peer = str(ctx.remote_peer)
         member = _member_from_wire(peer, request.get("member"))
+        if self.admit is not None:
+            await self.admit(ctx.remote_peer, member.mode)
         addrs = request.get("addrs", [])
         if isinstance(addrs, list):
             try:
@@ -274,6 +279,13 @@ class Matchmaker:
         except (GroupError, KeyError, TypeError) as e:
             log.warning("leader %s sent a bad group spec: %s", leader, e)
             return None
+        if self.admit is not None:
+            try:
+                for m in spec.members:
+                    await self.admit(PeerID.from_base58(m.peer_id), m.mode)
+            except (ValueError, P2PError) as e:
+                log.warning("leader %s formed a group with an uninvited peer: %s", leader, e)
+                return None
         return spec
 
     def _leader_addr(self, leader: str) -> PeerID:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -59,6 +59,8 @@ class StateServer:
         self._snapshots: dict[bytes, tuple[StateManifest, bytes]] = {}
         self.latest: StateManifest | None = None
         self.chunks_served = 0
+        # Private runs (dedloc_jax.access): raises ValueError unless the peer may take part.
+        self.admit: Callable[[PeerID], Awaitable[None]] | None = None
 
     def register(self) -> None:
         self.node.add_handler(MANIFEST, self._handle_manifest)
@@ -96,9 +98,13 @@ class StateServer:
         return self._snapshots[digest]
 
     async def _handle_manifest(self, ctx: CallContext, request: Any) -> Any:
+        if self.admit is not None:
+            await self.admit(ctx.remote_peer)
         return self._snapshot(request)[0].to_wire()
 
     async def _handle_chunk(self, ctx: CallContext, request: Any) -> Any:
+        if self.admit is not None:
+            await self.admit(ctx.remote_peer)
         manifest, buffer = self._snapshot(request)
         index = request.get("index")
         if not isinstance(index, int):

@@ -24,6 +24,7 @@ import logging
 import math
 import weakref
 from collections import OrderedDict
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -93,6 +94,8 @@ class AveragingService:
         self._rounds: dict[bytes, Round] = {}
         self._started: dict[bytes, trio.Event] = {}
         self._finished: OrderedDict[bytes, tuple[float, Round]] = OrderedDict()
+        # Private runs (dedloc_jax.access): raises ValueError unless the peer may take part.
+        self.admit: Callable[[PeerID], Awaitable[None]] | None = None
         node.add_stream_handler(wire.PROTOCOL, self._handle_exchange)
         node.add_stream_handler(wire.REPAIR_PROTOCOL, self._handle_repair)
 
@@ -131,6 +134,8 @@ class AveragingService:
         return self._rounds[round_id]
 
     async def _hello(self, ctx: CallContext, ms: MessageStream) -> tuple[Round, wire.Hello]:
+        if self.admit is not None:
+            await self.admit(ctx.remote_peer)
         with trio.move_on_after(self.config.stall_timeout):
             hello = wire.parse_hello(await ms.receive())
             rnd = await self._find(hello.round_id)
