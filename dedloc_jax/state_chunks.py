@@ -96,7 +96,12 @@ class StateManifest:
             if not (isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape)):
                 raise StateError("bad array shape")
             dt = _dtype_from_name(spec[0])
-            size += int(np.prod(shape, dtype=np.int64)) * dt.itemsize
+            count = 1
+            for d in shape:  # Python ints: no wrap-around, and bounded at every step
+                count *= d
+                if count * dt.itemsize > _MAX_TOTAL_BYTES:
+                    raise StateError("array larger than any state")
+            size += count * dt.itemsize
             parsed.append((spec[0], tuple(shape)))
         if not (isinstance(total, int) and total == size and total <= _MAX_TOTAL_BYTES):
             raise StateError("total size does not match the array specs")

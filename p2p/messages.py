@@ -145,6 +145,8 @@ class MessageParser:
             self._buffered += len(data)
 
     def _take(self, n: int) -> bytes | memoryview:
+        if n == 0:
+            return b""
         first = self._chunks[0]
         if len(first) >= n:
             out: bytes | memoryview = first[:n]

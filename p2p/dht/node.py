@@ -334,7 +334,7 @@ class DHT:
         if bad:
             self.protocol.stats["invalid_records_seen"] += bad
         view = merge_views([*good.values(), *self._local_records(key)])
-        if view is not None:
+        if view is not None and self.protocol.nursery is not None:  # not while closing
             self._nursery.start_soon(self._repair_and_cache, found, view_records(view))
         return view
 
