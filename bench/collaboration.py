@@ -29,7 +29,7 @@ import trio
 from dedloc_jax.averaging import Member, solve_shares
 from dedloc_jax.collaboration import CollaborationCore, open_collaboration
 from dedloc_jax.config import CollaborationConfig
-from p2p.dht import DHTConfig
+from p2p.dht import DHTClock, DHTConfig
 from p2p.node import NodeConfig, open_node
 from p2p.testing import SimNetwork, run_sim, sim_identity
 
@@ -93,6 +93,7 @@ async def _peer(
             config=config,
             mode=stats.mode,
             dht_config=DHTConfig.fast(),
+            dht_clock=DHTClock(trio.current_time),
         ) as core,
     ):
         if index == 0:

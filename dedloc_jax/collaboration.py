@@ -13,7 +13,7 @@ import logging
 import math
 import time
 from collections.abc import AsyncIterator, Sequence
-from contextlib import asynccontextmanager
+from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,9 +37,10 @@ from dedloc_jax.state_sync import StateServer, StateSyncError, download_state
 from dedloc_jax.timing import averaging_timeout, matchmaking_window
 from dedloc_jax.tracker import ProgressTracker
 from p2p.bridge import TrioThread
-from p2p.dht import DHTConfig, open_dht
+from p2p.dht import DHTClock, DHTConfig, open_dht
 from p2p.identity import Identity
 from p2p.multiaddr import Multiaddr
+from p2p.nat import NATConfig, open_nat
 from p2p.node import NodeConfig, open_node
 from p2p.transport import Transport
 
@@ -261,17 +262,38 @@ async def open_collaboration(
     config: CollaborationConfig = CollaborationConfig(),
     mode: str | None = None,
     dht_config: DHTConfig = DHTConfig(),
+    dht_clock: DHTClock | None = None,
 ) -> AsyncIterator[CollaborationCore]:
-    """Join (or start, with no initial peers) the collaboration ``run_id`` on ``node``."""
-    mode = mode or config.mode or ("node" if node.addrs else "client")
+    """Join (or start, with no initial peers) the collaboration ``run_id`` on ``node``.
+
+    With ``config.nat`` the node first finds out whether it is reachable (``p2p.nat``): a
+    peer behind NAT keeps relay reservations and advertises relayed addresses, and one with no
+    inbound path at all (and no mode forced) takes part as a client.
+    """
+    mode = mode or config.mode
     private = PrivateRun.for_config(node, run_id, config.owner_public_key, config.invitation)
-    async with open_dht(
-        node,
-        initial_peers=initial_peers,
-        config=dht_config,
-        client_mode=mode == "client",
-        validators=private.validators if private is not None else (),
-    ) as dht:
+    async with AsyncExitStack() as stack:
+        if config.nat:
+            forced = {"client": True, "node": False, "aux": False}.get(mode or "")
+            nat = await stack.enter_async_context(
+                open_nat(node, peers=initial_peers, config=NATConfig(force_client_mode=forced))
+            )
+            mode = mode or ("client" if nat.client_mode else "node")
+        else:
+            nat = None
+            mode = mode or ("node" if node.addrs else "client")
+        dht = await stack.enter_async_context(
+            open_dht(
+                node,
+                initial_peers=initial_peers,
+                config=dht_config,
+                client_mode=mode == "client",
+                clock=dht_clock,
+                validators=private.validators if private is not None else (),
+            )
+        )
+        if nat is not None:
+            nat.use_dht(dht)
         if private is not None:
             dht = private.attach(dht)
         core = CollaborationCore(node, dht, run_id, config, mode)
@@ -280,13 +302,13 @@ async def open_collaboration(
         core.state_server.register()
         if private is not None:
             private.protect(core, averaging)
-        async with trio.open_nursery() as nursery:
-            await nursery.start(core.tracker.run)
-            nursery.start_soon(core._announce_state)
-            try:
-                yield core
-            finally:
-                nursery.cancel_scope.cancel()
+        nursery = await stack.enter_async_context(trio.open_nursery())
+        await nursery.start(core.tracker.run)
+        nursery.start_soon(core._announce_state)
+        try:
+            yield core
+        finally:
+            nursery.cancel_scope.cancel()
 
 
 class Collaboration:

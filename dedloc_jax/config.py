@@ -21,6 +21,7 @@ class CollaborationConfig:
     averaging_timeout: float | None = None  # seconds an all-reduce round may take
     codec: str = "fp16"  # on the wire: none, fp16, bf16, int8
     mode: Literal["node", "client", "aux"] | None = None  # None: detect (client if unreachable)
+    nat: bool = True  # detect reachability, use relays when behind NAT (p2p.nat)
     upload_bps: float | None = None  # override the measured bandwidth (bytes/s)
     download_bps: float | None = None
     min_refresh: float = 0.25  # seconds between progress reads near the target

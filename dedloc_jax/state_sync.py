@@ -92,6 +92,8 @@ class StateServer:
             log.warning("could not announce state: %s", e)
 
     def _snapshot(self, request: Any) -> tuple[StateManifest, bytes]:
+        if isinstance(request, dict) and request.get("latest") is True and self.latest:
+            return self._snapshots[self.latest.digest]
         digest = request.get("digest") if isinstance(request, dict) else None
         if not isinstance(digest, bytes) or digest not in self._snapshots:
             raise ValueError("no such state (it may have been replaced by a newer one)")
@@ -145,6 +147,26 @@ async def find_donors(node: Any, dht: DHT, run_id: str) -> tuple[int, bytes, lis
     return epoch, digest, sorted(offers[(epoch, digest)])
 
 
+async def _latest_manifests(
+    node: Any, donors: list[PeerID], min_epoch: int, request_timeout: float
+) -> tuple[StateManifest | None, list[PeerID]]:
+    """Each donor's current manifest; the newest digest held by the most donors."""
+    held: dict[bytes, tuple[StateManifest, list[PeerID]]] = {}
+    for donor in donors:
+        try:
+            wire = await node.call(donor, MANIFEST, {"latest": True}, timeout=request_timeout)
+            manifest = StateManifest.from_wire(wire)
+        except (P2PError, StateError) as e:
+            log.info("donor %s gave no current manifest: %s", donor, e)
+            continue
+        if manifest.epoch >= min_epoch:
+            held.setdefault(manifest.digest, (manifest, []))[1].append(donor)
+    if not held:
+        return None, []
+    manifest, agreeing = max(held.values(), key=lambda mv: (mv[0].epoch, len(mv[1])))
+    return manifest, agreeing
+
+
 async def download_state(
     node: Any,
     dht: DHT,
@@ -173,7 +195,12 @@ async def download_state(
                 break
             log.warning("donor %s sent a manifest that does not match its announcement", donor)
         if manifest is None:
-            raise StateSyncError("no donor served a manifest matching its announcement")
+            # The announcements we read were stale (e.g. from a cache after a partition): ask
+            # the donors what they hold now and take the newest state most of them agree on.
+            manifest, donors = await _latest_manifests(node, donors, epoch, request_timeout)
+            if manifest is None:
+                raise StateSyncError("no donor served a manifest matching its announcement")
+            request = {"digest": manifest.digest}
         assembler = StateAssembler(manifest)
         live = list(donors)
         used: set[PeerID] = set()

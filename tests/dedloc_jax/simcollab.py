@@ -6,8 +6,10 @@ from collections.abc import AsyncIterator, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 from typing import Any
 
+import trio
+
 from dedloc_jax.config import CollaborationConfig
-from p2p.dht import DHT, DHTConfig, open_dht
+from p2p.dht import DHT, DHTClock, DHTConfig, open_dht
 from p2p.node import Node, NodeConfig
 from p2p.testing import SimNetwork, open_sim_nodes
 
@@ -25,7 +27,12 @@ async def open_sim_dhts(
         first = [str(nodes[0].addrs[0])]
         for i, node in enumerate(nodes):
             dht = await stack.enter_async_context(
-                open_dht(node, initial_peers=[] if i == 0 else first, config=DHTConfig.fast())
+                open_dht(
+                    node,
+                    initial_peers=[] if i == 0 else first,
+                    config=DHTConfig.fast(),
+                    clock=DHTClock(trio.current_time),
+                )
             )
             out.append((node, dht))
         yield out
@@ -37,11 +44,16 @@ async def open_sim_collaboration(
     n: int,
     *,
     config: CollaborationConfig,
+    nat: bool = False,
     modes: Sequence[str] | None = None,
     run_id: str = "run",
     **host_kwargs: Any,
 ) -> AsyncIterator[list[Any]]:
-    """``n`` peers of one collaboration (CollaborationCore); peer 0 is the first peer."""
+    """``n`` peers of one collaboration (CollaborationCore); peer 0 is the first peer.
+
+    NAT detection is off unless the config asks for it: every simulated host is reachable
+    and the tests are about the collaboration, not about reachability.
+    """
     from dedloc_jax.collaboration import open_collaboration
 
     async with (
@@ -56,9 +68,10 @@ async def open_sim_collaboration(
                     node,
                     run_id,
                     initial_peers=[] if i == 0 else first,
-                    config=config,
+                    config=config.replace(nat=nat),
                     mode=modes[i] if modes else "node",
                     dht_config=DHTConfig.fast(),
+                    dht_clock=DHTClock(trio.current_time),  # virtual time, like everything
                 )
             )
             cores.append(core)

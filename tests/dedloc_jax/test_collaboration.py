@@ -4,7 +4,7 @@ import numpy as np
 import trio
 
 from dedloc_jax.config import CollaborationConfig
-from p2p.testing import SimNetwork, run_sim
+from p2p.testing import SimNetwork, host_of, run_sim
 from tests.dedloc_jax.simcollab import open_sim_collaboration
 
 MICRO = 4
@@ -77,8 +77,10 @@ def test_peers_with_10x_spread_step_together_on_the_target() -> None:
         rows = [log[epoch] for log in logs]
         assert all(r["group"] == len(rates) for r in rows)
         total = sum(r["samples"] for r in rows)
-        # Reached the target, overshooting by at most a couple of micro-batches per peer.
-        assert target <= total <= target + 2 * MICRO * len(rates)
+        # Reached the target, overshooting by a few micro-batches per peer at most; in the
+        # first epoch nobody's throughput is known yet, so estimates lag a little more.
+        slack = (4 if epoch == 0 else 2) * MICRO * len(rates)
+        assert target <= total <= target + slack, (epoch, total)
         expected = sum(r["sent"] * r["samples"] for r in rows) / total
         for r in rows:
             assert r["got"].tobytes() == rows[0]["got"].tobytes()  # bit-identical
@@ -98,3 +100,67 @@ def test_clients_and_aux_peers_take_part() -> None:
         for r in rows:
             assert r["got"].tobytes() == rows[0]["got"].tobytes()
             np.testing.assert_allclose(r["got"], expected, rtol=1e-5, atol=1e-6)
+
+
+def test_a_lagging_peer_is_excluded_then_resyncs_from_the_others() -> None:
+    """A peer cut off for a while falls behind: it never brings gradients of an old epoch to
+    an average, and after the partition heals it loads the others' state and steps with them."""
+    config = CollaborationConfig.local_demo(96).replace(max_refresh=1.0)
+
+    async def main() -> dict:
+        net = SimNetwork(seed=5)
+        out: dict = {"c_groups": [], "a_params": {}}
+        async with open_sim_collaboration(net, 3, config=config, latency=0.01) as cores:
+            params = [np.zeros(1000, np.float32) for _ in cores]
+            epochs = [0, 0, 0]
+
+            async def train(i: int, until: int) -> None:
+                core = cores[i]
+                while epochs[i] < until:
+                    samples = 0
+                    while True:
+                        await trio.sleep(MICRO / 16.0)
+                        samples += MICRO
+                        if core.report(epochs[i], samples, MICRO):
+                            break
+                        if core.behind:
+                            return  # fell behind: stop contributing, the caller resyncs
+                    outcome = await core.average(epochs[i], [_grad(i, epochs[i], 0)], samples)
+                    params[i] = params[i] + outcome.gradients[0]
+                    epochs[i] = outcome.epoch
+                    if i == 2:
+                        out["c_groups"].append(outcome.group_size)
+                    await core.share_state([params[i]], epochs[i])
+                    if i == 0:
+                        out["a_params"][epochs[i]] = params[i].copy()
+
+            # One epoch together, then C is cut off while A and B take three more.
+            async with trio.open_nursery() as nursery:
+                for i in range(3):
+                    nursery.start_soon(train, i, 1)
+            hosts = [host_of(net, c.node) for c in cores]
+            net.partition([hosts[2]], hosts[:2])
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(train, 0, 4)
+                nursery.start_soon(train, 1, 4)
+                nursery.start_soon(train, 2, 2)  # alone: averages with nobody
+            net.heal()
+            await trio.sleep(5 * config.max_refresh)  # C reads the others' progress again
+            out["c_behind"] = cores[2].behind
+            out["c_epoch_before"] = epochs[2]
+            epoch, arrays = await cores[2].load_state(timeout=60)
+            params[2], epochs[2] = arrays[0], epoch
+            out["c_loaded"] = (epoch, arrays[0].tobytes() == out["a_params"][epoch].tobytes())
+            async with trio.open_nursery() as nursery:
+                for i in range(3):
+                    nursery.start_soon(train, i, 6)
+            out["final_equal"] = all(p.tobytes() == params[0].tobytes() for p in params)
+            out["epochs"] = list(epochs)
+        return out
+
+    out = run_sim(main, seed=5)
+    assert out["c_behind"] and out["c_epoch_before"] < 4
+    assert out["c_loaded"] == (4, True)
+    assert out["epochs"] == [6, 6, 6]
+    assert out["final_equal"]
+    assert out["c_groups"][-2:] == [3, 3]  # back in the others' groups
