@@ -440,18 +440,17 @@ class Collaboration:
         and decides from the last snapshot of the others' progress plus our exact samples."""
         thread, core = self._core()
         snap = self._snapshot
-        if snap is None or snap.epoch != epoch:
-            ready = thread.run_sync(core.report, epoch, samples, batch_size)
-            self._snapshot = thread.run_sync(core.snapshot)
-            return ready
+        if snap is None or snap.epoch != epoch:  # no usable snapshot: one blocking hop
+            return thread.run_sync(self._apply_report, core, epoch, samples, batch_size)
         thread.post(self._apply_report, core, epoch, samples, batch_size)
         return snap.ready(epoch, samples, self.config.target_batch_size)
 
     def _apply_report(
         self, core: CollaborationCore, epoch: int, samples: int, batch_size: int
-    ) -> None:
-        core.report(epoch, samples, batch_size)
+    ) -> bool:
+        ready = core.report(epoch, samples, batch_size)
         self._snapshot = core.snapshot()
+        return ready
 
     def average_gradients(
         self, epoch: int, gradients: Sequence[np.ndarray], samples: int
