@@ -11,32 +11,15 @@ from p2p.nat import NATConfig, Reachability, Role, open_nat
 from p2p.nat.discovery import advertise_relay, find_relays, lookup_addrs, publish_addrs
 from p2p.node import NodeConfig, open_node
 from p2p.testing import SimNetwork, run_sim, sim_identity
+from tests.p2p.nat.simworld import SimWorld
 
 
 async def _echo(ctx, request):
     return {"echo": request, "from": str(ctx.remote_peer)}
 
 
-class World:
-    def __init__(self, stack: AsyncExitStack, net: SimNetwork) -> None:
-        self.stack = stack
-        self.net = net
-        self.count = 0
-
-    async def node(self, *, reachable: bool):
-        host = self.net.add_host(f"h{self.count}", reachable=reachable)
-        ident = sim_identity(self.net, self.count)
-        self.count += 1
-        node = await self.stack.enter_async_context(
-            open_node(
-                ident,
-                transport=host.transport,
-                listen=[host.listen_addr],
-                config=NodeConfig.testing(),
-            )
-        )
-        node.add_handler("echo", _echo)
-        return node
+class World(SimWorld):
+    echo = staticmethod(_echo)
 
     async def nat(self, node, peers, config=NATConfig.testing(), **kwargs):
         return await self.stack.enter_async_context(

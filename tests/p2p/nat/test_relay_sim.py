@@ -10,8 +10,8 @@ import trio
 from p2p.errors import ConnectionClosed, DialError, PeerIDMismatch
 from p2p.nat import RelayConfig, RelayRefused, RelayService, attach, circuit_addr
 from p2p.nat.relay import Circuit
-from p2p.node import NodeConfig, open_node
-from p2p.testing import SimNetwork, run_sim, sim_identity
+from p2p.testing import SimNetwork, run_sim
+from tests.p2p.nat.simworld import SimWorld
 
 SECRET = b"attack at dawn: the known plaintext 0123456789"
 
@@ -44,29 +44,14 @@ async def _echo(ctx, request):
     return {"echo": request, "from": str(ctx.remote_peer), "addr": str(ctx.remote_addr)}
 
 
-class Lab:
+class Lab(SimWorld):
     """One public relay and some unreachable peers on a simulated network."""
 
-    def __init__(self, stack: AsyncExitStack, nursery: trio.Nursery, net: SimNetwork) -> None:
-        self.stack = stack
-        self.nursery = nursery
-        self.net = net
-        self.count = 0
+    echo = staticmethod(_echo)
 
-    async def node(self, *, reachable: bool):
-        host = self.net.add_host(f"h{self.count}", reachable=reachable)
-        ident = sim_identity(self.net, self.count)
-        self.count += 1
-        node = await self.stack.enter_async_context(
-            open_node(
-                ident,
-                transport=host.transport,
-                listen=[host.listen_addr],
-                config=NodeConfig.testing(),
-            )
-        )
-        node.add_handler("echo", _echo)
-        return node
+    def __init__(self, stack: AsyncExitStack, nursery: trio.Nursery, net: SimNetwork) -> None:
+        super().__init__(stack, net)
+        self.nursery = nursery
 
     async def relay(self, cls=TappedRelay, config: RelayConfig = RelayConfig.testing()):
         node = await self.node(reachable=True)
