@@ -41,7 +41,7 @@ from p2p.dht import DHTClock, DHTConfig, open_dht
 from p2p.identity import Identity
 from p2p.multiaddr import Multiaddr
 from p2p.nat import NATConfig, open_nat
-from p2p.node import NodeConfig, open_node
+from p2p.node import NodeConfig, announce_addrs, open_node
 from p2p.transport import Transport
 
 log = logging.getLogger(__name__)
@@ -327,6 +327,7 @@ class Collaboration:
         *,
         initial_peers: Sequence[str | Multiaddr] = (),
         listen: Sequence[str | Multiaddr] = ("/ip4/127.0.0.1/tcp/0",),
+        announce: Sequence[str | Multiaddr] = (),
         identity: Identity | None = None,
         client_mode: bool | None = None,
         config: CollaborationConfig = CollaborationConfig(),
@@ -340,8 +341,12 @@ class Collaboration:
         self.config = config
         self._initial_peers = list(initial_peers)
         self._listen = [] if client_mode else list(listen)
+        if announce and client_mode:
+            raise ValueError("a client-mode peer accepts no connections: it announces nothing")
         self._mode = "client" if client_mode else config.mode
         self._identity = identity or Identity.generate()
+        # checked here (a clear MultiaddrError); they replace the listen addresses (open_node)
+        self._announce = announce_addrs(announce, self._identity.peer_id)
         self._node_config = node_config or NodeConfig.bulk()
         self._dht_config = dht_config or DHTConfig.fast()
         self._transport = transport
@@ -368,6 +373,7 @@ class Collaboration:
                 listen=self._listen,
                 transport=self._transport,
                 config=self._node_config,
+                announce=self._announce,
             ) as node,
             open_collaboration(
                 node,

@@ -28,6 +28,7 @@ from p2p.errors import (
     ConnectionClosed,
     DialError,
     HandshakeError,
+    MultiaddrError,
     P2PError,
     PeerIDMismatch,
     RPCTimeout,
@@ -208,6 +209,10 @@ class Node:
         self.transport = transport
         self.config = config
         self.addrs: list[Multiaddr] = []
+        """What the node advertises (DHT, identify): the announced addresses if any, else the
+        bound listen addresses; p2p.nat may add relayed or dial-back proven ones."""
+        self.listen_addrs: list[Multiaddr] = []
+        """Where the listeners are actually bound."""
         self.peerstore = PeerStore()
         self.circuit_transport: Transport | None = None
         """Dials relayed (``/p2p-circuit``) addresses when set (see :mod:`p2p.nat.circuit`)."""
@@ -607,17 +612,25 @@ async def open_node(
     listen: Sequence[str | Multiaddr] = ("/ip4/127.0.0.1/tcp/0",),
     transport: Transport | None = None,
     config: NodeConfig = NodeConfig(),
+    announce: Sequence[str | Multiaddr] = (),
 ) -> AsyncIterator[Node]:
-    """Run a node for the duration of the block; everything it starts ends with it."""
+    """Run a node for the duration of the block; everything it starts ends with it.
+
+    ``announce``: addresses that reach this node from outside (a forwarded port, a proxy).
+    When given, they *replace* the listen addresses in ``node.addrs`` (as in libp2p), so the
+    DHT, identify and every record built from ``node.addrs`` carry only them.
+    """
     identity = identity if identity is not None else Identity.generate()
     transport = transport if transport is not None else TcpTransport()
+    announced = announce_addrs(announce, identity.peer_id)
     async with trio.open_nursery() as nursery:
         node = Node(identity, transport, config, nursery)
         for addr in listen:
             bound: Multiaddr = await nursery.start(
                 transport.listen, Multiaddr.parse(addr), node._handle_inbound
             )
-            node.addrs.append(bound.with_peer(node.peer_id))
+            node.listen_addrs.append(bound.with_peer(node.peer_id))
+        node.addrs[:] = announced or node.listen_addrs
         try:
             yield node
         finally:
@@ -625,4 +638,29 @@ async def open_node(
             nursery.cancel_scope.cancel()
 
 
-__all__ = ["Connection", "Node", "NodeConfig", "open_node", "P2PError"]
+def announce_addrs(addrs: Sequence[str | Multiaddr], peer_id: PeerID) -> list[Multiaddr]:
+    """``addrs`` parsed, each ending in ``/p2p/<peer_id>``; a clear error for one that cannot
+    be dialed directly (no host or port, port 0, a relay circuit, another peer's ID)."""
+    out: list[Multiaddr] = []
+    for text in addrs:
+        try:
+            addr = Multiaddr.parse(text)
+        except MultiaddrError as e:
+            raise MultiaddrError(f"announce address {text!r:.200}: {e}") from None
+        own = addr.peer_id
+        if own is not None and own != peer_id:
+            raise MultiaddrError(f"announce address {addr} names another peer ({own})")
+        if addr.is_relayed:
+            raise MultiaddrError(f"announce address {addr} is a relay circuit (p2p.nat adds those)")
+        if addr.host is None or not addr.port:
+            raise MultiaddrError(
+                f"announce address {addr} is not dialable: it needs a host and a TCP port "
+                "(e.g. /ip4/203.0.113.7/tcp/31337)"
+            )
+        addr = addr.with_peer(peer_id)
+        if addr not in out:
+            out.append(addr)
+    return out
+
+
+__all__ = ["Connection", "Node", "NodeConfig", "announce_addrs", "open_node", "P2PError"]
