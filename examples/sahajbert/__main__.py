@@ -26,6 +26,22 @@ from examples.sahajbert.config import (
 ROLES = ("demo", "trainer", "coordinator", "aux", "finetune")
 
 
+def _announce_addr(text: str) -> str:
+    """An ``--announce`` value: a multiaddr with a host and a TCP port (checked early)."""
+    from p2p.errors import MultiaddrError
+    from p2p.multiaddr import Multiaddr
+
+    try:
+        addr = Multiaddr.parse(text)
+    except MultiaddrError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    if addr.is_relayed or addr.host is None or not addr.port:
+        raise argparse.ArgumentTypeError(
+            f"{text}: needs a host and a TCP port, e.g. /ip4/203.0.113.7/tcp/31337"
+        )
+    return text
+
+
 def _add_run_options(p: argparse.ArgumentParser) -> None:
     d = TrainerConfig()
     o = OptimizerConfig()
@@ -49,8 +65,10 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
         "--announce",
         nargs="*",
         default=[],
-        help="public addresses to print for others (when the listening address is not reachable "
-        "as is, e.g. behind port forwarding)",
+        type=_announce_addr,
+        help="addresses others reach this peer at (a forwarded port, a proxy), e.g. "
+        "/ip4/203.0.113.7/tcp/31337: advertised in the DHT and the run's records instead of "
+        "the --listen addresses",
     )
     g.add_argument(
         "--identity", type=Path, help="private key file (created if missing): a stable peer ID"
@@ -214,8 +232,11 @@ def net_config(args: argparse.Namespace) -> NetConfig:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     role = args.role or ("trainer" if args.initial_peers else "demo")
+    if args.announce and args.client_mode:
+        parser.error("--announce needs a peer that accepts connections (not --client-mode)")
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(name)s %(levelname)s: %(message)s",

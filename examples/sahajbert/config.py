@@ -103,7 +103,7 @@ class NetConfig:
 
     initial_peers: tuple[str, ...] = ()  # multiaddrs with /p2p/<peer-id>; empty: start a run
     listen: tuple[str, ...] = ("/ip4/127.0.0.1/tcp/0",)
-    announce: tuple[str, ...] = ()  # public addresses to print for others (behind a NAT/proxy)
+    announce: tuple[str, ...] = ()  # advertised instead of `listen` (port forward, proxy)
     identity: Path | None = None  # key file, created on first use: a stable peer ID
     client_mode: bool = False  # no listening: dial out only, send gradients, reduce nothing
 

@@ -50,12 +50,13 @@ def open_collaboration(cfg: TrainerConfig, net: NetConfig, mode: str | None = No
         cfg.run_id,
         initial_peers=list(net.initial_peers),
         listen=list(net.listen),
+        announce=list(net.announce),
         identity=identity,
         client_mode=net.client_mode or None,
         config=collaboration_config(cfg, mode),
     )
     collab.start()
-    for addr in [*collab.addrs, *(f"{a}/p2p/{collab.peer_id}" for a in net.announce)]:
+    for addr in collab.addrs:  # what the DHT and the run's records carry (the announced ones)
         log.info("peer %s reachable at %s", collab.peer_id, addr)
     return collab
 
