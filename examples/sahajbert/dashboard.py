@@ -37,18 +37,24 @@ text-align:right}th{background:#f4f4f4}td:first-child,th:first-child{text-align:
 </div><div><h2>Samples/s per epoch</h2><svg id="tput" width="420" height="220"></svg></div></div>
 <script>
 function fmt(x,d){return (x===null||x===undefined||isNaN(x))?"-":Number(x).toFixed(d)}
-function plot(id,xs,ys,color){
-  const svg=document.getElementById(id),W=svg.width.baseVal.value,H=svg.height.baseVal.value,P=34;
-  svg.innerHTML="";const pts=xs.map((x,i)=>[x,ys[i]]).filter(p=>isFinite(p[1]));
-  if(!pts.length)return;
-  const x0=Math.min(...pts.map(p=>p[0])),x1=Math.max(...pts.map(p=>p[0]))||1;
-  const y0=Math.min(...pts.map(p=>p[1])),y1=Math.max(...pts.map(p=>p[1]));
-  const sx=x=>P+(W-2*P)*(x-x0)/((x1-x0)||1),sy=y=>H-P-(H-2*P)*(y-y0)/((y1-y0)||1);
+function plot(id,xs,ys,color,digits){
+  const svg=document.getElementById(id),W=svg.width.baseVal.value,H=svg.height.baseVal.value;
+  const L=52,R=14,T=14,B=30;svg.innerHTML="";
+  const pts=xs.map((x,i)=>[x,ys[i]]).filter(p=>p[1]!==null&&isFinite(p[1]));
+  if(!pts.length){svg.innerHTML=`<text x="${L}" y="${H/2}">no finished epoch yet</text>`;return}
+  const x0=Math.min(...pts.map(p=>p[0])),x1=Math.max(...pts.map(p=>p[0]));
+  let y0=Math.min(...pts.map(p=>p[1])),y1=Math.max(...pts.map(p=>p[1]));
+  if(y1-y0<1e-9){const pad=Math.abs(y1)*0.05||1;y0-=pad;y1+=pad}
+  const sx=x=>L+(W-L-R)*(x1>x0?(x-x0)/(x1-x0):0.5),sy=y=>H-B-(H-T-B)*(y-y0)/(y1-y0);
   const d=pts.map((p,i)=>(i?"L":"M")+sx(p[0]).toFixed(1)+","+sy(p[1]).toFixed(1)).join("");
-  svg.innerHTML=`<path d="${d}" fill="none" stroke="${color}" stroke-width="2"/>`+
-    `<text x="4" y="${P-8}" font-size="11">${fmt(y1,3)}</text>`+
-    `<text x="4" y="${H-P+4}" font-size="11">${fmt(y0,3)}</text>`+
-    `<text x="${W-P}" y="${H-8}" font-size="11">epoch ${x1}</text>`;
+  const dots=pts.length<40?pts.map(p=>`<circle cx="${sx(p[0]).toFixed(1)}" `+
+    `cy="${sy(p[1]).toFixed(1)}" r="2.5" fill="${color}"/>`).join(""):"";
+  svg.innerHTML=`<path d="M${L},${T}V${H-B}H${W-R}" fill="none" stroke="#999"/>`+
+    `<path class="curve" d="${d}" fill="none" stroke="${color}" stroke-width="2"/>`+dots+
+    `<text x="${L-4}" y="${T+4}" font-size="11" text-anchor="end">${fmt(y1,digits)}</text>`+
+    `<text x="${L-4}" y="${H-B+4}" font-size="11" text-anchor="end">${fmt(y0,digits)}</text>`+
+    `<text x="${L}" y="${H-10}" font-size="11">epoch ${x0}</text>`+
+    `<text x="${W-R}" y="${H-10}" font-size="11" text-anchor="end">epoch ${x1}</text>`;
 }
 async function refresh(){
   try{
@@ -65,8 +71,8 @@ async function refresh(){
       `<td>${fmt(p.loss,3)}</td><td>${fmt(p.upload_bps/1e6,2)}</td>`+
       `<td>${fmt(p.download_bps/1e6,2)}</td></tr>`).join("");
     const rows=s.rows||[];
-    plot("loss",rows.map(r=>r.epoch),rows.map(r=>r.loss),"#c33");
-    plot("tput",rows.map(r=>r.epoch),rows.map(r=>r.samples_per_second),"#36c");
+    plot("loss",rows.map(r=>r.epoch),rows.map(r=>r.loss),"#c33",3);
+    plot("tput",rows.map(r=>r.epoch),rows.map(r=>r.samples_per_second),"#36c",1);
   }catch(err){document.getElementById("summary").textContent="coordinator unreachable"}
 }
 refresh();setInterval(refresh,1000);
