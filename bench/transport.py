@@ -12,9 +12,10 @@ and receiver run on different cores as they would on two machines. Figures:
   throughput swings with the load; CPU cost per byte does not, and ``cpu_bound_ratio`` (socket
   CPU / encrypted CPU of the busier side) is the throughput ratio two free cores would give.
 
-``node_kept_memory_*``: one node stream again, both processes having called
-:func:`p2p.node.retain_freed_memory` (glibc keeps freed memory: no page fault per 4 KiB of each
-new message); measured last, since the setting is process-wide.
+Nodes keep freed memory for reuse by default (``NodeConfig.retain_freed_memory``: glibc then
+costs no page fault per 4 KiB of each received message). ``node_no_retain_*`` is one node stream
+with that switched off in both processes; it is the first node measurement, since the setting is
+process-wide and lasts.
 
 When the node/mux layer is available, ``encrypted_gbps`` / ``encrypted8_gbps`` are 1 MiB messages
 on one and on 8 mux streams of one connection, and RPC latency is ``Node.call``; otherwise they
@@ -122,15 +123,11 @@ async def _secure_receiver_async(
             conn.send(time.process_time() - cpu)
 
 
-def _node_receiver(conn: Any, preset: str, tuned: bool = False) -> None:
-    if tuned:
-        from p2p.node import retain_freed_memory
-
-        retain_freed_memory()
-    trio.run(_node_receiver_async, conn, preset)
+def _node_receiver(conn: Any, preset: str, retain: bool = True) -> None:
+    trio.run(_node_receiver_async, conn, preset, retain)
 
 
-async def _node_receiver_async(conn: Any, preset: str) -> None:
+async def _node_receiver_async(conn: Any, preset: str, retain: bool) -> None:
     from p2p.node import NodeConfig, open_node
 
     stop = trio.Event()
@@ -150,7 +147,7 @@ async def _node_receiver_async(conn: Any, preset: str) -> None:
     async def stop_handler(ctx: Any, request: Any) -> None:
         stop.set()
 
-    config = getattr(NodeConfig, preset)()
+    config = getattr(NodeConfig, preset)().with_(retain_freed_memory=retain)
     async with open_node(Identity.from_seed(SERVER_SEED), config=config) as node:
         node.add_stream_handler("bench.sink", sink)
         node.add_handler("bench.echo", echo)
@@ -274,11 +271,11 @@ def measure_secure_rtt(rounds: int) -> list[float]:
 
 
 async def _node_sender(
-    addr: str, total: int, streams: int, preset: str, rounds: int
+    addr: str, total: int, streams: int, preset: str, rounds: int, retain: bool
 ) -> tuple[Throughput, list[float]]:
     from p2p.node import NodeConfig, open_node
 
-    config = getattr(NodeConfig, preset)()
+    config = getattr(NodeConfig, preset)().with_(retain_freed_memory=retain)
     async with open_node(Identity.from_seed(CLIENT_SEED), listen=(), config=config) as node:
         await node.connect(addr)
         payload = bytes(MIB)
@@ -317,17 +314,13 @@ async def _node_sender(
 
 
 def measure_node(
-    total: int, streams: int, preset: str, rounds: int = 0, tuned: bool = False
+    total: int, streams: int, preset: str, rounds: int = 0, retain: bool = True
 ) -> tuple[Throughput, list[float]]:
-    """``tuned``: both processes keep freed memory (:func:`p2p.node.retain_freed_memory`);
-    process-wide and permanent, so the sender's side of it must be the last measurement."""
-    proc, _, addr = _spawn(_node_receiver, preset, tuned)
-    if tuned:
-        from p2p.node import retain_freed_memory
-
-        retain_freed_memory()
+    """``retain=False`` only means something before this process opened any node with it True
+    (:func:`p2p.node.retain_freed_memory` is process-wide and permanent)."""
+    proc, _, addr = _spawn(_node_receiver, preset, retain)
     try:
-        return trio.run(_node_sender, addr, total, streams, preset, rounds)
+        return trio.run(_node_sender, addr, total, streams, preset, rounds, retain)
     finally:
         _join(proc)
 
@@ -380,14 +373,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     result: dict[str, Any] = {}
     if use_node:
+        plain1, _ = measure_node(total, 1, "internet", retain=False)  # first: retaining sticks
+        _show("node, 1 stream (no retain)", plain1)
         node1, node_rtts = measure_node(total, 1, "internet", args.rounds)
         _show("node, 1 stream (default)", node1)
         node8, _ = measure_node(total, 8, "internet")
         _show("node, 8 streams (default)", node8)
         bulk1, _ = measure_node(total, 1, "bulk")
         _show("node, 1 stream (bulk)", bulk1)
-        tuned1, _ = measure_node(total, 1, "internet", tuned=True)  # last: it sticks
-        _show("node, 1 stream (kept memory)", tuned1)
         rtt_median = statistics.median(node_rtts) * 1e6
         rtt_p99 = _percentile(node_rtts, 0.99) * 1e6
         print(f"Node.call RTT                median {rtt_median:.0f} us, p99 {rtt_p99:.0f} us")
@@ -395,12 +388,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         result["node_bulk_gbps"] = round(bulk1.gbps, 3)
         result["node_send_cpu_s_per_gb"] = round(node1.send_cpu_s_per_gb, 3)
         result["node_recv_cpu_s_per_gb"] = round(node1.recv_cpu_s_per_gb, 3)
-        result["node_kept_memory_gbps"] = round(tuned1.gbps, 3)
-        result["node_kept_memory_send_cpu_s_per_gb"] = round(tuned1.send_cpu_s_per_gb, 3)
-        result["node_kept_memory_recv_cpu_s_per_gb"] = round(tuned1.recv_cpu_s_per_gb, 3)
-        result["kept_memory_cpu_bound_ratio"] = round(busier(sock) / busier(tuned1), 3)
+        result["node_no_retain_gbps"] = round(plain1.gbps, 3)
+        result["node_no_retain_vs_socket"] = round(plain1.gbps / sock.gbps, 3)
+        result["node_no_retain_send_cpu_s_per_gb"] = round(plain1.send_cpu_s_per_gb, 3)
+        result["node_no_retain_recv_cpu_s_per_gb"] = round(plain1.recv_cpu_s_per_gb, 3)
+        result["no_retain_cpu_bound_ratio"] = round(busier(sock) / busier(plain1), 3)
         measured_over = (
-            "Node.open_stream (1 MiB msgpack messages, NodeConfig.internet) on one connection; "
+            "Node.open_stream (1 MiB msgpack messages, NodeConfig.internet: freed memory kept) "
+            "on one connection; "
             "RTT: Node.call"
         )
     else:

@@ -20,7 +20,13 @@ each way; the opener assigns the id when that frame leaves, keeping ids ordered 
 RESET (utf-8 reason; both directions abort, data already received stays readable), GOAWAY
 (utf-8 reason; the sender is closing the connection; its stream id field is the last stream
 the sender saw opened, so the peer knows which of its streams were never processed and may
-safely retry them elsewhere: :attr:`MuxStream.unprocessed`).
+safely retry them elsewhere: :attr:`MuxStream.unprocessed`), BULK (u32 n: the next channel
+frame is n bytes of DATA for this stream, with no mux header).
+
+Why BULK: a large buffer (a 1 MiB tensor chunk) then travels as a channel frame of its own, so
+the sender encrypts it straight from the caller's memory (no header + payload concatenation)
+and the receiver's decrypted frame *is* the chunk: a message made of it is handed over without
+another copy. The two frames leave in one channel write, so nothing can come between them.
 """
 
 from __future__ import annotations
@@ -38,7 +44,7 @@ from p2p.errors import ConnectionClosed, ProtocolError
 
 logger = logging.getLogger(__name__)
 
-OPEN, DATA, WINDOW, EOF, RESET, GOAWAY, DATA_EOF, OPEN_DATA, OPEN_DATA_EOF = range(9)
+OPEN, DATA, WINDOW, EOF, RESET, GOAWAY, DATA_EOF, OPEN_DATA, OPEN_DATA_EOF, BULK = range(10)
 KIND_NAMES = (
     "OPEN",
     "DATA",
@@ -49,10 +55,14 @@ KIND_NAMES = (
     "DATA_EOF",
     "OPEN_DATA",
     "OPEN_DATA_EOF",
+    "BULK",
 )
 _OPENING = {DATA: OPEN_DATA, DATA_EOF: OPEN_DATA_EOF, EOF: OPEN_DATA_EOF}
 HEADER = struct.Struct("!BI")
 _WINDOW_PAYLOAD = struct.Struct("!I")
+_BULK_PAYLOAD = _WINDOW_PAYLOAD  # u32 byte count of the raw frame that follows
+BULK_MIN = 64 << 10
+"""Buffers at least this long are sent as BULK frames (below it a copy is cheaper than a frame)."""
 MAX_REASON_BYTES = 256
 MAX_STREAM_ID = 2**32 - 1
 MAX_WINDOW = 2**31 - 1
@@ -62,6 +72,8 @@ class FrameChannel(Protocol):
     """A reliable, ordered channel of frames (the secure channel, or a test stand-in)."""
 
     async def send_frame(self, data: bytes | bytearray | memoryview) -> None: ...
+
+    # optional: ``async def send_frames(self, frames: Sequence[...]) -> None`` (one write)
 
     async def receive_frame(self) -> bytes | bytearray | memoryview: ...
 
@@ -124,7 +136,7 @@ def decode_frame(frame: bytes | bytearray | memoryview) -> tuple[int, int, memor
     if len(view) < HEADER.size:
         raise ProtocolError(f"mux frame of {len(view)} bytes is shorter than its header")
     kind, stream_id = HEADER.unpack_from(view)
-    if kind > OPEN_DATA_EOF:
+    if kind > BULK:
         raise ProtocolError(f"unknown mux frame kind {kind}")
     payload = view[HEADER.size :]
     if kind == OPEN and len(payload):
@@ -133,6 +145,8 @@ def decode_frame(frame: bytes | bytearray | memoryview) -> tuple[int, int, memor
         raise ProtocolError("EOF frame with a payload")
     if kind == WINDOW and len(payload) != _WINDOW_PAYLOAD.size:
         raise ProtocolError("WINDOW frame payload is not 4 bytes")
+    if kind == BULK and len(payload) != _BULK_PAYLOAD.size:
+        raise ProtocolError("BULK frame payload is not 4 bytes")
     if kind in (RESET, GOAWAY) and len(payload) > MAX_REASON_BYTES:
         raise ProtocolError(f"{KIND_NAMES[kind]} reason longer than {MAX_REASON_BYTES} bytes")
     if stream_id == 0 and kind != GOAWAY:
@@ -299,44 +313,35 @@ class MuxStream:
     ) -> None:
         """Send several buffers back to back as one byte sequence (saves a concatenation).
 
-        With ``eof`` the last frame also carries EOF (one frame for a small request).
+        With ``eof`` the last frame also carries EOF (one frame for a small request). Buffers of
+        ``BULK_MIN`` bytes or more leave as BULK frames, encrypted from the caller's memory.
         """
-        views = deque(memoryview(p).cast("B") for p in parts)
+        views = deque(v for v in (memoryview(p).cast("B") for p in parts) if len(v))
         await trio.lowlevel.checkpoint_if_cancelled()
         if self._local_eof:
             raise trio.ClosedResourceError("stream already closed for sending")
         if self._sending:
             raise trio.BusyResourceError("another task is sending on this stream")
         self._sending = True
-        max_payload = self._mux.max_payload
+        mux = self._mux
         try:
             while views:
-                while self._send_window <= 0:
+                # a bulk piece waits for window to send it whole (at most half a window, so
+                # a reader that keeps reading always grants enough); other data for any window
+                head = len(views[0])
+                need = min(head, mux.max_bulk) if head >= mux.bulk_min else 1
+                while self._send_window < need:
                     self._raise_if_reset()
-                    self._mux._raise_if_closed()
+                    mux._raise_if_closed()
                     await self._send_lot.park()
                 self._raise_if_reset()
-                budget = min(self._send_window, max_payload)
-                frame_parts: list[memoryview] = []
-                size = 0
-                while views and size < budget:
-                    v = views[0]
-                    take = min(len(v), budget - size)
-                    if take == len(v):
-                        frame_parts.append(views.popleft())
-                    else:
-                        frame_parts.append(v[:take])
-                        views[0] = v[take:]
-                    size += take
-                if size == 0:
-                    continue  # empty buffers
-                self._send_window -= size
+                batch = self._take_frames(views, eof)
                 last = eof and not views
                 if last:
                     self._local_eof = True
-                await self._mux._send(DATA_EOF if last else DATA, self, frame_parts)
+                await mux._send_batch(self, batch)
                 if last:
-                    self._mux._maybe_forget(self)
+                    mux._maybe_forget(self)
                     return
         except trio.Cancelled:
             # A partly sent message cannot be finished later: the stream is unusable.
@@ -346,6 +351,53 @@ class MuxStream:
             self._sending = False
         if eof:
             await self.send_eof()
+
+    def _take_frames(self, views: deque[memoryview], eof: bool) -> list[tuple[int, list[Any]]]:
+        """The frames of the next write, within the send window: a DATA frame of small pieces
+        and/or one BULK frame (one of each at most, so other streams' frames interleave)."""
+        mux = self._mux
+        window = self._send_window
+        batch: list[tuple[int, list[Any]]] = []
+        while views and window > 0:
+            v = views[0]
+            if len(v) >= mux.bulk_min:
+                take = min(len(v), mux.max_bulk)
+                if take > window:
+                    break
+                if take == len(v):
+                    views.popleft()
+                else:
+                    views[0] = v[take:]
+                    v = v[:take]
+                batch.append((BULK, [v]))
+                window -= take
+                break
+            budget = min(window, mux.max_payload)
+            frame_parts: list[memoryview] = []
+            size = 0
+            while views and size < budget:
+                v = views[0]
+                if len(v) >= mux.bulk_min:
+                    break
+                take = min(len(v), budget - size)
+                if take == len(v):
+                    frame_parts.append(views.popleft())
+                else:
+                    frame_parts.append(v[:take])
+                    views[0] = v[take:]
+                size += take
+            batch.append((DATA, frame_parts))
+            window -= size
+            if size == budget:
+                break
+        self._send_window = window
+        if eof and not views:
+            kind, frame_parts = batch[-1]
+            if kind == DATA:
+                batch[-1] = (DATA_EOF, frame_parts)
+            else:
+                batch.append((EOF, []))
+        return batch
 
     async def send_eof(self) -> None:
         """Tell the peer we will send no more (its reads then end with ``b""``)."""
@@ -447,10 +499,15 @@ class Mux:
         self.label = label
         self._handle_stream = handle_stream
         channel_max = getattr(channel, "max_frame", None)
-        payload = config.max_frame_payload
+        payload = bulk = config.max_frame_payload
         if channel_max is not None:
             payload = min(payload, int(channel_max) - HEADER.size)
+            bulk = min(bulk, int(channel_max))
         self.max_payload = payload
+        # at most half a window: see MuxStream.send_parts
+        self.max_bulk = min(bulk, config.initial_window // 2)
+        self.bulk_min = BULK_MIN if self.max_bulk >= BULK_MIN else MAX_WINDOW + 1
+        self._bulk: tuple[int, int] | None = None  # (stream id, bytes) of an announced BULK
         self._streams: dict[int, MuxStream] = {}
         self.budget = budget
         self._held_total = 0
@@ -547,6 +604,10 @@ class Mux:
     async def _send(
         self, kind: int, stream: MuxStream, parts: Iterable[memoryview | bytes]
     ) -> None:
+        await self._send_batch(stream, [(kind, list(parts))])
+
+    async def _send_batch(self, stream: MuxStream, batch: list[tuple[int, list[Any]]]) -> None:
+        """Send ``stream``'s frames (kind, payload pieces) in one channel write."""
         async with self._send_lock:
             if self._closed_reason is not None:
                 raise ConnectionClosed(f"connection closed: {self._closed_reason}")
@@ -559,20 +620,45 @@ class Mux:
                 self._next_id += 2  # ids may skip (a failed first send): only order matters
                 self._unopened.discard(stream)
                 self._streams[sid] = stream
-                kind = _OPENING[kind]
-            frame = b"".join((HEADER.pack(kind, sid), *parts))
+                kind, parts = batch[0]
+                if kind == BULK:
+                    batch = [(OPEN, []), *batch]
+                else:
+                    batch = [(_OPENING[kind], parts), *batch[1:]]
+            frames: list[Any] = []
+            for kind, parts in batch:
+                if kind == BULK:
+                    (piece,) = parts
+                    frames.append(HEADER.pack(BULK, sid) + _BULK_PAYLOAD.pack(len(piece)))
+                    frames.append(piece)  # its own channel frame, no mux header, no copy
+                else:
+                    frames.append(b"".join((HEADER.pack(kind, sid), *parts)))
             stream._announced = True
             try:
-                await self.channel.send_frame(frame)
+                await self._send_frames(frames)
             except _CHANNEL_ERRORS as e:
                 self._close_now(f"send failed: {e!r}")
                 raise ConnectionClosed(f"connection closed: {e!r}") from e
             except trio.Cancelled:
-                # cancelled before the frame left (a cut frame closes the channel anyway)
+                # cancelled before the frames left (a cut frame closes the channel anyway)
                 if stream.frames_sent == 0:
                     stream._announced = False
                 raise
             stream.frames_sent += 1
+
+    async def _send_frames(self, frames: list[Any]) -> None:
+        """One write when the channel batches; else frame by frame (a cut batch closes)."""
+        send_frames = getattr(self.channel, "send_frames", None)
+        if send_frames is not None:
+            await send_frames(frames)
+            return
+        for i, frame in enumerate(frames):
+            try:
+                await self.channel.send_frame(frame)
+            except trio.Cancelled:
+                if i:  # the peer may be waiting for the rest of a BULK: nothing may follow
+                    self._close_now("send cancelled between the frames of one write")
+                raise
 
     def _queue_window_update(self, stream_id: int, increment: int) -> None:
         if self.is_closed:
@@ -637,6 +723,9 @@ class Mux:
 
     def handle_frame(self, frame: bytes | bytearray | memoryview) -> None:
         """Apply one received frame (pure state change; ProtocolError on a violation)."""
+        if self._bulk is not None:
+            self._handle_bulk_data(frame)
+            return
         kind, sid, payload = decode_frame(frame)
         if not isinstance(frame, bytes):
             payload = memoryview(bytes(payload))  # the channel may reuse its buffer: keep a copy
@@ -677,6 +766,8 @@ class Mux:
             known = sid <= self._last_remote_id if from_remote else sid < self._next_id
             if not known:
                 raise ProtocolError(f"{KIND_NAMES[kind]} frame for unopened stream {sid}")
+            if kind == BULK:  # its data frame follows: drop that too
+                self._bulk = (sid, _BULK_PAYLOAD.unpack(payload)[0])
             return  # a frame for a stream that already finished: harmless, drop it
         if kind in (DATA, DATA_EOF):
             n = len(payload)
@@ -688,23 +779,22 @@ class Mux:
                 )
             if n:
                 stream._recv_window -= n
-                if not self._reserve(n):
-                    logger.info(
-                        "%s: resetting stream %d: memory limit (%d bytes held)",
-                        self.label,
-                        sid,
-                        self._held_total,
-                    )
-                    stream.reset("memory limit")
+                if not self._deliver(stream, payload):
                     return
-                stream._held += n
-                stream._chunks.append(payload)
-                stream._buffered += n
-                stream._recv_lot.unpark_all()
             if kind == DATA_EOF:
                 stream._remote_eof = True
                 stream._recv_lot.unpark_all()
                 self._maybe_forget(stream)
+        elif kind == BULK:
+            (n,) = _BULK_PAYLOAD.unpack(payload)
+            if stream._remote_eof:
+                raise ProtocolError(f"BULK after EOF on stream {sid}")
+            if not 0 < n <= stream._recv_window:
+                raise ProtocolError(
+                    f"stream {sid}: BULK of {n} bytes with {stream._recv_window} granted"
+                )
+            stream._recv_window -= n
+            self._bulk = (sid, n)
         elif kind == WINDOW:
             (inc,) = _WINDOW_PAYLOAD.unpack(payload)
             stream._send_window += inc
@@ -720,6 +810,37 @@ class Mux:
         elif kind == RESET:
             reason = bytes(payload).decode("utf-8", "replace")
             stream._on_reset(f"remote: {reason}")
+
+    def _handle_bulk_data(self, frame: bytes | bytearray | memoryview) -> None:
+        """The raw frame a BULK announced: the stream's next bytes, kept as they arrived."""
+        assert self._bulk is not None
+        sid, n = self._bulk
+        self._bulk = None
+        if len(frame) != n:
+            raise ProtocolError(f"stream {sid}: BULK announced {n} bytes, got {len(frame)}")
+        stream = self._streams.get(sid)
+        if stream is None or stream._reset_reason is not None:
+            return  # finished or reset meanwhile: drop the data
+        data = frame if isinstance(frame, bytes) else bytes(frame)  # the channel may reuse it
+        self._deliver(stream, memoryview(data))
+
+    def _deliver(self, stream: MuxStream, payload: memoryview) -> bool:
+        """Queue received bytes on ``stream``; False (and a reset) past the memory limits."""
+        n = len(payload)
+        if not self._reserve(n):
+            logger.info(
+                "%s: resetting stream %d: memory limit (%d bytes held)",
+                self.label,
+                stream.stream_id,
+                self._held_total,
+            )
+            stream.reset("memory limit")
+            return False
+        stream._held += n
+        stream._chunks.append(payload)
+        stream._buffered += n
+        stream._recv_lot.unpark_all()
+        return True
 
     async def _run_handler(self, stream: MuxStream) -> None:
         with trio.CancelScope() as scope:

@@ -63,12 +63,13 @@ _M_MMAP_THRESHOLD = -3
 def retain_freed_memory(trim_threshold: int = 128 << 20, mmap_threshold: int = 32 << 20) -> bool:
     """Ask glibc's allocator to keep freed memory for reuse rather than hand it back at once.
 
-    Why: a node moving 1 MiB messages allocates and frees megabytes per message. With glibc's
-    defaults the top of the heap is returned to the kernel over and over, and each new message
-    then pays a page fault per 4 KiB page (on the bench's receiver, about a quarter of its CPU
-    time). This is process-wide (every allocation of the process, up to ``trim_threshold`` bytes
-    of freed memory kept), so it is the application's choice: a peer that trains and averages
-    calls it once at start-up. Returns False where the C library is not glibc.
+    Why: a node receiving 1 MiB messages allocates a fresh megabyte per message (the decrypted
+    chunk it hands over). With glibc's defaults the top of the heap is returned to the kernel
+    over and over, and each new message then pays a page fault per 4 KiB page (on the bench's
+    receiver, about a fifth of its CPU time). This is process-wide: allocations below
+    ``mmap_threshold`` come from the heap, and up to ``trim_threshold`` bytes of freed heap stay
+    mapped for reuse. Nodes call it once per process unless ``NodeConfig.retain_freed_memory``
+    is False. Returns False where the C library is not glibc.
     """
     try:
         libc = ctypes.CDLL("libc.so.6")
@@ -80,6 +81,17 @@ def retain_freed_memory(trim_threshold: int = 128 << 20, mmap_threshold: int = 3
     if not ok:
         logger.info("mallopt refused the allocator settings; freed memory is returned as before")
     return ok
+
+
+_allocator_settled = False
+
+
+def _retain_freed_memory_once() -> None:
+    global _allocator_settled
+    if not _allocator_settled:
+        _allocator_settled = True
+        if retain_freed_memory():
+            logger.debug("glibc keeps freed memory for reuse (NodeConfig.retain_freed_memory)")
 
 
 @dataclass(frozen=True)
@@ -124,6 +136,11 @@ class NodeConfig:
     """The same, summed over every connection of the node."""
     cipher: str | None = None
     """Force "chacha20-poly1305" or "aes-256-gcm"; None picks by hardware."""
+    retain_freed_memory: bool = True
+    """Let glibc keep freed memory for reuse, process-wide, from the first such node on (see
+    :func:`retain_freed_memory`): received chunks then cost no page faults. Set False in every
+    node of a process that must return freed memory to the OS at once; the setting, once
+    made, lasts for the life of the process."""
 
     @classmethod
     def internet(cls) -> NodeConfig:
@@ -160,7 +177,7 @@ class NodeConfig:
     def mux_config(self, channel_max_frame: int | None = None) -> MuxConfig:
         payload = self.max_frame_payload
         if channel_max_frame is not None:
-            payload = min(payload, channel_max_frame - 8)
+            payload = min(payload, channel_max_frame)  # the mux leaves room for its header
         return MuxConfig(
             initial_window=max(self.stream_window, payload),
             max_frame_payload=payload,
@@ -208,6 +225,8 @@ class Node:
         self.peer_id: PeerID = identity.peer_id
         self.transport = transport
         self.config = config
+        if config.retain_freed_memory:
+            _retain_freed_memory_once()
         self.addrs: list[Multiaddr] = []
         """What the node advertises (DHT, identify): the announced addresses if any, else the
         bound listen addresses; p2p.nat may add relayed or dial-back proven ones."""

@@ -92,6 +92,8 @@ class MessageStream:
             assert rest is not None
             sizes = bin_payload_length(head)
             if sizes is not None and sum(sizes) == n:
+                if len(rest) == 1 and (whole := _whole_bytes(rest[0])) is not None:
+                    return whole  # the chunk came as one BULK frame: no copy at all
                 return b"".join([head[sizes[0] :], *rest])
             body: Any = b"".join([head, *rest])
         else:
@@ -138,6 +140,14 @@ class MessageStream:
             self.reset("aborted")
         else:
             await self.aclose()
+
+
+def _whole_bytes(view: memoryview) -> bytes | None:
+    """The bytes object ``view`` spans entirely, if it does (then it needs no copy)."""
+    obj = view.obj
+    if type(obj) is bytes and view.nbytes == len(obj):
+        return obj
+    return None
 
 
 class _EndOfStream(Exception):

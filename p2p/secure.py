@@ -177,7 +177,7 @@ class SecureChannel:
     # ---- sending -------------------------------------------------------------------------
 
     def _frame_buffer(self, total: int) -> memoryview:
-        cap = HEADER_BYTES + self.max_frame + TAG_BYTES
+        cap = HEADER_BYTES + self.max_frame + TAG_BYTES + _SLACK  # a big frame + small ones
         if self._sock is None or total > cap:
             return memoryview(bytearray(total))  # the stream may keep it / too big to keep
         if len(self._send_buf) < total:
@@ -254,7 +254,13 @@ class SecureChannel:
             raise self._closed_error()
         reader = self._reader
         try:
-            if self.frame_timeout is None:
+            buffered = reader.buffered
+            length = _HEADER.unpack_from(reader.peek())[0] if buffered >= HEADER_BYTES else -1
+            if 0 <= length <= buffered - HEADER_BYTES:
+                # the whole frame is here already (small frames after a big read): no deadline
+                if length < TAG_BYTES or length > self.max_frame + TAG_BYTES:
+                    raise await self._fail(f"invalid frame length {length}")
+            elif self.frame_timeout is None:
                 await reader.ensure(HEADER_BYTES)
                 length = _HEADER.unpack_from(reader.peek())[0]
                 if length < TAG_BYTES or length > self.max_frame + TAG_BYTES:

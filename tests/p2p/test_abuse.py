@@ -18,7 +18,18 @@ from hypothesis import strategies as st
 from p2p import CallContext, Identity, Node, NodeConfig, open_node
 from p2p.errors import ConnectionClosed, P2PError, ProtocolError
 from p2p.messages import MessageParser, unpack
-from p2p.mux import DATA, EOF, OPEN, RESET, WINDOW, Mux, MuxConfig, decode_frame, encode_frame
+from p2p.mux import (
+    BULK,
+    DATA,
+    EOF,
+    OPEN,
+    RESET,
+    WINDOW,
+    Mux,
+    MuxConfig,
+    decode_frame,
+    encode_frame,
+)
 from p2p.secure import secure_outbound
 from p2p.testing import SimNetwork, open_sim_nodes, run_sim
 
@@ -117,7 +128,7 @@ def test_garbage_mux_frames_after_a_valid_handshake(caplog: pytest.LogCaptureFix
     async def main() -> None:
         async with open_node(config=FAST) as node:
             node.add_handler("echo", echo)
-            for bad in (b"\x09\x00\x00\x00\x01", b"\x01", encode_frame(DATA, 77, b"no open")):
+            for bad in (b"\x7f\x00\x00\x00\x01", b"\x01", encode_frame(DATA, 77, b"no open")):
                 raw = await raw_tcp(node)
                 channel = await secure_outbound(raw, Identity.generate(), node.peer_id)
                 await channel.send_frame(bad)
@@ -285,11 +296,15 @@ class _NullChannel:
 
 frames = st.one_of(
     st.tuples(
-        st.sampled_from([OPEN, DATA, WINDOW, EOF, RESET, 5, 6]),
+        st.sampled_from([OPEN, DATA, WINDOW, EOF, RESET, 5, 6, BULK]),
         st.integers(0, 12),
         st.binary(max_size=40),
     ).map(lambda t: encode_frame(*t)),
     st.binary(max_size=16),
+    # well-formed BULK announcements: the next frame is taken as raw stream data
+    st.tuples(st.integers(0, 12), st.integers(0, 70)).map(
+        lambda t: encode_frame(BULK, t[0], t[1].to_bytes(4, "big"))
+    ),
 )
 
 

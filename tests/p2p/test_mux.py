@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
+from functools import partial
 
 import pytest
 import trio
@@ -12,6 +13,8 @@ import trio.testing
 
 from p2p.errors import ConnectionClosed, ProtocolError
 from p2p.mux import (
+    BULK,
+    BULK_MIN,
     DATA,
     EOF,
     GOAWAY,
@@ -26,6 +29,7 @@ from p2p.mux import (
     decode_frame,
     encode_frame,
 )
+from p2p.rpc import MessageStream
 
 
 class MemoryFrameChannel:
@@ -429,6 +433,11 @@ def test_sending_beyond_the_window_closes_the_connection(caplog: pytest.LogCaptu
         ([(OPEN, 3, b""), (OPEN, 1, b"")], "reused"),
         ([(OPEN, 1, b""), (EOF, 1, b""), (DATA, 1, b"x")], "after EOF"),
         ([(OPEN, 1, b""), (WINDOW, 1, (2**31).to_bytes(4, "big"))], "overflow"),
+        ([(OPEN, 1, b""), (BULK, 1, (0).to_bytes(4, "big"))], "BULK of 0"),
+        ([(OPEN, 1, b""), (BULK, 1, (5 << 20).to_bytes(4, "big"))], "granted"),
+        ([(OPEN, 1, b""), (EOF, 1, b""), (BULK, 1, (1).to_bytes(4, "big"))], "BULK after EOF"),
+        # the frame after a BULK must be exactly as long as announced (here a 6-byte frame)
+        ([(OPEN, 1, b""), (BULK, 1, (10).to_bytes(4, "big")), (DATA, 1, b"x")], "announced 10"),
     ],
 )
 def test_protocol_violations_close_the_connection(frames: list, reason: str) -> None:
@@ -455,6 +464,10 @@ def test_frames_for_finished_streams_are_ignored() -> None:
             await peer.send(DATA, 1, b"late")
             await peer.send(EOF, 1)
             await peer.send(RESET, 1, b"late reset")
+            # a late BULK: its raw frame is dropped unread (parsed as a frame it would be fatal)
+            raw = encode_frame(DATA, 77, b"unopened")
+            await peer.send(BULK, 1, len(raw).to_bytes(4, "big"))
+            await peer.channel.send_frame(raw)
             await trio.testing.wait_all_tasks_blocked()
             assert not mux.is_closed
 
@@ -620,5 +633,101 @@ def test_goaway_names_the_streams_the_peer_never_processed() -> None:
             assert not first.unprocessed and second.unprocessed
             with pytest.raises(ConnectionClosed, match="idle"):
                 await second.receive_some()
+
+    run_virtual(main)
+
+
+# ---- BULK: big buffers as frames of their own ---------------------------------------------
+
+
+def test_a_big_buffer_travels_as_its_own_frame_and_arrives_uncopied() -> None:
+    """A 1 MiB chunk leaves as one raw frame after a BULK header; the reader gets that very
+    frame object back as the message (no join, no copy)."""
+
+    async def main() -> None:
+        received: list[object] = []
+
+        async def sink(stream: MuxStream) -> None:
+            received.append(await MessageStream(stream, 4 << 20).receive())
+
+        async with mux_pair(sink) as (client, server):
+            chunk = bytes(range(256)) * 4096
+            stream = await client.open_stream()
+            await MessageStream(stream, 4 << 20).send(chunk)
+            await trio.testing.wait_all_tasks_blocked()
+            channel = client.channel
+            assert isinstance(channel, MemoryFrameChannel)
+            kinds = [decode_frame(f)[0] for f in channel.sent[:2]]
+            assert kinds == [OPEN_DATA, BULK]  # length prefix + msgpack header, then BULK
+            assert decode_frame(channel.sent[1])[2] == len(chunk).to_bytes(4, "big")
+            assert channel.sent[2] == chunk
+            assert received == [chunk] and received[0] is channel.sent[2]
+
+    run_virtual(main)
+
+
+def test_bulk_pieces_respect_a_small_window_and_keep_the_byte_order() -> None:
+    # 256 KiB windows: bulk pieces are capped at 64 KiB (max_frame_payload), each waiting for
+    # a whole piece of credit; small buffers in between still go as DATA
+    config = MuxConfig(initial_window=256 << 10, max_frame_payload=BULK_MIN)
+
+    async def main() -> None:
+        async with mux_pair(echo, config) as (client, _server):
+            big = bytes(range(251)) * 5000  # not a multiple of the piece size
+            parts = [b"head", big, b"middle", big[::-1], b"tail"]
+            expected = b"".join(parts)
+            stream = await client.open_stream()
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(partial(stream.send_parts, parts, eof=True))
+                assert await read_all(stream) == expected
+            channel = client.channel
+            assert isinstance(channel, MemoryFrameChannel)
+            sizes = {DATA: 0, BULK: 0}
+            frames = iter(channel.sent)
+            for frame in frames:
+                kind, _, payload = decode_frame(frame)
+                if kind == BULK:
+                    raw = next(frames)  # the data frame that follows, with no mux header
+                    assert len(raw) == int.from_bytes(payload, "big") <= BULK_MIN
+                    sizes[BULK] += len(raw)
+                elif kind != WINDOW:  # our grants for the echoed data carry no stream bytes
+                    sizes[DATA] += len(payload)
+            # the bulk of both big buffers went as BULK, their short tails with the small parts
+            assert sizes[BULK] > 2 * len(big) - 2 * BULK_MIN
+            assert sizes[BULK] + sizes[DATA] == len(expected)
+
+    run_virtual(main)
+
+
+class StallAfterFrames(MemoryFrameChannel):
+    """Lets ``allow`` frames through, then blocks every send (a connection that stalls)."""
+
+    allow = 2
+
+    async def send_frame(self, data: bytes | bytearray | memoryview) -> None:
+        if len(self.sent) >= self.allow:
+            await trio.sleep_forever()
+        await super().send_frame(data)
+
+
+def test_a_send_cancelled_between_a_bulk_header_and_its_data_closes_the_connection() -> None:
+    """Nothing may follow a BULK header but its data: cancelled in between, the connection
+    closes (channels that write several frames at once never stop in between)."""
+
+    async def main() -> None:
+        a_send, b_receive = trio.open_memory_channel[bytes](10)
+        b_send, a_receive = trio.open_memory_channel[bytes](10)
+        ca = StallAfterFrames(a_send, a_receive)
+        server = Mux(MemoryFrameChannel(b_send, b_receive), initiator=False, handle_stream=echo)
+        client = Mux(ca, initiator=True, handle_stream=_no_streams)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(client.run)
+            await nursery.start(server.run)
+            stream = await client.open_stream()
+            with trio.move_on_after(1):
+                await stream.send_all(bytes(BULK_MIN))  # OPEN, BULK header, then stalls
+            assert [decode_frame(f)[0] for f in ca.sent] == [OPEN, BULK]
+            assert client.is_closed and "between the frames" in (client.close_reason or "")
+            nursery.cancel_scope.cancel()
 
     run_virtual(main)

@@ -273,3 +273,28 @@ def test_a_call_crossing_the_peers_goaway_is_retried_on_a_new_connection() -> No
             assert b.connection_to(a.peer_id) is not None
 
     run_sim(main)
+
+
+def test_nodes_ask_the_allocator_to_keep_freed_memory_once_unless_told_not_to(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The setting is process-wide: made by the first node that wants it, never by one that
+    opted out (p2p.node.retain_freed_memory itself is replaced here)."""
+    import p2p.node
+
+    calls: list[str] = []
+    monkeypatch.setattr(p2p.node, "retain_freed_memory", lambda: calls.append("set") or True)
+    monkeypatch.setattr(p2p.node, "_allocator_settled", False)
+
+    async def main() -> None:
+        opted_out = NodeConfig.testing().with_(retain_freed_memory=False)
+        async with open_node(config=opted_out, listen=()):
+            pass
+        assert calls == []
+        async with open_node(config=NodeConfig.testing(), listen=()):
+            pass
+        async with open_node(config=NodeConfig.testing(), listen=()):
+            pass
+        assert calls == ["set"]
+
+    trio.run(main)
