@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
@@ -37,6 +37,7 @@ class MemoryNetwork:
         self.nodes: dict[PeerID, MemoryNode] = {}
         self.dead: set[PeerID] = set()
         self.calls = 0
+        self._arrivals: dict[float, _Arrival] = {}
 
     def add_node(self, identity: Identity) -> MemoryNode:
         node = MemoryNode(self, identity, len(self.nodes))
@@ -48,6 +49,49 @@ class MemoryNetwork:
 
     def revive(self, peer: PeerID) -> None:
         self.dead.discard(peer)
+
+    async def travel(self) -> None:
+        """Wait one latency (a message in flight).
+
+        Messages sent at the same instant arrive together and share one timer: the first
+        sleeps and wakes the others (a trio sleep per message, whose wake-up is a cancellation,
+        costs more than the rest of a delivery). If that one is cancelled, the next takes over.
+        """
+        task = trio.lowlevel.current_task()
+        due = trio.current_time() + self.latency
+        group = self._arrivals.get(due)
+        if group is None:
+            group = self._arrivals[due] = _Arrival(task)
+        else:
+            group.waiting.append(task)
+
+            def abort(_: object) -> trio.lowlevel.Abort:
+                group.waiting.remove(task)
+                return trio.lowlevel.Abort.SUCCEEDED
+
+            await trio.lowlevel.wait_task_rescheduled(abort)
+            if group.timer is not task:
+                return  # woken by the timer's holder: arrived
+        arrived = False
+        try:
+            await trio.sleep_until(due)
+            arrived = True
+        finally:
+            if arrived or not group.waiting:
+                del self._arrivals[due]
+                for other in group.waiting:
+                    trio.lowlevel.reschedule(other)
+            else:  # cancelled: the next one holds the timer now
+                group.timer = group.waiting.pop(0)
+                trio.lowlevel.reschedule(group.timer)
+
+
+@dataclass
+class _Arrival:
+    """Messages due at one instant: the task sleeping until then, and those it will wake."""
+
+    timer: trio.lowlevel.Task
+    waiting: list[trio.lowlevel.Task] = field(default_factory=list)
 
 
 def _roundtrip(obj: Any) -> Any:
@@ -95,7 +139,7 @@ class MemoryNode:
         target = self._target(peer)
         self.net.calls += 1
         with trio.move_on_after(math.inf if timeout is None else timeout):
-            await trio.sleep(self.net.latency)
+            await self.net.travel()
             handler = target.handlers.get(name)
             if handler is None:
                 raise RPCError(f"{name}: no such handler", remote=True)
@@ -103,7 +147,7 @@ class MemoryNode:
                 resp = await handler(MemoryContext(self.peer_id, None, target), _roundtrip(request))
             except (ProtocolError, ValueError, RPCError) as e:
                 raise RPCError(f"{name}: {e}", remote=True) from None
-            await trio.sleep(self.net.latency)
+            await self.net.travel()
             if target.peer_id in self.net.dead:
                 raise DialError(f"{target.peer_id} died")
             return _roundtrip(resp)

@@ -43,6 +43,7 @@ from p2p.dht.wire import (
     record_to_wire,
     request,
     response,
+    store_addrs,
 )
 from p2p.errors import P2PError, ProtocolError
 from p2p.identity import PeerID
@@ -139,7 +140,7 @@ class DHTProtocol:
 
     def _remember_addrs(self, peer: PeerID, addrs: tuple[str, ...]) -> None:
         try:
-            self.node.peerstore.add_addrs(peer, addrs)
+            self.node.peerstore.add_addrs(peer, store_addrs(addrs))
         except P2PError as e:  # addresses were validated on arrival; be safe anyway
             log.debug("bad addresses for %s: %s", peer, e)
 

@@ -10,7 +10,6 @@ still answer are kept, which is what makes Kademlia resist flooding with new IDs
 
 from __future__ import annotations
 
-import heapq
 from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -86,14 +85,33 @@ class RoutingTable:
     def nearest(
         self, target: int, count: int | None = None, exclude: Iterable[PeerID] = ()
     ) -> list[PeerEntry]:
-        """The ``count`` (default k) known peers nearest to ``target`` by XOR distance."""
-        entries = self.peers()
+        """The ``count`` (default k) known peers nearest to ``target`` by XOR distance.
+
+        Only the buckets that can hold them are read (a handful, not the whole table): a
+        bucket is an aligned block of IDs, so XOR with the target maps it to an aligned block
+        of distances, disjoint from every other bucket's. Visiting buckets by the low end of
+        that block visits them in distance order; once ``count`` peers are gathered, no later
+        bucket can hold a nearer one.
+        """
+        count = self.k if count is None else count
+        if count <= 0:
+            return []
         skip = {p.digest for p in exclude}
+        need = count + len(skip)  # enough, whichever of them are skipped
+        home = self.bucket_for(target)  # distances from 0: always first
+        if len(home.peers) >= need:
+            entries = list(home.peers.values())
+        else:
+            entries = []
+            for bucket in sorted(self.buckets, key=lambda b: _block_distance(b, target)):
+                entries.extend(bucket.peers.values())
+                if len(entries) >= need:
+                    break
         if skip:
             entries = [e for e in entries if e.peer.digest not in skip]
-        return heapq.nsmallest(
-            count if count is not None else self.k, entries, key=lambda e: e.id ^ target
-        )
+        entries.sort(key=lambda e: e.id ^ target)
+        del entries[count:]
+        return entries
 
     # --- updates -------------------------------------------------------------------------
     def add_or_update(
@@ -176,3 +194,9 @@ class RoutingTable:
     def touch_bucket(self, ident: int, now: float) -> None:
         """Mark the bucket holding ``ident`` as refreshed (after a lookup of that ID)."""
         self.bucket_for(ident).last_updated = now
+
+
+def _block_distance(bucket: KBucket, target: int) -> int:
+    """The smallest XOR distance from ``target`` to any ID the bucket covers."""
+    low_bits = ID_BITS - bucket.depth
+    return ((bucket.lo ^ target) >> low_bits) << low_bits

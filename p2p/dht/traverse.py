@@ -13,6 +13,7 @@ timeouts, the blacklist and batching of concurrent lookups (see :class:`FindBatc
 
 from __future__ import annotations
 
+import bisect
 import logging
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
@@ -38,6 +39,10 @@ class _Candidate:
     distance: int
     hop: int
     state: int = _NEW
+
+
+def _by_distance(cand: _Candidate) -> int:
+    return cand.distance
 
 
 @dataclass
@@ -69,23 +74,39 @@ async def lookup(
     the lookup stops early (a get that has heard the value from enough nodes).
     """
     cands: dict[bytes, _Candidate] = {}  # keyed by peer ID digest (cheap hashing)
+    order: list[_Candidate] = []  # the same candidates, nearest first
+    best: int | None = None  # the smallest distance heard of
     result = LookupResult([])
     local_key = local.digest if local is not None else None
 
     def learn(contacts: Iterable[Contact], hop: int) -> None:
+        nonlocal best
         for c in contacts:
             key = c.peer.digest
             old = cands.get(key)
             if old is None:
                 if key == local_key or skip(c.peer):
                     continue
-                cands[key] = _Candidate(c, int.from_bytes(key, "big") ^ target, hop)
+                cand = cands[key] = _Candidate(c, int.from_bytes(key, "big") ^ target, hop)
+                bisect.insort(order, cand, key=_by_distance)
+                if best is None or cand.distance < best:
+                    best = cand.distance
             elif old.state == _NEW and hop < old.hop:
                 old.hop = hop
 
+    def beam() -> list[_Candidate]:
+        """The k nearest candidates that did not fail."""
+        out = []
+        for cand in order:
+            if cand.state != _FAILED:
+                out.append(cand)
+                if len(out) == k:
+                    break
+        return out
+
     learn(initial, 1)
     send_done, recv_done = trio.open_memory_channel[None](1000)
-    closest = min((c.distance for c in cands.values()), default=None)
+    closest = best
     stale_answers = 0  # answers in a row that brought nothing closer
     satisfied = False
 
@@ -102,7 +123,6 @@ async def lookup(
                 if enough is not None and enough(cand.contact.peer, records):
                     satisfied = True
             learn(contacts, cand.hop + 1)
-            best = min((c.distance for c in cands.values()), default=None)
             if best is not None and (closest is None or best < closest):
                 closest, stale_answers = best, 0
             else:
@@ -112,13 +132,11 @@ async def lookup(
     async with trio.open_nursery() as nursery:
         in_flight = 0
         while True:
-            beam = sorted(
-                (c for c in cands.values() if c.state != _FAILED), key=lambda c: c.distance
-            )[:k]
-            if satisfied or all(c.state == _DONE for c in beam):
+            nearest = beam()
+            if satisfied or all(c.state == _DONE for c in nearest):
                 break
             width = k if stale_answers >= alpha else alpha
-            for cand in beam:
+            for cand in nearest:
                 if in_flight >= width:
                     break
                 if cand.state == _NEW:
@@ -132,7 +150,7 @@ async def lookup(
             in_flight -= 1
         nursery.cancel_scope.cancel()
 
-    done = sorted((c for c in cands.values() if c.state == _DONE), key=lambda c: c.distance)
+    done = [c for c in order if c.state == _DONE]
     result.responders = [c.contact for c in done]
     result.nearest = result.responders[:k]
     result.rounds = max((c.hop for c in done), default=0)

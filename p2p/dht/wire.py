@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from p2p.dht.ids import ID_BYTES
 from p2p.dht.records import Record
@@ -49,9 +49,8 @@ class Limits:
     max_value_bytes: int = 256 * 1024
 
 
-@dataclass(frozen=True)
-class Contact:
-    """A peer and the addresses it can be dialed at."""
+class Contact(NamedTuple):
+    """A peer and the addresses it can be dialed at (a named tuple: lookups make many)."""
 
     peer: PeerID
     addrs: tuple[str, ...] = ()  # text multiaddrs ending in /p2p/<peer>
@@ -101,24 +100,42 @@ def _peer_id(value: Any) -> PeerID:
     return peer
 
 
-_addr_cache: dict[str, PeerID | None] = {}
+_addr_cache: dict[str, tuple[Multiaddr, PeerID | None]] = {}
 _peer_cache: dict[bytes, PeerID] = {}
 _CACHE_SIZE = 8192
 
 
-def _named_peer(text: str) -> PeerID | None:
-    """Validate an address (remembered: the same addresses recur in every FIND answer);
-    returns the peer its ``/p2p/`` part names."""
-    if text in _addr_cache:
-        return _addr_cache[text]
+def _parsed(text: str) -> tuple[Multiaddr, PeerID | None]:
+    """Parse and validate an address, remembering it (the same addresses recur in every FIND
+    answer); returns the address to hand to a peer store, and the peer its ``/p2p/`` part
+    names. A direct address is handed over without its ``/p2p/`` part (which the peer store
+    drops anyway, after decoding it once more); a relayed one whole."""
+    hit = _addr_cache.get(text)
+    if hit is not None:
+        return hit
     try:
-        named = Multiaddr.parse(text).peer_id
+        addr = Multiaddr.parse(text)
+        named = addr.peer_id
     except (MultiaddrError, IdentityError) as e:
         raise ProtocolError(f"bad address {text[:80]!r}: {e}") from None
+    if named is not None and not addr.is_relayed:
+        try:
+            addr = addr.transport_part()
+        except MultiaddrError:
+            pass  # nothing to dial: the peer store refuses it, as before
     if len(_addr_cache) >= _CACHE_SIZE:
         _addr_cache.clear()
-    _addr_cache[text] = named
-    return named
+    hit = _addr_cache[text] = (addr, named)
+    return hit
+
+
+def _named_peer(text: str) -> PeerID | None:
+    return _parsed(text)[1]
+
+
+def store_addrs(addrs: tuple[str, ...]) -> list[Multiaddr]:
+    """Addresses that :func:`parse_addrs` accepted, parsed (once) for a peer store."""
+    return [_parsed(a)[0] for a in addrs]
 
 
 def parse_addrs(value: Any, peer: PeerID | None, max_addrs: int) -> tuple[str, ...]:

@@ -52,6 +52,11 @@ def test_table_matches_brute_force(local: int, peers: list[int], target: int) ->
     for count in (1, k, 3 * k):
         got = [e.id for e in table.nearest(target, count)]
         assert got == sorted(held, key=lambda i: i ^ target)[:count]
+    # excluding peers (a FIND never answers the asker itself) reads further buckets if needed
+    skipped = set(sorted(held, key=lambda i: i ^ target)[: k + 1 : 2])
+    for count in (1, k, 3 * k):
+        got = [e.id for e in table.nearest(target, count, exclude=[pid(i) for i in skipped])]
+        assert got == sorted(set(held) - skipped, key=lambda i: i ^ target)[:count]
 
 
 @settings(max_examples=40, deadline=None)
