@@ -22,6 +22,7 @@ import trio
 
 from dedloc_jax.access import PrivateRun
 from dedloc_jax.averaging import (
+    AllReduceConfig,
     AllReduceError,
     BandwidthMeter,
     GroupError,
@@ -154,6 +155,7 @@ class CollaborationCore:
                     codec=self.config.codec,
                     timeout=timeout,
                     meter=self.meter,
+                    config=self._round_config(),
                 )
                 result = [np.asarray(a) for a in averaged.average]
                 group_size = len(spec.members)
@@ -216,6 +218,7 @@ class CollaborationCore:
                         codec=self.config.codec,
                         timeout=self._timeout(spec, template),
                         meter=self.meter,
+                        config=self._round_config(),
                     )
                     rounds += 1
                 except (AllReduceError, GroupError) as e:
@@ -223,6 +226,12 @@ class CollaborationCore:
             self.epoch = epoch + 1
             self.tracker.set_epoch(self.epoch)
         return rounds
+
+    def _round_config(self) -> AllReduceConfig | None:
+        """The node's all-reduce settings with this run's robust aggregation, if any."""
+        if self.config.robust_tau is None:
+            return None
+        return install(self.node).config.with_(robust_tau=self.config.robust_tau)
 
     def _timeout(self, spec: Any, arrays: Sequence[np.ndarray]) -> float:
         nbytes = sum(int(np.asarray(a).size) * 4 for a in arrays)

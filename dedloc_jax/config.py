@@ -37,6 +37,9 @@ class CollaborationConfig:
     # invitation signed by it (Invitation.to_bytes). None: an open run.
     owner_public_key: bytes | None = None
     invitation: bytes | None = None
+    # Against invited but malicious peers: reducers aggregate with CenteredClip at this L2
+    # radius per chunk (AllReduceConfig.robust_tau) instead of the plain weighted mean.
+    robust_tau: float | None = None
 
     def __post_init__(self) -> None:
         if self.target_batch_size <= 0:
@@ -47,7 +50,8 @@ class CollaborationConfig:
             raise ValueError(f"unknown codec {self.codec!r}")
         if not 0 < self.min_refresh <= self.max_refresh:
             raise ValueError("need 0 < min_refresh <= max_refresh")
-        for name in ("matchmaking_time", "averaging_timeout", "upload_bps", "download_bps"):
+        positive = ("matchmaking_time", "averaging_timeout", "upload_bps", "download_bps")
+        for name in (*positive, "robust_tau"):
             value = getattr(self, name)
             if value is not None and not value > 0:
                 raise ValueError(f"{name} must be positive when set")

@@ -3,7 +3,8 @@
 The coordinator waits for the survivors (each sends how many leading chunks of the share it
 holds), relays the longest prefix any of them holds, re-reduces the rest from their own
 vectors, and sends every participant the same float32 values. It refuses to act alone, so no
-member ever ends a round with a value nobody else holds.
+member ever ends a round with a value nobody else holds. With ``robust_tau`` set it re-reduces
+with CenteredClip like a reducer does, so killing a reducer cannot bring back the plain mean.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from p2p.rpc import MessageStream
 from . import wire
 from .codecs import is_finite
 from .errors import BadContributionError, ShareLostError
+from .robust import cap_weights, centered_clip
 from .sync import F32, Changes
 
 if TYPE_CHECKING:
@@ -41,6 +43,10 @@ class Repair:
         self.acc = np.zeros(self.length, np.float32)
         self.wsum = np.zeros(self.n_chunks, np.float64)
         self.cmask: list[set[int]] = [set() for _ in range(self.n_chunks)]
+        # Robust mode keeps each chunk's parts (sender -> values) for CenteredClip.
+        self.robust = rnd.config.robust_tau is not None
+        self.parts: list[dict[int, np.ndarray]] = [{} for _ in range(self.n_chunks)]
+        self.weights: dict[int, float] = {}
         self.base = np.zeros(self.length, np.float32)  # relayed prefix values
         self.base_masks: list[frozenset[int] | None] = [None] * self.n_chunks
         self.values: np.ndarray | None = None
@@ -90,9 +96,13 @@ class Repair:
                 assert r.vec is not None
                 for k in range(prefix, self.n_chunks):
                     x, y = r.chunks[j][k]
-                    self.acc[x:y] = r.vec[r.bounds[j] + x : r.bounds[j] + y] * np.float32(r.weight)
+                    own = r.vec[r.bounds[j] + x : r.bounds[j] + y]
+                    self.acc[x:y] = own * np.float32(r.weight)
                     self.wsum[k] = r.weight
                     self.cmask[k].add(r.me)
+                    if self.robust:
+                        self.parts[k][r.me] = own
+                        self.weights[r.me] = r.weight
             self.planned.set()
             while not set(self.joined) <= self.delivered and trio.current_time() < r.data_at:
                 await self.changes.wait(r.data_at)
@@ -105,6 +115,8 @@ class Repair:
                 x, y = r.chunks[j][k]
                 total = np.float32(self.wsum[k]) if self.wsum[k] > 0 else np.float32(1)
                 avg = self.acc[x:y] / total
+                if self.robust and self.parts[k]:
+                    avg = self._robust(k)
                 data = r.codec.encode(avg.astype(np.float32, copy=False))
                 values[x:y] = r.codec.decode(data, y - x)
                 masks.append(frozenset(self.cmask[k]))
@@ -112,6 +124,16 @@ class Repair:
         finally:
             self.planned.set()
             self.ready.set()
+
+    def _robust(self, k: int) -> np.ndarray:
+        """CenteredClip over chunk ``k``'s parts, with weights capped as a reducer does."""
+        r = self.r
+        senders = sorted(self.parts[k])
+        weights = cap_weights([self.weights[s] for s in senders])
+        assert r.config.robust_tau is not None
+        values = [self.parts[k][s] for s in senders]
+        out = centered_clip(values, weights, r.config.robust_tau, r.config.robust_iters)
+        return out.astype(np.float32)
 
     async def serve(self, h: wire.Hello, ms: MessageStream) -> None:
         s, r = h.sender, self.r
@@ -173,6 +195,9 @@ class Repair:
             self.acc[x:y] += values * np.float32(h.weight)
             self.wsum[k] += h.weight
             self.cmask[k].add(s)
+            if self.robust:
+                self.parts[k][s] = values
+                self.weights[s] = h.weight
         await expect_done(ms)
 
 
