@@ -1,0 +1,442 @@
+"""Chaos: trainer processes on loopback, killed with SIGKILL and restarted at random moments.
+
+Run ``python -m bench.chaos [--peers 4] [--kills 30] [--seed 0] [--max-seconds 900]``. Peer 0
+(the stable peer a run's coordinator would be) is never killed; the driver kills the others
+with SIGKILL, each kill aimed at one phase in turn: while the victim accumulates gradients,
+while it averages (matchmaking or all-reduce) and while it downloads the run's state after a
+restart. Every victim is started again after a short random pause, with the same identity, and
+loads the state again. At least two peers are alive at any time.
+
+Each trainer (:mod:`bench.chaos_peer`) appends its events to ``peerN.jsonl``; each kill is
+classified afterwards by the victim's own last phase before the kill. Figures:
+
+- ``epochs``: collaboration epochs completed (by the stable peer);
+- ``kills``: kills done (the driver stops at ``--kills``), ``kills_by_phase``;
+- ``divergences``: epochs at which peers in step held different parameters: those that ended
+  the epoch in an averaging group (group size > 1) and those that loaded the state of that
+  epoch must all hold the same parameter digest;
+- ``hangs``: incarnations that showed no sign of life for longer than the configured bounds
+  allow (matchmaking's longest wait + averaging timeout, or the state download timeout, plus
+  slack), or did not start within ``--startup-timeout``;
+- ``nans``: epoch records with a non-finite loss or parameter.
+
+The last line is one JSON object with these and more figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import multiprocessing as mp
+import os
+import signal
+import tempfile
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+log = logging.getLogger("bench.chaos")
+
+KINDS = ("accumulating", "averaging", "loading")
+
+
+@dataclass
+class Incarnation:
+    """One process of one peer."""
+
+    index: int
+    process: Any  # multiprocessing.Process (forked from the fork server)
+    spawned: float
+    killed_at: float | None = None
+    last_event: float | None = None
+    phase: str | None = None
+    started: bool = False
+    hung: bool = False
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    @property
+    def alive(self) -> bool:
+        return self.process.is_alive()
+
+
+@dataclass
+class Tail:
+    """Reads what a peer appended to its event file since the last call."""
+
+    path: Path
+    offset: int = 0
+    rows: list[dict] = field(default_factory=list)
+
+    def read(self) -> list[dict]:
+        if not self.path.exists():
+            return []
+        with self.path.open("rb") as f:
+            f.seek(self.offset)
+            data = f.read()
+        end = data.rfind(b"\n") + 1  # a line being written stays for the next call
+        self.offset += end
+        new = []
+        for line in data[:end].splitlines():
+            try:
+                new.append(json.loads(line))
+            except json.JSONDecodeError:  # a line cut by SIGKILL mid-write
+                continue
+        self.rows.extend(new)
+        return new
+
+
+def hang_bound(matchmaking_time: float, averaging_timeout: float, load_timeout: float) -> float:
+    """The longest a live peer may stay silent: matchmaking's bounds (see
+    ``dedloc_jax.matchmaking``: registration up to ``max_wait``, then a join call of
+    ``max_wait + 6 window + 10``) plus the averaging timeout, or one state download; + slack."""
+    window = matchmaking_time
+    max_wait = 10 * window + 5.0
+    averaging = max_wait + (max_wait + 6 * window + 10.0) + averaging_timeout
+    return max(averaging, load_timeout) + 10.0
+
+
+class Chaos:
+    def __init__(self, args: argparse.Namespace, out: Path) -> None:
+        self.args = args
+        self.out = out
+        self.rng = np.random.default_rng(args.seed)
+        self.procs: dict[int, Incarnation] = {}
+        self.history: list[Incarnation] = []
+        self.tails = {i: Tail(out / f"peer{i}.jsonl") for i in range(args.peers)}
+        self.restart_at: dict[int, float] = {}
+        self.kills: list[dict] = []
+        self.hangs: list[dict] = []
+        self.crashes: list[dict] = []
+        self.restarts = 0
+        self.stopping = False
+        self.misses = 0
+        self.ctx = mp.get_context("forkserver")
+        self.ctx.set_forkserver_preload(["bench.chaos_peer"])
+        self.bound = hang_bound(args.matchmaking_time, args.averaging_timeout, args.load_timeout)
+        self.t0 = time.monotonic()
+        self.deadline = self.t0 + args.max_seconds
+        self.kills_done_at = self.t0
+
+    # --- processes -----------------------------------------------------------------------
+    def spawn(self, index: int) -> None:
+        argv = [
+            "--index",
+            str(index),
+            "--dir",
+            str(self.out),
+            "--target",
+            str(self.args.target),
+            "--step-delay",
+            str(self.args.step_delay),
+            "--matchmaking-time",
+            str(self.args.matchmaking_time),
+            "--averaging-timeout",
+            str(self.args.averaging_timeout),
+            "--load-timeout",
+            str(self.args.load_timeout),
+        ]
+        process = self.ctx.Process(
+            target=_peer_main, args=(argv, str(self.out / f"peer{index}.log")), daemon=True
+        )
+        process.start()
+        inc = Incarnation(index, process, time.time())
+        self.procs[index] = inc
+        self.history.append(inc)
+
+    def poll(self) -> None:
+        """Read events, notice crashes and hangs, restart peers that are due."""
+        now = time.time()
+        for i, tail in self.tails.items():
+            for row in tail.read():
+                inc = self.procs.get(i)
+                if inc is None or row.get("pid") != inc.pid:
+                    continue
+                inc.last_event = row["t"]
+                inc.started = True
+                if row["ev"] == "phase":
+                    inc.phase = row["phase"]
+        if self.stopping:
+            return
+        for i, inc in list(self.procs.items()):
+            if inc.killed_at is not None:
+                continue
+            if not inc.alive:
+                self.crashes.append({"peer": i, "pid": inc.pid, "rc": inc.process.exitcode})
+                log.warning("peer %d (pid %d) exited with %s", i, inc.pid, inc.process.exitcode)
+                inc.killed_at = now
+                self.restart_at[i] = time.monotonic() + 0.5
+                continue
+            silent = now - (inc.last_event or inc.spawned)
+            limit = self.bound if inc.started else self.args.startup_timeout
+            if silent > limit and not inc.hung:
+                inc.hung = True
+                self.hangs.append(
+                    {
+                        "peer": i,
+                        "pid": inc.pid,
+                        "phase": inc.phase,
+                        "silent_s": round(silent, 1),
+                        "started": inc.started,
+                    }
+                )
+                log.warning("peer %d hangs in %s (silent %.0f s): killing it", i, inc.phase, silent)
+                self._kill(inc)
+                self.restart_at[i] = time.monotonic() + 0.5
+        for i, due in list(self.restart_at.items()):
+            if time.monotonic() >= due:
+                del self.restart_at[i]
+                self.spawn(i)
+                self.restarts += 1
+
+    def _kill(self, inc: Incarnation) -> None:
+        inc.killed_at = time.time()
+        os.kill(inc.pid, signal.SIGKILL)
+        inc.process.join()
+
+    def alive_count(self) -> int:
+        """Peers that are up: started (not merely forked) and not killed."""
+        return sum(
+            1 for inc in self.procs.values() if inc.killed_at is None and inc.started and inc.alive
+        )
+
+    def sleep(self, seconds: float) -> None:
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            self.poll()
+            time.sleep(0.005)
+
+    # --- the run -------------------------------------------------------------------------
+    def epoch_of(self, index: int) -> int:
+        epochs = [r["epoch"] for r in self.tails[index].rows if r["ev"] == "epoch"]
+        return max(epochs, default=0)
+
+    def start(self) -> None:
+        self.spawn(0)
+        while not (self.out / "addrs.json").exists():
+            if time.monotonic() > self.deadline or not self.procs[0].alive:
+                raise RuntimeError("peer 0 did not start; see peer0.log")
+            time.sleep(0.1)
+        for i in range(1, self.args.peers):
+            self.spawn(i)
+        while self.epoch_of(0) < self.args.warmup_epochs:
+            if time.monotonic() > self.deadline:
+                raise RuntimeError("the collaboration did not reach its first epochs")
+            self.sleep(0.2)
+
+    def candidates(self, phase: str) -> list[Incarnation]:
+        if self.alive_count() <= 2:
+            return []
+        return [
+            inc
+            for i, inc in self.procs.items()
+            if i != 0 and inc.killed_at is None and inc.alive and inc.phase == phase
+        ]
+
+    def kill_in(self, phase: str, wait: float) -> bool:
+        """Kill a random peer while it is in ``phase`` (waiting up to ``wait`` s for one)."""
+        give_up = time.monotonic() + wait
+        while time.monotonic() < min(give_up, self.deadline):
+            found = self.candidates(phase)
+            if found:
+                victim = found[int(self.rng.integers(len(found)))]
+                if phase == "accumulating":  # somewhere inside the accumulation
+                    self.sleep(float(self.rng.uniform(0.0, 0.8)))
+                elif phase == "averaging":  # matchmaking or the all-reduce itself
+                    self.sleep(float(self.rng.uniform(0.0, 0.6)))
+                if victim.killed_at is not None or not victim.alive or victim.phase != phase:
+                    continue
+                self._kill(victim)
+                self.kills.append(
+                    {"peer": victim.index, "pid": victim.pid, "aimed": phase, "t": victim.killed_at}
+                )
+                self.restart_at[victim.index] = time.monotonic() + float(
+                    self.rng.uniform(0.2, self.args.max_down)
+                )
+                return True
+            self.poll()
+            time.sleep(0.003)
+        return False
+
+    def run(self) -> None:
+        self.start()
+        order: list[str] = []
+        misses = 0
+        while len(self.kills) < self.args.kills and time.monotonic() < self.deadline:
+            if not order:
+                order = [str(k) for k in self.rng.permutation(KINDS)]
+            kind = order.pop()
+            if not self.kill_in(kind, wait=30.0):
+                misses += 1
+                log.info("no peer was %s within 30 s", kind)
+            else:
+                log.info("kill %d (%s)", len(self.kills), kind)
+                self.sleep(float(self.rng.uniform(0.0, self.args.pause)))
+        self.misses = misses
+        # Let every peer come back and take part in a few more epochs, then stop.
+        self.kills_done_at = time.monotonic()
+        settle_epoch = self.epoch_of(0) + self.args.settle_epochs
+        settle_end = min(self.deadline + 60.0, time.monotonic() + 120.0)
+        while time.monotonic() < settle_end:
+            self.sleep(0.2)
+            if not self.restart_at and all(
+                inc.killed_at is None and self.epoch_of(i) >= settle_epoch
+                for i, inc in self.procs.items()
+            ):
+                break
+        self.stopping = True
+        (self.out / "stop").touch()
+        end = time.monotonic() + 30.0
+        while time.monotonic() < end and any(inc.alive for inc in self.procs.values()):
+            self.poll()
+            time.sleep(0.1)
+        for inc in self.procs.values():
+            if inc.alive:
+                log.warning("peer %d did not stop: killing it", inc.index)
+                self.hangs.append({"peer": inc.index, "pid": inc.pid, "phase": "stopping"})
+                os.kill(inc.pid, signal.SIGKILL)
+                inc.process.join()
+        for tail in self.tails.values():
+            tail.read()
+
+    def stop_all(self) -> None:
+        for inc in self.procs.values():
+            if inc.alive:
+                os.kill(inc.pid, signal.SIGKILL)
+                inc.process.join()
+
+    # --- figures -------------------------------------------------------------------------
+    def report(self) -> dict[str, Any]:
+        rows = [r for tail in self.tails.values() for r in tail.rows]
+        by_pid: dict[int, list[dict]] = defaultdict(list)
+        for r in rows:
+            by_pid[r["pid"]].append(r)
+        by_phase: dict[str, int] = defaultdict(int)
+        for k in self.kills:
+            phases = [r for r in by_pid[k["pid"]] if r["ev"] == "phase" and r["t"] <= k["t"]]
+            k["phase"] = phases[-1]["phase"] if phases else "starting"
+            by_phase[k["phase"]] += 1
+        records = [r for r in rows if r["ev"] == "epoch"]
+        in_step: dict[int, dict[str, list[int]]] = defaultdict(lambda: defaultdict(list))
+        for r in records:
+            if r["how"] == "load" or r.get("group", 0) > 1:
+                in_step[r["epoch"]][r["digest"]].append(r["peer"])
+        divergences = [
+            {"epoch": e, "digests": {d: sorted(p) for d, p in found.items()}}
+            for e, found in sorted(in_step.items())
+            if len(found) > 1
+        ]
+        nans = [
+            {"peer": r["peer"], "epoch": r["epoch"]} for r in records if not r.get("finite", True)
+        ]
+        steps = [r for r in records if r["how"] == "step"]
+        per_peer = {
+            str(i): {
+                "max_epoch": self.epoch_of(i),
+                "grouped_steps": sum(1 for r in steps if r["peer"] == i and r["group"] > 1),
+                "solo_steps": sum(1 for r in steps if r["peer"] == i and r["group"] <= 1),
+                "loads": sum(1 for r in records if r["peer"] == i and r["how"] == "load"),
+            }
+            for i in range(self.args.peers)
+        }
+        stable = [r for r in steps if r["peer"] == 0]
+        losses = [r["loss"] for r in stable if "loss" in r]
+        return {
+            "epochs": self.epoch_of(0),
+            "kills": len(self.kills),
+            "divergences": divergences,
+            "hangs": self.hangs,
+            "nans": nans,
+            "kills_by_phase": dict(sorted(by_phase.items())),
+            "kills_aimed": {k: sum(1 for x in self.kills if x["aimed"] == k) for k in KINDS},
+            "missed_aims": self.misses,
+            "restarts": self.restarts,
+            "crashes": self.crashes,
+            "peers": self.args.peers,
+            "in_step_epochs_checked": sum(
+                1 for found in in_step.values() if sum(map(len, found.values())) > 1
+            ),
+            "stable_peer_grouped_epochs": sum(1 for r in stable if r["group"] > 1),
+            "stable_peer_solo_epochs": sum(1 for r in stable if r["group"] <= 1),
+            "per_peer": per_peer,
+            "loss_first": losses[0] if losses else None,
+            "loss_last": losses[-1] if losses else None,
+            "hang_bound_s": self.bound,
+            "kill_seconds": round(self.kills_done_at - self.t0, 1),
+            "wall_seconds": round(time.monotonic() - self.t0, 1),
+            "out": str(self.out),
+        }
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--peers", type=int, default=4, help="trainer processes (peer 0 stays)")
+    p.add_argument("--kills", type=int, default=30)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-seconds", type=float, default=900.0, help="for the kills")
+    p.add_argument("--target", type=int, default=512, help="samples per collaboration step")
+    p.add_argument("--step-delay", type=float, default=0.05, help="seconds between micro-steps")
+    p.add_argument("--matchmaking-time", type=float, default=0.5)
+    p.add_argument("--averaging-timeout", type=float, default=10.0)
+    p.add_argument("--load-timeout", type=float, default=15.0)
+    p.add_argument("--startup-timeout", type=float, default=120.0)
+    p.add_argument("--max-down", type=float, default=2.0, help="longest pause before a restart")
+    p.add_argument("--pause", type=float, default=2.0, help="longest pause between kills")
+    p.add_argument("--warmup-epochs", type=int, default=2)
+    p.add_argument("--settle-epochs", type=int, default=3)
+    p.add_argument("--out", default=None, help="directory for logs (default: a temporary one)")
+    args = p.parse_args(argv)
+    if args.peers < 3:
+        p.error("need at least 3 peers (peer 0 stays, two must be alive at any time)")
+    return args
+
+
+def _peer_main(argv: list[str], logfile: str) -> None:
+    """A peer process (forked from the fork server, which imported JAX once for all)."""
+    fd = os.open(logfile, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    from bench import chaos_peer
+
+    raise SystemExit(chaos_peer.main(argv))
+
+
+def run_chaos(args: argparse.Namespace) -> dict[str, Any]:
+    out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="chaos-"))
+    out.mkdir(parents=True, exist_ok=True)
+    # The fork server (and so every peer) inherits these: single-threaded XLA on a small CPU.
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    os.environ["XLA_FLAGS"] = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
+    os.environ["OMP_NUM_THREADS"] = "1"
+    chaos = Chaos(args, out)
+    try:
+        chaos.run()
+    finally:
+        chaos.stop_all()
+    return chaos.report()
+
+
+def main(argv: list[str] | None = None) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    args = parse_args(argv)
+    result = run_chaos(args)
+    by = result["kills_by_phase"]
+    print(
+        f"{result['epochs']} epochs, {result['kills']} kills "
+        f"({', '.join(f'{k} {v}' for k, v in by.items())}), "
+        f"{len(result['divergences'])} divergences, {len(result['hangs'])} hangs, "
+        f"{len(result['nans'])} NaN, {result['wall_seconds']} s"
+    )
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
