@@ -4,9 +4,11 @@ A small MLP trains with jitted steps with ``optax.adam`` alone, with
 ``collaborative(optax.adam, collab)`` on a one-peer collaboration whose target is never reached
 (so every measured step is a step that does not average: what remains is the accumulator and
 the one cheap host callback that reports progress), and, for reference, with optax's own
-gradient accumulation ``optax.MultiSteps``. All run in the same process, interleaved.
+gradient accumulation ``optax.MultiSteps``. Each runs twice: with the step's params and
+optimizer state donated to it (``donate_argnums``, what training loops do) and without. All six
+run in the same process on the same data, interleaved round by round; medians are reported.
 
-    python -m bench.optax_overhead [--width 512] [--batch 1024] [--steps 200]
+    python -m bench.optax_overhead [--width 512] [--batch 1024] [--steps 200] [--rounds 10]
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import argparse
 import json
 import statistics
 import time
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -22,6 +25,8 @@ import numpy as np
 import optax
 
 from dedloc_jax import Collaboration, CollaborationConfig, collaborative
+
+NEVER = 10**12  # a target the benchmark never reaches: no step averages
 
 
 def _init(width: int, key: jax.Array) -> dict:
@@ -39,8 +44,7 @@ def _loss(params: dict, x: jax.Array, y: jax.Array) -> jax.Array:
     return jnp.mean((h @ params["w3"] - y) ** 2)
 
 
-def _make_step(tx: optax.GradientTransformation, collab_kwargs: bool):
-    @jax.jit
+def _make_step(tx: optax.GradientTransformation, collab_kwargs: bool, donate: bool) -> Callable:
     def step(params, state, x, y):
         grads = jax.grad(_loss)(params, x, y)
         if collab_kwargs:
@@ -49,7 +53,7 @@ def _make_step(tx: optax.GradientTransformation, collab_kwargs: bool):
             updates, state = tx.update(grads, state, params)
         return optax.apply_updates(params, updates), state
 
-    return step
+    return jax.jit(step, donate_argnums=(0, 1) if donate else ())
 
 
 def _time_steps(step, params, state, x, y, n: int) -> tuple[list[float], tuple]:
@@ -67,6 +71,7 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=512)
     parser.add_argument("--batch", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=200, help="timed steps per variant")
+    parser.add_argument("--rounds", type=int, default=10, help="interleaved rounds")
     args = parser.parse_args()
 
     rng = np.random.default_rng(0)
@@ -74,56 +79,56 @@ def main() -> None:
     y = jnp.asarray(rng.normal(size=(args.batch, 1)).astype(np.float32))
     params = _init(args.width, jax.random.PRNGKey(0))
 
-    config = CollaborationConfig.local_demo(target_batch_size=10**12)
+    config = CollaborationConfig.local_demo(target_batch_size=NEVER)
     with Collaboration("bench-overhead", config=config) as collab:
-        plain_tx = optax.adam(1e-3)
-        collab_tx = collaborative(optax.adam(1e-3), collab, target_batch_size=10**12)
-        multi_tx = optax.MultiSteps(optax.adam(1e-3), every_k_schedule=10**9)
-        plain = _make_step(plain_tx, False)
-        collab_step = _make_step(collab_tx, True)
-        multi = _make_step(multi_tx, False)
-        p_state = (params, plain_tx.init(params))
-        c_state = (params, collab_tx.init(params))
-        m_state = (params, multi_tx.init(params))
-        for _ in range(10):  # compile and warm up all three
-            p_state = plain(*p_state, x, y)
-            c_state = collab_step(*c_state, x, y)
-            m_state = multi(*m_state, x, y)
-        jax.block_until_ready((p_state, c_state, m_state))
-        plain_times: list[float] = []
-        collab_times: list[float] = []
-        multi_times: list[float] = []
-        rounds = 10
-        for _ in range(rounds):  # interleave so all see the same machine load
-            t, p_state = _time_steps(plain, *p_state, x, y, args.steps // rounds)
-            plain_times += t
-            t, c_state = _time_steps(collab_step, *c_state, x, y, args.steps // rounds)
-            collab_times += t
-            t, m_state = _time_steps(multi, *m_state, x, y, args.steps // rounds)
-            multi_times += t
-        assert int(c_state[1].epoch) == 0, "the benchmark must not average"
+        txs = {
+            "plain": (optax.adam(1e-3), False),
+            "collaborative": (
+                collaborative(optax.adam(1e-3), collab, target_batch_size=NEVER),
+                True,
+            ),
+            "multisteps": (optax.MultiSteps(optax.adam(1e-3), every_k_schedule=10**9), False),
+        }
+        variants = [(name, donate) for donate in (False, True) for name in txs]
+        steps = {(n, d): _make_step(txs[n][0], txs[n][1], d) for n, d in variants}
+        states = {
+            (n, d): (jax.tree.map(jnp.copy, params), txs[n][0].init(params)) for n, d in variants
+        }
+        for _ in range(10):  # compile and warm up
+            for v in variants:
+                states[v] = steps[v](*states[v], x, y)
+        jax.block_until_ready(states)
+        times: dict[tuple[str, bool], list[float]] = {v: [] for v in variants}
+        per_round = max(1, args.steps // args.rounds)
+        for _ in range(args.rounds):  # interleave so all see the same machine load
+            for v in variants:
+                t, states[v] = _time_steps(steps[v], *states[v], x, y, per_round)
+                times[v] += t
+        for donate in (False, True):
+            collab_state = states[("collaborative", donate)][1]
+            assert int(collab_state.epoch) == 0, "the benchmark must not average"
 
-    plain_ms = statistics.median(plain_times) * 1e3
-    collab_ms = statistics.median(collab_times) * 1e3
-    multi_ms = statistics.median(multi_times) * 1e3
-    print(f"MLP width {args.width}, batch {args.batch}, {len(plain_times)} steps each")
-    print(f"plain optax:   median {plain_ms:.3f} ms/step")
-    print(f"collaborative: median {collab_ms:.3f} ms/step")
-    print(f"MultiSteps:    median {multi_ms:.3f} ms/step (optax's accumulation, reference)")
-    print(f"overhead:      {100 * (collab_ms / plain_ms - 1):+.1f}% over plain optax")
-    print(
-        json.dumps(
-            {
-                "collaborative_ms": round(collab_ms, 4),
-                "plain_ms": round(plain_ms, 4),
-                "multisteps_ms": round(multi_ms, 4),
-                "overhead_pct": round(100 * (collab_ms / plain_ms - 1), 2),
-                "width": args.width,
-                "batch": args.batch,
-                "steps": len(plain_times),
-            }
-        )
-    )
+    ms = {v: statistics.median(t) * 1e3 for v, t in times.items()}
+
+    def overhead(donate: bool) -> float:
+        return 100 * (ms[("collaborative", donate)] / ms[("plain", donate)] - 1)
+
+    print(f"MLP width {args.width}, batch {args.batch}, {len(times[variants[0]])} steps each")
+    for donate in (False, True):
+        label = "donated buffers" if donate else "no donation"
+        print(f"{label}:")
+        print(f"  plain optax:   median {ms[('plain', donate)]:.3f} ms/step")
+        print(f"  collaborative: median {ms[('collaborative', donate)]:.3f} ms/step")
+        print(f"  MultiSteps:    median {ms[('multisteps', donate)]:.3f} ms/step (reference)")
+        print(f"  overhead:      {overhead(donate):+.1f}% over plain optax")
+    result = {}
+    for donate, prefix in ((False, ""), (True, "donated_")):
+        result[f"{prefix}collaborative_ms"] = round(ms[("collaborative", donate)], 4)
+        result[f"{prefix}plain_ms"] = round(ms[("plain", donate)], 4)
+        result[f"{prefix}multisteps_ms"] = round(ms[("multisteps", donate)], 4)
+        result[f"{prefix}overhead_pct"] = round(overhead(donate), 2)
+    result.update(width=args.width, batch=args.batch, steps=len(times[variants[0]]))
+    print(json.dumps(result))
 
 
 if __name__ == "__main__":

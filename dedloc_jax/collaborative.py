@@ -7,21 +7,38 @@ with its group (weights = samples), the inner optimizer is applied to the averag
 accumulator is reset. Every peer of a group receives bit-identical averages and holds the same
 inner state, so every peer takes the same step.
 
-Inside ``jax.jit`` the host is reached with ordered ``io_callback``s: a cheap one with scalars on
-every micro-step, and, only on steps that average, one that moves the gradient buffers.
+Inside ``jax.jit`` the host is reached with callbacks: a cheap one with scalars on every
+micro-step, and, only on steps that average, one that moves the gradient buffers (it lives in a
+``lax.cond`` branch). Why they are built the way they are, measured in ``bench.optax_overhead``:
+
+- They are ``buffer_callback``s: the host reads and writes XLA's buffers as NumPy views.
+  ``io_callback``/``pure_callback`` first ``device_put`` every argument into a new ``jax.Array``,
+  which costs far more than the host's own work on a micro-step.
+- They carry no JAX effect. Any effect (``io_callback``, ordered or not) takes the jitted step off
+  JAX's C++ dispatch path for good, on every call. Effects are not needed for order: each host
+  call reads state that the previous one produced (``epoch``, ``samples``, the averaging result),
+  so data dependencies sequence them, and every result is consumed, so none is dropped.
+- On steps that do not average, the big state crosses the ``lax.cond`` untouched (with donated
+  buffers XLA aliases it, no copy), and the accumulator is updated outside the branch in one fused
+  pass that resets it when the branch says it averaged.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.experimental import io_callback
 
 from dedloc_jax.host import CollaborationHost
+
+try:
+    from jax.experimental.buffer_callback import buffer_callback
+except ImportError:  # older JAX: pure_callback, same semantics, slower per call
+    buffer_callback = None
 
 __all__ = ["CollaborativeState", "collaborative"]
 
@@ -38,6 +55,27 @@ class CollaborativeState(NamedTuple):
 
 def _is_tracer(x: Any) -> bool:
     return isinstance(x, jax.core.Tracer)
+
+
+def _host_call(
+    fn: Callable[..., Sequence[Any]], result_shapes: Sequence[jax.ShapeDtypeStruct], *args: Any
+) -> list[jax.Array]:
+    """Call ``fn(*numpy_args) -> results`` on the host from traced code (see module docstring).
+
+    The arguments are NumPy views valid only during the call; the results are written into
+    XLA's output buffers.
+    """
+    shapes = tuple(result_shapes)
+    if buffer_callback is None:
+        outs = jax.pure_callback(lambda *a: tuple(fn(*map(np.asarray, a))), shapes, *args)
+        return list(outs)
+
+    def on_host(_ctx: Any, out: tuple, *buffers: Any) -> None:
+        results = fn(*(np.asarray(b) for b in buffers))
+        for buf, value in zip(out, results, strict=True):
+            np.asarray(buf)[...] = value
+
+    return list(buffer_callback(on_host, shapes)(*args))
 
 
 def collaborative(
@@ -73,16 +111,18 @@ def collaborative(
             group_size=jnp.zeros((), jnp.int32),
         )
 
-    def _report(epoch: np.ndarray, samples: np.ndarray, batch_size: np.ndarray) -> np.ndarray:
-        return np.bool_(collab.report_progress(int(epoch), int(samples), int(batch_size)))
+    # --- the host side: plain Python on NumPy, shared by the jitted and the eager paths ---
+    def _report(epoch: np.ndarray, samples: np.ndarray, batch: np.ndarray) -> tuple:
+        return (np.bool_(collab.report_progress(int(epoch), int(samples), int(batch))),)
 
-    def _average(epoch: np.ndarray, samples: np.ndarray, *leaves: np.ndarray) -> tuple:
-        arrays = [np.asarray(x) for x in leaves]
+    def _average(epoch: np.ndarray, samples: np.ndarray, *means: np.ndarray) -> tuple:
+        # Copies: in the jitted path the inputs are views of XLA buffers that die after the call.
+        arrays = [np.array(m, copy=True) for m in means]
         outcome = collab.average_gradients(int(epoch), arrays, int(samples))
-        if len(outcome.gradients) != len(leaves):
+        if len(outcome.gradients) != len(means):
             raise ValueError("the collaboration returned a different number of gradient arrays")
         grads = []
-        for got, want in zip(outcome.gradients, leaves, strict=True):
+        for got, want in zip(outcome.gradients, means, strict=True):
             got = np.asarray(got)
             if got.shape != want.shape:
                 raise ValueError(f"averaged gradient has shape {got.shape}, expected {want.shape}")
@@ -98,50 +138,75 @@ def collaborative(
         **extra_args: Any,
     ) -> tuple[optax.Updates, CollaborativeState]:
         batch = jnp.asarray(batch_size, jnp.int32)
+        samples = state.samples + batch
+        traced = any(_is_tracer(x) for x in (samples, *jax.tree.leaves(updates)))
+        if traced:
+            (should_average,) = _host_call(
+                _report, [jax.ShapeDtypeStruct((), jnp.bool_)], state.epoch, samples, batch
+            )
+        else:  # stepping on the host: no callbacks, no compiled conditional
+            should_average = _report(state.epoch, samples, batch)[0]
+
+        def scaled(acc: jax.Array, g: jax.Array) -> jax.Array:
+            return acc + g.astype(acc.dtype) * batch.astype(acc.dtype)
+
+        def average_and_step(
+            grads: optax.Updates, grad_sum: optax.Updates, inner_state: optax.OptState
+        ) -> tuple:
+            leaves, treedef = jax.tree.flatten(jax.tree.map(scaled, grad_sum, grads))
+            means = [leaf / jnp.maximum(samples, 1).astype(leaf.dtype) for leaf in leaves]
+            if traced:
+                result_shapes = [
+                    *(jax.ShapeDtypeStruct(m.shape, m.dtype) for m in means),
+                    jax.ShapeDtypeStruct((), jnp.int32),
+                    jax.ShapeDtypeStruct((), jnp.int32),
+                ]
+                *avg_leaves, new_epoch, group_size = _host_call(
+                    _average, result_shapes, state.epoch, samples, *means
+                )
+            else:
+                *avg_leaves, new_epoch, group_size = map(
+                    jnp.asarray, _average(state.epoch, samples, *map(np.asarray, means))
+                )
+            averaged = jax.tree.unflatten(treedef, avg_leaves)
+            averaged = jax.tree.map(lambda a, u: a.astype(u.dtype), averaged, grads)
+            step_updates, inner_state = inner.update(averaged, inner_state, params, **extra_args)
+            return step_updates, inner_state, new_epoch, group_size, jnp.bool_(True)
+
+        def keep_accumulating(
+            grads: optax.Updates, grad_sum: optax.Updates, inner_state: optax.OptState
+        ) -> tuple:
+            zeros = jax.tree.map(jnp.zeros_like, grads)
+            return zeros, inner_state, state.epoch, state.group_size, jnp.bool_(False)
+
+        operands = (updates, state.grad_sum, state.inner_state)
+        if not traced:  # eager: Python control flow, and no work for the branch not taken
+            if should_average:
+                step_updates, inner_state, epoch, group_size, _ = average_and_step(*operands)
+                grad_sum = jax.tree.map(jnp.zeros_like, state.grad_sum)
+                samples = jnp.zeros((), jnp.int32)
+            else:
+                step_updates, inner_state, epoch, group_size, _ = keep_accumulating(*operands)
+                grad_sum = jax.tree.map(scaled, state.grad_sum, updates)
+            return step_updates, CollaborativeState(
+                inner_state, grad_sum, samples, jnp.asarray(epoch), jnp.asarray(group_size)
+            )
+        step_updates, inner_state, epoch, group_size, stepped = jax.lax.cond(
+            should_average, average_and_step, keep_accumulating, *operands
+        )
+        # Outside the branch, one fused pass per leaf; it reads the branch's flag, so it runs
+        # after the branch and can update a donated accumulator in place.
         grad_sum = jax.tree.map(
-            lambda acc, g: acc + g.astype(acc.dtype) * batch.astype(acc.dtype),
+            lambda acc, g: jnp.where(stepped, jnp.zeros_like(acc), scaled(acc, g)),
             state.grad_sum,
             updates,
         )
-        samples = state.samples + batch
-        should_average = io_callback(
-            _report, jax.ShapeDtypeStruct((), jnp.bool_), state.epoch, samples, batch, ordered=True
+        return step_updates, CollaborativeState(
+            inner_state=inner_state,
+            grad_sum=grad_sum,
+            samples=jnp.where(stepped, jnp.zeros((), jnp.int32), samples),
+            epoch=epoch,
+            group_size=group_size,
         )
-
-        def average_and_step(_: None) -> tuple[optax.Updates, CollaborativeState]:
-            leaves, treedef = jax.tree.flatten(grad_sum)
-            denom = jnp.maximum(samples, 1).astype(jnp.float32)
-            means = [leaf / denom.astype(leaf.dtype) for leaf in leaves]
-            result_shapes = (
-                *(jax.ShapeDtypeStruct(m.shape, m.dtype) for m in means),
-                jax.ShapeDtypeStruct((), jnp.int32),
-                jax.ShapeDtypeStruct((), jnp.int32),
-            )
-            *avg_leaves, new_epoch, group_size = io_callback(
-                _average, result_shapes, state.epoch, samples, *means, ordered=True
-            )
-            averaged = jax.tree.unflatten(treedef, avg_leaves)
-            averaged = jax.tree.map(lambda a, u: a.astype(u.dtype), averaged, updates)
-            step_updates, inner_state = inner.update(
-                averaged, state.inner_state, params, **extra_args
-            )
-            return step_updates, CollaborativeState(
-                inner_state=inner_state,
-                grad_sum=jax.tree.map(jnp.zeros_like, state.grad_sum),
-                samples=jnp.zeros((), jnp.int32),
-                epoch=new_epoch,
-                group_size=group_size,
-            )
-
-        def keep_accumulating(_: None) -> tuple[optax.Updates, CollaborativeState]:
-            zeros = jax.tree.map(jnp.zeros_like, updates)
-            return zeros, state._replace(grad_sum=grad_sum, samples=samples)
-
-        if _is_tracer(should_average):
-            return jax.lax.cond(should_average, average_and_step, keep_accumulating, None)
-        # Stepping on the host: plain Python control flow, no compiled conditional.
-        if bool(should_average):
-            return average_and_step(None)
-        return keep_accumulating(None)
 
     return optax.GradientTransformationExtraArgs(init, update)

@@ -177,3 +177,39 @@ def test_rejects_bad_target() -> None:
     group = LockstepGroup(1, target_batch_size=8)
     with pytest.raises(ValueError, match="target_batch_size"):
         collaborative(optax.sgd(0.1), group.peer(0), target_batch_size=0)
+
+
+def test_jitted_step_has_no_jax_effects_and_steps_like_the_eager_path() -> None:
+    """No JAX effect in the step (an effect takes it off JAX's fast C++ dispatch path on every
+    micro-step, see bench.optax_overhead), and the jitted and eager paths agree (to rounding)."""
+    x, y = _data(48)
+
+    def train(jitted: bool) -> tuple[dict, CollaborativeState, int]:
+        group = LockstepGroup(1, target_batch_size=12)
+        tx = collaborative(_inner(), group.peer(0), target_batch_size=12)
+        params = _init_params()
+        state = tx.init(params)
+
+        def step(params, state, xb, yb):
+            grads = jax.grad(_loss)(params, xb, yb)
+            updates, state = tx.update(grads, state, params, batch_size=xb.shape[0])
+            return optax.apply_updates(params, updates), state
+
+        if jitted:
+            assert not jax.make_jaxpr(step)(params, state, x[:4], y[:4]).effects
+            step = jax.jit(step, donate_argnums=(0, 1))
+        for i in range(0, 44, 4):  # 11 micro-steps: 3 averaging steps and 2 pending batches
+            params, state = step(params, state, x[i : i + 4], y[i : i + 4])
+        return jax.device_get(params), jax.device_get(state), group.averagings
+
+    jit_params, jit_state, jit_avg = train(jitted=True)
+    eager_params, eager_state, eager_avg = train(jitted=False)
+    assert jit_avg == eager_avg == 3
+    assert int(jit_state.epoch) == int(eager_state.epoch) == 3
+    assert int(jit_state.samples) == int(eager_state.samples) == 8
+    for a, b in zip(
+        jax.tree.leaves((jit_params, jit_state)),
+        jax.tree.leaves((eager_params, eager_state)),
+        strict=True,
+    ):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
