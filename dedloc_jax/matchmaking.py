@@ -33,12 +33,20 @@ from dedloc_jax.averaging.group import GroupSpec, Member
 from dedloc_jax.grouping import assign_groups, group_seed
 from p2p.dht import DHT, InvalidRecordError
 from p2p.dht.records import owner_marker, owner_markers
-from p2p.errors import P2PError
+from p2p.errors import ConnectionClosed, DialError, P2PError, RPCError, RPCTimeout
 from p2p.identity import PeerID
 from p2p.multiaddr import Multiaddr
 from p2p.rpc import CallContext
 
 log = logging.getLogger(__name__)
+
+MAX_LEADER_FALLBACKS = 2
+"""Members after a dead leader that its followers try as leader, in group order."""
+
+
+class _LeaderGone(Exception):
+    """The leader could not be reached or dropped the connection (not a refusal)."""
+
 
 JOIN = "collab.join"
 
@@ -213,9 +221,16 @@ class Matchmaker:
         mine = next(g for g in groups if self.peer_id in g)
         if len(mine) == 1:
             return None
-        if mine[0] == self.peer_id:
-            return await self._lead(epoch, me, window, expected=set(mine[1:]))
-        return await self._follow(epoch, me, mine[0], window)
+        # A leader that died after registering would leave its whole group alone: each of its
+        # followers then tries the next member, the same one on every follower (bounded).
+        for k, leader in enumerate(mine[: 1 + MAX_LEADER_FALLBACKS]):
+            if leader == self.peer_id:
+                return await self._lead(epoch, me, window, expected=set(mine[k + 1 :]))
+            try:
+                return await self._follow(epoch, me, leader, window)
+            except _LeaderGone:
+                continue
+        return None
 
     async def _lead(
         self, epoch: int, me: Member, window: float, *, expected: set[str]
@@ -268,6 +283,11 @@ class Matchmaker:
             )
         except P2PError as e:
             log.info("leader %s of epoch %d did not take us: %s", leader, epoch, e)
+            gone = isinstance(e, DialError | ConnectionClosed) or (
+                isinstance(e, RPCError) and not e.remote and not isinstance(e, RPCTimeout)
+            )
+            if gone:
+                raise _LeaderGone(leader) from e
             return None
         if not isinstance(answer, dict) or not answer.get("ok"):
             reason = answer.get("reason") if isinstance(answer, dict) else "malformed answer"

@@ -1,0 +1,58 @@
+"""Matchmaking when a peer dies between registering and leading (found by ``bench.chaos``).
+
+A peer killed right after it registered for an epoch stays in everyone's view of that epoch;
+when the per-epoch grouping makes it a leader, its followers cannot join it. They must not all
+step alone: they fall back, in group order, to the next member as leader.
+"""
+
+from __future__ import annotations
+
+import trio
+
+from dedloc_jax.grouping import assign_groups, group_seed
+from dedloc_jax.matchmaking import Matchmaker, member_for
+from p2p.testing import SimNetwork, host_of, run_sim
+from tests.dedloc_jax.simcollab import open_sim_dhts
+
+EPOCH = 3
+
+
+def test_followers_of_a_dead_leader_form_a_group_with_the_next_member() -> None:
+    n = 5
+
+    async def main() -> tuple[str, list]:
+        net = SimNetwork(seed=1)
+        async with open_sim_dhts(net, n, latency=0.01) as peers:
+            ids = [str(node.peer_id) for node, _ in peers]
+            groups = assign_groups(sorted(ids), max_group_size=64, seed=group_seed("run", EPOCH))
+            assert len(groups) == 1
+            leader = ids.index(groups[0][0])
+            assert leader != 0  # node 0 is the DHT's bootstrap node: keep it
+            makers = []
+            for node, dht in peers:
+                mm = Matchmaker(node, dht, "run", max_group_size=64)
+                mm.register()
+                mm.window = 1.0
+                makers.append(mm)
+            specs: list = [None] * n
+
+            async def one(i: int) -> None:
+                me = member_for(ids[i], "node", 1e6, 1e6, 8.0)
+                if i == leader:  # registers, then its host dies before it leads
+                    with trio.move_on_after(0.3):
+                        await makers[i].form_group(EPOCH, me)
+                    net.kill(host_of(net, peers[i][0]))
+                    return
+                specs[i] = await makers[i].form_group(EPOCH, me)
+
+            async with trio.open_nursery() as nursery:
+                for i in range(n):
+                    nursery.start_soon(one, i)
+            return ids[leader], specs
+
+    dead, specs = run_sim(main, seed=1)
+    survivors = [s for s in specs if s is not None]
+    assert len(survivors) == n - 1, specs  # nobody of the dead leader's group was left alone
+    members = {m.peer_id for m in survivors[0].members}
+    assert dead not in members and len(members) == n - 1
+    assert all(s.digest == survivors[0].digest for s in survivors)
