@@ -27,6 +27,10 @@ class Blacklist:
     def succeeded(self, peer: Hashable) -> None:
         self._entries.pop(peer, None)
 
+    def __contains__(self, peer: object) -> bool:
+        """Whether the peer failed lately (banned now or not): a cheap first check."""
+        return peer in self._entries
+
     def is_banned(self, peer: Hashable, now: float) -> bool:
         entry = self._entries.get(peer)
         return entry is not None and now < entry[1]

@@ -94,8 +94,11 @@ class _Arrival:
     waiting: list[trio.lowlevel.Task] = field(default_factory=list)
 
 
+_packer = msgpack.Packer(use_bin_type=True)  # reused: building one per message costs more
+
+
 def _roundtrip(obj: Any) -> Any:
-    return msgpack.unpackb(msgpack.packb(obj, use_bin_type=True), raw=False, strict_map_key=False)
+    return msgpack.unpackb(_packer.pack(obj), raw=False, strict_map_key=False)
 
 
 class MemoryNode:

@@ -157,6 +157,7 @@ class DHT:
         """An iterative lookup of ``target`` (sending ``query``: the ID itself, or a key)."""
         now = trio.current_time()
         initial = [Contact(e.peer, e.addrs) for e in self.routing.nearest(target, self.config.k)]
+        failed = self.protocol.blacklist
         result = await lookup(
             target,
             target if query is None else query,
@@ -165,7 +166,7 @@ class DHT:
             k=self.config.k,
             alpha=self.config.alpha,
             local=self.peer_id,
-            skip=lambda p: self.protocol.blacklist.is_banned(p.digest, trio.current_time()),
+            skip=lambda p: p.digest in failed and failed.is_banned(p.digest, trio.current_time()),
             enough=enough,
         )
         self.routing.touch_bucket(target, now)
