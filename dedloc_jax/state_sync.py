@@ -121,10 +121,20 @@ class StateServer:
 
 async def find_donors(node: Any, dht: DHT, run_id: str) -> tuple[int, bytes, list[PeerID]] | None:
     """The newest announced state: (epoch, digest, donors), or None."""
-    value = await dht.get(state_key(run_id))
-    if not isinstance(value, dict):
+    offers = await _offers(node, dht, run_id)
+    if not offers:
         return None
+    counts = Counter({k: len(v) for k, v in offers.items()})
+    (epoch, digest), _ = max(counts.items(), key=lambda kv: (kv[0][0], kv[1]))
+    return epoch, digest, sorted(offers[(epoch, digest)])
+
+
+async def _offers(node: Any, dht: DHT, run_id: str) -> dict[tuple[int, bytes], list[PeerID]]:
+    """Every announced state: (epoch, digest) -> the peers announcing it (not this one)."""
+    value = await dht.get(state_key(run_id))
     offers: dict[tuple[int, bytes], list[PeerID]] = {}
+    if not isinstance(value, dict):
+        return offers
     for subkey, item in value.items():
         names = owner_markers(subkey)
         v = item.value
@@ -140,11 +150,7 @@ async def find_donors(node: Any, dht: DHT, run_id: str) -> tuple[int, bytes, lis
             log.info("ignoring a malformed state offer: %s", e)
             continue
         offers.setdefault((epoch, digest), []).append(pid)
-    if not offers:
-        return None
-    counts = Counter({k: len(v) for k, v in offers.items()})
-    (epoch, digest), _ = max(counts.items(), key=lambda kv: (kv[0][0], kv[1]))
-    return epoch, digest, sorted(offers[(epoch, digest)])
+    return offers
 
 
 async def _latest_manifests(
@@ -198,6 +204,12 @@ async def download_state(
             # The announcements we read were stale (e.g. from a cache after a partition): ask
             # the donors what they hold now and take the newest state most of them agree on.
             manifest, donors = await _latest_manifests(node, donors, epoch, request_timeout)
+            if manifest is None:
+                # The newest state's donors are gone (e.g. killed before their announcement
+                # expired): take the newest state that any other announcing peer holds now.
+                others = await _offers(node, dht, run_id)
+                rest = sorted({d for ds in others.values() for d in ds} - set(found[2]))
+                manifest, donors = await _latest_manifests(node, rest, 0, request_timeout)
             if manifest is None:
                 raise StateSyncError("no donor served a manifest matching its announcement")
             request = {"digest": manifest.digest}
