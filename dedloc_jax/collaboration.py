@@ -31,7 +31,7 @@ from dedloc_jax.averaging import (
     solve_shares,
 )
 from dedloc_jax.config import CollaborationConfig
-from dedloc_jax.host import AveragingOutcome
+from dedloc_jax.host import AveragingOutcome, BackgroundAveraging
 from dedloc_jax.matchmaking import Matchmaker, member_for
 from dedloc_jax.progress import CollaborationEstimate, estimate_collaboration, refresh_delay
 from dedloc_jax.state_sync import StateServer, StateSyncError, download_state
@@ -87,9 +87,15 @@ class CollaborationCore:
 
     # --- progress ------------------------------------------------------------------------
     def report(self, epoch: int, samples: int, batch_size: int) -> bool:
-        """Record a micro-step; True when this peer should average now."""
+        """Record a micro-step; True when this peer should average now.
+
+        With delayed updates a peer reports toward ``epoch`` + 1 while the round of ``epoch``
+        is in flight (:meth:`average` in a background task); those samples count once the
+        round ends, and until then this returns False."""
         self.epoch = max(self.epoch, epoch)
         self.tracker.report(epoch, samples, batch_size)
+        if self.tracker.epoch != epoch:
+            return False  # our round of the previous epoch is in flight
         est = self.tracker.current_estimate()
         if est.epoch > epoch:
             return False  # behind: never contribute gradients of an old epoch
@@ -361,6 +367,7 @@ class Collaboration:
         self._transport = transport
         self._thread: TrioThread | None = None
         self._snapshot: ProgressSnapshot | None = None
+        self._background: BackgroundAveraging | None = None  # collaborative(overlap=True)
         self._stop: trio.Event | None = None
         self.core: CollaborationCore | None = None
 
@@ -475,6 +482,24 @@ class Collaboration:
             return thread.run(core.average, epoch, list(gradients), samples)
         finally:
             self._snapshot = None
+
+    def start_averaging(self, epoch: int, gradients: Sequence[np.ndarray], samples: int) -> None:
+        """:meth:`average_gradients` in the background (delayed updates); see poll_averaging."""
+        thread, core = self._core()
+        if self._background is not None:
+            raise RuntimeError("an averaging is already in flight")
+        job = BackgroundAveraging(functools.partial(core.average, epoch, list(gradients), samples))
+        self._background = job
+        thread.start_service(job.run)
+
+    def poll_averaging(self) -> AveragingOutcome | None:
+        """The background averaging's outcome once it finished, else None (no waiting)."""
+        job = self._background
+        if job is None or not job.done:
+            return None
+        self._background = None
+        self._snapshot = None  # the epoch moved on
+        return job.result()
 
     # --- state sync ----------------------------------------------------------------------
     def share_state(self, arrays: Sequence[np.ndarray], epoch: int) -> None:

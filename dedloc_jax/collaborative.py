@@ -78,12 +78,29 @@ def _host_call(
     return list(buffer_callback(on_host, shapes)(*args))
 
 
+KEEP, STEP, APPLY = 0, 1, 2  # what a micro-step does (the host's answer to every report)
+
+
+def _check_outcome(gradients: Sequence[Any], want: Sequence[Any]) -> list[np.ndarray]:
+    """The averaged gradients as arrays of the shapes and dtypes that were sent."""
+    if len(gradients) != len(want):
+        raise ValueError("the collaboration returned a different number of gradient arrays")
+    out = []
+    for got, spec in zip(gradients, want, strict=True):
+        got = np.asarray(got)
+        if got.shape != tuple(spec.shape):
+            raise ValueError(f"averaged gradient has shape {got.shape}, expected {spec.shape}")
+        out.append(got.astype(spec.dtype, copy=False))
+    return out
+
+
 def collaborative(
     inner: optax.GradientTransformation,
     collab: CollaborationHost,
     *,
     target_batch_size: int,
     accumulator_dtype: Any = jnp.float32,
+    overlap: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
     """Wrap ``inner`` so that it steps once per collaboration-wide batch.
 
@@ -94,13 +111,27 @@ def collaborative(
         :class:`dedloc_jax.host.CollaborationHost`).
       target_batch_size: samples the whole collaboration accumulates per step.
       accumulator_dtype: dtype of the gradient accumulator.
+      overlap: delayed updates (DeDLOC): when the target is reached, this peer's gradients are
+        handed to the collaboration, which averages them in the background while the peer
+        accumulates the next epoch's; the inner step is applied at the first micro-step after
+        the averaging finished (the gradients of that micro-step and of those in between were
+        computed with the previous parameters). Needs a host with ``start_averaging`` and
+        ``poll_averaging`` (:class:`dedloc_jax.host.OverlappingHost`). One training loop per
+        transform: the averaging in flight is remembered on the host side.
 
     ``update(grads, state, params=None, *, batch_size)``: ``grads`` are the mean gradients of a
     micro-batch of ``batch_size`` samples.
     """
     if target_batch_size <= 0:
         raise ValueError(f"target_batch_size must be positive, got {target_batch_size}")
+    if overlap and not all(hasattr(collab, m) for m in ("start_averaging", "poll_averaging")):
+        raise TypeError(
+            "overlap=True needs a collaboration with start_averaging and poll_averaging "
+            f"(dedloc_jax.host.OverlappingHost); {type(collab).__name__} has not"
+        )
     inner = optax.with_extra_args_support(inner)
+    # overlap only: the averaging in flight, as the host sees it
+    in_flight: dict[str, Any] = {"active": False, "outcome": None}
 
     def init(params: optax.Params) -> CollaborativeState:
         return CollaborativeState(
@@ -112,22 +143,39 @@ def collaborative(
         )
 
     # --- the host side: plain Python on NumPy, shared by the jitted and the eager paths ---
-    def _report(epoch: np.ndarray, samples: np.ndarray, batch: np.ndarray) -> tuple:
-        return (np.bool_(collab.report_progress(int(epoch), int(samples), int(batch))),)
+    def _decide(epoch: np.ndarray, samples: np.ndarray, batch: np.ndarray) -> tuple:
+        if in_flight["active"]:
+            # Not reported while averaging: others must not see this peer in the next epoch
+            # before its registration for this one is in; the next report carries all samples.
+            if in_flight["outcome"] is None:
+                in_flight["outcome"] = collab.poll_averaging()  # type: ignore[attr-defined]
+            return (np.int32(KEEP if in_flight["outcome"] is None else APPLY),)
+        ready = collab.report_progress(int(epoch), int(samples), int(batch))
+        return (np.int32(STEP if ready else KEEP),)
 
     def _average(epoch: np.ndarray, samples: np.ndarray, *means: np.ndarray) -> tuple:
         # Copies: in the jitted path the inputs are views of XLA buffers that die after the call.
         arrays = [np.array(m, copy=True) for m in means]
         outcome = collab.average_gradients(int(epoch), arrays, int(samples))
-        if len(outcome.gradients) != len(means):
-            raise ValueError("the collaboration returned a different number of gradient arrays")
-        grads = []
-        for got, want in zip(outcome.gradients, means, strict=True):
-            got = np.asarray(got)
-            if got.shape != want.shape:
-                raise ValueError(f"averaged gradient has shape {got.shape}, expected {want.shape}")
-            grads.append(got.astype(want.dtype, copy=False))
+        grads = _check_outcome(outcome.gradients, means)
         return (*grads, np.int32(outcome.epoch), np.int32(outcome.group_size))
+
+    def _start(epoch: np.ndarray, samples: np.ndarray, *means: np.ndarray) -> tuple:
+        arrays = [np.array(m, copy=True) for m in means]
+        collab.start_averaging(int(epoch), arrays, int(samples))  # type: ignore[attr-defined]
+        in_flight.update(active=True, outcome=None)
+        return (np.int32(samples),)  # consumed by the state: the call cannot be dropped
+
+    def _collect(specs: Sequence[jax.ShapeDtypeStruct]) -> Callable[..., tuple]:
+        def collect(epoch: np.ndarray) -> tuple:
+            outcome = in_flight["outcome"]
+            if outcome is None:
+                raise RuntimeError("no finished averaging to apply")
+            in_flight.update(active=False, outcome=None)
+            grads = _check_outcome(outcome.gradients, specs)
+            return (*grads, np.int32(outcome.epoch), np.int32(outcome.group_size))
+
+        return collect
 
     def update(
         updates: optax.Updates,
@@ -140,71 +188,81 @@ def collaborative(
         batch = jnp.asarray(batch_size, jnp.int32)
         samples = state.samples + batch
         traced = any(_is_tracer(x) for x in (samples, *jax.tree.leaves(updates)))
-        if traced:
-            (should_average,) = _host_call(
-                _report, [jax.ShapeDtypeStruct((), jnp.bool_)], state.epoch, samples, batch
-            )
-        else:  # stepping on the host: no callbacks, no compiled conditional
-            should_average = _report(state.epoch, samples, batch)[0]
+        int32 = jax.ShapeDtypeStruct((), jnp.int32)
+
+        def host(fn: Callable[..., tuple], shapes: Sequence[Any], *args: Any) -> list:
+            """``fn`` on the host: a callback when traced, a direct call when eager."""
+            if traced:
+                return _host_call(fn, shapes, *args)
+            return [jnp.asarray(r) for r in fn(*(np.asarray(a) for a in args))]
+
+        (action,) = host(_decide, [int32], state.epoch, samples, batch)
 
         def scaled(acc: jax.Array, g: jax.Array) -> jax.Array:
             return acc + g.astype(acc.dtype) * batch.astype(acc.dtype)
 
-        def average_and_step(
-            grads: optax.Updates, grad_sum: optax.Updates, inner_state: optax.OptState
-        ) -> tuple:
+        def mean_leaves(grads: optax.Updates, grad_sum: optax.Updates) -> tuple[list, Any]:
             leaves, treedef = jax.tree.flatten(jax.tree.map(scaled, grad_sum, grads))
-            means = [leaf / jnp.maximum(samples, 1).astype(leaf.dtype) for leaf in leaves]
-            if traced:
-                result_shapes = [
-                    *(jax.ShapeDtypeStruct(m.shape, m.dtype) for m in means),
-                    jax.ShapeDtypeStruct((), jnp.int32),
-                    jax.ShapeDtypeStruct((), jnp.int32),
-                ]
-                *avg_leaves, new_epoch, group_size = _host_call(
-                    _average, result_shapes, state.epoch, samples, *means
-                )
-            else:
-                *avg_leaves, new_epoch, group_size = map(
-                    jnp.asarray, _average(state.epoch, samples, *map(np.asarray, means))
-                )
+            return [x / jnp.maximum(samples, 1).astype(x.dtype) for x in leaves], treedef
+
+        def step_with(grads: optax.Updates, inner_state: optax.OptState, treedef: Any, got: list):
+            *avg_leaves, new_epoch, group_size = got
             averaged = jax.tree.unflatten(treedef, avg_leaves)
             averaged = jax.tree.map(lambda a, u: a.astype(u.dtype), averaged, grads)
             step_updates, inner_state = inner.update(averaged, inner_state, params, **extra_args)
-            return step_updates, inner_state, new_epoch, group_size, jnp.bool_(True)
+            return step_updates, inner_state, new_epoch, group_size
 
-        def keep_accumulating(
-            grads: optax.Updates, grad_sum: optax.Updates, inner_state: optax.OptState
-        ) -> tuple:
+        def keep_accumulating(grads, grad_sum, inner_state) -> tuple:
             zeros = jax.tree.map(jnp.zeros_like, grads)
             return zeros, inner_state, state.epoch, state.group_size, jnp.bool_(False)
 
+        def average_and_step(grads, grad_sum, inner_state) -> tuple:
+            means, treedef = mean_leaves(grads, grad_sum)
+            shapes = [*(jax.ShapeDtypeStruct(m.shape, m.dtype) for m in means), int32, int32]
+            got = host(_average, shapes, state.epoch, samples, *means)
+            return (*step_with(grads, inner_state, treedef, got), jnp.bool_(True))
+
+        def start_averaging(grads, grad_sum, inner_state) -> tuple:
+            means, _ = mean_leaves(grads, grad_sum)
+            (taken,) = host(_start, [int32], state.epoch, samples, *means)
+            zeros = jax.tree.map(jnp.zeros_like, grads)
+            return zeros, inner_state, state.epoch, state.group_size, taken > 0
+
+        def apply_averaged(grads, grad_sum, inner_state) -> tuple:
+            leaves, treedef = jax.tree.flatten(grad_sum)
+            specs = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in leaves]
+            got = host(_collect(specs), [*specs, int32, int32], state.epoch)
+            return (*step_with(grads, inner_state, treedef, got), jnp.bool_(False))
+
+        if overlap:
+            branches = [keep_accumulating, start_averaging, apply_averaged]
+        else:
+            branches = [keep_accumulating, average_and_step]
         operands = (updates, state.grad_sum, state.inner_state)
         if not traced:  # eager: Python control flow, and no work for the branch not taken
-            if should_average:
-                step_updates, inner_state, epoch, group_size, _ = average_and_step(*operands)
+            step_updates, inner_state, epoch, group_size, reset = branches[int(action)](*operands)
+            if reset:
                 grad_sum = jax.tree.map(jnp.zeros_like, state.grad_sum)
                 samples = jnp.zeros((), jnp.int32)
             else:
-                step_updates, inner_state, epoch, group_size, _ = keep_accumulating(*operands)
                 grad_sum = jax.tree.map(scaled, state.grad_sum, updates)
             return step_updates, CollaborativeState(
                 inner_state, grad_sum, samples, jnp.asarray(epoch), jnp.asarray(group_size)
             )
-        step_updates, inner_state, epoch, group_size, stepped = jax.lax.cond(
-            should_average, average_and_step, keep_accumulating, *operands
+        step_updates, inner_state, epoch, group_size, reset = jax.lax.switch(
+            action, branches, *operands
         )
-        # Outside the branch, one fused pass per leaf; it reads the branch's flag, so it runs
+        # Outside the branches, one fused pass per leaf; it reads the branch's flag, so it runs
         # after the branch and can update a donated accumulator in place.
         grad_sum = jax.tree.map(
-            lambda acc, g: jnp.where(stepped, jnp.zeros_like(acc), scaled(acc, g)),
+            lambda acc, g: jnp.where(reset, jnp.zeros_like(acc), scaled(acc, g)),
             state.grad_sum,
             updates,
         )
         return step_updates, CollaborativeState(
             inner_state=inner_state,
             grad_sum=grad_sum,
-            samples=jnp.where(stepped, jnp.zeros((), jnp.int32), samples),
+            samples=jnp.where(reset, jnp.zeros((), jnp.int32), samples),
             epoch=epoch,
             group_size=group_size,
         )

@@ -7,10 +7,12 @@ butterfly all-reduce; tests may implement it in-process.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import NamedTuple, Protocol
+import threading
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
+import trio
 
 
 class AveragingOutcome(NamedTuple):
@@ -43,3 +45,51 @@ class CollaborationHost(Protocol):
     ) -> AveragingOutcome:
         """Average this peer's mean ``gradients`` over ``samples`` samples with its group."""
         ...
+
+
+class OverlappingHost(CollaborationHost, Protocol):
+    """A collaboration that can average in the background, for ``collaborative(overlap=True)``
+    (DeDLOC's delayed updates: the peer keeps computing while its group averages)."""
+
+    def start_averaging(self, epoch: int, gradients: Sequence[np.ndarray], samples: int) -> None:
+        """Begin what :meth:`average_gradients` does and return at once (one at a time)."""
+        ...
+
+    def poll_averaging(self) -> AveragingOutcome | None:
+        """The outcome of the averaging started last once it finished (then forgotten), else
+        None. Cheap: called on every micro-step while an averaging is in flight."""
+        ...
+
+
+class BackgroundAveraging:
+    """One averaging that runs as a task of the collaboration's trio loop while the training
+    thread goes on; the training thread polls :meth:`result` (no waiting)."""
+
+    def __init__(self, average: Callable[[], Awaitable[AveragingOutcome]]) -> None:
+        self._average = average
+        self._done = threading.Event()
+        self._outcome: AveragingOutcome | None = None
+        self._error: Exception | None = None
+
+    async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        task_status.started()
+        try:
+            self._outcome = await self._average()
+        except Exception as e:  # noqa: BLE001 - handed to the training thread by result()
+            self._error = e
+        finally:
+            self._done.set()
+
+    @property
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def result(self) -> AveragingOutcome:
+        """The outcome of a finished averaging; raises what it raised."""
+        if not self._done.is_set():
+            raise RuntimeError("the averaging has not finished")
+        if self._error is not None:
+            raise self._error
+        if self._outcome is None:
+            raise RuntimeError("the collaboration closed while averaging")
+        return self._outcome

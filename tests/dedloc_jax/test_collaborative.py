@@ -10,7 +10,8 @@ import pytest
 from flax import nnx
 
 from dedloc_jax.collaborative import CollaborativeState, collaborative
-from tests.dedloc_jax.lockstep import LockstepGroup
+from dedloc_jax.host import AveragingOutcome
+from tests.dedloc_jax.lockstep import LockstepGroup, LockstepPeer
 
 DIM = 6
 
@@ -36,10 +37,33 @@ def _inner() -> optax.GradientTransformation:
     return optax.adam(0.05)
 
 
+class OverlapPeer(LockstepPeer):
+    """A lockstep peer whose background averaging finishes ``delay`` polls after it started."""
+
+    def __init__(self, group: LockstepGroup, index: int, delay: int) -> None:
+        super().__init__(group, index)
+        self.delay = delay
+        self._job: tuple[int, AveragingOutcome] | None = None
+
+    def start_averaging(self, epoch: int, gradients: list, samples: int) -> None:
+        assert self._job is None, "one averaging at a time"
+        self._job = (self.delay, self.average_gradients(epoch, gradients, samples))
+
+    def poll_averaging(self) -> AveragingOutcome | None:
+        assert self._job is not None, "polled with no averaging in flight"
+        polls_left, outcome = self._job
+        if polls_left > 0:
+            self._job = (polls_left - 1, outcome)
+            return None
+        self._job = None
+        return outcome
+
+
 def _train_collaborative(
-    peers: int, epochs: int, micro: int, per_peer: int
+    peers: int, epochs: int, micro: int, per_peer: int, *, delay: int | None = None
 ) -> tuple[list[dict], LockstepGroup, list[int]]:
-    """Each peer feeds its shard of every epoch's global batch in micro-batches."""
+    """Each peer feeds its shard of every epoch's global batch in micro-batches (with delayed
+    updates when ``delay`` is given: the averaging finishes ``delay`` micro-steps late)."""
     x, y = _data(peers * per_peer * epochs)
     group = LockstepGroup(peers, target_batch_size=peers * per_peer)
     results: list[dict | None] = [None] * peers
@@ -48,7 +72,10 @@ def _train_collaborative(
 
     def run(index: int) -> None:
         try:
-            tx = collaborative(_inner(), group.peer(index), target_batch_size=peers * per_peer)
+            host = group.peer(index) if delay is None else OverlapPeer(group, index, delay)
+            tx = collaborative(
+                _inner(), host, target_batch_size=peers * per_peer, overlap=delay is not None
+            )
             params = _init_params()
             state = tx.init(params)
 
@@ -213,3 +240,48 @@ def test_jitted_step_has_no_jax_effects_and_steps_like_the_eager_path() -> None:
         strict=True,
     ):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+
+
+def _train_single_delayed(epochs: int, peers: int, per_peer: int, micro: int, delay: int) -> dict:
+    """Delayed updates by hand: epoch e's step is applied after the gradients of micro-step
+    ``delay + 1`` of epoch e + 1 were computed (with the old parameters); the last is pending."""
+    x, y = _data(peers * per_peer * epochs)
+    tx = _inner()
+    params = _init_params()
+    state = tx.init(params)
+    pending = None
+    for e in range(epochs):
+        acc = jax.tree.map(jnp.zeros_like, params)
+        for i, s in enumerate(range(0, per_peer, micro)):
+            for j in range(peers):
+                lo = e * peers * per_peer + j * per_peer + s
+                grads = jax.grad(_loss)(params, x[lo : lo + micro], y[lo : lo + micro])
+                acc = jax.tree.map(lambda a, g: a + g * micro, acc, grads)
+            if pending is not None and i == delay:
+                updates, state = tx.update(pending, state, params)
+                params = optax.apply_updates(params, updates)
+                pending = None
+        pending = jax.tree.map(lambda a: a / (peers * per_peer), acc)
+    return jax.device_get(params)
+
+
+@pytest.mark.parametrize(("peers", "delay"), [(1, 0), (2, 2)])
+def test_overlap_applies_each_step_late_like_delayed_updates(peers: int, delay: int) -> None:
+    epochs, micro, per_peer = 4, 4, 16
+    results, group, cache_sizes = _train_collaborative(peers, epochs, micro, per_peer, delay=delay)
+    assert group.averagings == epochs
+    for other in results[1:]:
+        for k in results[0]:
+            np.testing.assert_array_equal(other[k], results[0][k])  # bit-identical
+    reference = _train_single_delayed(epochs, peers, per_peer, micro, delay)
+    undelayed = _train_single(epochs, peers * per_peer)
+    for k in reference:
+        np.testing.assert_allclose(results[0][k], reference[k], rtol=1e-5, atol=1e-6)
+    assert any(not np.allclose(results[0][k], undelayed[k]) for k in undelayed)
+    assert cache_sizes == [1] * peers
+
+
+def test_overlap_needs_a_host_that_averages_in_the_background() -> None:
+    group = LockstepGroup(1, target_batch_size=8)
+    with pytest.raises(TypeError, match="start_averaging"):
+        collaborative(optax.sgd(0.1), group.peer(0), target_batch_size=8, overlap=True)
