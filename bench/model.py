@@ -1,12 +1,26 @@
 """Training-step throughput: the Flax ALBERT against transformers' PyTorch one.
 
-    python -m bench.model [--batch 8] [--seq 128] [--steps 6]
+    python -m bench.model [--batch 8] [--seq 128] [--steps 8] [--threads 1]
+    python -m bench.model --gpu-only          # on a GPU machine: the sahajBERT figures only
 
-One step is forward, backward and an Adam update, on a fixed pretraining batch. Both run on the
-CPU with the same threads and the same small config; each is warmed up (Flax compiles then),
-then the median of the timed steps is kept. Where JAX sees a GPU, the sahajBERT config is timed
-too at sequence 512 in bfloat16, with its model FLOPs utilisation. The last line printed is one
-JSON object with the figures.
+CPU comparison: one step is forward, backward and an Adam update (same hyper-parameters on both
+sides) on a fixed pretraining batch, float32, the same small config and the same weights. Both
+models are in training mode with the same dropout (0 in the encoder, 0.1 on the SOP head).
+Flax runs one jitted program (params and optimizer state donated, as the trainer does). Each
+side is warmed up first (Flax compiles then, which is not counted), then the two alternate
+step by step and the median of each is kept, so that load from other processes hits both alike.
+
+Threads: ``--threads N`` pins the process to N cores before JAX starts (XLA:CPU sizes its
+thread pool from the cores it may use) and gives torch N threads. The default is 1: on a
+small shared machine single-threaded figures are the reproducible ones. ``--threads 0`` uses
+every core the process may run on.
+
+GPU: where JAX sees a GPU (and unless ``--no-gpu``), the sahajBERT config is timed at sequence
+512 in bfloat16 compute with float32 master weights, with its model FLOPs utilisation against
+the chip's dense bf16 peak (``--gpu-peak-tflops`` for chips not in the table). Without a GPU
+the JSON says the GPU part did not run, and why.
+
+The last line printed is one JSON object with the figures.
 """
 
 from __future__ import annotations
@@ -17,14 +31,14 @@ import json
 import os
 import statistics
 import time
+from collections.abc import Callable
 
 import jax
 import numpy as np
 import optax
 from flax import nnx
 
-from models.albert import IGNORE_INDEX, AlbertConfig, AlbertForPreTraining
-from models.sharding import make_train_step
+from models.albert import IGNORE_INDEX, AlbertConfig, AlbertForPreTraining, pretraining_batch_loss
 
 # Small enough for a 2-core CPU, wide enough that matrix products dominate as they do at scale.
 CPU_CONFIG = AlbertConfig.tiny(
@@ -36,7 +50,9 @@ CPU_CONFIG = AlbertConfig.tiny(
     intermediate_size=1024,
     max_position_embeddings=512,
 )
-H200_BF16_PEAK_FLOPS = 989e12  # dense bfloat16, no sparsity
+LEARNING_RATE = 1e-4
+# Dense bfloat16 peaks (no sparsity) by device_kind substring, FLOP/s.
+BF16_PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L4": 121e12}
 
 
 def make_batch(cfg: AlbertConfig, batch: int, seq: int, seed: int = 0) -> dict[str, np.ndarray]:
@@ -54,38 +70,40 @@ def make_batch(cfg: AlbertConfig, batch: int, seq: int, seed: int = 0) -> dict[s
     )
 
 
-def timed_steps(step, warmup: int, steps: int) -> float:
-    """Median seconds of ``step()`` (which must wait for its own result) after ``warmup`` calls."""
-    for _ in range(warmup):
-        step()
-    times = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+def flax_step(model: AlbertForPreTraining, batch: dict, device=None) -> Callable[[], float]:
+    """A closure running one jitted training step (returns the loss, so it waits for it)."""
+    optimizer = nnx.Optimizer(model, optax.adam(LEARNING_RATE), wrt=nnx.Param)
+    graphdef, state = nnx.split((model, optimizer))
+
+    def step(state, batch):
+        model, optimizer = nnx.merge(graphdef, state)
+        loss, grads = nnx.value_and_grad(pretraining_batch_loss)(model, batch)
+        optimizer.update(model, grads)
+        return nnx.state((model, optimizer)), loss
+
+    compiled = jax.jit(step, donate_argnums=0)
+    held = [jax.device_put(state, device), jax.device_put(batch, device)]
+
+    def run() -> float:
+        held[0], loss = compiled(held[0], held[1])
+        return float(loss)
+
+    return run
 
 
-def flax_step_seconds(cfg: AlbertConfig, batch: dict, warmup: int, steps: int) -> float:
-    model = AlbertForPreTraining(cfg, rngs=nnx.Rngs(0))
-    optimizer = nnx.Optimizer(model, optax.adam(1e-4), wrt=nnx.Param)
-    train_step = make_train_step()
-    device_batch = jax.device_put(batch)
-    return timed_steps(lambda: float(train_step(model, optimizer, device_batch)), warmup, steps)
-
-
-def torch_step_seconds(cfg: AlbertConfig, batch: dict, warmup: int, steps: int) -> float:
+def torch_step(model: AlbertForPreTraining, batch: dict) -> Callable[[], float]:
+    """The same step in PyTorch, from the same weights (training mode, torch's Adam)."""
     import torch
 
     from models.hf import albert_to_torch
 
-    model = albert_to_torch(AlbertForPreTraining(cfg, rngs=nnx.Rngs(0))).train()
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
+    torch_model = albert_to_torch(model).train()
+    optimizer = torch.optim.Adam(torch_model.parameters(), lr=LEARNING_RATE)
     tensors = {k: torch.from_numpy(v).long() for k, v in batch.items()}
 
-    def step():
+    def run() -> float:
         optimizer.zero_grad(set_to_none=True)
-        out = model(
+        out = torch_model(
             input_ids=tensors["input_ids"],
             attention_mask=tensors["attention_mask"],
             token_type_ids=tensors["token_type_ids"],
@@ -94,9 +112,69 @@ def torch_step_seconds(cfg: AlbertConfig, batch: dict, warmup: int, steps: int) 
         )
         out.loss.backward()
         optimizer.step()
-        out.loss.item()
+        return out.loss.item()
 
-    return timed_steps(step, warmup, steps)
+    return run
+
+
+@dataclasses.dataclass
+class Timing:
+    wall_s: float  # median wall-clock seconds per step
+    cpu_s: float  # median CPU seconds of this process per step (all its threads)
+
+
+def interleaved(steps: dict[str, Callable[[], float]], warmup: int, reps: int) -> dict:
+    """Warm each step up, then time them in turn ``reps`` times; medians per step."""
+    for run in steps.values():
+        for _ in range(warmup):
+            run()
+    walls: dict[str, list[float]] = {name: [] for name in steps}
+    cpus: dict[str, list[float]] = {name: [] for name in steps}
+    for _ in range(reps):
+        for name, run in steps.items():
+            wall, cpu = time.perf_counter(), time.process_time()
+            run()
+            walls[name].append(time.perf_counter() - wall)
+            cpus[name].append(time.process_time() - cpu)
+    return {n: Timing(statistics.median(walls[n]), statistics.median(cpus[n])) for n in steps}
+
+
+def cpu_figures(batch: int, seq: int, warmup: int, reps: int, threads: int) -> dict:
+    cfg = CPU_CONFIG
+    data = make_batch(cfg, batch, seq)
+    model = AlbertForPreTraining(cfg, rngs=nnx.Rngs(0))
+    steps = {
+        "torch": torch_step(model, data),  # first: it copies the weights before Flax donates
+        "flax": flax_step(model, data, jax.devices("cpu")[0]),
+    }
+    t = interleaved(steps, warmup, reps)
+    tokens = batch * seq
+    print(
+        f"CPU, {threads} thread(s), batch {batch} x seq {seq}, hidden {cfg.hidden_size}, "
+        f"{cfg.num_hidden_layers} layers, {reps} interleaved steps (medians):"
+    )
+    for name in "flax", "torch":
+        print(
+            f"  {name:5s} {t[name].wall_s * 1e3:8.1f} ms/step (cpu {t[name].cpu_s * 1e3:7.1f} ms)"
+            f"  {tokens / t[name].wall_s:10,.0f} tokens/s"
+        )
+    print(f"  flax / torch throughput: {t['torch'].wall_s / t['flax'].wall_s:.2f}x")
+    return dict(
+        flax_tokens_per_s=tokens / t["flax"].wall_s,
+        torch_tokens_per_s=tokens / t["torch"].wall_s,
+        flax_over_torch=t["torch"].wall_s / t["flax"].wall_s,
+        flax_seqs_per_s=batch / t["flax"].wall_s,
+        torch_seqs_per_s=batch / t["torch"].wall_s,
+        flax_step_ms=t["flax"].wall_s * 1e3,
+        torch_step_ms=t["torch"].wall_s * 1e3,
+        flax_cpu_ms=t["flax"].cpu_s * 1e3,
+        torch_cpu_ms=t["torch"].cpu_s * 1e3,
+        batch=batch,
+        seq=seq,
+        threads=threads,
+        reps=reps,
+        config={k: v for k, v in dataclasses.asdict(cfg).items() if k != "remat"},
+    )
 
 
 def training_flops_per_token(cfg: AlbertConfig, seq: int) -> float:
@@ -113,23 +191,56 @@ def training_flops_per_token(cfg: AlbertConfig, seq: int) -> float:
     return 3 * 2 * (e * h + applications * per_layer + heads)
 
 
-def gpu_figures(batch: int, seq: int, warmup: int, steps: int) -> dict:
+def peak_flops(device_kind: str, override_tflops: float | None) -> float | None:
+    if override_tflops:
+        return override_tflops * 1e12
+    for name, peak in BF16_PEAK_FLOPS.items():
+        if name.lower() in device_kind.lower():
+            return peak
+    return None
+
+
+def gpu_figures(batch: int, seq: int, warmup: int, reps: int, peak_tflops: float | None) -> dict:
+    """sahajBERT in bf16 on the first GPU: tokens/s and model FLOPs utilisation."""
+    device = jax.devices("gpu")[0]
     cfg = AlbertConfig.sahajbert(dtype="bfloat16")
-    seconds = flax_step_seconds(cfg, make_batch(cfg, batch, seq), warmup, steps)
+    model = AlbertForPreTraining(cfg, rngs=nnx.Rngs(0))
+    t = interleaved({"gpu": flax_step(model, make_batch(cfg, batch, seq), device)}, warmup, reps)
+    seconds = t["gpu"].wall_s
     tokens_per_s = batch * seq / seconds
-    mfu = tokens_per_s * training_flops_per_token(cfg, seq) / H200_BF16_PEAK_FLOPS
+    peak = peak_flops(device.device_kind, peak_tflops)
+    mfu = None if peak is None else tokens_per_s * training_flops_per_token(cfg, seq) / peak
+    shown = "unknown peak" if mfu is None else f"MFU {mfu:.1%} of {peak / 1e12:.0f} TFLOP/s"
     print(
-        f"GPU sahajBERT bf16, batch {batch} x seq {seq}: {seconds * 1e3:.1f} ms/step, "
-        f"{tokens_per_s:,.0f} tokens/s, MFU {mfu:.1%} of {H200_BF16_PEAK_FLOPS / 1e12:.0f} TFLOP/s"
+        f"GPU {device.device_kind}, sahajBERT bf16, batch {batch} x seq {seq}: "
+        f"{seconds * 1e3:.1f} ms/step, {tokens_per_s:,.0f} tokens/s, {shown}"
     )
     return dict(
-        gpu_device=str(jax.devices()[0].device_kind),
+        gpu_ran=True,
+        gpu_device=device.device_kind,
         gpu_batch=batch,
         gpu_seq=seq,
+        gpu_dtype=cfg.dtype,
         gpu_step_ms=seconds * 1e3,
         gpu_tokens_per_s=tokens_per_s,
+        gpu_model_tflops_per_s=tokens_per_s * training_flops_per_token(cfg, seq) / 1e12,
+        gpu_peak_tflops=None if peak is None else peak / 1e12,
         gpu_mfu=mfu,
     )
+
+
+def pin_threads(threads: int) -> int:
+    """Restrict this process to ``threads`` cores (0: all it may use) before JAX starts its
+    CPU client, and give torch as many threads. Returns the thread count used."""
+    import torch
+
+    allowed = sorted(os.sched_getaffinity(0))
+    if threads <= 0 or threads >= len(allowed):
+        threads = len(allowed)
+    else:
+        os.sched_setaffinity(0, allowed[:threads])
+    torch.set_num_threads(threads)
+    return threads
 
 
 def main(argv=None) -> dict:
@@ -137,43 +248,30 @@ def main(argv=None) -> dict:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--steps", type=int, default=8, help="timed steps of each side")
+    parser.add_argument("--threads", type=int, default=1, help="CPU cores for both (0: all)")
     parser.add_argument("--gpu-batch", type=int, default=32)
+    parser.add_argument("--gpu-seq", type=int, default=512)
+    parser.add_argument("--gpu-peak-tflops", type=float, default=None)
     parser.add_argument("--no-gpu", action="store_true", help="skip the GPU part even with a GPU")
+    parser.add_argument("--gpu-only", action="store_true", help="skip the CPU comparison")
     args = parser.parse_args(argv)
 
-    import torch
-
-    threads = len(os.sched_getaffinity(0))
-    torch.set_num_threads(threads)
-    batch = make_batch(CPU_CONFIG, args.batch, args.seq)
-    tokens = args.batch * args.seq
-    cpu = jax.devices("cpu")[0]
-    with jax.default_device(cpu):
-        flax_s = flax_step_seconds(CPU_CONFIG, batch, args.warmup, args.steps)
-    torch_s = torch_step_seconds(CPU_CONFIG, batch, args.warmup, args.steps)
-    print(
-        f"CPU, {threads} threads, batch {args.batch} x seq {args.seq}, "
-        f"hidden {CPU_CONFIG.hidden_size}, {CPU_CONFIG.num_hidden_layers} layers:"
-    )
-    for name, s in ("flax", flax_s), ("torch", torch_s):
-        print(f"  {name:5s} {s * 1e3:8.1f} ms/step  {tokens / s:10,.0f} tokens/s")
-    print(f"  flax / torch throughput: {torch_s / flax_s:.2f}x")
-
-    figures = dict(
-        flax_tokens_per_s=tokens / flax_s,
-        torch_tokens_per_s=tokens / torch_s,
-        flax_seqs_per_s=args.batch / flax_s,
-        torch_seqs_per_s=args.batch / torch_s,
-        flax_step_ms=flax_s * 1e3,
-        torch_step_ms=torch_s * 1e3,
-        batch=args.batch,
-        seq=args.seq,
-        threads=threads,
-        config={k: v for k, v in dataclasses.asdict(CPU_CONFIG).items() if k != "remat"},
-    )
-    if not args.no_gpu and jax.devices()[0].platform == "gpu":
-        figures.update(gpu_figures(args.gpu_batch, 512, args.warmup, args.steps))
+    figures: dict = {}
+    if args.gpu_only:
+        threads = pin_threads(0)  # the GPU's host side gets every core
+    else:
+        threads = pin_threads(args.threads)
+        figures.update(cpu_figures(args.batch, args.seq, args.warmup, args.steps, threads))
+    has_gpu = any(d.platform == "gpu" for d in jax.devices())
+    if args.no_gpu:
+        figures.update(gpu_ran=False, gpu_skipped="--no-gpu")
+    elif not has_gpu:
+        figures.update(gpu_ran=False, gpu_skipped="no GPU visible to JAX")
+        print("GPU part not run: no GPU visible to JAX")
+    else:
+        peak = args.gpu_peak_tflops
+        figures.update(gpu_figures(args.gpu_batch, args.gpu_seq, args.warmup, args.steps, peak))
     print(json.dumps(figures))
     return figures
 

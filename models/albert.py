@@ -120,11 +120,67 @@ class AlbertConfig:
 # ----------------------------------------------------------------------------- building blocks
 
 
+def _contract_last_first(x, w, precision):
+    return jax.lax.dot_general(x, w, (((x.ndim - 1,), (0,)), ((), ())), precision=precision)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _linear_dot(x, w, precision=None):
+    """``x @ w`` (x [..., in], w [in, out]) whose weight gradient XLA:CPU computes fast.
+
+    Autodiff gives the weight gradient as ``dot(x, dy)`` contracting the leading (token) axis
+    of both, which XLA:CPU runs on a generic path at about two thirds of the speed of a plain
+    matrix product, after copying ``dy`` transposed. Transposing the smaller of ``x`` and ``dy``
+    first (kept materialised by an optimization barrier) turns it into a plain product. Other
+    platforms take autodiff's form: their GEMMs read transposed operands for free. The values
+    are the same either way.
+    """
+    return _contract_last_first(x, w, precision)
+
+
+def _linear_dot_fwd(x, w, precision):
+    return _contract_last_first(x, w, precision), (x, w)
+
+
+def _plain_matmul(a, b, precision):
+    return jax.lax.dot_general(a, b, (((1,), (0,)), ((), ())), precision=precision)
+
+
+def _linear_dot_bwd(precision, residuals, dy):
+    x, w = residuals
+    dx = jax.lax.dot_general(dy, w, (((dy.ndim - 1,), (1,)), ((), ())), precision=precision)
+    x2, dy2 = x.reshape(-1, x.shape[-1]), dy.reshape(-1, dy.shape[-1])
+    barrier = jax.lax.optimization_barrier
+
+    def transposed_first(x2, dy2):
+        # The barriers keep XLA from folding the transposes back into the product.
+        if x2.shape[1] <= dy2.shape[1]:
+            return barrier(_plain_matmul(barrier(x2.T), dy2, precision))
+        return barrier(_plain_matmul(barrier(dy2.T), x2, precision)).T
+
+    def as_autodiff(x2, dy2):
+        return jax.lax.dot_general(x2, dy2, (((0,), (0,)), ((), ())), precision=precision)
+
+    dw = jax.lax.platform_dependent(x2, dy2, cpu=transposed_first, default=as_autodiff)
+    return dx.astype(x.dtype), dw.astype(w.dtype)
+
+
+_linear_dot.defvjp(_linear_dot_fwd, _linear_dot_bwd)
+
+
+def _dense_dot_general(lhs, rhs, dimension_numbers, precision=None, **kwargs):
+    """``nnx.Linear``'s product through ``_linear_dot``; anything unusual goes to lax."""
+    if dimension_numbers == (((lhs.ndim - 1,), (0,)), ((), ())) and not any(kwargs.values()):
+        return _linear_dot(lhs, rhs, precision)
+    return jax.lax.dot_general(lhs, rhs, dimension_numbers, precision=precision, **kwargs)
+
+
 def _dense(cfg: AlbertConfig, d_in: int, d_out: int, rngs: nnx.Rngs) -> nnx.Linear:
     return nnx.Linear(
         d_in,
         d_out,
         kernel_init=nnx.initializers.normal(cfg.initializer_range),
+        dot_general=_dense_dot_general,
         dtype=cfg.dtype,
         param_dtype=cfg.param_dtype,
         rngs=rngs,
@@ -325,7 +381,11 @@ class AlbertMLMHead(nnx.Module):
 
     def __call__(self, h, word_embeddings: nnx.Embed):
         e = self.LayerNorm(self.activation(self.dense(h)))
-        logits = word_embeddings.attend(e)  # e @ table.T, in the compute dtype
+        # e @ table.T in the compute dtype (as word_embeddings.attend), with _linear_dot's gradient
+        e, table = word_embeddings.promote_dtype(
+            (e, word_embeddings.embedding[...]), dtype=word_embeddings.dtype
+        )
+        logits = _linear_dot(e, table.T)
         return logits + self.bias[...].astype(logits.dtype)
 
 
