@@ -54,6 +54,10 @@ class ProgressTracker:
         self._frozen = False
         self.step_interval = 0.0
         self._last_report: float | None = None
+        self._report_time = dht.now()  # DHT-clock time our samples were counted at
+        self._batch = 0  # samples of the last micro-batch
+        self._published: PeerProgress | None = None
+        self._pending: tuple[int, int, float] | None = None  # (epoch, samples, time)
         self.dht_latency = 0.05  # smoothed seconds per DHT read, for deadlines
 
     # --- called by the collaboration (inside the trio loop) -------------------------------
@@ -67,17 +71,31 @@ class ProgressTracker:
                 dt if self.step_interval == 0 else 0.7 * self.step_interval + 0.3 * dt
             )
         self._last_report = now
+        self._batch = batch_size
+        if self._frozen and epoch > self.epoch:
+            # Delayed updates: we keep training for the next epoch while this one's round is
+            # in flight. Others go on seeing our final record until the round ends.
+            self._pending = (epoch, samples, self.dht.now())
+            return
+        self._report_time = self.dht.now()
         new_epoch = epoch != self.epoch
         self.epoch, self.samples = epoch, samples
         if new_epoch:
             self._wake.set()
 
     def set_epoch(self, epoch: int) -> None:
-        """Move to ``epoch`` with no samples; the time spent averaging is not training time."""
-        self.epoch, self.samples = epoch, 0
+        """Move to ``epoch``: with the samples reported toward it while the previous round
+        was in flight (delayed updates), else with none, and then the time spent averaging
+        was not training time."""
+        pending, self._pending = self._pending, None
         self._frozen = False
-        self.meter.pause()
-        self._last_report = None
+        if pending is not None and pending[0] == epoch:
+            self.epoch, self.samples, self._report_time = pending
+        else:
+            self.epoch, self.samples = epoch, 0
+            self.meter.pause()
+            self._last_report = None
+            self._report_time = self.dht.now()
         self._wake.set()
 
     async def freeze(self) -> None:
@@ -86,15 +104,31 @@ class ProgressTracker:
         await self.publish()
 
     def own_progress(self) -> PeerProgress:
+        """Our record, stamped with the time our samples were counted (not the time we
+        publish), so that others extrapolate from the right instant."""
         return PeerProgress(
             self.peer_id,
             self.epoch,
             self.samples,
             0.0 if self._frozen else self.meter.samples_per_second,
-            self.dht.now(),
+            self._report_time,
             self.mode,
             self.step_interval,
         )
+
+    def published_error(self) -> float:
+        """How far (in samples) others' extrapolation of our last published record is from
+        what we hold now; inf when they hold none for this epoch."""
+        pub = self._published
+        if pub is None or pub.epoch != self.epoch or pub.time > self._report_time:
+            return math.inf
+        elapsed = min(self._report_time - pub.time, self.max_extrapolation)
+        return abs(pub.samples + pub.samples_per_second * elapsed - self.samples)
+
+    @property
+    def max_extrapolation(self) -> float:
+        """Seconds a record is extrapolated at most (so a dead peer's claims stay bounded)."""
+        return self.config.max_refresh * 2 if self.config.extrapolate else 0.0
 
     def current_estimate(self) -> CollaborationEstimate:
         """The estimate extrapolated to now, with this peer's own progress exact."""
@@ -104,7 +138,7 @@ class ProgressTracker:
             records.values(),
             now=self.dht.now(),
             target_batch_size=self.config.target_batch_size,
-            max_extrapolation=self.config.max_refresh * 2 if self.config.extrapolate else 0.0,
+            max_extrapolation=self.max_extrapolation,
         )
 
     # --- DHT I/O -----------------------------------------------------------------------
@@ -119,6 +153,7 @@ class ProgressTracker:
             )
             self._published_at = trio.current_time()
             self._published_epoch = me.epoch
+            self._published = me
         except (P2PError, InvalidRecordError) as e:
             log.warning("could not publish progress: %s", e)
 
@@ -152,19 +187,37 @@ class ProgressTracker:
         await self.refresh()
         task_status.started()
         while True:
-            delay = refresh_delay(
-                self.current_estimate(),
-                min_delay=self.config.min_refresh,
-                max_delay=self.config.max_refresh,
-            )
+            if self._frozen:
+                # Averaging: our record is final (rate zero) and set_epoch wakes us when the
+                # round ends, so a slow pace saves the DHT from every peer polling at once.
+                delay = self.config.max_refresh
+            else:
+                delay = refresh_delay(
+                    self.current_estimate(),
+                    min_delay=self.config.min_refresh,
+                    max_delay=self.config.max_refresh,
+                )
             with trio.move_on_after(delay):
                 await self._wake.wait()
             self._wake = trio.Event()
-            # Others extrapolate from our rate, so far from the target a report every couple
-            # of refresh periods suffices; a new epoch is published at once.
-            # Near the target every refresh publishes, so that others' sums stay exact.
-            stale = trio.current_time() - self._published_at > 2 * self.config.max_refresh
-            near = self.estimate.eta < 3 * self.config.max_refresh
-            if stale or near or self._published_epoch != self.epoch:
+            if self._should_publish():
                 await self.publish()
             await self.fetch()
+
+    def _should_publish(self) -> bool:
+        """Publishing is the costly half (a store goes to many DHT nodes), so we publish only
+        what others need: a new epoch at once; our rate once it is first known; and whenever
+        their extrapolation of our record is off by more than what matters at their distance
+        from the target (half a micro-batch near it, a fifth of what we will still add before
+        it far from it). Otherwise only often enough that the record does not expire."""
+        if self._published_epoch != self.epoch or self._published is None:
+            return True
+        if trio.current_time() - self._published_at > self.config.progress_ttl / 3:
+            return True
+        if self._frozen:
+            return False  # freeze() published our final record
+        rate = self.meter.samples_per_second
+        if self._published.samples_per_second == 0 and rate > 0:
+            return True
+        ahead = rate * min(self.estimate.eta, self.config.progress_ttl)
+        return self.published_error() > max(self._batch / 2, ahead / 5)

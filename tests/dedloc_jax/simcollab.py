@@ -47,6 +47,7 @@ async def open_sim_collaboration(
     nat: bool = False,
     modes: Sequence[str] | None = None,
     run_id: str = "run",
+    dht_config: DHTConfig | None = None,
     **host_kwargs: Any,
 ) -> AsyncIterator[list[Any]]:
     """``n`` peers of one collaboration (CollaborationCore); peer 0 is the first peer.
@@ -70,7 +71,7 @@ async def open_sim_collaboration(
                     initial_peers=[] if i == 0 else first,
                     config=config.replace(nat=nat),
                     mode=modes[i] if modes else "node",
-                    dht_config=DHTConfig.fast(),
+                    dht_config=dht_config or DHTConfig.fast(),
                     dht_clock=DHTClock(trio.current_time),  # virtual time, like everything
                 )
             )
