@@ -8,19 +8,24 @@ accumulator is reset. Every peer of a group receives bit-identical averages and 
 inner state, so every peer takes the same step.
 
 Inside ``jax.jit`` the host is reached with callbacks: a cheap one with scalars on every
-micro-step, and, only on steps that average, one that moves the gradient buffers (it lives in a
-``lax.cond`` branch). Why they are built the way they are, measured in ``bench.optax_overhead``:
+micro-step, whose answer picks a ``lax.switch`` branch, and, only in the branch that averages,
+one that moves the gradient buffers. Why they are built the way they are (``bench.optax_overhead``
+measures it):
 
 - They are ``buffer_callback``s: the host reads and writes XLA's buffers as NumPy views.
   ``io_callback``/``pure_callback`` first ``device_put`` every argument into a new ``jax.Array``,
   which costs far more than the host's own work on a micro-step.
 - They carry no JAX effect. Any effect (``io_callback``, ordered or not) takes the jitted step off
-  JAX's C++ dispatch path for good, on every call. Effects are not needed for order: each host
-  call reads state that the previous one produced (``epoch``, ``samples``, the averaging result),
-  so data dependencies sequence them, and every result is consumed, so none is dropped.
-- On steps that do not average, the big state crosses the ``lax.cond`` untouched (with donated
+  JAX's C++ dispatch path, on every call. Effects are not needed for order: each host call reads
+  state that the previous one produced (``epoch``, ``samples``, the averaging result), so data
+  dependencies sequence them; every result is consumed, so none is dropped; and XLA keeps a
+  custom call inside its branch (never turned into a select that runs both branches).
+- On steps that do not average, the big state crosses the branch untouched (with donated
   buffers XLA aliases it, no copy), and the accumulator is updated outside the branch in one fused
-  pass that resets it when the branch says it averaged.
+  pass that resets it when the branch says so.
+
+``overlap=True`` gives DeDLOC's delayed updates: the averaging runs in the background while the
+peer computes the next epoch's gradients, and the step is applied once it finished.
 """
 
 from __future__ import annotations
