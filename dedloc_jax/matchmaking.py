@@ -141,8 +141,14 @@ class Matchmaker:
             return {"ok": False, "reason": "group full"}
         rnd.joined[peer] = member
         rnd.changed.set()
-        with trio.move_on_after(4 * self.window + 5.0):
-            await rnd.formed.wait()
+        try:
+            # Longer than the leader may keep the group open (max_wait), so that a peer the
+            # spec will name is never told that no group was formed.
+            with trio.move_on_after(self.max_wait + 2 * self.window):
+                await rnd.formed.wait()
+        finally:
+            if not rnd.formed.is_set():  # told no (or gone): must not be in a later spec
+                rnd.joined.pop(peer, None)
         if rnd.spec is None or peer not in {m.peer_id for m in rnd.spec.members}:
             return {"ok": False, "reason": "group was not formed"}
         return {"ok": True, "spec": rnd.spec.to_bytes()}
@@ -205,7 +211,10 @@ class Matchmaker:
         give_up = start + self.max_wait
         expected = set(expected) - {self.peer_id}
         while True:
-            await trio.sleep(window / 8)
+            # Polling only helps to close early once every expected peer registered; with
+            # nobody expected, one read at the end of the window does (a read is a lookup).
+            elapsed = trio.current_time() - start
+            await trio.sleep(window / 8 if expected else max(0.0, window - elapsed))
             others = await self._registrations(key)
             everyone = bool(expected) and expected <= set(others)
             if everyone or trio.current_time() - start >= window:

@@ -56,3 +56,45 @@ def test_followers_of_a_dead_leader_form_a_group_with_the_next_member() -> None:
     members = {m.peer_id for m in survivors[0].members}
     assert dead not in members and len(members) == n - 1
     assert all(s.digest == survivors[0].digest for s in survivors)
+
+
+def test_a_follower_is_never_told_no_group_while_the_leader_waits_for_a_dead_member() -> None:
+    """A member that registered and died keeps the leader waiting (bounded by max_wait); the
+    followers that did join must get the spec, not a "not formed" that leaves them alone while
+    the leader's spec names them."""
+    n = 4
+
+    async def main() -> tuple[str, list]:
+        net = SimNetwork(seed=2)
+        async with open_sim_dhts(net, n, latency=0.01) as peers:
+            ids = [str(node.peer_id) for node, _ in peers]
+            groups = assign_groups(sorted(ids), max_group_size=64, seed=group_seed("run", EPOCH))
+            leader = ids.index(groups[0][0])
+            victim = next(i for i in range(1, n) if i != leader)
+            makers = []
+            for node, dht in peers:
+                mm = Matchmaker(node, dht, "run", max_group_size=64)
+                mm.register()
+                mm.window = 1.0
+                makers.append(mm)
+            specs: list = [None] * n
+
+            async def one(i: int) -> None:
+                me = member_for(ids[i], "node", 1e6, 1e6, 8.0)
+                if i == victim:  # registers, then dies: the leader waits for it in vain
+                    with trio.move_on_after(0.3):
+                        await makers[i].form_group(EPOCH, me)
+                    net.kill(host_of(net, peers[i][0]))
+                    return
+                specs[i] = await makers[i].form_group(EPOCH, me)
+
+            async with trio.open_nursery() as nursery:
+                for i in range(n):
+                    nursery.start_soon(one, i)
+            return ids[victim], specs
+
+    dead, specs = run_sim(main, seed=2)
+    survivors = [s for s in specs if s is not None]
+    assert len(survivors) == n - 1, specs
+    assert all(s.digest == survivors[0].digest for s in survivors)
+    assert dead not in {m.peer_id for m in survivors[0].members}
