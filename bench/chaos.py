@@ -124,6 +124,7 @@ class Chaos:
         self.t0 = time.monotonic()
         self.deadline = self.t0 + args.max_seconds
         self.kills_done_at = self.t0
+        self.epoch_at_last_kill = 0
 
     # --- processes -----------------------------------------------------------------------
     def spawn(self, index: int) -> None:
@@ -282,6 +283,7 @@ class Chaos:
         self.misses = misses
         # Let every peer come back and take part in a few more epochs, then stop.
         self.kills_done_at = time.monotonic()
+        self.epoch_at_last_kill = self.epoch_of(0)
         settle_epoch = self.epoch_of(0) + self.args.settle_epochs
         settle_end = min(self.deadline + 60.0, time.monotonic() + 120.0)
         while time.monotonic() < settle_end:
@@ -350,6 +352,7 @@ class Chaos:
         losses = [r["loss"] for r in stable if "loss" in r]
         return {
             "epochs": self.epoch_of(0),
+            "epochs_after_kills": self.epoch_of(0) - self.epoch_at_last_kill,
             "kills": len(self.kills),
             "divergences": divergences,
             "hangs": self.hangs,
@@ -388,7 +391,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--load-timeout", type=float, default=15.0)
     p.add_argument("--startup-timeout", type=float, default=120.0)
     p.add_argument("--max-down", type=float, default=2.0, help="longest pause before a restart")
-    p.add_argument("--pause", type=float, default=2.0, help="longest pause between kills")
+    p.add_argument("--pause", type=float, default=5.0, help="longest pause between kills")
     p.add_argument("--warmup-epochs", type=int, default=2)
     p.add_argument("--settle-epochs", type=int, default=3)
     p.add_argument("--out", default=None, help="directory for logs (default: a temporary one)")

@@ -14,7 +14,8 @@ one flushed JSON line per event, to ``DIR/peerN.jsonl`` (all incarnations of pee
 
 Policy of a volunteer that wants to stay in step: after stepping alone (no group, or the
 all-reduce failed) while others train, or when it notices it is behind, it loads the newest
-state that others serve, and only keeps its own when nobody serves one at least as new.
+state that others serve if it is at least as new as its own, and otherwise keeps (and serves)
+its own.
 """
 
 from __future__ import annotations
@@ -211,12 +212,12 @@ def run(args: argparse.Namespace) -> int:
             )
             losses = []
             if group <= 1 and _others_training(collab):
-                # Stepped alone: this state is nobody else's. Take the newest state the others
-                # serve, even the one we stepped from (our solo step is dropped), so that two
-                # peers stepping alone at once cannot fork the run; keep ours only when nobody
-                # serves any.
+                # Stepped alone: if others stepped together (or another lone peer already
+                # settled this epoch), take their state; otherwise ours becomes the run's.
+                # (Going back to the state we stepped from would fight the run's epoch,
+                # which only moves forward.)
                 log.phase("loading")
-                params, opt_state, _ = load(min_epoch=0, patience=5.0)
+                params, opt_state, _ = load(min_epoch=epoch, patience=0.0)
                 log.phase("accumulating", epoch=int(opt_state.epoch))
             dedloc_jax.share_state(host, params, opt_state)
         elif collab.behind:
