@@ -97,18 +97,19 @@ class RoutingTable:
         if count <= 0:
             return []
         skip = {p.digest for p in exclude}
-        need = count + len(skip)  # enough, whichever of them are skipped
-        home = self.bucket_for(target)  # distances from 0: always first
-        if len(home.peers) >= need:
-            entries = list(home.peers.values())
-        else:
+
+        def held(bucket: KBucket) -> list[PeerEntry]:
+            if skip:
+                return [e for key, e in bucket.peers.items() if key not in skip]
+            return list(bucket.peers.values())
+
+        entries = held(self.bucket_for(target))  # distances from 0: always the first block
+        if len(entries) < count:
             entries = []
             for bucket in sorted(self.buckets, key=lambda b: _block_distance(b, target)):
-                entries.extend(bucket.peers.values())
-                if len(entries) >= need:
+                entries += held(bucket)
+                if len(entries) >= count:
                     break
-        if skip:
-            entries = [e for e in entries if e.peer.digest not in skip]
         entries.sort(key=lambda e: e.id ^ target)
         del entries[count:]
         return entries

@@ -129,10 +129,6 @@ def _parsed(text: str) -> tuple[Multiaddr, PeerID | None]:
     return hit
 
 
-def _named_peer(text: str) -> PeerID | None:
-    return _parsed(text)[1]
-
-
 def store_addrs(addrs: tuple[str, ...]) -> list[Multiaddr]:
     """Addresses that :func:`parse_addrs` accepted, parsed (once) for a peer store."""
     return [_parsed(a)[0] for a in addrs]
@@ -142,9 +138,12 @@ def parse_addrs(value: Any, peer: PeerID | None, max_addrs: int) -> tuple[str, .
     """Text multiaddrs of ``peer`` (each ending in its ``/p2p/`` ID): each must parse and
     name no other peer."""
     out = []
-    for a in _list(value, "addrs", max_addrs):
-        text = _text(a, "address", MAX_ADDR_CHARS)
-        named = _named_peer(text)
+    for text in _list(value, "addrs", max_addrs):
+        # an address seen before passed these checks already (the common case: look it up)
+        hit = _addr_cache.get(text) if type(text) is str else None
+        if hit is None or len(text) > MAX_ADDR_CHARS:
+            hit = _parsed(_text(text, "address", MAX_ADDR_CHARS))
+        named = hit[1]
         if peer is not None:
             if named is None:
                 text = f"{text}/p2p/{peer.to_base58()}"
