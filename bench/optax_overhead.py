@@ -56,14 +56,16 @@ def _make_step(tx: optax.GradientTransformation, collab_kwargs: bool, donate: bo
     return jax.jit(step, donate_argnums=(0, 1) if donate else ())
 
 
-def _time_steps(step, params, state, x, y, n: int) -> tuple[list[float], tuple]:
-    times = []
+def _time_steps(step, params, state, x, y, n: int) -> tuple[list[float], list[float], tuple]:
+    """Wall and process CPU seconds of ``n`` steps, one by one."""
+    times, cpu = [], []
     for _ in range(n):
-        t0 = time.perf_counter()
+        c0, t0 = time.process_time(), time.perf_counter()
         params, state = step(params, state, x, y)
         jax.block_until_ready(params)
         times.append(time.perf_counter() - t0)
-    return times, (params, state)
+        cpu.append(time.process_time() - c0)
+    return times, cpu, (params, state)
 
 
 def main() -> None:
@@ -99,16 +101,21 @@ def main() -> None:
                 states[v] = steps[v](*states[v], x, y)
         jax.block_until_ready(states)
         times: dict[tuple[str, bool], list[float]] = {v: [] for v in variants}
+        cpu: dict[tuple[str, bool], list[float]] = {v: [] for v in variants}
         per_round = max(1, args.steps // args.rounds)
         for _ in range(args.rounds):  # interleave so all see the same machine load
             for v in variants:
-                t, states[v] = _time_steps(steps[v], *states[v], x, y, per_round)
+                t, c, states[v] = _time_steps(steps[v], *states[v], x, y, per_round)
                 times[v] += t
+                cpu[v] += c
         for donate in (False, True):
             collab_state = states[("collaborative", donate)][1]
             assert int(collab_state.epoch) == 0, "the benchmark must not average"
 
     ms = {v: statistics.median(t) * 1e3 for v, t in times.items()}
+    # Process CPU time (all threads: XLA's, the callback's, the collaboration's loop): steadier
+    # than wall time on a machine that others load, and it counts host work a wall clock hides.
+    cpu_ms = {v: statistics.median(c) * 1e3 for v, c in cpu.items()}
 
     def overhead(donate: bool) -> float:
         return 100 * (ms[("collaborative", donate)] / ms[("plain", donate)] - 1)
@@ -121,12 +128,16 @@ def main() -> None:
         print(f"  collaborative: median {ms[('collaborative', donate)]:.3f} ms/step")
         print(f"  MultiSteps:    median {ms[('multisteps', donate)]:.3f} ms/step (reference)")
         print(f"  overhead:      {overhead(donate):+.1f}% over plain optax")
+        plain_cpu, collab_cpu = cpu_ms[("plain", donate)], cpu_ms[("collaborative", donate)]
+        print(f"  CPU time:      plain {plain_cpu:.3f} ms, collaborative {collab_cpu:.3f} ms")
     result = {}
     for donate, prefix in ((False, ""), (True, "donated_")):
         result[f"{prefix}collaborative_ms"] = round(ms[("collaborative", donate)], 4)
         result[f"{prefix}plain_ms"] = round(ms[("plain", donate)], 4)
         result[f"{prefix}multisteps_ms"] = round(ms[("multisteps", donate)], 4)
         result[f"{prefix}overhead_pct"] = round(overhead(donate), 2)
+        result[f"{prefix}collaborative_cpu_ms"] = round(cpu_ms[("collaborative", donate)], 4)
+        result[f"{prefix}plain_cpu_ms"] = round(cpu_ms[("plain", donate)], 4)
     result.update(width=args.width, batch=args.batch, steps=len(times[variants[0]]))
     print(json.dumps(result))
 
