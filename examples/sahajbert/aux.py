@@ -34,6 +34,7 @@ async def _one_round(core: Any, *, template: list[np.ndarray]) -> int:
 def run_aux(cfg: TrainerConfig, net: NetConfig) -> int:
     if net.client_mode:
         raise ValueError("an aux peer must be reachable: it cannot run in client mode")
+    training.enable_compilation_cache(cfg.work_dir / "jax-cache")
     tokenizer, _ = training.prepare_data(cfg)
     model_cfg = training.model_config(cfg.model, len(tokenizer), cfg.seq_length, cfg.bf16)
     _, params, _ = training.build_model(model_cfg, seed=cfg.seed)

@@ -89,7 +89,7 @@ class TrainerConfig:
             run_id="sahajbert-demo",
             model="tiny",
             target_batch_size=96,
-            per_device_batch_size=8,
+            per_device_batch_size=16,  # vs 8: ~25% less CPU per sample (fixed cost per step)
             seq_length=64,
             optimizer=OptimizerConfig.demo(),
             work_dir=work_dir,

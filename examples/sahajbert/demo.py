@@ -67,32 +67,62 @@ def cli_args(cfg: TrainerConfig) -> list[str]:
     return args
 
 
-def warm_up(cfg: TrainerConfig) -> None:
-    """Build the data cache and compile the jitted pieces once, into the persistent cache.
+WARM_UP_VERSION = 2  # bump when what warm_up compiles changes
+# The code that shapes the compiled programs: an edit there warms up again.
+WARM_UP_SOURCES = (
+    "dedloc_jax/collaborative.py",
+    "examples/sahajbert/training.py",
+    "models/albert.py",
+)
 
-    Skipped when a marker says this configuration was warmed before (the peers then load
-    the compiled programs from the cache).
+
+class _WarmUpHost:
+    """A stand-in collaboration: the second micro-step averages (with itself)."""
+
+    def report_progress(self, epoch: int, samples: int, batch_size: int) -> bool:
+        return samples > batch_size
+
+    def average_gradients(self, epoch: int, gradients: Any, samples: int) -> Any:
+        from dedloc_jax.host import AveragingOutcome
+
+        return AveragingOutcome([np.asarray(g) for g in gradients], epoch + 1, 2)
+
+
+def warm_up(cfg: TrainerConfig) -> None:
+    """Build the data cache and compile every program of a trainer's steps once, into the
+    persistent cache, so that the peers load them instead of each compiling them at once.
+
+    Two micro-steps through the trainer's own step function (one accumulating, one averaging)
+    reach everything: the gradients, the collaborative accumulation, the inner optimizer.
+    Skipped (without importing JAX) when a marker says this configuration was warmed before.
     """
     import hashlib
-
-    import jax
+    from importlib.metadata import version
 
     shape = [a for a in cli_args(cfg.replace(run_id="", max_epochs=None)) if a]
-    digest = hashlib.sha256(json.dumps([shape, jax.__version__]).encode()).hexdigest()[:16]
+    root = Path(__file__).resolve().parents[2]
+    sources = [root / f for f in WARM_UP_SOURCES if (root / f).is_file()]
+    code = hashlib.sha256(b"".join(f.read_bytes() for f in sources)).hexdigest()
+    key = [shape, version("jax"), WARM_UP_VERSION, code]
+    digest = hashlib.sha256(json.dumps(key).encode()).hexdigest()[:16]
     marker = cfg.work_dir / "jax-cache" / f"warm-{digest}"
     if marker.is_file():
         return
+    import jax
+
     training.enable_compilation_cache(cfg.work_dir / "jax-cache")
     tokenizer, corpus = training.prepare_data(cfg)
     model_cfg = training.model_config(cfg.model, len(tokenizer), cfg.seq_length, cfg.bf16)
     graphdef, params, rest = training.build_model(model_cfg, seed=cfg.seed)
-    batch = next(training.batches(cfg, corpus, len(tokenizer), 0))
-    grads, loss = training.make_grad_step(graphdef, rest)(params, batch)
-    inner = training.inner_optimizer(cfg.optimizer)
-    state = jax.jit(inner.init)(params)
-    updates, _ = jax.jit(inner.update)(grads, state, params)
-    jax.block_until_ready((loss, updates))
-    marker.write_text(json.dumps(shape))
+    micro = cfg.per_device_batch_size * jax.local_device_count() * cfg.grad_accumulation
+    tx = training.make_optimizer(cfg.optimizer, _WarmUpHost(), cfg.target_batch_size)
+    opt_state = tx.init(params)
+    step = training.make_train_step(graphdef, rest, tx, micro)
+    data = training.batches(cfg, corpus, len(tokenizer), 0)
+    for _ in range(2):
+        params, opt_state, loss = step(params, opt_state, next(data))
+    jax.block_until_ready((params, loss))
+    marker.write_text(json.dumps(key))
 
 
 class Processes:

@@ -34,7 +34,10 @@ def collaboration_config(cfg: TrainerConfig, mode: str | None = None) -> Any:
     from dedloc_jax import CollaborationConfig
 
     if cfg.model == "tiny":
-        base = CollaborationConfig.local_demo(cfg.target_batch_size).replace(matchmaking_time=0.5)
+        # The matchmaking window stays adaptive (it covers the slowest peer's micro-step): a
+        # fixed short one left the slow peer out of groups, which then averaged alone and
+        # reloaded the others' state (15 times in a 30-epoch demo on a busy machine).
+        base = CollaborationConfig.local_demo(cfg.target_batch_size)
     else:
         base = CollaborationConfig.sahajbert().replace(target_batch_size=cfg.target_batch_size)
     return base.replace(mode=mode) if mode else base
