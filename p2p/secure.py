@@ -12,14 +12,18 @@ Speed: on a trio ``SocketStream`` the channel reads with ``recv_into`` into one 
 and encrypts with ``encrypt_into`` into one reusable send buffer (header and ciphertext leave in
 one ``send``), so a frame costs one cipher pass and no Python-level copies; ``send_frames``
 batches several frames into one write. Other streams (memory streams, the simulator) get a fresh
-buffer per write, since they may keep what they are given.
+buffer per write, since they may keep what they are given. While a big frame is incomplete the
+socket's SO_RCVLOWAT is the number of bytes still missing, so the kernel wakes the reader once
+per frame rather than once per burst of segments (fewer wake-ups on both sides).
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import socket
 import struct
+import sys
 from collections.abc import Awaitable, Callable, Sequence
 
 import trio
@@ -45,6 +49,8 @@ _HS_HEADER = struct.Struct(">H")
 _INITIAL_BUFFER = 4096  # grows on demand: half-open connections stay cheap
 _SLACK = 64 * 1024  # room to read ahead past the current frame
 _STREAM_ERRORS = (trio.BrokenResourceError, trio.ClosedResourceError, OSError)
+_SO_RCVLOWAT: int | None = getattr(socket, "SO_RCVLOWAT", None) if sys.platform == "linux" else None
+_LOWAT_MIN = 64 << 10  # frames missing less than this are read as bytes come
 
 
 class _EOF(Exception):
@@ -66,6 +72,7 @@ class _Reader:
         self._view = memoryview(self._buf)
         self._start = 0
         self._end = 0
+        self._lowat = 1  # the socket's SO_RCVLOWAT, as last set
 
     @property
     def buffered(self) -> int:
@@ -93,9 +100,24 @@ class _Reader:
             self._buf, self._view = buf, memoryview(buf)
         self._start, self._end = 0, pending
 
-    async def _fill(self) -> None:
+    def _wake_after(self, missing: int) -> None:
+        """Have the kernel report the socket readable only once ``missing`` bytes are there
+        (SO_RCVLOWAT), for big frames: one wake-up per frame rather than one per segment
+        burst. Never above what is missing, so the wait always ends (EOF ends it too)."""
+        lowat = missing if missing >= _LOWAT_MIN else 1
+        if lowat == self._lowat:
+            return
+        try:
+            self._sock.setsockopt(socket.SOL_SOCKET, _SO_RCVLOWAT, lowat)  # type: ignore[union-attr]
+        except OSError:
+            return
+        self._lowat = lowat
+
+    async def _fill(self, missing: int) -> None:
         free = self._view[self._end :]
         if self._sock is not None:
+            if _SO_RCVLOWAT is not None:
+                self._wake_after(missing)
             got = await self._sock.recv_into(free)
         else:
             data = await self._stream.receive_some(len(free))
@@ -111,7 +133,7 @@ class _Reader:
             return
         self._make_room(n)
         while self._end - self._start < n:
-            await self._fill()
+            await self._fill(n - (self._end - self._start))
 
     def take(self, n: int) -> memoryview:
         start = self._start

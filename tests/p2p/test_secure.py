@@ -697,3 +697,39 @@ def test_tcp_loopback_silent_client_times_out():
         await client.aclose()
 
     trio.run(main)
+
+
+class Trickle(Tap):
+    """Sends in small pieces with pauses, so a big frame reaches the reader a bit at a time."""
+
+    async def send_all(self, data) -> None:
+        view = memoryview(bytes(data))
+        for i in range(0, len(view), 48 << 10):
+            await self.inner.send_all(view[i : i + (48 << 10)])
+            await trio.sleep(0.002)
+
+
+def test_tcp_frames_trickling_in_arrive_whole_and_small_ones_still_wake_the_reader():
+    """The reader asks the kernel to wake it only once a big frame's missing bytes are all
+    there (SO_RCVLOWAT); that mark must never exceed what is missing, or a reader would wait
+    for bytes that never come: each frame here is the last one in flight when it is read."""
+
+    async def main():
+        listener = trio.socket.socket()
+        await listener.bind(("127.0.0.1", 0))
+        listener.listen(1)
+        client = await trio.open_tcp_stream("127.0.0.1", listener.getsockname()[1])
+        server_sock, _ = await listener.accept()
+        listener.close()
+        out, inn = await handshake_both(Trickle(client), trio.SocketStream(server_sock))
+        out, inn = out.unwrap(), inn.unwrap()
+        with trio.fail_after(20):
+            for size in (DEFAULT_MAX_FRAME, 3, 200 << 10, 70 << 10, 1, DEFAULT_MAX_FRAME):
+                frame = os.urandom(size)
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(out.send_frame, frame)
+                    assert await inn.receive_frame() == frame
+        await out.aclose()
+        await inn.aclose()
+
+    trio.run(main)
