@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import pytest
 import trio
 
 from dedloc_jax.config import CollaborationConfig
@@ -34,8 +35,7 @@ def _form_all(n: int, cap: int, seed: int = 0) -> list:
     return run_sim(main, seed=seed)
 
 
-def test_every_peer_lands_in_exactly_one_group_with_one_spec() -> None:
-    results = _form_all(12, cap=5)
+def _check_partition(results: list, cap: int) -> None:
     by_digest: dict[bytes, set[str]] = {}
     for pid, spec in results:
         assert spec is not None, f"{pid} got no group"
@@ -48,7 +48,23 @@ def test_every_peer_lands_in_exactly_one_group_with_one_spec() -> None:
     for digest, holders in by_digest.items():
         spec = next(s for _, s in results if s.digest == digest)
         assert holders == {m.peer_id for m in spec.members}
-        assert len(spec.members) <= 5
+        assert len(spec.members) <= cap
+
+
+def test_every_peer_lands_in_exactly_one_group_with_one_spec() -> None:
+    _check_partition(_form_all(12, cap=5), cap=5)
+
+
+def test_32_peers_with_a_cap_of_8_form_disjoint_groups() -> None:
+    """Through the DHT and real matchmaking on the simulated network: four full groups.
+    ~8 s of CPU (3 of them starting 32 DHT nodes); 50 peers took ~21 s, too long here."""
+    _check_partition(_form_all(32, cap=8), cap=8)
+
+
+@pytest.mark.slow
+def test_200_peers_with_a_cap_of_32_form_disjoint_groups() -> None:
+    """The issue's figure: 200 peers, groups of at most 32 (~N s of CPU, hence slow)."""
+    _check_partition(_form_all(200, cap=32), cap=32)
 
 
 def test_a_lonely_peer_gets_no_group_without_hanging() -> None:
