@@ -34,10 +34,10 @@ def collaboration_config(cfg: TrainerConfig, mode: str | None = None) -> Any:
     from dedloc_jax import CollaborationConfig
 
     if cfg.model == "tiny":
-        # The matchmaking window stays adaptive (it covers the slowest peer's micro-step): a
-        # fixed short one left the slow peer out of groups, which then averaged alone and
-        # reloaded the others' state (15 times in a 30-epoch demo on a busy machine).
-        base = CollaborationConfig.local_demo(cfg.target_batch_size)
+        # A fixed short window: the adaptive one follows the slowest micro-step, and the first
+        # (compiling) one made epoch 0 wait minutes on a busy machine. On a very busy machine
+        # the slow peer may then miss a group and reload the others' state (handled).
+        base = CollaborationConfig.local_demo(cfg.target_batch_size).replace(matchmaking_time=0.5)
     else:
         base = CollaborationConfig.sahajbert().replace(target_batch_size=cfg.target_batch_size)
     return base.replace(mode=mode) if mode else base
