@@ -222,6 +222,7 @@ class AlbertEmbeddings(nnx.Module):
     def __init__(self, cfg: AlbertConfig, *, rngs: nnx.Rngs):
         e = cfg.embedding_size
         self.word_embeddings = _embed(cfg, cfg.vocab_size, e, rngs, pad=cfg.pad_token_id)
+        self.pad_token_id = cfg.pad_token_id
         self.position_embeddings = _embed(cfg, cfg.max_position_embeddings, e, rngs)
         self.token_type_embeddings = _embed(cfg, cfg.type_vocab_size, e, rngs)
         self.LayerNorm = _layer_norm(cfg, e, rngs)
@@ -234,11 +235,11 @@ class AlbertEmbeddings(nnx.Module):
                 f"sequence of {seq} > {self.position_embeddings.num_embeddings} positions"
             )
         positions = jnp.arange(seq)[None, :]
-        x = (
-            self.word_embeddings(input_ids)
-            + self.position_embeddings(positions)
-            + self.token_type_embeddings(token_type_ids)
-        )
+        words = self.word_embeddings(input_ids)
+        # As torch's padding_idx: the pad row's value is used, but lookups never train it.
+        is_pad = (input_ids == self.pad_token_id)[..., None]
+        words = jnp.where(is_pad, jax.lax.stop_gradient(words), words)
+        x = words + self.position_embeddings(positions) + self.token_type_embeddings(token_type_ids)
         return self.dropout(self.LayerNorm(x), deterministic=deterministic)
 
 
@@ -266,7 +267,13 @@ class AlbertAttention(nnx.Module):
         q, k, v = heads(self.query(x)), heads(self.key(x)), heads(self.value(x))
         drop = self.attention_dropout
         if drop.rate == 0 or (drop.deterministic if deterministic is None else deterministic):
-            context = jax.nn.dot_product_attention(q, k, v, mask=mask)  # scale = head_dim^-0.5
+            context = jax.lax.platform_dependent(
+                q,
+                k,
+                v,
+                cpu=functools.partial(_heads_first_attention, mask=mask),
+                default=functools.partial(jax.nn.dot_product_attention, mask=mask),
+            )  # scale = head_dim^-0.5
         else:
             context = self._attention_with_dropout(q, k, v, mask, deterministic)
         out = self.dense(context.reshape(b, t, h))
@@ -282,6 +289,19 @@ class AlbertAttention(nnx.Module):
         probs = jax.nn.softmax(scores, axis=-1)
         probs = self.attention_dropout(probs, deterministic=deterministic).astype(v.dtype)
         return jnp.einsum("bnts,bsnd->btnd", probs, v)
+
+
+def _heads_first_attention(q, k, v, *, mask):
+    """``jax.nn.dot_product_attention`` (q, k, v: [B, T, N, D]) for XLA:CPU, where it runs
+    forward and backward about a quarter faster with the heads moved ahead of the positions
+    once, so that both products are plain batched matrix products."""
+    q, k, v = (y.transpose(0, 2, 1, 3) for y in (q, k, v))  # [B, N, T, D]
+    scores = jnp.matmul(q, k.swapaxes(-1, -2), preferred_element_type=jnp.float32)
+    scores = scores / math.sqrt(q.shape[-1])
+    if mask is not None:
+        scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    return jnp.matmul(probs, v).transpose(0, 2, 1, 3)
 
 
 class AlbertLayer(nnx.Module):

@@ -182,6 +182,32 @@ def test_remat_gives_the_same_loss_and_gradients():
     assert max(float(jnp.abs(g).max()) for g in jax.tree.leaves(grads)) > 1e-3
 
 
+def test_cpu_products_and_attention_equal_the_plain_ones():
+    """The dense product's own weight gradient (transposing x or dy, whichever is smaller) and
+    the CPU attention give what autodiff and jax.nn.dot_product_attention give, with padding."""
+    from models.albert import _heads_first_attention, _linear_dot
+
+    rng = np.random.default_rng(0)
+    for d_in, d_out in (3, 7), (7, 3):
+        x = jnp.asarray(rng.standard_normal((2, 5, d_in)), jnp.float32)
+        w = jnp.asarray(rng.standard_normal((d_in, d_out)), jnp.float32)
+        ours = jax.jit(jax.value_and_grad(lambda x, w: jnp.sum(jnp.sin(_linear_dot(x, w))), (0, 1)))
+        plain = jax.jit(jax.value_and_grad(lambda x, w: jnp.sum(jnp.sin(x @ w)), (0, 1)))
+        for a, b in zip(jax.tree.leaves(ours(x, w)), jax.tree.leaves(plain(x, w)), strict=True):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+    q, k, v = (jnp.asarray(rng.standard_normal((2, 6, 3, 4)), jnp.float32) for _ in range(3))
+    mask = jnp.asarray(np.arange(6)[None, None, None, :] < np.array([6, 4])[:, None, None, None])
+
+    def loss(attention):
+        return lambda q, k, v: jnp.sum(jnp.sin(attention(q, k, v, mask=mask)))
+
+    ours = jax.jit(jax.value_and_grad(loss(_heads_first_attention), (0, 1, 2)))(q, k, v)
+    ref = jax.jit(jax.value_and_grad(loss(jax.nn.dot_product_attention), (0, 1, 2)))(q, k, v)
+    for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(ref), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
 def test_losses_skip_ignored_labels():
     rng = np.random.default_rng(0)
     logits = rng.normal(size=(2, 5, 7)).astype(np.float32)
