@@ -147,7 +147,10 @@ class CollaborationCore:
         up, down = self._bandwidth()
         me = member_for(str(self.node.peer_id), self.mode, up, down, float(samples))
         started = trio.current_time()
-        spec = await self.matchmaker.form_group(epoch, me, target=self.config.target_batch_size)
+        # Registration closes as soon as every peer the tracker sees at this epoch is in.
+        spec = await self.matchmaker.form_group(
+            epoch, me, target=self.config.target_batch_size, expected=self._peers_at(epoch)
+        )
         group_size = 1
         result = [np.asarray(a) for a in arrays]
         if spec is not None:
@@ -213,7 +216,9 @@ class CollaborationCore:
             )
             up, down = self._bandwidth()
             me = member_for(str(self.node.peer_id), "aux", up, down, 0.0)
-            spec = await self.matchmaker.form_group(epoch, me, target=self.config.target_batch_size)
+            spec = await self.matchmaker.form_group(
+                epoch, me, target=self.config.target_batch_size, expected=self._peers_at(epoch)
+            )
             if spec is not None:
                 try:
                     await all_reduce(

@@ -98,6 +98,7 @@ def test_peers_with_10x_spread_step_together_on_the_target() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)
 def test_20_peers_with_10x_spread_step_together_on_the_target() -> None:
     """The issue's figure: 20 peers, throughputs from 4 to 40 samples/s (geometric), each
     epoch within one micro-batch per peer of the target. ~35 s of CPU (every progress

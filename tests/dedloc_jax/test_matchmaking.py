@@ -62,6 +62,7 @@ def test_32_peers_with_a_cap_of_8_form_disjoint_groups() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(3600)
 def test_200_peers_with_a_cap_of_32_form_disjoint_groups() -> None:
     """The issue's figure: 200 peers, groups of at most 32 (~N s of CPU, hence slow)."""
     _check_partition(_form_all(200, cap=32), cap=32)

@@ -74,3 +74,32 @@ def test_estimate_reaches_target_near_true_sum(seed: int) -> None:
             nursery.cancel_scope.cancel()
 
     run_sim(main, seed=seed)
+
+
+def test_samples_toward_the_next_epoch_count_once_the_round_in_flight_ends() -> None:
+    """Delayed updates: while this peer averages epoch 2 it trains toward epoch 3; others keep
+    seeing its final epoch-2 record (rate zero), and its epoch-3 samples survive the round."""
+    config = CollaborationConfig.local_demo(target_batch_size=100)
+
+    async def main() -> None:
+        net = SimNetwork(seed=2)
+        async with open_sim_dhts(net, 1) as peers:
+            tracker = ProgressTracker(peers[0][1], "run", config, "node")
+            tracker.set_epoch(2)
+            for samples in (10, 20, 30):
+                await trio.sleep(1.0)
+                tracker.report(2, samples, 10)
+            await tracker.freeze()
+            for samples in (10, 20):
+                await trio.sleep(1.0)
+                tracker.report(3, samples, 10)
+            mine = tracker.own_progress()
+            assert (mine.epoch, mine.samples, mine.samples_per_second) == (2, 30, 0.0)
+            tracker.set_epoch(3)
+            mine = tracker.own_progress()
+            assert (mine.epoch, mine.samples) == (3, 20)
+            assert mine.samples_per_second > 0  # still training: the rate was never paused
+            tracker.set_epoch(5)  # a jump (e.g. a state download) drops them
+            assert (tracker.epoch, tracker.samples) == (5, 0)
+
+    run_sim(main)
