@@ -24,7 +24,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
-from scipy.optimize import linprog
 
 from .errors import GroupError, LoadBalancingError
 from .group import Member
@@ -105,6 +104,8 @@ def _solve_lp(
                 row[k] = -1.0
             a_ub.append(row)
             b_ub.append(rhs)
+    from scipy.optimize import linprog  # lazy: importing scipy.optimize costs ~1.6 s
+
     res = linprog(
         [0.0] * k + [1.0],
         A_ub=np.array(a_ub),
