@@ -271,15 +271,16 @@ class Chaos:
         order: list[str] = []
         misses = 0
         while len(self.kills) < self.args.kills and time.monotonic() < self.deadline:
-            if not order:
-                order = [str(k) for k in self.rng.permutation(KINDS)]
-            kind = order.pop()
-            if not self.kill_in(kind, wait=30.0):
+            if not order:  # a state download follows a restart: aim at it after a kill
+                order = [str(k) for k in self.rng.permutation(KINDS[:2])] + ["loading"]
+            kind = order.pop(0)
+            for _ in range(3):  # the same aim again if no peer was in that phase in time
+                if self.kill_in(kind, wait=30.0):
+                    log.info("kill %d (%s)", len(self.kills), kind)
+                    self.sleep(float(self.rng.uniform(0.0, self.args.pause)))
+                    break
                 misses += 1
                 log.info("no peer was %s within 30 s", kind)
-            else:
-                log.info("kill %d (%s)", len(self.kills), kind)
-                self.sleep(float(self.rng.uniform(0.0, self.args.pause)))
         self.misses = misses
         # Let every peer come back and take part in a few more epochs, then stop.
         self.kills_done_at = time.monotonic()
@@ -424,7 +425,9 @@ def run_chaos(args: argparse.Namespace) -> dict[str, Any]:
         chaos.run()
     finally:
         chaos.stop_all()
-    return chaos.report()
+    result = chaos.report()
+    (out / "result.json").write_text(json.dumps(result, indent=1))
+    return result
 
 
 def main(argv: list[str] | None = None) -> None:
