@@ -13,7 +13,9 @@ step by step and the median of each is kept, so that load from other processes h
 Threads: ``--threads N`` pins the process to N cores before JAX starts (XLA:CPU sizes its
 thread pool from the cores it may use) and gives torch N threads. The default is 1: on a
 small shared machine single-threaded figures are the reproducible ones. ``--threads 0`` uses
-every core the process may run on.
+every core the process may run on. JAX runs CPU programs in the calling thread, as torch
+does (``jax_cpu_enable_async_dispatch`` off; ``--async-dispatch`` keeps JAX's default, which
+hands each step to another thread: on a loaded machine every hand-off waits for a core).
 
 GPU: where JAX sees a GPU (and unless ``--no-gpu``), the sahajBERT config is timed at sequence
 512 in bfloat16 compute with float32 master weights, with its model FLOPs utilisation against
@@ -229,10 +231,12 @@ def gpu_figures(batch: int, seq: int, warmup: int, reps: int, peak_tflops: float
     )
 
 
-def pin_threads(threads: int) -> int:
+def pin_threads(threads: int, async_dispatch: bool = False) -> int:
     """Restrict this process to ``threads`` cores (0: all it may use) before JAX starts its
     CPU client, and give torch as many threads. Returns the thread count used."""
     import torch
+
+    jax.config.update("jax_cpu_enable_async_dispatch", async_dispatch)
 
     allowed = sorted(os.sched_getaffinity(0))
     if threads <= 0 or threads >= len(allowed):
@@ -250,6 +254,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=8, help="timed steps of each side")
     parser.add_argument("--threads", type=int, default=1, help="CPU cores for both (0: all)")
+    parser.add_argument("--async-dispatch", action="store_true", help="JAX's default on CPU")
     parser.add_argument("--gpu-batch", type=int, default=32)
     parser.add_argument("--gpu-seq", type=int, default=512)
     parser.add_argument("--gpu-peak-tflops", type=float, default=None)
@@ -259,10 +264,11 @@ def main(argv=None) -> dict:
 
     figures: dict = {}
     if args.gpu_only:
-        threads = pin_threads(0)  # the GPU's host side gets every core
+        threads = pin_threads(0, async_dispatch=True)  # the GPU's host side gets every core
     else:
-        threads = pin_threads(args.threads)
+        threads = pin_threads(args.threads, args.async_dispatch)
         figures.update(cpu_figures(args.batch, args.seq, args.warmup, args.steps, threads))
+        figures["jax_cpu_async_dispatch"] = args.async_dispatch
     has_gpu = any(d.platform == "gpu" for d in jax.devices())
     if args.no_gpu:
         figures.update(gpu_ran=False, gpu_skipped="--no-gpu")
