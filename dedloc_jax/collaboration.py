@@ -65,6 +65,15 @@ class ProgressSnapshot:
         return samples + self.others_samples + elapsed * self.others_samples_per_second >= target
 
 
+def _only_averaging(group: BaseExceptionGroup) -> BaseExceptionGroup:
+    """The averaging failures a round's nursery wrapped in a group (e.g. a share lost even
+    after repair, seen at 40 peers); anything else in the group is re-raised."""
+    failed, rest = group.split((AllReduceError, GroupError))
+    if rest is not None or failed is None:
+        raise group
+    return failed
+
+
 class CollaborationCore:
     """The trio side of a collaboration; use :func:`open_collaboration`."""
 
@@ -170,6 +179,8 @@ class CollaborationCore:
                 group_size = len(spec.members)
             except (AllReduceError, GroupError) as e:
                 log.warning("averaging at epoch %d failed: %s", epoch, e)
+            except BaseExceptionGroup as group:
+                log.warning("averaging at epoch %d failed: %s", epoch, _only_averaging(group))
         if group_size == 1 and self.config.on_no_group == "skip":
             result = [np.zeros_like(np.asarray(a)) for a in arrays]
         self.epoch = epoch + 1
@@ -234,6 +245,9 @@ class CollaborationCore:
                     rounds += 1
                 except (AllReduceError, GroupError) as e:
                     log.warning("aux averaging at epoch %d failed: %s", epoch, e)
+                except BaseExceptionGroup as group:
+                    failure = _only_averaging(group)
+                    log.warning("aux averaging at epoch %d failed: %s", epoch, failure)
             self.epoch = epoch + 1
             self.tracker.set_epoch(self.epoch)
         return rounds

@@ -186,3 +186,43 @@ def test_a_lagging_peer_is_excluded_then_resyncs_from_the_others() -> None:
     assert out["epochs"] == [6, 6, 6]
     assert out["final_equal"]
     assert out["c_groups"][-2:] == [3, 3]  # back in the others' groups
+
+
+def test_a_round_failing_inside_its_nursery_leaves_the_peer_stepping_alone(monkeypatch) -> None:
+    """The butterfly's round reports a lost share wrapped in its nursery's ExceptionGroup
+    (seen at 40 peers in bench.collaboration); the peer must step alone, not crash."""
+    from dedloc_jax import collaboration
+    from dedloc_jax.averaging.errors import ShareLostError
+
+    calls = []
+
+    async def failing_all_reduce(*args, **kwargs):
+        calls.append(args[1])  # the group spec: the two peers did form a group
+        raise ExceptionGroup("round", [ShareLostError("share 1 lost", shares=(1,))])
+
+    monkeypatch.setattr(collaboration, "all_reduce", failing_all_reduce)
+    config = CollaborationConfig.local_demo(16)
+
+    async def main() -> list:
+        net = SimNetwork(seed=3)
+        async with open_sim_collaboration(net, 2, config=config, latency=0.01) as cores:
+            outcomes: list = [None, None]
+
+            async def one(i: int) -> None:
+                core = cores[i]
+                samples = 0
+                while not core.report(0, samples + MICRO, MICRO):
+                    samples += MICRO
+                    await trio.sleep(0.1)
+                outcomes[i] = await core.average(0, [np.full(10, i, np.float32)], samples)
+
+            async with trio.open_nursery() as nursery:
+                for i in range(2):
+                    nursery.start_soon(one, i)
+            return outcomes
+
+    outcomes = run_sim(main, seed=3)
+    assert len(calls) == 2 and all(len(spec.members) == 2 for spec in calls)
+    for i, outcome in enumerate(outcomes):
+        assert outcome.group_size == 1 and outcome.epoch == 1
+        assert outcome.gradients[0].tobytes() == np.full(10, i, np.float32).tobytes()
