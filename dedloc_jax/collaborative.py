@@ -153,7 +153,11 @@ def collaborative(
             # Not reported while averaging: others must not see this peer in the next epoch
             # before its registration for this one is in; the next report carries all samples.
             if in_flight["outcome"] is None:
-                in_flight["outcome"] = collab.poll_averaging()  # type: ignore[attr-defined]
+                try:
+                    in_flight["outcome"] = collab.poll_averaging()  # type: ignore[attr-defined]
+                except Exception:  # the averaging failed: re-raised, and nothing is in flight
+                    in_flight.update(active=False, outcome=None)
+                    raise
             return (np.int32(KEEP if in_flight["outcome"] is None else APPLY),)
         ready = collab.report_progress(int(epoch), int(samples), int(batch))
         return (np.int32(STEP if ready else KEEP),)
