@@ -176,7 +176,7 @@ async def _train(
         nursery.cancel_scope.cancel()
 
 
-def simulate(args: argparse.Namespace, *, overlap: bool) -> dict[str, float]:
+def simulate(args: argparse.Namespace, *, overlap: bool) -> dict[str, float | None]:
     """One run of the collaboration (same peers, links and churn for a given seed)."""
     rng = random.Random(args.seed)
     peers = _draw_peers(args.peers, rng, args.payload_scale)
@@ -270,8 +270,15 @@ def simulate(args: argparse.Namespace, *, overlap: bool) -> dict[str, float]:
         "compute_fraction": round(statistics.mean(fractions), 4),
         "min_compute_fraction": round(min(fractions), 4),
         "epoch_time_ratio": round(mean_epoch / ideal, 4),
-        # samples averaged per epoch / target: > 1 is overshoot (computed past the target)
-        "samples_per_target": round(statistics.mean(contributed.values()) / args.target, 4),
+        # samples averaged per epoch / target (> 1: computed past the target), over all but
+        # the last epoch, whose rounds the end of the run cuts off
+        "samples_per_target": round(
+            statistics.mean(n for e, n in contributed.items() if e < max(contributed))
+            / args.target,
+            4,
+        )
+        if len(contributed) > 1
+        else None,
         "epoch_seconds": round(mean_epoch, 3),
         "ideal_epoch_seconds": round(ideal, 3),
         "lp_bound_seconds": round(lp_bound, 3),
