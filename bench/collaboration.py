@@ -247,11 +247,14 @@ def simulate(args: argparse.Namespace, *, overlap: bool) -> dict[str, float | No
     fractions = [p.compute / (p.left - p.joined) for p in trainers]
     ends = sorted({t for p in everyone for _, t, _ in p.epochs})
     contributed: dict[int, int] = {}
-    per_epoch: dict[int, float] = {}
+    ended: dict[int, list[float]] = {}
     for p in everyone:
         for e, t, n in p.epochs:
             contributed[e] = contributed.get(e, 0) + n
-            per_epoch[e] = max(per_epoch.get(e, 0.0), t)
+            ended.setdefault(e, []).append(t)
+    # An epoch ends when its peers' rounds end: the median, which one straggler (a round
+    # that timed out, a newcomer) cannot move.
+    per_epoch = {e: statistics.median(ts) for e, ts in ended.items()}
     times = [per_epoch[e] for e in sorted(per_epoch)]
     epoch_times = [b - a for a, b in zip(times, times[1:], strict=False)]
     total_rate = sum(p.rate for p in peers)
