@@ -138,6 +138,13 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
         default=0.0,
         help="seconds to sleep per micro-step (simulates a slower device)",
     )
+    g.add_argument(
+        "--wait-for-trainers",
+        type=int,
+        default=0,
+        help="before the first step, wait up to 60 s until this many other trainers are in the "
+        "run (a local demo's first epoch is then a group one; a real run waits for nobody)",
+    )
     g.add_argument("--save-final", type=Path, help="write the final parameters here (.npz)")
     g = p.add_argument_group("coordinator")
     g.add_argument(
@@ -217,6 +224,7 @@ def trainer_config(args: argparse.Namespace, base: TrainerConfig | None = None) 
         work_dir=args.work_dir,
         bf16=args.bf16 or base.bf16,
         step_delay=args.step_delay or base.step_delay,
+        wait_for_trainers=getattr(args, "wait_for_trainers", 0) or base.wait_for_trainers,
     )
     return cfg
 

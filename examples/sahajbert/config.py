@@ -65,6 +65,7 @@ class TrainerConfig:
     tokenizer: str | None = None  # a saved tokenizer directory; default: work_dir/tokenizer
     max_epochs: int | None = None  # stop after this collaboration epoch (None: run forever)
     step_delay: float = 0.0  # seconds slept per micro-step: simulates a slower device
+    wait_for_trainers: int = 0  # before the first step, wait (<= 60 s) for this many other trainers
     seed: int = 0
 
     def __post_init__(self) -> None:

@@ -214,6 +214,7 @@ def start_run(
         final.unlink(missing_ok=True)
         finals.append(final)
         args = ["trainer", *base, "--initial-peers", addr, "--save-final", str(final)]
+        args += ["--wait-for-trainers", str(demo.trainers - 1)]
         if i >= demo.trainers - demo.client_trainers:
             args.append("--client-mode")
         if i == 1 or demo.trainers == 1:

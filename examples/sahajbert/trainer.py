@@ -123,6 +123,9 @@ def run_trainer(
         data = training.batches(cfg, corpus, vocab, peer_seed)
         if devices > 1:  # data parallel over this peer's accelerators (jax.sharding)
             params, opt_state, data = _spread(params, opt_state, data)
+        if cfg.wait_for_trainers > 0:
+            seen = _wait_for_trainers(collab, cfg.wait_for_trainers, timeout=60.0)
+            log.info("%d other trainer(s) in the run at the start", seen)
         log.info("training on %d local device(s), %d samples per micro-step", devices, micro)
         result = _loop(cfg, collab, step, data, params, opt_state, devices)
         params, opt_state = result.pop("params"), result.pop("opt_state")
@@ -164,6 +167,27 @@ def _load_or_start(
         if share:
             dedloc_jax.share_state(collab, params, opt_state)
     return params, opt_state
+
+
+def _wait_for_trainers(collab: Any, count: int, *, timeout: float) -> int:
+    """Wait (bounded) until ``count`` other trainers have published a progress record.
+
+    Without it, in a local demo the trainer that finishes starting first takes the first epochs
+    alone and the others load its state; with it, the first epoch is a group one. The wait is
+    bounded and a real run does not use it: a collaboration never waits for anybody.
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        seen = collab.run_async(_publish_and_count, collab.peer_id)
+        if seen >= count or time.monotonic() >= deadline:
+            return seen
+        time.sleep(0.5)
+
+
+async def _publish_and_count(core: Any, own: str) -> int:
+    await core.tracker.publish()
+    await core.tracker.fetch()
+    return sum(r.mode != "aux" and peer != own for peer, r in core.tracker.records.items())
 
 
 def _other_trainers(collab: Any) -> bool:

@@ -38,7 +38,10 @@ def test_processes_train_together_and_loss_falls(short_demo) -> None:
     assert [r["epoch"] for r in result.rows] == list(range(demo.epochs))
     with (out / "metrics.csv").open() as f:
         assert [int(r["epoch"]) for r in csv.DictReader(f)] == list(range(demo.epochs))
-    assert all(r["peers"] == 2 and r["samples"] >= CFG.target_batch_size for r in result.rows)
+    assert all(r["samples"] >= CFG.target_batch_size for r in result.rows)
+    # The run waits for nobody: a trainer that finished starting first may take epoch 0 alone
+    # (the other then loads its state); from epoch 1 on both trainers step together.
+    assert all(r["peers"] == 2 for r in result.rows[1:]), [r["peers"] for r in result.rows]
     # the first step runs at learning rate 0 (warmup), so compare with the last epoch
     assert result.rows[-1]["loss"] < result.rows[0]["loss"] - 0.02
     assert result.plot is not None and result.plot.stat().st_size > 1000
