@@ -7,6 +7,8 @@ step alone: they fall back, in group order, to the next member as leader.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import trio
 
 from dedloc_jax.grouping import assign_groups, group_seed
@@ -17,17 +19,18 @@ from tests.dedloc_jax.simcollab import open_sim_dhts
 EPOCH = 3
 
 
-def test_followers_of_a_dead_leader_form_a_group_with_the_next_member() -> None:
-    n = 5
+def _form_while_one_dies(n: int, seed: int, pick_victim: Callable[[int], int]) -> tuple[str, list]:
+    """All ``n`` peers form a group for EPOCH; the one ``pick_victim(leader index)`` names
+    registers, then its host dies. Returns the victim's ID and every peer's spec (None: none)."""
 
     async def main() -> tuple[str, list]:
-        net = SimNetwork(seed=1)
+        net = SimNetwork(seed=seed)
         async with open_sim_dhts(net, n, latency=0.01) as peers:
             ids = [str(node.peer_id) for node, _ in peers]
             groups = assign_groups(sorted(ids), max_group_size=64, seed=group_seed("run", EPOCH))
             assert len(groups) == 1
-            leader = ids.index(groups[0][0])
-            assert leader != 0  # node 0 is the DHT's bootstrap node: keep it
+            victim = pick_victim(ids.index(groups[0][0]))
+            assert victim != 0  # node 0 is the DHT's bootstrap node: keep it
             makers = []
             for node, dht in peers:
                 mm = Matchmaker(node, dht, "run", max_group_size=64)
@@ -38,7 +41,7 @@ def test_followers_of_a_dead_leader_form_a_group_with_the_next_member() -> None:
 
             async def one(i: int) -> None:
                 me = member_for(ids[i], "node", 1e6, 1e6, 8.0)
-                if i == leader:  # registers, then its host dies before it leads
+                if i == victim:  # registers, then its host dies
                     with trio.move_on_after(0.3):
                         await makers[i].form_group(EPOCH, me)
                     net.kill(host_of(net, peers[i][0]))
@@ -48,9 +51,14 @@ def test_followers_of_a_dead_leader_form_a_group_with_the_next_member() -> None:
             async with trio.open_nursery() as nursery:
                 for i in range(n):
                     nursery.start_soon(one, i)
-            return ids[leader], specs
+            return ids[victim], specs
 
-    dead, specs = run_sim(main, seed=1)
+    return run_sim(main, seed=seed)
+
+
+def test_followers_of_a_dead_leader_form_a_group_with_the_next_member() -> None:
+    n = 5
+    dead, specs = _form_while_one_dies(n, seed=1, pick_victim=lambda leader: leader)
     survivors = [s for s in specs if s is not None]
     assert len(survivors) == n - 1, specs  # nobody of the dead leader's group was left alone
     members = {m.peer_id for m in survivors[0].members}
@@ -64,36 +72,10 @@ def test_a_follower_is_never_told_no_group_while_the_leader_waits_for_a_dead_mem
     the leader's spec names them."""
     n = 4
 
-    async def main() -> tuple[str, list]:
-        net = SimNetwork(seed=2)
-        async with open_sim_dhts(net, n, latency=0.01) as peers:
-            ids = [str(node.peer_id) for node, _ in peers]
-            groups = assign_groups(sorted(ids), max_group_size=64, seed=group_seed("run", EPOCH))
-            leader = ids.index(groups[0][0])
-            victim = next(i for i in range(1, n) if i != leader)
-            makers = []
-            for node, dht in peers:
-                mm = Matchmaker(node, dht, "run", max_group_size=64)
-                mm.register()
-                mm.window = 1.0
-                makers.append(mm)
-            specs: list = [None] * n
+    def a_follower(leader: int) -> int:
+        return next(i for i in range(1, n) if i != leader)
 
-            async def one(i: int) -> None:
-                me = member_for(ids[i], "node", 1e6, 1e6, 8.0)
-                if i == victim:  # registers, then dies: the leader waits for it in vain
-                    with trio.move_on_after(0.3):
-                        await makers[i].form_group(EPOCH, me)
-                    net.kill(host_of(net, peers[i][0]))
-                    return
-                specs[i] = await makers[i].form_group(EPOCH, me)
-
-            async with trio.open_nursery() as nursery:
-                for i in range(n):
-                    nursery.start_soon(one, i)
-            return ids[victim], specs
-
-    dead, specs = run_sim(main, seed=2)
+    dead, specs = _form_while_one_dies(n, seed=2, pick_victim=a_follower)
     survivors = [s for s in specs if s is not None]
     assert len(survivors) == n - 1, specs
     assert all(s.digest == survivors[0].digest for s in survivors)
