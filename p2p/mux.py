@@ -8,31 +8,12 @@ frame, so frames of concurrent streams interleave). A peer sending beyond its wi
 otherwise breaking the protocol, gets its whole connection closed; memory per connection is
 bounded by ``max_inbound_streams * initial_window``.
 
-Wire format: each channel frame carries exactly one mux frame, a 5-byte header (kind: u8,
-stream id: u32 big-endian) and a payload. Stream ids opened by the dialing side are odd,
-by the listening side even, and increase monotonically, so both sides can open streams
-without coordinating and stale frames for finished streams are recognised and dropped.
-
-Kinds: OPEN (empty payload), DATA (bytes), WINDOW (u32 credit increment), EOF (the sender
-will write no more), DATA_EOF (DATA then EOF: a whole request or response in one frame),
-OPEN_DATA and OPEN_DATA_EOF (a stream's first frame carrying data: a unary call is one frame
-each way; the opener assigns the id when that frame leaves, keeping ids ordered on the wire),
-RESET (utf-8 reason; both directions abort, data already received stays readable), GOAWAY
-(utf-8 reason; the sender is closing the connection; its stream id field is the last stream
-the sender saw opened, so the peer knows which of its streams were never processed and may
-safely retry them elsewhere: :attr:`MuxStream.unprocessed`), BULK (u32 n: the next channel
-frame is n bytes of DATA for this stream, with no mux header).
-
-Why BULK: a large buffer (a 1 MiB tensor chunk) then travels as a channel frame of its own, so
-the sender encrypts it straight from the caller's memory (no header + payload concatenation)
-and the receiver's decrypted frame *is* the chunk: a message made of it is handed over without
-another copy. The two frames leave in one channel write, so nothing can come between them.
+The wire format is in :mod:`p2p.mux_frames`.
 """
 
 from __future__ import annotations
 
 import logging
-import struct
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
@@ -41,31 +22,31 @@ from typing import Any, Protocol
 import trio
 
 from p2p.errors import ConnectionClosed, ProtocolError
+from p2p.mux_frames import (
+    BULK,
+    BULK_MIN,
+    BULK_PAYLOAD,
+    DATA,
+    DATA_EOF,
+    EOF,
+    GOAWAY,
+    HEADER,
+    KIND_NAMES,
+    MAX_STREAM_ID,
+    MAX_WINDOW,
+    OPEN,
+    OPEN_DATA,
+    OPEN_DATA_EOF,
+    OPENING,
+    RESET,
+    WINDOW,
+    WINDOW_PAYLOAD,
+    decode_frame,
+    encode_frame,
+    reason_bytes,
+)
 
 logger = logging.getLogger(__name__)
-
-OPEN, DATA, WINDOW, EOF, RESET, GOAWAY, DATA_EOF, OPEN_DATA, OPEN_DATA_EOF, BULK = range(10)
-KIND_NAMES = (
-    "OPEN",
-    "DATA",
-    "WINDOW",
-    "EOF",
-    "RESET",
-    "GOAWAY",
-    "DATA_EOF",
-    "OPEN_DATA",
-    "OPEN_DATA_EOF",
-    "BULK",
-)
-_OPENING = {DATA: OPEN_DATA, DATA_EOF: OPEN_DATA_EOF, EOF: OPEN_DATA_EOF}
-HEADER = struct.Struct("!BI")
-_WINDOW_PAYLOAD = struct.Struct("!I")
-_BULK_PAYLOAD = _WINDOW_PAYLOAD  # u32 byte count of the raw frame that follows
-BULK_MIN = 64 << 10
-"""Buffers at least this long are sent as BULK frames (below it a copy is cheaper than a frame)."""
-MAX_REASON_BYTES = 256
-MAX_STREAM_ID = 2**32 - 1
-MAX_WINDOW = 2**31 - 1
 
 
 class FrameChannel(Protocol):
@@ -121,41 +102,6 @@ class MemoryBudget:
 
     def release(self, n: int) -> None:
         self.used -= n
-
-
-def encode_frame(kind: int, stream_id: int, payload: bytes | bytearray | memoryview = b"") -> bytes:
-    """One mux frame as bytes (pure; used for every frame we send)."""
-    return b"".join((HEADER.pack(kind, stream_id), payload))
-
-
-def decode_frame(frame: bytes | bytearray | memoryview) -> tuple[int, int, memoryview]:
-    """Split a frame into (kind, stream id, payload); ProtocolError for malformed frames."""
-    view = memoryview(frame)
-    if view.format != "B":
-        view = view.cast("B")
-    if len(view) < HEADER.size:
-        raise ProtocolError(f"mux frame of {len(view)} bytes is shorter than its header")
-    kind, stream_id = HEADER.unpack_from(view)
-    if kind > BULK:
-        raise ProtocolError(f"unknown mux frame kind {kind}")
-    payload = view[HEADER.size :]
-    if kind == OPEN and len(payload):
-        raise ProtocolError("OPEN frame with a payload")
-    if kind == EOF and len(payload):
-        raise ProtocolError("EOF frame with a payload")
-    if kind == WINDOW and len(payload) != _WINDOW_PAYLOAD.size:
-        raise ProtocolError("WINDOW frame payload is not 4 bytes")
-    if kind == BULK and len(payload) != _BULK_PAYLOAD.size:
-        raise ProtocolError("BULK frame payload is not 4 bytes")
-    if kind in (RESET, GOAWAY) and len(payload) > MAX_REASON_BYTES:
-        raise ProtocolError(f"{KIND_NAMES[kind]} reason longer than {MAX_REASON_BYTES} bytes")
-    if stream_id == 0 and kind != GOAWAY:
-        raise ProtocolError(f"{KIND_NAMES[kind]} frame for stream 0")
-    return kind, stream_id, payload
-
-
-def _reason_bytes(reason: str) -> bytes:
-    return reason.encode("utf-8", "replace")[:MAX_REASON_BYTES]
 
 
 class MuxStream:
@@ -624,12 +570,12 @@ class Mux:
                 if kind == BULK:
                     batch = [(OPEN, []), *batch]
                 else:
-                    batch = [(_OPENING[kind], parts), *batch[1:]]
+                    batch = [(OPENING[kind], parts), *batch[1:]]
             frames: list[Any] = []
             for kind, parts in batch:
                 if kind == BULK:
                     (piece,) = parts
-                    frames.append(HEADER.pack(BULK, sid) + _BULK_PAYLOAD.pack(len(piece)))
+                    frames.append(HEADER.pack(BULK, sid) + BULK_PAYLOAD.pack(len(piece)))
                     frames.append(piece)  # its own channel frame, no mux header, no copy
                 else:
                     frames.append(b"".join((HEADER.pack(kind, sid), *parts)))
@@ -675,7 +621,7 @@ class Mux:
             self._fail("too many refused streams queued (peer not reading?)")
             return
         self._window_updates.pop(stream_id, None)
-        self._control.append(encode_frame(RESET, stream_id, _reason_bytes(reason)))
+        self._control.append(encode_frame(RESET, stream_id, reason_bytes(reason)))
         self._control_lot.unpark_all()
 
     async def _control_loop(self) -> None:
@@ -693,7 +639,7 @@ class Mux:
                         frame = self._control.popleft()
                     else:
                         sid, inc = self._window_updates.popitem()
-                        frame = encode_frame(WINDOW, sid, _WINDOW_PAYLOAD.pack(inc))
+                        frame = encode_frame(WINDOW, sid, WINDOW_PAYLOAD.pack(inc))
                     try:
                         await self.channel.send_frame(frame)
                     except _CHANNEL_ERRORS as e:
@@ -767,7 +713,7 @@ class Mux:
             if not known:
                 raise ProtocolError(f"{KIND_NAMES[kind]} frame for unopened stream {sid}")
             if kind == BULK:  # its data frame follows: drop that too
-                self._bulk = (sid, _BULK_PAYLOAD.unpack(payload)[0])
+                self._bulk = (sid, BULK_PAYLOAD.unpack(payload)[0])
             return  # a frame for a stream that already finished: harmless, drop it
         if kind in (DATA, DATA_EOF):
             n = len(payload)
@@ -786,7 +732,7 @@ class Mux:
                 stream._recv_lot.unpark_all()
                 self._maybe_forget(stream)
         elif kind == BULK:
-            (n,) = _BULK_PAYLOAD.unpack(payload)
+            (n,) = BULK_PAYLOAD.unpack(payload)
             if stream._remote_eof:
                 raise ProtocolError(f"BULK after EOF on stream {sid}")
             if not 0 < n <= stream._recv_window:
@@ -796,7 +742,7 @@ class Mux:
             stream._recv_window -= n
             self._bulk = (sid, n)
         elif kind == WINDOW:
-            (inc,) = _WINDOW_PAYLOAD.unpack(payload)
+            (inc,) = WINDOW_PAYLOAD.unpack(payload)
             stream._send_window += inc
             if stream._send_window > MAX_WINDOW:
                 raise ProtocolError(f"stream {sid}: send window overflow")
@@ -876,7 +822,7 @@ class Mux:
         self._streams_changed()
 
     def _goaway(self, reason: str) -> bytes:
-        return encode_frame(GOAWAY, self._last_remote_id, _reason_bytes(reason))
+        return encode_frame(GOAWAY, self._last_remote_id, reason_bytes(reason))
 
     def _reserve(self, n: int) -> bool:
         if self._held_total + n > self.config.max_buffered_bytes:

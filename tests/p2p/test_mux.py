@@ -66,10 +66,13 @@ class MemoryFrameChannel:
         await self._receive.aclose()
 
 
-def frame_channel_pair(capacity: int = 4) -> tuple[MemoryFrameChannel, MemoryFrameChannel]:
+def frame_channel_pair(
+    capacity: int = 4, first: type[MemoryFrameChannel] = MemoryFrameChannel
+) -> tuple[MemoryFrameChannel, MemoryFrameChannel]:
+    """Two connected channels; the first of class ``first`` (e.g. one that stalls its sends)."""
     a_send, b_receive = trio.open_memory_channel[bytes](capacity)
     b_send, a_receive = trio.open_memory_channel[bytes](capacity)
-    return MemoryFrameChannel(a_send, a_receive), MemoryFrameChannel(b_send, b_receive)
+    return first(a_send, a_receive), MemoryFrameChannel(b_send, b_receive)
 
 
 Handler = Callable[[MuxStream], Awaitable[None]]
@@ -554,10 +557,7 @@ class StallingFrameChannel(MemoryFrameChannel):
 
 def test_cancelling_a_first_send_leaves_no_trace_on_the_wire() -> None:
     async def main() -> None:
-        a_send, b_receive = trio.open_memory_channel[bytes](10)
-        b_send, a_receive = trio.open_memory_channel[bytes](10)
-        ca = StallingFrameChannel(a_send, a_receive)
-        cb = MemoryFrameChannel(b_send, b_receive)
+        ca, cb = frame_channel_pair(10, first=StallingFrameChannel)
         client = Mux(ca, initiator=True, handle_stream=_no_streams)
         server = Mux(cb, initiator=False, handle_stream=echo)
         async with trio.open_nursery() as nursery:
@@ -720,10 +720,8 @@ def test_a_send_cancelled_between_a_bulk_header_and_its_data_closes_the_connecti
     closes (channels that write several frames at once never stop in between)."""
 
     async def main() -> None:
-        a_send, b_receive = trio.open_memory_channel[bytes](10)
-        b_send, a_receive = trio.open_memory_channel[bytes](10)
-        ca = StallAfterFrames(a_send, a_receive)
-        server = Mux(MemoryFrameChannel(b_send, b_receive), initiator=False, handle_stream=echo)
+        ca, cb = frame_channel_pair(10, first=StallAfterFrames)
+        server = Mux(cb, initiator=False, handle_stream=echo)
         client = Mux(ca, initiator=True, handle_stream=_no_streams)
         async with trio.open_nursery() as nursery:
             await nursery.start(client.run)

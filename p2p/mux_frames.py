@@ -1,0 +1,86 @@
+"""The multiplexer's frames: kinds, header, encoding and checked decoding (pure, no I/O).
+
+Wire format: each channel frame carries exactly one mux frame, a 5-byte header (kind: u8,
+stream id: u32 big-endian) and a payload. Stream ids opened by the dialing side are odd,
+by the listening side even, and increase monotonically, so both sides can open streams
+without coordinating and stale frames for finished streams are recognised and dropped.
+
+Kinds: OPEN (empty payload), DATA (bytes), WINDOW (u32 credit increment), EOF (the sender
+will write no more), DATA_EOF (DATA then EOF: a whole request or response in one frame),
+OPEN_DATA and OPEN_DATA_EOF (a stream's first frame carrying data: a unary call is one frame
+each way; the opener assigns the id when that frame leaves, keeping ids ordered on the wire),
+RESET (utf-8 reason; both directions abort, data already received stays readable), GOAWAY
+(utf-8 reason; the sender is closing the connection; its stream id field is the last stream
+the sender saw opened, so the peer knows which of its streams were never processed and may
+safely retry them elsewhere: :attr:`MuxStream.unprocessed`), BULK (u32 n: the next channel
+frame is n bytes of DATA for this stream, with no mux header).
+
+Why BULK: a large buffer (a 1 MiB tensor chunk) then travels as a channel frame of its own, so
+the sender encrypts it straight from the caller's memory (no header + payload concatenation)
+and the receiver's decrypted frame *is* the chunk: a message made of it is handed over without
+another copy. The two frames leave in one channel write, so nothing can come between them.
+"""
+
+from __future__ import annotations
+
+import struct
+
+from p2p.errors import ProtocolError
+
+OPEN, DATA, WINDOW, EOF, RESET, GOAWAY, DATA_EOF, OPEN_DATA, OPEN_DATA_EOF, BULK = range(10)
+KIND_NAMES = (
+    "OPEN",
+    "DATA",
+    "WINDOW",
+    "EOF",
+    "RESET",
+    "GOAWAY",
+    "DATA_EOF",
+    "OPEN_DATA",
+    "OPEN_DATA_EOF",
+    "BULK",
+)
+OPENING = {DATA: OPEN_DATA, DATA_EOF: OPEN_DATA_EOF, EOF: OPEN_DATA_EOF}
+HEADER = struct.Struct("!BI")
+WINDOW_PAYLOAD = struct.Struct("!I")
+BULK_PAYLOAD = WINDOW_PAYLOAD  # u32 byte count of the raw frame that follows
+BULK_MIN = 64 << 10
+"""Buffers at least this long are sent as BULK frames (below it a copy is cheaper than a frame)."""
+MAX_REASON_BYTES = 256
+MAX_STREAM_ID = 2**32 - 1
+MAX_WINDOW = 2**31 - 1
+
+
+def encode_frame(kind: int, stream_id: int, payload: bytes | bytearray | memoryview = b"") -> bytes:
+    """One mux frame as bytes (pure; used for every frame we send)."""
+    return b"".join((HEADER.pack(kind, stream_id), payload))
+
+
+def decode_frame(frame: bytes | bytearray | memoryview) -> tuple[int, int, memoryview]:
+    """Split a frame into (kind, stream id, payload); ProtocolError for malformed frames."""
+    view = memoryview(frame)
+    if view.format != "B":
+        view = view.cast("B")
+    if len(view) < HEADER.size:
+        raise ProtocolError(f"mux frame of {len(view)} bytes is shorter than its header")
+    kind, stream_id = HEADER.unpack_from(view)
+    if kind > BULK:
+        raise ProtocolError(f"unknown mux frame kind {kind}")
+    payload = view[HEADER.size :]
+    if kind == OPEN and len(payload):
+        raise ProtocolError("OPEN frame with a payload")
+    if kind == EOF and len(payload):
+        raise ProtocolError("EOF frame with a payload")
+    if kind == WINDOW and len(payload) != WINDOW_PAYLOAD.size:
+        raise ProtocolError("WINDOW frame payload is not 4 bytes")
+    if kind == BULK and len(payload) != BULK_PAYLOAD.size:
+        raise ProtocolError("BULK frame payload is not 4 bytes")
+    if kind in (RESET, GOAWAY) and len(payload) > MAX_REASON_BYTES:
+        raise ProtocolError(f"{KIND_NAMES[kind]} reason longer than {MAX_REASON_BYTES} bytes")
+    if stream_id == 0 and kind != GOAWAY:
+        raise ProtocolError(f"{KIND_NAMES[kind]} frame for stream 0")
+    return kind, stream_id, payload
+
+
+def reason_bytes(reason: str) -> bytes:
+    return reason.encode("utf-8", "replace")[:MAX_REASON_BYTES]
