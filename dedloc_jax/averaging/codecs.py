@@ -10,7 +10,9 @@ Error bounds (tested), for input ``x`` with ``|x| <= 2**126`` and ``y = decode(e
 * ``fp16``: values are clipped to +-65504, then ``|x - y| <= max(|x| * 2**-11, 2**-25)``;
 * ``bf16``: ``|x - y| <= max(|x| * 2**-8, 2**-133)``;
 * ``int8`` (blocks of 256 values, one float32 scale ``absmax / 127`` each):
-  ``|x - y| <= absmax(block) / 254 * (1 + 2**-20)``.
+  ``|x - y| <= absmax(block) / 254 * (1 + 2**-20) + 127 * 2**-150`` (the last term only matters
+  for blocks whose scale is a subnormal float32, i.e. absmax below ~1.5e-36: the scale's rounding
+  to a multiple of 2**-149 can then push a value past 127 steps, where it is clipped).
 """
 
 from __future__ import annotations
