@@ -85,6 +85,7 @@ class CollaborationCore:
         self.mode = mode
         self.tracker = ProgressTracker(dht, run_id, config, mode)
         self.matchmaker = Matchmaker(node, dht, run_id, max_group_size=config.max_group_size)
+        self.matchmaker.moved_on = self._moved_on
         self.state_server = StateServer(
             node, dht, run_id, chunk_bytes=config.state_chunk_bytes, ttl=config.progress_ttl
         )
@@ -138,6 +139,10 @@ class CollaborationCore:
     @property
     def behind(self) -> bool:
         return self.tracker.current_estimate().epoch > self.tracker.epoch
+
+    def _moved_on(self, peer: str, epoch: int) -> bool:
+        record = self.tracker.records.get(peer)
+        return record is not None and record.epoch > epoch
 
     # --- averaging -----------------------------------------------------------------------
     def _bandwidth(self) -> tuple[float, float]:

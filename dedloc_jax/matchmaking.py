@@ -102,6 +102,9 @@ class Matchmaker:
         self.window = 1.0  # seconds; updated by the collaboration from its predictions
         # Private runs (dedloc_jax.access): raises ValueError unless the peer may take part.
         self.admit: Callable[[PeerID, str | None], Awaitable[None]] | None = None
+        # Whether a peer has gone past an epoch (the tracker knows): a leader stops waiting
+        # for an expected member that already averaged that epoch without it.
+        self.moved_on: Callable[[str, int], bool] = lambda peer, epoch: False
 
     def register(self) -> None:
         self.node.add_handler(JOIN, self._handle_join)
@@ -196,6 +199,15 @@ class Matchmaker:
         fewer than ``target`` samples (this peer may have decided early on an extrapolated
         estimate), a little longer, up to :attr:`max_wait`.
         """
+        try:
+            return await self._form_group(epoch, me, target=target, expected=expected)
+        finally:
+            # This peer's part in the epoch is over: a late join is answered at once.
+            self._opened(epoch).set()
+
+    async def _form_group(
+        self, epoch: int, me: Member, *, target: float, expected: set[str] | frozenset[str]
+    ) -> GroupSpec | None:
         window = self.window
         key = group_key(self.run_id, epoch)
         try:
@@ -258,10 +270,13 @@ class Matchmaker:
             # door open for one window for peers we did not see, and longer (bounded) for
             # those we did.
             with trio.move_on_after(self.max_wait):
-                while not (rnd.expected <= set(rnd.joined)) or (
-                    not rnd.expected and trio.current_time() - started < window
-                ):
-                    with trio.move_on_after(window):
+                while True:
+                    rnd.expected = {p for p in rnd.expected if not self.moved_on(p, epoch)}
+                    if rnd.expected <= set(rnd.joined) and (
+                        rnd.expected or trio.current_time() - started >= window
+                    ):
+                        break
+                    with trio.move_on_after(window / 4):
                         await rnd.changed.wait()
                     rnd.changed = trio.Event()
             rnd.open = False

@@ -67,7 +67,7 @@ def cli_args(cfg: TrainerConfig) -> list[str]:
     return args
 
 
-WARM_UP_VERSION = 2  # bump when what warm_up compiles changes
+WARM_UP_VERSION = 3  # bump when what warm_up compiles changes
 # The code that shapes the compiled programs: an edit there warms up again.
 WARM_UP_SOURCES = (
     "dedloc_jax/collaborative.py",
@@ -76,24 +76,12 @@ WARM_UP_SOURCES = (
 )
 
 
-class _WarmUpHost:
-    """A stand-in collaboration: the second micro-step averages (with itself)."""
-
-    def report_progress(self, epoch: int, samples: int, batch_size: int) -> bool:
-        return samples > batch_size
-
-    def average_gradients(self, epoch: int, gradients: Any, samples: int) -> Any:
-        from dedloc_jax.host import AveragingOutcome
-
-        return AveragingOutcome([np.asarray(g) for g in gradients], epoch + 1, 2)
-
-
 def warm_up(cfg: TrainerConfig) -> None:
     """Build the data cache and compile every program of a trainer's steps once, into the
     persistent cache, so that the peers load them instead of each compiling them at once.
 
-    Two micro-steps through the trainer's own step function (one accumulating, one averaging)
-    reach everything: the gradients, the collaborative accumulation, the inner optimizer.
+    It runs the warm-up every trainer runs before it reports (:func:`training.warm_up_step`),
+    which then loads what this one compiled.
     Skipped (without importing JAX) when a marker says this configuration was warmed before.
     """
     import hashlib
@@ -115,13 +103,9 @@ def warm_up(cfg: TrainerConfig) -> None:
     model_cfg = training.model_config(cfg.model, len(tokenizer), cfg.seq_length, cfg.bf16)
     graphdef, params, rest = training.build_model(model_cfg, seed=cfg.seed)
     micro = cfg.per_device_batch_size * jax.local_device_count() * cfg.grad_accumulation
-    tx = training.make_optimizer(cfg.optimizer, _WarmUpHost(), cfg.target_batch_size)
-    opt_state = tx.init(params)
-    step = training.make_train_step(graphdef, rest, tx, micro)
-    data = training.batches(cfg, corpus, len(tokenizer), 0)
-    for _ in range(2):
-        params, opt_state, loss = step(params, opt_state, next(data))
-    jax.block_until_ready((params, loss))
+    grad_step = training.make_grad_step(graphdef, rest)
+    batch = next(training.batches(cfg, corpus, len(tokenizer), 0))
+    training.warm_up_step(grad_step, training.jitted_inner(cfg.optimizer), micro, params, batch)
     marker.write_text(json.dumps(key))
 
 

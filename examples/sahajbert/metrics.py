@@ -20,6 +20,7 @@ from p2p.dht.records import owner_markers
 log = logging.getLogger(__name__)
 
 HISTORY = 16  # epochs of history kept in a record
+ROW_LAG = 3  # epochs after which a row is final even if a peer did not report it
 
 
 def metrics_key(run_id: str) -> str:
@@ -131,12 +132,15 @@ async def fetch(core: Any) -> dict[str, PeerMetrics]:
 class EpochTable:
     """Aggregates peers' per-epoch figures into one row per collaboration epoch.
 
-    A row for epoch e is final once the collaboration is two epochs past it (every peer has
-    published its figures for e by then) or when :meth:`flush` is called at the end.
+    A peer publishes its figures for epoch e in the same record that says it moved past e, so
+    a row for e is final once every trainer's latest record is past it. A peer that stopped
+    publishing (it died; its record lives until it expires) holds a row back at most until the
+    collaboration is :data:`ROW_LAG` epochs past it. :meth:`flush` finalises the rest.
     """
 
     def __init__(self) -> None:
         self._pending: dict[int, dict[str, EpochFigures]] = {}
+        self._epochs: dict[str, int] = {}  # each trainer's epoch in its latest record
         self.rows: list[dict[str, Any]] = []
         self._done: set[int] = set()
 
@@ -145,11 +149,17 @@ class EpochTable:
             for h in rec.history:
                 if h.epoch not in self._done:
                     self._pending.setdefault(h.epoch, {})[peer] = h
+        if records:  # an empty read (the DHT failed) says nothing about where peers are
+            self._epochs = {p: r.epoch for p, r in records.items() if r.mode != "aux"}
         self._now = now
 
     def ready(self, global_epoch: int) -> list[dict[str, Any]]:
-        """Finalise the rows of epochs at least two behind ``global_epoch``; return new rows."""
-        return self._finalise([e for e in self._pending if e <= global_epoch - 2])
+        """Finalise the rows every trainer has moved past (or :data:`ROW_LAG` behind
+        ``global_epoch``); return the new rows."""
+        passed = min(self._epochs.values()) if self._epochs else -1
+        return self._finalise(
+            [e for e in self._pending if e < passed or e <= global_epoch - ROW_LAG]
+        )
 
     def flush(self) -> list[dict[str, Any]]:
         return self._finalise(list(self._pending))

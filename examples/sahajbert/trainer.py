@@ -34,10 +34,9 @@ def collaboration_config(cfg: TrainerConfig, mode: str | None = None) -> Any:
     from dedloc_jax import CollaborationConfig
 
     if cfg.model == "tiny":
-        # A fixed short window: the adaptive one follows the slowest micro-step, and the first
-        # (compiling) one made epoch 0 wait minutes on a busy machine. On a very busy machine
-        # the slow peer may then miss a group and reload the others' state (handled).
-        base = CollaborationConfig.local_demo(cfg.target_batch_size).replace(matchmaking_time=0.5)
+        # The matchmaking window adapts to the peers' micro-step times; those are real from the
+        # first report on, since trainers compile (warm_up_step) before they report.
+        base = CollaborationConfig.local_demo(cfg.target_batch_size)
     else:
         base = CollaborationConfig.sahajbert().replace(target_batch_size=cfg.target_batch_size)
     return base.replace(mode=mode) if mode else base
@@ -113,19 +112,26 @@ def run_trainer(
     graphdef, params, rest = training.build_model(model_cfg, seed=cfg.seed)
     collab = open_collaboration(cfg, net)
     try:
-        tx = training.make_optimizer(cfg.optimizer, collab, cfg.target_batch_size)
+        inner = training.jitted_inner(cfg.optimizer)
+        tx = training.make_optimizer(cfg.optimizer, collab, cfg.target_batch_size, inner=inner)
         opt_state = tx.init(params)
         params, opt_state = _load_or_start(collab, params, opt_state)
         devices = jax.local_device_count()
         micro = cfg.per_device_batch_size * devices * cfg.grad_accumulation
-        step = training.make_train_step(graphdef, rest, tx, micro)
+        grad_step = training.make_grad_step(graphdef, rest)
+        step = training.make_train_step(graphdef, rest, tx, micro, grad_step=grad_step)
         peer_seed = int.from_bytes(hashlib.sha256(collab.peer_id.encode()).digest()[:4], "big")
         data = training.batches(cfg, corpus, vocab, peer_seed)
         if devices > 1:  # data parallel over this peer's accelerators (jax.sharding)
             params, opt_state, data = _spread(params, opt_state, data)
+        # Compile before the first report: a peer that reported progress and then spends its
+        # first micro-step compiling makes the others wait for it, or step without it.
+        seconds = training.warm_up_step(grad_step, inner, micro, params, next(data))
+        log.info("compiled the training step in %.1f s", seconds)
         if cfg.wait_for_trainers > 0:
+            _publish_ready(collab, devices)
             seen = _wait_for_trainers(collab, cfg.wait_for_trainers, timeout=60.0)
-            log.info("%d other trainer(s) in the run at the start", seen)
+            log.info("%d other trainer(s) ready at the start", seen)
         log.info("training on %d local device(s), %d samples per micro-step", devices, micro)
         result = _loop(cfg, collab, step, data, params, opt_state, devices)
         params, opt_state = result.pop("params"), result.pop("opt_state")
@@ -153,9 +159,7 @@ def _spread(params: Any, opt_state: Any, data: Any) -> tuple[Any, Any, Any]:
     return params, opt_state, (jax.device_put(b, split) for b in data)
 
 
-def _load_or_start(
-    collab: Any, params: Any, opt_state: Any, *, share: bool = True
-) -> tuple[Any, Any]:
+def _load_or_start(collab: Any, params: Any, opt_state: Any) -> tuple[Any, Any]:
     """Load the newest state peers serve; without one, keep (and serve) ours."""
     import dedloc_jax
 
@@ -164,30 +168,64 @@ def _load_or_start(
         log.info("loaded the collaboration's state of epoch %d", epoch)
     except dedloc_jax.StateSyncError as e:
         log.info("nobody serves a state (%s): keeping this peer's", e)
-        if share:
-            dedloc_jax.share_state(collab, params, opt_state)
+        dedloc_jax.share_state(collab, params, opt_state)
     return params, opt_state
 
 
+def _adopt_theirs(collab: Any, params: Any, opt_state: Any) -> tuple[Any, Any]:
+    """After a step alone: load the others' state, unless it is older than ours.
+
+    Ours differs from theirs, so theirs wins where it is as new; an older one (e.g. a peer that
+    is still on its first micro-step serves only the initial state) would undo the run's
+    progress, so then ours is kept and served, and the late peers load it.
+    """
+    import dedloc_jax
+
+    ours = int(opt_state.epoch)
+    try:
+        new_params, new_opt_state, epoch = dedloc_jax.sync_state(collab, params, opt_state)
+    except dedloc_jax.StateSyncError as e:
+        log.info("nobody serves a state (%s): keeping this peer's", e)
+    else:
+        if epoch >= ours:
+            log.info("loaded the collaboration's state of epoch %d", epoch)
+            return new_params, new_opt_state
+        log.info("the newest state served is of epoch %d, ours of %d: keeping ours", epoch, ours)
+    dedloc_jax.share_state(collab, params, opt_state)
+    return params, opt_state
+
+
+def _publish_ready(collab: Any, devices: int) -> None:
+    """A first metrics record (no steps yet): this peer has compiled and is about to train."""
+    record = metrics.PeerMetrics(
+        peer=collab.peer_id,
+        epoch=collab.epoch,
+        loss=math.nan,
+        samples_per_second=0.0,
+        micro_steps=0,
+        samples=0,
+        mode=collab.core.mode,
+        devices=devices,
+    )
+    collab.run_async(lambda c: metrics.publish(c, record, METRICS_TTL))
+
+
 def _wait_for_trainers(collab: Any, count: int, *, timeout: float) -> int:
-    """Wait (bounded) until ``count`` other trainers have published a progress record.
+    """Wait (bounded) until ``count`` other trainers are ready (have published metrics).
 
     Without it, in a local demo the trainer that finishes starting first takes the first epochs
-    alone and the others load its state; with it, the first epoch is a group one. The wait is
+    alone and the others load its state; with it, the first epoch is a group one. Trainers
+    publish metrics only once their step is compiled, so this waits for that too (progress
+    records would not: the collaboration publishes one as soon as it starts). The wait is
     bounded and a real run does not use it: a collaboration never waits for anybody.
     """
     deadline = time.monotonic() + timeout
     while True:
-        seen = collab.run_async(_publish_and_count, collab.peer_id)
+        found = collab.run_async(metrics.fetch)
+        seen = sum(r.mode != "aux" and peer != collab.peer_id for peer, r in found.items())
         if seen >= count or time.monotonic() >= deadline:
             return seen
-        time.sleep(0.5)
-
-
-async def _publish_and_count(core: Any, own: str) -> int:
-    await core.tracker.publish()
-    await core.tracker.fetch()
-    return sum(r.mode != "aux" and peer != own for peer, r in core.tracker.records.items())
+        time.sleep(0.2)
 
 
 def _other_trainers(collab: Any) -> bool:
@@ -265,7 +303,7 @@ def _loop(
                 # the others'; serve nothing and load theirs.
                 log.warning("epoch %d: averaged alone; loading the collaboration's state", epoch)
                 time.sleep(0.5)
-                params, opt_state = _load_or_start(collab, params, opt_state, share=False)
+                params, opt_state = _adopt_theirs(collab, params, opt_state)
                 epoch = int(opt_state.epoch)
             else:
                 dedloc_jax.share_state(collab, params, opt_state)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -171,19 +172,69 @@ def inner_optimizer(opt: OptimizerConfig) -> optax.GradientTransformation:
     )
 
 
-def make_optimizer(opt: OptimizerConfig, collab: Any, target_batch_size: int) -> Any:
+def jitted_inner(opt: OptimizerConfig) -> optax.GradientTransformation:
+    """The inner optimizer with its ``init`` and ``update`` jitted on their own."""
+    inner = inner_optimizer(opt)
+    return optax.GradientTransformation(jax.jit(inner.init), jax.jit(inner.update))
+
+
+def make_optimizer(
+    opt: OptimizerConfig,
+    collab: Any,
+    target_batch_size: int,
+    *,
+    inner: optax.GradientTransformation | None = None,
+) -> Any:
     """``collaborative(clip + LAMB)``; the inner optimizer is jitted on its own.
 
     The training step runs ``collaborative`` on the host (its documented non-jit path): the
     expensive pieces (gradients, the inner update) are separate jitted functions without host
     callbacks, which JAX's persistent compilation cache can store. Peers of a local demo then
-    compile once instead of once each.
+    compile once instead of once each. Pass ``inner`` (from :func:`jitted_inner`) to share its
+    compiled programs with another ``collaborative`` (the warm-up's).
     """
     import dedloc_jax
 
-    inner = inner_optimizer(opt)
-    inner = optax.GradientTransformation(jax.jit(inner.init), jax.jit(inner.update))
+    inner = inner if inner is not None else jitted_inner(opt)
     return dedloc_jax.collaborative(inner, collab, target_batch_size=target_batch_size)
+
+
+class WarmUpHost:
+    """A stand-in collaboration: every second micro-step averages (with itself)."""
+
+    def report_progress(self, epoch: int, samples: int, batch_size: int) -> bool:
+        return samples > batch_size
+
+    def average_gradients(self, epoch: int, gradients: Any, samples: int) -> Any:
+        from dedloc_jax.host import AveragingOutcome
+
+        return AveragingOutcome([np.asarray(g) for g in gradients], epoch + 1, 2)
+
+
+def warm_up_step(
+    grad_step: Any,
+    inner: optax.GradientTransformation,
+    samples_per_step: int,
+    params: Any,
+    batch: dict,
+) -> float:
+    """Compile (or load from the persistent cache) every program of a trainer's steps; seconds.
+
+    Two micro-steps (one accumulating, one averaging with :class:`WarmUpHost`) through the same
+    ``grad_step`` and ``inner`` the real step uses reach them all: the gradients, the eager
+    accumulation of ``collaborative`` and the inner update. Their results are dropped, so a peer
+    that then reports progress computes at its real pace from the first micro-step.
+    """
+    import dedloc_jax
+
+    start = time.perf_counter()
+    tx = dedloc_jax.collaborative(inner, WarmUpHost(), target_batch_size=samples_per_step)
+    step = make_train_step(None, None, tx, samples_per_step, grad_step=grad_step)
+    opt_state = tx.init(params)
+    for _ in range(2):
+        params, opt_state, loss = step(params, opt_state, batch)
+    jax.block_until_ready((params, loss))
+    return time.perf_counter() - start
 
 
 def enable_compilation_cache(directory: Path) -> None:
@@ -228,10 +279,12 @@ def make_grad_step(graphdef: Any, rest: Any):
 _apply_updates = jax.jit(optax.apply_updates)
 
 
-def make_train_step(graphdef: Any, rest: Any, tx: Any, samples_per_step: int):
+def make_train_step(
+    graphdef: Any, rest: Any, tx: Any, samples_per_step: int, *, grad_step: Any = None
+):
     """``step(params, opt_state, batch) -> (params, opt_state, loss)``: the gradients of the
     batch go to ``tx`` (the collaborative optimizer) as ``samples_per_step`` samples."""
-    grad_step = make_grad_step(graphdef, rest)
+    grad_step = grad_step if grad_step is not None else make_grad_step(graphdef, rest)
 
     def step(params: Any, opt_state: Any, batch: dict) -> tuple[Any, Any, jax.Array]:
         grads, loss = grad_step(params, batch)

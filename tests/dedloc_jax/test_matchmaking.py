@@ -72,3 +72,40 @@ def test_200_peers_with_a_cap_of_32_form_disjoint_groups() -> None:
 def test_a_lonely_peer_gets_no_group_without_hanging() -> None:
     results = _form_all(1, cap=4)
     assert results[0][1] is None
+
+
+def _late_peer(leader_is_late: bool) -> tuple[float, float, object]:
+    """Peer A averages an epoch alone; B registers for it after that, sees A's registration
+    and puts both in one group, led by the smaller peer ID: B (``leader_is_late``) or A.
+    Returns B's simulated wait, B's max_wait and B's spec."""
+
+    async def main() -> tuple[float, float, object]:
+        net = SimNetwork(seed=5)
+        async with open_sim_dhts(net, 2, latency=0.01) as peers:
+            makers = {}
+            for node, dht in peers:
+                mm = Matchmaker(node, dht, "run", max_group_size=8)
+                mm.register()
+                mm.window = 1.0
+                makers[str(node.peer_id)] = mm
+            first, second = sorted(makers)
+            a, b = (second, first) if leader_is_late else (first, second)
+            assert await makers[a].form_group(3, member_for(a, "node", 1e6, 1e6, 8.0)) is None
+            # B's tracker has seen A's record for the next epoch.
+            makers[b].moved_on = lambda peer, epoch: peer == a and epoch < 4
+            start = trio.current_time()
+            spec = await makers[b].form_group(3, member_for(b, "node", 1e6, 1e6, 8.0), expected={a})
+            return trio.current_time() - start, makers[b].max_wait, spec
+
+    return run_sim(main, seed=5)
+
+
+@pytest.mark.parametrize("leader_is_late", [True, False])
+def test_a_late_peer_does_not_wait_for_one_that_averaged_the_epoch_already(
+    leader_is_late: bool,
+) -> None:
+    """As leader it stops waiting for the member that moved on; as follower its join is
+    refused at once (the leader is done with the epoch). Before, both waited ``max_wait``."""
+    waited, max_wait, spec = _late_peer(leader_is_late)
+    assert spec is None
+    assert waited < 3.0 < max_wait  # a window (1 s) and a few DHT round trips

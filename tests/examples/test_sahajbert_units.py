@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import urllib.request
+from dataclasses import replace
 
 import jax.numpy as jnp
 import pytest
@@ -51,17 +52,31 @@ def test_parse_records_keeps_only_owner_signed_slots() -> None:
 def test_epoch_table_weights_loss_by_samples_and_writes_each_epoch_once() -> None:
     table = metrics.EpochTable()
     a = _record("a", 2, [(0, 8.0, 30), (1, 6.0, 10)])
-    b = _record("b", 2, [(0, 4.0, 10), (1, 6.0, 30)])
+    b = _record("b", 1, [(0, 4.0, 10)])
     table.add({"a": a, "b": b}, now=1.0)
-    assert table.ready(1) == []  # epoch 0 is final only once the run is two epochs past it
-    rows = table.ready(2)
+    rows = table.ready(2)  # both trainers are past epoch 0; b has not published epoch 1 yet
     assert [r["epoch"] for r in rows] == [0] and table.rows == rows
     assert rows[0]["loss"] == pytest.approx((8.0 * 30 + 4.0 * 10) / 40)
     assert rows[0]["samples"] == 40 and rows[0]["peers"] == 2
-    table.add({"a": a, "b": b}, now=2.0)  # the same history again: no new row for epoch 0
-    assert table.ready(2) == []
-    assert [r["epoch"] for r in table.flush()] == [1]
-    assert [r["epoch"] for r in table.rows] == [0, 1]
+    b = _record("b", 2, [(0, 4.0, 10), (1, 6.0, 30)])
+    table.add({"a": a, "b": b}, now=2.0)  # the same epoch-0 figures again: no new row
+    rows = table.ready(2)
+    assert [r["epoch"] for r in rows] == [1] and rows[0]["peers"] == 2
+    assert rows[0]["loss"] == pytest.approx(6.0)
+    assert [r["epoch"] for r in table.rows] == [0, 1] and table.flush() == []
+
+
+def test_epoch_table_waits_for_a_silent_peer_only_a_few_epochs() -> None:
+    table = metrics.EpochTable()
+    live = _record("a", 5, [(e, 7.0, 16) for e in range(5)])
+    stale = _record("b", 1, [(0, 7.0, 16)])  # b died in epoch 1; its record has not expired
+    aux = replace(_record("c", 0, []), mode="aux")  # the coordinator trains nothing
+    table.add({"a": live, "b": stale, "c": aux}, now=1.0)
+    assert [r["epoch"] for r in table.ready(5)] == [0, 1, 2]  # 3, 4: b might still report
+    table.add({}, now=2.0)  # a failed read changes nothing
+    assert table.ready(5) == []
+    assert [r["epoch"] for r in table.ready(7)] == [3, 4]
+    assert [r["peers"] for r in table.rows] == [2, 1, 1, 1, 1]
 
 
 @pytest.mark.parametrize(
