@@ -6,7 +6,10 @@
 CPU comparison: one step is forward, backward and an Adam update (same hyper-parameters on both
 sides) on a fixed pretraining batch, float32, the same small config and the same weights. Both
 models are in training mode with the same dropout (0 in the encoder, 0.1 on the SOP head).
-Flax runs one jitted program (params and optimizer state donated, as the trainer does). Each
+Flax runs one jitted program (params and optimizer state donated, as the trainer does); its
+loss runs the MLM head (and the vocabulary-wide decoder) on the labelled positions only, as the
+original BERT/ALBERT code does, while transformers' model runs it on every position (it returns
+all the logits): same loss and gradients, less work. Each
 side is warmed up first (Flax compiles then, which is not counted), then the two alternate
 step by step and the median of each is kept, so that load from other processes hits both alike.
 

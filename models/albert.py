@@ -530,14 +530,54 @@ def pretraining_loss(output: AlbertForPreTrainingOutput, mlm_labels, sop_labels)
     )
 
 
-def pretraining_batch_loss(model: AlbertForPreTraining, batch: dict, deterministic=False):
+MLM_CAPACITY = 0.25  # share of the positions the training loss runs the MLM head on
+
+
+def _labelled_mlm_loss(head: AlbertMLMHead, words: nnx.Embed, h, labels, capacity: float):
+    """``masked_lm_loss(head(h, words), labels)``, with the head run only where labels are.
+
+    The head (a dense layer, LayerNorm and the vocabulary-wide decoder, a quarter of a small
+    model's step) is spent on the ~15% labelled positions, gathered into ``ceil(capacity * T)``
+    slots per row, as the original BERT and ALBERT code does with ``masked_lm_positions``. A
+    batch with a row holding more labels than that takes the full-width path (``lax.cond``:
+    only one branch runs), so the loss and its gradients are the same either way.
+    """
+    t = labels.shape[1]
+    k = min(t, math.ceil(capacity * t))
+    if k >= t:
+        return masked_lm_loss(head(h, words), labels)
+    valid = labels != IGNORE_INDEX
+
+    def gathered(h, labels):
+        slots = jnp.argsort(~valid, axis=1, stable=True)[:, :k]  # labelled positions first
+        h_k = jnp.take_along_axis(h, slots[..., None], axis=1)
+        return masked_lm_loss(head(h_k, words), jnp.take_along_axis(labels, slots, axis=1))
+
+    def full(h, labels):
+        return masked_lm_loss(head(h, words), labels)
+
+    fits = jnp.max(jnp.sum(valid, axis=1)) <= k
+    return jax.lax.cond(fits, gathered, full, h, labels)
+
+
+def pretraining_batch_loss(
+    model: AlbertForPreTraining,
+    batch: dict,
+    deterministic=False,
+    mlm_capacity: float = MLM_CAPACITY,
+):
     """``pretraining_loss`` of a batch dict with keys ``input_ids``, ``mlm_labels``,
     ``sop_labels`` and optionally ``attention_mask`` and ``token_type_ids``. Training mode
-    (dropout on) unless ``deterministic``."""
-    out = model(
+    (dropout on) unless ``deterministic``. The MLM head runs only on the labelled positions
+    (see ``_labelled_mlm_loss``; ``mlm_capacity=1`` runs it everywhere); the value is the same.
+    """
+    h, pooled = model.albert(
         batch["input_ids"],
         batch.get("attention_mask"),
         batch.get("token_type_ids"),
         deterministic=deterministic,
     )
-    return pretraining_loss(out, batch["mlm_labels"], batch["sop_labels"])
+    words = model.albert.embeddings.word_embeddings
+    mlm = _labelled_mlm_loss(model.predictions, words, h, batch["mlm_labels"], mlm_capacity)
+    sop_logits = model.sop_classifier(pooled, deterministic=deterministic)
+    return mlm + sentence_order_loss(sop_logits, batch["sop_labels"])

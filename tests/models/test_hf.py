@@ -1,5 +1,7 @@
 """The Flax ALBERT against transformers' PyTorch one, with the same weights."""
 
+import math
+
 import numpy as np
 import pytest
 
@@ -103,14 +105,16 @@ def test_flax_matches_torch_and_round_trips(name):
     assert_close(run_torch(back, ids, mask, types), expected)
 
 
-def test_gradients_match_torch():
+@pytest.mark.parametrize(("rate", "gathered"), [(0.15, True), (0.5, False)])
+def test_gradients_match_torch(rate: float, gathered: bool):
     """The training signal, not just the forward: the pretraining loss and the gradient of
     every weight agree with torch's autograd (our dense layers and attention have their own
-    CPU code paths for speed; the tied decoder's gradient adds two contributions; and, as
-    torch's padding_idx, the padding row learns nothing from the lookups)."""
+    CPU code paths for speed; the tied decoder's gradient adds two contributions; as torch's
+    padding_idx, the padding row learns nothing from the lookups; the MLM head runs on the
+    labelled positions only when every row's labels fit its slots, else on all of them)."""
     from flax.traverse_util import flatten_dict
 
-    from models.albert import pretraining_batch_loss
+    from models.albert import MLM_CAPACITY, pretraining_batch_loss
     from models.hf import _torch_name
 
     fields = CONFIGS["shared-gelu_new"]
@@ -118,7 +122,9 @@ def test_gradients_match_torch():
     ids, mask, types = inputs(fields["vocab_size"])
     ids = np.where(mask == 1, ids, 0)  # padding positions hold the pad id, as in real batches
     rng = np.random.default_rng(1)
-    mlm = np.where((rng.random(ids.shape) < 0.3) & (mask == 1), ids, -100)
+    mlm = np.where((rng.random(ids.shape) < rate) & (mask == 1), ids, -100)
+    slots = math.ceil(MLM_CAPACITY * ids.shape[1])
+    assert ((mlm != -100).sum(1).max() <= slots) == gathered  # the path this case is for
     sop = np.array([0, 1, 1])
     out = eager(
         torch.tensor(ids),
