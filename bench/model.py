@@ -187,12 +187,13 @@ def training_flops_per_token(cfg: AlbertConfig, seq: int) -> float:
 
     Shared weights save memory, not compute: each of the L x inner layer applications counts.
     Per application: q, k, v, output (4 H^2) and the FFN (2 H I) multiply-adds, plus attention
-    scores and their weighted sum (2 T H). Recomputation under remat is not counted.
+    scores and their weighted sum (2 T H). The MLM head counts on the labelled 15% of tokens,
+    where the loss runs it. Recomputation under remat is not counted.
     """
     e, h, i, v = cfg.embedding_size, cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
     applications = cfg.num_hidden_layers * cfg.inner_group_num
     per_layer = 4 * h * h + 2 * h * i + 2 * seq * h
-    heads = h * e + e * v + (h * h + 2 * h) / seq  # MLM dense + tied decoder; pooler + SOP
+    heads = 0.15 * (h * e + e * v) + (h * h + 2 * h) / seq  # MLM dense + tied decoder; SOP
     return 3 * 2 * (e * h + applications * per_layer + heads)
 
 
