@@ -124,8 +124,9 @@ class NodeConfig:
     """Streams a peer may have open to us on one connection; more are reset."""
     max_outbound_streams_per_connection: int = 256
     """Streams we open on one connection at once; more wait for a free slot."""
-    stream_window: int = 4 << 20
-    """Per-stream receive window (bytes a peer may send before we grant more)."""
+    stream_window: int = 16 << 20
+    """Per-stream receive window (bytes a peer may send before we grant more; see
+    :attr:`p2p.mux.MuxConfig.initial_window`). Memory is bounded by the limits below, not by it."""
     max_frame_payload: int = 1 << 20
     """Largest mux DATA frame (also capped by the secure channel's frame size). Bigger frames
     cost less CPU per byte; a small call waits behind at most one frame per busy stream."""
@@ -149,9 +150,9 @@ class NodeConfig:
 
     @classmethod
     def bulk(cls) -> NodeConfig:
-        """Large transfers between few peers (gradients): bigger windows and frames."""
+        """Large transfers between few peers (gradients): bigger windows and messages."""
         return cls(
-            stream_window=16 << 20,
+            stream_window=32 << 20,
             max_frame_payload=1 << 20,
             max_message_size=128 << 20,
             max_buffered_per_connection=320 << 20,

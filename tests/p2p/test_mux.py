@@ -437,7 +437,10 @@ def test_sending_beyond_the_window_closes_the_connection(caplog: pytest.LogCaptu
         ([(OPEN, 1, b""), (EOF, 1, b""), (DATA, 1, b"x")], "after EOF"),
         ([(OPEN, 1, b""), (WINDOW, 1, (2**31).to_bytes(4, "big"))], "overflow"),
         ([(OPEN, 1, b""), (BULK, 1, (0).to_bytes(4, "big"))], "BULK of 0"),
-        ([(OPEN, 1, b""), (BULK, 1, (5 << 20).to_bytes(4, "big"))], "granted"),
+        (
+            [(OPEN, 1, b""), (BULK, 1, (MuxConfig().initial_window + 1).to_bytes(4, "big"))],
+            "granted",
+        ),
         ([(OPEN, 1, b""), (EOF, 1, b""), (BULK, 1, (1).to_bytes(4, "big"))], "BULK after EOF"),
         # the frame after a BULK must be exactly as long as announced (here a 6-byte frame)
         ([(OPEN, 1, b""), (BULK, 1, (10).to_bytes(4, "big")), (DATA, 1, b"x")], "announced 10"),
