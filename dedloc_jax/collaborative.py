@@ -20,9 +20,13 @@ measures it):
   state that the previous one produced (``epoch``, ``samples``, the averaging result), so data
   dependencies sequence them; every result is consumed, so none is dropped; and XLA keeps a
   custom call inside its branch (never turned into a select that runs both branches).
-- On steps that do not average, the big state crosses the branch untouched (with donated
-  buffers XLA aliases it, no copy), and the accumulator is updated outside the branch in one fused
-  pass that resets it when the branch says so.
+- A step that does not average costs what plain optax costs, pass for pass over memory: the
+  accumulator takes the micro-batch in one fused pass before the branch; the big state crosses
+  the branch untouched (with donated buffers XLA aliases it: no copy); and no zero tree is
+  written: the branch hands back the gradients' own dead buffers, masked to zero outside it by a
+  ``where`` that XLA fuses into the caller's ``apply_updates``. Every value a branch writes in
+  place of one it read is computed from the host's answer, which orders the write after the read,
+  so XLA can reuse the buffer instead of copying it on every step.
 
 ``overlap=True`` gives DeDLOC's delayed updates: the averaging runs in the background while the
 peer computes the next epoch's gradients, and the step is applied once it finished.
@@ -167,13 +171,14 @@ def collaborative(
         arrays = [np.array(m, copy=True) for m in means]
         outcome = collab.average_gradients(int(epoch), arrays, int(samples))
         grads = _check_outcome(outcome.gradients, means)
-        return (*grads, np.int32(outcome.epoch), np.int32(outcome.group_size))
+        # the last value: the samples consumed (all of them), which clears the accumulator
+        return (*grads, np.int32(outcome.epoch), np.int32(outcome.group_size), np.int32(samples))
 
     def _start(epoch: np.ndarray, samples: np.ndarray, *means: np.ndarray) -> tuple:
         arrays = [np.array(m, copy=True) for m in means]
         collab.start_averaging(int(epoch), arrays, int(samples))  # type: ignore[attr-defined]
         in_flight.update(active=True, outcome=None)
-        return (np.int32(samples),)  # consumed by the state: the call cannot be dropped
+        return (np.int32(samples),)  # the samples consumed, as in _average
 
     def _collect(specs: Sequence[jax.ShapeDtypeStruct]) -> Callable[..., tuple]:
         def collect(epoch: np.ndarray) -> tuple:
@@ -207,11 +212,16 @@ def collaborative(
 
         (action,) = host(_decide, [int32], state.epoch, samples, batch)
 
-        def scaled(acc: jax.Array, g: jax.Array) -> jax.Array:
-            return acc + g.astype(acc.dtype) * batch.astype(acc.dtype)
+        # Every branch needs the accumulator with this micro-batch in it: one fused pass per leaf,
+        # before the branch (in place when the state is donated).
+        grad_sum = jax.tree.map(
+            lambda acc, g: acc + g.astype(acc.dtype) * batch.astype(acc.dtype),
+            state.grad_sum,
+            updates,
+        )
 
-        def mean_leaves(grads: optax.Updates, grad_sum: optax.Updates) -> tuple[list, Any]:
-            leaves, treedef = jax.tree.flatten(jax.tree.map(scaled, grad_sum, grads))
+        def means_of(grad_sum: optax.Updates) -> tuple[list, Any]:
+            leaves, treedef = jax.tree.flatten(grad_sum)
             return [x / jnp.maximum(samples, 1).astype(x.dtype) for x in leaves], treedef
 
         def step_with(grads: optax.Updates, inner_state: optax.OptState, treedef: Any, got: list):
@@ -221,59 +231,70 @@ def collaborative(
             step_updates, inner_state = inner.update(averaged, inner_state, params, **extra_args)
             return step_updates, inner_state, new_epoch, group_size
 
+        def zeros(tree: Any) -> Any:
+            return jax.tree.map(jnp.zeros_like, tree)
+
+        def consumed(grad_sum: optax.Updates, taken: jax.Array) -> tuple[optax.Updates, jax.Array]:
+            """The accumulator and sample count once the host took ``taken`` samples.
+
+            Computed from the host's answer, so XLA orders it after the host read the
+            accumulator and can write it into the accumulator's buffer; a plain zero tree
+            would have no such order, and XLA would copy the accumulator on every step.
+            """
+            zero = jax.tree.map(lambda a: jnp.where(taken > 0, jnp.zeros((), a.dtype), a), grad_sum)
+            return zero, samples - taken
+
+        # Each branch returns (updates, inner_state, epoch, group_size, grad_sum, samples,
+        # stepped). A branch that does not step returns the gradients it was given in the
+        # updates slot: they are dead after the branch, so XLA reuses their buffers instead of
+        # writing a zero tree, and ``stepped`` masks them below (fused into the caller's
+        # ``apply_updates``).
         def keep_accumulating(grads, grad_sum, inner_state) -> tuple:
-            zeros = jax.tree.map(jnp.zeros_like, grads)
-            return zeros, inner_state, state.epoch, state.group_size, jnp.bool_(False)
+            kept = (grads, inner_state, state.epoch, state.group_size)
+            return (*kept, grad_sum, samples, jnp.bool_(False))
 
         def average_and_step(grads, grad_sum, inner_state) -> tuple:
-            means, treedef = mean_leaves(grads, grad_sum)
-            shapes = [*(jax.ShapeDtypeStruct(m.shape, m.dtype) for m in means), int32, int32]
-            got = host(_average, shapes, state.epoch, samples, *means)
-            return (*step_with(grads, inner_state, treedef, got), jnp.bool_(True))
+            means, treedef = means_of(grad_sum)
+            shapes = [*(jax.ShapeDtypeStruct(m.shape, m.dtype) for m in means), int32, int32, int32]
+            *got, taken = host(_average, shapes, state.epoch, samples, *means)
+            out = step_with(grads, inner_state, treedef, got)
+            return (*out, *consumed(grad_sum, taken), jnp.bool_(True))
 
         def start_averaging(grads, grad_sum, inner_state) -> tuple:
-            means, _ = mean_leaves(grads, grad_sum)
+            means, _ = means_of(grad_sum)
             (taken,) = host(_start, [int32], state.epoch, samples, *means)
-            zeros = jax.tree.map(jnp.zeros_like, grads)
-            return zeros, inner_state, state.epoch, state.group_size, taken > 0
+            kept = (grads, inner_state, state.epoch, state.group_size)
+            return (*kept, *consumed(grad_sum, taken), jnp.bool_(False))
 
         def apply_averaged(grads, grad_sum, inner_state) -> tuple:
             leaves, treedef = jax.tree.flatten(grad_sum)
             specs = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in leaves]
             got = host(_collect(specs), [*specs, int32, int32], state.epoch)
-            return (*step_with(grads, inner_state, treedef, got), jnp.bool_(False))
+            out = step_with(grads, inner_state, treedef, got)
+            return (*out, grad_sum, samples, jnp.bool_(True))
 
         if overlap:
             branches = [keep_accumulating, start_averaging, apply_averaged]
         else:
             branches = [keep_accumulating, average_and_step]
-        operands = (updates, state.grad_sum, state.inner_state)
-        if not traced:  # eager: Python control flow, and no work for the branch not taken
-            step_updates, inner_state, epoch, group_size, reset = branches[int(action)](*operands)
-            if reset:
-                grad_sum = jax.tree.map(jnp.zeros_like, state.grad_sum)
-                samples = jnp.zeros((), jnp.int32)
-            else:
-                grad_sum = jax.tree.map(scaled, state.grad_sum, updates)
-            return step_updates, CollaborativeState(
-                inner_state, grad_sum, samples, jnp.asarray(epoch), jnp.asarray(group_size)
+        operands = (updates, grad_sum, state.inner_state)
+        if traced:
+            out = jax.lax.switch(action, branches, *operands)
+        else:  # eager: Python control flow, and no work for the branch not taken
+            out = branches[int(action)](*operands)
+        step_updates, inner_state, epoch, group_size, grad_sum, samples, stepped = out
+        if traced:
+            step_updates = jax.tree.map(
+                lambda u: jnp.where(stepped, u, jnp.zeros((), u.dtype)), step_updates
             )
-        step_updates, inner_state, epoch, group_size, reset = jax.lax.switch(
-            action, branches, *operands
-        )
-        # Outside the branches, one fused pass per leaf; it reads the branch's flag, so it runs
-        # after the branch and can update a donated accumulator in place.
-        grad_sum = jax.tree.map(
-            lambda acc, g: jnp.where(reset, jnp.zeros_like(acc), scaled(acc, g)),
-            state.grad_sum,
-            updates,
-        )
+        elif not stepped:
+            step_updates = zeros(step_updates)
         return step_updates, CollaborativeState(
             inner_state=inner_state,
             grad_sum=grad_sum,
-            samples=jnp.where(reset, jnp.zeros((), jnp.int32), samples),
-            epoch=epoch,
-            group_size=group_size,
+            samples=jnp.asarray(samples),
+            epoch=jnp.asarray(epoch),
+            group_size=jnp.asarray(group_size),
         )
 
     return optax.GradientTransformationExtraArgs(init, update)
