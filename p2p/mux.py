@@ -574,13 +574,20 @@ class Mux:
                 else:
                     batch = [(OPENING[kind], parts), *batch[1:]]
             frames: list[Any] = []
+            prev: tuple[int, list[Any]] | None = None
             for kind, parts in batch:
                 if kind == BULK:
                     (piece,) = parts
-                    frames.append(HEADER.pack(BULK, sid) + BULK_PAYLOAD.pack(len(piece)))
+                    head = HEADER.pack(BULK, sid) + BULK_PAYLOAD.pack(len(piece))
+                    if prev is not None and prev[0] == DATA and self._fits_bulk_head(prev[1]):
+                        # the small data just before the piece rides in its BULK frame
+                        frames[-1] = b"".join((head, *prev[1]))
+                    else:
+                        frames.append(head)
                     frames.append(piece)  # its own channel frame, no mux header, no copy
                 else:
                     frames.append(b"".join((HEADER.pack(kind, sid), *parts)))
+                prev = (kind, parts)
             stream._announced = True
             try:
                 await self._send_frames(frames)
@@ -593,6 +600,9 @@ class Mux:
                     stream._announced = False
                 raise
             stream.frames_sent += 1
+
+    def _fits_bulk_head(self, parts: list[Any]) -> bool:
+        return sum(len(p) for p in parts) + BULK_PAYLOAD.size <= self.max_payload
 
     async def _send_frames(self, frames: list[Any]) -> None:
         """One write when the channel batches; else frame by frame (a cut batch closes)."""
@@ -715,7 +725,7 @@ class Mux:
             if not known:
                 raise ProtocolError(f"{KIND_NAMES[kind]} frame for unopened stream {sid}")
             if kind == BULK:  # its data frame follows: drop that too
-                self._bulk = (sid, BULK_PAYLOAD.unpack(payload)[0])
+                self._bulk = (sid, BULK_PAYLOAD.unpack_from(payload)[0])
             return  # a frame for a stream that already finished: harmless, drop it
         if kind in (DATA, DATA_EOF):
             n = len(payload)
@@ -734,15 +744,19 @@ class Mux:
                 stream._recv_lot.unpark_all()
                 self._maybe_forget(stream)
         elif kind == BULK:
-            (n,) = BULK_PAYLOAD.unpack(payload)
+            (n,) = BULK_PAYLOAD.unpack_from(payload)
+            head = payload[BULK_PAYLOAD.size :]  # stream bytes that come before the piece
             if stream._remote_eof:
                 raise ProtocolError(f"BULK after EOF on stream {sid}")
-            if not 0 < n <= stream._recv_window:
+            if n <= 0 or n + len(head) > stream._recv_window:
                 raise ProtocolError(
-                    f"stream {sid}: BULK of {n} bytes with {stream._recv_window} granted"
+                    f"stream {sid}: BULK of {len(head)}+{n} bytes with"
+                    f" {stream._recv_window} granted"
                 )
-            stream._recv_window -= n
-            self._bulk = (sid, n)
+            stream._recv_window -= n + len(head)
+            self._bulk = (sid, n)  # set first: the piece must be consumed even if head is refused
+            if head:
+                self._deliver(stream, head)
         elif kind == WINDOW:
             (inc,) = WINDOW_PAYLOAD.unpack(payload)
             stream._send_window += inc

@@ -12,13 +12,16 @@ each way; the opener assigns the id when that frame leaves, keeping ids ordered 
 RESET (utf-8 reason; both directions abort, data already received stays readable), GOAWAY
 (utf-8 reason; the sender is closing the connection; its stream id field is the last stream
 the sender saw opened, so the peer knows which of its streams were never processed and may
-safely retry them elsewhere: :attr:`MuxStream.unprocessed`), BULK (u32 n: the next channel
-frame is n bytes of DATA for this stream, with no mux header).
+safely retry them elsewhere: :attr:`MuxStream.unprocessed`), BULK (u32 n, then optional
+stream bytes: those bytes are DATA, and the next channel frame is n more bytes of DATA for this
+stream, with no mux header).
 
 Why BULK: a large buffer (a 1 MiB tensor chunk) then travels as a channel frame of its own, so
 the sender encrypts it straight from the caller's memory (no header + payload concatenation)
 and the receiver's decrypted frame *is* the chunk: a message made of it is handed over without
 another copy. The two frames leave in one channel write, so nothing can come between them.
+Small data just before the piece (a message's length prefix and msgpack header) rides inside
+the BULK frame, so a 1 MiB message is two channel frames, not three.
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ KIND_NAMES = (
 OPENING = {DATA: OPEN_DATA, DATA_EOF: OPEN_DATA_EOF, EOF: OPEN_DATA_EOF}
 HEADER = struct.Struct("!BI")
 WINDOW_PAYLOAD = struct.Struct("!I")
-BULK_PAYLOAD = WINDOW_PAYLOAD  # u32 byte count of the raw frame that follows
+BULK_PAYLOAD = WINDOW_PAYLOAD  # u32 byte count of the raw frame that follows (then data)
 BULK_MIN = 64 << 10
 """Buffers at least this long are sent as BULK frames (below it a copy is cheaper than a frame)."""
 MAX_REASON_BYTES = 256
@@ -73,8 +76,8 @@ def decode_frame(frame: bytes | bytearray | memoryview) -> tuple[int, int, memor
         raise ProtocolError("EOF frame with a payload")
     if kind == WINDOW and len(payload) != WINDOW_PAYLOAD.size:
         raise ProtocolError("WINDOW frame payload is not 4 bytes")
-    if kind == BULK and len(payload) != BULK_PAYLOAD.size:
-        raise ProtocolError("BULK frame payload is not 4 bytes")
+    if kind == BULK and len(payload) < BULK_PAYLOAD.size:
+        raise ProtocolError("BULK frame payload is shorter than 4 bytes")
     if kind in (RESET, GOAWAY) and len(payload) > MAX_REASON_BYTES:
         raise ProtocolError(f"{KIND_NAMES[kind]} reason longer than {MAX_REASON_BYTES} bytes")
     if stream_id == 0 and kind != GOAWAY:

@@ -301,9 +301,10 @@ frames = st.one_of(
         st.binary(max_size=40),
     ).map(lambda t: encode_frame(*t)),
     st.binary(max_size=16),
-    # well-formed BULK announcements: the next frame is taken as raw stream data
-    st.tuples(st.integers(0, 12), st.integers(0, 70)).map(
-        lambda t: encode_frame(BULK, t[0], t[1].to_bytes(4, "big"))
+    # well-formed BULK announcements (with or without leading stream bytes): the next frame
+    # is taken as raw stream data
+    st.tuples(st.integers(0, 12), st.integers(0, 70), st.binary(max_size=20)).map(
+        lambda t: encode_frame(BULK, t[0], t[1].to_bytes(4, "big") + t[2])
     ),
 )
 

@@ -674,6 +674,41 @@ def test_a_big_buffer_travels_as_its_own_frame_and_arrives_uncopied() -> None:
     run_virtual(main)
 
 
+def test_the_small_data_before_a_big_buffer_rides_in_its_bulk_frame() -> None:
+    """On an open stream a 1 MiB message is two channel frames: BULK carrying the length
+    prefix and msgpack header, then the chunk itself."""
+
+    async def main() -> None:
+        received: list[object] = []
+
+        async def sink(stream: MuxStream) -> None:
+            async for message in MessageStream(stream, 4 << 20):
+                received.append(message)
+
+        async with mux_pair(sink) as (client, _server):
+            chunks = [bytes([i]) * (1 << 20) for i in range(3)]
+            stream = MessageStream(await client.open_stream(), 4 << 20)
+            await stream.send(b"hello")
+            channel = client.channel
+            assert isinstance(channel, MemoryFrameChannel)
+            first = len(channel.sent)
+            for chunk in chunks:
+                await stream.send(chunk)
+            await stream.send_eof()
+            await trio.testing.wait_all_tasks_blocked()
+            frames = channel.sent[first:]
+            for i, chunk in enumerate(chunks):
+                kind, _, payload = decode_frame(frames[2 * i])
+                assert kind == BULK and len(payload) > 4  # u32 size, then the message head
+                assert int.from_bytes(payload[:4], "big") == len(chunk)
+                assert frames[2 * i + 1] == chunk
+            assert [decode_frame(f)[0] for f in frames[6:]] == [EOF]
+            assert received == [b"hello", *chunks]
+            assert all(r is f for r, f in zip(received[1:], frames[1:6:2], strict=True))
+
+    run_virtual(main)
+
+
 def test_bulk_pieces_respect_a_small_window_and_keep_the_byte_order() -> None:
     # 256 KiB windows: bulk pieces are capped at 64 KiB (max_frame_payload), each waiting for
     # a whole piece of credit; small buffers in between still go as DATA
@@ -696,8 +731,9 @@ def test_bulk_pieces_respect_a_small_window_and_keep_the_byte_order() -> None:
                 kind, _, payload = decode_frame(frame)
                 if kind == BULK:
                     raw = next(frames)  # the data frame that follows, with no mux header
-                    assert len(raw) == int.from_bytes(payload, "big") <= BULK_MIN
+                    assert len(raw) == int.from_bytes(payload[:4], "big") <= BULK_MIN
                     sizes[BULK] += len(raw)
+                    sizes[DATA] += len(payload) - 4  # small parts riding in the BULK frame
                 elif kind != WINDOW:  # our grants for the echoed data carry no stream bytes
                     sizes[DATA] += len(payload)
             # the bulk of both big buffers went as BULK, their short tails with the small parts
