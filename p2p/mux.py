@@ -494,6 +494,9 @@ class Mux:
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
                 nursery.start_soon(self._control_loop)
+                watch = getattr(self.channel, "watch_frames", None)  # optional: SecureChannel
+                if watch is not None:
+                    nursery.start_soon(watch)
                 task_status.started()
                 await self._receive_loop()
                 nursery.cancel_scope.cancel()

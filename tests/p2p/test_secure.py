@@ -699,6 +699,28 @@ def test_tcp_loopback_silent_client_times_out():
     trio.run(main)
 
 
+def test_tcp_stalled_frame_is_closed_by_the_frame_watcher():
+    """Over a socket the mux runs ``watch_frames``: frames are then timed by that task instead
+    of a cancel scope each, and a frame that stops midway still closes the connection."""
+
+    async def main():
+        out, inn, client = await tcp_pair(in_kwargs={"frame_timeout": 0.3})
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(inn.watch_frames)
+            await trio.sleep(0.01)
+            assert inn._watched
+            with trio.move_on_after(0.6) as idle:  # idle time between frames is not limited
+                await inn.receive_frame()
+            assert idle.cancelled_caught and not inn.closed
+            await client.send_all(struct.pack(">I", 1000) + b"x" * 10)  # then silence
+            with trio.fail_after(10), pytest.raises(ConnectionClosed, match="not completed"):
+                await inn.receive_frame()
+            assert inn.closed
+        await out.aclose()
+
+    trio.run(main)
+
+
 class Trickle(Tap):
     """Sends in small pieces with pauses, so a big frame reaches the reader a bit at a time."""
 
