@@ -558,51 +558,68 @@ class Mux:
         await self._send_batch(stream, [(kind, list(parts))])
 
     async def _send_batch(self, stream: MuxStream, batch: list[tuple[int, list[Any]]]) -> None:
-        """Send ``stream``'s frames (kind, payload pieces) in one channel write."""
-        async with self._send_lock:
-            if self._closed_reason is not None:
-                raise ConnectionClosed(f"connection closed: {self._closed_reason}")
-            sid = stream.stream_id
-            if sid is None:  # the stream's first frame: give it the next id now
-                stream._raise_if_reset()
-                if self._next_id > MAX_STREAM_ID:
-                    raise ConnectionClosed("stream ids exhausted on this connection")
-                sid = stream.stream_id = self._next_id
-                self._next_id += 2  # ids may skip (a failed first send): only order matters
-                self._unopened.discard(stream)
-                self._streams[sid] = stream
-                kind, parts = batch[0]
-                if kind == BULK:
-                    batch = [(OPEN, []), *batch]
+        """Send ``stream``'s frames (kind, payload pieces) in one channel write.
+
+        The lock is taken without a pass through the scheduler when it is free (the channel's
+        write is this send's schedule point); a waiting writer is handed it on release, so
+        streams still take turns frame by frame.
+        """
+        lock = self._send_lock
+        try:
+            lock.acquire_nowait()
+        except trio.WouldBlock:
+            await lock.acquire()
+        try:
+            await self._send_batch_locked(stream, batch)
+        finally:
+            lock.release()
+
+    async def _send_batch_locked(
+        self, stream: MuxStream, batch: list[tuple[int, list[Any]]]
+    ) -> None:
+        if self._closed_reason is not None:
+            raise ConnectionClosed(f"connection closed: {self._closed_reason}")
+        sid = stream.stream_id
+        if sid is None:  # the stream's first frame: give it the next id now
+            stream._raise_if_reset()
+            if self._next_id > MAX_STREAM_ID:
+                raise ConnectionClosed("stream ids exhausted on this connection")
+            sid = stream.stream_id = self._next_id
+            self._next_id += 2  # ids may skip (a failed first send): only order matters
+            self._unopened.discard(stream)
+            self._streams[sid] = stream
+            kind, parts = batch[0]
+            if kind == BULK:
+                batch = [(OPEN, []), *batch]
+            else:
+                batch = [(OPENING[kind], parts), *batch[1:]]
+        frames: list[Any] = []
+        prev: tuple[int, list[Any]] | None = None
+        for kind, parts in batch:
+            if kind == BULK:
+                (piece,) = parts
+                head = HEADER.pack(BULK, sid) + BULK_PAYLOAD.pack(len(piece))
+                if prev is not None and prev[0] == DATA and self._fits_bulk_head(prev[1]):
+                    # the small data just before the piece rides in its BULK frame
+                    frames[-1] = b"".join((head, *prev[1]))
                 else:
-                    batch = [(OPENING[kind], parts), *batch[1:]]
-            frames: list[Any] = []
-            prev: tuple[int, list[Any]] | None = None
-            for kind, parts in batch:
-                if kind == BULK:
-                    (piece,) = parts
-                    head = HEADER.pack(BULK, sid) + BULK_PAYLOAD.pack(len(piece))
-                    if prev is not None and prev[0] == DATA and self._fits_bulk_head(prev[1]):
-                        # the small data just before the piece rides in its BULK frame
-                        frames[-1] = b"".join((head, *prev[1]))
-                    else:
-                        frames.append(head)
-                    frames.append(piece)  # its own channel frame, no mux header, no copy
-                else:
-                    frames.append(b"".join((HEADER.pack(kind, sid), *parts)))
-                prev = (kind, parts)
-            stream._announced = True
-            try:
-                await self._send_frames(frames)
-            except _CHANNEL_ERRORS as e:
-                self._close_now(f"send failed: {e!r}")
-                raise ConnectionClosed(f"connection closed: {e!r}") from e
-            except trio.Cancelled:
-                # cancelled before the frames left (a cut frame closes the channel anyway)
-                if stream.frames_sent == 0:
-                    stream._announced = False
-                raise
-            stream.frames_sent += 1
+                    frames.append(head)
+                frames.append(piece)  # its own channel frame, no mux header, no copy
+            else:
+                frames.append(b"".join((HEADER.pack(kind, sid), *parts)))
+            prev = (kind, parts)
+        stream._announced = True
+        try:
+            await self._send_frames(frames)
+        except _CHANNEL_ERRORS as e:
+            self._close_now(f"send failed: {e!r}")
+            raise ConnectionClosed(f"connection closed: {e!r}") from e
+        except trio.Cancelled:
+            # cancelled before the frames left (a cut frame closes the channel anyway)
+            if stream.frames_sent == 0:
+                stream._announced = False
+            raise
+        stream.frames_sent += 1
 
     def _fits_bulk_head(self, parts: list[Any]) -> bool:
         return sum(len(p) for p in parts) + BULK_PAYLOAD.size <= self.max_payload

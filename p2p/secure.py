@@ -122,27 +122,10 @@ class _Reader:
         self._lowat = lowat
 
     async def _fill(self, missing: int) -> None:
+        """One read from a stream that is not a socket, or where sockets are not descriptors."""
         free = self._view[self._end :]
         sock = self._sock
-        if sock is not None and _RAW_IO:
-            if _SO_RCVLOWAT is not None:
-                self._wake_after(missing)
-            try:
-                got = os.readv(sock.fileno(), (free,))  # fileno() is -1 once closed: EBADF
-            except BlockingIOError:
-                got = -1
-            if got > 0:
-                self._end += got
-                # the bytes are buffered already: a cancellation here loses nothing
-                await trio.lowlevel.checkpoint()
-                return
-            while got < 0:  # the wait is this read's schedule point
-                await trio.lowlevel.wait_readable(sock)
-                try:
-                    got = os.readv(sock.fileno(), (free,))
-                except BlockingIOError:
-                    got = -1
-        elif sock is not None:
+        if sock is not None:
             if _SO_RCVLOWAT is not None:
                 self._wake_after(missing)
             got = await sock.recv_into(free)
@@ -154,11 +137,38 @@ class _Reader:
             raise _EOF
         self._end += got
 
+    async def _fill_raw(self, n: int) -> None:
+        """Read the socket's descriptor until ``n`` bytes are buffered, with one schedule
+        point: the first wait, or a checkpoint if the kernel had everything already (the bytes
+        are buffered by then, so a cancellation there loses nothing). SO_RCVLOWAT is set only
+        before a wait: a read that does not block returns what is there whatever the mark."""
+        sock = self._sock
+        assert sock is not None
+        waited = False
+        while self._end - self._start < n:
+            try:
+                # fileno() each time: -1 (EBADF) once closed, never a reused number
+                got = os.readv(sock.fileno(), (self._view[self._end :],))
+            except BlockingIOError:
+                if _SO_RCVLOWAT is not None:
+                    self._wake_after(n - (self._end - self._start))
+                await trio.lowlevel.wait_readable(sock)
+                waited = True
+                continue
+            if not got:
+                raise _EOF
+            self._end += got
+        if not waited:
+            await trio.lowlevel.checkpoint()
+
     async def ensure(self, n: int) -> None:
         """Wait until at least ``n`` bytes are buffered; raises _EOF if the peer closes first."""
         if self._end - self._start >= n:
             return
         self._make_room(n)
+        if self._sock is not None and _RAW_IO:
+            await self._fill_raw(n)
+            return
         while self._end - self._start < n:
             await self._fill(n - (self._end - self._start))
 
