@@ -231,7 +231,13 @@ class Matchmaker:
             everyone = bool(expected) and expected <= set(others)
             if everyone or trio.current_time() - start >= window:
                 break
-        while me.weight + sum(others.values()) < target and trio.current_time() < give_up:
+        # Registered peers stopped accumulating: more samples can only come from expected
+        # peers that have not registered yet, so with all of them in there is nothing to wait for.
+        while (
+            me.weight + sum(others.values()) < target
+            and not (expected and expected <= set(others))
+            and trio.current_time() < give_up
+        ):
             await trio.sleep(window / 2)
             others = await self._registrations(key)
         groups = assign_groups(
@@ -241,6 +247,7 @@ class Matchmaker:
         )
         mine = next(g for g in groups if self.peer_id in g)
         if len(mine) == 1:
+            log.debug("epoch %d: no other peer registered in time; averaging alone", epoch)
             return None
         # A leader that died after registering would leave its whole group alone: each of its
         # followers then tries the next member, the same one on every follower (bounded).
@@ -280,6 +287,16 @@ class Matchmaker:
                         await rnd.changed.wait()
                     rnd.changed = trio.Event()
             rnd.open = False
+            missing = rnd.expected - set(rnd.joined)
+            if missing:
+                log.info(
+                    "epoch %d: closing the group after %.1f s without %d registered peer(s) "
+                    "that did not join (%s)",
+                    epoch,
+                    trio.current_time() - started,
+                    len(missing),
+                    ", ".join(sorted(p[:8] for p in missing)),
+                )
             if rnd.joined:
                 members = [me, *(rnd.joined[p] for p in sorted(rnd.joined))]
                 spec = GroupSpec(tuple(members), group_id=self._group_id(epoch))

@@ -109,3 +109,36 @@ def test_a_late_peer_does_not_wait_for_one_that_averaged_the_epoch_already(
     waited, max_wait, spec = _late_peer(leader_is_late)
     assert spec is None
     assert waited < 3.0 < max_wait  # a window (1 s) and a few DHT round trips
+
+
+def test_peers_short_of_the_target_do_not_wait_once_everyone_expected_registered() -> None:
+    """Both peers decided on an estimate that overshot: together they hold 16 of 100 samples.
+    Registered peers accumulate nothing more, so once both are in they average what they have
+    (before, each waited ``max_wait`` for samples nobody could add)."""
+
+    async def main() -> tuple[list, float, float]:
+        net = SimNetwork(seed=3)
+        async with open_sim_dhts(net, 2, latency=0.01) as peers:
+            makers = []
+            for node, dht in peers:
+                mm = Matchmaker(node, dht, "run", max_group_size=8)
+                mm.register()
+                mm.window = 1.0
+                makers.append(mm)
+            ids = [str(node.peer_id) for node, _ in peers]
+            specs: list = [None, None]
+
+            async def one(i: int) -> None:
+                me = member_for(ids[i], "node", 1e6, 1e6, 8.0)
+                specs[i] = await makers[i].form_group(2, me, target=100.0, expected={ids[1 - i]})
+
+            start = trio.current_time()
+            async with trio.open_nursery() as nursery:
+                for i in range(2):
+                    nursery.start_soon(one, i)
+            return specs, trio.current_time() - start, makers[0].max_wait
+
+    specs, waited, max_wait = run_sim(main, seed=3)
+    assert all(s is not None and len(s.members) == 2 for s in specs)
+    assert specs[0].digest == specs[1].digest
+    assert waited < 3.0 < max_wait
