@@ -20,6 +20,11 @@ process-wide and lasts.
 When the node/mux layer is available, ``encrypted_gbps`` / ``encrypted8_gbps`` are 1 MiB messages
 on one and on 8 mux streams of one connection, and RPC latency is ``Node.call``; otherwise they
 are the raw secure-channel figures. The last line printed is one JSON object with every figure.
+
+``--repeat N`` (default 3) measures the plain socket, the secure channel and the one-stream
+figure N times, interleaved, so that each ratio is taken between neighbours in time:
+``encrypted_vs_socket`` and ``secure_channel_vs_socket`` are the medians of those N ratios
+(``*_runs`` lists them all), and every figure of the three is its median.
 """
 
 from __future__ import annotations
@@ -338,6 +343,19 @@ def _percentile(samples: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
+def _median_throughput(runs: list[Throughput]) -> Throughput:
+    return Throughput(
+        statistics.median(t.gbps for t in runs),
+        statistics.median(t.send_cpu_s_per_gb for t in runs),
+        statistics.median(t.recv_cpu_s_per_gb for t in runs),
+        runs[0].cipher,
+    )
+
+
+def _ratios(runs: list[Throughput], sockets: list[Throughput]) -> list[float]:
+    return [round(t.gbps / s.gbps, 3) for t, s in zip(runs, sockets, strict=True)]
+
+
 def _show(name: str, t: Throughput) -> None:
     print(
         f"{name:28s} {t.gbps:6.2f} GB/s   CPU s/GB: send {t.send_cpu_s_per_gb:.3f}"
@@ -352,14 +370,35 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument(
         "--channel-only", action="store_true", help="measure the secure channel, not the node"
     )
+    parser.add_argument(
+        "--repeat",
+        type=int,
+        default=3,
+        help="rounds of socket / secure channel / one stream, interleaved (medians reported)",
+    )
     args = parser.parse_args(argv)
+    if args.repeat < 1:
+        parser.error("--repeat must be at least 1")
     total = max(8, args.mib - args.mib % 8) * MIB
     use_node = not args.channel_only and _node_available()
 
-    sock = measure_socket(total)
-    _show("plain socket", sock)
-    sc1 = measure_secure(total, 1, None)
-    _show("secure channel, 1 conn", sc1)
+    if use_node:  # first: retaining freed memory, once switched on, lasts for the process
+        plain1, _ = measure_node(total, 1, "internet", retain=False)
+        _show("node, 1 stream (no retain)", plain1)
+    sock_runs: list[Throughput] = []
+    sc1_runs: list[Throughput] = []
+    node1_runs: list[Throughput] = []
+    for _ in range(args.repeat):
+        sock_runs.append(measure_socket(total))
+        _show("plain socket", sock_runs[-1])
+        sc1_runs.append(measure_secure(total, 1, None))
+        _show("secure channel, 1 conn", sc1_runs[-1])
+        if use_node:
+            node1_runs.append(measure_node(total, 1, "internet")[0])
+            _show("node, 1 stream (default)", node1_runs[-1])
+    sock = _median_throughput(sock_runs)
+    sc1 = _median_throughput(sc1_runs)
+    sc1_ratios = _ratios(sc1_runs, sock_runs)
     sc8 = measure_secure(total, 8, None)
     _show("secure channel, 8 conns", sc8)
     chacha = measure_secure(total, 1, "chacha20-poly1305")
@@ -373,10 +412,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     result: dict[str, Any] = {}
     if use_node:
-        plain1, _ = measure_node(total, 1, "internet", retain=False)  # first: retaining sticks
-        _show("node, 1 stream (no retain)", plain1)
-        node1, node_rtts = measure_node(total, 1, "internet", args.rounds)
-        _show("node, 1 stream (default)", node1)
+        _, node_rtts = measure_node(8 * MIB, 1, "internet", args.rounds)
+        node1 = _median_throughput(node1_runs)
+        enc_ratios = _ratios(node1_runs, sock_runs)
         node8, _ = measure_node(total, 8, "internet")
         _show("node, 8 streams (default)", node8)
         bulk1, _ = measure_node(total, 1, "bulk")
@@ -400,6 +438,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         )
     else:
         enc1, enc8, rtt_median, rtt_p99 = sc1, sc8, sc_median, sc_p99
+        enc_ratios = sc1_ratios
         measured_over = "secure channel over TCP (one connection per stream); RTT: frame echo"
 
     result = {
@@ -409,11 +448,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "rpc_rtt_median_us": round(rtt_median, 1),
         "rpc_rtt_p99_us": round(rtt_p99, 1),
         "cipher": sc1.cipher,
-        "encrypted_vs_socket": round(enc1.gbps / sock.gbps, 3),
+        "encrypted_vs_socket": round(statistics.median(enc_ratios), 3),
+        "encrypted_vs_socket_runs": enc_ratios,
         "secure_channel_gbps": round(sc1.gbps, 3),
         "secure_channel8_gbps": round(sc8.gbps, 3),
         "secure_channel_chacha_gbps": round(chacha.gbps, 3),
-        "secure_channel_vs_socket": round(sc1.gbps / sock.gbps, 3),
+        "secure_channel_vs_socket": round(statistics.median(sc1_ratios), 3),
+        "secure_channel_vs_socket_runs": sc1_ratios,
         "secure_channel_rtt_median_us": round(sc_median, 1),
         "secure_channel_rtt_p99_us": round(sc_p99, 1),
         **result,
@@ -427,6 +468,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "secure_channel_cpu_bound_ratio": round(busier(sock) / busier(sc1), 3),
         "chacha_cpu_bound_ratio": round(busier(sock) / busier(chacha), 3),
         "bytes_per_measurement": total,
+        "repeat": args.repeat,
         "measured_over": measured_over,
     }
     print(json.dumps(result))
