@@ -136,10 +136,23 @@ def estimate_collaboration(
     )
 
 
-def refresh_delay(estimate: CollaborationEstimate, *, min_delay: float, max_delay: float) -> float:
-    """How long to wait before re-reading the DHT: often near the target, rarely far from it."""
+def refresh_delay(
+    estimate: CollaborationEstimate, *, min_delay: float, max_delay: float, crowd: int = 0
+) -> float:
+    """How long to wait before re-reading the DHT: often near the target, rarely far from it.
+
+    Every peer reads the same key from the same few replicas, and each read carries every
+    peer's record, so the replicas' work grows as the square of the number of peers. With
+    ``crowd`` > 0 and more peers than that, the shortest delay grows in proportion (up to
+    ``max_delay``): the replicas then see about ``crowd / min_delay`` reads per second whatever
+    the collaboration's size, and extrapolating the others' rates covers the longer gaps.
+    """
     if not min_delay <= max_delay:
         raise ValueError("min_delay must not exceed max_delay")
+    if crowd < 0:
+        raise ValueError("crowd must be non-negative")
+    if crowd and estimate.num_peers > crowd:
+        min_delay = min(max_delay, min_delay * estimate.num_peers / crowd)
     return min(max(estimate.eta / 2, min_delay), max_delay)
 
 

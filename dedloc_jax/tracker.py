@@ -3,7 +3,8 @@
 Each peer writes one signed subkey (``[owner:<peer-id>]``) under ``<run_id>.progress``; nobody
 else can overwrite it, and it expires ``progress_ttl`` seconds after the peer's last report, so
 a vanished peer stops counting. Reads happen every :func:`~dedloc_jax.progress.refresh_delay`
-seconds: rarely far from the target, often near it.
+seconds: rarely far from the target, often near it, and less often in a large collaboration
+(every read carries every peer's record).
 """
 
 from __future__ import annotations
@@ -196,6 +197,7 @@ class ProgressTracker:
                     self.current_estimate(),
                     min_delay=self.config.min_refresh,
                     max_delay=self.config.max_refresh,
+                    crowd=self.dht.config.replication,  # readers the key's replicas serve
                 )
             with trio.move_on_after(delay):
                 await self._wake.wait()

@@ -12,11 +12,19 @@ proof = the owner's raw Ed25519 public key (32 bytes) + signature (64 bytes) ove
 hash to the named peer ID. The collaboration stores its progress reports under one key with
 subkey ``owner_marker(peer_id)``, so nobody can overwrite another peer's report. Replaying an old
 signed record is harmless: it expires before the owner's newer one and loses the merge.
+
+The same signed record reaches a node many times (every read of a key with many owned subkeys
+brings all of them, from several replicas, then repairs and caches send them on), so verdicts
+are kept in a bounded :class:`VerifiedSignatures` cache keyed by the exact signed bytes: public
+key, signature and payload. A changed value, expiration, key or subkey is a different payload
+and is verified afresh, so the cache saves work without accepting anything new.
 """
 
 from __future__ import annotations
 
+import functools
 import math
+from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
@@ -44,9 +52,15 @@ def record_owner(record: Record) -> PeerID | None:
         raise InvalidRecordError("key and subkey name different owners")
     (name,) = names
     try:
-        return PeerID.from_base58(name)
+        return _owner_id(name)
     except IdentityError:
         raise InvalidRecordError(f"malformed owner marker {name!r:.80}") from None
+
+
+@functools.lru_cache(maxsize=4096)
+def _owner_id(name: str) -> PeerID:
+    """Parsed owner names (the same few recur in every record; base58 is slow in Python)."""
+    return PeerID.from_base58(name)
 
 
 def sign_record(record: Record, identity: Identity) -> Record:
@@ -57,8 +71,49 @@ def sign_record(record: Record, identity: Identity) -> Record:
     )
 
 
+class VerifiedSignatures:
+    """A bounded LRU of Ed25519 verdicts, keyed by (public key, signature, signed payload).
+
+    Verification is a pure function of those bytes, so a verdict can be reused by any node in
+    the process (the simulator runs hundreds in one). Wrong verdicts are kept too: a replayed
+    forgery costs a dictionary lookup instead of a verification.
+    """
+
+    def __init__(self, max_entries: int = 1 << 16) -> None:
+        if max_entries < 1:
+            raise ValueError("max_entries must be positive")
+        self.max_entries = max_entries
+        self._verdicts: OrderedDict[tuple[bytes, bytes, bytes], bool] = OrderedDict()
+        self.hits = 0
+        self.misses = 0
+
+    def __len__(self) -> int:
+        return len(self._verdicts)
+
+    def verify(self, public_key: bytes, signature: bytes, payload: bytes) -> bool:
+        ident = (public_key, signature, payload)
+        ok = self._verdicts.get(ident)
+        if ok is not None:
+            self.hits += 1
+            self._verdicts.move_to_end(ident)
+            return ok
+        self.misses += 1
+        ok = verify_signature(public_key, signature, payload)
+        self._verdicts[ident] = ok
+        if len(self._verdicts) > self.max_entries:
+            self._verdicts.popitem(last=False)
+        return ok
+
+
+# One per process: each verdict is checked once whichever node meets the record first.
+SHARED_SIGNATURES = VerifiedSignatures()
+
+
 class SignatureValidator:
     """Owned keys/subkeys need a valid signature of their owner (always on)."""
+
+    def __init__(self, verdicts: VerifiedSignatures | None = None) -> None:
+        self.verdicts = SHARED_SIGNATURES if verdicts is None else verdicts
 
     def validate(self, record: Record) -> None:
         owner = record_owner(record)
@@ -73,7 +128,7 @@ class SignatureValidator:
         if not owner.matches(pub):
             raise InvalidRecordError(f"record owned by {owner} is signed by another key")
         payload = signing_payload(record.key, record.subkey, record.value, record.expiration)
-        if not verify_signature(pub, sig, payload):
+        if not self.verdicts.verify(pub, sig, payload):
             raise InvalidRecordError(f"bad signature on record owned by {owner}")
 
 

@@ -204,6 +204,7 @@ def run_soak(plan: SoakPlan) -> tuple[list[Log], dict]:
             for j, at in enumerate(join_epochs):
                 nursery.start_soon(joiner, plan.peers + j, at)
             nursery.start_soon(partitioner)
+        events["virtual_seconds"] = trio.current_time()
         return logs
 
     logs = run_sim(main, seed=plan.seed, timeout=plan.max_virtual_time)
