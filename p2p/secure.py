@@ -19,7 +19,8 @@ read and written directly (``os.readv`` / ``os.write``, waiting with trio's
 ``wait_readable``/``wait_writable`` only when the kernel says it would block): trio's socket
 methods pass through the scheduler twice per call, and each pass costs about as much as
 encrypting 10 KiB. Every read or write still makes exactly one schedule point (the wait, or a
-checkpoint after an immediate success), so a busy connection cannot starve other tasks.
+checkpoint after an immediate success), so a busy connection cannot starve other tasks. Big
+frames decrypt into a fresh bytes object that is not zero-filled first (:mod:`secure_buffers`).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from collections.abc import Awaitable, Callable, Sequence
 import trio
 from cryptography.exceptions import InvalidTag
 
+from p2p import secure_buffers
 from p2p.aead import MAX_COUNTER, TAG_BYTES, local_offers, make_aead, nonce_for
 from p2p.errors import ConnectionClosed, HandshakeError
 from p2p.handshake import (
@@ -57,6 +59,7 @@ _SLACK = 64 * 1024  # room to read ahead past the current frame
 _STREAM_ERRORS = (trio.BrokenResourceError, trio.ClosedResourceError, OSError)
 _SO_RCVLOWAT: int | None = getattr(socket, "SO_RCVLOWAT", None) if sys.platform == "linux" else None
 _LOWAT_MIN = 64 << 10  # frames missing less than this are read as bytes come
+_FRESH_MIN = 64 << 10  # frames at least this long decrypt into unzeroed bytes (secure_buffers)
 # Direct descriptor I/O where sockets are file descriptors (not Windows).
 _RAW_IO = hasattr(os, "readv") and sys.platform != "win32"
 
@@ -358,8 +361,16 @@ class SecureChannel:
             raise await self._fail("receive nonce counter exhausted")
         reader.take(HEADER_BYTES)
         ciphertext = reader.take(length)
+        nonce = nonce_for(self._recv_counter)
         try:
-            plaintext = self._recv_aead.decrypt(nonce_for(self._recv_counter), ciphertext, None)
+            if length >= _FRESH_MIN and secure_buffers.AVAILABLE:
+                plaintext, out = secure_buffers.fresh_bytes(length - TAG_BYTES)
+                try:
+                    self._recv_aead.decrypt_into(nonce, ciphertext, None, out)
+                finally:
+                    out.release()  # nothing may write into the bytes object after this
+            else:
+                plaintext = self._recv_aead.decrypt(nonce, ciphertext, None)
         except InvalidTag:
             raise await self._fail(
                 "frame failed authentication (tampered, replayed or reordered)"

@@ -13,6 +13,7 @@ import pytest
 import trio
 import trio.testing
 
+from p2p import secure_buffers
 from p2p.aead import (
     AES_256_GCM,
     CHACHA20_POLY1305,
@@ -411,13 +412,14 @@ def _flip_first_ciphertext_bit(data: bytes) -> bytes:
     return data[:4] + bytes([data[4] ^ 0x80]) + data[5:]
 
 
+@pytest.mark.parametrize("size", [14, DEFAULT_MAX_FRAME])  # big ones decrypt into fresh bytes
 @pytest.mark.parametrize("mutate", [_flip_last_bit, _flip_first_ciphertext_bit])
-def test_tampered_frame_closes_connection(mutate, caplog):
+def test_tampered_frame_closes_connection(mutate, size, caplog):
     async def main():
         out, inn, tap = await memory_pair(tap=True)
         assert await transfer(out, inn, [b"before"]) == [b"before"]
         tap.mutate = mutate
-        await out.send_frame(b"attack at dawn")
+        await out.send_frame(b"attack at dawn".ljust(size, b"!"))
         with pytest.raises(ConnectionClosed, match="authentication"):
             await inn.receive_frame()
         with pytest.raises(ConnectionClosed):
@@ -431,6 +433,38 @@ def test_tampered_frame_closes_connection(mutate, caplog):
     with caplog.at_level(logging.WARNING, logger="p2p.secure"):
         run_mock(main)
     assert "failed authentication" in caplog.text
+
+
+@pytest.mark.parametrize("cipher", BOTH_CIPHERS)
+def test_big_frames_arrive_as_bytes_objects_of_their_own(cipher):
+    """Big frames are decrypted into fresh bytes objects that were never zero-filled
+    (p2p.secure_buffers): each must hold exactly its plaintext, whatever came before."""
+
+    async def main():
+        kw = {"cipher": cipher}
+        out, inn, _ = await memory_pair(out_kwargs=kw, in_kwargs=kw)
+        frames = [os.urandom(n) for n in (64 << 10, DEFAULT_MAX_FRAME, 200 << 10, 1, 70000)]
+        got = []
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(out.send_frames, frames)
+            for _ in frames:
+                got.append(await inn.receive_frame())  # as the channel returns them
+        assert got == frames
+        assert all(type(g) is bytes for g in got)
+        assert len({id(g) for g in got}) == len(got)
+
+    run_mock(main)
+
+
+def test_fresh_bytes_holds_what_was_written():
+    if not secure_buffers.AVAILABLE:
+        pytest.skip("not CPython: the channel decrypts into zeroed buffers")
+    obj, view = secure_buffers.fresh_bytes(1 << 16)
+    view[:] = bytes(range(256)) * 256
+    view.release()
+    assert type(obj) is bytes and obj == bytes(range(256)) * 256
+    with pytest.raises(ValueError):
+        secure_buffers.fresh_bytes(0)
 
 
 def test_replayed_frame_closes_connection():
