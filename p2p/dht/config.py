@@ -37,6 +37,10 @@ class DHTConfig:
     clock_samples: int = 64  # recent peer offsets kept for the median
     stale_failures: int = 5  # consecutive failures after which a peer leaves its bucket
     handoff_concurrency: int = 4
+    # A store reuses the nearest nodes its last lookup of the same key found for this many
+    # seconds (0: every store looks them up). Frequent writers of one key (progress reports)
+    # then skip the lookup; newcomers nearer to the key get the records by handoff meanwhile.
+    locate_ttl: float = 0.0
     max_pending_evictions: int = 64
 
     def __post_init__(self) -> None:
@@ -44,6 +48,8 @@ class DHTConfig:
             raise ValueError("k and alpha must be positive")
         if not 1 <= self.replication <= self.k:
             raise ValueError("replication must be between 1 and k")
+        if not self.locate_ttl >= 0:
+            raise ValueError("locate_ttl must be non-negative")
 
     @classmethod
     def default(cls) -> DHTConfig:

@@ -40,6 +40,7 @@ from p2p.multiaddr import Multiaddr
 log = logging.getLogger(__name__)
 
 DHTValue = ValueWithExpiration | dict[str, ValueWithExpiration]
+_MAX_LOCATED = 1024  # keys whose nearest nodes a DHT remembers (locate_ttl)
 
 
 @dataclass
@@ -86,6 +87,7 @@ class DHT:
         self.cache = self.protocol.cache
         self._batcher: FindBatcher = FindBatcher(self.protocol.find)
         self._gets: dict[str, _SharedGet] = {}
+        self._located: dict[str, tuple[float, list[Contact]]] = {}  # key -> (when, nearest)
         self.lookups: list[LookupResult] = []  # the last few lookups (rounds/messages figures)
         self.initial_peers: list[str | Multiaddr] = []
 
@@ -214,8 +216,11 @@ class DHT:
 
         async def locate(key: str) -> None:
             kid = key_id(key)
-            found = await self.find_nearest(kid)
-            nearest = found.nearest[: self.config.replication]
+            nearest = self._recently_located(key)
+            if nearest is None:
+                found = await self.find_nearest(kid)
+                nearest = found.nearest[: self.config.replication]
+                self._remember_located(key, nearest)
             local[key] = not self.client_mode and (
                 len(nearest) < self.config.replication
                 or self.protocol.local_id ^ kid < node_id(nearest[-1].peer) ^ kid
@@ -256,6 +261,30 @@ class DHT:
             if not res.stored and not res.outdated and res.refused:
                 raise InvalidRecordError("refused: " + next(iter(res.refused.values())))
         return results
+
+    def _recently_located(self, key: str) -> list[Contact] | None:
+        """The nearest nodes a lookup of ``key`` found within ``locate_ttl``, unless one of
+        them has failed since (then the key is looked up again)."""
+        entry = self._located.get(key)
+        if entry is None:
+            return None
+        at, nearest = entry
+        now = trio.current_time()
+        banned = self.protocol.blacklist
+        if now - at > self.config.locate_ttl or any(
+            banned.is_banned(c.peer.digest, now) for c in nearest
+        ):
+            del self._located[key]
+            return None
+        return nearest
+
+    def _remember_located(self, key: str, nearest: list[Contact]) -> None:
+        if self.config.locate_ttl <= 0 or len(nearest) < self.config.replication:
+            return  # a small (or still forming) network: look again next time
+        self._located.pop(key, None)
+        self._located[key] = (trio.current_time(), nearest)
+        while len(self._located) > _MAX_LOCATED:
+            del self._located[next(iter(self._located))]  # the oldest
 
     # --- get -----------------------------------------------------------------------------
     async def get(self, key: str, *, latest: bool = True) -> DHTValue | None:

@@ -11,6 +11,7 @@ with bit-identical finite averages, and nothing hangs (the run has a virtual-tim
 
 from __future__ import annotations
 
+import logging
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -25,6 +26,7 @@ from p2p.node import NodeConfig, open_node
 from p2p.testing import SimNetwork, run_sim, sim_identity
 
 MICRO = 4
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -39,6 +41,7 @@ class SoakPlan:
     partition: int = 4  # peers cut off from the rest for a while
     seed: int = 0
     max_virtual_time: float = 3600.0
+    locate_ttl: float = 10.0  # peers publish often: stores reuse the key's nearest nodes
 
 
 @dataclass
@@ -107,7 +110,7 @@ def run_soak(plan: SoakPlan) -> tuple[list[Log], dict]:
                         "soak",
                         initial_peers=bootstrap,
                         config=config,
-                        dht_config=DHTConfig.fast(),
+                        dht_config=DHTConfig.fast().with_(locate_ttl=plan.locate_ttl),
                     ) as core,
                 ):
                     if i == 0:
@@ -147,6 +150,11 @@ def run_soak(plan: SoakPlan) -> tuple[list[Log], dict]:
                             continue
                         epoch = await step(i, core, epoch, specs)
                         if i == 0:
+                            logger.info(
+                                "soak: epoch %d reached at %.1f virtual s",
+                                epoch,
+                                trio.current_time(),
+                            )
                             epoch_reached[epoch].set()
 
         async def step(i: int, core, epoch: int, specs: list) -> int:

@@ -1,0 +1,46 @@
+"""Stores of one key reuse the nearest nodes found by a recent lookup (``locate_ttl``)."""
+
+from __future__ import annotations
+
+import trio
+
+from p2p.testing import run_sim
+
+from .swarm import TEST_CONFIG, dht_swarm
+
+CONFIG = TEST_CONFIG.with_(locate_ttl=10.0)
+
+
+def test_a_frequent_writer_skips_the_lookup_until_a_target_fails_or_the_ttl_ends() -> None:
+    async def main() -> None:
+        async with dht_swarm(26, seed=7, config=CONFIG, silent_failures=True) as swarm:
+            writer, reader = swarm.dhts[3], swarm.dhts[20]
+            finds = writer.protocol.stats
+
+            async def store(n: int):
+                before = finds["dht.find"]
+                res = await writer.store("progress", {"n": n}, writer.now() + 600)
+                return res, finds["dht.find"] - before
+
+            first, looked = await store(1)
+            assert looked > 0 and first.stored >= CONFIG.replication - 1
+            second, looked = await store(2)
+            assert looked == 0  # the same targets as the first store, no lookup
+            assert second.stored == first.stored
+            assert (await reader.get("progress")).value == {"n": 2}
+            # a target dies: the store to it fails, it is banned, and the next store looks again
+            target = next(
+                i for i, d in enumerate(swarm.dhts) if d is not writer and "progress" in d.storage
+            )
+            swarm.net.kill(swarm.hosts[target])
+            third, looked = await store(3)
+            assert looked == 0 and third.failed == 1
+            fourth, looked = await store(4)
+            assert looked > 0 and fourth.failed == 0
+            assert fourth.stored >= CONFIG.replication - 2
+            await trio.sleep(CONFIG.locate_ttl + 1)  # stale: looked up again
+            _, looked = await store(5)
+            assert looked > 0
+            assert (await reader.get("progress")).value == {"n": 5}
+
+    run_sim(main)
