@@ -194,10 +194,11 @@ class Matchmaker:
     ) -> GroupSpec | None:
         """The group this peer averages with at ``epoch``, or None if it must go alone.
 
-        Registration stays open for one window, or less once every ``expected`` peer (those
-        the tracker sees at this epoch) has registered; then, while the registered peers hold
-        fewer than ``target`` samples (this peer may have decided early on an extrapolated
-        estimate), a little longer, up to :attr:`max_wait`.
+        Registration stays open until every ``expected`` peer (those the tracker sees at this
+        epoch) has registered, for two windows at most (one when nobody is expected); then,
+        while the registered peers hold fewer than ``target`` samples (this peer may have
+        decided early on an extrapolated estimate), longer while expected peers are missing
+        (up to :attr:`max_wait`), or two windows when nobody is expected.
         """
         try:
             return await self._form_group(epoch, me, target=target, expected=expected)
@@ -229,15 +230,25 @@ class Matchmaker:
             await trio.sleep(window / 8 if expected else max(0.0, window - elapsed))
             others = await self._registrations(key)
             everyone = bool(expected) and expected <= set(others)
-            if everyone or trio.current_time() - start >= window:
+            # A peer the tracker sees at this epoch gets two windows: it is computing and will
+            # register, but on a busy machine it may notice the target a window late.
+            limit = 2 * window if expected else window
+            if everyone or trio.current_time() - start >= limit:
                 break
-        # Registered peers stopped accumulating: more samples can only come from expected
-        # peers that have not registered yet, so with all of them in there is nothing to wait for.
-        while (
-            me.weight + sum(others.values()) < target
-            and not (expected and expected <= set(others))
-            and trio.current_time() < give_up
-        ):
+
+        def short_of_target() -> bool:
+            """Whether waiting can still bring the samples the target needs. Registered peers
+            stopped accumulating: more can only come from expected peers not registered yet
+            (with all of them in there is nothing to wait for) or, when the tracker expects
+            nobody, from peers it has not seen yet (worth a short wait only)."""
+            now = trio.current_time()
+            if me.weight + sum(others.values()) >= target or now >= give_up:
+                return False
+            if expected:
+                return not expected <= set(others)
+            return now - start < 2 * window
+
+        while short_of_target():
             await trio.sleep(window / 2)
             others = await self._registrations(key)
         groups = assign_groups(
