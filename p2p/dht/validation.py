@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import math
+import threading
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -84,6 +85,9 @@ class VerifiedSignatures:
             raise ValueError("max_entries must be positive")
         self.max_entries = max_entries
         self._verdicts: OrderedDict[tuple[bytes, bytes, bytes], bool] = OrderedDict()
+        # Several collaborations in one process run their trio loops in their own bridge
+        # threads and share this cache.
+        self._lock = threading.Lock()
         self.hits = 0
         self.misses = 0
 
@@ -92,16 +96,18 @@ class VerifiedSignatures:
 
     def verify(self, public_key: bytes, signature: bytes, payload: bytes) -> bool:
         ident = (public_key, signature, payload)
-        ok = self._verdicts.get(ident)
-        if ok is not None:
-            self.hits += 1
-            self._verdicts.move_to_end(ident)
-            return ok
-        self.misses += 1
+        with self._lock:
+            ok = self._verdicts.get(ident)
+            if ok is not None:
+                self.hits += 1
+                self._verdicts.move_to_end(ident)
+                return ok
+            self.misses += 1
         ok = verify_signature(public_key, signature, payload)
-        self._verdicts[ident] = ok
-        if len(self._verdicts) > self.max_entries:
-            self._verdicts.popitem(last=False)
+        with self._lock:
+            self._verdicts[ident] = ok
+            if len(self._verdicts) > self.max_entries:
+                self._verdicts.popitem(last=False)
         return ok
 
 
