@@ -38,6 +38,21 @@ async def open_sim_dhts(
         yield out
 
 
+def matchmakers(
+    peers: Sequence[tuple[Node, DHT]], *, max_group_size: int, window: float = 1.0
+) -> list[Any]:
+    """A registered :class:`Matchmaker` with a fixed window for each of ``peers``."""
+    from dedloc_jax.matchmaking import Matchmaker
+
+    makers = []
+    for node, dht in peers:
+        mm = Matchmaker(node, dht, "run", max_group_size=max_group_size)
+        mm.register()
+        mm.window = window
+        makers.append(mm)
+    return makers
+
+
 @asynccontextmanager
 async def open_sim_collaboration(
     net: SimNetwork,

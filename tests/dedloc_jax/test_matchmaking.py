@@ -4,9 +4,9 @@ import pytest
 import trio
 
 from dedloc_jax.config import CollaborationConfig
-from dedloc_jax.matchmaking import Matchmaker, member_for
+from dedloc_jax.matchmaking import member_for
 from p2p.testing import SimNetwork, run_sim
-from tests.dedloc_jax.simcollab import open_sim_dhts
+from tests.dedloc_jax.simcollab import matchmakers, open_sim_dhts
 
 
 def _form_all(n: int, cap: int, seed: int = 0) -> list:
@@ -15,12 +15,7 @@ def _form_all(n: int, cap: int, seed: int = 0) -> list:
         config = CollaborationConfig.local_demo().replace(max_group_size=cap)
         async with open_sim_dhts(net, n, latency=0.01) as peers:
             specs: list = [None] * n
-            makers = []
-            for node, dht in peers:
-                mm = Matchmaker(node, dht, "run", max_group_size=config.max_group_size)
-                mm.register()
-                mm.window = 1.0
-                makers.append(mm)
+            makers = matchmakers(peers, max_group_size=config.max_group_size)
 
             async def one(i: int) -> None:
                 me = member_for(str(peers[i][0].peer_id), "node", 1e6, 1e6, 8.0)
@@ -82,12 +77,8 @@ def _late_peer(leader_is_late: bool) -> tuple[float, float, object]:
     async def main() -> tuple[float, float, object]:
         net = SimNetwork(seed=5)
         async with open_sim_dhts(net, 2, latency=0.01) as peers:
-            makers = {}
-            for node, dht in peers:
-                mm = Matchmaker(node, dht, "run", max_group_size=8)
-                mm.register()
-                mm.window = 1.0
-                makers[str(node.peer_id)] = mm
+            ids = [str(node.peer_id) for node, _ in peers]
+            makers = dict(zip(ids, matchmakers(peers, max_group_size=8), strict=True))
             first, second = sorted(makers)
             a, b = (second, first) if leader_is_late else (first, second)
             assert await makers[a].form_group(3, member_for(a, "node", 1e6, 1e6, 8.0)) is None
@@ -119,12 +110,7 @@ def test_peers_short_of_the_target_do_not_wait_once_everyone_expected_registered
     async def main() -> tuple[list, float, float]:
         net = SimNetwork(seed=3)
         async with open_sim_dhts(net, 2, latency=0.01) as peers:
-            makers = []
-            for node, dht in peers:
-                mm = Matchmaker(node, dht, "run", max_group_size=8)
-                mm.register()
-                mm.window = 1.0
-                makers.append(mm)
+            makers = matchmakers(peers, max_group_size=8)
             ids = [str(node.peer_id) for node, _ in peers]
             specs: list = [None, None]
 

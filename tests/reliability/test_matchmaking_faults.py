@@ -12,9 +12,9 @@ from collections.abc import Callable
 import trio
 
 from dedloc_jax.grouping import assign_groups, group_seed
-from dedloc_jax.matchmaking import Matchmaker, member_for
+from dedloc_jax.matchmaking import member_for
 from p2p.testing import SimNetwork, host_of, run_sim
-from tests.dedloc_jax.simcollab import open_sim_dhts
+from tests.dedloc_jax.simcollab import matchmakers, open_sim_dhts
 
 EPOCH = 3
 
@@ -31,12 +31,7 @@ def _form_while_one_dies(n: int, seed: int, pick_victim: Callable[[int], int]) -
             assert len(groups) == 1
             victim = pick_victim(ids.index(groups[0][0]))
             assert victim != 0  # node 0 is the DHT's bootstrap node: keep it
-            makers = []
-            for node, dht in peers:
-                mm = Matchmaker(node, dht, "run", max_group_size=64)
-                mm.register()
-                mm.window = 1.0
-                makers.append(mm)
+            makers = matchmakers(peers, max_group_size=64)
             specs: list = [None] * n
 
             async def one(i: int) -> None:
