@@ -289,9 +289,15 @@ class Chaos:
         settle_end = min(self.deadline + 60.0, time.monotonic() + 120.0)
         while time.monotonic() < settle_end:
             self.sleep(0.2)
-            if not self.restart_at and all(
-                inc.killed_at is None and self.epoch_of(i) >= settle_epoch
-                for i, inc in self.procs.items()
+            epochs = [self.epoch_of(i) for i in self.procs]
+            # Everyone back, past the settle epoch and at the same epoch (a peer that lost a
+            # round to a killed reducer catches up in a later one); a round in flight when the
+            # stop lands may still move some of them one epoch on.
+            if (
+                not self.restart_at
+                and all(inc.killed_at is None for inc in self.procs.values())
+                and min(epochs) >= settle_epoch
+                and max(epochs) == min(epochs)
             ):
                 break
         self.stopping = True
