@@ -660,16 +660,20 @@ def test_memoryview_and_bytearray_frames():
 # ---- real TCP loopback (the recv_into/send fast path) ---------------------------------------
 
 
-async def tcp_pair(out_kwargs=None, in_kwargs=None):
-    """A secured TCP connection on 127.0.0.1; returns (outbound, inbound, raw client socket)."""
+async def raw_tcp_pair():
+    """A plain TCP connection on 127.0.0.1: (client stream, server stream)."""
     listener = trio.socket.socket()
     await listener.bind(("127.0.0.1", 0))
     listener.listen(1)
-    port = listener.getsockname()[1]
-    client = await trio.open_tcp_stream("127.0.0.1", port)
+    client = await trio.open_tcp_stream("127.0.0.1", listener.getsockname()[1])
     server_sock, _ = await listener.accept()
     listener.close()
-    server = trio.SocketStream(server_sock)
+    return client, trio.SocketStream(server_sock)
+
+
+async def tcp_pair(out_kwargs=None, in_kwargs=None):
+    """A secured TCP connection on 127.0.0.1; returns (outbound, inbound, raw client socket)."""
+    client, server = await raw_tcp_pair()
     out, inn = await handshake_both(client, server, out_kwargs=out_kwargs, in_kwargs=in_kwargs)
     return out.unwrap(), inn.unwrap(), client
 
@@ -719,15 +723,10 @@ def test_tcp_loopback_peer_reset_is_connection_closed():
 
 def test_tcp_loopback_silent_client_times_out():
     async def main():
-        listener = trio.socket.socket()
-        await listener.bind(("127.0.0.1", 0))
-        listener.listen(1)
-        client = await trio.open_tcp_stream("127.0.0.1", listener.getsockname()[1])
-        server_sock, _ = await listener.accept()
+        client, server = await raw_tcp_pair()
         with trio.fail_after(10), pytest.raises(HandshakeError, match="timed out"):
-            await secure_inbound(trio.SocketStream(server_sock), BOB, timeout=0.2)
+            await secure_inbound(server, BOB, timeout=0.2)
         assert await client.receive_some() == b""
-        listener.close()
         await client.aclose()
 
     trio.run(main)
@@ -771,13 +770,8 @@ def test_tcp_frames_trickling_in_arrive_whole_and_small_ones_still_wake_the_read
     for bytes that never come: each frame here is the last one in flight when it is read."""
 
     async def main():
-        listener = trio.socket.socket()
-        await listener.bind(("127.0.0.1", 0))
-        listener.listen(1)
-        client = await trio.open_tcp_stream("127.0.0.1", listener.getsockname()[1])
-        server_sock, _ = await listener.accept()
-        listener.close()
-        out, inn = await handshake_both(Trickle(client), trio.SocketStream(server_sock))
+        client, server = await raw_tcp_pair()
+        out, inn = await handshake_both(Trickle(client), server)
         out, inn = out.unwrap(), inn.unwrap()
         with trio.fail_after(20):
             for size in (DEFAULT_MAX_FRAME, 3, 200 << 10, 70 << 10, 1, DEFAULT_MAX_FRAME):
