@@ -24,12 +24,23 @@ import trio
 from p2p.errors import MultiaddrError, P2PError, ProtocolError
 from p2p.identity import PeerID
 from p2p.multiaddr import Multiaddr
+from p2p.mux_frames import GOAWAY, encode_frame, reason_bytes
 from p2p.rpc import CallContext
 from p2p.secure import secure_outbound
 
 logger = logging.getLogger(__name__)
 
 DIAL_BACK = "nat.dialback"
+
+PROBE_GOAWAY = encode_frame(GOAWAY, 0, reason_bytes("dial-back probe"))
+"""What a dial-back sends once its handshake proved the address: a mux GOAWAY that processed
+no stream. The dialed node runs a mux on every inbound connection and may already be using
+this one (it can win the duplicate-connection tie-break against the node's own connection to
+us); the GOAWAY tells it that whatever it opened here never reached us, so it retries on
+another connection instead of failing. (CI caught a bootstrap ping lost on a dial-back.)"""
+PROBE_LINGER = 2.0
+"""Seconds a dial-back waits for the dialed node to close after the GOAWAY (it does at once):
+closing first with its frames unread would reset the socket and could lose the GOAWAY."""
 
 
 class Reachability(enum.StrEnum):
@@ -163,6 +174,7 @@ class DialBackServer:
 
     async def _try(self, addr: Multiaddr, peer: PeerID) -> str | None:
         """None when a new connection to ``addr`` proved to reach ``peer``, else why not."""
+        channel = None
         with trio.move_on_after(self.config.dial_timeout):
             try:
                 raw = await self.node.transport.dial(addr)
@@ -173,11 +185,23 @@ class DialBackServer:
                     raw, self.node.identity, peer, timeout=self.config.dial_timeout
                 )
             except P2PError as e:
-                await trio.aclose_forcefully(raw)
                 return str(e) or type(e).__name__
-            await trio.aclose_forcefully(channel)
-            return None
-        return "timed out"
+            finally:
+                if channel is None:  # failed or timed out mid-handshake
+                    await trio.aclose_forcefully(raw)
+        if channel is None:
+            return "timed out"
+        # Proven. Tell the dialed node before closing, and answer only once it has closed:
+        # then nothing it sends us after our "ok" can land on this connection.
+        with trio.move_on_after(PROBE_LINGER):
+            try:
+                await channel.send_frame(PROBE_GOAWAY)
+                while True:
+                    await channel.receive_frame()
+            except P2PError:
+                pass
+        await trio.aclose_forcefully(channel)
+        return None
 
 
 async def ask_dial_back(
