@@ -55,7 +55,10 @@ class ProgressSnapshot:
     epoch: int
     others_samples: float
     others_samples_per_second: float
-    at: float  # time.monotonic() of the snapshot
+    at: float
+    """time.monotonic() of the snapshot: real time on purpose, since the training thread
+    (outside trio, so without trio's or a MockClock's time) reads it; only the host-side
+    Collaboration takes snapshots, never a simulated peer."""
     max_extrapolation: float
 
     def ready(self, epoch: int, samples: int, target: int) -> bool:
