@@ -275,13 +275,19 @@ class InvitingDHT:
         return getattr(self._dht, name)
 
     async def store(
-        self, key: str, value: Any, expiration: float, *, subkey: str | None = None
+        self,
+        key: str,
+        value: Any,
+        expiration: float,
+        *,
+        subkey: str | None = None,
+        replicas: int | None = None,
     ) -> Any:
         if self._marker and subkey is not None and self._policy.is_run_key(key):
             mine = owner_marker(self._dht.node.peer_id)
             if mine in subkey and "[invite:" not in subkey:
                 subkey += self._marker
-        return await self._dht.store(key, value, expiration, subkey=subkey)
+        return await self._dht.store(key, value, expiration, subkey=subkey, replicas=replicas)
 
 
 class AccessGuard:

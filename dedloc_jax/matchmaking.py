@@ -31,7 +31,7 @@ import trio
 from dedloc_jax.averaging.errors import GroupError
 from dedloc_jax.averaging.group import GroupSpec, Member
 from dedloc_jax.grouping import assign_groups, group_seed
-from p2p.dht import DHT, InvalidRecordError
+from p2p.dht import DHT, InvalidRecordError, KeyFollower, follower_replicas
 from p2p.dht.records import owner_marker, owner_markers
 from p2p.errors import ConnectionClosed, DialError, P2PError, RPCError, RPCTimeout
 from p2p.identity import PeerID
@@ -161,10 +161,10 @@ class Matchmaker:
         """The longest a peer waits for others to register (then it goes with what it has)."""
         return 10 * self.window + 5.0
 
-    async def _registrations(self, key: str) -> dict[str, float]:
+    async def _registrations(self, registry: KeyFollower) -> dict[str, float]:
         """Registered peers at this epoch and the samples each will contribute."""
         try:
-            value = await self.dht.get(key)
+            value = await registry.get()
         except P2PError as e:
             log.warning("could not read matchmaking registrations: %s", e)
             return {}
@@ -217,18 +217,21 @@ class Matchmaker:
                 {"member": _member_to_wire(me), "addrs": [str(a) for a in self.node.addrs]},
                 self.dht.now() + self.max_wait + 6 * window + 30.0,
                 subkey=owner_marker(self.node.peer_id),
+                replicas=follower_replicas(self.dht.config),
             )
         except (P2PError, InvalidRecordError) as e:
             log.warning("could not register for matchmaking: %s", e)
         start = trio.current_time()
         give_up = start + self.max_wait
         expected = set(expected) - {self.peer_id}
+        # Polled several times per epoch by every peer: fetch only new registrations.
+        registry = self.dht.follow(key, relocate_interval=self.max_wait + 6 * window)
         while True:
             # Polling only helps to close early once every expected peer registered; with
             # nobody expected, one read at the end of the window does (a read is a lookup).
             elapsed = trio.current_time() - start
             await trio.sleep(window / 8 if expected else max(0.0, window - elapsed))
-            others = await self._registrations(key)
+            others = await self._registrations(registry)
             everyone = bool(expected) and expected <= set(others)
             # A peer the tracker sees at this epoch gets two windows: it is computing and will
             # register, but on a busy machine it may notice the target a window late.
@@ -250,7 +253,7 @@ class Matchmaker:
 
         while short_of_target():
             await trio.sleep(window / 2)
-            others = await self._registrations(key)
+            others = await self._registrations(registry)
         groups = assign_groups(
             sorted({self.peer_id, *others}),
             max_group_size=self.max_group_size,

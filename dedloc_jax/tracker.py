@@ -22,7 +22,7 @@ from dedloc_jax.progress import (
     estimate_collaboration,
     refresh_delay,
 )
-from p2p.dht import DHT, InvalidRecordError
+from p2p.dht import DHT, InvalidRecordError, follower_replicas
 from p2p.dht.records import owner_marker, owner_markers
 from p2p.errors import P2PError
 
@@ -60,6 +60,10 @@ class ProgressTracker:
         self._published: PeerProgress | None = None
         self._pending: tuple[int, int, float] | None = None  # (epoch, samples, time)
         self.dht_latency = 0.05  # smoothed seconds per DHT read, for deadlines
+        # Reads fetch only the records changed since the last one (p2p.dht.follow): every
+        # peer reads the table about once a second, and each read of the whole table grows
+        # with the number of peers.
+        self._follower = dht.follow(progress_key(run_id))
 
     # --- called by the collaboration (inside the trio loop) -------------------------------
     def report(self, epoch: int, samples: int, batch_size: int) -> None:
@@ -151,6 +155,7 @@ class ProgressTracker:
                 me.to_record(),
                 self.dht.now() + self.config.progress_ttl,
                 subkey=owner_marker(self.dht.peer_id),
+                replicas=follower_replicas(self.dht.config),
             )
             self._published_at = trio.current_time()
             self._published_epoch = me.epoch
@@ -161,7 +166,7 @@ class ProgressTracker:
     async def fetch(self) -> CollaborationEstimate:
         started = trio.current_time()
         try:
-            value = await self.dht.get(progress_key(self.run_id))
+            value = await self._follower.get()
         except P2PError as e:
             log.warning("could not read progress: %s", e)
             value = None

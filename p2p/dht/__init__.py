@@ -11,6 +11,7 @@ Typical use::
 from p2p.dht.clock import DHTClock
 from p2p.dht.config import DHTConfig
 from p2p.dht.errors import BootstrapError, DHTError, InvalidRecordError
+from p2p.dht.follow import KeyFollower, follower_replicas
 from p2p.dht.node import DHT, DHTValue, StoreResult, open_dht
 from p2p.dht.records import Record, ValueWithExpiration, owner_marker
 from p2p.dht.validation import (
@@ -30,6 +31,8 @@ from p2p.dht.validation import (
 )
 
 __all__ = [
+    "KeyFollower",
+    "follower_replicas",
     "DHT",
     "AnyValue",
     "BootstrapError",

@@ -19,6 +19,7 @@ import trio
 from p2p.dht.clock import DHTClock
 from p2p.dht.config import DHTConfig
 from p2p.dht.errors import BootstrapError, InvalidRecordError
+from p2p.dht.follow import KeyFollower
 from p2p.dht.ids import key_id, node_id, random_id
 from p2p.dht.protocol import DHTProtocol
 from p2p.dht.records import (
@@ -191,18 +192,32 @@ class DHT:
         return rec
 
     async def store(
-        self, key: str, value: Any, expiration: float, *, subkey: str | None = None
+        self,
+        key: str,
+        value: Any,
+        expiration: float,
+        *,
+        subkey: str | None = None,
+        replicas: int | None = None,
     ) -> StoreResult:
         """Store ``value`` under ``key`` (or one subkey of it) until ``expiration`` (DHT time).
 
+        ``replicas``: how many of the key's nearest nodes get it (default: the config's
+        ``replication``); fewer suit short-lived records rewritten every few seconds.
         Raises InvalidRecordError when the record is invalid (here, or refused by every node
         that answered, with their reason).
         """
         rec = self.make_record(key, value, expiration, subkey)
-        return (await self.store_records([rec]))[0]
+        return (await self.store_records([rec], replicas=replicas))[0]
 
-    async def store_records(self, records: Sequence[Record]) -> list[StoreResult]:
+    async def store_records(
+        self, records: Sequence[Record], *, replicas: int | None = None
+    ) -> list[StoreResult]:
         """Store several records: one lookup per key, one STORE per target node."""
+        if replicas is None:
+            replicas = self.config.replication
+        if not 1 <= replicas <= self.config.replication:
+            raise ValueError(f"replicas must be in 1..{self.config.replication}")
         now = self.now()
         for rec in records:
             self.validators.validate(rec)
@@ -221,11 +236,12 @@ class DHT:
                 found = await self.find_nearest(kid)
                 nearest = found.nearest[: self.config.replication]
                 self._remember_located(key, nearest)
+            nearest = nearest[:replicas]
             local[key] = not self.client_mode and (
-                len(nearest) < self.config.replication
+                len(nearest) < replicas
                 or self.protocol.local_id ^ kid < node_id(nearest[-1].peer) ^ kid
             )
-            targets[key] = nearest[: self.config.replication - local[key]]
+            targets[key] = nearest[: replicas - local[key]]
 
         async with trio.open_nursery() as nursery:
             for key in {r.key for r in records}:
@@ -287,6 +303,13 @@ class DHT:
             del self._located[next(iter(self._located))]  # the oldest
 
     # --- get -----------------------------------------------------------------------------
+    def follow(
+        self, key: str, *, holders: int | None = None, relocate_interval: float = 30.0
+    ) -> KeyFollower:
+        """A reader of ``key`` for frequent re-reads: after a lookup, only what changed is
+        fetched (see :mod:`p2p.dht.follow`)."""
+        return KeyFollower(self, key, holders=holders, relocate_interval=relocate_interval)
+
     async def get(self, key: str, *, latest: bool = True) -> DHTValue | None:
         """The value under ``key``: a ValueWithExpiration, or for a dictionary value a
         ``{subkey: ValueWithExpiration}``; None when nothing live is found.

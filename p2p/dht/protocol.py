@@ -27,12 +27,17 @@ from p2p.dht.storage import LocalStorage
 from p2p.dht.traverse import FindAnswer
 from p2p.dht.validation import ValidatorChain
 from p2p.dht.wire import (
+    CHANGES,
     FIND,
     PING,
     STORE,
     Contact,
+    Cursor,
     Limits,
+    changes_to_wire,
     find_result_to_wire,
+    parse_changes_request,
+    parse_changes_response,
     parse_find_request,
     parse_find_response,
     parse_sender,
@@ -103,6 +108,7 @@ class DHTProtocol:
         self.node.add_handler(PING, self.handle_ping)
         self.node.add_handler(STORE, self.handle_store)
         self.node.add_handler(FIND, self.handle_find)
+        self.node.add_handler(CHANGES, self.handle_changes)
 
     def own_addrs(self) -> tuple[str, ...]:
         if self.client_mode:
@@ -249,6 +255,18 @@ class DHTProtocol:
         self.peer_seen(ctx.remote_peer, addrs, client=client)
         return response(self.clock.local_time(), results=results)
 
+    async def handle_changes(self, ctx: Any, req: Any) -> dict:
+        """The records of one key stored here since the reader's cursor (see wire.py)."""
+        key, since = parse_changes_request(req)
+        store = self.storage
+        start = since.number if since is not None and since.incarnation == store.incarnation else 0
+        records, number = store.changes(
+            key, start, self.clock.now(), MAX_FIND_RESPONSE_BYTES, self.limits.max_subkeys
+        )
+        self.stats["changes_served"] += 1
+        body = changes_to_wire(records, Cursor(store.incarnation, number))
+        return response(self.clock.local_time(), **body)
+
     # --- calls ---------------------------------------------------------------------------
     async def _call(self, contact: Contact, name: str, **body: Any) -> Any | None:
         """One request; None (and the peer is banned) when it fails or answers garbage."""
@@ -297,6 +315,21 @@ class DHTProtocol:
                 self.peer_failed(contact.peer)
                 return None
         return out
+
+    async def changes(
+        self, contact: Contact, key: str, since: Cursor | None
+    ) -> tuple[list[Record], Cursor] | None:
+        """What ``contact`` stored under ``key`` since ``since``; None on failure."""
+        since_wire = None if since is None else [since.incarnation, since.number]
+        resp = await self._call(contact, CHANGES, key=key, since=since_wire)
+        if resp is None:
+            return None
+        try:
+            return parse_changes_response(resp, key, self.limits)
+        except ProtocolError as e:
+            log.debug("bad changes answer from %s: %s", contact.peer, e)
+            self.peer_failed(contact.peer)
+            return None
 
     async def find(self, contact: Contact, queries: list[int | str]) -> list[FindAnswer] | None:
         """FIND several targets at once (in chunks); one answer per query, None on failure."""

@@ -5,10 +5,17 @@ Keys hold a :class:`~p2p.dht.records.KeyState` (plain record and/or subkey recor
 dropped lazily and by :meth:`LocalStorage.purge`. The same class serves as the cache of values
 seen along lookup paths, with ``lru=True``: a full cache forgets its least recently used key
 instead of refusing new ones.
+
+Every change of a record slot (a key's plain record, or one subkey) gets the next number of a
+per-store sequence; :meth:`LocalStorage.changes` answers "what changed since number n", which
+lets a reader that polls a big, often-updated dictionary (a run's progress table) fetch only
+what is new (``dht.changes``, :class:`p2p.dht.follow.KeyFollower`). The store's random
+``incarnation`` tells a reader when numbers restarted (a restarted node).
 """
 
 from __future__ import annotations
 
+import os
 from collections import OrderedDict
 from collections.abc import Iterator
 
@@ -30,6 +37,9 @@ class LocalStorage:
         self.nbytes = 0  # approximate bytes held by all keys
         self._data: OrderedDict[str, KeyState] = OrderedDict()
         self._received: dict[str, float] = {}  # key -> last time a STORE brought it
+        self.incarnation = os.urandom(8)
+        self.seq = 0  # the number of the latest change, over all keys
+        self._changed: dict[str, dict[str | None, int]] = {}  # key -> slot -> change number
 
     def __len__(self) -> int:
         return len(self._data)
@@ -61,9 +71,34 @@ class LocalStorage:
         self.nbytes += state.nbytes - before
         if state.plain is None and not state.subs:
             del self._data[rec.key]
+        elif (state.plain if rec.subkey is None else state.subs.get(rec.subkey)) is rec:
+            self.seq += 1  # the slot took this record
+            self._changed.setdefault(rec.key, {})[rec.subkey] = self.seq
         if held:
             self._received[rec.key] = now
         return held
+
+    def changes(
+        self, key: str, since: int, now: float, max_bytes: int, max_records: int = 1 << 30
+    ) -> tuple[list[Record], int]:
+        """Live records of ``key`` whose slot changed after change number ``since``, oldest
+        change first, about ``max_bytes`` of them at most (one at least); and the number to
+        ask from next time (the store's current one once everything was returned)."""
+        state = self._live(key, now)
+        changed = self._changed.get(key)
+        if state is None or not changed:
+            return [], self.seq
+        out: list[Record] = []
+        size = 0
+        for n, slot in sorted((n, slot) for slot, n in changed.items() if n > since):
+            rec = state.plain if slot is None else state.subs.get(slot)
+            if rec is None:
+                continue  # expired meanwhile
+            size += record_size(rec)
+            if out and (size > max_bytes or len(out) == max_records):
+                return out, n - 1
+            out.append(rec)
+        return out, self.seq
 
     def _evict_lru(self, keep: str) -> bool:
         """In a cache, forget the least recently used key (not ``keep``); False otherwise."""
@@ -87,6 +122,7 @@ class LocalStorage:
     def remove(self, key: str) -> bool:
         """Forget a key (a node that lost its data, or an operator clearing it)."""
         self._received.pop(key, None)
+        self._changed.pop(key, None)
         state = self._data.pop(key, None)
         if state is not None:
             self.nbytes -= state.nbytes
@@ -123,5 +159,13 @@ class LocalStorage:
         if empty:
             del self._data[key]
             self._received.pop(key, None)
+            self._changed.pop(key, None)
             return None
+        if before != state.nbytes:  # slots expired: forget their change numbers
+            changed = self._changed.get(key)
+            if changed:
+                for slot in [s for s in changed if s is not None and s not in state.subs]:
+                    del changed[slot]
+                if None in changed and state.plain is None:
+                    del changed[None]
         return state

@@ -14,6 +14,9 @@ routing tables) and ``addrs`` (the sender's listen addresses, text multiaddrs):
   a key text (FIND_VALUE: nearest nodes to the key's ID plus the held records)
   -> {"time", "results": [[peers, records|None], ...]}, peers = [[peer_id, [addr, ...]], ...],
   records = [[subkey|None, value, expiration, proof|None], ...]
+- ``dht.changes``: {"key", "since": [incarnation, number] | None} -> {"time", "records",
+  "cursor": [incarnation, number]}: the held records of ``key`` that changed after change
+  ``number`` of the store ``incarnation`` (all of them for None or another incarnation)
 
 Every response carries ``time``, the responder's raw local clock (see :mod:`p2p.dht.clock`).
 """
@@ -33,10 +36,19 @@ from p2p.multiaddr import Multiaddr
 PING = "dht.ping"
 STORE = "dht.store"
 FIND = "dht.find"
+CHANGES = "dht.changes"
+INCARNATION_BYTES = 8
 
 MAX_ADDR_CHARS = 512
 MAX_KEY_CHARS = 512
 MAX_PROOF_BYTES = 96
+
+
+class Cursor(NamedTuple):
+    """Where a reader of ``dht.changes`` stands in one node's store."""
+
+    incarnation: bytes
+    number: int
 
 
 @dataclass(frozen=True)
@@ -269,3 +281,39 @@ def parse_find_response(
                 records.append(_record(q, *item, limits))
         out.append((contacts, records))
     return out
+
+
+# --- dht.changes ---------------------------------------------------------------------------
+def parse_changes_request(msg: Any) -> tuple[str, Cursor | None]:
+    body = _map(msg, "request")
+    key = _text(body.get("key"), "key")
+    since = body.get("since")
+    return key, None if since is None else _cursor(since)
+
+
+def _cursor(value: Any) -> Cursor:
+    if not isinstance(value, list) or len(value) != 2:
+        raise ProtocolError("a cursor is [incarnation, number]")
+    incarnation, number = value
+    if not isinstance(incarnation, bytes) or len(incarnation) != INCARNATION_BYTES:
+        raise ProtocolError(f"a cursor's incarnation must be {INCARNATION_BYTES} bytes")
+    if isinstance(number, bool) or not isinstance(number, int) or not 0 <= number < 1 << 63:
+        raise ProtocolError("a cursor's number must be a non-negative integer")
+    return Cursor(incarnation, number)
+
+
+def changes_to_wire(records: list[Record], cursor: Cursor) -> dict:
+    return {
+        "records": [[r.subkey, r.value, r.expiration, r.proof] for r in records],
+        "cursor": [cursor.incarnation, cursor.number],
+    }
+
+
+def parse_changes_response(msg: Any, key: str, limits: Limits) -> tuple[list[Record], Cursor]:
+    body = _map(msg, "response")
+    records = []
+    for item in _list(body.get("records"), "records", limits.max_subkeys):
+        if not isinstance(item, list) or len(item) != 4:
+            raise ProtocolError("a record is [subkey, value, expiration, proof]")
+        records.append(_record(key, *item, limits))
+    return records, _cursor(body.get("cursor"))

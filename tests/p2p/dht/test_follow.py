@@ -1,0 +1,202 @@
+"""Incremental reads: ``LocalStorage.changes`` (pure), ``dht.changes`` and ``KeyFollower``."""
+
+from __future__ import annotations
+
+import pytest
+import trio
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from p2p.dht.records import Record, merge_views, pack_value, record_size, view_records
+from p2p.dht.storage import LocalStorage
+from p2p.dht.wire import Limits, parse_changes_request, parse_changes_response
+from p2p.errors import ProtocolError
+from p2p.testing import run_sim
+
+from .swarm import TEST_CONFIG, dht_swarm
+
+
+def rec(value, exp: float, subkey: str | None = None, key: str = "k") -> Record:
+    return Record(key, subkey, pack_value(value), exp)
+
+
+# --- LocalStorage.changes ------------------------------------------------------------------
+def test_changes_since_a_number_are_what_was_stored_after_it() -> None:
+    s = LocalStorage()
+    s.store(rec(1, 100, "a"), 0)
+    s.store(rec(1, 100, "b"), 0)
+    everything, cursor = s.changes("k", 0, 0, 1 << 20)
+    assert [r.subkey for r in everything] == ["a", "b"]
+    assert s.changes("k", cursor, 0, 1 << 20) == ([], cursor)
+    s.store(rec(2, 101, "a"), 1)  # newer: a change
+    s.store(rec(1, 100, "b"), 1)  # the same record again: no change
+    s.store(rec(0, 99, "b"), 1)  # older: refused, no change
+    s.store(rec(1, 100, "c", key="other"), 1)  # another key
+    changed, cursor2 = s.changes("k", cursor, 1, 1 << 20)
+    assert [(r.subkey, r.decoded()) for r in changed] == [("a", 2)]
+    assert cursor2 > cursor
+    assert s.changes("k", cursor2, 1, 1 << 20)[0] == []
+
+
+def test_changes_skip_expired_records_and_respect_the_byte_limit() -> None:
+    s = LocalStorage()
+    for i in range(10):
+        s.store(rec("x" * 100, 50 if i == 3 else 100, f"s{i}"), 0)
+    size = record_size(rec("x" * 100, 100, "s0"))
+    first, cursor = s.changes("k", 0, 0, 2 * size + size // 2)  # two fit
+    assert [r.subkey for r in first] == ["s0", "s1"]
+    rest, cursor = s.changes("k", cursor, 60, 1 << 20)  # s3 expired at 50
+    assert [r.subkey for r in rest] == [f"s{i}" for i in range(2, 10) if i != 3]
+    assert s.changes("k", cursor, 60, 1 << 20)[0] == []
+    one, _ = s.changes("k", 0, 60, 1)  # always at least one
+    assert len(one) == 1
+    two, _ = s.changes("k", 0, 60, 1 << 20, max_records=2)
+    assert len(two) == 2
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.sampled_from([None, "a", "b", "c"]), st.integers(1, 30)),
+        min_size=1,
+        max_size=30,
+    ),
+    st.integers(0, 30),
+)
+def test_a_reader_of_changes_sees_what_a_reader_of_everything_sees(writes, split) -> None:
+    """Reading all, then the changes after a cut, merges to the store's current value."""
+    s = LocalStorage()
+    seen: list[Record] = []
+    cursor = 0
+    for i, (subkey, exp) in enumerate(writes):
+        s.store(rec(i, float(exp), subkey), 0)
+        if i == split:
+            got, cursor = s.changes("k", cursor, 0, 1 << 20)
+            seen += got
+    got, cursor = s.changes("k", cursor, 0, 1 << 20)
+    seen += got
+    assert merge_views(seen) == s.get("k", 0)
+
+
+def test_changes_wire_rejects_malformed_cursors_and_records() -> None:
+    assert parse_changes_request({"key": "k", "since": None}) == ("k", None)
+    for bad in (
+        {"key": "", "since": None},
+        {"key": "k", "since": [b"12345678"]},
+        {"key": "k", "since": [b"short", 1]},
+        {"key": "k", "since": [b"12345678", -1]},
+        {"key": "k", "since": [b"12345678", True]},
+        ["not a map"],
+    ):
+        with pytest.raises(ProtocolError):
+            parse_changes_request(bad)
+    good_cursor = [b"12345678", 5]
+    records, cursor = parse_changes_response(
+        {"time": 0.0, "records": [["s", pack_value(1), 9.0, None]], "cursor": good_cursor},
+        "k",
+        Limits(),
+    )
+    assert records[0].subkey == "s" and cursor.number == 5
+    for bad in (
+        {"records": [["s", pack_value(1), 9.0]], "cursor": good_cursor},
+        {"records": [["s", pack_value(1), float("nan"), None]], "cursor": good_cursor},
+        {"records": "x", "cursor": good_cursor},
+        {"records": [], "cursor": None},
+    ):
+        with pytest.raises(ProtocolError):
+            parse_changes_response(bad, "k", Limits())
+
+
+# --- KeyFollower on the simulated network --------------------------------------------------
+def test_a_follower_reads_what_a_get_reads_and_then_only_the_changes() -> None:
+    async def main() -> None:
+        async with dht_swarm(24, seed=3, silent_failures=True) as swarm:
+            writers = swarm.dhts[:12]
+            reader = swarm.dhts[20]
+            follower = reader.follow("table")
+
+            async def write_all(n: int, who=writers) -> None:
+                async with trio.open_nursery() as nursery:
+                    for w in who:
+                        nursery.start_soon(
+                            lambda w=w: w.store("table", n, w.now() + 600, subkey=str(w.peer_id))
+                        )
+
+            await write_all(1)
+            first = await follower.get()
+            assert first == await reader.get("table")
+            assert len(first) == 12
+            assert follower.stats["relocations"] == 1
+            full = follower.stats["records"]
+            assert full >= 12  # every record, from each holder
+            assert (await follower.get()) == first
+            assert follower.stats["records"] == full  # nothing changed, nothing sent
+            await write_all(2, who=writers[:2])
+            second = await follower.get()
+            assert second == await reader.get("table")
+            assert sorted(v.value for v in second.values()) == [1] * 10 + [2] * 2
+            assert follower.stats["records"] - full <= 2 * len(follower.holders)
+            assert follower.stats["relocations"] == 1
+
+    run_sim(main)
+
+
+def test_a_follower_replaces_a_dead_holder_and_drops_forged_records() -> None:
+    async def main() -> None:
+        async with dht_swarm(24, seed=5, silent_failures=True) as swarm:
+            owner = swarm.dhts[2]
+            follower = swarm.dhts[21].follow("table")
+            await owner.store("table", 1, owner.now() + 600, subkey="plain-subkey")
+            assert (await follower.get())["plain-subkey"].value == 1
+            by_peer = {d.peer_id: (d, h) for d, h in zip(swarm.dhts, swarm.hosts, strict=True)}
+            # a holder goes away: the next read finds another and still sees the value
+            dead = follower.holders[0]
+            swarm.net.kill(by_peer[dead][1])
+            await owner.store("table", 2, owner.now() + 600, subkey="plain-subkey")
+            assert (await follower.get())["plain-subkey"].value == 2
+            assert dead not in follower.holders
+            # a holder serves a forged owner-reserved record (put straight into its store)
+            holder = by_peer[follower.holders[0]][0]
+            victim = owner.peer_id
+            forged = Record("table", f"[owner:{victim.to_base58()}]", pack_value(666), 10**6)
+            holder.storage.store(forged, holder.now())
+            got = await follower.get()
+            assert f"[owner:{victim.to_base58()}]" not in got
+            assert follower.stats["invalid"] >= 1
+            assert got["plain-subkey"].value == 2
+
+    run_sim(main)
+
+
+def test_a_restarted_store_is_read_in_full_again() -> None:
+    async def main() -> None:
+        async with dht_swarm(12, seed=9) as swarm:
+            w = swarm.dhts[1]
+            follower = swarm.dhts[10].follow("table")
+            await w.store("table", 1, w.now() + 600, subkey="a")
+            assert set(await follower.get()) == {"a"}
+            for d in swarm.dhts:  # every node loses its data and its change numbers
+                if d.peer_id in follower.holders:
+                    records = view_records(d.storage.get("table", d.now()))
+                    d.storage.remove("table")
+                    d.storage.incarnation = b"restart!"
+                    d.storage.seq = 0
+                    for r in records:
+                        d.storage.store(r, d.now())
+            before = follower.stats["records"]
+            assert set(await follower.get()) == {"a"}
+            assert follower.stats["records"] > before  # sent again, not taken as known
+
+    run_sim(main)
+
+
+def test_follow_rejects_bad_settings() -> None:
+    async def main() -> None:
+        async with dht_swarm(2) as swarm:
+            with pytest.raises(ValueError):
+                swarm.dhts[0].follow("k", holders=0)
+            with pytest.raises(ValueError):
+                swarm.dhts[0].follow("k", relocate_interval=0)
+
+    assert TEST_CONFIG.get_quorum >= 1
+    run_sim(main)
