@@ -3,8 +3,8 @@
 Each peer writes one signed subkey (``[owner:<peer-id>]``) under ``<run_id>.progress``; nobody
 else can overwrite it, and it expires ``progress_ttl`` seconds after the peer's last report, so
 a vanished peer stops counting. Reads happen every :func:`~dedloc_jax.progress.refresh_delay`
-seconds: rarely far from the target, often near it, and less often in a large collaboration
-(every read carries every peer's record).
+seconds: rarely far from the target, often near it, and less often in a large collaboration;
+each read fetches only the records changed since the last one (:mod:`p2p.dht.follow`).
 """
 
 from __future__ import annotations
