@@ -251,6 +251,8 @@ class DHTProtocol:
                         if budget < 0:
                             break
                         records.append(r)
+            if records:
+                self.stats["find_records_sent"] += len(records)
             results.append(find_result_to_wire([Contact(e.peer, e.addrs) for e in near], records))
         self.peer_seen(ctx.remote_peer, addrs, client=client)
         return response(self.clock.local_time(), results=results)
