@@ -4,9 +4,12 @@ Why: every peer of a collaboration re-reads the run's progress table (one signed
 peer) about once a second. A ``get`` is a lookup whose answers each carry the whole table, so
 with n peers a refresh round moves n² records (times the lookup's fan-out): a 200-peer
 simulation spent half an hour on two epochs, most of it in these reads. A :class:`KeyFollower`
-finds the key's nearest nodes once per ``relocate_interval`` and otherwise asks ``holders`` of
-them (over ``dht.changes``) for the records they stored since its last read, which costs about
-one record per update instead of one per peer.
+finds the key's nearest nodes once per ``relocate_interval`` and otherwise asks them (over
+``dht.changes``) for the records they stored since its last read from each, which costs about
+one record per update instead of one per peer. A read asks one of the ``holders`` nearest
+nodes, in turn, and all of them every ``sweep_every`` reads: a record every holder has arrives
+at the next read, one that reached only some holders (a store that failed on the way) within a
+sweep, and the holders' answers are not sent three times over.
 
 Every record is validated as in a ``get`` (a forged or expired one is dropped) and merged with
 the same rules (:class:`~p2p.dht.records.KeyState`), so the view equals what a ``get`` from the
@@ -53,15 +56,20 @@ class KeyFollower:
         *,
         holders: int | None = None,
         relocate_interval: float = 30.0,
+        sweep_every: int = 4,
     ) -> None:
         if holders is not None and holders < 1:
             raise ValueError("holders must be at least 1")
+        if sweep_every < 1:
+            raise ValueError("sweep_every must be at least 1")
         if not relocate_interval > 0:
             raise ValueError("relocate_interval must be positive")
         self.dht = dht
         self.key = key
         self.wanted = holders or max(1, dht.config.get_quorum)
         self.relocate_interval = relocate_interval
+        self.sweep_every = sweep_every
+        self._reads = 0
         self.stats: Counter[str] = Counter()
         self._state = KeyState()
         self._holders: list[Contact] = []
@@ -85,9 +93,13 @@ class KeyFollower:
         due = trio.current_time() - self._located_at >= self.relocate_interval
         if due or len(self._holders) < self.wanted:
             await self._relocate()
-        if not await self._poll() and self._holders:
-            await self._relocate()  # every holder failed: find others now, once
-            await self._poll()
+        turn = self._reads % self.sweep_every
+        self._reads += 1
+        if self._holders:
+            one = [self._holders[turn % len(self._holders)]]
+            if (turn == 0 or not await self._poll(one)) and not await self._poll(self._holders):
+                await self._relocate()  # every holder failed: find others now, once
+                await self._poll(self._holders)
         self._take_local()
         self._state.drop_expired(self.dht.now())
         return self._state.view()
@@ -114,8 +126,8 @@ class KeyFollower:
         self._cursors = {c.peer: self._cursors.get(c.peer) for c in self._holders}
         self._located_at = trio.current_time()
 
-    async def _poll(self) -> bool:
-        """Ask every holder for its changes; False when none answered."""
+    async def _poll(self, holders: list[Contact]) -> bool:
+        """Ask ``holders`` for their changes; False when none answered."""
         answered = 0
         failed: list[PeerID] = []
 
@@ -134,7 +146,7 @@ class KeyFollower:
 
         self.stats["polls"] += 1
         async with trio.open_nursery() as nursery:
-            for contact in self._holders:
+            for contact in holders:
                 nursery.start_soon(one, contact)
         if failed:
             log.debug("%d holders of %r did not answer; looking for others", len(failed), self.key)

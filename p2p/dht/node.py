@@ -304,11 +304,22 @@ class DHT:
 
     # --- get -----------------------------------------------------------------------------
     def follow(
-        self, key: str, *, holders: int | None = None, relocate_interval: float = 30.0
+        self,
+        key: str,
+        *,
+        holders: int | None = None,
+        relocate_interval: float = 30.0,
+        sweep_every: int = 4,
     ) -> KeyFollower:
         """A reader of ``key`` for frequent re-reads: after a lookup, only what changed is
         fetched (see :mod:`p2p.dht.follow`)."""
-        return KeyFollower(self, key, holders=holders, relocate_interval=relocate_interval)
+        return KeyFollower(
+            self,
+            key,
+            holders=holders,
+            relocate_interval=relocate_interval,
+            sweep_every=sweep_every,
+        )
 
     async def get(self, key: str, *, latest: bool = True) -> DHTValue | None:
         """The value under ``key``: a ValueWithExpiration, or for a dictionary value a
