@@ -197,6 +197,18 @@ def _store_response(msg: Any) -> None:
     dht_wire.parse_store_response(msg, 2)
 
 
+def _changes_request(msg: Any) -> None:
+    dht_wire.parse_sender(msg, ALICE.peer_id, LIMITS)
+    dht_wire.parse_changes_request(msg)
+
+
+def _changes_response(msg: Any) -> None:
+    dht_wire.parse_time(msg)
+    records, _cursor = dht_wire.parse_changes_response(msg, "key", LIMITS)
+    for record in records:
+        _CHAIN.validate(record)
+
+
 def _dht_seeds() -> dict[str, tuple[bytes, ...]]:
     signed = sign_record(
         Record(f"run/{ALICE.peer_id}", None, pack_value({"a": 1}), 1e9, None), ALICE
@@ -222,6 +234,17 @@ def _dht_seeds() -> dict[str, tuple[bytes, ...]]:
             ),
         ),
         "store_response": (_pack(dht_wire.response(5.0, results=[True, "newer held"])),),
+        "changes_request": (
+            _pack(dht_wire.request(False, addrs, key="key", since=None)),
+            _pack(dht_wire.request(True, (), key="key", since=[b"\x01" * 8, 42])),
+        ),
+        "changes_response": (
+            _pack(
+                dht_wire.response(
+                    5.0, **dht_wire.changes_to_wire([plain], dht_wire.Cursor(b"\x02" * 8, 7))
+                )
+            ),
+        ),
     }
 
 
@@ -382,6 +405,15 @@ def _build() -> dict[str, Decoder]:
             dht_seeds["find_response"],
         ),
         Decoder("dht.store_response", _msg(_store_response), msg_doc, dht_seeds["store_response"]),
+        Decoder(
+            "dht.changes_request", _msg(_changes_request), msg_doc, dht_seeds["changes_request"]
+        ),
+        Decoder(
+            "dht.changes_response",
+            _msg(_changes_response),
+            msg_doc + (InvalidRecordError,),
+            dht_seeds["changes_response"],
+        ),
         Decoder(
             "allreduce.message",
             _msg(_ar_message),

@@ -134,8 +134,8 @@ def test_progress_record_rejects_non_finite_numbers() -> None:
 
 
 # ---- a live node ------------------------------------------------------------------------------
-RPC_NAMES = ("dht.ping", "dht.store", "dht.find", "collab.join", "collab.state.manifest",
-             "collab.state.chunk")  # fmt: skip
+RPC_NAMES = ("dht.ping", "dht.store", "dht.find", "dht.changes", "collab.join",
+             "collab.state.manifest", "collab.state.chunk")  # fmt: skip
 STREAM_NAMES = ("dedloc/allreduce/1", "dedloc/allreduce-repair/1", "dedloc/bwprobe/1")
 
 
