@@ -7,9 +7,11 @@ simulation spent half an hour on two epochs, most of it in these reads. A :class
 finds the key's nearest nodes once per ``relocate_interval`` and otherwise asks them (over
 ``dht.changes``) for the records they stored since its last read from each, which costs about
 one record per update instead of one per peer. A read asks one of the ``holders`` nearest
-nodes, in turn, and all of them every ``sweep_every`` reads: a record every holder has arrives
-at the next read, one that reached only some holders (a store that failed on the way) within a
-sweep, and the holders' answers are not sent three times over.
+nodes (this reader's own pick among them, so that readers spread over the holders), and all of
+them every ``sweep_every`` reads or when it fails: a record every holder has arrives at the
+next read, one that reached only some holders (a store that failed on the way) within a sweep.
+Asking one holder matters because each holder's answer carries every change since the reader
+last asked *that* holder: reading three holders in turn fetched each update three times.
 
 Every record is validated as in a ``get`` (a forged or expired one is dropped) and merged with
 the same rules (:class:`~p2p.dht.records.KeyState`), so the view equals what a ``get`` from the
@@ -56,7 +58,7 @@ class KeyFollower:
         *,
         holders: int | None = None,
         relocate_interval: float = 30.0,
-        sweep_every: int = 4,
+        sweep_every: int = 8,
     ) -> None:
         if holders is not None and holders < 1:
             raise ValueError("holders must be at least 1")
@@ -70,6 +72,7 @@ class KeyFollower:
         self.relocate_interval = relocate_interval
         self.sweep_every = sweep_every
         self._reads = 0
+        self._pick = int.from_bytes(dht.peer_id.digest[:4], "big")  # our holder, by rank
         self.stats: Counter[str] = Counter()
         self._state = KeyState()
         self._holders: list[Contact] = []
@@ -96,7 +99,7 @@ class KeyFollower:
         turn = self._reads % self.sweep_every
         self._reads += 1
         if self._holders:
-            one = [self._holders[turn % len(self._holders)]]
+            one = [self._holders[self._pick % len(self._holders)]]
             if (turn == 0 or not await self._poll(one)) and not await self._poll(self._holders):
                 await self._relocate()  # every holder failed: find others now, once
                 await self._poll(self._holders)

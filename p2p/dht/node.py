@@ -309,7 +309,7 @@ class DHT:
         *,
         holders: int | None = None,
         relocate_interval: float = 30.0,
-        sweep_every: int = 4,
+        sweep_every: int = 8,
     ) -> KeyFollower:
         """A reader of ``key`` for frequent re-reads: after a lookup, only what changed is
         fetched (see :mod:`p2p.dht.follow`)."""
