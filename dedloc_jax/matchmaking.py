@@ -86,6 +86,7 @@ class _LeaderRound:
     changed: trio.Event = field(default_factory=trio.Event)  # set when someone joins
     expected: set[str] = field(default_factory=set)
     spec: GroupSpec | None = None
+    addrs: dict[str, list[str]] = field(default_factory=dict)  # what each joiner sent
 
 
 class Matchmaker:
@@ -125,11 +126,12 @@ class Matchmaker:
         if self.admit is not None:
             await self.admit(ctx.remote_peer, member.mode)
         addrs = request.get("addrs", [])
+        known: list[str] = []
         if isinstance(addrs, list):
             try:
-                self.node.peerstore.add_addrs(
-                    ctx.remote_peer, [Multiaddr.parse(a) for a in addrs[:8] if isinstance(a, str)]
-                )
+                parsed = [Multiaddr.parse(a) for a in addrs[:8] if isinstance(a, str)]
+                self.node.peerstore.add_addrs(ctx.remote_peer, parsed)
+                known = [str(a) for a in parsed]
             except P2PError as e:
                 log.info("ignoring bad addresses from %s: %s", peer, e)
         # The follower may come before we decided to lead this epoch: wait a bounded time.
@@ -143,6 +145,7 @@ class Matchmaker:
         if len(rnd.joined) + 1 >= rnd.max_size:
             return {"ok": False, "reason": "group full"}
         rnd.joined[peer] = member
+        rnd.addrs[peer] = known
         rnd.changed.set()
         try:
             # Longer than the leader may keep the group open (max_wait), so that a peer the
@@ -154,7 +157,10 @@ class Matchmaker:
                 rnd.joined.pop(peer, None)
         if rnd.spec is None or peer not in {m.peer_id for m in rnd.spec.members}:
             return {"ok": False, "reason": "group was not formed"}
-        return {"ok": True, "spec": rnd.spec.to_bytes()}
+        # The members' addresses, so that members that never read each other's registration
+        # (a reader polls some of the key's holders) can still dial each other.
+        addrs = {p: rnd.addrs[p] for p in rnd.joined if p != peer and rnd.addrs.get(p)}
+        return {"ok": True, "spec": rnd.spec.to_bytes(), "addrs": addrs}
 
     @property
     def max_wait(self) -> float:
@@ -354,6 +360,12 @@ class Matchmaker:
         except (GroupError, KeyError, TypeError) as e:
             log.warning("leader %s sent a bad group spec: %s", leader, e)
             return None
+        addrs = answer.get("addrs")
+        if isinstance(addrs, dict):
+            members = {m.peer_id for m in spec.members}
+            for peer, listed in list(addrs.items())[: len(members)]:
+                if peer in members and peer != self.peer_id:
+                    self._learn_addrs(peer, {"addrs": listed})
         if self.admit is not None:
             try:
                 for m in spec.members:

@@ -58,7 +58,11 @@ class Reducer:
         self.commit: frozenset[int] | None = None
         self.last_sent: dict[int, float] = {}
         self.sent_all_at: dict[int, float] = {}
-        self.changes = Changes()
+        self.changes = Changes()  # anything the collecting loop re-checks (parts, acks, deaths)
+        # What the result streams wait for: a chunk finalised, the commit, a receiver dropped.
+        # Kept apart from ``changes`` so a part arriving does not wake every result stream of
+        # the group (that was quadratic in the group size per chunk).
+        self.results = Changes()
         # Robust mode buffers each chunk's parts (sender -> values) until it is finalised.
         self.robust = rnd.config.robust_tau is not None
         self.parts: list[dict[int, np.ndarray]] = [{} for _ in range(n)] if self.robust else []
@@ -83,6 +87,7 @@ class Reducer:
             )
         if s not in self.seen:
             self.receivers.discard(s)
+            self.results.notify()
         self.changes.notify()
 
     def _died(self, s: int, why: str) -> None:
@@ -90,6 +95,7 @@ class Reducer:
         self.exclude(s, why)
         self.receivers.discard(s)
         self.changes.notify()
+        self.results.notify()
 
     async def run(self) -> None:
         r, stall = self.r, self.r.config.stall_timeout
@@ -126,10 +132,12 @@ class Reducer:
                     r.name(s),
                 )
                 self.receivers.discard(s)
+                self.results.notify()
             if not laggards:
                 await self.changes.wait(min([r.exchange_at, *due.values()]))
         self.commit = frozenset(self.acked & self.receivers)
         self.changes.notify()
+        self.results.notify()
         # Keeping our own share is safe only if someone else holds it too; otherwise we repair
         # it like any receiver would (and relay our copy if we can).
         r.ok[r.me] = bool(self.commit) or not self.initial_receivers
@@ -164,6 +172,7 @@ class Reducer:
             r.held[r.me] = k + 1
         self.done = k + 1
         self.changes.notify()
+        self.results.notify()
 
     def _robust_finalise(self, k: int, out: np.ndarray) -> None:
         """CenteredClip over the chunk's buffered parts (weights capped) into ``out``."""
@@ -274,7 +283,7 @@ class Reducer:
                 break
             if s not in self.receivers:
                 return
-            if not await self.changes.wait(trio.current_time() + heartbeat):
+            if not await self.results.wait(trio.current_time() + heartbeat):
                 await ms.send(wire.simple("hb"))
                 self.last_sent[s] = trio.current_time()
         if s in self.commit:

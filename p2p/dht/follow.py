@@ -120,9 +120,9 @@ class KeyFollower:
     async def _relocate(self) -> None:
         """Pick the ``wanted`` nearest nodes to the key (a recent store's lookup, or a new one)."""
         self.stats["relocations"] += 1
-        nearest = self.dht._recently_located(self.key)
+        nearest = self.dht._recently_located(self.key, self.wanted)
         if nearest is None:
-            found = await self.dht.find_nearest(key_id(self.key))
+            found = await self.dht.find_nearest(key_id(self.key), count=self.wanted)
             nearest = found.nearest
         keep = {c.peer: c for c in self._holders}
         self._holders = [keep.get(c.peer, c) for c in nearest[: self.wanted]]

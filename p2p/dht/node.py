@@ -156,17 +156,29 @@ class DHT:
         target: int,
         query: int | str | None = None,
         enough: Callable[[PeerID, list[Record]], bool] | None = None,
+        *,
+        count: int | None = None,
     ) -> LookupResult:
-        """An iterative lookup of ``target`` (sending ``query``: the ID itself, or a key)."""
+        """An iterative lookup of ``target`` (sending ``query``: the ID itself, or a key).
+
+        ``count``: how many of the nearest nodes the caller needs (default ``k``). The lookup
+        ends once that many nearest candidates answered, so a store to 6 replicas asks about
+        a third of the nodes a full lookup asks (the beam never drops below ``2 * alpha``).
+        """
         now = trio.current_time()
         initial = [Contact(e.peer, e.addrs) for e in self.routing.nearest(target, self.config.k)]
         failed = self.protocol.blacklist
+        beam = (
+            self.config.k
+            if count is None
+            else min(self.config.k, max(count, 2 * self.config.alpha))
+        )
         result = await lookup(
             target,
             target if query is None else query,
             initial,
             self._find_one,
-            k=self.config.k,
+            k=beam,
             alpha=self.config.alpha,
             local=self.peer_id,
             skip=lambda p: p.digest in failed and failed.is_banned(p.digest, trio.current_time()),
@@ -231,11 +243,11 @@ class DHT:
 
         async def locate(key: str) -> None:
             kid = key_id(key)
-            nearest = self._recently_located(key)
+            nearest = self._recently_located(key, replicas)
             if nearest is None:
-                found = await self.find_nearest(kid)
-                nearest = found.nearest[: self.config.replication]
-                self._remember_located(key, nearest)
+                found = await self.find_nearest(kid, count=replicas)
+                nearest = found.nearest[:replicas]
+                self._remember_located(key, nearest, replicas)
             nearest = nearest[:replicas]
             local[key] = not self.client_mode and (
                 len(nearest) < replicas
@@ -278,13 +290,16 @@ class DHT:
                 raise InvalidRecordError("refused: " + next(iter(res.refused.values())))
         return results
 
-    def _recently_located(self, key: str) -> list[Contact] | None:
-        """The nearest nodes a lookup of ``key`` found within ``locate_ttl``, unless one of
-        them has failed since (then the key is looked up again)."""
+    def _recently_located(self, key: str, count: int) -> list[Contact] | None:
+        """The ``count`` (or more) nearest nodes a lookup of ``key`` found within
+        ``locate_ttl``, unless one of them has failed since (then the key is looked up
+        again)."""
         entry = self._located.get(key)
         if entry is None:
             return None
         at, nearest = entry
+        if len(nearest) < count:
+            return None
         now = trio.current_time()
         banned = self.protocol.blacklist
         if now - at > self.config.locate_ttl or any(
@@ -294,8 +309,8 @@ class DHT:
             return None
         return nearest
 
-    def _remember_located(self, key: str, nearest: list[Contact]) -> None:
-        if self.config.locate_ttl <= 0 or len(nearest) < self.config.replication:
+    def _remember_located(self, key: str, nearest: list[Contact], count: int) -> None:
+        if self.config.locate_ttl <= 0 or len(nearest) < count:
             return  # a small (or still forming) network: look again next time
         self._located.pop(key, None)
         self._located[key] = (trio.current_time(), nearest)

@@ -128,3 +128,49 @@ def test_peers_short_of_the_target_do_not_wait_once_everyone_expected_registered
     assert all(s is not None and len(s.members) == 2 for s in specs)
     assert specs[0].digest == specs[1].digest
     assert waited < 3.0 < max_wait
+
+
+def test_the_leader_tells_each_member_the_others_addresses() -> None:
+    """A reader polls only some of the registry's holders, so a member may not have read
+    another's registration (and addresses) before the round: the leader's answer carries the
+    addresses every joiner sent, and the member can dial the whole group."""
+
+    async def main() -> tuple[list, list[dict]]:
+        net = SimNetwork(seed=5)
+        async with open_sim_dhts(net, 5, latency=0.01) as peers:
+            makers = matchmakers(peers, max_group_size=8)
+            ids = [str(node.peer_id) for node, _ in peers]
+            answers: list[dict] = []
+            for node, _ in peers:
+                call = node.call
+
+                async def spy(peer, name, request, _call=call, **kwargs):
+                    answer = await _call(peer, name, request, **kwargs)
+                    if name == "collab.join":
+                        answers.append({"me": request, "answer": answer})
+                    return answer
+
+                node.call = spy
+            specs: list = [None] * len(peers)
+
+            async def one(i: int) -> None:
+                me = member_for(ids[i], "node", 1e6, 1e6, 8.0)
+                specs[i] = await makers[i].form_group(4, me, expected=set(ids) - {ids[i]})
+
+            async with trio.open_nursery() as nursery:
+                for i in range(len(peers)):
+                    nursery.start_soon(one, i)
+            addrs = {str(node.peer_id): sorted(str(a) for a in node.addrs) for node, _ in peers}
+            return specs, [dict(a, addrs=addrs) for a in answers]
+
+    specs, answers = run_sim(main, seed=5)
+    assert all(s is not None and len(s.members) == 5 for s in specs)
+    assert len(answers) == 4  # every follower joined the one leader
+    leader = specs[0].members[0].peer_id
+    for a in answers:
+        answer, addrs = a["answer"], a["addrs"]
+        me = next(p for p, listed in addrs.items() if listed == sorted(a["me"]["addrs"]))
+        others = {m.peer_id for m in specs[0].members} - {me, leader}
+        assert set(answer["addrs"]) == others
+        for peer in others:
+            assert sorted(answer["addrs"][peer]) == addrs[peer]

@@ -34,34 +34,52 @@ from p2p.testing import run_sim
 from .swarm import TEST_CONFIG, dht_swarm
 
 
-async def _lookup_accuracy(n: int, lookups: int, seed: int) -> tuple[float, float, float]:
+async def _lookup_accuracy(
+    n: int, lookups: int, seed: int, count: int | None = None
+) -> tuple[float, float, float, float]:
+    """Top-1 hit rate, overlap with the true nearest, mean rounds and mean FIND messages."""
     rng = random.Random(seed)
-    top1, overlaps, rounds = [], [], []
+    top1, overlaps, rounds, messages = [], [], [], []
     async with dht_swarm(n, seed=seed) as swarm:
-        k = TEST_CONFIG.k
+        k = TEST_CONFIG.k if count is None else count
         for _ in range(lookups):
             dht = rng.choice(swarm.dhts)
             target = random_id(rng=rng)
-            res = await dht.find_nearest(target)
-            got = [c.peer for c in res.nearest]
+            res = await dht.find_nearest(target, count=count)
+            got = [c.peer for c in res.nearest][:k]
             truth = [p for p in swarm.brute_force_nearest(target, k + 1) if p != dht.peer_id][:k]
             top1.append(got[:1] == truth[:1])
             overlaps.append(len(set(got) & set(truth)) / len(truth))
             rounds.append(res.rounds)
-    return statistics.mean(top1), statistics.mean(overlaps), statistics.mean(rounds)
+            messages.append(res.messages)
+    return (
+        statistics.mean(top1),
+        statistics.mean(overlaps),
+        statistics.mean(rounds),
+        statistics.mean(messages),
+    )
 
 
 def test_lookups_find_the_true_k_nearest() -> None:
-    top1, overlap, rounds = run_sim(_lookup_accuracy, 64, 20, 1)
+    top1, overlap, rounds, _ = run_sim(_lookup_accuracy, 64, 20, 1)
     assert top1 >= 0.95, top1
     assert overlap >= 0.95, overlap
     assert rounds >= 1
 
 
+def test_a_lookup_for_fewer_nodes_finds_them_with_fewer_messages() -> None:
+    """Stores to 6 replicas and followers of 3 holders look up only as many nodes as they use."""
+    full = run_sim(_lookup_accuracy, 64, 20, 1)
+    top1, overlap, _, messages = run_sim(_lookup_accuracy, 64, 20, 1, 6)
+    assert top1 >= 0.95, top1
+    assert overlap >= 0.95, overlap
+    assert messages < full[3] / 2, (messages, full[3])
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(3600)
 def test_lookups_find_the_true_k_nearest_500() -> None:
-    top1, overlap, _ = run_sim(_lookup_accuracy, 500, 50, 2)
+    top1, overlap, _, _ = run_sim(_lookup_accuracy, 500, 50, 2)
     assert top1 >= 0.95, top1
     assert overlap >= 0.9, overlap
 

@@ -1,0 +1,349 @@
+"""Simulator soak: many peers, many epochs, churn, a healing partition and slow links.
+
+Run ``python -m bench.soak [--peers 200] [--epochs 200] [--group 16] [--seed 0]``.
+
+Each peer trains on the simulated network in virtual time (MockClock): it accumulates
+micro-batches (random vectors standing in for gradients) until the collaboration reaches the
+target, then averages. During the run peers leave (some gracefully at an epoch boundary, some
+killed at a random moment, mid-averaging included), new peers join at the current epoch
+without state, a partition splits the network for a sixth of the epochs and heals, and a tenth
+of the hosts have slow uplinks. Figures:
+
+- ``epochs``: epochs the bootstrap peer (peer 0, never leaves) completed; ``averaged``: in how
+  many of them it averaged (it may skip one it fell behind in); ``grouped``: how many in a
+  group of more than one;
+- ``groups``: distinct averaging groups seen; ``divergences``: groups whose members ended the
+  epoch with different averages (bit for bit); ``nans``: non-finite averages;
+- ``kills``, ``joins``, ``resyncs`` (a peer skipped ahead after falling behind);
+- ``virtual_seconds``, ``wall_seconds``, ``epoch_wall_seconds`` (mean wall time per epoch).
+
+The last line is one JSON object. ``tests/reliability/test_soak.py`` runs short plans.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import numpy as np
+import trio
+
+from dedloc_jax.collaboration import open_collaboration
+from dedloc_jax.config import CollaborationConfig
+from p2p.dht import DHTConfig
+from p2p.node import NodeConfig, open_node
+from p2p.testing import SimNetwork, run_sim, sim_identity
+
+MICRO = 4
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SoakPlan:
+    peers: int  # at the start
+    joiners: int  # join later, at the current epoch, without state
+    epochs: int
+    size: int = 2000  # floats per vector
+    graceful_leavers: int = 2
+    killed: int = 2
+    slow: int = 3  # hosts with a slow uplink
+    partition: int = 4  # peers cut off from the rest for a while
+    seed: int = 0
+    max_virtual_time: float = 3600.0
+    locate_ttl: float = 10.0  # peers publish often: stores reuse the key's nearest nodes
+    max_group_size: int = 64
+
+
+@dataclass
+class Log:
+    rows: list[dict] = field(default_factory=list)
+    resyncs: int = 0
+    joined_at: int | None = None
+    left: bool = False
+
+
+def _grad(peer: int, epoch: int, step: int, size: int) -> np.ndarray:
+    return np.random.default_rng([peer, epoch, step]).normal(size=(size,)).astype(np.float32)
+
+
+def run_soak(plan: SoakPlan) -> tuple[list[Log], dict]:
+    config = CollaborationConfig.local_demo(40 * plan.peers).replace(
+        max_refresh=1.0, max_group_size=plan.max_group_size
+    )
+    n_all = plan.peers + plan.joiners
+    rng = np.random.default_rng(plan.seed)
+    rates = rng.uniform(10.0, 40.0, size=n_all)
+    # Roles among the initial peers (peer 0, the bootstrap, stays to the end).
+    order = rng.permutation(np.arange(1, plan.peers))
+    graceful = {
+        int(p): int(rng.integers(1, plan.epochs - 1)) for p in order[: plan.graceful_leavers]
+    }
+    cut = plan.graceful_leavers + plan.killed
+    killed = {
+        int(p): int(rng.integers(1, plan.epochs - 1)) for p in order[plan.graceful_leavers : cut]
+    }
+    partitioned = [int(p) for p in order[cut : cut + plan.partition]]
+    slow = {int(p) for p in rng.choice(np.arange(1, n_all), size=plan.slow, replace=False)}
+    join_epochs = sorted(int(e) for e in rng.integers(1, max(2, plan.epochs - 2), plan.joiners))
+    events: dict = {"kills": 0, "joins": 0, "partitioned_at": None, "healed_at": None}
+    events["dht_shutdown_errors"] = 0
+
+    async def main() -> list[Log]:
+        net = SimNetwork(seed=plan.seed)
+        logs = [Log() for _ in range(n_all)]
+        hosts = [
+            net.add_host(
+                f"peer{i}",
+                latency=float(rng.uniform(0.005, 0.05)),
+                upload_bps=2e5 if i in slow else float("inf"),
+            )
+            for i in range(n_all)
+        ]
+        bootstrap: list[str] = []
+        bootstrap_ready = trio.Event()
+        epoch_reached: dict[int, trio.Event] = defaultdict(trio.Event)
+
+        async def peer(i: int, task_status=trio.TASK_STATUS_IGNORED) -> None:
+            await peer_run(i, task_status)
+
+        async def peer_run(i: int, task_status) -> None:
+            host = hosts[i]
+            log = logs[i]
+            with trio.CancelScope() as scope:
+                async with (
+                    open_node(
+                        sim_identity(net, i),
+                        transport=host.transport,
+                        listen=[host.listen_addr],
+                        config=NodeConfig.testing(),
+                    ) as node,
+                    open_collaboration(
+                        node,
+                        "soak",
+                        initial_peers=bootstrap,
+                        config=config,
+                        dht_config=DHTConfig.fast().with_(locate_ttl=plan.locate_ttl),
+                    ) as core,
+                ):
+                    if i == 0:
+                        bootstrap.append(str(node.addrs[0]))
+                        bootstrap_ready.set()
+                    specs: list = []
+                    form_group = core.matchmaker.form_group
+
+                    async def spy(*args, **kwargs):
+                        spec = await form_group(*args, **kwargs)
+                        specs.append(spec)
+                        return spec
+
+                    core.matchmaker.form_group = spy
+                    task_status.started()
+                    epoch = 0
+                    if i >= plan.peers:  # a joiner: no state, starts at the current epoch
+                        await trio.sleep(2.0)
+                        epoch = core.tracker.current_estimate().epoch
+                        log.joined_at = epoch
+                    while epoch < plan.epochs:
+                        if graceful.get(i) == epoch:
+                            log.left = True
+                            return
+                        if killed.get(i) == epoch:
+                            async with trio.open_nursery() as kn:
+
+                                async def kill_later() -> None:
+                                    await trio.sleep(float(rng.uniform(0.0, 3.0)))
+                                    net.kill(host)
+                                    events["kills"] += 1
+                                    log.left = True
+                                    scope.cancel()
+
+                                kn.start_soon(kill_later)
+                                epoch = await step(i, core, epoch, specs)
+                            continue
+                        epoch = await step(i, core, epoch, specs)
+                        if i == 0:
+                            logger.info(
+                                "soak: epoch %d reached at %.1f virtual s",
+                                epoch,
+                                trio.current_time(),
+                            )
+                            # every epoch up to here: a peer that fell behind skips some
+                            for e in range(epoch + 1):
+                                epoch_reached[e].set()
+
+        async def step(i: int, core, epoch: int, specs: list) -> int:
+            log = logs[i]
+            acc = np.zeros(plan.size, np.float32)
+            samples = 0
+            k = 0
+            while True:
+                await trio.sleep(MICRO / rates[i])
+                acc += _grad(i, epoch, k, plan.size) * MICRO
+                samples += MICRO
+                k += 1
+                if core.report(epoch, samples, MICRO):
+                    break
+                current = core.tracker.current_estimate().epoch
+                if current > epoch:  # fell behind (partition, slow link): skip ahead
+                    log.resyncs += 1
+                    return current
+            mean = acc / samples
+            n_specs = len(specs)
+            outcome = await core.average(epoch, [mean], samples)
+            spec = specs[-1] if len(specs) > n_specs else None
+            log.rows.append(
+                {
+                    "epoch": epoch,
+                    "group": outcome.group_size,
+                    "digest": None if spec is None else spec.digest,
+                    "got": outcome.gradients[0],
+                    "sent": mean,
+                }
+            )
+            return epoch + 1
+
+        async def partitioner() -> None:
+            start, end = plan.epochs // 3, plan.epochs // 3 + max(2, plan.epochs // 6)
+            await epoch_reached[start].wait()
+            cut_off = [hosts[p] for p in partitioned]
+            rest = [h for j, h in enumerate(hosts) if j not in partitioned]
+            net.partition(cut_off, rest)
+            events["partitioned_at"] = start
+            await epoch_reached[end].wait()
+            net.heal()
+            events["healed_at"] = end
+
+        async def joiner(i: int, at_epoch: int) -> None:
+            await epoch_reached[at_epoch].wait()
+            events["joins"] += 1
+            await peer(i)
+
+        async with trio.open_nursery() as nursery:
+            await nursery.start(peer, 0)
+            await bootstrap_ready.wait()
+            for i in range(1, plan.peers):
+                nursery.start_soon(peer, i)
+            for j, at in enumerate(join_epochs):
+                nursery.start_soon(joiner, plan.peers + j, at)
+            nursery.start_soon(partitioner)
+        events["virtual_seconds"] = trio.current_time()
+        return logs
+
+    logs = run_sim(main, seed=plan.seed, timeout=plan.max_virtual_time)
+    return logs, events
+
+
+def summarize(plan: SoakPlan, logs: list[Log], events: dict) -> dict:
+    """The run's figures (see the module docstring)."""
+    done = [r["epoch"] for r in logs[0].rows]
+    groups: dict[tuple[int, bytes], list[np.ndarray]] = defaultdict(list)
+    nans = 0
+    for log in logs:
+        for r in log.rows:
+            nans += not bool(np.isfinite(r["got"]).all())
+            if r["group"] > 1:
+                groups[(r["epoch"], r["digest"])].append(r["got"])
+    divergent = sorted(
+        {e for (e, _), vs in groups.items() if any(v.tobytes() != vs[0].tobytes() for v in vs)}
+    )
+    return {
+        "peers": plan.peers + plan.joiners,
+        "epochs": done[-1] + 1 if done else 0,
+        "averaged": len(done),
+        "averaged_in_order": done == sorted(set(done)),
+        "grouped": sum(r["group"] > 1 for r in logs[0].rows),
+        "groups": len(groups),
+        "mean_group": float(np.mean([len(v) for v in groups.values()])) if groups else 0.0,
+        "divergences": len(divergent),
+        "divergent_epochs": divergent,
+        "nans": nans,
+        "kills": events["kills"],
+        "joins": events["joins"],
+        "joiners_averaged": sum(
+            any(r["group"] > 1 for r in log.rows) for log in logs[plan.peers :]
+        ),
+        "resyncs": sum(log.resyncs for log in logs),
+        "partitioned_at": events["partitioned_at"],
+        "healed_at": events["healed_at"],
+        "virtual_seconds": round(float(events.get("virtual_seconds", 0.0)), 1),
+    }
+
+
+def check_soak(plan: SoakPlan, logs: list[Log], events: dict) -> dict:
+    """Assert what a soak must show; returns :func:`summarize`'s figures.
+
+    The collaboration kept stepping: the bootstrap peer reached the end, averaging nearly
+    every epoch (it may skip a few it fell behind in, e.g. a round that outlasted the others'),
+    most of them in a group. Members of one group hold the same finite average, bit for bit.
+    Every joiner averaged in a group after joining.
+    """
+    s = summarize(plan, logs, events)
+    done = [r["epoch"] for r in logs[0].rows]
+    assert s["averaged_in_order"] and s["epochs"] == plan.epochs, done
+    assert s["averaged"] >= plan.epochs - max(1, plan.epochs // 10), done
+    assert s["grouped"] >= plan.epochs * 2 // 3, f"only {s['grouped']} of {plan.epochs} grouped"
+    assert s["kills"] == plan.killed and s["joins"] == plan.joiners, s
+    assert s["healed_at"] is not None
+    assert s["nans"] == 0, s
+    assert s["divergences"] == 0, f"divergent averages at epochs {s['divergent_epochs']}"
+    assert s["joiners_averaged"] == plan.joiners, s
+    return s
+
+
+def plan_for(peers: int, epochs: int, *, group: int, size: int, seed: int) -> SoakPlan:
+    """The shape of the 200-peer soak at any size: a tenth join later, a twentieth leave
+    gracefully and a twentieth are killed, a fifth are partitioned, a tenth are slow."""
+    return SoakPlan(
+        peers=peers - peers // 10,
+        joiners=peers // 10,
+        epochs=epochs,
+        size=size,
+        graceful_leavers=max(1, peers // 20),
+        killed=max(1, peers // 20),
+        slow=max(1, peers // 10),
+        partition=max(2, peers // 5),
+        seed=seed,
+        max_virtual_time=1e6,
+        max_group_size=group,
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m bench.soak")
+    p.add_argument("--peers", type=int, default=200)
+    p.add_argument("--epochs", type=int, default=200)
+    p.add_argument("--group", type=int, default=16, help="max_group_size (Moshpit-style cap)")
+    p.add_argument("--size", type=int, default=1000, help="floats per averaged vector")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    if args.peers < 10 or args.epochs < 6:
+        p.error("need at least 10 peers and 6 epochs")
+    logging.basicConfig(level=logging.ERROR)
+    started = time.perf_counter()
+
+    class _Progress(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            print(f"[{time.perf_counter() - started:8.1f} s] {record.getMessage()}", flush=True)
+
+    logger.setLevel(logging.INFO)
+    logger.addHandler(_Progress())
+    plan = plan_for(args.peers, args.epochs, group=args.group, size=args.size, seed=args.seed)
+    logs, events = run_soak(plan)
+    wall = time.perf_counter() - started
+    out = summarize(plan, logs, events)
+    try:
+        check_soak(plan, logs, events)
+        out["check"] = "ok"
+    except AssertionError as e:
+        out["check"] = f"failed: {e}"
+    out["wall_seconds"] = round(wall, 1)
+    out["epoch_wall_seconds"] = round(wall / max(1, out["epochs"]), 1)
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
