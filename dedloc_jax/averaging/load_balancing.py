@@ -19,6 +19,7 @@ fill, and assumes every link runs in full duplex at its rate.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -28,6 +29,8 @@ import numpy as np
 from .errors import GroupError, LoadBalancingError
 from .group import Member
 from .partition import FRACTION_GRID, fractions_to_parts
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -147,26 +150,44 @@ def solve_shares(members: Sequence[Member]) -> ShareSolution:
     if len(reducers) == 1:
         fractions[reducers[0]] = 1.0
     elif uninformative:
-        speeds = [min(members[i].upload_bps, members[i].download_bps) for i in reducers]
-        if any(math.isinf(s) for s in speeds):
-            speeds = [1.0 if math.isinf(s) else 0.0 for s in speeds]
-        total = sum(speeds)
-        for i, s in zip(reducers, speeds, strict=True):
-            fractions[i] = s / total
+        _by_speed(members, reducers, fractions)
     else:
-        caps: dict[int, float] = {}
-        while True:
-            w, level = _solve_lp(members, reducers, caps, n_send, scale)
-            active = [i for i in reducers if i not in caps]
-            blocked = [i for i in active if _floor(members[i], n_send) >= level * (1 - 1e-9)]
-            if not blocked or len(blocked) == len(active):
-                break
-            caps.update((i, level * (1 + 1e-9)) for i in blocked)
-        for i, wi in zip(reducers, w, strict=True):
-            fractions[i] = wi
+        try:
+            w, level = _solve_lp(members, reducers, {}, n_send, scale)
+        except LoadBalancingError as e:  # not seen in practice; the round must not fail
+            logger.warning("%s; splitting by link speed instead", e)
+            _by_speed(members, reducers, fractions)
+        else:
+            caps: dict[int, float] = {}
+            while True:
+                active = [i for i in reducers if i not in caps]
+                blocked = [i for i in active if _floor(members[i], n_send) >= level * (1 - 1e-9)]
+                if not blocked or len(blocked) == len(active):
+                    break
+                caps.update((i, level * (1 + 1e-9)) for i in blocked)
+                try:
+                    w, level = _solve_lp(members, reducers, caps, n_send, scale)
+                except LoadBalancingError as e:
+                    # Freezing the blocked peers at the optimum can be infeasible within the
+                    # solver's tolerance (links 10^6 times apart): the last split is optimal,
+                    # only less balanced among the others.
+                    logger.info("rebalancing stopped: %s", e)
+                    break
+            for i, wi in zip(reducers, w, strict=True):
+                fractions[i] = wi
     parts = fractions_to_parts(fractions, FRACTION_GRID)
     quantised = tuple(p / FRACTION_GRID for p in parts)
     return ShareSolution(quantised, parts, predicted_time(members, quantised, 1))
+
+
+def _by_speed(members: Sequence[Member], reducers: Sequence[int], fractions: list[float]) -> None:
+    """Shares proportional to each reducer's slower link (equal among unknown ones)."""
+    speeds = [min(members[i].upload_bps, members[i].download_bps) for i in reducers]
+    if any(math.isinf(s) for s in speeds):
+        speeds = [1.0 if math.isinf(s) else 0.0 for s in speeds]
+    total = sum(speeds)
+    for i, s in zip(reducers, speeds, strict=True):
+        fractions[i] = s / total
 
 
 def equal_split(members: Sequence[Member]) -> tuple[float, ...]:

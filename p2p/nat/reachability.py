@@ -80,15 +80,19 @@ class NATConfig:
     identify_timeout: float = 10.0
     observe_interval: float = 60.0
     """How often connected peers are asked again how they see us."""
+    observers: int = 8
+    """How many connected peers are asked each time (in turn, not all of them: a node of a
+    large collaboration holds hundreds of connections, and a few reports settle the address)."""
     advertise_interval: float = 300.0
     """How often relay adverts and relayed addresses are refreshed in the DHT (see use_dht)."""
-    """How often connected peers are asked again how they see us."""
 
     def __post_init__(self) -> None:
         if self.force_reachability is not None:  # accept "public"/"private" as well
             object.__setattr__(self, "force_reachability", Reachability(self.force_reachability))
         if self.max_relays < 0:
             raise ValueError("max_relays must be >= 0")
+        if self.observers < 1:
+            raise ValueError("observers must be >= 1")
 
     @classmethod
     def default(cls) -> NATConfig:
@@ -130,6 +134,7 @@ class NATManager:
         self._direct_addrs = [a for a in node.addrs if not a.is_relayed]
         self._changed = trio.Event()
         self._recheck = trio.Event()
+        self._observe_turn = 0
         self.role = self._decide()
         self._state: tuple[Role, Reachability, tuple[Multiaddr, ...]] | None = None
 
@@ -203,6 +208,17 @@ class NATManager:
             out.append(peer)
         return out
 
+    def _observers(self) -> list[PeerID]:
+        """The next ``observers`` connected peers, taken in turn (by peer ID) so that
+        successive rounds hear from different ones."""
+        peers = sorted(self._probe_peers(), key=lambda p: p.digest)
+        n = self.config.observers
+        if len(peers) <= n:
+            return peers
+        start = self._observe_turn % len(peers)
+        self._observe_turn += n
+        return (peers[start:] + peers[:start])[:n]
+
     async def _identify_all(self, peers: Sequence[Multiaddr | PeerID]) -> None:
         async def one(peer: Multiaddr | PeerID) -> None:
             try:
@@ -220,7 +236,7 @@ class NATManager:
     async def check(self, *, identify_first: bool = True) -> Reachability:
         """Identify the known peers, ask them to dial us back, and update the verdict."""
         if identify_first:
-            await self._identify_all([*self.peers, *self._probe_peers()])
+            await self._identify_all([*self.peers, *self._observers()])
         if self.config.force_reachability is not None:
             self.reachability = self.config.force_reachability
         else:
@@ -334,7 +350,7 @@ class NATManager:
             asked = self._recheck.is_set()
             self._recheck = trio.Event()
             before = self.observed.hosts()
-            await self._identify_all(self._probe_peers())
+            await self._identify_all(self._observers())
             moved = self.observed.hosts() != before
             if moved:
                 logger.info("observed address changed: re-checking reachability")

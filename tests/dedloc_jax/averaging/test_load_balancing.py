@@ -106,3 +106,33 @@ def test_group_spec_canonical_bytes_digest_and_validation():
         GroupSpec.from_bytes(b"\x93garbage")
     with pytest.raises(GroupError):
         Member("a", upload_bps=0)
+
+
+@pytest.mark.parametrize("failing_call", [1, 2])
+def test_a_failing_lp_solve_never_fails_the_round(monkeypatch, failing_call):
+    """A 200-peer soak once saw HiGHS call the capped re-solve infeasible (within its
+    tolerance) and the whole matchmaking crash. Now the re-solve's failure keeps the first
+    optimum, and a failure of the first solve splits by link speed."""
+    from dedloc_jax.averaging import load_balancing as lb
+
+    # a thin node whose floor sets the optimum: the LP is re-solved with it frozen
+    members = [Member("slow", upload_bps=1 * MBIT, download_bps=1 * MBIT), *_nodes([50, 100])]
+    members.append(Member("fast", upload_bps=200 * MBIT, download_bps=200 * MBIT))
+    calls = []
+    real = lb._solve_lp
+
+    def flaky(*args):
+        calls.append(args[2].copy())
+        if len(calls) == failing_call:
+            raise lb.LoadBalancingError("load-balancing LP failed: The problem is infeasible.")
+        return real(*args)
+
+    monkeypatch.setattr(lb, "_solve_lp", flaky)
+    sol = solve_shares(members)
+    assert len(calls) == failing_call and sum(sol.parts) == FRACTION_GRID
+    assert calls[-1] == {} or failing_call == 2
+    if failing_call == 1:  # by speed: the 200 Mbit/s node reduces the most
+        assert sol.fractions[3] == max(sol.fractions) and sol.fractions[0] < 0.01
+    else:  # the first optimum: as fast as the full solve's
+        monkeypatch.setattr(lb, "_solve_lp", real)
+        assert sol.lower_bound(10**6) == pytest.approx(solve_shares(members).lower_bound(10**6))

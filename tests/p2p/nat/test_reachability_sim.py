@@ -9,6 +9,7 @@ import trio
 from p2p.dht import DHTConfig, open_dht
 from p2p.nat import NATConfig, Reachability, Role, open_nat
 from p2p.nat.discovery import advertise_relay, find_relays, lookup_addrs, publish_addrs
+from p2p.nat.observed import IDENTIFY, handle_identify
 from p2p.node import NodeConfig, open_node
 from p2p.testing import SimNetwork, run_sim, sim_identity
 from tests.p2p.nat.simworld import SimWorld
@@ -215,5 +216,41 @@ def test_the_nat_manager_keeps_the_dht_in_step_with_its_role():
             while not await lookup_addrs(boot_dht, hidden.peer_id):
                 await trio.sleep(1)
         assert (await lookup_addrs(boot_dht, hidden.peer_id))[0] == nat.relayed_addrs[0]
+
+    world_run(body)
+
+
+def test_each_observation_round_asks_a_few_connected_peers_in_turn():
+    """A node of a large collaboration is connected to hundreds of peers: each round asks
+    ``observers`` of them how they see it (different ones each round), not all of them."""
+
+    async def body(w: World):
+        node = await w.node(reachable=True)
+        others = [await w.node(reachable=True) for _ in range(10)]
+        for o in others:
+            o.add_handler(IDENTIFY, handle_identify)
+            await o.call(node.addrs[0], "echo", "hi")  # connected, and not in the NAT's peers
+        asked: list[str] = []
+        call = node.call
+
+        async def spy(peer, name, request, **kwargs):
+            if name == "nat.identify":
+                asked.append(str(peer))
+            return await call(peer, name, request, **kwargs)
+
+        node.call = spy
+        config = NATConfig.testing().with_(observers=4, force_reachability="public")
+        nat = await w.nat(node, [], config=config, background=False)
+        rounds = []
+        for _ in range(3):
+            asked.clear()
+            await nat._identify_all(nat._observers())
+            rounds.append(set(asked))
+        assert [len(r) for r in rounds] == [4, 4, 4]
+        assert len(rounds[0] | rounds[1] | rounds[2]) >= 10  # in turn: everyone asked by now
+        assert (
+            len(nat.observed.addrs()) == 1
+            and len(nat.observed._seen[nat.observed.addrs()[0]]) == 10
+        )
 
     world_run(body)
