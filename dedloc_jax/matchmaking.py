@@ -167,6 +167,14 @@ class Matchmaker:
         """The longest a peer waits for others to register (then it goes with what it has)."""
         return 10 * self.window + 5.0
 
+    @property
+    def member_wait(self) -> float:
+        """The longest a leader waits for a member it saw registered in its group. Members
+        decide about when the leader does, from nearly the same registrations, so one that
+        has not joined after a few windows saw other groups (or died): waiting ``max_wait``
+        for it held whole groups of a 200-peer run for 15-30 s per epoch."""
+        return min(self.max_wait, 4 * self.window + 2.0)
+
     async def _registrations(self, registry: KeyFollower) -> dict[str, float]:
         """Registered peers at this epoch and the samples each will contribute."""
         try:
@@ -283,8 +291,8 @@ class Matchmaker:
     async def _lead(
         self, epoch: int, me: Member, window: float, *, expected: set[str]
     ) -> GroupSpec | None:
-        """Accept joins for one window, and longer (bounded) while an expected member (one
-        that registered in our group) has not joined yet."""
+        """Accept joins for one window, and longer (up to :attr:`member_wait`) while an
+        expected member (one that registered in our group) has not joined yet."""
         rnd = _LeaderRound(epoch, me, self.max_group_size)
         rnd.expected = expected
         started = trio.current_time()
@@ -296,7 +304,7 @@ class Matchmaker:
             # Close as soon as every peer we saw registered has joined; otherwise keep the
             # door open for one window for peers we did not see, and longer (bounded) for
             # those we did.
-            with trio.move_on_after(self.max_wait):
+            with trio.move_on_after(self.member_wait):
                 while True:
                     rnd.expected = {p for p in rnd.expected if not self.moved_on(p, epoch)}
                     if rnd.expected <= set(rnd.joined) and (
