@@ -49,6 +49,8 @@ class _LeaderGone(Exception):
 
 
 JOIN = "collab.join"
+LEADER = "collab.leader"
+"""Asked by a leader of a member it expected that has not joined: whom do you follow?"""
 
 
 def group_key(run_id: str, epoch: int) -> str:
@@ -100,6 +102,7 @@ class Matchmaker:
         self.peer_id = str(node.peer_id)
         self._rounds: dict[int, _LeaderRound] = {}
         self._round_opened: dict[int, trio.Event] = {}
+        self._chosen: dict[int, str | None] = {}  # epoch -> the leader we went to (None: alone)
         self.window = 1.0  # seconds; updated by the collaboration from its predictions
         # Private runs (dedloc_jax.access): raises ValueError unless the peer may take part.
         self.admit: Callable[[PeerID, str | None], Awaitable[None]] | None = None
@@ -109,6 +112,24 @@ class Matchmaker:
 
     def register(self) -> None:
         self.node.add_handler(JOIN, self._handle_join)
+        self.node.add_handler(LEADER, self._handle_leader)
+
+    def _choose(self, epoch: int, leader: str | None) -> None:
+        self._chosen[epoch] = leader
+        for old in [e for e in self._chosen if e < epoch - 2]:
+            del self._chosen[old]
+
+    async def _handle_leader(self, ctx: CallContext, request: Any) -> Any:
+        """Whom this peer follows at an epoch: ``{"decided": False}`` while it is still
+        gathering registrations, else ``{"decided": True, "leader": ID or None}``."""
+        if not isinstance(request, dict) or not isinstance(request.get("epoch"), int):
+            raise ValueError("a leader query is a map with an integer epoch")
+        if self.admit is not None:
+            await self.admit(ctx.remote_peer, None)
+        epoch = request["epoch"]
+        if epoch not in self._chosen:
+            return {"decided": False}
+        return {"decided": True, "leader": self._chosen[epoch]}
 
     def _opened(self, epoch: int) -> trio.Event:
         if epoch not in self._round_opened:
@@ -276,16 +297,19 @@ class Matchmaker:
         mine = next(g for g in groups if self.peer_id in g)
         if len(mine) == 1:
             log.debug("epoch %d: no other peer registered in time; averaging alone", epoch)
+            self._choose(epoch, None)
             return None
         # A leader that died after registering would leave its whole group alone: each of its
         # followers then tries the next member, the same one on every follower (bounded).
         for k, leader in enumerate(mine[: 1 + MAX_LEADER_FALLBACKS]):
+            self._choose(epoch, leader)
             if leader == self.peer_id:
                 return await self._lead(epoch, me, window, expected=set(mine[k + 1 :]))
             try:
                 return await self._follow(epoch, me, leader, window)
             except _LeaderGone:
                 continue
+        self._choose(epoch, None)
         return None
 
     async def _lead(
@@ -305,15 +329,18 @@ class Matchmaker:
             # door open for one window for peers we did not see, and longer (bounded) for
             # those we did.
             with trio.move_on_after(self.member_wait):
-                while True:
-                    rnd.expected = {p for p in rnd.expected if not self.moved_on(p, epoch)}
-                    if rnd.expected <= set(rnd.joined) and (
-                        rnd.expected or trio.current_time() - started >= window
-                    ):
-                        break
-                    with trio.move_on_after(window / 4):
-                        await rnd.changed.wait()
-                    rnd.changed = trio.Event()
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(self._ask_missing, rnd, window)
+                    while True:
+                        rnd.expected = {p for p in rnd.expected if not self.moved_on(p, epoch)}
+                        if rnd.expected <= set(rnd.joined) and (
+                            rnd.expected or trio.current_time() - started >= window
+                        ):
+                            break
+                        with trio.move_on_after(window / 4):
+                            await rnd.changed.wait()
+                        rnd.changed = trio.Event()
+                    nursery.cancel_scope.cancel()
             rnd.open = False
             missing = rnd.expected - set(rnd.joined)
             if missing:
@@ -336,6 +363,39 @@ class Matchmaker:
         finally:
             rnd.open = False
             rnd.formed.set()
+
+    async def _ask_missing(self, rnd: _LeaderRound, window: float) -> None:
+        """A window after opening, ask each expected member that has not joined whom it
+        follows; stop waiting for those that follow someone else, average alone, or cannot be
+        reached. Views of the registrations differ (a late registration, another count of
+        groups), and without this the leader waited ``member_wait`` for each such member."""
+        await trio.sleep(window)
+        asked: set[str] = set()
+
+        async def ask(peer: str) -> None:
+            try:
+                answer = await self.node.call(
+                    self._leader_addr(peer), LEADER, {"epoch": rnd.epoch}, timeout=window
+                )
+            except P2PError as e:
+                log.debug(
+                    "member %s of epoch %d did not say whom it follows: %s", peer, rnd.epoch, e
+                )
+                answer = {"decided": True, "leader": None}
+            decided = isinstance(answer, dict) and answer.get("decided") is True
+            if decided and answer.get("leader") != self.peer_id:
+                rnd.expected.discard(peer)
+                rnd.changed.set()
+
+        while True:
+            missing = rnd.expected - set(rnd.joined) - asked
+            if missing:
+                async with trio.open_nursery() as nursery:
+                    for peer in sorted(missing):
+                        asked.add(peer)
+                        nursery.start_soon(ask, peer)
+            await trio.sleep(window / 2)
+            asked -= {p for p in asked if p in rnd.expected}  # undecided: ask again
 
     async def _follow(self, epoch: int, me: Member, leader: str, window: float) -> GroupSpec | None:
         request = {

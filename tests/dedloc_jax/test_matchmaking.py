@@ -174,3 +174,43 @@ def test_the_leader_tells_each_member_the_others_addresses() -> None:
         assert set(answer["addrs"]) == others
         for peer in others:
             assert sorted(answer["addrs"][peer]) == addrs[peer]
+
+
+def test_a_leader_stops_waiting_for_a_member_that_follows_someone_else() -> None:
+    """Views of the registrations differ, so a member the leader counted on may have gone to
+    another leader: asked, it says so, and the leader closes at once instead of waiting
+    ``member_wait``. A member still gathering registrations says it has not decided, and the
+    leader keeps waiting for it."""
+
+    async def main() -> tuple[float, float, object, list]:
+        net = SimNetwork(seed=4)
+        async with open_sim_dhts(net, 3, latency=0.01) as peers:
+            makers = matchmakers(peers, max_group_size=8)
+            ids = [str(node.peer_id) for node, _ in peers]
+            me = member_for(ids[0], "node", 1e6, 1e6, 8.0)
+            makers[1]._choose(5, "someone-else")  # decided: follows another leader
+            start = trio.current_time()
+            spec = await makers[0]._lead(5, me, 1.0, expected={ids[1]})
+            closed_after = trio.current_time() - start
+            # member 2 is undecided for 2.5 s, then follows us: the leader waits for it
+            specs: list = []
+
+            async def late_member() -> None:
+                await trio.sleep(2.5)
+                makers[2]._choose(6, ids[0])
+                specs.append(
+                    await makers[2]._follow(
+                        6, member_for(ids[2], "node", 1e6, 1e6, 8.0), ids[0], 1.0
+                    )
+                )
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(late_member)
+                specs.append(await makers[0]._lead(6, me, 1.0, expected={ids[2]}))
+            return closed_after, makers[0].member_wait, spec, specs
+
+    closed_after, member_wait, spec, specs = run_sim(main, seed=4)
+    assert spec is None  # nobody joined
+    assert closed_after < 1.5 < member_wait, (closed_after, member_wait)
+    assert len(specs) == 2 and all(s is not None and len(s.members) == 2 for s in specs)
+    assert specs[0].digest == specs[1].digest

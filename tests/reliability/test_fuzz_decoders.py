@@ -134,7 +134,7 @@ def test_progress_record_rejects_non_finite_numbers() -> None:
 
 
 # ---- a live node ------------------------------------------------------------------------------
-RPC_NAMES = ("dht.ping", "dht.store", "dht.find", "dht.changes", "collab.join",
+RPC_NAMES = ("dht.ping", "dht.store", "dht.find", "dht.changes", "collab.join", "collab.leader",
              "collab.state.manifest", "collab.state.chunk")  # fmt: skip
 STREAM_NAMES = ("dedloc/allreduce/1", "dedloc/allreduce-repair/1", "dedloc/bwprobe/1")
 
