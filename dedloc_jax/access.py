@@ -12,10 +12,11 @@ owner's public key only (no trusted third party, nothing to look up):
   the record alone with :class:`InvitedWritersValidator`. Records of uninvited writers, and
   records with no owner at all, are refused under a private run's keys. Readers keep using
   :func:`p2p.dht.records.owner_markers` on the subkey unchanged.
-* **RPCs** (``collab.join``, ``collab.leader``, the all-reduce streams, ``collab.state.*``): the handler knows the
-  caller's authenticated peer ID; :class:`AccessGuard.admit` accepts it if an invitation for it
-  was already seen (in any record this node validated), else asks the caller back over
-  ``collab.auth`` for its invitation (one round trip, cached; refusals are cached briefly).
+* **RPCs** (``collab.join``, ``collab.leader``, the all-reduce streams, ``collab.state.*``):
+  the handler knows the caller's authenticated peer ID; :class:`AccessGuard.admit` accepts it
+  if an invitation for it was already seen (in any record this node validated), else asks the
+  caller back over ``collab.auth`` for its invitation (one round trip, cached; refusals are
+  cached briefly).
 
 The owner's own peer ID (the one derived from the owner key) needs no invitation. An expired
 invitation stops working everywhere at once: records carrying it are refused and RPCs denied.
