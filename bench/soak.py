@@ -331,6 +331,7 @@ def main(argv: list[str] | None = None) -> None:
 
     logger.setLevel(logging.INFO)
     logger.addHandler(_Progress())
+    logger.propagate = False
     plan = plan_for(args.peers, args.epochs, group=args.group, size=args.size, seed=args.seed)
     logs, events = run_soak(plan)
     wall = time.perf_counter() - started
