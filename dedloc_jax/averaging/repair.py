@@ -2,9 +2,11 @@
 
 The coordinator waits for the survivors (each sends how many leading chunks of the share it
 holds), relays the longest prefix any of them holds, re-reduces the rest from their own
-vectors, and sends every participant the same float32 values. It refuses to act alone, so no
-member ever ends a round with a value nobody else holds. With ``robust_tau`` set it re-reduces
-with CenteredClip like a reducer does, so killing a reducer cannot bring back the plain mean.
+vectors, and sends every participant the same float32 values. It acts only with a majority
+of the group's senders present, so no member ever ends a round with a value nobody else
+holds, and two sides of a partition cannot both re-reduce a share. With ``robust_tau`` set it
+re-reduces with CenteredClip like a reducer does, so killing a reducer cannot bring back the
+plain mean.
 """
 
 from __future__ import annotations
@@ -71,8 +73,18 @@ class Repair:
             expected = set(r.senders) - {j, r.me} - dead
             while not expected <= set(self.joined) and trio.current_time() < r.join_at:
                 await self.changes.wait(r.join_at)
-            if not self.joined:  # alone we could only make up a private value: refuse
-                logger.warning("repair of share %d: no other member joined; giving up", j)
+            # A majority of the group's senders, or nothing: two sides of a partition each
+            # re-reducing a share they both lost would end the round with different values
+            # (the soak saw it when a partition cut a round in flight). At most one side has
+            # a majority; members of the other fail the round instead of diverging.
+            present = len(self.joined) + (1 if r.is_sender else 0)
+            if not self.joined or 2 * present <= len(r.senders):
+                logger.warning(
+                    "repair of share %d: %d of %d senders present, not a majority; giving up",
+                    j,
+                    present,
+                    len(r.senders),
+                )
                 return
             held = {s: h.held for s, h in self.joined.items()}
             own = self._own_held()
