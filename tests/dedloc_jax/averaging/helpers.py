@@ -85,6 +85,10 @@ def run_round(
                         )
                     except AveragingError as e:
                         outcome[i] = e
+                    except BaseExceptionGroup as group:  # failures of several tasks at once
+                        if not group.subgroup(AveragingError):
+                            raise
+                        outcome[i] = group
 
             async with trio.open_nursery() as nursery:
                 for i in range(len(nodes)):

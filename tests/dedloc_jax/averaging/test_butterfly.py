@@ -208,3 +208,26 @@ def test_stalled_peer_does_not_stall_the_round_past_its_timeout():
     results = check_survivors(outcome, trees, weights, names)
     assert len(results) >= 3
     assert any(names[3] not in seg[2] for s in results[0].shares for seg in s.segments)
+
+
+@pytest.mark.parametrize("at", [0.3, 0.6])
+def test_a_partition_in_mid_round_never_leaves_two_different_results(at):
+    """Both sides of a partition lose the other side's shares. Only a side holding a majority
+    of the senders may re-reduce them; the other side's members fail the round instead of
+    ending it with values of their own (a 100-peer soak saw such a divergence)."""
+    rng = np.random.default_rng(7)
+    modes = ["node"] * 6
+    trees = [make_tree(rng, [(30, 50), (700,)]) for _ in modes]
+    weights = [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]
+
+    async def split(net, nodes, scopes):
+        await trio.sleep(at)
+        hosts = [host_of(net, n) for n in nodes]
+        net.partition(hosts[4:], hosts[:4])
+
+    outcome, _, names = run_round(
+        modes, trees, weights, bandwidth=[(4e4, 4e4)] * 6, fault=split, timeout=60
+    )
+    assert all(isinstance(outcome[i], BaseException) for i in (4, 5)), outcome[4:]
+    results = check_survivors(outcome, trees, weights, names)  # bit-identical, correct means
+    assert len(results) == 4
