@@ -68,11 +68,11 @@ def assign_groups(peers: Sequence[str], *, max_group_size: int, seed: int) -> li
     n_groups = group_count(len(unique), max_group_size)
     if not n_groups:
         return []
-    ranked = sorted(unique, key=lambda p: (_rank(seed, p), p))
+    rank = {p: _rank(seed, p) for p in unique}
     groups: list[list[str]] = [[] for _ in range(n_groups)]
     overflow: list[str] = []
-    for p in ranked:
-        g = groups[_bucket(_rank(seed, p), n_groups)]
+    for p in sorted(unique, key=lambda p: (rank[p], p)):
+        g = groups[_bucket(rank[p], n_groups)]
         (g if len(g) < max_group_size else overflow).append(p)
     for p in overflow:  # in rank order, each to the emptiest group (the first of equals)
         min(groups, key=len).append(p)
