@@ -17,6 +17,7 @@ missed one peer, and leaders then waited in vain for members that had gone elsew
 from __future__ import annotations
 
 import hashlib
+import math
 from collections.abc import Sequence
 
 HEADROOM = 1.25
@@ -51,7 +52,7 @@ def group_count(n: int, max_group_size: int) -> int:
     """How many groups ``n`` peers form: one while they fit, else with headroom."""
     if n <= max_group_size:
         return 1 if n else 0
-    return -(-n * int(HEADROOM * 4) // (4 * max_group_size))
+    return math.ceil(n * HEADROOM / max_group_size)
 
 
 def assign_groups(peers: Sequence[str], *, max_group_size: int, seed: int) -> list[list[str]]:
