@@ -507,6 +507,10 @@ class Collaboration:
         thread, core = self._core()
         try:
             return thread.run(core.average, epoch, list(gradients), samples)
+        except Exception as e:
+            # Logged in full: a JAX host callback re-raising it keeps only its last line.
+            log.error("averaging at epoch %d raised %r", epoch, e, exc_info=e)
+            raise
         finally:
             self._snapshot = None
 

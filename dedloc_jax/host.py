@@ -7,12 +7,15 @@ butterfly all-reduce; tests may implement it in-process.
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 import trio
+
+log = logging.getLogger(__name__)
 
 
 class AveragingOutcome(NamedTuple):
@@ -76,6 +79,9 @@ class BackgroundAveraging:
         try:
             self._outcome = await self._average()
         except Exception as e:  # noqa: BLE001 - handed to the training thread by result()
+            # Logged in full here: the training thread may re-raise it through a JAX host
+            # callback, whose error message keeps only the traceback's last line.
+            log.error("averaging raised %r", e, exc_info=e)
             self._error = e
         finally:
             self._done.set()

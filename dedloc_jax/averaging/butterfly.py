@@ -290,10 +290,15 @@ class Round:
                     peer, wire.PROTOCOL, timeout=self.config.stall_timeout
                 ) as ms:
                     await ms.send(wire.hello(self.hello()))
+                    # One task sends on a stream at a time: the ack waits until the last part's
+                    # send returned (it can return after the reducer already answered it).
+                    sent = trio.Event()
                     async with trio.open_nursery() as inner:
-                        if not self.abstain:
-                            inner.start_soon(self._send_parts, ms, j)
-                        ok = await self._receive_results(ms, j)
+                        if self.abstain:
+                            sent.set()
+                        else:
+                            inner.start_soon(self._send_parts, ms, j, sent)
+                        ok = await self._receive_results(ms, j, sent)
                         inner.cancel_scope.cancel()
             if not ok:
                 logger.warning("reducer %s stalled or stopped before committing", self.name(j))
@@ -307,7 +312,7 @@ class Round:
             self.ok[j] = ok
             self.settled[j].set()
 
-    async def _send_parts(self, ms: MessageStream, j: int) -> None:
+    async def _send_parts(self, ms: MessageStream, j: int, sent: trio.Event) -> None:
         assert self.vec is not None
         try:
             for k in range(len(self.chunks[j])):
@@ -317,8 +322,10 @@ class Round:
                 self.count("up", len(data))
         except P2PError as e:  # the receiving side sees the same failure and reports it
             logger.debug("sending to %s stopped: %s", self.name(j), e)
+        finally:
+            sent.set()
 
-    async def _receive_results(self, ms: MessageStream, j: int) -> bool:
+    async def _receive_results(self, ms: MessageStream, j: int, sent: trio.Event) -> bool:
         assert self.out is not None
         n_chunks = len(self.chunks[j])
         while True:
@@ -344,6 +351,7 @@ class Round:
             self.masks[j].append(mask)
             self.held[j] = k + 1
             if k + 1 == n_chunks:
+                await sent.wait()
                 await ms.send(wire.simple("ack"))
 
     # -- repair (participant side) ------------------------------------------------------------

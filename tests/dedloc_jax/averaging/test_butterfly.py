@@ -6,11 +6,12 @@ import numpy as np
 import pytest
 import trio
 
-from dedloc_jax.averaging import AllReduceConfig, Member, solve_shares
+from dedloc_jax.averaging import AllReduceConfig, Member, solve_shares, wire
 from dedloc_jax.averaging.codecs import NoCompression
 from dedloc_jax.averaging.errors import ShareLostError
 from dedloc_jax.averaging.load_balancing import equal_split
 from dedloc_jax.averaging.partition import fractions_to_parts
+from p2p.rpc import MessageStream
 from p2p.testing import host_of
 
 from .helpers import check_survivors, make_tree, run_round
@@ -231,3 +232,33 @@ def test_a_partition_in_mid_round_never_leaves_two_different_results(at):
     assert all(isinstance(outcome[i], BaseException) for i in (4, 5)), outcome[4:]
     results = check_survivors(outcome, trees, weights, names)  # bit-identical, correct means
     assert len(results) == 4
+
+
+def test_the_ack_never_overlaps_a_send_that_returns_late(monkeypatch):
+    """A stream takes one sending task at a time (the mux raises BusyResourceError). On a busy
+    machine a part's send can return after the reducer already answered it; the ack must wait
+    for it. A two-peer round on loopback crashed on exactly this under CI load."""
+    real_send = MessageStream.send
+    busy: set[int] = set()
+
+    async def send_that_returns_late(self, msg):
+        if id(self) in busy:
+            raise trio.BusyResourceError("another task is sending on this stream")
+        busy.add(id(self))
+        try:
+            await real_send(self, msg)
+            if wire.kind_of(msg) == "part":
+                await trio.sleep(1.0)  # the data is out; this task resumes late
+        finally:
+            busy.discard(id(self))
+
+    monkeypatch.setattr(MessageStream, "send", send_that_returns_late)
+    rng = np.random.default_rng(8)
+    modes = ["node", "node", "client"]
+    trees = [make_tree(rng, [(30, 50), (700,)]) for _ in modes]
+    weights = [1.0, 2.0, 3.0]
+    cfg = AllReduceConfig.testing().with_(chunk_elems=512, stall_timeout=5.0)  # 2 parts a share
+    outcome, _, names = run_round(modes, trees, weights, timeout=60, config=cfg)
+    results = check_survivors(outcome, trees, weights, names)
+    assert len(results) == 3, outcome
+    assert all(not s.repaired for s in results[0].shares)
