@@ -17,7 +17,8 @@ import trio
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from bench.fuzz import DECODERS, Decoder, mutate_bytes, random_object
+from bench.fuzz import DECODERS, Decoder
+from bench.fuzz_inputs import mutate_bytes, random_object
 from dedloc_jax.state_chunks import StateError, StateManifest
 from p2p import messages
 from p2p.errors import ProtocolError
