@@ -4,17 +4,25 @@ Run ``python -m bench.soak [--peers 200] [--epochs 200] [--group 16] [--seed 0]`
 
 Each peer trains on the simulated network in virtual time (MockClock): it accumulates
 micro-batches (random vectors standing in for gradients) until the collaboration reaches the
-target, then averages. During the run peers leave (some gracefully at an epoch boundary, some
-killed at a random moment, mid-averaging included), new peers join at the current epoch
-without state, a partition splits the network for a sixth of the epochs and heals, and a tenth
-of the hosts have slow uplinks. Figures:
+target, averages, applies the average to its parameters (SGD) and serves them as its state.
+During the run peers leave (some gracefully at an epoch boundary, some killed at a random
+moment, mid-averaging included), new peers join and download the state from others, a
+partition splits the network for a sixth of the epochs and heals, and a tenth of the hosts have
+slow uplinks. As the sahajBERT trainer does, a peer that fell behind loads the others' state,
+and so does one that stepped alone while others trained. Figures:
 
 - ``epochs``: epochs the bootstrap peer (peer 0, never leaves) completed; ``averaged``: in how
   many of them it averaged (it may skip one it fell behind in); ``grouped``: how many in a
   group of more than one;
 - ``groups``: distinct averaging groups seen; ``divergences``: groups whose members ended the
   epoch with different averages (bit for bit); ``nans``: non-finite averages;
-- ``kills``, ``joins``, ``resyncs`` (a peer skipped ahead after falling behind);
+- ``kills``, ``joins``, ``resyncs`` (a peer fell behind), ``state_loads`` (states downloaded)
+  and ``state_load_failures``;
+- ``params_agreed``: epochs after which every peer that finished the epoch held the same
+  parameters; ``param_versions_max``: the most versions that coexisted after an epoch;
+  ``params_in_sync`` (mean) and ``params_in_sync_min``: the share of those peers holding the
+  epoch's most common version (groups capped below the number of peers average apart, so
+  their parameters part);
 - ``virtual_seconds``, ``wall_seconds``, ``epoch_wall_seconds`` (mean wall time per epoch).
 
 The last line is one JSON object. ``tests/reliability/test_soak.py`` runs short plans.
@@ -23,10 +31,11 @@ The last line is one JSON object. ``tests/reliability/test_soak.py`` runs short 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import logging
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -34,11 +43,13 @@ import trio
 
 from dedloc_jax.collaboration import open_collaboration
 from dedloc_jax.config import CollaborationConfig
+from dedloc_jax.state_sync import StateSyncError
 from p2p.dht import DHTConfig
 from p2p.node import NodeConfig, open_node
 from p2p.testing import SimNetwork, run_sim, sim_identity
 
 MICRO = 4
+LR = 0.01  # the soak's optimizer: plain SGD on the averaged gradient
 logger = logging.getLogger(__name__)
 
 
@@ -62,6 +73,8 @@ class SoakPlan:
 class Log:
     rows: list[dict] = field(default_factory=list)
     resyncs: int = 0
+    loads: int = 0  # states downloaded from other peers (joining, or after falling behind)
+    load_failures: int = 0
     joined_at: int | None = None
     left: bool = False
 
@@ -143,9 +156,10 @@ def run_soak(plan: SoakPlan) -> tuple[list[Log], dict]:
                     core.matchmaker.form_group = spy
                     task_status.started()
                     epoch = 0
-                    if i >= plan.peers:  # a joiner: no state, starts at the current epoch
+                    params = np.zeros(plan.size, np.float32)  # every initial peer: same start
+                    if i >= plan.peers:  # a joiner downloads the state from other peers
                         await trio.sleep(2.0)
-                        epoch = core.tracker.current_estimate().epoch
+                        epoch, params = await load(core, log, params)
                         log.joined_at = epoch
                     while epoch < plan.epochs:
                         if graceful.get(i) == epoch:
@@ -162,9 +176,9 @@ def run_soak(plan: SoakPlan) -> tuple[list[Log], dict]:
                                     scope.cancel()
 
                                 kn.start_soon(kill_later)
-                                epoch = await step(i, core, epoch, specs)
+                                epoch, params = await step(i, core, epoch, specs, params)
                             continue
-                        epoch = await step(i, core, epoch, specs)
+                        epoch, params = await step(i, core, epoch, specs, params)
                         if i == 0:
                             logger.info(
                                 "soak: epoch %d reached at %.1f virtual s",
@@ -175,7 +189,23 @@ def run_soak(plan: SoakPlan) -> tuple[list[Log], dict]:
                             for e in range(epoch + 1):
                                 epoch_reached[e].set()
 
-        async def step(i: int, core, epoch: int, specs: list) -> int:
+        async def load(core, log: Log, params: np.ndarray) -> tuple[int, np.ndarray]:
+            """The newest state other peers announce; without one (none announced yet, or
+            every donor failed), our own parameters at the collaboration's current epoch."""
+            try:
+                epoch, arrays = await core.load_state(timeout=30.0)
+            except StateSyncError as e:
+                logger.info("soak: state download failed: %s", e)
+                log.load_failures += 1
+                epoch = core.tracker.current_estimate().epoch
+                core.tracker.set_epoch(epoch)
+                return epoch, params
+            log.loads += 1
+            return epoch, np.asarray(arrays[0], np.float32)
+
+        async def step(
+            i: int, core, epoch: int, specs: list, params: np.ndarray
+        ) -> tuple[int, np.ndarray]:
             log = logs[i]
             acc = np.zeros(plan.size, np.float32)
             samples = 0
@@ -188,13 +218,29 @@ def run_soak(plan: SoakPlan) -> tuple[list[Log], dict]:
                 if core.report(epoch, samples, MICRO):
                     break
                 current = core.tracker.current_estimate().epoch
-                if current > epoch:  # fell behind (partition, slow link): skip ahead
+                if current > epoch:  # fell behind (partition, slow link): load the state
                     log.resyncs += 1
-                    return current
+                    return await load(core, log, params)
             mean = acc / samples
             n_specs = len(specs)
             outcome = await core.average(epoch, [mean], samples)
             spec = specs[-1] if len(specs) > n_specs else None
+            params = params - np.float32(LR) * np.asarray(outcome.gradients[0], np.float32)
+            others = any(p != core.tracker.peer_id for p in core.tracker.records)
+            if outcome.group_size <= 1 and others:
+                # Stepped alone (no group, or the all-reduce failed) while others trained: as
+                # the sahajBERT trainer does, load their state unless it is older than ours.
+                await trio.sleep(0.5)
+                try:
+                    loaded, arrays = await core.load_state(timeout=30.0)
+                except StateSyncError as e:
+                    logger.info("soak: nobody serves a state after a step alone: %s", e)
+                    log.load_failures += 1
+                else:
+                    if loaded >= epoch + 1:
+                        log.loads += 1
+                        params = np.asarray(arrays[0], np.float32)
+                        epoch = loaded - 1
             log.rows.append(
                 {
                     "epoch": epoch,
@@ -202,9 +248,11 @@ def run_soak(plan: SoakPlan) -> tuple[list[Log], dict]:
                     "digest": None if spec is None else spec.digest,
                     "got": outcome.gradients[0],
                     "sent": mean,
+                    "params": hashlib.sha256(params.tobytes()).digest(),
                 }
             )
-            return epoch + 1
+            await core.share_state([params], epoch + 1)
+            return epoch + 1, params
 
         async def partitioner() -> None:
             start, end = plan.epochs // 3, plan.epochs // 3 + max(2, plan.epochs // 6)
@@ -250,6 +298,13 @@ def summarize(plan: SoakPlan, logs: list[Log], events: dict) -> dict:
     divergent = sorted(
         {e for (e, _), vs in groups.items() if any(v.tobytes() != vs[0].tobytes() for v in vs)}
     )
+    # Parameters each peer holds after each epoch (a digest): how many versions coexist, and
+    # what share of the peers that finished the epoch hold its most common one.
+    versions: dict[int, Counter] = defaultdict(Counter)
+    for log in logs:
+        for r in log.rows:
+            versions[r["epoch"]][r["params"]] += 1
+    in_sync = [max(c.values()) / sum(c.values()) for _, c in sorted(versions.items())]
     return {
         "peers": plan.peers + plan.joiners,
         "epochs": done[-1] + 1 if done else 0,
@@ -267,6 +322,12 @@ def summarize(plan: SoakPlan, logs: list[Log], events: dict) -> dict:
             any(r["group"] > 1 for r in log.rows) for log in logs[plan.peers :]
         ),
         "resyncs": sum(log.resyncs for log in logs),
+        "state_loads": sum(log.loads for log in logs),
+        "state_load_failures": sum(log.load_failures for log in logs),
+        "params_agreed": sum(len(c) == 1 for c in versions.values()),
+        "param_versions_max": max((len(c) for c in versions.values()), default=0),
+        "params_in_sync": round(float(np.mean(in_sync)), 3) if in_sync else 0.0,
+        "params_in_sync_min": round(float(min(in_sync)), 3) if in_sync else 0.0,
         "partitioned_at": events["partitioned_at"],
         "healed_at": events["healed_at"],
         "virtual_seconds": round(float(events.get("virtual_seconds", 0.0)), 1),
