@@ -34,6 +34,7 @@ import argparse
 import hashlib
 import json
 import logging
+import math
 import time
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
@@ -50,6 +51,8 @@ from p2p.testing import SimNetwork, run_sim, sim_identity
 
 MICRO = 4
 LR = 0.01  # the soak's optimizer: plain SGD on the averaged gradient
+LOAD_ATTEMPTS = 5  # state downloads until one of the newest epoch (1 s apart)
+FORK_CHECK_AFTER = 1.0  # virtual s into an epoch: the others have announced its state by then
 logger = logging.getLogger(__name__)
 
 
@@ -74,6 +77,7 @@ class Log:
     rows: list[dict] = field(default_factory=list)
     resyncs: int = 0
     loads: int = 0  # states downloaded from other peers (joining, or after falling behind)
+    forks: int = 0  # times our state lost to another lineage of its epoch
     load_failures: int = 0
     joined_at: int | None = None
     left: bool = False
@@ -192,16 +196,28 @@ def run_soak(plan: SoakPlan) -> tuple[list[Log], dict]:
         async def load(core, log: Log, params: np.ndarray) -> tuple[int, np.ndarray]:
             """The newest state other peers announce; without one (none announced yet, or
             every donor failed), our own parameters at the collaboration's current epoch."""
-            try:
-                epoch, arrays = await core.load_state(timeout=30.0)
-            except StateSyncError as e:
-                logger.info("soak: state download failed: %s", e)
-                log.load_failures += 1
-                epoch = core.tracker.current_estimate().epoch
-                core.tracker.set_epoch(epoch)
-                return epoch, params
-            log.loads += 1
-            return epoch, np.asarray(arrays[0], np.float32)
+            for attempt in range(LOAD_ATTEMPTS):
+                if attempt:
+                    await trio.sleep(1.0)
+                try:
+                    epoch, arrays = await core.load_state(timeout=30.0)
+                except StateSyncError as e:
+                    logger.info("soak: state download failed: %s", e)
+                    log.load_failures += 1
+                    continue
+                log.loads += 1
+                params = np.asarray(arrays[0], np.float32)
+                # The peers of the newest epoch announce its state once they stepped: an
+                # older one means that they have not yet, so ask again a little later.
+                if epoch >= core.tracker.current_estimate().epoch:
+                    await core.share_state([params], epoch)
+                    return epoch, params
+            # No state of the newest epoch: go on from what we hold, at that epoch, and serve
+            # it (the fork check then finds it a minority and loads the others').
+            epoch = max(core.tracker.epoch, core.tracker.current_estimate().epoch)
+            core.tracker.set_epoch(epoch)
+            await core.share_state([params], epoch)
+            return epoch, params
 
         async def step(
             i: int, core, epoch: int, specs: list, params: np.ndarray
@@ -210,11 +226,24 @@ def run_soak(plan: SoakPlan) -> tuple[list[Log], dict]:
             acc = np.zeros(plan.size, np.float32)
             samples = 0
             k = 0
+            fork_check_at = trio.current_time() + FORK_CHECK_AFTER
             while True:
                 await trio.sleep(MICRO / rates[i])
                 acc += _grad(i, epoch, k, plan.size) * MICRO
                 samples += MICRO
                 k += 1
+                if trio.current_time() >= fork_check_at:
+                    fork_check_at = math.inf
+                    if await core.on_minority_fork():
+                        # Our lineage lost (e.g. our side of a healed partition): take theirs
+                        # and, as the trainer does, start the epoch's gradients over.
+                        log.forks += 1
+                        loaded, params = await load(core, log, params)
+                        if loaded != epoch:
+                            return loaded, params
+                        acc[:] = 0.0
+                        samples = 0
+                        continue
                 if core.report(epoch, samples, MICRO):
                     break
                 current = core.tracker.current_estimate().epoch
@@ -324,7 +353,9 @@ def summarize(plan: SoakPlan, logs: list[Log], events: dict) -> dict:
         "resyncs": sum(log.resyncs for log in logs),
         "state_loads": sum(log.loads for log in logs),
         "state_load_failures": sum(log.load_failures for log in logs),
+        "fork_adoptions": sum(log.forks for log in logs),
         "params_agreed": sum(len(c) == 1 for c in versions.values()),
+        "params_disagreed_epochs": sorted(e for e, c in versions.items() if len(c) > 1),
         "param_versions_max": max((len(c) for c in versions.values()), default=0),
         "params_in_sync": round(float(np.mean(in_sync)), 3) if in_sync else 0.0,
         "params_in_sync_min": round(float(min(in_sync)), 3) if in_sync else 0.0,
@@ -340,7 +371,9 @@ def check_soak(plan: SoakPlan, logs: list[Log], events: dict) -> dict:
     The collaboration kept stepping: the bootstrap peer reached the end, averaging nearly
     every epoch (it may skip a few it fell behind in, e.g. a round that outlasted the others'),
     most of them in a group. Members of one group hold the same finite average, bit for bit.
-    Every joiner averaged in a group after joining.
+    Every joiner averaged in a group after joining. With one group for everyone, every peer
+    holds the same parameters after each epoch, except while the partition lasts (each side
+    averages apart; after it heals, the smaller side loads the larger side's state).
     """
     s = summarize(plan, logs, events)
     done = [r["epoch"] for r in logs[0].rows]
@@ -352,6 +385,10 @@ def check_soak(plan: SoakPlan, logs: list[Log], events: dict) -> dict:
     assert s["nans"] == 0, s
     assert s["divergences"] == 0, f"divergent averages at epochs {s['divergent_epochs']}"
     assert s["joiners_averaged"] == plan.joiners, s
+    if plan.max_group_size >= plan.peers + plan.joiners:  # one group: one lineage
+        window = range(s["partitioned_at"], s["healed_at"] + 1)
+        apart = [e for e in s["params_disagreed_epochs"] if e not in window]
+        assert not apart, f"peers held different parameters after epochs {apart}"
     return s
 
 

@@ -34,11 +34,12 @@ from dedloc_jax.config import CollaborationConfig
 from dedloc_jax.host import AveragingOutcome, BackgroundAveraging
 from dedloc_jax.matchmaking import Matchmaker, member_for
 from dedloc_jax.progress import CollaborationEstimate, estimate_collaboration, refresh_delay
-from dedloc_jax.state_sync import StateServer, StateSyncError, download_state
+from dedloc_jax.state_sync import StateServer, StateSyncError, download_state, state_forked
 from dedloc_jax.timing import averaging_timeout, matchmaking_window
 from dedloc_jax.tracker import ProgressTracker
 from p2p.bridge import TrioThread
 from p2p.dht import DHTClock, DHTConfig, open_dht
+from p2p.errors import P2PError
 from p2p.identity import Identity
 from p2p.multiaddr import Multiaddr
 from p2p.nat import NATConfig, open_nat
@@ -89,6 +90,7 @@ class CollaborationCore:
         self.tracker = ProgressTracker(dht, run_id, config, mode)
         self.matchmaker = Matchmaker(node, dht, run_id, max_group_size=config.max_group_size)
         self.matchmaker.moved_on = self._moved_on
+        self.matchmaker.epoch_over = lambda epoch: self.tracker.current_estimate().epoch > epoch
         self.state_server = StateServer(
             node, dht, run_id, chunk_bytes=config.state_chunk_bytes, ttl=config.progress_ttl
         )
@@ -288,6 +290,19 @@ class CollaborationCore:
         self.epoch = epoch
         self.tracker.set_epoch(epoch)
         return epoch, arrays
+
+    async def on_minority_fork(self) -> bool:
+        """Whether the state we serve lost to another of the same epoch (a lineage more peers
+        hold, see :func:`~dedloc_jax.state_sync.on_minority_fork`): then load theirs. Ask once
+        the others announced the epoch's state, e.g. when ready to average."""
+        latest = self.state_server.latest
+        if latest is None:
+            return False
+        try:
+            return await state_forked(self.node, self.dht, self.run_id, latest.epoch, latest.digest)
+        except P2PError as e:
+            log.warning("could not read the states others serve: %s", e)
+            return False
 
     async def _announce_state(self) -> None:
         while True:
@@ -540,6 +555,12 @@ class Collaboration:
     def load_state(self, *, timeout: float = 60.0) -> tuple[int, list[np.ndarray]]:
         thread, core = self._core()
         return thread.run(functools.partial(core.load_state, timeout=timeout))
+
+    def on_minority_fork(self) -> bool:
+        """Whether the state this peer serves lost to another lineage of its epoch (more peers
+        hold it): then load theirs (:func:`dedloc_jax.sync_state`). See the core's method."""
+        thread, core = self._core()
+        return thread.run(core.on_minority_fork)
 
     @property
     def behind(self) -> bool:

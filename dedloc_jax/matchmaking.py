@@ -113,6 +113,9 @@ class Matchmaker:
         # Whether a peer has gone past an epoch (the tracker knows): a leader stops waiting
         # for an expected member that already averaged that epoch without it.
         self.moved_on: Callable[[str, int], bool] = lambda peer, epoch: False
+        # Whether the collaboration is past an epoch (the tracker's estimate is newer): a late
+        # peer that nobody waits for at its epoch then stops looking for a group at once.
+        self.epoch_over: Callable[[int], bool] = lambda epoch: False
 
     def register(self) -> None:
         self.node.add_handler(JOIN, self._handle_join)
@@ -250,6 +253,8 @@ class Matchmaker:
     ) -> GroupSpec | None:
         window = self.window
         key = group_key(self.run_id, epoch)
+        if self._too_late(epoch, set(expected) - {self.peer_id}):
+            return None
         try:
             await self.dht.store(
                 key,
@@ -271,6 +276,8 @@ class Matchmaker:
             elapsed = trio.current_time() - start
             await trio.sleep(window / 8 if expected else max(0.0, window - elapsed))
             others = await self._registrations(registry)
+            if self._too_late(epoch, expected):
+                return None
             everyone = bool(expected) and expected <= set(others)
             # A peer the tracker sees at this epoch gets two windows: it is computing and will
             # register, but on a busy machine it may notice the target a window late.
@@ -293,6 +300,8 @@ class Matchmaker:
         while short_of_target():
             await trio.sleep(window / 2)
             others = await self._registrations(registry)
+            if self._too_late(epoch, expected):
+                return None
         groups = assign_groups(
             sorted({self.peer_id, *others}),
             max_group_size=self.max_group_size,
@@ -315,6 +324,17 @@ class Matchmaker:
                 continue
         self._choose(epoch, None)
         return None
+
+    def _too_late(self, epoch: int, expected: set[str]) -> bool:
+        """The others averaged this epoch and moved on, and nobody we expect is still at it:
+        no group can form, so average alone now (the caller then loads the others' state)
+        instead of waiting out the windows, which made a late peer late for the next epoch
+        too."""
+        if not self.epoch_over(epoch) or any(not self.moved_on(p, epoch) for p in expected):
+            return False
+        log.info("epoch %d: the others moved past it; averaging alone", epoch)
+        self._choose(epoch, None)
+        return True
 
     async def _lead(
         self, epoch: int, me: Member, window: float, *, expected: set[str]

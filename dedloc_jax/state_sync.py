@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -120,13 +120,37 @@ class StateServer:
 
 
 async def find_donors(node: Any, dht: DHT, run_id: str) -> tuple[int, bytes, list[PeerID]] | None:
-    """The newest announced state: (epoch, digest, donors), or None."""
+    """The newest announced state: (epoch, digest, donors), or None. Among states of the
+    newest epoch, the one most peers announce; of as many, the smallest digest (the lineage
+    that :func:`on_minority_fork` keeps)."""
     offers = await _offers(node, dht, run_id)
     if not offers:
         return None
     counts = Counter({k: len(v) for k, v in offers.items()})
-    (epoch, digest), _ = max(counts.items(), key=lambda kv: (kv[0][0], kv[1]))
+    epoch = max(e for e, _ in counts)
+    digest = min((d for e, d in counts if e == epoch), key=lambda d: (-counts[(epoch, d)], d))
     return epoch, digest, sorted(offers[(epoch, digest)])
+
+
+def on_minority_fork(others: Mapping[tuple[int, bytes], int], epoch: int, digest: bytes) -> bool:
+    """Whether our state (``digest`` at ``epoch``) lost to another state of the same epoch.
+
+    Two lineages of one epoch exist after a partition (each side averaged apart) or a group
+    split; they never merge by themselves, since averaging gradients keeps parameters apart.
+    The one more peers hold wins; of two held by as many, the smaller digest, so exactly one
+    side of a tie moves. ``others`` counts the other peers announcing each (epoch, digest).
+    """
+    mine = others.get((epoch, digest), 0) + 1
+    return any(
+        e == epoch and d != digest and (n > mine or (n == mine and d < digest))
+        for (e, d), n in others.items()
+    )
+
+
+async def state_forked(node: Any, dht: DHT, run_id: str, epoch: int, digest: bytes) -> bool:
+    """:func:`on_minority_fork` over the states peers announce now."""
+    offers = await _offers(node, dht, run_id)
+    return on_minority_fork({k: len(v) for k, v in offers.items()}, epoch, digest)
 
 
 async def _offers(node: Any, dht: DHT, run_id: str) -> dict[tuple[int, bytes], list[PeerID]]:

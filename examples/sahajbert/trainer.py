@@ -27,6 +27,7 @@ from examples.sahajbert.config import NetConfig, TrainerConfig
 log = logging.getLogger(__name__)
 
 METRICS_TTL = 30.0
+FORK_CHECK_AFTER = 5.0  # seconds into an epoch: the others have announced its state by then
 
 
 def collaboration_config(cfg: TrainerConfig, mode: str | None = None) -> Any:
@@ -258,6 +259,7 @@ def _loop(
     epoch_samples = 0
     epoch_started = last_publish = time.monotonic()
     last_loss = math.nan
+    fork_checked = False  # once per epoch, when the others have announced its state
 
     def publish() -> None:
         core = collab.core
@@ -298,6 +300,7 @@ def _loop(
             )
             log.info("epoch %d done: loss %.4f (%d samples here)", epoch, last_loss, epoch_samples)
             epoch, epoch_losses, epoch_samples, epoch_started = new_epoch, [], 0, now
+            fork_checked = False
             if int(opt_state.group_size) <= 1 and _other_trainers(collab):
                 # Stepped alone (no group, or the all-reduce failed): this state differs from
                 # the others'; serve nothing and load theirs.
@@ -312,6 +315,14 @@ def _loop(
         elif now - last_publish > 2.0:
             publish()
             last_publish = now
+        if not fork_checked and now - epoch_started > FORK_CHECK_AFTER:
+            fork_checked = True
+            if collab.on_minority_fork():
+                # Another lineage of this epoch, held by more peers, won (e.g. after a
+                # partition healed, each side having averaged apart): take theirs.
+                log.warning("epoch %d: our state lost to the majority's; loading it", epoch)
+                params, opt_state = _adopt_theirs(collab, params, opt_state)
+                epoch, epoch_losses, epoch_samples = int(opt_state.epoch), [], 0
         if collab.behind:  # missed a step (e.g. paused too long): load the others' state
             params, opt_state = _load_or_start(collab, params, opt_state)
             epoch, epoch_losses, epoch_samples = int(opt_state.epoch), [], 0

@@ -214,3 +214,30 @@ def test_a_leader_stops_waiting_for_a_member_that_follows_someone_else() -> None
     assert closed_after < 1.5 < member_wait, (closed_after, member_wait)
     assert len(specs) == 2 and all(s is not None and len(s.members) == 2 for s in specs)
     assert specs[0].digest == specs[1].digest
+
+
+def test_a_peer_the_collaboration_left_behind_stops_looking_for_a_group_at_once() -> None:
+    """Everyone else averaged the epoch and moved on (the tracker's estimate is newer) and
+    nobody it expects is still at it: no group can form, so it goes alone after one poll
+    instead of waiting out the windows (which made a late joiner late for the next epoch too).
+    With a member still expected at the epoch, it keeps waiting for it."""
+
+    async def main() -> tuple[float, float, float]:
+        net = SimNetwork(seed=6)
+        async with open_sim_dhts(net, 2, latency=0.01) as peers:
+            ids = [str(node.peer_id) for node, _ in peers]
+            makers = matchmakers(peers, max_group_size=8)
+            late = makers[0]
+            late.epoch_over = lambda epoch: epoch < 4
+            me = member_for(ids[0], "node", 1e6, 1e6, 8.0)
+            start = trio.current_time()
+            assert await late.form_group(3, me, target=64.0) is None
+            alone = trio.current_time() - start
+            # An expected peer still at epoch 3 (it has not moved on): keep waiting for it.
+            start = trio.current_time()
+            assert await late.form_group(3, me, target=64.0, expected={ids[1]}) is None
+            return alone, trio.current_time() - start, late.window
+
+    alone, waiting, window = run_sim(main, seed=6)
+    assert alone < window / 4  # it does not even register (it waited 2 windows before)
+    assert waiting >= 2 * window  # the expected peer's two windows

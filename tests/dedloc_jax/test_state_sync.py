@@ -4,7 +4,13 @@ import numpy as np
 import pytest
 import trio
 
-from dedloc_jax.state_sync import StateServer, StateSyncError, download_state
+from dedloc_jax.state_sync import (
+    StateServer,
+    StateSyncError,
+    download_state,
+    on_minority_fork,
+    state_forked,
+)
 from p2p.testing import SimNetwork, host_of, run_sim
 from tests.dedloc_jax.simcollab import open_sim_dhts
 
@@ -77,5 +83,41 @@ def test_no_donor_is_a_clear_error() -> None:
         async with open_sim_dhts(net, 2) as peers:
             with pytest.raises(StateSyncError, match="no peer announces"):
                 await download_state(peers[1][0], peers[1][1], "run", timeout=30)
+
+    run_sim(main)
+
+
+def test_the_lineage_more_peers_hold_wins_and_one_side_of_a_tie_moves() -> None:
+    a, b = b"\x01" * 32, b"\x02" * 32
+    # 3 others hold b at epoch 5, 1 other holds a (2 with us): a loses.
+    assert on_minority_fork({(5, b): 3, (5, a): 1}, 5, a)
+    # 2 against 2: the smaller digest stays, the larger moves.
+    assert not on_minority_fork({(5, b): 1}, 5, a)
+    assert on_minority_fork({(5, a): 1}, 5, b)
+    # other epochs are not forks (being behind is the tracker's business)
+    assert not on_minority_fork({(6, b): 9, (4, b): 9}, 5, a)
+    assert not on_minority_fork({}, 5, a)
+
+
+def test_after_a_healed_partition_the_minority_side_finds_its_state_lost() -> None:
+    """Two sides announce different states of one epoch; the side fewer peers hold finds it
+    lost (state_forked), the other does not, and a download picks the winner's state."""
+
+    async def main() -> None:
+        net = SimNetwork(seed=4)
+        async with open_sim_dhts(net, 6) as peers:
+            servers = _servers(peers, range(5))
+            for i, server in enumerate(servers):
+                server.set_state(_state(7 if i < 3 else 8), epoch=7)
+                await server.announce()
+            theirs, ours = servers[0].latest, servers[4].latest
+            assert theirs is not None and ours is not None and theirs.digest != ours.digest
+            for i, server in enumerate(servers):
+                node, dht = peers[i]
+                lost = await state_forked(node, dht, "run", 7, server.latest.digest)
+                assert lost == (i >= 3), i
+            node, dht = peers[5]
+            epoch, arrays, _ = await download_state(node, dht, "run", timeout=60.0)
+            assert epoch == 7 and arrays[0].tobytes() == _state(7)[0].tobytes()
 
     run_sim(main)
