@@ -193,20 +193,28 @@ def run_soak(plan: SoakPlan) -> tuple[list[Log], dict]:
                             for e in range(epoch + 1):
                                 epoch_reached[e].set()
 
+        async def download(core, log: Log) -> tuple[int, np.ndarray] | None:
+            """The newest state other peers serve, or None (none announced, or every donor
+            failed)."""
+            try:
+                epoch, arrays = await core.load_state(timeout=30.0)
+            except StateSyncError as e:
+                logger.info("soak: state download failed: %s", e)
+                log.load_failures += 1
+                return None
+            log.loads += 1
+            return epoch, np.asarray(arrays[0], np.float32)
+
         async def load(core, log: Log, params: np.ndarray) -> tuple[int, np.ndarray]:
             """The newest state other peers announce; without one (none announced yet, or
             every donor failed), our own parameters at the collaboration's current epoch."""
             for attempt in range(LOAD_ATTEMPTS):
                 if attempt:
                     await trio.sleep(1.0)
-                try:
-                    epoch, arrays = await core.load_state(timeout=30.0)
-                except StateSyncError as e:
-                    logger.info("soak: state download failed: %s", e)
-                    log.load_failures += 1
+                got = await download(core, log)
+                if got is None:
                     continue
-                log.loads += 1
-                params = np.asarray(arrays[0], np.float32)
+                epoch, params = got
                 # The peers of the newest epoch announce its state once they stepped: an
                 # older one means that they have not yet, so ask again a little later.
                 if epoch >= core.tracker.current_estimate().epoch:
@@ -260,16 +268,9 @@ def run_soak(plan: SoakPlan) -> tuple[list[Log], dict]:
                 # Stepped alone (no group, or the all-reduce failed) while others trained: as
                 # the sahajBERT trainer does, load their state unless it is older than ours.
                 await trio.sleep(0.5)
-                try:
-                    loaded, arrays = await core.load_state(timeout=30.0)
-                except StateSyncError as e:
-                    logger.info("soak: nobody serves a state after a step alone: %s", e)
-                    log.load_failures += 1
-                else:
-                    if loaded >= epoch + 1:
-                        log.loads += 1
-                        params = np.asarray(arrays[0], np.float32)
-                        epoch = loaded - 1
+                got = await download(core, log)
+                if got is not None and got[0] >= epoch + 1:
+                    epoch, params = got[0] - 1, got[1]
             log.rows.append(
                 {
                     "epoch": epoch,
