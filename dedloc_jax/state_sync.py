@@ -123,7 +123,7 @@ async def find_donors(node: Any, dht: DHT, run_id: str) -> tuple[int, bytes, lis
     """The newest announced state: (epoch, digest, donors), or None. Among states of the
     newest epoch, the one most peers announce; of as many, the smallest digest (the lineage
     that :func:`on_minority_fork` keeps)."""
-    offers = await _offers(node, dht, run_id)
+    offers = await _offers(node, dht, run_id, whole=True)
     if not offers:
         return None
     counts = Counter({k: len(v) for k, v in offers.items()})
@@ -149,13 +149,17 @@ def on_minority_fork(others: Mapping[tuple[int, bytes], int], epoch: int, digest
 
 async def state_forked(node: Any, dht: DHT, run_id: str, epoch: int, digest: bytes) -> bool:
     """:func:`on_minority_fork` over the states peers announce now."""
-    offers = await _offers(node, dht, run_id)
+    offers = await _offers(node, dht, run_id, whole=True)
     return on_minority_fork({k: len(v) for k, v in offers.items()}, epoch, digest)
 
 
-async def _offers(node: Any, dht: DHT, run_id: str) -> dict[tuple[int, bytes], list[PeerID]]:
-    """Every announced state: (epoch, digest) -> the peers announcing it (not this one)."""
-    value = await dht.get(state_key(run_id))
+async def _offers(
+    node: Any, dht: DHT, run_id: str, *, whole: bool = False
+) -> dict[tuple[int, bytes], list[PeerID]]:
+    """Every announced state: (epoch, digest) -> the peers announcing it (not this one).
+    ``whole`` asks all the key's nearest nodes: counting lineages needs every announcement,
+    and after a partition each side's went to the nodes that side could reach."""
+    value = await dht.get(state_key(run_id), quorum=0 if whole else None)
     offers: dict[tuple[int, bytes], list[PeerID]] = {}
     if not isinstance(value, dict):
         return offers

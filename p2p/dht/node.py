@@ -336,12 +336,19 @@ class DHT:
             sweep_every=sweep_every,
         )
 
-    async def get(self, key: str, *, latest: bool = True) -> DHTValue | None:
+    async def get(
+        self, key: str, *, latest: bool = True, quorum: int | None = None
+    ) -> DHTValue | None:
         """The value under ``key``: a ValueWithExpiration, or for a dictionary value a
         ``{subkey: ValueWithExpiration}``; None when nothing live is found.
 
         With ``latest=False`` a value held locally is returned without a network lookup.
+        ``quorum`` overrides ``get_quorum`` (0: ask all the nearest nodes): a dictionary whose
+        subkeys were stored on different nodes (e.g. by both sides of a healed partition) is
+        then read whole, at the cost of a full lookup.
         """
+        if quorum is not None:
+            return decode_view(await self._lookup_value(key, quorum))
         return decode_view(await self.get_view(key, latest=latest))
 
     async def get_many(self, keys: Iterable[str], *, latest: bool = True) -> dict[str, Any]:
@@ -384,8 +391,10 @@ class DHT:
             del self._gets[key]
             shared.done.set()
 
-    async def _lookup_value(self, key: str) -> View | None:
-        """Look the key up; stop once ``get_quorum`` nodes answered with valid live records."""
+    async def _lookup_value(self, key: str, quorum: int | None = None) -> View | None:
+        """Look the key up; stop once ``quorum`` (default ``get_quorum``) nodes answered with
+        valid live records."""
+        quorum = self.config.get_quorum if quorum is None else quorum
         verdicts: dict[tuple, bool] = {}  # each distinct record is validated once
         holders: set[PeerID] = set()
 
@@ -400,7 +409,7 @@ class DHT:
             now = self.now()
             if any(valid(r, now) for r in records):
                 holders.add(peer)
-            return 0 < self.config.get_quorum <= len(holders)
+            return 0 < quorum <= len(holders)
 
         found = await self.find_nearest(key_id(key), key, enough)
         now = self.now()

@@ -204,3 +204,22 @@ def test_follow_rejects_bad_settings() -> None:
 
     assert TEST_CONFIG.get_quorum >= 1
     run_sim(main)
+
+
+def test_a_get_with_quorum_zero_reads_a_dictionary_split_over_the_nearest_nodes() -> None:
+    """Subkeys of one key can sit on different nodes (each side of a healed partition stored
+    on the nodes it could reach). ``quorum=0`` asks every nearest node and merges them all."""
+    from p2p.dht.ids import distance, key_id, node_id
+
+    async def main() -> None:
+        async with dht_swarm(24, seed=9) as swarm:
+            writer, reader = swarm.dhts[0], swarm.dhts[23]
+            await writer.store("split", 1, writer.now() + 600, subkey="a")
+            target = key_id("split")
+            nearest = sorted(swarm.dhts, key=lambda d: distance(node_id(d.peer_id), target))
+            far = nearest[writer.config.replication - 1]  # the last of the key's holders
+            far.storage.store(Record("split", "b", pack_value(2), far.now() + 600), far.now())
+            whole = await reader.get("split", quorum=0)
+            assert whole["a"].value == 1 and whole["b"].value == 2
+
+    run_sim(main)
