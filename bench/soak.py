@@ -51,6 +51,7 @@ from p2p.testing import SimNetwork, run_sim, sim_identity
 
 MICRO = 4
 LR = 0.01  # the soak's optimizer: plain SGD on the averaged gradient
+LINGER = 10.0  # virtual s a peer that finished serves its state before leaving
 LOAD_ATTEMPTS = 5  # state downloads until one of the newest epoch (1 s apart)
 FORK_CHECK_AFTER = 1.0  # virtual s into an epoch: the others have announced its state by then
 logger = logging.getLogger(__name__)
@@ -192,6 +193,9 @@ def run_soak(plan: SoakPlan) -> tuple[list[Log], dict]:
                             # every epoch up to here: a peer that fell behind skips some
                             for e in range(epoch + 1):
                                 epoch_reached[e].set()
+                    # Done: keep serving the final state a while, for a peer that stepped
+                    # alone in the last epoch and loads it (as the trainer lingers).
+                    await trio.sleep(LINGER)
 
         async def download(core, log: Log) -> tuple[int, np.ndarray] | None:
             """The newest state other peers serve, or None (none announced, or every donor
