@@ -1,12 +1,14 @@
 """Simulator soak (``bench.soak``): short plans of peers, churn, a healing partition and slow links.
 
 Each peer trains on the simulated network in virtual time (MockClock): it accumulates
-micro-batches until the collaboration reaches the target, then averages. During the run peers
-leave (some gracefully at an epoch boundary, some killed at a random moment, mid-averaging
-included), new peers join at the current epoch without state, a partition splits the network
-and heals, and a few hosts have slow uplinks. The checks: the collaboration keeps stepping
-(the epochs are done, most of them averaged in a group), members of one group end the epoch
-with bit-identical finite averages, and nothing hangs (the run has a virtual-time bound).
+micro-batches until the collaboration reaches the target, averages, and applies the average
+to the parameters it serves. During the run peers leave (some gracefully at an epoch boundary,
+some killed at a random moment, mid-averaging included), new peers join and download the
+state, a partition splits the network and heals, and a few hosts have slow uplinks. The
+checks: the collaboration keeps stepping (the epochs are done, most of them averaged in a
+group), members of one group end the epoch with bit-identical finite averages, with one group
+for everyone every peer holds the same parameters outside the partition, and nothing hangs
+(the run has a virtual-time bound).
 """
 
 from __future__ import annotations
