@@ -105,7 +105,7 @@ class Matchmaker:
         self._round_opened: dict[int, trio.Event] = {}
         self._chosen: dict[int, str | None] = {}  # epoch -> the leader we went to (None: alone)
         # The addresses last learned per peer: every poll of the registrations reads them all
-        # again, and parsing them each time was a tenth of a 200-peer soak's CPU.
+        # again, and parsing them each time was about a tenth of a 60-peer soak's CPU.
         self._learned: dict[str, tuple[str, ...]] = {}
         self.window = 1.0  # seconds; updated by the collaboration from its predictions
         # Private runs (dedloc_jax.access): raises ValueError unless the peer may take part.
