@@ -91,7 +91,8 @@ def test_the_lineage_more_peers_hold_wins_and_one_side_of_a_tie_moves() -> None:
     a, b = b"\x01" * 32, b"\x02" * 32
     # 3 others hold b at epoch 5, 1 other holds a (2 with us): a loses.
     assert on_minority_fork({(5, b): 3, (5, a): 1}, 5, a)
-    # 2 against 2: the smaller digest stays, the larger moves.
+    assert not on_minority_fork({(5, a): 1, (5, b): 2}, 5, b)  # the majority stays
+    # 1 against 1 (one other peer and us): the smaller digest stays, the larger moves.
     assert not on_minority_fork({(5, b): 1}, 5, a)
     assert on_minority_fork({(5, a): 1}, 5, b)
     # other epochs are not forks (being behind is the tracker's business)
