@@ -393,5 +393,6 @@ class PrivateRun:
     def protect(self, core: Any, averaging: Any) -> None:
         """Guard the join, state and all-reduce handlers (they call ``admit`` when set)."""
         core.matchmaker.admit = self.guard.admit
+        core.across.admit = self.guard.admit
         core.state_server.admit = self.guard.admit
         averaging.admit = self.guard.admit

@@ -21,11 +21,13 @@ import numpy as np
 import trio
 
 from dedloc_jax.access import PrivateRun
+from dedloc_jax.across import AcrossGroups, averaged_weight, broadcast, representative
 from dedloc_jax.averaging import (
     AllReduceConfig,
     AllReduceError,
     BandwidthMeter,
     GroupError,
+    GroupSpec,
     all_reduce,
     install,
     solve_shares,
@@ -91,6 +93,7 @@ class CollaborationCore:
         self.matchmaker = Matchmaker(node, dht, run_id, max_group_size=config.max_group_size)
         self.matchmaker.moved_on = self._moved_on
         self.matchmaker.epoch_over = lambda epoch: self.tracker.current_estimate().epoch > epoch
+        self.across = AcrossGroups(node)
         self.state_server = StateServer(
             node, dht, run_id, chunk_bytes=config.state_chunk_bytes, ttl=config.progress_ttl
         )
@@ -191,6 +194,13 @@ class CollaborationCore:
                 log.warning("averaging at epoch %d failed: %s", epoch, e)
             except BaseExceptionGroup as group:
                 log.warning("averaging at epoch %d failed: %s", epoch, _only_averaging(group))
+            else:
+                if self.matchmaker.needs_cross(epoch):
+                    result, _ = await self._across(
+                        epoch, spec, result, averaged_weight(spec, averaged)
+                    )
+        elif self.matchmaker.needs_cross(epoch):  # alone among several groups: a group of one
+            result, group_size = await self._across(epoch, None, result, float(samples))
         if group_size == 1 and self.config.on_no_group == "skip":
             result = [np.zeros_like(np.asarray(a)) for a in arrays]
         self.epoch = epoch + 1
@@ -204,6 +214,82 @@ class CollaborationCore:
             }
         )
         return AveragingOutcome(result, self.epoch, group_size)
+
+    async def _across(
+        self, epoch: int, spec: GroupSpec | None, mean: list[np.ndarray], weight: float
+    ) -> tuple[list[np.ndarray], int]:
+        """The mean across this epoch's groups (see :mod:`dedloc_jax.across`) and the size of
+        the level-1 group (1 when this peer did not represent its group there); ``mean``
+        itself when that failed."""
+        me = str(self.node.peer_id)
+        rep = me if spec is None else representative(spec)
+        wait = self._cross_wait(spec, mean)
+        self.across.wait_limit = wait
+        size = 1
+        if rep == me:
+            ok, found = False, None
+            try:
+                found = await self._represent(epoch, mean, weight)
+                ok = found is not None
+            finally:
+                self.across.settle(epoch, ok)
+            if found is None:
+                return mean, 1
+            mean, size = found
+            if spec is None:
+                return mean, size
+        elif rep is None or not await self.across.ask(rep, epoch, timeout=wait):
+            return mean, 1
+        assert spec is not None
+        out = await broadcast(
+            self.node,
+            spec,
+            mean,
+            source=rep == me,
+            codec=self.config.codec,
+            timeout=self._timeout(spec, mean),
+        )
+        return (mean, 1) if out is None else (out, size)
+
+    async def _represent(
+        self, epoch: int, mean: list[np.ndarray], weight: float
+    ) -> tuple[list[np.ndarray], int] | None:
+        """As its group's representative, average ``mean`` (``weight`` samples) with the
+        other groups' representatives: the result and how many there were, or None."""
+        up, down = self._bandwidth()
+        me = member_for(str(self.node.peer_id), self.mode, up, down, weight)
+        others = self.matchmaker.representatives(epoch) - {me.peer_id}
+        spec = await self.matchmaker.form_group(
+            epoch, me, target=self.config.target_batch_size, expected=others, level=1
+        )
+        if spec is None:
+            return None
+        try:
+            averaged = await all_reduce(
+                self.node,
+                spec,
+                list(mean),
+                weight,
+                codec=self.config.codec,
+                timeout=self._timeout(spec, mean),
+                meter=self.meter,
+                config=self._round_config(),
+            )
+        except (AllReduceError, GroupError) as e:
+            log.warning("averaging across groups at epoch %d failed: %s", epoch, e)
+            return None
+        except BaseExceptionGroup as group:
+            failure = _only_averaging(group)
+            log.warning("averaging across groups at epoch %d failed: %s", epoch, failure)
+            return None
+        return [np.asarray(a) for a in averaged.average], len(spec.members)
+
+    def _cross_wait(self, spec: GroupSpec | None, arrays: Sequence[np.ndarray]) -> float:
+        """How long a member waits for its representative's round across groups: that
+        round's matchmaking (at most) and its all-reduce."""
+        mm = self.matchmaker
+        rounds = 2 * self._timeout(spec, arrays) if spec is not None else 0.0
+        return mm.max_wait + mm.member_wait + 4 * mm.window + rounds
 
     def _peers_at(self, epoch: int) -> set[str]:
         """Peers whose latest progress report is at ``epoch``: who should register."""
@@ -253,6 +339,8 @@ class CollaborationCore:
                         config=self._round_config(),
                     )
                     rounds += 1
+                    if self.matchmaker.needs_cross(epoch):  # reduce a share of the broadcast
+                        await self._across(epoch, spec, template, 0.0)
                 except (AllReduceError, GroupError) as e:
                     log.warning("aux averaging at epoch %d failed: %s", epoch, e)
                 except BaseExceptionGroup as group:
@@ -356,6 +444,7 @@ async def open_collaboration(
         core = CollaborationCore(node, dht, run_id, config, mode)
         averaging = install(node)
         core.matchmaker.register()
+        core.across.register()
         core.state_server.register()
         if private is not None:
             private.protect(core, averaging)

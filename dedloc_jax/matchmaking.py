@@ -13,6 +13,11 @@
    same :class:`GroupSpec` (members = itself + those who joined in time, each with its measured
    bandwidth and sample count, plus the share split from the load-balancing LP).
 
+Above ``max_group_size`` peers an epoch has several groups; each group's mean then goes through
+a second round across groups (level 1, one group of representatives, see
+:mod:`dedloc_jax.across`), formed the same way under ``<run_id>.group.<e>.x``. The leader tells
+its members whether its view of the epoch held other groups (``cross``).
+
 Only the leader decides, so two peers that saw different registrations cannot form
 conflicting specs: at worst a peer that joined nobody in time averages alone (no deadlock: every
 wait is bounded by a cancel scope). Clients reach leaders by dialing out, like everyone else.
@@ -40,6 +45,8 @@ from p2p.rpc import CallContext
 
 log = logging.getLogger(__name__)
 
+CROSS_CAP = 4096
+"""Representatives in one level-1 group: all of them (n / max_group_size of an epoch's n peers)."""
 MAX_LEADER_FALLBACKS = 2
 """Members after a dead leader that its followers try as leader, in group order."""
 _MAX_LEARNED = 4096  # peers whose last addresses we remember (then start over)
@@ -54,8 +61,22 @@ LEADER = "collab.leader"
 """Asked by a leader of a member it expected that has not joined: whom do you follow?"""
 
 
-def group_key(run_id: str, epoch: int) -> str:
-    return f"{run_id}.group.{epoch}"
+def group_key(run_id: str, epoch: int, level: int = 0) -> str:
+    return f"{run_id}.group.{epoch}" + (".x" if level else "")
+
+
+Slot = tuple[int, int]
+"""(epoch, level): one group formation."""
+
+
+def _slot_of(request: Any) -> Slot:
+    """The epoch and level a join or leader query is about (level 0 when left out)."""
+    if not isinstance(request, dict) or not isinstance(request.get("epoch"), int):
+        raise ValueError("a matchmaking request is a map with an integer epoch")
+    level = request.get("level", 0)
+    if level not in (0, 1) or isinstance(level, bool):
+        raise ValueError(f"matchmaking level must be 0 or 1, got {level!r}")
+    return request["epoch"], level
 
 
 def _member_to_wire(m: Member) -> dict[str, Any]:
@@ -80,7 +101,7 @@ def _member_from_wire(peer_id: str, msg: Any) -> Member:
 
 @dataclass
 class _LeaderRound:
-    epoch: int
+    slot: Slot
     me: Member
     max_size: int
     joined: dict[str, Member] = field(default_factory=dict)
@@ -90,6 +111,7 @@ class _LeaderRound:
     expected: set[str] = field(default_factory=set)
     spec: GroupSpec | None = None
     addrs: dict[str, list[str]] = field(default_factory=dict)  # what each joiner sent
+    cross: bool = False  # the leader's view held other groups: members average across them
 
 
 class Matchmaker:
@@ -101,9 +123,15 @@ class Matchmaker:
         self.run_id = run_id
         self.max_group_size = max_group_size
         self.peer_id = str(node.peer_id)
-        self._rounds: dict[int, _LeaderRound] = {}
-        self._round_opened: dict[int, trio.Event] = {}
-        self._chosen: dict[int, str | None] = {}  # epoch -> the leader we went to (None: alone)
+        self._rounds: dict[Slot, _LeaderRound] = {}
+        self._round_opened: dict[Slot, trio.Event] = {}
+        self._chosen: dict[Slot, str | None] = {}  # the leader we went to (None: alone)
+        # epoch -> whether its level-0 groups left out peers that registered (the leader's view,
+        # sent with the spec): then the group's mean goes through a round across groups.
+        self._cross: dict[int, bool] = {}
+        # epoch -> the level-0 groups this peer computed and the registered peers' modes: who
+        # represents the other groups at level 1.
+        self._views: dict[int, tuple[list[list[str]], dict[str, str]]] = {}
         # The addresses last learned per peer: every poll of the registrations reads them all
         # again, and parsing them each time was about a tenth of a 60-peer soak's CPU.
         self._learned: dict[str, tuple[str, ...]] = {}
@@ -121,34 +149,56 @@ class Matchmaker:
         self.node.add_handler(JOIN, self._handle_join)
         self.node.add_handler(LEADER, self._handle_leader)
 
-    def _choose(self, epoch: int, leader: str | None) -> None:
-        self._chosen[epoch] = leader
-        for old in [e for e in self._chosen if e < epoch - 2]:
+    def _choose(self, slot: Slot, leader: str | None) -> None:
+        self._chosen[slot] = leader
+        for old in [s for s in self._chosen if s[0] < slot[0] - 2]:
             del self._chosen[old]
+
+    def needs_cross(self, epoch: int) -> bool:
+        """Whether this peer's level-0 group at ``epoch`` was one of several (its leader's
+        view): the group's mean is then averaged across groups (:mod:`dedloc_jax.across`)."""
+        return self._cross.get(epoch, False)
+
+    def representatives(self, epoch: int) -> set[str]:
+        """Who represents the level-0 groups of ``epoch`` in this peer's view: each group's
+        first member that sends a vector (aux peers hold none)."""
+        groups, modes = self._views.get(epoch, ([], {}))
+        reps = set()
+        for g in groups:
+            rep = next((p for p in g if modes.get(p, "node") != "aux"), None)
+            if rep is not None:
+                reps.add(rep)
+        return reps
+
+    def _remember(self, epoch: int, cross: bool, view: Any = None) -> None:
+        self._cross[epoch] = cross
+        if view is not None:
+            self._views[epoch] = view
+        for old in [e for e in self._cross if e < epoch - 2]:
+            del self._cross[old]
+        for old in [e for e in self._views if e < epoch - 2]:
+            del self._views[old]
 
     async def _handle_leader(self, ctx: CallContext, request: Any) -> Any:
         """Whom this peer follows at an epoch: ``{"decided": False}`` while it is still
         gathering registrations, else ``{"decided": True, "leader": ID or None}``."""
-        if not isinstance(request, dict) or not isinstance(request.get("epoch"), int):
-            raise ValueError("a leader query is a map with an integer epoch")
+        slot = _slot_of(request)
         if self.admit is not None:
             await self.admit(ctx.remote_peer, None)
-        epoch = request["epoch"]
-        if epoch not in self._chosen:
+        if slot not in self._chosen:
             return {"decided": False}
-        return {"decided": True, "leader": self._chosen[epoch]}
+        return {"decided": True, "leader": self._chosen[slot]}
 
-    def _opened(self, epoch: int) -> trio.Event:
-        if epoch not in self._round_opened:
-            self._round_opened[epoch] = trio.Event()
-            for old in [e for e in self._round_opened if e < epoch - 2]:
+    def _opened(self, slot: Slot) -> trio.Event:
+        if slot not in self._round_opened:
+            self._round_opened[slot] = trio.Event()
+            for old in [s for s in self._round_opened if s[0] < slot[0] - 2]:
                 del self._round_opened[old]
-        return self._round_opened[epoch]
+        return self._round_opened[slot]
 
     async def _handle_join(self, ctx: CallContext, request: Any) -> Any:
-        if not isinstance(request, dict) or not isinstance(request.get("epoch"), int):
-            raise ValueError("a join request is a map with an integer epoch")
-        epoch = request["epoch"]
+        slot = _slot_of(request)
+        epoch, level = slot
         peer = str(ctx.remote_peer)
         member = _member_from_wire(peer, request.get("member"))
         if self.admit is not None:
@@ -164,10 +214,10 @@ class Matchmaker:
                 log.info("ignoring bad addresses from %s: %s", peer, e)
         # The follower may come before we decided to lead this epoch: wait a bounded time.
         with trio.move_on_after(self.max_wait + 2 * self.window):
-            await self._opened(epoch).wait()
-        rnd = self._rounds.get(epoch)
+            await self._opened(slot).wait()
+        rnd = self._rounds.get(slot)
         if rnd is None:
-            return {"ok": False, "reason": f"not leading epoch {epoch}"}
+            return {"ok": False, "reason": f"not leading epoch {epoch} at level {level}"}
         if not rnd.open:
             return {"ok": False, "reason": "group already formed"}
         if len(rnd.joined) + 1 >= rnd.max_size:
@@ -188,7 +238,7 @@ class Matchmaker:
         # The members' addresses, so that members that never read each other's registration
         # (a reader polls some of the key's holders) can still dial each other.
         addrs = {p: rnd.addrs[p] for p in rnd.joined if p != peer and rnd.addrs.get(p)}
-        return {"ok": True, "spec": rnd.spec.to_bytes(), "addrs": addrs}
+        return {"ok": True, "spec": rnd.spec.to_bytes(), "addrs": addrs, "cross": rnd.cross}
 
     @property
     def max_wait(self) -> float:
@@ -203,14 +253,14 @@ class Matchmaker:
         for it held whole groups of a 200-peer run for 15-30 s per epoch."""
         return min(self.max_wait, 4 * self.window + 2.0)
 
-    async def _registrations(self, registry: KeyFollower) -> dict[str, float]:
-        """Registered peers at this epoch and the samples each will contribute."""
+    async def _registrations(self, registry: KeyFollower) -> dict[str, Member]:
+        """Registered peers at this epoch (level) and what each brings."""
         try:
             value = await registry.get()
         except P2PError as e:
             log.warning("could not read matchmaking registrations: %s", e)
             return {}
-        found: dict[str, float] = {}
+        found: dict[str, Member] = {}
         if isinstance(value, dict):
             for subkey, item in value.items():
                 names = owner_markers(subkey)
@@ -222,7 +272,7 @@ class Matchmaker:
                 except GroupError as e:
                     log.info("ignoring a malformed registration of %s: %s", names[0], e)
                     continue
-                found[names[0]] = member.weight
+                found[names[0]] = member
                 self._learn_addrs(names[0], reg)
         return found
 
@@ -233,8 +283,12 @@ class Matchmaker:
         *,
         target: float = 0.0,
         expected: set[str] | frozenset[str] = frozenset(),
+        level: int = 0,
     ) -> GroupSpec | None:
         """The group this peer averages with at ``epoch``, or None if it must go alone.
+
+        ``level`` 1 forms the group of representatives that averages the level-0 groups'
+        means (uncapped, under its own key); see :meth:`needs_cross`.
 
         Registration stays open until every ``expected`` peer (those the tracker sees at this
         epoch) has registered, for two windows at most (one when nobody is expected); then,
@@ -243,17 +297,21 @@ class Matchmaker:
         (up to :attr:`max_wait`), or two windows when nobody is expected.
         """
         try:
-            return await self._form_group(epoch, me, target=target, expected=expected)
+            return await self._form_group((epoch, level), me, target=target, expected=expected)
         finally:
             # This peer's part in the epoch is over: a late join is answered at once.
-            self._opened(epoch).set()
+            self._opened((epoch, level)).set()
 
     async def _form_group(
-        self, epoch: int, me: Member, *, target: float, expected: set[str] | frozenset[str]
+        self, slot: Slot, me: Member, *, target: float, expected: set[str] | frozenset[str]
     ) -> GroupSpec | None:
         window = self.window
-        key = group_key(self.run_id, epoch)
-        if self._too_late(epoch, set(expected) - {self.peer_id}):
+        epoch, level = slot
+        key = group_key(self.run_id, epoch, level)
+        cap = self.max_group_size if level == 0 else CROSS_CAP
+        if level == 0:
+            self._remember(epoch, False)
+        if self._too_late(slot, set(expected) - {self.peer_id}):
             return None
         try:
             await self.dht.store(
@@ -276,7 +334,7 @@ class Matchmaker:
             elapsed = trio.current_time() - start
             await trio.sleep(window / 8 if expected else max(0.0, window - elapsed))
             others = await self._registrations(registry)
-            if self._too_late(epoch, expected):
+            if self._too_late(slot, expected):
                 return None
             everyone = bool(expected) and expected <= set(others)
             # A peer the tracker sees at this epoch gets two windows: it is computing and will
@@ -291,7 +349,7 @@ class Matchmaker:
             (with all of them in there is nothing to wait for) or, when the tracker expects
             nobody, from peers it has not seen yet (worth a short wait only)."""
             now = trio.current_time()
-            if me.weight + sum(others.values()) >= target or now >= give_up:
+            if me.weight + sum(m.weight for m in others.values()) >= target or now >= give_up:
                 return False
             if expected:
                 return not expected <= set(others)
@@ -300,54 +358,61 @@ class Matchmaker:
         while short_of_target():
             await trio.sleep(window / 2)
             others = await self._registrations(registry)
-            if self._too_late(epoch, expected):
+            if self._too_late(slot, expected):
                 return None
         groups = assign_groups(
             sorted({self.peer_id, *others}),
-            max_group_size=self.max_group_size,
+            max_group_size=cap,
             seed=group_seed(self.run_id, epoch),
         )
+        if level == 0:
+            modes = {p: m.mode for p, m in others.items()} | {self.peer_id: me.mode}
+            self._remember(epoch, len(groups) > 1, (groups, modes))
         mine = next(g for g in groups if self.peer_id in g)
         if len(mine) == 1:
             log.debug("epoch %d: no other peer registered in time; averaging alone", epoch)
-            self._choose(epoch, None)
+            self._choose(slot, None)
             return None
         # A leader that died after registering would leave its whole group alone: each of its
         # followers then tries the next member, the same one on every follower (bounded).
         for k, leader in enumerate(mine[: 1 + MAX_LEADER_FALLBACKS]):
-            self._choose(epoch, leader)
+            self._choose(slot, leader)
             if leader == self.peer_id:
-                return await self._lead(epoch, me, window, expected=set(mine[k + 1 :]))
+                return await self._lead(slot, me, window, cap, expected=set(mine[k + 1 :]))
             try:
-                return await self._follow(epoch, me, leader, window)
+                return await self._follow(slot, me, leader, window)
             except _LeaderGone:
                 continue
-        self._choose(epoch, None)
+        self._choose(slot, None)
         return None
 
-    def _too_late(self, epoch: int, expected: set[str]) -> bool:
+    def _too_late(self, slot: Slot, expected: set[str]) -> bool:
         """The others averaged this epoch and moved on, and nobody we expect is still at it:
         no group can form, so average alone now (the caller then loads the others' state)
         instead of waiting out the windows, which made a late peer late for the next epoch
         too."""
+        epoch = slot[0]
         if not self.epoch_over(epoch) or any(not self.moved_on(p, epoch) for p in expected):
             return False
         log.info("epoch %d: the others moved past it; averaging alone", epoch)
-        self._choose(epoch, None)
+        self._choose(slot, None)
+        if slot[1] == 0:
+            self._remember(epoch, False)
         return True
 
     async def _lead(
-        self, epoch: int, me: Member, window: float, *, expected: set[str]
+        self, slot: Slot, me: Member, window: float, cap: int, *, expected: set[str]
     ) -> GroupSpec | None:
         """Accept joins for one window, and longer (up to :attr:`member_wait`) while an
         expected member (one that registered in our group) has not joined yet."""
-        rnd = _LeaderRound(epoch, me, self.max_group_size)
+        epoch = slot[0]
+        rnd = _LeaderRound(slot, me, cap, cross=self.needs_cross(epoch) if slot[1] == 0 else False)
         rnd.expected = expected
         started = trio.current_time()
-        self._rounds[epoch] = rnd
-        for old in [e for e in self._rounds if e < epoch - 2]:
+        self._rounds[slot] = rnd
+        for old in [s for s in self._rounds if s[0] < epoch - 2]:
             del self._rounds[old]
-        self._opened(epoch).set()
+        self._opened(slot).set()
         try:
             # Close as soon as every peer we saw registered has joined; otherwise keep the
             # door open for one window for peers we did not see, and longer (bounded) for
@@ -378,7 +443,7 @@ class Matchmaker:
                 )
             if rnd.joined:
                 members = [me, *(rnd.joined[p] for p in sorted(rnd.joined))]
-                spec = GroupSpec(tuple(members), group_id=self._group_id(epoch))
+                spec = GroupSpec(tuple(members), group_id=self._group_id(slot))
                 rnd.spec = spec.with_parts()
             return rnd.spec
         except GroupError as e:
@@ -399,11 +464,14 @@ class Matchmaker:
         async def ask(peer: str) -> None:
             try:
                 answer = await self.node.call(
-                    self._leader_addr(peer), LEADER, {"epoch": rnd.epoch}, timeout=window
+                    self._leader_addr(peer),
+                    LEADER,
+                    {"epoch": rnd.slot[0], "level": rnd.slot[1]},
+                    timeout=window,
                 )
             except P2PError as e:
                 log.debug(
-                    "member %s of epoch %d did not say whom it follows: %s", peer, rnd.epoch, e
+                    "member %s of epoch %d did not say whom it follows: %s", peer, rnd.slot[0], e
                 )
                 answer = {"decided": True, "leader": None}
             decided = isinstance(answer, dict) and answer.get("decided") is True
@@ -421,9 +489,11 @@ class Matchmaker:
             await trio.sleep(window / 2)
             asked -= {p for p in asked if p in rnd.expected}  # undecided: ask again
 
-    async def _follow(self, epoch: int, me: Member, leader: str, window: float) -> GroupSpec | None:
+    async def _follow(self, slot: Slot, me: Member, leader: str, window: float) -> GroupSpec | None:
+        epoch, level = slot
         request = {
             "epoch": epoch,
+            "level": level,
             "member": _member_to_wire(me),
             "addrs": [str(a) for a in self.node.addrs],
         }
@@ -458,6 +528,8 @@ class Matchmaker:
             for peer, listed in list(addrs.items())[: len(members)]:
                 if peer in members and peer != self.peer_id:
                     self._learn_addrs(peer, {"addrs": listed})
+        if level == 0:
+            self._remember(epoch, answer.get("cross") is True)
         if self.admit is not None:
             try:
                 for m in spec.members:
@@ -489,8 +561,9 @@ class Matchmaker:
             self._learned.clear()
         self._learned[peer] = listed
 
-    def _group_id(self, epoch: int) -> bytes:
-        return f"{self.run_id}:{epoch}:{self.peer_id}".encode()
+    def _group_id(self, slot: Slot) -> bytes:
+        epoch, level = slot
+        return f"{self.run_id}:{epoch}:{'x:' if level else ''}{self.peer_id}".encode()
 
 
 def member_for(

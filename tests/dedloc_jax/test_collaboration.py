@@ -23,10 +23,13 @@ def _run(
     seed: int = 0,
     modes: list[str] | None = None,
     dht_config: DHTConfig | None = None,
+    max_group_size: int = 64,
 ) -> list[list[dict]]:
     """Peers with throughputs ``rates`` (samples/s) train until ``epochs`` steps are done;
     aux peers (rate ignored) only help average."""
-    config = CollaborationConfig.local_demo(target).replace(max_refresh=1.0)
+    config = CollaborationConfig.local_demo(target).replace(
+        max_refresh=1.0, max_group_size=max_group_size
+    )
 
     async def main() -> list[list[dict]]:
         net = SimNetwork(seed=seed)
@@ -117,6 +120,24 @@ def test_clients_and_aux_peers_take_part() -> None:
     for epoch in range(2):
         rows = [log[epoch] for log in logs[:3]]
         assert all(r["group"] == 4 for r in rows)  # the aux peer is in every group
+        total = sum(r["samples"] for r in rows)
+        expected = sum(r["sent"] * r["samples"] for r in rows) / total
+        for r in rows:
+            assert r["got"].tobytes() == rows[0]["got"].tobytes()
+            np.testing.assert_allclose(r["got"], expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("modes", [None, ["node", "client", "node", "aux", "node", "node", "node"]])
+def test_capped_groups_end_each_epoch_with_one_mean_for_everyone(modes) -> None:
+    """Seven peers in groups of at most three: each group averages apart, then the groups'
+    means are averaged across groups (weighted by their samples) and handed back, so every
+    peer holds the same bits: the mean over all samples."""
+    rates = [4.0, 6.0, 8.0, 10.0, 12.0, 14.0, 16.0]
+    logs = _run(rates, epochs=2, target=280, modes=modes, max_group_size=3)
+    senders = [i for i in range(len(rates)) if modes is None or modes[i] != "aux"]
+    for epoch in range(2):
+        rows = [logs[i][epoch] for i in senders]
+        assert max(r["group"] for r in rows) <= 3  # capped: several groups
         total = sum(r["samples"] for r in rows)
         expected = sum(r["sent"] * r["samples"] for r in rows) / total
         for r in rows:

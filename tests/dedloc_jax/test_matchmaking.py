@@ -188,25 +188,25 @@ def test_a_leader_stops_waiting_for_a_member_that_follows_someone_else() -> None
             makers = matchmakers(peers, max_group_size=8)
             ids = [str(node.peer_id) for node, _ in peers]
             me = member_for(ids[0], "node", 1e6, 1e6, 8.0)
-            makers[1]._choose(5, "someone-else")  # decided: follows another leader
+            makers[1]._choose((5, 0), "someone-else")  # decided: follows another leader
             start = trio.current_time()
-            spec = await makers[0]._lead(5, me, 1.0, expected={ids[1]})
+            spec = await makers[0]._lead((5, 0), me, 1.0, 8, expected={ids[1]})
             closed_after = trio.current_time() - start
             # member 2 is undecided for 2.5 s, then follows us: the leader waits for it
             specs: list = []
 
             async def late_member() -> None:
                 await trio.sleep(2.5)
-                makers[2]._choose(6, ids[0])
+                makers[2]._choose((6, 0), ids[0])
                 specs.append(
                     await makers[2]._follow(
-                        6, member_for(ids[2], "node", 1e6, 1e6, 8.0), ids[0], 1.0
+                        (6, 0), member_for(ids[2], "node", 1e6, 1e6, 8.0), ids[0], 1.0
                     )
                 )
 
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(late_member)
-                specs.append(await makers[0]._lead(6, me, 1.0, expected={ids[2]}))
+                specs.append(await makers[0]._lead((6, 0), me, 1.0, 8, expected={ids[2]}))
             return closed_after, makers[0].member_wait, spec, specs
 
     closed_after, member_wait, spec, specs = run_sim(main, seed=4)

@@ -1,0 +1,151 @@
+"""Averaging across capped groups: one mean for the whole epoch.
+
+Above ``max_group_size`` peers, matchmaking splits an epoch's peers into several groups, and each
+group's all-reduce yields that group's mean only. Groups that average apart apply different
+updates, so their parameters part. Hence a second level:
+
+1. Each group's *representative* (its first member that sends a vector; aux peers hold none)
+   forms one more group at the same epoch with the other groups' representatives (level 1,
+   uncapped: about ``n / max_group_size`` members) and averages the group means there, each
+   weighted by the samples its group averaged.
+2. It then tells its group whether that worked (``collab.cross``). If it did, the group runs one
+   more all-reduce in which only the representative contributes (weight 1, the others abstain):
+   a broadcast over the butterfly, so the representative uploads the vector once and every
+   member reduces a share, as in the first round.
+
+Every member of every group then holds the same vector. The broadcast uses an element-wise
+codec (int8 becomes fp16): int8 scales depend on each group's chunking, and groups must not
+round the same global mean differently. If anything fails, a group keeps its own mean; the fork
+rule (:func:`dedloc_jax.state_sync.on_minority_fork`) later puts its peers back on the
+lineage most peers hold.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import trio
+
+from dedloc_jax.averaging import AllReduceError, AllReduceResult, GroupError, all_reduce
+from dedloc_jax.averaging.group import GroupSpec
+from p2p.errors import P2PError
+from p2p.identity import PeerID
+from p2p.rpc import CallContext
+
+log = logging.getLogger(__name__)
+
+CROSS = "collab.cross"
+"""Asked by a group member of its representative: did the round across groups work?"""
+_KEEP = 4  # epochs whose outcome a representative remembers
+
+
+def representative(spec: GroupSpec) -> str | None:
+    """The member that carries the group's mean across groups: the first that sends."""
+    return next((m.peer_id for m in spec.members if m.sends), None)
+
+
+def averaged_weight(spec: GroupSpec, result: AllReduceResult) -> float:
+    """The samples behind a group's mean: the weights of the members included in every share
+    (a member lost on one share and repaired away counts for none)."""
+    included = frozenset.intersection(*result.contributors) if result.contributors else frozenset()
+    return float(sum(m.weight for m in spec.members if m.peer_id in included))
+
+
+def broadcast_codec(codec: str) -> str:
+    """An element-wise codec for the broadcast: every group must round the mean alike."""
+    return "fp16" if codec == "int8" else codec
+
+
+def broadcast_round(spec: GroupSpec) -> bytes:
+    """The broadcast's round ID: not the group's first round (its digest)."""
+    return spec.digest + b":across"
+
+
+class AcrossGroups:
+    """One peer's side of the level-1 round: as a representative, it remembers whether the
+    round across groups produced a mean for its group; as a member, it asks its representative.
+    """
+
+    def __init__(self, node: Any) -> None:
+        self.node = node
+        self._done: dict[int, trio.Event] = {}
+        self._ok: dict[int, bool] = {}
+        self.admit: Any = None  # as Matchmaker.admit (private runs)
+        self.wait_limit = 60.0  # seconds a member's question may wait; set per epoch
+
+    def register(self) -> None:
+        self.node.add_handler(CROSS, self._handle)
+
+    def _event(self, epoch: int) -> trio.Event:
+        if epoch not in self._done:
+            self._done[epoch] = trio.Event()
+            for old in [e for e in self._done if e < epoch - _KEEP]:
+                del self._done[old]
+                self._ok.pop(old, None)
+        return self._done[epoch]
+
+    def settle(self, epoch: int, ok: bool) -> None:
+        """As representative: whether this epoch's group mean was averaged across groups."""
+        self._ok[epoch] = ok
+        self._event(epoch).set()
+
+    async def _handle(self, ctx: CallContext, request: Any) -> Any:
+        if not isinstance(request, dict) or not isinstance(request.get("epoch"), int):
+            raise ValueError("a cross query is a map with an integer epoch")
+        if self.admit is not None:
+            await self.admit(ctx.remote_peer, None)
+        epoch = request["epoch"]
+        with trio.move_on_after(self.wait_limit):
+            await self._event(epoch).wait()
+        return {"ok": self._ok.get(epoch, False)}
+
+    async def ask(self, rep: str, epoch: int, timeout: float) -> bool:
+        """As member: whether ``rep`` holds the mean across groups (False if unreachable)."""
+        try:
+            answer = await self.node.call(
+                PeerID.from_base58(rep), CROSS, {"epoch": epoch}, timeout=timeout
+            )
+        except P2PError as e:
+            log.info("representative %s of epoch %d did not answer: %s", rep, epoch, e)
+            return False
+        return isinstance(answer, dict) and answer.get("ok") is True
+
+
+async def broadcast(
+    node: Any,
+    spec: GroupSpec,
+    arrays: Sequence[np.ndarray],
+    *,
+    source: bool,
+    codec: str,
+    timeout: float,
+) -> list[np.ndarray] | None:
+    """Hand the representative's ``arrays`` to every member of ``spec`` (None on failure).
+
+    Members other than the source pass their own arrays only for the shapes; aux members get
+    None back either way."""
+    try:
+        result = await all_reduce(
+            node,
+            spec,
+            list(arrays),
+            1.0 if source else 0.0,
+            codec=broadcast_codec(codec),
+            timeout=timeout,
+            round_id=broadcast_round(spec),
+        )
+    except (AllReduceError, GroupError) as e:
+        log.warning("the broadcast of the mean across groups failed: %s", e)
+        return None
+    except BaseExceptionGroup as group:
+        failed, rest = group.split((AllReduceError, GroupError))
+        if rest is not None or failed is None:
+            raise
+        log.warning("the broadcast of the mean across groups failed: %s", failed)
+        return None
+    if result.average is None:
+        return None
+    return [np.asarray(a) for a in result.average]
