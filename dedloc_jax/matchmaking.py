@@ -49,6 +49,8 @@ CROSS_CAP = 4096
 """Representatives in one level-1 group: all of them (n / max_group_size of an epoch's n peers)."""
 MAX_LEADER_FALLBACKS = 2
 """Members after a dead leader that its followers try as leader, in group order."""
+MAX_REDIRECTS = 2
+"""Hops a follower takes when the peer it took for leader follows another (views differ)."""
 _MAX_LEARNED = 4096  # peers whose last addresses we remember (then start over)
 
 
@@ -153,6 +155,8 @@ class Matchmaker:
         self._chosen[slot] = leader
         for old in [s for s in self._chosen if s[0] < slot[0] - 2]:
             del self._chosen[old]
+        if leader != self.peer_id:  # a join that waits for us is answered (redirected) now
+            self._opened(slot).set()
 
     def needs_cross(self, epoch: int) -> bool:
         """Whether this peer's level-0 group at ``epoch`` was one of several (its leader's
@@ -217,7 +221,16 @@ class Matchmaker:
             await self._opened(slot).wait()
         rnd = self._rounds.get(slot)
         if rnd is None:
-            return {"ok": False, "reason": f"not leading epoch {epoch} at level {level}"}
+            answer: dict[str, Any] = {
+                "ok": False,
+                "reason": f"not leading epoch {epoch} at level {level}",
+            }
+            chosen = self._chosen.get(slot)
+            if chosen is not None and chosen not in (self.peer_id, peer):
+                # Its view of the registrations differs from ours: send it to our leader.
+                answer["redirect"] = chosen
+                answer["redirect_addrs"] = list(self._learned.get(chosen, ()))
+            return answer
         if not rnd.open:
             return {"ok": False, "reason": "group already formed"}
         if len(rnd.joined) + 1 >= rnd.max_size:
@@ -489,7 +502,9 @@ class Matchmaker:
             await trio.sleep(window / 2)
             asked -= {p for p in asked if p in rnd.expected}  # undecided: ask again
 
-    async def _follow(self, slot: Slot, me: Member, leader: str, window: float) -> GroupSpec | None:
+    async def _follow(
+        self, slot: Slot, me: Member, leader: str, window: float, *, hops: int = 0
+    ) -> GroupSpec | None:
         epoch, level = slot
         request = {
             "epoch": epoch,
@@ -515,6 +530,19 @@ class Matchmaker:
         if not isinstance(answer, dict) or not answer.get("ok"):
             reason = answer.get("reason") if isinstance(answer, dict) else "malformed answer"
             log.info("leader %s refused us at epoch %d: %s", leader, epoch, reason)
+            target = answer.get("redirect") if isinstance(answer, dict) else None
+            if hops < MAX_REDIRECTS and isinstance(target, str) and target != self.peer_id:
+                self._learn_addrs(target, {"addrs": answer.get("redirect_addrs")})
+                try:
+                    PeerID.from_base58(target)
+                except P2PError as e:
+                    log.info("leader %s redirected us to a bad peer ID: %s", leader, e)
+                    return None
+                self._choose(slot, target)
+                try:
+                    return await self._follow(slot, me, target, window, hops=hops + 1)
+                except _LeaderGone:
+                    return None
             return None
         try:
             spec = GroupSpec.from_bytes(answer["spec"])

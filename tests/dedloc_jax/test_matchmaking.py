@@ -241,3 +241,39 @@ def test_a_peer_the_collaboration_left_behind_stops_looking_for_a_group_at_once(
     alone, waiting, window = run_sim(main, seed=6)
     assert alone < window / 4  # it does not even register (it waited 2 windows before)
     assert waiting >= 2 * window  # the expected peer's two windows
+
+
+def test_a_follower_sent_to_a_peer_that_follows_another_is_redirected_there() -> None:
+    """Views differ: a follower took peer 1 for the leader, but peer 1 saw a lower-ranked
+    peer 2 and follows it. Peer 1 answers with its leader and the follower joins peer 2's
+    group instead of averaging alone."""
+
+    async def main() -> object:
+        net = SimNetwork(seed=5)
+        async with open_sim_dhts(net, 3, latency=0.01) as peers:
+            makers = matchmakers(peers, max_group_size=8)
+            ids = [str(node.peer_id) for node, _ in peers]
+            for node, _ in peers:  # everyone knows where everyone is (as after registering)
+                for other, _ in peers:
+                    node.peerstore.add_addrs(other.peer_id, other.addrs)
+            makers[1]._choose((5, 0), ids[2])  # peer 1 follows peer 2
+            out: dict[str, object] = {}
+
+            async def lead() -> None:
+                me = member_for(ids[2], "node", 1e6, 1e6, 8.0)
+                out["leader"] = await makers[2]._lead((5, 0), me, 1.0, 8, expected={ids[0]})
+
+            async def follow() -> None:
+                await trio.sleep(0.1)
+                me = member_for(ids[0], "node", 1e6, 1e6, 8.0)
+                out["follower"] = await makers[0]._follow((5, 0), me, ids[1], 1.0)
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(lead)
+                nursery.start_soon(follow)
+            return out
+
+    out = run_sim(main, seed=5)
+    assert out["follower"] is not None and out["follower"] == out["leader"]
+    ids_in = [m.peer_id for m in out["follower"].members]
+    assert len(ids_in) == 2
