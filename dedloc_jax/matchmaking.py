@@ -391,6 +391,8 @@ class Matchmaker:
         for k, leader in enumerate(mine[: 1 + MAX_LEADER_FALLBACKS]):
             self._choose(slot, leader)
             if leader == self.peer_id:
+                if k == 0:
+                    return await self._lead_or_join(slot, me, mine, window, cap)
                 return await self._lead(slot, me, window, cap, expected=set(mine[k + 1 :]))
             try:
                 return await self._follow(slot, me, leader, window)
@@ -465,6 +467,41 @@ class Matchmaker:
         finally:
             rnd.open = False
             rnd.formed.set()
+
+    async def _lead_or_join(
+        self, slot: Slot, me: Member, mine: list[str], window: float, cap: int
+    ) -> GroupSpec | None:
+        """Lead ``mine`` (we rank first in it), unless we registered late: the next in rank
+        may already follow a leader that did not see us. Then join that leader rather than
+        split the group in two (one round across groups needs one group of
+        representatives)."""
+        if len(mine) > 1:
+            other = await self._leader_of(slot, mine[1], window)
+            if other is not None and other != self.peer_id:
+                self._choose(slot, other)
+                try:
+                    return await self._follow(slot, me, other, window)
+                except _LeaderGone:
+                    self._choose(slot, None)
+                    return None
+        return await self._lead(slot, me, window, cap, expected=set(mine[1:]))
+
+    async def _leader_of(self, slot: Slot, peer: str, timeout: float) -> str | None:
+        """Whom ``peer`` follows at ``slot`` (None: undecided, alone, or unreachable)."""
+        try:
+            answer = await self.node.call(
+                self._leader_addr(peer),
+                LEADER,
+                {"epoch": slot[0], "level": slot[1]},
+                timeout=timeout,
+            )
+        except P2PError as e:
+            log.debug("%s did not say whom it follows at %s: %s", peer, slot, e)
+            return None
+        if not isinstance(answer, dict) or answer.get("decided") is not True:
+            return None
+        leader = answer.get("leader")
+        return leader if isinstance(leader, str) else None
 
     async def _ask_missing(self, rnd: _LeaderRound, window: float) -> None:
         """A window after opening, ask each expected member that has not joined whom it

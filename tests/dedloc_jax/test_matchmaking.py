@@ -277,3 +277,39 @@ def test_a_follower_sent_to_a_peer_that_follows_another_is_redirected_there() ->
     assert out["follower"] is not None and out["follower"] == out["leader"]
     ids_in = [m.peer_id for m in out["follower"].members]
     assert len(ids_in) == 2
+
+
+def test_a_peer_that_registered_late_joins_the_leader_the_others_follow() -> None:
+    """Peer 0 ranks first in its view but registered after the others had decided: peer 2,
+    next in rank, already follows peer 1. Peer 0 joins peer 1's group instead of leading a
+    second one (which nobody would join)."""
+
+    async def main() -> object:
+        net = SimNetwork(seed=6)
+        async with open_sim_dhts(net, 4, latency=0.01) as peers:
+            makers = matchmakers(peers, max_group_size=8)
+            ids = [str(node.peer_id) for node, _ in peers]
+            for node, _ in peers:
+                for other, _ in peers:
+                    node.peerstore.add_addrs(other.peer_id, other.addrs)
+            makers[2]._choose((5, 0), ids[1])
+            out: dict[str, object] = {}
+
+            async def lead() -> None:  # peer 1 waits for peer 3, which never comes
+                me = member_for(ids[1], "node", 1e6, 1e6, 8.0)
+                out["leader"] = await makers[1]._lead((5, 0), me, 1.0, 8, expected={ids[3]})
+
+            async def late() -> None:
+                await trio.sleep(0.5)
+                me = member_for(ids[0], "node", 1e6, 1e6, 8.0)
+                mine = [ids[0], ids[2]]
+                out["late"] = await makers[0]._lead_or_join((5, 0), me, mine, 1.0, 8)
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(lead)
+                nursery.start_soon(late)
+            return out
+
+    out = run_sim(main, seed=6)
+    assert out["late"] is not None and out["late"] == out["leader"]
+    assert len(out["late"].members) == 2  # peers 1 and 0
