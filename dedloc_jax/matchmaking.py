@@ -221,12 +221,15 @@ class Matchmaker:
             await self._opened(slot).wait()
         rnd = self._rounds.get(slot)
         if rnd is None:
+            chosen = self._chosen.get(slot, "?")
+            state = {"?": "undecided", None: "alone", self.peer_id: "leading"}.get(
+                chosen, "following"
+            )
             answer: dict[str, Any] = {
                 "ok": False,
-                "reason": f"not leading epoch {epoch} at level {level}",
+                "reason": f"not leading epoch {epoch} at level {level} ({state})",
             }
-            chosen = self._chosen.get(slot)
-            if chosen is not None and chosen not in (self.peer_id, peer):
+            if state == "following" and chosen != peer:
                 # Its view of the registrations differs from ours: send it to our leader.
                 answer["redirect"] = chosen
                 answer["redirect_addrs"] = list(self._learned.get(chosen, ()))
