@@ -92,6 +92,12 @@ class AcrossGroups:
         self._ok[epoch] = ok
         self._event(epoch).set()
 
+    def close(self, epoch: int) -> None:
+        """This peer is done with ``epoch``: a member still asking hears no (e.g. our first
+        round failed, so we never represented the group)."""
+        if epoch not in self._ok:
+            self.settle(epoch, False)
+
     async def _handle(self, ctx: CallContext, request: Any) -> Any:
         if not isinstance(request, dict) or not isinstance(request.get("epoch"), int):
             raise ValueError("a cross query is a map with an integer epoch")

@@ -201,6 +201,8 @@ class CollaborationCore:
                     )
         elif self.matchmaker.needs_cross(epoch):  # alone among several groups: a group of one
             result, group_size = await self._across(epoch, None, result, float(samples))
+        self.matchmaker.decline(epoch)  # no-ops if it took part in the round across groups
+        self.across.close(epoch)
         if group_size == 1 and self.config.on_no_group == "skip":
             result = [np.zeros_like(np.asarray(a)) for a in arrays]
         self.epoch = epoch + 1
@@ -238,8 +240,10 @@ class CollaborationCore:
             mean, size = found
             if spec is None:
                 return mean, size
-        elif rep is None or not await self.across.ask(rep, epoch, timeout=wait):
-            return mean, 1
+        else:
+            self.matchmaker.decline(epoch)
+            if rep is None or not await self.across.ask(rep, epoch, timeout=wait):
+                return mean, 1
         assert spec is not None
         out = await broadcast(
             self.node,
@@ -289,7 +293,7 @@ class CollaborationCore:
         round's matchmaking (at most) and its all-reduce."""
         mm = self.matchmaker
         rounds = 2 * self._timeout(spec, arrays) if spec is not None else 0.0
-        return mm.max_wait + mm.member_wait + 4 * mm.window + rounds
+        return 2 * mm.max_wait + 4 * mm.window + rounds
 
     def _peers_at(self, epoch: int) -> set[str]:
         """Peers whose latest progress report is at ``epoch``: who should register."""
@@ -346,6 +350,8 @@ class CollaborationCore:
                 except BaseExceptionGroup as group:
                     failure = _only_averaging(group)
                     log.warning("aux averaging at epoch %d failed: %s", epoch, failure)
+            self.matchmaker.decline(epoch)
+            self.across.close(epoch)
             self.epoch = epoch + 1
             self.tracker.set_epoch(self.epoch)
         return rounds

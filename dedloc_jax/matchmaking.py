@@ -163,6 +163,12 @@ class Matchmaker:
         view): the group's mean is then averaged across groups (:mod:`dedloc_jax.across`)."""
         return self._cross.get(epoch, False)
 
+    def decline(self, epoch: int) -> None:
+        """This peer takes no part in ``epoch``'s round across groups (it does not represent
+        a group, or its group needs none): a leader waiting for it stops at once."""
+        if (epoch, 1) not in self._chosen:
+            self._choose((epoch, 1), None)
+
     def representatives(self, epoch: int) -> set[str]:
         """Who represents the level-0 groups of ``epoch`` in this peer's view: each group's
         first member that sends a vector (aux peers hold none)."""
@@ -394,9 +400,13 @@ class Matchmaker:
         for k, leader in enumerate(mine[: 1 + MAX_LEADER_FALLBACKS]):
             self._choose(slot, leader)
             if leader == self.peer_id:
+                # At level 1, also wait for the representatives we expect that have not
+                # registered yet: their groups may still be averaging (bounded, and dropped
+                # once they say they decline).
+                late = expected - set(others) if level == 1 else set()
                 if k == 0:
-                    return await self._lead_or_join(slot, me, mine, window, cap)
-                return await self._lead(slot, me, window, cap, expected=set(mine[k + 1 :]))
+                    return await self._lead_or_join(slot, me, mine, window, cap, late=late)
+                return await self._lead(slot, me, window, cap, expected=set(mine[k + 1 :]) | late)
             try:
                 return await self._follow(slot, me, leader, window)
             except _LeaderGone:
@@ -435,7 +445,8 @@ class Matchmaker:
             # Close as soon as every peer we saw registered has joined; otherwise keep the
             # door open for one window for peers we did not see, and longer (bounded) for
             # those we did.
-            with trio.move_on_after(self.member_wait):
+            # Level 1 waits longer: the other groups' means come when their rounds end.
+            with trio.move_on_after(self.member_wait if slot[1] == 0 else self.max_wait):
                 async with trio.open_nursery() as nursery:
                     nursery.start_soon(self._ask_missing, rnd, window)
                     while True:
@@ -472,7 +483,14 @@ class Matchmaker:
             rnd.formed.set()
 
     async def _lead_or_join(
-        self, slot: Slot, me: Member, mine: list[str], window: float, cap: int
+        self,
+        slot: Slot,
+        me: Member,
+        mine: list[str],
+        window: float,
+        cap: int,
+        *,
+        late: set[str] = frozenset(),  # type: ignore[assignment]
     ) -> GroupSpec | None:
         """Lead ``mine`` (we rank first in it), unless we registered late: the next in rank
         may already follow a leader that did not see us. Then join that leader rather than
@@ -487,7 +505,7 @@ class Matchmaker:
                 except _LeaderGone:
                     self._choose(slot, None)
                     return None
-        return await self._lead(slot, me, window, cap, expected=set(mine[1:]))
+        return await self._lead(slot, me, window, cap, expected=set(mine[1:]) | late)
 
     async def _leader_of(self, slot: Slot, peer: str, timeout: float) -> str | None:
         """Whom ``peer`` follows at ``slot`` (None: undecided, alone, or unreachable)."""
