@@ -243,40 +243,48 @@ def test_a_peer_the_collaboration_left_behind_stops_looking_for_a_group_at_once(
     assert waiting >= 2 * window  # the expected peer's two windows
 
 
+def _two_at_once(n: int, seed: int, setup, first, second) -> dict:
+    """``n`` matchmakers that know each other's addresses: ``setup(makers, ids)``, then
+    ``first`` and ``second`` (each ``async (makers, ids, out)``) run side by side."""
+
+    async def main() -> dict:
+        net = SimNetwork(seed=seed)
+        async with open_sim_dhts(net, n, latency=0.01) as peers:
+            makers = matchmakers(peers, max_group_size=8)
+            ids = [str(node.peer_id) for node, _ in peers]
+            for node, _ in peers:  # as after reading each other's registrations
+                for other, _ in peers:
+                    node.peerstore.add_addrs(other.peer_id, other.addrs)
+            setup(makers, ids)
+            out: dict = {}
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(first, makers, ids, out)
+                nursery.start_soon(second, makers, ids, out)
+            return out
+
+    return run_sim(main, seed=seed)
+
+
 def test_a_follower_sent_to_a_peer_that_follows_another_is_redirected_there() -> None:
     """Views differ: a follower took peer 1 for the leader, but peer 1 saw a lower-ranked
     peer 2 and follows it. Peer 1 answers with its leader and the follower joins peer 2's
     group instead of averaging alone."""
 
-    async def main() -> object:
-        net = SimNetwork(seed=5)
-        async with open_sim_dhts(net, 3, latency=0.01) as peers:
-            makers = matchmakers(peers, max_group_size=8)
-            ids = [str(node.peer_id) for node, _ in peers]
-            for node, _ in peers:  # everyone knows where everyone is (as after registering)
-                for other, _ in peers:
-                    node.peerstore.add_addrs(other.peer_id, other.addrs)
-            makers[1]._choose((5, 0), ids[2])  # peer 1 follows peer 2
-            out: dict[str, object] = {}
+    async def lead(makers, ids, out) -> None:
+        me = member_for(ids[2], "node", 1e6, 1e6, 8.0)
+        out["leader"] = await makers[2]._lead((5, 0), me, 1.0, 8, expected={ids[0]})
 
-            async def lead() -> None:
-                me = member_for(ids[2], "node", 1e6, 1e6, 8.0)
-                out["leader"] = await makers[2]._lead((5, 0), me, 1.0, 8, expected={ids[0]})
+    async def follow(makers, ids, out) -> None:
+        await trio.sleep(0.1)
+        me = member_for(ids[0], "node", 1e6, 1e6, 8.0)
+        out["follower"] = await makers[0]._follow((5, 0), me, ids[1], 1.0)
 
-            async def follow() -> None:
-                await trio.sleep(0.1)
-                me = member_for(ids[0], "node", 1e6, 1e6, 8.0)
-                out["follower"] = await makers[0]._follow((5, 0), me, ids[1], 1.0)
+    def setup(makers, ids) -> None:
+        makers[1]._choose((5, 0), ids[2])  # peer 1 follows peer 2
 
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(lead)
-                nursery.start_soon(follow)
-            return out
-
-    out = run_sim(main, seed=5)
+    out = _two_at_once(3, 5, setup, lead, follow)
     assert out["follower"] is not None and out["follower"] == out["leader"]
-    ids_in = [m.peer_id for m in out["follower"].members]
-    assert len(ids_in) == 2
+    assert len(out["follower"].members) == 2  # peers 2 and 0
 
 
 def test_a_peer_that_registered_late_joins_the_leader_the_others_follow() -> None:
@@ -284,32 +292,18 @@ def test_a_peer_that_registered_late_joins_the_leader_the_others_follow() -> Non
     next in rank, already follows peer 1. Peer 0 joins peer 1's group instead of leading a
     second one (which nobody would join)."""
 
-    async def main() -> object:
-        net = SimNetwork(seed=6)
-        async with open_sim_dhts(net, 4, latency=0.01) as peers:
-            makers = matchmakers(peers, max_group_size=8)
-            ids = [str(node.peer_id) for node, _ in peers]
-            for node, _ in peers:
-                for other, _ in peers:
-                    node.peerstore.add_addrs(other.peer_id, other.addrs)
-            makers[2]._choose((5, 0), ids[1])
-            out: dict[str, object] = {}
+    async def lead(makers, ids, out) -> None:  # peer 1 waits for peer 3, which never comes
+        me = member_for(ids[1], "node", 1e6, 1e6, 8.0)
+        out["leader"] = await makers[1]._lead((5, 0), me, 1.0, 8, expected={ids[3]})
 
-            async def lead() -> None:  # peer 1 waits for peer 3, which never comes
-                me = member_for(ids[1], "node", 1e6, 1e6, 8.0)
-                out["leader"] = await makers[1]._lead((5, 0), me, 1.0, 8, expected={ids[3]})
+    async def late(makers, ids, out) -> None:
+        await trio.sleep(0.5)
+        me = member_for(ids[0], "node", 1e6, 1e6, 8.0)
+        out["late"] = await makers[0]._lead_or_join((5, 0), me, [ids[0], ids[2]], 1.0, 8)
 
-            async def late() -> None:
-                await trio.sleep(0.5)
-                me = member_for(ids[0], "node", 1e6, 1e6, 8.0)
-                mine = [ids[0], ids[2]]
-                out["late"] = await makers[0]._lead_or_join((5, 0), me, mine, 1.0, 8)
+    def setup(makers, ids) -> None:
+        makers[2]._choose((5, 0), ids[1])  # peer 2 follows peer 1
 
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(lead)
-                nursery.start_soon(late)
-            return out
-
-    out = run_sim(main, seed=6)
+    out = _two_at_once(4, 6, setup, lead, late)
     assert out["late"] is not None and out["late"] == out["leader"]
     assert len(out["late"].members) == 2  # peers 1 and 0
