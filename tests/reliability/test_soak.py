@@ -43,13 +43,14 @@ def test_soak_small(group: int) -> None:
 @pytest.mark.timeout(7200)
 def test_soak_200_peers() -> None:
     """The plan of ``python -m bench.soak --peers 200 --epochs 20``: groups of at most 16
-    (Moshpit-style), 20 joiners, 10 graceful leavers, 10 killed, 40 partitioned, 20 slow.
-    Fails as of 2026-11-30 (issue #10 open). ``--epochs 36`` (b218f1b) took 5289 s on one
-    core: no divergence or NaN, every joiner averaged in a group, but the bootstrap peer
-    averaged 25 of 36 epochs, 12 in a group, and peers resynced 1405 times: the estimate's
-    epoch moves on when the first group finishes, so the members of slower groups find
-    themselves behind. Capped groups also average apart, so parameters part between groups;
-    both need a second level of averaging (group means averaged across groups)."""
+    (averaged across groups every epoch), 20 joiners, 10 graceful leavers, 10 killed, 40
+    partitioned, 20 slow. Fails as of 2026-11-30 (issue #10 open). ``--epochs 9`` (951312c)
+    took 3028 s on one core: 0 NaN, 19 of 20 joiners averaged, but the bootstrap peer averaged
+    in a group in 5 of 9 epochs, and after every epoch peers held several parameter versions
+    (the most common one: 48% of peers on average, 32% at worst). Many peers go alone at
+    level 0 (25 of 180 in the first epoch; far more during the partition), and some groups'
+    members miss the broadcast of the mean across groups (3 epochs with members of one group
+    ending apart). The fork rule then loads states (747 loads, 282 adoptions)."""
     plan = plan_for(200, 20, group=16, size=1000, seed=0)
     logs, events = run_soak(plan)
     check_soak(plan, logs, events)
