@@ -490,7 +490,7 @@ class Matchmaker:
         window: float,
         cap: int,
         *,
-        late: set[str] = frozenset(),  # type: ignore[assignment]
+        late: set[str] | frozenset[str] = frozenset(),
     ) -> GroupSpec | None:
         """Lead ``mine`` (we rank first in it), unless we registered late: the next in rank
         may already follow a leader that did not see us. Then join that leader rather than
