@@ -17,12 +17,13 @@ from dedloc_jax.averaging import (
     install,
     solve_shares,
 )
-from dedloc_jax.collaboration import Collaboration, CollaborationCore, open_collaboration
+from dedloc_jax.collaboration import CollaborationCore, open_collaboration
 from dedloc_jax.collaborative import CollaborativeState, collaborative
 from dedloc_jax.config import CollaborationConfig
 from dedloc_jax.host import AveragingOutcome, CollaborationHost
 from dedloc_jax.progress import CollaborationEstimate, PeerProgress
 from dedloc_jax.state_sync import StateSyncError
+from dedloc_jax.threaded import Collaboration
 from dedloc_jax.training_state import collaboration_epoch, share_state, sync_state
 
 __all__ = [

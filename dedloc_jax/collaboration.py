@@ -1,14 +1,13 @@
-"""A peer's membership in a collaboration: the async core and the synchronous facade.
+"""A peer's membership in a collaboration: the async core.
 
 :func:`open_collaboration` runs, on a p2p node, everything a peer needs: the DHT, the progress
-tracker, matchmaking, the butterfly all-reduce and the state server. :class:`Collaboration`
-runs the same in one background trio thread for ordinary Python (the JAX training loop), and
-implements :class:`dedloc_jax.host.CollaborationHost` for :func:`dedloc_jax.collaborative`.
+tracker, matchmaking, the butterfly all-reduce and the state server.
+:class:`dedloc_jax.threaded.Collaboration` runs the same in one background trio thread for
+ordinary Python (the JAX training loop).
 """
 
 from __future__ import annotations
 
-import functools
 import logging
 import math
 import time
@@ -33,20 +32,16 @@ from dedloc_jax.averaging import (
     solve_shares,
 )
 from dedloc_jax.config import CollaborationConfig
-from dedloc_jax.host import AveragingOutcome, BackgroundAveraging
+from dedloc_jax.host import AveragingOutcome
 from dedloc_jax.matchmaking import Matchmaker, member_for
 from dedloc_jax.progress import CollaborationEstimate, estimate_collaboration, refresh_delay
-from dedloc_jax.state_sync import StateServer, StateSyncError, download_state, state_forked
+from dedloc_jax.state_sync import StateServer, download_state, state_forked
 from dedloc_jax.timing import averaging_timeout, matchmaking_window
 from dedloc_jax.tracker import ProgressTracker
-from p2p.bridge import TrioThread
 from p2p.dht import DHTClock, DHTConfig, open_dht
 from p2p.errors import P2PError
-from p2p.identity import Identity
 from p2p.multiaddr import Multiaddr
 from p2p.nat import NATConfig, open_nat
-from p2p.node import NodeConfig, announce_addrs, open_node
-from p2p.transport import Transport
 
 log = logging.getLogger(__name__)
 
@@ -461,211 +456,3 @@ async def open_collaboration(
             yield core
         finally:
             nursery.cancel_scope.cancel()
-
-
-class Collaboration:
-    """Join a collaboration from ordinary Python; implements ``CollaborationHost``.
-
-    Use as a context manager. It owns one background thread running a trio loop with the node,
-    the DHT, the tracker, matchmaking, the averager and the state server::
-
-        with dedloc_jax.Collaboration("sahajbert", initial_peers=[...]) as collab:
-            tx = dedloc_jax.collaborative(optax.lamb(1e-3), collab, target_batch_size=4096)
-    """
-
-    def __init__(
-        self,
-        run_id: str,
-        *,
-        initial_peers: Sequence[str | Multiaddr] = (),
-        listen: Sequence[str | Multiaddr] = ("/ip4/127.0.0.1/tcp/0",),
-        announce: Sequence[str | Multiaddr] = (),
-        identity: Identity | None = None,
-        client_mode: bool | None = None,
-        config: CollaborationConfig = CollaborationConfig(),
-        node_config: NodeConfig | None = None,
-        dht_config: DHTConfig | None = None,
-        transport: Transport | None = None,
-    ) -> None:
-        if not run_id or any(c in run_id for c in "[]"):
-            raise ValueError(f"invalid run_id {run_id!r}")
-        self.run_id = run_id
-        self.config = config
-        self._initial_peers = list(initial_peers)
-        self._listen = [] if client_mode else list(listen)
-        if announce and client_mode:
-            raise ValueError("a client-mode peer accepts no connections: it announces nothing")
-        self._mode = "client" if client_mode else config.mode
-        self._identity = identity or Identity.generate()
-        # checked here (a clear MultiaddrError); they replace the listen addresses (open_node)
-        self._announce = announce_addrs(announce, self._identity.peer_id)
-        self._node_config = node_config or NodeConfig.bulk()
-        self._dht_config = dht_config or DHTConfig.fast()
-        self._transport = transport
-        self._thread: TrioThread | None = None
-        self._snapshot: ProgressSnapshot | None = None
-        self._background: BackgroundAveraging | None = None  # collaborative(overlap=True)
-        self._stop: trio.Event | None = None
-        self.core: CollaborationCore | None = None
-
-    # --- lifecycle -----------------------------------------------------------------------
-    def start(self) -> Collaboration:
-        self._thread = TrioThread(name=f"dedloc-{self.run_id}").start()
-        try:
-            self.core = self._thread.start_service(self._serve)
-        except BaseException:
-            self._thread.stop()
-            raise
-        return self
-
-    async def _serve(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
-        self._stop = trio.Event()
-        async with (
-            open_node(
-                self._identity,
-                listen=self._listen,
-                transport=self._transport,
-                config=self._node_config,
-                announce=self._announce,
-            ) as node,
-            open_collaboration(
-                node,
-                self.run_id,
-                initial_peers=self._initial_peers,
-                config=self.config,
-                mode=self._mode,
-                dht_config=self._dht_config,
-            ) as core,
-        ):
-            task_status.started(core)
-            await self._stop.wait()
-
-    def close(self) -> None:
-        if self._thread is None:
-            return
-        if self._stop is not None and self._thread.running:
-            self._thread.run_sync(self._stop.set)
-        self._thread.stop()
-        self._thread = None
-
-    def __enter__(self) -> Collaboration:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def _core(self) -> tuple[TrioThread, CollaborationCore]:
-        if self._thread is None or self.core is None:
-            raise RuntimeError("the collaboration is not started (use it as a context manager)")
-        return self._thread, self.core
-
-    # --- what others need ----------------------------------------------------------------
-    @property
-    def addrs(self) -> list[str]:
-        _, core = self._core()
-        return [str(a) for a in core.node.addrs]
-
-    @property
-    def peer_id(self) -> str:
-        _, core = self._core()
-        return str(core.node.peer_id)
-
-    @property
-    def estimate(self) -> CollaborationEstimate:
-        thread, core = self._core()
-        return thread.run_sync(lambda: core.estimate)
-
-    @property
-    def epoch(self) -> int:
-        _, core = self._core()
-        return core.epoch
-
-    def run_async(self, async_fn: Any, *args: Any) -> Any:
-        """Run ``await async_fn(core, *args)`` in the collaboration's trio loop and return it.
-
-        For code that needs the DHT or the node directly (e.g. publishing metrics):
-        ``collab.run_async(lambda core: core.dht.get("key"))``.
-        """
-        thread, core = self._core()
-
-        async def call() -> Any:
-            return await async_fn(core, *args)
-
-        return thread.run(call)
-
-    # --- CollaborationHost ---------------------------------------------------------------
-    def report_progress(self, epoch: int, samples: int, batch_size: int) -> bool:
-        """Called on every micro-step: posts the numbers to the trio thread without waiting,
-        and decides from the last snapshot of the others' progress plus our exact samples."""
-        thread, core = self._core()
-        snap = self._snapshot
-        if snap is None or snap.epoch != epoch:  # no usable snapshot: one blocking hop
-            return thread.run_sync(self._apply_report, core, epoch, samples, batch_size)
-        thread.post(self._apply_report, core, epoch, samples, batch_size)
-        return snap.ready(epoch, samples, self.config.target_batch_size)
-
-    def _apply_report(
-        self, core: CollaborationCore, epoch: int, samples: int, batch_size: int
-    ) -> bool:
-        ready = core.report(epoch, samples, batch_size)
-        self._snapshot = core.snapshot()
-        return ready
-
-    def average_gradients(
-        self, epoch: int, gradients: Sequence[np.ndarray], samples: int
-    ) -> AveragingOutcome:
-        thread, core = self._core()
-        try:
-            return thread.run(core.average, epoch, list(gradients), samples)
-        except Exception as e:
-            # Logged in full: a JAX host callback re-raising it keeps only its last line.
-            log.error("averaging at epoch %d raised %r", epoch, e, exc_info=e)
-            raise
-        finally:
-            self._snapshot = None
-
-    def start_averaging(self, epoch: int, gradients: Sequence[np.ndarray], samples: int) -> None:
-        """:meth:`average_gradients` in the background (delayed updates); see poll_averaging."""
-        thread, core = self._core()
-        if self._background is not None:
-            raise RuntimeError("an averaging is already in flight")
-        job = BackgroundAveraging(functools.partial(core.average, epoch, list(gradients), samples))
-        self._background = job
-        thread.start_service(job.run)
-
-    def poll_averaging(self) -> AveragingOutcome | None:
-        """The background averaging's outcome once it finished, else None (no waiting)."""
-        job = self._background
-        if job is None or not job.done:
-            return None
-        self._background = None
-        self._snapshot = None  # the epoch moved on
-        return job.result()
-
-    # --- state sync ----------------------------------------------------------------------
-    def share_state(self, arrays: Sequence[np.ndarray], epoch: int) -> None:
-        thread, core = self._core()
-        thread.run(core.share_state, [np.asarray(a) for a in arrays], epoch)
-
-    def load_state(self, *, timeout: float = 60.0) -> tuple[int, list[np.ndarray]]:
-        thread, core = self._core()
-        return thread.run(functools.partial(core.load_state, timeout=timeout))
-
-    def on_minority_fork(self) -> bool:
-        """Whether the state this peer serves lost to another lineage of its epoch (more peers
-        hold it): then load theirs (:func:`dedloc_jax.sync_state`). See the core's method."""
-        thread, core = self._core()
-        return thread.run(core.on_minority_fork)
-
-    @property
-    def behind(self) -> bool:
-        thread, core = self._core()
-        return thread.run_sync(lambda: core.behind)
-
-    def run_aux(self, template: Sequence[np.ndarray], *, epochs: int | None = None) -> int:
-        """Blocking :meth:`CollaborationCore.run_aux` (open with ``config.mode="aux"``)."""
-        thread, core = self._core()
-        return thread.run(functools.partial(core.run_aux, list(template), epochs=epochs))
-
-
-__all__ = ["Collaboration", "CollaborationCore", "StateSyncError", "open_collaboration"]
