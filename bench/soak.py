@@ -239,16 +239,28 @@ def run_soak(plan: SoakPlan) -> tuple[list[Log], dict]:
             samples = 0
             k = 0
             fork_check_at = trio.current_time() + FORK_CHECK_AFTER
-            while True:
-                await trio.sleep(MICRO / rates[i])
-                acc += _grad(i, epoch, k, plan.size) * MICRO
-                samples += MICRO
-                k += 1
-                if trio.current_time() >= fork_check_at:
-                    fork_check_at = math.inf
-                    if await core.on_minority_fork():
-                        # Our lineage lost (e.g. our side of a healed partition): take theirs
-                        # and, as the trainer does, start the epoch's gradients over.
+            forked: list[bool] = []
+
+            async def check_fork() -> None:
+                forked.append(await core.on_minority_fork())
+
+            async def accumulate(checks: trio.Nursery) -> tuple[int, np.ndarray] | None:
+                """Micro-steps until the collaboration is ready (None), or the state this
+                peer moves to instead (it lost a fork, or fell behind)."""
+                nonlocal samples, k, fork_check_at, params
+                while True:
+                    await trio.sleep(MICRO / rates[i])
+                    acc[:] += _grad(i, epoch, k, plan.size) * MICRO
+                    samples += MICRO
+                    k += 1
+                    if trio.current_time() >= fork_check_at:
+                        # Asked beside the training (a read of every announcement takes
+                        # seconds): blocking it let the others count samples never computed.
+                        fork_check_at = math.inf
+                        checks.start_soon(check_fork)
+                    if forked and forked.pop():
+                        # Our lineage lost (e.g. our side of a healed partition): take
+                        # theirs and, as the trainer does, start the epoch's gradients over.
                         log.forks += 1
                         loaded, params = await load(core, log, params)
                         if loaded != epoch:
@@ -256,12 +268,18 @@ def run_soak(plan: SoakPlan) -> tuple[list[Log], dict]:
                         acc[:] = 0.0
                         samples = 0
                         continue
-                if core.report(epoch, samples, MICRO):
-                    break
-                current = core.tracker.current_estimate().epoch
-                if current > epoch:  # fell behind (partition, slow link): load the state
-                    log.resyncs += 1
-                    return await load(core, log, params)
+                    if core.report(epoch, samples, MICRO):
+                        return None
+                    current = core.tracker.current_estimate().epoch
+                    if current > epoch:  # fell behind (partition, slow link): load the state
+                        log.resyncs += 1
+                        return await load(core, log, params)
+
+            async with trio.open_nursery() as checks:
+                moved = await accumulate(checks)
+                checks.cancel_scope.cancel()
+            if moved is not None:
+                return moved
             mean = acc / samples
             n_specs = len(specs)
             outcome = await core.average(epoch, [mean], samples)

@@ -364,6 +364,14 @@ class Matchmaker:
             limit = 2 * window if expected else window
             if everyone or trio.current_time() - start >= limit:
                 break
+        if expected and not everyone:
+            log.debug(
+                "%s: %d of %d expected peers registered after %.1f s",
+                slot,
+                len(expected & set(others)),
+                len(expected),
+                trio.current_time() - start,
+            )
 
         def short_of_target() -> bool:
             """Whether waiting can still bring the samples the target needs. Registered peers
@@ -377,11 +385,28 @@ class Matchmaker:
                 return not expected <= set(others)
             return now - start < 2 * window
 
-        while short_of_target():
-            await trio.sleep(window / 2)
-            others = await self._registrations(registry)
-            if self._too_late(slot, expected):
-                return None
+        too_late = False
+        async with trio.open_nursery() as nursery:
+            if short_of_target():
+                # Expected peers that crashed or sit across a partition would hold the group
+                # for max_wait while their stale progress records live: ask the missing ones.
+                nursery.start_soon(self._drop_gone, slot, expected, lambda: set(others), window)
+            while short_of_target():
+                await trio.sleep(window / 2)
+                others = await self._registrations(registry)
+                if self._too_late(slot, expected):
+                    too_late = True
+                    break
+            nursery.cancel_scope.cancel()
+        if too_late:
+            return None
+        if expected - set(others):
+            log.debug(
+                "%s: going on after %.1f s without expected peers %s",
+                slot,
+                trio.current_time() - start,
+                sorted(expected - set(others)),
+            )
         groups = assign_groups(
             sorted({self.peer_id, *others}),
             max_group_size=cap,
@@ -523,6 +548,42 @@ class Matchmaker:
             return None
         leader = answer.get("leader")
         return leader if isinstance(leader, str) else None
+
+    async def _drop_gone(
+        self,
+        slot: Slot,
+        expected: set[str],
+        registered: Callable[[], set[str]],
+        window: float,
+    ) -> None:
+        """Ask each expected peer that has not registered whether it still gathers
+        registrations or computes (undecided: keep waiting for it, and ask again a window
+        later). Drop it from ``expected`` when it cannot be reached (crashed, or across a
+        partition) or has already decided on a group that our view of the registrations
+        missed: either way no samples of it will come."""
+
+        async def ask(peer: str) -> None:
+            try:
+                answer = await self.node.call(
+                    self._leader_addr(peer),
+                    LEADER,
+                    {"epoch": slot[0], "level": slot[1]},
+                    timeout=window,
+                )
+            except P2PError as e:
+                log.debug("expected peer %s of %s is gone: %s", peer[:8], slot, e)
+                expected.discard(peer)
+                return
+            if not isinstance(answer, dict) or answer.get("decided") is not False:
+                expected.discard(peer)
+
+        while True:
+            missing = expected - registered()
+            if missing:
+                async with trio.open_nursery() as nursery:
+                    for peer in sorted(missing):
+                        nursery.start_soon(ask, peer)
+            await trio.sleep(window)
 
     async def _ask_missing(self, rnd: _LeaderRound, window: float) -> None:
         """A window after opening, ask each expected member that has not joined whom it

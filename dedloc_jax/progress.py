@@ -27,6 +27,8 @@ class PeerProgress:
     time: float
     mode: str = "node"
     step_interval: float = 0.0  # smoothed seconds between this peer's micro-steps
+    # It stopped accumulating for ``epoch`` and waits in matchmaking for the round.
+    waiting: bool = False
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -49,6 +51,7 @@ class PeerProgress:
             "time": self.time,
             "mode": self.mode,
             "interval": self.step_interval,
+            "waiting": self.waiting,
         }
 
     @classmethod
@@ -70,7 +73,10 @@ class PeerProgress:
         interval = record.get("interval", 0.0)
         if not isinstance(interval, int | float) or isinstance(interval, bool):
             raise ValueError("interval must be a number")
-        return cls(peer_id, epoch, samples, float(sps), float(time), mode, float(interval))
+        waiting = record.get("waiting", False)
+        if not isinstance(waiting, bool):
+            raise ValueError("waiting must be true or false")
+        return cls(peer_id, epoch, samples, float(sps), float(time), mode, float(interval), waiting)
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,10 +91,17 @@ class CollaborationEstimate:
     num_clients: int
     target: int
     max_step_interval: float = 0.0  # slowest micro-step among peers at ``epoch``
+    # Every other peer that contributes to ``epoch`` stopped and waits for the round.
+    others_waiting: bool = False
 
     @property
     def ready(self) -> bool:
-        return self.samples >= self.target
+        """Time to average: the target is reached, or everyone else already waits for us.
+        The others stop on their own estimate, which extrapolates rates and may overshoot
+        (e.g. a peer paused to load state while others counted its samples): then the
+        samples still missing can only come from the peers that still compute, and a lone
+        straggler filling the gap held every group for the whole matchmaking timeout."""
+        return self.samples >= self.target or self.others_waiting
 
 
 def estimate_collaboration(
@@ -97,11 +110,13 @@ def estimate_collaboration(
     now: float,
     target_batch_size: int,
     max_extrapolation: float = 60.0,
+    me: str | None = None,
 ) -> CollaborationEstimate:
     """Sum the progress of the peers at the global epoch, extrapolated to ``now``.
 
     A report older than ``max_extrapolation`` seconds is extrapolated by that much at most, so
-    one stale record cannot claim a whole batch on its own.
+    one stale record cannot claim a whole batch on its own. ``me``: the peer asking, left
+    out when telling whether all the others wait (:attr:`CollaborationEstimate.ready`).
     """
     records = list(records)
     # Only trainers move the epoch: clients may lag or lie about it, aux peers follow.
@@ -110,15 +125,20 @@ def estimate_collaboration(
     samples = 0.0
     sps = 0.0
     interval = 0.0
+    waiting = computing = 0
     for r in records:
         if r.epoch != epoch:
             continue
+        if r.peer_id != me:
+            waiting += r.waiting
+            computing += not r.waiting and (r.samples > 0 or r.samples_per_second > 0)
         elapsed = min(max(0.0, now - r.time), max_extrapolation)
         samples += r.samples + elapsed * r.samples_per_second
         sps += r.samples_per_second
         interval = max(interval, r.step_interval)
+    others_waiting = waiting > 0 and computing == 0
     remaining = max(0.0, target_batch_size - samples)
-    if remaining == 0:
+    if remaining == 0 or others_waiting:
         eta = 0.0
     elif sps > 0:
         eta = remaining / sps
@@ -133,6 +153,7 @@ def estimate_collaboration(
         num_clients=sum(1 for r in records if r.mode == "client"),
         target=target_batch_size,
         max_step_interval=interval,
+        others_waiting=others_waiting,
     )
 
 

@@ -58,6 +58,7 @@ class StateServer:
         self.ttl = ttl
         self._snapshots: dict[bytes, tuple[StateManifest, bytes]] = {}
         self.latest: StateManifest | None = None
+        self.announced_at = -float("inf")  # trio time of the last announcement that went out
         self.chunks_served = 0
         # Private runs (dedloc_jax.access): raises ValueError unless the peer may take part.
         self.admit: Callable[[PeerID], Awaitable[None]] | None = None
@@ -88,6 +89,7 @@ class StateServer:
                 self.dht.now() + self.ttl,
                 subkey=owner_marker(self.node.peer_id),
             )
+            self.announced_at = trio.current_time()
         except (P2PError, InvalidRecordError) as e:
             log.warning("could not announce state: %s", e)
 

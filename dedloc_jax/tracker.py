@@ -119,6 +119,7 @@ class ProgressTracker:
             self._report_time,
             self.mode,
             self.step_interval,
+            waiting=self._frozen,
         )
 
     def published_error(self) -> float:
@@ -144,6 +145,7 @@ class ProgressTracker:
             now=self.dht.now(),
             target_batch_size=self.config.target_batch_size,
             max_extrapolation=self.max_extrapolation,
+            me=self.peer_id,
         )
 
     # --- DHT I/O -----------------------------------------------------------------------

@@ -247,3 +247,53 @@ def test_a_round_failing_inside_its_nursery_leaves_the_peer_stepping_alone(monke
     for i, outcome in enumerate(outcomes):
         assert outcome.group_size == 1 and outcome.epoch == 1
         assert outcome.gradients[0].tobytes() == np.full(10, i, np.float32).tobytes()
+
+
+def test_the_state_announcement_is_renewed_only_when_no_step_renewed_it() -> None:
+    """Each step announces the new state; the renewal (every progress_ttl / 3) stores only
+    when no step did within that time, and keeps an idle peer's announcement alive. Renewing
+    on a fixed beat on top of every step made announcements the biggest DHT cost of the
+    200-peer soak."""
+    from dedloc_jax.state_sync import find_donors
+
+    async def main() -> tuple[int, int, object]:
+        net = SimNetwork(seed=8)
+        config = CollaborationConfig.local_demo().replace(progress_ttl=6.0)  # renew every 2 s
+        async with open_sim_collaboration(net, 2, config=config) as cores:
+            server = cores[0].state_server
+            announce = server.announce
+            calls = 0
+
+            async def counted() -> None:
+                nonlocal calls
+                calls += 1
+                await announce()
+
+            server.announce = counted  # type: ignore[method-assign]
+            for epoch in range(10):  # a step a second
+                await cores[0].share_state([np.zeros(4, np.float32)], epoch)
+                await trio.sleep(1.0)
+            busy, calls = calls, 0
+            await trio.sleep(10.0)  # idle for longer than the announcement lives
+            idle = calls
+            found = await find_donors(cores[1].node, cores[1].dht, "run")
+            return busy, idle, found
+
+    busy, idle, found = run_sim(main, seed=8)
+    assert busy == 10  # the steps' own announcements only
+    assert 4 <= idle <= 5  # every 2 s while no step announces
+    assert found is not None and found[0] == 9
+
+
+def test_a_progress_snapshot_is_ready_when_every_other_peer_waits_for_us() -> None:
+    """The training thread's view (Collaboration) decides like the estimate does."""
+    import dataclasses
+    import time
+
+    from dedloc_jax.collaboration import ProgressSnapshot
+
+    snap = ProgressSnapshot(3, 600.0, 0.0, time.monotonic(), 2.0, others_waiting=True)
+    assert snap.ready(3, 40, 1000)  # 640 of 1000, but the others wait
+    assert not snap.ready(2, 40, 1000)  # behind the collaboration: never
+    computing = dataclasses.replace(snap, others_waiting=False)
+    assert not computing.ready(3, 40, 1000) and computing.ready(3, 400, 1000)

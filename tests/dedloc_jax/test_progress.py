@@ -42,6 +42,37 @@ def test_ready_when_target_reached_and_extrapolation_is_capped() -> None:
     assert est.ready and est.eta == 0.0
 
 
+def test_ready_once_every_other_contributor_waits_for_us() -> None:
+    """The others stopped on an estimate that overshot (600 of 1000 samples): the straggler
+    averages now instead of filling the gap alone, but not while another peer still computes
+    or when the waiting one is at an older epoch."""
+
+    def waiting(pid: str, epoch: int = 2) -> PeerProgress:
+        return PeerProgress(pid, epoch, 300, 0.0, 0.0, waiting=True)
+
+    me = _p("me", 2, 40, 10.0, 0.0)
+    est = estimate_collaboration(
+        [waiting("a"), waiting("b"), me], now=0.0, target_batch_size=1000, me="me"
+    )
+    assert est.samples < est.target and est.others_waiting and est.ready and est.eta == 0.0
+    computing = _p("c", 2, 100, 10.0, 0.0)
+    est = estimate_collaboration(
+        [waiting("a"), waiting("b"), computing, me], now=0.0, target_batch_size=1000, me="me"
+    )
+    assert not est.others_waiting and not est.ready
+    # A peer that has not started the epoch yet (no samples, no rate) does not hold us back.
+    idle = _p("d", 2, 0, 0.0, 0.0)
+    est = estimate_collaboration([waiting("a"), idle, me], now=0.0, target_batch_size=1000, me="me")
+    assert est.ready
+    # Waiting at an older epoch is not waiting for this one; nor is our own record.
+    est = estimate_collaboration(
+        [waiting("a", epoch=1), me], now=0.0, target_batch_size=1000, me="me"
+    )
+    assert not est.ready
+    mine = PeerProgress("me", 2, 40, 0.0, 0.0, waiting=True)
+    assert not estimate_collaboration([mine], now=0.0, target_batch_size=1000, me="me").ready
+
+
 def test_no_throughput_means_infinite_eta() -> None:
     est = estimate_collaboration([_p("a", 0, 0, 0.0, 0.0)], now=0.0, target_batch_size=8)
     assert math.isinf(est.eta)
@@ -72,6 +103,10 @@ def test_estimate_is_monotone_in_time(rows, now) -> None:
 def test_record_round_trip_and_rejection_of_malformed_records() -> None:
     p = _p("a", 3, 7, 1.5, 12.0, "aux")
     assert PeerProgress.from_record("a", p.to_record()) == p
+    waiting = PeerProgress("a", 3, 7, 0.0, 12.0, waiting=True)
+    assert PeerProgress.from_record("a", waiting.to_record()).waiting
+    older = {k: v for k, v in p.to_record().items() if k != "waiting"}
+    assert not PeerProgress.from_record("a", older).waiting  # records of older peers parse
     bad = [
         None,
         [],
@@ -81,6 +116,7 @@ def test_record_round_trip_and_rejection_of_malformed_records() -> None:
         {**p.to_record(), "sps": float("nan")},
         {**p.to_record(), "mode": "boss"},
         {**p.to_record(), "samples": True},
+        {**p.to_record(), "waiting": 1},
     ]
     for record in bad:
         with pytest.raises(ValueError):

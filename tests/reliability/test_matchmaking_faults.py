@@ -84,3 +84,45 @@ def test_a_follower_is_never_told_no_group_while_the_leader_waits_for_a_dead_mem
     # max_wait (it once held 200-peer runs' groups 15-30 s per epoch)
     took, member_wait, max_wait = waits
     assert took < member_wait + 3.0 < max_wait, (took, member_wait, max_wait)
+
+
+def _short_of_target_with_a_third_expected(third_alive: bool) -> tuple[list, float, float]:
+    """Peers 0 and 1 registered with 16 of the 100 samples the target needs, and both expect
+    peer 2 (its progress record is still live), which never registers: it died, or it still
+    computes. Returns both specs, how long they took and max_wait."""
+
+    async def main() -> tuple[list, float, float]:
+        net = SimNetwork(seed=4)
+        async with open_sim_dhts(net, 3, latency=0.01) as peers:
+            ids = [str(node.peer_id) for node, _ in peers]
+            makers = matchmakers(peers, max_group_size=8)
+            if not third_alive:
+                net.kill(host_of(net, peers[2][0]))
+            specs: list = [None, None]
+
+            async def one(i: int) -> None:
+                me = member_for(ids[i], "node", 1e6, 1e6, 8.0)
+                expected = {ids[1 - i], ids[2]}
+                specs[i] = await makers[i].form_group(EPOCH, me, target=100.0, expected=expected)
+
+            start = trio.current_time()
+            async with trio.open_nursery() as nursery:
+                for i in range(2):
+                    nursery.start_soon(one, i)
+            return specs, trio.current_time() - start, makers[0].max_wait
+
+    return run_sim(main, seed=4)
+
+
+def test_peers_stop_waiting_for_an_expected_peer_that_cannot_be_reached() -> None:
+    """A crashed peer (or one across a partition) stays in the progress table until its
+    record expires; the registered peers ask it, find it gone and average without it instead
+    of holding the epoch for max_wait. One that answers (it still computes, so its samples
+    may still come) is waited for as before."""
+    specs, waited, max_wait = _short_of_target_with_a_third_expected(third_alive=False)
+    assert all(s is not None and len(s.members) == 2 for s in specs), specs
+    assert specs[0].digest == specs[1].digest
+    assert waited < max_wait / 2, (waited, max_wait)
+    specs, waited, max_wait = _short_of_target_with_a_third_expected(third_alive=True)
+    assert all(s is not None and len(s.members) == 2 for s in specs), specs
+    assert waited >= max_wait, (waited, max_wait)
