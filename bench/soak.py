@@ -145,7 +145,9 @@ def run_soak(plan: SoakPlan) -> tuple[list[Log], dict]:
                         config=config,
                         dht_config=DHTConfig.fast().with_(locate_ttl=plan.locate_ttl),
                     ) as core,
+                    trio.open_nursery() as checks,
                 ):
+                    verdicts: list[bool] = []  # fork checks' answers, consumed by step()
                     if i == 0:
                         bootstrap.append(str(node.addrs[0]))
                         bootstrap_ready.set()
@@ -154,8 +156,7 @@ def run_soak(plan: SoakPlan) -> tuple[list[Log], dict]:
 
                     async def spy(*args, **kwargs):
                         spec = await form_group(*args, **kwargs)
-                        if kwargs.get("level", 0) == 0:  # not the round across groups
-                            specs.append(spec)
+                        specs.append((kwargs.get("level", 0), spec))
                         return spec
 
                     core.matchmaker.form_group = spy
@@ -181,9 +182,11 @@ def run_soak(plan: SoakPlan) -> tuple[list[Log], dict]:
                                     scope.cancel()
 
                                 kn.start_soon(kill_later)
-                                epoch, params = await step(i, core, epoch, specs, params)
+                                epoch, params = await step(
+                                    i, core, epoch, specs, params, checks, verdicts
+                                )
                             continue
-                        epoch, params = await step(i, core, epoch, specs, params)
+                        epoch, params = await step(i, core, epoch, specs, params, checks, verdicts)
                         if i == 0:
                             logger.info(
                                 "soak: epoch %d reached at %.1f virtual s",
@@ -196,6 +199,7 @@ def run_soak(plan: SoakPlan) -> tuple[list[Log], dict]:
                     # Done: keep serving the final state a while, for a peer that stepped
                     # alone in the last epoch and loads it (as the trainer lingers).
                     await trio.sleep(LINGER)
+                    checks.cancel_scope.cancel()
 
         async def download(core, log: Log) -> tuple[int, np.ndarray] | None:
             """The newest state other peers serve, or None (none announced, or every donor
@@ -232,58 +236,57 @@ def run_soak(plan: SoakPlan) -> tuple[list[Log], dict]:
             return epoch, params
 
         async def step(
-            i: int, core, epoch: int, specs: list, params: np.ndarray
+            i: int,
+            core,
+            epoch: int,
+            specs: list,
+            params: np.ndarray,
+            checks: trio.Nursery,
+            verdicts: list[bool],
         ) -> tuple[int, np.ndarray]:
             log = logs[i]
             acc = np.zeros(plan.size, np.float32)
             samples = 0
             k = 0
             fork_check_at = trio.current_time() + FORK_CHECK_AFTER
-            forked: list[bool] = []
 
             async def check_fork() -> None:
-                forked.append(await core.on_minority_fork())
+                verdicts.append(await core.on_minority_fork())
 
-            async def accumulate(checks: trio.Nursery) -> tuple[int, np.ndarray] | None:
-                """Micro-steps until the collaboration is ready (None), or the state this
-                peer moves to instead (it lost a fork, or fell behind)."""
-                nonlocal samples, k, fork_check_at, params
-                while True:
-                    await trio.sleep(MICRO / rates[i])
-                    acc[:] += _grad(i, epoch, k, plan.size) * MICRO
-                    samples += MICRO
-                    k += 1
-                    if trio.current_time() >= fork_check_at:
-                        # Asked beside the training (a read of every announcement takes
-                        # seconds): blocking it let the others count samples never computed.
-                        fork_check_at = math.inf
-                        checks.start_soon(check_fork)
-                    if forked and forked.pop():
-                        # Our lineage lost (e.g. our side of a healed partition): take
-                        # theirs and, as the trainer does, start the epoch's gradients over.
-                        log.forks += 1
-                        loaded, params = await load(core, log, params)
-                        if loaded != epoch:
-                            return loaded, params
-                        acc[:] = 0.0
-                        samples = 0
-                        continue
-                    if core.report(epoch, samples, MICRO):
-                        return None
-                    current = core.tracker.current_estimate().epoch
-                    if current > epoch:  # fell behind (partition, slow link): load the state
-                        log.resyncs += 1
-                        return await load(core, log, params)
-
-            async with trio.open_nursery() as checks:
-                moved = await accumulate(checks)
-                checks.cancel_scope.cancel()
-            if moved is not None:
-                return moved
+            while True:
+                await trio.sleep(MICRO / rates[i])
+                acc += _grad(i, epoch, k, plan.size) * MICRO
+                samples += MICRO
+                k += 1
+                if trio.current_time() >= fork_check_at:
+                    # Asked beside the training (a read of every announcement takes seconds;
+                    # blocking made the others count samples never computed, and made the
+                    # peer miss rounds); the answer may come after this epoch's round.
+                    fork_check_at = math.inf
+                    checks.start_soon(check_fork)
+                if verdicts and verdicts.pop():
+                    # Our lineage lost (e.g. our side of a healed partition): take theirs
+                    # and, as the trainer does, start the epoch's gradients over.
+                    log.forks += 1
+                    loaded, params = await load(core, log, params)
+                    if loaded != epoch:
+                        return loaded, params
+                    acc[:] = 0.0
+                    samples = 0
+                    continue
+                if core.report(epoch, samples, MICRO):
+                    break
+                current = core.tracker.current_estimate().epoch
+                if current > epoch:  # fell behind (partition, slow link): load the state
+                    log.resyncs += 1
+                    return await load(core, log, params)
             mean = acc / samples
             n_specs = len(specs)
             outcome = await core.average(epoch, [mean], samples)
-            spec = specs[-1] if len(specs) > n_specs else None
+            # The group whose average this peer got: its level-0 group; when it was alone
+            # there, the group of representatives it averaged with across groups.
+            formed = dict(specs[n_specs:])
+            spec = formed.get(0) or formed.get(1)
             params = params - np.float32(LR) * np.asarray(outcome.gradients[0], np.float32)
             others = any(p != core.tracker.peer_id for p in core.tracker.records)
             if outcome.group_size <= 1 and others:

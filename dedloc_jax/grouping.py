@@ -55,18 +55,26 @@ def group_count(n: int, max_group_size: int) -> int:
     return math.ceil(n * HEADROOM / max_group_size)
 
 
-def assign_groups(peers: Sequence[str], *, max_group_size: int, seed: int) -> list[list[str]]:
+def assign_groups(
+    peers: Sequence[str], *, max_group_size: int, seed: int, population: int = 0
+) -> list[list[str]]:
     """Split ``peers`` into groups of at most ``max_group_size``.
 
     A peer's group is the hash bucket of its rank; a bucket over the cap keeps its lowest
     ranks and passes the others to the groups with the most room. Each group is in rank
     order: its first member is the leader. The result depends only on the *set* of peers and
     the seed (the input order is ignored).
+
+    ``population``: how many peers to size the groups for when ``peers`` may be only part of
+    them (a view of the registrations that misses some). Every peer of an epoch sees nearly
+    the same progress table, but registrations reach readers over a few seconds, and a view
+    of 30 of 180 registrations counted 3 groups where the others counted 15: its peers then
+    led groups nobody else was in.
     """
     if max_group_size < 1:
         raise ValueError("max_group_size must be at least 1")
     unique = set(peers)
-    n_groups = group_count(len(unique), max_group_size)
+    n_groups = group_count(max(len(unique), population), max_group_size) if unique else 0
     if not n_groups:
         return []
     rank = {p: _rank(seed, p) for p in unique}

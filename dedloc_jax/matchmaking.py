@@ -347,6 +347,8 @@ class Matchmaker:
             log.warning("could not register for matchmaking: %s", e)
         start = trio.current_time()
         give_up = start + self.max_wait
+        # Who the tracker saw at this epoch, before any is dropped: groups are sized for them.
+        planned = set(expected) | {self.peer_id}
         expected = set(expected) - {self.peer_id}
         # Polled several times per epoch by every peer: fetch only new registrations.
         registry = self.dht.follow(key, relocate_interval=self.max_wait + 6 * window)
@@ -411,6 +413,7 @@ class Matchmaker:
             sorted({self.peer_id, *others}),
             max_group_size=cap,
             seed=group_seed(self.run_id, epoch),
+            population=len(planned | set(others)),
         )
         if level == 0:
             modes = {p: m.mode for p, m in others.items()} | {self.peer_id: me.mode}

@@ -74,3 +74,30 @@ def test_views_of_different_sizes_still_agree_on_most_leaders() -> None:
     assert group_count(150, 16) < group_count(180, 16)
     same = sum(small[p] == large[p] for p in peers[:150]) / 150
     assert same >= 0.5, same  # 0.54 here; reshuffling the whole set kept 0.15
+
+
+def test_a_partial_view_sized_for_the_whole_epoch_puts_its_peers_where_the_full_view_does() -> None:
+    """A reader that saw only 30 of 180 registrations counts 3 groups on its own, and its
+    peers then lead groups nobody else is in. Sized for the 180 peers the progress table
+    shows, it puts each of its 30 in the group (and under the leader, when the leader is among
+    them) of the full view, but for the odd peer a full bucket of the full view passed on."""
+    import random
+
+    peers = [f"peer{i:03d}" for i in range(180)]
+    seed = group_seed("run", 11)
+    full = assign_groups(peers, max_group_size=16, seed=seed)
+    seen = random.Random(1).sample(peers, 30)
+    alone = assign_groups(seen, max_group_size=16, seed=seed)
+    sized = assign_groups(seen, max_group_size=16, seed=seed, population=180)
+    assert len(alone) <= 3 < len(sized)
+
+    def agree(view: list[list[str]]) -> float:
+        """The share of the seen peers grouped with the same seen peers as in the full view."""
+
+        def mates(groups: list[list[str]], p: str) -> set[str]:
+            return next(set(g) & set(seen) for g in groups if p in g)
+
+        return sum(mates(view, p) == mates(full, p) for p in seen) / len(seen)
+
+    assert agree(sized) >= 0.75 and agree(alone) < 0.2, (agree(sized), agree(alone))  # 0.83, 0
+    assert assign_groups(peers, max_group_size=16, seed=seed, population=10) == full  # at least n
