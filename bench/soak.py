@@ -136,7 +136,7 @@ def run_soak(plan: SoakPlan) -> tuple[list[Log], dict]:
                         sim_identity(net, i),
                         transport=host.transport,
                         listen=[host.listen_addr],
-                        config=NodeConfig.testing(),
+                        config=NodeConfig.testing().with_(idle_timeout=120.0),
                     ) as node,
                     open_collaboration(
                         node,
