@@ -9,7 +9,8 @@ During the run peers leave (some gracefully at an epoch boundary, some killed at
 moment, mid-averaging included), new peers join and download the state from others, a
 partition splits the network for a sixth of the epochs and heals, and a tenth of the hosts have
 slow uplinks. As the sahajBERT trainer does, a peer that fell behind loads the others' state,
-and so does one that stepped alone while others trained. Figures:
+and so does one that stepped alone while others trained, or whose lineage lost the fork check
+(asked once per epoch beside the micro-steps, its answer applied after the round). Figures:
 
 - ``epochs``: epochs the bootstrap peer (peer 0, never leaves) completed; ``averaged``: in how
   many of them it averaged (it may skip one it fell behind in); ``grouped``: how many in a
@@ -249,9 +250,11 @@ def run_soak(plan: SoakPlan) -> tuple[list[Log], dict]:
             samples = 0
             k = 0
             fork_check_at = trio.current_time() + FORK_CHECK_AFTER
+            checked: trio.Event | None = None  # set once this epoch's fork check answered
 
-            async def check_fork() -> None:
+            async def check_fork(done: trio.Event) -> None:
                 verdicts.append(await core.on_minority_fork())
+                done.set()
 
             while True:
                 await trio.sleep(MICRO / rates[i])
@@ -263,8 +266,9 @@ def run_soak(plan: SoakPlan) -> tuple[list[Log], dict]:
                     # blocking made the others count samples never computed, and made the
                     # peer miss rounds); the answer may come after this epoch's round.
                     fork_check_at = math.inf
-                    checks.start_soon(check_fork)
-                if verdicts and verdicts.pop():
+                    checked = trio.Event()
+                    checks.start_soon(check_fork, checked)
+                if checked is not None and checked.is_set() and verdicts and verdicts.pop():
                     # Our lineage lost (e.g. our side of a healed partition): take theirs
                     # and, as the trainer does, start the epoch's gradients over.
                     log.forks += 1
@@ -289,8 +293,13 @@ def run_soak(plan: SoakPlan) -> tuple[list[Log], dict]:
             spec = formed.get(0) or formed.get(1)
             params = params - np.float32(LR) * np.asarray(outcome.gradients[0], np.float32)
             others = any(p != core.tracker.peer_id for p in core.tracker.records)
-            if outcome.group_size <= 1 and others:
-                # Stepped alone (no group, or the all-reduce failed) while others trained: as
+            if checked is not None:
+                await checked.wait()  # the answer usually comes after the round
+            lost = bool(verdicts) and verdicts.pop()
+            log.forks += lost
+            if (outcome.group_size <= 1 or lost) and others:
+                # Stepped alone (no group, or the all-reduce failed) while others trained, or
+                # stepped on a lineage that lost (averaging gradients never merges two): as
                 # the sahajBERT trainer does, load their state unless it is older than ours.
                 await trio.sleep(0.5)
                 got = await download(core, log)

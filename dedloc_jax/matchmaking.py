@@ -409,17 +409,30 @@ class Matchmaker:
                 trio.current_time() - start,
                 sorted(expected - set(others)),
             )
+        seed = group_seed(self.run_id, epoch)
+        population = len(planned | set(others))
         groups = assign_groups(
-            sorted({self.peer_id, *others}),
-            max_group_size=cap,
-            seed=group_seed(self.run_id, epoch),
-            population=len(planned | set(others)),
+            sorted({self.peer_id, *others}), max_group_size=cap, seed=seed, population=population
         )
         if level == 0:
             modes = {p: m.mode for p, m in others.items()} | {self.peer_id: me.mode}
             self._remember(epoch, len(groups) > 1, (groups, modes))
         mine = next(g for g in groups if self.peer_id in g)
-        if len(mine) == 1:
+        if level == 1:
+            # Also wait for the representatives we expect that have not registered yet:
+            # their groups may still be averaging (bounded, and dropped once they decline).
+            late = expected - set(others)
+        else:
+            # Expected peers that hash into our group but whose registration we have not
+            # read (a straggler, or a slow read): leading, wait for them too (bounded; a
+            # leader stops for one that went elsewhere or cannot be reached). Closing without
+            # them refused their joins as "group already formed" and left them alone.
+            full = assign_groups(
+                sorted(planned | set(others)), max_group_size=cap, seed=seed, population=population
+            )
+            mates = next(g for g in full if self.peer_id in g)
+            late = set(mates) & (expected - set(others))
+        if len(mine) == 1 and not late:
             log.debug("epoch %d: no other peer registered in time; averaging alone", epoch)
             self._choose(slot, None)
             return None
@@ -428,10 +441,6 @@ class Matchmaker:
         for k, leader in enumerate(mine[: 1 + MAX_LEADER_FALLBACKS]):
             self._choose(slot, leader)
             if leader == self.peer_id:
-                # At level 1, also wait for the representatives we expect that have not
-                # registered yet: their groups may still be averaging (bounded, and dropped
-                # once they say they decline).
-                late = expected - set(others) if level == 1 else set()
                 if k == 0:
                     return await self._lead_or_join(slot, me, mine, window, cap, late=late)
                 return await self._lead(slot, me, window, cap, expected=set(mine[k + 1 :]) | late)

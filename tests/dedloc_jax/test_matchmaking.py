@@ -307,3 +307,31 @@ def test_a_peer_that_registered_late_joins_the_leader_the_others_follow() -> Non
     out = _two_at_once(4, 6, setup, lead, late)
     assert out["late"] is not None and out["late"] == out["leader"]
     assert len(out["late"].members) == 2  # peers 1 and 0
+
+
+def test_a_peer_that_registers_after_its_group_mate_decided_still_joins_it() -> None:
+    """A decides after two windows without having read B's registration (B is still
+    computing). B is expected and hashes into A's group, so A leads and waits for it (bounded)
+    instead of averaging alone; B, registering late, joins A. Before, A went alone and
+    refused B's join ("not leading ... (alone)"), so both stepped alone."""
+
+    async def main() -> list:
+        net = SimNetwork(seed=6)
+        async with open_sim_dhts(net, 2, latency=0.01) as peers:
+            ids = [str(node.peer_id) for node, _ in peers]
+            makers = matchmakers(peers, max_group_size=8)
+            specs: list = [None, None]
+
+            async def one(i: int, delay: float) -> None:
+                await trio.sleep(delay)
+                me = member_for(ids[i], "node", 1e6, 1e6, 8.0)
+                specs[i] = await makers[i].form_group(5, me, expected={ids[1 - i]})
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(one, 0, 0.0)
+                nursery.start_soon(one, 1, 2.5)  # two windows and a half late
+            return specs
+
+    specs = run_sim(main, seed=6)
+    assert all(s is not None and len(s.members) == 2 for s in specs), specs
+    assert specs[0].digest == specs[1].digest
