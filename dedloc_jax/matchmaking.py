@@ -544,15 +544,15 @@ class Matchmaker:
                     return None
         return await self._lead(slot, me, window, cap, expected=set(mine[1:]) | late)
 
+    async def _ask_leader(self, slot: Slot, peer: str, timeout: float) -> Any:
+        """``peer``'s answer to whom it follows at ``slot`` (raises P2PError)."""
+        request = {"epoch": slot[0], "level": slot[1]}
+        return await self.node.call(self._leader_addr(peer), LEADER, request, timeout=timeout)
+
     async def _leader_of(self, slot: Slot, peer: str, timeout: float) -> str | None:
         """Whom ``peer`` follows at ``slot`` (None: undecided, alone, or unreachable)."""
         try:
-            answer = await self.node.call(
-                self._leader_addr(peer),
-                LEADER,
-                {"epoch": slot[0], "level": slot[1]},
-                timeout=timeout,
-            )
+            answer = await self._ask_leader(slot, peer, timeout)
         except P2PError as e:
             log.debug("%s did not say whom it follows at %s: %s", peer, slot, e)
             return None
@@ -576,12 +576,7 @@ class Matchmaker:
 
         async def ask(peer: str) -> None:
             try:
-                answer = await self.node.call(
-                    self._leader_addr(peer),
-                    LEADER,
-                    {"epoch": slot[0], "level": slot[1]},
-                    timeout=window,
-                )
+                answer = await self._ask_leader(slot, peer, window)
             except P2PError as e:
                 log.debug("expected peer %s of %s is gone: %s", peer[:8], slot, e)
                 expected.discard(peer)
@@ -607,12 +602,7 @@ class Matchmaker:
 
         async def ask(peer: str) -> None:
             try:
-                answer = await self.node.call(
-                    self._leader_addr(peer),
-                    LEADER,
-                    {"epoch": rnd.slot[0], "level": rnd.slot[1]},
-                    timeout=window,
-                )
+                answer = await self._ask_leader(rnd.slot, peer, window)
             except P2PError as e:
                 log.debug(
                     "member %s of epoch %d did not say whom it follows: %s", peer, rnd.slot[0], e
