@@ -128,6 +128,9 @@ class Matchmaker:
         self._rounds: dict[Slot, _LeaderRound] = {}
         self._round_opened: dict[Slot, trio.Event] = {}
         self._chosen: dict[Slot, str | None] = {}  # the leader we went to (None: alone)
+        # What we registered per slot, told to a peer that asks whom we follow while we
+        # gather registrations: its read of the key may have missed ours.
+        self._registered: dict[Slot, Any] = {}
         # epoch -> whether its level-0 groups left out peers that registered (the leader's view,
         # sent with the spec): then the group's mean goes through a round across groups.
         self._cross: dict[int, bool] = {}
@@ -191,13 +194,18 @@ class Matchmaker:
 
     async def _handle_leader(self, ctx: CallContext, request: Any) -> Any:
         """Whom this peer follows at an epoch: ``{"decided": False}`` while it is still
-        gathering registrations, else ``{"decided": True, "leader": ID or None}``."""
+        gathering registrations, else ``{"decided": True, "leader": ID or None}``; with its
+        registration (``"member"``) once it registered, which the asker's read of the key
+        may have missed."""
         slot = _slot_of(request)
         if self.admit is not None:
             await self.admit(ctx.remote_peer, None)
-        if slot not in self._chosen:
-            return {"decided": False}
-        return {"decided": True, "leader": self._chosen[slot]}
+        answer: dict[str, Any] = {"decided": slot in self._chosen}
+        if slot in self._chosen:
+            answer["leader"] = self._chosen[slot]
+        if slot in self._registered:  # the asker's read of the registrations may miss ours
+            answer["member"] = self._registered[slot]
+        return answer
 
     def _opened(self, slot: Slot) -> trio.Event:
         if slot not in self._round_opened:
@@ -335,10 +343,13 @@ class Matchmaker:
             self._remember(epoch, False)
         if self._too_late(slot, set(expected) - {self.peer_id}):
             return None
+        self._registered[slot] = _member_to_wire(me)
+        for old in [s for s in self._registered if s[0] < epoch - 2]:
+            del self._registered[old]
         try:
             await self.dht.store(
                 key,
-                {"member": _member_to_wire(me), "addrs": [str(a) for a in self.node.addrs]},
+                {"member": self._registered[slot], "addrs": [str(a) for a in self.node.addrs]},
                 self.dht.now() + self.max_wait + 6 * window + 30.0,
                 subkey=owner_marker(self.node.peer_id),
                 replicas=follower_replicas(self.dht.config),
@@ -388,20 +399,24 @@ class Matchmaker:
             return now - start < 2 * window
 
         too_late = False
+        probed: dict[str, Member] = {}  # registrations the expected peers told us
         async with trio.open_nursery() as nursery:
             if short_of_target():
                 # Expected peers that crashed or sit across a partition would hold the group
                 # for max_wait while their stale progress records live: ask the missing ones.
-                nursery.start_soon(self._drop_gone, slot, expected, lambda: set(others), window)
+                nursery.start_soon(
+                    self._drop_gone, slot, expected, lambda: set(others), probed, window
+                )
             while short_of_target():
                 await trio.sleep(window / 2)
-                others = await self._registrations(registry)
+                others = await self._registrations(registry) | probed
                 if self._too_late(slot, expected):
                     too_late = True
                     break
             nursery.cancel_scope.cancel()
         if too_late:
             return None
+        others = others | probed
         if expected - set(others):
             log.debug(
                 "%s: going on after %.1f s without expected peers %s",
@@ -433,7 +448,14 @@ class Matchmaker:
             mates = next(g for g in full if self.peer_id in g)
             late = set(mates) & (expected - set(others))
         if len(mine) == 1 and not late:
-            log.debug("epoch %d: no other peer registered in time; averaging alone", epoch)
+            log.debug(
+                "%s: alone in our group of %d (%d registrations read, %d planned, %d expected)",
+                slot,
+                len(groups),
+                len(others),
+                len(planned),
+                len(expected),
+            )
             self._choose(slot, None)
             return None
         # A leader that died after registering would leave its whole group alone: each of its
@@ -566,13 +588,30 @@ class Matchmaker:
         slot: Slot,
         expected: set[str],
         registered: Callable[[], set[str]],
+        probed: dict[str, Member],
         window: float,
     ) -> None:
         """Ask each expected peer that has not registered whether it still gathers
         registrations or computes (undecided: keep waiting for it, and ask again a window
-        later). Drop it from ``expected`` when it cannot be reached (crashed, or across a
-        partition) or has already decided on a group that our view of the registrations
-        missed: either way no samples of it will come."""
+        later). One that gathers registrations sends its own, which our read of the key
+        missed: it goes into ``probed`` (a 200-peer run re-asked such peers every window,
+        over half a million questions in three epochs). Drop a peer from ``expected`` when it
+        cannot be reached (crashed, or across a partition) or has already decided on a group
+        that our view of the registrations missed: either way no samples of it will come."""
+
+        while True:
+            await self._probe(slot, expected - registered() - set(probed), expected, probed, window)
+            await trio.sleep(window)
+
+    async def _probe(
+        self,
+        slot: Slot,
+        peers: set[str],
+        expected: set[str],
+        probed: dict[str, Member],
+        window: float,
+    ) -> None:
+        """One round of :meth:`_drop_gone`'s questions to ``peers``, at once."""
 
         async def ask(peer: str) -> None:
             try:
@@ -582,15 +621,17 @@ class Matchmaker:
                 expected.discard(peer)
                 return
             if not isinstance(answer, dict) or answer.get("decided") is not False:
-                expected.discard(peer)
+                expected.discard(peer)  # it decided on a group that our view missed
+            elif "member" in answer:  # it gathers registrations: ours missed its own
+                try:
+                    probed[peer] = _member_from_wire(peer, answer["member"])
+                except GroupError as e:
+                    log.info("ignoring the malformed registration %s sent: %s", peer[:8], e)
+                    expected.discard(peer)
 
-        while True:
-            missing = expected - registered()
-            if missing:
-                async with trio.open_nursery() as nursery:
-                    for peer in sorted(missing):
-                        nursery.start_soon(ask, peer)
-            await trio.sleep(window)
+        async with trio.open_nursery() as nursery:
+            for peer in sorted(peers):
+                nursery.start_soon(ask, peer)
 
     async def _ask_missing(self, rnd: _LeaderRound, window: float) -> None:
         """A window after opening, ask each expected member that has not joined whom it

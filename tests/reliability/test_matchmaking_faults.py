@@ -126,3 +126,48 @@ def test_peers_stop_waiting_for_an_expected_peer_that_cannot_be_reached() -> Non
     specs, waited, max_wait = _short_of_target_with_a_third_expected(third_alive=True)
     assert all(s is not None and len(s.members) == 2 for s in specs), specs
     assert waited >= max_wait, (waited, max_wait)
+
+
+def test_a_registration_the_others_cannot_read_comes_with_the_answer_to_their_probe() -> None:
+    """Peer ``hidden`` registered, but its record reached none of the nodes the others read
+    (a store that landed elsewhere); a fourth expected peer still computes, so everyone waits
+    for it up to max_wait. Asked whom it follows, the hidden peer, still gathering
+    registrations, sends its registration along: the others count it as registered and stop
+    asking (before, they asked it again every window, which at 200 peers was over half a
+    million questions in three epochs), and all three form one group."""
+
+    async def main() -> tuple[list, dict[int, int]]:
+        net = SimNetwork(seed=6)
+        async with open_sim_dhts(net, 4, latency=0.01) as peers:
+            ids = [str(node.peer_id) for node, _ in peers]
+            makers = matchmakers(peers, max_group_size=8)
+            hidden = min(range(3), key=lambda i: ids[i])
+
+            async def lost_store(*args: object, **kwargs: object) -> None:
+                return None
+
+            makers[hidden].dht.store = lost_store  # type: ignore[method-assign]
+            asked = {i: 0 for i in range(3) if i != hidden}  # questions put to the hidden peer
+            for i in asked:
+
+                def counting(slot, peer, timeout, i=i, ask=makers[i]._ask_leader):  # noqa: ANN001
+                    asked[i] += peer == ids[hidden]
+                    return ask(slot, peer, timeout)
+
+                makers[i]._ask_leader = counting
+            specs: list = [None, None, None]
+
+            async def one(i: int) -> None:
+                me = member_for(ids[i], "node", 1e6, 1e6, 8.0)
+                expected = set(ids) - {ids[i]}  # peer 3 computes and never registers
+                specs[i] = await makers[i].form_group(EPOCH, me, target=100.0, expected=expected)
+
+            async with trio.open_nursery() as nursery:
+                for i in range(3):
+                    nursery.start_soon(one, i)
+            return specs, asked
+
+    specs, asked = run_sim(main, seed=6)
+    assert all(s is not None and len(s.members) == 3 for s in specs), specs
+    assert len({s.digest for s in specs}) == 1
+    assert all(n <= 2 for n in asked.values()), asked  # 13 each before
