@@ -19,10 +19,13 @@ and so does one that stepped alone while others trained, or whose lineage lost t
   epoch with different averages (bit for bit); ``nans``: non-finite averages;
 - ``kills``, ``joins``, ``resyncs`` (a peer fell behind), ``state_loads`` (states downloaded)
   and ``state_load_failures``;
-- ``params_agreed``: epochs after which every peer that finished the epoch held the same
+- ``params_agreed``: epochs after which every peer that went on training held the same
   parameters; ``param_versions_max``: the most versions that coexisted after an epoch;
-  ``params_in_sync`` (mean) and ``params_in_sync_min``: the share of those peers holding the
-  epoch's most common version;
+  ``params_in_sync`` (mean) and ``params_in_sync_min``: the share of the peers that went on
+  holding the epoch's most common version (one that fell behind and loaded a newer state
+  counts as out of sync). The parameters a peer holds after an epoch are the ones it trains
+  the next epoch on: after its fork check of that epoch (and loading the winning lineage's
+  state if its own lost), as the sahajBERT trainer does;
 - ``virtual_seconds``, ``wall_seconds``, ``epoch_wall_seconds`` (mean wall time per epoch).
 
 The last line is one JSON object. ``tests/reliability/test_soak.py`` runs short plans.
@@ -82,6 +85,17 @@ class Log:
     load_failures: int = 0
     joined_at: int | None = None
     left: bool = False
+
+
+def settle(log: Log, params: np.ndarray | None) -> None:
+    """Record what the peer's last epoch left it training on: the parameters it goes on
+    with once its fork check answered (after loading the winning lineage's, if ours lost),
+    or None when it left that lineage for a newer state (it fell behind). Only the first
+    call per epoch counts."""
+    if log.rows and not log.rows[-1]["settled"]:
+        row = log.rows[-1]
+        row["settled"] = True
+        row["params"] = None if params is None else hashlib.sha256(params.tobytes()).digest()
 
 
 def _grad(peer: int, epoch: int, step: int, size: int) -> np.ndarray:
@@ -198,8 +212,17 @@ def run_soak(plan: SoakPlan) -> tuple[list[Log], dict]:
                             for e in range(epoch + 1):
                                 epoch_reached[e].set()
                     # Done: keep serving the final state a while, for a peer that stepped
-                    # alone in the last epoch and loads it (as the trainer lingers).
-                    await trio.sleep(LINGER)
+                    # alone in the last epoch and loads it (as the trainer lingers), and
+                    # check the final state's lineage as every epoch's.
+                    await trio.sleep(FORK_CHECK_AFTER)
+                    if await core.on_minority_fork():
+                        log.forks += 1
+                        got = await download(core, log)
+                        if got is not None and got[0] == epoch:
+                            params = got[1]
+                            await core.share_state([params], epoch)
+                    settle(log, params)
+                    await trio.sleep(LINGER - FORK_CHECK_AFTER)
                     checks.cancel_scope.cancel()
 
         async def download(core, log: Log) -> tuple[int, np.ndarray] | None:
@@ -268,13 +291,18 @@ def run_soak(plan: SoakPlan) -> tuple[list[Log], dict]:
                     fork_check_at = math.inf
                     checked = trio.Event()
                     checks.start_soon(check_fork, checked)
-                if checked is not None and checked.is_set() and verdicts and verdicts.pop():
+                if checked is not None and checked.is_set() and verdicts:
+                    if not verdicts.pop():
+                        settle(log, params)  # we train this epoch on what we hold
+                        continue
                     # Our lineage lost (e.g. our side of a healed partition): take theirs
                     # and, as the trainer does, start the epoch's gradients over.
                     log.forks += 1
                     loaded, params = await load(core, log, params)
                     if loaded != epoch:
+                        settle(log, None)
                         return loaded, params
+                    settle(log, params)
                     acc[:] = 0.0
                     samples = 0
                     continue
@@ -283,8 +311,16 @@ def run_soak(plan: SoakPlan) -> tuple[list[Log], dict]:
                 current = core.tracker.current_estimate().epoch
                 if current > epoch:  # fell behind (partition, slow link): load the state
                     log.resyncs += 1
+                    settle(log, None)
                     return await load(core, log, params)
+            if checked is None:
+                # The round came before the check was due (we started the epoch late, and the
+                # others had gathered most samples): check now, beside the round. An epoch
+                # without a check kept a peer on a lost lineage for four epochs.
+                checked = trio.Event()
+                checks.start_soon(check_fork, checked)
             mean = acc / samples
+            params_before = params
             n_specs = len(specs)
             outcome = await core.average(epoch, [mean], samples)
             # The group whose average this peer got: its level-0 group; when it was alone
@@ -294,8 +330,9 @@ def run_soak(plan: SoakPlan) -> tuple[list[Log], dict]:
             params = params - np.float32(LR) * np.asarray(outcome.gradients[0], np.float32)
             others = any(p != core.tracker.peer_id for p in core.tracker.records)
             if checked is not None:
-                await checked.wait()  # the answer usually comes after the round
+                await checked.wait()  # the answer may come after the round
             lost = bool(verdicts) and verdicts.pop()
+            settle(log, params_before)  # what we trained this epoch on, forked or not
             log.forks += lost
             if (outcome.group_size <= 1 or lost) and others:
                 # Stepped alone (no group, or the all-reduce failed) while others trained, or
@@ -313,6 +350,7 @@ def run_soak(plan: SoakPlan) -> tuple[list[Log], dict]:
                     "got": outcome.gradients[0],
                     "sent": mean,
                     "params": hashlib.sha256(params.tobytes()).digest(),
+                    "settled": False,
                 }
             )
             await core.share_state([params], epoch + 1)
@@ -365,10 +403,14 @@ def summarize(plan: SoakPlan, logs: list[Log], events: dict) -> dict:
     # Parameters each peer holds after each epoch (a digest): how many versions coexist, and
     # what share of the peers that finished the epoch hold its most common one.
     versions: dict[int, Counter] = defaultdict(Counter)
+    settled: Counter = Counter()  # per epoch: peers that went on (in sync or not)
     for log in logs:
         for r in log.rows:
-            versions[r["epoch"]][r["params"]] += 1
-    in_sync = [max(c.values()) / sum(c.values()) for _, c in sorted(versions.items())]
+            if r["settled"]:
+                settled[r["epoch"]] += 1
+                if r["params"] is not None:
+                    versions[r["epoch"]][r["params"]] += 1
+    in_sync = [max(c.values()) / settled[e] for e, c in sorted(versions.items())]
     return {
         "peers": plan.peers + plan.joiners,
         "epochs": done[-1] + 1 if done else 0,

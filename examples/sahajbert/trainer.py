@@ -300,8 +300,15 @@ def _loop(
             )
             log.info("epoch %d done: loss %.4f (%d samples here)", epoch, last_loss, epoch_samples)
             epoch, epoch_losses, epoch_samples, epoch_started = new_epoch, [], 0, now
+            # An epoch shorter than FORK_CHECK_AFTER (we started it late) had no fork check:
+            # check the state we trained it on now, or a lost lineage outlives several epochs.
+            lost = not fork_checked and collab.on_minority_fork()
             fork_checked = False
-            if int(opt_state.group_size) <= 1 and _other_trainers(collab):
+            if lost:
+                log.warning("epoch %d: our state lost to the majority's; loading it", epoch)
+                params, opt_state = _adopt_theirs(collab, params, opt_state)
+                epoch = int(opt_state.epoch)
+            elif int(opt_state.group_size) <= 1 and _other_trainers(collab):
                 # Stepped alone (no group, or the all-reduce failed): this state differs from
                 # the others'; serve nothing and load theirs.
                 log.warning("epoch %d: averaged alone; loading the collaboration's state", epoch)
