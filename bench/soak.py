@@ -16,7 +16,10 @@ and so does one that stepped alone while others trained, or whose lineage lost t
   many of them it averaged (it may skip one it fell behind in); ``grouped``: how many in a
   group of more than one;
 - ``groups``: distinct averaging groups seen; ``divergences``: groups whose members ended the
-  epoch with different averages (bit for bit); ``nans``: non-finite averages;
+  epoch with different averages (bit for bit) while each believed it held the whole epoch's
+  mean; ``incomplete``: averages a peer knew missed part of the epoch (it averaged alone, or
+  its group's round across groups failed; it then loads the others' state); ``nans``:
+  non-finite averages;
 - ``kills``, ``joins``, ``resyncs`` (a peer fell behind), ``state_loads`` (states downloaded)
   and ``state_load_failures``;
 - ``params_agreed``: epochs after which every peer that went on training held the same
@@ -334,10 +337,11 @@ def run_soak(plan: SoakPlan) -> tuple[list[Log], dict]:
             lost = bool(verdicts) and verdicts.pop()
             settle(log, params_before)  # what we trained this epoch on, forked or not
             log.forks += lost
-            if (outcome.group_size <= 1 or lost) and others:
-                # Stepped alone (no group, or the all-reduce failed) while others trained, or
-                # stepped on a lineage that lost (averaging gradients never merges two): as
-                # the sahajBERT trainer does, load their state unless it is older than ours.
+            if (not outcome.complete or lost) and others:
+                # Stepped alone (no group, or the all-reduce failed), or our group's mean missed
+                # the round across groups, while others trained; or stepped on a lineage that
+                # lost (averaging gradients never merges two): load their state unless it is
+                # older than ours.
                 await trio.sleep(0.5)
                 got = await download(core, log)
                 if got is not None and got[0] >= epoch + 1:
@@ -346,6 +350,7 @@ def run_soak(plan: SoakPlan) -> tuple[list[Log], dict]:
                 {
                     "epoch": epoch,
                     "group": outcome.group_size,
+                    "complete": outcome.complete,
                     "digest": None if spec is None else spec.digest,
                     "got": outcome.gradients[0],
                     "sent": mean,
@@ -395,7 +400,7 @@ def summarize(plan: SoakPlan, logs: list[Log], events: dict) -> dict:
     for log in logs:
         for r in log.rows:
             nans += not bool(np.isfinite(r["got"]).all())
-            if r["group"] > 1:
+            if r["group"] > 1 and r["complete"]:
                 groups[(r["epoch"], r["digest"])].append(r["got"])
     divergent = sorted(
         {e for (e, _), vs in groups.items() if any(v.tobytes() != vs[0].tobytes() for v in vs)}
@@ -417,6 +422,7 @@ def summarize(plan: SoakPlan, logs: list[Log], events: dict) -> dict:
         "averaged": len(done),
         "averaged_in_order": done == sorted(set(done)),
         "grouped": sum(r["group"] > 1 for r in logs[0].rows),
+        "incomplete": sum(not r["complete"] for log in logs for r in log.rows),
         "groups": len(groups),
         "mean_group": float(np.mean([len(v) for v in groups.values()])) if groups else 0.0,
         "divergences": len(divergent),

@@ -178,6 +178,7 @@ class CollaborationCore:
             epoch, me, target=self.config.target_batch_size, expected=self._peers_at(epoch)
         )
         group_size = 1
+        complete = False
         result = [np.asarray(a) for a in arrays]
         if spec is not None:
             try:
@@ -194,17 +195,18 @@ class CollaborationCore:
                 )
                 result = [np.asarray(a) for a in averaged.average]
                 group_size = len(spec.members)
+                complete = True
             except (AllReduceError, GroupError) as e:
                 log.warning("averaging at epoch %d failed: %s", epoch, e)
             except BaseExceptionGroup as group:
                 log.warning("averaging at epoch %d failed: %s", epoch, _only_averaging(group))
             else:
                 if self.matchmaker.needs_cross(epoch):
-                    result, _ = await self._across(
+                    result, _, complete = await self._across(
                         epoch, spec, result, averaged_weight(spec, averaged)
                     )
         elif self.matchmaker.needs_cross(epoch):  # alone among several groups: a group of one
-            result, group_size = await self._across(epoch, None, result, float(samples))
+            result, group_size, complete = await self._across(epoch, None, result, float(samples))
         self.matchmaker.decline(epoch)  # no-ops if it took part in the round across groups
         self.across.close(epoch)
         if group_size == 1 and self.config.on_no_group == "skip":
@@ -215,18 +217,19 @@ class CollaborationCore:
             {
                 "epoch": epoch,
                 "group_size": group_size,
+                "complete": complete,
                 "seconds": trio.current_time() - started,
                 "collab_samples": est.samples,
             }
         )
-        return AveragingOutcome(result, self.epoch, group_size)
+        return AveragingOutcome(result, self.epoch, group_size, complete)
 
     async def _across(
         self, epoch: int, spec: GroupSpec | None, mean: list[np.ndarray], weight: float
-    ) -> tuple[list[np.ndarray], int]:
-        """The mean across this epoch's groups (see :mod:`dedloc_jax.across`) and the size of
-        the level-1 group (1 when this peer did not represent its group there); ``mean``
-        itself when that failed."""
+    ) -> tuple[list[np.ndarray], int, bool]:
+        """The mean across this epoch's groups (see :mod:`dedloc_jax.across`), the size of
+        the level-1 group (1 when this peer did not represent its group there) and whether
+        that worked; ``mean`` itself when it failed."""
         me = str(self.node.peer_id)
         rep = me if spec is None else representative(spec)
         wait = self._cross_wait(spec, mean)
@@ -240,14 +243,14 @@ class CollaborationCore:
             finally:
                 self.across.settle(epoch, ok)
             if found is None:
-                return mean, 1
+                return mean, 1, False
             mean, size = found
             if spec is None:
-                return mean, size
+                return mean, size, True
         else:
             self.matchmaker.decline(epoch)
             if rep is None or not await self.across.ask(rep, epoch, timeout=wait):
-                return mean, 1
+                return mean, 1, False
         assert spec is not None
         out = await broadcast(
             self.node,
@@ -257,7 +260,9 @@ class CollaborationCore:
             codec=self.config.codec,
             timeout=self._timeout(spec, mean),
         )
-        return (mean, 1) if out is None else (out, size)
+        if out is None:  # the representative holds the mean across groups all the same
+            return mean, 1, rep == me
+        return out, size, True
 
     async def _represent(
         self, epoch: int, mean: list[np.ndarray], weight: float

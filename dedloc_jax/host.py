@@ -23,12 +23,16 @@ class AveragingOutcome(NamedTuple):
 
     ``gradients`` are the collaboration's mean gradients (same order, shapes and dtypes as given),
     ``epoch`` the collaboration epoch after the step, ``group_size`` how many peers contributed
-    (1 when the peer had to proceed alone).
+    (1 when the peer had to proceed alone). ``complete`` is False when the mean leaves out
+    groups it was meant to cover (the peer averaged alone, or its group's round across groups
+    failed): the peer then holds other parameters than the collaboration and should load its
+    state.
     """
 
     gradients: list[np.ndarray]
     epoch: int
     group_size: int
+    complete: bool = True
 
 
 class CollaborationHost(Protocol):

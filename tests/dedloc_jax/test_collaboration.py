@@ -64,6 +64,7 @@ def _run(
                             "sent": mean,
                             "got": outcome.gradients[0],
                             "group": outcome.group_size,
+                            "complete": outcome.complete,
                         }
                     )
 
@@ -138,11 +139,43 @@ def test_capped_groups_end_each_epoch_with_one_mean_for_everyone(modes) -> None:
     for epoch in range(2):
         rows = [logs[i][epoch] for i in senders]
         assert max(r["group"] for r in rows) <= 3  # capped: several groups
+        assert all(r["complete"] for r in rows)
         total = sum(r["samples"] for r in rows)
         expected = sum(r["sent"] * r["samples"] for r in rows) / total
         for r in rows:
             assert r["got"].tobytes() == rows[0]["got"].tobytes()
             np.testing.assert_allclose(r["got"], expected, rtol=1e-5, atol=1e-6)
+
+
+def test_a_group_whose_round_across_groups_failed_knows_its_mean_is_incomplete(
+    monkeypatch,
+) -> None:
+    """The first representative's round across groups fails: its group keeps the group's
+    mean, and each of its members is told the outcome is incomplete (so a trainer loads the
+    others' state); every other peer holds the mean across the other groups, complete."""
+    from dedloc_jax.collaboration import CollaborationCore
+
+    represent = CollaborationCore._represent
+    failed: list[str] = []
+
+    async def first_fails(self, epoch, mean, weight):  # noqa: ANN001, ANN202
+        if not failed:
+            failed.append(str(self.node.peer_id))
+            return None
+        return await represent(self, epoch, mean, weight)
+
+    monkeypatch.setattr(CollaborationCore, "_represent", first_fails)
+    rates = [4.0, 6.0, 8.0, 10.0, 12.0, 14.0, 16.0]
+    rows = [log[0] for log in _run(rates, epochs=1, target=280, max_group_size=3)]
+    assert len(failed) == 1
+    done = [r for r in rows if r["complete"]]
+    left = [r for r in rows if not r["complete"]]
+    assert 1 <= len(left) <= 3 and len(done) >= 4, [r["group"] for r in rows]
+    for r in left:  # the failed group's own mean
+        assert r["got"].tobytes() == left[0]["got"].tobytes()
+        assert r["got"].tobytes() != done[0]["got"].tobytes()
+    for r in done:
+        assert r["got"].tobytes() == done[0]["got"].tobytes()
 
 
 def test_a_lagging_peer_is_excluded_then_resyncs_from_the_others() -> None:
@@ -245,7 +278,7 @@ def test_a_round_failing_inside_its_nursery_leaves_the_peer_stepping_alone(monke
     outcomes = run_sim(main, seed=3)
     assert len(calls) == 2 and all(len(spec.members) == 2 for spec in calls)
     for i, outcome in enumerate(outcomes):
-        assert outcome.group_size == 1 and outcome.epoch == 1
+        assert outcome.group_size == 1 and outcome.epoch == 1 and not outcome.complete
         assert outcome.gradients[0].tobytes() == np.full(10, i, np.float32).tobytes()
 
 
