@@ -229,6 +229,13 @@ def _wait_for_trainers(collab: Any, count: int, *, timeout: float) -> int:
         time.sleep(0.2)
 
 
+def _last_round_incomplete(collab: Any) -> bool:
+    """Whether our last average missed groups it was meant to cover (our group's round across
+    groups failed): then our parameters differ from the others' as after a step alone."""
+    history = collab.core.history
+    return bool(history) and history[-1].get("complete") is False
+
+
 def _other_trainers(collab: Any) -> bool:
     """Whether other peers that compute gradients are in the run."""
     records = collab.run_async(_records)
@@ -308,9 +315,11 @@ def _loop(
                 log.warning("epoch %d: our state lost to the majority's; loading it", epoch)
                 params, opt_state = _adopt_theirs(collab, params, opt_state)
                 epoch = int(opt_state.epoch)
-            elif int(opt_state.group_size) <= 1 and _other_trainers(collab):
-                # Stepped alone (no group, or the all-reduce failed): this state differs from
-                # the others'; serve nothing and load theirs.
+            elif (
+                int(opt_state.group_size) <= 1 or _last_round_incomplete(collab)
+            ) and _other_trainers(collab):
+                # Stepped alone (no group, or the all-reduce failed), or our group missed the
+                # round across groups: this state differs from the others'; load theirs.
                 log.warning("epoch %d: averaged alone; loading the collaboration's state", epoch)
                 time.sleep(0.5)
                 params, opt_state = _adopt_theirs(collab, params, opt_state)

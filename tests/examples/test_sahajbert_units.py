@@ -169,3 +169,19 @@ def test_clean_json_replaces_non_finite_numbers() -> None:
         "a": [1.0, None, {"b": None}],
         "2": [None, "x"],
     }
+
+
+def test_a_trainer_reloads_after_a_round_that_missed_other_groups() -> None:
+    """The trainer treats an average that missed the round across groups like a step alone
+    (its parameters left the others'), and only that: a complete round, or none yet, keeps
+    its state."""
+    from types import SimpleNamespace
+
+    from examples.sahajbert.trainer import _last_round_incomplete
+
+    def collab(*rounds: dict) -> SimpleNamespace:
+        return SimpleNamespace(core=SimpleNamespace(history=list(rounds)))
+
+    assert _last_round_incomplete(collab({"epoch": 0, "complete": False}))
+    assert not _last_round_incomplete(collab({"epoch": 0, "complete": False}, {"complete": True}))
+    assert not _last_round_incomplete(collab())
