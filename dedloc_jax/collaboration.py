@@ -33,7 +33,8 @@ from dedloc_jax.averaging import (
 )
 from dedloc_jax.config import CollaborationConfig
 from dedloc_jax.host import AveragingOutcome
-from dedloc_jax.matchmaking import Matchmaker, member_for
+from dedloc_jax.matchmaking import Matchmaker
+from dedloc_jax.matchmaking_wire import member_for
 from dedloc_jax.progress import CollaborationEstimate, estimate_collaboration, refresh_delay
 from dedloc_jax.state_sync import StateServer, download_state, state_forked
 from dedloc_jax.timing import averaging_timeout, matchmaking_window

@@ -26,9 +26,7 @@ wait is bounded by a cancel scope). Clients reach leaders by dialing out, like e
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import trio
@@ -36,6 +34,11 @@ import trio
 from dedloc_jax.averaging.errors import GroupError
 from dedloc_jax.averaging.group import GroupSpec, Member
 from dedloc_jax.grouping import assign_groups, group_seed
+from dedloc_jax.leading import LeaderRound, Leading
+from dedloc_jax.matchmaking_wire import JOIN, LEADER, Slot, group_key
+from dedloc_jax.matchmaking_wire import member_from_wire as _member_from_wire
+from dedloc_jax.matchmaking_wire import member_to_wire as _member_to_wire
+from dedloc_jax.matchmaking_wire import slot_of as _slot_of
 from p2p.dht import DHT, InvalidRecordError, KeyFollower, follower_replicas
 from p2p.dht.records import owner_marker, owner_markers
 from p2p.errors import ConnectionClosed, DialError, P2PError, RPCError, RPCTimeout
@@ -58,65 +61,7 @@ class _LeaderGone(Exception):
     """The leader could not be reached or dropped the connection (not a refusal)."""
 
 
-JOIN = "collab.join"
-LEADER = "collab.leader"
-"""Asked by a leader of a member it expected that has not joined: whom do you follow?"""
-
-
-def group_key(run_id: str, epoch: int, level: int = 0) -> str:
-    return f"{run_id}.group.{epoch}" + (".x" if level else "")
-
-
-Slot = tuple[int, int]
-"""(epoch, level): one group formation."""
-
-
-def _slot_of(request: Any) -> Slot:
-    """The epoch and level a join or leader query is about (level 0 when left out)."""
-    if not isinstance(request, dict) or not isinstance(request.get("epoch"), int):
-        raise ValueError("a matchmaking request is a map with an integer epoch")
-    level = request.get("level", 0)
-    if level not in (0, 1) or isinstance(level, bool):
-        raise ValueError(f"matchmaking level must be 0 or 1, got {level!r}")
-    return request["epoch"], level
-
-
-def _member_to_wire(m: Member) -> dict[str, Any]:
-    return {
-        "mode": m.mode,
-        "up": float(m.upload_bps),
-        "down": float(m.download_bps),
-        "weight": float(m.weight),
-    }
-
-
-def _member_from_wire(peer_id: str, msg: Any) -> Member:
-    if not isinstance(msg, dict):
-        raise GroupError("a member description is a map")
-    try:
-        return Member(peer_id, msg["mode"], msg["up"], msg["down"], msg["weight"])
-    except KeyError as e:
-        raise GroupError(f"member description misses {e}") from None
-    except TypeError as e:
-        raise GroupError(f"malformed member description: {e}") from None
-
-
-@dataclass
-class _LeaderRound:
-    slot: Slot
-    me: Member
-    max_size: int
-    joined: dict[str, Member] = field(default_factory=dict)
-    open: bool = True
-    formed: trio.Event = field(default_factory=trio.Event)
-    changed: trio.Event = field(default_factory=trio.Event)  # set when someone joins
-    expected: set[str] = field(default_factory=set)
-    spec: GroupSpec | None = None
-    addrs: dict[str, list[str]] = field(default_factory=dict)  # what each joiner sent
-    cross: bool = False  # the leader's view held other groups: members average across them
-
-
-class Matchmaker:
+class Matchmaker(Leading):
     """Forms averaging groups for one peer; registers the ``collab.join`` handler."""
 
     def __init__(self, node: Any, dht: DHT, run_id: str, *, max_group_size: int) -> None:
@@ -125,7 +70,7 @@ class Matchmaker:
         self.run_id = run_id
         self.max_group_size = max_group_size
         self.peer_id = str(node.peer_id)
-        self._rounds: dict[Slot, _LeaderRound] = {}
+        self._rounds: dict[Slot, LeaderRound] = {}
         self._round_opened: dict[Slot, trio.Event] = {}
         self._chosen: dict[Slot, str | None] = {}  # the leader we went to (None: alone)
         # What we registered per slot, told to a peer that asks whom we follow while we
@@ -213,62 +158,6 @@ class Matchmaker:
             for old in [s for s in self._round_opened if s[0] < slot[0] - 2]:
                 del self._round_opened[old]
         return self._round_opened[slot]
-
-    async def _handle_join(self, ctx: CallContext, request: Any) -> Any:
-        slot = _slot_of(request)
-        epoch, level = slot
-        peer = str(ctx.remote_peer)
-        member = _member_from_wire(peer, request.get("member"))
-        if self.admit is not None:
-            await self.admit(ctx.remote_peer, member.mode)
-        addrs = request.get("addrs", [])
-        known: list[str] = []
-        if isinstance(addrs, list):
-            try:
-                parsed = [Multiaddr.parse(a) for a in addrs[:8] if isinstance(a, str)]
-                self.node.peerstore.add_addrs(ctx.remote_peer, parsed)
-                known = [str(a) for a in parsed]
-            except P2PError as e:
-                log.info("ignoring bad addresses from %s: %s", peer, e)
-        # The follower may come before we decided to lead this epoch: wait a bounded time.
-        with trio.move_on_after(self.max_wait + 2 * self.window):
-            await self._opened(slot).wait()
-        rnd = self._rounds.get(slot)
-        if rnd is None:
-            chosen = self._chosen.get(slot, "?")
-            state = {"?": "undecided", None: "alone", self.peer_id: "leading"}.get(
-                chosen, "following"
-            )
-            answer: dict[str, Any] = {
-                "ok": False,
-                "reason": f"not leading epoch {epoch} at level {level} ({state})",
-            }
-            if state == "following" and chosen != peer:
-                # Its view of the registrations differs from ours: send it to our leader.
-                answer["redirect"] = chosen
-                answer["redirect_addrs"] = list(self._learned.get(chosen, ()))
-            return answer
-        if not rnd.open:
-            return {"ok": False, "reason": "group already formed"}
-        if len(rnd.joined) + 1 >= rnd.max_size:
-            return {"ok": False, "reason": "group full"}
-        rnd.joined[peer] = member
-        rnd.addrs[peer] = known
-        rnd.changed.set()
-        try:
-            # Longer than the leader may keep the group open (max_wait), so that a peer the
-            # spec will name is never told that no group was formed.
-            with trio.move_on_after(self.max_wait + 2 * self.window):
-                await rnd.formed.wait()
-        finally:
-            if not rnd.formed.is_set():  # told no (or gone): must not be in a later spec
-                rnd.joined.pop(peer, None)
-        if rnd.spec is None or peer not in {m.peer_id for m in rnd.spec.members}:
-            return {"ok": False, "reason": "group was not formed"}
-        # The members' addresses, so that members that never read each other's registration
-        # (a reader polls some of the key's holders) can still dial each other.
-        addrs = {p: rnd.addrs[p] for p in rnd.joined if p != peer and rnd.addrs.get(p)}
-        return {"ok": True, "spec": rnd.spec.to_bytes(), "addrs": addrs, "cross": rnd.cross}
 
     @property
     def max_wait(self) -> float:
@@ -487,60 +376,6 @@ class Matchmaker:
             self._remember(epoch, False)
         return True
 
-    async def _lead(
-        self, slot: Slot, me: Member, window: float, cap: int, *, expected: set[str]
-    ) -> GroupSpec | None:
-        """Accept joins for one window, and longer (up to :attr:`member_wait`) while an
-        expected member (one that registered in our group) has not joined yet."""
-        epoch = slot[0]
-        rnd = _LeaderRound(slot, me, cap, cross=self.needs_cross(epoch) if slot[1] == 0 else False)
-        rnd.expected = expected
-        started = trio.current_time()
-        self._rounds[slot] = rnd
-        for old in [s for s in self._rounds if s[0] < epoch - 2]:
-            del self._rounds[old]
-        self._opened(slot).set()
-        try:
-            # Close as soon as every peer we saw registered has joined; otherwise keep the
-            # door open for one window for peers we did not see, and longer (bounded) for
-            # those we did.
-            # Level 1 waits longer: the other groups' means come when their rounds end.
-            with trio.move_on_after(self.member_wait if slot[1] == 0 else self.max_wait):
-                async with trio.open_nursery() as nursery:
-                    nursery.start_soon(self._ask_missing, rnd, window)
-                    while True:
-                        rnd.expected = {p for p in rnd.expected if not self.moved_on(p, epoch)}
-                        if rnd.expected <= set(rnd.joined) and (
-                            rnd.expected or trio.current_time() - started >= window
-                        ):
-                            break
-                        with trio.move_on_after(window / 4):
-                            await rnd.changed.wait()
-                        rnd.changed = trio.Event()
-                    nursery.cancel_scope.cancel()
-            rnd.open = False
-            missing = rnd.expected - set(rnd.joined)
-            if missing:
-                log.info(
-                    "epoch %d: closing the group after %.1f s without %d registered peer(s) "
-                    "that did not join (%s)",
-                    epoch,
-                    trio.current_time() - started,
-                    len(missing),
-                    ", ".join(sorted(p[:8] for p in missing)),
-                )
-            if rnd.joined:
-                members = [me, *(rnd.joined[p] for p in sorted(rnd.joined))]
-                spec = GroupSpec(tuple(members), group_id=self._group_id(slot))
-                rnd.spec = spec.with_parts()
-            return rnd.spec
-        except GroupError as e:
-            log.warning("could not form a group at epoch %d: %s", epoch, e)
-            return None
-        finally:
-            rnd.open = False
-            rnd.formed.set()
-
     async def _lead_or_join(
         self,
         slot: Slot,
@@ -622,37 +457,6 @@ class Matchmaker:
                     for peer in sorted(missing):
                         nursery.start_soon(ask, peer)
             await trio.sleep(window)
-
-    async def _ask_missing(self, rnd: _LeaderRound, window: float) -> None:
-        """A window after opening, ask each expected member that has not joined whom it
-        follows; stop waiting for those that follow someone else, average alone, or cannot be
-        reached. Views of the registrations differ (a late registration, another count of
-        groups), and without this the leader waited ``member_wait`` for each such member."""
-        await trio.sleep(window)
-        asked: set[str] = set()
-
-        async def ask(peer: str) -> None:
-            try:
-                answer = await self._ask_leader(rnd.slot, peer, window)
-            except P2PError as e:
-                log.debug(
-                    "member %s of epoch %d did not say whom it follows: %s", peer, rnd.slot[0], e
-                )
-                answer = {"decided": True, "leader": None}
-            decided = isinstance(answer, dict) and answer.get("decided") is True
-            if decided and answer.get("leader") != self.peer_id:
-                rnd.expected.discard(peer)
-                rnd.changed.set()
-
-        while True:
-            missing = rnd.expected - set(rnd.joined) - asked
-            if missing:
-                async with trio.open_nursery() as nursery:
-                    for peer in sorted(missing):
-                        asked.add(peer)
-                        nursery.start_soon(ask, peer)
-            await trio.sleep(window / 2)
-            asked -= {p for p in asked if p in rnd.expected}  # undecided: ask again
 
     async def _follow(
         self, slot: Slot, me: Member, leader: str, window: float, *, hops: int = 0
@@ -744,15 +548,3 @@ class Matchmaker:
     def _group_id(self, slot: Slot) -> bytes:
         epoch, level = slot
         return f"{self.run_id}:{epoch}:{'x:' if level else ''}{self.peer_id}".encode()
-
-
-def member_for(
-    peer_id: str, mode: str, upload_bps: float, download_bps: float, weight: float
-) -> Member:
-    """This peer's member entry; infinite or unknown bandwidths become a large finite value."""
-    big = 1e12
-
-    def finite(x: float) -> float:
-        return big if not math.isfinite(x) or x <= 0 else float(x)
-
-    return Member(peer_id, mode, finite(upload_bps), finite(download_bps), float(weight))

@@ -22,7 +22,8 @@ from dedloc_jax.averaging import GroupSpec, Member, all_reduce
 from dedloc_jax.averaging.errors import AveragingError
 from dedloc_jax.collaboration import open_collaboration
 from dedloc_jax.config import CollaborationConfig
-from dedloc_jax.matchmaking import JOIN, _member_to_wire
+from dedloc_jax.matchmaking_wire import JOIN
+from dedloc_jax.matchmaking_wire import member_to_wire as _member_to_wire
 from dedloc_jax.state_sync import MANIFEST
 from dedloc_jax.tracker import progress_key
 from p2p.dht import DHTConfig, InvalidRecordError

@@ -1,0 +1,64 @@
+"""What matchmaking peers send each other: RPC names, the DHT key of an epoch's registrations,
+slots, and members on the wire. Pure: no I/O."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from dedloc_jax.averaging.errors import GroupError
+from dedloc_jax.averaging.group import Member
+
+JOIN = "collab.join"
+LEADER = "collab.leader"
+"""Asked by a leader of a member it expected that has not joined: whom do you follow?"""
+
+
+def group_key(run_id: str, epoch: int, level: int = 0) -> str:
+    return f"{run_id}.group.{epoch}" + (".x" if level else "")
+
+
+Slot = tuple[int, int]
+"""(epoch, level): one group formation."""
+
+
+def slot_of(request: Any) -> Slot:
+    """The epoch and level a join or leader query is about (level 0 when left out)."""
+    if not isinstance(request, dict) or not isinstance(request.get("epoch"), int):
+        raise ValueError("a matchmaking request is a map with an integer epoch")
+    level = request.get("level", 0)
+    if level not in (0, 1) or isinstance(level, bool):
+        raise ValueError(f"matchmaking level must be 0 or 1, got {level!r}")
+    return request["epoch"], level
+
+
+def member_to_wire(m: Member) -> dict[str, Any]:
+    return {
+        "mode": m.mode,
+        "up": float(m.upload_bps),
+        "down": float(m.download_bps),
+        "weight": float(m.weight),
+    }
+
+
+def member_from_wire(peer_id: str, msg: Any) -> Member:
+    if not isinstance(msg, dict):
+        raise GroupError("a member description is a map")
+    try:
+        return Member(peer_id, msg["mode"], msg["up"], msg["down"], msg["weight"])
+    except KeyError as e:
+        raise GroupError(f"member description misses {e}") from None
+    except TypeError as e:
+        raise GroupError(f"malformed member description: {e}") from None
+
+
+def member_for(
+    peer_id: str, mode: str, upload_bps: float, download_bps: float, weight: float
+) -> Member:
+    """This peer's member entry; infinite or unknown bandwidths become a large finite value."""
+    big = 1e12
+
+    def finite(x: float) -> float:
+        return big if not math.isfinite(x) or x <= 0 else float(x)
+
+    return Member(peer_id, mode, finite(upload_bps), finite(download_bps), float(weight))
