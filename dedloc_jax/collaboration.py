@@ -36,7 +36,7 @@ from dedloc_jax.host import AveragingOutcome
 from dedloc_jax.matchmaking import Matchmaker
 from dedloc_jax.matchmaking_wire import member_for
 from dedloc_jax.progress import CollaborationEstimate, estimate_collaboration, refresh_delay
-from dedloc_jax.state_sync import StateServer, download_state, state_forked
+from dedloc_jax.state_sync import StateServer, download_manifest_state, state_forked
 from dedloc_jax.timing import averaging_timeout, matchmaking_window
 from dedloc_jax.tracker import ProgressTracker
 from p2p.dht import DHTClock, DHTConfig, open_dht
@@ -383,13 +383,15 @@ class CollaborationCore:
         await self.state_server.announce()
 
     async def load_state(self, *, timeout: float = 60.0) -> tuple[int, list[np.ndarray]]:
-        epoch, arrays, donors = await download_state(
+        manifest, arrays, donors = await download_manifest_state(
             self.node,
             self.dht,
             self.run_id,
             timeout=timeout,
             request_timeout=self.config.rpc_timeout,
         )
+        epoch = manifest.epoch
+        self.state_server.adopt(epoch, manifest.digest)
         log.info("loaded the state of epoch %d from %d donors", epoch, donors)
         self.epoch = epoch
         self.tracker.set_epoch(epoch)

@@ -1,6 +1,7 @@
 """State sync: up-to-date peers serve their state; newcomers download it, verified.
 
-Donors announce ``{epoch, digest}`` under ``<run_id>.state`` (one signed subkey each) and
+Donors announce ``{epoch, digest, lineage}`` under ``<run_id>.state`` (one signed subkey
+each; ``lineage`` is the digests of the states it descends from, newest first) and
 answer two RPCs: the manifest of a digest, and one chunk of it. A newcomer picks the newest
 epoch that donors announce, fetches the manifest, checks that its digest is the announced one,
 then fetches chunks from all donors of that digest at once, checks each chunk against the
@@ -11,7 +12,8 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -25,7 +27,7 @@ from dedloc_jax.state_chunks import (
     pack_state,
     plan_downloads,
 )
-from p2p.dht import DHT, InvalidRecordError
+from p2p.dht import DHT, InvalidRecordError, follower_replicas
 from p2p.dht.records import owner_marker, owner_markers
 from p2p.errors import P2PError
 from p2p.identity import PeerID
@@ -37,6 +39,28 @@ log = logging.getLogger(__name__)
 MANIFEST = "collab.state.manifest"
 CHUNK = "collab.state.chunk"
 _KEEP = 2  # snapshots kept, so a download started before our last step can finish
+LINEAGE = 4
+"""Ancestors an announcement names: a peer that checks its state a few epochs after the
+others moved on still counts them for the lineage they descend from."""
+_MAX_DIGEST = 64
+
+
+@dataclass(frozen=True)
+class Announcement:
+    """One peer's announced state: its epoch and digest, and the digests of the states it
+    descends from (its ``lineage``, newest first; empty when unknown, e.g. after a load)."""
+
+    peer: PeerID
+    epoch: int
+    digest: bytes
+    lineage: tuple[bytes, ...] = ()
+
+    def digest_at(self, epoch: int) -> bytes | None:
+        """The digest of this lineage's state at ``epoch`` (an ancestor's), if known."""
+        back = self.epoch - epoch
+        if back == 0:
+            return self.digest
+        return self.lineage[back - 1] if 0 < back <= len(self.lineage) else None
 
 
 class StateSyncError(RuntimeError):
@@ -58,6 +82,10 @@ class StateServer:
         self.ttl = ttl
         self._snapshots: dict[bytes, tuple[StateManifest, bytes]] = {}
         self.latest: StateManifest | None = None
+        self.lineage: tuple[bytes, ...] = ()  # the digests ``latest`` descends from
+        # The state this peer trains on: (epoch, digest), set by set_state and by a download
+        # (adopt); the next step's state descends from it.
+        self._head: tuple[int, bytes] | None = None
         self.announced_at = -float("inf")  # trio time of the last announcement that went out
         self.chunks_served = 0
         # Private runs (dedloc_jax.access): raises ValueError unless the peer may take part.
@@ -72,8 +100,21 @@ class StateServer:
         self._snapshots[manifest.digest] = (manifest, buffer)
         while len(self._snapshots) > _KEEP:
             del self._snapshots[next(iter(self._snapshots))]
+        head = self._head
+        if head is not None and head[0] == epoch - 1:
+            self.lineage = (head[1], *self.lineage)[:LINEAGE]  # a step from it
+        elif head != (epoch, manifest.digest):
+            self.lineage = ()  # whose descendant it is, we do not know
+        self._head = (epoch, manifest.digest)
         self.latest = manifest
         return manifest
+
+    def adopt(self, epoch: int, digest: bytes) -> None:
+        """We now train on another peer's state (``digest`` of ``epoch``, downloaded): our
+        next step descends from it, not from what we served."""
+        if self._head != (epoch, digest):
+            self._head = (epoch, digest)
+            self.lineage = ()
 
     async def announce(self) -> None:
         if self.latest is None:
@@ -84,10 +125,15 @@ class StateServer:
                 {
                     "epoch": self.latest.epoch,
                     "digest": self.latest.digest,
+                    "lineage": list(self.lineage),
                     "addrs": [str(a) for a in self.node.addrs],
                 },
                 self.dht.now() + self.ttl,
                 subkey=owner_marker(self.node.peer_id),
+                # Every peer re-announces each epoch, and a fork check reads all the key's
+                # nearest nodes: a few replicas suffice (all ``replication`` of them made
+                # these stores a quarter of a 100-peer soak's RPCs).
+                replicas=follower_replicas(self.dht.config),
             )
             self.announced_at = trio.current_time()
         except (P2PError, InvalidRecordError) as e:
@@ -140,7 +186,8 @@ def on_minority_fork(others: Mapping[tuple[int, bytes], int], epoch: int, digest
     Two lineages of one epoch exist after a partition (each side averaged apart) or a group
     split; they never merge by themselves, since averaging gradients keeps parameters apart.
     The one more peers hold wins; of two held by as many, the smaller digest, so exactly one
-    side of a tie moves. ``others`` counts the other peers announcing each (epoch, digest).
+    side of a tie moves. ``others`` counts the other peers holding each (epoch, digest),
+    themselves or as an ancestor of their state (:func:`lineage_counts`).
     """
     mine = others.get((epoch, digest), 0) + 1
     return any(
@@ -149,29 +196,62 @@ def on_minority_fork(others: Mapping[tuple[int, bytes], int], epoch: int, digest
     )
 
 
+def lineage_counts(announcements: Iterable[Announcement], epoch: int) -> Counter:
+    """(epoch, digest) -> how many announcing peers hold that state of ``epoch`` or a
+    descendant of it. Peers that moved on replaced their announcement of ``epoch``: counting
+    only announcements of ``epoch`` made a late check lose to the few that had not, and a peer
+    on a lost lineage win once the winners had moved on."""
+    counts: Counter = Counter()
+    for a in announcements:
+        d = a.digest_at(epoch)
+        if d is not None:
+            counts[(epoch, d)] += 1
+    return counts
+
+
 async def state_forked(node: Any, dht: DHT, run_id: str, epoch: int, digest: bytes) -> bool:
-    """:func:`on_minority_fork` over the states peers announce now."""
-    offers = await _offers(node, dht, run_id, whole=True)
-    return on_minority_fork({k: len(v) for k, v in offers.items()}, epoch, digest)
+    """:func:`on_minority_fork` over the states peers announce now and their lineages."""
+    announced = await _announcements(node, dht, run_id, whole=True)
+    return on_minority_fork(lineage_counts(announced, epoch), epoch, digest)
 
 
 async def _offers(
     node: Any, dht: DHT, run_id: str, *, whole: bool = False
 ) -> dict[tuple[int, bytes], list[PeerID]]:
-    """Every announced state: (epoch, digest) -> the peers announcing it (not this one).
-    ``whole`` asks all the key's nearest nodes: counting lineages needs every announcement,
-    and after a partition each side's went to the nodes that side could reach."""
-    value = await dht.get(state_key(run_id), quorum=0 if whole else None)
+    """Every announced state: (epoch, digest) -> the peers announcing it (not this one)."""
     offers: dict[tuple[int, bytes], list[PeerID]] = {}
+    for a in await _announcements(node, dht, run_id, whole=whole):
+        offers.setdefault((a.epoch, a.digest), []).append(a.peer)
+    return offers
+
+
+async def _announcements(
+    node: Any, dht: DHT, run_id: str, *, whole: bool = False
+) -> list[Announcement]:
+    """Every other peer's announced state (malformed ones are skipped and logged).
+    ``whole`` asks all the key's nearest nodes: counting lineages needs every announcement,
+    and after a partition each side's went to the nodes that side could reach. It repairs
+    nothing: every peer re-announces each epoch."""
+    value = await dht.get(state_key(run_id), quorum=0 if whole else None, repair=not whole)
+    found: list[Announcement] = []
     if not isinstance(value, dict):
-        return offers
+        return found
     for subkey, item in value.items():
         names = owner_markers(subkey)
         v = item.value
         if len(names) != 1 or names[0] == str(node.peer_id) or not isinstance(v, dict):
             continue
         epoch, digest, addrs = v.get("epoch"), v.get("digest"), v.get("addrs", [])
-        if not (isinstance(epoch, int) and isinstance(digest, bytes) and isinstance(addrs, list)):
+        lineage = v.get("lineage", [])
+        if not (
+            isinstance(epoch, int)
+            and isinstance(digest, bytes)
+            and isinstance(addrs, list)
+            and isinstance(lineage, list)
+            and len(lineage) <= LINEAGE
+            and all(isinstance(d, bytes) and len(d) <= _MAX_DIGEST for d in lineage)
+        ):
+            log.info("ignoring a malformed state offer of %s", names[0][:8])
             continue
         try:
             pid = PeerID.from_base58(names[0])
@@ -179,8 +259,8 @@ async def _offers(
         except (P2PError, TypeError) as e:
             log.info("ignoring a malformed state offer: %s", e)
             continue
-        offers.setdefault((epoch, digest), []).append(pid)
-    return offers
+        found.append(Announcement(pid, epoch, digest, tuple(lineage)))
+    return found
 
 
 async def _latest_manifests(
@@ -212,6 +292,21 @@ async def download_state(
     request_timeout: float = 10.0,
 ) -> tuple[int, list[np.ndarray], int]:
     """Download the newest state; returns (epoch, arrays, number of donors used)."""
+    manifest, arrays, used = await download_manifest_state(
+        node, dht, run_id, timeout=timeout, request_timeout=request_timeout
+    )
+    return manifest.epoch, arrays, used
+
+
+async def download_manifest_state(
+    node: Any,
+    dht: DHT,
+    run_id: str,
+    *,
+    timeout: float = 60.0,
+    request_timeout: float = 10.0,
+) -> tuple[StateManifest, list[np.ndarray], int]:
+    """:func:`download_state`, with the downloaded state's manifest instead of its epoch."""
     with trio.move_on_after(timeout) as scope:
         found = await find_donors(node, dht, run_id)
         if found is None:
@@ -270,6 +365,6 @@ async def download_state(
                 for donor, indices in plan.items():
                     nursery.start_soon(fetch, donor, indices)
             live = [d for d in live if str(d) not in failed]
-        return manifest.epoch, assembler.arrays(), len(used)
+        return manifest, assembler.arrays(), len(used)
     assert scope.cancelled_caught
     raise StateSyncError(f"state download did not finish within {timeout} s")

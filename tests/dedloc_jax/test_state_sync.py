@@ -5,12 +5,16 @@ import pytest
 import trio
 
 from dedloc_jax.state_sync import (
+    LINEAGE,
+    Announcement,
     StateServer,
     StateSyncError,
     download_state,
+    lineage_counts,
     on_minority_fork,
     state_forked,
 )
+from p2p.identity import Identity, PeerID
 from p2p.testing import SimNetwork, host_of, run_sim
 from tests.dedloc_jax.simcollab import open_sim_dhts
 
@@ -18,6 +22,10 @@ from tests.dedloc_jax.simcollab import open_sim_dhts
 def _state(epoch: int) -> list[np.ndarray]:
     rng = np.random.default_rng(epoch)
     return [rng.normal(size=(300, 70)).astype(np.float32), np.array(epoch, np.int32)]
+
+
+def _pid() -> PeerID:
+    return Identity.generate().peer_id
 
 
 def _servers(peers, donors: range) -> list[StateServer]:
@@ -120,5 +128,66 @@ def test_after_a_healed_partition_the_minority_side_finds_its_state_lost() -> No
             node, dht = peers[5]
             epoch, arrays, _ = await download_state(node, dht, "run", timeout=60.0)
             assert epoch == 7 and arrays[0].tobytes() == _state(7)[0].tobytes()
+
+    run_sim(main)
+
+
+def test_a_lineage_counts_the_peers_that_moved_on_from_it() -> None:
+    a, b, c = b"\x01" * 32, b"\x02" * 32, b"\x03" * 32
+    pid = _pid()
+    moved_on = [Announcement(pid, 8, c, (b,)), Announcement(pid, 9, c, (c, b, a))]
+    # Both descend from b at epoch 7; the second also from a at epoch 6.
+    assert lineage_counts(moved_on, 7) == {(7, b): 2}
+    assert lineage_counts(moved_on, 6) == {(6, a): 1}
+    assert lineage_counts(moved_on, 3) == {}  # further back than announcements name
+    # We and one other peer hold a at epoch 7, three moved on from b: a lost.
+    held = [Announcement(pid, 7, a)]
+    counts = lineage_counts([*held, *moved_on, Announcement(pid, 10, c, (c, c, b))], 7)
+    assert on_minority_fork(counts, 7, a)
+    assert not on_minority_fork(counts, 7, b)
+
+
+def test_the_lineage_follows_steps_and_restarts_at_a_loaded_state() -> None:
+    async def main() -> None:
+        net = SimNetwork(seed=5)
+        async with open_sim_dhts(net, 2) as peers:
+            (server,) = _servers(peers, range(1))
+            digests = [server.set_state(_state(e), epoch=e).digest for e in range(6)]
+            assert server.lineage == tuple(digests[4::-1][:LINEAGE])
+            server.set_state(_state(5), epoch=5)  # the same state again: same lineage
+            assert server.lineage == tuple(digests[4::-1][:LINEAGE])
+            server.set_state(_state(50), epoch=5)  # another state of our epoch: unknown
+            assert server.lineage == ()
+            server.adopt(5, b"\x07" * 32)  # downloaded: the next step descends from it
+            server.set_state(_state(6), epoch=6)
+            assert server.lineage == (b"\x07" * 32,)
+            server.set_state(_state(9), epoch=9)  # a jump: not a step from what we held
+            assert server.lineage == ()
+
+    run_sim(main)
+
+
+def test_a_late_check_loses_to_the_peers_that_stepped_on_from_the_other_lineage() -> None:
+    """Three peers on lineage x stepped to epoch 8 (their announcements of epoch 7 are gone),
+    two still serve lineage y at epoch 7: y lost, though at epoch 7 alone it leads 2 to 0."""
+
+    async def main() -> None:
+        net = SimNetwork(seed=6)
+        async with open_sim_dhts(net, 6) as peers:
+            servers = _servers(peers, range(5))
+            for i, server in enumerate(servers):
+                server.set_state(_state(7 if i < 3 else 70), epoch=7)
+                if i < 3:
+                    server.set_state(_state(8), epoch=8)
+                await server.announce()
+            y = servers[3].latest
+            assert y is not None and y.epoch == 7
+            for i in (3, 4):
+                node, dht = peers[i]
+                assert await state_forked(node, dht, "run", 7, y.digest), i
+            node, dht = peers[0]
+            assert servers[0].lineage and not await state_forked(
+                node, dht, "run", 8, servers[0].latest.digest
+            )
 
     run_sim(main)

@@ -44,3 +44,28 @@ def test_a_frequent_writer_skips_the_lookup_until_a_target_fails_or_the_ttl_ends
             assert (await reader.get("progress")).value == {"n": 5}
 
     run_sim(main)
+
+
+def test_a_whole_read_locates_the_key_for_the_next_store_and_repairs_only_when_asked() -> None:
+    async def main() -> None:
+        async with dht_swarm(26, seed=8, config=CONFIG) as swarm:
+            writer, reader = swarm.dhts[2], swarm.dhts[17]
+            await writer.store("state", {"e": 1}, writer.now() + 600, subkey="w", replicas=2)
+            holders = [d for d in swarm.dhts if "state" in d.storage]
+            assert 1 <= len(holders) <= 2
+            stats = reader.protocol.stats
+            before = stats["dht.store"]
+            assert (await reader.get("state", quorum=0, repair=False))["w"].value == {"e": 1}
+            await trio.sleep(1.0)  # repairs would run in the background now
+            assert stats["dht.store"] == before
+            assert [d for d in swarm.dhts if "state" in d.storage] == holders
+            # The whole read found the key's nearest nodes: a store of it needs no lookup.
+            finds = stats["dht.find"]
+            await reader.store("state", {"e": 2}, reader.now() + 600, subkey="r")
+            assert stats["dht.find"] == finds
+            # By default a read gives the nodes that lack records what they miss.
+            await reader.get("state", quorum=0)
+            await trio.sleep(1.0)
+            assert len([d for d in swarm.dhts if "state" in d.storage]) > len(holders)
+
+    run_sim(main)

@@ -218,3 +218,28 @@ def test_blacklist_backs_off_exponentially() -> None:
     assert bl.is_banned("p", 23.9) and not bl.is_banned("p", 24.0)
     bl.succeeded("p")
     assert bl.failures("p") == 0 and not bl.is_banned("p", 0.0)
+
+
+def test_a_full_bucket_pings_its_oldest_entry_only_when_it_was_not_heard_from_lately() -> None:
+    from p2p.dht.protocol import LIVE_FOR
+
+    async def main() -> None:
+        proto = make_protocol()
+        proto.routing.k = 2  # small buckets fill after a few peers
+        checked: list[PeerID] = []
+        proto._check_eviction = lambda lrs: checked.append(lrs.peer)  # type: ignore[method-assign]
+        peers = [Identity.from_seed(f"p{i}".encode()).peer_id for i in range(40)]
+        async with trio.open_nursery() as nursery:
+            proto.nursery = nursery
+            for p in peers:
+                proto.peer_seen(p, (), client=False)
+            waiting = [p for p in peers if proto.routing.get(p) is None]
+            assert waiting  # some buckets were full: those peers wait as replacements
+            assert checked == []  # everyone in the table was heard from just now
+            await trio.sleep(LIVE_FOR + 1)
+            for p in waiting:
+                proto.peer_seen(p, (), client=False)
+            assert checked and all(proto.routing.get(p) is not None for p in checked)
+            nursery.cancel_scope.cancel()
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
