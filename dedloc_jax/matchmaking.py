@@ -172,10 +172,13 @@ class Matchmaker(Leading):
         for it held whole groups of a 200-peer run for 15-30 s per epoch."""
         return min(self.max_wait, 4 * self.window + 2.0)
 
-    async def _registrations(self, registry: KeyFollower) -> dict[str, Member]:
-        """Registered peers at this epoch (level) and what each brings."""
+    async def _registrations(
+        self, registry: KeyFollower, *, sweep: bool = False
+    ) -> dict[str, Member]:
+        """Registered peers at this epoch (level) and what each brings; ``sweep`` reads all
+        the key's holders (before a decision, when expected peers are missing)."""
         try:
-            value = await registry.get()
+            value = await registry.get(sweep=sweep)
         except P2PError as e:
             log.warning("could not read matchmaking registrations: %s", e)
             return {}
@@ -265,6 +268,12 @@ class Matchmaker(Leading):
             # register, but on a busy machine it may notice the target a window late.
             limit = 2 * window if expected else window
             if everyone or trio.current_time() - start >= limit:
+                if not everyone:
+                    # Deciding without some: first read every holder of the key. The one a
+                    # read asks may lack registrations the others hold (in a fault-free
+                    # 180-peer epoch some peers read 8 of 179 and waited out max_wait).
+                    others = await self._registrations(registry, sweep=True)
+                    everyone = bool(expected) and expected <= set(others)
                 break
         if expected and not everyone:
             log.debug(
@@ -298,7 +307,7 @@ class Matchmaker(Leading):
                 )
             while short_of_target():
                 await trio.sleep(window / 2)
-                others = await self._registrations(registry) | probed
+                others = await self._registrations(registry, sweep=True) | probed
                 if self._too_late(slot, expected):
                     too_late = True
                     break

@@ -86,17 +86,20 @@ class KeyFollower:
         """The nodes read from now (nearest to the key first)."""
         return [c.peer for c in self._holders]
 
-    async def get(self) -> object:
+    async def get(self, *, sweep: bool = False) -> object:
         """Like ``DHT.get``: a ValueWithExpiration, a ``{subkey: ValueWithExpiration}`` for a
-        dictionary, or None."""
-        return decode_view(await self.read())
+        dictionary, or None. ``sweep`` reads every holder this time (see :meth:`read`)."""
+        return decode_view(await self.read(sweep=sweep))
 
-    async def read(self) -> View | None:
-        """Bring the view up to date and return it (a dictionary is a fresh copy)."""
+    async def read(self, *, sweep: bool = False) -> View | None:
+        """Bring the view up to date and return it (a dictionary is a fresh copy). A read
+        asks one holder, and all of them every ``sweep_every`` reads or when ``sweep`` is
+        set: for a reader that must not miss records a holder lacks (writers store on the
+        nearest nodes they found, and their views of the nearest differ)."""
         due = trio.current_time() - self._located_at >= self.relocate_interval
         if due or len(self._holders) < self.wanted:
             await self._relocate()
-        turn = self._reads % self.sweep_every
+        turn = 0 if sweep else self._reads % self.sweep_every
         self._reads += 1
         if self._holders:
             one = [self._holders[self._pick % len(self._holders)]]

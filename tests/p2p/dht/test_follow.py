@@ -223,3 +223,24 @@ def test_a_get_with_quorum_zero_reads_a_dictionary_split_over_the_nearest_nodes(
             assert whole["a"].value == 1 and whole["b"].value == 2
 
     run_sim(main)
+
+
+def test_a_sweep_reads_a_record_that_only_another_holder_has() -> None:
+    """Between sweeps a follower asks one holder; a record stored on another holder only (its
+    writer's view of the nearest nodes differed) is missed until ``sweep`` asks them all."""
+
+    async def main() -> None:
+        async with dht_swarm(24, seed=5) as swarm:
+            reader = swarm.dhts[21]
+            follower = reader.follow("regs", holders=3, sweep_every=100)
+            assert await follower.get() is None  # the first read locates and sweeps
+            assert len(follower.holders) == 3
+            asked = follower.holders[follower._pick % 3]
+            other = next(
+                d for d in swarm.dhts if d.peer_id in follower.holders and d.peer_id != asked
+            )
+            other.storage.store(Record("regs", "x", pack_value(1), other.now() + 600), other.now())
+            assert await follower.get() is None  # asked the one holder, which lacks it
+            assert (await follower.get(sweep=True))["x"].value == 1
+
+    run_sim(main)
