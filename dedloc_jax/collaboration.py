@@ -397,15 +397,23 @@ class CollaborationCore:
         self.tracker.set_epoch(epoch)
         return epoch, arrays
 
-    async def on_minority_fork(self) -> bool:
+    async def on_minority_fork(self, *, patience: float = 0.0) -> bool:
         """Whether the state we serve lost to another of the same epoch (a lineage more peers
         hold, see :func:`~dedloc_jax.state_sync.on_minority_fork`): then load theirs. Ask once
-        the others announced the epoch's state, e.g. when ready to average."""
+        the others announced the epoch's state, e.g. when ready to average; ``patience``:
+        seconds to keep asking while nobody else announced our epoch yet."""
         latest = self.state_server.latest
         if latest is None:
             return False
         try:
-            return await state_forked(self.node, self.dht, self.run_id, latest.epoch, latest.digest)
+            return await state_forked(
+                self.node,
+                self.dht,
+                self.run_id,
+                latest.epoch,
+                latest.digest,
+                patience=patience,
+            )
         except P2PError as e:
             log.warning("could not read the states others serve: %s", e)
             return False

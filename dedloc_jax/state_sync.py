@@ -209,10 +209,32 @@ def lineage_counts(announcements: Iterable[Announcement], epoch: int) -> Counter
     return counts
 
 
-async def state_forked(node: Any, dht: DHT, run_id: str, epoch: int, digest: bytes) -> bool:
-    """:func:`on_minority_fork` over the states peers announce now and their lineages."""
-    announced = await _announcements(node, dht, run_id, whole=True)
-    return on_minority_fork(lineage_counts(announced, epoch), epoch, digest)
+def fork_verdict(announced: Sequence[Announcement], epoch: int, digest: bytes) -> bool | None:
+    """:func:`on_minority_fork` over these announcements and their lineages; None when it
+    cannot tell yet: no other peer holds a state of our epoch (or its descendant) while some
+    still announce older ones (they are still averaging; a peer that stepped alone and asked
+    at once saw nobody to lose to, and trained an epoch on its own lineage)."""
+    counts = lineage_counts(announced, epoch)
+    if on_minority_fork(counts, epoch, digest):
+        return True
+    if not counts and any(a.epoch < epoch for a in announced):
+        return None
+    return False
+
+
+async def state_forked(
+    node: Any, dht: DHT, run_id: str, epoch: int, digest: bytes, *, patience: float = 0.0
+) -> bool:
+    """:func:`fork_verdict` over the states peers announce now; while it cannot tell, read
+    again (every second) for up to ``patience`` seconds, then answer False."""
+    deadline = trio.current_time() + patience
+    while True:
+        announced = await _announcements(node, dht, run_id, whole=True)
+        verdict = fork_verdict(announced, epoch, digest)
+        left = deadline - trio.current_time()
+        if verdict is not None or left <= 0:
+            return bool(verdict)
+        await trio.sleep(min(1.0, left))
 
 
 async def _offers(

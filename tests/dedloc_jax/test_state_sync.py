@@ -10,6 +10,7 @@ from dedloc_jax.state_sync import (
     StateServer,
     StateSyncError,
     download_state,
+    fork_verdict,
     lineage_counts,
     on_minority_fork,
     state_forked,
@@ -189,5 +190,46 @@ def test_a_late_check_loses_to_the_peers_that_stepped_on_from_the_other_lineage(
             assert servers[0].lineage and not await state_forked(
                 node, dht, "run", 8, servers[0].latest.digest
             )
+
+    run_sim(main)
+
+
+def test_a_check_cannot_tell_while_the_others_still_announce_older_epochs() -> None:
+    a, b = b"\x01" * 32, b"\x02" * 32
+    pid = _pid()
+    behind = [Announcement(pid, 6, a), Announcement(pid, 6, a)]
+    assert fork_verdict(behind, 7, b) is None  # they are still averaging epoch 6
+    assert fork_verdict([], 7, b) is False  # nobody else at all: nothing to lose to
+    assert fork_verdict([*behind, Announcement(pid, 7, b)], 7, b) is False
+    assert fork_verdict([*behind, Announcement(pid, 8, a, (a,))], 7, b) is True
+
+
+def test_a_patient_check_waits_for_the_others_to_announce_our_epoch() -> None:
+    """We stepped alone and ask at once: the others still serve epoch 6. An impatient check
+    says not lost; a patient one waits until they announce epoch 7, and finds ours lost."""
+
+    async def main() -> None:
+        net = SimNetwork(seed=7)
+        async with open_sim_dhts(net, 5) as peers:
+            servers = _servers(peers, range(4))
+            for server in servers[:3]:
+                server.set_state(_state(6), epoch=6)
+                await server.announce()
+            ours = servers[3].set_state(_state(60), epoch=7)
+            await servers[3].announce()
+            node, dht = peers[3]
+            assert not await state_forked(node, dht, "run", 7, ours.digest)
+
+            async def step_later() -> None:
+                await trio.sleep(3.0)
+                for server in servers[:3]:
+                    server.set_state(_state(7), epoch=7)
+                    await server.announce()
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(step_later)
+                started = trio.current_time()
+                assert await state_forked(node, dht, "run", 7, ours.digest, patience=10.0)
+                assert 3.0 <= trio.current_time() - started < 10.0
 
     run_sim(main)
