@@ -270,8 +270,8 @@ class Matchmaker(Leading):
             if everyone or trio.current_time() - start >= limit:
                 if not everyone:
                     # Deciding without some: first read every holder of the key. The one a
-                    # read asks may lack registrations the others hold (in a fault-free
-                    # 180-peer epoch some peers read 8 of 179 and waited out max_wait).
+                    # read asks may lack registrations the others hold (writers store on
+                    # the nearest nodes they found, and their views differ).
                     others = await self._registrations(registry, sweep=True)
                     everyone = bool(expected) and expected <= set(others)
                 break
