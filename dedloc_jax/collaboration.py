@@ -36,7 +36,12 @@ from dedloc_jax.host import AveragingOutcome
 from dedloc_jax.matchmaking import Matchmaker
 from dedloc_jax.matchmaking_wire import member_for
 from dedloc_jax.progress import CollaborationEstimate, estimate_collaboration, refresh_delay
-from dedloc_jax.state_sync import StateServer, download_manifest_state, state_forked
+from dedloc_jax.state_sync import (
+    StateServer,
+    download_manifest_state,
+    find_donors,
+    state_forked,
+)
 from dedloc_jax.timing import averaging_timeout, matchmaking_window
 from dedloc_jax.tracker import ProgressTracker
 from p2p.dht import DHTClock, DHTConfig, open_dht
@@ -396,6 +401,12 @@ class CollaborationCore:
         self.epoch = epoch
         self.tracker.set_epoch(epoch)
         return epoch, arrays
+
+    async def newest_state_epoch(self) -> int | None:
+        """The newest epoch another peer announces a state of, or None (nobody does): whether
+        a download would bring anything newer, for one DHT read."""
+        found = await find_donors(self.node, self.dht, self.run_id)
+        return None if found is None else found[0]
 
     async def on_minority_fork(self, *, patience: float = 0.0) -> bool:
         """Whether the state we serve lost to another of the same epoch (a lineage more peers

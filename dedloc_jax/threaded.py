@@ -218,6 +218,12 @@ class Collaboration:
         thread, core = self._core()
         return thread.run(functools.partial(core.load_state, timeout=timeout))
 
+    def newest_state_epoch(self) -> int | None:
+        """The newest epoch another peer announces a state of (None: nobody announces one).
+        Cheaper than a download: one DHT read."""
+        thread, core = self._core()
+        return thread.run(core.newest_state_epoch)
+
     def on_minority_fork(self) -> bool:
         """Whether the state this peer serves lost to another lineage of its epoch (more peers
         hold it): then load theirs (:func:`dedloc_jax.sync_state`). See the core's method."""

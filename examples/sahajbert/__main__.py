@@ -10,7 +10,9 @@ python -m examples.sahajbert finetune --task ner --checkpoint DIR
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import logging
+import signal
 import sys
 from pathlib import Path
 
@@ -252,6 +254,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     if role != "demo":
         logging.getLogger("examples").setLevel(logging.INFO)
+        # `kill -USR1 <pid>` prints every thread's stack: what a stuck peer is waiting on.
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
     if role == "demo":
         from examples.sahajbert.demo import run_demo
 
@@ -275,7 +279,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"stopped at epoch {result.epoch} after {result.samples} samples")
         return 0
     if role == "coordinator":
-        from examples.sahajbert.coordinator import CoordinatorOptions, run_coordinator
+        from examples.sahajbert.coordinator import (
+            CoordinatorOptions,
+            FinalStateMissing,
+            run_coordinator,
+        )
 
         opts = CoordinatorOptions(
             out_dir=args.out or Path("sahajbert-run"),
@@ -285,7 +293,11 @@ def main(argv: list[str] | None = None) -> int:
             exit_after_epoch=cfg.max_epochs,
             addr_file=args.addr_file,
         )
-        run_coordinator(cfg, net, opts)
+        try:
+            run_coordinator(cfg, net, opts)
+        except FinalStateMissing as e:
+            print(f"coordinator: {e}", file=sys.stderr)
+            return 1
         return 0
     from examples.sahajbert.aux import run_aux
 

@@ -20,6 +20,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import trio
+
 from examples.sahajbert import checkpoint, metrics, trainer, training
 from examples.sahajbert.config import NetConfig, TrainerConfig
 from examples.sahajbert.dashboard import Dashboard, clean_json
@@ -37,7 +39,13 @@ class CoordinatorOptions:
     dashboard_port: int = 0  # 0: any free port (printed)
     poll_interval: float = 0.5
     exit_after_epoch: int | None = None  # stop once this epoch is checkpointed (demo, tests)
+    final_wait: float = 120.0  # seconds to try for that epoch's state once the run reached it
+    read_timeout: float = 10.0  # one DHT read or write of the poll loop
     addr_file: Path | None = None  # write our dialable addresses here (for scripts)
+
+
+class FinalStateMissing(RuntimeError):
+    """The run reached the last epoch, but no peer served its state in time."""
 
 
 class MetricsLog:
@@ -78,6 +86,8 @@ class Coordinator:
         self.log = MetricsLog(opts.out_dir)
         self.last_checkpoint: tuple[int, Path] | None = None
         self.started = time.monotonic()
+        self.newest_epoch = 0  # the highest collaboration epoch seen (the estimate may fall back)
+        self.final_seen_at: float | None = None  # when the run reached ``exit_after_epoch``
 
     def run(self) -> dict[str, Any]:
         training.enable_compilation_cache(self.cfg.work_dir / "jax-cache")
@@ -102,19 +112,17 @@ class Coordinator:
 
     def _poll(self, collab: Any, dash: Dashboard, addrs: list[str]) -> dict[str, Any]:
         while True:
-            try:
-                records = collab.run_async(metrics.fetch)
-            except RuntimeError as e:  # P2PError: the DHT could not be read this time
-                log.warning("could not read metrics: %s", e)
-                records = {}
+            records = self._fetch(collab)
             est = collab.estimate
             now = time.time()
             self.table.add(records, now=now)
             rows = self.table.ready(est.epoch)
             if rows:
                 self.log.write(rows)
-            due = self._checkpoint_due(est.epoch)
-            if due:
+            # Once the trainers leave, the estimate falls back to our own epoch; the newest
+            # epoch seen is what still has to be checkpointed.
+            self.newest_epoch = max(self.newest_epoch, est.epoch)
+            if self._checkpoint_due(self.newest_epoch):
                 self._checkpoint(collab)
             status = self._status(records, est, dash.url, addrs)
             dash.status = status
@@ -122,12 +130,47 @@ class Coordinator:
             final = self.opts.exit_after_epoch
             if final is not None and self.last_checkpoint and self.last_checkpoint[0] >= final:
                 time.sleep(1.0)  # the trainers' last metrics
-                self.table.add(collab.run_async(metrics.fetch), now=time.time())
+                self.table.add(self._fetch(collab), now=time.time())
                 self.log.write(self.table.flush())
                 status = self._status(records, est, dash.url, addrs)
                 _write_atomic(self.opts.out_dir / "status.json", json.dumps(clean_json(status)))
                 return status
+            self._check_final(final)
             time.sleep(self.opts.poll_interval)
+
+    def _fetch(self, collab: Any) -> dict[str, metrics.PeerMetrics]:
+        """Every peer's metrics, or none when the DHT does not answer within the read timeout
+        (a slow read must not hold back a checkpoint: trainers serve a final state only for
+        so long)."""
+        limit = self.opts.read_timeout
+
+        async def fetch(core: Any) -> dict[str, metrics.PeerMetrics]:
+            with trio.move_on_after(limit):
+                return await metrics.fetch(core)
+            log.warning("reading the metrics took over %.0f s; skipping this read", limit)
+            return {}
+
+        try:
+            return collab.run_async(fetch)
+        except RuntimeError as e:  # P2PError: the DHT could not be read this time
+            log.warning("could not read metrics: %s", e)
+            return {}
+
+    def _check_final(self, final: int | None) -> None:
+        """Give up, with :class:`FinalStateMissing`, when the run reached ``final`` but its
+        state could not be downloaded for ``final_wait`` seconds (e.g. every trainer left
+        before we got it): waiting on would wait forever."""
+        if final is None or self.newest_epoch < final:
+            return
+        now = time.monotonic()
+        if self.final_seen_at is None:
+            self.final_seen_at = now
+        elif now - self.final_seen_at > self.opts.final_wait:
+            got = self.last_checkpoint[0] if self.last_checkpoint else None
+            raise FinalStateMissing(
+                f"the run reached epoch {final}, but its state could not be downloaded within "
+                f"{self.opts.final_wait:.0f} s; the newest checkpoint is of epoch {got}"
+            )
 
     def _checkpoint_due(self, epoch: int) -> bool:
         done = self.last_checkpoint[0] if self.last_checkpoint else 0
@@ -139,11 +182,22 @@ class Coordinator:
     def _checkpoint(self, collab: Any) -> None:
         import dedloc_jax
 
+        done = self.last_checkpoint[0] if self.last_checkpoint else None
+        try:
+            newest = collab.newest_state_epoch()
+        except RuntimeError as e:  # P2PError: the DHT could not be read this time
+            log.warning("could not read the states peers serve: %s", e)
+            return
+        if newest is None or (done is not None and newest <= done):
+            return  # nothing newer to download (yet): the trainers announce after each step
         params, opt_state = self.template
         try:
             params, opt_state, epoch = dedloc_jax.sync_state(collab, params, opt_state, timeout=30)
         except (dedloc_jax.StateSyncError, ValueError) as e:
             log.warning("could not download the state to checkpoint: %s", e)
+            return
+        if done is not None and epoch <= done:
+            log.info("the state served is of epoch %d, already checkpointed", epoch)
             return
         path = checkpoint.save_checkpoint(
             self.ckpt_dir,
@@ -157,15 +211,16 @@ class Coordinator:
         dedloc_jax.share_state(collab, params, opt_state)  # serve it to newcomers too
 
         async def announce(core: Any) -> None:
-            await core.dht.store(
-                metrics.checkpoint_key(core.run_id),
-                {"epoch": epoch, "path": str(path)},
-                core.dht.now() + 3600,
-            )
+            with trio.fail_after(self.opts.read_timeout):
+                await core.dht.store(
+                    metrics.checkpoint_key(core.run_id),
+                    {"epoch": epoch, "path": str(path)},
+                    core.dht.now() + 3600,
+                )
 
         try:
             collab.run_async(announce)
-        except RuntimeError as e:
+        except (RuntimeError, trio.TooSlowError) as e:
             log.warning("could not announce the checkpoint: %s", e)
 
     def _status(self, records: dict, est: Any, url: str, addrs: list[str]) -> dict[str, Any]:

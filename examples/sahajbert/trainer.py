@@ -102,7 +102,7 @@ def run_trainer(
     net: NetConfig,
     *,
     final_params: Path | None = None,
-    linger: float = 30.0,
+    linger: float = 120.0,
 ) -> TrainerResult:
     """Train until ``cfg.max_epochs`` (forever when None); see the module docstring."""
 
@@ -356,7 +356,11 @@ def _loop(
 
 
 def _linger(collab: Any, epoch: int, seconds: float) -> None:
-    """Keep serving the final state until the coordinator has checkpointed it (or time is up)."""
+    """Keep serving the final state until the coordinator has checkpointed it (or time is up).
+    The coordinator downloads it from the trainers: in a CI run on a busy machine it had not
+    got it within the 30 s the trainers used to wait, and with every trainer gone it never
+    could."""
+    log.info("serving epoch %d until the coordinator saved it (at most %.0f s)", epoch, seconds)
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
         try:

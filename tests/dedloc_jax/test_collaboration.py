@@ -224,6 +224,7 @@ def test_a_lagging_peer_is_excluded_then_resyncs_from_the_others() -> None:
             await trio.sleep(5 * config.max_refresh)  # C reads the others' progress again
             out["c_behind"] = cores[2].behind
             out["c_epoch_before"] = epochs[2]
+            out["c_newest"] = await cores[2].newest_state_epoch()  # others', not its own
             epoch, arrays = await cores[2].load_state(timeout=60)
             params[2], epochs[2] = arrays[0], epoch
             out["c_loaded"] = (epoch, arrays[0].tobytes() == out["a_params"][epoch].tobytes())
@@ -236,6 +237,7 @@ def test_a_lagging_peer_is_excluded_then_resyncs_from_the_others() -> None:
 
     out = run_sim(main, seed=5)
     assert out["c_behind"] and out["c_epoch_before"] < 4
+    assert out["c_newest"] == 4
     assert out["c_loaded"] == (4, True)
     assert out["epochs"] == [6, 6, 6]
     assert out["final_equal"]
