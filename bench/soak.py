@@ -343,12 +343,15 @@ def run_soak(plan: SoakPlan) -> tuple[list[Log], dict]:
             if (not outcome.complete or lost) and others:
                 # Stepped alone (no group, or the all-reduce failed), or our group's mean missed
                 # the round across groups, while others trained; or stepped on a lineage that
-                # lost (averaging gradients never merges two): load their state unless it is
-                # older than ours.
-                await trio.sleep(0.5)
-                got = await download(core, log)
-                if got is not None and got[0] >= epoch + 1:
-                    epoch, params = got[0] - 1, got[1]
+                # lost (averaging gradients never merges two). Serve our state and wait for the
+                # others to announce theirs: load theirs if ours is a minority of the epoch.
+                # (Loading whatever was served half a second later often found only the last
+                # epoch's state: the peer kept its own, and trained the next epoch on it.)
+                await core.share_state([params], epoch + 1)
+                if await core.on_minority_fork(patience=FORK_CHECK_PATIENCE):
+                    got = await download(core, log)
+                    if got is not None and got[0] >= epoch + 1:
+                        epoch, params = got[0] - 1, got[1]
             log.rows.append(
                 {
                     "epoch": epoch,

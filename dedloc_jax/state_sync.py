@@ -211,15 +211,16 @@ def lineage_counts(announcements: Iterable[Announcement], epoch: int) -> Counter
 
 def fork_verdict(announced: Sequence[Announcement], epoch: int, digest: bytes) -> bool | None:
     """:func:`on_minority_fork` over these announcements and their lineages; None when it
-    cannot tell yet: no other peer holds a state of our epoch (or its descendant) while some
-    still announce older ones (they are still averaging; a peer that stepped alone and asked
-    at once saw nobody to lose to, and trained an epoch on its own lineage)."""
+    cannot tell yet: fewer peers (us included) hold a state of our epoch, or a descendant,
+    than still announce older epochs. Those are still averaging, and decide the count: a
+    peer that stepped alone and asked at once saw nobody to lose to and trained an epoch on
+    its own lineage; one that saw the first of the others lost or won a 1-1 tie by digest."""
     counts = lineage_counts(announced, epoch)
-    if on_minority_fork(counts, epoch, digest):
-        return True
-    if not counts and any(a.epoch < epoch for a in announced):
+    held = sum(counts.values()) + 1
+    older = sum(a.epoch < epoch for a in announced)
+    if held < older:
         return None
-    return False
+    return on_minority_fork(counts, epoch, digest)
 
 
 async def state_forked(

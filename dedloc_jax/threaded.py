@@ -224,11 +224,11 @@ class Collaboration:
         thread, core = self._core()
         return thread.run(core.newest_state_epoch)
 
-    def on_minority_fork(self) -> bool:
+    def on_minority_fork(self, *, patience: float = 0.0) -> bool:
         """Whether the state this peer serves lost to another lineage of its epoch (more peers
         hold it): then load theirs (:func:`dedloc_jax.sync_state`). See the core's method."""
         thread, core = self._core()
-        return thread.run(core.on_minority_fork)
+        return thread.run(functools.partial(core.on_minority_fork, patience=patience))
 
     @property
     def behind(self) -> bool:

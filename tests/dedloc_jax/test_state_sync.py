@@ -202,6 +202,14 @@ def test_a_check_cannot_tell_while_the_others_still_announce_older_epochs() -> N
     assert fork_verdict([], 7, b) is False  # nobody else at all: nothing to lose to
     assert fork_verdict([*behind, Announcement(pid, 7, b)], 7, b) is False
     assert fork_verdict([*behind, Announcement(pid, 8, a, (a,))], 7, b) is True
+    # Most peers still average epoch 6: the first of them at epoch 7 decide nothing, whichever
+    # way a 1-1 count would go (a < b < c).
+    c = b"\x03" * 32
+    behind3 = [*behind, Announcement(pid, 6, a)]
+    assert fork_verdict([*behind3, Announcement(pid, 7, a)], 7, b) is None
+    assert fork_verdict([*behind3, Announcement(pid, 7, c)], 7, b) is None
+    two = [Announcement(pid, 7, a), Announcement(pid, 8, c, (a,))]
+    assert fork_verdict([*behind3, *two], 7, b) is True  # 2 of 7 against our 1
 
 
 def test_a_patient_check_waits_for_the_others_to_announce_our_epoch() -> None:
