@@ -324,6 +324,9 @@ def _loop(
                 # it counts, and wait for the others to announce theirs: load theirs if ours
                 # is a minority of the epoch (loading what was served half a second later
                 # often found only the last epoch's state, and we went on on our own).
+                # (The pause: a peer that has not stepped since it joined announces nothing,
+                # and a check that sees nobody lets this one race on alone at once.)
+                time.sleep(0.5)
                 dedloc_jax.share_state(collab, params, opt_state)
                 if collab.on_minority_fork(patience=ALONE_PATIENCE):
                     log.warning("epoch %d: averaged alone; loading the others' state", epoch)
