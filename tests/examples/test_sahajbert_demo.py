@@ -43,8 +43,11 @@ def test_processes_train_together_and_loss_falls(short_demo) -> None:
     # (seen: 80 of 96), but never at one micro-batch (16).
     assert all(r["samples"] >= CFG.target_batch_size // 2 for r in result.rows), result.rows
     # The run waits for nobody: a trainer that finished starting first may take epoch 0 alone
-    # (the other then loads its state); from epoch 1 on both trainers step together.
-    assert all(r["peers"] == 2 for r in result.rows[1:]), [r["peers"] for r in result.rows]
+    # (the other then loads its state). The fast trainer fills an epoch alone in half a
+    # second, so one more epoch without the slow one (busy loading a state) is allowed; most
+    # are stepped together.
+    together = sum(r["peers"] == 2 for r in result.rows[1:])
+    assert together >= len(result.rows[1:]) - 1, [r["peers"] for r in result.rows]
     # the first step runs at learning rate 0 (warmup), so compare with the last epoch
     assert result.rows[-1]["loss"] < result.rows[0]["loss"] - 0.02
     assert result.plot is not None and result.plot.stat().st_size > 1000
