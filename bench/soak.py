@@ -60,7 +60,7 @@ LR = 0.01  # the soak's optimizer: plain SGD on the averaged gradient
 LINGER = 10.0  # virtual s a peer that finished serves its state before leaving
 LOAD_ATTEMPTS = 5  # state downloads until one of the newest epoch (1 s apart)
 FORK_CHECK_AFTER = 1.0  # virtual s into an epoch: the others have announced its state by then
-FORK_CHECK_PATIENCE = 10.0  # virtual s a check waits for a first other peer at its epoch
+FORK_CHECK_PATIENCE = 10.0  # virtual s a check waits for most peers to reach its epoch
 logger = logging.getLogger(__name__)
 
 
@@ -280,8 +280,8 @@ def run_soak(plan: SoakPlan) -> tuple[list[Log], dict]:
             checked: trio.Event | None = None  # set once this epoch's fork check answered
 
             async def check_fork(done: trio.Event) -> None:
-                # Patience: a peer that stepped alone finishes early and may ask before any
-                # other peer announced the epoch's state (it then trained an epoch alone).
+                # Patience: a peer that stepped alone finishes early and may ask before most
+                # other peers announced the epoch's state (it then trained an epoch alone).
                 verdicts.append(await core.on_minority_fork(patience=FORK_CHECK_PATIENCE))
                 done.set()
 

@@ -412,7 +412,8 @@ class CollaborationCore:
         """Whether the state we serve lost to another of the same epoch (a lineage more peers
         hold, see :func:`~dedloc_jax.state_sync.on_minority_fork`): then load theirs. Ask once
         the others announced the epoch's state, e.g. when ready to average; ``patience``:
-        seconds to keep asking while nobody else announced our epoch yet."""
+        seconds to keep asking while it cannot tell (see
+        :func:`~dedloc_jax.state_sync.fork_verdict`)."""
         latest = self.state_server.latest
         if latest is None:
             return False
