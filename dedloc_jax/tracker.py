@@ -23,7 +23,7 @@ from dedloc_jax.progress import (
     refresh_delay,
 )
 from p2p.dht import DHT, InvalidRecordError, follower_replicas
-from p2p.dht.records import owner_marker, owner_markers
+from p2p.dht.records import Record, owner_marker, owner_markers
 from p2p.errors import P2PError
 
 log = logging.getLogger(__name__)
@@ -64,6 +64,7 @@ class ProgressTracker:
         # peer reads the table about once a second, and each read of the whole table grows
         # with the number of peers.
         self._follower = dht.follow(progress_key(run_id))
+        self._parsed: dict[str, tuple[Record, PeerProgress | None]] = {}  # subkey -> last read
 
     # --- called by the collaboration (inside the trio loop) -------------------------------
     def report(self, epoch: int, samples: int, batch_size: int) -> None:
@@ -168,21 +169,25 @@ class ProgressTracker:
     async def fetch(self) -> CollaborationEstimate:
         started = trio.current_time()
         try:
-            value = await self._follower.get()
+            view = await self._follower.read()
         except P2PError as e:
             log.warning("could not read progress: %s", e)
-            value = None
+            view = None
         self.dht_latency += 0.2 * (trio.current_time() - started - self.dht_latency)
         records: dict[str, PeerProgress] = {}
-        if isinstance(value, dict):
-            for subkey, item in value.items():
-                names = owner_markers(subkey)
-                if len(names) != 1:
-                    continue
-                try:
-                    records[names[0]] = PeerProgress.from_record(names[0], item.value)
-                except ValueError as e:
-                    log.info("ignoring malformed progress of %s: %s", names[0], e)
+        parsed: dict[str, tuple[Record, PeerProgress | None]] = {}
+        if isinstance(view, dict):
+            for subkey, rec in sorted(view.items()):
+                # Most records did not change since the last read: parse only the new ones
+                # (parsing every peer's record on every read was a tenth of a soak's time).
+                known = self._parsed.get(subkey)
+                progress = (
+                    known[1] if known is not None and known[0] is rec else _parse(subkey, rec)
+                )
+                parsed[subkey] = (rec, progress)
+                if progress is not None:
+                    records[progress.peer_id] = progress
+        self._parsed = parsed
         self.records = records
         self.estimate = self.current_estimate()
         return self.estimate
@@ -230,3 +235,15 @@ class ProgressTracker:
             return True
         ahead = rate * min(self.estimate.eta, self.config.progress_ttl)
         return self.published_error() > max(self._batch / 2, ahead / 5)
+
+
+def _parse(subkey: str, rec: Record) -> PeerProgress | None:
+    """One peer's progress record, or None (malformed: logged and ignored)."""
+    names = owner_markers(subkey)
+    if len(names) != 1:
+        return None
+    try:
+        return PeerProgress.from_record(names[0], rec.decoded())
+    except ValueError as e:
+        log.info("ignoring malformed progress of %s: %s", names[0], e)
+        return None

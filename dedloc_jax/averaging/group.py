@@ -156,6 +156,16 @@ class GroupSpec:
             self._cache["parts"] = solve_shares(self.members).parts
         return self._cache["parts"]
 
+    def lower_bound(self, vector_bytes: int) -> float:
+        """The round's lower bound in seconds for the agreed split (the load-balancing model,
+        :func:`~dedloc_jax.averaging.load_balancing.predicted_time`), for a timeout: no LP
+        when the leader's spec carries the parts (solving one per member and round was 6% of
+        a 200-peer soak's time)."""
+        from .load_balancing import predicted_time
+
+        fractions = [p / FRACTION_GRID for p in self.share_parts()]
+        return predicted_time(self.members, fractions, vector_bytes)
+
     @property
     def reducers(self) -> tuple[int, ...]:
         """Indices of members that own a non-empty share fraction."""

@@ -14,6 +14,7 @@ Merge rules (the same on every node, so replicas converge whatever the order of 
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Any, TypeAlias
@@ -107,6 +108,7 @@ class KeyState:
     plain: Record | None = None
     subs: dict[str, Record] = field(default_factory=dict)
     nbytes: int = 0  # approximate memory held (values, subkeys, proofs)
+    soonest: float = math.inf  # no slot expires before this (a lower bound)
 
     def apply(self, rec: Record, max_subkeys: int) -> bool:
         """Take ``rec`` into its slot if newer; True when it is now part of the visible value."""
@@ -128,6 +130,7 @@ class KeyState:
                 self.nbytes += record_size(rec) - record_size(old)
             elif not rec.same_as(old):
                 return False
+        self.soonest = min(self.soonest, rec.expiration)
         return self.visible(rec)
 
     def view(self) -> View | None:
@@ -140,21 +143,30 @@ class KeyState:
         return subs or None
 
     def visible(self, rec: Record) -> bool:
-        view = self.view()
-        if isinstance(view, Record):
-            return view is rec or (rec.subkey is None and view.same_as(rec))
-        if view is None or rec.subkey is None:
+        """Whether ``rec`` is part of :meth:`view`, without building it: a subkey's record is
+        when it is held and outlives the plain value (building the view for each store made
+        a key with hundreds of subkeys cost the square of their number)."""
+        if rec.subkey is None:
+            view = self.view()
+            return isinstance(view, Record) and (view is rec or view.same_as(rec))
+        held = self.subs.get(rec.subkey)
+        if held is None or not held.same_as(rec):
             return False
-        held = view.get(rec.subkey)
-        return held is not None and held.same_as(rec)
+        return self.plain is None or held.expiration > self.plain.expiration
 
     def drop_expired(self, now: float) -> bool:
         """Forget expired slots; True when nothing is left."""
+        if now < self.soonest:
+            return self.plain is None and not self.subs
         if self.plain is not None and self.plain.expiration <= now:
             self.nbytes -= record_size(self.plain)
             self.plain = None
         for sub in [s for s, r in self.subs.items() if r.expiration <= now]:
             self.nbytes -= record_size(self.subs.pop(sub))
+        self.soonest = min(
+            (r.expiration for r in (self.plain, *self.subs.values()) if r is not None),
+            default=math.inf,
+        )
         return self.plain is None and not self.subs
 
 

@@ -103,3 +103,40 @@ def test_samples_toward_the_next_epoch_count_once_the_round_in_flight_ends() -> 
             assert (tracker.epoch, tracker.samples) == (5, 0)
 
     run_sim(main)
+
+
+def test_a_malformed_progress_record_is_ignored_until_its_owner_writes_a_good_one() -> None:
+    from dedloc_jax.tracker import progress_key
+    from p2p.dht.records import owner_marker
+
+    config = CollaborationConfig.local_demo(target_batch_size=500).replace(
+        min_refresh=0.25, max_refresh=1.0, progress_ttl=10.0
+    )
+
+    async def main() -> None:
+        net = SimNetwork(seed=2)
+        async with open_sim_dhts(net, 3, latency=0.005) as peers:
+            tracker = ProgressTracker(peers[0][1], "run", config, "node")
+            honest = ProgressTracker(peers[1][1], "run", config, "node")
+            honest.report(0, 40, 10)
+            await honest.publish()
+            bad = peers[2][1]
+
+            async def write(value: object) -> None:
+                mine = owner_marker(bad.peer_id)
+                await bad.store(progress_key("run"), value, bad.now() + 10.0, subkey=mine)
+
+            await write({"epoch": "three", "samples": 5})
+            await tracker.fetch()
+            assert set(tracker.records) == {honest.peer_id}
+            await tracker.fetch()  # read again: still ignored, the honest one still there
+            assert set(tracker.records) == {honest.peer_id}
+            good = {"epoch": 0, "samples": 30, "sps": 1.0, "time": bad.now(), "mode": "node"}
+            await write(good)
+            honest.report(0, 60, 10)
+            await honest.publish()
+            await tracker.fetch()
+            assert tracker.records[str(bad.peer_id)].samples == 30
+            assert tracker.records[honest.peer_id].samples == 60
+
+    run_sim(main)

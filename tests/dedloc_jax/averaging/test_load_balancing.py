@@ -136,3 +136,23 @@ def test_a_failing_lp_solve_never_fails_the_round(monkeypatch, failing_call):
     else:  # the first optimum: as fast as the full solve's
         monkeypatch.setattr(lb, "_solve_lp", real)
         assert sol.lower_bound(10**6) == pytest.approx(solve_shares(members).lower_bound(10**6))
+
+
+def test_a_group_bound_is_the_lp_bound_and_a_leader_spec_needs_no_lp(monkeypatch) -> None:
+    import dedloc_jax.averaging.load_balancing as lb
+
+    members = _nodes([10, 50, 200])
+    lp = solve_shares(members)
+    spec = GroupSpec(members, b"g").with_parts()
+    assert spec.lower_bound(10**6) == pytest.approx(lp.lower_bound(10**6), rel=1e-9)
+
+    def no_lp(*args):
+        raise AssertionError("the spec carries the parts: no LP")
+
+    monkeypatch.setattr(lb, "_solve_lp", no_lp)
+    received = GroupSpec(members, b"g", parts=spec.parts)  # as a member decodes it
+    assert received.lower_bound(10**6) == pytest.approx(lp.lower_bound(10**6), rel=1e-9)
+    # an equal split given by the leader is slower: the bound follows the spec's parts
+    third = FRACTION_GRID // 3
+    equal = GroupSpec(members, b"g", parts=(third, third, FRACTION_GRID - 2 * third))
+    assert equal.lower_bound(10**6) > 1.2 * lp.lower_bound(10**6)

@@ -117,6 +117,30 @@ def test_merge_is_order_independent(records: list[Record], rnd) -> None:
     assert s1.get("k", 0.0) == s2.get("k", 0.0) == merge_views(records)
 
 
+@settings(max_examples=200, deadline=None)
+@given(st.lists(records_st, max_size=12), st.lists(st.integers(0, 7).map(float), max_size=4))
+def test_a_store_says_whether_the_record_is_visible_and_expiry_forgets_exactly(
+    records: list[Record], nows: list[float]
+) -> None:
+    """``apply`` answers without building the view, and ``drop_expired`` skips its scan
+    while nothing can have expired: both must agree with the view built from scratch."""
+    from p2p.dht.records import KeyState, view_records
+
+    state = KeyState()
+    for r in records:
+        shown = state.apply(r, max_subkeys=64)
+        assert shown == any(
+            v is r or v.same_as(r) and v.subkey == r.subkey for v in view_records(state.view())
+        ), r
+    for now in sorted(nows):
+        before = [r for r in view_records(state.view()) if r.expiration > now]
+        empty = state.drop_expired(now)
+        after = view_records(state.view())
+        assert all(r.expiration > now for r in after)
+        assert sorted(after, key=Record.sort_key) == sorted(before, key=Record.sort_key)
+        assert empty == (state.plain is None and not state.subs)
+
+
 def test_signed_subkeys() -> None:
     owner, thief = Identity.from_seed(b"owner"), Identity.from_seed(b"thief")
     chain = ValidatorChain()
