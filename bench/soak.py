@@ -277,6 +277,7 @@ def run_soak(plan: SoakPlan) -> tuple[list[Log], dict]:
             samples = 0
             k = 0
             fork_check_at = trio.current_time() + FORK_CHECK_AFTER
+            behind_check_at = trio.current_time()
             checked: trio.Event | None = None  # set once this epoch's fork check answered
 
             async def check_fork(done: trio.Event) -> None:
@@ -315,10 +316,18 @@ def run_soak(plan: SoakPlan) -> tuple[list[Log], dict]:
                 if core.report(epoch, samples, MICRO):
                     break
                 current = core.tracker.current_estimate().epoch
-                if current > epoch:  # fell behind (partition, slow link): load the state
-                    log.resyncs += 1
-                    settle(log, None)
-                    return await load(core, log, params)
+                if current > epoch and trio.current_time() >= behind_check_at:
+                    # Fell behind (partition, slow link): load the state, if the lineage most
+                    # peers hold has a newer one. After a heal the side that lost may be ahead
+                    # (its peers find out at their fork check, and come back): loading then
+                    # brought nothing newer, and a peer went on from its own state at their
+                    # epoch (a lineage of its own).
+                    behind_check_at = trio.current_time() + 1.0
+                    newest = await core.newest_state_epoch()
+                    if newest is None or newest > epoch:
+                        log.resyncs += 1
+                        settle(log, None)
+                        return await load(core, log, params)
             if checked is None:
                 # The round came before the check was due (we started the epoch late, and the
                 # others had gathered most samples): check now, beside the round. An epoch

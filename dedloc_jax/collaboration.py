@@ -29,7 +29,6 @@ from dedloc_jax.averaging import (
     GroupSpec,
     all_reduce,
     install,
-    solve_shares,
 )
 from dedloc_jax.config import CollaborationConfig
 from dedloc_jax.host import AveragingOutcome
@@ -379,7 +378,7 @@ class CollaborationCore:
 
     def _timeout(self, spec: Any, arrays: Sequence[np.ndarray]) -> float:
         nbytes = sum(int(np.asarray(a).size) * 4 for a in arrays)
-        bound = solve_shares(spec.members).lower_bound(nbytes)
+        bound = spec.lower_bound(nbytes)
         return self.config.averaging_timeout or averaging_timeout(bound, self.tracker.dht_latency)
 
     # --- state ---------------------------------------------------------------------------
@@ -403,8 +402,10 @@ class CollaborationCore:
         return epoch, arrays
 
     async def newest_state_epoch(self) -> int | None:
-        """The newest epoch another peer announces a state of, or None (nobody does): whether
-        a download would bring anything newer, for one DHT read."""
+        """The epoch of the state a download would bring (the newest on the lineage most
+        peers hold, :func:`~dedloc_jax.state_sync.fork_choice`), or None (nobody announces
+        one): whether a download would bring anything newer, for one DHT read. The tracker's
+        epoch alone cannot tell: after a healed partition, the side that lost may be ahead."""
         found = await find_donors(self.node, self.dht, self.run_id)
         return None if found is None else found[0]
 
@@ -424,6 +425,7 @@ class CollaborationCore:
                 self.run_id,
                 latest.epoch,
                 latest.digest,
+                lineage=self.state_server.lineage,
                 patience=patience,
             )
         except P2PError as e:

@@ -168,16 +168,46 @@ class StateServer:
 
 
 async def find_donors(node: Any, dht: DHT, run_id: str) -> tuple[int, bytes, list[PeerID]] | None:
-    """The newest announced state: (epoch, digest, donors), or None. Among states of the
-    newest epoch, the one most peers announce; of as many, the smallest digest (the lineage
-    that :func:`on_minority_fork` keeps)."""
-    offers = await _offers(node, dht, run_id, whole=True)
-    if not offers:
+    """The state to download: (epoch, digest, donors), or None. :func:`fork_choice` over
+    every announcement: the newest state on the lineage most peers hold."""
+    announced = await _announcements(node, dht, run_id, whole=True)
+    chosen = fork_choice(announced)
+    if chosen is None:
         return None
-    counts = Counter({k: len(v) for k, v in offers.items()})
-    epoch = max(e for e, _ in counts)
-    digest = min((d for e, d in counts if e == epoch), key=lambda d: (-counts[(epoch, d)], d))
-    return epoch, digest, sorted(offers[(epoch, digest)])
+    epoch, digest = chosen
+    return epoch, digest, sorted({a.peer for a in announced if (a.epoch, a.digest) == chosen})
+
+
+def _chain(a: Announcement) -> set[tuple[int, bytes]]:
+    """The (epoch, digest) states an announcement names: its own and its known ancestors'."""
+    return {(a.epoch - k, d) for k, d in enumerate((a.digest, *a.lineage))}
+
+
+def fork_choice(announced: Sequence[Announcement]) -> tuple[int, bytes] | None:
+    """The state a peer should train on: walk the announced states from the oldest epoch a
+    lineage names to the newest; where they fork, follow the side more peers hold (themselves
+    or as an ancestor), of as many the smaller digest; answer the newest state left.
+
+    After a partition heals, the smaller side may be an epoch ahead: picking the newest
+    epoch outright had the larger side load the smaller side's state (a peer that fell
+    behind loads what this returns), so the lineage that lost came back."""
+    alive = list(announced)
+    if not alive:
+        return None
+    for e in sorted({e for a in alive for e, _ in _chain(a)}):
+        counts = lineage_counts(alive, e)
+        if len(counts) < 2:
+            continue
+        keep = min(counts, key=lambda k: (-counts[k], k[1]))[1]
+        # States of the losing sides, from the fork on: anyone holding one (a peer that
+        # loaded it names no lineage) is on a losing side too.
+        lost = {
+            s for a in alive if a.digest_at(e) not in (None, keep) for s in _chain(a) if s[0] >= e
+        }
+        alive = [a for a in alive if not (_chain(a) & lost)]
+    newest = max(a.epoch for a in alive)
+    counts = Counter(a.digest for a in alive if a.epoch == newest)
+    return newest, min(counts, key=lambda d: (-counts[d], d))
 
 
 def on_minority_fork(others: Mapping[tuple[int, bytes], int], epoch: int, digest: bytes) -> bool:
@@ -209,29 +239,51 @@ def lineage_counts(announcements: Iterable[Announcement], epoch: int) -> Counter
     return counts
 
 
-def fork_verdict(announced: Sequence[Announcement], epoch: int, digest: bytes) -> bool | None:
-    """:func:`on_minority_fork` over these announcements and their lineages; None when it
-    cannot tell yet: fewer peers (us included) hold a state of our epoch, or a descendant,
-    than still announce older epochs. Those are still averaging, and decide the count: a
-    peer that stepped alone and asked at once saw nobody to lose to and trained an epoch on
-    its own lineage; one that saw the first of the others lost or won a 1-1 tie by digest."""
-    counts = lineage_counts(announced, epoch)
-    held = sum(counts.values()) + 1
-    older = sum(a.epoch < epoch for a in announced)
-    if held < older:
-        return None
-    return on_minority_fork(counts, epoch, digest)
+def fork_verdict(
+    announced: Sequence[Announcement],
+    epoch: int,
+    digest: bytes,
+    lineage: Sequence[bytes] = (),
+) -> bool | None:
+    """Whether our state (``digest`` at ``epoch``, descending from ``lineage``, newest first)
+    lost to another lineage, or None when it cannot tell yet.
+
+    Every epoch our lineage names, oldest first, where another peer holds a different state
+    is counted by :func:`on_minority_fork` (the rule of :func:`fork_choice`): after a healed
+    partition the sides forked epochs ago, and counting only at our epoch missed it while the
+    other side was an epoch behind. It cannot tell while fewer peers (us included) hold a
+    state of that epoch, or a descendant, than still announce older epochs: those are still
+    averaging, and decide the count (a peer that stepped alone and asked at once saw nobody
+    to lose to; one that saw the first of the others lost or won a 1-1 tie by digest)."""
+    ours = Announcement(PeerID(b"\0" * 32), epoch, digest, tuple(lineage)[:LINEAGE])
+    for e in range(epoch - len(ours.lineage), epoch + 1):
+        mine = ours.digest_at(e)
+        counts = lineage_counts(announced, e)
+        if e < epoch and all(d == mine for _, d in counts):
+            continue  # no fork there
+        if sum(counts.values()) + 1 < sum(a.epoch < e for a in announced):
+            return None
+        if on_minority_fork(counts, e, mine):
+            return True
+    return False
 
 
 async def state_forked(
-    node: Any, dht: DHT, run_id: str, epoch: int, digest: bytes, *, patience: float = 0.0
+    node: Any,
+    dht: DHT,
+    run_id: str,
+    epoch: int,
+    digest: bytes,
+    *,
+    lineage: Sequence[bytes] = (),
+    patience: float = 0.0,
 ) -> bool:
     """:func:`fork_verdict` over the states peers announce now; while it cannot tell, read
     again (every second) for up to ``patience`` seconds, then answer False."""
     deadline = trio.current_time() + patience
     while True:
         announced = await _announcements(node, dht, run_id, whole=True)
-        verdict = fork_verdict(announced, epoch, digest)
+        verdict = fork_verdict(announced, epoch, digest, lineage)
         left = deadline - trio.current_time()
         if verdict is not None or left <= 0:
             return bool(verdict)

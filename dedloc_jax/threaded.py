@@ -219,8 +219,8 @@ class Collaboration:
         return thread.run(functools.partial(core.load_state, timeout=timeout))
 
     def newest_state_epoch(self) -> int | None:
-        """The newest epoch another peer announces a state of (None: nobody announces one).
-        Cheaper than a download: one DHT read."""
+        """The epoch of the state a download would bring: the newest on the lineage most
+        peers hold (None: nobody announces one). Cheaper than a download: one DHT read."""
         thread, core = self._core()
         return thread.run(core.newest_state_epoch)
 

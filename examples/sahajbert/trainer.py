@@ -173,6 +173,15 @@ def _load_or_start(collab: Any, params: Any, opt_state: Any) -> tuple[Any, Any]:
     return params, opt_state
 
 
+def _newer_state_served(collab: Any, epoch: int) -> bool:
+    """Whether a download would bring a state newer than ``epoch`` (or nobody serves one:
+    then :func:`_load_or_start` keeps and serves ours). The others' progress alone cannot
+    tell: after a healed partition the side that lost may be an epoch ahead until its fork
+    check, and loading then brought our own lineage's state back, on every micro-step."""
+    newest = collab.newest_state_epoch()
+    return newest is None or newest > epoch
+
+
 def _adopt_theirs(collab: Any, params: Any, opt_state: Any) -> tuple[Any, Any]:
     """After a step alone: load the others' state, unless it is older than ours.
 
@@ -267,6 +276,7 @@ def _loop(
     epoch_started = last_publish = time.monotonic()
     last_loss = math.nan
     fork_checked = False  # once per epoch, when the others have announced its state
+    behind_checked = 0.0  # when we last asked whether a newer state is served
 
     def publish() -> None:
         core = collab.core
@@ -342,9 +352,12 @@ def _loop(
                 log.warning("epoch %d: our state lost to the majority's; loading it", epoch)
                 params, opt_state = _adopt_theirs(collab, params, opt_state)
                 epoch, epoch_losses, epoch_samples = int(opt_state.epoch), [], 0
-        if collab.behind:  # missed a step (e.g. paused too long): load the others' state
-            params, opt_state = _load_or_start(collab, params, opt_state)
-            epoch, epoch_losses, epoch_samples = int(opt_state.epoch), [], 0
+        if collab.behind and now - behind_checked > 1.0:
+            behind_checked = now
+            if _newer_state_served(collab, epoch):
+                # Missed a step (e.g. paused too long): load the others' state.
+                params, opt_state = _load_or_start(collab, params, opt_state)
+                epoch, epoch_losses, epoch_samples = int(opt_state.epoch), [], 0
         if cfg.step_delay:
             time.sleep(cfg.step_delay)
     publish()
