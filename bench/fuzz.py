@@ -338,7 +338,10 @@ def _progress(msg: Any) -> None:
 
 def _progress_seeds() -> tuple[bytes, ...]:
     p = PeerProgress(str(ALICE.peer_id), 3, 120, 12.5, 1000.0, "node", 2.0)
-    return (_pack(p.to_record()),)
+    serving = PeerProgress(
+        str(ALICE.peer_id), 3, 120, 12.5, 1000.0, state=(3, b"d" * 32, (b"c" * 32,))
+    )
+    return (_pack(p.to_record()), _pack(serving.to_record()))
 
 
 def _build() -> dict[str, Decoder]:

@@ -29,6 +29,10 @@ class PeerProgress:
     step_interval: float = 0.0  # smoothed seconds between this peer's micro-steps
     # It stopped accumulating for ``epoch`` and waits in matchmaking for the round.
     waiting: bool = False
+    # The state it serves: (epoch, digest, lineage: the digests it descends from, newest
+    # first). Fork checks count lineages over this table, which every peer already follows,
+    # instead of reading every state announcement again (see dedloc_jax.state_sync).
+    state: tuple[int, bytes, tuple[bytes, ...]] | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -41,6 +45,8 @@ class PeerProgress:
             raise ValueError("time must be finite")
         if not math.isfinite(self.step_interval) or self.step_interval < 0:
             raise ValueError("step_interval must be finite and non-negative")
+        if self.state is not None:
+            _check_state(self.state)
 
     def to_record(self) -> dict[str, Any]:
         """The msgpack-able value stored in the DHT (the peer ID is the subkey)."""
@@ -52,6 +58,7 @@ class PeerProgress:
             "mode": self.mode,
             "interval": self.step_interval,
             "waiting": self.waiting,
+            **({} if self.state is None else {"state": _state_record(self.state)}),
         }
 
     @classmethod
@@ -76,7 +83,34 @@ class PeerProgress:
         waiting = record.get("waiting", False)
         if not isinstance(waiting, bool):
             raise ValueError("waiting must be true or false")
-        return cls(peer_id, epoch, samples, float(sps), float(time), mode, float(interval), waiting)
+        state = record.get("state")
+        if state is not None:
+            if not (isinstance(state, list) and len(state) == 3 and isinstance(state[2], list)):
+                raise ValueError("state must be [epoch, digest, [lineage digests]]")
+            state = (state[0], state[1], tuple(state[2]))
+        return cls(
+            peer_id, epoch, samples, float(sps), float(time), mode, float(interval), waiting, state
+        )
+
+
+MAX_LINEAGE = 4  # ancestors a state names (dedloc_jax.state_sync.LINEAGE)
+MAX_DIGEST = 64
+
+
+def _check_state(state: Any) -> None:
+    epoch, digest, lineage = state
+    if not isinstance(epoch, int) or isinstance(epoch, bool) or epoch < 0:
+        raise ValueError("the state's epoch must be a non-negative integer")
+    if not isinstance(lineage, tuple) or len(lineage) > MAX_LINEAGE:
+        raise ValueError(f"a state names at most {MAX_LINEAGE} ancestors")
+    for d in (digest, *lineage):
+        if not isinstance(d, bytes) or not 0 < len(d) <= MAX_DIGEST:
+            raise ValueError(f"a state digest is 1 to {MAX_DIGEST} bytes")
+
+
+def _state_record(state: tuple[int, bytes, tuple[bytes, ...]]) -> list[Any]:
+    epoch, digest, lineage = state
+    return [epoch, digest, list(lineage)]
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 import trio
 
+from dedloc_jax.progress import MAX_DIGEST, MAX_LINEAGE
 from dedloc_jax.state_chunks import (
     StateAssembler,
     StateError,
@@ -39,18 +40,19 @@ log = logging.getLogger(__name__)
 MANIFEST = "collab.state.manifest"
 CHUNK = "collab.state.chunk"
 _KEEP = 2  # snapshots kept, so a download started before our last step can finish
-LINEAGE = 4
+LINEAGE = MAX_LINEAGE
 """Ancestors an announcement names: a peer that checks its state a few epochs after the
 others moved on still counts them for the lineage they descend from."""
-_MAX_DIGEST = 64
+_MAX_DIGEST = MAX_DIGEST
 
 
 @dataclass(frozen=True)
 class Announcement:
     """One peer's announced state: its epoch and digest, and the digests of the states it
-    descends from (its ``lineage``, newest first; empty when unknown, e.g. after a load)."""
+    descends from (its ``lineage``, newest first; empty when unknown, e.g. after a load).
+    ``peer``: a PeerID read from the state key, or its text from the progress table."""
 
-    peer: PeerID
+    peer: PeerID | str
     epoch: int
     digest: bytes
     lineage: tuple[bytes, ...] = ()

@@ -65,6 +65,7 @@ class ProgressTracker:
         # with the number of peers.
         self._follower = dht.follow(progress_key(run_id))
         self._parsed: dict[str, tuple[Record, PeerProgress | None]] = {}  # subkey -> last read
+        self.served: tuple[int, bytes, tuple[bytes, ...]] | None = None  # see serve()
 
     # --- called by the collaboration (inside the trio loop) -------------------------------
     def report(self, epoch: int, samples: int, batch_size: int) -> None:
@@ -104,6 +105,20 @@ class ProgressTracker:
             self._report_time = self.dht.now()
         self._wake.set()
 
+    def serve(self, epoch: int, digest: bytes, lineage: tuple[bytes, ...]) -> None:
+        """The state we now serve (its epoch, digest and lineage): published at once, since
+        the others' fork checks count it."""
+        state = (epoch, digest, tuple(lineage))
+        if state != self.served:
+            self.served = state
+            self._wake.set()
+
+    def states(self) -> list[tuple[str, int, bytes, tuple[bytes, ...]]]:
+        """(peer, epoch, digest, lineage) of every other peer's served state, as last read."""
+        return [
+            (pid, *r.state) for pid, r in self.records.items() if r.state and pid != self.peer_id
+        ]
+
     async def freeze(self) -> None:
         """Publish that this peer stopped accumulating (it is averaging): rate zero."""
         self._frozen = True
@@ -121,6 +136,7 @@ class ProgressTracker:
             self.mode,
             self.step_interval,
             waiting=self._frozen,
+            state=self.served,
         )
 
     def published_error(self) -> float:
@@ -220,11 +236,14 @@ class ProgressTracker:
 
     def _should_publish(self) -> bool:
         """Publishing is the costly half (a store goes to many DHT nodes), so we publish only
-        what others need: a new epoch at once; our rate once it is first known; and whenever
-        their extrapolation of our record is off by more than what matters at their distance
-        from the target (half a micro-batch near it, a fifth of what we will still add before
-        it far from it). Otherwise only often enough that the record does not expire."""
+        what others need: a new epoch or served state at once; our rate once it is first
+        known; and whenever their extrapolation of our record is off by more than what matters
+        at their distance from the target (half a micro-batch near it, a fifth of what we will
+        still add before it far from it). Otherwise only often enough that the record does
+        not expire."""
         if self._published_epoch != self.epoch or self._published is None:
+            return True
+        if self._published.state != self.served:
             return True
         if trio.current_time() - self._published_at > self.config.progress_ttl / 3:
             return True

@@ -107,6 +107,9 @@ def test_record_round_trip_and_rejection_of_malformed_records() -> None:
     assert PeerProgress.from_record("a", waiting.to_record()).waiting
     older = {k: v for k, v in p.to_record().items() if k != "waiting"}
     assert not PeerProgress.from_record("a", older).waiting  # records of older peers parse
+    serving = PeerProgress("a", 3, 7, 0.0, 12.0, state=(3, b"d" * 32, (b"c" * 32, b"b" * 32)))
+    assert PeerProgress.from_record("a", serving.to_record()) == serving
+    assert "state" not in p.to_record()  # nothing served yet: the record stays as it was
     bad = [
         None,
         [],
@@ -117,6 +120,14 @@ def test_record_round_trip_and_rejection_of_malformed_records() -> None:
         {**p.to_record(), "mode": "boss"},
         {**p.to_record(), "samples": True},
         {**p.to_record(), "waiting": 1},
+        {**p.to_record(), "state": [3, b"d"]},
+        {**p.to_record(), "state": [3, "d", []]},
+        {**p.to_record(), "state": [-1, b"d", []]},
+        {**p.to_record(), "state": [3, b"d", [b"a"] * 5]},  # more ancestors than named
+        {**p.to_record(), "state": [3, b"d" * 65, []]},
+        {**p.to_record(), "state": [3, b"d", [b""]]},
+        {**p.to_record(), "state": [3, b"d", [7]]},
+        {**p.to_record(), "state": {"epoch": 3}},
     ]
     for record in bad:
         with pytest.raises(ValueError):

@@ -140,3 +140,28 @@ def test_a_malformed_progress_record_is_ignored_until_its_owner_writes_a_good_on
             assert tracker.records[honest.peer_id].samples == 60
 
     run_sim(main)
+
+
+def test_the_served_state_travels_with_progress_and_is_published_at_once() -> None:
+    config = CollaborationConfig.local_demo(target_batch_size=500).replace(
+        min_refresh=0.25, max_refresh=5.0, progress_ttl=60.0
+    )
+
+    async def main() -> None:
+        net = SimNetwork(seed=3)
+        async with open_sim_dhts(net, 2, latency=0.005) as peers, trio.open_nursery() as nursery:
+            a = ProgressTracker(peers[0][1], "run", config, "node")
+            b = ProgressTracker(peers[1][1], "run", config, "node")
+            for tracker in (a, b):
+                await nursery.start(tracker.run)
+            await trio.sleep(6.0)
+            assert b.states() == [] and a.states() == []  # nothing served yet
+            a.serve(5, b"d" * 32, (b"c" * 32,))
+            b.serve(5, b"e" * 32, ())
+            # one read of the others later; a periodic publish would come at ttl / 3 = 20 s
+            await trio.sleep(config.max_refresh + 1.0)
+            assert b.states() == [(a.peer_id, 5, b"d" * 32, (b"c" * 32,))]
+            assert a.states() == [(b.peer_id, 5, b"e" * 32, ())]  # never our own
+            nursery.cancel_scope.cancel()
+
+    run_sim(main)
