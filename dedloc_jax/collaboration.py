@@ -394,6 +394,7 @@ class CollaborationCore:
             self.run_id,
             timeout=timeout,
             request_timeout=self.config.rpc_timeout,
+            extra=self._table_states(),
         )
         epoch = manifest.epoch
         self.state_server.adopt(epoch, manifest.digest)
@@ -407,8 +408,12 @@ class CollaborationCore:
         peers hold, :func:`~dedloc_jax.state_sync.fork_choice`), or None (nobody announces
         one): whether a download would bring anything newer, for one DHT read. The tracker's
         epoch alone cannot tell: after a healed partition, the side that lost may be ahead."""
-        found = await find_donors(self.node, self.dht, self.run_id)
+        found = await find_donors(self.node, self.dht, self.run_id, self._table_states())
         return None if found is None else found[0]
+
+    def _table_states(self) -> list[Announcement]:
+        """The states the progress table names (every other peer's, as last read)."""
+        return [Announcement(*s) for s in self.tracker.states()]
 
     async def on_minority_fork(self, *, patience: float = 0.0) -> bool:
         """Whether the state we serve lost to another lineage (one more peers hold, see
@@ -425,9 +430,8 @@ class CollaborationCore:
             return False
         deadline = trio.current_time() + patience
         while True:
-            announced = [Announcement(*s) for s in self.tracker.states()]
             verdict = fork_verdict(
-                announced, latest.epoch, latest.digest, self.state_server.lineage
+                self._table_states(), latest.epoch, latest.digest, self.state_server.lineage
             )
             left = deadline - trio.current_time()
             if verdict is not None or left <= 0:

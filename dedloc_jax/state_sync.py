@@ -169,15 +169,29 @@ class StateServer:
         return data
 
 
-async def find_donors(node: Any, dht: DHT, run_id: str) -> tuple[int, bytes, list[PeerID]] | None:
+async def find_donors(
+    node: Any, dht: DHT, run_id: str, extra: Sequence[Announcement] = ()
+) -> tuple[int, bytes, list[PeerID]] | None:
     """The state to download: (epoch, digest, donors), or None. :func:`fork_choice` over
-    every announcement: the newest state on the lineage most peers hold."""
-    announced = await _announcements(node, dht, run_id, whole=True)
-    chosen = fork_choice(announced)
+    every announcement, and over ``extra`` (the states the progress table names, which the
+    fork checks count: choosing from the state key alone, whose reads miss some peers, had
+    peers load the lineage their next check rejected). Per peer, its newest one counts."""
+    newest: dict[str, Announcement] = {}
+    for a in (*await _announcements(node, dht, run_id, whole=True), *extra):
+        known = newest.get(str(a.peer))
+        if known is None or a.epoch > known.epoch:
+            newest[str(a.peer)] = a
+    chosen = fork_choice(list(newest.values()))
     if chosen is None:
         return None
-    epoch, digest = chosen
-    return epoch, digest, sorted({a.peer for a in announced if (a.epoch, a.digest) == chosen})
+    donors = []
+    for a in newest.values():
+        if (a.epoch, a.digest) == chosen:
+            try:
+                donors.append(a.peer if isinstance(a.peer, PeerID) else PeerID.from_base58(a.peer))
+            except P2PError:
+                continue
+    return chosen[0], chosen[1], sorted(donors)
 
 
 def _chain(a: Announcement) -> set[tuple[int, bytes]]:
@@ -382,10 +396,12 @@ async def download_manifest_state(
     *,
     timeout: float = 60.0,
     request_timeout: float = 10.0,
+    extra: Sequence[Announcement] = (),
 ) -> tuple[StateManifest, list[np.ndarray], int]:
-    """:func:`download_state`, with the downloaded state's manifest instead of its epoch."""
+    """:func:`download_state`, with the downloaded state's manifest instead of its epoch;
+    ``extra``: more announcements to choose from (see :func:`find_donors`)."""
     with trio.move_on_after(timeout) as scope:
-        found = await find_donors(node, dht, run_id)
+        found = await find_donors(node, dht, run_id, extra)
         if found is None:
             raise StateSyncError("no peer announces a state")
         epoch, digest, donors = found

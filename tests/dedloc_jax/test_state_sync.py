@@ -9,7 +9,9 @@ from dedloc_jax.state_sync import (
     Announcement,
     StateServer,
     StateSyncError,
+    download_manifest_state,
     download_state,
+    find_donors,
     fork_choice,
     fork_verdict,
     lineage_counts,
@@ -130,6 +132,34 @@ def test_after_a_healed_partition_the_minority_side_finds_its_state_lost() -> No
             node, dht = peers[5]
             epoch, arrays, _ = await download_state(node, dht, "run", timeout=60.0)
             assert epoch == 7 and arrays[0].tobytes() == _state(7)[0].tobytes()
+
+    run_sim(main)
+
+
+def test_a_download_chooses_over_the_progress_table_states_too() -> None:
+    """Two peers announce state X of epoch 7 on the state key; three serve Y but only one
+    announcement of Y reached the key (the reader missed the others'). Counted with the states
+    the progress table names (``extra``), Y wins, and it downloads Y from its holders."""
+
+    async def main() -> None:
+        net = SimNetwork(seed=5)
+        async with open_sim_dhts(net, 6) as peers:
+            servers = _servers(peers, range(5))
+            for i, server in enumerate(servers):
+                server.set_state(_state(70 if i < 2 else 71), epoch=7)
+                if i <= 2:
+                    await server.announce()
+            node, dht = peers[5]
+            x, y = servers[0].latest, servers[2].latest
+            assert x is not None and y is not None
+            assert (await find_donors(node, dht, "run"))[:2] == (7, x.digest)
+            table = [Announcement(str(peers[i][0].peer_id), 7, y.digest) for i in (2, 3, 4)]
+            epoch, digest, donors = await find_donors(node, dht, "run", table)
+            assert (epoch, digest) == (7, y.digest)
+            assert set(donors) == {peers[i][0].peer_id for i in (2, 3, 4)}
+            manifest, arrays, _ = await download_manifest_state(node, dht, "run", extra=table)
+            assert manifest.digest == y.digest
+            assert arrays[0].tobytes() == _state(71)[0].tobytes()
 
     run_sim(main)
 
