@@ -187,10 +187,12 @@ def run_soak(plan: SoakPlan) -> tuple[list[Log], dict]:
                         epoch, params = await load(core, log, params)
                         log.joined_at = epoch
                     while epoch < plan.epochs:
-                        if graceful.get(i) == epoch:
+                        # At its epoch, or the first after it (a peer that fell behind and
+                        # loaded a newer state may skip it).
+                        if graceful.get(i, plan.epochs) <= epoch:
                             log.left = True
                             return
-                        if killed.get(i) == epoch:
+                        if killed.get(i, plan.epochs) <= epoch:
                             async with trio.open_nursery() as kn:
 
                                 async def kill_later() -> None:
