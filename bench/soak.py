@@ -102,6 +102,16 @@ def settle(log: Log, params: np.ndarray | None) -> None:
         row["params"] = None if params is None else hashlib.sha256(params.tobytes()).digest()
 
 
+def fell_behind(log: Log) -> None:
+    """The peer leaves its lineage for a newer state before averaging this epoch: whatever
+    its fork check settled, it did not go on training on those parameters (a peer that
+    stepped alone far behind the others finds nobody naming its epoch, so its check says
+    "not lost", and then it loads the others' newer state)."""
+    if log.rows:
+        log.rows[-1]["settled"] = True
+        log.rows[-1]["params"] = None
+
+
 def _grad(peer: int, epoch: int, step: int, size: int) -> np.ndarray:
     return np.random.default_rng([peer, epoch, step]).normal(size=(size,)).astype(np.float32)
 
@@ -328,7 +338,7 @@ def run_soak(plan: SoakPlan) -> tuple[list[Log], dict]:
                     newest = await core.newest_state_epoch()
                     if newest is None or newest > epoch:
                         log.resyncs += 1
-                        settle(log, None)
+                        fell_behind(log)
                         return await load(core, log, params)
             if checked is None:
                 # The round came before the check was due (we started the epoch late, and the
