@@ -157,6 +157,14 @@ class CollaborationCore:
     def behind(self) -> bool:
         return self.tracker.current_estimate().epoch > self.tracker.epoch
 
+    def _stepped_without(self, spec: GroupSpec, epoch: int) -> bool:
+        """Whether a peer that trains, outside ``spec``, reports a newer epoch than ``epoch``."""
+        members = {m.peer_id for m in spec.members}
+        return any(
+            r.epoch > epoch and r.mode != "aux" and pid not in members
+            for pid, r in self.tracker.records.items()
+        )
+
     def _moved_on(self, peer: str, epoch: int) -> bool:
         record = self.tracker.records.get(peer)
         return record is not None and record.epoch > epoch
@@ -210,6 +218,13 @@ class CollaborationCore:
                     result, _, complete = await self._across(
                         epoch, spec, result, averaged_weight(spec, averaged)
                     )
+                elif self._stepped_without(spec, epoch):
+                    # Our leader saw one group, yet peers outside it already moved past this
+                    # epoch: they averaged apart (we came late, e.g. after loading the state),
+                    # so ours is not the epoch's mean. Seen at 200 peers: a late pair averaged
+                    # alone, "complete", and trained the next epoch on its own lineage.
+                    log.info("epoch %d: others stepped without our group", epoch)
+                    complete = False
         elif self.matchmaker.needs_cross(epoch):  # alone among several groups: a group of one
             result, group_size, complete = await self._across(epoch, None, result, float(samples))
         self.matchmaker.decline(epoch)  # no-ops if it took part in the round across groups

@@ -332,3 +332,31 @@ def test_a_progress_snapshot_is_ready_when_every_other_peer_waits_for_us() -> No
     assert not snap.ready(2, 40, 1000)  # behind the collaboration: never
     computing = dataclasses.replace(snap, others_waiting=False)
     assert not computing.ready(3, 40, 1000) and computing.ready(3, 400, 1000)
+
+
+def test_a_late_group_knows_its_mean_is_incomplete_when_others_stepped_without_it() -> None:
+    """Peer 2 averaged epoch 0 without peers 0 and 1 (it stepped alone and reports epoch 1);
+    they then form one group of two for epoch 0. Their leader saw no other group, yet their
+    mean is not the epoch's: the outcome says incomplete, so they load the others' state."""
+    config = CollaborationConfig.local_demo(16).replace(max_refresh=1.0)
+
+    async def main() -> list:
+        net = SimNetwork(seed=4)
+        async with open_sim_collaboration(net, 3, config=config, latency=0.01) as cores:
+            cores[2].report(0, 16, 16)
+            cores[2].tracker.set_epoch(1)
+            await trio.sleep(3.0)  # its record of epoch 1 reaches the others
+            outcomes: list = [None, None]
+
+            async def one(i: int) -> None:
+                outcomes[i] = await cores[i].average(0, [np.full(10, i, np.float32)], 16)
+
+            async with trio.open_nursery() as nursery:
+                for i in range(2):
+                    nursery.start_soon(one, i)
+            return outcomes
+
+    outcomes = run_sim(main, seed=4)
+    for outcome in outcomes:
+        assert outcome.group_size == 2 and not outcome.complete
+        assert outcome.gradients[0].tobytes() == np.full(10, 0.5, np.float32).tobytes()
