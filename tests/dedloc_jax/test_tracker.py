@@ -9,10 +9,14 @@ from p2p.testing import SimNetwork, run_sim
 from tests.dedloc_jax.simcollab import open_sim_dhts
 
 
-def test_peers_see_each_others_progress_and_the_global_epoch() -> None:
-    config = CollaborationConfig.local_demo(target_batch_size=500).replace(
-        min_refresh=0.25, max_refresh=1.0, progress_ttl=10.0
+def _config(max_refresh: float = 1.0, progress_ttl: float = 10.0) -> CollaborationConfig:
+    return CollaborationConfig.local_demo(target_batch_size=500).replace(
+        min_refresh=0.25, max_refresh=max_refresh, progress_ttl=progress_ttl
     )
+
+
+def test_peers_see_each_others_progress_and_the_global_epoch() -> None:
+    config = _config()
 
     async def main() -> None:
         net = SimNetwork(seed=1)
@@ -109,9 +113,7 @@ def test_a_malformed_progress_record_is_ignored_until_its_owner_writes_a_good_on
     from dedloc_jax.tracker import progress_key
     from p2p.dht.records import owner_marker
 
-    config = CollaborationConfig.local_demo(target_batch_size=500).replace(
-        min_refresh=0.25, max_refresh=1.0, progress_ttl=10.0
-    )
+    config = _config()
 
     async def main() -> None:
         net = SimNetwork(seed=2)
@@ -143,9 +145,7 @@ def test_a_malformed_progress_record_is_ignored_until_its_owner_writes_a_good_on
 
 
 def test_the_served_state_travels_with_progress_and_is_published_at_once() -> None:
-    config = CollaborationConfig.local_demo(target_batch_size=500).replace(
-        min_refresh=0.25, max_refresh=5.0, progress_ttl=60.0
-    )
+    config = _config(max_refresh=5.0, progress_ttl=60.0)
 
     async def main() -> None:
         net = SimNetwork(seed=3)
