@@ -271,7 +271,7 @@ def fork_verdict(
     state of that epoch, or a descendant, than still announce older epochs: those are still
     averaging, and decide the count (a peer that stepped alone and asked at once saw nobody
     to lose to; one that saw the first of the others lost or won a 1-1 tie by digest)."""
-    ours = Announcement(PeerID(b"\0" * 32), epoch, digest, tuple(lineage)[:LINEAGE])
+    ours = Announcement("us", epoch, digest, tuple(lineage)[:LINEAGE])
     for e in range(epoch - len(ours.lineage), epoch + 1):
         mine = ours.digest_at(e)
         counts = lineage_counts(announced, e)
