@@ -232,7 +232,8 @@ class CollaborationCore:
         if group_size == 1 and self.config.on_no_group == "skip":
             result = [np.zeros_like(np.asarray(a)) for a in arrays]
         self.epoch = epoch + 1
-        self.tracker.set_epoch(self.epoch)
+        # A peer that serves its state serves the new one next (share_state): one record.
+        self.tracker.set_epoch(self.epoch, state_follows=self.state_server.latest is not None)
         self.history.append(
             {
                 "epoch": epoch,

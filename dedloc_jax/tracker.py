@@ -66,6 +66,7 @@ class ProgressTracker:
         self._follower = dht.follow(progress_key(run_id))
         self._parsed: dict[str, tuple[Record, PeerProgress | None]] = {}  # subkey -> last read
         self.served: tuple[int, bytes, tuple[bytes, ...]] | None = None  # see serve()
+        self._state_due: float | None = None  # see set_epoch(state_follows=True)
 
     # --- called by the collaboration (inside the trio loop) -------------------------------
     def report(self, epoch: int, samples: int, batch_size: int) -> None:
@@ -90,10 +91,14 @@ class ProgressTracker:
         if new_epoch:
             self._wake.set()
 
-    def set_epoch(self, epoch: int) -> None:
+    def set_epoch(self, epoch: int, *, state_follows: bool = False) -> None:
         """Move to ``epoch``: with the samples reported toward it while the previous round
         was in flight (delayed updates), else with none, and then the time spent averaging
-        was not training time."""
+        was not training time.
+
+        ``state_follows``: the peer is about to serve the state it stepped to (:meth:`serve`);
+        the publisher then waits for it (up to ``min_refresh`` seconds) and stores both in one
+        record, instead of one store for the epoch and another for the state."""
         pending, self._pending = self._pending, None
         self._frozen = False
         if pending is not None and pending[0] == epoch:
@@ -103,6 +108,7 @@ class ProgressTracker:
             self.meter.pause()
             self._last_report = None
             self._report_time = self.dht.now()
+        self._state_due = trio.current_time() + self.config.min_refresh if state_follows else None
         self._wake.set()
 
     def serve(self, epoch: int, digest: bytes, lineage: tuple[bytes, ...]) -> None:
@@ -230,9 +236,19 @@ class ProgressTracker:
             with trio.move_on_after(delay):
                 await self._wake.wait()
             self._wake = trio.Event()
+            if self._awaiting_state():
+                with trio.move_on_at(self._state_due):  # type: ignore[arg-type]
+                    await self._wake.wait()
+                self._wake = trio.Event()
+            self._state_due = None
             if self._should_publish():
                 await self.publish()
             await self.fetch()
+
+    def _awaiting_state(self) -> bool:
+        """Whether we stepped and the state of the new epoch is due any moment."""
+        served = self.served[0] if self.served is not None else None
+        return self._state_due is not None and served != self.epoch
 
     def _should_publish(self) -> bool:
         """Publishing is the costly half (a store goes to many DHT nodes), so we publish only

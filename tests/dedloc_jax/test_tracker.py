@@ -165,3 +165,48 @@ def test_the_served_state_travels_with_progress_and_is_published_at_once() -> No
             nursery.cancel_scope.cancel()
 
     run_sim(main)
+
+
+def test_a_step_and_the_state_it_serves_go_out_in_one_store() -> None:
+    config = _config(max_refresh=5.0, progress_ttl=60.0)
+
+    async def main() -> None:
+        net = SimNetwork(seed=4)
+        async with open_sim_dhts(net, 2, latency=0.005) as peers, trio.open_nursery() as nursery:
+            a = ProgressTracker(peers[0][1], "run", config, "node")
+            b = ProgressTracker(peers[1][1], "run", config, "node")
+            stores = []
+            publish = a.publish
+
+            async def counted() -> None:
+                stores.append((a.epoch, a.served))
+                await publish()
+
+            a.publish = counted  # type: ignore[method-assign]
+            for tracker in (a, b):
+                await nursery.start(tracker.run)
+            a.serve(0, b"0" * 32, ())
+            await trio.sleep(2.0)
+            stores.clear()
+            # The state comes a moment after the step: one store carries both.
+            a.set_epoch(1, state_follows=True)
+            await trio.sleep(config.min_refresh / 2)
+            a.serve(1, b"1" * 32, (b"0" * 32,))
+            await trio.sleep(2.0)
+            assert stores == [(1, (1, b"1" * 32, (b"0" * 32,)))]
+            # Without the hint, the epoch goes out at once and the state after it.
+            stores.clear()
+            a.set_epoch(2)
+            await trio.sleep(config.min_refresh / 2)
+            a.serve(2, b"2" * 32, (b"1" * 32,))
+            await trio.sleep(2.0)
+            assert [epoch for epoch, _ in stores] == [2, 2] and stores[0][1][0] == 1
+            # A state that never comes holds the new epoch back only min_refresh seconds.
+            a.set_epoch(3, state_follows=True)
+            await trio.sleep(config.min_refresh + 0.1)
+            assert stores[-1] == (3, (2, b"2" * 32, (b"1" * 32,)))
+            await trio.sleep(config.max_refresh + 1.0)
+            assert b.records[a.peer_id].epoch == 3
+            nursery.cancel_scope.cancel()
+
+    run_sim(main)
