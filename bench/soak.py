@@ -230,8 +230,10 @@ def run_soak(plan: SoakPlan) -> tuple[list[Log], dict]:
                     # Done: keep serving the final state a while, for a peer that stepped
                     # alone in the last epoch and loads it (as the trainer lingers), and
                     # check the final state's lineage as every epoch's.
+                    # With patience, as every epoch's check: a peer whose last group finished
+                    # first sees most others still averaging, and cannot tell yet.
                     await trio.sleep(FORK_CHECK_AFTER)
-                    if await core.on_minority_fork():
+                    if await core.on_minority_fork(patience=FORK_CHECK_PATIENCE):
                         log.forks += 1
                         got = await download(core, log)
                         if got is not None and got[0] == epoch:
