@@ -32,16 +32,11 @@ from dedloc_jax.averaging import (
 )
 from dedloc_jax.config import CollaborationConfig
 from dedloc_jax.host import AveragingOutcome
+from dedloc_jax.lineage import Announcement, fork_verdict
 from dedloc_jax.matchmaking import Matchmaker
 from dedloc_jax.matchmaking_wire import member_for
 from dedloc_jax.progress import CollaborationEstimate, estimate_collaboration, refresh_delay
-from dedloc_jax.state_sync import (
-    Announcement,
-    StateServer,
-    download_manifest_state,
-    find_donors,
-    fork_verdict,
-)
+from dedloc_jax.state_sync import StateServer, download_manifest_state, find_donors
 from dedloc_jax.timing import averaging_timeout, matchmaking_window
 from dedloc_jax.tracker import ProgressTracker
 from p2p.dht import DHTClock, DHTConfig, open_dht

@@ -4,18 +4,13 @@ import numpy as np
 import pytest
 import trio
 
+from dedloc_jax.lineage import LINEAGE, Announcement
 from dedloc_jax.state_sync import (
-    LINEAGE,
-    Announcement,
     StateServer,
     StateSyncError,
     download_manifest_state,
     download_state,
     find_donors,
-    fork_choice,
-    fork_verdict,
-    lineage_counts,
-    on_minority_fork,
     state_forked,
 )
 from p2p.identity import Identity, PeerID
@@ -99,19 +94,6 @@ def test_no_donor_is_a_clear_error() -> None:
     run_sim(main)
 
 
-def test_the_lineage_more_peers_hold_wins_and_one_side_of_a_tie_moves() -> None:
-    a, b = b"\x01" * 32, b"\x02" * 32
-    # 3 others hold b at epoch 5, 1 other holds a (2 with us): a loses.
-    assert on_minority_fork({(5, b): 3, (5, a): 1}, 5, a)
-    assert not on_minority_fork({(5, a): 1, (5, b): 2}, 5, b)  # the majority stays
-    # 1 against 1 (one other peer and us): the smaller digest stays, the larger moves.
-    assert not on_minority_fork({(5, b): 1}, 5, a)
-    assert on_minority_fork({(5, a): 1}, 5, b)
-    # other epochs are not forks (being behind is the tracker's business)
-    assert not on_minority_fork({(6, b): 9, (4, b): 9}, 5, a)
-    assert not on_minority_fork({}, 5, a)
-
-
 def test_after_a_healed_partition_the_minority_side_finds_its_state_lost() -> None:
     """Two sides announce different states of one epoch; the side fewer peers hold finds it
     lost (state_forked), the other does not, and a download picks the winner's state."""
@@ -164,21 +146,6 @@ def test_a_download_chooses_over_the_progress_table_states_too() -> None:
     run_sim(main)
 
 
-def test_a_lineage_counts_the_peers_that_moved_on_from_it() -> None:
-    a, b, c = b"\x01" * 32, b"\x02" * 32, b"\x03" * 32
-    pid = _pid()
-    moved_on = [Announcement(pid, 8, c, (b,)), Announcement(pid, 9, c, (c, b, a))]
-    # Both descend from b at epoch 7; the second also from a at epoch 6.
-    assert lineage_counts(moved_on, 7) == {(7, b): 2}
-    assert lineage_counts(moved_on, 6) == {(6, a): 1}
-    assert lineage_counts(moved_on, 3) == {}  # further back than announcements name
-    # We and one other peer hold a at epoch 7, three moved on from b: a lost.
-    held = [Announcement(pid, 7, a)]
-    counts = lineage_counts([*held, *moved_on, Announcement(pid, 10, c, (c, c, b))], 7)
-    assert on_minority_fork(counts, 7, a)
-    assert not on_minority_fork(counts, 7, b)
-
-
 def test_the_lineage_follows_steps_and_restarts_at_a_loaded_state() -> None:
     async def main() -> None:
         net = SimNetwork(seed=5)
@@ -223,75 +190,6 @@ def test_a_late_check_loses_to_the_peers_that_stepped_on_from_the_other_lineage(
             )
 
     run_sim(main)
-
-
-def _side(n: int, epoch: int, chain: list[bytes]) -> list[Announcement]:
-    """n peers at ``epoch`` holding chain[-1], descended from the rest (oldest first)."""
-    lineage = tuple(reversed(chain[:-1]))[:LINEAGE]
-    return [Announcement(_pid(), epoch, chain[-1], lineage) for _ in range(n)]
-
-
-def _digests(tag: int, n: int) -> list[bytes]:
-    return [bytes([tag, k]) * 16 for k in range(n)]
-
-
-def test_after_a_heal_the_side_one_epoch_ahead_finds_it_lost_at_the_fork() -> None:
-    """Both sides share epochs 4 and 5, forked at 6; the small side reached epoch 9, the big
-    one is still at 8. Counting only at epoch 9 the small side cannot lose (nobody else holds
-    9); counting at the fork (epoch 6) it does, and the big side does not."""
-    shared = _digests(0, 2)
-    big = [*shared, *_digests(1, 3)]  # epochs 4..8
-    small = [*shared, *_digests(2, 4)]  # epochs 4..9
-    announced = [*_side(6, 8, big), *_side(2, 9, small)]
-    me_small = small[-1], tuple(reversed(small[:-1]))
-    assert fork_verdict(announced, 9, me_small[0]) is None  # its epoch alone: cannot tell
-    assert fork_verdict(announced, 9, *me_small) is True
-    me_big = big[-1], tuple(reversed(big[:-1]))
-    assert fork_verdict(announced, 8, *me_big) is False
-    # A lost fork older than any peer still at it does not hide a newer one: we (big side)
-    # also split at epoch 8 from 8 peers of our side (6 others and us hold ours).
-    split = [*big[:-1], b"\x09" * 32]
-    assert fork_verdict([*announced, *_side(8, 8, split)], 8, *me_big) is True
-
-
-def test_the_fork_choice_follows_the_side_more_peers_hold_not_the_newest_epoch() -> None:
-    shared = _digests(0, 2)
-    big = [*shared, *_digests(1, 3)]  # epochs 4..8
-    small = [*shared, *_digests(2, 4)]  # epochs 4..9
-    announced = [*_side(6, 8, big), *_side(2, 9, small)]
-    assert fork_choice(announced) == (8, big[-1])
-    # A peer that loaded the small side's state names no lineage: it is on that side too.
-    loaded = Announcement(_pid(), 9, small[-1])
-    assert fork_choice([*announced, loaded, loaded]) == (8, big[-1])
-    # Without a fork: the newest state, the one most peers announce (of as many, the
-    # smaller digest); peers still at older epochs do not hold it back.
-    one = [*shared, *_digests(1, 3)]
-    other = [*one[:-1], b"\x00" * 32]
-    assert fork_choice([*_side(3, 7, one[:-1]), *_side(1, 8, one)]) == (8, one[-1])
-    assert fork_choice([*_side(2, 8, one), *_side(1, 8, other)]) == (8, one[-1])
-    assert fork_choice([*_side(1, 8, one), *_side(1, 8, other)]) == (8, other[-1])
-    assert fork_choice([]) is None
-    # The big side wins at the fork even when the small one has more peers at epoch 9.
-    more = [*_side(3, 8, big), *_side(2, 9, small), *_side(1, 7, big[:-1])]
-    assert fork_choice(more) == (8, big[-1])
-
-
-def test_a_check_cannot_tell_while_the_others_still_announce_older_epochs() -> None:
-    a, b = b"\x01" * 32, b"\x02" * 32
-    pid = _pid()
-    behind = [Announcement(pid, 6, a), Announcement(pid, 6, a)]
-    assert fork_verdict(behind, 7, b) is None  # they are still averaging epoch 6
-    assert fork_verdict([], 7, b) is False  # nobody else at all: nothing to lose to
-    assert fork_verdict([*behind, Announcement(pid, 7, b)], 7, b) is False
-    assert fork_verdict([*behind, Announcement(pid, 8, a, (a,))], 7, b) is True
-    # Most peers still average epoch 6: the first of them at epoch 7 decide nothing, whichever
-    # way a 1-1 count would go (a < b < c).
-    c = b"\x03" * 32
-    behind3 = [*behind, Announcement(pid, 6, a)]
-    assert fork_verdict([*behind3, Announcement(pid, 7, a)], 7, b) is None
-    assert fork_verdict([*behind3, Announcement(pid, 7, c)], 7, b) is None
-    two = [Announcement(pid, 7, a), Announcement(pid, 8, c, (a,))]
-    assert fork_verdict([*behind3, *two], 7, b) is True  # 2 of 7 against our 1
 
 
 def test_a_patient_check_waits_for_the_others_to_announce_our_epoch() -> None:

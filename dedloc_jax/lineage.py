@@ -1,0 +1,131 @@
+"""Lineages of the training state, and which one the collaboration follows (pure logic).
+
+Every peer's state descends from the one before it; two lineages of one epoch exist after a
+partition (each side averaged apart) or a group that missed the round across groups. They
+never merge by themselves, since averaging gradients keeps parameters apart, so every peer
+must agree which one goes on: the one more peers hold (:func:`fork_choice`). Peers name
+their state with its ancestors' digests (its ``lineage``), so that a fork is counted at the
+epoch where it happened, not only at the newest one.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+from dedloc_jax.progress import MAX_LINEAGE
+from p2p.identity import PeerID
+
+LINEAGE = MAX_LINEAGE
+"""Ancestors an announcement names: a peer that checks its state a few epochs after the
+others moved on still counts them for the lineage they descend from."""
+
+
+@dataclass(frozen=True)
+class Announcement:
+    """One peer's announced state: its epoch and digest, and the digests of the states it
+    descends from (its ``lineage``, newest first; empty when unknown, e.g. after a load).
+    ``peer``: a PeerID read from the state key, or its text from the progress table."""
+
+    peer: PeerID | str
+    epoch: int
+    digest: bytes
+    lineage: tuple[bytes, ...] = ()
+
+    def digest_at(self, epoch: int) -> bytes | None:
+        """The digest of this lineage's state at ``epoch`` (an ancestor's), if known."""
+        back = self.epoch - epoch
+        if back == 0:
+            return self.digest
+        return self.lineage[back - 1] if 0 < back <= len(self.lineage) else None
+
+
+def _chain(a: Announcement) -> set[tuple[int, bytes]]:
+    """The (epoch, digest) states an announcement names: its own and its known ancestors'."""
+    return {(a.epoch - k, d) for k, d in enumerate((a.digest, *a.lineage))}
+
+
+def fork_choice(announced: Sequence[Announcement]) -> tuple[int, bytes] | None:
+    """The state a peer should train on: walk the announced states from the oldest epoch a
+    lineage names to the newest; where they fork, follow the side more peers hold (themselves
+    or as an ancestor), of as many the smaller digest; answer the newest state left.
+
+    After a partition heals, the smaller side may be an epoch ahead: picking the newest
+    epoch outright had the larger side load the smaller side's state (a peer that fell
+    behind loads what this returns), so the lineage that lost came back."""
+    alive = list(announced)
+    if not alive:
+        return None
+    for e in sorted({e for a in alive for e, _ in _chain(a)}):
+        counts = lineage_counts(alive, e)
+        if len(counts) < 2:
+            continue
+        keep = min(counts, key=lambda k: (-counts[k], k[1]))[1]
+        # States of the losing sides, from the fork on: anyone holding one (a peer that
+        # loaded it names no lineage) is on a losing side too.
+        lost = {
+            s for a in alive if a.digest_at(e) not in (None, keep) for s in _chain(a) if s[0] >= e
+        }
+        alive = [a for a in alive if not (_chain(a) & lost)]
+    newest = max(a.epoch for a in alive)
+    counts = Counter(a.digest for a in alive if a.epoch == newest)
+    return newest, min(counts, key=lambda d: (-counts[d], d))
+
+
+def on_minority_fork(others: Mapping[tuple[int, bytes], int], epoch: int, digest: bytes) -> bool:
+    """Whether our state (``digest`` at ``epoch``) lost to another state of the same epoch.
+
+    Two lineages of one epoch exist after a partition (each side averaged apart) or a group
+    split; they never merge by themselves, since averaging gradients keeps parameters apart.
+    The one more peers hold wins; of two held by as many, the smaller digest, so exactly one
+    side of a tie moves. ``others`` counts the other peers holding each (epoch, digest),
+    themselves or as an ancestor of their state (:func:`lineage_counts`).
+    """
+    mine = others.get((epoch, digest), 0) + 1
+    return any(
+        e == epoch and d != digest and (n > mine or (n == mine and d < digest))
+        for (e, d), n in others.items()
+    )
+
+
+def lineage_counts(announcements: Iterable[Announcement], epoch: int) -> Counter:
+    """(epoch, digest) -> how many announcing peers hold that state of ``epoch`` or a
+    descendant of it. Peers that moved on replaced their announcement of ``epoch``: counting
+    only announcements of ``epoch`` made a late check lose to the few that had not, and a peer
+    on a lost lineage win once the winners had moved on."""
+    counts: Counter = Counter()
+    for a in announcements:
+        d = a.digest_at(epoch)
+        if d is not None:
+            counts[(epoch, d)] += 1
+    return counts
+
+
+def fork_verdict(
+    announced: Sequence[Announcement],
+    epoch: int,
+    digest: bytes,
+    lineage: Sequence[bytes] = (),
+) -> bool | None:
+    """Whether our state (``digest`` at ``epoch``, descending from ``lineage``, newest first)
+    lost to another lineage, or None when it cannot tell yet.
+
+    Every epoch our lineage names, oldest first, where another peer holds a different state
+    is counted by :func:`on_minority_fork` (the rule of :func:`fork_choice`): after a healed
+    partition the sides forked epochs ago, and counting only at our epoch missed it while the
+    other side was an epoch behind. It cannot tell while fewer peers (us included) hold a
+    state of that epoch, or a descendant, than still announce older epochs: those are still
+    averaging, and decide the count (a peer that stepped alone and asked at once saw nobody
+    to lose to; one that saw the first of the others lost or won a 1-1 tie by digest)."""
+    ours = Announcement("us", epoch, digest, tuple(lineage)[:LINEAGE])
+    for e in range(epoch - len(ours.lineage), epoch + 1):
+        mine = ours.digest_at(e)
+        counts = lineage_counts(announced, e)
+        if e < epoch and all(d == mine for _, d in counts):
+            continue  # no fork there
+        if sum(counts.values()) + 1 < sum(a.epoch < e for a in announced):
+            return None
+        if on_minority_fork(counts, e, mine):
+            return True
+    return False
