@@ -124,7 +124,7 @@ class CollaborationCore:
     def snapshot(self) -> ProgressSnapshot:
         """What the other peers hold now, for deciding outside the trio thread."""
         me = self.tracker.peer_id
-        others = [r for pid, r in self.tracker.records.items() if pid != me]
+        others = [r for pid, r in self.tracker.contenders().items() if pid != me]
         cap = self.config.max_refresh * 2 if self.config.extrapolate else 0.0
         est = estimate_collaboration(
             [*others, self.tracker.own_progress()],
@@ -153,11 +153,12 @@ class CollaborationCore:
         return self.tracker.current_estimate().epoch > self.tracker.epoch
 
     def _stepped_without(self, spec: GroupSpec, epoch: int) -> bool:
-        """Whether a peer that trains, outside ``spec``, reports a newer epoch than ``epoch``."""
+        """Whether a peer that trains, outside ``spec``, reports a newer epoch than ``epoch``
+        (a peer on a lineage the collaboration left does not count)."""
         members = {m.peer_id for m in spec.members}
         return any(
             r.epoch > epoch and r.mode != "aux" and pid not in members
-            for pid, r in self.tracker.records.items()
+            for pid, r in self.tracker.contenders().items()
         )
 
     def _moved_on(self, peer: str, epoch: int) -> bool:

@@ -46,17 +46,9 @@ def _chain(a: Announcement) -> set[tuple[int, bytes]]:
     return {(a.epoch - k, d) for k, d in enumerate((a.digest, *a.lineage))}
 
 
-def fork_choice(announced: Sequence[Announcement]) -> tuple[int, bytes] | None:
-    """The state a peer should train on: walk the announced states from the oldest epoch a
-    lineage names to the newest; where they fork, follow the side more peers hold (themselves
-    or as an ancestor), of as many the smaller digest; answer the newest state left.
-
-    After a partition heals, the smaller side may be an epoch ahead: picking the newest
-    epoch outright had the larger side load the smaller side's state (a peer that fell
-    behind loads what this returns), so the lineage that lost came back."""
+def _winning_side(announced: Sequence[Announcement]) -> list[Announcement]:
+    """The announcements left after following, at every fork, the side more peers hold."""
     alive = list(announced)
-    if not alive:
-        return None
     for e in sorted({e for a in alive for e, _ in _chain(a)}):
         counts = lineage_counts(alive, e)
         if len(counts) < 2:
@@ -68,9 +60,36 @@ def fork_choice(announced: Sequence[Announcement]) -> tuple[int, bytes] | None:
             s for a in alive if a.digest_at(e) not in (None, keep) for s in _chain(a) if s[0] >= e
         }
         alive = [a for a in alive if not (_chain(a) & lost)]
+    return alive
+
+
+def fork_choice(announced: Sequence[Announcement]) -> tuple[int, bytes] | None:
+    """The state a peer should train on: walk the announced states from the oldest epoch a
+    lineage names to the newest; where they fork, follow the side more peers hold (themselves
+    or as an ancestor), of as many the smaller digest; answer the newest state left.
+
+    After a partition heals, the smaller side may be an epoch ahead: picking the newest
+    epoch outright had the larger side load the smaller side's state (a peer that fell
+    behind loads what this returns), so the lineage that lost came back."""
+    alive = _winning_side(announced)
+    if not alive:
+        return None
     newest = max(a.epoch for a in alive)
     counts = Counter(a.digest for a in alive if a.epoch == newest)
     return newest, min(counts, key=lambda d: (-counts[d], d))
+
+
+def losing_peers(announced: Sequence[Announcement]) -> set[str]:
+    """The peers (as text) whose announced state is on a side :func:`fork_choice` leaves.
+
+    Their epoch must not lead the collaboration: after a heal, the side that lost may be
+    ahead, and counting its epoch as the collaboration's stopped every peer of the winning
+    side (they were "behind", and never behind the winning lineage, so none stepped) until
+    the losers had noticed and loaded the winners' state."""
+    if len({(a.epoch, a.digest) for a in announced}) < 2:
+        return set()  # everyone serves one state: no fork (the usual case, and cheap)
+    kept = {id(a) for a in _winning_side(announced)}
+    return {str(a.peer) for a in announced if id(a) not in kept}
 
 
 def on_minority_fork(others: Mapping[tuple[int, bytes], int], epoch: int, digest: bytes) -> bool:

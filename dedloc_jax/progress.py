@@ -46,7 +46,7 @@ class PeerProgress:
         if not math.isfinite(self.step_interval) or self.step_interval < 0:
             raise ValueError("step_interval must be finite and non-negative")
         if self.state is not None:
-            _check_state(self.state)
+            check_state(self.state)
 
     def to_record(self) -> dict[str, Any]:
         """The msgpack-able value stored in the DHT (the peer ID is the subkey)."""
@@ -93,11 +93,12 @@ class PeerProgress:
         )
 
 
-MAX_LINEAGE = 4  # ancestors a state names (dedloc_jax.state_sync.LINEAGE)
+MAX_LINEAGE = 4  # ancestors a state names (dedloc_jax.lineage.LINEAGE)
 MAX_DIGEST = 64
 
 
-def _check_state(state: Any) -> None:
+def check_state(state: Any) -> None:
+    """Raise ValueError unless ``state`` is a valid (epoch, digest, lineage)."""
     epoch, digest, lineage = state
     if not isinstance(epoch, int) or isinstance(epoch, bool) or epoch < 0:
         raise ValueError("the state's epoch must be a non-negative integer")

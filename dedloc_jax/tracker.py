@@ -15,10 +15,12 @@ import math
 import trio
 
 from dedloc_jax.config import CollaborationConfig
+from dedloc_jax.lineage import Announcement, losing_peers
 from dedloc_jax.progress import (
     CollaborationEstimate,
     PeerProgress,
     ThroughputMeter,
+    check_state,
     estimate_collaboration,
     refresh_delay,
 )
@@ -67,6 +69,9 @@ class ProgressTracker:
         self._parsed: dict[str, tuple[Record, PeerProgress | None]] = {}  # subkey -> last read
         self.served: tuple[int, bytes, tuple[bytes, ...]] | None = None  # see serve()
         self._state_due: float | None = None  # see set_epoch(state_follows=True)
+        # Peers whose served state is on a lineage the fork choice leaves: see contenders().
+        self.losers: frozenset[str] = frozenset()
+        self._fork_input: tuple = ()
 
     # --- called by the collaboration (inside the trio loop) -------------------------------
     def report(self, epoch: int, samples: int, batch_size: int) -> None:
@@ -113,8 +118,10 @@ class ProgressTracker:
 
     def serve(self, epoch: int, digest: bytes, lineage: tuple[bytes, ...]) -> None:
         """The state we now serve (its epoch, digest and lineage): published at once, since
-        the others' fork checks count it."""
+        the others' fork checks count it. Raises ValueError for a malformed state (it would
+        fail every publish)."""
         state = (epoch, digest, tuple(lineage))
+        check_state(state)
         if state != self.served:
             self.served = state
             self._wake.set()
@@ -124,6 +131,31 @@ class ProgressTracker:
         return [
             (pid, *r.state) for pid, r in self.records.items() if r.state and pid != self.peer_id
         ]
+
+    def contenders(self) -> dict[str, PeerProgress]:
+        """The records of the peers on the lineage the collaboration follows (and of those
+        that serve no state yet): only they move its epoch and count toward its batch.
+
+        After a healed partition the side that lost may be ahead. Counting its epoch as the
+        collaboration's stopped the winning side, whose peers were "behind" (they contribute
+        no gradients of an old epoch) yet had no newer state to load, until every loser had
+        noticed and loaded the winners' state: at 200 peers, most of them sat out three
+        epochs. The losers are left out until their own fork check moves them."""
+        if not self.losers:
+            return self.records
+        return {pid: r for pid, r in self.records.items() if pid not in self.losers}
+
+    def _find_losers(self) -> None:
+        """Recount :attr:`losers` when the served states changed (most reads change none)."""
+        states = self.states()
+        key = (states, self.served)
+        if key == self._fork_input:
+            return
+        self._fork_input = key
+        announced = [Announcement(*s) for s in states]
+        if self.served is not None:
+            announced.append(Announcement(self.peer_id, *self.served))
+        self.losers = frozenset(losing_peers(announced) - {self.peer_id})
 
     async def freeze(self) -> None:
         """Publish that this peer stopped accumulating (it is averaging): rate zero."""
@@ -161,7 +193,7 @@ class ProgressTracker:
 
     def current_estimate(self) -> CollaborationEstimate:
         """The estimate extrapolated to now, with this peer's own progress exact."""
-        records = dict(self.records)
+        records = dict(self.contenders())
         records[self.peer_id] = self.own_progress()
         return estimate_collaboration(
             records.values(),
@@ -211,6 +243,7 @@ class ProgressTracker:
                     records[progress.peer_id] = progress
         self._parsed = parsed
         self.records = records
+        self._find_losers()
         self.estimate = self.current_estimate()
         return self.estimate
 

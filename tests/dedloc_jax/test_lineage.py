@@ -8,6 +8,7 @@ from dedloc_jax.lineage import (
     fork_choice,
     fork_verdict,
     lineage_counts,
+    losing_peers,
     on_minority_fork,
 )
 from p2p.identity import Identity, PeerID
@@ -112,3 +113,15 @@ def test_a_check_cannot_tell_while_the_others_still_announce_older_epochs() -> N
     assert fork_verdict([*behind3, Announcement(pid, 7, c)], 7, b) is None
     two = [Announcement(pid, 7, a), Announcement(pid, 8, c, (a,))]
     assert fork_verdict([*behind3, *two], 7, b) is True  # 2 of 7 against our 1
+
+
+def test_the_peers_of_a_lineage_the_fork_choice_leaves_are_named() -> None:
+    shared = _digests(0, 2)
+    big = [*shared, *_digests(1, 3)]  # epochs 4..8
+    small = [*shared, *_digests(2, 4)]  # epochs 4..9, forked at 6
+    bigs, smalls = _side(6, 8, big), _side(2, 9, small)
+    loaded = Announcement("loaded", 9, small[-1])  # took the small side's state: no lineage
+    assert losing_peers([*bigs, *smalls, loaded]) == {str(a.peer) for a in (*smalls, loaded)}
+    # One lineage, at several epochs (peers still stepping): nobody loses.
+    assert losing_peers([*bigs, *_side(3, 7, big[:-1])]) == set()
+    assert losing_peers(bigs) == set() and losing_peers([]) == set()

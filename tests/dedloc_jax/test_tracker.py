@@ -156,6 +156,8 @@ def test_the_served_state_travels_with_progress_and_is_published_at_once() -> No
                 await nursery.start(tracker.run)
             await trio.sleep(6.0)
             assert b.states() == [] and a.states() == []  # nothing served yet
+            with pytest.raises(ValueError, match="ancestors"):
+                a.serve(5, b"d" * 32, (b"c" * 32,) * 5)  # refused here, not at each publish
             a.serve(5, b"d" * 32, (b"c" * 32,))
             b.serve(5, b"e" * 32, ())
             # one read of the others later; a periodic publish would come at ttl / 3 = 20 s
@@ -207,6 +209,43 @@ def test_a_step_and_the_state_it_serves_go_out_in_one_store() -> None:
             assert stores[-1] == (3, (2, b"2" * 32, (b"1" * 32,)))
             await trio.sleep(config.max_refresh + 1.0)
             assert b.records[a.peer_id].epoch == 3
+            nursery.cancel_scope.cancel()
+
+    run_sim(main)
+
+
+def test_peers_on_a_lineage_that_lost_do_not_lead_the_epoch() -> None:
+    """After a heal: three peers on lineage A at epoch 8, two on lineage B (forked at epoch 6)
+    already at epoch 9. B lost the count, so the collaboration is at epoch 8: counting B's
+    epoch stopped A's peers (behind, with no newer state on their side to load)."""
+    config = _config(max_refresh=1.0, progress_ttl=60.0)
+    a = [bytes([1, k]) * 16 for k in range(5)]  # epochs 4..8
+    b = [*a[:2], *(bytes([2, k]) * 16 for k in range(4))]  # epochs 4..9
+
+    async def main() -> None:
+        net = SimNetwork(seed=5)
+        async with open_sim_dhts(net, 5, latency=0.005) as peers, trio.open_nursery() as nursery:
+            trackers = [ProgressTracker(dht, "run", config, "node") for _, dht in peers]
+            for i, tracker in enumerate(trackers):
+                side, epoch = (a, 8) if i < 3 else (b, 9)
+                tracker.set_epoch(epoch)
+                tracker.serve(epoch, side[-1], tuple(reversed(side[:-1]))[:4])
+                await nursery.start(tracker.run)
+            for _ in range(4):
+                for tracker in trackers:
+                    tracker.report(tracker.epoch, tracker.samples + 10, 10)
+                await trio.sleep(1.0)
+            losers = {trackers[3].peer_id, trackers[4].peer_id}
+            for tracker in trackers[:3]:
+                assert tracker.losers == losers
+                assert set(tracker.contenders()) == set(trackers[i].peer_id for i in range(3))
+                est = tracker.current_estimate()
+                assert est.epoch == 8 and est.num_peers == 3
+            # A loser counts itself (it must not average with the winners at their epoch),
+            # not the other loser: its epoch has its samples alone until it loads A's state.
+            est = trackers[3].current_estimate()
+            assert trackers[3].losers == {trackers[4].peer_id}
+            assert est.epoch == 9 and est.samples < 2 * 40
             nursery.cancel_scope.cancel()
 
     run_sim(main)
