@@ -61,14 +61,16 @@ def run_sim(
 ) -> T:
     """``trio.run(async_fn, *args)`` in virtual time; returns its result.
 
-    With ``seed`` (default 0) trio's scheduler is seeded too, so a simulation whose code uses
-    only ``SimNetwork(seed)`` randomness repeats event for event; ``seed=None`` leaves it alone.
+    With ``seed`` (default 0) trio's scheduler and the ``random`` module are seeded too, so a
+    simulation whose code uses only ``SimNetwork(seed)`` and ``random`` randomness repeats
+    event for event; ``seed=None`` leaves them alone.
     ``timeout`` (virtual seconds) raises :class:`trio.TooSlowError` past it: use it where a bug
     could leave every task blocked with no deadline, which under an autojumping MockClock
     otherwise spins in real time until the test runner's own timeout.
     """
     if seed is not None:
         _seed_trio_scheduler(seed)
+        random.seed(seed)  # e.g. the DHT's bucket refreshes look up random IDs
 
     async def main() -> T:
         with trio.fail_after(math.inf if timeout is None else timeout):
