@@ -145,7 +145,8 @@ class Mux:
         self._streams: dict[int, MuxStream] = {}
         self.budget = budget
         self._held_total = 0
-        self._unopened: set[MuxStream] = set()  # outbound streams whose first frame is unsent
+        # outbound streams whose first frame is unsent (a set in opening order: repeatable)
+        self._unopened: dict[MuxStream, None] = {}
         self._next_id = 1 if initiator else 2
         self._last_remote_id = 0
         self._inbound = 0
@@ -202,7 +203,7 @@ class Mux:
             self._outbound_slots.release()
             self._raise_if_closed()
         stream = MuxStream(self, None, outbound=True)
-        self._unopened.add(stream)
+        self._unopened[stream] = None
         self._streams_changed()
         return stream
 
@@ -272,7 +273,7 @@ class Mux:
                 raise ConnectionClosed("stream ids exhausted on this connection")
             sid = stream.stream_id = self._next_id
             self._next_id += 2  # ids may skip (a failed first send): only order matters
-            self._unopened.discard(stream)
+            self._unopened.pop(stream, None)
             self._streams[sid] = stream
             kind, parts = batch[0]
             if kind == BULK:
@@ -533,7 +534,7 @@ class Mux:
             return
         stream._forgotten = True
         if stream.stream_id is None:
-            self._unopened.discard(stream)
+            self._unopened.pop(stream, None)
         else:
             self._streams.pop(stream.stream_id, None)
             self._window_updates.pop(stream.stream_id, None)

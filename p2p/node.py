@@ -145,7 +145,7 @@ class Node:
         self._nursery = nursery
         self._registry = Registry()
         self._conns: dict[PeerID, Connection] = {}  # the connection used for new streams
-        self._all_conns: set[Connection] = set()
+        self._all_conns: dict[Connection, None] = {}  # a set in opening order (repeatable)
         self._dialing: dict[PeerID, trio.Event] = {}
         self._pending_inbound = 0
         self._per_ip: Counter[str] = Counter()
@@ -364,7 +364,7 @@ class Node:
             label=f"{str(conn.peer)[:10]}{'>' if outbound else '<'}",
             budget=self._budget,
         )
-        self._all_conns.add(conn)
+        self._all_conns[conn] = None
 
         async def run_mux(*, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
             try:
@@ -380,7 +380,7 @@ class Node:
                 logger.debug("connected to %s", conn)
                 await self._watch_idle(conn)
         finally:
-            self._all_conns.discard(conn)
+            self._all_conns.pop(conn, None)
             if self._conns.get(conn.peer) is conn:
                 del self._conns[conn.peer]
                 # promote a remaining live connection, if any (e.g. the drained duplicate)
