@@ -375,6 +375,15 @@ def run_soak(plan: SoakPlan) -> tuple[list[Log], dict]:
                 # epoch's state: the peer kept its own, and trained the next epoch on it.)
                 await core.share_state([params], epoch + 1)
                 if await core.on_minority_fork(patience=FORK_CHECK_PATIENCE):
+                    # The others may still be averaging this epoch (the check found us lost at
+                    # an older fork): wait, as the check does, for the state they step to.
+                    deadline = trio.current_time() + FORK_CHECK_PATIENCE
+                    newest = await core.newest_state_epoch()
+                    while newest is not None and newest <= epoch:
+                        if trio.current_time() >= deadline:
+                            break
+                        await trio.sleep(1.0)
+                        newest = await core.newest_state_epoch()
                     got = await download(core, log)
                     if got is not None and got[0] >= epoch + 1:
                         epoch, params = got[0] - 1, got[1]

@@ -66,15 +66,20 @@ def _winning_side(announced: Sequence[Announcement]) -> list[Announcement]:
 def fork_choice(announced: Sequence[Announcement]) -> tuple[int, bytes] | None:
     """The state a peer should train on: walk the announced states from the oldest epoch a
     lineage names to the newest; where they fork, follow the side more peers hold (themselves
-    or as an ancestor), of as many the smaller digest; answer the newest state left.
+    or as an ancestor), of as many the smaller digest; answer the newest state left that at
+    least as many of its peers reached as still announce older epochs.
 
     After a partition heals, the smaller side may be an epoch ahead: picking the newest
     epoch outright had the larger side load the smaller side's state (a peer that fell
-    behind loads what this returns), so the lineage that lost came back."""
+    behind loads what this returns), so the lineage that lost came back. And the first
+    peers to step may be one that stepped alone: at 200 peers, a peer that lost a fork
+    loaded such a state the moment it appeared, and the others' count then outvoted it."""
     alive = _winning_side(announced)
     if not alive:
         return None
-    newest = max(a.epoch for a in alive)
+    for newest in sorted({a.epoch for a in alive}, reverse=True):
+        if sum(a.epoch >= newest for a in alive) >= sum(a.epoch < newest for a in alive):
+            break
     counts = Counter(a.digest for a in alive if a.epoch == newest)
     return newest, min(counts, key=lambda d: (-counts[d], d))
 

@@ -85,10 +85,16 @@ def test_the_fork_choice_follows_the_side_more_peers_hold_not_the_newest_epoch()
     loaded = Announcement(_pid(), 9, small[-1])
     assert fork_choice([*announced, loaded, loaded]) == (8, big[-1])
     # Without a fork: the newest state, the one most peers announce (of as many, the
-    # smaller digest); peers still at older epochs do not hold it back.
+    # smaller digest), once as many peers reached its epoch as still announce older ones:
+    # the first peer to step may have stepped alone.
     one = [*shared, *_digests(1, 3)]
     other = [*one[:-1], b"\x00" * 32]
-    assert fork_choice([*_side(3, 7, one[:-1]), *_side(1, 8, one)]) == (8, one[-1])
+    assert fork_choice([*_side(3, 7, one[:-1]), *_side(1, 8, one)]) == (7, one[-2])
+    assert fork_choice([*_side(3, 7, one[:-1]), *_side(3, 8, one)]) == (8, one[-1])
+    assert fork_choice([*_side(4, 6, one[:-2]), *_side(2, 7, one[:-1]), *_side(2, 8, one)]) == (
+        7,
+        one[-2],
+    )
     assert fork_choice([*_side(2, 8, one), *_side(1, 8, other)]) == (8, one[-1])
     assert fork_choice([*_side(1, 8, one), *_side(1, 8, other)]) == (8, other[-1])
     assert fork_choice([]) is None
