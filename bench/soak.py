@@ -152,6 +152,7 @@ def run_soak(plan: SoakPlan) -> tuple[list[Log], dict]:
         bootstrap: list[str] = []
         bootstrap_ready = trio.Event()
         epoch_reached: dict[int, trio.Event] = defaultdict(trio.Event)
+        training: dict[int, int] = {}  # peer -> the epoch it trains now
 
         async def peer(i: int, task_status=trio.TASK_STATUS_IGNORED) -> None:
             await peer_run(i, task_status)
@@ -200,6 +201,7 @@ def run_soak(plan: SoakPlan) -> tuple[list[Log], dict]:
                         epoch, params = await load(core, log, params)
                         log.joined_at = epoch
                     while epoch < plan.epochs:
+                        training[i] = epoch
                         # At its epoch, or the first after it (a peer that fell behind and
                         # loaded a newer state may skip it).
                         if graceful.get(i, plan.epochs) <= epoch:
@@ -411,7 +413,11 @@ def run_soak(plan: SoakPlan) -> tuple[list[Log], dict]:
             events["partitioned_at"] = start
             await epoch_reached[end].wait()
             net.heal()
-            events["healed_at"] = end
+            # The newest epoch any peer trains: the side that stepped faster apart is ahead,
+            # and it trained those epochs apart too (it notices the heal only once the DHT
+            # shows it the other side's progress).
+            alive = [e for j, e in training.items() if not logs[j].left]
+            events["healed_at"] = max([end, *alive])
 
         async def joiner(i: int, at_epoch: int) -> None:
             await epoch_reached[at_epoch].wait()
@@ -497,7 +503,8 @@ def check_soak(plan: SoakPlan, logs: list[Log], events: dict) -> dict:
     most of them in a group. Members of one group hold the same finite average, bit for bit.
     Every joiner averaged in a group after joining. Every peer holds the same parameters after
     each epoch (capped groups average across groups too), except while the partition lasts
-    (each side averages apart; after it heals, the smaller side loads the larger side's state).
+    (each side averages apart; after it heals, the smaller side loads the larger side's state):
+    from the epoch it began to the newest epoch any peer trained when it healed.
     """
     s = summarize(plan, logs, events)
     done = [r["epoch"] for r in logs[0].rows]
