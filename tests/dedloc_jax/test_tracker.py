@@ -1,5 +1,8 @@
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
 import pytest
 import trio
 
@@ -144,14 +147,25 @@ def test_a_malformed_progress_record_is_ignored_until_its_owner_writes_a_good_on
     run_sim(main)
 
 
+@asynccontextmanager
+async def _two_trackers(
+    seed: int, config: CollaborationConfig
+) -> AsyncIterator[tuple[ProgressTracker, ProgressTracker, trio.Nursery]]:
+    """Two trackers of one run on a simulated DHT (not started) and a nursery to run them."""
+    net = SimNetwork(seed=seed)
+    async with open_sim_dhts(net, 2, latency=0.005) as peers, trio.open_nursery() as nursery:
+        yield (
+            ProgressTracker(peers[0][1], "run", config, "node"),
+            ProgressTracker(peers[1][1], "run", config, "node"),
+            nursery,
+        )
+
+
 def test_the_served_state_travels_with_progress_and_is_published_at_once() -> None:
     config = _config(max_refresh=5.0, progress_ttl=60.0)
 
     async def main() -> None:
-        net = SimNetwork(seed=3)
-        async with open_sim_dhts(net, 2, latency=0.005) as peers, trio.open_nursery() as nursery:
-            a = ProgressTracker(peers[0][1], "run", config, "node")
-            b = ProgressTracker(peers[1][1], "run", config, "node")
+        async with _two_trackers(3, config) as (a, b, nursery):
             for tracker in (a, b):
                 await nursery.start(tracker.run)
             await trio.sleep(6.0)
@@ -173,10 +187,7 @@ def test_a_step_and_the_state_it_serves_go_out_in_one_store() -> None:
     config = _config(max_refresh=5.0, progress_ttl=60.0)
 
     async def main() -> None:
-        net = SimNetwork(seed=4)
-        async with open_sim_dhts(net, 2, latency=0.005) as peers, trio.open_nursery() as nursery:
-            a = ProgressTracker(peers[0][1], "run", config, "node")
-            b = ProgressTracker(peers[1][1], "run", config, "node")
+        async with _two_trackers(4, config) as (a, b, nursery):
             stores = []
             publish = a.publish
 
