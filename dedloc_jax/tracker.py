@@ -139,8 +139,9 @@ class ProgressTracker:
         After a healed partition the side that lost may be ahead. Counting its epoch as the
         collaboration's stopped the winning side, whose peers were "behind" (they contribute
         no gradients of an old epoch) yet had no newer state to load, until every loser had
-        noticed and loaded the winners' state: at 200 peers, most of them sat out three
-        epochs. The losers are left out until their own fork check moves them."""
+        noticed and loaded the winners' state (in one 200-peer simulation, 138 peers sat
+        about 45 virtual seconds behind). The losers are left out until their own fork check
+        moves them."""
         if not self.losers:
             return self.records
         return {pid: r for pid, r in self.records.items() if pid not in self.losers}
@@ -269,19 +270,17 @@ class ProgressTracker:
             with trio.move_on_after(delay):
                 await self._wake.wait()
             self._wake = trio.Event()
-            if self._awaiting_state():
-                with trio.move_on_at(self._state_due):  # type: ignore[arg-type]
+            due, self._state_due = self._state_due, None
+            if due is not None and not self._serving_our_epoch():
+                with trio.move_on_at(due):  # the state we stepped to is due any moment
                     await self._wake.wait()
                 self._wake = trio.Event()
-            self._state_due = None
             if self._should_publish():
                 await self.publish()
             await self.fetch()
 
-    def _awaiting_state(self) -> bool:
-        """Whether we stepped and the state of the new epoch is due any moment."""
-        served = self.served[0] if self.served is not None else None
-        return self._state_due is not None and served != self.epoch
+    def _serving_our_epoch(self) -> bool:
+        return self.served is not None and self.served[0] == self.epoch
 
     def _should_publish(self) -> bool:
         """Publishing is the costly half (a store goes to many DHT nodes), so we publish only
