@@ -60,7 +60,9 @@ LR = 0.01  # the soak's optimizer: plain SGD on the averaged gradient
 LINGER = 10.0  # virtual s a peer that finished serves its state before leaving
 LOAD_ATTEMPTS = 5  # state downloads until one of the newest epoch (1 s apart)
 FORK_CHECK_AFTER = 1.0  # virtual s into an epoch: the others have announced its state by then
-FORK_CHECK_PATIENCE = 10.0  # virtual s a check waits for most peers to reach its epoch
+# virtual s a check waits for most peers to reach its epoch: at 200 peers a round often
+# takes more than 10 s, and a peer that stepped alone then kept its lineage for an epoch
+FORK_CHECK_PATIENCE = 30.0
 logger = logging.getLogger(__name__)
 
 
@@ -261,22 +263,23 @@ def run_soak(plan: SoakPlan) -> tuple[list[Log], dict]:
             return epoch, np.asarray(arrays[0], np.float32)
 
         async def load(core, log: Log, params: np.ndarray) -> tuple[int, np.ndarray]:
-            """The newest state other peers announce; without one (none announced yet, or
-            every donor failed), our own parameters at the collaboration's current epoch."""
+            """The state the fork choice names (the newest most of its lineage's peers
+            reached); without one (none announced yet, or every donor failed), our own
+            parameters at the collaboration's current epoch."""
             for attempt in range(LOAD_ATTEMPTS):
                 if attempt:
                     await trio.sleep(1.0)
                 got = await download(core, log)
-                if got is None:
-                    continue
-                epoch, params = got
-                # The peers of the newest epoch announce its state once they stepped: an
-                # older one means that they have not yet, so ask again a little later.
-                if epoch >= core.tracker.current_estimate().epoch:
-                    await core.share_state([params], epoch)
-                    return epoch, params
-            # No state of the newest epoch: go on from what we hold, at that epoch, and serve
-            # it (the fork check then finds it a minority and loads the others').
+                if got is not None:
+                    # It may be an epoch older than the first peers to step (theirs is not
+                    # chosen until most reached it): we are then behind, and load again
+                    # once a newer state is chosen. (Waiting here for the newest epoch, a
+                    # peer that lost a fork went on from the state it had downloaded under
+                    # the newer epoch's number: a lineage of its own.)
+                    await core.share_state([got[1]], got[0])
+                    return got
+            # Nobody serves a state: go on from what we hold, at the collaboration's epoch,
+            # and serve it (the fork check then finds it a minority and loads the others').
             epoch = max(core.tracker.epoch, core.tracker.current_estimate().epoch)
             core.tracker.set_epoch(epoch)
             await core.share_state([params], epoch)
@@ -504,7 +507,7 @@ def check_soak(plan: SoakPlan, logs: list[Log], events: dict) -> dict:
     Every joiner averaged in a group after joining. Every peer holds the same parameters after
     each epoch (capped groups average across groups too), except while the partition lasts
     (each side averages apart; after it heals, the smaller side loads the larger side's state):
-    from the epoch it began to the newest epoch any peer trained when it healed.
+    from the round in flight when it began to the newest epoch any peer trained when it healed.
     """
     s = summarize(plan, logs, events)
     done = [r["epoch"] for r in logs[0].rows]
@@ -516,7 +519,8 @@ def check_soak(plan: SoakPlan, logs: list[Log], events: dict) -> dict:
     assert s["nans"] == 0, s
     assert s["divergences"] == 0, f"divergent averages at epochs {s['divergent_epochs']}"
     assert s["joiners_averaged"] == plan.joiners, s
-    window = range(s["partitioned_at"], s["healed_at"] + 1)
+    # The round in flight when the partition began was cut too (rows settle an epoch late).
+    window = range(s["partitioned_at"] - 1, s["healed_at"] + 1)
     apart = [e for e in s["params_disagreed_epochs"] if e not in window]
     assert not apart, f"peers held different parameters after epochs {apart}"
     return s
