@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
-from p2p.mux import MuxConfig
+from p2p.mux_config import MuxConfig
 
 
 @dataclass(frozen=True)
