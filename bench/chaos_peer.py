@@ -15,7 +15,9 @@ one flushed JSON line per event, to ``DIR/peerN.jsonl`` (all incarnations of pee
 Policy of a volunteer that wants to stay in step: after stepping alone (no group, or the
 all-reduce failed) while others train, or when it notices it is behind, it loads the newest
 state that others serve if it is at least as new as its own, and otherwise keeps (and serves)
-its own.
+its own, and a second later checks whether it lost the fork choice (another peer's lone step of
+the same epoch won): then it loads the winner. (Peers average only with peers on their own
+state, so two lone lineages never meet in a group by themselves.)
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from dedloc_jax import Collaboration, CollaborationConfig, collaborative
 from p2p.identity import Identity
 
 MICRO = 16
+FORK_CHECK_AFTER = 1.0  # seconds after a lone step: the others have announced theirs by then
 DIM, HIDDEN = 64, 1024  # ~70k parameters: cheap steps, a state download that takes a moment
 
 
@@ -191,6 +194,7 @@ def run(args: argparse.Namespace) -> int:
     log.phase("accumulating", epoch=int(opt_state.epoch))
     stop = out / "stop"
     losses: list[float] = []
+    fork_check_at: float | None = None  # after a step alone that kept our state
     while not stop.exists():
         x = rng.normal(size=(MICRO, DIM)).astype(np.float32)
         y = np.sin(x @ teacher).astype(np.float32)
@@ -217,8 +221,10 @@ def run(args: argparse.Namespace) -> int:
                 # (Going back to the state we stepped from would fight the run's epoch,
                 # which only moves forward.)
                 log.phase("loading")
-                params, opt_state, _ = load(min_epoch=epoch, patience=0.0)
+                params, opt_state, loaded = load(min_epoch=epoch, patience=0.0)
                 log.phase("accumulating", epoch=int(opt_state.epoch))
+                if not loaded:  # ours stands for now: check it once the others announced
+                    fork_check_at = time.monotonic() + FORK_CHECK_AFTER
             dedloc_jax.share_state(host, params, opt_state)
         elif collab.behind:
             log.phase("loading")
@@ -226,6 +232,18 @@ def run(args: argparse.Namespace) -> int:
             log.phase("accumulating", epoch=int(opt_state.epoch))
             if loaded:
                 dedloc_jax.share_state(host, params, opt_state)
+        if fork_check_at is not None and time.monotonic() >= fork_check_at:
+            fork_check_at = None
+            if collab.on_minority_fork():
+                # Another peer's lone step of this epoch won the fork choice (two peers whose
+                # round failed each stepped alone): take it, or both go on alone for good
+                # (they average only with peers on their own state).
+                log.write("lost_fork", epoch=int(opt_state.epoch))
+                log.phase("loading")
+                params, opt_state, loaded = load(min_epoch=0, patience=0.0)
+                log.phase("accumulating", epoch=int(opt_state.epoch))
+                if loaded:
+                    dedloc_jax.share_state(host, params, opt_state)
         time.sleep(args.step_delay)
     log.write("exit", epoch=int(opt_state.epoch))
     collab.close()

@@ -95,6 +95,8 @@ class CollaborationCore:
         self.state_server = StateServer(
             node, dht, run_id, chunk_bytes=config.state_chunk_bytes, ttl=config.progress_ttl
         )
+        # Peers average only with peers that step from the same state (or do not say).
+        self.matchmaker.state_of = self.state_server.head_at
         self.meter = BandwidthMeter(
             upload_override=config.upload_bps, download_override=config.download_bps
         )
@@ -431,7 +433,7 @@ class CollaborationCore:
         """Whether the state we serve lost to another lineage (one more peers hold, see
         :func:`~dedloc_jax.state_sync.fork_verdict`): then load theirs. Ask once the others
         announced the epoch's state, e.g. when ready to average; ``patience``: seconds to keep
-        asking (each second) while it cannot tell.
+        asking (each second) while it cannot tell (also while the table names no state).
 
         It counts the states the progress table names (every peer publishes the state it
         serves with its progress, and follows the table anyway): reading every state
@@ -442,8 +444,13 @@ class CollaborationCore:
             return False
         deadline = trio.current_time() + patience
         while True:
-            verdict = fork_verdict(
-                self._table_states(), latest.epoch, latest.digest, self.state_server.lineage
+            table = self._table_states()
+            # An empty table (a read that failed, records that lapsed in a cut) cannot tell:
+            # a patient check waits for it to fill rather than answer "not lost".
+            verdict = (
+                fork_verdict(table, latest.epoch, latest.digest, self.state_server.lineage)
+                if table
+                else None
             )
             left = deadline - trio.current_time()
             if verdict is not None or left <= 0:

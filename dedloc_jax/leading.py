@@ -17,7 +17,7 @@ import trio
 
 from dedloc_jax.averaging.errors import GroupError
 from dedloc_jax.averaging.group import GroupSpec, Member
-from dedloc_jax.matchmaking_wire import Slot, member_from_wire, slot_of
+from dedloc_jax.matchmaking_wire import Slot, member_from_wire, same_state, slot_of, state_from_wire
 from p2p.errors import P2PError
 from p2p.identity import PeerID
 from p2p.multiaddr import Multiaddr
@@ -41,6 +41,7 @@ class LeaderRound:
     spec: GroupSpec | None = None
     addrs: dict[str, list[str]] = field(default_factory=dict)  # what each joiner sent
     cross: bool = False  # the leader's view held other groups: members average across them
+    state: bytes | None = None  # the state the leader steps from (None: not known)
 
 
 class Leading:
@@ -51,6 +52,7 @@ class Leading:
     window: float
     admit: Callable[[PeerID, str | None], Awaitable[None]] | None
     moved_on: Callable[[str, int], bool]
+    state_of: Callable[[int], bytes | None]
     _rounds: dict[Slot, LeaderRound]
     _chosen: dict[Slot, str | None]
     _learned: dict[str, tuple[str, ...]]
@@ -74,6 +76,7 @@ class Leading:
         epoch, level = slot
         peer = str(ctx.remote_peer)
         member = member_from_wire(peer, request.get("member"))
+        state = state_from_wire(request.get("state"))
         if self.admit is not None:
             await self.admit(ctx.remote_peer, member.mode)
         addrs = request.get("addrs", [])
@@ -105,6 +108,11 @@ class Leading:
             return answer
         if not rnd.open:
             return {"ok": False, "reason": "group already formed"}
+        if not same_state(rnd.state, state):
+            # Its view of the registrations missed that we are on another lineage.
+            return {"ok": False, "reason": "it steps from another state than the group"}
+        if rnd.state is None:  # we hold no state (aux): the first member's is the group's
+            rnd.state = state
         if len(rnd.joined) + 1 >= rnd.max_size:
             return {"ok": False, "reason": "group full"}
         rnd.joined[peer] = member
@@ -133,6 +141,7 @@ class Leading:
         epoch = slot[0]
         rnd = LeaderRound(slot, me, cap, cross=self.needs_cross(epoch) if slot[1] == 0 else False)
         rnd.expected = expected
+        rnd.state = self.state_of(epoch)
         started = trio.current_time()
         self._rounds[slot] = rnd
         for old in [s for s in self._rounds if s[0] < epoch - 2]:

@@ -35,7 +35,16 @@ from dedloc_jax.averaging.errors import GroupError
 from dedloc_jax.averaging.group import GroupSpec, Member
 from dedloc_jax.grouping import assign_groups, group_seed
 from dedloc_jax.leading import LeaderRound, Leading
-from dedloc_jax.matchmaking_wire import JOIN, LEADER, Slot, group_key
+from dedloc_jax.matchmaking_wire import (
+    JOIN,
+    LEADER,
+    Slot,
+    group_key,
+    same_state,
+    state_from_wire,
+    state_to_follow,
+    stated_first,
+)
 from dedloc_jax.matchmaking_wire import member_from_wire as _member_from_wire
 from dedloc_jax.matchmaking_wire import member_to_wire as _member_to_wire
 from dedloc_jax.matchmaking_wire import slot_of as _slot_of
@@ -94,6 +103,11 @@ class Matchmaker(Leading):
         # Whether the collaboration is past an epoch (the tracker's estimate is newer): a late
         # peer that nobody waits for at its epoch then stops looking for a group at once.
         self.epoch_over: Callable[[int], bool] = lambda epoch: False
+        # The digest of the state this peer steps from at an epoch (None: not known, e.g. not
+        # served yet): registrations and joins carry it, and peers on other states are left
+        # out of our group (see same_state).
+        self.state_of: Callable[[int], bytes | None] = lambda epoch: None
+        self._registered_state: dict[Slot, bytes] = {}
 
     def register(self) -> None:
         self.node.add_handler(JOIN, self._handle_join)
@@ -150,6 +164,8 @@ class Matchmaker(Leading):
             answer["leader"] = self._chosen[slot]
         if slot in self._registered:  # the asker's read of the registrations may miss ours
             answer["member"] = self._registered[slot]
+            if slot in self._registered_state:
+                answer["state"] = self._registered_state[slot]
         return answer
 
     def _opened(self, slot: Slot) -> trio.Event:
@@ -173,10 +189,15 @@ class Matchmaker(Leading):
         return min(self.max_wait, 4 * self.window + 2.0)
 
     async def _registrations(
-        self, registry: KeyFollower, *, sweep: bool = False
+        self,
+        registry: KeyFollower,
+        *,
+        sweep: bool = False,
+        states: dict[str, bytes | None] | None = None,
     ) -> dict[str, Member]:
         """Registered peers at this epoch (level) and what each brings; ``sweep`` reads all
-        the key's holders (before a decision, when expected peers are missing)."""
+        the key's holders (before a decision, when expected peers are missing). ``states``
+        gets the state each one steps from."""
         try:
             value = await registry.get(sweep=sweep)
         except P2PError as e:
@@ -191,10 +212,13 @@ class Matchmaker(Leading):
                     continue
                 try:
                     member = _member_from_wire(names[0], reg.get("member"))
+                    state = state_from_wire(reg.get("state"))
                 except GroupError as e:
                     log.info("ignoring a malformed registration of %s: %s", names[0], e)
                     continue
                 found[names[0]] = member
+                if states is not None:
+                    states[names[0]] = state
                 self._learn_addrs(names[0], reg)
         return found
 
@@ -236,12 +260,20 @@ class Matchmaker(Leading):
         if self._too_late(slot, set(expected) - {self.peer_id}):
             return None
         self._registered[slot] = _member_to_wire(me)
+        registration: dict[str, Any] = {
+            "member": self._registered[slot],
+            "addrs": [str(a) for a in self.node.addrs],
+        }
+        my_state = self.state_of(epoch)
+        if my_state is not None:
+            self._registered_state[slot] = registration["state"] = my_state
         for old in [s for s in self._registered if s[0] < epoch - 2]:
             del self._registered[old]
+            self._registered_state.pop(old, None)
         try:
             await self.dht.store(
                 key,
-                {"member": self._registered[slot], "addrs": [str(a) for a in self.node.addrs]},
+                registration,
                 self.dht.now() + self.max_wait + 6 * window + 30.0,
                 subkey=owner_marker(self.node.peer_id),
                 replicas=follower_replicas(self.dht.config),
@@ -255,12 +287,13 @@ class Matchmaker(Leading):
         expected = set(expected) - {self.peer_id}
         # Polled several times per epoch by every peer: fetch only new registrations.
         registry = self.dht.follow(key, relocate_interval=self.max_wait + 6 * window)
+        states: dict[str, bytes | None] = {}  # the state each registered peer steps from
         while True:
             # Polling only helps to close early once every expected peer registered; with
             # nobody expected, one read at the end of the window does (a read is a lookup).
             elapsed = trio.current_time() - start
             await trio.sleep(window / 8 if expected else max(0.0, window - elapsed))
-            others = await self._registrations(registry)
+            others = await self._registrations(registry, states=states)
             if self._too_late(slot, expected):
                 return None
             everyone = bool(expected) and expected <= set(others)
@@ -272,7 +305,7 @@ class Matchmaker(Leading):
                     # Deciding without some: first read every holder of the key. The one a
                     # read asks may lack registrations the others hold (writers store on
                     # the nearest nodes they found, and their views differ).
-                    others = await self._registrations(registry, sweep=True)
+                    others = await self._registrations(registry, sweep=True, states=states)
                     everyone = bool(expected) and expected <= set(others)
                 break
         if expected and not everyone:
@@ -303,11 +336,11 @@ class Matchmaker(Leading):
                 # Expected peers that crashed or sit across a partition would hold the group
                 # for max_wait while their stale progress records live: ask the missing ones.
                 nursery.start_soon(
-                    self._drop_gone, slot, expected, lambda: set(others), probed, window
+                    self._drop_gone, slot, expected, lambda: set(others), probed, states, window
                 )
             while short_of_target():
                 await trio.sleep(window / 2)
-                others = await self._registrations(registry, sweep=True) | probed
+                others = await self._registrations(registry, sweep=True, states=states) | probed
                 if self._too_late(slot, expected):
                     too_late = True
                     break
@@ -323,14 +356,30 @@ class Matchmaker(Leading):
                 sorted(expected - set(others)),
             )
         seed = group_seed(self.run_id, epoch)
+        # Peers that step from another state (another lineage) average among themselves.
+        follow = state_to_follow(my_state, states)
+        apart = {p for p in others if not same_state(follow, states.get(p))}
         population = len(planned | set(others))
+        if apart:
+            log.info(
+                "%s: %d of %d registered peers step from another state: not averaging with them",
+                slot,
+                len(apart),
+                len(others),
+            )
+            # Groups sized for our lineage's share of the peers.
+            population = -(-population * (len(others) + 1 - len(apart)) // (len(others) + 1))
         groups = assign_groups(
-            sorted({self.peer_id, *others}), max_group_size=cap, seed=seed, population=population
+            sorted({self.peer_id, *others} - apart),
+            max_group_size=cap,
+            seed=seed,
+            population=population,
         )
         if level == 0:
             modes = {p: m.mode for p, m in others.items()} | {self.peer_id: me.mode}
             self._remember(epoch, len(groups) > 1, (groups, modes))
-        mine = next(g for g in groups if self.peer_id in g)
+        known = {p: states.get(p) for p in others} | {self.peer_id: my_state}
+        mine = stated_first(next(g for g in groups if self.peer_id in g), known)
         if level == 1:
             # Also wait for the representatives we expect that have not registered yet:
             # their groups may still be averaging (bounded, and dropped once they decline).
@@ -341,7 +390,10 @@ class Matchmaker(Leading):
             # leader stops for one that went elsewhere or cannot be reached). Closing without
             # them refused their joins as "group already formed" and left them alone.
             full = assign_groups(
-                sorted(planned | set(others)), max_group_size=cap, seed=seed, population=population
+                sorted((planned | set(others)) - apart),
+                max_group_size=cap,
+                seed=seed,
+                population=population,
             )
             mates = next(g for g in full if self.peer_id in g)
             late = set(mates) & (expected - set(others))
@@ -433,6 +485,7 @@ class Matchmaker(Leading):
         expected: set[str],
         registered: Callable[[], set[str]],
         probed: dict[str, Member],
+        states: dict[str, bytes | None],
         window: float,
     ) -> None:
         """Ask each expected peer that has not registered whether it still gathers
@@ -455,6 +508,7 @@ class Matchmaker(Leading):
             elif "member" in answer:  # it gathers registrations: ours missed its own
                 try:
                     probed[peer] = _member_from_wire(peer, answer["member"])
+                    states[peer] = state_from_wire(answer.get("state"))
                 except GroupError as e:
                     log.info("ignoring the malformed registration %s sent: %s", peer[:8], e)
                     expected.discard(peer)
@@ -477,6 +531,9 @@ class Matchmaker(Leading):
             "member": _member_to_wire(me),
             "addrs": [str(a) for a in self.node.addrs],
         }
+        state = self.state_of(epoch)
+        if state is not None:
+            request["state"] = state
         try:
             answer = await self.node.call(
                 self._leader_addr(leader),

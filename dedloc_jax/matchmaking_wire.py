@@ -4,6 +4,8 @@ slots, and members on the wire. Pure: no I/O."""
 from __future__ import annotations
 
 import math
+from collections import Counter
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from dedloc_jax.averaging.errors import GroupError
@@ -30,6 +32,42 @@ def slot_of(request: Any) -> Slot:
     if level not in (0, 1) or isinstance(level, bool):
         raise ValueError(f"matchmaking level must be 0 or 1, got {level!r}")
     return request["epoch"], level
+
+
+MAX_STATE_BYTES = 64
+
+
+def state_from_wire(value: Any) -> bytes | None:
+    """The digest of the state a peer steps from, as it sent it (None: it did not say)."""
+    if value is None:
+        return None
+    if not isinstance(value, bytes) or not 0 < len(value) <= MAX_STATE_BYTES:
+        raise GroupError(f"a state digest is 1 to {MAX_STATE_BYTES} bytes")
+    return value
+
+
+def same_state(a: bytes | None, b: bytes | None) -> bool:
+    """Whether two peers may average together: both step from the same state, or one of
+    them did not say (an aux peer holds none; a trainer may not have served its state yet).
+    Peers on two lineages that average gradients stay apart, since each applies the mean to
+    other parameters, and every such step counts one more peer for the wrong lineage."""
+    return a is None or b is None or a == b
+
+
+def state_to_follow(mine: bytes | None, states: Mapping[str, bytes | None]) -> bytes | None:
+    """The state whose peers we group with: ours, or when we hold none (an aux peer) the one
+    most registered peers step from (of as many, the smallest digest)."""
+    if mine is not None:
+        return mine
+    counts = Counter(s for s in states.values() if s is not None)
+    return min(counts, key=lambda s: (-counts[s], s)) if counts else None
+
+
+def stated_first(group: Sequence[str], states: Mapping[str, bytes | None]) -> list[str]:
+    """``group`` in rank order, but peers that said which state they step from first: the
+    leader is then one of them, so peers of one state that see a stateless peer (which may
+    join any group) in their view do not follow it into another state's group."""
+    return sorted(group, key=lambda p: states.get(p) is None)
 
 
 def member_to_wire(m: Member) -> dict[str, Any]:

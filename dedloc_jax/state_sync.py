@@ -93,6 +93,11 @@ class StateServer:
         self.latest = manifest
         return manifest
 
+    def head_at(self, epoch: int) -> bytes | None:
+        """The digest of the state we step from at ``epoch`` (None: we hold none of it)."""
+        head = self._head
+        return head[1] if head is not None and head[0] == epoch else None
+
     def adopt(self, epoch: int, digest: bytes) -> None:
         """We now train on another peer's state (``digest`` of ``epoch``, downloaded): our
         next step descends from it, not from what we served."""

@@ -360,3 +360,31 @@ def test_a_late_group_knows_its_mean_is_incomplete_when_others_stepped_without_i
     for outcome in outcomes:
         assert outcome.group_size == 2 and not outcome.complete
         assert outcome.gradients[0].tobytes() == np.full(10, 0.5, np.float32).tobytes()
+
+
+def test_a_patient_fork_check_waits_while_the_progress_table_is_empty() -> None:
+    """An empty table (a read that failed, records that lapsed while a partition cut us off)
+    cannot tell whether our state lost: a patient check waits for the table to fill. Before,
+    it answered "not lost" at once, and a peer on the losing side went on with its lineage."""
+    from dedloc_jax.lineage import Announcement
+
+    config = CollaborationConfig.local_demo(96)
+
+    async def main() -> tuple[bool, bool, float]:
+        net = SimNetwork(seed=2)
+        async with open_sim_collaboration(net, 1, config=config, latency=0.01) as cores:
+            core = cores[0]
+            core.state_server.set_state([np.zeros(10, np.float32)], 3)
+            ours = core.state_server.latest.digest
+            other = bytes(32) if ours != bytes(32) else b"\x01" * 32
+            fills_at = trio.current_time() + 3.0
+            majority = [Announcement(f"peer{i}", 3, other) for i in range(2)]
+            core._table_states = lambda: majority if trio.current_time() >= fills_at else []
+            impatient = await core.on_minority_fork()
+            start = trio.current_time()
+            patient = await core.on_minority_fork(patience=10.0)
+            return impatient, patient, trio.current_time() - start
+
+    impatient, patient, waited = run_sim(main, seed=2)
+    assert impatient is False  # cannot tell, and no patience: not lost (as before)
+    assert patient is True and 2.9 <= waited <= 5.0

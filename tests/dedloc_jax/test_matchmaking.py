@@ -64,6 +64,73 @@ def test_200_peers_with_a_cap_of_32_form_disjoint_groups() -> None:
     _check_partition(_form_all(200, cap=32), cap=32)
 
 
+def test_peers_that_step_from_other_states_average_apart() -> None:
+    """Two lineages of one epoch (a group whose round failed, a peer that stepped alone): a
+    group mixing them would average gradients that each side applies to other parameters.
+    Each peer registers the state it steps from; 4 peers on state A and 3 on state B form
+    groups of one state each, and a peer that says nothing (an aux peer, a trainer that has
+    not served its state yet) may join either."""
+    states = [b"A" * 32] * 4 + [b"B" * 32] * 3 + [None]
+
+    async def main() -> list:
+        net = SimNetwork(seed=3)
+        async with open_sim_dhts(net, len(states), latency=0.01) as peers:
+            makers = matchmakers(peers, max_group_size=8)
+            for mm, state in zip(makers, states, strict=True):
+                mm.state_of = lambda epoch, state=state: state if epoch == 3 else None
+            specs: list = [None] * len(states)
+
+            async def one(i: int) -> None:
+                me = member_for(str(peers[i][0].peer_id), "node", 1e6, 1e6, 8.0)
+                specs[i] = await makers[i].form_group(3, me)
+
+            async with trio.open_nursery() as nursery:
+                for i in range(len(states)):
+                    nursery.start_soon(one, i)
+            return [str(node.peer_id) for node, _ in peers], specs
+
+    ids, specs = run_sim(main, seed=3)
+    groups = {}
+    for pid, spec in zip(ids, specs, strict=True):
+        assert spec is not None, f"{pid} got no group"
+        groups.setdefault(spec.digest, {m.peer_id for m in spec.members})
+    a, b = set(ids[:4]), set(ids[4:7])
+    for members in groups.values():
+        assert members <= a | {ids[7]} or members <= b | {ids[7]}, members
+    assert a | b <= set().union(*groups.values())  # nobody left out
+
+
+def test_a_leader_refuses_a_member_that_steps_from_another_state() -> None:
+    """The leader's check, for a follower whose view missed that the leader is on another
+    lineage: it is refused (and averages alone) while one on the leader's state joins."""
+    state = {0: b"A" * 32, 1: b"B" * 32, 2: b"A" * 32}
+
+    async def lead(makers, ids, out) -> None:
+        out["ids"] = ids
+        me = member_for(ids[0], "node", 1e6, 1e6, 8.0)
+        out["leader"] = await makers[0]._lead((5, 0), me, 1.0, 8, expected={ids[1], ids[2]})
+
+    async def follow(makers, ids, out) -> None:
+        await trio.sleep(0.1)
+
+        async def one(i: int) -> None:
+            me = member_for(ids[i], "node", 1e6, 1e6, 8.0)
+            out[i] = await makers[i]._follow((5, 0), me, ids[0], 1.0)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(one, 1)
+            nursery.start_soon(one, 2)
+
+    def setup(makers, ids) -> None:
+        for i, mm in enumerate(makers):
+            mm.state_of = lambda epoch, i=i: state[i]
+
+    out = _two_at_once(3, 7, setup, lead, follow)
+    assert out[1] is None  # refused: another state
+    assert out[2] is not None and out[2] == out["leader"]
+    assert {m.peer_id for m in out[2].members} == {out["ids"][0], out["ids"][2]}
+
+
 def test_a_lonely_peer_gets_no_group_without_hanging() -> None:
     results = _form_all(1, cap=4)
     assert results[0][1] is None
