@@ -223,7 +223,9 @@ def run(args: argparse.Namespace) -> int:
                 log.phase("loading")
                 params, opt_state, loaded = load(min_epoch=epoch, patience=0.0)
                 log.phase("accumulating", epoch=int(opt_state.epoch))
-                if not loaded:  # ours stands for now: check it once the others announced
+                if not loaded and fork_check_at is None:
+                    # Ours stands for now: check it once the others announced theirs (not
+                    # pushed back by the next lone step: epochs can be shorter than that).
                     fork_check_at = time.monotonic() + FORK_CHECK_AFTER
             dedloc_jax.share_state(host, params, opt_state)
         elif collab.behind:
