@@ -87,9 +87,11 @@ class PhaseHost:
         finally:
             self.log.phase("accumulating", epoch=epoch + 1)
 
-    def load_state(self, *, timeout: float = 60.0) -> tuple[int, list[Any]]:
+    def load_state(
+        self, *, timeout: float = 60.0, min_epoch: int | None = None
+    ) -> tuple[int, list[Any]]:
         self.log.phase("loading")
-        return self.collab.load_state(timeout=timeout)
+        return self.collab.load_state(timeout=timeout, min_epoch=min_epoch)
 
     def share_state(self, arrays: list[Any], epoch: int) -> None:
         self.collab.share_state(arrays, epoch)
@@ -164,14 +166,14 @@ def run(args: argparse.Namespace) -> int:
         while True:
             try:
                 p, s, epoch = dedloc_jax.sync_state(
-                    host, params, opt_state, timeout=args.load_timeout
+                    host, params, opt_state, timeout=args.load_timeout, min_epoch=min_epoch
                 )
-                if epoch >= min_epoch:
-                    log.write(
-                        "epoch", epoch=epoch, how="load", digest=params_digest(p), finite=_finite(p)
-                    )
-                    return p, s, True
-                log.write("stale_state", epoch=epoch, wanted=min_epoch)
+                log.write(
+                    "epoch", epoch=epoch, how="load", digest=params_digest(p), finite=_finite(p)
+                )
+                return p, s, True
+            except dedloc_jax.StaleStateError as e:
+                log.write("stale_state", wanted=min_epoch, reason=str(e)[:200])
             except dedloc_jax.StateSyncError as e:
                 log.write("no_state", reason=str(e)[:200])
             if time.monotonic() > deadline:

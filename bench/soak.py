@@ -50,7 +50,7 @@ import trio
 
 from dedloc_jax.collaboration import open_collaboration
 from dedloc_jax.config import CollaborationConfig
-from dedloc_jax.state_sync import StateSyncError
+from dedloc_jax.state_sync import StaleStateError, StateSyncError
 from p2p.dht import DHTClock, DHTConfig
 from p2p.node import NodeConfig, open_node
 from p2p.testing import SimNetwork, run_sim, sim_identity
@@ -242,7 +242,7 @@ def run_soak(plan: SoakPlan) -> tuple[list[Log], dict]:
                     await trio.sleep(FORK_CHECK_AFTER)
                     if await core.on_minority_fork(patience=FORK_CHECK_PATIENCE):
                         log.forks += 1
-                        got = await download(core, log)
+                        got = await download(core, log, min_epoch=epoch)
                         if got is not None and got[0] == epoch:
                             params = got[1]
                             await core.share_state([params], epoch)
@@ -250,11 +250,16 @@ def run_soak(plan: SoakPlan) -> tuple[list[Log], dict]:
                     await trio.sleep(LINGER - FORK_CHECK_AFTER)
                     checks.cancel_scope.cancel()
 
-        async def download(core, log: Log) -> tuple[int, np.ndarray] | None:
-            """The newest state other peers serve, or None (none announced, or every donor
-            failed)."""
+        async def download(
+            core, log: Log, min_epoch: int | None = None
+        ) -> tuple[int, np.ndarray] | None:
+            """The newest state other peers serve, or None (none announced, every donor
+            failed, or it is older than ``min_epoch``: then nothing was loaded)."""
             try:
-                epoch, arrays = await core.load_state(timeout=30.0)
+                epoch, arrays = await core.load_state(timeout=30.0, min_epoch=min_epoch)
+            except StaleStateError as e:
+                logger.info("soak: %s", e)
+                return None
             except StateSyncError as e:
                 logger.info("soak: state download failed: %s", e)
                 log.load_failures += 1
@@ -389,7 +394,7 @@ def run_soak(plan: SoakPlan) -> tuple[list[Log], dict]:
                             break
                         await trio.sleep(1.0)
                         newest = await core.newest_state_epoch()
-                    got = await download(core, log)
+                    got = await download(core, log, min_epoch=epoch + 1)
                     if got is not None and got[0] >= epoch + 1:
                         epoch, params = got[0] - 1, got[1]
             log.rows.append(

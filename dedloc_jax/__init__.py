@@ -22,7 +22,7 @@ from dedloc_jax.collaborative import CollaborativeState, collaborative
 from dedloc_jax.config import CollaborationConfig
 from dedloc_jax.host import AveragingOutcome, CollaborationHost
 from dedloc_jax.progress import CollaborationEstimate, PeerProgress
-from dedloc_jax.state_sync import StateSyncError
+from dedloc_jax.state_sync import StaleStateError, StateSyncError
 from dedloc_jax.threaded import Collaboration
 from dedloc_jax.training_state import collaboration_epoch, share_state, sync_state
 
@@ -43,6 +43,7 @@ __all__ = [
     "Member",
     "PeerProgress",
     "ShareLostError",
+    "StaleStateError",
     "StateSyncError",
     "all_reduce",
     "collaboration_epoch",

@@ -401,7 +401,15 @@ class CollaborationCore:
         self.tracker.serve(epoch, manifest.digest, self.state_server.lineage)
         await self.state_server.announce()
 
-    async def load_state(self, *, timeout: float = 60.0) -> tuple[int, list[np.ndarray]]:
+    async def load_state(
+        self, *, timeout: float = 60.0, min_epoch: int | None = None
+    ) -> tuple[int, list[np.ndarray]]:
+        """Download the state the fork choice names and train on it from now on (our epoch
+        becomes its epoch). ``min_epoch``: raise :class:`StaleStateError` instead when that
+        state is older; nothing changes then. (A caller that downloaded an older state and
+        kept its own had adopted the download's epoch and lineage all the same: its next
+        state then claimed to descend from the others', and its fork check never found it
+        on a lineage of its own.)"""
         manifest, arrays, donors = await download_manifest_state(
             self.node,
             self.dht,
@@ -409,6 +417,7 @@ class CollaborationCore:
             timeout=timeout,
             request_timeout=self.config.rpc_timeout,
             extra=self._table_states(),
+            min_epoch=min_epoch,
         )
         epoch = manifest.epoch
         self.state_server.adopt(epoch, manifest.digest)

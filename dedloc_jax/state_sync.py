@@ -51,6 +51,11 @@ class StateSyncError(RuntimeError):
     """No verified state could be downloaded (no donors, or all of them failed)."""
 
 
+class StaleStateError(StateSyncError):
+    """The state a download would bring is older than the caller wants (nothing was
+    downloaded, and the peer's own state and epoch stand)."""
+
+
 def state_key(run_id: str) -> str:
     return f"{run_id}.state"
 
@@ -294,14 +299,24 @@ async def download_manifest_state(
     timeout: float = 60.0,
     request_timeout: float = 10.0,
     extra: Sequence[Announcement] = (),
+    min_epoch: int | None = None,
 ) -> tuple[StateManifest, list[np.ndarray], int]:
     """:func:`download_state`, with the downloaded state's manifest instead of its epoch;
-    ``extra``: more announcements to choose from (see :func:`find_donors`)."""
+    ``extra``: more announcements to choose from (see :func:`find_donors`); ``min_epoch``:
+    raise :class:`StaleStateError` instead of downloading an older state."""
+
+    def check_new_enough(epoch: int) -> None:
+        if min_epoch is not None and epoch < min_epoch:
+            raise StaleStateError(
+                f"the newest state served is of epoch {epoch}, wanted {min_epoch} or newer"
+            )
+
     with trio.move_on_after(timeout) as scope:
         found = await find_donors(node, dht, run_id, extra)
         if found is None:
             raise StateSyncError("no peer announces a state")
         epoch, digest, donors = found
+        check_new_enough(epoch)
         request = {"digest": digest}
         manifest = None
         for donor in donors:
@@ -327,6 +342,7 @@ async def download_manifest_state(
                 manifest, donors = await _latest_manifests(node, rest, 0, request_timeout)
             if manifest is None:
                 raise StateSyncError("no donor served a manifest matching its announcement")
+            check_new_enough(manifest.epoch)
             request = {"digest": manifest.digest}
         assembler = StateAssembler(manifest)
         live = list(donors)

@@ -214,9 +214,13 @@ class Collaboration:
         thread, core = self._core()
         thread.run(core.share_state, [np.asarray(a) for a in arrays], epoch)
 
-    def load_state(self, *, timeout: float = 60.0) -> tuple[int, list[np.ndarray]]:
+    def load_state(
+        self, *, timeout: float = 60.0, min_epoch: int | None = None
+    ) -> tuple[int, list[np.ndarray]]:
+        """Download the state the fork choice names and train on it; ``min_epoch``: raise
+        :class:`~dedloc_jax.StaleStateError` (and change nothing) if it is older."""
         thread, core = self._core()
-        return thread.run(functools.partial(core.load_state, timeout=timeout))
+        return thread.run(functools.partial(core.load_state, timeout=timeout, min_epoch=min_epoch))
 
     def newest_state_epoch(self) -> int | None:
         """The epoch of the state a download would bring: the newest on the lineage most

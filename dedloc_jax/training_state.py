@@ -22,6 +22,8 @@ log = logging.getLogger(__name__)
 
 class _StateHost(Protocol):
     def load_state(self, *, timeout: float = ...) -> tuple[int, list[np.ndarray]]: ...
+    # Hosts may also take ``min_epoch`` (the Collaboration does); sync_state passes it only
+    # when asked to.
     def share_state(self, arrays: list[np.ndarray], epoch: int) -> None: ...
 
 
@@ -59,16 +61,26 @@ def share_state(collab: _StateHost, params: Any, opt_state: Any) -> None:
 
 
 def sync_state(
-    collab: _StateHost, params: Any, opt_state: Any, *, timeout: float = 60.0
+    collab: _StateHost,
+    params: Any,
+    opt_state: Any,
+    *,
+    timeout: float = 60.0,
+    min_epoch: int | None = None,
 ) -> tuple[Any, Any, int]:
     """Load the collaboration's newest ``(params, opt_state)`` into pytrees of this structure.
 
     Returns ``(params, opt_state, epoch)``. Raises ``StateSyncError`` when no peer serves a
-    state (the first peer of a run starts from its own initialisation instead), and ValueError
-    when the served state does not fit these pytrees (another model or optimizer).
+    state (the first peer of a run starts from its own initialisation instead), its subclass
+    ``StaleStateError`` when the state served is older than ``min_epoch`` (a peer that
+    stepped alone keeps its own then; nothing was loaded), and ValueError when the served
+    state does not fit these pytrees (another model or optimizer).
     """
     leaves, treedef = jax.tree.flatten((params, opt_state))
-    epoch, arrays = collab.load_state(timeout=timeout)
+    if min_epoch is None:
+        epoch, arrays = collab.load_state(timeout=timeout)
+    else:
+        epoch, arrays = collab.load_state(timeout=timeout, min_epoch=min_epoch)  # type: ignore[call-arg]
     if len(arrays) != len(leaves):
         raise ValueError(
             f"the collaboration's state has {len(arrays)} arrays, this model {len(leaves)}"

@@ -193,14 +193,16 @@ def _adopt_theirs(collab: Any, params: Any, opt_state: Any) -> tuple[Any, Any]:
 
     ours = int(opt_state.epoch)
     try:
-        new_params, new_opt_state, epoch = dedloc_jax.sync_state(collab, params, opt_state)
+        new_params, new_opt_state, epoch = dedloc_jax.sync_state(
+            collab, params, opt_state, min_epoch=ours
+        )
+    except dedloc_jax.StaleStateError as e:
+        log.info("%s (ours is of epoch %d): keeping ours", e, ours)
     except dedloc_jax.StateSyncError as e:
         log.info("nobody serves a state (%s): keeping this peer's", e)
     else:
-        if epoch >= ours:
-            log.info("loaded the collaboration's state of epoch %d", epoch)
-            return new_params, new_opt_state
-        log.info("the newest state served is of epoch %d, ours of %d: keeping ours", epoch, ours)
+        log.info("loaded the collaboration's state of epoch %d", epoch)
+        return new_params, new_opt_state
     dedloc_jax.share_state(collab, params, opt_state)
     return params, opt_state
 

@@ -388,3 +388,41 @@ def test_a_patient_fork_check_waits_while_the_progress_table_is_empty() -> None:
     impatient, patient, waited = run_sim(main, seed=2)
     assert impatient is False  # cannot tell, and no patience: not lost (as before)
     assert patient is True and 2.9 <= waited <= 5.0
+
+
+def test_a_state_older_than_wanted_is_not_loaded_and_changes_nothing() -> None:
+    """A peer that stepped alone to epoch 4 asks for a state of epoch 4 or newer; the others
+    serve epoch 3. It gets StaleStateError, keeps its epoch, and its next state still names
+    its own epoch-4 state as parent. Before, the download of epoch 3 was adopted even though
+    the caller kept its own state: its next state claimed to descend from the others', and
+    its fork check could never find it on a lineage of its own."""
+    from dedloc_jax import StaleStateError
+
+    config = CollaborationConfig.local_demo(96)
+
+    async def main() -> dict:
+        net = SimNetwork(seed=4)
+        out: dict = {}
+        async with open_sim_collaboration(net, 2, config=config, latency=0.01) as (a, b):
+            await a.share_state([np.full(10, 3, np.float32)], 3)
+            await b.share_state([np.full(10, 4, np.float32)], 4)
+            b.epoch = 4
+            ours = b.state_server.latest.digest
+            await trio.sleep(3.0)  # b reads a's progress record and announcement
+            try:
+                await b.load_state(timeout=30, min_epoch=4)
+            except StaleStateError as e:
+                out["stale"] = str(e)
+            out["epoch"], out["head"] = b.epoch, b.state_server.head_at(4)
+            await b.share_state([np.full(10, 5, np.float32)], 5)
+            out["lineage"] = b.state_server.lineage
+            out["ours"] = ours
+            epoch, arrays = await b.load_state(timeout=30, min_epoch=3)  # new enough: taken
+            out["loaded"] = (epoch, float(arrays[0][0]), b.epoch)
+        return out
+
+    out = run_sim(main, seed=4)
+    assert "epoch 3" in out["stale"], out
+    assert out["epoch"] == 4 and out["head"] == out["ours"]
+    assert out["lineage"][:1] == (out["ours"],)
+    assert out["loaded"] == (3, 3.0, 3)
