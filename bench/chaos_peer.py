@@ -197,6 +197,7 @@ def run(args: argparse.Namespace) -> int:
     stop = out / "stop"
     losses: list[float] = []
     fork_check_at: float | None = None  # after a step alone that kept our state
+    behind_checked = 0.0  # when we last looked for a newer state because we were behind
     while not stop.exists():
         x = rng.normal(size=(MICRO, DIM)).astype(np.float32)
         y = np.sin(x @ teacher).astype(np.float32)
@@ -230,7 +231,10 @@ def run(args: argparse.Namespace) -> int:
                     # pushed back by the next lone step: epochs can be shorter than that).
                     fork_check_at = time.monotonic() + FORK_CHECK_AFTER
             dedloc_jax.share_state(host, params, opt_state)
-        elif collab.behind:
+        elif collab.behind and time.monotonic() - behind_checked >= 1.0:
+            # At most once a second: a peer ahead on a lineage of its own (until its fork
+            # check) keeps the others "behind" with nothing newer on their lineage to load.
+            behind_checked = time.monotonic()
             log.phase("loading")
             params, opt_state, loaded = load(min_epoch=epoch + 1, patience=0.0)
             log.phase("accumulating", epoch=int(opt_state.epoch))
