@@ -48,7 +48,10 @@ def test_soak_200_peers() -> None:
     PYTHONHASHSEED. At 4a30316 it passed with PYTHONHASHSEED=2 (925.8 s) and 1 (881.8 s). At
     ac8a690 it failed with PYTHONHASHSEED=0 (1034 s): peers held two versions after epoch
     11, outside the partition (6-9); with PYTHONHASHSEED=3 the same plan's check passed
-    (one peer of 181 held its own after epoch 11, the newest epoch trained at the heal)."""
+    (one peer of 181 held its own after epoch 11, the newest epoch trained at the heal). At
+    1e5a856 (groups of one state only) PYTHONHASHSEED=0 failed earlier, at epoch 3 (913 s):
+    one peer of 178, whose group's all-reduce failed, kept its own state (its fork checks
+    answered "not lost") until it resynced two epochs later; epoch 11 held one version."""
     plan = plan_for(200, 20, group=16, size=1000, seed=0)
     logs, events = run_soak(plan)
     check_soak(plan, logs, events)
