@@ -25,6 +25,7 @@ wait is bounded by a cancel scope). Clients reach leaders by dialing out, like e
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -35,6 +36,7 @@ from dedloc_jax.averaging.errors import GroupError
 from dedloc_jax.averaging.group import GroupSpec, Member
 from dedloc_jax.grouping import assign_groups, group_seed
 from dedloc_jax.leading import LeaderRound, Leading
+from dedloc_jax.matchmaking_probe import drop_gone
 from dedloc_jax.matchmaking_wire import (
     JOIN,
     LEADER,
@@ -335,8 +337,9 @@ class Matchmaker(Leading):
             if short_of_target():
                 # Expected peers that crashed or sit across a partition would hold the group
                 # for max_wait while their stale progress records live: ask the missing ones.
+                ask = functools.partial(self._ask_leader, slot)
                 nursery.start_soon(
-                    self._drop_gone, slot, expected, lambda: set(others), probed, states, window
+                    drop_gone, ask, expected, lambda: set(others), probed, states, window
                 )
             while short_of_target():
                 await trio.sleep(window / 2)
@@ -478,48 +481,6 @@ class Matchmaker(Leading):
             return None
         leader = answer.get("leader")
         return leader if isinstance(leader, str) else None
-
-    async def _drop_gone(
-        self,
-        slot: Slot,
-        expected: set[str],
-        registered: Callable[[], set[str]],
-        probed: dict[str, Member],
-        states: dict[str, bytes | None],
-        window: float,
-    ) -> None:
-        """Ask each expected peer that has not registered whether it still gathers
-        registrations or computes (undecided: keep waiting for it, and ask again a window
-        later). One that gathers registrations sends its own, which our read of the key
-        missed: it goes into ``probed`` and is not asked again (these questions were a third
-        of a 200-peer run's RPCs, 552k in three epochs). Drop a peer from ``expected`` when it
-        cannot be reached (crashed, or across a partition) or has already decided on a group
-        that our view of the registrations missed: either way no samples of it will come."""
-
-        async def ask(peer: str) -> None:
-            try:
-                answer = await self._ask_leader(slot, peer, window)
-            except P2PError as e:
-                log.debug("expected peer %s of %s is gone: %s", peer[:8], slot, e)
-                expected.discard(peer)
-                return
-            if not isinstance(answer, dict) or answer.get("decided") is not False:
-                expected.discard(peer)  # it decided on a group that our view missed
-            elif "member" in answer:  # it gathers registrations: ours missed its own
-                try:
-                    probed[peer] = _member_from_wire(peer, answer["member"])
-                    states[peer] = state_from_wire(answer.get("state"))
-                except GroupError as e:
-                    log.info("ignoring the malformed registration %s sent: %s", peer[:8], e)
-                    expected.discard(peer)
-
-        while True:
-            missing = expected - registered() - set(probed)
-            if missing:
-                async with trio.open_nursery() as nursery:
-                    for peer in sorted(missing):
-                        nursery.start_soon(ask, peer)
-            await trio.sleep(window)
 
     async def _follow(
         self, slot: Slot, me: Member, leader: str, window: float, *, hops: int = 0
