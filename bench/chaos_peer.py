@@ -180,13 +180,18 @@ def run(args: argparse.Namespace) -> int:
                 return params, opt_state, False
             time.sleep(0.5)
 
+    def reload(min_epoch: int) -> tuple[Any, Any, bool]:
+        """:func:`load` at once (the host marks the loading phase), then back to
+        accumulating."""
+        p, s, loaded = load(min_epoch=min_epoch, patience=0.0)
+        log.phase("accumulating", epoch=int(s.epoch))
+        return p, s, loaded
+
     if args.index == 0 and not initial:
-        log.phase("loading")
         params, opt_state, loaded = load(min_epoch=0, patience=0.0)
         if not loaded:
             dedloc_jax.share_state(host, params, opt_state)
     else:
-        log.phase("loading")
         params, opt_state, loaded = load(min_epoch=0, patience=args.load_patience)
         if not loaded:
             log.write("gave_up", reason="no state to load")
@@ -223,9 +228,7 @@ def run(args: argparse.Namespace) -> int:
                 # settled this epoch), take their state; otherwise ours becomes the run's.
                 # (Going back to the state we stepped from would fight the run's epoch,
                 # which only moves forward.)
-                log.phase("loading")
-                params, opt_state, loaded = load(min_epoch=epoch, patience=0.0)
-                log.phase("accumulating", epoch=int(opt_state.epoch))
+                params, opt_state, loaded = reload(min_epoch=epoch)
                 if not loaded and fork_check_at is None:
                     # Ours stands for now: check it once the others announced theirs (not
                     # pushed back by the next lone step: epochs can be shorter than that).
@@ -235,9 +238,7 @@ def run(args: argparse.Namespace) -> int:
             # At most once a second: a peer ahead on a lineage of its own (until its fork
             # check) keeps the others "behind" with nothing newer on their lineage to load.
             behind_checked = time.monotonic()
-            log.phase("loading")
-            params, opt_state, loaded = load(min_epoch=epoch + 1, patience=0.0)
-            log.phase("accumulating", epoch=int(opt_state.epoch))
+            params, opt_state, loaded = reload(min_epoch=epoch + 1)
             if loaded:
                 dedloc_jax.share_state(host, params, opt_state)
         if fork_check_at is not None and time.monotonic() >= fork_check_at:
@@ -247,9 +248,7 @@ def run(args: argparse.Namespace) -> int:
                 # round failed each stepped alone): take it, or both go on alone for good
                 # (they average only with peers on their own state).
                 log.write("lost_fork", epoch=int(opt_state.epoch))
-                log.phase("loading")
-                params, opt_state, loaded = load(min_epoch=0, patience=0.0)
-                log.phase("accumulating", epoch=int(opt_state.epoch))
+                params, opt_state, loaded = reload(min_epoch=0)
                 if loaded:
                     dedloc_jax.share_state(host, params, opt_state)
         time.sleep(args.step_delay)

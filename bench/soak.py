@@ -395,7 +395,7 @@ def run_soak(plan: SoakPlan) -> tuple[list[Log], dict]:
                         await trio.sleep(1.0)
                         newest = await core.newest_state_epoch()
                     got = await download(core, log, min_epoch=epoch + 1)
-                    if got is not None and got[0] >= epoch + 1:
+                    if got is not None:
                         epoch, params = got[0] - 1, got[1]
             log.rows.append(
                 {

@@ -109,7 +109,6 @@ class Matchmaker(Leading):
         # served yet): registrations and joins carry it, and peers on other states are left
         # out of our group (see same_state).
         self.state_of: Callable[[int], bytes | None] = lambda epoch: None
-        self._registered_state: dict[Slot, bytes] = {}
 
     def register(self) -> None:
         self.node.add_handler(JOIN, self._handle_join)
@@ -166,8 +165,9 @@ class Matchmaker(Leading):
             answer["leader"] = self._chosen[slot]
         if slot in self._registered:  # the asker's read of the registrations may miss ours
             answer["member"] = self._registered[slot]
-            if slot in self._registered_state:
-                answer["state"] = self._registered_state[slot]
+            state = self.state_of(slot[0])  # ours stays until we step, after this round
+            if state is not None:
+                answer["state"] = state
         return answer
 
     def _opened(self, slot: Slot) -> trio.Event:
@@ -195,7 +195,7 @@ class Matchmaker(Leading):
         registry: KeyFollower,
         *,
         sweep: bool = False,
-        states: dict[str, bytes | None] | None = None,
+        states: dict[str, bytes | None],
     ) -> dict[str, Member]:
         """Registered peers at this epoch (level) and what each brings; ``sweep`` reads all
         the key's holders (before a decision, when expected peers are missing). ``states``
@@ -219,8 +219,7 @@ class Matchmaker(Leading):
                     log.info("ignoring a malformed registration of %s: %s", names[0], e)
                     continue
                 found[names[0]] = member
-                if states is not None:
-                    states[names[0]] = state
+                states[names[0]] = state
                 self._learn_addrs(names[0], reg)
         return found
 
@@ -268,10 +267,9 @@ class Matchmaker(Leading):
         }
         my_state = self.state_of(epoch)
         if my_state is not None:
-            self._registered_state[slot] = registration["state"] = my_state
+            registration["state"] = my_state
         for old in [s for s in self._registered if s[0] < epoch - 2]:
             del self._registered[old]
-            self._registered_state.pop(old, None)
         try:
             await self.dht.store(
                 key,
