@@ -324,8 +324,11 @@ class CollaborationCore:
         return 2 * mm.max_wait + 4 * mm.window + rounds
 
     def _peers_at(self, epoch: int) -> set[str]:
-        """Peers whose latest progress report is at ``epoch``: who should register."""
-        return {pid for pid, r in self.tracker.records.items() if r.epoch == epoch}
+        """Peers whose latest progress report is at ``epoch`` and who join rounds: who should
+        register. (An aux peer that only follows the run, a coordinator that downloads states
+        to checkpoint them, moves to their epochs too: a leader waited for it to join, in the
+        demo 4 s of every checkpointed epoch.)"""
+        return {pid for pid, r in self.tracker.records.items() if r.epoch == epoch and r.averages}
 
     async def run_aux(self, template: Sequence[np.ndarray], *, epochs: int | None = None) -> int:
         """Serve as an auxiliary peer: join every averaging round and reduce a share.
@@ -337,6 +340,7 @@ class CollaborationCore:
         if self.mode != "aux":
             raise RuntimeError("run_aux needs a collaboration opened with mode='aux'")
         template = [np.zeros(np.shape(a), np.asarray(a).dtype) for a in template]
+        self.tracker.join_averaging()
         rounds = 0
         while epochs is None or rounds < epochs:
             est = await self.tracker.fetch()

@@ -33,6 +33,9 @@ class PeerProgress:
     # first). Fork checks count lineages over this table, which every peer already follows,
     # instead of reading every state announcement again (see dedloc_jax.state_sync).
     state: tuple[int, bytes, tuple[bytes, ...]] | None = None
+    # It joins averaging rounds. False for an aux-mode peer that only follows the run (a
+    # coordinator): groups must not wait for it to register.
+    averages: bool = True
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -59,6 +62,7 @@ class PeerProgress:
             "interval": self.step_interval,
             "waiting": self.waiting,
             **({} if self.state is None else {"state": _state_record(self.state)}),
+            **({} if self.averages else {"averages": False}),
         }
 
     @classmethod
@@ -83,13 +87,25 @@ class PeerProgress:
         waiting = record.get("waiting", False)
         if not isinstance(waiting, bool):
             raise ValueError("waiting must be true or false")
+        averages = record.get("averages", True)
+        if not isinstance(averages, bool):
+            raise ValueError("averages must be true or false")
         state = record.get("state")
         if state is not None:
             if not (isinstance(state, list) and len(state) == 3 and isinstance(state[2], list)):
                 raise ValueError("state must be [epoch, digest, [lineage digests]]")
             state = (state[0], state[1], tuple(state[2]))
         return cls(
-            peer_id, epoch, samples, float(sps), float(time), mode, float(interval), waiting, state
+            peer_id,
+            epoch,
+            samples,
+            float(sps),
+            float(time),
+            mode,
+            float(interval),
+            waiting,
+            state,
+            averages,
         )
 
 

@@ -43,6 +43,9 @@ class ProgressTracker:
         self.run_id = run_id
         self.config = config
         self.mode = mode
+        # Whether we join averaging rounds: an aux peer only from run_aux on (one that just
+        # follows the run, like a coordinator, is then not waited for in matchmaking).
+        self.averages = mode != "aux"
         self.peer_id = str(dht.peer_id)
         self.epoch = 0
         self.samples = 0
@@ -94,6 +97,12 @@ class ProgressTracker:
         new_epoch = epoch != self.epoch
         self.epoch, self.samples = epoch, samples
         if new_epoch:
+            self._wake.set()
+
+    def join_averaging(self) -> None:
+        """An aux peer starts joining rounds: published at once, so that groups wait for it."""
+        if not self.averages:
+            self.averages = True
             self._wake.set()
 
     def set_epoch(self, epoch: int, *, state_follows: bool = False) -> None:
@@ -176,6 +185,7 @@ class ProgressTracker:
             self.step_interval,
             waiting=self._frozen,
             state=self.served,
+            averages=self.averages,
         )
 
     def published_error(self) -> float:
@@ -291,7 +301,7 @@ class ProgressTracker:
         not expire."""
         if self._published_epoch != self.epoch or self._published is None:
             return True
-        if self._published.state != self.served:
+        if self._published.state != self.served or self._published.averages != self.averages:
             return True
         if trio.current_time() - self._published_at > self.config.progress_ttl / 3:
             return True

@@ -128,6 +128,60 @@ def test_clients_and_aux_peers_take_part() -> None:
             np.testing.assert_allclose(r["got"], expected, rtol=1e-5, atol=1e-6)
 
 
+def test_groups_do_not_wait_for_an_aux_peer_that_only_follows_the_run(caplog) -> None:
+    """An aux-mode peer that follows the run's epoch without averaging (the example's
+    coordinator) is not expected in matchmaking: leaders waited for its join (4 s of every
+    epoch it followed, in the demo). One that runs ``run_aux`` is expected again."""
+    config = CollaborationConfig.local_demo(64).replace(max_refresh=1.0)
+
+    async def main() -> dict:
+        out: dict = {"groups": [], "expected": []}
+        async with open_sim_collaboration(
+            SimNetwork(seed=3), 3, config=config, latency=0.01, modes=["node", "node", "aux"]
+        ) as cores:
+            follower = cores[2]
+
+            async def follow(cancel: trio.CancelScope) -> None:
+                with cancel:
+                    while True:
+                        est = await follower.tracker.fetch()
+                        follower.tracker.set_epoch(est.epoch)
+                        await trio.sleep(0.2)
+
+            async def train(i: int) -> None:
+                for epoch in range(3):
+                    samples = 0
+                    while not cores[i].report(epoch, samples := samples + MICRO, MICRO):
+                        await trio.sleep(MICRO / 16.0)
+                    if i == 0:
+                        out["expected"].append(cores[0]._peers_at(epoch))
+                    outcome = await cores[i].average(epoch, [_grad(i, epoch, 0)], samples)
+                    out["groups"].append(outcome.group_size)
+
+            cancel = trio.CancelScope()
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(follow, cancel)
+                async with trio.open_nursery() as trainers:
+                    trainers.start_soon(train, 0)
+                    trainers.start_soon(train, 1)
+                cancel.cancel()
+            out["ids"] = [str(c.node.peer_id) for c in cores]
+            follower.tracker.join_averaging()
+            await trio.sleep(3 * config.max_refresh)
+            await cores[0].tracker.fetch()
+            out["joined"] = cores[0]._peers_at(follower.tracker.epoch)
+        return out
+
+    with caplog.at_level("INFO", logger="dedloc_jax.leading"):
+        out = run_sim(main, seed=3)
+    a, b, aux = out["ids"]
+    assert out["groups"] == [2] * 6
+    # the follower's record was at the trainers' epoch, yet nobody expected it
+    assert all(aux not in seen and b in seen for seen in out["expected"][1:]), out["expected"]
+    assert not [r for r in caplog.records if "did not join" in r.getMessage()]
+    assert aux in out["joined"]
+
+
 @pytest.mark.parametrize("modes", [None, ["node", "client", "node", "aux", "node", "node", "node"]])
 def test_capped_groups_end_each_epoch_with_one_mean_for_everyone(modes) -> None:
     """Seven peers in groups of at most three: each group averages apart, then the groups'

@@ -110,6 +110,9 @@ def test_record_round_trip_and_rejection_of_malformed_records() -> None:
     serving = PeerProgress("a", 3, 7, 0.0, 12.0, state=(3, b"d" * 32, (b"c" * 32, b"b" * 32)))
     assert PeerProgress.from_record("a", serving.to_record()) == serving
     assert "state" not in p.to_record()  # nothing served yet: the record stays as it was
+    follower = PeerProgress("a", 3, 0, 0.0, 12.0, "aux", averages=False)
+    assert not PeerProgress.from_record("a", follower.to_record()).averages
+    assert "averages" not in p.to_record() and PeerProgress.from_record("a", older).averages
     bad = [
         None,
         [],
@@ -120,6 +123,7 @@ def test_record_round_trip_and_rejection_of_malformed_records() -> None:
         {**p.to_record(), "mode": "boss"},
         {**p.to_record(), "samples": True},
         {**p.to_record(), "waiting": 1},
+        {**p.to_record(), "averages": 0},
         {**p.to_record(), "state": [3, b"d"]},
         {**p.to_record(), "state": [3, "d", []]},
         {**p.to_record(), "state": [-1, b"d", []]},
