@@ -102,6 +102,8 @@ class CollaborationCore:
         )
         self.epoch = 0
         self.history: list[dict[str, Any]] = []  # one entry per averaging step
+        # (epoch, peers): who averaged with us into ``epoch`` (see _peers_at)
+        self._mates: tuple[int, frozenset[str]] = (-1, frozenset())
 
     # --- progress ------------------------------------------------------------------------
     def report(self, epoch: int, samples: int, batch_size: int) -> bool:
@@ -207,6 +209,7 @@ class CollaborationCore:
                 result = [np.asarray(a) for a in averaged.average]
                 group_size = len(spec.members)
                 complete = True
+                self._mates = (epoch + 1, frozenset(m.peer_id for m in spec.members))
             except (AllReduceError, GroupError) as e:
                 log.warning("averaging at epoch %d failed: %s", epoch, e)
             except BaseExceptionGroup as group:
@@ -324,11 +327,24 @@ class CollaborationCore:
         return 2 * mm.max_wait + 4 * mm.window + rounds
 
     def _peers_at(self, epoch: int) -> set[str]:
-        """Peers whose latest progress report is at ``epoch`` and who join rounds: who should
-        register. (An aux peer that only follows the run, a coordinator that downloads states
-        to checkpoint them, moves to their epochs too: a leader waited for it to join, in the
-        demo 4 s of every checkpointed epoch.)"""
-        return {pid for pid, r in self.tracker.records.items() if r.epoch == epoch and r.averages}
+        """Who should register for ``epoch``: peers that join rounds and whose latest progress
+        report is at ``epoch``, and those that averaged with us into it, whose report we read
+        may still be of the epoch before. (A peer that fills the target alone read its
+        group mate's old report, expected nobody and stepped alone: in the demo, the fast
+        trainer did so for epochs on end while the slow one loaded its state.)
+
+        An aux peer that only follows the run (a coordinator that downloads states to
+        checkpoint them) moves to the run's epochs too, but is not expected: a leader waited
+        for it to join, in the demo 4 s of every checkpointed epoch."""
+        records = self.tracker.records
+        peers = {pid for pid, r in records.items() if r.epoch == epoch and r.averages}
+        into, mates = self._mates
+        if into == epoch:
+            me = str(self.node.peer_id)
+            peers |= {
+                p for p in mates if p != me and (p not in records or records[p].epoch < epoch)
+            }
+        return peers
 
     async def run_aux(self, template: Sequence[np.ndarray], *, epochs: int | None = None) -> int:
         """Serve as an auxiliary peer: join every averaging round and reduce a share.

@@ -182,6 +182,46 @@ def test_groups_do_not_wait_for_an_aux_peer_that_only_follows_the_run(caplog) ->
     assert aux in out["joined"]
 
 
+def test_peers_that_averaged_with_us_are_expected_at_the_next_epoch() -> None:
+    """Right after a step, the report we last read of a group mate may still name the epoch
+    before: it is expected all the same (a peer that fills the target alone stepped alone
+    when it expected nobody). A peer outside our group is not, until its report says so."""
+    from dataclasses import replace
+
+    config = CollaborationConfig.local_demo(32).replace(max_refresh=1.0)
+
+    async def main() -> dict:
+        async with open_sim_collaboration(
+            SimNetwork(seed=4), 3, config=config, latency=0.01
+        ) as cores:
+
+            async def train(i: int) -> None:
+                samples = 0
+                while not cores[i].report(0, samples := samples + MICRO, MICRO):
+                    await trio.sleep(MICRO / 16.0)
+                outcome = await cores[i].average(0, [_grad(i, 0, 0)], samples)
+                groups.append(outcome.group_size)
+
+            groups: list[int] = []
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(train, 0)
+                nursery.start_soon(train, 1)
+            a, b, c = (str(core.node.peer_id) for core in cores)
+            tracker = cores[0].tracker
+            await tracker.fetch()
+            fresh = cores[0]._peers_at(1)
+            for peer in (b, c):  # reports read before the others moved on
+                tracker.records[peer] = replace(tracker.records[peer], epoch=0)
+            stale = cores[0]._peers_at(1)
+            return {"ids": (a, b, c), "fresh": fresh, "stale": stale, "groups": groups}
+
+    out = run_sim(main, seed=4)
+    a, b, c = out["ids"]
+    assert out["groups"] == [2, 2]
+    assert b in out["fresh"] and c not in out["fresh"]
+    assert b in out["stale"] and c not in out["stale"]
+
+
 @pytest.mark.parametrize("modes", [None, ["node", "client", "node", "aux", "node", "node", "node"]])
 def test_capped_groups_end_each_epoch_with_one_mean_for_everyone(modes) -> None:
     """Seven peers in groups of at most three: each group averages apart, then the groups'
