@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import trio
 from hypothesis import given, settings
@@ -242,5 +244,40 @@ def test_a_sweep_reads_a_record_that_only_another_holder_has() -> None:
             other.storage.store(Record("regs", "x", pack_value(1), other.now() + 600), other.now())
             assert await follower.get() is None  # asked the one holder, which lacks it
             assert (await follower.get(sweep=True))["x"].value == 1
+
+    run_sim(main)
+
+
+def test_a_relocation_keeps_the_holders_that_answer_when_a_lookup_finds_far_nodes() -> None:
+    """A reader follows as many nodes as writers store on. When a lookup on a busy network
+    returns one far node (which writers do not store on), the relocation keeps the nearer
+    holders that still answer, so the reader goes on seeing the writers' updates; a reader
+    that took the lookup's answer lost the whole table (seen in a 200-peer simulation)."""
+    from p2p.dht import follower_replicas
+    from p2p.dht.ids import key_id, node_id
+
+    async def main() -> None:
+        async with dht_swarm(24, seed=7) as swarm:
+            writer, reader = swarm.dhts[0], swarm.dhts[23]
+            follower = reader.follow("table")
+            await writer.store("table", 1, writer.now() + 600, subkey="a")
+            assert (await follower.get())["a"].value == 1
+            assert len(follower.holders) == follower_replicas(reader.config)
+            nearest = list(follower.holders)
+            target = key_id("table")
+            find_nearest = reader.find_nearest
+            farthest = max((d.peer_id for d in swarm.dhts), key=lambda p: node_id(p) ^ target)
+            itself = (await find_nearest(node_id(farthest), count=1)).nearest[:1]
+            assert itself and itself[0].peer not in nearest  # a node far from the key
+
+            async def far_only(_target, count):  # noqa: ANN001, ANN202
+                return replace(await find_nearest(_target, count=count), nearest=itself)
+
+            reader.find_nearest = far_only
+            reader._located.clear()
+            follower._located_at = -float("inf")  # relocate at the next read
+            await writer.store("table", 2, writer.now() + 600, subkey="a")
+            assert (await follower.get())["a"].value == 2
+            assert follower.holders == nearest  # the far node ranks last: not followed
 
     run_sim(main)
