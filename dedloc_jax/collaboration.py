@@ -329,7 +329,7 @@ class CollaborationCore:
     def _peers_at(self, epoch: int) -> set[str]:
         """Who should register for ``epoch``: peers that join rounds and whose latest progress
         report is at ``epoch``, and those that averaged with us into it, whose report we read
-        may still be of the epoch before. (A peer that fills the target alone read its
+        may still be of the epoch before that. (A peer that fills the target alone read its
         group mate's old report, expected nobody and stepped alone: in the demo, the fast
         trainer did so for epochs on end while the slow one loaded its state.)
 
@@ -341,9 +341,9 @@ class CollaborationCore:
         into, mates = self._mates
         if into == epoch:
             me = str(self.node.peer_id)
-            peers |= {
-                p for p in mates if p != me and (p not in records or records[p].epoch < epoch)
-            }
+            # (Not one whose report we lack: a table that lost records would hold every
+            # group for its mates.)
+            peers |= {p for p in mates if p != me and p in records and records[p].epoch == into - 1}
         return peers
 
     async def run_aux(self, template: Sequence[np.ndarray], *, epochs: int | None = None) -> int:

@@ -13,13 +13,12 @@ next read, one that reached only some holders (a store that failed on the way) w
 Asking one holder matters because each holder's answer carries every change since the reader
 last asked *that* holder: reading three holders in turn fetched each update three times.
 
-By default a reader follows as many nodes as writers store on (:func:`follower_replicas`),
-relocates only when half of them failed, and a relocation keeps the holders that still answer
-unless nearer nodes were found. Readers that followed three nodes and replaced them all when
-they failed lost the table: a holder on a slow link times out under its readers' load, a
-lookup on a busy network returns a few far nodes, and writers do not store there. In a
-200-peer simulation such a reader's table went from 180 records to 1 within a minute, and its
-fork check, seeing nobody, kept it on a lineage of its own.
+A relocation keeps the holders that still answer unless nearer nodes were found, and a read
+on which every holder failed drops none of them (the fault is then most likely ours: our own
+link is congested, or we are cut off). A reader that replaced its holders whenever they failed
+lost the table: a lookup on a busy network returns a few far nodes, and writers do not store
+there. In a 200-peer simulation such a reader's table went from 180 records to 1 within a
+minute, and its fork check, seeing nobody, kept it on a lineage of its own.
 
 Every record is validated as in a ``get`` (a forged or expired one is dropped) and merged with
 the same rules (:class:`~p2p.dht.records.KeyState`), so the view equals what a ``get`` from the
@@ -76,8 +75,7 @@ class KeyFollower:
             raise ValueError("relocate_interval must be positive")
         self.dht = dht
         self.key = key
-        self.wanted = holders or follower_replicas(dht.config)
-        self.minimum = max(1, (self.wanted + 1) // 2)  # fewer left: relocate
+        self.wanted = holders or max(1, dht.config.get_quorum)
         self.relocate_interval = relocate_interval
         self.sweep_every = sweep_every
         self._reads = 0
@@ -85,6 +83,7 @@ class KeyFollower:
         self.stats: Counter[str] = Counter()
         self._state = KeyState()
         self._holders: list[Contact] = []
+        self._suspects: set[PeerID] = set()  # holders whose last answer failed
         self._cursors: dict[PeerID, Cursor | None] = {}
         self._local_cursor = 0
         self._local_incarnation = b""
@@ -106,14 +105,13 @@ class KeyFollower:
         set: for a reader that must not miss records a holder lacks (writers store on the
         nearest nodes they found, and their views of the nearest differ)."""
         due = trio.current_time() - self._located_at >= self.relocate_interval
-        if due or len(self._holders) < self.minimum:
+        if due or len(self._holders) < self.wanted:
             await self._relocate()
         turn = 0 if sweep else self._reads % self.sweep_every
         self._reads += 1
         if self._holders:
             one = [self._holders[self._pick % len(self._holders)]]
-            if (turn == 0 or not await self._poll(one)) and not await self._poll(self._holders):
-                await self._relocate()  # every holder failed: find others now, once
+            if turn == 0 or not await self._poll(one):
                 await self._poll(self._holders)
         self._take_local()
         self._state.drop_expired(self.dht.now())
@@ -142,7 +140,9 @@ class KeyFollower:
         merged = {c.peer: c for c in self._holders}
         for c in nearest:
             merged.setdefault(c.peer, c)
-        ranked = sorted(merged.values(), key=lambda c: node_id(c.peer) ^ target)
+        ranked = sorted(
+            merged.values(), key=lambda c: (c.peer in self._suspects, node_id(c.peer) ^ target)
+        )
         self._holders = ranked[: self.wanted]
         self._cursors = {c.peer: self._cursors.get(c.peer) for c in self._holders}
         self._located_at = trio.current_time()
@@ -158,7 +158,9 @@ class KeyFollower:
             got = await self.dht.protocol.changes(contact, self.key, since)
             if got is None:
                 failed.append(contact.peer)
+                self._suspects.add(contact.peer)
                 return
+            self._suspects.discard(contact.peer)
             records, cursor = got
             answered += 1
             self.stats["records"] += len(records)
@@ -169,11 +171,17 @@ class KeyFollower:
         async with trio.open_nursery() as nursery:
             for contact in holders:
                 nursery.start_soon(one, contact)
-        if failed:
+        if failed and not answered:
+            # Most likely our own fault (a congested link, a cut): dropping them all put far
+            # nodes in their place. The next relocation replaces those still failing then.
+            self.stats["all_failed"] += 1
+            log.debug("no holder of %r answered; keeping them", self.key)
+        elif failed:
             log.debug("%d holders of %r did not answer; looking for others", len(failed), self.key)
             self._holders = [c for c in self._holders if c.peer not in failed]
             for peer in failed:
                 self._cursors.pop(peer, None)
+                self._suspects.discard(peer)
         return answered > 0
 
     def _apply(self, records: list[Record]) -> None:
