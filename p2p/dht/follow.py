@@ -111,7 +111,7 @@ class KeyFollower:
         self._reads += 1
         if self._holders:
             one = [self._holders[self._pick % len(self._holders)]]
-            if turn == 0 or not await self._poll(one):
+            if turn == 0 or not await self._poll(one, drop=False):
                 await self._poll(self._holders)
         self._take_local()
         self._state.drop_expired(self.dht.now())
@@ -147,8 +147,9 @@ class KeyFollower:
         self._cursors = {c.peer: self._cursors.get(c.peer) for c in self._holders}
         self._located_at = trio.current_time()
 
-    async def _poll(self, holders: list[Contact]) -> bool:
-        """Ask ``holders`` for their changes; False when none answered."""
+    async def _poll(self, holders: list[Contact], *, drop: bool = True) -> bool:
+        """Ask ``holders`` for their changes; False when none answered. ``drop``: stop
+        following those that failed while others answered."""
         answered = 0
         failed: list[PeerID] = []
 
@@ -171,12 +172,12 @@ class KeyFollower:
         async with trio.open_nursery() as nursery:
             for contact in holders:
                 nursery.start_soon(one, contact)
-        if failed and not answered:
+        if drop and failed and not answered:
             # Most likely our own fault (a congested link, a cut): dropping them all put far
             # nodes in their place. The next relocation replaces those still failing then.
             self.stats["all_failed"] += 1
             log.debug("no holder of %r answered; keeping them", self.key)
-        elif failed:
+        elif drop and failed:
             log.debug("%d holders of %r did not answer; looking for others", len(failed), self.key)
             self._holders = [c for c in self._holders if c.peer not in failed]
             for peer in failed:
