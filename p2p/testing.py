@@ -8,6 +8,7 @@ on simulated hosts. Everything in :mod:`p2p.sim` is re-exported here.
 from __future__ import annotations
 
 import gc
+import itertools
 import logging
 import math
 import random
@@ -77,8 +78,40 @@ def run_sim(
             return await async_fn(*args)
         raise AssertionError("unreachable")  # pragma: no cover - fail_after raises
 
-    with _rare_collections():
+    with _rare_collections(), _ordered_deadlines():
         return trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+
+
+@contextmanager
+def _ordered_deadlines() -> Iterator[None]:
+    """Expire timers that fall due at the same instant in the order they were set.
+
+    trio breaks ties between equal deadlines by ``id()`` of the cancel scope, a memory
+    address that differs from one process to the next. Under a MockClock, hundreds of peers
+    often wake at the very same virtual instant, so the order they ran in (and everything
+    after it) changed from run to run: 200-peer soaks with the same seeds did not repeat.
+    A counter in place of the address makes the order the one in which the deadlines were
+    set. This reaches into trio's internals, so it does nothing if they change.
+    """
+    run_mod = getattr(getattr(trio, "_core", None), "_run", None)
+    deadlines = getattr(run_mod, "Deadlines", None)
+    original = getattr(deadlines, "add", None)
+    if deadlines is None or original is None or not hasattr(run_mod, "heappush"):
+        logger.warning("cannot order trio's deadlines; runs may not repeat exactly")
+        yield
+        return
+    counter = itertools.count()
+    push = run_mod.heappush
+
+    def add(self: Any, deadline: float, cancel_scope: Any) -> None:
+        push(self._heap, (deadline, next(counter), cancel_scope))
+        self._active += 1
+
+    deadlines.add = add
+    try:
+        yield
+    finally:
+        deadlines.add = original
 
 
 SIM_GC_THRESHOLDS = (50_000, 50, 100)
