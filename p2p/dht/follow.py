@@ -13,12 +13,15 @@ next read, one that reached only some holders (a store that failed on the way) w
 Asking one holder matters because each holder's answer carries every change since the reader
 last asked *that* holder: reading three holders in turn fetched each update three times.
 
-A relocation keeps the holders that still answer unless nearer nodes were found, and a read
-on which every holder failed drops none of them (the fault is then most likely ours: our own
-link is congested, or we are cut off). A reader that replaced its holders whenever they failed
-lost the table: a lookup on a busy network returns a few far nodes, and writers do not store
-there. In a 200-peer simulation such a reader's table went from 180 records to 1 within a
-minute, and its fork check, seeing nobody, kept it on a lineage of its own.
+A record leaves the view only after a read that asked every holder: between sweeps, a read
+whose one answer leaves a record expired asks them all (the one holder asked may be a far node
+that writers do not store on). A relocation keeps the holders that still answer unless nearer
+nodes were found, and a read on which every holder failed drops none of them (the fault is
+then most likely ours: our own link is congested, or we are cut off). A reader that
+replaced its holders whenever they failed lost the table: a lookup on a busy network returns a
+few far nodes, and writers do not store there. In a 200-peer simulation such a reader's table
+went from 180 records to 1 within a minute, and its fork check, seeing nobody, kept it on a
+lineage of its own.
 
 Every record is validated as in a ``get`` (a forged or expired one is dropped) and merged with
 the same rules (:class:`~p2p.dht.records.KeyState`), so the view equals what a ``get`` from the
@@ -111,11 +114,18 @@ class KeyFollower:
         self._reads += 1
         if self._holders:
             one = [self._holders[self._pick % len(self._holders)]]
-            if turn == 0 or not await self._poll(one, drop=False):
+            if turn == 0 or not await self._poll(one, drop=False) or self._lapsing():
                 await self._poll(self._holders)
         self._take_local()
         self._state.drop_expired(self.dht.now())
         return self._state.view()
+
+    def _lapsing(self) -> bool:
+        """Whether records would drop out of the view now. Before letting them go on one
+        holder's word, ask them all: the one may be a far node writers do not store on (in a
+        200-peer simulation a reader whose pick was such a node watched its table of 180
+        records lapse to none between two sweeps). A writer that left costs one sweep."""
+        return self._state.lapsing(self.dht.now())
 
     def _take_local(self) -> None:
         """This node's own store is read the same way (it may be one of the holders)."""

@@ -154,6 +154,13 @@ class KeyState:
             return False
         return self.plain is None or held.expiration > self.plain.expiration
 
+    def lapsing(self, now: float) -> bool:
+        """Whether some slot has expired by ``now`` (a scan only once :attr:`soonest` passed,
+        and :meth:`drop_expired` then moves that bound up)."""
+        if now < self.soonest:
+            return False
+        return any(r.expiration <= now for r in (self.plain, *self.subs.values()) if r is not None)
+
     def drop_expired(self, now: float) -> bool:
         """Forget expired slots; True when nothing is left."""
         if now < self.soonest:

@@ -287,3 +287,28 @@ def test_a_follower_keeps_its_holders_when_a_lookup_finds_far_nodes_or_none_answ
             assert (await follower.get(sweep=True))["a"].value == 3
 
     run_sim(main)
+
+
+def test_a_follower_asks_every_holder_before_a_record_lapses() -> None:
+    """Between sweeps a read asks one holder. When that one lacks the writer's refresh (a far
+    node writers do not store on), the record must not lapse on its word: the read asks the
+    other holders first. (A 200-peer simulation's reader lost its whole table that way.)"""
+
+    async def main() -> None:
+        async with dht_swarm(24, seed=5) as swarm:
+            reader = swarm.dhts[21]
+            follower = reader.follow("regs", holders=3, sweep_every=100)
+            assert await follower.get() is None  # the first read locates and sweeps
+            asked = follower.holders[follower._pick % 3]
+            others = [d for d in swarm.dhts if d.peer_id in follower.holders and d.peer_id != asked]
+            for d in others:
+                d.storage.store(Record("regs", "x", pack_value(1), d.now() + 5), d.now())
+            assert (await follower.get(sweep=True))["x"].value == 1
+            for d in others:  # the writer's refresh reaches the holders it knows
+                d.storage.store(Record("regs", "x", pack_value(2), d.now() + 600), d.now())
+            await trio.sleep(6)  # the version read has expired
+            got = await follower.get()
+            assert got is not None and got["x"].value == 2
+            assert follower.stats["polls"] >= 4  # one holder, then all of them
+
+    run_sim(main)
