@@ -154,6 +154,10 @@ class KeyState:
             return False
         return self.plain is None or held.expiration > self.plain.expiration
 
+    def held(self) -> int:
+        """How many slots hold a record (expired ones included until dropped)."""
+        return len(self.subs) + (self.plain is not None)
+
     def lapsing(self, now: float) -> bool:
         """Whether some slot has expired by ``now`` (a scan only once :attr:`soonest` passed,
         and :meth:`drop_expired` then moves that bound up)."""

@@ -312,3 +312,39 @@ def test_a_follower_asks_every_holder_before_a_record_lapses() -> None:
             assert follower.stats["polls"] >= 4  # one holder, then all of them
 
     run_sim(main)
+
+
+def test_a_follower_whose_view_lapsed_looks_the_key_up_again() -> None:
+    """Holders that answer but no longer get the writers' stores (far nodes) let the view
+    lapse even when all are asked; the follower then looks the key up afresh at once, rather
+    than at its next relocation, and reads the writers' records from the nearest nodes."""
+    from p2p.dht.ids import key_id, node_id
+
+    async def main() -> None:
+        async with dht_swarm(24, seed=7) as swarm:
+            writer, reader = swarm.dhts[0], swarm.dhts[23]
+            follower = reader.follow("table", relocate_interval=1000.0)
+            for sub in "abcdef":
+                await writer.store("table", 1, writer.now() + 5, subkey=sub, replicas=3)
+            assert len(await follower.get()) == 6
+            nearest = set(follower.holders)
+            target = key_id("table")
+            far = sorted(swarm.dhts, key=lambda d: node_id(d.peer_id) ^ target)[-3:]
+            assert not nearest & {d.peer_id for d in far} and reader not in far
+            found = await reader.find_nearest(node_id(far[0].peer_id), count=8)
+            contacts = [c for c in found.nearest if c.peer in {d.peer_id for d in far}]
+            assert contacts
+            follower._holders = contacts  # holders that answer, but writers store elsewhere
+            follower._cursors = {c.peer: None for c in contacts}
+            for sub in "abcdef":
+                await writer.store("table", 2, writer.now() + 600, subkey=sub, replicas=3)
+            await trio.sleep(6)  # the versions read have expired
+            assert await follower.get() is None  # every holder was asked: nothing
+            assert follower.stats["collapses"] == 1
+            got = await follower.get()
+            assert got is not None and {s: v.value for s, v in got.items()} == dict.fromkeys(
+                "abcdef", 2
+            )
+            assert set(follower.holders) & nearest
+
+    run_sim(main)
