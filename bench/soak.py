@@ -29,6 +29,8 @@ and so does one that stepped alone while others trained, or whose lineage lost t
   counts as out of sync). The parameters a peer holds after an epoch are the ones it trains
   the next epoch on: after its fork check of that epoch (and loading the winning lineage's
   state if its own lost), as the sahajBERT trainer does;
+- ``left_behind``: peers still training when the bootstrap peer left (peers that finished
+  serve their state until the others finish, for up to ``END_LINGER`` virtual s);
 - ``virtual_seconds``, ``wall_seconds``, ``epoch_wall_seconds`` (mean wall time per epoch).
 
 The last line is one JSON object. ``tests/reliability/test_soak.py`` runs short plans.
@@ -57,9 +59,17 @@ from p2p.testing import SimNetwork, run_sim, sim_identity
 
 MICRO = 4
 LR = 0.01  # the soak's optimizer: plain SGD on the averaged gradient
-LINGER = 10.0  # virtual s a peer that finished serves its state before leaving
+LINGER = 10.0  # virtual s a peer that finished serves its state before leaving, at least
+# and longer while others still train, up to this: a peer whose last rounds outlasted the
+# others' (at 200 peers, two slow hosts averaged their next-to-last epoch for 40 s, alone)
+# then finds no state to load, and trains the rest of the run on a lineage of its own
+END_LINGER = 120.0
 LOAD_ATTEMPTS = 5  # state downloads until one of the newest epoch (1 s apart)
 FORK_CHECK_AFTER = 1.0  # virtual s into an epoch: the others have announced its state by then
+# and again this often until the round (it only counts the progress table: no DHT read). After
+# a healed partition, the side that lost often answered "not lost" at the first check, its
+# table still holding only its own side's peers, and trained a whole epoch on its lineage.
+FORK_RECHECK = 5.0
 # virtual s a check waits for most peers to reach its epoch: at 200 peers a round often
 # takes more than 10 s, and a peer that stepped alone then kept its lineage for an epoch
 FORK_CHECK_PATIENCE = 30.0
@@ -139,6 +149,7 @@ def run_soak(plan: SoakPlan) -> tuple[list[Log], dict]:
     join_epochs = sorted(int(e) for e in rng.integers(1, max(2, plan.epochs - 2), plan.joiners))
     events: dict = {"kills": 0, "joins": 0, "partitioned_at": None, "healed_at": None}
     events["dht_shutdown_errors"] = 0
+    events["left_behind"] = 0
 
     async def main() -> list[Log]:
         net = SimNetwork(seed=plan.seed)
@@ -156,8 +167,14 @@ def run_soak(plan: SoakPlan) -> tuple[list[Log], dict]:
         epoch_reached: dict[int, trio.Event] = defaultdict(trio.Event)
         training: dict[int, int] = {}  # peer -> the epoch it trains now
 
+        active: set[int] = set()  # peers still training (not finished, left or killed)
+
         async def peer(i: int, task_status=trio.TASK_STATUS_IGNORED) -> None:
-            await peer_run(i, task_status)
+            active.add(i)
+            try:
+                await peer_run(i, task_status)
+            finally:
+                active.discard(i)
 
         async def peer_run(i: int, task_status) -> None:
             host = hosts[i]
@@ -234,6 +251,7 @@ def run_soak(plan: SoakPlan) -> tuple[list[Log], dict]:
                             # every epoch up to here: a peer that fell behind skips some
                             for e in range(epoch + 1):
                                 epoch_reached[e].set()
+                    active.discard(i)
                     # Done: keep serving the final state a while, for a peer that stepped
                     # alone in the last epoch and loads it (as the trainer lingers), and
                     # check the final state's lineage as every epoch's.
@@ -248,6 +266,11 @@ def run_soak(plan: SoakPlan) -> tuple[list[Log], dict]:
                             await core.share_state([params], epoch)
                     settle(log, params)
                     await trio.sleep(LINGER - FORK_CHECK_AFTER)
+                    with trio.move_on_after(END_LINGER - LINGER):
+                        while active:
+                            await trio.sleep(1.0)
+                    if i == 0:
+                        events["left_behind"] = len(active)
                     checks.cancel_scope.cancel()
 
         async def download(
@@ -304,6 +327,7 @@ def run_soak(plan: SoakPlan) -> tuple[list[Log], dict]:
             samples = 0
             k = 0
             fork_check_at = trio.current_time() + FORK_CHECK_AFTER
+            recheck_at = math.inf  # set once the first check answered "not lost"
             behind_check_at = trio.current_time()
             checked: trio.Event | None = None  # set once this epoch's fork check answered
 
@@ -325,9 +349,15 @@ def run_soak(plan: SoakPlan) -> tuple[list[Log], dict]:
                     fork_check_at = math.inf
                     checked = trio.Event()
                     checks.start_soon(check_fork, checked)
-                if checked is not None and checked.is_set() and verdicts:
-                    if not verdicts.pop():
+                answered = checked is not None and checked.is_set()
+                lost_since = False  # a re-check (after a first "not lost") found us lost
+                if answered and not verdicts and trio.current_time() >= recheck_at:
+                    recheck_at = trio.current_time() + FORK_RECHECK
+                    lost_since = await core.on_minority_fork()
+                if lost_since or (answered and verdicts):
+                    if not lost_since and not verdicts.pop():
                         settle(log, params)  # we train this epoch on what we hold
+                        recheck_at = trio.current_time() + FORK_RECHECK
                         continue
                     # Our lineage lost (e.g. our side of a healed partition): take theirs
                     # and, as the trainer does, start the epoch's gradients over.
@@ -339,6 +369,7 @@ def run_soak(plan: SoakPlan) -> tuple[list[Log], dict]:
                     settle(log, params)
                     acc[:] = 0.0
                     samples = 0
+                    recheck_at = trio.current_time() + FORK_RECHECK
                     continue
                 if core.report(epoch, samples, MICRO):
                     break
@@ -497,6 +528,7 @@ def summarize(plan: SoakPlan, logs: list[Log], events: dict) -> dict:
         "param_versions_max": max((len(c) for c in versions.values()), default=0),
         "params_in_sync": round(float(np.mean(in_sync)), 3) if in_sync else 0.0,
         "params_in_sync_min": round(float(min(in_sync)), 3) if in_sync else 0.0,
+        "left_behind": events["left_behind"],
         "partitioned_at": events["partitioned_at"],
         "healed_at": events["healed_at"],
         "virtual_seconds": round(float(events.get("virtual_seconds", 0.0)), 1),

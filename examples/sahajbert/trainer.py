@@ -28,6 +28,18 @@ log = logging.getLogger(__name__)
 
 METRICS_TTL = 30.0
 FORK_CHECK_AFTER = 5.0  # seconds into an epoch: the others have announced its state by then
+# and again this often until the epoch ends (a check counts the progress table: no DHT read).
+# After a healed partition the side that lost may answer "not lost" at first, its table still
+# holding only its own side's peers (in the 200-peer soak it then trained a whole epoch apart).
+FORK_RECHECK = 10.0
+
+
+def _fork_check_due(now: float, epoch_started: float, checked_at: float | None) -> bool:
+    """Whether to ask if our lineage lost: ``FORK_CHECK_AFTER`` seconds into the epoch (once
+    the others announced its state), then every ``FORK_RECHECK`` seconds until it ends."""
+    if checked_at is None:
+        return now - epoch_started > FORK_CHECK_AFTER
+    return now - checked_at > FORK_RECHECK
 
 
 def collaboration_config(cfg: TrainerConfig, mode: str | None = None) -> Any:
@@ -277,7 +289,7 @@ def _loop(
     epoch_samples = 0
     epoch_started = last_publish = time.monotonic()
     last_loss = math.nan
-    fork_checked = False  # once per epoch, when the others have announced its state
+    fork_checked_at: float | None = None  # this epoch's last fork check (see _fork_check_due)
     behind_checked = 0.0  # when we last asked whether a newer state is served
 
     def publish() -> None:
@@ -321,8 +333,8 @@ def _loop(
             epoch, epoch_losses, epoch_samples, epoch_started = new_epoch, [], 0, now
             # An epoch shorter than FORK_CHECK_AFTER (we started it late) had no fork check:
             # check the state we trained it on now, or a lost lineage outlives several epochs.
-            lost = not fork_checked and collab.on_minority_fork()
-            fork_checked = False
+            lost = fork_checked_at is None and collab.on_minority_fork()
+            fork_checked_at = None
             if lost:
                 log.warning("epoch %d: our state lost to the majority's; loading it", epoch)
                 params, opt_state = _adopt_theirs(collab, params, opt_state)
@@ -346,8 +358,8 @@ def _loop(
         elif now - last_publish > 2.0:
             publish()
             last_publish = now
-        if not fork_checked and now - epoch_started > FORK_CHECK_AFTER:
-            fork_checked = True
+        if _fork_check_due(now, epoch_started, fork_checked_at):
+            fork_checked_at = now
             if collab.on_minority_fork():
                 # Another lineage of this epoch, held by more peers, won (e.g. after a
                 # partition healed, each side having averaged apart): take theirs.
