@@ -236,8 +236,10 @@ class ProgressTracker:
         try:
             view = await self._follower.read()
         except P2PError as e:
-            log.warning("could not read progress: %s", e)
-            view = None
+            # Keep the last table: an empty one says nobody else trains, and a peer whose
+            # round failed would then keep its own parameters instead of loading the others'.
+            log.warning("could not read progress (keeping the last table): %s", e)
+            return self.current_estimate()
         self.dht_latency += 0.2 * (trio.current_time() - started - self.dht_latency)
         records: dict[str, PeerProgress] = {}
         parsed: dict[str, tuple[Record, PeerProgress | None]] = {}

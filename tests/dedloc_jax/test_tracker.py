@@ -260,3 +260,33 @@ def test_peers_on_a_lineage_that_lost_do_not_lead_the_epoch() -> None:
             nursery.cancel_scope.cancel()
 
     run_sim(main)
+
+
+def test_a_failed_read_keeps_the_last_progress_table() -> None:
+    """A read that fails (its lookup raised) says nothing about the others: the table it had
+    stays. Wiped, it would tell a peer whose round had just failed that nobody else trains,
+    and the peer would keep its own parameters."""
+    from p2p.errors import P2PError
+
+    config = _config()
+
+    async def main() -> None:
+        net = SimNetwork(seed=1)
+        async with open_sim_dhts(net, 3, latency=0.005) as peers, trio.open_nursery() as nursery:
+            trackers = [ProgressTracker(dht, "run", config, "node") for _, dht in peers]
+            for tracker in trackers:
+                await nursery.start(tracker.run)
+                tracker.report(0, 10, 10)
+            await trio.sleep(3 * config.max_refresh)
+            reader = trackers[0]
+            assert len(reader.records) == 3
+
+            async def failing_read(*, sweep: bool = False) -> None:
+                raise P2PError("lookup failed")
+
+            reader._follower.read = failing_read
+            est = await reader.fetch()
+            assert len(reader.records) == 3 and est.num_peers == 3
+            nursery.cancel_scope.cancel()
+
+    run_sim(main)
