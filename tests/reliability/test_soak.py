@@ -55,8 +55,8 @@ def test_soak_200_peers() -> None:
     At cf38e83 seed 1 passes: 425.0 virtual s, versions differ only at epochs 6-10 (the
     partition), 0 divergences, 0 NaN; so does seed 0, this test's (506.4 virtual s, 6-9).
     Seed 2 failed there after epoch 17: a slow peer whose round failed held no other peer's
-    record right after it, so it kept its parameters (3cd22e5 keeps the table when a read
-    fails; not yet rerun)."""
+    record right after it, so it kept its parameters; the same at 3cd22e5 (event for event:
+    no progress read had failed), cause not yet traced."""
     plan = plan_for(200, 20, group=16, size=1000, seed=0)
     logs, events = run_soak(plan)
     check_soak(plan, logs, events)
