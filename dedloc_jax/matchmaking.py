@@ -285,8 +285,12 @@ class Matchmaker(Leading):
         # Who the tracker saw at this epoch, before any is dropped: groups are sized for them.
         planned = set(expected) | {self.peer_id}
         expected = set(expected) - {self.peer_id}
-        # Polled several times per epoch by every peer: fetch only new registrations.
-        registry = self.dht.follow(key, relocate_interval=self.max_wait + 6 * window)
+        # Polled several times per epoch by every peer: fetch only new registrations. A
+        # registration lapses on time even when we hear from nobody (no grace): grouping with
+        # a peer whose registration expired costs a failed round.
+        registry = self.dht.follow(
+            key, relocate_interval=self.max_wait + 6 * window, lapse_grace=0.0
+        )
         states: dict[str, bytes | None] = {}  # the state each registered peer steps from
         while True:
             # Polling only helps to close early once every expected peer registered; with

@@ -15,7 +15,13 @@ last asked *that* holder: reading three holders in turn fetched each update thre
 
 A record leaves the view only after a read that asked every holder: between sweeps, a read
 whose one answer leaves a record expired asks them all (the one holder asked may be a far node
-that writers do not store on). A relocation keeps the holders that still answer unless nearer
+that writers do not store on). And it leaves only as far as the holders that ever sent us the
+key's records were heard from: a reader that hears from none of them (its own link saturated, a
+cut, or only far nodes answering, with nothing) cannot tell that writers left, so its view ages
+at most ``lapse_grace`` seconds past the last such answer before records lapse anyway. In a
+200-peer simulation a slow peer whose calls all timed out for half a minute, and whose lookup
+then found two far nodes that answered with nothing, saw its table of 181 records lapse to none,
+took itself for the only peer left, and trained an epoch alone. A relocation keeps the holders that still answer unless nearer
 nodes were found, and a read on which every holder failed drops none of them (the fault is
 then most likely ours: our own link is congested, or we are cut off). A reader that
 replaced its holders whenever they failed lost the table: a lookup on a busy network returns a
@@ -69,9 +75,12 @@ class KeyFollower:
         holders: int | None = None,
         relocate_interval: float = 30.0,
         sweep_every: int = 8,
+        lapse_grace: float = 30.0,
     ) -> None:
         if holders is not None and holders < 1:
             raise ValueError("holders must be at least 1")
+        if not lapse_grace >= 0:
+            raise ValueError("lapse_grace must be at least 0")
         if sweep_every < 1:
             raise ValueError("sweep_every must be at least 1")
         if not relocate_interval > 0:
@@ -81,6 +90,7 @@ class KeyFollower:
         self.wanted = holders or max(1, dht.config.get_quorum)
         self.relocate_interval = relocate_interval
         self.sweep_every = sweep_every
+        self.lapse_grace = lapse_grace
         self._reads = 0
         self._pick = int.from_bytes(dht.peer_id.digest[:4], "big")  # our holder, by rank
         self.stats: Counter[str] = Counter()
@@ -92,6 +102,9 @@ class KeyFollower:
         self._local_incarnation = b""
         self._located_at = -math.inf
         self._fresh_lookup = False  # the next relocation ignores cached lookups
+        self._sources: set[PeerID] = set()  # holders that have sent us records of the key
+        self._heard = 0  # answers from sources so far
+        self._heard_at = -math.inf  # DHT-clock time of the last read a source answered
 
     @property
     def holders(self) -> list[PeerID]:
@@ -114,12 +127,16 @@ class KeyFollower:
         turn = 0 if sweep else self._reads % self.sweep_every
         self._reads += 1
         held = self._state.held()
+        heard_before = self._heard
         if self._holders:
             one = [self._holders[self._pick % len(self._holders)]]
             if turn == 0 or not await self._poll(one, drop=False) or self._lapsing():
                 await self._poll(self._holders)
         self._take_local()
-        self._state.drop_expired(self.dht.now())
+        now = self.dht.now()
+        if self._heard > heard_before or not self._holders:  # (no holders: our store is all)
+            self._heard_at = now
+        self._state.drop_expired(max(self._heard_at, now - self.lapse_grace))
         if held >= 4 and 2 * self._state.held() <= held:
             self._collapsed()
         return self._state.view()
@@ -172,6 +189,7 @@ class KeyFollower:
         )
         self._holders = ranked[: self.wanted]
         self._cursors = {c.peer: self._cursors.get(c.peer) for c in self._holders}
+        self._sources &= {c.peer for c in self._holders}
         self._located_at = trio.current_time()
 
     async def _poll(self, holders: list[Contact], *, drop: bool = True) -> bool:
@@ -191,6 +209,9 @@ class KeyFollower:
             self._suspects.discard(contact.peer)
             records, cursor = got
             answered += 1
+            if records:
+                self._sources.add(contact.peer)
+            self._heard += contact.peer in self._sources
             self.stats["records"] += len(records)
             self._cursors[contact.peer] = cursor
             self._apply(records)

@@ -325,6 +325,7 @@ class DHT:
         holders: int | None = None,
         relocate_interval: float = 30.0,
         sweep_every: int = 8,
+        lapse_grace: float = 30.0,
     ) -> KeyFollower:
         """A reader of ``key`` for frequent re-reads: after a lookup, only what changed is
         fetched (see :mod:`p2p.dht.follow`)."""
@@ -334,6 +335,7 @@ class DHT:
             holders=holders,
             relocate_interval=relocate_interval,
             sweep_every=sweep_every,
+            lapse_grace=lapse_grace,
         )
 
     async def get(

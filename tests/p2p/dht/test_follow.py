@@ -316,8 +316,9 @@ def test_a_follower_asks_every_holder_before_a_record_lapses() -> None:
 
 def test_a_follower_whose_view_lapsed_looks_the_key_up_again() -> None:
     """Holders that answer but no longer get the writers' stores (far nodes) let the view
-    lapse even when all are asked; the follower then looks the key up afresh at once, rather
-    than at its next relocation, and reads the writers' records from the nearest nodes."""
+    lapse, once ``lapse_grace`` passed, even when all are asked; the follower then looks the
+    key up afresh at once, rather than at its next relocation, and reads the writers' records
+    from the nearest nodes."""
     from p2p.dht.ids import key_id, node_id
 
     async def main() -> None:
@@ -339,6 +340,9 @@ def test_a_follower_whose_view_lapsed_looks_the_key_up_again() -> None:
             for sub in "abcdef":
                 await writer.store("table", 2, writer.now() + 600, subkey=sub, replicas=3)
             await trio.sleep(6)  # the versions read have expired
+            held = await follower.get()  # only nodes that never sent the key's records answer:
+            assert held is not None and len(held) == 6  # that says nothing of the writers
+            await trio.sleep(follower.lapse_grace)
             assert await follower.get() is None  # every holder was asked: nothing
             assert follower.stats["collapses"] == 1
             got = await follower.get()
@@ -346,5 +350,36 @@ def test_a_follower_whose_view_lapsed_looks_the_key_up_again() -> None:
                 "abcdef", 2
             )
             assert set(follower.holders) & nearest
+
+    run_sim(main)
+
+
+def test_a_follower_cut_off_keeps_its_view_until_it_hears_from_a_holder_again() -> None:
+    """A reader that hears from none of the holders that sent it records (its own link is
+    saturated, or a cut) cannot tell that the writers left: its records lapse only
+    ``lapse_grace`` seconds past their expiry. Heard from, holders make them lapse on time.
+    (A slow peer whose table lapsed that way took itself for the only peer left.)"""
+
+    async def main() -> None:
+        async with dht_swarm(24, seed=7) as swarm:
+            writer, reader = swarm.dhts[0], swarm.dhts[23]
+            follower = reader.follow("table", lapse_grace=20.0)
+            for sub in "abcd":
+                await writer.store("table", 1, writer.now() + 10, subkey=sub, replicas=3)
+            assert len(await follower.get()) == 4
+            others = [h for h in swarm.hosts if h is not swarm.hosts[23]]
+            swarm.net.partition([swarm.hosts[23]], others)
+            await trio.sleep(15)  # expired at the holders; the reader hears nothing
+            held = await follower.get(sweep=True)
+            assert held is not None and sorted(held) == list("abcd")
+            assert follower.stats["all_failed"] >= 1
+            await trio.sleep(20)  # now past expiry + lapse_grace
+            assert await follower.get() is None
+            swarm.net.heal()
+            await writer.store("table", 2, writer.now() + 5, subkey="e", replicas=3)
+            got = await follower.get(sweep=True)
+            assert got is not None and got["e"].value == 2
+            await trio.sleep(6)  # the holders answer, and the record expired: it lapses
+            assert await follower.get(sweep=True) is None
 
     run_sim(main)
