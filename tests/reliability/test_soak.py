@@ -44,19 +44,11 @@ def test_soak_small(group: int) -> None:
 def test_soak_200_peers() -> None:
     """The plan of ``python -m bench.soak --peers 200 --epochs 20``: groups of at most 16
     (averaged across groups every epoch), 20 joiners, 10 graceful leavers, 10 killed, 40
-    partitioned, 20 slow. A run repeats exactly for its seed (63eddcb: trio broke ties
-    between timers due at one instant by memory address, so runs differed even with a fixed
-    PYTHONHASHSEED). Seed 1 (``plan_for(..., seed=1)``) failed twice at e94abd7's successors:
-    at 63eddcb after epochs 18-19, two slow peers whose next-to-last round outlasted the
-    others' found everybody gone (peers now serve their state while others still train), and
-    with that linger and 2c075b3 after epoch 11, the first after the heal at 10: the losing
-    side's only fork check of that epoch still saw only its own side (checks now repeat every
-    5 virtual s).
-    At cf38e83 seed 1 passes: 425.0 virtual s, versions differ only at epochs 6-10 (the
-    partition), 0 divergences, 0 NaN; so does seed 0, this test's (506.4 virtual s, 6-9).
-    Seed 2 failed there after epoch 17: a slow peer whose round failed held no other peer's
-    record right after it, so it kept its parameters; the same at 3cd22e5 (event for event:
-    no progress read had failed), cause not yet traced."""
+    partitioned, 20 slow. A run repeats exactly for its seed, so a failure can be replayed
+    with ``plan_for(..., seed=S)``. At 0124875 seeds 0, 1 and 2 pass (versions differ only
+    while the partition lasts; 0 divergences, 0 NaN). Seed 2 failed before it after epoch
+    17: a slow peer that heard from no holder for 30 s let its progress table lapse, took
+    itself for the only peer left and kept its own parameters."""
     plan = plan_for(200, 20, group=16, size=1000, seed=0)
     logs, events = run_soak(plan)
     check_soak(plan, logs, events)
