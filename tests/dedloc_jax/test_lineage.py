@@ -131,3 +131,28 @@ def test_the_peers_of_a_lineage_the_fork_choice_leaves_are_named() -> None:
     # One lineage, at several epochs (peers still stepping): nobody loses.
     assert losing_peers([*bigs, *_side(3, 7, big[:-1])]) == set()
     assert losing_peers(bigs) == set() and losing_peers([]) == set()
+
+
+def test_a_side_further_ahead_than_a_lineage_names_loses_after_a_long_partition() -> None:
+    """The sides forked long ago and name no common epoch: the small side came back six
+    epochs ahead (a 200-peer soak, after a 33-epoch cut). No fork can be counted, yet the
+    small side must lose, and its epoch must not lead the big side (which then stopped)."""
+    big = _digests(1, 20)  # epochs 1..20
+    small = _digests(2, 26)  # epochs 1..26, another lineage
+    bigs, smalls = _side(6, 20, big), _side(2, 26, small)
+    loaded = Announcement("loaded", 26, small[-1])  # took the small side's state
+    announced = [*bigs, *smalls, loaded]
+    assert fork_choice(announced) == (20, big[-1])
+    assert losing_peers(announced) == {str(a.peer) for a in (*smalls, loaded)}
+    assert fork_verdict(announced, 26, small[-1], tuple(reversed(small[:-1]))) is True
+    assert fork_verdict(announced, 20, big[-1], tuple(reversed(big[:-1]))) is False
+    # A peer of the big side's lineage as far ahead as a lineage names is kept (its check
+    # waits for the others), and so is one of another lineage that ahead, until it is counted
+    # at the fork, where it loses.
+    ahead = _side(1, 20 + LINEAGE, [*big, *_digests(3, LINEAGE)])
+    assert losing_peers([*bigs, *ahead]) == set()
+    assert fork_verdict(bigs, 20 + LINEAGE, ahead[0].digest, ahead[0].lineage) is None
+    assert fork_choice([*bigs, *ahead]) == (20, big[-1])
+    other = _side(1, 20 + LINEAGE, [*big[:-1], *_digests(4, LINEAGE + 1)])
+    assert losing_peers([*bigs, *other]) == {str(other[0].peer)}
+    assert fork_verdict(bigs, 20 + LINEAGE, other[0].digest, other[0].lineage) is True
