@@ -18,18 +18,17 @@ whose one answer leaves a record expired asks them all (the one holder asked may
 that writers do not store on). And it leaves only as far as the holders that ever sent us the
 key's records were heard from: a reader that hears from none of them (its own link saturated, a
 cut, or only far nodes answering, with nothing) cannot tell that writers left, so its records
-then lapse only ``lapse_grace`` seconds past their expiry. In a
-200-peer simulation a slow peer whose calls all timed out for half a minute, and whose lookup
-then found two far nodes that answered with nothing, saw its table of 181 records lapse to none,
-took itself for the only peer left, and trained an epoch alone.
+then lapse only ``lapse_grace`` seconds past their expiry. In a 200-peer simulation a slow peer
+whose calls all timed out for half a minute, and whose lookup then found two far nodes that
+answered with nothing, saw its table of 181 records lapse to none, took itself for the only
+peer left, and trained an epoch alone.
 
 A relocation keeps the holders that still answer unless nearer nodes were found, and a read
 on which every holder failed drops none of them (the fault is then most likely ours: our own
 link is congested, or we are cut off). A reader that replaced its holders whenever they failed
 lost the table: a lookup on a busy network returns a few far nodes, and writers do not store
-there. In a 200-peer simulation such a reader's table
-went from 180 records to 1 within a minute, and its fork check, seeing nobody, kept it on a
-lineage of its own.
+there. In a 200-peer simulation such a reader's table went from 180 records to 1 within a
+minute, and its fork check, seeing nobody, kept it on a lineage of its own.
 
 Every record is validated as in a ``get`` (a forged or expired one is dropped) and merged with
 the same rules (:class:`~p2p.dht.records.KeyState`), so the view equals what a ``get`` from the
