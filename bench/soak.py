@@ -65,7 +65,7 @@ LINGER = 10.0  # virtual s a peer that finished serves its state before leaving,
 # others' (at 200 peers, two slow hosts averaged their next-to-last epoch for 40 s, alone)
 # then finds no state to load, and trains the rest of the run on a lineage of its own
 END_LINGER = 120.0
-LOAD_ATTEMPTS = 5  # state downloads until one of the newest epoch (1 s apart)
+LOAD_ATTEMPTS = 5  # state downloads tried, 1 s apart (until one brings the newest epoch)
 FORK_CHECK_AFTER = 1.0  # virtual s into an epoch: the others have announced its state by then
 # and again this often until the round (it only counts the progress table: no DHT read). After
 # a healed partition, the side that lost often answered "not lost" at the first check, its
@@ -275,21 +275,26 @@ def run_soak(plan: SoakPlan) -> tuple[list[Log], dict]:
                     checks.cancel_scope.cancel()
 
         async def download(
-            core, log: Log, min_epoch: int | None = None
+            core, log: Log, min_epoch: int | None = None, attempts: int = 1
         ) -> tuple[int, np.ndarray] | None:
             """The newest state other peers serve, or None (none announced, every donor
-            failed, or it is older than ``min_epoch``: then nothing was loaded)."""
-            try:
-                epoch, arrays = await core.load_state(timeout=30.0, min_epoch=min_epoch)
-            except StaleStateError as e:
-                logger.info("soak: %s", e)
-                return None
-            except StateSyncError as e:
-                logger.info("soak: state download failed: %s", e)
-                log.load_failures += 1
-                return None
-            log.loads += 1
-            return epoch, np.asarray(arrays[0], np.float32)
+            failed ``attempts`` times, 1 s apart, or it is older than ``min_epoch``: then
+            nothing was loaded)."""
+            for attempt in range(attempts):
+                if attempt:
+                    await trio.sleep(1.0)
+                try:
+                    epoch, arrays = await core.load_state(timeout=30.0, min_epoch=min_epoch)
+                except StaleStateError as e:
+                    logger.info("soak: %s", e)
+                    return None
+                except StateSyncError as e:
+                    logger.info("soak: state download failed: %s", e)
+                    log.load_failures += 1
+                    continue
+                log.loads += 1
+                return epoch, np.asarray(arrays[0], np.float32)
+            return None
 
         async def load(core, log: Log, params: np.ndarray) -> tuple[int, np.ndarray]:
             """The state the fork choice names (the newest most of its lineage's peers
@@ -426,7 +431,9 @@ def run_soak(plan: SoakPlan) -> tuple[list[Log], dict]:
                             break
                         await trio.sleep(1.0)
                         newest = await core.newest_state_epoch()
-                    got = await download(core, log, min_epoch=epoch + 1)
+                    # Try again when the download failed (a donor timed out): a peer that
+                    # kept its own state after one failure trained an epoch on a lost lineage.
+                    got = await download(core, log, min_epoch=epoch + 1, attempts=LOAD_ATTEMPTS)
                     if got is not None:
                         epoch, params = got[0] - 1, got[1]
             log.rows.append(

@@ -15,13 +15,16 @@ last asked *that* holder: reading three holders in turn fetched each update thre
 
 A record leaves the view only after a read that asked every holder: between sweeps, a read
 whose one answer leaves a record expired asks them all (the one holder asked may be a far node
-that writers do not store on). And it leaves only as far as the holders that ever sent us the
-key's records were heard from: a reader that hears from none of them (its own link saturated, a
-cut, or only far nodes answering, with nothing) cannot tell that writers left, so its records
-then lapse only ``lapse_grace`` seconds past their expiry. In a 200-peer simulation a slow peer
-whose calls all timed out for half a minute, and whose lookup then found two far nodes that
-answered with nothing, saw its table of 181 records lapse to none, took itself for the only
-peer left, and trained an epoch alone.
+that writers do not store on). And an expired record leaves on time only when a holder that
+sent us that very record answered after it expired (with nothing newer for it): a reader that
+hears from none of them (its own link saturated, a cut, or only far nodes answering, which hold
+a few records or none) cannot tell that the writer left, so the record then lapses only
+``lapse_grace`` seconds past its expiry. In a 200-peer simulation a slow peer whose calls all
+timed out for half a minute, and whose lookup then found two far nodes that answered with
+nothing, saw its table of 181 records lapse to none, took itself for the only peer left, and
+trained an epoch alone. (Counting any holder that had ever sent a record of the key was not
+enough: a far node holding a few records then spoke for all of them, and a slow peer's table
+of 183 records dwindled to its own within a minute.)
 
 A relocation keeps the holders that still answer unless nearer nodes were found, and a read
 on which every holder failed drops none of them (the fault is then most likely ours: our own
@@ -103,9 +106,10 @@ class KeyFollower:
         self._local_incarnation = b""
         self._located_at = -math.inf
         self._fresh_lookup = False  # the next relocation ignores cached lookups
-        self._sources: set[PeerID] = set()  # holders that have sent us records of the key
-        self._heard = 0  # answers from sources so far
-        self._heard_at = -math.inf  # DHT-clock time of the last read a source answered
+        # For each slot (subkey; None: the plain value), the holders that sent the record it
+        # holds, and when each holder last answered (DHT clock): see _drop_lapsed.
+        self._providers: dict[str | None, set[PeerID]] = {}
+        self._answered_at: dict[PeerID, float] = {}
 
     @property
     def holders(self) -> list[PeerID]:
@@ -128,16 +132,12 @@ class KeyFollower:
         turn = 0 if sweep else self._reads % self.sweep_every
         self._reads += 1
         held = self._state.held()
-        heard_before = self._heard
         if self._holders:
             one = [self._holders[self._pick % len(self._holders)]]
             if turn == 0 or not await self._poll(one, drop=False) or self._lapsing():
                 await self._poll(self._holders)
         self._take_local()
-        now = self.dht.now()
-        if self._heard > heard_before or not self._holders:  # (no holders: our store is all)
-            self._heard_at = now
-        self._state.drop_expired(max(self._heard_at, now - self.lapse_grace))
+        self._drop_lapsed()
         if held >= 4 and 2 * self._state.held() <= held:
             self._collapsed()
         return self._state.view()
@@ -160,6 +160,24 @@ class KeyFollower:
         200-peer simulation a reader whose pick was such a node watched its table of 180
         records lapse to none between two sweeps). A writer that left costs one sweep."""
         return self._state.lapsing(self.dht.now())
+
+    def _drop_lapsed(self) -> None:
+        """Forget the expired records a holder that sent them has since answered without a
+        newer one for, and those ``lapse_grace`` past their expiry (without holders, our own
+        store is all there is: every expired record)."""
+        now = self.dht.now()
+        expired = self._state.expired(now)
+        if self._holders:
+            floor = now - self.lapse_grace
+            expired = [r for r in expired if r.expiration <= max(floor, self._heard(r.subkey))]
+        self._state.drop(expired)
+        for rec in expired:
+            self._providers.pop(rec.subkey, None)
+
+    def _heard(self, slot: str | None) -> float:
+        """When a holder that sent the record of ``slot`` we hold last answered."""
+        answered = self._answered_at
+        return max((answered.get(p, -math.inf) for p in self._providers.get(slot, ())), default=-math.inf)
 
     def _take_local(self) -> None:
         """This node's own store is read the same way (it may be one of the holders)."""
@@ -190,7 +208,6 @@ class KeyFollower:
         )
         self._holders = ranked[: self.wanted]
         self._cursors = {c.peer: self._cursors.get(c.peer) for c in self._holders}
-        self._sources &= {c.peer for c in self._holders}
         self._located_at = trio.current_time()
 
     async def _poll(self, holders: list[Contact], *, drop: bool = True) -> bool:
@@ -210,12 +227,10 @@ class KeyFollower:
             self._suspects.discard(contact.peer)
             records, cursor = got
             answered += 1
-            if records:
-                self._sources.add(contact.peer)
-            self._heard += contact.peer in self._sources
             self.stats["records"] += len(records)
             self._cursors[contact.peer] = cursor
-            self._apply(records)
+            self._apply(records, contact.peer)
+            self._answered_at[contact.peer] = self.dht.now()
 
         self.stats["polls"] += 1
         async with trio.open_nursery() as nursery:
@@ -234,8 +249,10 @@ class KeyFollower:
                 self._suspects.discard(peer)
         return answered > 0
 
-    def _apply(self, records: list[Record]) -> None:
+    def _apply(self, records: list[Record], holder: PeerID | None = None) -> None:
+        """Merge records sent by ``holder`` (None: our own store)."""
         now = self.dht.now()
+        state = self._state
         for rec in records:
             if rec.expiration <= now:
                 continue
@@ -244,4 +261,10 @@ class KeyFollower:
                 self.stats["invalid"] += 1
                 log.debug("dropped a record of %r: %s", self.key, reason)
                 continue
-            self._state.apply(rec, self.dht.config.max_subkeys)
+            state.apply(rec, self.dht.config.max_subkeys)
+            slot = rec.subkey
+            held = state.plain if slot is None else state.subs.get(slot)
+            if held is rec:  # a newer record: only its senders can tell it was not refreshed
+                self._providers[slot] = set() if holder is None else {holder}
+            elif held is not None and holder is not None and held.same_as(rec):
+                self._providers.setdefault(slot, set()).add(holder)

@@ -165,6 +165,26 @@ class KeyState:
             return False
         return any(r.expiration <= now for r in (self.plain, *self.subs.values()) if r is not None)
 
+    def expired(self, now: float) -> list[Record]:
+        """The records of the slots that have expired by ``now``."""
+        if now < self.soonest:
+            return []
+        return [r for r in (self.plain, *self.subs.values()) if r is not None and r.expiration <= now]
+
+    def drop(self, records: list[Record]) -> None:
+        """Forget the slots these records hold (a slot since refreshed is kept)."""
+        for rec in records:
+            if rec.subkey is None:
+                if self.plain is rec:
+                    self.nbytes -= record_size(rec)
+                    self.plain = None
+            elif self.subs.get(rec.subkey) is rec:
+                self.nbytes -= record_size(self.subs.pop(rec.subkey))
+        self.soonest = min(
+            (r.expiration for r in (self.plain, *self.subs.values()) if r is not None),
+            default=math.inf,
+        )
+
     def drop_expired(self, now: float) -> bool:
         """Forget expired slots; True when nothing is left."""
         if now < self.soonest:

@@ -383,3 +383,40 @@ def test_a_follower_cut_off_keeps_its_view_until_it_hears_from_a_holder_again() 
             assert await follower.get(sweep=True) is None
 
     run_sim(main)
+
+
+def test_a_holder_speaks_only_for_the_records_it_sent() -> None:
+    """A holder that answers makes an expired record lapse on time only when it sent us that
+    record: a far node that holds a few of the key's records (a writer's lookup found it)
+    says nothing of the others, which then lapse ``lapse_grace`` past their expiry. (Letting
+    any holder that had sent some record speak for all, a slow peer's table of 183 records
+    dwindled to its own record within a minute.)"""
+    from p2p.dht.ids import key_id, node_id
+
+    async def main() -> None:
+        async with dht_swarm(24, seed=7) as swarm:
+            writer, reader = swarm.dhts[0], swarm.dhts[23]
+            follower = reader.follow("table", relocate_interval=1000.0, lapse_grace=20.0)
+            for sub in "abcd":
+                await writer.store("table", 1, writer.now() + 5, subkey=sub, replicas=3)
+            assert len(await follower.get()) == 4
+            target = key_id("table")
+            far = sorted(swarm.dhts, key=lambda d: node_id(d.peer_id) ^ target)[-3:]
+            assert reader not in far and not set(follower.holders) & {d.peer_id for d in far}
+            found = await reader.find_nearest(node_id(far[0].peer_id), count=8)
+            contacts = [c for c in found.nearest if c.peer in {d.peer_id for d in far}]
+            assert len(contacts) >= follower.wanted
+            for d in far:  # a newer "a" reached the far nodes, and only "a"
+                d.storage.store(Record("table", "a", pack_value(2), d.now() + 8), d.now())
+            follower._holders = contacts
+            follower._cursors = {c.peer: None for c in contacts}
+            await trio.sleep(6)  # b, c and d expired; the far nodes answer without them
+            held = await follower.get(sweep=True)
+            assert held is not None and sorted(held) == list("abcd") and held["a"].value == 2
+            await trio.sleep(3)  # "a" expired, and the nodes that sent it answer: it lapses
+            held = await follower.get(sweep=True)
+            assert held is not None and sorted(held) == list("bcd")
+            await trio.sleep(18)  # b, c and d are now lapse_grace past their expiry
+            assert await follower.get(sweep=True) is None
+
+    run_sim(main)
