@@ -32,6 +32,7 @@ FORK_CHECK_AFTER = 5.0  # seconds into an epoch: the others have announced its s
 # After a healed partition the side that lost may answer "not lost" at first, its table still
 # holding only its own side's peers (in the 200-peer soak it then trained a whole epoch apart).
 FORK_RECHECK = 10.0
+LOST_LOADS = 3  # downloads tried when our lineage lost a fork check
 
 
 def _fork_check_due(now: float, epoch_started: float, checked_at: float | None) -> bool:
@@ -194,27 +195,37 @@ def _newer_state_served(collab: Any, epoch: int) -> bool:
     return newest is None or newest > epoch
 
 
-def _adopt_theirs(collab: Any, params: Any, opt_state: Any) -> tuple[Any, Any]:
-    """After a step alone: load the others' state, unless it is older than ours.
+def _adopt_theirs(
+    collab: Any, params: Any, opt_state: Any, *, attempts: int = 1
+) -> tuple[Any, Any]:
+    """After a step alone or a lost fork check: load the others' state, unless it is older
+    than ours.
 
     Ours differs from theirs, so theirs wins where it is as new; an older one (e.g. a peer that
     is still on its first micro-step serves only the initial state) would undo the run's
-    progress, so then ours is kept and served, and the late peers load it.
+    progress, so then ours is kept and served, and the late peers load it. ``attempts``: tries
+    (a second apart) while downloads fail; our lineage lost, so keeping ours after one failed
+    download (a donor timed out) trains an epoch on it (seen in a 200-peer soak).
     """
     import dedloc_jax
 
     ours = int(opt_state.epoch)
-    try:
-        new_params, new_opt_state, epoch = dedloc_jax.sync_state(
-            collab, params, opt_state, min_epoch=ours
-        )
-    except dedloc_jax.StaleStateError as e:
-        log.info("%s (ours is of epoch %d): keeping ours", e, ours)
-    except dedloc_jax.StateSyncError as e:
-        log.info("nobody serves a state (%s): keeping this peer's", e)
-    else:
+    for attempt in range(attempts):
+        if attempt:
+            time.sleep(1.0)
+        try:
+            new_params, new_opt_state, epoch = dedloc_jax.sync_state(
+                collab, params, opt_state, min_epoch=ours
+            )
+        except dedloc_jax.StaleStateError as e:
+            log.info("%s (ours is of epoch %d): keeping ours", e, ours)
+            break
+        except dedloc_jax.StateSyncError as e:
+            log.info("no state downloaded (%s)", e)
+            continue
         log.info("loaded the collaboration's state of epoch %d", epoch)
         return new_params, new_opt_state
+    log.info("keeping this peer's state of epoch %d", ours)
     dedloc_jax.share_state(collab, params, opt_state)
     return params, opt_state
 
@@ -337,7 +348,7 @@ def _loop(
             fork_checked_at = None
             if lost:
                 log.warning("epoch %d: our state lost to the majority's; loading it", epoch)
-                params, opt_state = _adopt_theirs(collab, params, opt_state)
+                params, opt_state = _adopt_theirs(collab, params, opt_state, attempts=LOST_LOADS)
                 epoch = int(opt_state.epoch)
             elif (
                 int(opt_state.group_size) <= 1 or _last_round_incomplete(collab)
@@ -364,7 +375,7 @@ def _loop(
                 # Another lineage of this epoch, held by more peers, won (e.g. after a
                 # partition healed, each side having averaged apart): take theirs.
                 log.warning("epoch %d: our state lost to the majority's; loading it", epoch)
-                params, opt_state = _adopt_theirs(collab, params, opt_state)
+                params, opt_state = _adopt_theirs(collab, params, opt_state, attempts=LOST_LOADS)
                 epoch, epoch_losses, epoch_samples = int(opt_state.epoch), [], 0
         if collab.behind and now - behind_checked > 1.0:
             behind_checked = now

@@ -177,7 +177,9 @@ class KeyFollower:
     def _heard(self, slot: str | None) -> float:
         """When a holder that sent the record of ``slot`` we hold last answered."""
         answered = self._answered_at
-        return max((answered.get(p, -math.inf) for p in self._providers.get(slot, ())), default=-math.inf)
+        return max(
+            (answered.get(p, -math.inf) for p in self._providers.get(slot, ())), default=-math.inf
+        )
 
     def _take_local(self) -> None:
         """This node's own store is read the same way (it may be one of the holders)."""

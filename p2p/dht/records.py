@@ -169,7 +169,9 @@ class KeyState:
         """The records of the slots that have expired by ``now``."""
         if now < self.soonest:
             return []
-        return [r for r in (self.plain, *self.subs.values()) if r is not None and r.expiration <= now]
+        return [
+            r for r in (self.plain, *self.subs.values()) if r is not None and r.expiration <= now
+        ]
 
     def drop(self, records: list[Record]) -> None:
         """Forget the slots these records hold (a slot since refreshed is kept)."""
