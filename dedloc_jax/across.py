@@ -18,6 +18,12 @@ codec (int8 becomes fp16): int8 scales depend on each group's chunking, and grou
 round the same global mean differently. If anything fails, a group keeps its own mean; the fork
 rule (:func:`dedloc_jax.state_sync.on_minority_fork`) later puts its peers back on the
 lineage most peers hold.
+
+A level-1 group that lacks a representative the leader's partition named (it died, or came
+late and formed a second level-1 group with other late ones) holds the mean of only some groups:
+its members learn that the mean is *partial* and check the fork before training on it. (In a
+200-peer soak the representatives of 72 peers came late and averaged apart; both sides took their
+mean for the epoch's, and 31 of the 72 trained the next epoch on the lineage that lost.)
 """
 
 from __future__ import annotations
@@ -73,6 +79,7 @@ class AcrossGroups:
         self.node = node
         self._done: dict[int, trio.Event] = {}
         self._ok: dict[int, bool] = {}
+        self._whole: dict[int, bool] = {}
         self.admit: Any = None  # as Matchmaker.admit (private runs)
         self.wait_limit = 60.0  # seconds a member's question may wait; set per epoch
 
@@ -85,11 +92,14 @@ class AcrossGroups:
             for old in [e for e in self._done if e < epoch - _KEEP]:
                 del self._done[old]
                 self._ok.pop(old, None)
+                self._whole.pop(old, None)
         return self._done[epoch]
 
-    def settle(self, epoch: int, ok: bool) -> None:
-        """As representative: whether this epoch's group mean was averaged across groups."""
+    def settle(self, epoch: int, ok: bool, whole: bool = True) -> None:
+        """As representative: whether this epoch's group mean was averaged across groups, and
+        whether with every group's representative (``whole``; else the mean is partial)."""
         self._ok[epoch] = ok
+        self._whole[epoch] = ok and whole
         self._event(epoch).set()
 
     def close(self, epoch: int) -> None:
@@ -106,18 +116,21 @@ class AcrossGroups:
         epoch = request["epoch"]
         with trio.move_on_after(self.wait_limit):
             await self._event(epoch).wait()
-        return {"ok": self._ok.get(epoch, False)}
+        return {"ok": self._ok.get(epoch, False), "whole": self._whole.get(epoch, False)}
 
-    async def ask(self, rep: str, epoch: int, timeout: float) -> bool:
-        """As member: whether ``rep`` holds the mean across groups (False if unreachable)."""
+    async def ask(self, rep: str, epoch: int, timeout: float) -> tuple[bool, bool]:
+        """As member: whether ``rep`` holds a mean across groups (False if unreachable), and
+        whether that mean is the whole epoch's (every group's representative took part)."""
         try:
             answer = await self.node.call(
                 PeerID.from_base58(rep), CROSS, {"epoch": epoch}, timeout=timeout
             )
         except P2PError as e:
             log.info("representative %s of epoch %d did not answer: %s", rep, epoch, e)
-            return False
-        return isinstance(answer, dict) and answer.get("ok") is True
+            return False, False
+        if not isinstance(answer, dict) or answer.get("ok") is not True:
+            return False, False
+        return True, answer.get("whole") is True
 
 
 async def broadcast(

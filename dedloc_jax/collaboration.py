@@ -251,27 +251,29 @@ class CollaborationCore:
     ) -> tuple[list[np.ndarray], int, bool]:
         """The mean across this epoch's groups (see :mod:`dedloc_jax.across`), the size of
         the level-1 group (1 when this peer did not represent its group there) and whether
-        that worked; ``mean`` itself when it failed."""
+        that is the whole epoch's mean; ``mean`` itself when it failed."""
         me = str(self.node.peer_id)
         rep = me if spec is None else representative(spec)
         wait = self._cross_wait(spec, mean)
         self.across.wait_limit = wait
         size = 1
         if rep == me:
-            ok, found = False, None
+            ok, whole, found = False, False, None
             try:
                 found = await self._represent(epoch, mean, weight)
                 ok = found is not None
+                if found is not None:
+                    mean, size, whole = found
             finally:
-                self.across.settle(epoch, ok)
+                self.across.settle(epoch, ok, whole)
             if found is None:
                 return mean, 1, False
-            mean, size = found
             if spec is None:
-                return mean, size, True
+                return mean, size, whole
         else:
             self.matchmaker.decline(epoch)
-            if rep is None or not await self.across.ask(rep, epoch, timeout=wait):
+            ok, whole = (False, False) if rep is None else await self.across.ask(rep, epoch, wait)
+            if not ok:
                 return mean, 1, False
         assert spec is not None
         out = await broadcast(
@@ -283,14 +285,16 @@ class CollaborationCore:
             timeout=self._timeout(spec, mean),
         )
         if out is None:  # the representative holds the mean across groups all the same
-            return mean, 1, rep == me
-        return out, size, True
+            return mean, 1, rep == me and whole
+        return out, size, whole
 
     async def _represent(
         self, epoch: int, mean: list[np.ndarray], weight: float
-    ) -> tuple[list[np.ndarray], int] | None:
+    ) -> tuple[list[np.ndarray], int, bool] | None:
         """As its group's representative, average ``mean`` (``weight`` samples) with the
-        other groups' representatives: the result and how many there were, or None."""
+        other groups' representatives: the result, how many there were and whether every
+        representative our leader's partition named took part (else the mean is partial), or
+        None."""
         up, down = self._bandwidth()
         me = member_for(str(self.node.peer_id), self.mode, up, down, weight)
         others = self.matchmaker.representatives(epoch) - {me.peer_id}
@@ -317,7 +321,15 @@ class CollaborationCore:
             failure = _only_averaging(group)
             log.warning("averaging across groups at epoch %d failed: %s", epoch, failure)
             return None
-        return [np.asarray(a) for a in averaged.average], len(spec.members)
+        members = {m.peer_id for m in spec.members}
+        whole = others <= members
+        if not whole:
+            log.info(
+                "epoch %d: %d of the groups' representatives missed the round across groups",
+                epoch,
+                len(others - members),
+            )
+        return [np.asarray(a) for a in averaged.average], len(spec.members), whole
 
     def _cross_wait(self, spec: GroupSpec | None, arrays: Sequence[np.ndarray]) -> float:
         """How long a member waits for its representative's round across groups: that

@@ -246,7 +246,9 @@ def test_a_group_whose_round_across_groups_failed_knows_its_mean_is_incomplete(
 ) -> None:
     """The first representative's round across groups fails: its group keeps the group's
     mean, and each of its members is told the outcome is incomplete (so a trainer loads the
-    others' state); every other peer holds the mean across the other groups, complete."""
+    others' state); every other peer holds the mean across the other groups, and is told it
+    is incomplete too: that mean lacks a group's samples (the fork check then finds the most
+    peers hold it)."""
     from dedloc_jax.collaboration import CollaborationCore
 
     represent = CollaborationCore._represent
@@ -262,14 +264,12 @@ def test_a_group_whose_round_across_groups_failed_knows_its_mean_is_incomplete(
     rates = [4.0, 6.0, 8.0, 10.0, 12.0, 14.0, 16.0]
     rows = [log[0] for log in _run(rates, epochs=1, target=280, max_group_size=3)]
     assert len(failed) == 1
-    done = [r for r in rows if r["complete"]]
-    left = [r for r in rows if not r["complete"]]
+    assert not any(r["complete"] for r in rows)
+    versions: dict[bytes, list[dict]] = {}
+    for r in rows:
+        versions.setdefault(r["got"].tobytes(), []).append(r)
+    left, done = sorted(versions.values(), key=len)  # the failed group's own mean; the rest's
     assert 1 <= len(left) <= 3 and len(done) >= 4, [r["group"] for r in rows]
-    for r in left:  # the failed group's own mean
-        assert r["got"].tobytes() == left[0]["got"].tobytes()
-        assert r["got"].tobytes() != done[0]["got"].tobytes()
-    for r in done:
-        assert r["got"].tobytes() == done[0]["got"].tobytes()
 
 
 def test_a_lagging_peer_is_excluded_then_resyncs_from_the_others() -> None:

@@ -17,7 +17,8 @@ SAMPLES = [8, 12, 16, 20, 24, 28, 32]
 def test_a_representative_that_dies_leaves_its_group_with_its_own_mean(monkeypatch) -> None:
     """The first representative to reach the round across groups dies there. Its group's
     members cannot reach it: they keep their group's mean (bit-identical among them) and do
-    not hang; every other peer gets the mean of the remaining groups."""
+    not hang; every other peer gets the mean of the remaining groups, and knows it is partial
+    (not the epoch's mean: a group is missing), so that it checks the fork before training."""
     config = CollaborationConfig.local_demo(sum(SAMPLES)).replace(max_group_size=3)
     represent = CollaborationCore._represent
     died: list[str] = []
@@ -33,6 +34,7 @@ def test_a_representative_that_dies_leaves_its_group_with_its_own_mean(monkeypat
     net = SimNetwork(seed=3)
     sent = [np.random.default_rng(i).normal(size=500).astype(np.float32) for i in range(PEERS)]
     got: list[np.ndarray | None] = [None] * PEERS
+    complete: list[bool | None] = [None] * PEERS
 
     async def main() -> None:
         async with open_sim_collaboration(net, PEERS, config=config, latency=0.01) as cores:
@@ -44,6 +46,7 @@ def test_a_representative_that_dies_leaves_its_group_with_its_own_mean(monkeypat
                 with trio.fail_after(600):
                     outcome = await core.average(0, [sent[i]], SAMPLES[i])
                 got[i] = outcome.gradients[0]
+                complete[i] = outcome.complete
 
             async with trio.open_nursery() as nursery:
                 for i in range(PEERS):
@@ -58,6 +61,7 @@ def test_a_representative_that_dies_leaves_its_group_with_its_own_mean(monkeypat
     assert len(versions) == 2, [len(v) for v in versions.values()]
     small, rest = sorted(versions.values(), key=len)
     assert 1 <= len(small) <= 3 and len(rest) == PEERS - len(small), (small, rest)
+    assert complete == [False] * PEERS, complete
 
     def mean_of(peers: list[int]) -> np.ndarray:
         total = sum(SAMPLES[i] for i in peers)
