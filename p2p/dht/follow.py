@@ -28,7 +28,8 @@ of 183 records dwindled to its own within a minute.)
 
 A relocation keeps the holders that still answer unless nearer nodes were found, and a read
 on which every holder failed drops none of them (the fault is then most likely ours: our own
-link is congested, or we are cut off). A reader that replaced its holders whenever they failed
+link is congested, or we are cut off); the next relocation asks such holders again before it
+ranks them behind the nodes a lookup found. A reader that replaced its holders whenever they failed
 lost the table: a lookup on a busy network returns a few far nodes, and writers do not store
 there. In a 200-peer simulation such a reader's table went from 180 records to 1 within a
 minute, and its fork check, seeing nobody, kept it on a lineage of its own.
@@ -101,6 +102,7 @@ class KeyFollower:
         self._state = KeyState()
         self._holders: list[Contact] = []
         self._suspects: set[PeerID] = set()  # holders whose last answer failed
+        self._stale: set[PeerID] = set()  # holders that let the view lapse (next relocation)
         self._cursors: dict[PeerID, Cursor | None] = {}
         self._local_cursor = 0
         self._local_incarnation = b""
@@ -150,7 +152,7 @@ class KeyFollower:
         counted only their own record for over three minutes.)"""
         self.stats["collapses"] += 1
         log.debug("the view of %r lapsed; looking the key up again", self.key)
-        self._suspects.update(c.peer for c in self._holders)
+        self._stale.update(c.peer for c in self._holders)
         self._located_at = -math.inf
         self._fresh_lookup = True
 
@@ -205,9 +207,18 @@ class KeyFollower:
         merged = {c.peer: c for c in self._holders}
         for c in nearest:
             merged.setdefault(c.peer, c)
+        by_distance = sorted(merged.values(), key=lambda c: node_id(c.peer) ^ target)
+        stale, self._stale = self._stale, set()
+        retry = [c for c in by_distance[: self.wanted] if c.peer in self._suspects - stale]
+        if retry:
+            # Holders that failed while every one failed (our link, most likely) are still
+            # the key's nearest: ask them again before putting far nodes in their place. (After
+            # a 30 s spell in which a slow peer's calls all timed out, its relocation took
+            # two far nodes instead; writers did not store there, and its table froze.)
+            await self._poll(retry, drop=False)
         ranked = sorted(
-            merged.values(), key=lambda c: (c.peer in self._suspects, node_id(c.peer) ^ target)
-        )
+            by_distance, key=lambda c: c.peer in self._suspects or c.peer in stale
+        )  # (stable: nearest first within each rank)
         self._holders = ranked[: self.wanted]
         self._cursors = {c.peer: self._cursors.get(c.peer) for c in self._holders}
         self._located_at = trio.current_time()

@@ -286,6 +286,18 @@ def test_a_follower_keeps_its_holders_when_a_lookup_finds_far_nodes_or_none_answ
             await writer.store("table", 3, writer.now() + 600, subkey="a")
             assert (await follower.get(sweep=True))["a"].value == 3
 
+            # Cut again; after the heal the next relocation finds only the far node. The
+            # holders failed while every one failed (our fault): asked again, they answer and
+            # stay. (Ranked last, they gave way to far nodes, and a slow peer's table froze.)
+            swarm.net.partition([swarm.hosts[23]], others)
+            assert (await follower.get(sweep=True))["a"].value == 3
+            swarm.net.heal()
+            reader._located.clear()
+            follower._located_at = -float("inf")
+            await writer.store("table", 4, writer.now() + 600, subkey="a")
+            assert (await follower.get())["a"].value == 4
+            assert follower.holders == nearest
+
     run_sim(main)
 
 
