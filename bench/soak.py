@@ -421,7 +421,9 @@ def run_soak(plan: SoakPlan) -> tuple[list[Log], dict]:
                 # (Loading whatever was served half a second later often found only the last
                 # epoch's state: the peer kept its own, and trained the next epoch on it.)
                 await core.share_state([params], epoch + 1)
-                if await core.on_minority_fork(patience=FORK_CHECK_PATIENCE):
+                # When the check cannot tell (our table went stale: a slow link), load all the
+                # same: a download never brings a state older than ours.
+                if await core.on_minority_fork(patience=FORK_CHECK_PATIENCE, undecided=True):
                     # The others may still be averaging this epoch (the check found us lost at
                     # an older fork): wait, as the check does, for the state they step to.
                     deadline = trio.current_time() + FORK_CHECK_PATIENCE

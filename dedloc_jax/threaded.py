@@ -228,11 +228,12 @@ class Collaboration:
         thread, core = self._core()
         return thread.run(core.newest_state_epoch)
 
-    def on_minority_fork(self, *, patience: float = 0.0) -> bool:
+    def on_minority_fork(self, *, patience: float = 0.0, undecided: bool = False) -> bool:
         """Whether the state this peer serves lost to another lineage of its epoch (more peers
         hold it): then load theirs (:func:`dedloc_jax.sync_state`). See the core's method."""
         thread, core = self._core()
-        return thread.run(functools.partial(core.on_minority_fork, patience=patience))
+        check = functools.partial(core.on_minority_fork, patience=patience, undecided=undecided)
+        return thread.run(check)
 
     @property
     def behind(self) -> bool:

@@ -459,12 +459,13 @@ def test_a_late_group_knows_its_mean_is_incomplete_when_others_stepped_without_i
 def test_a_patient_fork_check_waits_while_the_progress_table_is_empty() -> None:
     """An empty table (a read that failed, records that lapsed while a partition cut us off)
     cannot tell whether our state lost: a patient check waits for the table to fill. Before,
-    it answered "not lost" at once, and a peer on the losing side went on with its lineage."""
+    it answered "not lost" at once, and a peer on the losing side went on with its lineage.
+    One that still cannot tell when its patience runs out answers ``undecided``."""
     from dedloc_jax.lineage import Announcement
 
     config = CollaborationConfig.local_demo(96)
 
-    async def main() -> tuple[bool, bool, float]:
+    async def main() -> tuple[bool, bool, float, tuple[bool, bool]]:
         net = SimNetwork(seed=2)
         async with open_sim_collaboration(net, 1, config=config, latency=0.01) as cores:
             core = cores[0]
@@ -477,11 +478,18 @@ def test_a_patient_fork_check_waits_while_the_progress_table_is_empty() -> None:
             impatient = await core.on_minority_fork()
             start = trio.current_time()
             patient = await core.on_minority_fork(patience=10.0)
-            return impatient, patient, trio.current_time() - start
+            waited = trio.current_time() - start
+            core._table_states = lambda: []  # never fills
+            undecided = (
+                await core.on_minority_fork(patience=2.0),
+                await core.on_minority_fork(patience=2.0, undecided=True),
+            )
+            return impatient, patient, waited, undecided
 
-    impatient, patient, waited = run_sim(main, seed=2)
+    impatient, patient, waited, undecided = run_sim(main, seed=2)
     assert impatient is False  # cannot tell, and no patience: not lost (as before)
     assert patient is True and 2.9 <= waited <= 5.0
+    assert undecided == (False, True)
 
 
 def test_a_state_older_than_wanted_is_not_loaded_and_changes_nothing() -> None:
