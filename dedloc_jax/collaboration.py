@@ -450,6 +450,7 @@ class CollaborationCore:
             request_timeout=self.config.rpc_timeout,
             extra=self._table_states(),
             min_epoch=min_epoch,
+            local=self.state_server.held,
         )
         epoch = manifest.epoch
         self.state_server.adopt(epoch, manifest.digest)

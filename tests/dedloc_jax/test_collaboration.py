@@ -528,3 +528,31 @@ def test_a_state_older_than_wanted_is_not_loaded_and_changes_nothing() -> None:
     assert out["epoch"] == 4 and out["head"] == out["ours"]
     assert out["lineage"][:1] == (out["ours"],)
     assert out["loaded"] == (3, 3.0, 3)
+
+
+def test_a_peer_that_holds_the_chosen_state_loads_it_without_a_download() -> None:
+    """A peer whose round missed part of the epoch loads the state most peers hold; when that
+    is the state it serves itself (its group's partial mean was the majority's), it takes it
+    from its own snapshot: no donor sends a chunk, and its lineage stands."""
+    config = CollaborationConfig.local_demo(96)
+
+    async def main() -> dict:
+        net = SimNetwork(seed=4)
+        async with open_sim_collaboration(net, 3, config=config, latency=0.01) as (a, b, c):
+            for core in (a, b, c):  # the same state, stepped to from the same parent
+                await core.share_state([np.full(10, 2, np.float32)], 2)
+                await core.share_state([np.full(10, 3, np.float32)], 3)
+            lineage = a.state_server.lineage
+            await trio.sleep(3.0)  # everyone reads the others' announcements
+            epoch, arrays = await a.load_state(timeout=30, min_epoch=3)
+            served = b.state_server.chunks_served + c.state_server.chunks_served
+            return {
+                "loaded": (epoch, arrays[0].tolist()),
+                "served": served,
+                "lineage": (lineage, a.state_server.lineage),
+            }
+
+    out = run_sim(main, seed=4)
+    assert out["loaded"] == (3, [3.0] * 10)
+    assert out["served"] == 0
+    assert out["lineage"][0] and out["lineage"][0] == out["lineage"][1]
