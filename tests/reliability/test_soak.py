@@ -45,10 +45,11 @@ def test_soak_200_peers() -> None:
     """The plan of ``python -m bench.soak --peers 200 --epochs 20``: groups of at most 16
     (averaged across groups every epoch), 20 joiners, 10 graceful leavers, 10 killed, 40
     partitioned, 20 slow. A run repeats exactly for its seed, so a failure can be replayed
-    with ``plan_for(..., seed=S)``. At 0124875 seeds 0, 1 and 2 pass (versions differ only
-    while the partition lasts; 0 divergences, 0 NaN). Seed 2 failed before it after epoch
-    17: a slow peer that heard from no holder for 30 s let its progress table lapse, took
-    itself for the only peer left and kept its own parameters."""
+    with ``plan_for(..., seed=S)``. At 0124875 seeds 0, 1 and 2 passed; seed 0 passes at
+    620889b, seed 1 at 7df79e2 and seed 2 at c3419ec (versions differ only while the
+    partition lasts; 0 divergences, 0 NaN). Seed 2 failed before 0124875 after epoch 17: a
+    slow peer that heard from no holder for 30 s let its progress table lapse, took itself
+    for the only peer left and kept its own parameters."""
     plan = plan_for(200, 20, group=16, size=1000, seed=0)
     logs, events = run_soak(plan)
     check_soak(plan, logs, events)
