@@ -221,6 +221,8 @@ class KeyFollower:
         )  # (stable: nearest first within each rank)
         self._holders = ranked[: self.wanted]
         self._cursors = {c.peer: self._cursors.get(c.peer) for c in self._holders}
+        keep = {c.peer for c in self._holders}.union(*self._providers.values())
+        self._answered_at = {p: t for p, t in self._answered_at.items() if p in keep}
         self._located_at = trio.current_time()
 
     async def _poll(self, holders: list[Contact], *, drop: bool = True) -> bool:
