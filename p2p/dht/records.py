@@ -175,6 +175,8 @@ class KeyState:
 
     def drop(self, records: list[Record]) -> None:
         """Forget the slots these records hold (a slot since refreshed is kept)."""
+        if not records:
+            return  # (a follower calls this on every read, mostly with nothing)
         for rec in records:
             if rec.subkey is None:
                 if self.plain is rec:
@@ -182,25 +184,23 @@ class KeyState:
                     self.plain = None
             elif self.subs.get(rec.subkey) is rec:
                 self.nbytes -= record_size(self.subs.pop(rec.subkey))
-        self.soonest = min(
-            (r.expiration for r in (self.plain, *self.subs.values()) if r is not None),
-            default=math.inf,
-        )
+        self._reset_soonest()
 
     def drop_expired(self, now: float) -> bool:
         """Forget expired slots; True when nothing is left."""
-        if now < self.soonest:
-            return self.plain is None and not self.subs
-        if self.plain is not None and self.plain.expiration <= now:
-            self.nbytes -= record_size(self.plain)
-            self.plain = None
-        for sub in [s for s, r in self.subs.items() if r.expiration <= now]:
-            self.nbytes -= record_size(self.subs.pop(sub))
+        if now >= self.soonest:
+            expired = self.expired(now)
+            if expired:
+                self.drop(expired)
+            else:
+                self._reset_soonest()  # the bound was low: move it up
+        return self.plain is None and not self.subs
+
+    def _reset_soonest(self) -> None:
         self.soonest = min(
             (r.expiration for r in (self.plain, *self.subs.values()) if r is not None),
             default=math.inf,
         )
-        return self.plain is None and not self.subs
 
 
 def record_size(rec: Record) -> int:
