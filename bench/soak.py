@@ -1,6 +1,7 @@
 """Simulator soak: many peers, many epochs, churn, a healing partition and slow links.
 
-Run ``python -m bench.soak [--peers 200] [--epochs 200] [--group 16] [--seed 0]``.
+Run ``python -m bench.soak [--peers 200] [--epochs 200] [--group 16] [--seed 0]
+[--report-every 10]``.
 
 Each peer trains on the simulated network in virtual time (MockClock): it accumulates
 micro-batches (random vectors standing in for gradients) until the collaboration reaches the
@@ -33,7 +34,10 @@ and so does one that stepped alone while others trained, or whose lineage lost t
   serve their state until the others finish, for up to ``END_LINGER`` virtual s);
 - ``virtual_seconds``, ``wall_seconds``, ``epoch_wall_seconds`` (mean wall time per epoch).
 
-The last line is one JSON object. ``tests/reliability/test_soak.py`` runs short plans.
+Every ``--report-every`` epochs (10) it prints the figures so far (``soak: so far {...}``, with
+``params_apart``: the epochs after which peers held different parameters outside the
+partition), so a run cut short still shows how far it held. The last line is one JSON object.
+``tests/reliability/test_soak.py`` runs short plans.
 """
 
 from __future__ import annotations
@@ -45,12 +49,13 @@ import logging
 import math
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
 import trio
 
-from bench.soak_figures import check_soak, summarize
+from bench.soak_figures import check_soak, partial_figures, summarize
 from dedloc_jax.collaboration import open_collaboration
 from dedloc_jax.config import CollaborationConfig
 from dedloc_jax.state_sync import StaleStateError, StateSyncError
@@ -129,7 +134,13 @@ def _grad(peer: int, epoch: int, step: int, size: int) -> np.ndarray:
     return np.random.default_rng([peer, epoch, step]).normal(size=(size,)).astype(np.float32)
 
 
-def run_soak(plan: SoakPlan) -> tuple[list[Log], dict]:
+def run_soak(
+    plan: SoakPlan, on_epoch: Callable[[int, list[Log], dict], None] | None = None
+) -> tuple[list[Log], dict]:
+    """Run ``plan``; ``on_epoch(epoch, logs, events)`` is called as the bootstrap peer
+    reaches each epoch (synchronously, in the simulation: it must not block; ``events`` then
+    holds ``virtual_seconds``, the current virtual time). A long run reports with it what it
+    showed so far, which a run cut short (a machine that goes away) would otherwise lose."""
     config = CollaborationConfig.local_demo(40 * plan.peers).replace(
         max_refresh=1.0, max_group_size=plan.max_group_size
     )
@@ -252,6 +263,9 @@ def run_soak(plan: SoakPlan) -> tuple[list[Log], dict]:
                             # every epoch up to here: a peer that fell behind skips some
                             for e in range(epoch + 1):
                                 epoch_reached[e].set()
+                            if on_epoch is not None:
+                                events["virtual_seconds"] = trio.current_time()
+                                on_epoch(epoch, logs, events)
                     active.discard(i)
                     # Done: keep serving the final state a while, for a peer that stepped
                     # alone in the last epoch and loads it (as the trainer lingers), and
@@ -513,6 +527,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--group", type=int, default=16, help="max_group_size (Moshpit-style cap)")
     p.add_argument("--size", type=int, default=1000, help="floats per averaged vector")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--report-every",
+        type=int,
+        default=10,
+        help="print the figures so far every this many epochs (0: never)",
+    )
     args = p.parse_args(argv)
     if args.peers < 10 or args.epochs < 6:
         p.error("need at least 10 peers and 6 epochs")
@@ -527,7 +547,14 @@ def main(argv: list[str] | None = None) -> None:
     logger.addHandler(_Progress())
     logger.propagate = False
     plan = plan_for(args.peers, args.epochs, group=args.group, size=args.size, seed=args.seed)
-    logs, events = run_soak(plan)
+
+    def report(epoch: int, logs: list[Log], events: dict) -> None:
+        if args.report_every and epoch % args.report_every == 0:
+            figures = partial_figures(plan, logs, events)
+            figures["wall_seconds"] = round(time.perf_counter() - started, 1)
+            logger.info("soak: so far %s", json.dumps(figures))
+
+    logs, events = run_soak(plan, report)
     wall = time.perf_counter() - started
     out = summarize(plan, logs, events)
     try:

@@ -3,6 +3,7 @@ about a run (see that module's docstring for each figure) and what a run must sh
 
 from __future__ import annotations
 
+import math
 from collections import Counter, defaultdict
 from typing import TYPE_CHECKING
 
@@ -90,8 +91,26 @@ def check_soak(plan: SoakPlan, logs: list[Log], events: dict) -> dict:
     assert s["nans"] == 0, s
     assert s["divergences"] == 0, f"divergent averages at epochs {s['divergent_epochs']}"
     assert s["joiners_averaged"] == plan.joiners, s
-    # The round in flight when the partition began was cut too (rows settle an epoch late).
-    window = range(s["partitioned_at"] - 1, s["healed_at"] + 1)
-    apart = [e for e in s["params_disagreed_epochs"] if e not in window]
+    apart = _apart(s)
     assert not apart, f"peers held different parameters after epochs {apart}"
     return s
+
+
+def partial_figures(plan: SoakPlan, logs: list[Log], events: dict) -> dict:
+    """The figures of a run still going (:func:`summarize`'s), and ``params_apart``: the
+    epochs so far after which peers held different parameters outside the partition (the
+    final check asserts there are none). A long run prints them as it goes."""
+    s = summarize(plan, logs, events)
+    s["params_apart"] = _apart(s)
+    return s
+
+
+def _apart(s: dict) -> list[int]:
+    """Epochs whose peers held different parameters outside the partition's window: from
+    the round in flight when it began (cut too: rows settle an epoch late) to the newest
+    epoch any peer trained when it healed; a partition not healed yet runs to the end."""
+    start, healed = s["partitioned_at"], s["healed_at"]
+    if start is None:
+        return list(s["params_disagreed_epochs"])
+    end = healed + 1 if healed is not None else math.inf
+    return [e for e in s["params_disagreed_epochs"] if not start - 1 <= e < end]

@@ -17,6 +17,7 @@ import pytest
 import trio
 
 from bench.soak import SoakPlan, check_soak, plan_for, run_soak
+from bench.soak_figures import partial_figures
 from p2p.dht import DHTConfig
 from p2p.node import NodeConfig
 from p2p.testing import SimNetwork, run_sim
@@ -24,7 +25,9 @@ from p2p.testing import SimNetwork, run_sim
 
 @pytest.mark.parametrize("group", [64, 3], ids=["one-group", "capped"])
 def test_soak_small(group: int) -> None:
-    """Capped: groups of at most 3, whose means are averaged across groups every epoch."""
+    """Capped: groups of at most 3, whose means are averaged across groups every epoch. The
+    figures reported as the run goes are those of the run so far: each report's epochs are
+    the epochs the bootstrap peer reached, and the final figures extend the last report's."""
     plan = SoakPlan(
         peers=6,
         joiners=2,
@@ -35,8 +38,19 @@ def test_soak_small(group: int) -> None:
         partition=2,
         max_group_size=group,
     )
-    logs, events = run_soak(plan)
-    check_soak(plan, logs, events)
+    reports: list[tuple[int, dict]] = []
+    logs, events = run_soak(
+        plan, lambda epoch, logs, events: reports.append((epoch, partial_figures(plan, logs, events)))
+    )
+    final = check_soak(plan, logs, events)
+    assert [e for e, _ in reports] == list(range(1, plan.epochs + 1))
+    times = [r["virtual_seconds"] for _, r in reports]
+    assert times == sorted(times) and times[0] > 0
+    for epoch, r in reports:
+        assert r["epochs"] == epoch and r["params_apart"] == []
+        assert r["params_agreed"] <= final["params_agreed"]
+        assert r["state_loads"] <= final["state_loads"]
+    assert reports[-1][1]["params_agreed"] >= final["params_agreed"] - 1
 
 
 @pytest.mark.slow
