@@ -39,9 +39,11 @@ def test_soak_small(group: int) -> None:
         max_group_size=group,
     )
     reports: list[tuple[int, dict]] = []
-    logs, events = run_soak(
-        plan, lambda epoch, logs, events: reports.append((epoch, partial_figures(plan, logs, events)))
-    )
+
+    def report(epoch: int, logs: list, events: dict) -> None:
+        reports.append((epoch, partial_figures(plan, logs, events)))
+
+    logs, events = run_soak(plan, report)
     final = check_soak(plan, logs, events)
     assert [e for e, _ in reports] == list(range(1, plan.epochs + 1))
     times = [r["virtual_seconds"] for _, r in reports]
