@@ -29,6 +29,18 @@ _F16_MAX = float(np.finfo(np.float16).max)
 _BF16_MAX = float(ml_dtypes.finfo(ml_dtypes.bfloat16).max)
 
 
+def _largest_int8_scale() -> np.float32:
+    """The largest float32 block scale that 127 times stays finite (max / 127 rounds up)."""
+    scale = np.float32(np.finfo(np.float32).max) / np.float32(127.0)
+    with np.errstate(over="ignore"):
+        while not np.isfinite(scale * np.float32(127.0)):
+            scale = np.nextafter(scale, np.float32(0.0))
+    return scale
+
+
+_INT8_MAX_SCALE = _largest_int8_scale()
+
+
 class Codec(Protocol):
     """What the all-reduce needs from a codec."""
 
@@ -191,6 +203,7 @@ class BlockwiseInt8Compression:
         padded[:n] = x
         blocks = padded.reshape(nb, self.block)
         scales = (np.abs(blocks).max(axis=1) / np.float32(127.0)).astype(np.float32)
+        scales = np.minimum(scales, _INT8_MAX_SCALE)  # a block of float32 max decodes finite
         safe = np.where(scales > 0, scales, np.float32(1.0))
         q = np.clip(np.rint(blocks / safe[:, None]), -127, 127).astype(np.int8)
         return scales.astype("<f4").tobytes() + q.reshape(-1)[:n].tobytes()
@@ -201,6 +214,8 @@ class BlockwiseInt8Compression:
         scales = np.frombuffer(data, dtype="<f4", count=nb).astype(np.float32)
         if not np.all(np.isfinite(scales)) or np.any(scales < 0):
             raise CodecError("int8: non-finite or negative block scale")
+        if np.any(scales > _INT8_MAX_SCALE):
+            raise CodecError("int8: a block scale that decodes beyond float32 range")
         q = np.frombuffer(data, dtype=np.int8, count=n, offset=4 * nb)
         if np.any(q == -128):
             raise CodecError("int8: value -128 is outside the codec's range")

@@ -71,6 +71,17 @@ def test_int8_rejects_bad_scales_and_unknown_codec():
         get_codec("zip")
 
 
+def test_int8_rejects_a_scale_that_would_decode_to_inf():
+    """Found by bench.fuzz: a finite scale whose block times 127 overflows float32."""
+    codec = get_codec("int8")
+    big = np.full(10, np.finfo(np.float32).max, np.float32)
+    assert np.all(np.isfinite(codec.decode(codec.encode(big), 10)))  # the encoder's largest
+    data = bytearray(codec.encode(np.ones(10, np.float32)))
+    data[0:4] = np.array([np.finfo(np.float32).max / 2], "<f4").tobytes()
+    with pytest.raises(CodecError, match="float32 range"):
+        codec.decode(bytes(data), 10)
+
+
 def test_int8_bound_holds_for_subnormal_blocks():
     """Found by hypothesis: a block whose scale is a subnormal float32 (x = 6.449e-42)."""
     codec = get_codec("int8")
