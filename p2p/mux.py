@@ -144,6 +144,10 @@ class Mux:
                 nursery.cancel_scope.cancel()
         finally:
             self._teardown(self._closed_reason or "connection closed")
+            # no stream is served any more: drop the handler (it often holds the connection
+            # that holds this mux, a cycle only the cyclic collector would free) and the nursery
+            self._handle_stream = _refuse_stream
+            self._nursery = None
             with trio.CancelScope(shield=True):
                 await trio.aclose_forcefully(self.channel)  # type: ignore[arg-type]
 
@@ -548,6 +552,10 @@ class Mux:
         self._window_updates.clear()
         self._control_lot.unpark_all()
         self.closed.set()
+
+
+async def _refuse_stream(stream: MuxStream) -> None:
+    raise ConnectionClosed("the connection is closed")
 
 
 _CHANNEL_ERRORS = (
