@@ -3,6 +3,9 @@ over an in-memory frame channel (no encryption, virtual time)."""
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 import trio
 import trio.testing
@@ -159,3 +162,41 @@ def test_goaway_names_the_streams_the_peer_never_processed() -> None:
                 await second.receive_some()
 
     run_virtual(main)
+
+
+def test_a_closed_mux_lets_go_of_the_owner_its_handler_belongs_to() -> None:
+    """A node's handler is often a method of the object that holds the mux: once the
+    connection has ended, dropping that object frees it by reference counting alone (a cycle
+    through the handler would wait for the cyclic collector, and a busy node's memory grew)."""
+
+    class Owner:
+        def __init__(self, channel: MemoryFrameChannel) -> None:
+            self.mux = Mux(channel, initiator=False, handle_stream=self.handle, label="owner")
+
+        async def handle(self, stream: MuxStream) -> None:
+            await echo(stream)
+
+    async def main() -> weakref.ref:
+        ca, cb = frame_channel_pair()
+        client = Mux(ca, initiator=True, handle_stream=_no_streams, label="client")
+        owner = Owner(cb)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(client.run)
+            await nursery.start(owner.mux.run)
+            stream = await client.open_stream()
+            await stream.send_all(b"ping")
+            assert await stream.receive_some() == b"ping"
+            await client.aclose("done")
+        assert owner.mux.is_closed
+        with pytest.raises(ConnectionClosed):  # no stream is served after the end
+            await owner.mux._handle_stream(stream)
+        ref = weakref.ref(owner)
+        del owner
+        return ref
+
+    gc.disable()
+    try:
+        ref = trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+        assert ref() is None
+    finally:
+        gc.enable()
