@@ -65,7 +65,9 @@ def test_soak_200_peers() -> None:
     620889b, seed 1 at 7df79e2 and seed 2 at c3419ec (versions differ only while the
     partition lasts; 0 divergences, 0 NaN). Seed 2 failed before 0124875 after epoch 17: a
     slow peer that heard from no holder for 30 s let its progress table lapse, took itself
-    for the only peer left and kept its own parameters."""
+    for the only peer left and kept its own parameters. The 200-epoch plan (``python -m
+    bench.soak``, seed 0) passed its check at 09ce8a4: 12,437 s of wall time, 3,189 virtual
+    s, 0 divergences, parameters apart only inside the partition's window (66-104)."""
     plan = plan_for(200, 20, group=16, size=1000, seed=0)
     logs, events = run_soak(plan)
     check_soak(plan, logs, events)
