@@ -1,7 +1,8 @@
 """dedloc-jax: collaborative training over the Internet (DeDLOC) for JAX.
 
 The public API: join a run with :class:`Collaboration`, wrap your optax optimizer with
-:func:`collaborative`, load the run's state with :func:`sync_state` when you join.
+:func:`collaborative`, and call :func:`keep_in_step` after every train step (it loads the run's
+state when you join, serves yours after each step, and catches up when you fall out of step).
 """
 
 from dedloc_jax.averaging import (
@@ -21,6 +22,7 @@ from dedloc_jax.collaboration import CollaborationCore, open_collaboration
 from dedloc_jax.collaborative import CollaborativeState, collaborative
 from dedloc_jax.config import CollaborationConfig
 from dedloc_jax.host import AveragingOutcome, CollaborationHost
+from dedloc_jax.keeping import KeepConfig, StepKeeper, keep_in_step
 from dedloc_jax.progress import CollaborationEstimate, PeerProgress
 from dedloc_jax.state_sync import StaleStateError, StateSyncError
 from dedloc_jax.threaded import Collaboration
@@ -40,15 +42,18 @@ __all__ = [
     "CollaborationHost",
     "CollaborativeState",
     "GroupSpec",
+    "KeepConfig",
     "Member",
     "PeerProgress",
     "ShareLostError",
+    "StepKeeper",
     "StaleStateError",
     "StateSyncError",
     "all_reduce",
     "collaboration_epoch",
     "collaborative",
     "install",
+    "keep_in_step",
     "open_collaboration",
     "share_state",
     "solve_shares",

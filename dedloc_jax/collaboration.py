@@ -59,14 +59,24 @@ class ProgressSnapshot:
     Collaboration takes snapshots, never a simulated peer."""
     max_extrapolation: float
     others_waiting: bool = False  # see CollaborationEstimate.ready
+    target: float = math.inf  # samples per step (inf: not known yet)
+    fresh: bool = True  # the table was read after this peer's first report
+    behind: bool = False  # the collaboration is at a newer epoch than this peer
+    others_train: bool = False  # the table names another peer that computes gradients
+    newest_served: int | None = None  # the newest epoch another peer serves a state of
 
-    def ready(self, epoch: int, samples: int, target: int) -> bool:
+    def ready(self, epoch: int, samples: int) -> bool:
+        return self.fresh and self.reached(epoch, samples)
+
+    def reached(self, epoch: int, samples: int) -> bool:
+        """Whether the target is reached, fresh table or not."""
         if self.epoch > epoch:
             return False
         if self.others_waiting and epoch == self.epoch:
             return True
         elapsed = min(max(0.0, time.monotonic() - self.at), self.max_extrapolation)
-        return samples + self.others_samples + elapsed * self.others_samples_per_second >= target
+        others = self.others_samples + elapsed * self.others_samples_per_second
+        return samples + others >= self.target
 
 
 def _only_averaging(group: BaseExceptionGroup) -> BaseExceptionGroup:
@@ -119,7 +129,28 @@ class CollaborationCore:
         est = self.tracker.current_estimate()
         if est.epoch > epoch:
             return False  # behind: never contribute gradients of an old epoch
-        return est.ready
+        # Not before a table read that began after our first report: peers that opened with
+        # us may be missing from the one read at opening, and we would step without them.
+        return est.ready and self.tracker.table_fresh
+
+    async def read_fresh_table(self) -> None:
+        """Wait, within the DHT request timeout, for a progress read that began after our
+        first report: before it, a peer that reached the target by its own count cannot tell
+        whether it is alone."""
+        if not await self.tracker.read_fresh_table(self.config.rpc_timeout):
+            log.info(
+                "no progress read within %.0f s: deciding on the table at hand",
+                self.config.rpc_timeout,
+            )
+
+    def use_target(self, target: int) -> None:
+        """Train toward ``target`` samples per step (what ``collaborative`` was given)."""
+        self.tracker.use_target(target)
+
+    @property
+    def target(self) -> int | None:
+        """Samples per step: this peer's, or the run's when it sets none (an aux peer)."""
+        return self.tracker.target
 
     @property
     def estimate(self) -> CollaborationEstimate:
@@ -128,19 +159,21 @@ class CollaborationCore:
     def snapshot(self) -> ProgressSnapshot:
         """What the other peers hold now, for deciding outside the trio thread."""
         me = self.tracker.peer_id
-        others = [r for pid, r in self.tracker.contenders().items() if pid != me]
+        others = [r for pid, r in self.tracker.projected().items() if pid != me]
         cap = self.config.max_refresh * 2 if self.config.extrapolate else 0.0
+        target = self.target
+        target = math.inf if target is None else target
         est = estimate_collaboration(
             [*others, self.tracker.own_progress()],
             now=self.dht.now(),
-            target_batch_size=self.config.target_batch_size,
+            target_batch_size=target,
             max_extrapolation=cap,
             me=me,
         )
         rest = estimate_collaboration(
             [r for r in others if r.epoch == est.epoch],
             now=self.dht.now(),
-            target_batch_size=self.config.target_batch_size,
+            target_batch_size=target,
             max_extrapolation=cap,
         )
         return ProgressSnapshot(
@@ -150,6 +183,11 @@ class CollaborationCore:
             time.monotonic(),
             cap,
             est.others_waiting,
+            target,
+            self.tracker.table_fresh,
+            est.epoch > self.tracker.epoch,
+            any(r.mode != "aux" for r in others),
+            max((state[1] for state in self.tracker.states()), default=None),
         )
 
     @property
@@ -164,6 +202,15 @@ class CollaborationCore:
             r.epoch > epoch and r.mode != "aux" and pid not in members
             for pid, r in self.tracker.contenders().items()
         )
+
+    def _target_or_zero(self) -> float:
+        """The target for matchmaking's "registered samples fall short" rule (0: unknown)."""
+        return float(self.target or 0)
+
+    def others_train(self) -> bool:
+        """Whether the progress table names another peer that computes gradients."""
+        me = self.tracker.peer_id
+        return any(pid != me and r.mode != "aux" for pid, r in self.tracker.records.items())
 
     def _moved_on(self, peer: str, epoch: int) -> bool:
         record = self.tracker.records.get(peer)
@@ -188,10 +235,11 @@ class CollaborationCore:
         started = trio.current_time()
         # Registration closes as soon as every peer the tracker sees at this epoch is in.
         spec = await self.matchmaker.form_group(
-            epoch, me, target=self.config.target_batch_size, expected=self._peers_at(epoch)
+            epoch, me, target=self._target_or_zero(), expected=self._peers_at(epoch)
         )
         group_size = 1
         complete = False
+        reason = "no group formed in time (nobody else registered for this epoch)"
         result = [np.asarray(a) for a in arrays]
         if spec is not None:
             try:
@@ -211,28 +259,44 @@ class CollaborationCore:
                 complete = True
                 self._mates = (epoch + 1, frozenset(m.peer_id for m in spec.members))
             except (AllReduceError, GroupError) as e:
-                log.warning("averaging at epoch %d failed: %s", epoch, e)
+                reason = f"the all-reduce failed: {e}"
             except BaseExceptionGroup as group:
-                log.warning("averaging at epoch %d failed: %s", epoch, _only_averaging(group))
+                reason = f"the all-reduce failed: {_only_averaging(group)}"
             else:
                 if self.matchmaker.needs_cross(epoch):
                     result, _, complete = await self._across(
                         epoch, spec, result, averaged_weight(spec, averaged)
                     )
+                    reason = "the round across groups missed some of them"
                 elif self._stepped_without(spec, epoch):
-                    # Our leader saw one group, yet peers outside it already moved past this
-                    # epoch: they averaged apart (we came late, e.g. after loading the state),
-                    # so ours is not the epoch's mean. Seen at 200 peers: a late pair averaged
-                    # alone, "complete", and trained the next epoch on its own lineage.
-                    log.info("epoch %d: others stepped without our group", epoch)
+                    # Peers outside our leader's one group already moved past this epoch:
+                    # they averaged apart (we came late), so ours is not the epoch's mean.
                     complete = False
+                    reason = "others stepped without our group"
         elif self.matchmaker.needs_cross(epoch):  # alone among several groups: a group of one
             result, group_size, complete = await self._across(epoch, None, result, float(samples))
+            reason = "alone in our group, and the round across groups failed"
+        if complete and group_size > 1:
+            reason = ""
+        elif complete:
+            reason = "averaged with no other peer"
+        if reason:
+            # A run of one peer steps alone by design: that is no news.
+            level = logging.WARNING if self.others_train() else logging.INFO
+            log.log(
+                level,
+                "epoch %d: stepped without the whole collaboration (group of %d): %s",
+                epoch,
+                group_size,
+                reason,
+            )
         self.matchmaker.decline(epoch)  # no-ops if it took part in the round across groups
         self.across.close(epoch)
         if group_size == 1 and self.config.on_no_group == "skip":
             result = [np.zeros_like(np.asarray(a)) for a in arrays]
         self.epoch = epoch + 1
+        if complete and spec is not None:
+            self.tracker.expect_mates(self.epoch, (m.peer_id for m in spec.members))
         # A peer that serves its state serves the new one next (share_state): one record.
         self.tracker.set_epoch(self.epoch, state_follows=self.state_server.latest is not None)
         self.history.append(
@@ -242,6 +306,7 @@ class CollaborationCore:
                 "complete": complete,
                 "seconds": trio.current_time() - started,
                 "collab_samples": est.samples,
+                "reason": reason,
             }
         )
         return AveragingOutcome(result, self.epoch, group_size, complete)
@@ -299,7 +364,7 @@ class CollaborationCore:
         me = member_for(str(self.node.peer_id), self.mode, up, down, weight)
         others = self.matchmaker.representatives(epoch) - {me.peer_id}
         spec = await self.matchmaker.form_group(
-            epoch, me, target=self.config.target_batch_size, expected=others, level=1
+            epoch, me, target=self._target_or_zero(), expected=others, level=1
         )
         if spec is None:
             return None
@@ -388,7 +453,7 @@ class CollaborationCore:
             up, down = self._bandwidth()
             me = member_for(str(self.node.peer_id), "aux", up, down, 0.0)
             spec = await self.matchmaker.form_group(
-                epoch, me, target=self.config.target_batch_size, expected=self._peers_at(epoch)
+                epoch, me, target=self._target_or_zero(), expected=self._peers_at(epoch)
             )
             if spec is not None:
                 try:

@@ -60,22 +60,44 @@ class CollaborativeState(NamedTuple):
     samples: jax.Array  # int32: samples accumulated toward the current epoch
     epoch: jax.Array  # int32: collaboration epoch this peer is in
     group_size: jax.Array  # int32: peers in the last averaging group (0 before the first)
+    # bool: the last step averaged with the whole collaboration (False before the first, and
+    # after a step alone or one whose mean missed part of the run: keep_in_step then loads
+    # the others' state)
+    complete: jax.Array
 
 
 def _is_tracer(x: Any) -> bool:
     return isinstance(x, jax.core.Tracer)
 
 
+CALLBACKS = ("auto", "buffer", "pure")
+
+
+def _buffer_views_work() -> bool:
+    """Whether ``buffer_callback``'s buffers can be read as NumPy views here: on CPU only
+    (a GPU buffer offers ``__cuda_array_interface__``, and TPUs cannot lower it)."""
+    return buffer_callback is not None and jax.default_backend() == "cpu"
+
+
 def _host_call(
-    fn: Callable[..., Sequence[Any]], result_shapes: Sequence[jax.ShapeDtypeStruct], *args: Any
+    fn: Callable[..., Sequence[Any]],
+    result_shapes: Sequence[jax.ShapeDtypeStruct],
+    *args: Any,
+    kind: str = "auto",
 ) -> list[jax.Array]:
     """Call ``fn(*numpy_args) -> results`` on the host from traced code (see module docstring).
 
-    The arguments are NumPy views valid only during the call; the results are written into
-    XLA's output buffers.
+    ``kind``: "buffer" (NumPy views of XLA's buffers: the cheapest, CPU only), "pure"
+    (``jax.pure_callback``: copies, works on every platform) or "auto" (chosen when traced:
+    buffer views on CPU, the pure callback elsewhere). The arguments are valid only during
+    the call; the results are written into XLA's output buffers.
     """
     shapes = tuple(result_shapes)
-    if buffer_callback is None:
+    if kind == "auto":
+        kind = "buffer" if _buffer_views_work() else "pure"
+    if kind == "buffer" and buffer_callback is None:
+        raise RuntimeError("this JAX has no buffer_callback: use callback='pure'")
+    if kind == "pure":
         outs = jax.pure_callback(lambda *a: tuple(fn(*map(np.asarray, a))), shapes, *args)
         return list(outs)
 
@@ -88,6 +110,11 @@ def _host_call(
 
 
 KEEP, STEP, APPLY = 0, 1, 2  # what a micro-step does (the host's answer to every report)
+
+
+def _done(outcome: Any) -> np.int32:
+    """Whether an outcome averaged with the whole collaboration, as the int32 sent back."""
+    return np.int32(bool(getattr(outcome, "complete", True)) and outcome.group_size > 1)
 
 
 def _check_outcome(gradients: Sequence[Any], want: Sequence[Any]) -> list[np.ndarray]:
@@ -110,6 +137,7 @@ def collaborative(
     target_batch_size: int,
     accumulator_dtype: Any = jnp.float32,
     overlap: bool = False,
+    callback: str = "auto",
 ) -> optax.GradientTransformationExtraArgs:
     """Wrap ``inner`` so that it steps once per collaboration-wide batch.
 
@@ -127,12 +155,21 @@ def collaborative(
         computed with the previous parameters). Needs a host with ``start_averaging`` and
         ``poll_averaging`` (:class:`dedloc_jax.host.OverlappingHost`). One training loop per
         transform: the averaging in flight is remembered on the host side.
+      callback: how jitted code reaches the host: "auto" (NumPy views of XLA's buffers on
+        CPU, ``jax.pure_callback`` on GPU and TPU), or force "buffer" or "pure".
 
     ``update(grads, state, params=None, *, batch_size)``: ``grads`` are the mean gradients of a
     micro-batch of ``batch_size`` samples.
     """
     if target_batch_size <= 0:
         raise ValueError(f"target_batch_size must be positive, got {target_batch_size}")
+    if callback not in CALLBACKS:
+        raise ValueError(f"callback must be one of {CALLBACKS}, got {callback!r}")
+    # The collaboration trains toward (and publishes) this target; one configured with
+    # another raises a ValueError naming both.
+    use_target = getattr(collab, "use_target", None)
+    if use_target is not None:
+        use_target(int(target_batch_size))
     if overlap and not all(hasattr(collab, m) for m in ("start_averaging", "poll_averaging")):
         raise TypeError(
             "overlap=True needs a collaboration with start_averaging and poll_averaging "
@@ -149,6 +186,7 @@ def collaborative(
             samples=jnp.zeros((), jnp.int32),
             epoch=jnp.zeros((), jnp.int32),
             group_size=jnp.zeros((), jnp.int32),
+            complete=jnp.zeros((), jnp.bool_),
         )
 
     # --- the host side: plain Python on NumPy, shared by the jitted and the eager paths ---
@@ -172,7 +210,8 @@ def collaborative(
         outcome = collab.average_gradients(int(epoch), arrays, int(samples))
         grads = _check_outcome(outcome.gradients, means)
         # the last value: the samples consumed (all of them), which clears the accumulator
-        return (*grads, np.int32(outcome.epoch), np.int32(outcome.group_size), np.int32(samples))
+        outcome_of = (np.int32(outcome.epoch), np.int32(outcome.group_size), _done(outcome))
+        return (*grads, *outcome_of, np.int32(samples))
 
     def _start(epoch: np.ndarray, samples: np.ndarray, *means: np.ndarray) -> tuple:
         arrays = [np.array(m, copy=True) for m in means]
@@ -187,7 +226,7 @@ def collaborative(
                 raise RuntimeError("no finished averaging to apply")
             in_flight.update(active=False, outcome=None)
             grads = _check_outcome(outcome.gradients, specs)
-            return (*grads, np.int32(outcome.epoch), np.int32(outcome.group_size))
+            return (*grads, np.int32(outcome.epoch), np.int32(outcome.group_size), _done(outcome))
 
         return collect
 
@@ -207,7 +246,7 @@ def collaborative(
         def host(fn: Callable[..., tuple], shapes: Sequence[Any], *args: Any) -> list:
             """``fn`` on the host: a callback when traced, a direct call when eager."""
             if traced:
-                return _host_call(fn, shapes, *args)
+                return _host_call(fn, shapes, *args, kind=callback)
             return [jnp.asarray(r) for r in fn(*(np.asarray(a) for a in args))]
 
         (action,) = host(_decide, [int32], state.epoch, samples, batch)
@@ -225,11 +264,11 @@ def collaborative(
             return [x / jnp.maximum(samples, 1).astype(x.dtype) for x in leaves], treedef
 
         def step_with(grads: optax.Updates, inner_state: optax.OptState, treedef: Any, got: list):
-            *avg_leaves, new_epoch, group_size = got
+            *avg_leaves, new_epoch, group_size, complete = got
             averaged = jax.tree.unflatten(treedef, avg_leaves)
             averaged = jax.tree.map(lambda a, u: a.astype(u.dtype), averaged, grads)
             step_updates, inner_state = inner.update(averaged, inner_state, params, **extra_args)
-            return step_updates, inner_state, new_epoch, group_size
+            return step_updates, inner_state, new_epoch, group_size, complete.astype(jnp.bool_)
 
         def zeros(tree: Any) -> Any:
             return jax.tree.map(jnp.zeros_like, tree)
@@ -244,18 +283,19 @@ def collaborative(
             zero = jax.tree.map(lambda a: jnp.where(taken > 0, jnp.zeros((), a.dtype), a), grad_sum)
             return zero, samples - taken
 
-        # Each branch returns (updates, inner_state, epoch, group_size, grad_sum, samples,
-        # stepped). A branch that does not step returns the gradients it was given in the
+        # Each branch returns (updates, inner_state, epoch, group_size, complete, grad_sum,
+        # samples, stepped). A branch that does not step returns the gradients it was given in the
         # updates slot: they are dead after the branch, so XLA reuses their buffers instead of
         # writing a zero tree, and ``stepped`` masks them below (fused into the caller's
         # ``apply_updates``).
         def keep_accumulating(grads, grad_sum, inner_state) -> tuple:
-            kept = (grads, inner_state, state.epoch, state.group_size)
+            kept = (grads, inner_state, state.epoch, state.group_size, state.complete)
             return (*kept, grad_sum, samples, jnp.bool_(False))
 
         def average_and_step(grads, grad_sum, inner_state) -> tuple:
             means, treedef = means_of(grad_sum)
-            shapes = [*(jax.ShapeDtypeStruct(m.shape, m.dtype) for m in means), int32, int32, int32]
+            specs = [jax.ShapeDtypeStruct(m.shape, m.dtype) for m in means]
+            shapes = [*specs, int32, int32, int32, int32]
             *got, taken = host(_average, shapes, state.epoch, samples, *means)
             out = step_with(grads, inner_state, treedef, got)
             return (*out, *consumed(grad_sum, taken), jnp.bool_(True))
@@ -263,13 +303,13 @@ def collaborative(
         def start_averaging(grads, grad_sum, inner_state) -> tuple:
             means, _ = means_of(grad_sum)
             (taken,) = host(_start, [int32], state.epoch, samples, *means)
-            kept = (grads, inner_state, state.epoch, state.group_size)
+            kept = (grads, inner_state, state.epoch, state.group_size, state.complete)
             return (*kept, *consumed(grad_sum, taken), jnp.bool_(False))
 
         def apply_averaged(grads, grad_sum, inner_state) -> tuple:
             leaves, treedef = jax.tree.flatten(grad_sum)
             specs = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in leaves]
-            got = host(_collect(specs), [*specs, int32, int32], state.epoch)
+            got = host(_collect(specs), [*specs, int32, int32, int32], state.epoch)
             out = step_with(grads, inner_state, treedef, got)
             return (*out, grad_sum, samples, jnp.bool_(True))
 
@@ -282,7 +322,7 @@ def collaborative(
             out = jax.lax.switch(action, branches, *operands)
         else:  # eager: Python control flow, and no work for the branch not taken
             out = branches[int(action)](*operands)
-        step_updates, inner_state, epoch, group_size, grad_sum, samples, stepped = out
+        step_updates, inner_state, epoch, group_size, complete, grad_sum, samples, stepped = out
         if traced:
             step_updates = jax.tree.map(
                 lambda u: jnp.where(stepped, u, jnp.zeros((), u.dtype)), step_updates
@@ -295,6 +335,7 @@ def collaborative(
             samples=jnp.asarray(samples),
             epoch=jnp.asarray(epoch),
             group_size=jnp.asarray(group_size),
+            complete=jnp.asarray(complete, jnp.bool_),
         )
 
     return optax.GradientTransformationExtraArgs(init, update)

@@ -15,7 +15,10 @@ class CollaborationConfig:
     measured bandwidths predict (see :mod:`dedloc_jax.timing`); setting them fixes them.
     """
 
-    target_batch_size: int = 4096
+    # Samples per step. None (the default): the target given to ``collaborative(...,
+    # target_batch_size=N)``; a peer that trains nothing (aux) follows the run's published one.
+    # Set here, it must agree with the transform's (a ValueError names both otherwise).
+    target_batch_size: int | None = None
     max_group_size: int = 64  # Moshpit-style cap; groups are reshuffled every epoch
     matchmaking_time: float | None = None  # seconds a leader waits for joins
     averaging_timeout: float | None = None  # seconds an all-reduce round may take
@@ -42,7 +45,7 @@ class CollaborationConfig:
     robust_tau: float | None = None
 
     def __post_init__(self) -> None:
-        if self.target_batch_size <= 0:
+        if self.target_batch_size is not None and self.target_batch_size <= 0:
             raise ValueError("target_batch_size must be positive")
         if self.max_group_size < 1:
             raise ValueError("max_group_size must be at least 1")
@@ -62,10 +65,10 @@ class CollaborationConfig:
     @classmethod
     def sahajbert(cls) -> CollaborationConfig:
         """The public sahajBERT run: 4096 samples per step, fp16 on the wire."""
-        return cls()
+        return cls(target_batch_size=4096)
 
     @classmethod
-    def local_demo(cls, target_batch_size: int = 64) -> CollaborationConfig:
+    def local_demo(cls, target_batch_size: int | None = 64) -> CollaborationConfig:
         """A few peers on one machine: small batches, quick refreshes, exact averages."""
         return cls(
             target_batch_size=target_batch_size,

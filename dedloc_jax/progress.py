@@ -36,6 +36,9 @@ class PeerProgress:
     # It joins averaging rounds. False for an aux-mode peer that only follows the run (a
     # coordinator): groups must not wait for it to register.
     averages: bool = True
+    # The samples per step it trains toward (None: it does not say, e.g. an aux peer that
+    # follows the run). Peers of one run that disagree are told so (the tracker warns).
+    target: int | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -50,6 +53,12 @@ class PeerProgress:
             raise ValueError("step_interval must be finite and non-negative")
         if self.state is not None:
             check_state(self.state)
+        if self.target is not None and not (
+            isinstance(self.target, int)
+            and not isinstance(self.target, bool)
+            and 0 < self.target <= MAX_TARGET
+        ):
+            raise ValueError(f"target must be an integer in 1..{MAX_TARGET}")
 
     def to_record(self) -> dict[str, Any]:
         """The msgpack-able value stored in the DHT (the peer ID is the subkey)."""
@@ -63,6 +72,7 @@ class PeerProgress:
             "waiting": self.waiting,
             **({} if self.state is None else {"state": _state_record(self.state)}),
             **({} if self.averages else {"averages": False}),
+            **({} if self.target is None else {"target": self.target}),
         }
 
     @classmethod
@@ -95,6 +105,9 @@ class PeerProgress:
             if not (isinstance(state, list) and len(state) == 3 and isinstance(state[2], list)):
                 raise ValueError("state must be [epoch, digest, [lineage digests]]")
             state = (state[0], state[1], tuple(state[2]))
+        target = record.get("target")
+        if target is not None and (not isinstance(target, int) or isinstance(target, bool)):
+            raise ValueError("target must be an integer")
         return cls(
             peer_id,
             epoch,
@@ -106,9 +119,11 @@ class PeerProgress:
             waiting,
             state,
             averages,
+            target,
         )
 
 
+MAX_TARGET = 1 << 30  # samples per step a record may name
 MAX_LINEAGE = 4  # ancestors a state names (dedloc_jax.lineage.LINEAGE)
 MAX_DIGEST = 64
 

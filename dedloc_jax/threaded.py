@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import trio
@@ -18,7 +18,8 @@ import trio
 from dedloc_jax.collaboration import CollaborationCore, ProgressSnapshot, open_collaboration
 from dedloc_jax.config import CollaborationConfig
 from dedloc_jax.host import AveragingOutcome, BackgroundAveraging
-from dedloc_jax.progress import CollaborationEstimate
+from dedloc_jax.keeping import StepKeeper
+from dedloc_jax.progress import CollaborationEstimate, PeerProgress
 from dedloc_jax.state_sync import StateSyncError
 from p2p.bridge import TrioThread
 from p2p.dht import DHTConfig
@@ -28,6 +29,15 @@ from p2p.node import NodeConfig, announce_addrs, open_node
 from p2p.transport import Transport
 
 log = logging.getLogger(__name__)
+
+
+class StepView(NamedTuple):
+    """The host-side figures keep_in_step reads after every micro-step."""
+
+    epoch: int  # the epoch the transform last reported (or stepped to)
+    behind: bool
+    others_train: bool
+    newest_served: int | None  # the newest epoch another peer serves a state of
 
 
 class Collaboration:
@@ -73,13 +83,17 @@ class Collaboration:
         self._snapshot: ProgressSnapshot | None = None
         self._background: BackgroundAveraging | None = None  # collaborative(overlap=True)
         self._stop: trio.Event | None = None
+        self._target: int | None = None  # from collaborative(), applied when started
         self.core: CollaborationCore | None = None
+        self.keeper = StepKeeper()  # keep_in_step's memory for this peer
 
     # --- lifecycle -----------------------------------------------------------------------
     def start(self) -> Collaboration:
         self._thread = TrioThread(name=f"dedloc-{self.run_id}").start()
         try:
             self.core = self._thread.start_service(self._serve)
+            if self._target is not None:
+                self._thread.run_sync(self.core.use_target, self._target)
         except BaseException:
             self._thread.stop()
             raise
@@ -160,16 +174,92 @@ class Collaboration:
 
         return thread.run(call)
 
+    @property
+    def mode(self) -> str:
+        """How this peer takes part: "node", "client" or "aux"."""
+        _, core = self._core()
+        return core.mode
+
+    @property
+    def target(self) -> int | None:
+        """Samples per step this peer trains toward (the run's, for a peer that sets none)."""
+        thread, core = self._core()
+        return thread.run_sync(lambda: core.target)
+
+    def use_target(self, target: int) -> None:
+        """Train toward ``target`` samples per step; ``collaborative`` calls it. ValueError
+        when ``config.target_batch_size`` names another."""
+        configured = self.config.target_batch_size
+        if configured is not None and configured != target:
+            raise ValueError(
+                f"target_batch_size {target} given to collaborative() differs from "
+                f"CollaborationConfig.target_batch_size {configured}: set one of them"
+            )
+        self._target = target
+        if self._thread is not None and self.core is not None:
+            self._thread.run_sync(self.core.use_target, target)
+
+    @property
+    def last_outcome(self) -> dict[str, Any] | None:
+        """The last averaging step: epoch, group_size, complete (with every peer), seconds,
+        reason (why it was not complete; empty when it was). None before the first."""
+        thread, core = self._core()
+        return thread.run_sync(lambda: dict(core.history[-1]) if core.history else None)
+
+    @property
+    def history(self) -> list[dict[str, Any]]:
+        """Every averaging step this peer took, as :attr:`last_outcome` describes one."""
+        thread, core = self._core()
+        return thread.run_sync(lambda: [dict(h) for h in core.history])
+
+    @property
+    def progress(self) -> dict[str, PeerProgress]:
+        """The progress table as last read: peer ID -> its record (ours included)."""
+        thread, core = self._core()
+
+        def table() -> dict[str, PeerProgress]:
+            found = dict(core.tracker.records)
+            found[core.tracker.peer_id] = core.tracker.own_progress()
+            return found
+
+        return thread.run_sync(table)
+
+    @property
+    def links(self) -> dict[str, float | None]:
+        """This peer's link rates as the averaging uses them: ``upload_bps`` and
+        ``download_bps`` in bytes/s (None: not measured yet)."""
+        _, core = self._core()
+        return {"upload_bps": core.meter.upload_bps, "download_bps": core.meter.download_bps}
+
+    def others_train(self) -> bool:
+        """Whether the progress table names another peer that computes gradients."""
+        thread, core = self._core()
+        return thread.run_sync(core.others_train)
+
+    def step_view(self) -> StepView:
+        """What :func:`dedloc_jax.keep_in_step` decides on, from the last progress snapshot
+        (no DHT read; one hop to the trio thread only when no snapshot is at hand)."""
+        thread, core = self._core()
+        snap = self._snapshot
+        if snap is None:
+            snap = thread.run_sync(core.snapshot)
+        return StepView(core.epoch, snap.behind, snap.others_train, snap.newest_served)
+
     # --- CollaborationHost ---------------------------------------------------------------
     def report_progress(self, epoch: int, samples: int, batch_size: int) -> bool:
         """Called on every micro-step: posts the numbers to the trio thread without waiting,
         and decides from the last snapshot of the others' progress plus our exact samples."""
         thread, core = self._core()
         snap = self._snapshot
+        if snap is not None and not snap.fresh and snap.reached(epoch, samples):
+            # Reached the target by our own count before reading who else trains: wait
+            # (bounded) for that read rather than step alone or keep accumulating.
+            thread.run(core.read_fresh_table)
+            snap = None
         if snap is None or snap.epoch != epoch:  # no usable snapshot: one blocking hop
             return thread.run_sync(self._apply_report, core, epoch, samples, batch_size)
         thread.post(self._apply_report, core, epoch, samples, batch_size)
-        return snap.ready(epoch, samples, self.config.target_batch_size)
+        return snap.ready(epoch, samples)
 
     def _apply_report(
         self, core: CollaborationCore, epoch: int, samples: int, batch_size: int

@@ -9,8 +9,11 @@ each read fetches only the records changed since the last one (:mod:`p2p.dht.fol
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
+from collections import Counter
+from collections.abc import Iterable
 
 import trio
 
@@ -51,9 +54,15 @@ class ProgressTracker:
         self.samples = 0
         self.meter = ThroughputMeter(half_life=10.0)
         self.records: dict[str, PeerProgress] = {}
-        self.estimate = estimate_collaboration(
-            [], now=0.0, target_batch_size=config.target_batch_size
-        )
+        # Samples per step: the config's, else the transform's (use_target), else the run's.
+        self._target: int | None = config.target_batch_size
+        self._warned_targets: set[tuple[str, int]] = set()
+        # A peer decides it is alone only on a table read that began after its first report
+        # (see table_fresh): the table read when it opened may predate peers that opened with it.
+        self._first_report_at: float | None = None
+        self._read_started_at = -math.inf  # trio time the last successful read began
+        self._read = trio.Event()  # set by each successful read
+        self.estimate = estimate_collaboration([], now=0.0, target_batch_size=math.inf)
         self._wake = trio.Event()
         self._published_at = -math.inf
         self._published_epoch = -1
@@ -75,11 +84,92 @@ class ProgressTracker:
         # Peers whose served state is on a lineage the fork choice leaves: see contenders().
         self.losers: frozenset[str] = frozenset()
         self._fork_input: tuple = ()
+        # (epoch, peers): who averaged with us into ``epoch``; and the DHT time of our first
+        # report in it (None: none yet), from which their samples are extrapolated
+        self._mates: tuple[int, frozenset[str]] = (-1, frozenset())
+        self._mates_began: float | None = None
+        self._rates: dict[str, float] = {}  # each peer's last non-zero published rate
+
+    # --- the target ------------------------------------------------------------------------
+    def use_target(self, target: int) -> None:
+        """Train toward ``target`` samples per step and publish it; ValueError if this peer
+        was configured with another."""
+        if not isinstance(target, int) or isinstance(target, bool) or target <= 0:
+            raise ValueError(f"target_batch_size must be a positive integer, got {target!r}")
+        if self._target is not None and self._target != target:
+            raise ValueError(
+                f"target_batch_size {target} given to collaborative() differs from "
+                f"CollaborationConfig.target_batch_size {self._target}: set one of them"
+            )
+        if self._target != target:
+            self._target = target
+            self._wake.set()
+
+    @property
+    def target(self) -> int | None:
+        """This peer's target, or (a peer that sets none) the one most trainers publish."""
+        if self._target is not None:
+            return self._target
+        named = Counter(
+            r.target for r in self.records.values() if r.target is not None and r.mode != "aux"
+        )
+        return named.most_common(1)[0][0] if named else None
+
+    def _check_targets(self) -> None:
+        """Warn (once per peer and value) about peers that train toward another target."""
+        if self._target is None:
+            return
+        for pid, r in self.records.items():
+            if r.target is None or r.target == self._target or pid == self.peer_id:
+                continue
+            if (pid, r.target) not in self._warned_targets:
+                self._warned_targets.add((pid, r.target))
+                log.warning(
+                    "peer %s trains toward target_batch_size %d, this peer toward %d: "
+                    "every peer of a run must use the same target",
+                    pid,
+                    r.target,
+                    self._target,
+                )
+
+    @property
+    def table_fresh(self) -> bool:
+        """Whether the progress table was read after this peer's first report (before that,
+        peers that opened at the same time may be missing from it)."""
+        first = self._first_report_at
+        return first is not None and self._read_started_at >= first
+
+    async def read_fresh_table(self, timeout: float) -> bool:
+        """Wait (at most ``timeout`` seconds) for a table read that began after our first
+        report; whether one came."""
+        with trio.move_on_after(timeout):
+            while not self.table_fresh:
+                read = self._read
+                self._wake.set()
+                await read.wait()
+        return self.table_fresh
+
+    def _rates_unknown(self) -> bool:
+        """Whether a peer that trains at our epoch (we included) has no rate yet: the
+        estimate cannot extrapolate it, so the table must be read often."""
+        if self._first_report_at is None:
+            return False
+        own = self.own_progress()
+        peers = [*(r for r in self.contenders().values() if r.peer_id != self.peer_id), own]
+        return any(
+            r.epoch == own.epoch and r.averages and not r.waiting and r.samples_per_second == 0
+            for r in peers
+            if r.mode != "aux"
+        )
 
     # --- called by the collaboration (inside the trio loop) -------------------------------
     def report(self, epoch: int, samples: int, batch_size: int) -> None:
-        """Record local progress; wakes the publisher when the peer moves to a new epoch."""
+        """Record local progress; wakes the publisher when the peer moves to a new epoch
+        (and on its first report, so that it reads the table at once)."""
         now = trio.current_time()
+        if self._first_report_at is None:
+            self._first_report_at = now
+            self._wake.set()
         self.meter.update(batch_size, now)
         if self._last_report is not None:
             dt = now - self._last_report
@@ -96,6 +186,8 @@ class ProgressTracker:
         self._report_time = self.dht.now()
         new_epoch = epoch != self.epoch
         self.epoch, self.samples = epoch, samples
+        if self._mates_began is None and self._mates[0] == epoch:
+            self._mates_began = self._report_time - self._batch / max(self.rate, 1e-9)
         if new_epoch:
             self._wake.set()
 
@@ -155,6 +247,57 @@ class ProgressTracker:
             return self.records
         return {pid: r for pid, r in self.records.items() if pid not in self.losers}
 
+    def expect_mates(self, epoch: int, peers: Iterable[str]) -> None:
+        """``peers`` averaged with us into ``epoch``: until their own record of it is read,
+        count them as having started it when we did (see :meth:`projected`)."""
+        self._mates = (epoch, frozenset(peers) - {self.peer_id})
+        self._mates_began = None
+
+    def projected(self) -> dict[str, PeerProgress]:
+        """The contenders' records as the estimate counts them. Two predictions fill the gap
+        until a read shows the truth (with fast micro-steps an epoch can end before the next
+        read, and each peer would gather the whole target alone):
+
+        - a peer that averaged with us into our epoch, still read at the epoch before, started
+          this one when we did (our first micro-step in it), at its last known rate;
+        - a peer at our epoch that reports samples but no rate yet (it just started) trains at
+          our rate."""
+        records = dict(self.contenders())
+        into, mates = self._mates
+        began = self._mates_began
+        for pid in mates if began is not None else ():
+            r = records.get(pid)
+            if r is not None and r.epoch == into - 1:
+                # (its last record is the frozen one it published while averaging: rate zero;
+                # one that never published a rate trains at ours, as below)
+                rate = r.samples_per_second or self._rates.get(pid, 0.0) or self.rate
+                records[pid] = dataclasses.replace(
+                    r, epoch=into, samples=0, samples_per_second=rate, time=began, waiting=False
+                )
+        rate = 0.0 if self._frozen else self.rate
+        if rate > 0:
+            for pid, r in records.items():
+                if (
+                    pid != self.peer_id
+                    and r.epoch == self.epoch
+                    and r.samples > 0
+                    and r.samples_per_second == 0
+                    and not r.waiting
+                    and r.mode != "aux"
+                ):
+                    records[pid] = dataclasses.replace(r, samples_per_second=rate)
+        return records
+
+    @property
+    def rate(self) -> float:
+        """Our samples per second: the smoothed meter, or, before it has a span long enough to
+        measure (an epoch of millisecond micro-steps may be shorter), the last micro-batch
+        over the smoothed time between micro-steps."""
+        rate = self.meter.samples_per_second
+        if rate == 0 and self.step_interval > 0:
+            rate = self._batch / self.step_interval
+        return rate
+
     def _find_losers(self) -> None:
         """Recount :attr:`losers` when the served states changed (most reads change none)."""
         states = self.states()
@@ -179,13 +322,14 @@ class ProgressTracker:
             self.peer_id,
             self.epoch,
             self.samples,
-            0.0 if self._frozen else self.meter.samples_per_second,
+            0.0 if self._frozen else self.rate,
             self._report_time,
             self.mode,
             self.step_interval,
             waiting=self._frozen,
             state=self.served,
             averages=self.averages,
+            target=self._target,
         )
 
     def published_error(self) -> float:
@@ -204,12 +348,13 @@ class ProgressTracker:
 
     def current_estimate(self) -> CollaborationEstimate:
         """The estimate extrapolated to now, with this peer's own progress exact."""
-        records = dict(self.contenders())
+        records = self.projected()
         records[self.peer_id] = self.own_progress()
+        target = self.target
         return estimate_collaboration(
             records.values(),
             now=self.dht.now(),
-            target_batch_size=self.config.target_batch_size,
+            target_batch_size=math.inf if target is None else target,
             max_extrapolation=self.max_extrapolation,
             me=self.peer_id,
         )
@@ -256,6 +401,13 @@ class ProgressTracker:
                     records[progress.peer_id] = progress
         self._parsed = parsed
         self.records = records
+        self._rates = {
+            pid: r.samples_per_second or self._rates.get(pid, 0.0) for pid, r in records.items()
+        }
+        self._read_started_at = started
+        self._read.set()  # wakes those waiting for this read
+        self._read = trio.Event()
+        self._check_targets()
         self._find_losers()
         self.estimate = self.current_estimate()
         return self.estimate
@@ -272,6 +424,8 @@ class ProgressTracker:
                 # Averaging: our record is final (rate zero) and set_epoch wakes us when the
                 # round ends, so a slow pace saves the DHT from every peer polling at once.
                 delay = self.config.max_refresh
+            elif self._rates_unknown():
+                delay = self.config.min_refresh  # nothing to extrapolate from: read often
             else:
                 delay = refresh_delay(
                     self.current_estimate(),
@@ -305,11 +459,13 @@ class ProgressTracker:
             return True
         if self._published.state != self.served or self._published.averages != self.averages:
             return True
+        if self._published.target != self._target:
+            return True
         if trio.current_time() - self._published_at > self.config.progress_ttl / 3:
             return True
         if self._frozen:
             return False  # freeze() published our final record
-        rate = self.meter.samples_per_second
+        rate = self.rate
         if self._published.samples_per_second == 0 and rate > 0:
             return True
         ahead = rate * min(self.estimate.eta, self.config.progress_ttl)

@@ -31,6 +31,12 @@ def _is_collab_state(x: Any) -> bool:
     return isinstance(x, CollaborativeState)
 
 
+def collaboration_state(opt_state: Any) -> CollaborativeState | None:
+    """The :class:`CollaborativeState` inside ``opt_state`` (the newest, if several)."""
+    found = [s for s in jax.tree.leaves(opt_state, is_leaf=_is_collab_state) if _is_collab_state(s)]
+    return max(found, key=lambda s: int(s.epoch)) if found else None
+
+
 def collaboration_epoch(opt_state: Any) -> int | None:
     """The epoch held by the :class:`CollaborativeState` inside ``opt_state``, if any."""
     found = [
@@ -54,7 +60,13 @@ def _reset_accumulators(opt_state: Any) -> Any:
 
 
 def share_state(collab: _StateHost, params: Any, opt_state: Any) -> None:
-    """Serve ``(params, opt_state)`` to newcomers (copied to host memory once per call)."""
+    """Serve ``(params, opt_state)`` to newcomers (copied to host memory once per call).
+
+    The gradient accumulator is this peer's own work toward the next step, not the
+    collaboration's state: it is served empty, so peers that hold the same state serve the
+    same digest (and matchmaking, which averages only peers stepping from one state, pairs them).
+    """
+    opt_state = _reset_accumulators(opt_state)
     leaves = [np.asarray(x) for x in jax.device_get(jax.tree.leaves((params, opt_state)))]
     epoch = collaboration_epoch(opt_state) or 0
     collab.share_state(leaves, epoch)

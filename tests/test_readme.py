@@ -1,90 +1,155 @@
-"""The README's "own JAX code" example runs as written: two peers on loopback train with it.
+"""The README's "own JAX code" example runs as written, in separate peer processes.
 
-Users copy that block first; a name it forgets to import or an API it calls wrongly is the
-first thing they meet. The test takes the block from README.md, changes only the placeholder
-address (to a live peer's) and the target batch (4096 to 32), supplies the three names the
-README leaves to the user (``params``, ``loss_fn``, ``batches``) and runs it in two threads.
+Users copy that block first. Each peer is a process of its own (``tests.readme_peer``: the block
+with only the placeholder address and the target replaced) on loopback, bootstrapped through an
+aux-mode collaboration that trains nothing. The peers must take one step per ``target`` samples
+fed, end bit-identical, and equal a single process that trains on the union of the samples the
+peers fed before each step; a peer that joins late, or is killed and restarted, catches up by
+itself and then contributes.
 """
 
 from __future__ import annotations
 
-import re
-import threading
+import json
+import os
+import signal
+import subprocess
+import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
+import pytest
 
 import dedloc_jax
+from tests.readme_peer import loss_fn
 
-README = Path(__file__).resolve().parent.parent / "README.md"
-PLACEHOLDER = '["/ip4/1.2.3.4/tcp/31337/p2p/..."]'
-EPOCHS = 3
-TRUE_W = np.arange(1, 6, dtype=np.float32)
-
-
-def _example() -> str:
-    text = README.read_text()
-    found = re.search(
-        r"## Train with a collaboration from your own JAX code\n\n```python\n(.*?)```", text, re.S
-    )
-    assert found, "README.md lost its 'own JAX code' example"
-    code = found.group(1)
-    assert PLACEHOLDER in code and "target_batch_size=4096" in code
-    return code
+ROOT = Path(__file__).resolve().parent.parent
+TARGET = 64
 
 
-def _loss_fn(params: dict, batch: dict) -> jnp.ndarray:
-    return jnp.mean((batch["x"] @ params["w"] - batch["y"]) ** 2)
+def _start(
+    out: Path, addrs: list[str], epochs: int, seed: int, env: dict | None = None
+) -> subprocess.Popen:
+    out.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "tests.readme_peer", str(out), json.dumps(addrs)]
+    cmd += [str(TARGET), str(epochs), str(seed)]
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", **(env or {})}
+    log = (out / "log.txt").open("ab")
+    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
 
 
-def _run_peer(code: str, seed: int, out: dict[int, Any]) -> None:
-    namespace: dict[str, Any] = {}
-    rng = np.random.default_rng(seed)
-
-    def batches():
-        """Micro-batches of 8 until this peer's collaboration has made EPOCHS steps."""
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            state = namespace.get("opt_state")
-            if state is not None and dedloc_jax.collaboration_epoch(state) >= EPOCHS:
-                return
-            x = rng.normal(size=(8, TRUE_W.size)).astype(np.float32)
-            yield {"x": x, "y": x @ TRUE_W}
-
-    namespace.update(
-        params={"w": jnp.zeros(TRUE_W.size, jnp.float32)}, loss_fn=_loss_fn, batches=batches()
-    )
+def _wait(proc: subprocess.Popen, out: Path, timeout: float = 240) -> None:
     try:
-        exec(compile(code, str(README), "exec"), namespace)
-    except BaseException as e:  # re-raised in the test's thread
-        out[seed] = e
-        return
-    out[seed] = (namespace["params"], namespace["opt_state"])
+        rc = proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        rc = "timeout"
+    if rc != 0:
+        tail = (out / "log.txt").read_text()[-4000:]
+        raise AssertionError(f"peer in {out} ended with {rc}:\n{tail}")
 
 
-def test_readme_example_trains_two_peers_in_step() -> None:
-    first = dedloc_jax.Collaboration("my-run")
-    first.start()
+def _fed(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "fed.jsonl").read_text().splitlines()]
+
+
+def _final(out: Path) -> tuple[np.ndarray, int]:
+    with np.load(out / "final.npz") as f:
+        return f["w"], int(f["epoch"])
+
+
+def _history(out: Path) -> list[dict]:
+    return json.loads((out / "history.json").read_text())
+
+
+def _single_process(fed: list[dict], epochs: int) -> np.ndarray:
+    """The README's optimizer in one process, stepping on the union of the micro-batches the
+    peers fed at each epoch (each clipped as its micro-step clipped it, weighted by size)."""
+    clip = optax.clip_by_global_norm(1.0)
+    inner = optax.lamb(1e-3)
+    params = {"w": jnp.zeros(5, jnp.float32)}
+    state = inner.init(params)
+    grad = jax.jit(jax.grad(loss_fn))
+    for epoch in range(epochs):
+        parts = []
+        for b in (b for b in fed if b["epoch"] == epoch):
+            batch = {"x": jnp.asarray(b["x"], jnp.float32), "y": jnp.asarray(b["y"], jnp.float32)}
+            g, _ = clip.update(grad(params, batch), clip.init(params))
+            parts.append((g["w"], len(b["x"])))
+        count = sum(n for _, n in parts)
+        mean = {"w": sum(g * n for g, n in parts) / count}
+        updates, state = inner.update(mean, state, params)
+        params = optax.apply_updates(params, updates)
+    return np.asarray(params["w"])
+
+
+@pytest.fixture
+def bootstrap():
+    """The run's first address: a collaboration that follows it and trains nothing."""
+    collab = dedloc_jax.Collaboration("my-run", config=dedloc_jax.CollaborationConfig(mode="aux"))
+    collab.start()
     try:
-        code = _example().replace(PLACEHOLDER, repr([str(a) for a in first.addrs]))
-        code = code.replace("target_batch_size=4096", "target_batch_size=32")
-        out: dict[int, Any] = {}
-        threads = [threading.Thread(target=_run_peer, args=(code, s, out)) for s in (0, 1)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(180)
+        yield [str(a) for a in collab.addrs]
     finally:
-        first.close()
-    for result in out.values():
-        if isinstance(result, BaseException):
-            raise result
-    assert sorted(out) == [0, 1], "a peer did not finish"
-    (p0, s0), (p1, s1) = out[0], out[1]
-    assert dedloc_jax.collaboration_epoch(s0) == dedloc_jax.collaboration_epoch(s1) == EPOCHS
-    # Everyone applied the same averaged steps, and they moved the weights toward TRUE_W.
-    np.testing.assert_array_equal(np.asarray(p0["w"]), np.asarray(p1["w"]))
-    assert np.all(np.sign(np.asarray(p0["w"])) == 1.0)
+        collab.close()
+
+
+def test_readme_example_two_processes_step_together(tmp_path: Path, bootstrap: list) -> None:
+    epochs = 4
+    outs = [tmp_path / f"peer{i}" for i in range(2)]
+    procs = [_start(out, bootstrap, epochs, seed=i) for i, out in enumerate(outs)]
+    for proc, out in zip(procs, outs, strict=True):
+        _wait(proc, out)
+    (w0, e0), (w1, e1) = _final(outs[0]), _final(outs[1])
+    assert e0 == e1 == epochs
+    np.testing.assert_array_equal(w0, w1)  # bit-identical
+    fed = _fed(outs[0]) + _fed(outs[1])
+    samples = sum(len(b["x"]) for b in fed)
+    # One step per TARGET samples fed (each peer may add one micro-batch past the target).
+    assert abs(samples / TARGET - epochs) <= 1, samples
+    for out in outs:  # every step averaged with the other peer
+        assert [(h["group_size"], h["complete"]) for h in _history(out)] == [(2, True)] * epochs
+    np.testing.assert_allclose(w0, _single_process(fed, epochs), rtol=0, atol=1e-6)
+
+
+def _wait_for(out: Path, until: Callable[[list[dict]], bool], what: str) -> None:
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        fed = _fed(out) if (out / "fed.jsonl").exists() else []
+        if fed and until(fed):
+            return
+        time.sleep(0.1)
+    pytest.fail(what)
+
+
+def test_a_late_joiner_and_a_restarted_peer_catch_up(tmp_path: Path, bootstrap: list) -> None:
+    """A third peer starts after epoch 3; then another is SIGKILLed and restarted: each
+    loads the run's state at its first keep_in_step, averages with the others afterwards, and
+    all end bit-identical."""
+    epochs = 40
+    a, b, c = (tmp_path / n for n in ("a", "b", "c"))
+    pace = {"README_PEER_PACE": "0.02"}  # so that the run outlasts the newcomers' start-up
+    pa, pb = (_start(out, bootstrap, epochs, seed=i, env=pace) for i, out in enumerate((a, b)))
+    _wait_for(a, lambda fed: fed[-1]["epoch"] >= 3, "the first two peers did not reach epoch 3")
+    pc = _start(c, bootstrap, epochs, seed=2, env=pace)
+    _wait_for(c, lambda fed: fed[-1]["epoch"] > 3, "the newcomer did not load the run's state")
+    pb.send_signal(signal.SIGKILL)
+    pb.wait()
+    killed_at = _fed(b)[-1]["epoch"]
+    pb = _start(b, bootstrap, epochs, seed=3, env=pace)
+    for proc, out in ((pa, a), (pb, b), (pc, c)):
+        _wait(proc, out)
+    finals = [_final(out) for out in (a, b, c)]
+    assert {e for _, e in finals} == {epochs}
+    for w, _ in finals[1:]:
+        np.testing.assert_array_equal(w, finals[0][0])
+    # Each newcomer went on from the run's epoch (not from 0) and then averaged with others.
+    restarted = _fed(b)[len([f for f in _fed(b) if f["epoch"] <= killed_at]) :]
+    assert restarted and min(f["epoch"] for f in restarted) >= killed_at
+    for out in (b, c):
+        assert any(h["group_size"] >= 2 and h["complete"] for h in _history(out)), out

@@ -421,11 +421,14 @@ def test_a_progress_snapshot_is_ready_when_every_other_peer_waits_for_us() -> No
 
     from dedloc_jax.collaboration import ProgressSnapshot
 
-    snap = ProgressSnapshot(3, 600.0, 0.0, time.monotonic(), 2.0, others_waiting=True)
-    assert snap.ready(3, 40, 1000)  # 640 of 1000, but the others wait
-    assert not snap.ready(2, 40, 1000)  # behind the collaboration: never
+    snap = ProgressSnapshot(3, 600.0, 0.0, time.monotonic(), 2.0, others_waiting=True, target=1000)
+    assert snap.ready(3, 40)  # 640 of 1000, but the others wait
+    assert not snap.ready(2, 40)  # behind the collaboration: never
     computing = dataclasses.replace(snap, others_waiting=False)
-    assert not computing.ready(3, 40, 1000) and computing.ready(3, 400, 1000)
+    assert not computing.ready(3, 40) and computing.ready(3, 400)
+    # Not before the table was read after this peer's first report (peers that opened with
+    # it may be missing from the table read at opening).
+    assert not dataclasses.replace(computing, fresh=False).ready(3, 400)
 
 
 def test_a_late_group_knows_its_mean_is_incomplete_when_others_stepped_without_it() -> None:

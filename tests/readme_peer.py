@@ -1,0 +1,93 @@
+"""One peer process running the README's "own JAX code" block as written.
+
+``python -m tests.readme_peer OUT_DIR ADDRS TARGET EPOCHS SEED``: runs the block with the
+placeholder address replaced by ``ADDRS`` (a JSON list) and the target 4096 by ``TARGET``, and
+supplies the three names it leaves to the user: ``params`` (a linear model's weights, zeros),
+``loss_fn`` (mean squared error) and ``batches`` (micro-batches of 4 until the collaboration
+reached ``EPOCHS``, each taking ``$README_PEER_PACE`` seconds of "compute"). Every micro-batch
+it feeds is appended to ``OUT_DIR/fed.jsonl`` with the epoch of the state it was fed to,
+flushed at once (a killed peer leaves what it fed); at the end ``OUT_DIR/final.npz`` holds the
+parameters and the epoch, and ``history.json`` the averaging steps (group size, complete) this process took.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+
+import dedloc_jax
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+PLACEHOLDER = '["/ip4/1.2.3.4/tcp/31337/p2p/..."]'
+MICRO = 4
+PACE = float(os.environ.get("README_PEER_PACE", "0.005"))  # seconds of "compute" per batch
+TRUE_W = np.arange(1, 6, dtype=np.float32)
+
+
+def example() -> str:
+    """The README's block, exactly as a user copies it."""
+    text = README.read_text()
+    found = re.search(
+        r"## Train with a collaboration from your own JAX code\n\n```python\n(.*?)```", text, re.S
+    )
+    assert found, "README.md lost its 'own JAX code' example"
+    code = found.group(1)
+    assert PLACEHOLDER in code and "target_batch_size=4096" in code
+    return code
+
+
+def loss_fn(params: dict, batch: dict) -> jnp.ndarray:
+    return jnp.mean((batch["x"] @ params["w"] - batch["y"]) ** 2)
+
+
+def main(out: Path, addrs: list[str], target: int, epochs: int, seed: int) -> None:
+    namespace: dict[str, Any] = {}
+    rng = np.random.default_rng(seed)
+    fed = (out / "fed.jsonl").open("a")
+
+    def batches():
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline:
+            state = namespace.get("opt_state")
+            epoch = dedloc_jax.collaboration_epoch(state) if state is not None else 0
+            if epoch >= epochs:
+                return
+            x = rng.normal(size=(MICRO, TRUE_W.size)).astype(np.float32)
+            y = x @ TRUE_W
+            fed.write(
+                json.dumps({"epoch": epoch, "t": time.time(), "x": x.tolist(), "y": y.tolist()})
+                + "\n"
+            )
+            fed.flush()
+            time.sleep(PACE)  # a micro-step of a small real model
+            yield {"x": x, "y": y}
+
+    code = example().replace(PLACEHOLDER, repr(addrs))
+    code = code.replace("target_batch_size=4096", f"target_batch_size={target}")
+    namespace.update(
+        params={"w": jnp.zeros(TRUE_W.size, jnp.float32)}, loss_fn=loss_fn, batches=batches()
+    )
+    exec(compile(code, str(README), "exec"), namespace)
+    state = namespace["opt_state"]
+    np.savez(
+        out / "final.npz",
+        w=np.asarray(namespace["params"]["w"]),
+        epoch=np.int64(dedloc_jax.collaboration_epoch(state)),
+    )
+    history = namespace["collab"].core.history  # kept by the closed collaboration's core
+    (out / "history.json").write_text(json.dumps(history))
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    out_dir, addrs_json, target_s, epochs_s, seed_s = sys.argv[1:]
+    main(Path(out_dir), json.loads(addrs_json), int(target_s), int(epochs_s), int(seed_s))
