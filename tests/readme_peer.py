@@ -7,7 +7,8 @@ supplies the three names it leaves to the user: ``params`` (a linear model's wei
 reached ``EPOCHS``, each taking ``$README_PEER_PACE`` seconds of "compute"). Every micro-batch
 it feeds is appended to ``OUT_DIR/fed.jsonl`` with the epoch of the state it was fed to,
 flushed at once (a killed peer leaves what it fed); at the end ``OUT_DIR/final.npz`` holds the
-parameters and the epoch, and ``history.json`` the averaging steps (group size, complete) this process took.
+parameters and the epoch, and ``history.json`` the averaging steps (group size, complete)
+this process took.
 """
 
 from __future__ import annotations
