@@ -1,8 +1,8 @@
 """One trainer process of ``bench.chaos``: a small MLP trained with ``dedloc_jax.collaborative``.
 
 Started (and killed with SIGKILL, and started again) by :mod:`bench.chaos`. It uses only the
-public API: :class:`dedloc_jax.Collaboration`, :func:`dedloc_jax.collaborative`,
-:func:`dedloc_jax.sync_state` / :func:`dedloc_jax.share_state`. Everything it does is appended,
+public API: :class:`dedloc_jax.Collaboration`, :func:`dedloc_jax.collaborative` and
+:func:`dedloc_jax.keep_in_step` after every micro-step. Everything it does is appended,
 one flushed JSON line per event, to ``DIR/peerN.jsonl`` (all incarnations of peer N share it):
 
 - ``phase``: ``loading`` (state download), ``accumulating`` or ``averaging`` (matchmaking and
@@ -12,12 +12,9 @@ one flushed JSON line per event, to ``DIR/peerN.jsonl`` (all incarnations of pee
   the epoch was reached (``group`` > 1: averaged with others; ``load``: the collaboration's
   state was loaded), the loss and whether everything is finite.
 
-Policy of a volunteer that wants to stay in step: after stepping alone (no group, or the
-all-reduce failed) while others train, or when it notices it is behind, it loads the newest
-state that others serve if it is at least as new as its own, and otherwise keeps (and serves)
-its own, and a second later checks whether it lost the fork choice (another peer's lone step of
-the same epoch won): then it loads the winner. (Peers average only with peers on their own
-state, so two lone lineages never meet in a group by themselves.)
+Keeping in step is the library's policy (:func:`dedloc_jax.keep_in_step`): a restarted peer
+loads the run's state at its first call; after a step alone while others train, a lost fork
+check, or when the run is ahead, it loads the others' state.
 """
 
 from __future__ import annotations
@@ -39,11 +36,10 @@ import numpy as np
 import optax
 
 import dedloc_jax
-from dedloc_jax import Collaboration, CollaborationConfig, collaborative
+from dedloc_jax import Collaboration, CollaborationConfig, KeepConfig, collaborative
 from p2p.identity import Identity
 
 MICRO = 16
-FORK_CHECK_AFTER = 1.0  # seconds after a lone step: the others have announced theirs by then
 DIM, HIDDEN = 64, 1024  # ~70k parameters: cheap steps, a state download that takes a moment
 
 
@@ -96,6 +92,20 @@ class PhaseHost:
     def share_state(self, arrays: list[Any], epoch: int) -> None:
         self.collab.share_state(arrays, epoch)
 
+    # what keep_in_step reads besides loading and serving: the collaboration's
+    @property
+    def keeper(self) -> Any:
+        return self.collab.keeper
+
+    def step_view(self) -> Any:
+        return self.collab.step_view()
+
+    def on_minority_fork(self) -> bool:
+        return self.collab.on_minority_fork()
+
+    def newest_state_epoch(self) -> int | None:
+        return self.collab.newest_state_epoch()
+
 
 def params_digest(params: Any) -> str:
     h = hashlib.sha256()
@@ -122,7 +132,10 @@ def run(args: argparse.Namespace) -> int:
     )
     initial = json.loads((out / "addrs.json").read_text()) if args.index else []
     identity = Identity.load_or_create(out / f"peer{args.index}.key")
-    collab = Collaboration("chaos", initial_peers=initial, identity=identity, config=config)
+    keep = KeepConfig(load_timeout=args.load_timeout)
+    collab = Collaboration(
+        "chaos", initial_peers=initial, identity=identity, config=config, keep=keep
+    )
     collab.start()
     host = PhaseHost(collab, log)
     if args.index == 0:
@@ -159,50 +172,25 @@ def run(args: argparse.Namespace) -> int:
     teacher = np.random.default_rng(12345).normal(size=(DIM,)).astype(np.float32)
     rng = np.random.default_rng([args.index, os.getpid()])
 
-    def load(*, min_epoch: int, patience: float) -> tuple[Any, Any, bool]:
-        """The newest state others serve, if it is at ``min_epoch`` or later; retried for
-        ``patience`` seconds. Returns (params, opt_state, loaded)."""
-        deadline = time.monotonic() + patience
-        while True:
-            try:
-                p, s, epoch = dedloc_jax.sync_state(
-                    host, params, opt_state, timeout=args.load_timeout, min_epoch=min_epoch
-                )
-                log.write(
-                    "epoch", epoch=epoch, how="load", digest=params_digest(p), finite=_finite(p)
-                )
-                return p, s, True
-            except dedloc_jax.StaleStateError as e:
-                log.write("stale_state", wanted=min_epoch, reason=str(e)[:200])
-            except dedloc_jax.StateSyncError as e:
-                log.write("no_state", reason=str(e)[:200])
-            if time.monotonic() > deadline:
-                return params, opt_state, False
-            time.sleep(0.5)
+    def keep_in_step(params: Any, opt_state: Any) -> tuple[Any, Any]:
+        """:func:`dedloc_jax.keep_in_step`, with a ``load`` event for each state it loaded."""
+        loads = collab.keeper.loads
+        params, opt_state = dedloc_jax.keep_in_step(host, params, opt_state)
+        if collab.keeper.loads != loads:
+            log.write(
+                "epoch",
+                epoch=int(opt_state.epoch),
+                how="load",
+                digest=params_digest(params),
+                finite=_finite(params),
+            )
+            log.phase("accumulating", epoch=int(opt_state.epoch))
+        return params, opt_state
 
-    def reload(min_epoch: int) -> tuple[Any, Any, bool]:
-        """:func:`load` at once (the host marks the loading phase), then back to
-        accumulating."""
-        p, s, loaded = load(min_epoch=min_epoch, patience=0.0)
-        log.phase("accumulating", epoch=int(s.epoch))
-        return p, s, loaded
-
-    if args.index == 0 and not initial:
-        params, opt_state, loaded = load(min_epoch=0, patience=0.0)
-        if not loaded:
-            dedloc_jax.share_state(host, params, opt_state)
-    else:
-        params, opt_state, loaded = load(min_epoch=0, patience=args.load_patience)
-        if not loaded:
-            log.write("gave_up", reason="no state to load")
-            collab.close()
-            return 3
-        dedloc_jax.share_state(host, params, opt_state)
+    params, opt_state = keep_in_step(params, opt_state)  # a restarted peer loads the run's
     log.phase("accumulating", epoch=int(opt_state.epoch))
     stop = out / "stop"
     losses: list[float] = []
-    fork_check_at: float | None = None  # after a step alone that kept our state
-    behind_checked = 0.0  # when we last looked for a newer state because we were behind
     while not stop.exists():
         x = rng.normal(size=(MICRO, DIM)).astype(np.float32)
         y = np.sin(x @ teacher).astype(np.float32)
@@ -212,57 +200,21 @@ def run(args: argparse.Namespace) -> int:
         epoch = int(opt_state.epoch)
         log.beat(epoch)
         if epoch != before:
-            group = int(opt_state.group_size)
             log.write(
                 "epoch",
                 epoch=epoch,
                 how="step",
-                group=group,
+                group=int(opt_state.group_size),
                 digest=params_digest(params),
                 loss=float(np.mean(losses)),
                 finite=_finite(params) and bool(np.isfinite(losses).all()),
             )
             losses = []
-            if group <= 1 and _others_training(collab):
-                # Stepped alone: if others stepped together (or another lone peer already
-                # settled this epoch), take their state; otherwise ours becomes the run's.
-                # (Going back to the state we stepped from would fight the run's epoch,
-                # which only moves forward.)
-                params, opt_state, loaded = reload(min_epoch=epoch)
-                if not loaded and fork_check_at is None:
-                    # Ours stands for now: check it once the others announced theirs (not
-                    # pushed back by the next lone step: epochs can be shorter than that).
-                    fork_check_at = time.monotonic() + FORK_CHECK_AFTER
-            dedloc_jax.share_state(host, params, opt_state)
-        elif collab.behind and time.monotonic() - behind_checked >= 1.0:
-            # At most once a second: a peer ahead on a lineage of its own (until its fork
-            # check) keeps the others "behind" with nothing newer on their lineage to load.
-            behind_checked = time.monotonic()
-            params, opt_state, loaded = reload(min_epoch=epoch + 1)
-            if loaded:
-                dedloc_jax.share_state(host, params, opt_state)
-        if fork_check_at is not None and time.monotonic() >= fork_check_at:
-            fork_check_at = None
-            if collab.on_minority_fork():
-                # Another peer's lone step of this epoch won the fork choice (two peers whose
-                # round failed each stepped alone): take it, or both go on alone for good
-                # (they average only with peers on their own state).
-                log.write("lost_fork", epoch=int(opt_state.epoch))
-                params, opt_state, loaded = reload(min_epoch=0)
-                if loaded:
-                    dedloc_jax.share_state(host, params, opt_state)
+        params, opt_state = keep_in_step(params, opt_state)
         time.sleep(args.step_delay)
     log.write("exit", epoch=int(opt_state.epoch))
     collab.close()
     return 0
-
-
-def _others_training(collab: Any) -> bool:
-    async def records(core: Any) -> dict:
-        return dict(core.tracker.records)
-
-    found = collab.run_async(records)
-    return any(pid != collab.peer_id and r.mode != "aux" for pid, r in found.items())
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -274,7 +226,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--matchmaking-time", type=float, default=0.5)
     p.add_argument("--averaging-timeout", type=float, default=10.0)
     p.add_argument("--load-timeout", type=float, default=15.0)
-    p.add_argument("--load-patience", type=float, default=60.0)
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
     logging.getLogger("dedloc_jax").setLevel(logging.INFO)  # matchmaking and state sync

@@ -44,6 +44,7 @@ class KeepConfig:
     behind_recheck: float = 1.0  # between looks for a newer state while behind
     settle: float = 0.5  # after a step alone, before loading: the others' states land
     retry: float = 1.0  # between download attempts
+    load_timeout: float = 60.0  # one state download at most
 
 
 # --- what the policy asks of its driver --------------------------------------------------
@@ -234,7 +235,11 @@ def keep_in_step(collab: Any, params: Any, opt_state: Any) -> tuple[Any, Any]:
         if isinstance(request, Load):
             try:
                 p, s, got = sync_state(
-                    collab, held["params"], held["opt_state"], min_epoch=request.min_epoch
+                    collab,
+                    held["params"],
+                    held["opt_state"],
+                    timeout=keeper.config.load_timeout,
+                    min_epoch=request.min_epoch,
                 )
             except StaleStateError as e:
                 log.info("%s: keeping ours", e)
@@ -289,7 +294,9 @@ async def keep_in_step_async(
                 reply = None
             elif isinstance(request, Load):
                 try:
-                    got, loaded = await core.load_state(min_epoch=request.min_epoch)
+                    got, loaded = await core.load_state(
+                        timeout=keeper.config.load_timeout, min_epoch=request.min_epoch
+                    )
                 except StaleStateError:
                     reply = STALE
                 except StateSyncError:

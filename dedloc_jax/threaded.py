@@ -18,7 +18,7 @@ import trio
 from dedloc_jax.collaboration import CollaborationCore, ProgressSnapshot, open_collaboration
 from dedloc_jax.config import CollaborationConfig
 from dedloc_jax.host import AveragingOutcome, BackgroundAveraging
-from dedloc_jax.keeping import StepKeeper
+from dedloc_jax.keeping import KeepConfig, StepKeeper
 from dedloc_jax.progress import CollaborationEstimate, PeerProgress
 from dedloc_jax.state_sync import StateSyncError
 from p2p.bridge import TrioThread
@@ -63,6 +63,7 @@ class Collaboration:
         node_config: NodeConfig | None = None,
         dht_config: DHTConfig | None = None,
         transport: Transport | None = None,
+        keep: KeepConfig = KeepConfig(),
     ) -> None:
         if not run_id or any(c in run_id for c in "[]"):
             raise ValueError(f"invalid run_id {run_id!r}")
@@ -85,7 +86,7 @@ class Collaboration:
         self._stop: trio.Event | None = None
         self._target: int | None = None  # from collaborative(), applied when started
         self.core: CollaborationCore | None = None
-        self.keeper = StepKeeper()  # keep_in_step's memory for this peer
+        self.keeper = StepKeeper(keep)  # keep_in_step's policy and memory for this peer
 
     # --- lifecycle -----------------------------------------------------------------------
     def start(self) -> Collaboration:
@@ -173,6 +174,11 @@ class Collaboration:
             return await async_fn(core, *args)
 
         return thread.run(call)
+
+    def now(self) -> float:
+        """The DHT clock's time (what records such as metrics are stamped with)."""
+        thread, core = self._core()
+        return thread.run_sync(core.dht.now)
 
     @property
     def mode(self) -> str:

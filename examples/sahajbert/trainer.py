@@ -27,20 +27,6 @@ from examples.sahajbert.config import NetConfig, TrainerConfig
 log = logging.getLogger(__name__)
 
 METRICS_TTL = 30.0
-FORK_CHECK_AFTER = 5.0  # seconds into an epoch: the others have announced its state by then
-# and again this often until the epoch ends (a check counts the progress table: no DHT read).
-# After a healed partition the side that lost may answer "not lost" at first, its table still
-# holding only its own side's peers (in the 200-peer soak it then trained a whole epoch apart).
-FORK_RECHECK = 10.0
-LOST_LOADS = 3  # downloads tried when our lineage lost a fork check
-
-
-def _fork_check_due(now: float, epoch_started: float, checked_at: float | None) -> bool:
-    """Whether to ask if our lineage lost: ``FORK_CHECK_AFTER`` seconds into the epoch (once
-    the others announced its state), then every ``FORK_RECHECK`` seconds until it ends."""
-    if checked_at is None:
-        return now - epoch_started > FORK_CHECK_AFTER
-    return now - checked_at > FORK_RECHECK
 
 
 def collaboration_config(cfg: TrainerConfig, mode: str | None = None) -> Any:
@@ -119,6 +105,8 @@ def run_trainer(
 ) -> TrainerResult:
     """Train until ``cfg.max_epochs`` (forever when None); see the module docstring."""
 
+    import dedloc_jax
+
     training.enable_compilation_cache(cfg.work_dir / "jax-cache")
     tokenizer, corpus = training.prepare_data(cfg)
     vocab = len(tokenizer)
@@ -129,7 +117,9 @@ def run_trainer(
         inner = training.jitted_inner(cfg.optimizer)
         tx = training.make_optimizer(cfg.optimizer, collab, cfg.target_batch_size, inner=inner)
         opt_state = tx.init(params)
-        params, opt_state = _load_or_start(collab, params, opt_state)
+        # Before anything is compiled: a newcomer loads the run's state, the first peer
+        # serves its own (keep_in_step then follows the run on every micro-step).
+        params, opt_state = dedloc_jax.keep_in_step(collab, params, opt_state)
         devices = jax.local_device_count()
         micro = cfg.per_device_batch_size * devices * cfg.grad_accumulation
         grad_step = training.make_grad_step(graphdef, rest)
@@ -173,63 +163,6 @@ def _spread(params: Any, opt_state: Any, data: Any) -> tuple[Any, Any, Any]:
     return params, opt_state, (jax.device_put(b, split) for b in data)
 
 
-def _load_or_start(collab: Any, params: Any, opt_state: Any) -> tuple[Any, Any]:
-    """Load the newest state peers serve; without one, keep (and serve) ours."""
-    import dedloc_jax
-
-    try:
-        params, opt_state, epoch = dedloc_jax.sync_state(collab, params, opt_state)
-        log.info("loaded the collaboration's state of epoch %d", epoch)
-    except dedloc_jax.StateSyncError as e:
-        log.info("nobody serves a state (%s): keeping this peer's", e)
-        dedloc_jax.share_state(collab, params, opt_state)
-    return params, opt_state
-
-
-def _newer_state_served(collab: Any, epoch: int) -> bool:
-    """Whether a download would bring a state newer than ``epoch`` (or nobody serves one:
-    then :func:`_load_or_start` keeps and serves ours). The others' progress alone cannot
-    tell: after a healed partition the side that lost may be an epoch ahead until its fork
-    check, and loading then brought our own lineage's state back, on every micro-step."""
-    newest = collab.newest_state_epoch()
-    return newest is None or newest > epoch
-
-
-def _adopt_theirs(
-    collab: Any, params: Any, opt_state: Any, *, attempts: int = 1
-) -> tuple[Any, Any]:
-    """After a step alone or a lost fork check: load the others' state, unless it is older
-    than ours.
-
-    Ours differs from theirs, so theirs wins where it is as new; an older one (e.g. a peer that
-    is still on its first micro-step serves only the initial state) would undo the run's
-    progress, so then ours is kept and served, and the late peers load it. ``attempts``: tries
-    (a second apart) while downloads fail; our lineage lost, so keeping ours after one failed
-    download (a donor timed out) trains an epoch on it (seen in a 200-peer soak).
-    """
-    import dedloc_jax
-
-    ours = int(opt_state.epoch)
-    for attempt in range(attempts):
-        if attempt:
-            time.sleep(1.0)
-        try:
-            new_params, new_opt_state, epoch = dedloc_jax.sync_state(
-                collab, params, opt_state, min_epoch=ours
-            )
-        except dedloc_jax.StaleStateError as e:
-            log.info("%s (ours is of epoch %d): keeping ours", e, ours)
-            break
-        except dedloc_jax.StateSyncError as e:
-            log.info("no state downloaded (%s)", e)
-            continue
-        log.info("loaded the collaboration's state of epoch %d", epoch)
-        return new_params, new_opt_state
-    log.info("keeping this peer's state of epoch %d", ours)
-    dedloc_jax.share_state(collab, params, opt_state)
-    return params, opt_state
-
-
 def _publish_ready(collab: Any, devices: int) -> None:
     """A first metrics record (no steps yet): this peer has compiled and is about to train."""
     record = metrics.PeerMetrics(
@@ -239,7 +172,7 @@ def _publish_ready(collab: Any, devices: int) -> None:
         samples_per_second=0.0,
         micro_steps=0,
         samples=0,
-        mode=collab.core.mode,
+        mode=collab.mode,
         devices=devices,
     )
     collab.run_async(lambda c: metrics.publish(c, record, METRICS_TTL))
@@ -263,23 +196,6 @@ def _wait_for_trainers(collab: Any, count: int, *, timeout: float) -> int:
         time.sleep(0.2)
 
 
-def _last_round_incomplete(collab: Any) -> bool:
-    """Whether our last average missed groups it was meant to cover (our group's round across
-    groups failed): then our parameters differ from the others' as after a step alone."""
-    history = collab.core.history
-    return bool(history) and history[-1].get("complete") is False
-
-
-def _other_trainers(collab: Any) -> bool:
-    """Whether other peers that compute gradients are in the run."""
-    records = collab.run_async(_records)
-    return any(r.mode != "aux" and peer != collab.peer_id for peer, r in records.items())
-
-
-async def _records(core: Any) -> dict:
-    return dict(core.tracker.records)
-
-
 def _loop(
     cfg: TrainerConfig,
     collab: Any,
@@ -300,11 +216,9 @@ def _loop(
     epoch_samples = 0
     epoch_started = last_publish = time.monotonic()
     last_loss = math.nan
-    fork_checked_at: float | None = None  # this epoch's last fork check (see _fork_check_due)
-    behind_checked = 0.0  # when we last asked whether a newer state is served
 
     def publish() -> None:
-        core = collab.core
+        links = collab.links
         record = metrics.PeerMetrics(
             peer=collab.peer_id,
             epoch=epoch,
@@ -312,10 +226,10 @@ def _loop(
             samples_per_second=meter.rate,
             micro_steps=micro_steps,
             samples=samples,
-            mode=core.mode,
-            upload_bps=float(core.meter.upload_bps or 0.0),
-            download_bps=float(core.meter.download_bps or 0.0),
-            time=core.dht.now(),
+            mode=collab.mode,
+            upload_bps=float(links["upload_bps"] or 0.0),
+            download_bps=float(links["download_bps"] or 0.0),
+            time=collab.now(),
             devices=devices,
             history=tuple(history[-metrics.HISTORY :]),
         )
@@ -334,55 +248,24 @@ def _loop(
         epoch_losses.append(loss)
         now = time.monotonic()
         meter.update(micro, now)
+        stepped_to = int(opt_state.epoch)
+        # Serves the new state after a step; loads the run's after a step alone, a lost fork
+        # check, or when the run is ahead (the library's policy: dedloc_jax.keep_in_step).
+        params, opt_state = dedloc_jax.keep_in_step(collab, params, opt_state)
         new_epoch = int(opt_state.epoch)
-        if new_epoch != epoch:
+        if stepped_to != epoch:
             last_loss = float(np.mean(epoch_losses))
             history.append(
                 metrics.EpochFigures(epoch, last_loss, epoch_samples, now - epoch_started)
             )
             log.info("epoch %d done: loss %.4f (%d samples here)", epoch, last_loss, epoch_samples)
+        if new_epoch != epoch:
             epoch, epoch_losses, epoch_samples, epoch_started = new_epoch, [], 0, now
-            # An epoch shorter than FORK_CHECK_AFTER (we started it late) had no fork check:
-            # check the state we trained it on now, or a lost lineage outlives several epochs.
-            lost = fork_checked_at is None and collab.on_minority_fork()
-            fork_checked_at = None
-            if lost:
-                log.warning("epoch %d: our state lost to the majority's; loading it", epoch)
-                params, opt_state = _adopt_theirs(collab, params, opt_state, attempts=LOST_LOADS)
-                epoch = int(opt_state.epoch)
-            elif (
-                int(opt_state.group_size) <= 1 or _last_round_incomplete(collab)
-            ) and _other_trainers(collab):
-                # Stepped alone (no group, or the all-reduce failed), or our group missed the
-                # round across groups: this state differs from the others'; load theirs.
-                # (The soak serves its state and waits for a patient fork check instead; here
-                # that made the demo test flaky: its fast trainer went on alone for epochs
-                # while the slow one loaded a state.)
-                log.warning("epoch %d: averaged alone; loading the collaboration's state", epoch)
-                time.sleep(0.5)
-                params, opt_state = _adopt_theirs(collab, params, opt_state)
-                epoch = int(opt_state.epoch)
-            else:
-                dedloc_jax.share_state(collab, params, opt_state)
             publish()
             last_publish = now
         elif now - last_publish > 2.0:
             publish()
             last_publish = now
-        if _fork_check_due(now, epoch_started, fork_checked_at):
-            fork_checked_at = now
-            if collab.on_minority_fork():
-                # Another lineage of this epoch, held by more peers, won (e.g. after a
-                # partition healed, each side having averaged apart): take theirs.
-                log.warning("epoch %d: our state lost to the majority's; loading it", epoch)
-                params, opt_state = _adopt_theirs(collab, params, opt_state, attempts=LOST_LOADS)
-                epoch, epoch_losses, epoch_samples = int(opt_state.epoch), [], 0
-        if collab.behind and now - behind_checked > 1.0:
-            behind_checked = now
-            if _newer_state_served(collab, epoch):
-                # Missed a step (e.g. paused too long): load the others' state.
-                params, opt_state = _load_or_start(collab, params, opt_state)
-                epoch, epoch_losses, epoch_samples = int(opt_state.epoch), [], 0
         if cfg.step_delay:
             time.sleep(cfg.step_delay)
     publish()

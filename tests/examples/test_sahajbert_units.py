@@ -169,33 +169,3 @@ def test_clean_json_replaces_non_finite_numbers() -> None:
         "a": [1.0, None, {"b": None}],
         "2": [None, "x"],
     }
-
-
-def test_a_trainer_reloads_after_a_round_that_missed_other_groups() -> None:
-    """The trainer treats an average that missed the round across groups like a step alone
-    (its parameters left the others'), and only that: a complete round, or none yet, keeps
-    its state."""
-    from types import SimpleNamespace
-
-    from examples.sahajbert.trainer import _last_round_incomplete
-
-    def collab(*rounds: dict) -> SimpleNamespace:
-        return SimpleNamespace(core=SimpleNamespace(history=list(rounds)))
-
-    assert _last_round_incomplete(collab({"epoch": 0, "complete": False}))
-    assert not _last_round_incomplete(collab({"epoch": 0, "complete": False}, {"complete": True}))
-    assert not _last_round_incomplete(collab())
-
-
-def test_a_trainer_checks_its_lineage_again_until_the_epoch_ends() -> None:
-    """Once a few seconds into the epoch, then again every FORK_RECHECK seconds: after a healed
-    partition the side that lost may answer "not lost" at first, its progress table still
-    holding only its own side's peers."""
-    from examples.sahajbert.trainer import FORK_CHECK_AFTER, FORK_RECHECK, _fork_check_due
-
-    start = 100.0
-    assert not _fork_check_due(start + FORK_CHECK_AFTER / 2, start, None)
-    assert _fork_check_due(start + FORK_CHECK_AFTER + 0.1, start, None)
-    checked = start + FORK_CHECK_AFTER + 0.1
-    assert not _fork_check_due(checked + FORK_RECHECK / 2, start, checked)
-    assert _fork_check_due(checked + FORK_RECHECK + 0.1, start, checked)
