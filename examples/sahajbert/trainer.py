@@ -409,8 +409,8 @@ def _linger(collab: Any, epoch: int, seconds: float) -> None:
         except RuntimeError as e:
             log.info("could not read the checkpoint announcement: %s", e)
             found = None
-        value = getattr(found, "value", found)
-        if isinstance(value, dict) and int(value.get("epoch", -1)) >= epoch:
-            log.info("the coordinator saved epoch %d to %s", value["epoch"], value.get("path"))
+        saved = metrics.parse_checkpoint(found)  # None for a forged or garbled value
+        if saved is not None and saved[0] >= epoch:
+            log.info("the coordinator saved epoch %d to %s", *saved)
             return
         time.sleep(0.5)

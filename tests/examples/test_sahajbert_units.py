@@ -49,25 +49,58 @@ def test_parse_records_keeps_only_owner_signed_slots() -> None:
     assert parsed["3mAbc"].epoch == 1
 
 
-def test_epoch_table_weights_loss_by_samples_and_writes_each_epoch_once() -> None:
-    table = metrics.EpochTable()
+def test_epoch_table_takes_median_loss_and_writes_each_epoch_once() -> None:
+    table = metrics.EpochTable(target_batch_size=64)
     a = _record("a", 2, [(0, 8.0, 30), (1, 6.0, 10)])
     b = _record("b", 1, [(0, 4.0, 10)])
-    table.add({"a": a, "b": b}, now=1.0)
-    rows = table.ready(2)  # both trainers are past epoch 0; b has not published epoch 1 yet
+    c = _record("c", 1, [(0, 5.0, 20)])
+    table.add({"a": a, "b": b, "c": c}, now=1.0)
+    rows = table.ready(2)  # all trainers are past epoch 0; b and c have not published epoch 1
     assert [r["epoch"] for r in rows] == [0] and table.rows == rows
-    assert rows[0]["loss"] == pytest.approx((8.0 * 30 + 4.0 * 10) / 40)
-    assert rows[0]["samples"] == 40 and rows[0]["peers"] == 2
+    assert rows[0]["loss"] == 5.0  # the median, whatever a's samples say
+    assert rows[0]["samples"] == 60 and rows[0]["peers"] == 3
     b = _record("b", 2, [(0, 4.0, 10), (1, 6.0, 30)])
-    table.add({"a": a, "b": b}, now=2.0)  # the same epoch-0 figures again: no new row
+    c = _record("c", 2, [(0, 5.0, 20), (1, 7.0, 30)])
+    table.add({"a": a, "b": b, "c": c}, now=2.0)  # the same epoch-0 figures again: no new row
     rows = table.ready(2)
-    assert [r["epoch"] for r in rows] == [1] and rows[0]["peers"] == 2
-    assert rows[0]["loss"] == pytest.approx(6.0)
+    assert [r["epoch"] for r in rows] == [1] and rows[0]["peers"] == 3
+    assert rows[0]["loss"] == 6.0
     assert [r["epoch"] for r in table.rows] == [0, 1] and table.flush() == []
 
 
+def test_epoch_table_caps_one_peers_samples_and_drops_far_future_epochs() -> None:
+    table = metrics.EpochTable(target_batch_size=64)
+    honest = _record("a", 2, [(0, 7.0, 40), (1, 7.0, 40)])
+    greedy = _record("b", 2, [(0, 7.0, 10**12), (1, 7.0, 40), (90, 7.0, 40)])
+    table.add({"a": honest, "b": greedy}, now=1.0)
+    rows = table.ready(2)
+    assert [r["epoch"] for r in rows] == [0, 1]  # epoch 90 is far past the run's 2: dropped
+    assert rows[0]["samples"] == 40 + 2 * 64  # b counts at most twice the target batch
+    assert table.flush() == []
+
+
+def test_metrics_record_fields_are_typed_and_bounded() -> None:
+    wire = _record("peerA", 3, [(1, 7.5, 32), (2, 7.25, 40)]).to_record()
+    for field, bad in [
+        ("epoch", math.inf), ("epoch", 2.0), ("epoch", True), ("epoch", 10**12),
+        ("loss", -1e30), ("loss", math.inf), ("loss", "7"),
+        ("samples", 1e15), ("samples", 10**15), ("micro_steps", -1),
+        ("samples_per_second", math.nan), ("samples_per_second", 1e30),
+        ("upload_bps", -1.0), ("download_bps", math.inf), ("time", math.nan),
+        ("devices", 0), ("mode", "<script>x</script>"), ("mode", "NODE"), ("mode", None),
+        ("history", [[1, 7.5, 32, 2.0]] * 2), ("history", [[1, 7.5, 32]]),
+        ("history", [[e, 7.0, 1, 1.0] for e in range(metrics.HISTORY + 1)]),
+        ("history", [[1, math.nan, 32, 2.0]]), ("history", [[1, 7.0, 32, -1.0]]),
+        ("history", "[]"),
+    ]:  # fmt: skip
+        with pytest.raises(ValueError, match=field.split("_")[0]):
+            metrics.PeerMetrics.from_record("peerA", {**wire, field: bad})
+    # no loss yet (before the first epoch) is NaN, and that is allowed
+    assert math.isnan(metrics.PeerMetrics.from_record("peerA", {**wire, "loss": math.nan}).loss)
+
+
 def test_epoch_table_waits_for_a_silent_peer_only_a_few_epochs() -> None:
-    table = metrics.EpochTable()
+    table = metrics.EpochTable(target_batch_size=64)
     live = _record("a", 5, [(e, 7.0, 16) for e in range(5)])
     stale = _record("b", 1, [(0, 7.0, 16)])  # b died in epoch 1; its record has not expired
     aux = replace(_record("c", 0, []), mode="aux")  # the coordinator trains nothing
