@@ -10,6 +10,7 @@ python -m examples.sahajbert finetune --task ner --checkpoint DIR
 from __future__ import annotations
 
 import argparse
+import contextlib
 import faulthandler
 import logging
 import signal
@@ -25,7 +26,7 @@ from examples.sahajbert.config import (
     TrainerConfig,
 )
 
-ROLES = ("demo", "trainer", "coordinator", "aux", "finetune")
+ROLES = ("demo", "trainer", "coordinator", "aux", "finetune", "export")
 
 
 def _announce_addr(text: str) -> str:
@@ -255,7 +256,8 @@ def main(argv: list[str] | None = None) -> int:
     if role != "demo":
         logging.getLogger("examples").setLevel(logging.INFO)
         # `kill -USR1 <pid>` prints every thread's stack: what a stuck peer is waiting on.
-        faulthandler.register(signal.SIGUSR1, all_threads=True)
+        with contextlib.suppress(OSError, ValueError):  # stderr without a file (embedded)
+            faulthandler.register(signal.SIGUSR1, all_threads=True)
     if role == "demo":
         from examples.sahajbert.demo import run_demo
 
@@ -267,6 +269,17 @@ def main(argv: list[str] | None = None) -> int:
         from examples.sahajbert.finetune import main_finetune
 
         return main_finetune(args)
+    if role == "export":
+        from examples.sahajbert.export import ExportError, export
+
+        if args.checkpoint is None or args.out is None:
+            parser.error("export needs --checkpoint DIR and --out DIR")
+        try:
+            print(export(args.checkpoint, args.out))
+        except ExportError as e:
+            print(f"export: {e}", file=sys.stderr)
+            return 1
+        return 0
     cfg = trainer_config(args)
     net = net_config(args)
     if role == "trainer":

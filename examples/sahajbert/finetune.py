@@ -189,10 +189,7 @@ def encode_ncc(tokenizer: Any, rows: list, seq: int) -> Encoded:
 # --------------------------------------------------------------------------------- model
 def load_pretrained(path: Path) -> tuple[AlbertForPreTraining, dict]:
     """The pretraining model saved in the checkpoint at (or newest under) ``path``."""
-    config, flat, meta = checkpoint.load_checkpoint(path)
-    graphdef, params, rest = training.build_model(config)
-    params = training.unflat_params(params, flat)
-    return nnx.merge(graphdef, params, rest), meta
+    return checkpoint.load_model(path)
 
 
 def _loss(logits: jax.Array, labels: jax.Array) -> jax.Array:

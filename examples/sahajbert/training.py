@@ -296,25 +296,39 @@ def make_train_step(
 
 # ------------------------------------------------------------------------------ saving
 def flat_params(params: Any) -> dict[str, np.ndarray]:
-    """``{"albert.embeddings.LayerNorm.bias": array, ...}`` on the host."""
+    """``{"albert.embeddings.LayerNorm.bias": array, ...}`` on the host: every path element but
+    the Variable's own ``.value`` attribute (a module named ``value``, the V projection, stays:
+    ``attention.value.kernel``; these are the torch names but for the leaf's)."""
     out = {}
     for path, leaf in jax.tree_util.tree_leaves_with_path(jax.device_get(params)):
+        if path and isinstance(path[-1], jax.tree_util.GetAttrKey) and path[-1].name == "value":
+            path = path[:-1]
         names = [str(getattr(k, "key", getattr(k, "name", k))) for k in path]
-        out[".".join(n for n in names if n != "value")] = np.asarray(leaf)
+        out[".".join(names)] = np.asarray(leaf)
     return out
 
 
+def _legacy_name(name: str) -> str:
+    """The name checkpoints written before the fix above used: no element named ``value``."""
+    return ".".join(n for n in name.split(".") if n != "value")
+
+
 def unflat_params(template: Any, flat: dict[str, np.ndarray]) -> Any:
-    """Fill a params pytree shaped like ``template`` from :func:`flat_params` output."""
+    """Fill a params pytree shaped like ``template`` from :func:`flat_params` output (or from
+    an older checkpoint's, which dropped the V projection's ``value`` from its names)."""
     names = list(flat_params(jax.eval_shape(lambda: template)).keys())
     leaves, treedef = jax.tree.flatten(template)
     if len(names) != len(leaves):
         raise ValueError("checkpoint does not match the model")
-    missing = [n for n in names if n not in flat]
+    if any(n not in flat for n in names) and all(_legacy_name(n) in flat for n in names):
+        names_in_flat = [_legacy_name(n) for n in names]
+    else:
+        names_in_flat = names
+    missing = [n for n in names_in_flat if n not in flat]
     if missing:
         raise ValueError(f"checkpoint lacks {missing[:3]}...")
     new = []
-    for name, leaf in zip(names, leaves, strict=True):
+    for name, leaf in zip(names_in_flat, leaves, strict=True):
         got = np.asarray(flat[name])
         if got.shape != np.shape(leaf):
             raise ValueError(f"{name}: checkpoint shape {got.shape}, model {np.shape(leaf)}")
