@@ -83,6 +83,9 @@ def tokenizer_dir(cfg: TrainerConfig) -> Path:
     return Path(cfg.tokenizer) if cfg.tokenizer else cache_dir(cfg) / "tokenizer"
 
 
+DROPOUT_SEED = "dropout_seed"  # batch key: per-example seeds of the dropout masks
+
+
 def batches(cfg: TrainerConfig, corpus: Any, vocab: int, peer_seed: int) -> Iterator[dict]:
     """Endless ``[grad_accumulation, micro_batch, seq]`` batches for one peer."""
     from models.data import PretrainingConfig, pretraining_batches
@@ -97,8 +100,13 @@ def batches(cfg: TrainerConfig, corpus: Any, vocab: int, peer_seed: int) -> Iter
         config=data_cfg,
         vocab_size=vocab,
     )
+    # Dropout seeds, one per example (so they split across devices like the rest of the batch),
+    # from this peer's own stream: no two peers or steps draw the same SOP dropout mask.
+    rng = np.random.default_rng([cfg.seed, peer_seed, 0xD0])
     for batch in stream:
-        yield {k: v.reshape(cfg.grad_accumulation, micro, *v.shape[1:]) for k, v in batch.items()}
+        out = {k: v.reshape(cfg.grad_accumulation, micro, *v.shape[1:]) for k, v in batch.items()}
+        out[DROPOUT_SEED] = rng.integers(0, 1 << 31, (cfg.grad_accumulation, micro), np.uint32)
+        yield out
 
 
 # ------------------------------------------------------------------------------------ model
@@ -258,7 +266,13 @@ def make_grad_step(graphdef: Any, rest: Any):
 
     def loss_fn(params: Any, batch: dict) -> jax.Array:
         model = nnx.merge(graphdef, params, rest)
-        return pretraining_batch_loss(model, batch, deterministic=True)
+        if DROPOUT_SEED not in batch:  # e.g. a benchmark's hand-made batch: no dropout
+            return pretraining_batch_loss(model, batch, deterministic=True)
+        # sahajBERT's recipe: classifier (SOP) dropout 0.1 while pretraining; the encoder's
+        # dropout rates are 0, so only the SOP head draws a mask, keyed by the batch's seed.
+        key = jax.random.key(batch[DROPOUT_SEED][0])
+        features = {k: v for k, v in batch.items() if k != DROPOUT_SEED}
+        return pretraining_batch_loss(model, features, deterministic=False, dropout_key=key)
 
     grad_fn = jax.value_and_grad(loss_fn)
 

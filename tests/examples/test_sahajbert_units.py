@@ -7,6 +7,7 @@ import math
 import urllib.request
 from dataclasses import replace
 
+import jax
 import jax.numpy as jnp
 import pytest
 
@@ -232,3 +233,59 @@ def test_a_trainer_checks_its_lineage_again_until_the_epoch_ends() -> None:
     checked = start + FORK_CHECK_AFTER + 0.1
     assert not _fork_check_due(checked + FORK_RECHECK / 2, start, checked)
     assert _fork_check_due(checked + FORK_RECHECK + 0.1, start, checked)
+
+
+def test_pretraining_applies_the_sop_heads_dropout_with_a_fresh_mask_per_seed() -> None:
+    """sahajBERT pretrains with classifier dropout 0.1: the trainer's step draws the SOP head's
+    mask from the batch's seed (the same seed, the same loss; another seed, another loss)."""
+    import numpy as np
+
+    from examples.sahajbert import training
+    from models.albert import IGNORE_INDEX
+
+    cfg = training.model_config("tiny", 64, 16, False)
+    assert cfg.classifier_dropout_prob == 0.1
+    graphdef, params, rest = training.build_model(cfg)
+    grad_step = training.make_grad_step(graphdef, rest)
+    rng = np.random.default_rng(0)
+    ids = rng.integers(5, 64, (1, 8, 16)).astype(np.int32)
+    labels = np.where(rng.random(ids.shape) < 0.2, ids, IGNORE_INDEX).astype(np.int32)
+    batch = {
+        "input_ids": ids,
+        "mlm_labels": labels,
+        "sop_labels": rng.integers(0, 2, (1, 8)).astype(np.int32),
+        "attention_mask": np.ones_like(ids),
+        "token_type_ids": np.zeros_like(ids),
+    }
+
+    def loss(seed: int | None) -> float:
+        b = dict(batch)
+        if seed is not None:
+            b[training.DROPOUT_SEED] = np.full((1, 8), seed, np.uint32)
+        return float(grad_step(params, b)[1])
+
+    assert loss(1) == loss(1)
+    assert loss(1) != loss(2) and loss(1) != loss(None)  # None: no dropout at all
+
+
+def test_each_peer_draws_its_own_dropout_seeds() -> None:
+    import numpy as np
+
+    from examples.sahajbert import training
+    from models.data import TokenizedCorpus
+
+    cfg = TrainerConfig.demo().replace(per_device_batch_size=2, grad_accumulation=3)
+    rng = np.random.default_rng(0)
+    corpus = TokenizedCorpus(
+        tokens=rng.integers(5, 64, 20 * 3 * 6).astype(np.int32),
+        sentence_offsets=np.arange(0, 20 * 3 * 6 + 1, 6, dtype=np.int64),
+        document_offsets=np.arange(0, 20 * 3 + 1, 3, dtype=np.int64),
+        vocab_size=64,
+    )
+    seeds = {}
+    for peer in (1, 2):
+        stream = training.batches(cfg, corpus, 64, peer)
+        seeds[peer] = [next(stream)[training.DROPOUT_SEED] for _ in range(2)]
+    assert seeds[1][0].shape == (3, 2 * jax.local_device_count())
+    assert not (seeds[1][0] == seeds[1][1]).all()  # a new seed per step
+    assert not (seeds[1][0] == seeds[2][0]).all()  # and per peer
