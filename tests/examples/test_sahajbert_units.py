@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import urllib.request
 from dataclasses import replace
 
@@ -12,7 +13,7 @@ import jax.numpy as jnp
 import pytest
 
 from examples.sahajbert import metrics
-from examples.sahajbert.__main__ import build_parser, trainer_config
+from examples.sahajbert.__main__ import build_parser, main, parse_args, trainer_config
 from examples.sahajbert.config import OptimizerConfig, TrainerConfig
 from examples.sahajbert.dashboard import Dashboard, clean_json
 from examples.sahajbert.finetune import entity_spans, f1_score
@@ -163,24 +164,80 @@ def test_schedule_warms_up_then_decays_linearly() -> None:
 
 
 def test_command_line_defaults_are_sahajbert_and_options_apply() -> None:
-    parser = build_parser()
-    cfg = trainer_config(parser.parse_args(["trainer", "--initial-peers", "/ip4/1.2.3.4/tcp/1"]))
+    cfg = trainer_config(parse_args(["trainer", "--initial-peers", "/ip4/1.2.3.4/tcp/1"]))
     assert cfg == TrainerConfig(work_dir=cfg.work_dir)
     assert cfg.optimizer.learning_rate == 0.00176 and cfg.target_batch_size == 4096
     assert cfg.seq_length == 512 and cfg.model == "sahajbert"
-    args = parser.parse_args(
-        ["--config", "tiny", "--target-batch-size", "64", "--seq-length", "32",
-         "--learning-rate", "0.1", "--grad-accumulation", "2", "--client-mode"]
+    args = parse_args(
+        ["--initial-peers", "/ip4/1.2.3.4/tcp/1", "--target-batch-size", "64", "--seq-length",
+         "32", "--learning-rate", "0.1", "--grad-accumulation", "2", "--client-mode"]
     )  # fmt: skip
+    assert args.role == "trainer"  # the default role with --initial-peers
     cfg = trainer_config(args)
-    assert (cfg.model, cfg.target_batch_size, cfg.seq_length) == ("tiny", 64, 32)
+    assert (cfg.target_batch_size, cfg.seq_length) == (64, 32)
     assert cfg.optimizer.learning_rate == 0.1 and cfg.grad_accumulation == 2
     assert args.client_mode
-    help_text = parser.format_help()
+    assert parse_args([]).role == "demo" and parse_args(["-v"]).verbose
+    help_text = build_parser()._subparsers._group_actions[0].choices["trainer"].format_help()
     options = ["--initial-peers", "--client-mode", "--identity", "--bf16", "--announce"]
-    options += ["--checkpoint-dir", "--per-device-batch-size", "--data", "--tokenizer"]
+    options += ["--per-device-batch-size", "--data", "--tokenizer", "--step-delay"]
     for option in options:
         assert option in help_text
+
+
+def test_config_tiny_chooses_the_model_only() -> None:
+    """``--config tiny`` used to bring the demo's 30 epochs, lr 0.03, target 96 and run id."""
+    cfg = trainer_config(parse_args(["trainer", "--config", "tiny", "--initial-peers", "/x"]))
+    assert cfg == TrainerConfig(model="tiny", work_dir=cfg.work_dir)
+    demo = trainer_config(parse_args(["demo"]), TrainerConfig.demo())
+    assert demo == TrainerConfig.demo(demo.work_dir)  # the demo's settings are the demo's
+
+
+def _help(*argv: str, capsys: pytest.CaptureFixture) -> str:
+    with pytest.raises(SystemExit):
+        parse_args([*argv, "--help"])
+    return capsys.readouterr().out
+
+
+def test_each_role_has_its_own_help_page_with_each_default_once(capsys) -> None:
+    pages = {role: _help(role, capsys=capsys) for role in ("trainer", "finetune", "coordinator")}
+    top = _help(capsys=capsys)
+    assert len({top, *pages.values()}) == 4  # four different pages
+    assert all(role in top for role in ("demo", "trainer", "finetune", "export"))
+    trainer = pages["trainer"]
+    assert trainer.count("4096") == 1 and trainer.count("0.00176") == 1
+    assert trainer.count("(default: 512)") == 1 and "--lr " not in trainer
+    assert "--checkpoint-dir" in pages["coordinator"] and "--step-delay" not in pages["finetune"]
+    for page in pages.values():
+        assert "default: None" not in page and "default: False" not in page
+        # no help line says its default twice
+        for entry in re.split(r"\n  -", page):
+            assert entry.count("default") <= 1, entry
+    ft = pages["finetune"]
+    assert '"ner_tags"' in ft and '"label"' in ft and "validation.jsonl" in ft  # the row format
+    assert "(default: 1e-05)" in ft and "(default: 128)" in ft
+
+
+def test_finetune_without_a_split_is_a_clear_error(tmp_path, capsys, monkeypatch) -> None:
+    """A directory without validation.jsonl gave a raw traceback; --work-dir was ignored."""
+    from examples.sahajbert import finetune as finetune_mod
+
+    caches = []
+    monkeypatch.setattr(finetune_mod.training, "enable_compilation_cache", caches.append)
+    data = tmp_path / "ner"
+    data.mkdir()
+    (data / "train.jsonl").write_text('{"tokens": ["ক"], "ner_tags": ["O"]}\n')
+    (data / "test.jsonl").write_text('{"tokens": ["ক"], "ner_tags": ["O"]}\n')
+    argv = ["finetune", "--task", "ner", "--checkpoint", str(tmp_path / "none"), "--data",
+            str(data), "--work-dir", str(tmp_path / "wd")]  # fmt: skip
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "lacks validation.jsonl" in err and "Traceback" not in err
+    assert caches == [tmp_path / "wd" / "jax-cache"]
+    (data / "validation.jsonl").write_text('{"tokens": ["ক", "খ"], "ner_tags": ["O"]}\n')
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "validation.jsonl, row 1" in err and '"ner_tags"' in err
 
 
 def test_dashboard_serves_page_and_json() -> None:
