@@ -28,7 +28,7 @@ from examples.sahajbert.config import (
     TrainerConfig,
 )
 
-ROLES = ("demo", "trainer", "coordinator", "aux", "finetune", "export")
+ROLES = ("demo", "trainer", "coordinator", "aux", "finetune", "export", "invite")
 
 
 def _announce_addr(text: str) -> str:
@@ -103,6 +103,26 @@ def _add_net_options(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="behind a NAT/firewall: do not listen; send gradients, reduce no share",
     )
+    g.add_argument(
+        "--robust-tau",
+        type=float,
+        help="average with CenteredClip at this L2 radius (bounds what one peer's scaled "
+        "gradients can do); unset: the plain weighted mean",
+    )
+
+
+def _add_private_options(p: argparse.ArgumentParser, *, owner: bool) -> None:
+    g = p.add_argument_group("private run")
+    if owner:
+        g.add_argument(
+            "--owner-key",
+            type=Path,
+            help="run a private collaboration as its owner: the key file `invite` signs with "
+            "(it is this peer's identity)",
+        )
+        return
+    g.add_argument("--owner", metavar="PUBKEY", help="the private run's owner key (hex)")
+    g.add_argument("--invitation", type=Path, help="this peer's invitation file (from `invite`)")
 
 
 def _add_model_options(p: argparse.ArgumentParser, d: TrainerConfig) -> None:
@@ -257,16 +277,19 @@ def build_parser() -> argparse.ArgumentParser:
     trainer = role("trainer", "join a run and train (a volunteer's role)")
     _add_common(trainer)
     _add_net_options(trainer)
+    _add_private_options(trainer, owner=False)
     _add_model_options(trainer, TrainerConfig())
     _add_trainer_options(trainer)
     coord = role("coordinator", "the run's first peer: monitor, dashboard, checkpoints")
     _add_common(coord)
     _add_net_options(coord)
+    _add_private_options(coord, owner=True)
     _add_model_options(coord, TrainerConfig())
     _add_coordinator_options(coord)
     aux = role("aux", "an averaging helper without an accelerator")
     _add_common(aux)
     _add_net_options(aux)
+    _add_private_options(aux, owner=False)
     _add_model_options(aux, TrainerConfig())
     ft = role(
         "finetune", "NER (WikiANN bn) or news classification (sna.bn) of a checkpoint",
@@ -278,6 +301,22 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     export.add_argument("--checkpoint", type=Path, required=True, help="a checkpoint directory")
     export.add_argument("--out", type=Path, required=True, help="the directory to write")
+    inv = role("invite", "the organiser's: sign a peer's invitation to a private run")
+    inv.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    inv.add_argument(
+        "--owner-key", type=Path, required=True, help="the owner's key file (created if missing)"
+    )
+    inv.add_argument("--peer", required=True, help="the invited peer's ID (it prints it)")
+    inv.add_argument(
+        "--expires",
+        required=True,
+        help="a duration (7d, 12h, 30m), an ISO date/time (UTC), or unix seconds",
+    )
+    inv.add_argument(
+        "--role", dest="invite_role", choices=("node", "client", "aux"), help="unset: any role"
+    )
+    inv.add_argument("--run-id", default=TrainerConfig().run_id, help="the run it admits to")
+    inv.add_argument("--out", type=Path, help="the file to write (unset: PEER_ID.invitation)")
     return p
 
 
@@ -321,13 +360,37 @@ def trainer_config(args: argparse.Namespace, base: TrainerConfig | None = None) 
 
 
 def net_config(args: argparse.Namespace) -> NetConfig:
+    """The network options, with the private run's checked (``PrivateRunError`` when this
+    peer would be refused)."""
+    from examples.sahajbert import private
+
+    if getattr(args, "owner_key", None) is not None:
+        access = private.owner_access(args.owner_key, args.identity)
+    else:
+        mode = "aux" if args.role == "aux" else "client" if args.client_mode else "node"
+        access = private.peer_access(
+            run_id=args.run_id,
+            mode=mode,
+            owner=getattr(args, "owner", None),
+            invitation=getattr(args, "invitation", None),
+            identity=args.identity,
+        )
     return NetConfig(
         initial_peers=tuple(args.initial_peers),
         listen=tuple(args.listen),
         announce=tuple(args.announce),
-        identity=args.identity,
+        identity=access.identity,
         client_mode=args.client_mode,
+        owner_public_key=access.owner_public_key,
+        invitation=access.invitation,
+        robust_tau=args.robust_tau,
     )
+
+
+def inv_owner_hex(owner_key: Path) -> str:
+    from p2p.identity import Identity
+
+    return Identity.load(owner_key).public_key.hex()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -368,8 +431,28 @@ def main(argv: list[str] | None = None) -> int:
             print(f"export: {e}", file=sys.stderr)
             return 1
         return 0
+    if role == "invite":
+        from examples.sahajbert.private import PrivateRunError, write_invitation
+
+        try:
+            path, inv = write_invitation(
+                args.owner_key, args.run_id, args.peer, args.expires, args.invite_role, args.out
+            )
+        except PrivateRunError as e:
+            print(f"invite: {e}", file=sys.stderr)
+            return 2
+        owner = inv_owner_hex(args.owner_key)
+        print(f"wrote {path}: {args.peer} may join run {inv.run_id!r} until {inv.expiry:.0f}")
+        print(f"peers join with: --owner {owner} --invitation {path.name} --identity KEYFILE")
+        return 0
+    from examples.sahajbert.private import PrivateRunError
+
     cfg = trainer_config(args)
-    net = net_config(args)
+    try:
+        net = net_config(args)
+    except PrivateRunError as e:
+        print(f"{role}: {e}", file=sys.stderr)
+        return 2
     if role == "trainer":
         from examples.sahajbert.trainer import run_trainer
 

@@ -69,7 +69,11 @@ def open_collaboration(cfg: TrainerConfig, net: NetConfig, mode: str | None = No
         announce=list(net.announce),
         identity=identity,
         client_mode=net.client_mode or None,
-        config=collaboration_config(cfg, mode),
+        config=collaboration_config(cfg, mode).replace(
+            owner_public_key=net.owner_public_key,
+            invitation=net.invitation,
+            robust_tau=net.robust_tau,
+        ),
     )
     collab.start()
     for addr in collab.addrs:  # what the DHT and the run's records carry (the announced ones)
