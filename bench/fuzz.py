@@ -18,6 +18,7 @@ import argparse
 import hashlib
 import json
 import logging
+import math
 import signal
 import struct
 import sys
@@ -37,11 +38,12 @@ from dedloc_jax.averaging.errors import BadContributionError, CodecError, GroupE
 from dedloc_jax.averaging.group import GroupSpec, Member
 from dedloc_jax.progress import PeerProgress
 from dedloc_jax.state_chunks import StateAssembler, StateError, StateManifest, pack_state
+from examples.sahajbert import metrics as sahajbert_metrics
 from p2p import messages, mux
 from p2p.aead import OFFER_AES, OFFER_CHACHA, make_aead, nonce_for
 from p2p.dht import wire as dht_wire
 from p2p.dht.errors import InvalidRecordError
-from p2p.dht.records import Record, pack_value
+from p2p.dht.records import Record, owner_marker, pack_value
 from p2p.dht.validation import ValidatorChain, sign_record
 from p2p.errors import ConnectionClosed, HandshakeError, ProtocolError
 from p2p.handshake import InitiatorHandshake, ResponderHandshake, SessionKeys
@@ -344,6 +346,35 @@ def _progress_seeds() -> tuple[bytes, ...]:
     return (_pack(p.to_record()), _pack(serving.to_record()))
 
 
+# ---- the sahajBERT example's records ----------------------------------------------------------
+def _metrics_record(msg: Any) -> None:
+    sahajbert_metrics.PeerMetrics.from_record(str(ALICE.peer_id), msg)
+
+
+def _metrics_map(msg: Any) -> None:
+    """The whole value of the metrics key as the coordinator reads it: bad slots are dropped,
+    so nothing may escape ``parse_records``."""
+    if isinstance(msg, dict):
+        msg = {owner_marker(ALICE.peer_id) if k == "alice" else k: v for k, v in msg.items()}
+    sahajbert_metrics.parse_records(msg)
+
+
+def _checkpoint_announcement(msg: Any) -> None:
+    sahajbert_metrics.parse_checkpoint(msg)
+
+
+def _metrics_seeds() -> tuple[bytes, ...]:
+    history = (
+        sahajbert_metrics.EpochFigures(2, 7.25, 48, 3.5),
+        sahajbert_metrics.EpochFigures(3, 7.0, 40, 3.0),
+    )
+    rec = sahajbert_metrics.PeerMetrics(
+        str(ALICE.peer_id), 4, 7.0, 12.5, 30, 240, "node", 1e6, 2e6, 100.0, 1, history
+    )
+    fresh = sahajbert_metrics.PeerMetrics(str(ALICE.peer_id), 0, math.nan, 0.0, 0, 0, "client")
+    return (_pack(rec.to_record()), _pack(fresh.to_record()))
+
+
 def _build() -> dict[str, Decoder]:
     dht_seeds = _dht_seeds()
     manifest_seeds, chunk_seeds = _state_seeds()
@@ -428,6 +459,24 @@ def _build() -> dict[str, Decoder]:
         Decoder("state.chunk", _msg(_state_chunk), msg_doc + (StateError,), chunk_seeds),
         Decoder("group_spec", _group, (GroupError,), _group_seeds()),
         Decoder("progress_record", _msg(_progress), msg_doc + (ValueError,), _progress_seeds()),
+        Decoder(
+            "sahajbert.metrics_record",
+            _msg(_metrics_record),
+            msg_doc + (ValueError,),
+            _metrics_seeds(),
+        ),
+        Decoder(
+            "sahajbert.metrics_map",
+            _msg(_metrics_map),
+            msg_doc,
+            tuple(_pack({"alice": messages.unpack(seed), "x": 1}) for seed in _metrics_seeds()),
+        ),
+        Decoder(
+            "sahajbert.checkpoint",
+            _msg(_checkpoint_announcement),
+            msg_doc,
+            (_pack({"epoch": 10, "path": "/run/checkpoints/epoch_10"}),),
+        ),
     ]
     return {d.name: d for d in decoders}
 

@@ -416,8 +416,9 @@ class AlbertSOPHead(nnx.Module):
         self.dropout = _dropout(cfg.classifier_dropout_prob, rngs)
         self.classifier = _dense(cfg, cfg.hidden_size, 2, rngs)
 
-    def __call__(self, pooled, *, deterministic=None):
-        return self.classifier(self.dropout(pooled, deterministic=deterministic))
+    def __call__(self, pooled, *, deterministic=None, rngs=None):
+        """``rngs``: a key for the dropout mask (else the module's own stream)."""
+        return self.classifier(self.dropout(pooled, deterministic=deterministic, rngs=rngs))
 
 
 class AlbertForPreTrainingOutput(NamedTuple):
@@ -565,11 +566,14 @@ def pretraining_batch_loss(
     batch: dict,
     deterministic=False,
     mlm_capacity: float = MLM_CAPACITY,
+    dropout_key: jax.Array | None = None,
 ):
     """``pretraining_loss`` of a batch dict with keys ``input_ids``, ``mlm_labels``,
     ``sop_labels`` and optionally ``attention_mask`` and ``token_type_ids``. Training mode
     (dropout on) unless ``deterministic``. The MLM head runs only on the labelled positions
     (see ``_labelled_mlm_loss``; ``mlm_capacity=1`` runs it everywhere); the value is the same.
+    ``dropout_key`` draws the SOP head's dropout mask: a step that merges the model afresh from
+    its state must pass a new one each time, or every step drops the same units.
     """
     h, pooled = model.albert(
         batch["input_ids"],
@@ -579,5 +583,5 @@ def pretraining_batch_loss(
     )
     words = model.albert.embeddings.word_embeddings
     mlm = _labelled_mlm_loss(model.predictions, words, h, batch["mlm_labels"], mlm_capacity)
-    sop_logits = model.sop_classifier(pooled, deterministic=deterministic)
+    sop_logits = model.sop_classifier(pooled, deterministic=deterministic, rngs=dropout_key)
     return mlm + sentence_order_loss(sop_logits, batch["sop_labels"])

@@ -5,11 +5,15 @@ python -m examples.sahajbert coordinator           # start a run (prints the add
 python -m examples.sahajbert --initial-peers ADDR  # join it as a trainer (default role)
 python -m examples.sahajbert aux --initial-peers ADDR
 python -m examples.sahajbert finetune --task ner --checkpoint DIR
+python -m examples.sahajbert export --checkpoint DIR --out DIR
+
+Each role has its own options: ``python -m examples.sahajbert ROLE --help``.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import faulthandler
 import logging
 import signal
@@ -21,11 +25,10 @@ from examples.sahajbert.config import (
     DemoConfig,
     FinetuneConfig,
     NetConfig,
-    OptimizerConfig,
     TrainerConfig,
 )
 
-ROLES = ("demo", "trainer", "coordinator", "aux", "finetune")
+ROLES = ("demo", "trainer", "coordinator", "aux", "finetune", "export", "invite")
 
 
 def _announce_addr(text: str) -> str:
@@ -44,11 +47,31 @@ def _announce_addr(text: str) -> str:
     return text
 
 
-def _add_run_options(p: argparse.ArgumentParser) -> None:
-    d = TrainerConfig()
-    o = OptimizerConfig()
-    g = p.add_argument_group("run")
-    g.add_argument("--run-id", default=None, help="name of the collaboration (default: sahajbert)")
+class _Help(argparse.RawDescriptionHelpFormatter):
+    """Each option's default once, at the end of its help (none for flags and unset ones)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        if default in (None, False, [], (), argparse.SUPPRESS) or "%(default)" in text:
+            return text
+        if not action.option_strings:
+            return text
+        return f"{text} (default: %(default)s)"
+
+
+def _add_common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    p.add_argument(
+        "--work-dir",
+        type=Path,
+        default=DEFAULT_WORK_DIR,
+        help="cache for corpus, tokenizer and compiled programs",
+    )
+
+
+def _add_net_options(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("network")
     g.add_argument(
         "--initial-peers",
         nargs="*",
@@ -80,59 +103,78 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="behind a NAT/firewall: do not listen; send gradients, reduce no share",
     )
-    g = p.add_argument_group("model and data")
+    g.add_argument(
+        "--robust-tau",
+        type=float,
+        help="average with CenteredClip at this L2 radius (bounds what one peer's scaled "
+        "gradients can do); unset: the plain weighted mean",
+    )
+
+
+def _add_private_options(p: argparse.ArgumentParser, *, owner: bool) -> None:
+    g = p.add_argument_group("private run")
+    if owner:
+        g.add_argument(
+            "--owner-key",
+            type=Path,
+            help="run a private collaboration as its owner: the key file `invite` signs with "
+            "(it is this peer's identity)",
+        )
+        return
+    g.add_argument("--owner", metavar="PUBKEY", help="the private run's owner key (hex)")
+    g.add_argument("--invitation", type=Path, help="this peer's invitation file (from `invite`)")
+
+
+def _add_model_options(p: argparse.ArgumentParser, d: TrainerConfig) -> None:
+    """The run's model, data and optimizer options, with ``d``'s values as defaults."""
+    o = d.optimizer
+    g = p.add_argument_group("run, model and data")
+    g.add_argument("--run-id", default=d.run_id, help="name of the collaboration")
     g.add_argument(
         "--config",
         choices=("tiny", "sahajbert"),
-        default=None,
-        help="model size: sahajbert (ALBERT-large, 18M parameters) or tiny (for CPUs)",
+        default=d.model,
+        help="model size only: sahajbert (ALBERT-large, 18M parameters) or tiny (for CPUs)",
     )
     g.add_argument(
         "--target-batch-size",
         type=int,
-        default=None,
-        help=f"samples the whole collaboration gathers per step (default {d.target_batch_size})",
+        default=d.target_batch_size,
+        help="samples the whole collaboration gathers per step",
     )
     g.add_argument(
         "--per-device-batch-size",
         type=int,
-        default=None,
-        help=f"micro-batch per local device (default {d.per_device_batch_size})",
+        default=d.per_device_batch_size,
+        help="micro-batch per local device",
     )
     g.add_argument(
         "--grad-accumulation",
         type=int,
-        default=None,
-        help="micro-batches whose gradients are summed locally per report (default 1)",
+        default=d.grad_accumulation,
+        help="micro-batches whose gradients are summed locally per report",
     )
-    g.add_argument(
-        "--seq-length", type=int, default=None, help=f"tokens per example (default {d.seq_length})"
-    )
+    g.add_argument("--seq-length", type=int, default=d.seq_length, help="tokens per example")
     g.add_argument(
         "--data",
-        default=None,
+        default=d.data,
         help="comma-separated local text files (one document per line), or 'hf' for Bengali "
-        "Wikipedia + OSCAR from Hugging Face datasets; default: the synthetic Bengali corpus",
+        "Wikipedia + OSCAR from Hugging Face datasets; unset: the synthetic Bengali corpus",
     )
     g.add_argument(
-        "--tokenizer", default=None, help="a saved tokenizer directory (default: train one)"
-    )
-    g.add_argument(
-        "--work-dir",
-        type=Path,
-        default=DEFAULT_WORK_DIR,
-        help=f"cache for corpus, tokenizer and compiled programs (default {DEFAULT_WORK_DIR})",
+        "--tokenizer", default=d.tokenizer, help="a saved tokenizer directory (unset: train one)"
     )
     g.add_argument("--bf16", action="store_true", help="compute in bfloat16 (accelerators)")
-    g.add_argument("--max-epochs", type=int, default=None, help="stop after this epoch")
+    g.add_argument(
+        "--max-epochs", type=int, default=d.max_epochs, help="stop after this epoch (unset: never)"
+    )
     g = p.add_argument_group("optimizer (sahajBERT's LAMB recipe)")
-    g.add_argument("--learning-rate", type=float, default=None, help=f"peak lr ({o.learning_rate})")
-    g.add_argument(
-        "--warmup-steps", type=int, default=None, help=f"linear warmup ({o.warmup_steps})"
-    )
-    g.add_argument(
-        "--total-steps", type=int, default=None, help=f"linear decay to 0 ({o.total_steps})"
-    )
+    g.add_argument("--learning-rate", type=float, default=o.learning_rate, help="peak lr")
+    g.add_argument("--warmup-steps", type=int, default=o.warmup_steps, help="linear warmup")
+    g.add_argument("--total-steps", type=int, default=o.total_steps, help="linear decay to 0")
+
+
+def _add_trainer_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("trainer")
     g.add_argument(
         "--step-delay",
@@ -148,30 +190,49 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
         "run (a local demo's first epoch is then a group one; a real run waits for nobody)",
     )
     g.add_argument("--save-final", type=Path, help="write the final parameters here (.npz)")
+
+
+def _add_coordinator_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("coordinator")
     g.add_argument(
-        "--checkpoint-dir", type=Path, help="where to save checkpoints (default OUT/checkpoints)"
+        "--checkpoint-dir", type=Path, help="where to save checkpoints (unset: OUT/checkpoints)"
     )
     g.add_argument("--checkpoint-every", type=int, default=10, help="epochs between checkpoints")
     g.add_argument(
-        "--out", type=Path, help="metrics/status dir (default ./sahajbert-run; demo: WORK_DIR/demo)"
+        "--out", type=Path, default=Path("sahajbert-run"), help="metrics and status directory"
     )
     g.add_argument("--dashboard-port", type=int, default=0, help="dashboard port (0: any)")
     g.add_argument("--addr-file", type=Path, help="write the coordinator's addresses here")
 
 
+FINETUNE_FORMAT = """\
+data (--data DIR): train.jsonl, validation.jsonl and test.jsonl, one JSON object a line:
+  ner  {"tokens": ["রবীন্দ্রনাথ", "ঠাকুর", "কলকাতায়", ...], "ner_tags": ["B-PER", "I-PER", "B-LOC", ...]}
+       tags O, B-PER, I-PER, B-ORG, I-ORG, B-LOC, I-LOC (names, or ids 0-6 in this order);
+       one tag per word, scored on each word's first sub-token (WikiANN bn's layout)
+  ncc  {"text": "...", "label": "sports"}
+       labels kolkata, state, national, sports, entertainment, international (names, or ids
+       0-5 in this order; IndicGLUE sna.bn's layout)
+--data hf loads wikiann/bn or indic_glue/sna.bn with `datasets`; unset: a small synthetic set.
+"""
+
+
 def _add_finetune_options(p: argparse.ArgumentParser) -> None:
     f = FinetuneConfig()
     g = p.add_argument_group("finetune (sahajBERT's recipe)")
-    g.add_argument("--task", choices=("ner", "ncc"), help="WikiANN bn NER or IndicGLUE sna.bn")
-    g.add_argument("--checkpoint", type=Path, help="a checkpoint directory (or their parent)")
     g.add_argument(
+        "--task", choices=("ner", "ncc"), required=True, help="WikiANN bn NER or IndicGLUE sna.bn"
+    )
+    g.add_argument(
+        "--checkpoint", type=Path, required=True, help="a checkpoint directory (or their parent)"
+    )
+    g.add_argument(
+        "--data",
         "--finetune-data",
         dest="finetune_data",
         default=None,
-        help="directory with train/validation/test .jsonl, or 'hf' (wikiann bn / indic_glue "
-        "sna.bn); default: generate a small synthetic set. With the finetune role, --data "
-        "means the same",
+        help="directory with train/validation/test .jsonl (see below), or 'hf'; unset: a small "
+        "synthetic set",
     )
     g.add_argument("--lr", type=float, default=f.learning_rate, help="learning rate")
     g.add_argument("--epochs", type=int, default=f.epochs, help="maximum epochs")
@@ -180,73 +241,166 @@ def _add_finetune_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--ft-seq-length", type=int, default=f.seq_length, help="tokens per example")
 
 
+USAGE = """\
+python -m examples.sahajbert                       # local demo: coordinator + 3 trainers
+python -m examples.sahajbert coordinator           # start a run (prints the address to join)
+python -m examples.sahajbert --initial-peers ADDR  # join it as a trainer (default role)
+python -m examples.sahajbert aux --initial-peers ADDR
+python -m examples.sahajbert finetune --task ner --checkpoint DIR
+python -m examples.sahajbert export --checkpoint DIR --out DIR
+python -m examples.sahajbert ROLE --help           # that role's options and defaults
+"""
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m examples.sahajbert",
-        description="sahajBERT with dedloc-jax. Roles: demo (default without --initial-peers: a "
-        "whole collaboration on this machine), trainer (default with --initial-peers), "
-        "coordinator (first peer, monitor, dashboard, checkpoints), aux (averaging helper "
-        "without accelerator), finetune (NER / news classification of a checkpoint).",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        description="sahajBERT with dedloc-jax. Without a role: demo, or trainer when "
+        "--initial-peers is given.",
+        epilog=USAGE,
+        formatter_class=_Help,
     )
-    p.add_argument("role", nargs="?", choices=ROLES, help="what to run")
-    p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
-    p.add_argument("--demo-epochs", type=int, default=DemoConfig().epochs, help="demo length")
-    p.add_argument("--demo-trainers", type=int, default=DemoConfig().trainers, help="demo peers")
-    _add_run_options(p)
-    _add_finetune_options(p)
+    sub = p.add_subparsers(dest="role", metavar="ROLE", required=True)
+
+    def role(name: str, text: str, **kw: object) -> argparse.ArgumentParser:
+        r = sub.add_parser(name, help=text, description=text, formatter_class=_Help, **kw)
+        return r
+
+    demo = role("demo", "a whole collaboration on this machine (tiny model, 3 trainers)")
+    _add_common(demo)
+    demo.add_argument("--demo-epochs", type=int, default=DemoConfig().epochs, help="demo length")
+    demo.add_argument(
+        "--demo-trainers", type=int, default=DemoConfig().trainers, help="trainer processes"
+    )
+    demo.add_argument("--out", type=Path, help="logs and metrics (unset: WORK_DIR/demo)")
+    _add_model_options(demo, TrainerConfig.demo())
+    trainer = role("trainer", "join a run and train (a volunteer's role)")
+    _add_common(trainer)
+    _add_net_options(trainer)
+    _add_private_options(trainer, owner=False)
+    _add_model_options(trainer, TrainerConfig())
+    _add_trainer_options(trainer)
+    coord = role("coordinator", "the run's first peer: monitor, dashboard, checkpoints")
+    _add_common(coord)
+    _add_net_options(coord)
+    _add_private_options(coord, owner=True)
+    _add_model_options(coord, TrainerConfig())
+    _add_coordinator_options(coord)
+    aux = role("aux", "an averaging helper without an accelerator")
+    _add_common(aux)
+    _add_net_options(aux)
+    _add_private_options(aux, owner=False)
+    _add_model_options(aux, TrainerConfig())
+    ft = role(
+        "finetune", "NER (WikiANN bn) or news classification (sna.bn) of a checkpoint",
+        epilog=FINETUNE_FORMAT,
+    )  # fmt: skip
+    _add_common(ft)
+    _add_finetune_options(ft)
+    export = role("export", "a checkpoint as a transformers AlbertForPreTraining directory")
+    export.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    export.add_argument("--checkpoint", type=Path, required=True, help="a checkpoint directory")
+    export.add_argument("--out", type=Path, required=True, help="the directory to write")
+    inv = role("invite", "the organiser's: sign a peer's invitation to a private run")
+    inv.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    inv.add_argument(
+        "--owner-key", type=Path, required=True, help="the owner's key file (created if missing)"
+    )
+    inv.add_argument("--peer", required=True, help="the invited peer's ID (it prints it)")
+    inv.add_argument(
+        "--expires",
+        required=True,
+        help="a duration (7d, 12h, 30m), an ISO date/time (UTC), or unix seconds",
+    )
+    inv.add_argument(
+        "--role", dest="invite_role", choices=("node", "client", "aux"), help="unset: any role"
+    )
+    inv.add_argument("--run-id", default=TrainerConfig().run_id, help="the run it admits to")
+    inv.add_argument("--out", type=Path, help="the file to write (unset: PEER_ID.invitation)")
     return p
 
 
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line, with the default role put in when none is named: ``trainer`` when
+    ``--initial-peers`` is given, else ``demo``."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    flags = [a for a in argv if a in ("-v", "--verbose")]
+    rest = [a for a in argv if a not in ("-v", "--verbose")]
+    if not rest or rest[0] not in (*ROLES, "-h", "--help"):
+        joins = any(a.split("=")[0] == "--initial-peers" for a in rest)
+        rest.insert(0, "trainer" if joins else "demo")
+    return build_parser().parse_args([rest[0], *flags, *rest[1:]])
+
+
 def trainer_config(args: argparse.Namespace, base: TrainerConfig | None = None) -> TrainerConfig:
-    """``TrainerConfig`` from the command line (unset options keep ``base``'s values)."""
-    base = base or (TrainerConfig.demo(args.work_dir) if args.config == "tiny" else TrainerConfig())
-    opt = base.optimizer
-    for name, field in (
-        ("learning_rate", "learning_rate"),
-        ("warmup_steps", "warmup_steps"),
-        ("total_steps", "total_steps"),
-    ):
-        if getattr(args, name) is not None:
-            opt = opt.replace(**{field: getattr(args, name)})
-    changes = {
-        "run_id": args.run_id,
-        "model": args.config,
-        "target_batch_size": args.target_batch_size,
-        "per_device_batch_size": args.per_device_batch_size,
-        "grad_accumulation": args.grad_accumulation,
-        "seq_length": args.seq_length,
-        "data": args.data,
-        "tokenizer": args.tokenizer,
-        "max_epochs": args.max_epochs,
-    }
-    cfg = base.replace(
-        **{k: v for k, v in changes.items() if v is not None},
+    """``TrainerConfig`` from a role's parsed options (their defaults are ``base``'s values:
+    :class:`TrainerConfig`'s, the demo's for the demo)."""
+    base = base or TrainerConfig()
+    opt = base.optimizer.replace(
+        learning_rate=args.learning_rate,
+        warmup_steps=args.warmup_steps,
+        total_steps=args.total_steps,
+    )
+    return base.replace(
+        run_id=args.run_id,
+        model=args.config,
+        target_batch_size=args.target_batch_size,
+        per_device_batch_size=args.per_device_batch_size,
+        grad_accumulation=args.grad_accumulation,
+        seq_length=args.seq_length,
+        data=args.data,
+        tokenizer=args.tokenizer,
+        max_epochs=args.max_epochs,
         optimizer=opt,
         work_dir=args.work_dir,
         bf16=args.bf16 or base.bf16,
-        step_delay=args.step_delay or base.step_delay,
-        wait_for_trainers=getattr(args, "wait_for_trainers", 0) or base.wait_for_trainers,
+        step_delay=getattr(args, "step_delay", base.step_delay),
+        wait_for_trainers=getattr(args, "wait_for_trainers", base.wait_for_trainers),
     )
-    return cfg
 
 
 def net_config(args: argparse.Namespace) -> NetConfig:
+    """The network options, with the private run's checked (``PrivateRunError`` when this
+    peer would be refused)."""
+    from examples.sahajbert import private
+
+    if getattr(args, "owner_key", None) is not None:
+        access = private.owner_access(args.owner_key, args.identity)
+    else:
+        mode = "aux" if args.role == "aux" else "client" if args.client_mode else "node"
+        access = private.peer_access(
+            run_id=args.run_id,
+            mode=mode,
+            owner=getattr(args, "owner", None),
+            invitation=getattr(args, "invitation", None),
+            identity=args.identity,
+        )
     return NetConfig(
         initial_peers=tuple(args.initial_peers),
         listen=tuple(args.listen),
         announce=tuple(args.announce),
-        identity=args.identity,
+        identity=access.identity,
         client_mode=args.client_mode,
+        owner_public_key=access.owner_public_key,
+        invitation=access.invitation,
+        robust_tau=args.robust_tau,
     )
 
 
+def inv_owner_hex(owner_key: Path) -> str:
+    from p2p.identity import Identity
+
+    return Identity.load(owner_key).public_key.hex()
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    role = args.role or ("trainer" if args.initial_peers else "demo")
-    if args.announce and args.client_mode:
-        parser.error("--announce needs a peer that accepts connections (not --client-mode)")
+    args = parse_args(argv)
+    role = args.role
+    if getattr(args, "announce", None) and args.client_mode:
+        print(
+            "--announce needs a peer that accepts connections (not --client-mode)", file=sys.stderr
+        )
+        return 2
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(name)s %(levelname)s: %(message)s",
@@ -255,7 +409,8 @@ def main(argv: list[str] | None = None) -> int:
     if role != "demo":
         logging.getLogger("examples").setLevel(logging.INFO)
         # `kill -USR1 <pid>` prints every thread's stack: what a stuck peer is waiting on.
-        faulthandler.register(signal.SIGUSR1, all_threads=True)
+        with contextlib.suppress(OSError, ValueError):  # stderr without a file (embedded)
+            faulthandler.register(signal.SIGUSR1, all_threads=True)
     if role == "demo":
         from examples.sahajbert.demo import run_demo
 
@@ -267,8 +422,37 @@ def main(argv: list[str] | None = None) -> int:
         from examples.sahajbert.finetune import main_finetune
 
         return main_finetune(args)
+    if role == "export":
+        from examples.sahajbert.export import ExportError, export
+
+        try:
+            print(export(args.checkpoint, args.out))
+        except ExportError as e:
+            print(f"export: {e}", file=sys.stderr)
+            return 1
+        return 0
+    if role == "invite":
+        from examples.sahajbert.private import PrivateRunError, write_invitation
+
+        try:
+            path, inv = write_invitation(
+                args.owner_key, args.run_id, args.peer, args.expires, args.invite_role, args.out
+            )
+        except PrivateRunError as e:
+            print(f"invite: {e}", file=sys.stderr)
+            return 2
+        owner = inv_owner_hex(args.owner_key)
+        print(f"wrote {path}: {args.peer} may join run {inv.run_id!r} until {inv.expiry:.0f}")
+        print(f"peers join with: --owner {owner} --invitation {path.name} --identity KEYFILE")
+        return 0
+    from examples.sahajbert.private import PrivateRunError
+
     cfg = trainer_config(args)
-    net = net_config(args)
+    try:
+        net = net_config(args)
+    except PrivateRunError as e:
+        print(f"{role}: {e}", file=sys.stderr)
+        return 2
     if role == "trainer":
         from examples.sahajbert.trainer import run_trainer
 
@@ -286,7 +470,7 @@ def main(argv: list[str] | None = None) -> int:
         )
 
         opts = CoordinatorOptions(
-            out_dir=args.out or Path("sahajbert-run"),
+            out_dir=args.out,
             checkpoint_dir=args.checkpoint_dir,
             checkpoint_every=args.checkpoint_every,
             dashboard_port=args.dashboard_port,

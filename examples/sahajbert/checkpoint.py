@@ -19,6 +19,7 @@ import logging
 import shutil
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -77,3 +78,14 @@ def load_checkpoint(path: Path) -> tuple[AlbertConfig, dict[str, np.ndarray], di
     meta = json.loads((path / "meta.json").read_text())
     config = training.load_model_config(path / "model_config.json")
     return config, {k: np.asarray(v) for k, v in flat.items()}, meta
+
+
+def load_model(path: Path) -> tuple[Any, dict]:
+    """The pretraining model (an nnx ``AlbertForPreTraining``) saved in the checkpoint at (or
+    newest under) ``path``, and its meta."""
+    from flax import nnx
+
+    config, flat, meta = load_checkpoint(path)
+    graphdef, params, rest = training.build_model(config)
+    params = training.unflat_params(params, flat)
+    return nnx.merge(graphdef, params, rest), meta

@@ -107,6 +107,10 @@ class NetConfig:
     announce: tuple[str, ...] = ()  # advertised instead of `listen` (port forward, proxy)
     identity: Path | None = None  # key file, created on first use: a stable peer ID
     client_mode: bool = False  # no listening: dial out only, send gradients, reduce nothing
+    # Private runs (examples.sahajbert.private): the owner's public key and our invitation.
+    owner_public_key: bytes | None = None
+    invitation: bytes | None = None
+    robust_tau: float | None = None  # CenteredClip radius for every average (None: plain mean)
 
     def replace(self, **changes: object) -> NetConfig:
         return dataclasses.replace(self, **changes)

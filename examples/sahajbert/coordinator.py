@@ -2,7 +2,7 @@
 
 It opens the collaboration (others pass its address as ``--initial-peers``) as an ``aux``-mode
 peer that trains nothing, then polls: every peer's signed metrics from the DHT become one row
-per collaboration epoch (sample-weighted loss, samples/s, peers) appended to ``metrics.jsonl``
+per collaboration epoch (median loss, samples/s, peers) appended to ``metrics.jsonl``
 and ``metrics.csv``; the live status goes to the dashboard and to ``status.json``. Every
 ``checkpoint_every`` epochs it downloads the collaboration's state (verified, from the
 trainers), saves an orbax checkpoint, announces it in the DHT, and serves that state to
@@ -82,7 +82,7 @@ class Coordinator:
         self.net = net
         self.opts = opts
         self.ckpt_dir = opts.checkpoint_dir or opts.out_dir / "checkpoints"
-        self.table = metrics.EpochTable()
+        self.table = metrics.EpochTable(cfg.target_batch_size)
         self.log = MetricsLog(opts.out_dir)
         self.last_checkpoint: tuple[int, Path] | None = None
         self.started = time.monotonic()

@@ -9,6 +9,9 @@ process (it only reads a snapshot the coordinator swaps in).
 
 from __future__ import annotations
 
+import base64
+import hashlib
+import html
 import json
 import logging
 import math
@@ -36,6 +39,8 @@ text-align:right}th{background:#f4f4f4}td:first-child,th:first-child{text-align:
 <div class="charts"><div><h2>Loss per epoch</h2><svg id="loss" width="420" height="220"></svg>
 </div><div><h2>Samples/s per epoch</h2><svg id="tput" width="420" height="220"></svg></div></div>
 <script>
+// Every peer-supplied value goes through esc() before it meets innerHTML.
+function esc(x){return String(x??"-").replace(/[&<>"']/g,c=>"&#"+c.charCodeAt(0)+";")}
 function fmt(x,d){return (x===null||x===undefined||isNaN(x))?"-":Number(x).toFixed(d)}
 function plot(id,xs,ys,color,digits){
   const svg=document.getElementById(id),W=svg.width.baseVal.value,H=svg.height.baseVal.value;
@@ -60,14 +65,15 @@ async function refresh(){
   try{
     const s=await (await fetch("api/status")).json(),e=s.estimate||{};
     document.getElementById("summary").innerHTML=
-      `<span>epoch <b id="epoch">${e.epoch}</b></span>`+
-      `<span>samples ${fmt(e.samples,0)} / ${s.target_batch_size}</span>`+
+      `<span>epoch <b id="epoch">${esc(e.epoch)}</b></span>`+
+      `<span>samples ${fmt(e.samples,0)} / ${esc(s.target_batch_size)}</span>`+
       `<span>${fmt(e.samples_per_second,1)} samples/s</span><span>ETA ${fmt(e.eta,1)} s</span>`+
-      `<span>${(s.peers||[]).length} peers</span>`+
-      `<span>last checkpoint: ${s.checkpoint||"-"}</span>`;
+      `<span>${(s.peers||[]).length|0} peers</span>`+
+      `<span>last checkpoint: ${esc(s.checkpoint)}</span>`;
     document.querySelector("#peers tbody").innerHTML=(s.peers||[]).map(p=>
-      `<tr class="peer"><td><code>${p.peer.slice(0,16)}</code></td><td>${p.mode}</td>`+
-      `<td>${p.epoch}</td><td>${p.samples}</td><td>${fmt(p.samples_per_second,1)}</td>`+
+      `<tr class="peer"><td><code>${esc(String(p.peer).slice(0,16))}</code></td>`+
+      `<td>${esc(p.mode)}</td>`+
+      `<td>${esc(p.epoch)}</td><td>${esc(p.samples)}</td><td>${fmt(p.samples_per_second,1)}</td>`+
       `<td>${fmt(p.loss,3)}</td><td>${fmt(p.upload_bps/1e6,2)}</td>`+
       `<td>${fmt(p.download_bps/1e6,2)}</td></tr>`).join("");
     const rows=s.rows||[];
@@ -80,12 +86,27 @@ refresh();setInterval(refresh,1000);
 """
 
 
+def _csp(page: str) -> str:
+    """A Content-Security-Policy that runs only the page's own script (by its hash): an
+    inline handler smuggled into the DOM (``<img onerror=...>``) is blocked even if some
+    value escaped ``esc()``; nothing is loaded from anywhere but the dashboard itself."""
+    script = page.split("<script>", 1)[1].split("</script>", 1)[0]
+    digest = base64.b64encode(hashlib.sha256(script.encode()).digest()).decode()
+    return (
+        f"default-src 'none'; script-src 'sha256-{digest}'; style-src 'unsafe-inline'; "
+        "connect-src 'self'; img-src 'self'; base-uri 'none'; form-action 'none'"
+    )
+
+
+CSP = _csp(PAGE)
+
+
 class Dashboard:
     """Serves :attr:`status` (a JSON-able dict replaced by the coordinator) over HTTP."""
 
     def __init__(self, run_id: str, host: str = "127.0.0.1", port: int = 0) -> None:
         self.status: dict[str, Any] = {"run_id": run_id, "peers": [], "rows": []}
-        page = PAGE.replace("RUN_ID", run_id.replace("<", "").replace("&", "")).encode()
+        page = PAGE.replace("RUN_ID", html.escape(run_id)).encode()
         dashboard = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -103,6 +124,8 @@ class Dashboard:
                 self.send_header("Content-Type", kind)
                 self.send_header("Content-Length", str(len(body)))
                 self.send_header("Cache-Control", "no-store")
+                self.send_header("Content-Security-Policy", CSP)
+                self.send_header("X-Content-Type-Options", "nosniff")
                 self.end_headers()
                 self.wfile.write(body)
 

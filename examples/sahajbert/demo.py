@@ -67,7 +67,7 @@ def cli_args(cfg: TrainerConfig) -> list[str]:
     return args
 
 
-WARM_UP_VERSION = 3  # bump when what warm_up compiles changes
+WARM_UP_VERSION = 4  # bump when what warm_up compiles changes
 # The code that shapes the compiled programs: an edit there warms up again.
 WARM_UP_SOURCES = (
     "dedloc_jax/collaborative.py",

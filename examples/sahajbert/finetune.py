@@ -19,6 +19,7 @@ import argparse
 import json
 import logging
 import math
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -86,22 +87,52 @@ def _label_name(value: Any, names: Sequence[str]) -> str:
     return str(value)
 
 
-def _rows_ner(rows: list[dict]) -> list[tuple[list[str], list[str]]]:
-    return [(list(r["tokens"]), [_label_name(t, NER_TAGS) for t in r["ner_tags"]]) for r in rows]
+class TaskDataError(ValueError):
+    """Fine-tuning data that cannot be used (a missing split, a malformed row); the message
+    names the file and row and says what is expected."""
 
 
-def _rows_ncc(rows: list[dict]) -> list[tuple[str, str]]:
-    return [(str(r["text"]), _label_name(r["label"], NCC_LABELS)) for r in rows]
+NER_ROW = '{"tokens": [...], "ner_tags": [...]}'
+NCC_ROW = '{"text": "...", "label": "..."}'
+
+
+def _row_ner(r: Any) -> tuple[list[str], list[str]]:
+    tokens, tags = r["tokens"], r["ner_tags"]
+    if not isinstance(tokens, list) or not isinstance(tags, list) or len(tokens) != len(tags):
+        raise ValueError("tokens and ner_tags must be lists of the same length")
+    return [str(t) for t in tokens], [_label_name(t, NER_TAGS) for t in tags]
+
+
+def _row_ncc(r: Any) -> tuple[str, str]:
+    return str(r["text"]), _label_name(r["label"], NCC_LABELS)
+
+
+def _parse_rows(task: str, rows: list, where: str) -> list:
+    parse, layout = (_row_ner, NER_ROW) if task == "ner" else (_row_ncc, NCC_ROW)
+    out = []
+    for i, r in enumerate(rows, 1):
+        try:
+            out.append(parse(r))
+        except (KeyError, TypeError, ValueError, IndexError) as e:
+            raise TaskDataError(f"{where}, row {i}: {e!s} (a {task} row is {layout})") from None
+    return out
 
 
 def read_jsonl(path: Path) -> list[dict]:
+    rows = []
     with path.open(encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
+        for i, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                raise TaskDataError(f"{path}, line {i}: not JSON ({e.msg})") from None
+    return rows
 
 
 def load_task_data(task: str, data: str | None, *, seed: int = 0) -> dict[str, list]:
     """``{"train": [...], "validation": [...], "test": [...]}`` of (input, label) pairs."""
-    parse = _rows_ner if task == "ner" else _rows_ncc
     if data is None:
         return synthetic_task_data(task, seed=seed)
     if data == "hf":
@@ -113,9 +144,27 @@ def load_task_data(task: str, data: str | None, *, seed: int = 0) -> dict[str, l
             raise SystemExit("--finetune-data hf needs `pip install datasets`") from e
         path, name = HF_NAMES[task]
         ds = datasets.load_dataset(path, name)
-        return {s: parse([dict(r) for r in ds[s]]) for s in SPLITS}
+        missing = [s for s in SPLITS if s not in ds]
+        if missing:
+            raise TaskDataError(f"{path}/{name} has no {', '.join(missing)} split")
+        return {
+            s: _parse_rows(task, [dict(r) for r in ds[s]], f"{path}/{name} {s}") for s in SPLITS
+        }
     root = Path(data)
-    return {s: parse(read_jsonl(root / f"{s}.jsonl")) for s in SPLITS}
+    if not root.is_dir():
+        raise TaskDataError(f"{root} is not a directory (expected train/validation/test .jsonl)")
+    missing = [f"{s}.jsonl" for s in SPLITS if not (root / f"{s}.jsonl").is_file()]
+    if missing:
+        raise TaskDataError(
+            f"{root} lacks {', '.join(missing)}: fine-tuning needs train.jsonl, "
+            "validation.jsonl and test.jsonl (see `finetune --help` for the row format)"
+        )
+    splits = {s: _parse_rows(task, read_jsonl(root / f"{s}.jsonl"), str(root / f"{s}.jsonl"))
+              for s in SPLITS}  # fmt: skip
+    empty = [s for s in SPLITS if not splits[s]]
+    if empty:
+        raise TaskDataError(f"{root}: the {', '.join(empty)} split has no rows")
+    return splits
 
 
 def synthetic_task_data(task: str, *, seed: int = 0, sizes=(400, 100, 100)) -> dict[str, list]:
@@ -189,10 +238,7 @@ def encode_ncc(tokenizer: Any, rows: list, seq: int) -> Encoded:
 # --------------------------------------------------------------------------------- model
 def load_pretrained(path: Path) -> tuple[AlbertForPreTraining, dict]:
     """The pretraining model saved in the checkpoint at (or newest under) ``path``."""
-    config, flat, meta = checkpoint.load_checkpoint(path)
-    graphdef, params, rest = training.build_model(config)
-    params = training.unflat_params(params, flat)
-    return nnx.merge(graphdef, params, rest), meta
+    return checkpoint.load_model(path)
 
 
 def _loss(logits: jax.Array, labels: jax.Array) -> jax.Array:
@@ -262,15 +308,21 @@ def score(task: str, enc: Encoded, rows: list, preds: np.ndarray) -> dict[str, f
 
 
 def finetune(
-    task: str, ckpt: Path, data: str | None, cfg: FinetuneConfig = FinetuneConfig()
+    task: str,
+    ckpt: Path,
+    data: str | None,
+    cfg: FinetuneConfig = FinetuneConfig(),
+    *,
+    work_dir: Path = DEFAULT_WORK_DIR,
 ) -> dict[str, Any]:
-    """Fine-tune and score; returns test scores, the epochs run and the validation losses."""
+    """Fine-tune and score; returns test scores, the epochs run and the validation losses.
+    ``work_dir`` holds the compiled programs' cache."""
     from models.tokenizer import load_tokenizer
 
-    training.enable_compilation_cache(DEFAULT_WORK_DIR / "jax-cache")
+    training.enable_compilation_cache(Path(work_dir) / "jax-cache")
+    splits = load_task_data(task, data, seed=cfg.seed)  # first: bad data fails fast
     pretrained, meta = load_pretrained(ckpt)
     tokenizer = load_tokenizer(checkpoint.resolve(ckpt) / "tokenizer")
-    splits = load_task_data(task, data, seed=cfg.seed)
     seq = min(cfg.seq_length, pretrained.config.max_position_embeddings)
     encode = encode_ner if task == "ner" else encode_ncc
     enc = {s: encode(tokenizer, splits[s], seq) for s in SPLITS}
@@ -316,8 +368,6 @@ def finetune(
 
 
 def main_finetune(args: argparse.Namespace) -> int:
-    if not args.task or not args.checkpoint:
-        raise SystemExit("finetune needs --task ner|ncc and --checkpoint DIR")
     cfg = FinetuneConfig(
         learning_rate=args.lr,
         epochs=args.epochs,
@@ -325,8 +375,13 @@ def main_finetune(args: argparse.Namespace) -> int:
         patience=args.patience,
         seq_length=args.ft_seq_length,
     )
-    data = args.finetune_data or args.data  # with the finetune role, --data means its data
-    result = finetune(args.task, args.checkpoint, data, cfg)
+    try:
+        result = finetune(
+            args.task, args.checkpoint, args.finetune_data, cfg, work_dir=args.work_dir
+        )
+    except (TaskDataError, FileNotFoundError) as e:
+        print(f"finetune: {e}", file=sys.stderr)
+        return 2
     metric = "f1" if args.task == "ner" else "accuracy"
     print(
         f"{args.task}: test {metric} {100 * result[metric]:.2f} "

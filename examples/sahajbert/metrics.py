@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import logging
 import math
+import re
+import statistics
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -30,6 +32,35 @@ def metrics_key(run_id: str) -> str:
 def checkpoint_key(run_id: str) -> str:
     """Where the coordinator announces its newest saved checkpoint (epoch and path)."""
     return f"{run_id}.checkpoint"
+
+
+# Bounds on what one peer may report: anything outside is a broken or hostile peer, and its
+# record is dropped whole (the figures feed the run's curves and the organiser's dashboard).
+MAX_EPOCH = 10**9
+MAX_LOSS = 1e4  # a cross-entropy; sahajBERT starts near ln(32000) + ln(2) = 11.1
+MAX_RATE = 1e6  # samples/s of one peer
+MAX_SAMPLES = 10**13  # samples of one peer since it started
+MAX_SECONDS = 1e8  # seconds one peer spent in one epoch (about three years)
+MAX_BPS = 1e12  # bytes/s measured by one peer's averager
+MAX_TIME = 1e12  # a DHT time
+MAX_DEVICES = 1 << 16
+MODES = ("node", "client", "aux")
+_PEER_ID = re.compile(r"[1-9A-HJ-NP-Za-km-z]{1,100}")  # base58, as owner markers carry them
+
+
+def parse_checkpoint(value: Any) -> tuple[int, str] | None:
+    """(epoch, path) from the value of ``checkpoint_key``, or None when it is not a sane
+    announcement. The key is not owner-marked (anyone can write it), so nothing here trusts
+    the value: a trainer reads it only to know when it may stop serving."""
+    value = getattr(value, "value", value)
+    if not isinstance(value, dict):
+        return None
+    epoch, path = value.get("epoch"), value.get("path", "")
+    if isinstance(epoch, bool) or not isinstance(epoch, int) or not 0 <= epoch <= MAX_EPOCH:
+        return None
+    if not isinstance(path, str) or len(path) > 4096:
+        return None
+    return epoch, path
 
 
 @dataclass(frozen=True)
@@ -67,49 +98,116 @@ class PeerMetrics:
 
     @classmethod
     def from_record(cls, peer: str, value: Any) -> PeerMetrics:
-        """Parse a record read from the DHT; ValueError when it is malformed."""
+        """Parse a record read from the DHT; ValueError (naming the field) when any field has
+        the wrong type or lies outside its bounds."""
         if not isinstance(value, dict):
             raise ValueError("metrics record is not a map")
         try:
-            history = tuple(
-                EpochFigures(int(e), float(loss), int(s), float(sec))
-                for e, loss, s, sec in value.get("history", [])[:HISTORY]
-            )
+            epoch = _integer(value["epoch"], "epoch", 0, MAX_EPOCH)
             record = cls(
                 peer=peer,
-                epoch=int(value["epoch"]),
-                loss=float(value["loss"]),
-                samples_per_second=float(value["samples_per_second"]),
-                micro_steps=int(value["micro_steps"]),
-                samples=int(value["samples"]),
-                mode=str(value["mode"]),
-                upload_bps=float(value.get("upload_bps", 0.0)),
-                download_bps=float(value.get("download_bps", 0.0)),
-                time=float(value.get("time", 0.0)),
-                devices=int(value.get("devices", 1)),
-                history=history,
+                epoch=epoch,
+                loss=_number(value["loss"], "loss", 0.0, MAX_LOSS, unknown_ok=True),
+                samples_per_second=_number(
+                    value["samples_per_second"], "samples_per_second", 0.0, MAX_RATE
+                ),
+                micro_steps=_integer(value["micro_steps"], "micro_steps", 0, MAX_SAMPLES),
+                samples=_integer(value["samples"], "samples", 0, MAX_SAMPLES),
+                mode=_mode(value["mode"]),
+                upload_bps=_number(value.get("upload_bps", 0.0), "upload_bps", 0.0, MAX_BPS),
+                download_bps=_number(value.get("download_bps", 0.0), "download_bps", 0.0, MAX_BPS),
+                time=_number(value.get("time", 0.0), "time", 0.0, MAX_TIME),
+                devices=_integer(value.get("devices", 1), "devices", 1, MAX_DEVICES),
+                history=_history(value.get("history", [])),
             )
-        except (KeyError, TypeError) as e:
-            raise ValueError(f"bad metrics record: {e!r}") from e
-        numbers = (record.samples_per_second, record.upload_bps, record.download_bps)
-        if record.epoch < 0 or record.samples < 0 or not all(math.isfinite(x) for x in numbers):
-            raise ValueError("metrics record out of range")
+        except KeyError as e:
+            raise ValueError(f"metrics record lacks {e}") from None
         return record
 
 
+def _shown(value: Any) -> str:
+    return repr(value)[:40]
+
+
+def _integer(value: Any, name: str, low: int, high: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an integer, got {_shown(value)}")
+    if not low <= value <= high:
+        raise ValueError(f"{name} {_shown(value)} is outside [{low}, {high}]")
+    return value
+
+
+def _number(value: Any, name: str, low: float, high: float, *, unknown_ok: bool = False) -> float:
+    """A finite number in [low, high]; NaN only where ``unknown_ok`` (no figure yet)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ValueError(f"{name} must be a number, got {_shown(value)}")
+    try:
+        x = float(value)
+    except OverflowError:
+        raise ValueError(f"{name} {_shown(value)} is out of range") from None
+    if math.isnan(x) and unknown_ok:
+        return x
+    if not low <= x <= high:  # False for NaN and for the infinities
+        raise ValueError(f"{name} {_shown(value)} is outside [{low:g}, {high:g}]")
+    return x
+
+
+def _mode(value: Any) -> str:
+    if value not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {_shown(value)}")
+    return value
+
+
+def _history(value: Any) -> tuple[EpochFigures, ...]:
+    """The per-epoch figures: at most :data:`HISTORY` finished epochs, each once. (An epoch
+    may exceed the record's own: a peer that loaded an older state goes back.)"""
+    if not isinstance(value, list | tuple):
+        raise ValueError("history must be a list")
+    if len(value) > HISTORY:
+        raise ValueError(f"history holds {len(value)} epochs, more than {HISTORY}")
+    out = []
+    for item in value:
+        if not isinstance(item, list | tuple) or len(item) != 4:
+            raise ValueError("a history entry is [epoch, loss, samples, seconds]")
+        e, loss, samples, seconds = item
+        out.append(
+            EpochFigures(
+                _integer(e, "history epoch", 0, MAX_EPOCH),
+                _number(loss, "history loss", 0.0, MAX_LOSS),
+                _integer(samples, "history samples", 0, MAX_SAMPLES),
+                _number(seconds, "history seconds", 0.0, MAX_SECONDS),
+            )
+        )
+    if len({h.epoch for h in out}) != len(out):
+        raise ValueError("history names an epoch twice")
+    return tuple(out)
+
+
+# The reason last logged per peer: a bad record is re-read on every poll, and is worth one
+# warning per change, not one per poll. Bounded (cleared when it grows past this).
+_WARNED_MAX = 4096
+_warned: dict[str, str] = {}
+
+
 def parse_records(value: Any) -> dict[str, PeerMetrics]:
-    """Peer ID -> metrics from the value of ``metrics_key`` (a map of signed subkeys)."""
+    """Peer ID -> metrics from the value of ``metrics_key`` (a map of signed subkeys).
+    Malformed records are dropped and logged."""
     found: dict[str, PeerMetrics] = {}
     if not isinstance(value, dict):
         return found
     for subkey, item in value.items():
-        names = owner_markers(subkey)
-        if len(names) != 1:
+        names = owner_markers(subkey) if isinstance(subkey, str) else []
+        if len(names) != 1 or not _PEER_ID.fullmatch(names[0]):
             continue  # not a signed per-peer slot
+        peer = names[0]
         try:
-            found[names[0]] = PeerMetrics.from_record(names[0], getattr(item, "value", item))
+            found[peer] = PeerMetrics.from_record(peer, getattr(item, "value", item))
         except ValueError as e:
-            log.info("ignoring the metrics of %s: %s", names[0], e)
+            if _warned.get(peer) != str(e):
+                if len(_warned) >= _WARNED_MAX:
+                    _warned.clear()
+                _warned[peer] = str(e)
+                log.warning("dropping the metrics record of %s: %s", peer, e)
     return found
 
 
@@ -136,9 +234,18 @@ class EpochTable:
     a row for e is final once every trainer's latest record is past it. A peer that stopped
     publishing (it died; its record lives until it expires) holds a row back at most until the
     collaboration is :data:`ROW_LAG` epochs past it. :meth:`flush` finalises the rest.
+
+    Rows are robust to one lying peer (of three or more): the loss and the epoch's duration
+    are medians over the peers, and one peer's samples count at most twice the target batch
+    (the collaboration steps once all peers together reach the target, so an honest peer
+    stays below that).
+    Figures for epochs more than :data:`ROW_LAG` past the collaboration's are not kept.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, target_batch_size: int) -> None:
+        if target_batch_size < 1:
+            raise ValueError("target_batch_size must be positive")
+        self.peer_samples_cap = 2 * target_batch_size
         self._pending: dict[int, dict[str, EpochFigures]] = {}
         self._epochs: dict[str, int] = {}  # each trainer's epoch in its latest record
         self.rows: list[dict[str, Any]] = []
@@ -156,6 +263,9 @@ class EpochTable:
     def ready(self, global_epoch: int) -> list[dict[str, Any]]:
         """Finalise the rows every trainer has moved past (or :data:`ROW_LAG` behind
         ``global_epoch``); return the new rows."""
+        for e in [e for e in self._pending if e > global_epoch + ROW_LAG]:
+            log.info("ignoring figures for epoch %d: the collaboration is in %d", e, global_epoch)
+            del self._pending[e]
         passed = min(self._epochs.values()) if self._epochs else -1
         return self._finalise(
             [e for e in self._pending if e < passed or e <= global_epoch - ROW_LAG]
@@ -167,12 +277,12 @@ class EpochTable:
     def _finalise(self, epochs: list[int]) -> list[dict[str, Any]]:
         new = []
         for e in sorted(epochs):
-            figures = self._pending.pop(e)
-            samples = sum(f.samples for f in figures.values())
-            weighted = [(f.loss, f.samples) for f in figures.values() if math.isfinite(f.loss)]
-            total = sum(s for _, s in weighted)
-            loss = sum(loss * s for loss, s in weighted) / total if total else math.nan
-            seconds = max((f.seconds for f in figures.values()), default=0.0)
+            figures = list(self._pending.pop(e).values())
+            samples = sum(min(f.samples, self.peer_samples_cap) for f in figures)
+            losses = [f.loss for f in figures if math.isfinite(f.loss)]
+            loss = statistics.median(losses) if losses else math.nan
+            # the upper median: a peer that joined late spent less of the epoch than the others
+            seconds = statistics.median_high(f.seconds for f in figures) if figures else 0.0
             row = {
                 "epoch": e,
                 "loss": loss,

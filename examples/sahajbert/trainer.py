@@ -55,7 +55,11 @@ def open_collaboration(cfg: TrainerConfig, net: NetConfig, mode: str | None = No
         announce=list(net.announce),
         identity=identity,
         client_mode=net.client_mode or None,
-        config=collaboration_config(cfg, mode),
+        config=collaboration_config(cfg, mode).replace(
+            owner_public_key=net.owner_public_key,
+            invitation=net.invitation,
+            robust_tau=net.robust_tau,
+        ),
     )
     collab.start()
     for addr in collab.addrs:  # what the DHT and the run's records carry (the announced ones)
@@ -292,8 +296,8 @@ def _linger(collab: Any, epoch: int, seconds: float) -> None:
         except RuntimeError as e:
             log.info("could not read the checkpoint announcement: %s", e)
             found = None
-        value = getattr(found, "value", found)
-        if isinstance(value, dict) and int(value.get("epoch", -1)) >= epoch:
-            log.info("the coordinator saved epoch %d to %s", value["epoch"], value.get("path"))
+        saved = metrics.parse_checkpoint(found)  # None for a forged or garbled value
+        if saved is not None and saved[0] >= epoch:
+            log.info("the coordinator saved epoch %d to %s", *saved)
             return
         time.sleep(0.5)

@@ -83,6 +83,9 @@ def tokenizer_dir(cfg: TrainerConfig) -> Path:
     return Path(cfg.tokenizer) if cfg.tokenizer else cache_dir(cfg) / "tokenizer"
 
 
+DROPOUT_SEED = "dropout_seed"  # batch key: per-example seeds of the dropout masks
+
+
 def batches(cfg: TrainerConfig, corpus: Any, vocab: int, peer_seed: int) -> Iterator[dict]:
     """Endless ``[grad_accumulation, micro_batch, seq]`` batches for one peer."""
     from models.data import PretrainingConfig, pretraining_batches
@@ -97,8 +100,13 @@ def batches(cfg: TrainerConfig, corpus: Any, vocab: int, peer_seed: int) -> Iter
         config=data_cfg,
         vocab_size=vocab,
     )
+    # Dropout seeds, one per example (so they split across devices like the rest of the batch),
+    # from this peer's own stream: no two peers or steps draw the same SOP dropout mask.
+    rng = np.random.default_rng([cfg.seed, peer_seed, 0xD0])
     for batch in stream:
-        yield {k: v.reshape(cfg.grad_accumulation, micro, *v.shape[1:]) for k, v in batch.items()}
+        out = {k: v.reshape(cfg.grad_accumulation, micro, *v.shape[1:]) for k, v in batch.items()}
+        out[DROPOUT_SEED] = rng.integers(0, 1 << 31, (cfg.grad_accumulation, micro), np.uint32)
+        yield out
 
 
 # ------------------------------------------------------------------------------------ model
@@ -258,7 +266,13 @@ def make_grad_step(graphdef: Any, rest: Any):
 
     def loss_fn(params: Any, batch: dict) -> jax.Array:
         model = nnx.merge(graphdef, params, rest)
-        return pretraining_batch_loss(model, batch, deterministic=True)
+        if DROPOUT_SEED not in batch:  # e.g. a benchmark's hand-made batch: no dropout
+            return pretraining_batch_loss(model, batch, deterministic=True)
+        # sahajBERT's recipe: classifier (SOP) dropout 0.1 while pretraining; the encoder's
+        # dropout rates are 0, so only the SOP head draws a mask, keyed by the batch's seed.
+        key = jax.random.key(batch[DROPOUT_SEED][0])
+        features = {k: v for k, v in batch.items() if k != DROPOUT_SEED}
+        return pretraining_batch_loss(model, features, deterministic=False, dropout_key=key)
 
     grad_fn = jax.value_and_grad(loss_fn)
 
@@ -296,25 +310,39 @@ def make_train_step(
 
 # ------------------------------------------------------------------------------ saving
 def flat_params(params: Any) -> dict[str, np.ndarray]:
-    """``{"albert.embeddings.LayerNorm.bias": array, ...}`` on the host."""
+    """``{"albert.embeddings.LayerNorm.bias": array, ...}`` on the host: every path element but
+    the Variable's own ``.value`` attribute (a module named ``value``, the V projection, stays:
+    ``attention.value.kernel``; these are the torch names but for the leaf's)."""
     out = {}
     for path, leaf in jax.tree_util.tree_leaves_with_path(jax.device_get(params)):
+        if path and isinstance(path[-1], jax.tree_util.GetAttrKey) and path[-1].name == "value":
+            path = path[:-1]
         names = [str(getattr(k, "key", getattr(k, "name", k))) for k in path]
-        out[".".join(n for n in names if n != "value")] = np.asarray(leaf)
+        out[".".join(names)] = np.asarray(leaf)
     return out
 
 
+def _legacy_name(name: str) -> str:
+    """The name checkpoints written before the fix above used: no element named ``value``."""
+    return ".".join(n for n in name.split(".") if n != "value")
+
+
 def unflat_params(template: Any, flat: dict[str, np.ndarray]) -> Any:
-    """Fill a params pytree shaped like ``template`` from :func:`flat_params` output."""
+    """Fill a params pytree shaped like ``template`` from :func:`flat_params` output (or from
+    an older checkpoint's, which dropped the V projection's ``value`` from its names)."""
     names = list(flat_params(jax.eval_shape(lambda: template)).keys())
     leaves, treedef = jax.tree.flatten(template)
     if len(names) != len(leaves):
         raise ValueError("checkpoint does not match the model")
-    missing = [n for n in names if n not in flat]
+    if any(n not in flat for n in names) and all(_legacy_name(n) in flat for n in names):
+        names_in_flat = [_legacy_name(n) for n in names]
+    else:
+        names_in_flat = names
+    missing = [n for n in names_in_flat if n not in flat]
     if missing:
         raise ValueError(f"checkpoint lacks {missing[:3]}...")
     new = []
-    for name, leaf in zip(names, leaves, strict=True):
+    for name, leaf in zip(names_in_flat, leaves, strict=True):
         got = np.asarray(flat[name])
         if got.shape != np.shape(leaf):
             raise ValueError(f"{name}: checkpoint shape {got.shape}, model {np.shape(leaf)}")

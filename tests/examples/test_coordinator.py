@@ -4,6 +4,7 @@ than its last checkpoint, and gives up with a clear error instead of waiting for
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -126,3 +127,102 @@ def test_without_the_last_state_it_gives_up_with_a_clear_error(tmp_path, saved) 
         coord._poll(collab, _Dash(), [])
     assert [epoch for epoch, _ in saved] == [3]
     assert collab.downloads == [3]
+
+
+# ---- hostile metrics records --------------------------------------------------------------------
+class _MetricsDHT(_DHT):
+    def __init__(self, value: dict) -> None:
+        self.value = value
+
+    async def get(self, key: str, **_: Any) -> Any:
+        return self.value if key.endswith(".metrics") else None
+
+
+class MetricsCollab(ScriptedCollab):
+    """A run at epoch 4 whose DHT holds the given metrics records (subkey -> value)."""
+
+    def __init__(self, value: dict) -> None:
+        super().__init__(estimates=[4], served=[4])
+        self.core = _Core()
+        self.core.dht = _MetricsDHT(value)
+
+    def run_async(self, async_fn: Any, *args: Any) -> Any:
+        import trio
+
+        return trio.run(async_fn, self.core, *args)
+
+
+def _honest() -> dict:
+    from examples.sahajbert.metrics import EpochFigures, PeerMetrics
+    from p2p.dht import owner_marker
+    from p2p.identity import Identity
+
+    out = {}
+    for i, (loss, rate) in enumerate([(7.0, 10.0), (7.2, 12.0), (7.4, 8.0)]):
+        peer = Identity.from_seed(b"honest-%d" % i).peer_id
+        history = tuple(EpochFigures(e, loss - 0.1 * e, 32, 3.0 + i) for e in range(4))
+        rec = PeerMetrics(str(peer), 4, history[-1].loss, rate, 16, 128, "node", history=history)
+        out[owner_marker(peer)] = rec.to_record()
+    return out
+
+
+def _rows(tmp_path: Path, value: dict) -> tuple[list[dict], dict]:
+    coord = _coordinator(tmp_path)
+    status = coord._poll(MetricsCollab(value), _Dash(), [])
+    return [{k: v for k, v in r.items() if k != "time"} for r in coord.table.rows], status
+
+
+HOSTILE = {
+    "epoch inf": {"epoch": math.inf},
+    "epoch huge": {"epoch": 1 << 62},
+    "epoch text": {"epoch": "4"},
+    "epoch bool": {"epoch": True},
+    "loss -1e30": {"loss": -1e30, "history": [[3, -1e30, 32, 3.0]]},
+    "samples 1e15": {"samples": 1e15, "history": [[3, 7.0, 10**15, 3.0]]},
+    "history nan": {"history": [[3, math.nan, 32, 3.0]]},
+    "history inf seconds": {"history": [[3, 7.0, 32, math.inf]]},
+    "history too long": {"history": [[e, 7.0, 32, 3.0] for e in range(100)]},
+    "script mode": {"mode": "<img src=x onerror=alert(1)>"},
+    "rate inf": {"samples_per_second": math.inf},
+    "wrong shape": {"history": {"3": "x"}},
+}
+
+
+def test_hostile_metrics_records_leave_the_rows_unchanged(tmp_path, saved, caplog) -> None:
+    """Signed records each with one bad field (an ``epoch = inf`` made the coordinator exit
+    with OverflowError) are dropped and logged; the coordinator runs to its last epoch and
+    writes exactly the rows of the honest peers."""
+    from p2p.dht import owner_marker
+    from p2p.identity import Identity
+
+    honest = _honest()
+    expected, _ = _rows(tmp_path / "honest", honest)
+    good = next(iter(honest.values()))
+    liars = {owner_marker(Identity.from_seed(name.encode()).peer_id): name for name in HOSTILE}
+    value = {**honest, **{m: {**good, **HOSTILE[name]} for m, name in liars.items()}}
+    rows, status = _rows(tmp_path / "hostile", value)
+    assert rows == expected and len(rows) == 4
+    assert len(status["peers"]) == 3  # only the honest ones
+    dropped = {r.args[0] for r in caplog.records if "dropping the metrics" in r.getMessage()}
+    assert len(dropped) == len(HOSTILE)  # each liar logged
+
+
+def test_one_lying_peer_cannot_move_the_epoch_rows(tmp_path, saved) -> None:
+    """A liar within every bound (loss 9,999, 10^12 samples, an epoch of 10^7 s): each row
+    stays inside what the honest peers reported."""
+    from p2p.dht import owner_marker
+    from p2p.identity import Identity
+
+    honest = _honest()
+    expected, _ = _rows(tmp_path / "honest", honest)
+    good = next(iter(honest.values()))
+    lies = {**good, "history": [[e, 9999.0, 10**12, 1e7] for e in range(4)]}
+    liar = owner_marker(Identity.from_seed(b"liar").peer_id)
+    rows, _ = _rows(tmp_path / "liar", {**honest, liar: lies})
+    target = TrainerConfig.demo(tmp_path).target_batch_size
+    for row, ref in zip(rows, expected, strict=True):
+        losses = [7.0 - 0.1 * row["epoch"], 7.4 - 0.1 * row["epoch"]]
+        assert losses[0] - 1e-9 <= row["loss"] <= losses[1] + 1e-9
+        assert 3.0 <= row["seconds"] <= 5.0  # the honest peers' 3, 4 and 5 s
+        assert ref["samples"] <= row["samples"] <= ref["samples"] + 2 * target
+        assert row["peers"] == 4

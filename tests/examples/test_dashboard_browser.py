@@ -72,7 +72,7 @@ def _status(tmp_path: Path, url: str) -> tuple[dict, list[str]]:
     parsed = parse_records(wire)
     cfg = TrainerConfig.demo(tmp_path)
     coord = Coordinator(cfg, NetConfig(), CoordinatorOptions(out_dir=tmp_path / "run"))
-    coord.table = EpochTable()
+    coord.table = EpochTable(cfg.target_batch_size)
     coord.table.add(parsed, now=0.0)
     coord.table.flush()
     est = CollaborationEstimate(
@@ -115,4 +115,35 @@ def test_dashboard_page_shows_the_peers_and_the_loss_curve(tmp_path: Path) -> No
     assert loss_svg is not None
     path = re.search(r'<path class="curve" d="([^"]+)"', loss_svg.group(0))
     assert path is not None and path.group(1).count("L") == 2  # 3 points: M, L, L
-    assert "7.550" in loss_svg.group(0) and "6.750" in loss_svg.group(0)  # sample-weighted
+    assert "7.550" in loss_svg.group(0) and "6.750" in loss_svg.group(0)  # two peers: median
+
+
+MARKUP = "<img src=x onerror=\"document.body.setAttribute('data-pwned','1')\">"
+
+
+def test_peer_text_is_shown_as_text_and_its_markup_does_not_run(tmp_path: Path) -> None:
+    """A ``mode`` (or peer ID, epoch, checkpoint path) holding markup is displayed as text: no
+    element is made of it and its handler does not run in the organiser's browser. (The
+    coordinator drops such records already; this is the page's own line of defence.)"""
+    with Dashboard("sahajbert-demo") as dash:
+        status, _ = _status(tmp_path, dash.url)
+        peers = [dict(p) for p in status["peers"]]
+        peers[0]["mode"] = MARKUP
+        peers[1]["peer"] = MARKUP
+        peers[1]["epoch"] = MARKUP
+        dash.status = {**status, "peers": peers, "checkpoint": MARKUP}
+        done = _chromium(["--virtual-time-budget=5000", "--dump-dom", dash.url], tmp_path / "u")
+    dom = done.stdout
+    assert "<tbody>" in dom, done.stderr[-2000:]
+    body = re.search(r"<body[^>]*>", dom)
+    assert body is not None and "data-pwned" not in body.group(0)  # the handler never ran
+    table = re.search(r'<table id="peers">.*?</table>', dom, re.S)
+    assert table is not None and "<img" not in table.group(0)
+    rows = re.findall(r'<tr class="peer">(.*?)</tr>', table.group(0), re.S)
+    assert len(rows) == 2
+    shown = MARKUP.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+    assert f"<td>{shown}</td>" in rows[0]  # the mode, as text
+    assert f"<code>{MARKUP[:16].replace('<', '&lt;')}</code>" in rows[1]  # the peer ID
+    assert f"<td>{shown}</td>" in rows[1]  # the epoch, as text
+    summary = re.search(r'<div id="summary">.*?</div>', dom, re.S)
+    assert summary is not None and "<img" not in summary.group(0)

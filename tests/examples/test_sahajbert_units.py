@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import urllib.request
 from dataclasses import replace
 
+import jax
 import jax.numpy as jnp
 import pytest
 
 from examples.sahajbert import metrics
-from examples.sahajbert.__main__ import build_parser, trainer_config
+from examples.sahajbert.__main__ import build_parser, main, parse_args, trainer_config
 from examples.sahajbert.config import OptimizerConfig, TrainerConfig
 from examples.sahajbert.dashboard import Dashboard, clean_json
 from examples.sahajbert.finetune import entity_spans, f1_score
@@ -49,25 +51,58 @@ def test_parse_records_keeps_only_owner_signed_slots() -> None:
     assert parsed["3mAbc"].epoch == 1
 
 
-def test_epoch_table_weights_loss_by_samples_and_writes_each_epoch_once() -> None:
-    table = metrics.EpochTable()
+def test_epoch_table_takes_median_loss_and_writes_each_epoch_once() -> None:
+    table = metrics.EpochTable(target_batch_size=64)
     a = _record("a", 2, [(0, 8.0, 30), (1, 6.0, 10)])
     b = _record("b", 1, [(0, 4.0, 10)])
-    table.add({"a": a, "b": b}, now=1.0)
-    rows = table.ready(2)  # both trainers are past epoch 0; b has not published epoch 1 yet
+    c = _record("c", 1, [(0, 5.0, 20)])
+    table.add({"a": a, "b": b, "c": c}, now=1.0)
+    rows = table.ready(2)  # all trainers are past epoch 0; b and c have not published epoch 1
     assert [r["epoch"] for r in rows] == [0] and table.rows == rows
-    assert rows[0]["loss"] == pytest.approx((8.0 * 30 + 4.0 * 10) / 40)
-    assert rows[0]["samples"] == 40 and rows[0]["peers"] == 2
+    assert rows[0]["loss"] == 5.0  # the median, whatever a's samples say
+    assert rows[0]["samples"] == 60 and rows[0]["peers"] == 3
     b = _record("b", 2, [(0, 4.0, 10), (1, 6.0, 30)])
-    table.add({"a": a, "b": b}, now=2.0)  # the same epoch-0 figures again: no new row
+    c = _record("c", 2, [(0, 5.0, 20), (1, 7.0, 30)])
+    table.add({"a": a, "b": b, "c": c}, now=2.0)  # the same epoch-0 figures again: no new row
     rows = table.ready(2)
-    assert [r["epoch"] for r in rows] == [1] and rows[0]["peers"] == 2
-    assert rows[0]["loss"] == pytest.approx(6.0)
+    assert [r["epoch"] for r in rows] == [1] and rows[0]["peers"] == 3
+    assert rows[0]["loss"] == 6.0
     assert [r["epoch"] for r in table.rows] == [0, 1] and table.flush() == []
 
 
+def test_epoch_table_caps_one_peers_samples_and_drops_far_future_epochs() -> None:
+    table = metrics.EpochTable(target_batch_size=64)
+    honest = _record("a", 2, [(0, 7.0, 40), (1, 7.0, 40)])
+    greedy = _record("b", 2, [(0, 7.0, 10**12), (1, 7.0, 40), (90, 7.0, 40)])
+    table.add({"a": honest, "b": greedy}, now=1.0)
+    rows = table.ready(2)
+    assert [r["epoch"] for r in rows] == [0, 1]  # epoch 90 is far past the run's 2: dropped
+    assert rows[0]["samples"] == 40 + 2 * 64  # b counts at most twice the target batch
+    assert table.flush() == []
+
+
+def test_metrics_record_fields_are_typed_and_bounded() -> None:
+    wire = _record("peerA", 3, [(1, 7.5, 32), (2, 7.25, 40)]).to_record()
+    for field, bad in [
+        ("epoch", math.inf), ("epoch", 2.0), ("epoch", True), ("epoch", 10**12),
+        ("loss", -1e30), ("loss", math.inf), ("loss", "7"),
+        ("samples", 1e15), ("samples", 10**15), ("micro_steps", -1),
+        ("samples_per_second", math.nan), ("samples_per_second", 1e30),
+        ("upload_bps", -1.0), ("download_bps", math.inf), ("time", math.nan),
+        ("devices", 0), ("mode", "<script>x</script>"), ("mode", "NODE"), ("mode", None),
+        ("history", [[1, 7.5, 32, 2.0]] * 2), ("history", [[1, 7.5, 32]]),
+        ("history", [[e, 7.0, 1, 1.0] for e in range(metrics.HISTORY + 1)]),
+        ("history", [[1, math.nan, 32, 2.0]]), ("history", [[1, 7.0, 32, -1.0]]),
+        ("history", "[]"),
+    ]:  # fmt: skip
+        with pytest.raises(ValueError, match=field.split("_")[0]):
+            metrics.PeerMetrics.from_record("peerA", {**wire, field: bad})
+    # no loss yet (before the first epoch) is NaN, and that is allowed
+    assert math.isnan(metrics.PeerMetrics.from_record("peerA", {**wire, "loss": math.nan}).loss)
+
+
 def test_epoch_table_waits_for_a_silent_peer_only_a_few_epochs() -> None:
-    table = metrics.EpochTable()
+    table = metrics.EpochTable(target_batch_size=64)
     live = _record("a", 5, [(e, 7.0, 16) for e in range(5)])
     stale = _record("b", 1, [(0, 7.0, 16)])  # b died in epoch 1; its record has not expired
     aux = replace(_record("c", 0, []), mode="aux")  # the coordinator trains nothing
@@ -129,24 +164,80 @@ def test_schedule_warms_up_then_decays_linearly() -> None:
 
 
 def test_command_line_defaults_are_sahajbert_and_options_apply() -> None:
-    parser = build_parser()
-    cfg = trainer_config(parser.parse_args(["trainer", "--initial-peers", "/ip4/1.2.3.4/tcp/1"]))
+    cfg = trainer_config(parse_args(["trainer", "--initial-peers", "/ip4/1.2.3.4/tcp/1"]))
     assert cfg == TrainerConfig(work_dir=cfg.work_dir)
     assert cfg.optimizer.learning_rate == 0.00176 and cfg.target_batch_size == 4096
     assert cfg.seq_length == 512 and cfg.model == "sahajbert"
-    args = parser.parse_args(
-        ["--config", "tiny", "--target-batch-size", "64", "--seq-length", "32",
-         "--learning-rate", "0.1", "--grad-accumulation", "2", "--client-mode"]
+    args = parse_args(
+        ["--initial-peers", "/ip4/1.2.3.4/tcp/1", "--target-batch-size", "64", "--seq-length",
+         "32", "--learning-rate", "0.1", "--grad-accumulation", "2", "--client-mode"]
     )  # fmt: skip
+    assert args.role == "trainer"  # the default role with --initial-peers
     cfg = trainer_config(args)
-    assert (cfg.model, cfg.target_batch_size, cfg.seq_length) == ("tiny", 64, 32)
+    assert (cfg.target_batch_size, cfg.seq_length) == (64, 32)
     assert cfg.optimizer.learning_rate == 0.1 and cfg.grad_accumulation == 2
     assert args.client_mode
-    help_text = parser.format_help()
+    assert parse_args([]).role == "demo" and parse_args(["-v"]).verbose
+    help_text = build_parser()._subparsers._group_actions[0].choices["trainer"].format_help()
     options = ["--initial-peers", "--client-mode", "--identity", "--bf16", "--announce"]
-    options += ["--checkpoint-dir", "--per-device-batch-size", "--data", "--tokenizer"]
+    options += ["--per-device-batch-size", "--data", "--tokenizer", "--step-delay"]
     for option in options:
         assert option in help_text
+
+
+def test_config_tiny_chooses_the_model_only() -> None:
+    """``--config tiny`` used to bring the demo's 30 epochs, lr 0.03, target 96 and run id."""
+    cfg = trainer_config(parse_args(["trainer", "--config", "tiny", "--initial-peers", "/x"]))
+    assert cfg == TrainerConfig(model="tiny", work_dir=cfg.work_dir)
+    demo = trainer_config(parse_args(["demo"]), TrainerConfig.demo())
+    assert demo == TrainerConfig.demo(demo.work_dir)  # the demo's settings are the demo's
+
+
+def _help(*argv: str, capsys: pytest.CaptureFixture) -> str:
+    with pytest.raises(SystemExit):
+        parse_args([*argv, "--help"])
+    return capsys.readouterr().out
+
+
+def test_each_role_has_its_own_help_page_with_each_default_once(capsys) -> None:
+    pages = {role: _help(role, capsys=capsys) for role in ("trainer", "finetune", "coordinator")}
+    top = _help(capsys=capsys)
+    assert len({top, *pages.values()}) == 4  # four different pages
+    assert all(role in top for role in ("demo", "trainer", "finetune", "export"))
+    trainer = pages["trainer"]
+    assert trainer.count("4096") == 1 and trainer.count("0.00176") == 1
+    assert trainer.count("(default: 512)") == 1 and "--lr " not in trainer
+    assert "--checkpoint-dir" in pages["coordinator"] and "--step-delay" not in pages["finetune"]
+    for page in pages.values():
+        assert "default: None" not in page and "default: False" not in page
+        # no help line says its default twice
+        for entry in re.split(r"\n  -", page):
+            assert entry.count("default") <= 1, entry
+    ft = pages["finetune"]
+    assert '"ner_tags"' in ft and '"label"' in ft and "validation.jsonl" in ft  # the row format
+    assert "(default: 1e-05)" in ft and "(default: 128)" in ft
+
+
+def test_finetune_without_a_split_is_a_clear_error(tmp_path, capsys, monkeypatch) -> None:
+    """A directory without validation.jsonl gave a raw traceback; --work-dir was ignored."""
+    from examples.sahajbert import finetune as finetune_mod
+
+    caches = []
+    monkeypatch.setattr(finetune_mod.training, "enable_compilation_cache", caches.append)
+    data = tmp_path / "ner"
+    data.mkdir()
+    (data / "train.jsonl").write_text('{"tokens": ["ক"], "ner_tags": ["O"]}\n')
+    (data / "test.jsonl").write_text('{"tokens": ["ক"], "ner_tags": ["O"]}\n')
+    argv = ["finetune", "--task", "ner", "--checkpoint", str(tmp_path / "none"), "--data",
+            str(data), "--work-dir", str(tmp_path / "wd")]  # fmt: skip
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "lacks validation.jsonl" in err and "Traceback" not in err
+    assert caches == [tmp_path / "wd" / "jax-cache"]
+    (data / "validation.jsonl").write_text('{"tokens": ["ক", "খ"], "ner_tags": ["O"]}\n')
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "validation.jsonl, row 1" in err and '"ner_tags"' in err
 
 
 def test_dashboard_serves_page_and_json() -> None:
@@ -169,3 +260,59 @@ def test_clean_json_replaces_non_finite_numbers() -> None:
         "a": [1.0, None, {"b": None}],
         "2": [None, "x"],
     }
+
+
+def test_pretraining_applies_the_sop_heads_dropout_with_a_fresh_mask_per_seed() -> None:
+    """sahajBERT pretrains with classifier dropout 0.1: the trainer's step draws the SOP head's
+    mask from the batch's seed (the same seed, the same loss; another seed, another loss)."""
+    import numpy as np
+
+    from examples.sahajbert import training
+    from models.albert import IGNORE_INDEX
+
+    cfg = training.model_config("tiny", 64, 16, False)
+    assert cfg.classifier_dropout_prob == 0.1
+    graphdef, params, rest = training.build_model(cfg)
+    grad_step = training.make_grad_step(graphdef, rest)
+    rng = np.random.default_rng(0)
+    ids = rng.integers(5, 64, (1, 8, 16)).astype(np.int32)
+    labels = np.where(rng.random(ids.shape) < 0.2, ids, IGNORE_INDEX).astype(np.int32)
+    batch = {
+        "input_ids": ids,
+        "mlm_labels": labels,
+        "sop_labels": rng.integers(0, 2, (1, 8)).astype(np.int32),
+        "attention_mask": np.ones_like(ids),
+        "token_type_ids": np.zeros_like(ids),
+    }
+
+    def loss(seed: int | None) -> float:
+        b = dict(batch)
+        if seed is not None:
+            b[training.DROPOUT_SEED] = np.full((1, 8), seed, np.uint32)
+        return float(grad_step(params, b)[1])
+
+    assert loss(1) == loss(1)
+    assert loss(1) != loss(2) and loss(1) != loss(None)  # None: no dropout at all
+
+
+def test_each_peer_draws_its_own_dropout_seeds() -> None:
+    import numpy as np
+
+    from examples.sahajbert import training
+    from models.data import TokenizedCorpus
+
+    cfg = TrainerConfig.demo().replace(per_device_batch_size=2, grad_accumulation=3)
+    rng = np.random.default_rng(0)
+    corpus = TokenizedCorpus(
+        tokens=rng.integers(5, 64, 20 * 3 * 6).astype(np.int32),
+        sentence_offsets=np.arange(0, 20 * 3 * 6 + 1, 6, dtype=np.int64),
+        document_offsets=np.arange(0, 20 * 3 + 1, 3, dtype=np.int64),
+        vocab_size=64,
+    )
+    seeds = {}
+    for peer in (1, 2):
+        stream = training.batches(cfg, corpus, 64, peer)
+        seeds[peer] = [next(stream)[training.DROPOUT_SEED] for _ in range(2)]
+    assert seeds[1][0].shape == (3, 2 * jax.local_device_count())
+    assert not (seeds[1][0] == seeds[1][1]).all()  # a new seed per step
+    assert not (seeds[1][0] == seeds[2][0]).all()  # and per peer
