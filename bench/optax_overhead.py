@@ -4,7 +4,9 @@ A small MLP trains with jitted steps with ``optax.adam`` alone, with
 ``collaborative(optax.adam, collab)`` on a one-peer collaboration whose target is never reached
 (so every measured step is a step that does not average: what remains is the accumulator and
 the one cheap host callback that reports progress), and, for reference, with optax's own
-gradient accumulation ``optax.MultiSteps``. Each runs twice: with the step's params and
+gradient accumulation ``optax.MultiSteps``, and ``collaborative`` with
+``dedloc_jax.keep_in_step`` after every step, as the README's loop calls it (``keep_ms``,
+``keep_overhead_pct``). Each runs twice: with the step's params and
 optimizer state donated to it (``donate_argnums=(0, 1)``, as the README's training step does) and
 without. All six run in the same process on the same data, interleaved round by round; medians
 are reported.
@@ -31,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from dedloc_jax import Collaboration, CollaborationConfig, collaborative
+from dedloc_jax import Collaboration, CollaborationConfig, collaborative, keep_in_step
 
 NEVER = 10**12  # a target the benchmark never reaches: no step averages
 
@@ -63,12 +65,17 @@ def _make_step(tx: optax.GradientTransformation, collab_kwargs: bool, donate: bo
     return jax.jit(step, donate_argnums=(0, 1) if donate else ())
 
 
-def _time_steps(step, params, state, x, y, n: int) -> tuple[list[float], list[float], tuple]:
-    """Wall and process CPU seconds of ``n`` steps, one by one."""
+def _time_steps(
+    step, params, state, x, y, n: int, after: Callable | None = None
+) -> tuple[list[float], list[float], tuple]:
+    """Wall and process CPU seconds of ``n`` steps, one by one (each followed by
+    ``after(params, state) -> (params, state)`` when given)."""
     times, cpu = [], []
     for _ in range(n):
         c0, t0 = time.process_time(), time.perf_counter()
         params, state = step(params, state, x, y)
+        if after is not None:
+            params, state = after(params, state)
         jax.block_until_ready(params)
         times.append(time.perf_counter() - t0)
         cpu.append(time.process_time() - c0)
@@ -99,7 +106,14 @@ def main() -> None:
                 True,
             ),
             "multisteps": (optax.MultiSteps(optax.adam(1e-3), every_k_schedule=10**9), False),
+            "keep_in_step": (
+                collaborative(optax.adam(1e-3), collab, target_batch_size=NEVER),
+                True,
+            ),
         }
+        # keep_in_step serves the first state and asks the fork check every 10 s: its cost
+        # on a micro-step with nothing to do is what the README's loop pays.
+        afters = {"keep_in_step": lambda p, s: keep_in_step(collab, p, s)}
         variants = [(name, donate) for donate in (False, True) for name in txs]
         steps = {(n, d): _make_step(txs[n][0], txs[n][1], d) for n, d in variants}
         states = {
@@ -115,25 +129,27 @@ def main() -> None:
         per_round = max(1, args.steps // rounds)
         for r in range(rounds):  # interleave so all see the same machine load
             for v in variants[r % len(variants) :] + variants[: r % len(variants)]:
-                t, c, states[v] = _time_steps(steps[v], *states[v], x, y, per_round)
+                after = afters.get(v[0])
+                t, c, states[v] = _time_steps(steps[v], *states[v], x, y, per_round, after)
                 times[v] += t
                 cpu[v] += c
         for donate in (False, True):
-            collab_state = states[("collaborative", donate)][1]
-            assert int(collab_state.epoch) == 0, "the benchmark must not average"
+            for name in ("collaborative", "keep_in_step"):
+                collab_state = states[(name, donate)][1]
+                assert int(collab_state.epoch) == 0, "the benchmark must not average"
 
     ms = {v: statistics.median(t) * 1e3 for v, t in times.items()}
     # Process CPU time (all threads: XLA's, the callback's, the collaboration's loop): steadier
     # than wall time on a machine that others load, and it counts host work a wall clock hides.
     cpu_ms = {v: statistics.median(c) * 1e3 for v, c in cpu.items()}
 
-    def overhead(donate: bool) -> float:
-        return 100 * (ms[("collaborative", donate)] / ms[("plain", donate)] - 1)
+    def overhead(donate: bool, name: str = "collaborative") -> float:
+        return 100 * (ms[(name, donate)] / ms[("plain", donate)] - 1)
 
-    def paired_overhead(donate: bool) -> float:
+    def paired_overhead(donate: bool, name: str = "collaborative") -> float:
         """Median of step-by-step ratios (the i-th steps ran side by side): load that comes
         and goes cancels out."""
-        pairs = zip(times[("collaborative", donate)], times[("plain", donate)], strict=True)
+        pairs = zip(times[(name, donate)], times[("plain", donate)], strict=True)
         return 100 * (statistics.median(c / p for c, p in pairs) - 1)
 
     print(f"MLP width {args.width}, batch {args.batch}, {len(times[variants[0]])} steps each")
@@ -143,6 +159,11 @@ def main() -> None:
         print(f"  plain optax:   median {ms[('plain', donate)]:.3f} ms/step")
         print(f"  collaborative: median {ms[('collaborative', donate)]:.3f} ms/step")
         print(f"  MultiSteps:    median {ms[('multisteps', donate)]:.3f} ms/step (reference)")
+        print(
+            f"  + keep_in_step: median {ms[('keep_in_step', donate)]:.3f} ms/step, "
+            f"{overhead(donate, 'keep_in_step'):+.1f}% over plain optax "
+            f"(step by step: {paired_overhead(donate, 'keep_in_step'):+.1f}%)"
+        )
         print(
             f"  overhead:      {overhead(donate):+.1f}% over plain optax "
             f"(step by step: {paired_overhead(donate):+.1f}%)"
@@ -154,6 +175,11 @@ def main() -> None:
         result[f"{prefix}collaborative_ms"] = round(ms[("collaborative", donate)], 4)
         result[f"{prefix}plain_ms"] = round(ms[("plain", donate)], 4)
         result[f"{prefix}multisteps_ms"] = round(ms[("multisteps", donate)], 4)
+        result[f"{prefix}keep_ms"] = round(ms[("keep_in_step", donate)], 4)
+        result[f"{prefix}keep_overhead_pct"] = round(overhead(donate, "keep_in_step"), 2)
+        result[f"{prefix}keep_paired_overhead_pct"] = round(
+            paired_overhead(donate, "keep_in_step"), 2
+        )
         result[f"{prefix}overhead_pct"] = round(overhead(donate), 2)
         result[f"{prefix}paired_overhead_pct"] = round(paired_overhead(donate), 2)
         result[f"{prefix}collaborative_cpu_ms"] = round(cpu_ms[("collaborative", donate)], 4)

@@ -123,7 +123,7 @@ class PeerProgress:
         )
 
 
-MAX_TARGET = 1 << 30  # samples per step a record may name
+MAX_TARGET = 1 << 53  # samples per step a record may name (exact in a float)
 MAX_LINEAGE = 4  # ancestors a state names (dedloc_jax.lineage.LINEAGE)
 MAX_DIGEST = 64
 

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import functools
 import threading
 
 import jax
@@ -311,3 +312,45 @@ def test_donated_step_that_does_not_average_copies_no_parameter_sized_array() ->
     for k in params:
         np.testing.assert_array_equal(new_params[k], params[k])
     assert int(state.samples) == 8 and float(jnp.abs(state.grad_sum["w"]).sum()) > 0
+
+
+def test_the_portable_host_callback_steps_like_the_cpu_buffer_views() -> None:
+    """On GPU and TPU the jitted step reaches the host with ``jax.pure_callback`` (XLA's GPU
+    buffers are no NumPy views, and TPUs cannot lower ``buffer_callback``); forced here on the
+    CPU, it gives bit-identical results, and "auto" picks the buffer views on CPU."""
+    import importlib
+
+    module = importlib.import_module("dedloc_jax.collaborative")
+
+    x, y = _data(48)
+
+    def train(callback: str) -> tuple:
+        group = LockstepGroup(1, target_batch_size=12)
+        tx = collaborative(_inner(), group.peer(0), target_batch_size=12, callback=callback)
+        params = _init_params()
+        state = tx.init(params)
+
+        @functools.partial(jax.jit, donate_argnums=(0, 1))
+        def step(params, state, xb, yb):
+            grads = jax.grad(_loss)(params, xb, yb)
+            updates, state = tx.update(grads, state, params, batch_size=xb.shape[0])
+            return optax.apply_updates(params, updates), state
+
+        text = step.lower(params, state, x[:4], y[:4]).as_text()
+        for i in range(0, 44, 4):
+            params, state = step(params, state, x[i : i + 4], y[i : i + 4])
+        return jax.device_get((params, state)), group.averagings, text
+
+    pure, pure_avg, pure_text = train("pure")
+    views, views_avg, views_text = train("buffer")
+    auto, _, auto_text = train("auto")
+    assert pure_avg == views_avg == 3
+    leaves = (jax.tree.leaves(pure), jax.tree.leaves(views), jax.tree.leaves(auto))
+    for a, b, c in zip(*leaves, strict=True):
+        np.testing.assert_array_equal(a, b)
+        np.testing.assert_array_equal(a, c)
+    # The lowered programs differ in the callback they call; auto on CPU is the buffer one.
+    assert pure_text != views_text and auto_text == views_text
+    assert module._buffer_views_work() is (jax.default_backend() == "cpu")
+    with pytest.raises(ValueError, match="callback"):
+        collaborative(_inner(), LockstepGroup(1, 4).peer(0), target_batch_size=4, callback="x")

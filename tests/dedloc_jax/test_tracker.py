@@ -290,3 +290,49 @@ def test_a_failed_read_keeps_the_last_progress_table() -> None:
             nursery.cancel_scope.cancel()
 
     run_sim(main)
+
+
+def test_the_target_is_the_transforms_and_peers_that_disagree_are_named(caplog) -> None:
+    """With no target configured, a tracker trains toward the one the transform gives and
+    publishes it; a configured one that differs is a ValueError naming both; a peer that sets
+    none (an aux peer) follows the trainers' target; a trainer warns about a peer that trains
+    toward another target, naming both values."""
+    import logging
+
+    config = CollaborationConfig.local_demo(target_batch_size=None).replace(max_refresh=1.0)
+
+    async def main() -> None:
+        net = SimNetwork(seed=2)
+        async with open_sim_dhts(net, 3, latency=0.005) as peers, trio.open_nursery() as nursery:
+            trackers = []
+            for i, (_, dht) in enumerate(peers):
+                tracker = ProgressTracker(dht, "run", config, "aux" if i == 2 else "node")
+                await nursery.start(tracker.run)
+                trackers.append(tracker)
+            assert trackers[0].target is None
+            trackers[0].use_target(128)
+            trackers[1].use_target(96)
+            with pytest.raises(ValueError, match="96.*128|128.*96"):
+                trackers[0].use_target(96)
+            for tracker in trackers[:2]:
+                tracker.report(0, 8, 8)
+            await trio.sleep(3 * config.max_refresh)
+            assert trackers[0].current_estimate().target == 128
+            assert trackers[2].target in (96, 128)  # the trainers' (here they disagree)
+            nursery.cancel_scope.cancel()
+
+    with caplog.at_level(logging.WARNING, logger="dedloc_jax.tracker"):
+        run_sim(main)
+    named = [r.getMessage() for r in caplog.records if "target_batch_size" in r.getMessage()]
+    assert any("96" in m and "128" in m for m in named)
+
+
+def test_a_collaboration_configured_with_another_target_refuses_the_transforms() -> None:
+    import optax
+
+    import dedloc_jax
+
+    collab = dedloc_jax.Collaboration("t", config=CollaborationConfig(target_batch_size=4096))
+    with pytest.raises(ValueError, match="128.*4096"):
+        dedloc_jax.collaborative(optax.sgd(0.1), collab, target_batch_size=128)
+    dedloc_jax.collaborative(optax.sgd(0.1), collab, target_batch_size=4096)  # agrees: fine
