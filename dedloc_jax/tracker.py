@@ -424,11 +424,12 @@ class ProgressTracker:
                 # Averaging: our record is final (rate zero) and set_epoch wakes us when the
                 # round ends, so a slow pace saves the DHT from every peer polling at once.
                 delay = self.config.max_refresh
-            elif self._rates_unknown():
-                delay = self.config.min_refresh  # nothing to extrapolate from: read often
             else:
+                est = self.current_estimate()
+                if self._rates_unknown():  # nothing to extrapolate from: read as if near
+                    est = dataclasses.replace(est, eta=0.0)
                 delay = refresh_delay(
-                    self.current_estimate(),
+                    est,
                     min_delay=self.config.min_refresh,
                     max_delay=self.config.max_refresh,
                     crowd=self.dht.config.replication,  # readers the key's replicas serve
