@@ -21,6 +21,7 @@ source fails with :class:`SourceUnavailableError` and a hint.
 from __future__ import annotations
 
 import importlib
+import itertools
 import logging
 import math
 from collections.abc import Iterable, Iterator
@@ -236,17 +237,33 @@ def stream_documents(
         yield next(streams[int(rng.choice(len(streams), p=weights))])
 
 
+def sample_documents(specs: Iterable[SourceSpec], count: int, *, seed: int) -> list[str]:
+    """Up to ``count`` documents, each source's share by weight, from one pass of each (for
+    training a tokenizer: a small file is read once, not cycled up to ``count``)."""
+    specs = tuple(specs)
+    total = sum(s.weight for s in specs)
+    out: list[str] = []
+    for i, spec in enumerate(specs):
+        share = math.ceil(count * spec.weight / total)
+        out.extend(
+            itertools.islice(_one_pass(spec, seed=seed + 7919 * i, epoch=0, buffer=1024), share)
+        )
+    return out
+
+
+def _one_pass(spec: SourceSpec, *, seed: int, epoch: int, buffer: int) -> Iterator[str]:
+    if spec.kind is SourceKind.TEXT:
+        rng = np.random.default_rng([seed, epoch])
+        return _shuffle_docs(_text_pass(spec, rng), buffer, rng)
+    return _dataset_pass(spec, seed=seed, epoch=epoch, buffer=buffer)
+
+
 def _endless(spec: SourceSpec, *, seed: int, buffer: int) -> Iterator[str]:
     """One source, pass after pass (each in a new order)."""
     passes = 0
     while True:
         produced = False
-        if spec.kind is SourceKind.TEXT:
-            rng = np.random.default_rng([seed, passes])
-            docs = _shuffle_docs(_text_pass(spec, rng), buffer, rng)
-        else:
-            docs = _dataset_pass(spec, seed=seed, epoch=passes, buffer=buffer)
-        for doc in docs:
+        for doc in _one_pass(spec, seed=seed, epoch=passes, buffer=buffer):
             produced = True
             yield doc
         if not produced:
