@@ -89,6 +89,8 @@ class Coordinator:
         self.started = time.monotonic()
         self.newest_epoch = 0  # the highest collaboration epoch seen (the estimate may fall back)
         self.final_seen_at: float | None = None  # when the run reached ``exit_after_epoch``
+        self.manifest: Any = None  # the run manifest published (run() sets it)
+        self._republish: tuple[float, dict, Path] | None = None  # when, envelope, tokenizer
 
     def run(self) -> dict[str, Any]:
         from examples.sahajbert import manifest
@@ -127,10 +129,11 @@ class Coordinator:
 
     def _poll(self, collab: Any, dash: Dashboard, addrs: list[str]) -> dict[str, Any]:
         while True:
-            stored_at, envelope, tok_file = self._republish
-            if time.monotonic() - stored_at > trainer.MANIFEST_TTL / 4:  # before it lapses
-                trainer.serve_manifest(collab, envelope, tok_file)
-                self._republish = (time.monotonic(), envelope, tok_file)
+            if self._republish is not None:
+                stored_at, envelope, tok_file = self._republish
+                if time.monotonic() - stored_at > trainer.MANIFEST_TTL / 4:  # before it lapses
+                    trainer.serve_manifest(collab, envelope, tok_file)
+                    self._republish = (time.monotonic(), envelope, tok_file)
             records = self._fetch(collab)
             est = collab.estimate
             now = time.time()
@@ -249,8 +252,8 @@ class Coordinator:
         ]
         return {
             "run_id": self.cfg.run_id,
-            "manifest": self.manifest.digest,
-            "tokenizer_sha256": self.manifest.tokenizer_sha256,
+            "manifest": self.manifest.digest if self.manifest else None,
+            "tokenizer_sha256": self.manifest.tokenizer_sha256 if self.manifest else None,
             "target_batch_size": self.cfg.target_batch_size,
             "estimate": {
                 "epoch": est.epoch,
