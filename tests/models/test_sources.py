@@ -45,8 +45,11 @@ def test_parse_data_names_both_layouts_datasets_and_the_mix(tmp_path):
     assert specs[-1].name == "bn" and specs[-1].path == "x/y"
     hf = parse_data("hf")
     assert hf == SAHAJBERT_SOURCES and [s.weight for s in hf] == [0.23, 0.77]
-    assert {(s.path, s.name) for s in hf} == {
-        ("wikimedia/wikipedia", "20231101.bn"), ("HuggingFaceFW/fineweb-2", "ben_Beng")}  # fmt: skip
+    names = {(s.path, s.name) for s in hf}
+    assert names == {
+        ("wikimedia/wikipedia", "20231101.bn"),
+        ("HuggingFaceFW/fineweb-2", "ben_Beng"),
+    }
     with pytest.raises(ValueError, match="2 weights for 1 sources"):
         parse_data("a.txt", "1,2")
     for bad in ("nan", "-1", "0", "x"):
@@ -82,9 +85,9 @@ def test_a_local_parquet_dataset_streams_mixed_with_text_by_weight(tmp_path):
                        tmp_path / "wiki" / f"part-{k}.parquet")  # fmt: skip
     text = _text(tmp_path, "web.txt", web)
     specs = parse_data(f"{tmp_path / 'wiki'},{text}", "0.23,0.77")
-    got = list(itertools.islice(stream_documents(specs, seed=5, shuffle_buffer=16), 1000))
+    got = list(itertools.islice(stream_documents(specs, seed=5, shuffle_buffer=16), 400))
     share = sum(d.startswith("উইকি") for d in got) / len(got)
-    assert 0.18 < share < 0.28, share
+    assert 0.15 < share < 0.31, share
     assert set(d for d in got if d.startswith("উইকি")) <= set(wiki)
     other = list(itertools.islice(stream_documents(specs, seed=6, shuffle_buffer=16), 50))
     assert other != got[:50]  # another peer, another order
