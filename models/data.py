@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import itertools
 import logging
+import os
 import re
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -39,6 +41,7 @@ from models.tokenizer import (
 logger = logging.getLogger(__name__)
 
 IGNORE_INDEX = -100
+NO_PAIR_LIMIT = 10_000  # documents a stream may yield without a single pair
 BATCH_KEYS: tuple[str, ...] = (
     "input_ids",
     "attention_mask",
@@ -107,7 +110,9 @@ class TokenizedCorpus:
     def save(self, path: str | Path) -> Path:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        with path.open("wb") as f:  # a file object keeps numpy from appending ".npz"
+        # Written aside and renamed: peers sharing a work directory build the same cache at once.
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        with tmp.open("wb") as f:  # a file object keeps numpy from appending ".npz"
             np.savez(
                 f,
                 tokens=self.tokens,
@@ -117,6 +122,7 @@ class TokenizedCorpus:
                 tokenizer_fingerprint=np.str_(self.tokenizer_fingerprint),
                 texts_fingerprint=np.str_(self.texts_fingerprint),
             )
+        os.replace(tmp, path)
         return path
 
     @classmethod
@@ -466,6 +472,63 @@ def _pair_stream(
             raise ValueError("the corpus yielded no sentence pairs in a whole epoch")
 
 
+def streaming_batches(
+    documents: Iterator[str],
+    tokenizer,
+    *,
+    batch_size: int,
+    seed: int,
+    peer_seed: int = 0,
+    config: PretrainingConfig | None = None,
+    vocab_size: int | None = None,
+    chunk_documents: int = 64,
+) -> Iterator[dict[str, np.ndarray]]:
+    """:func:`pretraining_batches` for a stream of raw documents, tokenized on the fly.
+
+    Documents are read ``chunk_documents`` at a time, split into sentences and tokenized, and
+    their pairs pass through the shuffle buffer: memory holds one chunk and one buffer, never
+    the corpus.
+    """
+    config = config or PretrainingConfig()
+    if batch_size < 1:
+        raise ValueError("batch_size must be >= 1")
+    vocab_size = vocab_size or len(tokenizer)
+    rng = np.random.default_rng([seed, peer_seed])
+    pairs = _shuffled(_stream_pairs(documents, tokenizer, config, rng, chunk_documents),
+                      config.shuffle_buffer, rng)  # fmt: skip
+    return _batches_of(pairs, config, batch_size, vocab_size, rng)
+
+
+def _stream_pairs(
+    documents: Iterator[str],
+    tokenizer,
+    config: PretrainingConfig,
+    rng: np.random.Generator,
+    chunk_documents: int,
+) -> Iterator[tuple[np.ndarray, np.ndarray, int]]:
+    seen = read = 0
+    while True:
+        docs = [split_sentences(d) for d in itertools.islice(documents, chunk_documents)]
+        read += len(docs)
+        if not docs:
+            return
+        flat = [s for doc in docs for s in doc]
+        ids = encode_batch(tokenizer, flat) if flat else []
+        k = 0
+        for doc in docs:
+            sentences = [np.asarray(t, np.int32) for t in ids[k : k + len(doc)] if t]
+            k += len(doc)
+            for pair in document_pairs(sentences, config, rng):
+                seen += 1
+                yield pair
+        # an endless stream of one-sentence documents would otherwise never yield a batch
+        if not seen and (len(docs) < chunk_documents or read >= NO_PAIR_LIMIT):
+            raise ValueError(
+                f"no sentence-order pair in the first {read} documents: does any have two "
+                "sentences (ended by a danda, '?' or '!')?"
+            )
+
+
 def _batches(
     corpus: TokenizedCorpus,
     config: PretrainingConfig,
@@ -473,7 +536,16 @@ def _batches(
     vocab_size: int,
     rng: np.random.Generator,
 ) -> Iterator[dict[str, np.ndarray]]:
-    pairs = _pair_stream(corpus, config, rng)
+    return _batches_of(_pair_stream(corpus, config, rng), config, batch_size, vocab_size, rng)
+
+
+def _batches_of(
+    pairs: Iterator[tuple[np.ndarray, np.ndarray, int]],
+    config: PretrainingConfig,
+    batch_size: int,
+    vocab_size: int,
+    rng: np.random.Generator,
+) -> Iterator[dict[str, np.ndarray]]:
     shape = (batch_size, config.seq_len)
     while True:
         input_ids = np.empty(shape, np.int32)

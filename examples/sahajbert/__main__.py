@@ -27,8 +27,9 @@ from examples.sahajbert.config import (
     NetConfig,
     TrainerConfig,
 )
+from models.sources import DATA_HELP
 
-ROLES = ("demo", "trainer", "coordinator", "aux", "finetune", "export", "invite")
+ROLES = ("demo", "prepare", "trainer", "coordinator", "aux", "finetune", "export", "invite")
 
 
 def _announce_addr(text: str) -> str:
@@ -155,11 +156,12 @@ def _add_model_options(p: argparse.ArgumentParser, d: TrainerConfig) -> None:
         help="micro-batches whose gradients are summed locally per report",
     )
     g.add_argument("--seq-length", type=int, default=d.seq_length, help="tokens per example")
+    g.add_argument("--data", default=d.data, help=f"{DATA_HELP}; unset: the synthetic corpus")
     g.add_argument(
-        "--data",
-        default=d.data,
-        help="comma-separated local text files (one document per line), or 'hf' for Bengali "
-        "Wikipedia + OSCAR from Hugging Face datasets; unset: the synthetic Bengali corpus",
+        "--data-mix",
+        default=d.data_mix,
+        metavar="W1,W2,...",
+        help="weights of the --data sources, one each (unset: equal, or sahajBERT's for 'hf')",
     )
     g.add_argument(
         "--tokenizer", default=d.tokenizer, help="a saved tokenizer directory (unset: train one)"
@@ -203,6 +205,12 @@ def _add_coordinator_options(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--dashboard-port", type=int, default=0, help="dashboard port (0: any)")
     g.add_argument("--addr-file", type=Path, help="write the coordinator's addresses here")
+    g.add_argument(
+        "--manifest",
+        type=Path,
+        metavar="RUN_DIR",
+        help="publish the run `prepare` wrote there (unset: prepare it now, into OUT/run)",
+    )
 
 
 FINETUNE_FORMAT = """\
@@ -243,7 +251,8 @@ def _add_finetune_options(p: argparse.ArgumentParser) -> None:
 
 USAGE = """\
 python -m examples.sahajbert                       # local demo: coordinator + 3 trainers
-python -m examples.sahajbert coordinator           # start a run (prints the address to join)
+python -m examples.sahajbert prepare --out RUN     # the organiser: tokenizer + run manifest
+python -m examples.sahajbert coordinator --manifest RUN  # start it (prints the address to join)
 python -m examples.sahajbert --initial-peers ADDR  # join it as a trainer (default role)
 python -m examples.sahajbert aux --initial-peers ADDR
 python -m examples.sahajbert finetune --task ner --checkpoint DIR
@@ -274,7 +283,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo.add_argument("--out", type=Path, help="logs and metrics (unset: WORK_DIR/demo)")
     _add_model_options(demo, TrainerConfig.demo())
-    trainer = role("trainer", "join a run and train (a volunteer's role)")
+    prep = role(
+        "prepare",
+        "the organiser's, once: train the tokenizer and write the run manifest (model, "
+        "tokenizer, data recipe, target batch, optimizer, codec) for `coordinator --manifest`",
+    )
+    _add_common(prep)
+    _add_model_options(prep, TrainerConfig())
+    prep.add_argument("--out", type=Path, required=True, help="the run directory to write")
+    trainer = role(
+        "trainer",
+        "join a run and train (a volunteer's role): the run's model, tokenizer and data come "
+        "from its manifest; pass only --initial-peers and this machine's options",
+    )
     _add_common(trainer)
     _add_net_options(trainer)
     _add_private_options(trainer, owner=False)
@@ -332,6 +353,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return build_parser().parse_args([rest[0], *flags, *rest[1:]])
 
 
+def explicit_flags(argv: list[str] | None = None) -> set[str]:
+    """The long options written on the command line (``--flag`` or ``--flag=value``)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    return {a.split("=", 1)[0] for a in argv if a.startswith("--")}
+
+
 def trainer_config(args: argparse.Namespace, base: TrainerConfig | None = None) -> TrainerConfig:
     """``TrainerConfig`` from a role's parsed options (their defaults are ``base``'s values:
     :class:`TrainerConfig`'s, the demo's for the demo)."""
@@ -349,6 +376,7 @@ def trainer_config(args: argparse.Namespace, base: TrainerConfig | None = None) 
         grad_accumulation=args.grad_accumulation,
         seq_length=args.seq_length,
         data=args.data,
+        data_mix=args.data_mix,
         tokenizer=args.tokenizer,
         max_epochs=args.max_epochs,
         optimizer=opt,
@@ -385,6 +413,30 @@ def net_config(args: argparse.Namespace) -> NetConfig:
         invitation=access.invitation,
         robust_tau=args.robust_tau,
     )
+
+
+def join_run(cfg: TrainerConfig, net: NetConfig, explicit: set[str]) -> tuple[TrainerConfig, tuple]:
+    """``cfg`` with the run manifest's settings, fetched from the initial peers (ManifestError
+    when there is none, it is not validly signed, or an explicit option contradicts it; a
+    FileNotFoundError when the run's local data is not here)."""
+    from examples.sahajbert import manifest, training
+    from models.tokenizer import load_tokenizer
+
+    got, envelope, tok_dir = manifest.fetch(
+        net.initial_peers, run_id=cfg.run_id, work_dir=cfg.work_dir, owner=net.owner_public_key
+    )
+    manifest.check(got, cfg, explicit)
+    cfg = manifest.apply(got, cfg, tok_dir)
+    if len(load_tokenizer(tok_dir)) != got.vocab_size:
+        raise manifest.ManifestError(f"the run's tokenizer does not have {got.vocab_size} pieces")
+    try:
+        training.sources(cfg)
+    except FileNotFoundError as e:
+        raise FileNotFoundError(
+            f"{e}: the run trains on local files; pass --data with the paths of your copies "
+            f"(the run's: {got.data_flag()[0]}, mix {got.data_flag()[1]})"
+        ) from None
+    return cfg, (envelope, tok_dir / manifest.TOKENIZER_FILE)
 
 
 def inv_owner_hex(owner_key: Path) -> str:
@@ -448,18 +500,38 @@ def main(argv: list[str] | None = None) -> int:
     from examples.sahajbert.private import PrivateRunError
 
     cfg = trainer_config(args)
+    if role == "prepare":
+        from examples.sahajbert.coordinator import prepare
+
+        try:
+            made, _ = prepare(cfg, args.out)
+        except (FileNotFoundError, ValueError) as e:
+            print(f"prepare: {e}", file=sys.stderr)
+            return 2
+        print(
+            f"wrote {args.out}: run {made.run_id!r}, manifest {made.digest[:16]}, "
+            f"tokenizer sha256 {made.tokenizer_sha256[:16]} ({made.vocab_size} pieces)"
+        )
+        print(f"start it with: python -m examples.sahajbert coordinator --manifest {args.out}")
+        return 0
     try:
         net = net_config(args)
     except PrivateRunError as e:
         print(f"{role}: {e}", file=sys.stderr)
         return 2
+    if role in ("trainer", "aux"):
+        if not net.initial_peers:
+            print(f"a {role} needs --initial-peers (start a coordinator first)", file=sys.stderr)
+            return 2
+        try:
+            cfg, run_manifest = join_run(cfg, net, explicit_flags(argv))
+        except (RuntimeError, FileNotFoundError, ValueError) as e:
+            print(f"{role}: {e}", file=sys.stderr)
+            return 2
     if role == "trainer":
         from examples.sahajbert.trainer import run_trainer
 
-        if not net.initial_peers:
-            print("a trainer needs --initial-peers (start a coordinator first)", file=sys.stderr)
-            return 2
-        result = run_trainer(cfg, net, final_params=args.save_final)
+        result = run_trainer(cfg, net, final_params=args.save_final, run_manifest=run_manifest)
         print(f"stopped at epoch {result.epoch} after {result.samples} samples")
         return 0
     if role == "coordinator":
@@ -476,7 +548,17 @@ def main(argv: list[str] | None = None) -> int:
             dashboard_port=args.dashboard_port,
             exit_after_epoch=cfg.max_epochs,
             addr_file=args.addr_file,
+            manifest_dir=args.manifest,
         )
+        if args.manifest is not None:
+            from examples.sahajbert import manifest
+
+            try:
+                prepared, _ = manifest.load(args.manifest)
+                manifest.check(prepared, cfg, explicit_flags(argv) - {"--tokenizer"})
+            except manifest.ManifestError as e:
+                print(f"coordinator: {e}", file=sys.stderr)
+                return 2
         try:
             run_coordinator(cfg, net, opts)
         except FinalStateMissing as e:

@@ -35,8 +35,11 @@ def run_aux(cfg: TrainerConfig, net: NetConfig) -> int:
     if net.client_mode:
         raise ValueError("an aux peer must be reachable: it cannot run in client mode")
     training.enable_compilation_cache(cfg.work_dir / "jax-cache")
-    tokenizer, _ = training.prepare_data(cfg)
-    model_cfg = training.model_config(cfg.model, len(tokenizer), cfg.seq_length, cfg.bf16)
+    from models.tokenizer import load_tokenizer
+
+    # cfg carries the run manifest's settings and tokenizer (the CLI fetched them)
+    vocab = len(load_tokenizer(training.tokenizer_dir(cfg)))
+    model_cfg = training.model_config(cfg.model, vocab, cfg.seq_length, cfg.bf16)
     _, params, _ = training.build_model(model_cfg, seed=cfg.seed)
     template = [np.zeros(np.shape(x), np.float32) for x in jax.tree.leaves(params)]
     collab = trainer.open_collaboration(cfg, net, mode="aux")

@@ -61,8 +61,11 @@ class TrainerConfig:
     bf16: bool = False
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     work_dir: Path = DEFAULT_WORK_DIR
-    data: str | None = None  # local text files (comma-separated) or "hf" for Wikipedia+OSCAR
+    data: str | None = None  # --data sources (models.sources.parse_data); None: synthetic corpus
+    data_mix: str | None = None  # --data-mix weights, one per source (None: the default mix)
     tokenizer: str | None = None  # a saved tokenizer directory; default: work_dir/tokenizer
+    codec: str | None = None  # gradients on the wire (None: the model preset's)
+    masking: tuple[tuple[str, float], ...] = ()  # PretrainingConfig overrides (the manifest's)
     max_epochs: int | None = None  # stop after this collaboration epoch (None: run forever)
     step_delay: float = 0.0  # seconds slept per micro-step: simulates a slower device
     wait_for_trainers: int = 0  # before the first step, wait (<= 60 s) for this many other trainers

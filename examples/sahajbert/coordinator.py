@@ -42,6 +42,7 @@ class CoordinatorOptions:
     final_wait: float = 120.0  # seconds to try for that epoch's state once the run reached it
     read_timeout: float = 10.0  # one DHT read or write of the poll loop
     addr_file: Path | None = None  # write our dialable addresses here (for scripts)
+    manifest_dir: Path | None = None  # a prepared run (`prepare`); None: prepare it in out_dir/run
 
 
 class FinalStateMissing(RuntimeError):
@@ -88,16 +89,32 @@ class Coordinator:
         self.started = time.monotonic()
         self.newest_epoch = 0  # the highest collaboration epoch seen (the estimate may fall back)
         self.final_seen_at: float | None = None  # when the run reached ``exit_after_epoch``
+        self.manifest: Any = None  # the run manifest published (run() sets it)
+        self._republish: tuple[float, dict, Path] | None = None  # when, envelope, tokenizer
 
     def run(self) -> dict[str, Any]:
+        from examples.sahajbert import manifest
+
         training.enable_compilation_cache(self.cfg.work_dir / "jax-cache")
-        tokenizer, _ = training.prepare_data(self.cfg)
+        run_manifest, tok_dir = prepare_run(self.cfg, self.opts)
+        self.cfg = manifest.apply(run_manifest, self.cfg, tok_dir)
+        self.manifest = run_manifest
         self.model_cfg = training.model_config(
-            self.cfg.model, len(tokenizer), self.cfg.seq_length, self.cfg.bf16
+            self.cfg.model, run_manifest.vocab_size, self.cfg.seq_length, self.cfg.bf16
         )
         _, params, _ = training.build_model(self.model_cfg, seed=self.cfg.seed)
         collab = trainer.open_collaboration(self.cfg, self.net, mode="aux")
         try:
+            envelope = collab.run_async(lambda core: _signed(run_manifest, core.node.identity))
+            tok_file = tok_dir / manifest.TOKENIZER_FILE
+            trainer.serve_manifest(collab, envelope, tok_file)
+            self._republish = (time.monotonic(), envelope, tok_file)
+            log.info(
+                "run manifest %s: model %s, vocabulary %d (tokenizer sha256 %s), seq %d, "
+                "target batch %d", run_manifest.digest[:16], run_manifest.model,
+                run_manifest.vocab_size, run_manifest.tokenizer_sha256, run_manifest.seq_length,
+                run_manifest.target_batch_size,
+            )  # fmt: skip
             tx = training.make_optimizer(self.cfg.optimizer, collab, self.cfg.target_batch_size)
             self.template = (params, tx.init(params))
             addrs = trainer.dialable(collab)
@@ -112,6 +129,11 @@ class Coordinator:
 
     def _poll(self, collab: Any, dash: Dashboard, addrs: list[str]) -> dict[str, Any]:
         while True:
+            if self._republish is not None:
+                stored_at, envelope, tok_file = self._republish
+                if time.monotonic() - stored_at > trainer.MANIFEST_TTL / 4:  # before it lapses
+                    trainer.serve_manifest(collab, envelope, tok_file)
+                    self._republish = (time.monotonic(), envelope, tok_file)
             records = self._fetch(collab)
             est = collab.estimate
             now = time.time()
@@ -230,6 +252,8 @@ class Coordinator:
         ]
         return {
             "run_id": self.cfg.run_id,
+            "manifest": self.manifest.digest if self.manifest else None,
+            "tokenizer_sha256": self.manifest.tokenizer_sha256 if self.manifest else None,
             "target_batch_size": self.cfg.target_batch_size,
             "estimate": {
                 "epoch": est.epoch,
@@ -246,6 +270,34 @@ class Coordinator:
             "addrs": addrs,
             "uptime": time.monotonic() - self.started,
         }
+
+
+async def _signed(run_manifest: Any, identity: Any) -> dict:
+    from examples.sahajbert import manifest
+
+    return manifest.sign(run_manifest, identity)
+
+
+def prepare_run(cfg: TrainerConfig, opts: CoordinatorOptions) -> tuple[Any, Path]:
+    """The run's manifest and tokenizer directory: ``opts.manifest_dir``'s (prepared before),
+    or prepared now from ``cfg`` into ``out_dir/run`` (the tokenizer trained once, here)."""
+    from examples.sahajbert import manifest
+
+    if opts.manifest_dir is not None:
+        return manifest.load(opts.manifest_dir)
+    return prepare(cfg, opts.out_dir / "run")
+
+
+def prepare(cfg: TrainerConfig, out_dir: Path) -> tuple[Any, Path]:
+    """Train (or take ``--tokenizer``'s) tokenizer once and write ``out_dir/manifest.json``
+    and ``out_dir/tokenizer/``: what ``coordinator --manifest DIR`` publishes."""
+    from examples.sahajbert import manifest
+
+    tokenizer, tok_dir = training.prepare_tokenizer(cfg)
+    codec = trainer.collaboration_config(cfg).codec
+    made = manifest.build(cfg, tok_dir / manifest.TOKENIZER_FILE, len(tokenizer), codec)
+    manifest.save(made, tok_dir / manifest.TOKENIZER_FILE, out_dir)
+    return made, out_dir / "tokenizer"
 
 
 def run_coordinator(cfg: TrainerConfig, net: NetConfig, opts: CoordinatorOptions) -> dict:

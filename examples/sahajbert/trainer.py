@@ -27,6 +27,7 @@ from examples.sahajbert.config import NetConfig, TrainerConfig
 log = logging.getLogger(__name__)
 
 METRICS_TTL = 30.0
+MANIFEST_TTL = 3600.0  # the coordinator stores it again well before it lapses
 
 
 def collaboration_config(cfg: TrainerConfig, mode: str | None = None) -> Any:
@@ -39,6 +40,8 @@ def collaboration_config(cfg: TrainerConfig, mode: str | None = None) -> Any:
         base = CollaborationConfig.local_demo(cfg.target_batch_size)
     else:
         base = CollaborationConfig.sahajbert().replace(target_batch_size=cfg.target_batch_size)
+    if cfg.codec is not None:  # the run manifest's
+        base = base.replace(codec=cfg.codec)
     return base.replace(mode=mode) if mode else base
 
 
@@ -65,6 +68,17 @@ def open_collaboration(cfg: TrainerConfig, net: NetConfig, mode: str | None = No
     for addr in collab.addrs:  # what the DHT and the run's records carry (the announced ones)
         log.info("peer %s reachable at %s", collab.peer_id, addr)
     return collab
+
+
+def serve_manifest(collab: Any, envelope: dict, tokenizer_file: Path) -> None:
+    """Serve the run's manifest and tokenizer from this peer (and store the manifest in its
+    DHT slot); a failed store is logged, the RPCs serve all the same."""
+    from examples.sahajbert import manifest
+
+    try:
+        collab.run_async(lambda c: manifest.serve(c, envelope, tokenizer_file, MANIFEST_TTL))
+    except (RuntimeError, ValueError) as e:  # P2PError is a RuntimeError
+        log.warning("could not publish the run manifest: %s", e)
 
 
 def dialable(collab: Any) -> list[str]:
@@ -106,18 +120,27 @@ def run_trainer(
     *,
     final_params: Path | None = None,
     linger: float = 120.0,
+    run_manifest: tuple[dict, Path] | None = None,
 ) -> TrainerResult:
-    """Train until ``cfg.max_epochs`` (forever when None); see the module docstring."""
+    """Train until ``cfg.max_epochs`` (forever when None); see the module docstring.
+
+    ``run_manifest``: the run's signed manifest and its tokenizer file, served on to peers
+    that join through this one (:mod:`examples.sahajbert.manifest`)."""
 
     import dedloc_jax
 
     training.enable_compilation_cache(cfg.work_dir / "jax-cache")
     tokenizer, corpus = training.prepare_data(cfg)
+    if isinstance(corpus, tuple):  # sources, streamed in this peer's own order
+        mix = ", ".join(f"{s.describe()} (weight {s.weight:g})" for s in corpus)
+        log.info("streaming %s, tokenized on the fly", mix)
     vocab = len(tokenizer)
     model_cfg = training.model_config(cfg.model, vocab, cfg.seq_length, cfg.bf16)
     graphdef, params, rest = training.build_model(model_cfg, seed=cfg.seed)
     collab = open_collaboration(cfg, net)
     try:
+        if run_manifest is not None:
+            serve_manifest(collab, *run_manifest)
         inner = training.jitted_inner(cfg.optimizer)
         tx = training.make_optimizer(cfg.optimizer, collab, cfg.target_batch_size, inner=inner)
         opt_state = tx.init(params)

@@ -10,8 +10,10 @@ epoch. Clipping sits inside :func:`dedloc_jax.collaborative`, so it acts on the 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
+import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -33,50 +35,78 @@ TOKENIZER_VOCAB = 32000  # sahajBERT's size; a small corpus yields fewer pieces
 
 
 # ------------------------------------------------------------------------------------ data
-def _texts(cfg: TrainerConfig) -> tuple[list[str], Path]:
-    """Documents to train on, and the cache directory that belongs to them."""
+TOKENIZER_DOCUMENTS = 200_000  # documents of a streamed corpus the organiser's tokenizer sees
+
+
+def _synthetic_texts(cfg: TrainerConfig) -> list[str]:
+    from models.corpus import write_corpus
     from models.sources import read_local_documents
 
+    path = cache_dir(cfg) / "corpus.txt"
+    if not path.is_file():
+        log.info("writing the synthetic Bengali corpus to %s (once)", path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".corpus.{os.getpid()}.tmp")
+        write_corpus(tmp, SYNTHETIC_DOCUMENTS, seed=0)
+        os.replace(tmp, path)
+    return read_local_documents(path)
+
+
+def sources(cfg: TrainerConfig) -> Any:
+    """The ``--data`` sources (None: the synthetic corpus); FileNotFoundError naming a local
+    one that is missing here."""
+    from models.sources import check_local, parse_data
+
     if cfg.data is None:
-        from models.corpus import write_corpus
+        return None
+    specs = parse_data(cfg.data, cfg.data_mix)
+    check_local(specs)
+    return specs
 
-        cache = cache_dir(cfg)
-        path = cache / "corpus.txt"
-        if not path.is_file():
-            log.info("writing the synthetic Bengali corpus to %s (once)", path)
-            write_corpus(path, SYNTHETIC_DOCUMENTS, seed=0)
-        return read_local_documents(path), cache
-    if cfg.data == "hf":
-        import itertools
 
-        from models.sources import stream_hf_documents
+def prepare_tokenizer(cfg: TrainerConfig, documents: int = TOKENIZER_DOCUMENTS) -> tuple[Any, Path]:
+    """The organiser's tokenizer: ``--tokenizer`` if given, else the one trained once (on
+    the synthetic corpus, or the first ``documents`` of the streamed data) and kept in the
+    work directory. Returns ``(tokenizer, directory)``. Volunteers never call this."""
+    from models.sources import sample_documents
+    from models.tokenizer import load_tokenizer, train_tokenizer
 
-        docs = list(itertools.islice(stream_hf_documents(seed=cfg.seed), 100_000))
-        return docs, cache_dir(cfg)
-    files = [Path(p) for p in cfg.data.split(",") if p]
-    return read_local_documents(files), cache_dir(cfg)
+    if cfg.tokenizer:
+        return load_tokenizer(cfg.tokenizer), Path(cfg.tokenizer)
+    tok_dir = cache_dir(cfg) / "tokenizer"
+    if (tok_dir / "tokenizer.json").is_file():
+        return load_tokenizer(tok_dir), tok_dir
+    specs = sources(cfg)
+    if specs is None:
+        texts: Any = _synthetic_texts(cfg)
+    else:
+        texts = sample_documents(specs, documents, seed=cfg.seed)
+        log.info("training the tokenizer on %d documents of the data", len(texts))
+    return train_tokenizer(texts, TOKENIZER_VOCAB, tok_dir), tok_dir
 
 
 def prepare_data(cfg: TrainerConfig) -> tuple[Any, Any]:
-    """``(tokenizer, tokenized corpus)``, built once and cached under the work directory."""
-    from models.data import load_or_tokenize, prepare_pretraining_data
-    from models.tokenizer import load_tokenizer
+    """``(tokenizer, corpus)``: the tokenized synthetic corpus (cached under the work
+    directory), or, for ``--data``, the sources to stream (tokenized on the fly).
 
-    texts, cache = _texts(cfg)
-    if cfg.tokenizer:
-        tokenizer = load_tokenizer(cfg.tokenizer)
-        return tokenizer, load_or_tokenize(cache / "corpus-custom-tokenizer.npz", texts, tokenizer)
-    return prepare_pretraining_data(cache, texts, vocab_size=TOKENIZER_VOCAB)
+    A trainer passes the manifest's tokenizer (``cfg.tokenizer``); without one the
+    organiser's is prepared (:func:`prepare_tokenizer`)."""
+    from models.data import load_or_tokenize, tokenizer_fingerprint
+
+    tokenizer, _ = prepare_tokenizer(cfg)
+    specs = sources(cfg)
+    if specs is not None:
+        return tokenizer, specs
+    name = f"corpus-{tokenizer_fingerprint(tokenizer)[:16]}.npz"
+    return tokenizer, load_or_tokenize(cache_dir(cfg) / name, _synthetic_texts(cfg), tokenizer)
 
 
 def cache_dir(cfg: TrainerConfig) -> Path:
-    """The directory holding the tokenizer and tokenized corpus of ``cfg.data``."""
+    """The directory of the synthetic corpus, or of the organiser's tokenizer for ``--data``."""
     if cfg.data is None:
         return cfg.work_dir / "synthetic"
-    if cfg.data == "hf":
-        return cfg.work_dir / "hf"
-    files = [Path(p) for p in cfg.data.split(",") if p]
-    return cfg.work_dir / f"local-{'-'.join(p.stem for p in files)[:60] or 'data'}"
+    digest = hashlib.sha256(f"{cfg.data}|{cfg.data_mix}".encode()).hexdigest()[:12]
+    return cfg.work_dir / f"data-{digest}"
 
 
 def tokenizer_dir(cfg: TrainerConfig) -> Path:
@@ -87,19 +117,41 @@ DROPOUT_SEED = "dropout_seed"  # batch key: per-example seeds of the dropout mas
 
 
 def batches(cfg: TrainerConfig, corpus: Any, vocab: int, peer_seed: int) -> Iterator[dict]:
-    """Endless ``[grad_accumulation, micro_batch, seq]`` batches for one peer."""
-    from models.data import PretrainingConfig, pretraining_batches
+    """Endless ``[grad_accumulation, micro_batch, seq]`` batches for one peer: from the
+    tokenized corpus, or streamed from the sources (``corpus`` a tuple of SourceSpec) in this
+    peer's own order."""
+    from models.data import (
+        PretrainingConfig,
+        TokenizedCorpus,
+        pretraining_batches,
+        streaming_batches,
+    )
 
     micro = cfg.per_device_batch_size * jax.local_device_count()
-    data_cfg = PretrainingConfig(seq_len=cfg.seq_length, shuffle_buffer=256)
-    stream = pretraining_batches(
-        corpus,
-        batch_size=micro * cfg.grad_accumulation,
-        seed=cfg.seed,
-        peer_seed=peer_seed,
-        config=data_cfg,
-        vocab_size=vocab,
-    )
+    data_cfg = PretrainingConfig(seq_len=cfg.seq_length, shuffle_buffer=256, **dict(cfg.masking))
+    if isinstance(corpus, TokenizedCorpus):
+        stream = pretraining_batches(
+            corpus,
+            batch_size=micro * cfg.grad_accumulation,
+            seed=cfg.seed,
+            peer_seed=peer_seed,
+            config=data_cfg,
+            vocab_size=vocab,
+        )
+    else:
+        from models.sources import stream_documents
+        from models.tokenizer import load_tokenizer
+
+        docs = stream_documents(corpus, seed=(cfg.seed << 32) ^ peer_seed)
+        stream = streaming_batches(
+            docs,
+            load_tokenizer(tokenizer_dir(cfg)),
+            batch_size=micro * cfg.grad_accumulation,
+            seed=cfg.seed,
+            peer_seed=peer_seed,
+            config=data_cfg,
+            vocab_size=vocab,
+        )
     # Dropout seeds, one per example (so they split across devices like the rest of the batch),
     # from this peer's own stream: no two peers or steps draw the same SOP dropout mask.
     rng = np.random.default_rng([cfg.seed, peer_seed, 0xD0])

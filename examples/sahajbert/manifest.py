@@ -1,0 +1,492 @@
+"""The run manifest: what every peer of one sahajBERT run must share, prepared once and signed.
+
+The organiser prepares a run once (``prepare``, or the coordinator when given none): the model
+config, the tokenizer (trained once, on the organiser's machine), the data recipe (sources, mix,
+sequence length, masking), the target batch, the optimizer recipe and the wire codec. The
+coordinator signs it with its identity, stores it under ``<run_id>.manifest`` in the DHT (its
+owner-marked subkey) and serves it, with the tokenizer file, over two RPCs; a trainer that
+adopted it serves both too, so volunteers can join through any peer.
+
+A volunteer's trainer asks its ``--initial-peers`` for the manifest before it opens the
+collaboration (the manifest decides how to open it), checks the signature (in a private run:
+the owner's), downloads the tokenizer file and checks its SHA-256 against the manifest's, and
+trains with the manifest's settings. An explicit flag that contradicts the manifest refuses the
+start with a message naming the flag and both values: a peer on another vocabulary or sequence
+length would average gradients of a different model without any error.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from examples.sahajbert.config import OptimizerConfig, TrainerConfig
+from models.sources import MAX_SOURCES, SourceSpec, parse_data
+
+log = logging.getLogger(__name__)
+
+VERSION = 1
+GET_MANIFEST = "sahajbert.manifest"  # RPC: the signed manifest
+GET_TOKENIZER = "sahajbert.tokenizer"  # RPC: the tokenizer.json the manifest names
+MAX_MANIFEST_BYTES = 64 << 10
+MAX_TOKENIZER_BYTES = 24 << 20  # a 32k Unigram tokenizer.json is ~2 MB
+MANIFEST_FILE = "manifest.json"
+TOKENIZER_FILE = "tokenizer.json"
+_DOMAIN = b"dedloc-jax/sahajbert-manifest/1\0"
+_MASKING_FIELDS = (
+    "mlm_probability",
+    "mask_fraction",
+    "random_fraction",
+    "swap_probability",
+    "short_seq_probability",
+)
+
+
+class ManifestError(RuntimeError):
+    """No usable manifest: none served, a bad signature, a tokenizer that fails its digest."""
+
+
+class ManifestMismatch(ManifestError):
+    """An explicit option contradicts the run's manifest."""
+
+    def __init__(self, flag: str, given: object, manifest: object) -> None:
+        super().__init__(
+            f"{flag} {given} contradicts the run's manifest ({flag} {manifest}); drop the "
+            "option to train with the run's value"
+        )
+        self.flag, self.given, self.manifest = flag, given, manifest
+
+
+def manifest_key(run_id: str) -> str:
+    return f"{run_id}.manifest"
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with Path(path).open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _masking(value: dict[str, Any]) -> dict[str, float]:
+    from models.data import PretrainingConfig
+
+    if not isinstance(value, dict) or set(value) != set(_MASKING_FIELDS):
+        raise ValueError(f"masking must hold exactly {list(_MASKING_FIELDS)}")
+    for k, v in value.items():
+        if isinstance(v, bool) or not isinstance(v, int | float) or not 0 <= v <= 1:
+            raise ValueError(f"masking {k} must be a number in [0, 1]")
+    PretrainingConfig(**value)  # the combined rules (fractions sum to <= 1)
+    return {k: float(v) for k, v in value.items()}
+
+
+def _optimizer(value: dict[str, Any]) -> dict[str, float | int]:
+    names = {f for f in OptimizerConfig.__dataclass_fields__}
+    if not isinstance(value, dict) or set(value) != names:
+        raise ValueError(f"optimizer must hold exactly {sorted(names)}")
+    for k, v in value.items():
+        if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
+            raise ValueError(f"optimizer {k} must be a finite number")
+    OptimizerConfig(**value)
+    return dict(value)
+
+
+def _int(value: Any, name: str, low: int, high: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise ValueError(f"{name} must be an integer in [{low}, {high}]")
+    return value
+
+
+@dataclass(frozen=True)
+class RunManifest:
+    """One run's shared settings (:meth:`from_dict` validates all of them)."""
+
+    run_id: str
+    model: str  # "tiny" or "sahajbert"
+    vocab_size: int
+    seq_length: int
+    target_batch_size: int
+    optimizer: dict[str, Any]  # OptimizerConfig's fields
+    data: tuple[SourceSpec, ...] | None  # None: the synthetic corpus (regenerated, seed 0)
+    masking: dict[str, float]  # models.data.PretrainingConfig's masking and SOP fields
+    codec: str  # gradients on the wire
+    tokenizer_sha256: str
+    tokenizer_bytes: int
+    seed: int = 0  # the shared initialisation
+    version: int = VERSION
+    extra: dict[str, Any] = field(default_factory=dict, compare=False)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        del out["extra"]
+        out["data"] = None if self.data is None else [s.to_dict() for s in self.data]
+        return out
+
+    @classmethod
+    def from_dict(cls, value: Any) -> RunManifest:
+        """ValueError naming the field for anything malformed (a manifest may come from a
+        hostile peer)."""
+        if not isinstance(value, dict):
+            raise ValueError("a manifest is a map")
+        if value.get("version") != VERSION:
+            raise ValueError(f"manifest version {value.get('version')!r}, expected {VERSION}")
+        names = set(cls.__dataclass_fields__) - {"extra"}
+        if set(value) != names:
+            raise ValueError(f"manifest fields {sorted(value)} are not {sorted(names)}")
+        run_id = value["run_id"]
+        if not isinstance(run_id, str) or not 0 < len(run_id) <= 200:
+            raise ValueError("run_id must be a short string")
+        if value["model"] not in ("tiny", "sahajbert"):
+            raise ValueError(f"unknown model {value['model']!r}")
+        if value["codec"] not in ("none", "fp16", "bf16", "int8"):
+            raise ValueError(f"unknown codec {value['codec']!r}")
+        digest = value["tokenizer_sha256"]
+        if (
+            not isinstance(digest, str)
+            or len(digest) != 64
+            or set(digest) - set("0123456789abcdef")
+        ):
+            raise ValueError("tokenizer_sha256 must be 64 hex digits")
+        data = value["data"]
+        if data is not None:
+            if not isinstance(data, list) or not 0 < len(data) <= MAX_SOURCES:
+                raise ValueError(f"data must be null or 1..{MAX_SOURCES} sources")
+            data = tuple(SourceSpec.from_dict(s) for s in data)
+        return cls(
+            run_id=run_id,
+            model=value["model"],
+            vocab_size=_int(value["vocab_size"], "vocab_size", 6, 1 << 20),
+            seq_length=_int(value["seq_length"], "seq_length", 8, 1 << 16),
+            target_batch_size=_int(value["target_batch_size"], "target_batch_size", 1, 1 << 30),
+            optimizer=_optimizer(value["optimizer"]),
+            data=data,
+            masking=_masking(value["masking"]),
+            codec=value["codec"],
+            tokenizer_sha256=digest,
+            tokenizer_bytes=_int(
+                value["tokenizer_bytes"], "tokenizer_bytes", 1, MAX_TOKENIZER_BYTES
+            ),
+            seed=_int(value["seed"], "seed", 0, (1 << 31) - 1),
+        )
+
+    def encode(self) -> bytes:
+        """Canonical bytes (what is signed and what the digest covers)."""
+        return json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":")).encode()
+
+    @property
+    def digest(self) -> str:
+        return hashlib.sha256(self.encode()).hexdigest()
+
+    # --- what a peer trains with ---------------------------------------------------------
+    def optimizer_config(self) -> OptimizerConfig:
+        return OptimizerConfig(**self.optimizer)
+
+    def data_flag(self) -> tuple[str | None, str | None]:
+        """The ``--data`` and ``--data-mix`` values of this recipe."""
+        if self.data is None:
+            return None, None
+        return ",".join(s.describe() for s in self.data), ",".join(
+            repr(s.weight) for s in self.data
+        )
+
+
+# --- preparing ---------------------------------------------------------------------------
+def build(cfg: TrainerConfig, tokenizer_file: Path, vocab_size: int, codec: str) -> RunManifest:
+    """The manifest of ``cfg``'s run with this tokenizer."""
+    from models.data import PretrainingConfig
+
+    masking = PretrainingConfig()
+    data = None if cfg.data is None else parse_data(cfg.data, cfg.data_mix)
+    return RunManifest(
+        run_id=cfg.run_id,
+        model=cfg.model,
+        vocab_size=vocab_size,
+        seq_length=cfg.seq_length,
+        target_batch_size=cfg.target_batch_size,
+        optimizer=asdict(cfg.optimizer),
+        data=data,
+        masking={k: float(getattr(masking, k)) for k in _MASKING_FIELDS},
+        codec=codec,
+        tokenizer_sha256=sha256_file(tokenizer_file),
+        tokenizer_bytes=tokenizer_file.stat().st_size,
+        seed=cfg.seed,
+    )
+
+
+def save(manifest: RunManifest, tokenizer_file: Path, out_dir: Path) -> Path:
+    """``out_dir/manifest.json`` and ``out_dir/tokenizer/`` (what ``coordinator --manifest``
+    publishes)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tok_dir = out_dir / "tokenizer"
+    if Path(tokenizer_file).resolve() != (tok_dir / TOKENIZER_FILE).resolve():
+        install_tokenizer(Path(tokenizer_file).read_bytes(), tok_dir)
+    _write_atomic(out_dir / MANIFEST_FILE, json.dumps(manifest.to_dict(), indent=1).encode())
+    return out_dir
+
+
+def load(run_dir: Path) -> tuple[RunManifest, Path]:
+    """A prepared run: its manifest and tokenizer directory (digest checked)."""
+    path = Path(run_dir) / MANIFEST_FILE
+    if not path.is_file():
+        raise ManifestError(f"{run_dir} holds no {MANIFEST_FILE} (run `prepare` first)")
+    try:
+        manifest = RunManifest.from_dict(json.loads(path.read_text()))
+    except (ValueError, TypeError) as e:
+        raise ManifestError(f"{path}: {e}") from None
+    tok_dir = Path(run_dir) / "tokenizer"
+    tok_file = tok_dir / TOKENIZER_FILE
+    if not tok_file.is_file() or sha256_file(tok_file) != manifest.tokenizer_sha256:
+        raise ManifestError(f"{tok_file} is missing or is not the tokenizer {path} names")
+    return manifest, tok_dir
+
+
+def install_tokenizer(data: bytes, tok_dir: Path) -> Path:
+    """Write ``tokenizer.json`` byte for byte (its digest is the manifest's) plus the
+    transformers config files around it, so :func:`models.tokenizer.load_tokenizer` loads it."""
+    import tempfile
+
+    from tokenizers import Tokenizer
+
+    from models.tokenizer import save_tokenizer, wrap_fast
+
+    tok_dir.mkdir(parents=True, exist_ok=True)
+    fast = wrap_fast(Tokenizer.from_str(data.decode("utf-8")))
+    with tempfile.TemporaryDirectory(dir=tok_dir.parent) as tmp:
+        save_tokenizer(fast, tmp)
+        for extra in Path(tmp).iterdir():
+            if extra.name != TOKENIZER_FILE:
+                os.replace(extra, tok_dir / extra.name)
+    _write_atomic(tok_dir / TOKENIZER_FILE, data)
+    return tok_dir
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+# --- signing -----------------------------------------------------------------------------
+def sign(manifest: RunManifest, identity: Any) -> dict[str, bytes]:
+    body = manifest.encode()
+    return {
+        "manifest": body,
+        "signer": identity.public_key,
+        "signature": identity.sign(_DOMAIN + body),
+    }
+
+
+def verify(envelope: Any, *, run_id: str, owner: bytes | None = None) -> tuple[RunManifest, str]:
+    """``(manifest, signer's peer ID)`` from a signed envelope; ManifestError when it is not
+    well-formed, not validly signed, of another run, or (private run) not the owner's."""
+    from p2p.identity import PeerID, verify_signature
+
+    if not isinstance(envelope, dict):
+        raise ManifestError("the manifest answer is not a map")
+    body, signer, signature = (envelope.get(k) for k in ("manifest", "signer", "signature"))
+    if not all(isinstance(x, bytes) for x in (body, signer, signature)):
+        raise ManifestError("the manifest answer lacks manifest/signer/signature bytes")
+    if len(body) > MAX_MANIFEST_BYTES:
+        raise ManifestError(f"the manifest is over {MAX_MANIFEST_BYTES} bytes")
+    if owner is not None and signer != owner:
+        raise ManifestError("the manifest is not signed by the private run's owner")
+    try:
+        ok = verify_signature(signer, signature, _DOMAIN + body)
+    except Exception as e:  # a malformed key
+        raise ManifestError(f"the manifest's signer key is invalid: {e}") from None
+    if not ok:
+        raise ManifestError("the manifest's signature does not verify")
+    try:
+        manifest = RunManifest.from_dict(json.loads(body))
+    except (ValueError, TypeError) as e:
+        raise ManifestError(f"malformed manifest: {e}") from None
+    if manifest.encode() != body:
+        raise ManifestError("the manifest is not in canonical form")
+    if manifest.run_id != run_id:
+        raise ManifestError(f"the manifest is of run {manifest.run_id!r}, not {run_id!r}")
+    return manifest, str(PeerID.from_public_key(signer))
+
+
+# --- serving -----------------------------------------------------------------------------
+async def serve(core: Any, envelope: dict[str, bytes], tokenizer_file: Path, ttl: float) -> None:
+    """Answer the manifest RPCs on this peer and store the envelope in our DHT slot (run in
+    the collaboration's trio loop)."""
+    from p2p.dht import owner_marker
+
+    data = Path(tokenizer_file).read_bytes()
+
+    async def get_manifest(ctx: Any, request: Any) -> Any:
+        return envelope
+
+    async def get_tokenizer(ctx: Any, request: Any) -> Any:
+        return data
+
+    core.node.add_handler(GET_MANIFEST, get_manifest)
+    core.node.add_handler(GET_TOKENIZER, get_tokenizer)
+    await core.dht.store(
+        manifest_key(core.run_id),
+        envelope,
+        core.dht.now() + ttl,
+        subkey=owner_marker(core.dht.peer_id),
+    )
+
+
+# --- joining -----------------------------------------------------------------------------
+def fetch(
+    initial_peers: Sequence[str],
+    *,
+    run_id: str,
+    work_dir: Path,
+    owner: bytes | None = None,
+    timeout: float = 120.0,
+) -> tuple[RunManifest, dict[str, bytes], Path]:
+    """Ask the initial peers for the run's manifest (retrying until ``timeout``), and make
+    sure the tokenizer it names is in ``work_dir/tokenizers/<digest>/`` (downloaded and
+    checked when it is not). Returns the manifest, its signed envelope and that directory."""
+    import trio
+
+    return trio.run(_fetch, list(initial_peers), run_id, Path(work_dir), owner, timeout)
+
+
+async def _fetch(
+    peers: list[str], run_id: str, work_dir: Path, owner: bytes | None, timeout: float
+) -> tuple[RunManifest, dict[str, bytes], Path]:
+    import trio
+
+    from p2p.errors import P2PError
+    from p2p.multiaddr import Multiaddr
+    from p2p.node import open_node
+
+    addrs = [Multiaddr.parse(a) for a in peers]
+    last = "no initial peer answered"
+    async with open_node(listen=[]) as node:  # a throwaway client: the manifest says how to join
+        with trio.move_on_after(timeout):
+            while True:
+                for addr in addrs:
+                    try:
+                        envelope = await node.call(addr, GET_MANIFEST, {}, timeout=30)
+                        manifest, signer = verify(envelope, run_id=run_id, owner=owner)
+                        tok_dir = work_dir / "tokenizers" / manifest.tokenizer_sha256[:16]
+                        tok_file = tok_dir / TOKENIZER_FILE
+                        if (
+                            not tok_file.is_file()
+                            or sha256_file(tok_file) != manifest.tokenizer_sha256
+                        ):
+                            data = await node.call(addr, GET_TOKENIZER, {}, timeout=120)
+                            _check_tokenizer(data, manifest)
+                            install_tokenizer(data, tok_dir)
+                        log.info(
+                            "run manifest %s (signed by %s), tokenizer sha256 %s",
+                            manifest.digest[:16], signer, manifest.tokenizer_sha256,
+                        )  # fmt: skip
+                        return manifest, envelope, tok_dir
+                    except ManifestError:
+                        raise
+                    except (P2PError, OSError) as e:
+                        last = f"{addr}: {e}"
+                await trio.sleep(1.0)
+    raise ManifestError(f"no run manifest from --initial-peers within {timeout:.0f} s ({last})")
+
+
+def _check_tokenizer(data: Any, manifest: RunManifest) -> None:
+    if not isinstance(data, bytes) or len(data) != manifest.tokenizer_bytes:
+        raise ManifestError("the tokenizer served is not the size the manifest names")
+    got = hashlib.sha256(data).hexdigest()
+    if got != manifest.tokenizer_sha256:
+        raise ManifestError(
+            f"the tokenizer served has sha256 {got}, the manifest names "
+            f"{manifest.tokenizer_sha256}: refusing it"
+        )
+
+
+# --- checking a peer's options against it ------------------------------------------------
+# The options a run fixes, as (flag, TrainerConfig attribute or None for the tokenizer).
+RUN_FLAGS = (
+    "--config",
+    "--seq-length",
+    "--target-batch-size",
+    "--tokenizer",
+    "--data",
+    "--data-mix",
+    "--learning-rate",
+    "--warmup-steps",
+    "--total-steps",
+)
+
+
+def check(manifest: RunManifest, cfg: TrainerConfig, explicit: set[str]) -> None:
+    """ManifestMismatch for the first option in ``explicit`` (flags given on the command
+    line) whose value in ``cfg`` contradicts the manifest."""
+    o = cfg.optimizer
+    simple = {
+        "--config": (cfg.model, manifest.model),
+        "--seq-length": (cfg.seq_length, manifest.seq_length),
+        "--target-batch-size": (cfg.target_batch_size, manifest.target_batch_size),
+        "--learning-rate": (o.learning_rate, manifest.optimizer["learning_rate"]),
+        "--warmup-steps": (o.warmup_steps, manifest.optimizer["warmup_steps"]),
+        "--total-steps": (o.total_steps, manifest.optimizer["total_steps"]),
+    }
+    for flag, (given, wanted) in simple.items():
+        if flag in explicit and given != wanted:
+            raise ManifestMismatch(flag, given, wanted)
+    if "--tokenizer" in explicit and cfg.tokenizer:
+        path = Path(cfg.tokenizer) / TOKENIZER_FILE
+        got = sha256_file(path) if path.is_file() else "(none)"
+        if got != manifest.tokenizer_sha256:
+            raise ManifestMismatch(
+                "--tokenizer", f"{cfg.tokenizer} (sha256 {got[:16]})",
+                f"sha256 {manifest.tokenizer_sha256[:16]}",
+            )  # fmt: skip
+    if "--data" in explicit or "--data-mix" in explicit:
+        _check_data(manifest, cfg)
+
+
+def _check_data(manifest: RunManifest, cfg: TrainerConfig) -> None:
+    """Local sources may sit at other paths on a volunteer's machine: their kind, layout and
+    weight must match; hub sources must be the same datasets."""
+    wanted_flag, wanted_mix = manifest.data_flag()
+    given = None if cfg.data is None else parse_data(cfg.data, cfg.data_mix)
+    if manifest.data is None or given is None:
+        if (manifest.data is None) != (given is None):
+            raise ManifestMismatch(
+                "--data", cfg.data or "(synthetic)", wanted_flag or "(synthetic)"
+            )
+        return
+    if len(given) != len(manifest.data):
+        raise ManifestMismatch("--data", cfg.data, wanted_flag)
+    for g, m in zip(given, manifest.data, strict=True):
+        same = (g.kind, g.layout) == (m.kind, m.layout) and (
+            g.local or (g.path, g.name, g.split) == (m.path, m.name, m.split)
+        )
+        if not same:
+            raise ManifestMismatch("--data", cfg.data, wanted_flag)
+        if not math.isclose(g.weight / sum(s.weight for s in given),
+                            m.weight / sum(s.weight for s in manifest.data)):  # fmt: skip
+            raise ManifestMismatch("--data-mix", cfg.data_mix, wanted_mix)
+
+
+def apply(manifest: RunManifest, cfg: TrainerConfig, tok_dir: Path) -> TrainerConfig:
+    """``cfg`` with the manifest's run settings (the local data paths given stay)."""
+    data, mix = manifest.data_flag()
+    if cfg.data is not None and manifest.data is not None:
+        data, mix = cfg.data, cfg.data_mix
+    return cfg.replace(
+        model=manifest.model,
+        seq_length=manifest.seq_length,
+        target_batch_size=manifest.target_batch_size,
+        optimizer=manifest.optimizer_config(),
+        data=data,
+        data_mix=mix,
+        tokenizer=str(tok_dir),
+        codec=manifest.codec,
+        seed=manifest.seed,
+        masking=tuple(sorted(manifest.masking.items())),
+    )

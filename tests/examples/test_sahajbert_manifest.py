@@ -1,0 +1,187 @@
+"""The run manifest: prepared once, published signed, fetched and obeyed by every trainer.
+
+Peers run as separate processes with separate work directories (standing in for separate
+machines) on loopback. The organiser prepares the run on a local text file; trainers are
+started with ``--initial-peers`` and device options only.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from examples.sahajbert import manifest
+from examples.sahajbert.config import TrainerConfig
+from models.corpus import write_corpus
+from models.sources import SourceKind, parse_data
+
+pytestmark = pytest.mark.timeout(600)
+
+ROOT = Path(__file__).resolve().parents[2]
+RUN = ["--run-id", "manifest-test"]
+DEVICE = ["--per-device-batch-size", "8"]
+
+
+def _cli(args: list[str], work: Path, log: Path) -> subprocess.Popen:
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, "-m", "examples.sahajbert", *args, "--work-dir", str(work)]
+    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
+
+
+def _sha(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory: pytest.TempPathFactory):
+    """A prepared run on a local text file, and its coordinator (stopped at the end)."""
+    tmp = tmp_path_factory.mktemp("run")
+    data = tmp / "bn-wiki.txt"
+    write_corpus(data, 300, seed=11)
+    run_dir = tmp / "prepared"
+    prep = subprocess.run(
+        [sys.executable, "-m", "examples.sahajbert", "prepare", *RUN, "--config", "tiny",
+         "--seq-length", "32", "--target-batch-size", "32", "--learning-rate", "0.01",
+         "--warmup-steps", "1", "--data", str(data), "--out", str(run_dir),
+         "--work-dir", str(tmp / "organiser")],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+    )  # fmt: skip
+    assert prep.returncode == 0, prep.stderr
+    addr_file = tmp / "addrs.json"
+    coord_log = tmp / "coordinator.log"
+    coord = _cli(
+        ["coordinator", *RUN, "--manifest", str(run_dir), "--out", str(tmp / "out"),
+         "--addr-file", str(addr_file), "--checkpoint-every", "1"],
+        tmp / "organiser", coord_log,
+    )  # fmt: skip
+    deadline = time.monotonic() + 300
+    while not addr_file.is_file():
+        assert coord.poll() is None, coord_log.read_text()
+        assert time.monotonic() < deadline, coord_log.read_text()
+        time.sleep(0.2)
+    addr = json.loads(addr_file.read_text())[0]
+    yield {"tmp": tmp, "addr": addr, "run_dir": run_dir, "data": data, "coord": coord}
+    coord.terminate()
+    coord.wait(timeout=30)
+
+
+def _trainer(run: dict, name: str, *extra: str) -> tuple[subprocess.Popen, Path, Path]:
+    work = run["tmp"] / name
+    log = run["tmp"] / f"{name}.log"
+    proc = _cli(["trainer", *RUN, "--initial-peers", run["addr"], *DEVICE, *extra], work, log)
+    return proc, work, log
+
+
+def test_a_trainer_with_another_seq_length_or_tokenizer_is_refused(run) -> None:
+    other_tok = run["tmp"] / "other-tok"
+    other = run["tmp"] / "other.txt"
+    write_corpus(other, 50, seed=5)
+    from models.sources import read_local_documents
+    from models.tokenizer import train_tokenizer
+
+    train_tokenizer(read_local_documents(other), 400, other_tok)
+    seq, _, seq_log = _trainer(run, "refused-seq", "--seq-length", "128")
+    tok, _, tok_log = _trainer(run, "refused-tok", "--tokenizer", str(other_tok))
+    assert seq.wait(timeout=300) == 2, seq_log.read_text()
+    assert tok.wait(timeout=300) == 2, tok_log.read_text()
+    assert (
+        "--seq-length 128 contradicts the run's manifest (--seq-length 32)" in seq_log.read_text()
+    )
+    text = tok_log.read_text()
+    assert "--tokenizer" in text and "contradicts the run's manifest" in text, text
+    assert _sha(other_tok / "tokenizer.json")[:16] in text  # both digests named
+
+
+def test_a_trainer_with_no_data_flags_trains_on_the_manifests_data_and_vocabulary(run) -> None:
+    _volunteers_train_on_the_manifest(run, 1, "one")
+
+
+@pytest.mark.slow
+def test_three_trainers_share_the_manifests_tokenizer_and_data(run) -> None:
+    _volunteers_train_on_the_manifest(run, 3, "three")
+
+
+def _volunteers_train_on_the_manifest(run: dict, count: int, name: str) -> None:
+    prepared, _ = manifest.load(run["run_dir"])
+    trainers = [_trainer(run, f"{name}{i}", "--max-epochs", "2") for i in range(count)]
+    for proc, _, log in trainers:
+        assert proc.wait(timeout=500) == 0, log.read_text()[-3000:]
+    for _, work, log in trainers:
+        # the tokenizer was downloaded (never trained here) and is the manifest's
+        files = list((work / "tokenizers").glob("*/tokenizer.json"))
+        assert [_sha(f) for f in files] == [prepared.tokenizer_sha256]
+        assert not list(work.glob("*/tokenizer/tokenizer.json"))  # none trained
+        assert not (work / "synthetic").exists()  # not the synthetic corpus
+        text = log.read_text()
+        assert f"tokenizer sha256 {prepared.tokenizer_sha256}" in text
+        assert f"streaming line:{run['data']}" in text, text[-2000:]
+    assert _sha(run["run_dir"] / "tokenizer" / "tokenizer.json") == prepared.tokenizer_sha256
+
+
+def test_manifest_round_trip_and_hostile_envelopes() -> None:
+    from p2p.identity import Identity
+
+    cfg = TrainerConfig().replace(model="tiny", data="hf", run_id="r")
+    tok = Path(__file__)  # any file: the digest is what is checked
+    made = manifest.build(cfg, tok, 953, "fp16")
+    assert [s.kind for s in made.data] == [SourceKind.HUB, SourceKind.HUB]
+    assert [s.weight for s in made.data] == [0.23, 0.77]
+    me, other = Identity.generate(), Identity.generate()
+    env = manifest.sign(made, me)
+    got, signer = manifest.verify(env, run_id="r")
+    assert got == made and signer == str(me.peer_id)
+    assert manifest.verify(env, run_id="r", owner=me.public_key)[0] == made
+    bad = [
+        ({**env, "signature": other.sign(env["manifest"])}, "does not verify"),
+        (env, "not signed by the private run's owner"),
+        ({**env, "manifest": env["manifest"].replace(b'"fp16"', b'"fp17"')}, "verify"),
+        ("garbage", "not a map"),
+        ({**env, "signer": b"short"}, "does not verify"),
+    ]
+    for i, (e, why) in enumerate(bad):
+        owner = other.public_key if i == 1 else None
+        with pytest.raises(manifest.ManifestError, match=why):
+            manifest.verify(e, run_id="r", owner=owner)
+    with pytest.raises(manifest.ManifestError, match="of run 'r'"):
+        manifest.verify(env, run_id="s")
+    for field, value in [("seq_length", float("inf")), ("vocab_size", -1), ("codec", "<b>"),
+                         ("tokenizer_sha256", "zz"), ("data", [{"kind": "text", "path": ""}]),
+                         ("masking", {"mlm_probability": 2.0})]:  # fmt: skip
+        forged = {**made.to_dict(), field: value}
+        body = json.dumps(forged, sort_keys=True, separators=(",", ":")).encode()
+        e = {"manifest": body, "signer": me.public_key, "signature": me.sign(
+            manifest._DOMAIN + body)}  # fmt: skip
+        with pytest.raises(manifest.ManifestError, match="malformed manifest"):
+            manifest.verify(e, run_id="r")
+
+
+def test_flags_that_contradict_the_manifest_name_the_flag_and_both_values(tmp_path) -> None:
+    data = tmp_path / "a.txt"
+    cfg = TrainerConfig().replace(model="tiny", data=f"block:{data}", seq_length=64)
+    made = manifest.build(cfg, Path(__file__), 900, "none")
+    ok = cfg.replace(data=f"block:{tmp_path / 'my-copy.txt'}")  # another path, same recipe
+    manifest.check(made, ok, {"--data", "--seq-length", "--config"})
+    cases = [
+        (cfg.replace(seq_length=128), "--seq-length", "--seq-length 128 contradicts"),
+        (cfg.replace(model="sahajbert"), "--config", "(--config tiny)"),
+        (cfg.replace(data=str(data)), "--data", "--data"),  # line layout, not block
+        (cfg.replace(data=None), "--data", "(synthetic)"),
+        (cfg.replace(data=f"block:{data},hf"), "--data", "--data"),
+    ]
+    for bad, flag, text in cases:
+        with pytest.raises(manifest.ManifestMismatch, match=re.escape(text)) as e:
+            manifest.check(made, bad, {flag})
+        assert e.value.flag == flag
+        manifest.check(made, bad, set())  # not given explicitly: the manifest's value is used
+    applied = manifest.apply(made, TrainerConfig(), tmp_path)
+    assert (applied.model, applied.seq_length, applied.data) == ("tiny", 64, f"block:{data}")
+    assert parse_data(applied.data, applied.data_mix) == made.data
