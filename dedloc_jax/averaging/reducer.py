@@ -24,6 +24,7 @@ from .robust import cap_weights, centered_clip
 from .sync import Changes
 
 if TYPE_CHECKING:
+    from .bandwidth import Gauge
     from .butterfly import Round
 
 logger = logging.getLogger(__name__)
@@ -57,6 +58,7 @@ class Reducer:
         self.final_masks: list[frozenset[int]] = []
         self.commit: frozenset[int] | None = None
         self.last_sent: dict[int, float] = {}
+        self.gauges: dict[int, Gauge] = {}  # per sender: busy time of its parts' stream
         self.sent_all_at: dict[int, float] = {}
         self.changes = Changes()  # anything the collecting loop re-checks (parts, acks, deaths)
         # What the result streams wait for: a chunk finalised, the commit, a receiver dropped.
@@ -192,6 +194,7 @@ class Reducer:
         if s in self.seen or s not in self.receivers:
             raise BadContributionError(f"{self.r.name(s)} connected twice or too late")
         self.seen.add(s)
+        self.gauges[s] = self.r.gauge("down")
         self.weights[s] = h.weight
         self.last[s] = trio.current_time()
         if h.abstain or h.weight <= 0:
@@ -203,6 +206,7 @@ class Reducer:
                 if s not in self.acked or s in self.dead:
                     nursery.cancel_scope.cancel()
         finally:  # also when the connection's death cancels this handler
+            self.gauges[s].close()
             if s not in self.acked:
                 self._died(s, "stream ended before its ack")
 
@@ -235,6 +239,8 @@ class Reducer:
             raise BadContributionError("more parts than chunks")
         self.next_k[s] = k + 1
         self.last[s] = trio.current_time()
+        raw = msg.get("d") if isinstance(msg, dict) else None
+        self.gauges[s].received(len(raw) if isinstance(raw, bytes) else 0, self.last[s])
         if s not in self.expected:
             return  # excluded earlier: its late parts are ignored
         a, b = self.chunks[k]
@@ -257,25 +263,28 @@ class Reducer:
             self.acc[a:b] += values
         self.wsum[k] += w
         self.cmask[k].add(s)
-        self.r.count("down", len(data))
         self.changes.notify()
 
     async def _send_results(self, s: int, ms: MessageStream) -> None:
+        gauge = self.r.gauge("up")
         try:
-            await self._send_results_to(s, ms)
+            await self._send_results_to(s, ms, gauge)
         except P2PError as e:
             self._died(s, f"sending results failed: {e}")
+        finally:
+            gauge.close()
 
-    async def _send_results_to(self, s: int, ms: MessageStream) -> None:
+    async def _send_results_to(self, s: int, ms: MessageStream, gauge: Gauge) -> None:
         r = self.r
         heartbeat = r.config.stall_timeout / 3
         k = 0
         while True:
             while k < self.done:
+                t = trio.current_time()
                 await ms.send(wire.result(k, self.enc[k], self.final_masks[k]))
-                r.count("up", len(self.enc[k]))
                 k += 1
                 self.last_sent[s] = trio.current_time()
+                gauge.sent(len(self.enc[k - 1]), t, self.last_sent[s])
                 if k == len(self.chunks):
                     self.sent_all_at[s] = self.last_sent[s]
                     self.changes.notify()
