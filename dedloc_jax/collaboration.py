@@ -44,6 +44,7 @@ from dedloc_jax.state_sync import StateServer, download_manifest_state, find_don
 from dedloc_jax.timing import Deadlines, matchmaking_window
 from dedloc_jax.tracker import ProgressTracker
 from p2p.dht import DHTClock, DHTConfig, open_dht
+from p2p.errors import P2PError
 from p2p.identity import PeerID
 from p2p.multiaddr import Multiaddr
 from p2p.nat import NATConfig, open_nat
@@ -205,6 +206,19 @@ class CollaborationCore:
             max_peers=max_peers,
             timeout=self.config.rpc_timeout * 6,
         )
+
+    async def keep_links_measured(self, *, nbytes: int = 4 << 20, poll: float = 5.0) -> None:
+        """Probe this peer's links once other peers are known, and again whenever the meter's
+        figure goes stale; run it as a background task of the collaboration."""
+        while True:
+            if self.meter.stale() and any(
+                pid != str(self.node.peer_id) for pid in self.tracker.records
+            ):
+                try:
+                    await self.probe_links(nbytes=nbytes)
+                except (ValueError, trio.TooSlowError, P2PError) as e:
+                    log.info("probing our links failed: %r", e)
+            await trio.sleep(poll if self.meter.stale() else self.meter.window / 4)
 
     async def average(
         self, epoch: int, arrays: Sequence[np.ndarray], samples: int

@@ -35,6 +35,7 @@ from typing import Any, NamedTuple
 
 import trio
 
+from p2p.errors import P2PError
 from p2p.identity import PeerID
 from p2p.rpc import CallContext, MessageStream
 
@@ -299,20 +300,20 @@ async def measure_links(
                 raise ValueError("no probe partner answered")
             uploads = streams[: max(1, upload_peers)]
             each_up = max(1, min(MAX_PROBE_BYTES, nbytes // len(uploads)))
+            alive: list[MessageStream] = []
             for i, ms in enumerate(streams):
                 size = each_up if i < len(uploads) else 0
-                t0 = trio.current_time()
-                await ms.send({"up": size})
-                sent = 0
-                while sent < size:
-                    n = min(_PROBE_CHUNK, size - sent)
-                    await ms.send(payload[:n])
-                    sent += n
-                reply = await ms.receive()
-                if not isinstance(reply, dict) or reply.get("got") != size:
-                    raise ValueError("a probe partner did not receive everything")
+                try:
+                    seconds = await _upload(ms, size, payload)
+                except (P2PError, ValueError) as e:  # this partner is left out
+                    logger.info("probe upload failed: %r", e)
+                    continue
+                alive.append(ms)
                 if size:
-                    meter.record("up", size, _upload_seconds(reply, size, trio.current_time() - t0))
+                    meter.record("up", size, seconds)
+            streams = alive
+            if not streams:
+                raise ValueError("no probe partner took part")
             each_down = max(1, min(MAX_PROBE_BYTES, nbytes // len(streams)))
             arrivals: list[tuple[float, int]] = []
             started: list[float] = []  # per stream, its first message's arrival
@@ -321,9 +322,14 @@ async def measure_links(
             async def download(ms: MessageStream) -> None:
                 n = 0
                 while n < each_down:
-                    msg = await ms.receive()
+                    try:
+                        msg = await ms.receive()
+                    except P2PError as e:  # a partner lost: the others still measure
+                        logger.info("probe download failed: %r", e)
+                        return
                     if not isinstance(msg, bytes):
-                        raise ValueError("probe payload must be bytes")
+                        ms.reset("probe payload must be bytes")
+                        return
                     now = trio.current_time()
                     if n == 0:
                         started.append(now)
@@ -333,12 +339,19 @@ async def measure_links(
                     first_done.append(trio.current_time())
 
             t1 = trio.current_time()
+            asked = []
             for ms in streams:
-                await ms.send({"down": each_down})
+                try:
+                    await ms.send({"down": each_down})
+                    asked.append(ms)
+                except P2PError as e:
+                    logger.info("probe request failed: %r", e)
             async with trio.open_nursery() as phase:
-                for ms in streams:
+                for ms in asked:
                     phase.start_soon(download, ms)
     # From when every partner's data flowed to when the first one finished: all were sending.
+    if not first_done:
+        raise ValueError("no probe partner sent everything")
     # (If a slow partner's first message came after a fast one finished, from the request on.)
     begin, end = max(started), first_done[0]
     if begin >= end:
@@ -352,6 +365,21 @@ async def measure_links(
         figures.download_bps or 0.0,
     )
     return figures
+
+
+async def _upload(ms: MessageStream, size: int, payload: bytes) -> float:
+    """Send ``size`` probe bytes on ``ms``; the seconds they took to arrive."""
+    t0 = trio.current_time()
+    await ms.send({"up": size})
+    sent = 0
+    while sent < size:
+        n = min(_PROBE_CHUNK, size - sent)
+        await ms.send(payload[:n])
+        sent += n
+    reply = await ms.receive()
+    if not isinstance(reply, dict) or reply.get("got") != size:
+        raise ValueError("a probe partner did not receive everything")
+    return _upload_seconds(reply, size, trio.current_time() - t0)
 
 
 def _upload_seconds(reply: dict, size: int, own: float) -> float:

@@ -70,3 +70,34 @@ def test_probe_measures_simulated_links():
     # a's uplink (2 MB/s) and downlink (8 MB/s) are the bottlenecks of each direction
     assert meter.upload_bps == pytest.approx(2e6, rel=0.1)
     assert meter.download_bps == pytest.approx(8e6, rel=0.1)
+
+
+def test_probe_skips_a_partner_it_cannot_reach_and_the_server_rejects_oversized_asks():
+    from dedloc_jax.averaging import measure_links
+    from dedloc_jax.averaging.bandwidth import PROBE_PROTOCOL
+    from p2p.identity import Identity
+
+    meter = BandwidthMeter()
+    refused = []
+
+    async def main() -> None:
+        net = SimNetwork(seed=0)
+        async with (
+            open_sim_nodes(net, 1, upload_bps=2e6, download_bps=8e6) as (a,),
+            open_sim_nodes(net, 1, upload_bps=50e6, download_bps=50e6) as (b,),
+        ):
+            install_probe(b)
+            a.peerstore.add_addrs(b.peer_id, b.addrs)
+            nobody = Identity.generate().peer_id
+            async with a.open_stream(b.peer_id, PROBE_PROTOCOL) as ms:
+                await ms.send({"up": 1 << 40})  # more than a probe may ask for
+                try:
+                    await ms.receive()
+                except Exception as e:  # the server reset the stream
+                    refused.append(e)
+            await measure_links(a, [nobody, b.peer_id], meter, nbytes=2 << 20, timeout=30.0)
+
+    run_sim(main)
+    assert refused
+    assert meter.upload_bps == pytest.approx(2e6, rel=0.1)
+    assert meter.download_bps == pytest.approx(8e6, rel=0.1)
