@@ -187,7 +187,7 @@ class CollaborationCore:
         """This peer's published link figures: measured up and down (bytes/s), their age."""
         return self.meter.figures()
 
-    async def probe_links(self, *, nbytes: int = 4 << 20, max_peers: int = 3) -> LinkFigures:
+    async def probe_links(self, *, nbytes: int = 4 << 20, max_peers: int = 5) -> LinkFigures:
         """Measure this peer's links against a few peers of the run whose progress we read
         (reachable ones, in a per-peer random order): on joining, or when ``meter.stale()``."""
         me = str(self.node.peer_id)

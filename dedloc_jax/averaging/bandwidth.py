@@ -45,6 +45,13 @@ PROBE_PROTOCOL = "dedloc/bwprobe/2"
 MAX_PROBE_BYTES = 16 << 20
 _PROBE_CHUNK = 32 << 10  # small, so that a slow partner's first message arrives early
 
+
+def _chunk_for(nbytes: int) -> int:
+    """Probe message size: at most 32 KiB, and at least 16 messages per transfer (the rate
+    is timed from the first message on)."""
+    return max(1024, min(_PROBE_CHUNK, nbytes // 16))
+
+
 UNMEASURED_UPLOAD_BPS = 10e6 / 8
 """What a member with no figure counts as (bytes/s): a home uplink of 10 Mbit/s, so that a
 round's deadlines assume a slow member until it is measured instead of an infinitely fast one."""
@@ -250,10 +257,11 @@ async def _serve_probe(ctx: CallContext, ms: MessageStream) -> None:
     down = ask.get("down") if isinstance(ask, dict) else None
     if not (isinstance(down, int) and not isinstance(down, bool) and 0 <= down <= MAX_PROBE_BYTES):
         raise ValueError("probe size out of range")
-    payload = os.urandom(_PROBE_CHUNK)
+    chunk = _chunk_for(down)
+    payload = os.urandom(chunk)
     sent = 0
     while sent < down:
-        n = min(_PROBE_CHUNK, down - sent)
+        n = min(chunk, down - sent)
         await ms.send(payload[:n])
         sent += n
 
@@ -372,8 +380,9 @@ async def _upload(ms: MessageStream, size: int, payload: bytes) -> float:
     t0 = trio.current_time()
     await ms.send({"up": size})
     sent = 0
+    chunk = _chunk_for(size)
     while sent < size:
-        n = min(_PROBE_CHUNK, size - sent)
+        n = min(chunk, size - sent)
         await ms.send(payload[:n])
         sent += n
     reply = await ms.receive()
