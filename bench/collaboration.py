@@ -72,6 +72,7 @@ class PeerStats:
     links: tuple[float, float] | None = None  # what the LP got from this peer, at its end
     cut_off: float = 0.0  # seconds computed toward an epoch the run's end (or leaving) cut off
     in_round: float = 0.0  # seconds computed toward epochs whose round has not ended yet
+    finished: bool = False  # its round of the last epoch ended
 
 
 @dataclass(frozen=True)
@@ -108,6 +109,7 @@ async def _peer(
     micro: int,
     epochs: int,
     done: trio.Event,
+    ending: trio.Event,
     overlap: bool,
     probe_bytes: int,
 ) -> None:
@@ -143,7 +145,7 @@ async def _peer(
         try:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(functools.partial(core.keep_links_measured, nbytes=probe_bytes))
-                await _train(core, stats, vector, micro, epochs, done, overlap)
+                await _train(core, stats, vector, micro, epochs, done, ending, overlap)
                 nursery.cancel_scope.cancel()
         finally:
             stats.links = core._bandwidth()
@@ -156,6 +158,7 @@ async def _train(
     micro: int,
     epochs: int,
     done: trio.Event,
+    ending: trio.Event,
     overlap: bool,
 ) -> None:
     """Accumulate micro-batches until the collaboration reaches the target, then average.
@@ -185,7 +188,8 @@ async def _train(
                 )
             )
             if at + 1 >= epochs:
-                done.set()
+                stats.finished = True
+                ending.set()
         finally:
             finished.set()
 
@@ -232,6 +236,7 @@ def simulate(
         net = SimNetwork(seed=args.seed)
         first: list[str] = []
         done = trio.Event()
+        ending = trio.Event()  # a peer's round of the last epoch ended
         everyone = list(peers)
         async with trio.open_nursery() as nursery:
             scopes: dict[str, trio.CancelScope] = {}
@@ -249,6 +254,7 @@ def simulate(
                         args.micro,
                         args.epochs,
                         done,
+                        ending,
                         overlap,
                         probe_bytes,
                     )
@@ -275,7 +281,15 @@ def simulate(
                     index += 1
 
             nursery.start_soon(churn)
-            await done.wait()
+            # The run ends once every peer in it has its last epoch's outcome (bounded):
+            # cutting the others' rounds off would count them as failures.
+            await ending.wait()
+            with trio.move_on_after(600):
+                while any(
+                    p.left is None and p.started.is_set() and not p.finished for p in everyone
+                ):
+                    await trio.sleep(1.0)
+            done.set()
             end = trio.current_time()
             for p in everyone:
                 if p.left is None:
@@ -287,6 +301,9 @@ def simulate(
     everyone = run_sim(run, seed=args.seed)
     wall = time.perf_counter() - wall
 
+    for p in everyone:  # epochs past the last, which peers that finished early went on to
+        p.cut_off += sum(o.compute for o in p.epochs if o.epoch >= args.epochs)
+        p.epochs = [o for o in p.epochs if o.epoch < args.epochs]
     figures = outcome_figures(everyone, peers, args.target, 2 * actual, overlap=overlap)
     mode = "overlapped (delayed update)" if overlap else "blocking"
     print(f"--- {mode}: {figures['epochs']} epochs in {wall:.0f} s of wall time")
@@ -299,6 +316,13 @@ def simulate(
         f"epoch {figures['epoch_seconds']} s against an ideal {figures['ideal_epoch_seconds']} s"
         f" (LP bound {figures['lp_bound_seconds']} s)"
     )
+    for e in sorted({o.epoch for p in everyone for o in p.epochs}):
+        got = [o for p in everyone for o in p.epochs if o.epoch == e]
+        sizes = statistics.multimode(o.group_size for o in got)
+        print(
+            f"epoch {e}: {len(got)} peers, {sum(o.complete for o in got)} complete, "
+            f"{sum(o.group_size == 1 for o in got)} alone, commonest group size {sizes}"
+        )
     figures["wall_seconds"] = round(wall, 1)
     return figures
 

@@ -187,7 +187,7 @@ class CollaborationCore:
         """This peer's published link figures: measured up and down (bytes/s), their age."""
         return self.meter.figures()
 
-    async def probe_links(self, *, nbytes: int = 4 << 20, max_peers: int = 5) -> LinkFigures:
+    async def probe_links(self, *, nbytes: int = 4 << 20, max_peers: int = 8) -> LinkFigures:
         """Measure this peer's links against a few peers of the run whose progress we read
         (reachable ones, in a per-peer random order): on joining, or when ``meter.stale()``."""
         me = str(self.node.peer_id)
@@ -207,18 +207,27 @@ class CollaborationCore:
             timeout=self.config.rpc_timeout * 6,
         )
 
-    async def keep_links_measured(self, *, nbytes: int = 4 << 20, poll: float = 5.0) -> None:
-        """Probe this peer's links once other peers are known, and again whenever the meter's
-        figure goes stale; run it as a background task of the collaboration."""
+    async def keep_links_measured(
+        self, *, nbytes: int = 4 << 20, poll: float = 5.0, probes: int = 2
+    ) -> None:
+        """Probe this peer's links once other peers are known (``probes`` times, at random
+        moments ``poll`` to ``3 * poll`` apart), and again whenever the meter's figure goes
+        stale; run it as a background task of the collaboration. Probes of peers that start
+        together contend for the same links and read low; the figure is their max, so one
+        probe that ran alone suffices."""
+        rng = random.Random(str(self.node.peer_id))
+        done = 0
         while True:
-            if self.meter.stale() and any(
-                pid != str(self.node.peer_id) for pid in self.tracker.records
-            ):
+            await trio.sleep(rng.uniform(poll, 3 * poll) if done else rng.uniform(0, poll))
+            known = any(pid != str(self.node.peer_id) for pid in self.tracker.records)
+            if known and (done < probes or self.meter.stale()):
                 try:
                     await self.probe_links(nbytes=nbytes)
+                    done += 1
                 except (ValueError, trio.TooSlowError, P2PError) as e:
                     log.info("probing our links failed: %r", e)
-            await trio.sleep(poll if self.meter.stale() else self.meter.window / 4)
+            if done >= probes and not self.meter.stale():
+                await trio.sleep(self.meter.window / 4)
 
     async def average(
         self, epoch: int, arrays: Sequence[np.ndarray], samples: int

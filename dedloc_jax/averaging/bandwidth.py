@@ -24,9 +24,11 @@ A user-supplied override replaces the measurement in its direction.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import os
+import weakref
 from collections import deque
 from collections.abc import Sequence
 from contextlib import AsyncExitStack
@@ -230,7 +232,23 @@ class Gauge:
 # -- the active probe ----------------------------------------------------------------------------
 
 
-async def _serve_probe(ctx: CallContext, ms: MessageStream) -> None:
+# Nodes probing or serving a probe now: such a node declines to serve another, since two
+# probes through one link read each other's traffic as a slow link.
+_BUSY: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
+
+
+class _Busy:
+    def __init__(self, node: Any) -> None:
+        self.node = node
+
+    def __enter__(self) -> None:
+        _BUSY[self.node] = _BUSY.get(self.node, 0) + 1
+
+    def __exit__(self, *exc: object) -> None:
+        _BUSY[self.node] -= 1
+
+
+async def _serve_probe(node: Any, ctx: CallContext, ms: MessageStream) -> None:
     """Other side of a probe: receive what the prober uploads, then send what it asks for."""
     request = await ms.receive()
     if not isinstance(request, dict):
@@ -238,6 +256,15 @@ async def _serve_probe(ctx: CallContext, ms: MessageStream) -> None:
     up = request.get("up")
     if not (isinstance(up, int) and not isinstance(up, bool) and 0 <= up <= MAX_PROBE_BYTES):
         raise ValueError("probe size out of range")
+    if _BUSY.get(node):
+        await ms.send({"busy": True})
+        return
+    with _Busy(node):
+        await ms.send({"ok": True})
+        await _serve_transfers(ms, up)
+
+
+async def _serve_transfers(ms: MessageStream, up: int) -> None:
     got = after_first = 0
     first = last = trio.current_time()
     while got < up:
@@ -268,7 +295,7 @@ async def _serve_probe(ctx: CallContext, ms: MessageStream) -> None:
 
 def install_probe(node: Any) -> None:
     """Answer other peers' probes (idempotent per node is up to the caller)."""
-    node.add_stream_handler(PROBE_PROTOCOL, _serve_probe)
+    node.add_stream_handler(PROBE_PROTOCOL, functools.partial(_serve_probe, node))
 
 
 async def measure_links(
@@ -295,7 +322,7 @@ async def measure_links(
     if not chosen:
         raise ValueError("no peer to probe")
     payload = os.urandom(_PROBE_CHUNK)
-    with trio.fail_after(timeout):
+    with trio.fail_after(timeout), _Busy(node):
         async with AsyncExitStack() as stack:
             streams: list[MessageStream] = []
             for peer in chosen:
@@ -377,8 +404,11 @@ async def measure_links(
 
 async def _upload(ms: MessageStream, size: int, payload: bytes) -> float:
     """Send ``size`` probe bytes on ``ms``; the seconds they took to arrive."""
-    t0 = trio.current_time()
     await ms.send({"up": size})
+    answer = await ms.receive()
+    if not isinstance(answer, dict) or answer.get("ok") is not True:
+        raise ValueError("the partner is busy with another probe")
+    t0 = trio.current_time()
     sent = 0
     chunk = _chunk_for(size)
     while sent < size:
