@@ -319,9 +319,15 @@ def simulate(
     for e in sorted({o.epoch for p in everyone for o in p.epochs}):
         got = [o for p in everyone for o in p.epochs if o.epoch == e]
         sizes = statistics.multimode(o.group_size for o in got)
+        alone = [
+            f"{p.name} ({p.mode}, joined {p.joined:.0f} s, round ended {o.ended:.0f} s)"
+            for p in everyone
+            for o in p.epochs
+            if o.epoch == e and o.group_size == 1
+        ]
         print(
             f"epoch {e}: {len(got)} peers, {sum(o.complete for o in got)} complete, "
-            f"{sum(o.group_size == 1 for o in got)} alone, commonest group size {sizes}"
+            f"{len(alone)} alone {alone}, commonest group size {sizes}"
         )
     figures["wall_seconds"] = round(wall, 1)
     return figures
