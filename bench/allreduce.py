@@ -8,8 +8,8 @@ vector is seeded by i, weight i + 1). In the same run, the same peers move the s
 traffic pattern over plain TCP (no encryption, no framing): each sender sends every reducer its
 slice of that reducer's share and gets the same number of bytes back. Prints per-round times
 and, as the last line, a JSON object with ``seconds`` (median round), ``socket_seconds``
-(median plain-socket round), ``max_abs_error`` (vs the float64 weighted mean) and
-``identical`` (all peers hold the same bits).
+(median plain-socket round), ``max_abs_error`` (vs the float64 weighted mean),
+``identical`` (all peers hold the same bits) and ``peak_rss_mb`` (per peer process).
 
 ``--sim-hetero`` runs the simulator instead: four nodes with 10/25/50/100 Mbit/s uplinks (and
 100 Mbit/s downlinks), comparing the round's virtual time with the LP bound and with an equal
@@ -99,6 +99,10 @@ def _worker(index: int, size: int, mode: str, codec_name: str, rounds: int, conn
                         targets.append((plain_ports[j], nbytes))
             times, plain_times = [], []
             result = None
+            import resource
+
+            # peak before any round: the process, its vector and the node
+            base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
             for r in range(rounds):
                 await recv()  # barrier: plain-socket round
                 t0 = time.perf_counter()
@@ -130,7 +134,8 @@ def _worker(index: int, size: int, mode: str, codec_name: str, rounds: int, conn
                         want += _vector(i, size).astype(np.float64) * (i + 1)
                         total += i + 1
                 err = float(np.max(np.abs(result.vector - want / total)))
-            conn.send((times, plain_times, digest, err))
+            peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+            conn.send((times, plain_times, digest, err, peak, base))
             nursery.cancel_scope.cancel()
 
     trio.run(main)
@@ -209,6 +214,9 @@ def run_loopback(peers: int, size: int, clients: int, codec: str, rounds: int) -
         "socket_seconds": statistics.median(per_plain),
         "max_abs_error": max(errors),
         "identical": len(digests) == 1,
+        # per peer process, MiB: the vector, its result and what the round held on top
+        "peak_rss_mb": [round(rep[4], 1) for rep in reports],
+        "rss_before_rounds_mb": [round(rep[5], 1) for rep in reports],
     }
 
 

@@ -15,6 +15,11 @@ time from a common start signal to its result. Prints per-round figures and, as 
 a JSON object with ``lp_seconds`` and ``equal_seconds`` (medians), ``lp_bound_seconds``,
 ``lp_vs_bound`` (lp_seconds / bound) and ``equal_vs_lp`` (equal_seconds / lp_seconds), plus
 ``identical`` and ``max_abs_error`` over every round.
+
+``--measured`` types no rate in: peers probe their links as they join, warm-up rounds feed
+their meters, and the LP gets the measured figures; the JSON has ``measured_up_mbps``,
+``measured_down_mbps``, ``true_up_mbps``, ``true_down_mbps``, ``round_s`` (median, measured
+split), ``lp_bound_s`` (from the true rates) and ``equal_split_s``.
 """
 
 from __future__ import annotations
@@ -49,10 +54,20 @@ def _worker(index: int, ns: str, mode: str, size: int, codec_name: str, conn: An
 
     import trio
 
-    from dedloc_jax.averaging import AllReduceConfig, GroupSpec, all_reduce, get_codec, install
+    from dedloc_jax.averaging import (
+        AllReduceConfig,
+        BandwidthMeter,
+        GroupSpec,
+        all_reduce,
+        get_codec,
+        install,
+        install_probe,
+        measure_links,
+    )
     from p2p.identity import Identity, PeerID
     from p2p.node import NodeConfig, open_node
 
+    meter = BandwidthMeter()
     vec = _vector(index, size)
     weight = _weight(index, mode)
     codec = get_codec(codec_name)
@@ -67,6 +82,7 @@ def _worker(index: int, ns: str, mode: str, size: int, codec_name: str, conn: An
         listen = [f"/ip4/{peer_ip(index)}/tcp/0"]
         async with open_node(identity, listen=listen, config=NodeConfig.bulk()) as node:
             install(node, config)
+            install_probe(node)
             conn.send((str(node.peer_id), [str(a) for a in node.addrs]))
             addrs = await recv()
             for pid, pa in addrs.items():
@@ -76,6 +92,13 @@ def _worker(index: int, ns: str, mode: str, size: int, codec_name: str, conn: An
                 msg = await recv()
                 if msg == "quit":
                     return
+                if msg[0] == "probe":  # measure our links against these peers, best first
+                    await measure_links(node, [PeerID.from_base58(p) for p in msg[1]], meter)
+                    conn.send(tuple(meter.figures()))
+                    continue
+                if msg[0] == "figures":
+                    conn.send(tuple(meter.figures()))
+                    continue
                 spec_bytes, round_id, timeout, length = msg
                 spec = GroupSpec.from_bytes(spec_bytes)
                 t0 = time.perf_counter()
@@ -88,6 +111,7 @@ def _worker(index: int, ns: str, mode: str, size: int, codec_name: str, conn: An
                     timeout=timeout,
                     round_id=round_id,
                     config=config,
+                    meter=meter,
                 )
                 elapsed = time.perf_counter() - t0
                 if result.vector is None:  # an aux peer: it reduced, it holds no result
@@ -244,6 +268,111 @@ def run_netns(
     }
 
 
+def run_measured(
+    uplinks_mbit: Sequence[float],
+    downlink_mbit: float,
+    size: int,
+    rounds: int,
+    warmup: int = 2,
+    codec: str = "none",
+) -> dict:
+    """The split from measured links only: peers probe as they join (partners with the widest
+    published uplinks first), ``warmup`` rounds run on the figures so far (feeding the meters),
+    then ``rounds`` timed rounds on the measured figures, and as many with an equal split."""
+    from dedloc_jax.averaging import GroupSpec, Member, get_codec, solve_shares
+    from dedloc_jax.averaging.load_balancing import equal_split
+    from dedloc_jax.averaging.partition import fractions_to_parts
+
+    n = len(uplinks_mbit)
+    ups = [float(u) * MBIT for u in uplinks_mbit]
+    downs = [float(downlink_mbit) * MBIT] * n
+    wire_bytes = get_codec(codec).encoded_size(size)
+    ctx = mp.get_context("spawn")
+    procs: list[Any] = []
+    pipes: list[Any] = []
+    with ShapedLab(list(map(float, uplinks_mbit)), [float(downlink_mbit)] * n) as lab:
+        try:
+            for i in range(n):
+                parent, child = ctx.Pipe()
+                p = ctx.Process(target=_worker, args=(i, lab.host(i), "node", size, codec, child))
+                p.start()
+                procs.append(p)
+                pipes.append(parent)
+            hellos = [_recv(p, procs, 120) for p in pipes]
+            for p in pipes:
+                p.send(dict(hellos))
+            pids = [pid for pid, _ in hellos]
+            true = tuple(Member(pids[i], "node", ups[i], downs[i], i + 1.0) for i in range(n))
+            bound = solve_shares(true).lower_bound(wire_bytes)
+            figures: list[Any] = [(None, None, 0.0, 0.0)] * n
+            for i in range(n):  # one joins after the other, as in a run
+                others = sorted(
+                    (j for j in range(n) if j != i), key=lambda j: -(figures[j][0] or 0)
+                )
+                pipes[i].send(("probe", [pids[j] for j in others]))
+                figures[i] = _recv(pipes[i], procs, 300)
+                print(f"peer {i} probed: up {_mbit(figures[i][0])}, down {_mbit(figures[i][1])}")
+
+            def measured() -> tuple[Member, ...]:
+                for p in pipes:
+                    p.send(("figures",))
+                got = [_recv(p, procs, 60) for p in pipes]
+                return tuple(
+                    Member(pids[i], "node", g[0], g[1], i + 1.0) for i, g in enumerate(got)
+                )
+
+            timeout = 30 * bound + 120
+
+            def one_round(spec: Any, label: str) -> float:
+                for p in pipes:
+                    p.send((spec.to_bytes(), label.encode(), timeout, size))
+                return max(_recv(p, procs, timeout + 60)[0] for p in pipes)
+
+            for r in range(warmup):
+                members = measured()
+                spec = GroupSpec(members, f"warm/{r}".encode(), solve_shares(members).parts)
+                print(f"warm-up round {r + 1}: {one_round(spec, f'warm/{r}'):.2f} s")
+            members = measured()
+            lp = solve_shares(members)
+            equal = GroupSpec(true, b"equal", fractions_to_parts(equal_split(true)))
+            times, equal_times = [], []
+            for r in range(rounds):
+                times.append(one_round(GroupSpec(members, b"measured", lp.parts), f"m/{r}"))
+                equal_times.append(one_round(equal, f"e/{r}"))
+                print(
+                    f"round {r + 1}: measured split {times[-1]:.2f} s, "
+                    f"equal {equal_times[-1]:.2f} s"
+                )
+            for p in pipes:
+                p.send("quit")
+            for p in procs:
+                p.join(timeout=30)
+        finally:
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+                    p.join(timeout=10)
+    round_s = statistics.median(times)
+    print(f"measured split {round_s:.2f} s = {round_s / bound:.3f} x the LP bound {bound:.2f} s")
+    return {
+        "size": size,
+        "codec": codec,
+        "lp_fractions": list(lp.fractions),
+        "measured_up_mbps": [round(m.upload_bps / MBIT, 2) for m in members],
+        "measured_down_mbps": [round(m.download_bps / MBIT, 2) for m in members],
+        "true_up_mbps": [float(u) for u in uplinks_mbit],
+        "true_down_mbps": [float(downlink_mbit)] * n,
+        "round_s": round_s,
+        "lp_bound_s": bound,
+        "round_vs_bound": round_s / bound,
+        "equal_split_s": statistics.median(equal_times),
+    }
+
+
+def _mbit(bps: float | None) -> str:
+    return "none" if bps is None else f"{bps / MBIT:.1f} Mbit/s"
+
+
 def _recv(pipe: Any, procs: list[Any], timeout: float) -> Any:
     """A message from a peer, or a clear error when a peer died or took too long."""
     if not pipe.poll(timeout):
@@ -270,6 +399,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--size", type=int, default=2_000_000, help="float32 values per peer")
     ap.add_argument("--rounds", type=int, default=2, help="rounds of each split")
     ap.add_argument("--codec", default="none", choices=["none", "fp16", "bf16", "int8"])
+    ap.add_argument(
+        "--measured",
+        action="store_true",
+        help="no rates typed in: peers probe and measure their links, the LP gets the figures",
+    )
+    ap.add_argument("--warmup", type=int, default=2, help="--measured: rounds before timing")
     args = ap.parse_args(argv)
     try:
         uplinks = _numbers(args.uplinks)
@@ -290,6 +425,17 @@ def main(argv: list[str] | None = None) -> None:
     if reason is not None:
         sys.exit(f"bench.allreduce_netns cannot run: {reason}")
     signal.signal(signal.SIGTERM, _terminate)
+    if args.measured:
+        if len(set(downlinks)) != 1 or not downlinks[0] or args.modes:
+            ap.error("--measured: one shaped downlink for all, every peer a node")
+        try:
+            result = run_measured(
+                uplinks, downlinks[0], args.size, args.rounds, args.warmup, args.codec
+            )
+        except KeyboardInterrupt:
+            sys.exit("interrupted: peers stopped, namespaces deleted")
+        print(json.dumps(result))
+        return
     try:
         result = run_netns(
             uplinks, [d or None for d in downlinks], args.size, args.rounds, args.codec, modes

@@ -19,10 +19,14 @@ take with the full vector; what is not faithful is that the (small) DHT and matc
 messages also travel S times slower. The JSON says ``simulated_params`` (the model the times
 stand for) and ``actual_params`` (the vector moved).
 
-Reported (last line, JSON): ``compute_fraction`` (mean over peers of compute time / time in
-the run, from joining to the end or leaving) and ``epoch_time_ratio`` (mean epoch time /
-ideal, where ideal = target / summed throughput + the load-balancing LP's bound on the
-averaging round; with overlap the round is hidden, so the ratio can go below 1).
+Reported (last line, JSON), per run: ``complete_fraction`` (epochs whose averaging gave every
+peer that took part the mean of all it expected), ``averaged_fraction`` (peer-epochs whose step
+averaged with at least one other peer), ``compute_fraction`` (mean over peers of time computing
+toward epochs that averaged / time in the run; ``raw_compute_fraction`` counts all computing),
+``bandwidth_error`` (median relative error of the links the LP got against the true ones;
+peers probe their links on joining, ``keep_links_measured``) and ``epoch_time_ratio`` (mean
+epoch time / ideal, where ideal = target / summed throughput + the averaging time that is not
+hidden: the LP's bound when blocking, what of it exceeds an epoch's computing with overlap).
 
     python -m bench.collaboration [--peers 40] [--params 18000000] [--epochs 3]
         [--payload-scale S] [--mode overlap|blocking|both]
@@ -31,6 +35,7 @@ averaging round; with overlap the round is hidden, so the ratio can go below 1).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
 import random
@@ -63,8 +68,23 @@ class PeerStats:
     started: trio.Event = field(default_factory=trio.Event)
     left: float | None = None
     compute: float = 0.0
-    # (epoch, time its round ended here, samples this peer contributed)
-    epochs: list[tuple[int, float, int]] = field(default_factory=list)
+    epochs: list[EpochOutcome] = field(default_factory=list)
+    links: tuple[float, float] | None = None  # what the LP got from this peer, at its end
+    cut_off: float = 0.0  # seconds computed toward an epoch the run's end (or leaving) cut off
+    in_round: float = 0.0  # seconds computed toward epochs whose round has not ended yet
+    finished: bool = False  # its round of the last epoch ended
+
+
+@dataclass(frozen=True)
+class EpochOutcome:
+    """One peer's averaging step: what it brought and what it got back."""
+
+    epoch: int
+    ended: float  # virtual time its round ended here
+    samples: int
+    compute: float  # seconds this peer computed toward the epoch
+    group_size: int
+    complete: bool  # it holds the mean of every member its round expected
 
 
 def _draw_peers(n: int, rng: random.Random, scale: int = 1) -> list[PeerStats]:
@@ -89,7 +109,9 @@ async def _peer(
     micro: int,
     epochs: int,
     done: trio.Event,
+    ending: trio.Event,
     overlap: bool,
+    probe_bytes: int,
 ) -> None:
     host = net.add_host(
         stats.name,
@@ -120,7 +142,13 @@ async def _peer(
             first.append(str(node.addrs[0]))
         stats.joined = trio.current_time()
         stats.started.set()
-        await _train(core, stats, vector, micro, epochs, done, overlap)
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(functools.partial(core.keep_links_measured, nbytes=probe_bytes))
+                await _train(core, stats, vector, micro, epochs, done, ending, overlap)
+                nursery.cancel_scope.cancel()
+        finally:
+            stats.links = core._bandwidth()
 
 
 async def _train(
@@ -130,6 +158,7 @@ async def _train(
     micro: int,
     epochs: int,
     done: trio.Event,
+    ending: trio.Event,
     overlap: bool,
 ) -> None:
     """Accumulate micro-batches until the collaboration reaches the target, then average.
@@ -142,14 +171,25 @@ async def _train(
     """
     epoch = core.estimate.epoch
     samples = 0
+    computed = 0.0  # seconds computed toward ``epoch``
+    stats.cut_off = 0.0
     in_flight: list[trio.Event] = []  # the round of the previous epoch, while it runs
 
-    async def average(at: int, contributed: int, finished: trio.Event) -> None:
+    async def average(at: int, contributed: int, computed: float, finished: trio.Event) -> None:
         try:
-            await core.average(at, [vector], contributed)
-            stats.epochs.append((at, trio.current_time(), contributed))
+            # Until its round ends the epoch's computing is cut off if the run ends first.
+            stats.in_round += computed
+            stats.cut_off = 0.0
+            out = await core.average(at, [vector], contributed)
+            stats.in_round -= computed
+            stats.epochs.append(
+                EpochOutcome(
+                    at, trio.current_time(), contributed, computed, out.group_size, out.complete
+                )
+            )
             if at + 1 >= epochs:
-                done.set()
+                stats.finished = True
+                ending.set()
         finally:
             finished.set()
 
@@ -158,6 +198,8 @@ async def _train(
             step = micro / stats.rate
             await trio.sleep(step)
             stats.compute += step
+            computed += step
+            stats.cut_off = computed  # until its step: cut off if the run ends first
             samples += micro
             if in_flight and in_flight[0].is_set():
                 in_flight.clear()
@@ -165,22 +207,27 @@ async def _train(
                 finished = trio.Event()
                 if overlap:
                     in_flight.append(finished)
-                    nursery.start_soon(average, epoch, samples, finished)
+                    nursery.start_soon(average, epoch, samples, computed, finished)
                 else:
-                    await average(epoch, samples, finished)
-                epoch, samples = epoch + 1, 0
+                    await average(epoch, samples, computed, finished)
+                epoch, samples, computed = epoch + 1, 0, 0.0
             elif (
                 not in_flight and core.estimate.epoch > epoch
-            ):  # we fell behind (joined late): move on
-                epoch, samples = core.estimate.epoch, 0
+            ):  # we fell behind (joined late): move on; what it computed is lost
+                epoch, samples, computed = core.estimate.epoch, 0, 0.0
         nursery.cancel_scope.cancel()
 
 
-def simulate(args: argparse.Namespace, *, overlap: bool) -> dict[str, float | None]:
+def simulate(
+    args: argparse.Namespace, *, overlap: bool, config: CollaborationConfig | None = None
+) -> dict[str, float | None]:
     """One run of the collaboration (same peers, links and churn for a given seed)."""
     rng = random.Random(args.seed)
     peers = _draw_peers(args.peers, rng, args.payload_scale)
-    config = CollaborationConfig(target_batch_size=args.target, codec="fp16", max_refresh=5.0)
+    config = config or CollaborationConfig(
+        target_batch_size=args.target, codec="fp16", max_refresh=5.0
+    )
+    probe_bytes = max(64 << 10, (4 << 20) // args.payload_scale)
     actual = max(1, args.params // args.payload_scale)
     vector = np.random.default_rng(args.seed).normal(size=actual).astype(np.float32)
     vector.setflags(write=False)
@@ -189,6 +236,7 @@ def simulate(args: argparse.Namespace, *, overlap: bool) -> dict[str, float | No
         net = SimNetwork(seed=args.seed)
         first: list[str] = []
         done = trio.Event()
+        ending = trio.Event()  # a peer's round of the last epoch ended
         everyone = list(peers)
         async with trio.open_nursery() as nursery:
             scopes: dict[str, trio.CancelScope] = {}
@@ -206,7 +254,9 @@ def simulate(args: argparse.Namespace, *, overlap: bool) -> dict[str, float | No
                         args.micro,
                         args.epochs,
                         done,
+                        ending,
                         overlap,
+                        probe_bytes,
                     )
 
             await nursery.start(_started, start, peers[0], 0)
@@ -231,7 +281,15 @@ def simulate(args: argparse.Namespace, *, overlap: bool) -> dict[str, float | No
                     index += 1
 
             nursery.start_soon(churn)
-            await done.wait()
+            # The run ends once every peer in it has its last epoch's outcome (bounded):
+            # cutting the others' rounds off would count them as failures.
+            await ending.wait()
+            with trio.move_on_after(600):
+                while any(
+                    p.left is None and p.started.is_set() and not p.finished for p in everyone
+                ):
+                    await trio.sleep(1.0)
+            done.set()
             end = trio.current_time()
             for p in everyone:
                 if p.left is None:
@@ -243,41 +301,110 @@ def simulate(args: argparse.Namespace, *, overlap: bool) -> dict[str, float | No
     everyone = run_sim(run, seed=args.seed)
     wall = time.perf_counter() - wall
 
+    for p in everyone:  # epochs past the last, which peers that finished early went on to
+        p.cut_off += sum(o.compute for o in p.epochs if o.epoch >= args.epochs)
+        p.epochs = [o for o in p.epochs if o.epoch < args.epochs]
+    figures = outcome_figures(everyone, peers, args.target, 2 * actual, overlap=overlap)
+    mode = "overlapped (delayed update)" if overlap else "blocking"
+    print(f"--- {mode}: {figures['epochs']} epochs in {wall:.0f} s of wall time")
+    print(
+        f"complete rounds {figures['complete_fraction']}, averaged peer-epochs "
+        f"{figures['averaged_fraction']}, compute fraction {figures['compute_fraction']} "
+        f"(raw {figures['raw_compute_fraction']}), bandwidth error {figures['bandwidth_error']}"
+    )
+    print(
+        f"epoch {figures['epoch_seconds']} s against an ideal {figures['ideal_epoch_seconds']} s"
+        f" (LP bound {figures['lp_bound_seconds']} s)"
+    )
+    for e in sorted({o.epoch for p in everyone for o in p.epochs}):
+        got = [o for p in everyone for o in p.epochs if o.epoch == e]
+        sizes = statistics.multimode(o.group_size for o in got)
+        alone = [
+            f"{p.name} ({p.mode}, joined {p.joined:.0f} s, round ended {o.ended:.0f} s)"
+            for p in everyone
+            for o in p.epochs
+            if o.epoch == e and o.group_size == 1
+        ]
+        print(
+            f"epoch {e}: {len(got)} peers, {sum(o.complete for o in got)} complete, "
+            f"{len(alone)} alone {alone}, commonest group size {sizes}"
+        )
+    figures["wall_seconds"] = round(wall, 1)
+    return figures
+
+
+def outcome_figures(
+    everyone: list[PeerStats],
+    initial: list[PeerStats],
+    target: int,
+    vector_bytes: int,
+    *,
+    overlap: bool,
+) -> dict[str, float | None]:
+    """The run's figures from what each peer computed and got back from each round.
+
+    * ``complete_fraction``: epochs whose averaging reached every peer that took part with
+      the mean (each of them complete: a group of more than one, nothing missing);
+    * ``averaged_fraction``: peer-epochs whose step averaged with at least one other peer;
+    * ``compute_fraction``: per peer, time computing toward epochs whose step averaged over
+      its time in the run, mean over peers (the epoch the run's end or the peer's leaving cut
+      off counts on neither side; ``raw_compute_fraction`` counts all computing);
+    * ``bandwidth_error``: median relative error of the links the LP got against the true ones;
+    * ``epoch_time_ratio``: mean epoch time over an ideal of computing the target at the
+      summed throughput plus the averaging time that is not hidden (all of the LP bound when
+      blocking; what exceeds the epoch's computing with overlap).
+    """
     trainers = [p for p in everyone if p.left is not None and p.left > p.joined]
-    fractions = [p.compute / (p.left - p.joined) for p in trainers]
-    ends = sorted({t for p in everyone for _, t, _ in p.epochs})
-    contributed: dict[int, int] = {}
-    ended: dict[int, list[float]] = {}
-    for p in everyone:
-        for e, t, n in p.epochs:
-            contributed[e] = contributed.get(e, 0) + n
-            ended.setdefault(e, []).append(t)
+    raw = [p.compute / (p.left - p.joined) for p in trainers]
+    useful = [
+        sum(o.compute for o in p.epochs if o.group_size > 1)
+        / (p.left - p.joined - p.cut_off - p.in_round)
+        for p in trainers
+    ]
+    outcomes = [o for p in everyone for o in p.epochs]
+    by_epoch: dict[int, list[EpochOutcome]] = {}
+    for o in outcomes:
+        by_epoch.setdefault(o.epoch, []).append(o)
+    complete = [all(o.complete and o.group_size > 1 for o in os) for os in by_epoch.values()]
+    averaged = [o.group_size > 1 for o in outcomes]
+    errors = [
+        abs(measured / true - 1.0)
+        for p in everyone
+        if p.links is not None
+        for measured, true in zip(p.links, (p.up, p.down), strict=True)
+    ]
     # An epoch ends when its peers' rounds end: the median, which one straggler (a round
     # that timed out, a newcomer) cannot move.
-    per_epoch = {e: statistics.median(ts) for e, ts in ended.items()}
+    per_epoch = {e: statistics.median(o.ended for o in os) for e, os in by_epoch.items()}
     times = [per_epoch[e] for e in sorted(per_epoch)]
     epoch_times = [b - a for a, b in zip(times, times[1:], strict=False)]
-    total_rate = sum(p.rate for p in peers)
+    total_rate = sum(p.rate for p in initial)
     # The LP bound in real units: the scaled links carry the scaled vector in the same time.
-    members = [Member(p.name, p.mode, p.up, p.down, 1.0) for p in peers]
-    lp_bound = solve_shares(members).lower_bound(2 * actual)  # fp16 on the wire
-    ideal = args.target / total_rate + lp_bound
+    members = [Member(p.name, p.mode, p.up, p.down, 1.0) for p in initial]
+    lp_bound = solve_shares(members).lower_bound(vector_bytes)
+    computing = target / total_rate
+    ideal = computing + (max(0.0, lp_bound - computing) if overlap else lp_bound)
     mean_epoch = statistics.mean(epoch_times) if epoch_times else float("nan")
-    mode = "overlapped (delayed update)" if overlap else "blocking"
-    print(f"--- {mode}: {len(per_epoch)} epochs in {wall:.0f} s of wall time")
-    print(f"summed throughput {total_rate:.1f} samples/s; LP averaging bound {lp_bound:.2f} s")
-    print(f"epoch times (virtual s): {[round(t, 1) for t in epoch_times]}; ideal {ideal:.1f} s")
-    print(f"peers that joined/left by churn: {len(everyone) - len(peers)}")
-    print(f"compute fraction: mean {statistics.mean(fractions):.3f}, min {min(fractions):.3f}")
+    contributed: dict[int, int] = {}
+    for o in outcomes:
+        contributed[o.epoch] = contributed.get(o.epoch, 0) + o.samples
+    ends = [o.ended for o in outcomes]
+
+    def share(flags: list[bool]) -> float | None:
+        return round(sum(flags) / len(flags), 4) if flags else None
+
     return {
-        "compute_fraction": round(statistics.mean(fractions), 4),
-        "min_compute_fraction": round(min(fractions), 4),
+        "complete_fraction": share(complete),
+        "averaged_fraction": share(averaged),
+        "compute_fraction": round(statistics.mean(useful), 4) if useful else None,
+        "min_compute_fraction": round(min(useful), 4) if useful else None,
+        "raw_compute_fraction": round(statistics.mean(raw), 4) if raw else None,
+        "bandwidth_error": round(statistics.median(errors), 4) if errors else None,
         "epoch_time_ratio": round(mean_epoch / ideal, 4),
         # samples averaged per epoch / target (> 1: computed past the target), over all but
         # the last epoch, whose rounds the end of the run cuts off
         "samples_per_target": round(
-            statistics.mean(n for e, n in contributed.items() if e < max(contributed))
-            / args.target,
+            statistics.mean(n for e, n in contributed.items() if e < max(contributed)) / target,
             4,
         )
         if len(contributed) > 1
@@ -286,9 +413,9 @@ def simulate(args: argparse.Namespace, *, overlap: bool) -> dict[str, float | No
         "ideal_epoch_seconds": round(ideal, 3),
         "lp_bound_seconds": round(lp_bound, 3),
         "epochs": len(per_epoch),
-        "churned": len(everyone) - len(peers),
-        "virtual_seconds": round(ends[-1], 1) if ends else 0.0,
-        "wall_seconds": round(wall, 1),
+        "rounds": len(by_epoch),
+        "churned": len(everyone) - len(initial),
+        "virtual_seconds": round(max(ends), 1) if ends else 0.0,
     }
 
 

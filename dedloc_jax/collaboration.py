@@ -9,7 +9,7 @@ ordinary Python (the JAX training loop).
 from __future__ import annotations
 
 import logging
-import math
+import random
 import time
 from collections.abc import AsyncIterator, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
@@ -27,9 +27,13 @@ from dedloc_jax.averaging import (
     BandwidthMeter,
     GroupError,
     GroupSpec,
+    LinkFigures,
     all_reduce,
     install,
+    install_probe,
+    measure_links,
 )
+from dedloc_jax.averaging.bandwidth import UNMEASURED_DOWNLOAD_BPS, UNMEASURED_UPLOAD_BPS
 from dedloc_jax.config import CollaborationConfig
 from dedloc_jax.host import AveragingOutcome
 from dedloc_jax.lineage import Announcement, fork_verdict
@@ -37,9 +41,11 @@ from dedloc_jax.matchmaking import Matchmaker
 from dedloc_jax.matchmaking_wire import member_for
 from dedloc_jax.progress import CollaborationEstimate, estimate_collaboration, refresh_delay
 from dedloc_jax.state_sync import StateServer, download_manifest_state, find_donors
-from dedloc_jax.timing import averaging_timeout, matchmaking_window
+from dedloc_jax.timing import Deadlines, matchmaking_window
 from dedloc_jax.tracker import ProgressTracker
 from p2p.dht import DHTClock, DHTConfig, open_dht
+from p2p.errors import P2PError
+from p2p.identity import PeerID
 from p2p.multiaddr import Multiaddr
 from p2p.nat import NATConfig, open_nat
 
@@ -218,8 +224,57 @@ class CollaborationCore:
 
     # --- averaging -----------------------------------------------------------------------
     def _bandwidth(self) -> tuple[float, float]:
-        """Measured (or overridden) link speeds; unknown ones count as fast and equal."""
-        return self.meter.upload_bps or math.inf, self.meter.download_bps or math.inf
+        """Measured (or overridden) link speeds; an unmeasured one counts as a slow home link,
+        so that deadlines computed from it are long enough (see timing.Deadlines)."""
+        f = self.meter.figures()
+        return f.upload_bps or UNMEASURED_UPLOAD_BPS, f.download_bps or UNMEASURED_DOWNLOAD_BPS
+
+    @property
+    def links(self) -> LinkFigures:
+        """This peer's published link figures: measured up and down (bytes/s), their age."""
+        return self.meter.figures()
+
+    async def probe_links(self, *, nbytes: int = 4 << 20, max_peers: int = 8) -> LinkFigures:
+        """Measure this peer's links against a few peers of the run whose progress we read
+        (reachable ones, in a per-peer random order): on joining, or when ``meter.stale()``."""
+        me = str(self.node.peer_id)
+        rng = random.Random(me)
+        peers = sorted(
+            pid for pid, r in self.tracker.records.items() if pid != me and r.mode != "client"
+        )
+        rng.shuffle(peers)
+        if not peers:
+            return self.meter.figures()
+        return await measure_links(
+            self.node,
+            [PeerID.from_base58(p) for p in peers],
+            self.meter,
+            nbytes=nbytes,
+            max_peers=max_peers,
+            timeout=self.config.rpc_timeout * 6,
+        )
+
+    async def keep_links_measured(
+        self, *, nbytes: int = 4 << 20, poll: float = 5.0, probes: int = 2
+    ) -> None:
+        """Probe this peer's links once other peers are known (``probes`` times, at random
+        moments ``poll`` to ``3 * poll`` apart), and again whenever the meter's figure goes
+        stale; run it as a background task of the collaboration. Probes of peers that start
+        together contend for the same links and read low; the figure is their max, so one
+        probe that ran alone suffices."""
+        rng = random.Random(str(self.node.peer_id))
+        done = 0
+        while True:
+            await trio.sleep(rng.uniform(poll, 3 * poll) if done else rng.uniform(0, poll))
+            known = any(pid != str(self.node.peer_id) for pid in self.tracker.records)
+            if known and (done < probes or self.meter.stale()):
+                try:
+                    await self.probe_links(nbytes=nbytes)
+                    done += 1
+                except (ValueError, trio.TooSlowError, P2PError) as e:
+                    log.info("probing our links failed: %r", e)
+            if done >= probes and not self.meter.stale():
+                await trio.sleep(self.meter.window / 4)
 
     async def average(
         self, epoch: int, arrays: Sequence[np.ndarray], samples: int
@@ -397,11 +452,10 @@ class CollaborationCore:
         return [np.asarray(a) for a in averaged.average], len(spec.members), whole
 
     def _cross_wait(self, spec: GroupSpec | None, arrays: Sequence[np.ndarray]) -> float:
-        """How long a member waits for its representative's round across groups: that
-        round's matchmaking (at most) and its all-reduce."""
-        mm = self.matchmaker
-        rounds = 2 * self._timeout(spec, arrays) if spec is not None else 0.0
-        return 2 * mm.max_wait + 4 * mm.window + rounds
+        """How long a member waits for its representative's round across groups."""
+        if spec is None:
+            return self.matchmaker.deadlines.cross_wait
+        return self._deadlines(spec, arrays).cross_wait
 
     def _peers_at(self, epoch: int) -> set[str]:
         """Who should register for ``epoch``: peers that join rounds and whose latest progress
@@ -487,10 +541,17 @@ class CollaborationCore:
             return None
         return install(self.node).config.with_(robust_tau=self.config.robust_tau)
 
-    def _timeout(self, spec: Any, arrays: Sequence[np.ndarray]) -> float:
+    def _deadlines(self, spec: Any, arrays: Sequence[np.ndarray]) -> Deadlines:
+        """This round's deadlines: the matchmaking window's and the group's LP bound's."""
         nbytes = sum(int(np.asarray(a).size) * 4 for a in arrays)
-        bound = spec.lower_bound(nbytes)
-        return self.config.averaging_timeout or averaging_timeout(bound, self.tracker.dht_latency)
+        return self.matchmaker.deadlines.for_group(
+            spec.lower_bound(nbytes),
+            self.tracker.dht_latency,
+            override=self.config.averaging_timeout,
+        )
+
+    def _timeout(self, spec: Any, arrays: Sequence[np.ndarray]) -> float:
+        return self._deadlines(spec, arrays).averaging
 
     # --- state ---------------------------------------------------------------------------
     async def share_state(self, arrays: Sequence[np.ndarray], epoch: int) -> None:
@@ -632,6 +693,7 @@ async def open_collaboration(
             dht = private.attach(dht)
         core = CollaborationCore(node, dht, run_id, config, mode)
         averaging = install(node)
+        install_probe(node)
         core.matchmaker.register()
         core.across.register()
         core.state_server.register()

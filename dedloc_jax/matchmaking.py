@@ -50,6 +50,7 @@ from dedloc_jax.matchmaking_wire import (
 from dedloc_jax.matchmaking_wire import member_from_wire as _member_from_wire
 from dedloc_jax.matchmaking_wire import member_to_wire as _member_to_wire
 from dedloc_jax.matchmaking_wire import slot_of as _slot_of
+from dedloc_jax.timing import Deadlines
 from p2p.dht import DHT, InvalidRecordError, KeyFollower, follower_replicas
 from p2p.dht.records import owner_marker, owner_markers
 from p2p.errors import ConnectionClosed, DialError, P2PError, RPCError, RPCTimeout
@@ -96,7 +97,8 @@ class Matchmaker(Leading):
         # The addresses last learned per peer: every poll of the registrations reads them all
         # again, and parsing them each time was about a tenth of a 60-peer soak's CPU.
         self._learned: dict[str, tuple[str, ...]] = {}
-        self.window = 1.0  # seconds; updated by the collaboration from its predictions
+        # Updated by the collaboration from its predictions (the window, see timing.py).
+        self.deadlines = Deadlines(window=1.0)
         # Private runs (dedloc_jax.access): raises ValueError unless the peer may take part.
         self.admit: Callable[[PeerID, str | None], Awaitable[None]] | None = None
         # Whether a peer has gone past an epoch (the tracker knows): a leader stops waiting
@@ -178,9 +180,17 @@ class Matchmaker(Leading):
         return self._round_opened[slot]
 
     @property
+    def window(self) -> float:
+        return self.deadlines.window
+
+    @window.setter
+    def window(self, seconds: float) -> None:
+        self.deadlines = Deadlines(window=seconds)
+
+    @property
     def max_wait(self) -> float:
         """The longest a peer waits for others to register (then it goes with what it has)."""
-        return 10 * self.window + 5.0
+        return self.deadlines.max_wait
 
     @property
     def member_wait(self) -> float:
@@ -188,7 +198,7 @@ class Matchmaker(Leading):
         decide about when the leader does, from nearly the same registrations, so one that
         has not joined after a few windows saw other groups (or died): waiting ``max_wait``
         for it held whole groups of a 200-peer run for 15-30 s per epoch."""
-        return min(self.max_wait, 4 * self.window + 2.0)
+        return self.deadlines.member_wait
 
     async def _registrations(
         self,
@@ -252,7 +262,8 @@ class Matchmaker(Leading):
     async def _form_group(
         self, slot: Slot, me: Member, *, target: float, expected: set[str] | frozenset[str]
     ) -> GroupSpec | None:
-        window = self.window
+        deadlines = self.deadlines
+        window = deadlines.window
         epoch, level = slot
         key = group_key(self.run_id, epoch, level)
         cap = self.max_group_size if level == 0 else CROSS_CAP
@@ -274,14 +285,14 @@ class Matchmaker(Leading):
             await self.dht.store(
                 key,
                 registration,
-                self.dht.now() + self.max_wait + 6 * window + 30.0,
+                self.dht.now() + deadlines.registration_ttl,
                 subkey=owner_marker(self.node.peer_id),
                 replicas=follower_replicas(self.dht.config),
             )
         except (P2PError, InvalidRecordError) as e:
             log.warning("could not register for matchmaking: %s", e)
         start = trio.current_time()
-        give_up = start + self.max_wait
+        give_up = start + deadlines.max_wait
         # Who the tracker saw at this epoch, before any is dropped: groups are sized for them.
         planned = set(expected) | {self.peer_id}
         expected = set(expected) - {self.peer_id}
@@ -289,7 +300,7 @@ class Matchmaker(Leading):
         # registration lapses on time even when we hear from nobody (no grace): grouping with
         # a peer whose registration expired costs a failed round.
         registry = self.dht.follow(
-            key, relocate_interval=self.max_wait + 6 * window, lapse_grace=0.0
+            key, relocate_interval=deadlines.relocate_interval, lapse_grace=0.0
         )
         states: dict[str, bytes | None] = {}  # the state each registered peer steps from
         while True:
@@ -502,7 +513,7 @@ class Matchmaker(Leading):
                 self._leader_addr(leader),
                 JOIN,
                 request,
-                timeout=self.max_wait + 6 * window + 10.0,
+                timeout=self.deadlines.join_timeout,
             )
         except P2PError as e:
             log.info("leader %s of epoch %d did not take us: %s", leader, epoch, e)

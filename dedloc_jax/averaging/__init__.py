@@ -4,7 +4,7 @@ Usage: build a :class:`GroupSpec` (matchmaking does it), :func:`install` the han
 node before the round, then ``await all_reduce(node, spec, grads, weight=samples)``.
 """
 
-from .bandwidth import BandwidthMeter, install_probe, probe
+from .bandwidth import BandwidthMeter, Gauge, LinkFigures, install_probe, measure_links, probe
 from .butterfly import AllReduceResult, AveragingService, ShareResult, all_reduce, install
 from .codecs import CODECS, Codec, get_codec
 from .config import AllReduceConfig
@@ -32,10 +32,12 @@ __all__ = [
     "BadContributionError",
     "BandwidthMeter",
     "Codec",
+    "Gauge",
     "CodecError",
     "GroupError",
     "GroupSpec",
     "LoadBalancingError",
+    "LinkFigures",
     "Member",
     "PartitionError",
     "ShareLostError",
@@ -48,6 +50,7 @@ __all__ = [
     "get_codec",
     "install",
     "install_probe",
+    "measure_links",
     "predicted_time",
     "probe",
     "solve_shares",

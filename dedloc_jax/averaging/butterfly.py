@@ -36,7 +36,7 @@ from p2p.identity import PeerID
 from p2p.rpc import CallContext, MessageStream
 
 from . import wire
-from .bandwidth import BandwidthMeter
+from .bandwidth import BandwidthMeter, Gauge
 from .codecs import Codec, get_codec, is_finite
 from .config import AllReduceConfig
 from .errors import AllReduceError, BadContributionError, ShareLostError
@@ -220,7 +220,8 @@ class Round:
         self.join_at = t0 + config.join_fraction * timeout
         self.data_at = t0 + config.data_fraction * timeout
         self.reducer = Reducer(self) if me in self.chunks else None
-        self.traffic = {"up": [0, math.inf, -math.inf], "down": [0, math.inf, -math.inf]}
+        # Busy time per stream feeds the meter; without one, a throwaway meter gets it.
+        self._meter = meter if meter is not None else BandwidthMeter()
 
     # -- helpers ------------------------------------------------------------------------------
     def name(self, i: int) -> str:
@@ -230,12 +231,8 @@ class Round:
         a, b = self.chunks[j][k]
         return self.bounds[j] + a, self.bounds[j] + b
 
-    def count(self, direction: str, nbytes: int) -> None:
-        rec = self.traffic[direction]
-        now = trio.current_time()
-        rec[0] += nbytes
-        rec[1] = min(rec[1], now)
-        rec[2] = max(rec[2], now)
+    def gauge(self, direction: str) -> Gauge:
+        return self._meter.gauge(direction)
 
     def hello(self, share: int = -1) -> wire.Hello:
         return wire.Hello(
@@ -314,18 +311,30 @@ class Round:
 
     async def _send_parts(self, ms: MessageStream, j: int, sent: trio.Event) -> None:
         assert self.vec is not None
+        gauge = self.gauge("up")
         try:
             for k in range(len(self.chunks[j])):
                 a, b = self.share_slice(j, k)
                 data = self.codec.encode(self.vec[a:b])
+                t = trio.current_time()
                 await ms.send(wire.part(k, data))
-                self.count("up", len(data))
+                gauge.sent(len(data), t, trio.current_time())
         except P2PError as e:  # the receiving side sees the same failure and reports it
             logger.debug("sending to %s stopped: %s", self.name(j), e)
         finally:
+            gauge.close()
             sent.set()
 
     async def _receive_results(self, ms: MessageStream, j: int, sent: trio.Event) -> bool:
+        gauge = self.gauge("down")
+        try:
+            return await self._receive_results_into(ms, j, sent, gauge)
+        finally:
+            gauge.close()
+
+    async def _receive_results_into(
+        self, ms: MessageStream, j: int, sent: trio.Event, gauge: Gauge
+    ) -> bool:
         assert self.out is not None
         n_chunks = len(self.chunks[j])
         while True:
@@ -347,7 +356,7 @@ class Round:
             self.codec.decode_into(data, self.out[a:b])
             if not is_finite(self.out[a:b]):
                 raise BadContributionError("non-finite result")
-            self.count("down", len(data))
+            gauge.received(len(data), trio.current_time())
             self.masks[j].append(mask)
             self.held[j] = k + 1
             if k + 1 == n_chunks:
@@ -508,9 +517,7 @@ async def all_reduce(
     finally:
         service._close(rnd)
     if meter is not None:
-        for direction, (nbytes, first, last) in rnd.traffic.items():
-            if nbytes and last > first:
-                meter.record(direction, nbytes, last - first)
+        meter.flush()
     if not member.sends:
         return AllReduceResult(None, None, ())
     missing = tuple(j for j in rnd.reducers if not rnd.ok[j])

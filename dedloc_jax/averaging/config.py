@@ -25,6 +25,9 @@ class AllReduceConfig:
     exchange_fraction: float = 0.75
     join_fraction: float = 0.85
     data_fraction: float = 0.95
+    window_chunks: int = 8
+    """Chunks a reducer holds at once (accumulating or encoded, not yet sent to everyone):
+    its memory is this many chunks whatever its share."""
     max_pending_rounds: int = 16
     """Rounds a peer may announce before we start them locally; more are refused."""
     linger: float = 60.0
@@ -53,6 +56,8 @@ class AllReduceConfig:
     def __post_init__(self) -> None:
         if self.robust_tau is not None and not self.robust_tau > 0:
             raise ValueError("robust_tau must be positive when set")
+        if self.window_chunks < 1:
+            raise ValueError("window_chunks must be at least 1")
         if self.robust_iters < 1:
             raise ValueError("robust_iters must be at least 1")
 

@@ -24,6 +24,7 @@ from .robust import cap_weights, centered_clip
 from .sync import Changes
 
 if TYPE_CHECKING:
+    from .bandwidth import Gauge
     from .butterfly import Round
 
 logger = logging.getLogger(__name__)
@@ -38,8 +39,14 @@ class Reducer:
         self.start = rnd.bounds[j]
         self.chunks = rnd.chunks[j]
         n = len(self.chunks)
-        self.acc = np.zeros(rnd.bounds[j + 1] - self.start, np.float32)
-        self.scratch = np.empty(max((b - a for a, b in self.chunks), default=0), np.float32)
+        widest = max((b - a for a, b in self.chunks), default=0)
+        # Memory is a fixed number of chunks whatever the share: chunk k accumulates in slot
+        # k % window, a sender more than ``window`` chunks ahead of the oldest unfinished
+        # chunk is not read (its stream back-pressures it), and an encoded result is dropped
+        # once every receiver was sent it.
+        self.window = max(1, rnd.config.window_chunks)
+        self.acc = np.zeros((min(self.window, max(n, 1)), widest), np.float32)
+        self.scratch = np.empty(widest, np.float32)
         self.wsum = np.zeros(n, np.float64)
         self.cmask: list[set[int]] = [set() for _ in range(n)]
         self.expected = {s for s in rnd.senders if s != j}
@@ -53,10 +60,12 @@ class Reducer:
         self.acked: set[int] = set()
         self.dead: set[int] = set()
         self.done = 0
-        self.enc: list[bytes] = []
+        self.enc: dict[int, bytes] = {}  # finalised chunks some receiver was not sent yet
+        self.sent: dict[int, int] = {}  # per receiver, how many result chunks it was sent
         self.final_masks: list[frozenset[int]] = []
         self.commit: frozenset[int] | None = None
         self.last_sent: dict[int, float] = {}
+        self.gauges: dict[int, Gauge] = {}  # per sender: busy time of its parts' stream
         self.sent_all_at: dict[int, float] = {}
         self.changes = Changes()  # anything the collecting loop re-checks (parts, acks, deaths)
         # What the result streams wait for: a chunk finalised, the commit, a receiver dropped.
@@ -66,14 +75,31 @@ class Reducer:
         # Robust mode buffers each chunk's parts (sender -> values) until it is finalised.
         self.robust = rnd.config.robust_tau is not None
         self.parts: list[dict[int, np.ndarray]] = [{} for _ in range(n)] if self.robust else []
-        if rnd.is_sender and not rnd.abstain:
+        self.own = rnd.is_sender and not rnd.abstain
+        if self.own:
             assert rnd.vec is not None
-            self.acc[:] = rnd.vec[self.start : rnd.bounds[j + 1]] * np.float32(rnd.weight)
             self.wsum[:] = rnd.weight
             for m in self.cmask:
                 m.add(j)
             for k, (a, b) in enumerate(self.chunks if self.robust else ()):
                 self.parts[k][j] = rnd.vec[self.start + a : self.start + b]
+        for k in range(min(self.window, n)):
+            self._open_slot(k)
+
+    def _slot(self, k: int) -> np.ndarray:
+        a, b = self.chunks[k]
+        return self.acc[k % len(self.acc), : b - a]
+
+    def _open_slot(self, k: int) -> None:
+        """Start chunk ``k``'s accumulator: our own contribution, or zeros."""
+        slot = self._slot(k)
+        if self.own:
+            a, b = self.chunks[k]
+            vec = self.r.vec
+            assert vec is not None
+            np.multiply(vec[self.start + a : self.start + b], np.float32(self.r.weight), out=slot)
+        else:
+            slot[:] = 0.0
 
     def exclude(self, s: int, why: str) -> None:
         if s in self.expected:
@@ -116,6 +142,7 @@ class Reducer:
                     await self.changes.wait(
                         min([r.collect_at] + [self.last[s] + stall for s in missing])
                     )
+            await self._room_for(k)
             self._finalise(k)
         # Commit once every live receiver acked; drop receivers that stop making progress.
         while not self.receivers <= self.acked:
@@ -145,6 +172,36 @@ class Reducer:
             logger.warning("round %s: nobody acked our share; repairing it", r.round_id.hex()[:8])
         r.settled[r.me].set()
 
+    async def _room_for(self, k: int) -> None:
+        """Wait until chunk ``k``'s result fits the window: every receiver was sent the result
+        ``window`` chunks before it (a receiver that makes no progress is dropped)."""
+        r = self.r
+        while self.enc and min(self.enc) <= k - self.window:
+            now = trio.current_time()
+            behind = [s for s in self.receivers if self.sent.get(s, 0) <= k - self.window]
+            if now >= r.exchange_at:
+                laggards = behind
+            else:
+                laggards = [s for s in behind if now >= self._progress_due(s)]
+            for s in laggards:
+                logger.warning(
+                    "round %s: receiver %s made no progress; dropping it",
+                    r.round_id.hex()[:8],
+                    r.name(s),
+                )
+                self.receivers.discard(s)
+                self.results.notify()
+            self._release()
+            if not laggards and self.enc and min(self.enc) <= k - self.window:
+                due = [self._progress_due(s) for s in behind]
+                await self.changes.wait(min([r.exchange_at, *due]))
+
+    def _release(self) -> None:
+        """Drop the encoded results every remaining receiver was sent."""
+        upto = min((self.sent.get(s, 0) for s in self.receivers), default=self.done)
+        for k in [k for k in self.enc if k < upto]:
+            del self.enc[k]
+
     def _progress_due(self, s: int) -> float:
         """When receiver ``s`` counts as stalled: no send to it completed, or no ack after all."""
         stall = self.r.config.stall_timeout
@@ -155,7 +212,7 @@ class Reducer:
     def _finalise(self, k: int) -> None:
         r = self.r
         a, b = self.chunks[k]
-        avg = self.acc[a:b]  # averaged in place: the accumulator of this chunk is done
+        avg = self._slot(k)  # averaged in place: the accumulator of this chunk is done
         if self.robust and self.parts[k]:
             self._robust_finalise(k, avg)
         elif self.wsum[k] > 0:
@@ -164,13 +221,22 @@ class Reducer:
         if not r.codec.lossless:
             r.codec.decode_into(data, avg)  # use exactly what the receivers will decode
         mask = frozenset(self.cmask[k])
-        self.enc.append(data)
         self.final_masks.append(mask)
         if r.out is not None:
-            r.out[self.start + a : self.start + b] = avg
+            out = r.out[self.start + a : self.start + b]
+            out[:] = avg
             r.masks[r.me].append(mask)
             r.held[r.me] = k + 1
+            if r.codec.lossless:  # a view of the slot, which the next chunk reuses
+                data = r.codec.encode(out)
+        elif isinstance(data, memoryview):
+            data = bytes(data)
+        self.enc[k] = data
         self.done = k + 1
+        if not self.receivers:
+            self._release()
+        if k + self.window < len(self.chunks):
+            self._open_slot(k + self.window)
         self.changes.notify()
         self.results.notify()
 
@@ -192,6 +258,7 @@ class Reducer:
         if s in self.seen or s not in self.receivers:
             raise BadContributionError(f"{self.r.name(s)} connected twice or too late")
         self.seen.add(s)
+        self.gauges[s] = self.r.gauge("down")
         self.weights[s] = h.weight
         self.last[s] = trio.current_time()
         if h.abstain or h.weight <= 0:
@@ -203,6 +270,7 @@ class Reducer:
                 if s not in self.acked or s in self.dead:
                     nursery.cancel_scope.cancel()
         finally:  # also when the connection's death cancels this handler
+            self.gauges[s].close()
             if s not in self.acked:
                 self._died(s, "stream ended before its ack")
 
@@ -211,6 +279,8 @@ class Reducer:
         try:
             with trio.move_on_at(r.deadline):
                 while True:
+                    while self.next_k.get(s, 0) >= self.done + self.window:
+                        await self.results.wait(r.deadline)  # its slot is still in use
                     msg = await ms.receive()
                     kind = wire.kind_of(msg)
                     if kind == "ack":
@@ -235,9 +305,13 @@ class Reducer:
             raise BadContributionError("more parts than chunks")
         self.next_k[s] = k + 1
         self.last[s] = trio.current_time()
+        raw = msg.get("d") if isinstance(msg, dict) else None
+        self.gauges[s].received(len(raw) if isinstance(raw, bytes) else 0, self.last[s])
         if s not in self.expected:
             return  # excluded earlier: its late parts are ignored
         a, b = self.chunks[k]
+        if k >= self.done + self.window:
+            raise BadContributionError("part beyond the reducer's window")
         scratch = self.scratch[: b - a]
         try:
             data = wire.parse_chunk(msg, k, self.r.codec.encoded_size(b - a))
@@ -254,28 +328,36 @@ class Reducer:
         else:
             if w != 1.0:
                 values = np.multiply(values, np.float32(w), out=scratch)
-            self.acc[a:b] += values
+            self._slot(k)[:] += values
         self.wsum[k] += w
         self.cmask[k].add(s)
-        self.r.count("down", len(data))
         self.changes.notify()
 
     async def _send_results(self, s: int, ms: MessageStream) -> None:
+        gauge = self.r.gauge("up")
         try:
-            await self._send_results_to(s, ms)
+            await self._send_results_to(s, ms, gauge)
         except P2PError as e:
             self._died(s, f"sending results failed: {e}")
+        finally:
+            gauge.close()
 
-    async def _send_results_to(self, s: int, ms: MessageStream) -> None:
+    async def _send_results_to(self, s: int, ms: MessageStream, gauge: Gauge) -> None:
         r = self.r
         heartbeat = r.config.stall_timeout / 3
         k = 0
         while True:
             while k < self.done:
-                await ms.send(wire.result(k, self.enc[k], self.final_masks[k]))
-                r.count("up", len(self.enc[k]))
+                data = self.enc[k]
+                t = trio.current_time()
+                await ms.send(wire.result(k, data, self.final_masks[k]))
                 k += 1
                 self.last_sent[s] = trio.current_time()
+                gauge.sent(len(data), t, self.last_sent[s])
+                self.sent[s] = k
+                if len(self.enc) >= self.window:  # the collecting loop may wait for room
+                    self._release()
+                    self.changes.notify()
                 if k == len(self.chunks):
                     self.sent_all_at[s] = self.last_sent[s]
                     self.changes.notify()

@@ -30,3 +30,24 @@ def test_deadlines_follow_predictions() -> None:
     assert slow > 30.0 and fast == 5.0
     with pytest.raises(ValueError):
         averaging_timeout(-1.0, 0.0)
+
+
+def test_one_deadlines_object_follows_the_window_and_the_group_links() -> None:
+    from dedloc_jax.averaging import GroupSpec, Member
+    from dedloc_jax.averaging.bandwidth import UNMEASURED_DOWNLOAD_BPS, UNMEASURED_UPLOAD_BPS
+    from dedloc_jax.timing import Deadlines
+
+    base = Deadlines(window=1.0)
+    assert base.max_wait == 15.0 and base.member_wait == 6.0
+    assert base.registration_ttl > base.join_timeout > base.relocate_interval > base.max_wait
+    assert Deadlines(window=2.0).max_wait > base.max_wait
+    # six unmeasured members (slow home links) and 6M float32 parameters: far above 5 s
+    members = tuple(
+        Member(f"p{i}", "node", UNMEASURED_UPLOAD_BPS, UNMEASURED_DOWNLOAD_BPS, 1.0)
+        for i in range(6)
+    )
+    bound = GroupSpec(members, b"g").lower_bound(6_000_000 * 4)
+    d = base.for_group(bound, rtt=0.05)
+    assert d.lp_bound == bound > 30.0 and d.averaging > 3 * bound
+    assert d.cross_wait >= 2 * d.averaging + 2 * d.max_wait
+    assert base.for_group(bound, 0.05, override=7.0).averaging == 7.0

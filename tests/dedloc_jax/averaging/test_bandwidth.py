@@ -5,22 +5,52 @@ from p2p.sim import SimNetwork
 from p2p.testing import open_sim_nodes, run_sim
 
 
-def test_meter_smooths_samples_and_override_wins():
-    meter = BandwidthMeter(alpha=0.5)
-    assert meter.upload_bps is None and not meter.measured
-    meter.record("up", 1000, 1.0)
-    assert meter.upload_bps == 1000
-    meter.record("up", 3000, 1.0)
-    assert meter.upload_bps == pytest.approx(2000)
-    meter.record("up", 0, 1.0)  # an empty transfer says nothing
-    meter.record("up", 10, 0.0)
-    assert meter.upload_bps == pytest.approx(2000)
-    meter.record("down", 500, 2.0)
-    assert meter.download_bps == 250 and meter.measured
+def test_meter_publishes_the_windowed_max_of_its_samples_and_override_wins():
+    meter = BandwidthMeter(window=100.0)
+    assert meter.upload_bps is None and not meter.measured and meter.stale(now=0.0)
+    meter.record("up", 3000, 1.0, at=0.0)
+    meter.record("up", 1000, 1.0, at=10.0)  # a slow partner held this one back
+    assert meter.figures(now=10.0).upload_bps == 3000
+    assert meter.figures(now=10.0).upload_age == 0.0  # the newest sample's age
+    meter.record("up", 0, 1.0, at=20.0)  # an empty or instant transfer says nothing
+    meter.record("up", 10, 0.0, at=20.0)
+    meter.record("up", 10, float("nan"), at=20.0)
+    assert meter.figures(now=20.0).upload_bps == 3000
+    # past the window the fast sample expires: a link that got slower shows
+    assert meter.figures(now=105.0).upload_bps == 1000
+    # everything expired: the latest sample stays published, stale and aged
+    f = meter.figures(now=500.0)
+    assert f.upload_bps == 1000 and f.upload_age == 490.0 and meter.stale(now=500.0)
+    meter.record("down", 500, 2.0, at=499.0)
+    meter.record("up", 800, 1.0, at=499.0)
+    assert meter.figures(now=500.0).download_bps == 250 and not meter.stale(now=500.0)
     meter.upload_override = 1e9
-    assert meter.upload_bps == 1e9
+    assert meter.figures(now=500.0)[0::2] == (1e9, 0.0)
     with pytest.raises(ValueError):
         meter.record("sideways", 1, 1.0)
+
+
+def test_gauge_counts_only_time_with_data_queued():
+    meter = BandwidthMeter(min_sample_bytes=1)
+    up = meter.gauge("up")
+    up.sent(1000, 0.0, 0.0)  # filling an empty buffer: no link time seen yet
+    up.sent(1000, 0.0, 1.0)  # blocked: the buffer is full from t=1 on
+    up.sent(500, 1.0, 1.5)
+    up.sent(500, 1.5, 2.0)
+    up.sent(300, 2.0, 2.0)  # did not block: the tail stays out
+    up.close()
+    down = meter.gauge("down")
+    down.received(100, 5.0)  # the first arrival only opens the span
+    down.received(400, 6.0)
+    down.close()
+    other = meter.gauge("down")  # a concurrent stream: spans merge, bytes add
+    other.received(100, 5.5)
+    other.received(200, 7.0)
+    other.close()
+    meter.flush()
+    f = meter.figures(now=7.0)
+    assert f.upload_bps == pytest.approx(1000.0)  # 1000 bytes over 1 s, not 3300 over 2
+    assert f.download_bps == pytest.approx(600 / 2.0)
 
 
 def test_probe_measures_simulated_links():
@@ -38,5 +68,36 @@ def test_probe_measures_simulated_links():
 
     run_sim(main)
     # a's uplink (2 MB/s) and downlink (8 MB/s) are the bottlenecks of each direction
+    assert meter.upload_bps == pytest.approx(2e6, rel=0.1)
+    assert meter.download_bps == pytest.approx(8e6, rel=0.1)
+
+
+def test_probe_skips_a_partner_it_cannot_reach_and_the_server_rejects_oversized_asks():
+    from dedloc_jax.averaging import measure_links
+    from dedloc_jax.averaging.bandwidth import PROBE_PROTOCOL
+    from p2p.identity import Identity
+
+    meter = BandwidthMeter()
+    refused = []
+
+    async def main() -> None:
+        net = SimNetwork(seed=0)
+        async with (
+            open_sim_nodes(net, 1, upload_bps=2e6, download_bps=8e6) as (a,),
+            open_sim_nodes(net, 1, upload_bps=50e6, download_bps=50e6) as (b,),
+        ):
+            install_probe(b)
+            a.peerstore.add_addrs(b.peer_id, b.addrs)
+            nobody = Identity.generate().peer_id
+            async with a.open_stream(b.peer_id, PROBE_PROTOCOL) as ms:
+                await ms.send({"up": 1 << 40})  # more than a probe may ask for
+                try:
+                    await ms.receive()
+                except Exception as e:  # the server reset the stream
+                    refused.append(e)
+            await measure_links(a, [nobody, b.peer_id], meter, nbytes=2 << 20, timeout=30.0)
+
+    run_sim(main)
+    assert refused
     assert meter.upload_bps == pytest.approx(2e6, rel=0.1)
     assert meter.download_bps == pytest.approx(8e6, rel=0.1)

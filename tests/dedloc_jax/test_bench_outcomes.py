@@ -1,0 +1,42 @@
+"""bench.collaboration counts round outcomes: a run whose rounds fail reports it."""
+
+from __future__ import annotations
+
+import argparse
+
+from bench.collaboration import simulate
+from dedloc_jax.config import CollaborationConfig
+
+
+def _args() -> argparse.Namespace:
+    return argparse.Namespace(
+        peers=6,
+        params=20_000,
+        epochs=3,
+        target=128,
+        micro=4,
+        churn_per_hour=0.0,
+        seed=0,
+        payload_scale=1,
+    )
+
+
+def test_a_healthy_run_counts_every_round_complete() -> None:
+    out = simulate(_args(), overlap=False)
+    assert out["complete_fraction"] == 1.0 and out["averaged_fraction"] == 1.0
+    assert out["compute_fraction"] > 0.5
+    assert out["bandwidth_error"] is not None
+
+
+def test_a_run_whose_rounds_fail_reports_no_complete_round_and_no_useful_compute() -> None:
+    """Every all-reduce times out at once (the timeout forced to a microsecond): every peer
+    steps alone. The old figure, all time spent computing, reads 0.97 for this run."""
+    config = CollaborationConfig(
+        target_batch_size=128, codec="fp16", max_refresh=5.0, averaging_timeout=1e-6
+    )
+    out = simulate(_args(), overlap=True, config=config)
+    assert out["epochs"] >= 3
+    assert out["complete_fraction"] == 0.0
+    assert out["averaged_fraction"] == 0.0
+    assert out["compute_fraction"] == 0.0
+    assert out["raw_compute_fraction"] > 0.5

@@ -1,0 +1,38 @@
+"""Peers of a collaboration measure their own links once they see each other."""
+
+from __future__ import annotations
+
+import pytest
+import trio
+
+from dedloc_jax.config import CollaborationConfig
+from p2p.testing import SimNetwork, host_of, run_sim
+from tests.dedloc_jax.simcollab import open_sim_collaboration
+
+MBIT = 1e6 / 8
+
+
+def test_keep_links_measured_probes_once_peers_are_known() -> None:
+    ups = [10, 50, 100, 100]  # every peer's partners together can fill its downlink
+    config = CollaborationConfig.local_demo(10_000).replace(max_refresh=1.0)
+    figures: list = []
+
+    async def main() -> None:
+        net = SimNetwork(seed=0)
+        async with open_sim_collaboration(net, len(ups), config=config, latency=0.02) as cores:
+            for core, up in zip(cores, ups, strict=True):
+                net.set_bandwidth(host_of(net, core.node), up * MBIT, 100 * MBIT)
+            assert all(core.links.upload_bps is None for core in cores)
+            async with trio.open_nursery() as nursery:
+                for core in cores:
+                    core.report(0, 4, 4)  # a progress record: the others see this peer
+                    nursery.start_soon(core.keep_links_measured)
+                await trio.sleep(120)
+                figures.extend(core.links for core in cores)
+                nursery.cancel_scope.cancel()
+
+    run_sim(main, seed=0)
+    for f, up in zip(figures, ups, strict=True):
+        assert f.upload_bps == pytest.approx(up * MBIT, rel=0.2), f
+        assert f.download_bps == pytest.approx(100 * MBIT, rel=0.2), f
+        assert f.upload_age < 120
