@@ -9,6 +9,7 @@ ordinary Python (the JAX training loop).
 from __future__ import annotations
 
 import logging
+import math
 import random
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -702,6 +703,8 @@ async def open_collaboration(
         nursery = await stack.enter_async_context(trio.open_nursery())
         await nursery.start(core.tracker.run)
         nursery.start_soon(core._announce_state)
+        if config.measure_links and mode != "client":
+            nursery.start_soon(core.keep_links_measured)
         try:
             yield core
         finally:

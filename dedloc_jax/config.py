@@ -27,6 +27,9 @@ class CollaborationConfig:
     nat: bool = True  # detect reachability, use relays when behind NAT (p2p.nat)
     upload_bps: float | None = None  # override the measured bandwidth (bytes/s)
     download_bps: float | None = None
+    # Probe this peer's links (a few MB with a few peers) when it joins and when the figure
+    # goes stale, so the first rounds split the work by measured rates.
+    measure_links: bool = True
     min_refresh: float = 0.25  # seconds between progress reads near the target
     max_refresh: float = 5.0  # ... and far from it
     progress_ttl: float = 60.0  # a vanished peer's progress expires after this

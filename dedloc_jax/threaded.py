@@ -232,10 +232,11 @@ class Collaboration:
 
     @property
     def links(self) -> dict[str, float | None]:
-        """This peer's link rates as the averaging uses them: ``upload_bps`` and
-        ``download_bps`` in bytes/s (None: not measured yet)."""
-        _, core = self._core()
-        return {"upload_bps": core.meter.upload_bps, "download_bps": core.meter.download_bps}
+        """This peer's published link figures, what the averaging's split uses:
+        ``upload_bps`` and ``download_bps`` (bytes/s, None: not measured yet) and
+        ``upload_age`` / ``download_age`` (seconds since measured)."""
+        thread, core = self._core()
+        return thread.run_sync(lambda: core.links._asdict())
 
     def others_train(self) -> bool:
         """Whether the progress table names another peer that computes gradients."""
