@@ -6,9 +6,12 @@
     python -m p2p.dht get KEY --initial-peers MADDR ...
 
 ``serve`` prints each full address it listens on (``/ip4/.../tcp/PORT/p2p/PEERID``), one per
-line, then serves until SIGINT/SIGTERM. ``store`` parses VALUE as JSON when it can (else keeps
-it as text) and prints on how many nodes it was stored. ``get`` prints the value as JSON (a
-dictionary value as an object of subkeys; bytes as ``"base64:..."``) or exits 1 when not found.
+line, then serves until SIGINT/SIGTERM. ``store`` parses VALUE as strict JSON (``--string``
+stores it as text instead; malformed JSON exits 2) and prints on how many nodes it was stored.
+``get`` prints the value as strict JSON (a dictionary value as an object of subkeys) or exits
+1 when not found. Values JSON cannot hold travel as one-key objects, both ways: bytes as
+``{"$bytes": "<base64>"}``, non-finite floats as ``{"$float": "nan" | "inf" | "-inf"}``; a map
+key that starts with ``$`` gets one more ``$`` in front, so no value is mistaken for another.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import argparse
 import base64
 import json
 import logging
+import math
 import signal
 import sys
 from typing import Any
@@ -26,7 +30,7 @@ import trio
 from p2p.dht.config import PRESETS
 from p2p.dht.errors import InvalidRecordError
 from p2p.dht.node import open_dht
-from p2p.dht.records import ValueWithExpiration, owner_marker
+from p2p.dht.records import ValueWithExpiration, owner_marker, pack_value
 from p2p.errors import P2PError
 from p2p.identity import Identity
 from p2p.node import open_node
@@ -53,7 +57,8 @@ def _parser() -> argparse.ArgumentParser:
 
     store = sub.add_parser("store", help="store one value and exit")
     store.add_argument("key")
-    store.add_argument("value", help="JSON, or plain text if it is not valid JSON")
+    store.add_argument("value", help='strict JSON (bytes as {"$bytes": BASE64})')
+    store.add_argument("--string", action="store_true", help="store VALUE as text, not JSON")
     store.add_argument("--ttl", type=float, required=True, metavar="SECONDS")
     group = store.add_mutually_exclusive_group()
     group.add_argument("--subkey")
@@ -66,12 +71,26 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+_NON_FINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
+
+
+class BadValue(ValueError):
+    """VALUE on the command line is not what ``store`` accepts (exit 2)."""
+
+
+def _escape_key(key: str) -> str:
+    return "$" + key if key.startswith("$") else key
+
+
 def _to_json(value: Any) -> Any:
+    """A msgpack value as strict JSON (see the module docstring for the encoding)."""
     if isinstance(value, bytes):
-        return "base64:" + base64.b64encode(value).decode()
+        return {"$bytes": base64.b64encode(value).decode()}
+    if isinstance(value, float) and not math.isfinite(value):
+        return {"$float": "nan" if math.isnan(value) else "inf" if value > 0 else "-inf"}
     if isinstance(value, dict):
         return {
-            k if isinstance(k, str) else json.dumps(_to_json(k)): _to_json(v)
+            _escape_key(k) if isinstance(k, str) else json.dumps(_to_json(k)): _to_json(v)
             for k, v in value.items()
         }
     if isinstance(value, list | tuple):
@@ -79,11 +98,45 @@ def _to_json(value: Any) -> Any:
     return value
 
 
-def _parse_value(text: str) -> Any:
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError:
+def _from_json(value: Any) -> Any:
+    """The inverse of :func:`_to_json` on parsed JSON."""
+    if isinstance(value, dict):
+        if len(value) == 1 and "$bytes" in value:
+            try:
+                return base64.b64decode(value["$bytes"], validate=True)
+            except (TypeError, ValueError):
+                raise BadValue('{"$bytes": ...} needs a base64 string') from None
+        if len(value) == 1 and "$float" in value:
+            if value["$float"] not in _NON_FINITE:
+                raise BadValue('{"$float": ...} is one of "nan", "inf", "-inf"')
+            return _NON_FINITE[value["$float"]]
+        out = {}
+        for k, v in value.items():
+            if k.startswith("$"):
+                if not k.startswith("$$"):
+                    raise BadValue(f"map key {k[:40]!r}: write a leading $ as $$")
+                k = k[1:]
+            out[k] = _from_json(v)
+        return out
+    if isinstance(value, list):
+        return [_from_json(v) for v in value]
+    return value
+
+
+def _reject_constant(name: str) -> Any:
+    raise BadValue(f'{name} is not JSON (write {{"$float": "nan" | "inf" | "-inf"}})')
+
+
+def _parse_value(text: str, as_string: bool = False) -> Any:
+    """VALUE as given: strict JSON, or the text itself with ``--string``."""
+    if as_string:
         return text
+    try:
+        return _from_json(json.loads(text, parse_constant=_reject_constant))
+    except json.JSONDecodeError as e:
+        raise BadValue(
+            f"VALUE is not valid JSON ({e}); quote a string as '\"text\"' or pass --string"
+        ) from None
 
 
 def _identity(args: argparse.Namespace) -> Identity:
@@ -112,6 +165,7 @@ async def _serve(args: argparse.Namespace) -> int:
 
 
 async def _store(args: argparse.Namespace) -> int:
+    value = _parse_value(args.value, args.string)  # before any network: a typo costs nothing
     identity = _identity(args)
     subkey = owner_marker(identity.peer_id) if args.owned else args.subkey
     async with (
@@ -123,13 +177,15 @@ async def _store(args: argparse.Namespace) -> int:
             client_mode=True,
         ) as dht,
     ):
-        result = await dht.store(
-            args.key, _parse_value(args.value), dht.now() + args.ttl, subkey=subkey
-        )
+        result = await dht.store(args.key, value, dht.now() + args.ttl, subkey=subkey)
     if not result.ok:
+        refused = ""
+        if result.refused:
+            reasons = sorted(set(result.refused.values()))
+            refused = f", {len(result.refused)} refused it: " + "; ".join(reasons)
         print(
             f"not stored: {result.outdated} nodes hold a newer value, "
-            f"{result.failed} did not answer",
+            f"{result.failed} did not answer{refused}",
             file=sys.stderr,
         )
         return 1
@@ -155,12 +211,18 @@ async def _get(args: argparse.Namespace) -> int:
         out = _to_json(found.value)
     else:
         out = {sub: _to_json(v.value) for sub, v in found.items()}
-    print(json.dumps(out, ensure_ascii=False), flush=True)
+    print(json.dumps(out, ensure_ascii=False, allow_nan=False), flush=True)
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.command == "store":
+        try:
+            pack_value(_parse_value(args.value, args.string))
+        except (BadValue, TypeError) as e:  # TypeError: msgpack cannot hold it (huge ints)
+            parser.error(str(e))  # exit 2, before any network
     level = logging.WARNING if args.verbose == 0 else logging.INFO if args.verbose == 1 else 10
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     command = {"serve": _serve, "store": _store, "get": _get}[args.command]
