@@ -33,6 +33,7 @@ from p2p.errors import (
     RPCTimeout,
 )
 from p2p.identity import Identity, PeerID
+from p2p.interfaces import local_ipv4_addrs
 from p2p.multiaddr import Multiaddr
 from p2p.mux import MemoryBudget, Mux, MuxStream
 from p2p.node_config import NodeConfig
@@ -597,12 +598,27 @@ async def open_node(
                 transport.listen, Multiaddr.parse(addr), node._handle_inbound
             )
             node.listen_addrs.append(bound.with_peer(node.peer_id))
-        node.addrs[:] = announced or node.listen_addrs
+        node.addrs[:] = announced or dialable_addrs(node.listen_addrs)
         try:
             yield node
         finally:
             await node._shutdown()
             nursery.cancel_scope.cancel()
+
+
+def dialable_addrs(bound: Sequence[Multiaddr]) -> list[Multiaddr]:
+    """Listen addresses as others can dial them: a wildcard ``/ip4/0.0.0.0`` listener stands
+    for each of the host's IPv4 addresses (non-loopback first), since ``0.0.0.0`` reaches
+    nobody; other addresses are kept as they are."""
+    out: list[Multiaddr] = []
+    for addr in bound:
+        if addr.value_of("ip4") == "0.0.0.0":
+            rest = str(addr)[len("/ip4/0.0.0.0") :]
+            expanded = [Multiaddr.parse(f"/ip4/{ip}{rest}") for ip in local_ipv4_addrs()]
+        else:
+            expanded = [addr]
+        out += [a for a in expanded if a not in out]
+    return out
 
 
 def announce_addrs(addrs: Sequence[str | Multiaddr], peer_id: PeerID) -> list[Multiaddr]:
@@ -630,4 +646,12 @@ def announce_addrs(addrs: Sequence[str | Multiaddr], peer_id: PeerID) -> list[Mu
     return out
 
 
-__all__ = ["Connection", "Node", "NodeConfig", "announce_addrs", "open_node", "P2PError"]
+__all__ = [
+    "Connection",
+    "Node",
+    "NodeConfig",
+    "P2PError",
+    "announce_addrs",
+    "dialable_addrs",
+    "open_node",
+]

@@ -1,13 +1,17 @@
 """The standalone DHT command: run a DHT node, or store/get one value, without JAX.
 
-    python -m p2p.dht serve [--listen MADDR ...] [--initial-peers MADDR ...]
-                            [--identity FILE] [--client-mode]
+    python -m p2p.dht serve [--listen MADDR ...] [--announce MADDR ...] [--initial-peers MADDR ...]
+                            [--force-reachability public|private] [--identity FILE]
+                            [--client-mode] [--no-nat]
     python -m p2p.dht store KEY VALUE --ttl SECONDS [--subkey S | --owned] --initial-peers MADDR ...
     python -m p2p.dht get KEY --initial-peers MADDR ...
 
-``serve`` prints each full address it listens on (``/ip4/.../tcp/PORT/p2p/PEERID``), one per
-line, then serves until SIGINT/SIGTERM. ``store`` parses VALUE as strict JSON (``--string``
-stores it as text instead; malformed JSON exits 2) and prints on how many nodes it was stored.
+``serve`` runs a full node (DHT, identify, AutoNAT dial-back, relay service, relayed dialing)
+and prints each address others can dial (``/ip4/.../tcp/PORT/p2p/PEERID``, relayed ones when
+private; never ``0.0.0.0``), one per line, then serves until SIGINT/SIGTERM.
+
+``store`` parses VALUE as strict JSON (``--string`` stores it as text instead; malformed JSON
+exits 2) and prints on how many nodes it was stored.
 ``get`` prints the value as strict JSON (a dictionary value as an object of subkeys) or exits
 1 when not found. Values JSON cannot hold travel as one-key objects, both ways: bytes as
 ``{"$bytes": "<base64>"}``, non-finite floats as ``{"$float": "nan" | "inf" | "-inf"}``; a map
@@ -23,6 +27,7 @@ import logging
 import math
 import signal
 import sys
+from contextlib import AsyncExitStack
 from typing import Any
 
 import trio
@@ -33,6 +38,7 @@ from p2p.dht.node import open_dht
 from p2p.dht.records import ValueWithExpiration, owner_marker, pack_value
 from p2p.errors import P2PError
 from p2p.identity import Identity
+from p2p.nat import NATConfig, open_nat
 from p2p.node import open_node
 
 DEFAULT_LISTEN = "/ip4/127.0.0.1/tcp/0"
@@ -52,6 +58,22 @@ def _parser() -> argparse.ArgumentParser:
 
     serve = sub.add_parser("serve", help="run a DHT node until SIGINT/SIGTERM")
     serve.add_argument("--listen", nargs="+", default=None, metavar="MADDR")
+    serve.add_argument(
+        "--announce",
+        nargs="+",
+        default=[],
+        metavar="MADDR",
+        help="addresses that reach this node from outside (a forwarded port, a 1:1 NAT); "
+        "they replace the listen addresses in what the node advertises",
+    )
+    serve.add_argument(
+        "--force-reachability",
+        choices=["public", "private"],
+        default=None,
+        help="skip dial-back detection: public serves directly (and relays for others), "
+        "private takes relay reservations and advertises relayed addresses",
+    )
+    serve.add_argument("--no-nat", action="store_true", help="no identify/dial-back/relay")
     serve.add_argument("--client-mode", action="store_true", help="query only, accept nothing")
     common(serve, False)
 
@@ -143,21 +165,52 @@ def _identity(args: argparse.Namespace) -> Identity:
     return Identity.load_or_create(args.identity) if args.identity else Identity.generate()
 
 
+def printable_addrs(addrs: list[Any]) -> list[str]:
+    """What ``serve`` prints: addresses others can dial (never a wildcard host)."""
+    out = []
+    for addr in addrs:
+        host = addr.value_of("ip4") or addr.value_of("ip6")
+        if host in ("0.0.0.0", "::"):
+            continue
+        out.append(str(addr))
+    return out
+
+
 async def _serve(args: argparse.Namespace) -> int:
+    """A full node: the DHT plus (unless --no-nat) identify, AutoNAT dial-back, the relay
+    service and relayed dialing, all from :mod:`p2p.nat`, so that peers bootstrapping
+    through it learn their reachability and NATed ones can take reservations on it."""
     listen = args.listen
     if listen is None:
         listen = [] if args.client_mode else [DEFAULT_LISTEN]
+    nat_config = NATConfig(
+        force_reachability=args.force_reachability,
+        force_client_mode=True if args.client_mode else None,
+    )
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-        async with (
-            open_node(_identity(args), listen=listen) as node,
-            open_dht(
-                node,
-                initial_peers=args.initial_peers,
-                config=PRESETS[args.config](),
-                client_mode=args.client_mode,
-            ),
-        ):
-            for addr in node.addrs:
+        async with AsyncExitStack() as stack:
+            node = await stack.enter_async_context(
+                open_node(_identity(args), listen=listen, announce=args.announce)
+            )
+            nat = None
+            if not args.no_nat:
+                nat = await stack.enter_async_context(
+                    open_nat(node, peers=args.initial_peers, config=nat_config)
+                )
+            dht = await stack.enter_async_context(
+                open_dht(
+                    node,
+                    initial_peers=args.initial_peers,
+                    config=PRESETS[args.config](),
+                    client_mode=args.client_mode or (nat is not None and nat.client_mode),
+                )
+            )
+            if nat is not None:
+                nat.use_dht(dht)
+                logging.getLogger(__name__).info(
+                    "reachability %s, role %s", nat.reachability.value, nat.role.value
+                )
+            for addr in printable_addrs(node.addrs):
                 print(addr, flush=True)
             async for _ in signals:
                 break
