@@ -6,7 +6,8 @@ this process, whose two nodes reach the target once directly and once through th
 A relayed byte is encrypted twice on each hop (the end-to-end channel inside the per-hop
 channels) and copied by the relay, so expect a lower figure there. Figures:
 
-- ``direct_gbps`` / ``relayed_gbps``: 1 MiB messages on one stream, until the target confirms.
+- ``direct_gb_per_s`` / ``relayed_gb_per_s``: 1 MiB messages on one stream, until the target
+  confirms, in gigabytes (1e9 bytes) per second, as in ``bench.transport``.
 - ``direct_rtt_us`` / ``relayed_rtt_us``: median round trip of a 64-byte ``Node.call``.
 
 The last line printed is one JSON object with every figure.
@@ -98,7 +99,7 @@ async def _measure(target: str, mib: int, rounds: int) -> dict[str, float]:
         assert got == mib * MIB, f"target received {got} bytes of {mib * MIB}"
         conn = node.connection_to(Multiaddr.parse(target).peer_id)
         return {
-            "gbps": mib * MIB * 8 / secs / 1e9,
+            "gb_per_s": mib * MIB / secs / 1e9,
             "rtt_us": statistics.median(rtts) * 1e6,
             "rtt_p90_us": statistics.quantiles(rtts, n=10)[-1] * 1e6,
             "relayed": float(
@@ -132,23 +133,23 @@ def main() -> None:
         relay_end.send("stop")
         relay.join(10)
     print(
-        f"direct : {direct['gbps']:.3f} Gbit/s, RPC round trip {direct['rtt_us']:.0f} us "
+        f"direct : {direct['gb_per_s']:.3f} GB/s, RPC round trip {direct['rtt_us']:.0f} us "
         f"(p90 {direct['rtt_p90_us']:.0f} us)"
     )
     print(
-        f"relayed: {relayed['gbps']:.3f} Gbit/s, RPC round trip {relayed['rtt_us']:.0f} us "
+        f"relayed: {relayed['gb_per_s']:.3f} GB/s, RPC round trip {relayed['rtt_us']:.0f} us "
         f"(p90 {relayed['rtt_p90_us']:.0f} us)  [{relayed_addr}]"
     )
     if relayed["relayed"] != 1.0 or direct["relayed"] != 0.0:
         raise SystemExit(f"wrong paths measured: direct {direct}, relayed {relayed}")
     result = {
-        "direct_gbps": round(direct["gbps"], 4),
-        "relayed_gbps": round(relayed["gbps"], 4),
+        "direct_gb_per_s": round(direct["gb_per_s"], 4),
+        "relayed_gb_per_s": round(relayed["gb_per_s"], 4),
         "direct_rtt_us": round(direct["rtt_us"], 1),
         "relayed_rtt_us": round(relayed["rtt_us"], 1),
         "direct_rtt_p90_us": round(direct["rtt_p90_us"], 1),
         "relayed_rtt_p90_us": round(relayed["rtt_p90_us"], 1),
-        "relayed_over_direct_throughput": round(relayed["gbps"] / direct["gbps"], 3),
+        "relayed_over_direct_throughput": round(relayed["gb_per_s"] / direct["gb_per_s"], 3),
         "mib": args.mib,
         "rounds": args.rounds,
     }

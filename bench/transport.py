@@ -3,10 +3,13 @@
 Run ``python -m bench.transport``. Each measurement spawns a fresh receiver process, so sender
 and receiver run on different cores as they would on two machines. Figures:
 
-- ``socket_gbps``: plain blocking sockets (sendall / recv_into of 1 MiB) moving the same bytes;
+Throughputs are ``*_gb_per_s``: gigabytes (1e9 bytes) per second, as in ``bench.relay``.
+
+- ``socket_gb_per_s``: plain blocking sockets (sendall / recv_into of 1 MiB) moving the same bytes;
   the ceiling any Python transport on this machine can reach.
-- ``secure_channel_gbps`` / ``secure_channel8_gbps``: the secure channel alone over TCP, 1 MiB
-  frames, on 1 and on 8 connections at once; ``secure_channel_chacha_gbps`` forces ChaCha20.
+- ``secure_channel_gb_per_s`` / ``secure_channel8_gb_per_s``: the secure channel alone over
+  TCP, 1 MiB frames, on 1 and on 8 connections at once; ``secure_channel_chacha_gb_per_s``
+  forces ChaCha20.
 - ``rpc_rtt_*_us``: a 64-byte request and its reply.
 - ``*_cpu_s_per_gb``: CPU seconds each side spent per GB moved. On a shared machine wall-clock
   throughput swings with the load; CPU cost per byte does not, and ``cpu_bound_ratio`` (socket
@@ -17,9 +20,10 @@ costs no page fault per 4 KiB of each received message). ``node_no_retain_*`` is
 with that switched off in both processes; it is the first node measurement, since the setting is
 process-wide and lasts.
 
-When the node/mux layer is available, ``encrypted_gbps`` / ``encrypted8_gbps`` are 1 MiB messages
-on one and on 8 mux streams of one connection, and RPC latency is ``Node.call``; otherwise they
-are the raw secure-channel figures. The last line printed is one JSON object with every figure.
+When the node/mux layer is available, ``encrypted_gb_per_s`` / ``encrypted8_gb_per_s`` are 1 MiB
+messages on one and on 8 mux streams of one connection, and RPC latency is ``Node.call``;
+otherwise they are the raw secure-channel figures. The last line printed is one JSON object
+with every figure.
 
 ``--repeat N`` (default 3) measures the plain socket, the secure channel and the one-stream
 figure N times, interleaved, so that each ratio is taken between neighbours in time:
@@ -423,10 +427,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         rtt_p99 = _percentile(node_rtts, 0.99) * 1e6
         print(f"Node.call RTT                median {rtt_median:.0f} us, p99 {rtt_p99:.0f} us")
         enc1, enc8 = node1, node8
-        result["node_bulk_gbps"] = round(bulk1.gbps, 3)
+        result["node_bulk_gb_per_s"] = round(bulk1.gbps, 3)
         result["node_send_cpu_s_per_gb"] = round(node1.send_cpu_s_per_gb, 3)
         result["node_recv_cpu_s_per_gb"] = round(node1.recv_cpu_s_per_gb, 3)
-        result["node_no_retain_gbps"] = round(plain1.gbps, 3)
+        result["node_no_retain_gb_per_s"] = round(plain1.gbps, 3)
         result["node_no_retain_vs_socket"] = round(plain1.gbps / sock.gbps, 3)
         result["node_no_retain_send_cpu_s_per_gb"] = round(plain1.send_cpu_s_per_gb, 3)
         result["node_no_retain_recv_cpu_s_per_gb"] = round(plain1.recv_cpu_s_per_gb, 3)
@@ -442,17 +446,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         measured_over = "secure channel over TCP (one connection per stream); RTT: frame echo"
 
     result = {
-        "encrypted_gbps": round(enc1.gbps, 3),
-        "encrypted8_gbps": round(enc8.gbps, 3),
-        "socket_gbps": round(sock.gbps, 3),
+        "encrypted_gb_per_s": round(enc1.gbps, 3),
+        "encrypted8_gb_per_s": round(enc8.gbps, 3),
+        "socket_gb_per_s": round(sock.gbps, 3),
         "rpc_rtt_median_us": round(rtt_median, 1),
         "rpc_rtt_p99_us": round(rtt_p99, 1),
         "cipher": sc1.cipher,
         "encrypted_vs_socket": round(statistics.median(enc_ratios), 3),
         "encrypted_vs_socket_runs": enc_ratios,
-        "secure_channel_gbps": round(sc1.gbps, 3),
-        "secure_channel8_gbps": round(sc8.gbps, 3),
-        "secure_channel_chacha_gbps": round(chacha.gbps, 3),
+        "secure_channel_gb_per_s": round(sc1.gbps, 3),
+        "secure_channel8_gb_per_s": round(sc8.gbps, 3),
+        "secure_channel_chacha_gb_per_s": round(chacha.gbps, 3),
         "secure_channel_vs_socket": round(statistics.median(sc1_ratios), 3),
         "secure_channel_vs_socket_runs": sc1_ratios,
         "secure_channel_rtt_median_us": round(sc_median, 1),

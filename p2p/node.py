@@ -33,6 +33,7 @@ from p2p.errors import (
     RPCTimeout,
 )
 from p2p.identity import Identity, PeerID
+from p2p.interfaces import local_ipv4_addrs
 from p2p.multiaddr import Multiaddr
 from p2p.mux import MemoryBudget, Mux, MuxStream
 from p2p.node_config import NodeConfig
@@ -241,23 +242,64 @@ class Node:
         if pid is not None:
             self._dialing[pid] = done
         try:
-            errors: list[str] = []
-            mismatch: PeerIDMismatch | None = None
-            for addr in addrs:
+            if len(addrs) == 1:
                 try:
-                    return await self._dial_one(addr, pid)
-                except PeerIDMismatch as e:
-                    mismatch = e
-                    errors.append(f"{addr}: {e}")
+                    return await self._dial_attempt(addrs[0], pid)
+                except PeerIDMismatch:
+                    raise
                 except (DialError, HandshakeError, ConnectionClosed) as e:
-                    errors.append(f"{addr}: {e}")
-            if mismatch is not None and len(addrs) == 1:
-                raise mismatch
-            raise DialError(f"cannot reach {pid or addrs[0]}: " + "; ".join(errors))
+                    raise DialError(f"cannot reach {pid or addrs[0]}: {addrs[0]}: {e}") from None
+            return await self._dial_staggered(pid, addrs)
         finally:
             if pid is not None and self._dialing.get(pid) is done:
                 del self._dialing[pid]
             done.set()
+
+    async def _dial_staggered(self, pid: PeerID | None, addrs: list[Multiaddr]) -> Connection:
+        """Dial ``addrs`` in their order, a new attempt every ``dial_stagger`` seconds or as
+        soon as the previous one failed (Happy Eyeballs): the first connection wins and the
+        other attempts are cancelled, so an address that silently drops costs one stagger,
+        not a whole dial timeout."""
+        errors: dict[int, str] = {}
+        won: list[Connection] = []
+
+        async def attempt(i: int, addr: Multiaddr, failed: trio.Event) -> None:
+            try:
+                conn = await self._dial_attempt(addr, pid)
+            except (DialError, HandshakeError, ConnectionClosed) as e:
+                errors[i] = f"{addr}: {e}"
+                failed.set()
+                return
+            if not won:  # a later winner is a duplicate the node drains
+                won.append(conn)
+                nursery.cancel_scope.cancel()
+
+        async with trio.open_nursery() as nursery:
+            for i, addr in enumerate(addrs):
+                failed = trio.Event()
+                nursery.start_soon(attempt, i, addr, failed)
+                if i + 1 < len(addrs):
+                    with trio.move_on_after(self.config.dial_stagger):
+                        await failed.wait()
+        if won:
+            return won[0]
+        raise DialError(
+            f"cannot reach {pid or addrs[0]}: " + "; ".join(errors[i] for i in sorted(errors))
+        )
+
+    def _attempt_budget(self) -> float:
+        """Seconds one dial attempt (transport and handshake) may take: the configured
+        limits, but at most ``dial_deadline_share`` of what is left of the caller's deadline,
+        so that a dead address fails as a DialError while the caller can still act on it."""
+        limit = self.config.dial_timeout + self.config.handshake_timeout
+        left = trio.current_effective_deadline() - trio.current_time()
+        return max(0.0, min(limit, left * self.config.dial_deadline_share))
+
+    async def _dial_attempt(self, addr: Multiaddr, expected: PeerID | None) -> Connection:
+        budget = self._attempt_budget()
+        with trio.move_on_after(budget):
+            return await self._dial_one(addr, expected)
+        raise DialError(f"dialing {addr}: no connection within {budget:.3g} s")
 
     async def _dial_one(self, addr: Multiaddr, expected: PeerID | None) -> Connection:
         if len(self._all_conns) + self._pending_inbound >= self.config.max_connections:
@@ -556,12 +598,27 @@ async def open_node(
                 transport.listen, Multiaddr.parse(addr), node._handle_inbound
             )
             node.listen_addrs.append(bound.with_peer(node.peer_id))
-        node.addrs[:] = announced or node.listen_addrs
+        node.addrs[:] = announced or dialable_addrs(node.listen_addrs)
         try:
             yield node
         finally:
             await node._shutdown()
             nursery.cancel_scope.cancel()
+
+
+def dialable_addrs(bound: Sequence[Multiaddr]) -> list[Multiaddr]:
+    """Listen addresses as others can dial them: a wildcard ``/ip4/0.0.0.0`` listener stands
+    for each of the host's IPv4 addresses (non-loopback first), since ``0.0.0.0`` reaches
+    nobody; other addresses are kept as they are."""
+    out: list[Multiaddr] = []
+    for addr in bound:
+        if addr.value_of("ip4") == "0.0.0.0":
+            rest = str(addr)[len("/ip4/0.0.0.0") :]
+            expanded = [Multiaddr.parse(f"/ip4/{ip}{rest}") for ip in local_ipv4_addrs()]
+        else:
+            expanded = [addr]
+        out += [a for a in expanded if a not in out]
+    return out
 
 
 def announce_addrs(addrs: Sequence[str | Multiaddr], peer_id: PeerID) -> list[Multiaddr]:
@@ -589,4 +646,12 @@ def announce_addrs(addrs: Sequence[str | Multiaddr], peer_id: PeerID) -> list[Mu
     return out
 
 
-__all__ = ["Connection", "Node", "NodeConfig", "announce_addrs", "open_node", "P2PError"]
+__all__ = [
+    "Connection",
+    "Node",
+    "NodeConfig",
+    "P2PError",
+    "announce_addrs",
+    "dialable_addrs",
+    "open_node",
+]

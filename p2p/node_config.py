@@ -22,6 +22,13 @@ class NodeConfig:
     """An accepted connection must finish the secure handshake within this (slowloris)."""
     dial_timeout: float = 10.0
     """Opening the raw transport connection must finish within this."""
+    dial_stagger: float = 0.25
+    """A peer's next address is dialed this long after the previous one (or as soon as that
+    one failed), all in parallel, the first connection winning (Happy Eyeballs, RFC 8305)."""
+    dial_deadline_share: float = 0.75
+    """One dial attempt takes at most this share of the time left before the caller's
+    deadline (e.g. of a 2 s DHT request), so it ends as a DialError, not as the caller's
+    timeout."""
     frame_timeout: float | None = 30.0
     """A frame, once started, must arrive completely within this (slowloris mid-frame)."""
     call_timeout: float | None = 60.0
@@ -89,6 +96,12 @@ class NodeConfig:
             request_timeout=2.0,
             idle_timeout=10.0,
         )
+
+    def __post_init__(self) -> None:
+        if not self.dial_stagger >= 0:
+            raise ValueError("dial_stagger must be >= 0")
+        if not 0 < self.dial_deadline_share <= 1:
+            raise ValueError("dial_deadline_share must be in (0, 1]")
 
     def with_(self, **changes: Any) -> NodeConfig:
         return replace(self, **changes)

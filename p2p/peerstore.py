@@ -10,7 +10,8 @@ from p2p.multiaddr import Multiaddr
 
 
 class PeerStore:
-    """PeerID -> addresses, most recently added first; least recently touched peers are evicted."""
+    """PeerID -> addresses, latest batch first (in its order); least recently touched peers
+    are evicted."""
 
     def __init__(self, *, max_peers: int = 10_000, max_addrs_per_peer: int = 8) -> None:
         self.max_peers = max_peers
@@ -18,17 +19,21 @@ class PeerStore:
         self._addrs: OrderedDict[PeerID, list[Multiaddr]] = OrderedDict()
 
     def add_addrs(self, peer_id: PeerID, addrs: Iterable[Multiaddr | str]) -> None:
-        """Remember ``addrs`` (stored without their ``/p2p/`` suffix) for ``peer_id``."""
-        known = self._addrs.pop(peer_id, [])
+        """Remember ``addrs`` (stored without their ``/p2p/`` suffix) for ``peer_id``.
+
+        The new batch goes first *in the order given* (the peer advertises its best address
+        first: public, then relayed, then private), then the addresses known before it.
+        """
+        batch: list[Multiaddr] = []
         for a in addrs:
             addr = Multiaddr.parse(a)
             if addr.peer_id is not None and addr.peer_id != peer_id:
                 continue  # an address of somebody else
             if not addr.is_relayed:
                 addr = addr.transport_part()
-            if addr in known:
-                known.remove(addr)
-            known.insert(0, addr)
+            if addr not in batch:
+                batch.append(addr)
+        known = batch + [a for a in self._addrs.pop(peer_id, []) if a not in batch]
         del known[self.max_addrs_per_peer :]
         if known:
             self._addrs[peer_id] = known

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
+
+from p2p.dht.storage import WriterQuotas
 
 
 @dataclass(frozen=True)
@@ -27,6 +29,8 @@ class DHTConfig:
     max_storage_bytes: int = 256 << 20  # bytes of records stored (new ones refused beyond)
     cache_bytes: int = 64 << 20
     max_subkeys: int = 10_000  # subkeys per dictionary value
+    # what one signing writer may hold per key and per node; unsigned subkeys' share of a key
+    writer_quotas: WriterQuotas = field(default_factory=WriterQuotas)
     max_value_bytes: int = 256 * 1024  # serialized value size
     max_key_chars: int = 512
     max_ttl: float = 7 * 24 * 3600.0  # expirations further ahead than this are refused

@@ -262,10 +262,13 @@ class DHT:
         per_peer: dict[PeerID, tuple[Contact, list[int]]] = {}
         for i, rec in enumerate(records):
             if local[rec.key]:
-                if self.storage.store(rec, now):
+                outcome = self.storage.offer(rec, now)
+                if outcome is True:
                     results[i].stored += 1
-                else:
+                elif outcome is False:
                     results[i].outdated += 1
+                else:
+                    results[i].refused[str(self.peer_id)] = outcome
             for c in targets[rec.key]:
                 per_peer.setdefault(c.peer, (c, []))[1].append(i)
 

@@ -83,10 +83,17 @@ class DHTProtocol:
         self.local_id = node_id(node.peer_id)
         self.routing = RoutingTable(self.local_id, config.k, config.replacement_cache_size)
         self.storage = LocalStorage(
-            config.max_keys, config.max_subkeys, max_bytes=config.max_storage_bytes
+            config.max_keys,
+            config.max_subkeys,
+            max_bytes=config.max_storage_bytes,
+            quotas=config.writer_quotas,
         )
         self.cache = LocalStorage(
-            config.cache_size, config.max_subkeys, lru=True, max_bytes=config.cache_bytes
+            config.cache_size,
+            config.max_subkeys,
+            lru=True,
+            max_bytes=config.cache_bytes,
+            quotas=config.writer_quotas,
         )
         self.blacklist = Blacklist(config.blacklist_base, config.blacklist_max)
         self.limits = Limits(
@@ -228,12 +235,16 @@ class DHTProtocol:
             reason = self.validators.reason(rec)
             if reason is None and rec.expiration > now + self.config.max_ttl:
                 reason = f"expiration more than {self.config.max_ttl:.0f} s ahead"
+            if reason is None:
+                outcome = (self.cache if cache else self.storage).offer(rec, now)
+                if isinstance(outcome, str):
+                    reason = outcome
             if reason is not None:
                 self.stats["refused"] += 1
                 log.debug("refused a record from %s: %s", ctx.remote_peer, reason)
                 results.append(reason)
             else:
-                results.append((self.cache if cache else self.storage).store(rec, now))
+                results.append(outcome)
         self.peer_seen(ctx.remote_peer, addrs, client=client)
         return response(self.clock.local_time(), results=results)
 

@@ -14,6 +14,7 @@ Merge rules (the same on every node, so replicas converge whatever the order of 
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from dataclasses import dataclass, field
@@ -97,6 +98,19 @@ def owner_markers(text: str | None) -> list[str]:
     return OWNER_MARKER_RE.findall(text) if text else []
 
 
+@functools.lru_cache(maxsize=1 << 14)
+def slot_owner(key: str, subkey: str | None) -> str | None:
+    """The owner (base58) a record of this slot is charged to: the subkey's marker, else the
+    key's; None for an unowned slot. Validation has made sure that every marker is signed."""
+    names = owner_markers(subkey) or owner_markers(key)
+    return names[0] if names else None
+
+
+def key_owned(key: str) -> bool:
+    """Whether the key itself is reserved to one writer (who may then write anything in it)."""
+    return slot_owner(key, None) is not None
+
+
 @dataclass
 class KeyState:
     """Everything held for one key: the newest plain record and the newest record per subkey.
@@ -109,12 +123,40 @@ class KeyState:
     subs: dict[str, Record] = field(default_factory=dict)
     nbytes: int = 0  # approximate memory held (values, subkeys, proofs)
     soonest: float = math.inf  # no slot expires before this (a lower bound)
+    owned_subs: int = 0  # subkeys with an owner marker (signed)
+    owned_key: bool = False  # the key itself names an owner (set by the first record)
+    by_owner: dict[str, list[int]] = field(default_factory=dict)
+    """owner (base58) -> [slots, bytes] this key holds for that writer."""
+    ledger: dict[str, list[int]] | None = None
+    """The same, summed over every key of a store (shared with the store), or None."""
+
+    def _charge(self, rec: Record, sign: int, size: int) -> None:
+        """Account a slot taken (sign 1), given back (-1) or resized (0, ``size`` the delta)."""
+        self.nbytes += size
+        owner = slot_owner(rec.key, rec.subkey)
+        if owner is None:
+            return
+        if sign and rec.subkey is not None and owner_markers(rec.subkey):
+            self.owned_subs += sign
+        for table in (self.by_owner, self.ledger):
+            if table is None:
+                continue
+            entry = table.setdefault(owner, [0, 0])
+            entry[0] += sign
+            entry[1] += size
+            if entry[0] <= 0:
+                del table[owner]
 
     def apply(self, rec: Record, max_subkeys: int) -> bool:
         """Take ``rec`` into its slot if newer; True when it is now part of the visible value."""
+        if self.plain is None and not self.subs:
+            self.owned_key = key_owned(rec.key)
         if rec.subkey is None:
-            if self.plain is None or rec.newer_than(self.plain):
-                self.nbytes += record_size(rec) - (record_size(self.plain) if self.plain else 0)
+            if self.plain is None:
+                self.plain = rec
+                self._charge(rec, 1, record_size(rec))
+            elif rec.newer_than(self.plain):
+                self._charge(rec, 0, record_size(rec) - record_size(self.plain))
                 self.plain = rec
             elif not rec.same_as(self.plain):
                 return False
@@ -124,22 +166,38 @@ class KeyState:
                 if len(self.subs) >= max_subkeys:
                     return False
                 self.subs[rec.subkey] = rec
-                self.nbytes += record_size(rec)
+                self._charge(rec, 1, record_size(rec))
             elif rec.newer_than(old):
                 self.subs[rec.subkey] = rec
-                self.nbytes += record_size(rec) - record_size(old)
+                self._charge(rec, 0, record_size(rec) - record_size(old))
             elif not rec.same_as(old):
                 return False
         self.soonest = min(self.soonest, rec.expiration)
         return self.visible(rec)
 
+    def _shields(self) -> bool:
+        """Whether signed subkeys are immune to the plain value: anyone may write the plain
+        value of an unowned key, so it must not hide what owners signed (one long-lived
+        junk value would blank a run's progress table for days)."""
+        return self.owned_subs > 0 and not self.owned_key
+
     def view(self) -> View | None:
-        """A plain value wins when no subkey expires after it; otherwise the subkeys that do."""
+        """A plain value wins when no subkey expires after it; otherwise the subkeys that do,
+        and, in an unowned key, every signed subkey whatever the plain value."""
         plain = self.plain
-        if plain is not None and all(r.expiration <= plain.expiration for r in self.subs.values()):
+        shields = self._shields()
+        if (
+            plain is not None
+            and not shields
+            and all(r.expiration <= plain.expiration for r in self.subs.values())
+        ):
             return plain
         floor = plain.expiration if plain is not None else float("-inf")
-        subs = {s: r for s, r in self.subs.items() if r.expiration > floor}
+        subs = {
+            s: r
+            for s, r in self.subs.items()
+            if r.expiration > floor or (shields and owner_markers(s))
+        }
         return subs or None
 
     def visible(self, rec: Record) -> bool:
@@ -152,7 +210,9 @@ class KeyState:
         held = self.subs.get(rec.subkey)
         if held is None or not held.same_as(rec):
             return False
-        return self.plain is None or held.expiration > self.plain.expiration
+        if self.plain is None or held.expiration > self.plain.expiration:
+            return True
+        return bool(owner_markers(rec.subkey)) and self._shields()
 
     def held(self) -> int:
         """How many slots hold a record (expired ones included until dropped)."""
@@ -180,11 +240,23 @@ class KeyState:
         for rec in records:
             if rec.subkey is None:
                 if self.plain is rec:
-                    self.nbytes -= record_size(rec)
+                    self._charge(rec, -1, -record_size(rec))
                     self.plain = None
             elif self.subs.get(rec.subkey) is rec:
-                self.nbytes -= record_size(self.subs.pop(rec.subkey))
+                self._charge(rec, -1, -record_size(self.subs.pop(rec.subkey)))
         self._reset_soonest()
+
+    def release(self) -> None:
+        """Give every slot back to the shared ledger (the whole key is being forgotten)."""
+        if self.ledger is not None:
+            for owner, (slots, nbytes) in self.by_owner.items():
+                entry = self.ledger.get(owner)
+                if entry is not None:
+                    entry[0] -= slots
+                    entry[1] -= nbytes
+                    if entry[0] <= 0:
+                        del self.ledger[owner]
+        self.by_owner.clear()
 
     def drop_expired(self, now: float) -> bool:
         """Forget expired slots; True when nothing is left."""

@@ -110,8 +110,9 @@ async def connect_from(
             sock = spare.pop()
         else:
             sock = _bind(local_ip, port)
-            await sock.bind((local_ip, port))
         try:
+            if sock.getsockname()[1] != port:
+                await sock.bind((local_ip, port))
             await sock.connect(target)
         except OSError as e:
             logger.debug("hole punch to %s failed: %s", target, e)
@@ -142,6 +143,21 @@ async def connect_from(
             sock.close()
 
 
+def local_ipv4(listen_addrs: Iterable[Multiaddr]) -> str:
+    """The first specific IPv4 host among bound listen addresses, else ``0.0.0.0`` (pure)."""
+    for addr in listen_addrs:
+        host = addr.value_of("ip4")
+        if host is None or addr.is_relayed:
+            continue
+        try:
+            ip = ipaddress.ip_address(host)
+        except ValueError:
+            continue
+        if ip.version == 4 and not ip.is_unspecified:
+            return str(ip)
+    return "0.0.0.0"
+
+
 class HolePuncher:
     """Upgrades relayed connections to direct ones (TCP transports only)."""
 
@@ -163,16 +179,26 @@ class HolePuncher:
         self.node.add_stream_handler(UPGRADE, self.handle)
 
     def _local_ip(self) -> str:
-        for addr in self.node.addrs:
-            ip = addr.value_of("ip4")
-            if ip is not None and not addr.is_relayed:
-                return ip
-        return "0.0.0.0"
+        """An IPv4 address a listener is bound to, else any (``0.0.0.0``).
+
+        Never one of ``node.addrs``: those are what we advertise (``--announce``, dial-back
+        proven public addresses), and behind a 1:1 NAT or a port forward they are not ours
+        to bind (``OSError 99``).
+        """
+        return local_ipv4(self.node.listen_addrs)
 
     async def _prepare(self) -> tuple[trio.socket.SocketType, list[str]]:
+        """A socket bound to a fresh local port and the addresses to announce for it.
+
+        Raises OSError when the port cannot be bound (the caller logs it and stays relayed).
+        """
         local_ip = self._local_ip()
         sock = _bind(local_ip, 0)
-        await sock.bind((local_ip, 0))
+        try:
+            await sock.bind((local_ip, 0))
+        except BaseException:
+            sock.close()
+            raise
         port = sock.getsockname()[1]
         return sock, punch_addrs(self.hosts(), local_ip, port)
 
@@ -181,9 +207,21 @@ class HolePuncher:
         return conn is not None and conn.remote_addr is not None and conn.remote_addr.is_relayed
 
     async def upgrade(self, peer: PeerID) -> bool:
-        """Try to replace our relayed connection to ``peer`` by a direct one."""
+        """Try to replace our relayed connection to ``peer`` by a direct one.
+
+        Never raises for a failed attempt (a bind, the exchange, the connects, the handshake):
+        it is logged, counted in ``failed``, and the relayed connection stays in use.
+        """
         if not self.supported or not self._relayed(peer):
             return False
+        try:
+            return await self._upgrade(peer)
+        except (P2PError, OSError, trio.TooSlowError) as e:
+            logger.info("hole punch with %s failed, staying on the relay: %r", peer, e)
+            self.failed += 1
+            return False
+
+    async def _upgrade(self, peer: PeerID) -> bool:
         sock, mine = await self._prepare()
         try:
             async with self.node.open_stream(peer, UPGRADE) as ms:
@@ -226,7 +264,11 @@ class HolePuncher:
         if scope.cancelled_caught:
             raise ProtocolError("hole punch: no addresses from the initiator in time")
         theirs = parse_punch_addrs(request.get("addrs") if isinstance(request, dict) else None)
-        sock, mine = await self._prepare()
+        try:
+            sock, mine = await self._prepare()
+        except OSError as e:
+            self.failed += 1
+            raise ProtocolError(f"hole punch: cannot bind a local port: {e}") from None
         try:
             with trio.move_on_after(self.config.exchange_timeout) as scope:
                 await ms.send({"addrs": mine})
@@ -244,8 +286,13 @@ class HolePuncher:
     async def _punch(
         self, peer: PeerID, sock: trio.socket.SocketType, theirs: list[tuple[str, int]]
     ) -> None:
-        result = await connect_from(self._local_ip(), sock, theirs, self.config)
-        await self._finish(peer, result)
+        try:
+            result = await connect_from(self._local_ip(), sock, theirs, self.config)
+            await self._finish(peer, result)
+        except (P2PError, OSError, trio.TooSlowError) as e:
+            # this task runs in the NAT manager's nursery: an escape would end the node
+            logger.info("hole punch from %s failed, staying on the relay: %r", peer, e)
+            self.failed += 1
 
     async def _finish(
         self, peer: PeerID, result: tuple[trio.SocketStream, tuple[str, int]] | None

@@ -161,10 +161,12 @@ class NATManager:
         self.relay.enabled = (
             self.config.offer_relay and self.reachability is not Reachability.PRIVATE
         )
-        advertised = list(self.relayed_addrs)
+        # best first, as dialers try them in this order: dial-back proven public addresses
+        # (e.g. a forwarded port on the router's address), then relays, then the rest
+        advertised: list[Multiaddr] = []
         if self.reachability is Reachability.PUBLIC:
-            # dial-back proven addresses first (e.g. a forwarded port on the router's address)
             advertised += [a.with_peer(self.node.peer_id) for a in self.public_addrs]
+        advertised += [a for a in self.relayed_addrs if a not in advertised]
         for addr in self._direct_addrs:  # kept even when private: peers on the same LAN
             if addr not in advertised:
                 advertised.append(addr)

@@ -213,7 +213,7 @@ def test_peerstore_is_bounded_and_normalises() -> None:
     ids = [Identity.from_seed(bytes([i])).peer_id for i in range(3)]
     store.add_addrs(ids[0], ["/ip4/1.1.1.1/tcp/1", "/ip4/1.1.1.1/tcp/2", "/ip4/1.1.1.1/tcp/3"])
     assert [str(a.transport_part()) for a in store.addrs_of(ids[0])] == [
-        "/ip4/1.1.1.1/tcp/3",
+        "/ip4/1.1.1.1/tcp/1",
         "/ip4/1.1.1.1/tcp/2",
     ]
     assert all(a.peer_id == ids[0] for a in store.addrs_of(ids[0]))

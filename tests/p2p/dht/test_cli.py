@@ -139,3 +139,45 @@ def test_dht_needs_no_jax() -> None:
         [*CMD, "--help"], capture_output=True, text=True, cwd=ROOT, env=_env(), timeout=60
     )
     assert helped.returncode == 0 and "serve" in helped.stdout
+
+
+def _strict(text: str):
+    def bad(name: str):
+        raise AssertionError(f"{name} in the output is not JSON")
+
+    return json.loads(text, parse_constant=bad)
+
+
+def test_cli_shadow_attack_is_refused_and_output_is_strict_json(servers) -> None:
+    procs, addrs = servers
+    owner = _run("store", "run.progress", '{"epoch": 3}', "--ttl", "120", "--owned",
+                 "--initial-peers", addrs[1])  # fmt: skip
+    assert owner.returncode == 0, owner.stderr
+    attack = _run("store", "run.progress", '"x"', "--ttl", "600000", "--initial-peers", addrs[2])
+    assert attack.returncode == 1
+    assert "signed subkeys" in attack.stderr, attack.stderr
+    got = _strict(_run("get", "run.progress", "--initial-peers", addrs[3]).stdout)
+    assert list(got.values()) == [{"epoch": 3}]
+
+    # values JSON cannot hold come back tagged, distinct from look-alike strings
+    for key, value, flag in (
+        ("v.bytes", '{"$bytes": "aGk="}', ()),
+        ("v.text", "base64:aGk=", ("--string",)),
+        ("v.nan", '[{"$float": "nan"}, {"$float": "-inf"}, {"$$bytes": 1}]', ()),
+    ):
+        res = _run("store", key, value, *flag, "--ttl", "120", "--initial-peers", addrs[0])
+        assert res.returncode == 0, res.stderr
+    assert _strict(_run("get", "v.bytes", "--initial-peers", addrs[1]).stdout) == {"$bytes": "aGk="}
+    assert _strict(_run("get", "v.text", "--initial-peers", addrs[1]).stdout) == "base64:aGk="
+    assert _strict(_run("get", "v.nan", "--initial-peers", addrs[1]).stdout) == [
+        {"$float": "nan"},
+        {"$float": "-inf"},
+        {"$$bytes": 1},
+    ]
+
+
+def test_cli_store_refuses_malformed_json_before_any_network() -> None:
+    for bad in ("hello", '{"a": NaN}', "[1, 2", '{"$bytes": 5}'):
+        res = _run("store", "k", bad, "--ttl", "5", "--initial-peers", "/ip4/127.0.0.1/tcp/1")
+        assert res.returncode == 2, (bad, res.stderr)
+        assert "Traceback" not in res.stderr and "none of the" not in res.stderr
