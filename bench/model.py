@@ -206,10 +206,18 @@ def peak_flops(device_kind: str, override_tflops: float | None) -> float | None:
     return None
 
 
-def gpu_figures(batch: int, seq: int, warmup: int, reps: int, peak_tflops: float | None) -> dict:
-    """sahajBERT in bf16 on the first GPU: tokens/s and model FLOPs utilisation."""
+def gpu_figures(
+    batch: int,
+    seq: int,
+    warmup: int,
+    reps: int,
+    peak_tflops: float | None,
+    attention: str | None = None,
+    remat: bool = False,
+) -> dict:
+    """sahajBERT in bf16 on the first GPU: tokens/s, model FLOPs utilisation, peak memory."""
     device = jax.devices("gpu")[0]
-    cfg = AlbertConfig.sahajbert(dtype="bfloat16")
+    cfg = AlbertConfig.sahajbert(dtype="bfloat16", attention=attention, remat=remat)
     model = AlbertForPreTraining(cfg, rngs=nnx.Rngs(0))
     t = interleaved({"gpu": flax_step(model, make_batch(cfg, batch, seq), device)}, warmup, reps)
     seconds = t["gpu"].wall_s
@@ -218,7 +226,8 @@ def gpu_figures(batch: int, seq: int, warmup: int, reps: int, peak_tflops: float
     mfu = None if peak is None else tokens_per_s * training_flops_per_token(cfg, seq) / peak
     shown = "unknown peak" if mfu is None else f"MFU {mfu:.1%} of {peak / 1e12:.0f} TFLOP/s"
     print(
-        f"GPU {device.device_kind}, sahajBERT bf16, batch {batch} x seq {seq}: "
+        f"GPU {device.device_kind}, sahajBERT bf16, batch {batch} x seq {seq}, "
+        f"attention {attention or 'auto'}, remat {remat}: "
         f"{seconds * 1e3:.1f} ms/step, {tokens_per_s:,.0f} tokens/s, {shown}"
     )
     return dict(
@@ -232,7 +241,16 @@ def gpu_figures(batch: int, seq: int, warmup: int, reps: int, peak_tflops: float
         gpu_model_tflops_per_s=tokens_per_s * training_flops_per_token(cfg, seq) / 1e12,
         gpu_peak_tflops=None if peak is None else peak / 1e12,
         gpu_mfu=mfu,
+        gpu_attention=attention or "auto",
+        gpu_remat=remat,
+        gpu_peak_memory_gb=_peak_memory_gb(device),
     )
+
+
+def _peak_memory_gb(device) -> float | None:
+    stats = device.memory_stats() or {}
+    peak = stats.get("peak_bytes_in_use")
+    return None if peak is None else peak / 1e9
 
 
 def pin_threads(threads: int, async_dispatch: bool = False) -> int:
@@ -262,6 +280,10 @@ def main(argv=None) -> dict:
     parser.add_argument("--gpu-batch", type=int, default=32)
     parser.add_argument("--gpu-seq", type=int, default=512)
     parser.add_argument("--gpu-peak-tflops", type=float, default=None)
+    parser.add_argument(
+        "--gpu-attention", choices=["auto", "xla", "cudnn"], default="auto", help="attention kernel"
+    )
+    parser.add_argument("--gpu-remat", action="store_true", help="recompute layer activations")
     parser.add_argument("--no-gpu", action="store_true", help="skip the GPU part even with a GPU")
     parser.add_argument("--gpu-only", action="store_true", help="skip the CPU comparison")
     args = parser.parse_args(argv)
@@ -281,7 +303,18 @@ def main(argv=None) -> dict:
         print("GPU part not run: no GPU visible to JAX")
     else:
         peak = args.gpu_peak_tflops
-        figures.update(gpu_figures(args.gpu_batch, args.gpu_seq, args.warmup, args.steps, peak))
+        attention = None if args.gpu_attention == "auto" else args.gpu_attention
+        figures.update(
+            gpu_figures(
+                args.gpu_batch,
+                args.gpu_seq,
+                args.warmup,
+                args.steps,
+                peak,
+                attention,
+                args.gpu_remat,
+            )
+        )
     print(json.dumps(figures))
     return figures
 

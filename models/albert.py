@@ -68,6 +68,8 @@ class AlbertConfig:
     dtype: str = "float32"  # also accepts a dtype (jnp.bfloat16), stored by name
     param_dtype: str = "float32"
     remat: bool = False
+    # jax.nn.dot_product_attention's implementation off CPU: None (XLA picks), "xla", "cudnn"
+    attention: str | None = None
 
     def __post_init__(self):
         if self.hidden_act not in ACTIVATIONS:
@@ -79,6 +81,8 @@ class AlbertConfig:
             )
         if not 1 <= self.num_hidden_groups <= self.num_hidden_layers:
             raise ValueError("need 1 <= num_hidden_groups <= num_hidden_layers")
+        if self.attention not in (None, "xla", "cudnn"):
+            raise ValueError(f"attention must be None, 'xla' or 'cudnn', got {self.attention!r}")
         for name in "dtype", "param_dtype":  # canonical names: "bfloat16", never a class
             object.__setattr__(self, name, jnp.dtype(getattr(self, name)).name)
 
@@ -249,6 +253,7 @@ class AlbertAttention(nnx.Module):
     def __init__(self, cfg: AlbertConfig, *, rngs: nnx.Rngs):
         h = cfg.hidden_size
         self.num_heads = cfg.num_attention_heads
+        self.implementation = cfg.attention
         self.query = _dense(cfg, h, h, rngs)
         self.key = _dense(cfg, h, h, rngs)
         self.value = _dense(cfg, h, h, rngs)
@@ -272,7 +277,9 @@ class AlbertAttention(nnx.Module):
                 k,
                 v,
                 cpu=functools.partial(_heads_first_attention, mask=mask),
-                default=functools.partial(jax.nn.dot_product_attention, mask=mask),
+                default=functools.partial(
+                    jax.nn.dot_product_attention, mask=mask, implementation=self.implementation
+                ),
             )  # scale = head_dim^-0.5
         else:
             context = self._attention_with_dropout(q, k, v, mask, deterministic)

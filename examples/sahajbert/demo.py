@@ -64,6 +64,8 @@ def cli_args(cfg: TrainerConfig) -> list[str]:
         args += ["--data", cfg.data]
     if cfg.tokenizer:
         args += ["--tokenizer", cfg.tokenizer]
+    if cfg.bf16:
+        args += ["--bf16"]
     return args
 
 

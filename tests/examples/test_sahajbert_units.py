@@ -316,3 +316,15 @@ def test_each_peer_draws_its_own_dropout_seeds() -> None:
     assert seeds[1][0].shape == (3, 2 * jax.local_device_count())
     assert not (seeds[1][0] == seeds[1][1]).all()  # a new seed per step
     assert not (seeds[1][0] == seeds[2][0]).all()  # and per peer
+
+
+def test_the_demo_passes_bf16_on_to_its_trainers() -> None:
+    """`demo --bf16` (bench/gpu_check.sh's collaboration on a GPU) computes in bf16 in every
+    child process, not only in the parent that starts them."""
+    import dataclasses
+
+    from examples.sahajbert.config import TrainerConfig
+    from examples.sahajbert.demo import cli_args
+
+    assert "--bf16" not in cli_args(TrainerConfig())
+    assert "--bf16" in cli_args(dataclasses.replace(TrainerConfig(), bf16=True))

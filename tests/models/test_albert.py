@@ -162,6 +162,31 @@ def test_bfloat16_compute_keeps_float32_weights():
     assert abs(float(loss) - float(ref_loss)) < 0.01
 
 
+def test_bfloat16_gradients_agree_with_float32_within_bfloat16_tolerance():
+    """Forward and backward in bf16 compute (fp32 master weights) follow the fp32 ones: the
+    loss to 1%, every gradient within a tenth of its scale and pointing the same way (cosine
+    > 0.99; bf16 keeps 8 mantissa bits). Runs on the tests' backend: here the CPU, the GPU in
+    bench/gpu_check.sh."""
+    batch = make_batch(TINY)
+
+    def loss(model, batch):
+        out = forward(model, batch)
+        return pretraining_loss(out, batch["mlm_labels"], batch["sop_labels"])
+
+    grad_step = make_grad_step(loss)
+    ref_loss, ref = grad_step(AlbertForPreTraining(TINY, rngs=nnx.Rngs(0)), batch)
+    bf16 = AlbertForPreTraining(dataclasses.replace(TINY, dtype="bfloat16"), rngs=nnx.Rngs(0))
+    got_loss, got = grad_step(bf16, batch)
+    assert abs(float(got_loss) - float(ref_loss)) < 0.01 * abs(float(ref_loss))
+    for g, r in zip(jax.tree.leaves(got), jax.tree.leaves(ref), strict=True):
+        assert g.dtype == r.dtype == jnp.float32  # master-weight gradients
+        scale = float(jnp.abs(r).max())
+        assert float(jnp.abs(g - r).max()) <= 0.1 * scale + 1e-6, scale
+        if scale > 1e-4:  # and they point the same way
+            cos = float(jnp.vdot(g, r) / (jnp.linalg.norm(g) * jnp.linalg.norm(r)))
+            assert cos > 0.99
+
+
 def test_remat_gives_the_same_loss_and_gradients():
     cfg = AlbertConfig.tiny(num_hidden_layers=2)
     batch = make_batch(cfg)
@@ -260,3 +285,9 @@ def test_classification_models_and_backbone_loading():
     batch = make_batch(TINY)
     assert forward(tokens, batch).logits.shape == (4, 32, 7)
     assert forward(sequences, batch).logits.shape == (4, 6)
+
+
+def test_the_attention_kernel_is_a_choice_of_three():
+    assert AlbertConfig.tiny(attention="cudnn").attention == "cudnn"
+    with pytest.raises(ValueError, match="attention"):
+        AlbertConfig.tiny(attention="flash")
