@@ -25,6 +25,7 @@ import sys
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import msgpack
@@ -38,6 +39,7 @@ from dedloc_jax.averaging.errors import BadContributionError, CodecError, GroupE
 from dedloc_jax.averaging.group import GroupSpec, Member
 from dedloc_jax.progress import PeerProgress
 from dedloc_jax.state_chunks import StateAssembler, StateError, StateManifest, pack_state
+from examples.sahajbert import manifest as sahajbert_manifest
 from examples.sahajbert import metrics as sahajbert_metrics
 from p2p import messages, mux
 from p2p.aead import OFFER_AES, OFFER_CHACHA, make_aead, nonce_for
@@ -363,6 +365,26 @@ def _checkpoint_announcement(msg: Any) -> None:
     sahajbert_metrics.parse_checkpoint(msg)
 
 
+def _run_manifest(msg: Any) -> None:
+    """A signed manifest envelope as a trainer fetches it (mutations rarely keep the
+    signature: this covers the envelope's checks)."""
+    sahajbert_manifest.verify(msg, run_id="fuzz-run")
+
+
+def _manifest_body(msg: Any) -> None:
+    """A manifest's fields as ``from_dict`` validates them once the signature verified."""
+    sahajbert_manifest.RunManifest.from_dict(msg)
+
+
+def _run_manifest_seeds() -> tuple[tuple[bytes, ...], tuple[bytes, ...]]:
+    from examples.sahajbert.config import TrainerConfig
+
+    cfg = TrainerConfig().replace(model="tiny", run_id="fuzz-run")
+    made = sahajbert_manifest.build(cfg, Path(__file__), 900, "none")
+    envelope = sahajbert_manifest.sign(made, ALICE)
+    return (_pack(envelope),), (_pack(made.to_dict()),)
+
+
 def _metrics_seeds() -> tuple[bytes, ...]:
     history = (
         sahajbert_metrics.EpochFigures(2, 7.25, 48, 3.5),
@@ -378,6 +400,7 @@ def _metrics_seeds() -> tuple[bytes, ...]:
 def _build() -> dict[str, Decoder]:
     dht_seeds = _dht_seeds()
     manifest_seeds, chunk_seeds = _state_seeds()
+    envelope_seeds, body_seeds = _run_manifest_seeds()
     msg_doc = (ProtocolError,)
     decoders = [
         Decoder(
@@ -476,6 +499,18 @@ def _build() -> dict[str, Decoder]:
             _msg(_checkpoint_announcement),
             msg_doc,
             (_pack({"epoch": 10, "path": "/run/checkpoints/epoch_10"}),),
+        ),
+        Decoder(
+            "sahajbert.run_manifest",
+            _msg(_run_manifest),
+            msg_doc + (sahajbert_manifest.ManifestError,),
+            envelope_seeds,
+        ),
+        Decoder(
+            "sahajbert.manifest_body",
+            _msg(_manifest_body),
+            msg_doc + (ValueError, TypeError),
+            body_seeds,
         ),
     ]
     return {d.name: d for d in decoders}
