@@ -233,15 +233,9 @@ def run_netns(
                         f"({seconds / bound:.3f} x bound), identical {len(round_digests) == 1}; "
                         f"per peer {[round(rep[0], 2) for rep in all_reports]}"
                     )
-            for p in pipes:
-                p.send("quit")
-            for p in procs:
-                p.join(timeout=30)
+            _quit(pipes, procs)
         finally:
-            for p in procs:
-                if p.is_alive():
-                    p.kill()
-                    p.join(timeout=10)
+            _reap(procs)
     lp_s, eq_s = statistics.median(times["lp"]), statistics.median(times["equal"])
     print(
         f"LP split {lp_s:.2f} s = {lp_s / bound:.3f} x the LP bound {bound:.2f} s; "
@@ -343,15 +337,9 @@ def run_measured(
                     f"round {r + 1}: measured split {times[-1]:.2f} s, "
                     f"equal {equal_times[-1]:.2f} s"
                 )
-            for p in pipes:
-                p.send("quit")
-            for p in procs:
-                p.join(timeout=30)
+            _quit(pipes, procs)
         finally:
-            for p in procs:
-                if p.is_alive():
-                    p.kill()
-                    p.join(timeout=10)
+            _reap(procs)
     round_s = statistics.median(times)
     print(f"measured split {round_s:.2f} s = {round_s / bound:.3f} x the LP bound {bound:.2f} s")
     return {
@@ -367,6 +355,22 @@ def run_measured(
         "round_vs_bound": round_s / bound,
         "equal_split_s": statistics.median(equal_times),
     }
+
+
+def _quit(pipes: list[Any], procs: list[Any]) -> None:
+    """Ask every peer process to end, and wait for it (a bounded while)."""
+    for p in pipes:
+        p.send("quit")
+    for p in procs:
+        p.join(timeout=30)
+
+
+def _reap(procs: list[Any]) -> None:
+    """Kill whatever peer process is still alive (a round that failed, an interrupt)."""
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join(timeout=10)
 
 
 def _mbit(bps: float | None) -> str:

@@ -58,22 +58,7 @@ def iter_local_documents(
         if not path.is_file():
             raise FileNotFoundError(f"no such text file: {path}")
         with path.open(encoding="utf-8") as f:
-            if layout is DocumentLayout.LINE:
-                for line in f:
-                    line = line.strip()
-                    if line:
-                        yield line
-                continue
-            block: list[str] = []
-            for line in f:
-                line = line.strip()
-                if line:
-                    block.append(line)
-                elif block:
-                    yield " ".join(block)
-                    block = []
-            if block:
-                yield " ".join(block)
+            yield from _documents(f, layout)
 
 
 def read_local_documents(
@@ -308,7 +293,7 @@ def _lines(f: Any, stop: int | None) -> Iterator[str]:
         yield raw.decode("utf-8", errors="replace")
 
 
-def _documents(lines: Iterator[str], layout: DocumentLayout) -> Iterator[str]:
+def _documents(lines: Iterable[str], layout: DocumentLayout) -> Iterator[str]:
     block: list[str] = []
     for line in lines:
         line = line.strip()
