@@ -187,7 +187,9 @@ class ProgressTracker:
         new_epoch = epoch != self.epoch
         self.epoch, self.samples = epoch, samples
         if self._mates_began is None and self._mates[0] == epoch:
-            self._mates_began = self._report_time - self._batch / max(self.rate, 1e-9)
+            # we (and they) began computing one micro-batch before this first report
+            rate = self.rate
+            self._mates_began = self._report_time - (self._batch / rate if rate > 0 else 0.0)
         if new_epoch:
             self._wake.set()
 

@@ -22,7 +22,7 @@ from models.albert import AlbertConfig, AlbertForPreTraining
 _LEAF_TO_TORCH = {"kernel": "weight", "embedding": "weight", "scale": "weight", "bias": "bias"}
 _TIED = ("predictions.decoder.weight", "predictions.decoder.bias")
 # The AlbertConfig fields that transformers' AlbertConfig has too (the rest are ours: dtypes...).
-_SPEED_FIELDS = ("dtype", "param_dtype", "remat")
+_SPEED_FIELDS = ("dtype", "param_dtype", "remat", "attention")
 HF_FIELDS = tuple(f.name for f in dataclasses.fields(AlbertConfig) if f.name not in _SPEED_FIELDS)
 
 
