@@ -119,8 +119,6 @@ class CollaborationCore:
         )
         self.epoch = 0
         self.history: list[dict[str, Any]] = []  # one entry per averaging step
-        # (epoch, peers): who averaged with us into ``epoch`` (see _peers_at)
-        self._mates: tuple[int, frozenset[str]] = (-1, frozenset())
 
     # --- progress ------------------------------------------------------------------------
     def report(self, epoch: int, samples: int, batch_size: int) -> bool:
@@ -193,7 +191,7 @@ class CollaborationCore:
             target,
             self.tracker.table_fresh,
             est.epoch > self.tracker.epoch,
-            any(r.mode != "aux" for r in others),
+            self.others_train(),
             max((state[1] for state in self.tracker.states()), default=None),
         )
 
@@ -313,7 +311,7 @@ class CollaborationCore:
                 result = [np.asarray(a) for a in averaged.average]
                 group_size = len(spec.members)
                 complete = True
-                self._mates = (epoch + 1, frozenset(m.peer_id for m in spec.members))
+                self.tracker.expect_mates(epoch + 1, (m.peer_id for m in spec.members))
             except (AllReduceError, GroupError) as e:
                 reason = f"the all-reduce failed: {e}"
             except BaseExceptionGroup as group:
@@ -351,8 +349,6 @@ class CollaborationCore:
         if group_size == 1 and self.config.on_no_group == "skip":
             result = [np.zeros_like(np.asarray(a)) for a in arrays]
         self.epoch = epoch + 1
-        if complete and spec is not None:
-            self.tracker.expect_mates(self.epoch, (m.peer_id for m in spec.members))
         # A peer that serves its state serves the new one next (share_state): one record.
         self.tracker.set_epoch(self.epoch, state_follows=self.state_server.latest is not None)
         self.history.append(
@@ -470,7 +466,7 @@ class CollaborationCore:
         for it to join, in the demo 4 s of every checkpointed epoch."""
         records = self.tracker.records
         peers = {pid for pid, r in records.items() if r.epoch == epoch and r.averages}
-        into, mates = self._mates
+        into, mates = self.tracker.mates  # (without us)
         if into == epoch:
             me = str(self.node.peer_id)
             # (Not one whose report we lack: a table that lost records would hold every

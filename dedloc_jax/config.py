@@ -62,6 +62,16 @@ class CollaborationConfig:
             if value is not None and not value > 0:
                 raise ValueError(f"{name} must be positive when set")
 
+    def agreed_target(self, target: int) -> int:
+        """``target`` (what ``collaborative`` was given) when this config names no other;
+        ValueError naming both values otherwise."""
+        if self.target_batch_size is not None and self.target_batch_size != target:
+            raise ValueError(
+                f"target_batch_size {target} given to collaborative() differs from "
+                f"CollaborationConfig.target_batch_size {self.target_batch_size}: set one of them"
+            )
+        return target
+
     def replace(self, **changes: object) -> CollaborationConfig:
         return dataclasses.replace(self, **changes)
 

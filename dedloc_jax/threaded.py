@@ -195,13 +195,7 @@ class Collaboration:
     def use_target(self, target: int) -> None:
         """Train toward ``target`` samples per step; ``collaborative`` calls it. ValueError
         when ``config.target_batch_size`` names another."""
-        configured = self.config.target_batch_size
-        if configured is not None and configured != target:
-            raise ValueError(
-                f"target_batch_size {target} given to collaborative() differs from "
-                f"CollaborationConfig.target_batch_size {configured}: set one of them"
-            )
-        self._target = target
+        self._target = self.config.agreed_target(target)
         if self._thread is not None and self.core is not None:
             self._thread.run_sync(self.core.use_target, target)
 
@@ -237,11 +231,6 @@ class Collaboration:
         ``upload_age`` / ``download_age`` (seconds since measured)."""
         thread, core = self._core()
         return thread.run_sync(lambda: core.links._asdict())
-
-    def others_train(self) -> bool:
-        """Whether the progress table names another peer that computes gradients."""
-        thread, core = self._core()
-        return thread.run_sync(core.others_train)
 
     def step_view(self) -> StepView:
         """What :func:`dedloc_jax.keep_in_step` decides on, from the last progress snapshot

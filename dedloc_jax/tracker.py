@@ -86,20 +86,20 @@ class ProgressTracker:
         self._fork_input: tuple = ()
         # (epoch, peers): who averaged with us into ``epoch``; and the DHT time of our first
         # report in it (None: none yet), from which their samples are extrapolated
-        self._mates: tuple[int, frozenset[str]] = (-1, frozenset())
+        self.mates: tuple[int, frozenset[str]] = (-1, frozenset())
         self._mates_began: float | None = None
         self._rates: dict[str, float] = {}  # each peer's last non-zero published rate
 
     # --- the target ------------------------------------------------------------------------
     def use_target(self, target: int) -> None:
         """Train toward ``target`` samples per step and publish it; ValueError if this peer
-        was configured with another."""
+        already trains toward another (configured, or given before)."""
         if not isinstance(target, int) or isinstance(target, bool) or target <= 0:
             raise ValueError(f"target_batch_size must be a positive integer, got {target!r}")
         if self._target is not None and self._target != target:
             raise ValueError(
-                f"target_batch_size {target} given to collaborative() differs from "
-                f"CollaborationConfig.target_batch_size {self._target}: set one of them"
+                f"target_batch_size {target} differs from the {self._target} this peer "
+                "already trains toward: one target per peer"
             )
         if self._target != target:
             self._target = target
@@ -186,7 +186,7 @@ class ProgressTracker:
         self._report_time = self.dht.now()
         new_epoch = epoch != self.epoch
         self.epoch, self.samples = epoch, samples
-        if self._mates_began is None and self._mates[0] == epoch:
+        if self._mates_began is None and self.mates[0] == epoch:
             # we (and they) began computing one micro-batch before this first report
             rate = self.rate
             self._mates_began = self._report_time - (self._batch / rate if rate > 0 else 0.0)
@@ -250,22 +250,23 @@ class ProgressTracker:
         return {pid: r for pid, r in self.records.items() if pid not in self.losers}
 
     def expect_mates(self, epoch: int, peers: Iterable[str]) -> None:
-        """``peers`` averaged with us into ``epoch``: until their own record of it is read,
-        count them as having started it when we did (see :meth:`projected`)."""
-        self._mates = (epoch, frozenset(peers) - {self.peer_id})
+        """``peers`` averaged with us into ``epoch``: they are expected in its round (the
+        collaboration's ``_peers_at``), and until their own record of it is read they count as
+        having started it when we did (see :meth:`projected`)."""
+        self.mates = (epoch, frozenset(peers) - {self.peer_id})
         self._mates_began = None
 
     def projected(self) -> dict[str, PeerProgress]:
         """The contenders' records as the estimate counts them. Two predictions fill the gap
-        until a read shows the truth (with fast micro-steps an epoch can end before the next
-        read, and each peer would gather the whole target alone):
+        until a read shows the truth (an epoch of fast micro-steps can end before the next
+        read):
 
         - a peer that averaged with us into our epoch, still read at the epoch before, started
           this one when we did (our first micro-step in it), at its last known rate;
         - a peer at our epoch that reports samples but no rate yet (it just started) trains at
           our rate."""
         records = dict(self.contenders())
-        into, mates = self._mates
+        into, mates = self.mates
         began = self._mates_began
         for pid in mates if began is not None else ():
             r = records.get(pid)

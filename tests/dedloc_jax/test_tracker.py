@@ -18,17 +18,25 @@ def _config(max_refresh: float = 1.0, progress_ttl: float = 10.0) -> Collaborati
     )
 
 
+async def _start_trackers(
+    nursery: trio.Nursery, peers: list, config: CollaborationConfig, modes: list[str]
+) -> list[ProgressTracker]:
+    """A running tracker of run "run" on each of ``peers`` (node, dht), in ``modes``."""
+    trackers = []
+    for (_, dht), mode in zip(peers, modes, strict=True):
+        tracker = ProgressTracker(dht, "run", config, mode)
+        await nursery.start(tracker.run)
+        trackers.append(tracker)
+    return trackers
+
+
 def test_peers_see_each_others_progress_and_the_global_epoch() -> None:
     config = _config()
 
     async def main() -> None:
         net = SimNetwork(seed=1)
         async with open_sim_dhts(net, 6, latency=0.005) as peers, trio.open_nursery() as nursery:
-            trackers = []
-            for i, (_, dht) in enumerate(peers):
-                tracker = ProgressTracker(dht, "run", config, "client" if i == 5 else "node")
-                await nursery.start(tracker.run)
-                trackers.append(tracker)
+            trackers = await _start_trackers(nursery, peers, config, ["node"] * 5 + ["client"])
             # Peers 0-4 process 10 samples per second each for 10 seconds; peer 5 is a client.
             for _ in range(10):
                 for tracker in trackers:
@@ -63,11 +71,7 @@ def test_estimate_reaches_target_near_true_sum(seed: int) -> None:
             open_sim_dhts(net, len(rates), latency=0.01) as peers,
             trio.open_nursery() as nursery,
         ):
-            trackers = []
-            for _, dht in peers:
-                tracker = ProgressTracker(dht, "run", config, "node")
-                await nursery.start(tracker.run)
-                trackers.append(tracker)
+            trackers = await _start_trackers(nursery, peers, config, ["node"] * len(rates))
             while True:
                 for tracker, rate in zip(trackers, rates, strict=True):
                     tracker.report(0, tracker.samples + rate, rate)
@@ -294,7 +298,7 @@ def test_a_failed_read_keeps_the_last_progress_table() -> None:
 
 def test_the_target_is_the_transforms_and_peers_that_disagree_are_named(caplog) -> None:
     """With no target configured, a tracker trains toward the one the transform gives and
-    publishes it; a configured one that differs is a ValueError naming both; a peer that sets
+    publishes it; another one later is a ValueError naming both; a peer that sets
     none (an aux peer) follows the trainers' target; a trainer warns about a peer that trains
     toward another target, naming both values."""
     import logging
@@ -304,11 +308,7 @@ def test_the_target_is_the_transforms_and_peers_that_disagree_are_named(caplog) 
     async def main() -> None:
         net = SimNetwork(seed=2)
         async with open_sim_dhts(net, 3, latency=0.005) as peers, trio.open_nursery() as nursery:
-            trackers = []
-            for i, (_, dht) in enumerate(peers):
-                tracker = ProgressTracker(dht, "run", config, "aux" if i == 2 else "node")
-                await nursery.start(tracker.run)
-                trackers.append(tracker)
+            trackers = await _start_trackers(nursery, peers, config, ["node", "node", "aux"])
             assert trackers[0].target is None
             trackers[0].use_target(128)
             trackers[1].use_target(96)
