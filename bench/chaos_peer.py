@@ -100,8 +100,8 @@ class PhaseHost:
     def step_view(self) -> Any:
         return self.collab.step_view()
 
-    def on_minority_fork(self) -> bool:
-        return self.collab.on_minority_fork()
+    def fork_verdict(self) -> bool | None:
+        return self.collab.fork_verdict()
 
     def newest_state_epoch(self) -> int | None:
         return self.collab.newest_state_epoch()

@@ -559,8 +559,9 @@ class CollaborationCore:
     async def load_state(
         self, *, timeout: float = 60.0, min_epoch: int | None = None
     ) -> tuple[int, list[np.ndarray]]:
-        """Download the state the fork choice names and train on it from now on (our epoch
-        becomes its epoch). ``min_epoch``: raise :class:`StaleStateError` instead when that
+        """Download the state the fork choice names, train on it from now on (our epoch
+        becomes its epoch) and serve it (the fork checks, ours and the others', count the
+        state a peer serves). ``min_epoch``: raise :class:`StaleStateError` instead when that
         state is older; nothing changes then. (A caller that downloaded an older state and
         kept its own had adopted the download's epoch and lineage all the same: its next
         state then claimed to descend from the others', and its fork check never found it
@@ -576,10 +577,12 @@ class CollaborationCore:
             local=self.state_server.held,
         )
         epoch = manifest.epoch
-        self.state_server.adopt(epoch, manifest.digest)
+        self.state_server.hold(manifest, arrays)
         log.info("loaded the state of epoch %d from %d donors", epoch, donors)
         self.epoch = epoch
         self.tracker.set_epoch(epoch)
+        self.tracker.serve(epoch, manifest.digest, self.state_server.lineage)
+        await self.state_server.announce()
         return epoch, arrays
 
     async def newest_state_epoch(self) -> int | None:
@@ -608,19 +611,9 @@ class CollaborationCore:
         serves with its progress, and follows the table anyway): reading every state
         announcement from the DHT for each check was most of a 200-peer soak's lookups, and
         such a read missed a tenth of the peers on average (a third at worst)."""
-        latest = self.state_server.latest
-        if latest is None:
-            return False
         deadline = trio.current_time() + patience
         while True:
-            table = self._table_states()
-            # An empty table (a read that failed, records that lapsed in a cut) cannot tell:
-            # a patient check waits for it to fill rather than answer "not lost".
-            verdict = (
-                fork_verdict(table, latest.epoch, latest.digest, self.state_server.lineage)
-                if table
-                else None
-            )
+            verdict = self.fork_verdict()
             left = deadline - trio.current_time()
             if verdict is not None:
                 return verdict
@@ -628,6 +621,18 @@ class CollaborationCore:
                 log.info("the fork check could not tell within %.0f s", patience)
                 return undecided
             await trio.sleep(min(1.0, left))
+
+    def fork_verdict(self) -> bool | None:
+        """:meth:`on_minority_fork` asked once, without waiting: None while it cannot tell
+        (most peers still average the epoch, or the table names no state)."""
+        latest = self.state_server.latest
+        if latest is None:
+            return False  # we serve nothing: nothing to lose
+        table = self._table_states()
+        # An empty table (a read that failed, records that lapsed in a cut) cannot tell.
+        if not table:
+            return None
+        return fork_verdict(table, latest.epoch, latest.digest, self.state_server.lineage)
 
     async def _announce_state(self) -> None:
         """Keep our announcement from expiring. Each step announces the new state, so only

@@ -4,20 +4,28 @@ Called once per micro-step after the train step, it makes a training loop follow
 
 - on its first call, a newcomer (or a restarted peer) loads the run's current state when
   other peers serve a newer one than it holds, else serves its own;
-- after every step this peer took with the whole collaboration, it serves the new state;
-- after a step alone (or one whose mean missed part of the run) while others train, it loads
-  the others' state, unless theirs is older than ours;
-- every few seconds it asks whether the state it serves lost the fork choice to a lineage more
-  peers hold (a healed partition), and loads the winner's with a few retries;
+- after every step this peer took, it serves the new state;
+- it asks whether the state it serves lost the fork choice to a lineage more peers hold (a
+  healed partition, a step alone while the others averaged): ``fork_check_after`` seconds
+  into each epoch and every ``fork_recheck`` seconds after, and at once after a step taken
+  without the whole collaboration or at the end of an epoch too short to have been checked;
+  when it lost, it loads the winner's state (never one older than ours), with a few retries;
 - when the others are at a newer epoch and a newer state is served, it loads it.
+
+A fork check is patient without blocking: while it cannot tell (most peers still average the
+epoch), it is asked again every ``fork_poll`` seconds, at the next calls, for up to
+``fork_patience`` seconds into the epoch. Then it counts as "not lost", except after a step
+without the whole collaboration: that peer is most likely the odd one out, and it loads (a
+download never brings a state older than ours). So neither driver ever waits on a check, and
+the training thread goes on with its micro-steps while the others finish averaging.
 
 The policy is :class:`StepKeeper`, written without I/O in the style of a sans-IO protocol: it
 yields requests (serve, load, ask the fork check, sleep) and the driver answers them. The
 synchronous driver (:func:`keep_in_step`, for a :class:`dedloc_jax.Collaboration` and JAX
 pytrees) and the asynchronous one (:func:`keep_in_step_async`, for a
-:class:`~dedloc_jax.collaboration.CollaborationCore` in the simulator) share it. The decision
-whether anything is due reads only host-side figures (the progress snapshot, the epoch the
-transform last reported); nothing reads the DHT on the calling thread.
+:class:`~dedloc_jax.collaboration.CollaborationCore`, e.g. in the simulator) share it. The
+decision whether anything is due reads only host-side figures (the progress snapshot, the
+epoch the transform last reported); nothing reads the DHT on the calling thread.
 """
 
 from __future__ import annotations
@@ -36,41 +44,52 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class KeepConfig:
-    """Timings of :class:`StepKeeper` (seconds)."""
+    """Timings of :class:`StepKeeper` (seconds). The defaults suit runs whose rounds take
+    seconds to tens of seconds; a simulation of short epochs shortens them."""
 
     fork_check_after: float = 5.0  # into an epoch: the others have announced its state by then
     fork_recheck: float = 10.0  # and again this often until the epoch ends
+    # A check that cannot tell yet (most peers still average the epoch) is asked again every
+    # fork_poll seconds until fork_patience seconds into the epoch (see the module docstring).
+    fork_patience: float = 30.0
+    fork_poll: float = 1.0
     lost_loads: int = 3  # downloads tried when our lineage lost the fork check
     behind_recheck: float = 1.0  # between looks for a newer state while behind
-    settle: float = 0.5  # after a step alone, before loading: the others' states land
     retry: float = 1.0  # between download attempts
     load_timeout: float = 60.0  # one state download at most
 
 
 # --- what the policy asks of its driver --------------------------------------------------
-class Serve(NamedTuple):
+# Frozen dataclasses, not tuples: requests of different kinds never compare equal.
+@dataclass(frozen=True)
+class Serve:
     """Serve the state this peer holds now. Answer: None."""
 
 
-class Load(NamedTuple):
-    """Load the state the fork choice names (``min_epoch``: not one older than that).
-    Answer: the epoch loaded, :data:`STALE` (theirs is older: nothing changed) or
+@dataclass(frozen=True)
+class Load:
+    """Load the state the fork choice names (``min_epoch``: not one older than that), and
+    serve it. Answer: the epoch loaded, :data:`STALE` (theirs is older: nothing changed) or
     :data:`FAILED` (nobody served one, or the download failed)."""
 
     min_epoch: int | None
 
 
-class ForkLost(NamedTuple):
-    """Whether our served state lost to another lineage of its epoch. Answer: bool."""
+@dataclass(frozen=True)
+class ForkLost:
+    """Whether our served state lost to another lineage, asked once (no waiting). Answer:
+    True, False, or None while it cannot tell yet."""
 
 
-class NewerServed(NamedTuple):
+@dataclass(frozen=True)
+class NewerServed:
     """Whether a download would bring a state newer than ``epoch``. Answer: bool."""
 
     epoch: int
 
 
-class Sleep(NamedTuple):
+@dataclass(frozen=True)
+class Sleep:
     seconds: float
 
 
@@ -95,98 +114,124 @@ class StepKeeper:
     def __init__(self, config: KeepConfig = KeepConfig()) -> None:
         self.config = config
         self.epoch: int | None = None  # the epoch we last saw (None: never called)
+        self.checked = False  # this epoch's fork check answered (or could not tell in time)
         self._epoch_started = 0.0
-        self._fork_checked_at: float | None = None  # this epoch's last fork check
+        self._next_check = math.inf  # when the fork check is due next
+        self._patient_until = -math.inf  # this epoch's check waits for an answer until
+        self._suspect = False  # the epoch began with a step without the whole collaboration
         self._behind_checked = -math.inf
-        self.loads = 0  # states loaded (figures for tests and benchmarks)
+        # figures for tests and benchmarks
+        self.loads = 0  # states loaded
+        self.forks = 0  # of them, after our lineage lost a fork check
+        self.resyncs = 0  # times a newer state was served while we were behind
+        self.load_failures = 0  # downloads that failed (nobody served one, or it broke off)
 
     def due(self, now: float, epoch: int | None, behind: bool) -> bool:
         """Whether :meth:`plan` may do anything now (cheap: no request, no hop); ``epoch``:
         the epoch the transform last reported (None: unknown)."""
-        c = self.config
         if self.epoch is None or (epoch is not None and epoch != self.epoch):
             return True
-        if self._fork_check_due(now):
+        if now >= self._next_check:
             return True
-        return behind and now - self._behind_checked > c.behind_recheck
-
-    def _fork_check_due(self, now: float) -> bool:
-        if self._fork_checked_at is None:
-            return now - self._epoch_started > self.config.fork_check_after
-        return now - self._fork_checked_at > self.config.fork_recheck
+        return behind and now - self._behind_checked > self.config.behind_recheck
 
     def _enter(self, epoch: int, now: float) -> None:
         self.epoch = epoch
+        self.checked = False
         self._epoch_started = now
-        self._fork_checked_at = None
+        self._next_check = now + self.config.fork_check_after
+        self._patient_until = now + self.config.fork_patience
+        self._suspect = False
 
     def plan(self, obs: Observation) -> Generator[Request, Any, None]:
         """The requests for this micro-step; the driver sends each one's answer back."""
         c = self.config
         if self.epoch is None:  # the first call: a newcomer takes the run's state
             self._enter(obs.epoch, obs.now)
-            if obs.newest_served is not None and obs.newest_served > obs.epoch:
-                got = yield Load(None)
-                if isinstance(got, int):
-                    self._loaded(got, obs.now)
-                    return
+            newer = obs.newest_served is not None and obs.newest_served > obs.epoch
+            if newer and isinstance((yield from self._load(None, obs.now)), int):
+                return
             yield Serve()
             return
         if obs.epoch != self.epoch:  # this peer stepped
-            unchecked = self._fork_checked_at is None
+            unchecked = not self.checked
             self._enter(obs.epoch, obs.now)
-            # An epoch shorter than fork_check_after had no fork check: check the state we
-            # trained it on now, or a lost lineage outlives several epochs.
-            if unchecked and (yield ForkLost()):
-                log.warning("epoch %d: our state lost to the majority's; loading it", obs.epoch)
-                yield from self._adopt(obs, attempts=c.lost_loads)
-            elif not obs.complete and obs.others_train:
+            yield Serve()
+            self._suspect = not obs.complete and obs.others_train
+            if self._suspect:
                 log.warning(
-                    "epoch %d: stepped without the whole collaboration; loading its state",
+                    "epoch %d: stepped without the whole collaboration; checking our lineage",
                     obs.epoch,
                 )
-                yield Sleep(c.settle)
-                yield from self._adopt(obs, attempts=1)
-            else:
-                yield Serve()
+            # An epoch shorter than fork_check_after had no check: ask now (the verdict on
+            # the new state covers the lineage it descends from), or a lost lineage outlives
+            # several epochs.
+            if self._suspect or unchecked:
+                yield from self._check(obs)
             return
-        if self._fork_check_due(obs.now):
-            self._fork_checked_at = obs.now
-            if (yield ForkLost()):
-                # Another lineage of this epoch, held by more peers, won (after a partition
-                # healed, each side having averaged apart): take theirs.
-                log.warning("epoch %d: our state lost to the majority's; loading it", obs.epoch)
-                yield from self._adopt(obs, attempts=c.lost_loads)
-                return
+        if obs.now >= self._next_check:
+            yield from self._check(obs)
+            if self.epoch != obs.epoch:
+                return  # loaded the winner's state
         if obs.behind and obs.now - self._behind_checked > c.behind_recheck:
             self._behind_checked = obs.now
             if (yield NewerServed(obs.epoch)):
+                self.resyncs += 1
                 log.info("epoch %d: the collaboration is ahead; loading its state", obs.epoch)
-                got = yield Load(None)
-                if isinstance(got, int):
-                    self._loaded(got, obs.now)
-                else:
-                    yield Serve()
+                yield from self._load(None, obs.now)
 
-    def _adopt(self, obs: Observation, *, attempts: int) -> Generator[Request, Any, None]:
-        """Load the others' state unless it is older than ours (an older one, e.g. a peer
+    def _check(self, obs: Observation) -> Generator[Request, Any, None]:
+        """Ask whether our lineage lost (patiently: see the module docstring); load the
+        winner's state when it did."""
+        c, now = self.config, obs.now
+        patient = now < self._patient_until
+        verdict = yield ForkLost()
+        if verdict is None:
+            if patient:
+                self._next_check = now + c.fork_poll
+                return
+            log.info("epoch %d: the fork check could not tell in time", obs.epoch)
+            verdict = self._suspect
+        self.checked = True
+        # The first check is due fork_check_after into the epoch even when one answered at
+        # its start (the others' states had not all landed then), the next fork_recheck later.
+        first = self._epoch_started + c.fork_check_after
+        self._next_check = first if now < first else now + c.fork_recheck
+        if verdict:
+            # Another lineage, held by more peers, won (after a partition healed, each side
+            # having averaged apart; or we stepped alone): take theirs.
+            log.warning("epoch %d: our state lost to the majority's; loading it", obs.epoch)
+            got = yield from self._adopt(obs.epoch, now)
+            if got == STALE and patient:
+                # Lost at an older fork while the winners still average this epoch: ask
+                # again soon, and load the state they step to.
+                self._next_check = now + c.fork_poll
+
+    def _adopt(self, epoch: int, now: float) -> Generator[Request, Any, int | str]:
+        """Load the winner's state unless it is older than ours (an older one, e.g. a peer
         still on its first micro-step serving the initial state, would undo the run's
-        progress: ours is kept and served, and the late peers load it)."""
-        for attempt in range(attempts):
+        progress: ours is kept, and the late peers load it), trying ``lost_loads`` times."""
+        got: int | str = FAILED
+        for attempt in range(self.config.lost_loads):
             if attempt:
                 yield Sleep(self.config.retry)
-            got = yield Load(obs.epoch)
+            got = yield from self._load(epoch, now)
             if isinstance(got, int):
-                self._loaded(got, obs.now)
-                return
+                self.forks += 1
+                return got
             if got == STALE:
                 break
-        log.info("keeping this peer's state of epoch %d", obs.epoch)
-        yield Serve()
+        log.info("keeping this peer's state of epoch %d", epoch)
+        return got
 
-    def _loaded(self, epoch: int, now: float) -> None:
-        self.loads += 1
-        self._enter(epoch, now)
+    def _load(self, min_epoch: int | None, now: float) -> Generator[Request, Any, int | str]:
+        got = yield Load(min_epoch)
+        if isinstance(got, int):
+            self.loads += 1
+            self._enter(got, now)
+        elif got == FAILED:
+            self.load_failures += 1
+        return got
 
 
 def run_plan(plan: Generator[Request, Any, None], answer: Callable[[Request], Any]) -> None:
@@ -250,7 +295,7 @@ def keep_in_step(collab: Any, params: Any, opt_state: Any) -> tuple[Any, Any]:
             held.update(params=p, opt_state=s)
             return got
         if isinstance(request, ForkLost):
-            return collab.on_minority_fork()
+            return collab.fork_verdict()
         if isinstance(request, NewerServed):
             newest = collab.newest_state_epoch()
             return newest is None or newest > request.epoch
@@ -305,7 +350,7 @@ async def keep_in_step_async(
                     held.update(arrays=list(loaded), epoch=got)
                     reply = got
             elif isinstance(request, ForkLost):
-                reply = await core.on_minority_fork()
+                reply = core.fork_verdict()
             elif isinstance(request, NewerServed):
                 newest = await core.newest_state_epoch()
                 reply = newest is None or newest > request.epoch

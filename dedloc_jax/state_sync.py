@@ -103,6 +103,16 @@ class StateServer:
         head = self._head
         return head[1] if head is not None and head[0] == epoch else None
 
+    def hold(self, manifest: StateManifest, arrays: Sequence[np.ndarray]) -> None:
+        """Serve a state downloaded from others under its own manifest (its digest, which the
+        others' fork checks count and ours asks of, whatever our chunk size); our next step
+        descends from it."""
+        self.adopt(manifest.epoch, manifest.digest)
+        self._snapshots[manifest.digest] = (manifest, b"".join(a.tobytes() for a in arrays))
+        while len(self._snapshots) > _KEEP:
+            del self._snapshots[next(iter(self._snapshots))]
+        self.latest = manifest
+
     def adopt(self, epoch: int, digest: bytes) -> None:
         """We now train on another peer's state (``digest`` of ``epoch``, downloaded): our
         next step descends from it, not from what we served."""

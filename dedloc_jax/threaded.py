@@ -321,6 +321,11 @@ class Collaboration:
         check = functools.partial(core.on_minority_fork, patience=patience, undecided=undecided)
         return thread.run(check)
 
+    def fork_verdict(self) -> bool | None:
+        """:meth:`on_minority_fork` asked once, without waiting (None: it cannot tell yet)."""
+        thread, core = self._core()
+        return thread.run_sync(core.fork_verdict)
+
     @property
     def behind(self) -> bool:
         thread, core = self._core()

@@ -46,6 +46,11 @@ def _obs(now=0.0, epoch=0, complete=True, others=True, newest=None, behind=False
     return Observation(now, epoch, complete, others, newest, behind)
 
 
+def test_requests_of_different_kinds_never_compare_equal() -> None:
+    assert Serve() != ForkLost() and Load(5) != NewerServed(5) and Load(1) != Sleep(1)
+    assert [Serve(), ForkLost()] != [ForkLost(), Serve()]
+
+
 def test_a_newcomer_loads_a_newer_state_and_a_first_peer_serves_its_own() -> None:
     newcomer = StepKeeper()
     assert _requests(newcomer, _obs(newest=7), [7]) == [Load(None)]
@@ -56,23 +61,67 @@ def test_a_newcomer_loads_a_newer_state_and_a_first_peer_serves_its_own() -> Non
     assert _requests(same, _obs(newest=0), []) == [Serve()]
     failed = StepKeeper()  # nobody could serve it: ours, served
     assert _requests(failed, _obs(newest=3), [FAILED]) == [Load(None), Serve()]
+    assert failed.load_failures == 1 and failed.loads == 0 and failed.epoch == 0
 
 
-def test_after_a_step_it_serves_and_after_a_lone_step_it_loads_the_others() -> None:
-    keeper = StepKeeper()
+def test_after_a_step_it_serves_then_checks_an_epoch_too_short_to_have_been_checked() -> None:
+    config = KeepConfig()
+    keeper = StepKeeper(config)
     _requests(keeper, _obs(now=0.0), [])
-    # a step with everyone, 1 s into the epoch: the fork check comes first (none was made)
-    assert _requests(keeper, _obs(now=1.0, epoch=1), [False]) == [ForkLost(), Serve()]
-    # a step alone while others train: wait for their states, load theirs (not older)
-    lone = _requests(keeper, _obs(now=2.0, epoch=2, complete=False), [False, None, 2])
-    assert lone == [ForkLost(), Sleep(KeepConfig().settle), Load(2)]
-    assert keeper.loads == 1
-    # theirs is older: keep ours, and serve it
-    lone = _requests(keeper, _obs(now=3.0, epoch=3, complete=False), [False, None, STALE])
-    assert lone == [ForkLost(), Sleep(KeepConfig().settle), Load(3), Serve()]
-    # alone in a run of one: nothing to load
-    alone = _requests(keeper, _obs(now=4.0, epoch=4, complete=False, others=False), [False])
-    assert alone == [ForkLost(), Serve()]
+    # 1 s into the epoch, before its check was due: the new state is served, then checked
+    assert _requests(keeper, _obs(now=1.0, epoch=1), [None, False]) == [Serve(), ForkLost()]
+    assert keeper.checked
+    # checked during the epoch: a step only serves
+    now = 1.0 + config.fork_check_after + 0.1
+    assert _requests(keeper, _obs(now=now, epoch=1), [False]) == [ForkLost()]
+    assert _requests(keeper, _obs(now=now + 1.0, epoch=2), []) == [Serve()]
+    assert not keeper.checked and keeper.loads == 0
+
+
+def test_after_a_lone_step_it_waits_for_a_verdict_without_blocking_then_loads() -> None:
+    """A step without the whole collaboration while others train: serve ours, and ask the
+    fork check at once and every fork_poll seconds while it cannot tell (the others still
+    average), never sleeping; when it still cannot tell after fork_patience, load all the
+    same (this peer is the likely odd one out)."""
+    config = KeepConfig()
+    keeper = StepKeeper(config)
+    _requests(keeper, _obs(now=0.0), [])
+    checked = _requests(keeper, _obs(now=0.5, epoch=1), [None, False])  # with everyone
+    lone = _requests(keeper, _obs(now=2.0, epoch=2, complete=False), [None, None])
+    assert checked == [Serve(), ForkLost()] and lone == [Serve(), ForkLost()]
+    assert not keeper.checked
+    assert not keeper.due(2.0 + config.fork_poll / 2, 2, behind=False)
+    now = 2.0 + config.fork_poll
+    assert keeper.due(now, 2, behind=False)
+    assert _requests(keeper, _obs(now=now, epoch=2), [None]) == [ForkLost()]
+    end = 2.0 + config.fork_patience
+    assert _requests(keeper, _obs(now=end, epoch=2), [None, 3]) == [ForkLost(), Load(2)]
+    assert keeper.epoch == 3 and keeper.loads == keeper.forks == 1
+    # alone in a run of one: served, nothing to check until its time
+    solo = StepKeeper(config)
+    _requests(solo, _obs(now=0.0, others=False), [])
+    _requests(solo, _obs(now=0.5, epoch=1, others=False), [None, False])
+    alone = _requests(solo, _obs(now=1.0, epoch=2, complete=False, others=False), [])
+    assert alone == [Serve()] and not solo.due(1.5, 2, behind=False)
+
+
+def test_a_lone_step_that_won_keeps_its_state_and_an_undecided_check_counts_as_not_lost() -> None:
+    config = KeepConfig()
+    keeper = StepKeeper(config)
+    _requests(keeper, _obs(now=0.0), [])
+    _requests(keeper, _obs(now=0.5, epoch=1), [None, False])
+    lone = _requests(keeper, _obs(now=1.0, epoch=2, complete=False), [None, None])
+    assert lone == [Serve(), ForkLost()]
+    assert _requests(keeper, _obs(now=2.0, epoch=2), [False]) == [ForkLost()]  # ours won
+    assert keeper.checked and keeper.loads == 0
+    # asked again fork_check_after into the epoch (the others' states have landed by then)
+    assert not keeper.due(1.0 + config.fork_check_after - 0.1, 2, behind=False)
+    assert keeper.due(1.0 + config.fork_check_after, 2, behind=False)
+    # an ordinary epoch whose check never could tell: "not lost" once patience ran out
+    _requests(keeper, _obs(now=10.0, epoch=3), [None, None])
+    late = _obs(now=10.0 + config.fork_patience, epoch=3)
+    assert _requests(keeper, late, [None]) == [ForkLost()]
+    assert keeper.checked and keeper.epoch == 3 and keeper.loads == 0
 
 
 def test_the_fork_check_repeats_until_the_epoch_ends() -> None:
@@ -86,6 +135,8 @@ def test_the_fork_check_repeats_until_the_epoch_ends() -> None:
     assert _requests(keeper, _obs(now=first, epoch=2), [False]) == [ForkLost()]
     assert not keeper.due(first + config.fork_recheck / 2, 2, behind=False)
     assert keeper.due(first + config.fork_recheck + 0.1, 2, behind=False)
+    lost = _requests(keeper, _obs(now=first + config.fork_recheck + 0.1, epoch=2), [True, 2])
+    assert lost == [ForkLost(), Load(2)] and keeper.forks == 1
 
 
 def test_a_lost_fork_check_loads_with_retries_and_behind_looks_for_a_newer_state() -> None:
@@ -100,7 +151,8 @@ def test_a_lost_fork_check_loads_with_retries_and_behind_looks_for_a_newer_state
         [True, FAILED, None, FAILED, None, FAILED],
     )
     retries = [Sleep(config.retry), Load(5)] * (config.lost_loads - 1)
-    assert got == [ForkLost(), Load(5), *retries, Serve()]
+    assert got == [ForkLost(), Load(5), *retries]
+    assert keeper.load_failures == config.lost_loads and keeper.loads == 0
     assert not keeper.due(config.fork_check_after + 1.0, 5, behind=False)
     # behind: at most once per behind_recheck, and only when a newer state is served
     now = config.fork_check_after + 2.0
@@ -108,6 +160,28 @@ def test_a_lost_fork_check_loads_with_retries_and_behind_looks_for_a_newer_state
     assert not keeper.due(now + 0.5, 5, behind=True)
     later = _requests(keeper, _obs(now=now + 1.5, epoch=5, behind=True), [True, 9])
     assert later == [NewerServed(5), Load(None)] and keeper.epoch == 9
+    assert keeper.resyncs == 1 and keeper.forks == 0
+
+
+def test_lost_at_an_older_fork_it_loads_the_state_the_winners_step_to() -> None:
+    """Our lineage lost, but the winners still average our epoch: their state is older than
+    ours (STALE). Within the check's patience it asks again every fork_poll seconds, and
+    loads their state once they stepped; after it, at the next fork_recheck."""
+    config = KeepConfig()
+    keeper = StepKeeper(config)
+    _requests(keeper, _obs(now=0.0, epoch=5), [])
+    t = config.fork_check_after + 0.1
+    assert _requests(keeper, _obs(now=t, epoch=5), [True, STALE]) == [ForkLost(), Load(5)]
+    assert keeper.epoch == 5 and keeper.loads == 0 and keeper.load_failures == 0
+    assert keeper.due(t + config.fork_poll, 5, behind=False)
+    again = _requests(keeper, _obs(now=t + config.fork_poll, epoch=5), [True, 5])
+    assert again == [ForkLost(), Load(5)] and keeper.loads == keeper.forks == 1
+    late = StepKeeper(config)
+    _requests(late, _obs(now=0.0, epoch=5), [])
+    t = config.fork_patience + 1.0
+    assert _requests(late, _obs(now=t, epoch=5), [True, STALE]) == [ForkLost(), Load(5)]
+    assert not late.due(t + config.fork_poll, 5, behind=False)
+    assert late.due(t + config.fork_recheck, 5, behind=False)
 
 
 # --- peers in the simulator ---------------------------------------------------------------
@@ -211,3 +285,33 @@ def test_a_healed_partition_of_two_epochs_ends_on_one_lineage(seed: int) -> None
     assert ended == [epochs] * 5
     for w in finals[1:]:
         np.testing.assert_array_equal(w, finals[0])
+
+
+def test_a_loaded_state_is_served_at_once_under_its_donors_digest() -> None:
+    """Peers 0 and 1 serve one state of epoch 3, peer 2 another: peer 2's lineage lost.
+    Once it loaded theirs, it serves theirs (its table record names it, and its own fork
+    check asks of it): a peer that went on serving the lost state until its next step found
+    it lost at every check, and loaded again each time."""
+    config = CollaborationConfig(target_batch_size=64)
+
+    async def main() -> None:
+        net = SimNetwork(seed=3)
+        async with open_sim_collaboration(net, 3, config=config, latency=0.01) as cores:
+            ours = np.arange(SIZE, dtype=np.float32)
+            for i, core in enumerate(cores):
+                await core.share_state([ours if i < 2 else -ours], 3)
+            await trio.sleep(5 * config.max_refresh)  # every table names every state
+            winner = cores[0].state_server.latest
+            assert cores[2].fork_verdict() is True
+            epoch, arrays = await cores[2].load_state(timeout=30.0, min_epoch=3)
+            assert epoch == 3 and arrays[0].tobytes() == ours.tobytes()
+            served = cores[2].state_server.latest
+            assert winner is not None and served is not None
+            assert served.digest == winner.digest
+            assert cores[2].tracker.served is not None
+            assert cores[2].tracker.served[:2] == (3, winner.digest)
+            assert cores[2].fork_verdict() is False
+            held = cores[2].state_server.held(winner.digest)  # what it hands on when asked
+            assert held is not None and held[1][0].tobytes() == ours.tobytes()
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
