@@ -9,9 +9,11 @@ target, averages, applies the average to its parameters (SGD) and serves them as
 During the run peers leave (some gracefully at an epoch boundary, some killed at a random
 moment, mid-averaging included), new peers join and download the state from others, a
 partition splits the network for a sixth of the epochs and heals, and a tenth of the hosts have
-slow uplinks. As the sahajBERT trainer does, a peer that fell behind loads the others' state,
-and so does one that stepped alone while others trained, or whose lineage lost the fork check
-(asked once per epoch beside the micro-steps, its answer applied after the round). Figures:
+slow uplinks. Each peer keeps in step with the library's policy, as the sahajBERT trainer does:
+:func:`dedloc_jax.keeping.keep_in_step_async` after every micro-step and step (a newcomer loads
+the run's state; a peer that fell behind, stepped alone while others trained, or whose lineage
+lost a fork check loads the winner's), with its timings shortened to the simulation's epochs
+(``KEEP``). Figures:
 
 - ``epochs``: epochs the bootstrap peer (peer 0, never leaves) completed; ``averaged``: in how
   many of them it averaged (it may skip one it fell behind in); ``grouped``: how many in a
@@ -28,8 +30,8 @@ and so does one that stepped alone while others trained, or whose lineage lost t
   ``params_in_sync`` (mean) and ``params_in_sync_min``: the share of the peers that went on
   holding the epoch's most common version (one that fell behind and loaded a newer state
   counts as out of sync). The parameters a peer holds after an epoch are the ones it trains
-  the next epoch on: after its fork check of that epoch (and loading the winning lineage's
-  state if its own lost), as the sahajBERT trainer does;
+  the next epoch on: once the next epoch's fork check answered (after loading the winning
+  lineage's state if its own lost), else those it averages that epoch with;
 - ``left_behind``: peers still training when the bootstrap peer left (peers that finished
   serve their state until the others finish, for up to ``END_LINGER`` virtual s);
 - ``virtual_seconds``, ``wall_seconds``, ``epoch_wall_seconds`` (mean wall time per epoch).
@@ -46,7 +48,6 @@ import argparse
 import hashlib
 import json
 import logging
-import math
 import time
 from collections import defaultdict
 from collections.abc import Callable
@@ -58,7 +59,7 @@ import trio
 from bench.soak_figures import check_soak, partial_figures, summarize
 from dedloc_jax.collaboration import open_collaboration
 from dedloc_jax.config import CollaborationConfig
-from dedloc_jax.state_sync import StaleStateError, StateSyncError
+from dedloc_jax.keeping import KeepConfig, StepKeeper, keep_in_step_async
 from p2p.dht import DHTClock, DHTConfig
 from p2p.node import NodeConfig, open_node
 from p2p.testing import SimNetwork, run_sim, sim_identity
@@ -70,15 +71,16 @@ LINGER = 10.0  # virtual s a peer that finished serves its state before leaving,
 # others' (at 200 peers, two slow hosts averaged their next-to-last epoch for 40 s, alone)
 # then finds no state to load, and trains the rest of the run on a lineage of its own
 END_LINGER = 120.0
-LOAD_ATTEMPTS = 5  # state downloads tried, 1 s apart (until one brings the newest epoch)
-FORK_CHECK_AFTER = 1.0  # virtual s into an epoch: the others have announced its state by then
-# and again this often until the round (it only counts the progress table: no DHT read). After
-# a healed partition, the side that lost often answered "not lost" at the first check, its
-# table still holding only its own side's peers, and trained a whole epoch on its lineage.
-FORK_RECHECK = 5.0
-# virtual s a check waits for most peers to reach its epoch: at 200 peers a round often
-# takes more than 10 s, and a peer that stepped alone then kept its lineage for an epoch
-FORK_CHECK_PATIENCE = 30.0
+# keep_in_step's timings for epochs of a few virtual seconds (a real run's last longer). The
+# patience: at 200 peers a round often takes more than 10 s, and a peer that stepped alone
+# and stopped asking sooner kept its own lineage for an epoch.
+KEEP = KeepConfig(
+    fork_check_after=1.0,
+    fork_recheck=5.0,
+    fork_patience=30.0,
+    lost_loads=5,
+    load_timeout=30.0,
+)
 logger = logging.getLogger(__name__)
 
 
@@ -101,33 +103,40 @@ class SoakPlan:
 @dataclass
 class Log:
     rows: list[dict] = field(default_factory=list)
-    resyncs: int = 0
-    loads: int = 0  # states downloaded from other peers (joining, or after falling behind)
-    forks: int = 0  # times our state lost to another lineage of its epoch
-    load_failures: int = 0
+    keeper: StepKeeper = field(default_factory=lambda: StepKeeper(KEEP))  # its figures count
     joined_at: int | None = None
     left: bool = False
 
+    @property
+    def resyncs(self) -> int:  # fell behind while a newer state was served
+        return self.keeper.resyncs
 
-def settle(log: Log, params: np.ndarray | None) -> None:
-    """Record what the peer's last epoch left it training on: the parameters it goes on
-    with once its fork check answered (after loading the winning lineage's, if ours lost),
-    or None when it left that lineage for a newer state (it fell behind). Only the first
-    call per epoch counts."""
-    if log.rows and not log.rows[-1]["settled"]:
-        row = log.rows[-1]
-        row["settled"] = True
-        row["params"] = None if params is None else hashlib.sha256(params.tobytes()).digest()
+    @property
+    def loads(self) -> int:  # states downloaded (joining, behind, a lost lineage)
+        return self.keeper.loads
+
+    @property
+    def forks(self) -> int:  # of them, after our lineage lost a fork check
+        return self.keeper.forks
+
+    @property
+    def load_failures(self) -> int:
+        return self.keeper.load_failures
 
 
-def fell_behind(log: Log) -> None:
-    """The peer leaves its lineage for a newer state before averaging this epoch: whatever
-    its fork check settled, it did not go on training on those parameters (a peer that
-    stepped alone far behind the others finds nobody naming its epoch, so its check says
-    "not lost", and then it loads the others' newer state)."""
-    if log.rows:
-        log.rows[-1]["settled"] = True
-        log.rows[-1]["params"] = None
+def settle(log: Log, params: np.ndarray, *, at_round: bool = False) -> None:
+    """Record what the peer's last epoch left it training on: the parameters it holds once
+    the next epoch's fork check answered (after loading the winning lineage's, if ours
+    lost), or ``at_round`` (the check had not answered yet) those it averages with; None
+    when it left that lineage for a newer state (it fell behind). The first that applies
+    counts."""
+    if not log.rows or log.rows[-1]["settled"]:
+        return
+    row, keeper = log.rows[-1], log.keeper
+    if keeper.epoch is not None and keeper.epoch > row["epoch"] + 1:
+        row["settled"], row["params"] = True, None
+    elif keeper.checked or at_round:
+        row["settled"], row["params"] = True, hashlib.sha256(params.tobytes()).digest()
 
 
 def _grad(peer: int, epoch: int, step: int, size: int) -> np.ndarray:
@@ -209,9 +218,7 @@ def run_soak(
                         # extrapolation ran at the machine's speed, and no run repeated.
                         dht_clock=DHTClock(trio.current_time),
                     ) as core,
-                    trio.open_nursery() as checks,
                 ):
-                    verdicts: list[bool] = []  # fork checks' answers, consumed by step()
                     if i == 0:
                         bootstrap.append(str(node.addrs[0]))
                         bootstrap_ready.set()
@@ -225,11 +232,11 @@ def run_soak(
 
                     core.matchmaker.form_group = spy
                     task_status.started()
-                    epoch = 0
                     params = np.zeros(plan.size, np.float32)  # every initial peer: same start
-                    if i >= plan.peers:  # a joiner downloads the state from other peers
+                    if i >= plan.peers:  # a joiner: keep_in_step loads the run's state
                         await trio.sleep(2.0)
-                        epoch, params = await load(core, log, params)
+                    epoch, params = await keep(core, log, params, 0)
+                    if i >= plan.peers:
                         log.joined_at = epoch
                     while epoch < plan.epochs:
                         training[i] = epoch
@@ -249,11 +256,9 @@ def run_soak(
                                     scope.cancel()
 
                                 kn.start_soon(kill_later)
-                                epoch, params = await step(
-                                    i, core, epoch, specs, params, checks, verdicts
-                                )
+                                epoch, params = await step(i, core, epoch, specs, params)
                             continue
-                        epoch, params = await step(i, core, epoch, specs, params, checks, verdicts)
+                        epoch, params = await step(i, core, epoch, specs, params)
                         if i == 0:
                             logger.info(
                                 "soak: epoch %d reached at %.1f virtual s",
@@ -268,152 +273,54 @@ def run_soak(
                                 on_epoch(epoch, logs, events)
                     active.discard(i)
                     # Done: keep serving the final state a while, for a peer that stepped
-                    # alone in the last epoch and loads it (as the trainer lingers), and
-                    # check the final state's lineage as every epoch's.
-                    # With patience, as every epoch's check: a peer whose last group finished
-                    # first sees most others still averaging, and cannot tell yet.
-                    await trio.sleep(FORK_CHECK_AFTER)
-                    if await core.on_minority_fork(patience=FORK_CHECK_PATIENCE):
-                        log.forks += 1
-                        got = await download(core, log, min_epoch=epoch)
-                        if got is not None and got[0] == epoch:
-                            params = got[1]
-                            await core.share_state([params], epoch)
-                    settle(log, params)
-                    await trio.sleep(LINGER - FORK_CHECK_AFTER)
-                    with trio.move_on_after(END_LINGER - LINGER):
-                        while active:
-                            await trio.sleep(1.0)
+                    # alone in the last epoch and loads it (as the trainer lingers), and keep
+                    # in step as in every epoch (its fork check settles what it ends on).
+                    finished = trio.current_time()
+                    while (waited := trio.current_time() - finished) < END_LINGER:
+                        if waited >= LINGER and not active and log.keeper.checked:
+                            break
+                        epoch, params = await keep(core, log, params, epoch)
+                        await trio.sleep(1.0)
+                    settle(log, params, at_round=True)
                     if i == 0:
                         events["left_behind"] = len(active)
-                    checks.cancel_scope.cancel()
 
-        async def download(
-            core, log: Log, min_epoch: int | None = None, attempts: int = 1
-        ) -> tuple[int, np.ndarray] | None:
-            """The newest state other peers serve, or None (none announced, every donor
-            failed ``attempts`` times, 1 s apart, or it is older than ``min_epoch``: then
-            nothing was loaded)."""
-            for attempt in range(attempts):
-                if attempt:
-                    await trio.sleep(1.0)
-                try:
-                    epoch, arrays = await core.load_state(timeout=30.0, min_epoch=min_epoch)
-                except StaleStateError as e:
-                    logger.info("soak: %s", e)
-                    return None
-                except StateSyncError as e:
-                    logger.info("soak: state download failed: %s", e)
-                    log.load_failures += 1
-                    continue
-                log.loads += 1
-                return epoch, np.asarray(arrays[0], np.float32)
-            return None
-
-        async def load(core, log: Log, params: np.ndarray) -> tuple[int, np.ndarray]:
-            """The state the fork choice names (the newest most of its lineage's peers
-            reached); without one (none announced yet, or every donor failed), our own
-            parameters at the collaboration's current epoch."""
-            for attempt in range(LOAD_ATTEMPTS):
-                if attempt:
-                    await trio.sleep(1.0)
-                got = await download(core, log)
-                if got is not None:
-                    # It may be an epoch older than the first peers to step (theirs is not
-                    # chosen until most reached it): we are then behind, and load again
-                    # once a newer state is chosen. (Waiting here for the newest epoch, a
-                    # peer that lost a fork went on from the state it had downloaded under
-                    # the newer epoch's number: a lineage of its own.)
-                    await core.share_state([got[1]], got[0])
-                    return got
-            # Nobody serves a state: go on from what we hold, at the collaboration's epoch,
-            # and serve it (the fork check then finds it a minority and loads the others').
-            epoch = max(core.tracker.epoch, core.tracker.current_estimate().epoch)
-            core.tracker.set_epoch(epoch)
-            await core.share_state([params], epoch)
+        async def keep(
+            core, log: Log, params: np.ndarray, epoch: int, complete: bool = True
+        ) -> tuple[int, np.ndarray]:
+            """:func:`keep_in_step_async` with the peer's keeper; records what it settles."""
+            (held,), epoch = await keep_in_step_async(core, log.keeper, [params], epoch, complete)
+            params = np.asarray(held, np.float32)
+            settle(log, params)
             return epoch, params
 
         async def step(
-            i: int,
-            core,
-            epoch: int,
-            specs: list,
-            params: np.ndarray,
-            checks: trio.Nursery,
-            verdicts: list[bool],
+            i: int, core, epoch: int, specs: list, params: np.ndarray
         ) -> tuple[int, np.ndarray]:
+            """One epoch: micro-steps until the collaboration reaches the target (keeping in
+            step after each), the round, and keeping in step after the step."""
             log = logs[i]
             acc = np.zeros(plan.size, np.float32)
             samples = 0
             k = 0
-            fork_check_at = trio.current_time() + FORK_CHECK_AFTER
-            recheck_at = math.inf  # set once the first check answered "not lost"
-            behind_check_at = trio.current_time()
-            checked: trio.Event | None = None  # set once this epoch's fork check answered
-
-            async def check_fork(done: trio.Event) -> None:
-                # Patience: a peer that stepped alone finishes early and may ask before most
-                # other peers announced the epoch's state (it then trained an epoch alone).
-                verdicts.append(await core.on_minority_fork(patience=FORK_CHECK_PATIENCE))
-                done.set()
-
             while True:
                 await trio.sleep(MICRO / rates[i])
                 acc += _grad(i, epoch, k, plan.size) * MICRO
                 samples += MICRO
                 k += 1
-                if trio.current_time() >= fork_check_at:
-                    # Asked beside the training (a read of every announcement takes seconds;
-                    # blocking made the others count samples never computed, and made the
-                    # peer miss rounds); the answer may come after this epoch's round.
-                    fork_check_at = math.inf
-                    checked = trio.Event()
-                    checks.start_soon(check_fork, checked)
-                answered = checked is not None and checked.is_set()
-                lost_since = False  # a re-check (after a first "not lost") found us lost
-                if answered and not verdicts and trio.current_time() >= recheck_at:
-                    recheck_at = trio.current_time() + FORK_RECHECK
-                    lost_since = await core.on_minority_fork()
-                if lost_since or (answered and verdicts):
-                    if not lost_since and not verdicts.pop():
-                        settle(log, params)  # we train this epoch on what we hold
-                        recheck_at = trio.current_time() + FORK_RECHECK
-                        continue
-                    # Our lineage lost (e.g. our side of a healed partition): take theirs
-                    # and, as the trainer does, start the epoch's gradients over.
-                    log.forks += 1
-                    loaded, params = await load(core, log, params)
-                    if loaded != epoch:
-                        settle(log, None)
-                        return loaded, params
-                    settle(log, params)
-                    acc[:] = 0.0
-                    samples = 0
-                    recheck_at = trio.current_time() + FORK_RECHECK
-                    continue
                 if core.report(epoch, samples, MICRO):
                     break
-                current = core.tracker.current_estimate().epoch
-                if current > epoch and trio.current_time() >= behind_check_at:
-                    # Fell behind (partition, slow link): load the state, if the lineage most
-                    # peers hold has a newer one. After a heal the side that lost may be ahead
-                    # (its peers find out at their fork check, and come back): loading then
-                    # brought nothing newer, and a peer went on from its own state at their
-                    # epoch (a lineage of its own).
-                    behind_check_at = trio.current_time() + 1.0
-                    newest = await core.newest_state_epoch()
-                    if newest is None or newest > epoch:
-                        log.resyncs += 1
-                        fell_behind(log)
-                        return await load(core, log, params)
-            if checked is None:
-                # The round came before the check was due (we started the epoch late, and the
-                # others had gathered most samples): check now, beside the round. An epoch
-                # without a check kept a peer on a lost lineage for four epochs.
-                checked = trio.Event()
-                checks.start_soon(check_fork, checked)
+                loads = log.keeper.loads
+                now_at, params = await keep(core, log, params, epoch)
+                if now_at != epoch:  # fell behind: loaded a newer state
+                    return now_at, params
+                if log.keeper.loads != loads:
+                    # Our lineage lost: we hold the winner's state of this epoch now, and
+                    # start the epoch's gradients over (as the trainer does).
+                    acc[:] = 0.0
+                    samples = 0
+            settle(log, params, at_round=True)  # what we train this epoch on
             mean = acc / samples
-            params_before = params
             n_specs = len(specs)
             outcome = await core.average(epoch, [mean], samples)
             # The group whose average this peer got: its level-0 group; when it was alone
@@ -421,37 +328,6 @@ def run_soak(
             formed = dict(specs[n_specs:])
             spec = formed.get(0) or formed.get(1)
             params = params - np.float32(LR) * np.asarray(outcome.gradients[0], np.float32)
-            others = any(p != core.tracker.peer_id for p in core.tracker.records)
-            if checked is not None:
-                await checked.wait()  # the answer may come after the round
-            lost = bool(verdicts) and verdicts.pop()
-            settle(log, params_before)  # what we trained this epoch on, forked or not
-            log.forks += lost
-            if (not outcome.complete or lost) and others:
-                # Stepped alone (no group, or the all-reduce failed), or our group's mean missed
-                # the round across groups, while others trained; or stepped on a lineage that
-                # lost (averaging gradients never merges two). Serve our state and wait for the
-                # others to announce theirs: load theirs if ours is a minority of the epoch.
-                # (Loading whatever was served half a second later often found only the last
-                # epoch's state: the peer kept its own, and trained the next epoch on it.)
-                await core.share_state([params], epoch + 1)
-                # When the check cannot tell (our table went stale: a slow link), load all the
-                # same: a download never brings a state older than ours.
-                if await core.on_minority_fork(patience=FORK_CHECK_PATIENCE, undecided=True):
-                    # The others may still be averaging this epoch (the check found us lost at
-                    # an older fork): wait, as the check does, for the state they step to.
-                    deadline = trio.current_time() + FORK_CHECK_PATIENCE
-                    newest = await core.newest_state_epoch()
-                    while newest is not None and newest <= epoch:
-                        if trio.current_time() >= deadline:
-                            break
-                        await trio.sleep(1.0)
-                        newest = await core.newest_state_epoch()
-                    # Try again when the download failed (a donor timed out): a peer that
-                    # kept its own state after one failure trained an epoch on a lost lineage.
-                    got = await download(core, log, min_epoch=epoch + 1, attempts=LOAD_ATTEMPTS)
-                    if got is not None:
-                        epoch, params = got[0] - 1, got[1]
             log.rows.append(
                 {
                     "epoch": epoch,
@@ -464,8 +340,10 @@ def run_soak(
                     "settled": False,
                 }
             )
-            await core.share_state([params], epoch + 1)
-            return epoch + 1, params
+            # Serve the new state; after a step without the whole collaboration, check our
+            # lineage at once and load the winner's (the library's policy, as the trainer's).
+            complete = outcome.complete and outcome.group_size > 1
+            return await keep(core, log, params, epoch + 1, complete)
 
         async def partitioner() -> None:
             start, end = plan.epochs // 3, plan.epochs // 3 + max(2, plan.epochs // 6)
