@@ -111,8 +111,9 @@ def main() -> None:
                 True,
             ),
         }
-        # keep_in_step serves the first state and asks the fork check every 10 s: its cost
-        # on a micro-step with nothing to do is what the README's loop pays.
+        # keep_in_step serves the first state, then asks the fork check (alone, it cannot
+        # tell: each second for fork_patience, then every 10 s): its cost on a micro-step
+        # with nothing to do is what the README's loop pays.
         afters = {"keep_in_step": lambda p, s: keep_in_step(collab, p, s)}
         variants = [(name, donate) for donate in (False, True) for name in txs]
         steps = {(n, d): _make_step(txs[n][0], txs[n][1], d) for n, d in variants}
