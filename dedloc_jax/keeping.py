@@ -191,7 +191,7 @@ class StepKeeper:
                 self._next_check = now + c.fork_poll
                 return
             log.info("epoch %d: the fork check could not tell in time", obs.epoch)
-            verdict = self._suspect
+            verdict = self._suspect  # after a step without the others: ours is the odd one
         self.checked = True
         # The first check is due fork_check_after into the epoch even when one answered at
         # its start (the others' states had not all landed then), the next fork_recheck later.

@@ -2,9 +2,10 @@
 
 Each peer trains on the simulated network in virtual time (MockClock): it accumulates
 micro-batches until the collaboration reaches the target, averages, and applies the average
-to the parameters it serves. During the run peers leave (some gracefully at an epoch boundary,
-some killed at a random moment, mid-averaging included), new peers join and download the
-state, a partition splits the network and heals, and a few hosts have slow uplinks. The
+to the parameters it serves, keeping in step with the library's policy (keep_in_step_async).
+During the run peers leave (some gracefully at an epoch boundary, some killed at a random
+moment, mid-averaging included), new peers join and download the state, a partition splits
+the network and heals, and a few hosts have slow uplinks. The
 checks: the collaboration keeps stepping (the epochs are done, most of them averaged in a
 group), members of one group end the epoch with bit-identical finite averages, every peer
 holds the same parameters outside the partition (capped groups average across groups), and
@@ -45,6 +46,11 @@ def test_soak_small(group: int) -> None:
 
     logs, events = run_soak(plan, report)
     final = check_soak(plan, logs, events)
+    # Each joiner's keep_in_step loaded the run's state at its first call (it joined after
+    # epoch 0 and began at the run's epoch, not at 0).
+    joiners = logs[plan.peers :]
+    assert all(log.keeper.loads >= 1 and (log.joined_at or 0) > 0 for log in joiners)
+    assert final["state_loads"] == sum(log.keeper.loads for log in logs)
     assert [e for e, _ in reports] == list(range(1, plan.epochs + 1))
     times = [r["virtual_seconds"] for _, r in reports]
     assert times == sorted(times) and times[0] > 0
