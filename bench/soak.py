@@ -13,7 +13,7 @@ slow uplinks. Each peer keeps in step with the library's policy, as the sahajBER
 :func:`dedloc_jax.keeping.keep_in_step_async` after every micro-step and step (a newcomer loads
 the run's state; a peer that fell behind, stepped alone while others trained, or whose lineage
 lost a fork check loads the winner's), with its timings shortened to the simulation's epochs
-(``KEEP``). Figures:
+and a peer that stepped alone waiting for its check before it trains on (``KEEP``). Figures:
 
 - ``epochs``: epochs the bootstrap peer (peer 0, never leaves) completed; ``averaged``: in how
   many of them it averaged (it may skip one it fell behind in); ``grouped``: how many in a
@@ -73,11 +73,14 @@ LINGER = 10.0  # virtual s a peer that finished serves its state before leaving,
 END_LINGER = 120.0
 # keep_in_step's timings for epochs of a few virtual seconds (a real run's last longer). The
 # patience: at 200 peers a round often takes more than 10 s, and a peer that stepped alone
-# and stopped asking sooner kept its own lineage for an epoch.
+# and stopped asking sooner kept its own lineage for an epoch. The hold: a peer that stepped
+# alone waits for the check rather than train on its own state (without it, at 60 peers,
+# a peer held other parameters than the rest after epochs 3 and 4, before any partition).
 KEEP = KeepConfig(
     fork_check_after=1.0,
     fork_recheck=5.0,
     fork_patience=30.0,
+    fork_hold=30.0,
     lost_loads=5,
     load_timeout=30.0,
 )

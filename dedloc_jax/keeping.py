@@ -16,8 +16,11 @@ A fork check is patient without blocking: while it cannot tell (most peers still
 epoch), it is asked again every ``fork_poll`` seconds, at the next calls, for up to
 ``fork_patience`` seconds into the epoch. Then it counts as "not lost", except after a step
 without the whole collaboration: that peer is most likely the odd one out, and it loads (a
-download never brings a state older than ours). So neither driver ever waits on a check, and
-the training thread goes on with its micro-steps while the others finish averaging.
+download never brings a state older than ours). By default no call waits on a check: the
+training thread goes on with its micro-steps while the others finish averaging (and may train
+on its lone state until the check tells). ``fork_hold`` lets a call after such a step wait
+instead, polling, for up to that many seconds into the epoch, until it knows which state to
+train on: the simulator's soak holds its peers so, and so never trains on a lone state.
 
 The policy is :class:`StepKeeper`, written without I/O in the style of a sans-IO protocol: it
 yields requests (serve, load, ask the fork check, sleep) and the driver answers them. The
@@ -53,6 +56,9 @@ class KeepConfig:
     # fork_poll seconds until fork_patience seconds into the epoch (see the module docstring).
     fork_patience: float = 30.0
     fork_poll: float = 1.0
+    # After a step without the whole collaboration, a call may wait (polling) this long into
+    # the epoch for the check to tell, rather than train on (0: never waits).
+    fork_hold: float = 0.0
     lost_loads: int = 3  # downloads tried when our lineage lost the fork check
     behind_recheck: float = 1.0  # between looks for a newer state while behind
     retry: float = 1.0  # between download attempts
@@ -90,6 +96,8 @@ class NewerServed:
 
 @dataclass(frozen=True)
 class Sleep:
+    """Sleep. Answer: the time after it (the clock of :attr:`Observation.now`)."""
+
     seconds: float
 
 
@@ -183,46 +191,58 @@ class StepKeeper:
     def _check(self, obs: Observation) -> Generator[Request, Any, None]:
         """Ask whether our lineage lost (patiently: see the module docstring); load the
         winner's state when it did."""
-        c, now = self.config, obs.now
-        patient = now < self._patient_until
-        verdict = yield ForkLost()
-        if verdict is None:
-            if patient:
-                self._next_check = now + c.fork_poll
+        c, now, epoch = self.config, obs.now, obs.epoch
+        hold_until = self._epoch_started + c.fork_hold if self._suspect else -math.inf
+        while True:
+            patient = now < self._patient_until
+            verdict = yield ForkLost()
+            if verdict is None:
+                if patient and now < hold_until:
+                    now = yield Sleep(c.fork_poll)
+                    continue
+                if patient:
+                    self._next_check = now + c.fork_poll
+                    return
+                log.info("epoch %d: the fork check could not tell in time", epoch)
+                verdict = self._suspect  # after a step without the others: ours is the odd one
+            self.checked = True
+            # The first check is due fork_check_after into the epoch even when one answered
+            # at its start (the others' states had not all landed), the next fork_recheck later.
+            first = self._epoch_started + c.fork_check_after
+            self._next_check = first if now < first else now + c.fork_recheck
+            if not verdict:
                 return
-            log.info("epoch %d: the fork check could not tell in time", obs.epoch)
-            verdict = self._suspect  # after a step without the others: ours is the odd one
-        self.checked = True
-        # The first check is due fork_check_after into the epoch even when one answered at
-        # its start (the others' states had not all landed then), the next fork_recheck later.
-        first = self._epoch_started + c.fork_check_after
-        self._next_check = first if now < first else now + c.fork_recheck
-        if verdict:
             # Another lineage, held by more peers, won (after a partition healed, each side
             # having averaged apart; or we stepped alone): take theirs.
-            log.warning("epoch %d: our state lost to the majority's; loading it", obs.epoch)
-            got = yield from self._adopt(obs.epoch, now)
-            if got == STALE and patient:
-                # Lost at an older fork while the winners still average this epoch: ask
-                # again soon, and load the state they step to.
+            log.warning("epoch %d: our state lost to the majority's; loading it", epoch)
+            got, now = yield from self._adopt(epoch, now)
+            if got != STALE or not patient:
+                return
+            # Lost at an older fork while the winners still average this epoch: ask again
+            # soon, and load the state they step to.
+            if now >= hold_until:
                 self._next_check = now + c.fork_poll
+                return
+            self.checked = False
+            now = yield Sleep(c.fork_poll)
 
-    def _adopt(self, epoch: int, now: float) -> Generator[Request, Any, int | str]:
+    def _adopt(self, epoch: int, now: float) -> Generator[Request, Any, tuple[int | str, float]]:
         """Load the winner's state unless it is older than ours (an older one, e.g. a peer
         still on its first micro-step serving the initial state, would undo the run's
-        progress: ours is kept, and the late peers load it), trying ``lost_loads`` times."""
+        progress: ours is kept, and the late peers load it), trying ``lost_loads`` times.
+        Returns the load's answer and the time."""
         got: int | str = FAILED
         for attempt in range(self.config.lost_loads):
             if attempt:
-                yield Sleep(self.config.retry)
+                now = yield Sleep(self.config.retry)
             got = yield from self._load(epoch, now)
             if isinstance(got, int):
                 self.forks += 1
-                return got
+                return got, now
             if got == STALE:
                 break
         log.info("keeping this peer's state of epoch %d", epoch)
-        return got
+        return got, now
 
     def _load(self, min_epoch: int | None, now: float) -> Generator[Request, Any, int | str]:
         got = yield Load(min_epoch)
@@ -300,7 +320,7 @@ def keep_in_step(collab: Any, params: Any, opt_state: Any) -> tuple[Any, Any]:
             newest = collab.newest_state_epoch()
             return newest is None or newest > request.epoch
         time.sleep(request.seconds)
-        return None
+        return time.monotonic()
 
     run_plan(keeper.plan(obs), answer)
     return held["params"], held["opt_state"]
@@ -356,7 +376,7 @@ async def keep_in_step_async(
                 reply = newest is None or newest > request.epoch
             else:
                 await trio.sleep(request.seconds)
-                reply = None
+                reply = trio.current_time()
             request = plan.send(reply)
     except StopIteration:
         pass

@@ -124,6 +124,28 @@ def test_a_lone_step_that_won_keeps_its_state_and_an_undecided_check_counts_as_n
     assert keeper.checked and keeper.epoch == 3 and keeper.loads == 0
 
 
+def test_a_peer_held_after_a_lone_step_waits_for_the_verdict_within_fork_hold() -> None:
+    """With fork_hold, a call after a step without the whole collaboration polls the check
+    (sleeping fork_poll between asks) until it tells, and loads the winner's state before
+    the loop trains on; past fork_hold into the epoch it stops waiting (and asks again at
+    later calls, as without it)."""
+    config = KeepConfig(fork_hold=3.0)
+    keeper = StepKeeper(config)
+    _requests(keeper, _obs(now=0.0), [])
+    _requests(keeper, _obs(now=0.5, epoch=1), [None, False])
+    got = _requests(keeper, _obs(now=2.0, epoch=2, complete=False), [None, None, 3.0, True, 2])
+    assert got == [Serve(), ForkLost(), Sleep(config.fork_poll), ForkLost(), Load(2)]
+    assert keeper.loads == keeper.forks == 1 and keeper.epoch == 2
+    # with everyone: no waiting
+    assert _requests(keeper, _obs(now=9.0, epoch=3), [None, None]) == [Serve(), ForkLost()]
+    undecided = _requests(
+        keeper, _obs(now=10.0, epoch=4, complete=False), [None, None, 11.0, None, 13.0, None]
+    )
+    poll = Sleep(config.fork_poll)
+    assert undecided == [Serve(), ForkLost(), poll, ForkLost(), poll, ForkLost()]
+    assert not keeper.checked and keeper.due(13.0 + config.fork_poll, 4, behind=False)
+
+
 def test_the_fork_check_repeats_until_the_epoch_ends() -> None:
     """After a healed partition the side that lost may answer "not lost" at first (its table
     still holds only its own side): the check is asked again every fork_recheck seconds."""
@@ -145,11 +167,8 @@ def test_a_lost_fork_check_loads_with_retries_and_behind_looks_for_a_newer_state
     _requests(keeper, _obs(now=0.0, epoch=5), [])
     assert not keeper.due(1.0, 5, behind=False)  # nothing due: the cheap path
     assert keeper.due(config.fork_check_after + 0.1, 5, behind=False)
-    got = _requests(
-        keeper,
-        _obs(now=config.fork_check_after + 0.1, epoch=5),
-        [True, FAILED, None, FAILED, None, FAILED],
-    )
+    t = config.fork_check_after + 0.1
+    got = _requests(keeper, _obs(now=t, epoch=5), [True, FAILED, t + 1, FAILED, t + 2, FAILED])
     retries = [Sleep(config.retry), Load(5)] * (config.lost_loads - 1)
     assert got == [ForkLost(), Load(5), *retries]
     assert keeper.load_failures == config.lost_loads and keeper.loads == 0
