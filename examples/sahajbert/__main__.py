@@ -423,7 +423,12 @@ def join_run(cfg: TrainerConfig, net: NetConfig, explicit: set[str]) -> tuple[Tr
     from models.tokenizer import load_tokenizer
 
     got, envelope, tok_dir = manifest.fetch(
-        net.initial_peers, run_id=cfg.run_id, work_dir=cfg.work_dir, owner=net.owner_public_key
+        net.initial_peers,
+        run_id=cfg.run_id,
+        work_dir=cfg.work_dir,
+        owner=net.owner_public_key,
+        identity=net.identity,
+        invitation=net.invitation,
     )
     manifest.check(got, cfg, explicit)
     cfg = manifest.apply(got, cfg, tok_dir)
