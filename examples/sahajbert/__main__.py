@@ -192,6 +192,13 @@ def _add_trainer_options(p: argparse.ArgumentParser) -> None:
         "run (a local demo's first epoch is then a group one; a real run waits for nobody)",
     )
     g.add_argument("--save-final", type=Path, help="write the final parameters here (.npz)")
+    g.add_argument(
+        "--events",
+        type=Path,
+        metavar="FILE",
+        help="append one JSON line per phase, heartbeat and epoch (with a parameter digest) "
+        "to FILE, for watchdogs such as `python -m bench.chaos --peer sahajbert`",
+    )
 
 
 def _add_coordinator_options(p: argparse.ArgumentParser) -> None:
@@ -536,7 +543,9 @@ def main(argv: list[str] | None = None) -> int:
     if role == "trainer":
         from examples.sahajbert.trainer import run_trainer
 
-        result = run_trainer(cfg, net, final_params=args.save_final, run_manifest=run_manifest)
+        result = run_trainer(
+            cfg, net, final_params=args.save_final, run_manifest=run_manifest, events=args.events
+        )
         print(f"stopped at epoch {result.epoch} after {result.samples} samples")
         return 0
     if role == "coordinator":

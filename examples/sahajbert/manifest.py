@@ -370,14 +370,14 @@ def fetch(
     sure the tokenizer it names is in ``work_dir/tokenizers/<digest>/`` (downloaded and
     checked when it is not). Returns the manifest, its signed envelope and that directory.
 
-    In a private run (``owner``) the peers serve only invited callers: we call as
-    ``identity`` and show ``invitation`` first; a peer's refusal ends the fetch at once with
-    its reason (ManifestError)."""
+    We call as ``identity`` (a throwaway one without). In a private run (``owner``) the
+    peers serve only invited callers: we show ``invitation`` first; a peer's refusal ends the
+    fetch at once with its reason (ManifestError)."""
     import trio
 
     from p2p.identity import Identity
 
-    me = Identity.load(identity) if owner is not None and identity is not None else None
+    me = Identity.load_or_create(identity) if identity is not None else None
     args = (list(initial_peers), run_id, Path(work_dir), owner, me, invitation, timeout)
     return trio.run(_fetch, *args)
 
