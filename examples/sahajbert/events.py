@@ -5,8 +5,8 @@ trainer at chosen moments and checks afterwards that peers in step held the same
 Each line is flushed at once (a SIGKILL loses at most the line being written) and carries
 ``t`` (unix time), ``pid`` and ``ev``:
 
-- ``phase``: ``loading`` (a state download), ``accumulating`` or ``averaging`` (matchmaking
-  and the all-reduce);
+- ``phase``: ``loading`` (a state download), ``compiling`` (at the start, after the first
+  load), ``accumulating`` or ``averaging`` (matchmaking and the all-reduce);
 - ``beat``: a heartbeat while accumulating (at most twice a second);
 - ``epoch``: after each collaboration step (``how`` ``step``, ``group``: the averaging group's
   size) or state load (``how`` ``load``): the epoch, the SHA-256 of the parameters

@@ -150,6 +150,7 @@ def run_trainer(
         # Before anything is compiled: a newcomer loads the run's state, the first peer
         # serves its own (keep_in_step then follows the run on every micro-step).
         params, opt_state = _keep_in_step(host, params, opt_state, log_events)
+        log_events.phase("compiling", epoch=int(opt_state.epoch))
         devices = jax.local_device_count()
         micro = cfg.per_device_batch_size * devices * cfg.grad_accumulation
         grad_step = training.make_grad_step(graphdef, rest)

@@ -49,7 +49,7 @@ base = TrainerConfig().replace(
 )
 cfg = manifest.apply(made, base, tok_dir)
 net = NetConfig(initial_peers=(addr,), identity=Path(key), owner_public_key=bytes.fromhex(owner))
-trainer.run_trainer(cfg, net, linger=0.0)
+trainer.run_trainer(cfg, net, linger=0.0, events=Path(work) / "events.jsonl")
 """
 
 
@@ -148,11 +148,18 @@ def test_running_peers_refuse_an_intruder_and_the_invited_trainer_trains_on(run,
     text = volunteer_log.read_text()
     bad_text = intruder_log.read_text()
     assert "stopped at epoch 4" in text, text[-2000:]
-    assert str(intruder.peer_id) not in text  # never grouped or loaded with it
-    # the running peers refused it, and it was told
+    # the running peers refused it (the invited trainer names it only to refuse it) ...
+    mentions = [line for line in text.splitlines() if str(intruder.peer_id) in line]
+    assert all("refusing" in line for line in mentions), mentions
     assert f"refusing {intruder.peer_id}" in coord_text + text, coord_text[-3000:]
+    # ... and it was told, never averaged in a group and never got the run's state
     assert "without an invitation: peers will refuse us" in bad_text, bad_text[-3000:]
-    assert re.search(r"(no invitation|not admitted|refus)", bad_text.split("refuse us", 1)[1])
+    after = bad_text.split("refuse us", 1)[1]
+    assert re.search(r"no invitation to run 'private-cli'|no invitation in the record", after)
+    events = [json.loads(line) for line in (tmp / "intruder" / "events.jsonl").open()]
+    steps = [e for e in events if e["ev"] == "epoch"]
+    assert steps, bad_text[-3000:]  # it did train, alone
+    assert all(e["how"] == "step" and e["group"] <= 1 for e in steps), steps
     # the coordinator's rows count the invited trainer only
     rows = [json.loads(line) for line in (tmp / "out" / "metrics.jsonl").open()]
     assert rows and all(r["peers"] <= 1 for r in rows), rows
