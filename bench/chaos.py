@@ -221,23 +221,28 @@ class Chaos:
         self.history.append(inc)
 
     def _start_coordinator(self) -> None:
-        """Prepare a tiny run on a generated text file and start its coordinator."""
+        """Prepare a tiny run on a generated text file (once: kept next to the compilation
+        cache, so that later runs train the same shapes and find their programs compiled) and
+        start its coordinator."""
         from models.corpus import write_corpus
 
-        text = self.out / "text.txt"
-        write_corpus(text, 300, seed=0)
+        prepared = _shared_cache().parent / f"chaos-sahajbert-run-{self.args.target}"
+        text = prepared / "text.txt"
         run = ["--run-id", "chaos-sahajbert"]
-        prepare = [sys.executable, "-m", "examples.sahajbert", "prepare", *run,
-                   "--config", "tiny", "--seq-length", "32", "--target-batch-size",
-                   str(self.args.target), "--learning-rate", "0.01", "--warmup-steps", "1",
-                   "--data", str(text), "--out", str(self.out / "run"),
-                   "--work-dir", str(self.out / "organiser")]  # fmt: skip
-        done = subprocess.run(prepare, cwd=ROOT, env=_env(), capture_output=True, text=True)
-        if done.returncode != 0:
-            raise RuntimeError(f"prepare failed: {done.stderr[-2000:]}")
+        if not (prepared / "run" / "manifest.json").is_file():
+            prepared.mkdir(parents=True, exist_ok=True)
+            write_corpus(text, 300, seed=0)
+            prepare = [sys.executable, "-m", "examples.sahajbert", "prepare", *run,
+                       "--config", "tiny", "--seq-length", "32", "--target-batch-size",
+                       str(self.args.target), "--learning-rate", "0.01", "--warmup-steps", "1",
+                       "--data", str(text), "--out", str(prepared / "run"),
+                       "--work-dir", str(self.out / "organiser")]  # fmt: skip
+            done = subprocess.run(prepare, cwd=ROOT, env=_env(), capture_output=True, text=True)
+            if done.returncode != 0:
+                raise RuntimeError(f"prepare failed: {done.stderr[-2000:]}")
         addr_file = self.out / "addrs.json"
         coordinator = [sys.executable, "-m", "examples.sahajbert", "coordinator", *run,
-                       "--manifest", str(self.out / "run"), "--out", str(self.out / "run-out"),
+                       "--manifest", str(prepared / "run"), "--out", str(self.out / "run-out"),
                        "--work-dir", str(self.out / "organiser"), "--addr-file", str(addr_file),
                        "--checkpoint-every", "1000000"]  # fmt: skip
         with (self.out / "coordinator.log").open("a") as log_file:
@@ -324,7 +329,7 @@ class Chaos:
             self._start_coordinator()
             # The others once peer 0 trains: they find its compiled programs in the cache.
             self.spawn(0)
-            while not self.procs[0].started:
+            while self.procs[0].phase not in ("accumulating", "averaging"):
                 if time.monotonic() > self.deadline or not self.procs[0].alive:
                     raise RuntimeError("trainer 0 did not start; see peer0.log")
                 self.sleep(0.5)
