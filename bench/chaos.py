@@ -21,6 +21,13 @@ classified afterwards by the victim's own last phase before the kill. Figures:
 - ``nans``: epoch records with a non-finite loss or parameter.
 
 The last line is one JSON object with these and more figures.
+
+``--peer sahajbert`` kills the real volunteer program instead of the MLP peer: a tiny-config
+run is prepared (``prepare``) and its coordinator started (the bootstrap, never killed); the
+trainers are ``python -m examples.sahajbert trainer`` processes, each with its own work
+directory and identity, writing their events with ``--events``. On top of the per-epoch
+check, ``final_match`` compares the parameters every trainer held at the last epoch they all
+reached in step (bit-identical digests).
 """
 
 from __future__ import annotations
@@ -31,6 +38,8 @@ import logging
 import multiprocessing as mp
 import os
 import signal
+import subprocess
+import sys
 import tempfile
 import time
 from collections import defaultdict
@@ -43,6 +52,31 @@ import numpy as np
 log = logging.getLogger("bench.chaos")
 
 KINDS = ("accumulating", "averaging", "loading")
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class _Process:
+    """A ``subprocess.Popen`` with the bits of ``multiprocessing.Process`` the driver uses."""
+
+    def __init__(self, popen: subprocess.Popen) -> None:
+        self.popen = popen
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    @property
+    def exitcode(self) -> int | None:
+        return self.popen.poll()
+
+    def is_alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def join(self, timeout: float | None = None) -> None:
+        try:
+            self.popen.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            pass
 
 
 @dataclass
@@ -72,6 +106,7 @@ class Tail:
     """Reads what a peer appended to its event file since the last call."""
 
     path: Path
+    index: int
     offset: int = 0
     rows: list[dict] = field(default_factory=list)
 
@@ -86,9 +121,11 @@ class Tail:
         new = []
         for line in data[:end].splitlines():
             try:
-                new.append(json.loads(line))
+                row = json.loads(line)
             except json.JSONDecodeError:  # a line cut by SIGKILL mid-write
                 continue
+            row.setdefault("peer", self.index)  # the real trainer does not know its index
+            new.append(row)
         self.rows.extend(new)
         return new
 
@@ -110,7 +147,7 @@ class Chaos:
         self.rng = np.random.default_rng(args.seed)
         self.procs: dict[int, Incarnation] = {}
         self.history: list[Incarnation] = []
-        self.tails = {i: Tail(out / f"peer{i}.jsonl") for i in range(args.peers)}
+        self.tails = {i: Tail(out / f"peer{i}.jsonl", i) for i in range(args.peers)}
         self.restart_at: dict[int, float] = {}
         self.kills: list[dict] = []
         self.hangs: list[dict] = []
@@ -118,8 +155,14 @@ class Chaos:
         self.restarts = 0
         self.stopping = False
         self.misses = 0
+        self.sahajbert = args.peer == "sahajbert"
+        # a restarted real trainer loads the state about a minute after its start (imports,
+        # manifest, model, joining): aims wait that long for a peer in the phase
+        self.aim_wait = 120.0 if self.sahajbert else 30.0
+        self.coordinator: subprocess.Popen | None = None
         self.ctx = mp.get_context("forkserver")
-        self.ctx.set_forkserver_preload(["bench.chaos_peer"])
+        if not self.sahajbert:
+            self.ctx.set_forkserver_preload(["bench.chaos_peer"])
         self.bound = hang_bound(args.matchmaking_time, args.averaging_timeout, args.load_timeout)
         self.t0 = time.monotonic()
         self.deadline = self.t0 + args.max_seconds
@@ -128,6 +171,9 @@ class Chaos:
 
     # --- processes -----------------------------------------------------------------------
     def spawn(self, index: int) -> None:
+        if self.sahajbert:
+            self._spawn_trainer(index)
+            return
         argv = [
             "--index",
             str(index),
@@ -151,6 +197,63 @@ class Chaos:
         inc = Incarnation(index, process, time.time())
         self.procs[index] = inc
         self.history.append(inc)
+
+    def _spawn_trainer(self, index: int) -> None:
+        """``python -m examples.sahajbert trainer`` in its own work directory (the run's
+        settings come from the manifest; a restart keeps the directory and identity)."""
+        work = self.out / f"trainer{index}"
+        work.mkdir(parents=True, exist_ok=True)
+        cache = work / "jax-cache"
+        if not cache.exists():  # compiled programs shared, as by one machine's processes
+            cache.symlink_to(_shared_cache(), target_is_directory=True)
+        cmd = [sys.executable, "-m", "examples.sahajbert", "trainer",
+               "--run-id", "chaos-sahajbert", "--initial-peers", self.addr,
+               "--work-dir", str(work), "--identity", str(self.out / f"trainer{index}.key"),
+               "--per-device-batch-size", str(self.args.micro_batch),
+               "--step-delay", str(self.args.step_delay),
+               "--events", str(self.out / f"peer{index}.jsonl")]  # fmt: skip
+        with (self.out / f"peer{index}.log").open("a") as log_file:
+            popen = subprocess.Popen(
+                cmd, cwd=ROOT, env=_env(), stdout=log_file, stderr=subprocess.STDOUT
+            )
+        inc = Incarnation(index, _Process(popen), time.time())
+        self.procs[index] = inc
+        self.history.append(inc)
+
+    def _start_coordinator(self) -> None:
+        """Prepare a tiny run on a generated text file (once: kept next to the compilation
+        cache, so that later runs train the same shapes and find their programs compiled) and
+        start its coordinator."""
+        from models.corpus import write_corpus
+
+        prepared = _shared_cache().parent / f"chaos-sahajbert-run-{self.args.target}"
+        text = prepared / "text.txt"
+        run = ["--run-id", "chaos-sahajbert"]
+        if not (prepared / "run" / "manifest.json").is_file():
+            prepared.mkdir(parents=True, exist_ok=True)
+            write_corpus(text, 300, seed=0)
+            prepare = [sys.executable, "-m", "examples.sahajbert", "prepare", *run,
+                       "--config", "tiny", "--seq-length", "32", "--target-batch-size",
+                       str(self.args.target), "--learning-rate", "0.01", "--warmup-steps", "1",
+                       "--data", str(text), "--out", str(prepared / "run"),
+                       "--work-dir", str(self.out / "organiser")]  # fmt: skip
+            done = subprocess.run(prepare, cwd=ROOT, env=_env(), capture_output=True, text=True)
+            if done.returncode != 0:
+                raise RuntimeError(f"prepare failed: {done.stderr[-2000:]}")
+        addr_file = self.out / "addrs.json"
+        coordinator = [sys.executable, "-m", "examples.sahajbert", "coordinator", *run,
+                       "--manifest", str(prepared / "run"), "--out", str(self.out / "run-out"),
+                       "--work-dir", str(self.out / "organiser"), "--addr-file", str(addr_file),
+                       "--checkpoint-every", "1000000"]  # fmt: skip
+        with (self.out / "coordinator.log").open("a") as log_file:
+            self.coordinator = subprocess.Popen(
+                coordinator, cwd=ROOT, env=_env(), stdout=log_file, stderr=subprocess.STDOUT
+            )
+        while not addr_file.exists():
+            if time.monotonic() > self.deadline or self.coordinator.poll() is not None:
+                raise RuntimeError("the coordinator did not start; see coordinator.log")
+            time.sleep(0.2)
+        self.addr = json.loads(addr_file.read_text())[0]
 
     def poll(self) -> None:
         """Read events, notice crashes and hangs, restart peers that are due."""
@@ -176,7 +279,9 @@ class Chaos:
                 self.restart_at[i] = time.monotonic() + 0.5
                 continue
             silent = now - (inc.last_event or inc.spawned)
-            limit = self.bound if inc.started else self.args.startup_timeout
+            # a trainer compiling its step at the start is bounded like its start
+            starting = not inc.started or inc.phase == "compiling"
+            limit = self.args.startup_timeout if starting else self.bound
             if silent > limit and not inc.hung:
                 inc.hung = True
                 self.hangs.append(
@@ -220,13 +325,24 @@ class Chaos:
         return max(epochs, default=0)
 
     def start(self) -> None:
-        self.spawn(0)
-        while not (self.out / "addrs.json").exists():
-            if time.monotonic() > self.deadline or not self.procs[0].alive:
-                raise RuntimeError("peer 0 did not start; see peer0.log")
-            time.sleep(0.1)
-        for i in range(1, self.args.peers):
-            self.spawn(i)
+        if self.sahajbert:
+            self._start_coordinator()
+            # The others once peer 0 trains: they find its compiled programs in the cache.
+            self.spawn(0)
+            while self.procs[0].phase not in ("accumulating", "averaging"):
+                if time.monotonic() > self.deadline or not self.procs[0].alive:
+                    raise RuntimeError("trainer 0 did not start; see peer0.log")
+                self.sleep(0.5)
+            for i in range(1, self.args.peers):
+                self.spawn(i)
+        else:
+            self.spawn(0)
+            while not (self.out / "addrs.json").exists():
+                if time.monotonic() > self.deadline or not self.procs[0].alive:
+                    raise RuntimeError("peer 0 did not start; see peer0.log")
+                time.sleep(0.1)
+            for i in range(1, self.args.peers):
+                self.spawn(i)
         while self.epoch_of(0) < self.args.warmup_epochs:
             if time.monotonic() > self.deadline:
                 raise RuntimeError("the collaboration did not reach its first epochs")
@@ -275,7 +391,7 @@ class Chaos:
                 order = [str(k) for k in self.rng.permutation(KINDS[:2])] + ["loading"]
             kind = order.pop(0)
             for _ in range(3):  # the same aim again if no peer was in that phase in time
-                if self.kill_in(kind, wait=30.0):
+                if self.kill_in(kind, wait=self.aim_wait):
                     log.info("kill %d (%s)", len(self.kills), kind)
                     # No pause before a loading aim: it is this victim's load after its
                     # restart (within --max-down), over by the end of a longer pause; and
@@ -285,7 +401,7 @@ class Chaos:
                         self.sleep(float(self.rng.uniform(0.0, self.args.pause)))
                     break
                 misses += 1
-                log.info("no peer was %s within 30 s", kind)
+                log.info("no peer was %s within %.0f s", kind, self.aim_wait)
         self.misses = misses
         # Let every peer come back and take part in a few more epochs, then stop.
         self.kills_done_at = time.monotonic()
@@ -306,6 +422,11 @@ class Chaos:
             ):
                 break
         self.stopping = True
+        if self.sahajbert:  # the real trainer runs until killed: nothing to wait for
+            for tail in self.tails.values():
+                tail.read()
+            self.stop_all()
+            return
         (self.out / "stop").touch()
         end = time.monotonic() + 30.0
         while time.monotonic() < end and any(inc.alive for inc in self.procs.values()):
@@ -325,6 +446,13 @@ class Chaos:
             if inc.alive:
                 os.kill(inc.pid, signal.SIGKILL)
                 inc.process.join()
+        if self.coordinator is not None and self.coordinator.poll() is None:
+            self.coordinator.terminate()
+            try:
+                self.coordinator.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.coordinator.kill()
+                self.coordinator.wait()
 
     # --- figures -------------------------------------------------------------------------
     def report(self) -> dict[str, Any]:
@@ -360,6 +488,7 @@ class Chaos:
             }
             for i in range(self.args.peers)
         }
+        final_epoch, final_digests = _final_in_step(in_step, self.args.peers)
         stable = [r for r in steps if r["peer"] == 0]
         losses = [r["loss"] for r in stable if "loss" in r]
         return {
@@ -381,13 +510,42 @@ class Chaos:
             "stable_peer_grouped_epochs": sum(1 for r in stable if r["group"] > 1),
             "stable_peer_solo_epochs": sum(1 for r in stable if r["group"] <= 1),
             "per_peer": per_peer,
+            "final_epoch": final_epoch,
+            "final_digests": final_digests,
+            "final_match": final_epoch is not None and len(set(final_digests.values())) == 1,
             "loss_first": losses[0] if losses else None,
             "loss_last": losses[-1] if losses else None,
             "hang_bound_s": self.bound,
             "kill_seconds": round(self.kills_done_at - self.t0, 1),
             "wall_seconds": round(time.monotonic() - self.t0, 1),
+            "peer_kind": self.args.peer,
             "out": str(self.out),
         }
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(ROOT)}
+
+
+def _shared_cache() -> Path:
+    """The trainers' JAX compilation cache, kept between runs (the first compiles of the tiny
+    model took over 4 minutes on a loaded 2-core machine)."""
+    cache = Path(os.environ.get("DEDLOC_JAX_CACHE", "~/.cache/dedloc-jax")).expanduser()
+    path = cache / "chaos-sahajbert-jax-cache"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def _final_in_step(
+    in_step: dict[int, dict[str, list[int]]], peers: int
+) -> tuple[int | None, dict[str, str]]:
+    """The last epoch at which every peer held parameters in step (after a group step or a
+    load), and each peer's digest there."""
+    for epoch in sorted(in_step, reverse=True):
+        held = {str(p): d for d, ps in in_step[epoch].items() for p in ps}
+        if len(held) == peers:
+            return epoch, dict(sorted(held.items()))
+    return None, {}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -407,7 +565,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup-epochs", type=int, default=2)
     p.add_argument("--settle-epochs", type=int, default=3)
     p.add_argument("--out", default=None, help="directory for logs (default: a temporary one)")
+    p.add_argument(
+        "--peer",
+        choices=("mlp", "sahajbert"),
+        default="mlp",
+        help="mlp: bench.chaos_peer; sahajbert: the real trainer (tiny config) of a prepared "
+        "run, with a coordinator as bootstrap",
+    )
+    p.add_argument("--micro-batch", type=int, default=8, help="sahajbert: --per-device-batch-size")
     args = p.parse_args(argv)
+    if args.peer == "sahajbert" and "--target" not in (argv or sys.argv[1:]):
+        args.target = 64
+    if args.peer == "sahajbert":
+        # the real trainer's collaboration (CollaborationConfig.local_demo) adapts its windows;
+        # these bound them from above on a loaded CPU, and a trainer's start takes a while
+        args.matchmaking_time = max(args.matchmaking_time, 2.0)
+        args.averaging_timeout = max(args.averaging_timeout, 30.0)
+        args.load_timeout = max(args.load_timeout, 60.0)
+        args.startup_timeout = max(args.startup_timeout, 600.0)
     if args.peers < 3:
         p.error("need at least 3 peers (peer 0 stays, two must be alive at any time)")
     return args

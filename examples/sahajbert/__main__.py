@@ -192,6 +192,13 @@ def _add_trainer_options(p: argparse.ArgumentParser) -> None:
         "run (a local demo's first epoch is then a group one; a real run waits for nobody)",
     )
     g.add_argument("--save-final", type=Path, help="write the final parameters here (.npz)")
+    g.add_argument(
+        "--events",
+        type=Path,
+        metavar="FILE",
+        help="append one JSON line per phase, heartbeat and epoch (with a parameter digest) "
+        "to FILE, for watchdogs such as `python -m bench.chaos --peer sahajbert`",
+    )
 
 
 def _add_coordinator_options(p: argparse.ArgumentParser) -> None:
@@ -423,7 +430,12 @@ def join_run(cfg: TrainerConfig, net: NetConfig, explicit: set[str]) -> tuple[Tr
     from models.tokenizer import load_tokenizer
 
     got, envelope, tok_dir = manifest.fetch(
-        net.initial_peers, run_id=cfg.run_id, work_dir=cfg.work_dir, owner=net.owner_public_key
+        net.initial_peers,
+        run_id=cfg.run_id,
+        work_dir=cfg.work_dir,
+        owner=net.owner_public_key,
+        identity=net.identity,
+        invitation=net.invitation,
     )
     manifest.check(got, cfg, explicit)
     cfg = manifest.apply(got, cfg, tok_dir)
@@ -531,7 +543,9 @@ def main(argv: list[str] | None = None) -> int:
     if role == "trainer":
         from examples.sahajbert.trainer import run_trainer
 
-        result = run_trainer(cfg, net, final_params=args.save_final, run_manifest=run_manifest)
+        result = run_trainer(
+            cfg, net, final_params=args.save_final, run_manifest=run_manifest, events=args.events
+        )
         print(f"stopped at epoch {result.epoch} after {result.samples} samples")
         return 0
     if role == "coordinator":

@@ -12,8 +12,10 @@ newcomers itself, so a run whose trainers all left can still be resumed.
 from __future__ import annotations
 
 import csv
+import hashlib
 import json
 import logging
+import math
 import os
 import time
 from dataclasses import asdict, dataclass
@@ -43,6 +45,7 @@ class CoordinatorOptions:
     read_timeout: float = 10.0  # one DHT read or write of the poll loop
     addr_file: Path | None = None  # write our dialable addresses here (for scripts)
     manifest_dir: Path | None = None  # a prepared run (`prepare`); None: prepare it in out_dir/run
+    manifest_check_interval: float = 10.0  # seconds between reads of the manifests peers serve
 
 
 class FinalStateMissing(RuntimeError):
@@ -91,6 +94,9 @@ class Coordinator:
         self.final_seen_at: float | None = None  # when the run reached ``exit_after_epoch``
         self.manifest: Any = None  # the run manifest published (run() sets it)
         self._republish: tuple[float, dict, Path] | None = None  # when, envelope, tokenizer
+        self.envelope: dict | None = None  # what we sign and serve (run() sets it)
+        self.manifest_conflicts: dict[str, str] = {}  # peer -> digest of what it republishes
+        self._manifests_checked = -math.inf
 
     def run(self) -> dict[str, Any]:
         from examples.sahajbert import manifest
@@ -109,6 +115,7 @@ class Coordinator:
             tok_file = tok_dir / manifest.TOKENIZER_FILE
             trainer.serve_manifest(collab, envelope, tok_file)
             self._republish = (time.monotonic(), envelope, tok_file)
+            self.envelope = envelope
             log.info(
                 "run manifest %s: model %s, vocabulary %d (tokenizer sha256 %s), seq %d, "
                 "target batch %d", run_manifest.digest[:16], run_manifest.model,
@@ -134,6 +141,9 @@ class Coordinator:
                 if time.monotonic() - stored_at > trainer.MANIFEST_TTL / 4:  # before it lapses
                     trainer.serve_manifest(collab, envelope, tok_file)
                     self._republish = (time.monotonic(), envelope, tok_file)
+            if time.monotonic() - self._manifests_checked > self.opts.manifest_check_interval:
+                self._check_manifests(collab)
+                self._manifests_checked = time.monotonic()
             records = self._fetch(collab)
             est = collab.estimate
             now = time.time()
@@ -177,6 +187,56 @@ class Coordinator:
         except RuntimeError as e:  # P2PError: the DHT could not be read this time
             log.warning("could not read metrics: %s", e)
             return {}
+
+    def _check_manifests(self, collab: Any) -> None:
+        """Compare the manifests peers republish (their DHT slots) with ours; WARNING, once per
+        peer and digest, for any other: newcomers that join through that peer would train
+        another model. We only ever serve our own."""
+        from examples.sahajbert import manifest
+        from p2p.dht.records import owner_markers
+
+        if self.envelope is None or self.manifest is None:
+            return
+        limit = self.opts.read_timeout
+
+        async def read(core: Any) -> Any:
+            with trio.move_on_after(limit):
+                return await core.dht.get(manifest.manifest_key(core.run_id))
+            return None
+
+        try:
+            found = collab.run_async(read)
+        except RuntimeError as e:  # P2PError: not readable this time
+            log.info("could not read the manifests peers serve: %s", e)
+            return
+        if not isinstance(found, dict):
+            return
+        ours = self.manifest.digest
+        for subkey, item in list(found.items())[:4096]:
+            names = owner_markers(subkey) if isinstance(subkey, str) else []
+            if len(names) != 1:
+                continue
+            peer, envelope = names[0], getattr(item, "value", item)
+            if envelope == self.envelope:
+                self.manifest_conflicts.pop(peer, None)
+                continue
+            try:
+                theirs, signer = manifest.verify(envelope, run_id=self.cfg.run_id)
+                digest, why = theirs.digest, f"signed by {signer}"
+            except manifest.ManifestError as e:
+                body = envelope.get("manifest") if isinstance(envelope, dict) else None
+                raw = body if isinstance(body, bytes) else repr(envelope).encode()
+                digest, why = hashlib.sha256(raw).hexdigest(), str(e)
+            if digest == ours:
+                continue  # the same manifest, signed again (by the owner)
+            if self.manifest_conflicts.get(peer) != digest:
+                if len(self.manifest_conflicts) >= 4096:
+                    self.manifest_conflicts.clear()
+                self.manifest_conflicts[peer] = digest
+                log.warning(
+                    "peer %s republishes run manifest %s (%s), not the run's %s: peers that "
+                    "join through it train another model", peer, digest, why, ours,
+                )  # fmt: skip
 
     def _check_final(self, final: int | None) -> None:
         """Give up, with :class:`FinalStateMissing`, when the run reached ``final`` but its
@@ -233,16 +293,20 @@ class Coordinator:
         dedloc_jax.share_state(collab, params, opt_state)  # serve it to newcomers too
 
         async def announce(core: Any) -> None:
+            from p2p.dht import owner_marker
+
+            # in our signed slot: a private run's keys take owned records only
             with trio.fail_after(self.opts.read_timeout):
                 await core.dht.store(
                     metrics.checkpoint_key(core.run_id),
                     {"epoch": epoch, "path": str(path)},
                     core.dht.now() + 3600,
+                    subkey=owner_marker(core.dht.peer_id),
                 )
 
         try:
             collab.run_async(announce)
-        except (RuntimeError, trio.TooSlowError) as e:
+        except (RuntimeError, ValueError, trio.TooSlowError) as e:  # P2PError, a refused record
             log.warning("could not announce the checkpoint: %s", e)
 
     def _status(self, records: dict, est: Any, url: str, addrs: list[str]) -> dict[str, Any]:
@@ -254,6 +318,7 @@ class Coordinator:
             "run_id": self.cfg.run_id,
             "manifest": self.manifest.digest if self.manifest else None,
             "tokenizer_sha256": self.manifest.tokenizer_sha256 if self.manifest else None,
+            "manifest_conflicts": dict(sorted(self.manifest_conflicts.items())[:100]),
             "target_batch_size": self.cfg.target_batch_size,
             "estimate": {
                 "epoch": est.epoch,

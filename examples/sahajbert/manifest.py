@@ -315,18 +315,34 @@ def verify(envelope: Any, *, run_id: str, owner: bytes | None = None) -> tuple[R
     return manifest, str(PeerID.from_public_key(signer))
 
 
-# --- serving -----------------------------------------------------------------------------
+# --- serving ---------------------------------------------------------------------------
+REFUSED = "not admitted to this run"  # starts the RPC error an uninvited caller gets
+
+
 async def serve(core: Any, envelope: dict[str, bytes], tokenizer_file: Path, ttl: float) -> None:
     """Answer the manifest RPCs on this peer and store the envelope in our DHT slot (run in
-    the collaboration's trio loop)."""
+    the collaboration's trio loop). In a private run both RPCs admit only invited peers (the
+    guard the collaboration put on its state RPCs): the manifest names the run's data."""
+    from dedloc_jax.access import AccessDenied
     from p2p.dht import owner_marker
 
     data = Path(tokenizer_file).read_bytes()
+    admit = getattr(core.state_server, "admit", None)  # None in an open run
+
+    async def guard(ctx: Any) -> None:
+        if admit is None:
+            return
+        try:
+            await admit(ctx.remote_peer)
+        except AccessDenied as e:
+            raise AccessDenied(f"{REFUSED}: {e.reason}") from None
 
     async def get_manifest(ctx: Any, request: Any) -> Any:
+        await guard(ctx)
         return envelope
 
     async def get_tokenizer(ctx: Any, request: Any) -> Any:
+        await guard(ctx)
         return data
 
     core.node.add_handler(GET_MANIFEST, get_manifest)
@@ -346,54 +362,100 @@ def fetch(
     run_id: str,
     work_dir: Path,
     owner: bytes | None = None,
+    identity: Path | None = None,
+    invitation: bytes | None = None,
     timeout: float = 120.0,
 ) -> tuple[RunManifest, dict[str, bytes], Path]:
     """Ask the initial peers for the run's manifest (retrying until ``timeout``), and make
     sure the tokenizer it names is in ``work_dir/tokenizers/<digest>/`` (downloaded and
-    checked when it is not). Returns the manifest, its signed envelope and that directory."""
+    checked when it is not). Returns the manifest, its signed envelope and that directory.
+
+    We call as ``identity`` (a throwaway one without). In a private run (``owner``) the
+    peers serve only invited callers: we show ``invitation`` first; a peer's refusal ends the
+    fetch at once with its reason (ManifestError)."""
     import trio
 
-    return trio.run(_fetch, list(initial_peers), run_id, Path(work_dir), owner, timeout)
+    from p2p.identity import Identity
+
+    me = Identity.load_or_create(identity) if identity is not None else None
+    args = (list(initial_peers), run_id, Path(work_dir), owner, me, invitation, timeout)
+    return trio.run(_fetch, *args)
 
 
 async def _fetch(
-    peers: list[str], run_id: str, work_dir: Path, owner: bytes | None, timeout: float
+    peers: list[str],
+    run_id: str,
+    work_dir: Path,
+    owner: bytes | None,
+    me: Any,
+    invitation: bytes | None,
+    timeout: float,
 ) -> tuple[RunManifest, dict[str, bytes], Path]:
     import trio
 
-    from p2p.errors import P2PError
+    from dedloc_jax.access import AUTH
+    from p2p.errors import P2PError, RPCError
     from p2p.multiaddr import Multiaddr
     from p2p.node import open_node
 
     addrs = [Multiaddr.parse(a) for a in peers]
     last = "no initial peer answered"
-    async with open_node(listen=[]) as node:  # a throwaway client: the manifest says how to join
+    got: tuple[RunManifest, dict[str, bytes], Path] | ManifestError | None = None
+
+    async def show_invitation(ctx: Any, request: Any) -> Any:  # a guard may ask us
+        return {"invitation": invitation}
+
+    async def ask(node: Any, addr: Multiaddr) -> tuple[RunManifest, dict[str, bytes], Path]:
+        if owner is not None:
+            await node.call(addr, AUTH, {"invitation": invitation}, timeout=30)
+        envelope = await node.call(addr, GET_MANIFEST, {}, timeout=30)
+        manifest, signer = verify(envelope, run_id=run_id, owner=owner)
+        tok_dir = work_dir / "tokenizers" / manifest.tokenizer_sha256[:16]
+        tok_file = tok_dir / TOKENIZER_FILE
+        if not tok_file.is_file() or sha256_file(tok_file) != manifest.tokenizer_sha256:
+            data = await node.call(addr, GET_TOKENIZER, {}, timeout=120)
+            _check_tokenizer(data, manifest)
+            install_tokenizer(data, tok_dir)
+        log.info(
+            "run manifest %s (signed by %s), tokenizer sha256 %s",
+            manifest.digest[:16], signer, manifest.tokenizer_sha256,
+        )  # fmt: skip
+        return manifest, envelope, tok_dir
+
+    # A throwaway client (the manifest says how to join), as this peer in a private run.
+    # Errors leave the node's nursery as results: raised inside, they would come out grouped.
+    async with open_node(me, listen=[]) as node:
+        node.add_handler(AUTH, show_invitation)
         with trio.move_on_after(timeout):
-            while True:
+            while got is None:
                 for addr in addrs:
                     try:
-                        envelope = await node.call(addr, GET_MANIFEST, {}, timeout=30)
-                        manifest, signer = verify(envelope, run_id=run_id, owner=owner)
-                        tok_dir = work_dir / "tokenizers" / manifest.tokenizer_sha256[:16]
-                        tok_file = tok_dir / TOKENIZER_FILE
-                        if (
-                            not tok_file.is_file()
-                            or sha256_file(tok_file) != manifest.tokenizer_sha256
-                        ):
-                            data = await node.call(addr, GET_TOKENIZER, {}, timeout=120)
-                            _check_tokenizer(data, manifest)
-                            install_tokenizer(data, tok_dir)
-                        log.info(
-                            "run manifest %s (signed by %s), tokenizer sha256 %s",
-                            manifest.digest[:16], signer, manifest.tokenizer_sha256,
-                        )  # fmt: skip
-                        return manifest, envelope, tok_dir
-                    except ManifestError:
-                        raise
+                        got = await ask(node, addr)
+                    except ManifestError as e:
+                        got = e
+                    except RPCError as e:
+                        if e.remote and str(e).startswith(REFUSED):
+                            got = ManifestError(_refusal(addr, node.peer_id, str(e)))
+                        last = f"{addr}: {e}"
                     except (P2PError, OSError) as e:
                         last = f"{addr}: {e}"
-                await trio.sleep(1.0)
-    raise ManifestError(f"no run manifest from --initial-peers within {timeout:.0f} s ({last})")
+                    if got is not None:
+                        break
+                else:
+                    await trio.sleep(1.0)
+    if isinstance(got, ManifestError):
+        raise got
+    if got is None:
+        raise ManifestError(f"no run manifest from --initial-peers within {timeout:.0f} s ({last})")
+    return got
+
+
+def _refusal(addr: Any, me: Any, reason: str) -> str:
+    return (
+        f"{addr} refused this peer ({me}): {reason}. The run is private: send your peer ID "
+        "(start with --identity FILE to keep it) to the organiser, who runs `python -m "
+        "examples.sahajbert invite`, then start with --owner PUBKEY --invitation FILE"
+    )
 
 
 def _check_tokenizer(data: Any, manifest: RunManifest) -> None:

@@ -50,8 +50,17 @@ _PEER_ID = re.compile(r"[1-9A-HJ-NP-Za-km-z]{1,100}")  # base58, as owner marker
 
 def parse_checkpoint(value: Any) -> tuple[int, str] | None:
     """(epoch, path) from the value of ``checkpoint_key``, or None when it is not a sane
-    announcement. The key is not owner-marked (anyone can write it), so nothing here trusts
-    the value: a trainer reads it only to know when it may stop serving."""
+    announcement. The coordinator writes it in its signed subkey, but others may write
+    theirs, so nothing here trusts the value: a trainer reads it only to know when it may stop
+    serving. Of several subkeys, the newest sane announcement counts."""
+    value = getattr(value, "value", value)
+    if isinstance(value, dict) and "epoch" not in value:  # subkey -> value
+        found = [_announcement(v) for v in list(value.values())[:64]]
+        return max((f for f in found if f is not None), default=None)
+    return _announcement(value)
+
+
+def _announcement(value: Any) -> tuple[int, str] | None:
     value = getattr(value, "value", value)
     if not isinstance(value, dict):
         return None

@@ -23,6 +23,7 @@ import numpy as np
 
 from examples.sahajbert import metrics, training
 from examples.sahajbert.config import NetConfig, TrainerConfig
+from examples.sahajbert.events import EventLog, PhaseHost
 
 log = logging.getLogger(__name__)
 
@@ -121,13 +122,13 @@ def run_trainer(
     final_params: Path | None = None,
     linger: float = 120.0,
     run_manifest: tuple[dict, Path] | None = None,
+    events: Path | None = None,
 ) -> TrainerResult:
     """Train until ``cfg.max_epochs`` (forever when None); see the module docstring.
 
     ``run_manifest``: the run's signed manifest and its tokenizer file, served on to peers
-    that join through this one (:mod:`examples.sahajbert.manifest`)."""
-
-    import dedloc_jax
+    that join through this one (:mod:`examples.sahajbert.manifest`). ``events``: append
+    what the trainer does there (:mod:`examples.sahajbert.events`)."""
 
     training.enable_compilation_cache(cfg.work_dir / "jax-cache")
     tokenizer, corpus = training.prepare_data(cfg)
@@ -137,16 +138,19 @@ def run_trainer(
     vocab = len(tokenizer)
     model_cfg = training.model_config(cfg.model, vocab, cfg.seq_length, cfg.bf16)
     graphdef, params, rest = training.build_model(model_cfg, seed=cfg.seed)
+    log_events = EventLog(events)
     collab = open_collaboration(cfg, net)
     try:
         if run_manifest is not None:
             serve_manifest(collab, *run_manifest)
+        host = PhaseHost(collab, log_events) if events is not None else collab
         inner = training.jitted_inner(cfg.optimizer)
-        tx = training.make_optimizer(cfg.optimizer, collab, cfg.target_batch_size, inner=inner)
+        tx = training.make_optimizer(cfg.optimizer, host, cfg.target_batch_size, inner=inner)
         opt_state = tx.init(params)
         # Before anything is compiled: a newcomer loads the run's state, the first peer
         # serves its own (keep_in_step then follows the run on every micro-step).
-        params, opt_state = dedloc_jax.keep_in_step(collab, params, opt_state)
+        params, opt_state = _keep_in_step(host, params, opt_state, log_events)
+        log_events.phase("compiling", epoch=int(opt_state.epoch))
         devices = jax.local_device_count()
         micro = cfg.per_device_batch_size * devices * cfg.grad_accumulation
         grad_step = training.make_grad_step(graphdef, rest)
@@ -164,7 +168,8 @@ def run_trainer(
             seen = _wait_for_trainers(collab, cfg.wait_for_trainers, timeout=60.0)
             log.info("%d other trainer(s) ready at the start", seen)
         log.info("training on %d local device(s), %d samples per micro-step", devices, micro)
-        result = _loop(cfg, collab, step, data, params, opt_state, devices)
+        log_events.phase("accumulating", epoch=int(opt_state.epoch))
+        result = _loop(cfg, collab, step, data, params, opt_state, devices, host, log_events)
         params, opt_state = result.pop("params"), result.pop("opt_state")
         out = TrainerResult(**result)
         if final_params is not None:
@@ -176,6 +181,18 @@ def run_trainer(
         return out
     finally:
         collab.close()
+
+
+def _keep_in_step(host: Any, params: Any, opt_state: Any, events: EventLog) -> tuple[Any, Any]:
+    """:func:`dedloc_jax.keep_in_step`, with an event for each state it loaded."""
+    import dedloc_jax
+
+    loads = host.keeper.loads
+    params, opt_state = dedloc_jax.keep_in_step(host, params, opt_state)
+    if host.keeper.loads != loads:
+        events.epoch(int(opt_state.epoch), "load", params)
+        events.phase("accumulating", epoch=int(opt_state.epoch))
+    return params, opt_state
 
 
 def _spread(params: Any, opt_state: Any, data: Any) -> tuple[Any, Any, Any]:
@@ -231,9 +248,9 @@ def _loop(
     params: Any,
     opt_state: Any,
     devices: int,
+    host: Any,
+    events: EventLog,
 ) -> dict[str, Any]:
-    import dedloc_jax
-
     micro = cfg.per_device_batch_size * devices * cfg.grad_accumulation
     epoch = int(opt_state.epoch)
     history: list[metrics.EpochFigures] = []
@@ -276,12 +293,16 @@ def _loop(
         now = time.monotonic()
         meter.update(micro, now)
         stepped_to = int(opt_state.epoch)
-        # Serves the new state after a step; loads the run's after a step alone, a lost fork
-        # check, or when the run is ahead (the library's policy: dedloc_jax.keep_in_step).
-        params, opt_state = dedloc_jax.keep_in_step(collab, params, opt_state)
-        new_epoch = int(opt_state.epoch)
+        events.beat(stepped_to)
         if stepped_to != epoch:
             last_loss = float(np.mean(epoch_losses))
+            group = int(opt_state.group_size)
+            events.epoch(stepped_to, "step", params, group=group, loss=last_loss)
+        # Serves the new state after a step; loads the run's after a step alone, a lost fork
+        # check, or when the run is ahead (the library's policy: dedloc_jax.keep_in_step).
+        params, opt_state = _keep_in_step(host, params, opt_state, events)
+        new_epoch = int(opt_state.epoch)
+        if stepped_to != epoch:
             history.append(
                 metrics.EpochFigures(epoch, last_loss, epoch_samples, now - epoch_started)
             )

@@ -17,15 +17,19 @@ from dedloc_jax import CollaborationEstimate
 from examples.sahajbert import coordinator as coordinator_mod
 from examples.sahajbert.config import NetConfig, TrainerConfig
 from examples.sahajbert.coordinator import Coordinator, CoordinatorOptions, FinalStateMissing
+from p2p.dht import owner_marker
+from p2p.identity import Identity
 
 pytestmark = pytest.mark.timeout(60)  # a coordinator that never gives up would loop forever
 
 
 class _DHT:
+    peer_id = Identity.generate().peer_id
+
     async def get(self, key: str, **_: Any) -> None:
         return None
 
-    async def store(self, *_: Any) -> bool:
+    async def store(self, *_: Any, **__: Any) -> bool:
         return True
 
     def now(self) -> float:
@@ -226,3 +230,57 @@ def test_one_lying_peer_cannot_move_the_epoch_rows(tmp_path, saved) -> None:
         assert 3.0 <= row["seconds"] <= 5.0  # the honest peers' 3, 4 and 5 s
         assert ref["samples"] <= row["samples"] <= ref["samples"] + 2 * target
         assert row["peers"] == 4
+
+
+def test_the_coordinator_warns_of_peers_that_republish_another_manifest(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Trainers serve the manifest on; one that serves another (another tokenizer, a forged
+    or garbled envelope) is named in a WARNING with the digest it serves, once, and in the
+    status; the coordinator serves only its own."""
+    from examples.sahajbert import manifest
+
+    cfg = TrainerConfig().replace(model="tiny", run_id="test", seq_length=32)
+    ours = manifest.build(cfg, Path(__file__), 900, "none")
+    owner, rogue = Identity.generate(), Identity.generate()
+    envelope = manifest.sign(ours, owner)
+    other = manifest.build(cfg.replace(seq_length=64), Path(__file__), 900, "none")
+    honest, liar, garbler = (Identity.generate().peer_id for _ in range(3))
+    slots = {
+        owner_marker(honest): envelope,  # republished unchanged
+        owner_marker(liar): manifest.sign(other, rogue),
+        owner_marker(garbler): {"manifest": b"<script>", "signer": b"x", "signature": b"y"},
+        "no-owner-marker": manifest.sign(other, rogue),  # not a peer's slot: ignored
+    }
+
+    class _ManifestDHT(_DHT):
+        async def get(self, key: str, **_: Any) -> Any:
+            return slots if key == manifest.manifest_key("test") else None
+
+    class _Collab:
+        def run_async(self, async_fn: Any, *args: Any) -> Any:
+            import trio
+
+            core = _Core()
+            core.dht = _ManifestDHT()
+            return trio.run(async_fn, core, *args)
+
+    coord = Coordinator(cfg, NetConfig(), CoordinatorOptions(out_dir=tmp_path))
+    coord.manifest, coord.envelope = ours, envelope
+    with caplog.at_level("WARNING", logger="examples.sahajbert.coordinator"):
+        coord._check_manifests(_Collab())
+        coord._check_manifests(_Collab())  # the same again: no second warning
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 2, warnings
+    (about_liar,) = [w for w in warnings if str(liar) in w]
+    assert other.digest in about_liar and ours.digest in about_liar
+    assert f"signed by {rogue.peer_id}" in about_liar
+    (about_garbler,) = [w for w in warnings if str(garbler) in w]
+    assert "signature" in about_garbler
+    assert not any(str(honest) in w for w in warnings)
+    assert coord.manifest_conflicts[str(liar)] == other.digest
+    assert set(coord.manifest_conflicts) == {str(liar), str(garbler)}
+    # the liar comes back to the run's manifest: no longer listed
+    slots[owner_marker(liar)] = envelope
+    coord._check_manifests(_Collab())
+    assert set(coord.manifest_conflicts) == {str(garbler)}

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = pytest.mark.timeout(1800)
 
 
 def test_trainers_killed_and_restarted_stay_in_step(tmp_path: Path) -> None:
@@ -43,3 +43,23 @@ def test_trainers_killed_and_restarted_stay_in_step(tmp_path: Path) -> None:
     assert result["in_step_epochs_checked"] >= 1  # the divergence check compared something
     for peer, figures in result["per_peer"].items():
         assert figures["max_epoch"] >= result["epochs"] - 1, (peer, figures)
+
+
+@pytest.mark.slow
+def test_real_sahajbert_trainers_killed_and_restarted_stay_in_step(tmp_path: Path) -> None:
+    """``--peer sahajbert``: the volunteer program itself (tiny config, a prepared run, a
+    coordinator as bootstrap, a work directory per trainer), three kills."""
+    cmd = [
+        sys.executable, "-m", "bench.chaos", "--peer", "sahajbert", "--peers", "3", "--kills",
+        "3", "--max-seconds", "900", "--warmup-epochs", "1", "--settle-epochs", "1",
+        "--pause", "1", "--seed", "1", "--out", str(tmp_path),
+    ]  # fmt: skip
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=1500)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["peer_kind"] == "sahajbert" and result["kills"] == 3, result
+    assert result["divergences"] == [] and result["hangs"] == [], result
+    assert result["nans"] == [] and result["crashes"] == [], result
+    assert result["in_step_epochs_checked"] >= 1 and result["final_match"], result
+    assert result["epochs_after_kills"] >= 1, result
