@@ -429,6 +429,8 @@ def test_a_progress_snapshot_is_ready_when_every_other_peer_waits_for_us() -> No
     # Not before the table was read after this peer's first report (peers that opened with
     # it may be missing from the table read at opening).
     assert not dataclasses.replace(computing, fresh=False).ready(3, 400)
+    # Its round began before our first report (a newcomer): never ready in that epoch.
+    assert not dataclasses.replace(snap, missed=True).ready(3, 4000)
 
 
 @pytest.mark.parametrize("apart", [True, False])
