@@ -1,11 +1,15 @@
 """A sahajBERT-shaped collaboration in the simulator: how much of their time peers compute.
 
 40 peers (by default) train a model of 18M parameters toward a 4096-sample target, on the
-simulated network in virtual time: GPU throughputs spread 10x like volunteers' (lognormal),
-home links (asymmetric, 10-100 Mbit/s up, 5x that down), a quarter of the peers client-only
-(behind NAT: they accept no connections), fp16 on the wire, and a few peers leaving and others
-joining per hour. Everything above the simulated sockets is the real stack: secure channel,
-mux, DHT, progress tracker, matchmaking and butterfly all-reduce of real vectors.
+simulated network in virtual time: sahajBERT's figures (REFERENCE.md: 18M parameters, target
+4096, micro-batches of 4, fp16 on the wire, and a mean of 3.95 samples/s per device, its 19,519
+steps over 234 device-days), GPU throughputs spread like volunteers' (lognormal, 1-10
+samples/s), home links (asymmetric, 10-100 Mbit/s up, 5x that down: REFERENCE.md gives no
+link rates), a quarter of the peers client-only (behind NAT: they accept no connections), and
+a few peers leaving and others joining per hour. Everything above the simulated sockets is
+the real stack: secure channel, mux, DHT, progress tracker, matchmaking, butterfly all-reduce
+of real vectors, and each peer's loop keeps in step like a volunteer's (``keep_in_step_async``:
+it serves its state, a newcomer loads the run's).
 
 By default peers use DeDLOC's delayed parameter update (``--mode overlap``): the round of
 epoch t runs in the background while the peer computes toward t + 1, and its result is applied
@@ -49,6 +53,7 @@ import trio
 from dedloc_jax.averaging import Member, solve_shares
 from dedloc_jax.collaboration import CollaborationCore, open_collaboration
 from dedloc_jax.config import CollaborationConfig
+from dedloc_jax.keeping import StepKeeper, keep_in_step_async
 from p2p.dht import DHTClock, DHTConfig
 from p2p.node import NodeConfig, open_node
 from p2p.testing import SimNetwork, run_sim, sim_identity
@@ -87,12 +92,21 @@ class EpochOutcome:
     complete: bool  # it holds the mean of every member its round expected
 
 
+# sahajBERT's run (/work/shared/REFERENCE.md): 19,519 steps of 4,096 samples in 234
+# device-days, i.e. 3.95 samples/s per device, averaging and idle time included (so a lower
+# bound on what a device computes). Volunteers' throughputs are drawn lognormal around it.
+SAHAJBERT_SAMPLES_PER_DEVICE_SECOND = 19_519 * 4096 / (234 * 86_400)
+RATE_SIGMA = 0.6  # lognormal spread: the 1st and 99th percentiles about 4x apart
+
+
 def _draw_peers(n: int, rng: random.Random, scale: int = 1) -> list[PeerStats]:
-    """Volunteers: GPU throughputs lognormal within 1-10 samples/s, home uplinks 10-100
-    Mbit/s with 5x that down (divided by the payload scale), every fourth peer a client."""
+    """Volunteers: GPU throughputs lognormal with sahajBERT's mean per device, within 1-10
+    samples/s; home uplinks 10-100 Mbit/s with 5x that down (divided by the payload scale);
+    every fourth peer a client."""
+    median = SAHAJBERT_SAMPLES_PER_DEVICE_SECOND / np.exp(RATE_SIGMA**2 / 2)
     peers = []
     for i in range(n):
-        rate = min(10.0, max(1.0, rng.lognormvariate(np.log(3.0), 0.6)))
+        rate = min(10.0, max(1.0, rng.lognormvariate(np.log(median), RATE_SIGMA)))
         up = rng.uniform(10, 100) * MBIT / scale
         mode = "client" if i % 4 == 3 else "node"
         peers.append(PeerStats(f"p{i}", mode, rate, up, 5 * up))
@@ -174,6 +188,11 @@ async def _train(
     computed = 0.0  # seconds computed toward ``epoch``
     stats.cut_off = 0.0
     in_flight: list[trio.Event] = []  # the round of the previous epoch, while it runs
+    # The state this peer holds (a newcomer: a fresh one, of epoch 0) and whether the step
+    # that made it averaged with the whole collaboration: what keep_in_step decides on.
+    keeper = StepKeeper()
+    held: list[np.ndarray] = [vector]
+    state = {"epoch": 0, "complete": True}
 
     async def average(at: int, contributed: int, computed: float, finished: trio.Event) -> None:
         try:
@@ -181,6 +200,7 @@ async def _train(
             stats.in_round += computed
             stats.cut_off = 0.0
             out = await core.average(at, [vector], contributed)
+            state.update(epoch=out.epoch, complete=out.complete and out.group_size > 1)
             stats.in_round -= computed
             stats.epochs.append(
                 EpochOutcome(
@@ -211,10 +231,20 @@ async def _train(
                 else:
                     await average(epoch, samples, computed, finished)
                 epoch, samples, computed = epoch + 1, 0, 0.0
-            elif (
-                not in_flight and core.estimate.epoch > epoch
-            ):  # we fell behind (joined late): move on; what it computed is lost
-                epoch, samples, computed = core.estimate.epoch, 0, 0.0
+            if in_flight:
+                continue
+            # Like a volunteer's loop: serve each state stepped to, load the run's state on
+            # joining, after a step alone and when behind (between rounds: with delayed
+            # updates, the state of the round in flight is not ours yet).
+            had = state["epoch"]
+            held, state["epoch"] = await keep_in_step_async(
+                core, keeper, held, had, bool(state["complete"])
+            )
+            if state["epoch"] != had:
+                state["complete"] = True  # the run's state, loaded
+            newest = max(state["epoch"], core.estimate.epoch)
+            if newest > epoch:  # we fell behind (joined late): move on; what it computed is lost
+                epoch, samples, computed = newest, 0, 0.0
         nursery.cancel_scope.cancel()
 
 

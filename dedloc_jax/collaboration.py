@@ -71,8 +71,11 @@ class ProgressSnapshot:
     behind: bool = False  # the collaboration is at a newer epoch than this peer
     others_train: bool = False  # the table names another peer that computes gradients
     newest_served: int | None = None  # the newest epoch another peer serves a state of
+    missed: bool = False  # the round of ``epoch`` began without us (CollaborationCore.report)
 
     def ready(self, epoch: int, samples: int) -> bool:
+        if self.missed and epoch == self.epoch:
+            return False
         return self.fresh and self.reached(epoch, samples)
 
     def reached(self, epoch: int, samples: int) -> bool:
@@ -119,6 +122,9 @@ class CollaborationCore:
         )
         self.epoch = 0
         self.history: list[dict[str, Any]] = []  # one entry per averaging step
+        # The epoch of our first report toward it, and whether its round began without us
+        self._first_report_epoch: int | None = None
+        self._missed = False
 
     # --- progress ------------------------------------------------------------------------
     def report(self, epoch: int, samples: int, batch_size: int) -> bool:
@@ -134,9 +140,28 @@ class CollaborationCore:
         est = self.tracker.current_estimate()
         if est.epoch > epoch:
             return False  # behind: never contribute gradients of an old epoch
+        if epoch != self._first_report_epoch:
+            self._first_report_epoch = epoch
+            self._missed = self._round_began_without_us(epoch, est)
+        if self._missed:
+            return False  # until the others move on (we are then behind)
         # Not before a table read that began after our first report: peers that opened with
         # us may be missing from the one read at opening, and we would step without them.
         return est.ready and self.tracker.table_fresh
+
+    def _round_began_without_us(self, epoch: int, est: CollaborationEstimate) -> bool:
+        """At our first report toward ``epoch``: whether every other peer that contributes to
+        it already waits in its round, and none averaged with us into it (so none expects
+        us). Such a peer (a newcomer, one that loaded the state late) cannot join that round:
+        trying, it stepped alone, on a lineage of its own. It waits for the epoch to end and
+        goes on from the others' state instead."""
+        if not est.others_waiting or est.epoch != epoch:
+            return False
+        into, mates = self.tracker.mates
+        if into == epoch and mates:
+            return False
+        log.info("epoch %d: its round began before our first micro-step; skipping it", epoch)
+        return True
 
     async def read_fresh_table(self) -> None:
         """Wait, within the DHT request timeout, for a progress read that began after our
@@ -193,6 +218,7 @@ class CollaborationCore:
             est.epoch > self.tracker.epoch,
             self.others_train(),
             max((state[1] for state in self.tracker.states()), default=None),
+            self._missed and self._first_report_epoch == est.epoch,
         )
 
     @property
@@ -200,11 +226,14 @@ class CollaborationCore:
         return self.tracker.current_estimate().epoch > self.tracker.epoch
 
     def _stepped_without(self, spec: GroupSpec, epoch: int) -> bool:
-        """Whether a peer that trains, outside ``spec``, reports a newer epoch than ``epoch``
-        (a peer on a lineage the collaboration left does not count)."""
+        """Whether a peer that trains, outside ``spec``, averaged into a newer epoch than
+        ``epoch``: a group averaged apart from ours. One that got there alone (a step alone, a
+        newcomer that moved on) holds no other mean: it loads the collaboration's state, and
+        counting it sent every member of our group to download the state it already held. (A
+        peer on a lineage the collaboration left does not count either.)"""
         members = {m.peer_id for m in spec.members}
         return any(
-            r.epoch > epoch and r.mode != "aux" and pid not in members
+            r.epoch > epoch and not r.alone and r.mode != "aux" and pid not in members
             for pid, r in self.tracker.contenders().items()
         )
 

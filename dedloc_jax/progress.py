@@ -39,6 +39,10 @@ class PeerProgress:
     # The samples per step it trains toward (None: it does not say, e.g. an aux peer that
     # follows the run). Peers of one run that disagree are told so (the tracker warns).
     target: int | None = None
+    # It entered ``epoch`` without averaging with another peer (a step alone, a newcomer, a
+    # peer that moved on without stepping): its record is no sign that a group of the epoch
+    # before averaged apart from ours (CollaborationCore._stepped_without).
+    alone: bool = False
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -73,6 +77,7 @@ class PeerProgress:
             **({} if self.state is None else {"state": _state_record(self.state)}),
             **({} if self.averages else {"averages": False}),
             **({} if self.target is None else {"target": self.target}),
+            **({"alone": True} if self.alone else {}),
         }
 
     @classmethod
@@ -108,6 +113,9 @@ class PeerProgress:
         target = record.get("target")
         if target is not None and (not isinstance(target, int) or isinstance(target, bool)):
             raise ValueError("target must be an integer")
+        alone = record.get("alone", False)
+        if not isinstance(alone, bool):
+            raise ValueError("alone must be true or false")
         return cls(
             peer_id,
             epoch,
@@ -120,6 +128,7 @@ class PeerProgress:
             state,
             averages,
             target,
+            alone,
         )
 
 

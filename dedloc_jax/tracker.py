@@ -333,6 +333,7 @@ class ProgressTracker:
             state=self.served,
             averages=self.averages,
             target=self._target,
+            alone=not (self.mates[0] == self.epoch and self.mates[1]),
         )
 
     def published_error(self) -> float:

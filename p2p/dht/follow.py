@@ -108,6 +108,7 @@ class KeyFollower:
         self._local_incarnation = b""
         self._located_at = -math.inf
         self._fresh_lookup = False  # the next relocation ignores cached lookups
+        self._weighed: set[PeerID] = set()  # the candidates the last relocation ranked
         # For each slot (subkey; None: the plain value), the holders that sent the record it
         # holds, and when each holder last answered (DHT clock): see _drop_lapsed.
         self._providers: dict[str | None, set[PeerID]] = {}
@@ -128,10 +129,12 @@ class KeyFollower:
         asks one holder, and all of them every ``sweep_every`` reads or when ``sweep`` is
         set: for a reader that must not miss records a holder lacks (writers store on the
         nearest nodes they found, and their views of the nearest differ)."""
+        turn = 0 if sweep else self._reads % self.sweep_every
         due = trio.current_time() - self._located_at >= self.relocate_interval
+        if turn == 0 and self._nearer_known():
+            due = self._fresh_lookup = True  # (a cached lookup predates the nearer node)
         if due or len(self._holders) < self.wanted:
             await self._relocate()
-        turn = 0 if sweep else self._reads % self.sweep_every
         self._reads += 1
         held = self._state.held()
         if self._holders:
@@ -143,6 +146,20 @@ class KeyFollower:
         if held >= 4 and 2 * self._state.held() <= held:
             self._collapsed()
         return self._state.view()
+
+    def _nearer_known(self) -> bool:
+        """Whether our routing table names a node nearer the key than a holder we follow, one
+        no relocation has weighed yet: holders located while the network was small (the run's
+        first peers) are not where writers that joined later store, and waiting for the
+        relocation interval froze the view that long."""
+        if not self._holders:
+            return False
+        target = key_id(self.key)
+        farthest = max(node_id(c.peer) ^ target for c in self._holders)
+        return any(
+            e.id ^ target < farthest and e.peer not in self._weighed
+            for e in self.dht.routing.nearest(target, self.wanted)
+        )
 
     def _collapsed(self) -> None:
         """Half the view lapsed in one read although every holder was asked: they no longer
@@ -208,6 +225,7 @@ class KeyFollower:
         for c in nearest:
             merged.setdefault(c.peer, c)
         by_distance = sorted(merged.values(), key=lambda c: node_id(c.peer) ^ target)
+        self._weighed = set(merged)
         stale, self._stale = self._stale, set()
         retry = [c for c in by_distance[: self.wanted] if c.peer in self._suspects - stale]
         if retry:

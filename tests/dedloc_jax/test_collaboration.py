@@ -429,20 +429,32 @@ def test_a_progress_snapshot_is_ready_when_every_other_peer_waits_for_us() -> No
     # Not before the table was read after this peer's first report (peers that opened with
     # it may be missing from the table read at opening).
     assert not dataclasses.replace(computing, fresh=False).ready(3, 400)
+    # Its round began before our first report (a newcomer): never ready in that epoch.
+    assert not dataclasses.replace(snap, missed=True).ready(3, 4000)
 
 
-def test_a_late_group_knows_its_mean_is_incomplete_when_others_stepped_without_it() -> None:
-    """Peer 2 averaged epoch 0 without peers 0 and 1 (it stepped alone and reports epoch 1);
-    they then form one group of two for epoch 0. Their leader saw no other group, yet their
-    mean is not the epoch's: the outcome says incomplete, so they load the others' state."""
+@pytest.mark.parametrize("apart", [True, False])
+def test_a_late_group_knows_its_mean_is_incomplete_when_a_group_stepped_without_it(
+    apart: bool,
+) -> None:
+    """Peers 2 and 3 left epoch 0 before peers 0 and 1 averaged it: averaging together (a
+    group apart) or each alone. Peers 0 and 1 then form one group of two; their leader saw
+    no other group. With a group apart their mean is not the epoch's: the outcome says
+    incomplete, so they load the others' state. Peers that stepped alone hold no other mean
+    (they load ours): the outcome is complete. (At 40 peers, a newcomer that stepped alone
+    made the group of 39 load the state it already held.)"""
     config = CollaborationConfig.local_demo(16).replace(max_refresh=1.0)
 
     async def main() -> list:
         net = SimNetwork(seed=4)
-        async with open_sim_collaboration(net, 3, config=config, latency=0.01) as cores:
-            cores[2].report(0, 16, 16)
-            cores[2].tracker.set_epoch(1)
-            await trio.sleep(3.0)  # its record of epoch 1 reaches the others
+        async with open_sim_collaboration(net, 4, config=config, latency=0.01) as cores:
+            gone = [str(c.node.peer_id) for c in cores[2:]]
+            for core in cores[2:]:
+                core.report(0, 8, 8)
+                if apart:
+                    core.tracker.expect_mates(1, gone)
+                core.tracker.set_epoch(1)
+            await trio.sleep(3.0)  # their records of epoch 1 reach the others
             outcomes: list = [None, None]
 
             async def one(i: int) -> None:
@@ -455,8 +467,71 @@ def test_a_late_group_knows_its_mean_is_incomplete_when_others_stepped_without_i
 
     outcomes = run_sim(main, seed=4)
     for outcome in outcomes:
-        assert outcome.group_size == 2 and not outcome.complete
+        assert outcome.group_size == 2 and outcome.complete is not apart
         assert outcome.gradients[0].tobytes() == np.full(10, 0.5, np.float32).tobytes()
+
+
+def test_a_newcomer_skips_an_epoch_whose_round_began_without_it() -> None:
+    """A peer that joins while every other peer of its epoch already averages cannot join
+    that round: its reports never say "step" in that epoch, it is behind once the others
+    step, and their group is complete. (It used to step alone at once, the others' samples
+    having reached the target: a lineage of its own, and at 40 peers one epoch in three
+    counted incomplete.)"""
+    from dedloc_jax.collaboration import open_collaboration
+    from p2p.dht import DHTClock
+    from p2p.node import NodeConfig
+    from p2p.testing import open_sim_nodes
+
+    config = CollaborationConfig.local_demo(48).replace(max_refresh=1.0)
+    vector = np.ones(1_000_000, np.float32)  # 4 MB over 2 MB/s links: a round of seconds
+    links = {"latency": 0.01, "upload_bps": 2e6, "download_bps": 8e6}
+
+    async def main() -> dict:
+        net = SimNetwork(seed=5)
+        out: dict = {"outcomes": [], "ready": []}
+        async with open_sim_collaboration(net, 3, config=config, **links) as cores:
+
+            async def train(i: int) -> None:
+                samples = 0
+                while not cores[i].report(0, samples := samples + MICRO, MICRO):
+                    await trio.sleep(MICRO / 8.0)
+                out["outcomes"].append(await cores[i].average(0, [vector], samples))
+
+            async def newcomer() -> None:
+                while not all(c.tracker._frozen for c in cores):  # all three average
+                    await trio.sleep(0.05)
+                async with (
+                    open_sim_nodes(net, 1, config=NodeConfig.testing(), **links) as (node,),
+                    open_collaboration(
+                        node,
+                        "run",
+                        initial_peers=[str(cores[0].node.addrs[0])],
+                        config=config,
+                        mode="node",
+                        dht_config=DHTConfig.fast(),
+                        dht_clock=DHTClock(trio.current_time),
+                    ) as core,
+                ):
+                    out["began"] = all(c.tracker._frozen for c in cores)
+                    samples = 0
+                    while not core.behind:
+                        await trio.sleep(MICRO / 8.0)
+                        ready = core.report(0, samples := samples + MICRO, MICRO)
+                        out["ready"].append((ready, core.snapshot().missed))
+                    out["epoch"] = core.estimate.epoch
+
+            async with trio.open_nursery() as nursery:
+                for i in range(3):
+                    nursery.start_soon(train, i)
+                nursery.start_soon(newcomer)
+        return out
+
+    out = run_sim(main, seed=5)
+    assert out["began"]  # it joined while the round ran
+    assert len(out["ready"]) >= 2 and not any(ready for ready, _ in out["ready"])
+    assert all(missed for _, missed in out["ready"][:-1])  # (the last: behind)
+    assert out["epoch"] == 1
+    assert [(o.group_size, o.complete) for o in out["outcomes"]] == [(3, True)] * 3
 
 
 def test_a_patient_fork_check_waits_while_the_progress_table_is_empty() -> None:

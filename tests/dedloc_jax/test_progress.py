@@ -113,6 +113,9 @@ def test_record_round_trip_and_rejection_of_malformed_records() -> None:
     follower = PeerProgress("a", 3, 0, 0.0, 12.0, "aux", averages=False)
     assert not PeerProgress.from_record("a", follower.to_record()).averages
     assert "averages" not in p.to_record() and PeerProgress.from_record("a", older).averages
+    alone = PeerProgress("a", 3, 0, 0.0, 12.0, alone=True)
+    assert PeerProgress.from_record("a", alone.to_record()).alone
+    assert "alone" not in p.to_record() and not PeerProgress.from_record("a", older).alone
     bad = [
         None,
         [],
@@ -124,6 +127,7 @@ def test_record_round_trip_and_rejection_of_malformed_records() -> None:
         {**p.to_record(), "samples": True},
         {**p.to_record(), "waiting": 1},
         {**p.to_record(), "averages": 0},
+        {**p.to_record(), "alone": "yes"},
         {**p.to_record(), "state": [3, b"d"]},
         {**p.to_record(), "state": [3, "d", []]},
         {**p.to_record(), "state": [-1, b"d", []]},

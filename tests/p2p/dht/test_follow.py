@@ -301,6 +301,37 @@ def test_a_follower_keeps_its_holders_when_a_lookup_finds_far_nodes_or_none_answ
     run_sim(main)
 
 
+def test_a_follower_moves_to_nearer_holders_its_routing_table_learns_of() -> None:
+    """Holders located while the network was small (a run's first peer locates the key among
+    a handful of nodes) are not where writers that join later store: once its routing table
+    names a nearer node, the follower relocates at its next sweep, not at its relocation
+    interval. (A 20-peer simulation's first peer read a frozen table for 30 s.)"""
+    from p2p.dht.ids import key_id
+
+    async def main() -> None:
+        async with dht_swarm(6, seed=11) as swarm:
+            reader = swarm.dhts[0]
+            follower = reader.follow("table", relocate_interval=1000.0, sweep_every=2)
+            assert await follower.get() is None
+            early = set(follower.holders)
+            for i in range(6, 30):  # the run grows; newcomers join through the first peer
+                d = await swarm.add(i, [str(reader.node.addrs[0])], config=TEST_CONFIG)
+                swarm.dhts.append(d)
+                swarm.hosts.append(swarm.net.hosts[f"n{i}"])
+            nearest = swarm.brute_force_nearest(key_id("table"), follower.wanted)
+            assert not set(nearest) <= early  # the early holders are no longer the nearest
+            writer = swarm.dhts[-1]
+            await writer.store("table", 1, writer.now() + 600, subkey="a", replicas=3)
+            got = None
+            for _ in range(2):  # within one sweep
+                got = await follower.get()
+            assert got is not None and got["a"].value == 1
+            assert follower.holders == nearest
+            assert follower.stats["relocations"] == 2
+
+    run_sim(main)
+
+
 def test_a_follower_asks_every_holder_before_a_record_lapses() -> None:
     """Between sweeps a read asks one holder. When that one lacks the writer's refresh (a far
     node writers do not store on), the record must not lapse on its word: the read asks the
