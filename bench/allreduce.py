@@ -29,6 +29,7 @@ import multiprocessing as mp
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from functools import partial
 from typing import Any
 
@@ -208,7 +209,16 @@ async def _read_exactly(stream: Any, n: int) -> bytes:
     return bytes(buf)
 
 
-def run_loopback(peers: int, size: int, clients: int, codec: str, rounds: int) -> dict:
+def run_loopback(
+    peers: int,
+    size: int,
+    clients: int,
+    codec: str,
+    rounds: int,
+    between: Callable[[int], None] | None = None,
+) -> dict:
+    """``between(r)``, if given, runs after round ``r`` while the peers wait (another system's
+    round, measured under the same load: bench.compare_hivemind)."""
     from dedloc_jax.averaging import GroupSpec, Member
 
     ctx = mp.get_context("spawn")
@@ -238,6 +248,8 @@ def run_loopback(peers: int, size: int, clients: int, codec: str, rounds: int) -
             for p in pipes:
                 p.recv()
             print(f"round {r + 1}/{rounds} done", file=sys.stderr)
+            if between is not None:
+                between(r)
         for p in pipes:
             p.send("report")
         reports = [p.recv() for p in pipes]

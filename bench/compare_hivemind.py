@@ -9,11 +9,14 @@ which runs the hivemind peers. Each hivemind peer is a process with its own DHT 
 listening on 127.0.0.1 only, with UPnP/NAT-PMP port mapping, AutoNAT and relays off. Peer i
 averages the same float32 vector as in ``bench.allreduce`` (seeded by i, weight i + 1).
 
-A hivemind round is timed from the moment every peer's group is formed (``require_trigger``:
+Rounds alternate, ours then hivemind's, so both meet the machine's load alike. A hivemind
+round is timed from the moment every peer's group is formed (``require_trigger``:
 matchmaking is not counted) until every peer holds the average; ours from the start of
 ``all_reduce`` (its group is given) until every peer holds the average. Only complete rounds
 (every peer averaged with all the others) count in the medians. Prints a table and, as the last
-line, a JSON object: ``ours_seconds``, ``hivemind_seconds``, ``ratio`` (ours / hivemind),
+line, a JSON object: ``ours_seconds``, ``hivemind_seconds``, ``ratio`` (ours / hivemind), the
+same for CPU time of a round over all peers' processes (``cpu_ratio``; hivemind's counts its
+DHT and averager processes and Go daemons),
 ``ours_complete_rounds``, ``hivemind_complete_rounds`` (of ``rounds``), and both max errors.
 
 This file also runs as a hivemind peer (``--hivemind-peer``); that side imports only the
@@ -52,6 +55,39 @@ def _hear() -> Any:
     if not line:
         raise SystemExit(0)
     return json.loads(line)
+
+
+def _tree_cpu_seconds() -> float:
+    """CPU time of this process and every live descendant (hivemind's DHT and averager
+    processes, its Go daemon), from /proc (Linux; 0 elsewhere)."""
+    parents: dict[int, int] = {}
+    cpu: dict[int, float] = {}
+    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    try:
+        names = os.listdir("/proc")
+    except OSError:
+        return 0.0
+    for name in names:
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        parents[int(name)] = int(fields[1])
+        cpu[int(name)] = (int(fields[11]) + int(fields[12])) / tick
+    mine, total = {os.getpid()}, 0.0
+    changed = True
+    while changed:
+        changed = False
+        for pid, parent in parents.items():
+            if parent in mine and pid not in mine:
+                mine.add(pid)
+                changed = True
+    for pid in mine:
+        total += cpu.get(pid, 0.0)
+    return total
 
 
 def hivemind_peer(index: int, peers: int, size: int, initial: list[str], timeout: float) -> None:
@@ -103,7 +139,7 @@ def hivemind_peer(index: int, peers: int, size: int, initial: list[str], timeout
             armed = control.stage == AveragingStage.AWAITING_TRIGGER and not control.done()
             _say({"armed": armed})
             _hear()  # go: every peer's group is formed
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), _tree_cpu_seconds()
             ok, group = False, 0
             if armed:
                 control.allow_allreduce()
@@ -115,7 +151,9 @@ def hivemind_peer(index: int, peers: int, size: int, initial: list[str], timeout
                     print(f"hivemind peer {index}: round failed: {e!r}", file=sys.stderr)
             else:
                 control.cancel()
-            _say({"seconds": time.perf_counter() - t0, "ok": ok, "group": group})
+            seconds = time.perf_counter() - t0
+            cpu = _tree_cpu_seconds() - c0
+            _say({"seconds": seconds, "cpu": cpu, "ok": ok, "group": group})
         elif cmd["cmd"] == "report":
             with averager.get_tensors() as tensors:
                 result = tensors[0].numpy().copy()
@@ -162,48 +200,71 @@ class _Peer:
         return json.loads(line)
 
 
-def run_hivemind(python: str, peers: int, size: int, rounds: int, timeout: float) -> dict:
-    common = [str(peers), str(size), str(timeout)]
-    procs = [_Peer(python, ["0", *common])]
-    try:
-        maddrs = procs[0].hear()["maddrs"]
-        procs += [_Peer(python, [str(i), *common, *maddrs]) for i in range(1, peers)]
-        for p in procs[1:]:
-            p.hear()  # maddrs
-        for p in procs:
-            p.hear()  # ready
-        times: list[float] = []
-        complete: list[bool] = []
-        for r in range(rounds):
-            for p in procs:
-                p.say({"cmd": "round"})
-            armed = [p.hear()["armed"] for p in procs]
-            for p in procs:
-                p.say({"cmd": "go"})
-            outs = [p.hear() for p in procs]
-            times.append(max(o["seconds"] for o in outs))
-            complete.append(all(armed) and all(o["ok"] and o["group"] == peers for o in outs))
-            state = "complete" if complete[-1] else "INCOMPLETE"
-            print(f"hivemind round {r + 1}: {times[-1]:.3f} s ({state})", file=sys.stderr)
-        for p in procs:
+class HivemindPeers:
+    """``peers`` hivemind peer processes; :meth:`round` runs one timed round among them."""
+
+    def __init__(self, python: str, peers: int, size: int, timeout: float) -> None:
+        self.peers = peers
+        common = [str(peers), str(size), str(timeout)]
+        self.procs = [_Peer(python, ["0", *common])]
+        try:
+            maddrs = self.procs[0].hear()["maddrs"]
+            self.procs += [_Peer(python, [str(i), *common, *maddrs]) for i in range(1, peers)]
+            for p in self.procs[1:]:
+                p.hear()  # its addresses
+            for p in self.procs:
+                p.hear()  # ready
+        except BaseException:
+            self.close()
+            raise
+        self.times: list[float] = []
+        self.cpu: list[float] = []
+        self.complete: list[bool] = []
+
+    def round(self) -> None:
+        for p in self.procs:
+            p.say({"cmd": "round"})
+        armed = [p.hear()["armed"] for p in self.procs]
+        for p in self.procs:
+            p.say({"cmd": "go"})
+        outs = [p.hear() for p in self.procs]
+        self.times.append(max(o["seconds"] for o in outs))
+        self.cpu.append(sum(o["cpu"] for o in outs))
+        ok = all(armed) and all(o["ok"] and o["group"] == self.peers for o in outs)
+        self.complete.append(ok)
+        state = "complete" if ok else "INCOMPLETE"
+        n = len(self.times)
+        print(
+            f"hivemind round {n}: {self.times[-1]:.3f} s ({self.cpu[-1]:.2f} CPU-s, {state})",
+            file=sys.stderr,
+        )
+
+    def report(self) -> dict:
+        for p in self.procs:
             p.say({"cmd": "report"})
-        reports = [p.hear() for p in procs]
-        for p in procs:
-            p.say({"cmd": "quit"})
-    finally:
-        for p in procs:
+        reports = [p.hear() for p in self.procs]
+        done = [t for t, c in zip(self.times, self.complete, strict=True) if c]
+        cpu = [t for t, c in zip(self.cpu, self.complete, strict=True) if c]
+        return {
+            "seconds": statistics.median(done) if done else None,
+            "cpu_seconds": statistics.median(cpu) if cpu else None,
+            "complete_rounds": len(done),
+            "times": self.times,
+            "max_abs_error": max(rep["max_abs_error"] for rep in reports),
+            "identical": len({rep["digest"] for rep in reports}) == 1,
+        }
+
+    def close(self) -> None:
+        for p in self.procs:
+            try:
+                p.say({"cmd": "quit"})
+            except OSError:
+                pass
+        for p in self.procs:
             try:
                 p.proc.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 p.proc.kill()
-    done = [t for t, c in zip(times, complete, strict=True) if c]
-    return {
-        "seconds": statistics.median(done) if done else None,
-        "complete_rounds": len(done),
-        "times": times,
-        "max_abs_error": max(rep["max_abs_error"] for rep in reports),
-        "identical": len({rep["digest"] for rep in reports}) == 1,
-    }
 
 
 def _check_python(python: str) -> str | None:
@@ -237,10 +298,16 @@ def main(argv: list[str] | None = None) -> None:
 
     from bench.allreduce import run_loopback
 
-    print(f"ours: {args.peers} peers x {args.size} float32, {args.rounds} rounds", file=sys.stderr)
-    ours = run_loopback(args.peers, args.size, 0, "none", args.rounds)
-    print(f"hivemind 1.1.12: the same, {args.rounds} rounds", file=sys.stderr)
-    hm = run_hivemind(args.hivemind_python, args.peers, args.size, args.rounds, args.timeout)
+    print(f"{args.peers} peers x {args.size} float32: starting hivemind's peers", file=sys.stderr)
+    hivemind = HivemindPeers(args.hivemind_python, args.peers, args.size, args.timeout)
+    try:
+        # rounds alternate (ours, then hivemind's), so both see the machine's load alike
+        ours = run_loopback(
+            args.peers, args.size, 0, "none", args.rounds, between=lambda r: hivemind.round()
+        )
+        hm = hivemind.report()
+    finally:
+        hivemind.close()
     ratio = (
         ours["seconds"] / hm["seconds"]
         if ours["seconds"] is not None and hm["seconds"] is not None
@@ -250,17 +317,22 @@ def main(argv: list[str] | None = None) -> None:
     def cell(x: float | None, fmt: str) -> str:
         return "-" if x is None else format(x, fmt)
 
-    print(f"| {args.peers} peers x {args.size:,} float32 | round (median) | complete | max error |")
-    print("|---|---|---|---|")
-    print(
-        f"| dedloc-jax | {cell(ours['seconds'], '.2f')} s | {ours['complete_rounds']}/"
-        f"{args.rounds} | {cell(ours['max_abs_error'], '.1e')} |"
+    cpu_ratio = (
+        ours["cpu_seconds"] / hm["cpu_seconds"]
+        if ours["cpu_seconds"] is not None and hm["cpu_seconds"]
+        else None
     )
     print(
-        f"| hivemind 1.1.12 | {cell(hm['seconds'], '.2f')} s | {hm['complete_rounds']}/"
-        f"{args.rounds} | {cell(hm['max_abs_error'], '.1e')} |"
+        f"| {args.peers} peers x {args.size:,} float32 | round (median) | CPU, all peers "
+        "| complete | max error |"
     )
-    print(f"ours / hivemind: {cell(ratio, '.2f')}")
+    print("|---|---|---|---|---|")
+    for label, row in (("dedloc-jax", ours), ("hivemind 1.1.12", hm)):
+        print(
+            f"| {label} | {cell(row['seconds'], '.2f')} s | {cell(row['cpu_seconds'], '.2f')} s "
+            f"| {row['complete_rounds']}/{args.rounds} | {cell(row['max_abs_error'], '.1e')} |"
+        )
+    print(f"ours / hivemind: {cell(ratio, '.2f')} (round), {cell(cpu_ratio, '.2f')} (CPU)")
     print(
         json.dumps(
             {
@@ -276,7 +348,10 @@ def main(argv: list[str] | None = None) -> None:
                 "hivemind_round_seconds": hm["times"],
                 "hivemind_max_abs_error": hm["max_abs_error"],
                 "hivemind_identical": hm["identical"],
+                "ours_cpu_seconds": ours["cpu_seconds"],
+                "hivemind_cpu_seconds": hm["cpu_seconds"],
                 "ratio": ratio,
+                "cpu_ratio": cpu_ratio,
             }
         )
     )
