@@ -7,9 +7,13 @@ Each peer process runs a node (secure channel + mux) and averages S float32 valu
 vector is seeded by i, weight i + 1). In the same run, the same peers move the same per-peer
 traffic pattern over plain TCP (no encryption, no framing): each sender sends every reducer its
 slice of that reducer's share and gets the same number of bytes back. Prints per-round times
-and, as the last line, a JSON object with ``seconds`` (median round), ``socket_seconds``
-(median plain-socket round), ``max_abs_error`` (vs the float64 weighted mean),
-``identical`` (all peers hold the same bits) and ``peak_rss_mb`` (per peer process).
+and, as the last line, a JSON object with ``seconds`` (median of the complete rounds: every
+peer got a result that includes every sender), ``complete_rounds`` of ``rounds``,
+``socket_seconds`` (median plain-socket round), ``cpu_seconds`` / ``socket_cpu_seconds`` (median
+CPU time of a round, all peers together: a figure the machine's other load hardly moves),
+``max_abs_error`` (vs the float64 weighted mean), ``identical`` (all peers hold the same bits),
+``peak_rss_mb`` (per peer process, its high-water mark over the rounds: the node, its vector,
+the results and whatever the rounds held) and ``rss_before_rounds_mb``.
 
 ``--sim-hetero`` runs the simulator instead: four nodes with 10/25/50/100 Mbit/s uplinks (and
 100 Mbit/s downlinks), comparing the round's virtual time with the LP bound and with an equal
@@ -25,6 +29,7 @@ import multiprocessing as mp
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from functools import partial
 from typing import Any
 
@@ -41,7 +46,14 @@ def _vector(i: int, size: int) -> np.ndarray:
 def _worker(index: int, size: int, mode: str, codec_name: str, rounds: int, conn: Any) -> None:
     import trio
 
-    from dedloc_jax.averaging import AllReduceConfig, GroupSpec, all_reduce, get_codec, install
+    from dedloc_jax.averaging import (
+        AllReduceConfig,
+        AllReduceError,
+        GroupSpec,
+        all_reduce,
+        get_codec,
+        install,
+    )
     from p2p.identity import Identity, PeerID
     from p2p.node import NodeConfig, open_node
 
@@ -97,32 +109,45 @@ def _worker(index: int, size: int, mode: str, codec_name: str, rounds: int, conn
                     nbytes = _my_part(spec, size, codec, j)
                     if j != me and nbytes:
                         targets.append((plain_ports[j], nbytes))
-            times, plain_times = [], []
+            senders = frozenset(m.peer_id for m in spec.members if m.sends)
+            times, plain_times, cpu, plain_cpu, complete = [], [], [], [], []
             result = None
-            import resource
-
-            # peak before any round: the process, its vector and the node
-            base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+            base = _rss_mb("VmRSS")
+            _reset_peak_rss()
             for r in range(rounds):
                 await recv()  # barrier: plain-socket round
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
                 await plain_round(targets)
                 plain_times.append(time.perf_counter() - t0)
+                plain_cpu.append(time.process_time() - c0)
                 conn.send("plain-done")
                 await recv()  # barrier: all-reduce round
-                t0 = time.perf_counter()
-                result = await all_reduce(
-                    node,
-                    spec,
-                    {"g": vec},
-                    weight,
-                    codec=codec,
-                    timeout=300,
-                    round_id=f"bench/{r}".encode(),
-                    config=config,
-                )
+                t0, c0 = time.perf_counter(), time.process_time()
+                try:
+                    out = await all_reduce(
+                        node,
+                        spec,
+                        {"g": vec},
+                        weight,
+                        codec=codec,
+                        timeout=300,
+                        round_id=f"bench/{r}".encode(),
+                        config=config,
+                    )
+                except AllReduceError as e:
+                    print(f"peer {index} round {r}: {e!r}", file=sys.stderr)
+                    out = None
                 times.append(time.perf_counter() - t0)
+                cpu.append(time.process_time() - c0)
+                complete.append(
+                    out is not None and all(c == senders for c in out.contributors)
+                    if spec.members[me].sends
+                    else True
+                )
+                result = out if out is not None else result
+                del out
                 conn.send("round-done")
+            peak = _rss_mb("VmHWM")  # the rounds' high-water mark (reset after start-up)
             await recv()
             digest, err = None, None
             if result is not None and result.vector is not None:
@@ -134,11 +159,35 @@ def _worker(index: int, size: int, mode: str, codec_name: str, rounds: int, conn
                         want += _vector(i, size).astype(np.float64) * (i + 1)
                         total += i + 1
                 err = float(np.max(np.abs(result.vector - want / total)))
-            peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
-            conn.send((times, plain_times, digest, err, peak, base))
+            conn.send((times, plain_times, digest, err, peak, base, cpu, plain_cpu, complete))
             nursery.cancel_scope.cancel()
 
     trio.run(main)
+
+
+def _rss_mb(field: str) -> float:
+    """``VmRSS`` (now) or ``VmHWM`` (high-water mark) of this process in MiB (Linux); else
+    the peak that ``getrusage`` reports."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _reset_peak_rss() -> None:
+    """Start ``VmHWM`` afresh (Linux: "5" to clear_refs), so the peak covers only the rounds,
+    not start-up or the float64 check of the result after them."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
 
 
 def _my_part(spec: Any, size: int, codec: Any, j: int) -> int:
@@ -160,7 +209,16 @@ async def _read_exactly(stream: Any, n: int) -> bytes:
     return bytes(buf)
 
 
-def run_loopback(peers: int, size: int, clients: int, codec: str, rounds: int) -> dict:
+def run_loopback(
+    peers: int,
+    size: int,
+    clients: int,
+    codec: str,
+    rounds: int,
+    between: Callable[[int], None] | None = None,
+) -> dict:
+    """``between(r)``, if given, runs after round ``r`` while the peers wait (another system's
+    round, measured under the same load: bench.compare_hivemind)."""
     from dedloc_jax.averaging import GroupSpec, Member
 
     ctx = mp.get_context("spawn")
@@ -190,6 +248,8 @@ def run_loopback(peers: int, size: int, clients: int, codec: str, rounds: int) -
             for p in pipes:
                 p.recv()
             print(f"round {r + 1}/{rounds} done", file=sys.stderr)
+            if between is not None:
+                between(r)
         for p in pipes:
             p.send("report")
         reports = [p.recv() for p in pipes]
@@ -200,21 +260,35 @@ def run_loopback(peers: int, size: int, clients: int, codec: str, rounds: int) -
                 p.kill()
     per_round = [max(rep[0][r] for rep in reports) for r in range(rounds)]
     per_plain = [max(rep[1][r] for rep in reports) for r in range(rounds)]
+    cpu = [sum(rep[6][r] for rep in reports) for r in range(rounds)]
+    plain_cpu = [sum(rep[7][r] for rep in reports) for r in range(rounds)]
+    complete = [all(rep[8][r] for rep in reports) for r in range(rounds)]
     digests = {rep[2] for rep in reports if rep[2] is not None}
     errors = [rep[3] for rep in reports if rep[3] is not None]
     for r in range(rounds):
-        print(f"round {r + 1}: all-reduce {per_round[r]:.3f} s, plain sockets {per_plain[r]:.3f} s")
+        print(
+            f"round {r + 1}: all-reduce {per_round[r]:.3f} s ({cpu[r]:.2f} CPU-s, "
+            f"{'complete' if complete[r] else 'INCOMPLETE'}), plain sockets {per_plain[r]:.3f} s "
+            f"({plain_cpu[r]:.2f} CPU-s)"
+        )
+    done = [r for r in range(rounds) if complete[r]]
+    seconds = statistics.median(per_round[r] for r in done) if done else None
+    socket_seconds = statistics.median(per_plain)
     return {
         "peers": peers,
         "clients": clients,
         "size": size,
         "codec": codec,
         "rounds": rounds,
-        "seconds": statistics.median(per_round),
-        "socket_seconds": statistics.median(per_plain),
-        "max_abs_error": max(errors),
+        "complete_rounds": len(done),
+        "seconds": seconds,
+        "socket_seconds": socket_seconds,
+        "ratio": seconds / socket_seconds if seconds is not None else None,
+        "cpu_seconds": statistics.median(cpu[r] for r in done) if done else None,
+        "socket_cpu_seconds": statistics.median(plain_cpu),
+        "max_abs_error": max(errors) if errors else None,
         "identical": len(digests) == 1,
-        # per peer process, MiB: the vector, its result and what the round held on top
+        # per peer process, MiB: the high-water mark over the rounds (start-up excluded)
         "peak_rss_mb": [round(rep[4], 1) for rep in reports],
         "rss_before_rounds_mb": [round(rep[5], 1) for rep in reports],
     }

@@ -107,6 +107,7 @@ class AveragingService:
 
     def _close(self, rnd: Round) -> None:
         self._rounds.pop(rnd.round_id, None)
+        rnd.finish()
         now = trio.current_time()
         self._finished[rnd.round_id] = (now + self.config.linger, rnd)
         while self._finished and (
@@ -205,7 +206,11 @@ class Round:
             j: chunk_bounds(self.bounds[j + 1] - self.bounds[j], config.chunk_elems)
             for j in self.reducers
         }
-        self.out = np.zeros(self.size, np.float32) if self.is_sender else None
+        # Results land in the vector itself when it is our own copy of the tree (one vector of
+        # memory, not two): a chunk is overwritten only after its part was sent, and the parts
+        # a repair asks for are the chunks we never received.
+        private = vec is not None and vec.flags.owndata and vec.flags.writeable
+        self.out = (vec if private else np.zeros(self.size, np.float32)) if self.is_sender else None
         self.held = dict.fromkeys(self.reducers, 0)
         self.masks: dict[int, list[frozenset[int]]] = {j: [] for j in self.reducers}
         self.settled = {j: trio.Event() for j in self.reducers}
@@ -220,8 +225,18 @@ class Round:
         self.join_at = t0 + config.join_fraction * timeout
         self.data_at = t0 + config.data_fraction * timeout
         self.reducer = Reducer(self) if me in self.chunks else None
+        self.finished = False
         # Busy time per stream feeds the meter; without one, a throwaway meter gets it.
         self._meter = meter if meter is not None else BandwidthMeter()
+
+    def finish(self) -> None:
+        """The round ended here: keep only what a late repair reads (the result and its
+        contributor masks). The vector (maybe a private copy of the caller's tree), the
+        reducer's buffers and any repair's share-sized buffers go."""
+        self.finished = True
+        self.vec = None
+        self.reducer = None
+        self.repairs = {}
 
     # -- helpers ------------------------------------------------------------------------------
     def name(self, i: int) -> str:
@@ -446,7 +461,10 @@ class Round:
         if self.is_sender and j in self.settled:
             with trio.move_on_at(self.deadline):
                 await self.settled[j].wait()
-        if self.is_sender and self.held[j] == n_chunks and j not in self.repairs:
+        holds = self.is_sender and self.held[j] == n_chunks
+        if self.finished and not holds:
+            raise BadContributionError(f"the round is over here, without share {j}")
+        if holds and j not in self.repairs:
             await ms.send(wire.need((0, 0), (0, 0)))
             await expect_done(ms)
             assert self.out is not None

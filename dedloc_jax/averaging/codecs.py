@@ -60,9 +60,19 @@ class Codec(Protocol):
     def encoded_size(self, n: int) -> int: ...
 
 
+_FINITE_BLOCK = 1 << 16
+
+
 def is_finite(x: np.ndarray) -> bool:
-    """Whether every value is finite (NaN/Inf contributions are rejected)."""
-    return bool(np.isfinite(x).all())
+    """Whether every value is finite (NaN/Inf contributions are rejected).
+
+    Checked in blocks: a whole-vector mask would be a fresh array as big as a quarter of the
+    vector (fresh pages cost more than the check), and the first bad block ends the scan."""
+    flat = np.asarray(x).reshape(-1)
+    for a in range(0, flat.size, _FINITE_BLOCK):
+        if not np.isfinite(flat[a : a + _FINITE_BLOCK]).all():
+            return False
+    return True
 
 
 def _as_f32(x: np.ndarray) -> np.ndarray:

@@ -104,8 +104,7 @@ class Repair:
                     x, y = r.chunks[j][k]
                     self.base[x:y] = r.out[a + x : a + y]
                     self.base_masks[k] = r.masks[j][k]
-            if r.is_sender and not r.abstain:
-                assert r.vec is not None
+            if r.is_sender and not r.abstain and r.vec is not None:  # None: our round ended
                 for k in range(prefix, self.n_chunks):
                     x, y = r.chunks[j][k]
                     own = r.vec[r.bounds[j] + x : r.bounds[j] + y]
