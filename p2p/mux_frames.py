@@ -32,9 +32,8 @@ import struct
 
 from p2p.errors import ProtocolError
 
-OPEN, DATA, WINDOW, EOF, RESET, GOAWAY, DATA_EOF, OPEN_DATA, OPEN_DATA_EOF, BULK, PING, PONG = range(
-    12
-)
+OPEN, DATA, WINDOW, EOF, RESET, GOAWAY, DATA_EOF, OPEN_DATA, OPEN_DATA_EOF, BULK = range(10)
+PING, PONG = 10, 11
 KIND_NAMES = (
     "OPEN",
     "DATA",
