@@ -194,6 +194,22 @@ class Node:
         """Make sure a connection to ``peer`` exists; returns its proven peer ID."""
         return (await self._get_connection(peer)).peer
 
+    async def redial(self, addr: Multiaddr | str) -> PeerID:
+        """Open a new connection to ``addr`` even if one to its peer exists: the new one takes
+        the peer's new streams and the old one drains (its streams finish on it). For a
+        connection about to end, such as one over a relay circuit near its limits."""
+        pid, addrs = self._resolve(addr)
+        if pid == self.peer_id or not addrs:
+            raise DialError(f"cannot redial {addr}")
+        if self._closing:
+            raise DialError("node is closing")
+        return (await self._dial(pid, addrs)).peer
+
+    def start_soon(self, fn: Callable[..., Awaitable[Any]], *args: Any) -> None:
+        """Run ``fn(*args)`` in the background, owned by the node (it ends with the node)."""
+        if not self._closing:
+            self._nursery.start_soon(fn, *args)
+
     async def disconnect(self, peer: PeerID, reason: str = "disconnect") -> None:
         for conn in [c for c in self._all_conns if c.peer == peer]:
             await conn.mux.aclose(reason)
