@@ -187,7 +187,12 @@ class CircuitTransport:
         )
 
     async def _renew(self, addr: Multiaddr) -> None:
-        """Replace the connection over a circuit near its limits by one over a new circuit."""
+        """Replace the connection over a circuit near its limits by one over a new circuit
+        (not when the peer's connection is direct by now: a hole punched meanwhile)."""
+        parts = Multiaddr.parse(addr).relay_parts()
+        current = self.node.connection_to(parts[1]) if parts is not None else None
+        if current is not None and not (current.remote_addr and current.remote_addr.is_relayed):
+            return
         logger.info("renewing the circuit to %s before its relay's limits", addr)
         try:
             await self.node.redial(addr)

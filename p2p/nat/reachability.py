@@ -141,7 +141,8 @@ class NATManager:
         self._state: tuple[Role, Reachability, tuple[Multiaddr, ...]] | None = None
         self._dht: Any = None
         self._published = False
-        self._unsettled = False  # the last check changed the verdict or had failed dial-backs
+        self._unsettled = False  # the last check changed the verdict or met new failures
+        self._failed_before = False  # some dial-back of the last check failed
 
     # ---- state ---------------------------------------------------------------------------
 
@@ -270,10 +271,10 @@ class NATManager:
             confirmed = [a.addr.transport_part() for a in answers if a.status == "ok" and a.addr]
             self.public_addrs = list(dict.fromkeys(confirmed))
             self.reachability = verdict
+            # failed dial-backs where none failed before: check again soon, not in 15 minutes
             failed = any(a.status == "failed" for a in answers)
-            self._unsettled = verdict is not before or (
-                failed and verdict is not Reachability.PRIVATE
-            )
+            self._unsettled = verdict is not before or (failed and not self._failed_before)
+            self._failed_before = failed
         if self.reachability is Reachability.PRIVATE:
             await self.ensure_relays()  # decide once the reservations are known (no flapping)
         else:
