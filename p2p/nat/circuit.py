@@ -49,7 +49,7 @@ class CircuitStream(trio.abc.HalfCloseableStream):
         *,
         renew_bytes: float = math.inf,
         renew_time: float = math.inf,
-        on_worn: Callable[[], None] | None = None,
+        on_worn: Callable[[CircuitStream], None] | None = None,
     ) -> None:
         self._stream = stream
         self._stack = stack
@@ -64,7 +64,12 @@ class CircuitStream(trio.abc.HalfCloseableStream):
             self.bytes >= self._renew_bytes or trio.current_time() >= self._renew_time
         ):
             on_worn, self._on_worn = self._on_worn, None
-            on_worn()
+            on_worn(self)
+
+    @property
+    def ended(self) -> bool:
+        """Whether the circuit is over (closed by us, or finished or reset by the relay)."""
+        return self._stream.finished
 
     async def send_all(self, data: bytes | bytearray | memoryview) -> None:
         try:
@@ -186,20 +191,27 @@ class CircuitTransport:
             on_worn=partial(self.node.start_soon, self._renew, addr),
         )
 
-    async def _renew(self, addr: Multiaddr) -> None:
+    async def _renew(self, addr: Multiaddr, worn: CircuitStream) -> None:
         """Replace the connection over a circuit near its limits by one over a new circuit
-        (not when the peer's connection is direct by now: a hole punched meanwhile)."""
+        (not when the peer's connection is direct by now: a hole punched meanwhile). A refused
+        renewal (the relay's per-peer limit, while a replaced circuit still drains) is retried
+        with backoff while the worn circuit lasts."""
         parts = Multiaddr.parse(addr).relay_parts()
-        current = self.node.connection_to(parts[1]) if parts is not None else None
-        if current is not None and not (current.remote_addr and current.remote_addr.is_relayed):
-            return
-        logger.info("renewing the circuit to %s before its relay's limits", addr)
-        try:
-            await self.node.redial(addr)
-        except P2PError as e:
-            logger.info("renewing the circuit to %s failed: %s", addr, e)
-            return
-        self.renewed += 1
+        for attempt in range(6):
+            current = self.node.connection_to(parts[1]) if parts is not None else None
+            if current is not None and not (current.remote_addr and current.remote_addr.is_relayed):
+                return
+            logger.info("renewing the circuit to %s before its relay's limits", addr)
+            try:
+                await self.node.redial(addr)
+            except P2PError as e:
+                logger.info("renewing the circuit to %s failed: %s", addr, e)
+            else:
+                self.renewed += 1
+                return
+            await trio.sleep(min(2.0 * 2**attempt, 60.0))
+            if worn.ended:
+                return
 
     # ---- listening -----------------------------------------------------------------------
 
