@@ -713,7 +713,7 @@ async def open_collaboration(
                 node,
                 initial_peers=initial_peers,
                 config=dht_config,
-                client_mode=mode == "client",
+                client_mode=mode == "client" or (nat is not None and nat.dht_client_mode),
                 clock=dht_clock,
                 validators=private.validators if private is not None else (),
             )

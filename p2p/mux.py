@@ -38,6 +38,8 @@ from p2p.mux_frames import (
     OPEN_DATA,
     OPEN_DATA_EOF,
     OPENING,
+    PING,
+    PONG,
     RESET,
     WINDOW,
     WINDOW_PAYLOAD,
@@ -111,6 +113,8 @@ class Mux:
         self._window_updates: dict[int, int] = {}
         self._control_lot = trio.lowlevel.ParkingLot()
         self.activity = 0  # bumped whenever a stream opens or finishes (idle detection)
+        self.frames_received = 0  # any frame, PONG included (liveness; keepalive)
+        self._pong_queued = False
         self._nursery: trio.Nursery | None = None
         self._closed_reason: str | None = None
         self._closing = False
@@ -190,6 +194,14 @@ class Mux:
         self._control.appendleft(self._goaway(reason))
         self._control_lot.unpark_all()
         self._pending_close = reason
+
+    def ping(self, payload: bytes = b"") -> None:
+        """Queue a PING (the peer answers with a PONG, which counts in ``frames_received``).
+        Pings are no stream activity: they keep NAT mappings open, not idle connections."""
+        if self.is_closed or self._closing:
+            return
+        self._control.append(encode_frame(PING, 0, payload[:8]))
+        self._control_lot.unpark_all()
 
     # -- sending -------------------------------------------------------------------------
     def _raise_if_closed(self) -> None:
@@ -315,6 +327,8 @@ class Mux:
                 while self._control or self._window_updates:
                     if self._control:
                         frame = self._control.popleft()
+                        if frame[0] == PONG:
+                            self._pong_queued = False
                     else:
                         sid, inc = self._window_updates.popitem()
                         frame = encode_frame(WINDOW, sid, WINDOW_PAYLOAD.pack(inc))
@@ -332,6 +346,7 @@ class Mux:
             except _CHANNEL_ERRORS as e:
                 self._close_now(f"channel closed: {e}")
                 return
+            self.frames_received += 1
             try:
                 self.handle_frame(frame)
             except ProtocolError as e:
@@ -353,6 +368,14 @@ class Mux:
         kind, sid, payload = decode_frame(frame)
         if not isinstance(frame, bytes):
             payload = memoryview(bytes(payload))  # the channel may reuse its buffer: keep a copy
+        if kind == PING:
+            if not self._pong_queued:  # one answer pending at most, however many pings come
+                self._pong_queued = True
+                self._control.append(encode_frame(PONG, 0, payload))
+                self._control_lot.unpark_all()
+            return
+        if kind == PONG:
+            return
         if kind == GOAWAY:
             reason = bytes(payload).decode("utf-8", "replace")
             logger.info("%s: peer is closing the connection: %s", self.label, reason)

@@ -14,7 +14,9 @@ RESET (utf-8 reason; both directions abort, data already received stays readable
 the sender saw opened, so the peer knows which of its streams were never processed and may
 safely retry them elsewhere: :attr:`MuxStream.unprocessed`), BULK (u32 n, then optional
 stream bytes: those bytes are DATA, and the next channel frame is n more bytes of DATA for this
-stream, with no mux header).
+stream, with no mux header), PING and PONG (stream 0, an opaque payload of at most 8 bytes; a
+PING is answered by a PONG carrying the same payload: keepalive and liveness, and neither
+counts as stream activity, so an idle connection still closes when idle).
 
 Why BULK: a large buffer (a 1 MiB tensor chunk) then travels as a channel frame of its own, so
 the sender encrypts it straight from the caller's memory (no header + payload concatenation)
@@ -31,6 +33,7 @@ import struct
 from p2p.errors import ProtocolError
 
 OPEN, DATA, WINDOW, EOF, RESET, GOAWAY, DATA_EOF, OPEN_DATA, OPEN_DATA_EOF, BULK = range(10)
+PING, PONG = 10, 11
 KIND_NAMES = (
     "OPEN",
     "DATA",
@@ -42,6 +45,8 @@ KIND_NAMES = (
     "OPEN_DATA",
     "OPEN_DATA_EOF",
     "BULK",
+    "PING",
+    "PONG",
 )
 OPENING = {DATA: OPEN_DATA, DATA_EOF: OPEN_DATA_EOF, EOF: OPEN_DATA_EOF}
 HEADER = struct.Struct("!BI")
@@ -50,6 +55,7 @@ BULK_PAYLOAD = WINDOW_PAYLOAD  # u32 byte count of the raw frame that follows (t
 BULK_MIN = 64 << 10
 """Buffers at least this long are sent as BULK frames (below it a copy is cheaper than a frame)."""
 MAX_REASON_BYTES = 256
+MAX_PING_BYTES = 8
 MAX_STREAM_ID = 2**32 - 1
 MAX_WINDOW = 2**31 - 1
 
@@ -67,7 +73,7 @@ def decode_frame(frame: bytes | bytearray | memoryview) -> tuple[int, int, memor
     if len(view) < HEADER.size:
         raise ProtocolError(f"mux frame of {len(view)} bytes is shorter than its header")
     kind, stream_id = HEADER.unpack_from(view)
-    if kind > BULK:
+    if kind > PONG:
         raise ProtocolError(f"unknown mux frame kind {kind}")
     payload = view[HEADER.size :]
     if kind == OPEN and len(payload):
@@ -80,6 +86,10 @@ def decode_frame(frame: bytes | bytearray | memoryview) -> tuple[int, int, memor
         raise ProtocolError("BULK frame payload is shorter than 4 bytes")
     if kind in (RESET, GOAWAY) and len(payload) > MAX_REASON_BYTES:
         raise ProtocolError(f"{KIND_NAMES[kind]} reason longer than {MAX_REASON_BYTES} bytes")
+    if kind in (PING, PONG):
+        if stream_id != 0 or len(payload) > MAX_PING_BYTES:
+            raise ProtocolError(f"{KIND_NAMES[kind]} frame for a stream or longer than 8 bytes")
+        return kind, stream_id, payload
     if stream_id == 0 and kind != GOAWAY:
         raise ProtocolError(f"{KIND_NAMES[kind]} frame for stream 0")
     return kind, stream_id, payload

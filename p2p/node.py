@@ -194,6 +194,22 @@ class Node:
         """Make sure a connection to ``peer`` exists; returns its proven peer ID."""
         return (await self._get_connection(peer)).peer
 
+    async def redial(self, addr: Multiaddr | str) -> PeerID:
+        """Open a new connection to ``addr`` even if one to its peer exists: the new one takes
+        the peer's new streams and the old one drains (its streams finish on it). For a
+        connection about to end, such as one over a relay circuit near its limits."""
+        pid, addrs = self._resolve(addr)
+        if pid == self.peer_id or not addrs:
+            raise DialError(f"cannot redial {addr}")
+        if self._closing:
+            raise DialError("node is closing")
+        return (await self._dial(pid, addrs)).peer
+
+    def start_soon(self, fn: Callable[..., Awaitable[Any]], *args: Any) -> None:
+        """Run ``fn(*args)`` in the background, owned by the node (it ends with the node)."""
+        if not self._closing:
+            self._nursery.start_soon(fn, *args)
+
     async def disconnect(self, peer: PeerID, reason: str = "disconnect") -> None:
         for conn in [c for c in self._all_conns if c.peer == peer]:
             await conn.mux.aclose(reason)
@@ -420,6 +436,8 @@ class Node:
                 self._register(conn)
                 task_status.started(conn)
                 logger.debug("connected to %s", conn)
+                if self.config.keepalive_interval is not None:
+                    nursery.start_soon(self._keepalive, conn, self.config.keepalive_interval)
                 await self._watch_idle(conn)
         finally:
             self._all_conns.pop(conn, None)
@@ -473,6 +491,28 @@ class Node:
                 logger.debug("closing %s: %s", conn, why)
                 await mux.aclose(why)
                 await trio.sleep_forever()  # until run_mux ends and cancels us
+
+    async def _keepalive(self, conn: Connection, interval: float) -> None:
+        """Ping ``conn`` whenever nothing arrived on it for ``interval`` (within 2x), and close
+        it when nothing at all arrives within ``keepalive_timeout`` after a ping."""
+        mux = conn.mux
+        seen = mux.frames_received
+        pinged = False
+        while not mux.is_closed:
+            await trio.sleep(self.config.keepalive_timeout if pinged else interval)
+            if mux.frames_received != seen:
+                seen = mux.frames_received
+                pinged = False
+            elif not pinged:
+                pinged = True
+                mux.ping()
+            else:
+                logger.info("closing %s: no answer to a keepalive ping", conn)
+                conn.draining = True
+                if self._conns.get(conn.peer) is conn:
+                    del self._conns[conn.peer]
+                await mux.aclose("no answer to a keepalive ping")  # GOAWAY bounded by 2 s
+                return
 
     async def _serve_stream(self, conn: Connection, stream: MuxStream) -> None:
         def make_context(name: str) -> CallContext:

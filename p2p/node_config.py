@@ -39,6 +39,13 @@ class NodeConfig:
     """A unary request must arrive completely within this."""
     idle_timeout: float = 120.0
     """A connection with no streams for this long is closed."""
+    keepalive_interval: float | None = 15.0
+    """A connection on which nothing arrived for this long is pinged (a mux PING, no stream),
+    so that the NAT mappings and firewall states on its path stay open; None: never."""
+    keepalive_timeout: float = 60.0
+    """A pinged connection on which nothing at all arrives for this long more is closed as
+    dead (a NAT that dropped its mapping black-holes it silently): calls fail over to a new
+    connection and relay reservations are taken again."""
     drain_grace: float = 1.0
     """A duplicate connection (simultaneous dial) is closed after being idle this long."""
     max_connections: int = 1024
@@ -102,6 +109,10 @@ class NodeConfig:
             raise ValueError("dial_stagger must be >= 0")
         if not 0 < self.dial_deadline_share <= 1:
             raise ValueError("dial_deadline_share must be in (0, 1]")
+        if self.keepalive_interval is not None and not self.keepalive_interval > 0:
+            raise ValueError("keepalive_interval must be > 0 (None: no keepalive)")
+        if not self.keepalive_timeout > 0:
+            raise ValueError("keepalive_timeout must be > 0")
 
     def with_(self, **changes: Any) -> NodeConfig:
         return replace(self, **changes)

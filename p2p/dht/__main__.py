@@ -202,7 +202,7 @@ async def _serve(args: argparse.Namespace) -> int:
                     node,
                     initial_peers=args.initial_peers,
                     config=PRESETS[args.config](),
-                    client_mode=args.client_mode or (nat is not None and nat.client_mode),
+                    client_mode=args.client_mode or (nat is not None and nat.dht_client_mode),
                 )
             )
             if nat is not None:

@@ -101,6 +101,35 @@ class DHT:
         assert self.protocol.nursery is not None, "the DHT is not running"
         return self.protocol.nursery
 
+    # --- mode ----------------------------------------------------------------------------
+    def set_client_mode(self, client: bool) -> None:
+        """Serve the DHT (False) or only use it (True), e.g. when our reachability changed
+        (``p2p.nat`` calls this). A new server looks up its own ID, so that the nodes nearest to
+        it hear from it and add it; a server turned client stops answering (others drop it
+        after failed calls) and hands the records it holds to the nodes that should hold them."""
+        if client == self.client_mode:
+            return
+        log.info("DHT mode: %s", "client" if client else "server")
+        self.client_mode = client
+        self.protocol.client_mode = client
+        if client:
+            self.protocol.unregister()
+            if self.protocol.nursery is not None:
+                self.protocol.nursery.start_soon(self._hand_off_records)
+        else:
+            self.protocol.register()
+            if self.protocol.nursery is not None:
+                self.protocol.nursery.start_soon(self.find_nearest, node_id(self.peer_id))
+
+    async def _hand_off_records(self) -> None:
+        records = list(self.storage.records(self.now()))
+        if not records:
+            return
+        try:
+            await self.store_records(records)
+        except (P2PError, InvalidRecordError) as e:
+            log.info("handing off %d records failed: %s", len(records), e)
+
     # --- joining -------------------------------------------------------------------------
     async def bootstrap(self, initial_peers: Sequence[str | Multiaddr]) -> int:
         """Ping the initial peers, then look up our own ID; returns how many peers answered."""
@@ -533,9 +562,7 @@ async def open_dht(
                 yield dht
         finally:
             dht.protocol.nursery = None
-            if not client_mode:
-                for name in ("dht.ping", "dht.store", "dht.find"):
-                    node.remove_handler(name)
+            dht.protocol.unregister()
             nursery.cancel_scope.cancel()
     if failed is not None:
         raise failed

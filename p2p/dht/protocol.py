@@ -122,6 +122,10 @@ class DHTProtocol:
         self.node.add_handler(FIND, self.handle_find)
         self.node.add_handler(CHANGES, self.handle_changes)
 
+    def unregister(self) -> None:
+        for name in (PING, STORE, FIND, CHANGES):
+            self.node.remove_handler(name)
+
     def own_addrs(self) -> tuple[str, ...]:
         if self.client_mode:
             return ()

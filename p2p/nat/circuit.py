@@ -14,8 +14,10 @@ circuits are accepted only from relays we hold a reservation on.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable
 from contextlib import AsyncExitStack
+from functools import partial
 from typing import Any
 
 import trio
@@ -33,17 +35,48 @@ logger = logging.getLogger(__name__)
 
 
 class CircuitStream(trio.abc.HalfCloseableStream):
-    """The byte stream of one circuit end (a mux stream whose relay handshake is done)."""
+    """The byte stream of one circuit end (a mux stream whose relay handshake is done).
 
-    def __init__(self, stream: MuxStream, stack: AsyncExitStack | None = None) -> None:
+    It counts the bytes it carries both ways (what the relay counts against the circuit's
+    budget) and calls ``on_worn`` once, when ``renew_bytes`` were carried or at
+    ``renew_time``, whichever comes first (checked as bytes pass).
+    """
+
+    def __init__(
+        self,
+        stream: MuxStream,
+        stack: AsyncExitStack | None = None,
+        *,
+        renew_bytes: float = math.inf,
+        renew_time: float = math.inf,
+        on_worn: Callable[[CircuitStream], None] | None = None,
+    ) -> None:
         self._stream = stream
         self._stack = stack
+        self.bytes = 0
+        self._renew_bytes = renew_bytes
+        self._renew_time = renew_time
+        self._on_worn = on_worn
+
+    def _carried(self, n: int) -> None:
+        self.bytes += n
+        if self._on_worn is not None and (
+            self.bytes >= self._renew_bytes or trio.current_time() >= self._renew_time
+        ):
+            on_worn, self._on_worn = self._on_worn, None
+            on_worn(self)
+
+    @property
+    def ended(self) -> bool:
+        """Whether the circuit is over (closed by us, or finished or reset by the relay)."""
+        return self._stream.finished
 
     async def send_all(self, data: bytes | bytearray | memoryview) -> None:
         try:
             await self._stream.send_all(data)
         except ConnectionClosed as e:
             raise trio.BrokenResourceError(str(e)) from e
+        self._carried(len(data))
 
     async def wait_send_all_might_not_block(self) -> None:
         await self._stream.wait_send_all_might_not_block()
@@ -56,9 +89,11 @@ class CircuitStream(trio.abc.HalfCloseableStream):
 
     async def receive_some(self, max_bytes: int | None = None) -> bytes | bytearray:
         try:
-            return await self._stream.receive_some(max_bytes)
+            data = await self._stream.receive_some(max_bytes)
         except ConnectionClosed as e:
             raise trio.BrokenResourceError(str(e)) from e
+        self._carried(len(data))
+        return data
 
     async def aclose(self) -> None:
         self._stream.reset("circuit closed")
@@ -77,14 +112,31 @@ def circuit_addr(relay: Multiaddr, target: PeerID) -> Multiaddr:
 
 
 class CircuitTransport:
-    """Dials and listens on relayed addresses on behalf of ``node`` (see :func:`attach`)."""
+    """Dials and listens on relayed addresses on behalf of ``node`` (see :func:`attach`).
+
+    Circuits we dial are renewed before the relay cuts them: once one carried ``renew_at``
+    of the relay's byte budget, or lived that share of its duration limit, a new circuit to
+    the same peer is dialed in the background; it takes the peer's new streams and the old
+    one drains (its streams finish on it), so a long-lived connection outlives any one
+    circuit. ``renew_at=None`` never renews.
+    """
 
     def __init__(
-        self, node: Any, *, renew_backoff: float = 5.0, max_backoff: float = 300.0
+        self,
+        node: Any,
+        *,
+        renew_backoff: float = 5.0,
+        max_backoff: float = 300.0,
+        renew_at: float | None = 0.5,
     ) -> None:
+        if renew_at is not None and not 0 < renew_at < 1:
+            raise ValueError("renew_at must be in (0, 1) (None: never renew)")
         self.node = node
         self.renew_backoff = renew_backoff
         self.max_backoff = max_backoff
+        self.renew_at = renew_at
+        self.renewed = 0
+        """Circuits replaced before their relay's limits (see ``renew_at``)."""
         self._listeners: dict[PeerID, tuple[Multiaddr, ConnHandler]] = {}
         self.reservations: dict[PeerID, Multiaddr] = {}
         """Relay -> our relayed address through it, for every reservation held now."""
@@ -128,7 +180,38 @@ class CircuitTransport:
             raise RelayRefused(str(reason or "malformed answer")[:300])
         if self.on_dialed is not None:
             self.on_dialed(target)
-        return CircuitStream(ms.stream, stack)
+        if self.renew_at is None:
+            return CircuitStream(ms.stream, stack)
+        budget, duration = _limits(answer.get("limits"))
+        return CircuitStream(
+            ms.stream,
+            stack,
+            renew_bytes=budget * self.renew_at,
+            renew_time=trio.current_time() + duration * self.renew_at,
+            on_worn=partial(self.node.start_soon, self._renew, addr),
+        )
+
+    async def _renew(self, addr: Multiaddr, worn: CircuitStream) -> None:
+        """Replace the connection over a circuit near its limits by one over a new circuit
+        (not when the peer's connection is direct by now: a hole punched meanwhile). A refused
+        renewal (the relay's per-peer limit, while a replaced circuit still drains) is retried
+        with backoff while the worn circuit lasts."""
+        parts = Multiaddr.parse(addr).relay_parts()
+        for attempt in range(6):
+            current = self.node.connection_to(parts[1]) if parts is not None else None
+            if current is not None and not (current.remote_addr and current.remote_addr.is_relayed):
+                return
+            logger.info("renewing the circuit to %s before its relay's limits", addr)
+            try:
+                await self.node.redial(addr)
+            except P2PError as e:
+                logger.info("renewing the circuit to %s failed: %s", addr, e)
+            else:
+                self.renewed += 1
+                return
+            await trio.sleep(min(2.0 * 2**attempt, 60.0))
+            if worn.ended:
+                return
 
     # ---- listening -----------------------------------------------------------------------
 
@@ -220,6 +303,16 @@ class CircuitTransport:
             logger.debug("circuit from %s via %s ended: %r", src, relay, e)
         finally:
             await trio.aclose_forcefully(raw)
+
+
+def _limits(limits: Any) -> tuple[float, float]:
+    """(bytes, seconds) a relay announced for a circuit; unbounded where it said nothing."""
+    out = []
+    for key in ("bytes", "duration"):
+        value = limits.get(key) if isinstance(limits, dict) else None
+        ok = isinstance(value, int | float) and not isinstance(value, bool) and value > 0
+        out.append(float(value) if ok else math.inf)
+    return out[0], out[1]
 
 
 def attach(node: Any) -> CircuitTransport:

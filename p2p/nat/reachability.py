@@ -6,7 +6,9 @@ It then asks the given peers how they see us and whether they can dial us back. 
 node keeps reservations on up to ``max_relays`` relays (given, or tried among the peers) and
 adds the relayed addresses to ``node.addrs``; with no relay it becomes a *client*: it uses
 the network (DHT queries, sending its gradients) without serving others. The verdict is
-re-checked periodically and whenever the observed addresses change; a user can force it.
+re-checked periodically, sooner after a change or failed dial-backs, and whenever the
+observed addresses change; a user can force it. Relay reservations, advertised addresses and
+(see :meth:`NATManager.use_dht`) the DHT's client/server mode follow every change.
 """
 
 from __future__ import annotations
@@ -137,6 +139,10 @@ class NATManager:
         self._observe_turn = 0
         self.role = self._decide()
         self._state: tuple[Role, Reachability, tuple[Multiaddr, ...]] | None = None
+        self._dht: Any = None
+        self._published = False
+        self._unsettled = False  # the last check changed the verdict or met new failures
+        self._failed_before = False  # some dial-back of the last check failed
 
     # ---- state ---------------------------------------------------------------------------
 
@@ -144,6 +150,15 @@ class NATManager:
     def client_mode(self) -> bool:
         """Whether to take part as a client (DHT client mode, no aggregation share)."""
         return self.role is Role.CLIENT
+
+    @property
+    def dht_client_mode(self) -> bool:
+        """Whether the DHT should only be used, not served: a private node is a DHT client even
+        when relayed (a DHT server must be dialable directly: every query through a relay
+        would cost a circuit), unless a mode was forced."""
+        if self.config.force_client_mode is not None:
+            return self.config.force_client_mode
+        return self.reachability is Reachability.PRIVATE
 
     @property
     def relayed_addrs(self) -> list[Multiaddr]:
@@ -170,9 +185,13 @@ class NATManager:
         for addr in self._direct_addrs:  # kept even when private: peers on the same LAN
             if addr not in advertised:
                 advertised.append(addr)
+        if self._dht is not None:
+            self._dht.set_client_mode(self.dht_client_mode)
         state = (role, self.reachability, tuple(advertised))
         if state == self._state:
             return  # nothing changed: wake nobody (waiters loop on changes)
+        if self._state is not None and self._state[1] is not self.reachability:
+            logger.info("reachability %s -> %s", self._state[1].value, self.reachability.value)
         self._state = state
         self.node.addrs[:] = advertised
         if role is not self.role:
@@ -239,8 +258,10 @@ class NATManager:
         """Identify the known peers, ask them to dial us back, and update the verdict."""
         if identify_first:
             await self._identify_all([*self.peers, *self._observers()])
+        before = self.reachability
         if self.config.force_reachability is not None:
             self.reachability = self.config.force_reachability
+            self._unsettled = False
         else:
             candidates = self.observed.candidates(self._direct_addrs)
             verdict, answers = await probe(
@@ -250,9 +271,15 @@ class NATManager:
             confirmed = [a.addr.transport_part() for a in answers if a.status == "ok" and a.addr]
             self.public_addrs = list(dict.fromkeys(confirmed))
             self.reachability = verdict
+            # failed dial-backs where none failed before: check again soon, not in 15 minutes
+            failed = any(a.status == "failed" for a in answers)
+            self._unsettled = verdict is not before or (failed and not self._failed_before)
+            self._failed_before = failed
         if self.reachability is Reachability.PRIVATE:
             await self.ensure_relays()  # decide once the reservations are known (no flapping)
         else:
+            if self.reachability is Reachability.PUBLIC and self._relay_tasks:
+                await self.drop_relays()  # reachable directly now: relays only cost a hop
             self._update()
         return self.reachability
 
@@ -301,9 +328,13 @@ class NATManager:
     # ---- the DHT -----------------------------------------------------------------------------
 
     def use_dht(self, dht: Any) -> None:
-        """Keep the DHT in step with our role, in the background: a public relay advertises
-        itself; a private node short of relays looks for some there; a relayed node
-        publishes its (relayed) addresses so that others can find it by peer ID."""
+        """Keep the DHT in step with our reachability, from now on: client mode while private
+        (:attr:`dht_client_mode`), server otherwise; a public relay advertises itself; a
+        private node short of relays looks for some there; a relayed node publishes its
+        (relayed) addresses so that others can find it by peer ID, and publishes again when
+        they change (also once it turned public: the relayed ones are gone)."""
+        self._dht = dht
+        dht.set_client_mode(self.dht_client_mode)
         self._nursery.start_soon(self._dht_loop, dht)
 
     async def _dht_loop(self, dht: Any) -> None:
@@ -316,7 +347,9 @@ class NATManager:
                     if len(self._relay_tasks) < self.config.max_relays:
                         await self.ensure_relays(await find_relays(dht))
                     if self.relayed_addrs:
-                        await publish_addrs(dht, self.node, ttl)
+                        self._published = await publish_addrs(dht, self.node, ttl)
+                elif self._published:
+                    await publish_addrs(dht, self.node, ttl)
             except P2PError as e:
                 logger.info("DHT upkeep failed: %s", e)
             with trio.move_on_after(self.config.advertise_interval):
@@ -338,13 +371,15 @@ class NATManager:
     # ---- background ----------------------------------------------------------------------
 
     async def run(self) -> None:
-        """Re-check periodically, sooner when our observed host changes or on request."""
+        """Re-check periodically; soon (``unknown_recheck_interval``) while the verdict is
+        unknown, just changed, or some dial-backs failed; at once when our observed host
+        changes or on request."""
         self._nursery.start_soon(self._follow_reservations)
         last_check = trio.current_time()
         while True:
             interval = (
                 self.config.autonat.unknown_recheck_interval
-                if self.reachability is Reachability.UNKNOWN
+                if self.reachability is Reachability.UNKNOWN or self._unsettled
                 else self.config.autonat.recheck_interval
             )
             with trio.move_on_after(min(interval, self.config.observe_interval)):
@@ -359,8 +394,6 @@ class NATManager:
             if asked or moved or trio.current_time() - last_check >= interval:
                 await self.check(identify_first=False)
                 last_check = trio.current_time()
-                if self.reachability is Reachability.PUBLIC and self._relay_tasks:
-                    await self.drop_relays()
 
     async def _follow_reservations(self) -> None:
         while True:

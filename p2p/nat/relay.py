@@ -40,20 +40,24 @@ STOP = "nat.relay.stop"
 
 @dataclass(frozen=True)
 class RelayConfig:
-    """Limits of a relay (the defaults suit a volunteer's home connection)."""
+    """Limits of a relay (the defaults let a volunteer relay averaging rounds for a few peers)."""
 
     max_reservations: int = 64
     max_reservations_per_ip: int = 8
     reservation_ttl: float = 3600.0
     """A reservation ends after this; the peer renews it with a new request."""
-    max_circuits: int = 128
+    max_circuits: int = 256
     """Circuits open at once through this relay."""
-    max_circuits_per_peer: int = 8
-    """Circuits one peer takes part in at once (as source or as target)."""
-    max_circuit_bytes: int = 64 << 20
-    """Bytes one circuit may carry, both directions together; then it is reset."""
-    max_circuit_duration: float = 600.0
-    """Seconds a circuit may stay open; then it is reset."""
+    max_circuits_per_peer: int = 64
+    """Circuits one peer takes part in at once (as source or as target): a relayed member of
+    an averaging group (up to 64 members) is dialed by every other member."""
+    max_circuit_bytes: int = 256 << 20
+    """Bytes one circuit may carry, both directions together; then it is reset. Dialers
+    renew a circuit at half of it (:class:`~p2p.nat.circuit.CircuitTransport`), so the other
+    half must hold the largest stream in flight: one averaging part and its result
+    (sahajBERT: under 72 MB, its 18M parameters in float32)."""
+    max_circuit_duration: float = 1800.0
+    """Seconds a circuit may stay open; then it is reset (renewed at half, as above)."""
     connect_timeout: float = 10.0
     """Reaching the target over its reservation must finish within this."""
     request_timeout: float = 10.0
@@ -67,9 +71,9 @@ class RelayConfig:
 
     @classmethod
     def bulk(cls) -> RelayConfig:
-        """A trusted collaboration where relays carry gradients: large, long circuits."""
+        """A trusted collaboration with very large models: larger, longer circuits."""
         return cls(
-            max_circuit_bytes=64 << 30, max_circuit_duration=24 * 3600.0, max_circuits_per_peer=32
+            max_circuit_bytes=64 << 30, max_circuit_duration=24 * 3600.0, max_circuits_per_peer=128
         )
 
     @classmethod

@@ -61,6 +61,9 @@ class SimHost:
         self.downlink: Link = net.fluid.new_link(f"{name}.down", download_bps)
         self.latency = float(latency)
         self.reachable = reachable
+        self.nat_mapping_timeout: float | None = None
+        """Behind a NAT that forgets a connection after this many seconds without traffic
+        either way: from then on it silently drops that connection's bytes (None: never)."""
         self.alive = True
         self.listeners: dict[int, SimListener] = {}
         self.connections: dict[Connection, None] = {}

@@ -36,6 +36,23 @@ class Connection:
         self.b_end = SimStream(self, send=self.ba, recv=self.ab, local=b_addr, remote=a_addr)
         a.connections[self] = None
         b.connections[self] = None
+        timeouts = [t for t in (a.nat_mapping_timeout, b.nat_mapping_timeout) if t is not None]
+        self.mapping_timeout = min(timeouts) if timeouts else None
+        self.last_traffic = net.engine.now
+        self.blackholed = False
+        """True once a NAT on the path forgot this connection: bytes sent vanish."""
+
+    def traffic(self) -> bool:
+        """Bytes are about to cross the path now: False if a NAT's mapping expired first (the
+        bytes are lost, as are all later ones), else True (and the mapping is refreshed)."""
+        if self.blackholed:
+            return False
+        now = self.net.engine.now
+        if self.mapping_timeout is not None and now - self.last_traffic > self.mapping_timeout:
+            self.blackholed = True
+            return False
+        self.last_traffic = now
+        return True
 
     def reset(self, reason: str) -> None:
         """Break both directions (as a TCP reset does) and forget the connection."""
@@ -94,6 +111,9 @@ class SimStream(trio.abc.HalfCloseableStream):
             net = self._net
             pipe = self._send
             yielded = False
+            net._settle()
+            if not self._conn.traffic():
+                pos = len(view)  # into the void: the sender cannot tell
             while True:
                 net._settle()
                 self._check_open()
@@ -135,7 +155,8 @@ class SimStream(trio.abc.HalfCloseableStream):
         await trio.lowlevel.checkpoint()
         self._check_open()
         self._net._settle()
-        self._send.write_eof()
+        if self._conn.traffic():
+            self._send.write_eof()
 
     async def receive_some(self, max_bytes: int | None = None) -> bytes:
         if max_bytes is None:
@@ -173,7 +194,8 @@ class SimStream(trio.abc.HalfCloseableStream):
             self.closed = True
             self._net._settle()
             # our unsent bytes still go out, then EOF; the peer can no longer send to us
-            self._send.write_eof()
+            if self._conn.traffic():
+                self._send.write_eof()
             self._recv.reset("the peer closed the connection")
             self._send.wake_all()
             self._conn.maybe_forget()

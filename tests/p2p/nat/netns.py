@@ -12,7 +12,10 @@ The routers accept no new inbound connections (only established/related traffic 
 unsolicited SYNs are dropped, as home routers do), so h1 and h2 can dial out but nobody can
 dial them. Masquerade keeps source ports where it can: a cone NAT that TCP hole punching
 gets through. ``fully_random=True`` gives
-symmetric NATs (a new external port per connection). Names carry a per-process prefix so
+symmetric NATs (a new external port per connection). ``drop_private=True`` makes the routers
+behave like the Internet towards private addresses that are not their own: packets to them
+are dropped silently (not rejected), so a dial to another site's LAN address hangs until its
+timeout instead of failing at once. Names carry a per-process prefix so
 parallel runs do not collide; :meth:`NetnsLab.close` deletes everything (namespaces take
 their interfaces, bridge and rules with them) and kills the processes started in them.
 """
@@ -57,9 +60,12 @@ def unavailable_reason() -> str | None:
 class NetnsLab:
     """Creates the topology above; use as a context manager (always torn down)."""
 
-    def __init__(self, *, fully_random: bool = False, prefix: str | None = None) -> None:
+    def __init__(
+        self, *, fully_random: bool = False, drop_private: bool = False, prefix: str | None = None
+    ) -> None:
         self.prefix = prefix or f"d4n{os.getpid() % 100000}"
         self.fully_random = fully_random
+        self.drop_private = drop_private
         self.namespaces: list[str] = []
         self.procs: list[subprocess.Popen] = []
 
@@ -125,6 +131,37 @@ table ip filter {{
 }}
 """
         self._nft(name, rules)
+        if self.drop_private:
+            self._drop_foreign_private(name)
+
+    def _drop_foreign_private(self, name: str) -> None:
+        """Router ``name`` forwards private destinations beyond its LAN towards the WAN (as a
+        default route would) and drops them there silently, counting them (:meth:`dropped`)."""
+        self._in(name, "ip", "route", "add", "10.0.0.0/8", "via", "10.77.0.10", "dev", "wan0")
+        self._nft(
+            name,
+            """
+define private = { 10.0.0.0/8, 172.16.0.0/12, 192.168.0.0/16 }
+table ip internet {
+    chain forward {
+        type filter hook forward priority filter - 10; policy accept;
+        oifname "wan0" ip daddr != 10.77.0.0/24 ip daddr $private counter drop
+    }
+}
+""",
+        )
+
+    def dropped(self, name: str) -> int:
+        """Packets router ``name`` silently dropped towards foreign private addresses."""
+        import re
+
+        done = subprocess.run(
+            ["ip", "netns", "exec", self.ns(name), "nft", "list", "table", "ip", "internet"],
+            capture_output=True,
+            text=True,
+        )
+        found = re.search(r"counter packets (\d+)", done.stdout)
+        return int(found.group(1)) if found else 0
 
     def _nft(self, ns: str, rules: str) -> None:
         done = subprocess.run(

@@ -7,6 +7,7 @@ from contextlib import AsyncExitStack
 import trio
 
 from p2p.dht import DHTConfig, open_dht
+from p2p.dht.wire import Contact
 from p2p.nat import NATConfig, Reachability, Role, open_nat
 from p2p.nat.discovery import advertise_relay, find_relays, lookup_addrs, publish_addrs
 from p2p.nat.observed import IDENTIFY, handle_identify
@@ -26,6 +27,9 @@ class World(SimWorld):
         return await self.stack.enter_async_context(
             open_nat(node, peers=[str(p.addrs[0]) for p in peers], config=config, **kwargs)
         )
+
+
+FAST = DHTConfig.fast()
 
 
 def world_run(body):
@@ -252,5 +256,80 @@ def test_each_observation_round_asks_a_few_connected_peers_in_turn():
             len(nat.observed.addrs()) == 1
             and len(nat.observed._seen[nat.observed.addrs()[0]]) == 10
         )
+
+    world_run(body)
+
+
+def test_reachability_changing_mid_run_moves_relays_addresses_and_dht_mode():
+    """A reachable node loses its inbound path mid-run (a port forward removed), then gets it
+    back: each time the periodic re-check notices, and its relay reservations, advertised
+    addresses and DHT mode follow (private: DHT client, reachable through relays only)."""
+
+    async def body(w: World):
+        publics = [await w.node(reachable=True) for _ in range(3)]
+        dhts = []
+        for i, p in enumerate(publics):
+            nat = await w.nat(p, [q for q in publics if q is not p])
+            dht = await w.stack.enter_async_context(
+                open_dht(p, initial_peers=[publics[0].addrs[0]] if i else [], config=FAST)
+            )
+            nat.use_dht(dht)
+            dhts.append(dht)
+        host = w.net.add_host("roamer", reachable=True)
+        node = await w.stack.enter_async_context(
+            open_node(
+                sim_identity(w.net, 99),
+                transport=host.transport,
+                listen=[host.listen_addr],
+                config=NodeConfig.testing(),
+            )
+        )
+        node.add_handler("echo", _echo)
+        direct = list(node.addrs)
+        nat = await w.nat(node, publics)
+        dht = await w.stack.enter_async_context(
+            open_dht(node, initial_peers=[publics[0].addrs[0]], config=FAST)
+        )
+        nat.use_dht(dht)
+        assert nat.reachability is Reachability.PUBLIC and not dht.client_mode
+        assert await dhts[1].protocol.ping(Contact(node.peer_id, ()))  # a DHT server
+
+        async def until(reachability):
+            with trio.fail_after(NATConfig.testing().autonat.recheck_interval + 120):
+                while nat.reachability is not reachability:
+                    await nat.wait_changed()
+
+        host.reachable = False  # the forwarded port is gone; its connections stay up
+        await until(Reachability.PRIVATE)
+        assert nat.role is Role.RELAYED and dht.client_mode and nat.dht_client_mode
+        assert not nat.client_mode  # it still averages: others reach it through its relays
+        assert node.addrs[: len(nat.relayed_addrs)] == nat.relayed_addrs
+        assert nat.relayed_addrs and all(a.is_relayed for a in nat.relayed_addrs)
+        assert not await dhts[1].protocol.ping(Contact(node.peer_id, ()))  # serves no DHT
+        assert (await dht.store("k", "private", dht.now() + 60)).ok  # but uses it
+        # a newcomer finds its relayed addresses in the DHT and reaches it by peer ID
+        newcomer = await w.node(reachable=True)
+        newcomer_dht = await w.stack.enter_async_context(
+            open_dht(newcomer, initial_peers=[publics[0].addrs[0]], config=FAST)
+        )
+        with trio.fail_after(60):
+            while not any(a.is_relayed for a in await lookup_addrs(newcomer_dht, node.peer_id)):
+                await trio.sleep(1)
+        await w.stack.enter_async_context(open_nat(newcomer, config=NATConfig.testing()))
+        reply = await newcomer.call(node.peer_id, "echo", "via relay")
+        assert reply["echo"] == "via relay"
+        assert newcomer.connection_to(node.peer_id).remote_addr.is_relayed
+
+        host.reachable = True  # forwarded again
+        await until(Reachability.PUBLIC)
+        await trio.sleep(1)
+        assert nat.role is Role.PUBLIC and not dht.client_mode
+        assert nat.relayed_addrs == [] and not any(a.is_relayed for a in node.addrs)
+        assert set(direct) <= set(node.addrs)
+        assert await dhts[2].protocol.ping(Contact(node.peer_id, ()))  # serves the DHT again
+        # and its published addresses no longer name the relays it dropped
+        with trio.fail_after(60):
+            while any(a.is_relayed for a in await lookup_addrs(newcomer_dht, node.peer_id)):
+                await trio.sleep(5)
 
     world_run(body)

@@ -7,7 +7,7 @@ from contextlib import AsyncExitStack
 import pytest
 import trio
 
-from p2p.errors import ConnectionClosed, DialError, PeerIDMismatch
+from p2p.errors import ConnectionClosed, DialError, P2PError, PeerIDMismatch
 from p2p.nat import RelayConfig, RelayRefused, RelayService, attach, circuit_addr
 from p2p.nat.relay import Circuit
 from p2p.testing import SimNetwork, run_sim
@@ -115,14 +115,17 @@ def test_bulk_data_crosses_a_circuit_intact():
         async def sink(ctx, ms):
             async for msg in ms:
                 got.extend(msg)
+            await ms.send(len(got))
 
         b.add_stream_handler("sink", sink)
         blob = bytes(range(256)) * 4096  # 1 MiB
         async with a.open_stream(circuit_addr(relay.addrs[0], b.peer_id), "sink") as ms:
             for i in range(0, len(blob), 100_000):
                 await ms.send(blob[i : i + 100_000])
-        while len(got) < len(blob):
-            await trio.sleep(0.1)
+            # wait for the answer: closing a stream the peer has not finished resets it, and
+            # the reset may overtake the last pieces the sink has not read yet
+            await ms.send_eof()
+            assert await ms.receive() == len(blob)
         assert bytes(got) == blob
         assert service.stats.bytes_relayed > len(blob)
 
@@ -170,6 +173,7 @@ def test_circuit_past_its_byte_budget_is_closed():
             config=RelayConfig.testing().with_(max_circuit_bytes=200_000)
         )
         a = await lab.private(relay)
+        attach(a).renew_at = None  # the relay's cut itself (one stream cannot change circuits)
         b = await lab.private(relay)
 
         async def sink(ctx, ms):
@@ -195,6 +199,7 @@ def test_circuit_past_its_duration_is_closed():
         cfg = RelayConfig.testing().with_(max_circuit_duration=30.0)
         relay, service = await lab.relay(config=cfg)
         a = await lab.private(relay)
+        attach(a).renew_at = None  # the relay's cut itself (one stream cannot change circuits)
         b = await lab.private(relay)
         addr = circuit_addr(relay.addrs[0], b.peer_id)
 
@@ -279,5 +284,47 @@ def test_reservations_are_renewed_without_losing_the_relayed_address():
         await relay.disconnect(b.peer_id)
         await trio.sleep(1)
         assert ct.reservations == {} and len(lost) == 1
+
+    lab_run(body)
+
+
+@pytest.mark.parametrize("renew", [True, False], ids=["renewed", "not-renewed"])
+def test_circuits_are_renewed_before_the_relay_cuts_them(renew):
+    """Averaging moves far more than one circuit's budget between two peers, over many
+    rounds: the dialer replaces a circuit that carried half its byte budget (or lived half
+    its duration) by a new one, so no call ever meets the relay's cut."""
+
+    async def body(lab: Lab):
+        cfg = RelayConfig.testing().with_(max_circuit_bytes=4 << 20, max_circuit_duration=60.0)
+        relay, service = await lab.relay(config=cfg)
+        a = await lab.private(relay)
+        if not renew:
+            attach(a).renew_at = None
+        b = await lab.private(relay)
+        addr = circuit_addr(relay.addrs[0], b.peer_id)
+
+        async def digest(ctx, blob):
+            return {"n": len(blob), "via": str(ctx.remote_addr)}
+
+        b.add_handler("digest", digest)
+        a.peerstore.add_addrs(b.peer_id, [addr])
+        blob = bytes(range(256)) * 2048  # 512 KiB a call: 40 calls carry 5x the budget
+        outcomes = []
+        for _ in range(40):
+            try:
+                reply = await a.call(b.peer_id, "digest", blob)
+                outcomes.append(reply["n"] == len(blob) and "/p2p-circuit/" in reply["via"])
+            except P2PError as e:  # the cut stream's call, when not renewed
+                outcomes.append(repr(e))
+            await trio.sleep(2)  # 80 s in all: past the duration limit as well
+        if renew:
+            assert outcomes == [True] * 40
+            assert service.stats.circuits_cut == 0
+            assert attach(a).renewed >= 5 and service.stats.circuits_opened >= 6
+            await trio.sleep(5)
+            assert len(service.circuits) == 1  # the replaced circuits drained and closed
+        else:
+            assert service.stats.circuits_cut >= 1
+            assert any(o is not True for o in outcomes)
 
     lab_run(body)
