@@ -44,6 +44,7 @@ from dedloc_jax.progress import CollaborationEstimate, estimate_collaboration, r
 from dedloc_jax.state_sync import StateServer, download_manifest_state, find_donors
 from dedloc_jax.timing import Deadlines, matchmaking_window
 from dedloc_jax.tracker import ProgressTracker
+from dedloc_jax.validators import run_validators
 from p2p.dht import DHTClock, DHTConfig, open_dht
 from p2p.errors import P2PError
 from p2p.identity import PeerID
@@ -681,7 +682,10 @@ async def open_collaboration(
                 config=dht_config,
                 client_mode=mode == "client",
                 clock=dht_clock,
-                validators=private.validators if private is not None else (),
+                validators=[
+                    *(run_validators(run_id) if config.record_schemas else ()),
+                    *(private.validators if private is not None else ()),
+                ],
             )
         )
         if nat is not None:

@@ -46,6 +46,9 @@ class CollaborationConfig:
     # Against invited but malicious peers: reducers aggregate with CenteredClip at this L2
     # radius per chunk (AllReduceConfig.robust_tau) instead of the plain weighted mean.
     robust_tau: float | None = None
+    # Install the schemas of the run's DHT keys (dedloc_jax.validators): a record of another
+    # shape is refused where it would be stored, with the reason told to its writer.
+    record_schemas: bool = True
 
     def __post_init__(self) -> None:
         if self.target_batch_size is not None and self.target_batch_size <= 0:

@@ -38,7 +38,7 @@ from p2p.dht.node import open_dht
 from p2p.dht.records import ValueWithExpiration, owner_marker, pack_value
 from p2p.errors import P2PError
 from p2p.identity import Identity
-from p2p.nat import NATConfig, open_nat
+from p2p.nat import NATConfig, nat_validators, open_nat
 from p2p.node import open_node
 
 DEFAULT_LISTEN = "/ip4/127.0.0.1/tcp/0"
@@ -203,6 +203,7 @@ async def _serve(args: argparse.Namespace) -> int:
                     initial_peers=args.initial_peers,
                     config=PRESETS[args.config](),
                     client_mode=args.client_mode or (nat is not None and nat.client_mode),
+                    validators=nat_validators(),
                 )
             )
             if nat is not None:
