@@ -74,6 +74,12 @@ def _parser() -> argparse.ArgumentParser:
         "private takes relay reservations and advertises relayed addresses",
     )
     serve.add_argument("--no-nat", action="store_true", help="no identify/dial-back/relay")
+    serve.add_argument(
+        "--no-port-mapping",
+        action="store_true",
+        help="do not ask the home router (NAT-PMP, UPnP) to forward a port (also off with "
+        "--announce or --force-reachability)",
+    )
     serve.add_argument("--client-mode", action="store_true", help="query only, accept nothing")
     common(serve, False)
 
@@ -187,6 +193,8 @@ async def _serve(args: argparse.Namespace) -> int:
         force_reachability=args.force_reachability,
         force_client_mode=True if args.client_mode else None,
     )
+    if args.no_port_mapping or args.announce:
+        nat_config = nat_config.with_(port_mapping=None)
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async with AsyncExitStack() as stack:
             node = await stack.enter_async_context(

@@ -13,6 +13,7 @@ from p2p.nat.circuit import CircuitStream, CircuitTransport, attach, circuit_add
 from p2p.nat.discovery import nat_validators
 from p2p.nat.errors import RelayRefused
 from p2p.nat.observed import IdentifyResult, ObservedAddrs, identify
+from p2p.nat.portmap import PortMapConfig, PortMapper, PortMapping
 from p2p.nat.reachability import NATConfig, NATManager, Role, decide_role, open_nat
 from p2p.nat.relay import RelayConfig, RelayService, RelayStats
 
@@ -25,6 +26,9 @@ __all__ = [
     "NATConfig",
     "NATManager",
     "ObservedAddrs",
+    "PortMapConfig",
+    "PortMapper",
+    "PortMapping",
     "Reachability",
     "RelayConfig",
     "RelayRefused",
