@@ -682,9 +682,10 @@ async def open_collaboration(
                 config=dht_config,
                 client_mode=mode == "client",
                 clock=dht_clock,
+                # who may write first (a stranger is told that), then what a record holds
                 validators=[
-                    *(run_validators(run_id) if config.record_schemas else ()),
                     *(private.validators if private is not None else ()),
+                    *(run_validators(run_id) if config.record_schemas else ()),
                 ],
             )
         )
