@@ -14,6 +14,7 @@ mapping on exit runs shielded from cancellation, for at most ``delete_timeout`` 
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import random
 import socket
@@ -25,6 +26,7 @@ import trio
 
 from p2p.multiaddr import Multiaddr
 from p2p.nat.errors import PortMapError, PortMapRefused
+from p2p.nat.natpmp import PORT as NATPMP_PORT
 from p2p.nat.natpmp import NATPMPClient, default_gateway
 from p2p.nat.upnp import UPnPClient, fault_code
 
@@ -53,6 +55,7 @@ class PortMapConfig:
     """How long ``open_nat`` waits for the first mapping before its first reachability check."""
     gateway: str | None = None
     """The router's address; None: this host's IPv4 default gateway."""
+    natpmp_port: int = NATPMP_PORT
     description: str = "dedloc-jax p2p"
     attempts: int = 3
     """External ports tried: our listen port first, then random ones."""
@@ -100,11 +103,15 @@ def local_ip_towards(host: str) -> str:
 
 
 def mappable_port(node: Any) -> int | None:
-    """The TCP port of the node's first IPv4 listener that a router could forward to (not
-    loopback), or None (a simulated or loopback-only node asks no router)."""
+    """The TCP port of the node's first IPv4 listener that a home router could forward to: a
+    private address or the wildcard. None for simulated, loopback-only or public listeners
+    (a host with a public address needs no mapping)."""
     for addr in node.listen_addrs:
         ip = addr.value_of("ip4")
-        if ip is not None and addr.port and not ip.startswith("127."):
+        if ip is None or not addr.port:
+            continue
+        parsed = ipaddress.IPv4Address(ip)
+        if parsed.is_unspecified or (parsed.is_private and not parsed.is_loopback):
             return addr.port
     return None
 
@@ -163,7 +170,9 @@ class PortMapper:
         gateway = self._gateway()
         if gateway is None:
             raise PortMapError("no default gateway")
-        client = NATPMPClient(gateway, first_wait=self.config.discover_timeout / 8)
+        client = NATPMPClient(
+            gateway, port=self.config.natpmp_port, first_wait=self.config.discover_timeout / 8
+        )
         external = await client.external_address()
         last: PortMapError | None = None
         for port in self._ports(current):
@@ -237,7 +246,8 @@ class PortMapper:
             if mapping.protocol == "natpmp":
                 gateway = self._gateway()
                 if gateway is not None:
-                    await NATPMPClient(gateway, tries=2).unmap(self.internal_port)
+                    client = NATPMPClient(gateway, port=self.config.natpmp_port, tries=2)
+                    await client.unmap(self.internal_port)
             elif self._upnp is not None:
                 await self._upnp.delete_port_mapping(mapping.external_port)
             logger.info("port mapping %s deleted", mapping.addr)

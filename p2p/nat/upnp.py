@@ -267,12 +267,16 @@ async def discover(gateway: str | None, timeout: float = 2.0) -> str:
         await sock.bind(("0.0.0.0", 0))
         request = encode_msearch()
         targets = [SSDP_ADDR] + ([(gateway, SSDP_ADDR[1])] if gateway else [])
+        sent = 0
         with trio.move_on_after(timeout):
             for target in targets:
                 try:
                     await sock.sendto(request, target)
+                    sent += 1
                 except OSError as e:  # no multicast route, say
                     logger.debug("M-SEARCH to %s failed: %s", target, e)
+            if not sent:
+                raise PortMapError("M-SEARCH could not be sent (no route)")
             while True:
                 data, sender = await sock.recvfrom(MAX_DATAGRAM + 1)
                 try:
