@@ -14,7 +14,9 @@ Protocol:
    external port is taken, 725: only permanent leases).
 
 Everything that builds or parses a message is a pure function here; replies are bounded in
-size, must be well-formed, and XML with a DOCTYPE (entity expansion) is refused.
+size, must be well-formed, and XML with a DOCTYPE (entity expansion) is refused. We only fetch
+from the device that answered the search (its LOCATION and control URL must name its address),
+so a LAN host cannot make us send requests to a third party.
 """
 
 from __future__ import annotations
@@ -280,7 +282,11 @@ async def discover(gateway: str | None, timeout: float = 2.0) -> str:
             while True:
                 data, sender = await sock.recvfrom(MAX_DATAGRAM + 1)
                 try:
-                    return parse_ssdp_response(data)
+                    location = parse_ssdp_response(data)
+                    if check_http_url(location)[0] != sender[0]:
+                        # we fetch what it names: only from the device that answered
+                        raise PortMapError(f"LOCATION names another host than {sender[0]}")
+                    return location
                 except PortMapError as e:
                     logger.debug("ignoring an SSDP answer from %s: %s", sender, e)
     raise PortMapError("no UPnP gateway answered")
@@ -299,7 +305,10 @@ class UPnPClient:
         status, body = await http_exchange(location, encode_http_request("GET", location), timeout)
         if status != 200:
             raise PortMapError(f"UPnP description at {location} answered HTTP {status}")
-        return cls(parse_description(body, location))
+        service = parse_description(body, location)
+        if check_http_url(service.control_url)[0] != check_http_url(location)[0]:
+            raise PortMapError("the control URL names another host than the device")
+        return cls(service)
 
     @property
     def host(self) -> str:
