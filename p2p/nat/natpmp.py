@@ -77,6 +77,8 @@ def encode_map_request(
 
 def _header(data: bytes, opcode: int, size: int) -> None:
     """Check size, version, opcode and result code (PortMapError / PortMapRefused)."""
+    if data[:1] == b"\x02":  # a PCP server's answer (RFC 6887): it does not speak NAT-PMP
+        raise PortMapRefused("the gateway speaks PCP, not NAT-PMP")
     if len(data) != size:
         raise PortMapError(f"NAT-PMP reply of {len(data)} bytes, expected {size}")
     version, op, result = struct.unpack_from("!BBH", data)

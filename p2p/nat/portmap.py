@@ -1,11 +1,12 @@
 """Port mapping: ask the home router to forward a public port to our TCP listener.
 
-A node behind a home NAT that speaks NAT-PMP (:mod:`p2p.nat.natpmp`) or UPnP IGD
-(:mod:`p2p.nat.upnp`) asks it, at start, for the same external port as its listen port (a
-random one when that is taken), learns the router's external address, and advertises
-``/ip4/EXTERNAL/tcp/PORT``: peers then dial it directly, no relay needed. The mapping is
-renewed at half its lease and deleted on exit; a lost mapping is asked for again every
-``retry_interval``. NAT-PMP is tried first (one datagram to the gateway), then UPnP.
+A node behind a home NAT that speaks NAT-PMP (:mod:`p2p.nat.natpmp`), PCP
+(:mod:`p2p.nat.pcp`) or UPnP IGD (:mod:`p2p.nat.upnp`) asks it, at start, for the same external
+port as its listen port (a random one when that is taken), learns the router's external
+address, and advertises ``/ip4/EXTERNAL/tcp/PORT``: peers then dial it directly, no relay
+needed. The mapping is renewed at half its lease and deleted on exit; a lost mapping is asked
+for again every ``retry_interval``. NAT-PMP is tried first (one datagram to the gateway), then
+PCP, then UPnP.
 
 Rules: every failure is logged and leaves the node as it was (no mapping is the normal case on
 most networks); the router's answers are bounded and checked by the pure decoders; deleting a
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import ipaddress
 import logging
+import os
 import random
 import socket
 from collections.abc import Callable
@@ -28,11 +30,12 @@ from p2p.multiaddr import Multiaddr
 from p2p.nat.errors import PortMapError, PortMapRefused
 from p2p.nat.natpmp import PORT as NATPMP_PORT
 from p2p.nat.natpmp import NATPMPClient, default_gateway
+from p2p.nat.pcp import PCPClient
 from p2p.nat.upnp import UPnPClient, fault_code
 
 logger = logging.getLogger(__name__)
 
-PROTOCOLS = ("natpmp", "upnp")
+PROTOCOLS = ("natpmp", "pcp", "upnp")
 UPNP_CONFLICT = 718  # ConflictInMappingEntry: the external port is mapped to someone else
 UPNP_PERMANENT_ONLY = 725  # OnlyPermanentLeasesSupported
 
@@ -132,6 +135,7 @@ class PortMapper:
         self.mapping: PortMapping | None = None
         self.last_error: str | None = None
         self.first_attempt = trio.Event()
+        self._pcp_nonce = os.urandom(12)  # names our mapping to the router (renew, delete)
         self._upnp: UPnPClient | None = None
         self._rng = random.Random()
 
@@ -186,6 +190,34 @@ class PortMapper:
             )
         raise last or PortMapError("NAT-PMP gave no mapping")
 
+    def _pcp_client(self) -> PCPClient:
+        gateway = self._gateway()
+        if gateway is None:
+            raise PortMapError("no default gateway")
+        return PCPClient(
+            gateway,
+            local_ip_towards(gateway),
+            self._pcp_nonce,
+            port=self.config.natpmp_port,
+            first_wait=self.config.discover_timeout / 8,
+        )
+
+    async def _pcp(self, current: PortMapping | None) -> PortMapping:
+        client = self._pcp_client()
+        last: PortMapError | None = None
+        for port in self._ports(current):
+            try:
+                got = await client.map(self.internal_port, port, self.config.lease)
+            except PortMapRefused as e:
+                if "speaks NAT-PMP" in str(e):
+                    raise
+                last = e
+                continue
+            return PortMapping(
+                "pcp", got.external_address, got.external_port, self.internal_port, got.lifetime
+            )
+        raise last or PortMapError("PCP gave no mapping")
+
     async def _upnp_map(self, current: PortMapping | None) -> PortMapping:
         if self._upnp is None:
             self._upnp = await UPnPClient.find(
@@ -231,6 +263,8 @@ class PortMapper:
                 ):
                     if protocol == "natpmp":
                         return await self._natpmp(current)
+                    if protocol == "pcp":
+                        return await self._pcp(current)
                     return await self._upnp_map(current)
             except (PortMapError, OSError, trio.TooSlowError) as e:
                 if protocol == "upnp":
@@ -243,7 +277,9 @@ class PortMapper:
         if mapping is None:
             return
         try:
-            if mapping.protocol == "natpmp":
+            if mapping.protocol == "pcp":
+                await self._pcp_client().unmap(self.internal_port)
+            elif mapping.protocol == "natpmp":
                 gateway = self._gateway()
                 if gateway is not None:
                     client = NATPMPClient(gateway, port=self.config.natpmp_port, tries=2)

@@ -1,8 +1,9 @@
-"""Port mapping messages (NAT-PMP, SSDP, HTTP, UPnP SOAP): pure encoders and decoders, and
+"""Port mapping messages (NAT-PMP, PCP, SSDP, HTTP, UPnP SOAP): pure encoders and decoders, and
 garbage replies refused with PortMapError (never another exception)."""
 
 from __future__ import annotations
 
+import ipaddress
 import random
 import struct
 
@@ -16,6 +17,8 @@ from p2p.nat.natpmp import (
     encode_external_request,
     encode_map_request,
 )
+from p2p.nat.pcp import decode_map_response as decode_pcp_response
+from p2p.nat.pcp import encode_map_request as encode_pcp_request
 from p2p.nat.portmap import PortMapConfig, PortMapping
 from p2p.nat.upnp import (
     IGDService,
@@ -196,8 +199,60 @@ def test_soap_calls_replies_and_faults() -> None:
 
 def test_config_and_mapping_address() -> None:
     with pytest.raises(ValueError):
-        PortMapConfig(protocols=("pcp",))
+        PortMapConfig(protocols=("stun",))
     with pytest.raises(ValueError):
         PortMapConfig(lease=0)
     m = PortMapping("upnp", "5.6.7.8", 40001, 4001, 3600)
     assert str(m.addr) == "/ip4/5.6.7.8/tcp/40001"
+
+
+NONCE = bytes(range(12))
+
+
+def _pcp_reply(result=0, nonce=NONCE, internal=4001, external=40001, lifetime=600, ext="5.6.7.8"):
+    header = struct.pack("!BBxBII12x", 2, 0x81, result, lifetime, 7)
+    addr = ipaddress.IPv6Address(f"::ffff:{ext}").packed
+    return header + struct.pack("!12sB3xHH16s", nonce, 6, internal, external, addr)
+
+
+def test_pcp_map_request_and_response() -> None:
+    req = encode_pcp_request("192.168.1.20", NONCE, 4001, 4001, 600)
+    assert len(req) == 60 and req[:2] == b"\x02\x01" and struct.unpack_from("!I", req, 4) == (600,)
+    assert req[8:24] == ipaddress.IPv6Address("::ffff:192.168.1.20").packed
+    assert (
+        req[24:36] == NONCE and req[36] == 6 and struct.unpack_from("!HH", req, 40) == (4001, 4001)
+    )
+    got = decode_pcp_response(_pcp_reply(), NONCE, 4001)
+    assert (got.external_address, got.external_port, got.lifetime) == ("5.6.7.8", 40001, 600)
+    with pytest.raises(PortMapRefused, match="not authorized"):
+        decode_pcp_response(_pcp_reply(result=2), NONCE, 4001)
+    with pytest.raises(PortMapRefused, match="speaks NAT-PMP"):
+        decode_pcp_response(struct.pack("!BBHI", 0, 129, 1, 0), NONCE, 4001)
+    with pytest.raises(PortMapRefused, match="speaks PCP"):  # and the other way round
+        decode_map_response(_pcp_reply()[:16], 4001)
+    for bad, why in (
+        (_pcp_reply(nonce=bytes(12)), "nonce"),
+        (_pcp_reply(internal=4002), "port 4002"),
+        (_pcp_reply(external=0), "external port 0"),
+        (_pcp_reply()[:56], "56 bytes"),
+        (b"\x01" + _pcp_reply()[1:], "version 1"),
+    ):
+        with pytest.raises(PortMapError, match=why):
+            decode_pcp_response(bad, NONCE, 4001)
+    with pytest.raises(PortMapError, match="non-IPv4"):
+        decode_pcp_response(_pcp_reply()[:44] + bytes(16), NONCE, 4001)
+
+
+def test_pcp_garbage_is_refused_cleanly() -> None:
+    rng = random.Random(6)
+    good = _pcp_reply()
+    for _ in range(3000):
+        data = bytearray(good)
+        for _ in range(rng.randint(1, 6)):
+            data[rng.randrange(len(data))] = rng.randrange(256)
+        if rng.random() < 0.3:
+            data = data[: rng.randrange(len(data) + 1)]
+        try:
+            decode_pcp_response(bytes(data), NONCE, 4001)
+        except PortMapError:
+            pass

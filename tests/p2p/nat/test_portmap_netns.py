@@ -77,7 +77,7 @@ def _connect_from_outside(lab: UPnPRouterLab, port: int) -> str:
 
 
 @skip
-@pytest.mark.parametrize("protocol", ["natpmp", "upnp"])
+@pytest.mark.parametrize("protocol", ["natpmp", "pcp", "upnp"])
 def test_a_mapping_forwards_the_outside_port_home_and_deleting_closes_it(protocol) -> None:
     with UPnPRouterLab() as lab:
         proc = _in(
