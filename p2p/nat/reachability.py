@@ -87,7 +87,7 @@ class NATConfig:
     advertise_interval: float = 300.0
     """How often relay adverts and relayed addresses are refreshed in the DHT (see use_dht)."""
     port_mapping: PortMapConfig | None = field(default_factory=PortMapConfig)
-    """Ask the home router (NAT-PMP, UPnP IGD) to forward a port to our listener; with a
+    """Ask the home router (NAT-PMP, PCP, UPnP IGD) to forward a port to our listener; with a
     mapping the node advertises it first and is public unless dial-backs prove otherwise.
     None: never (also skipped for loopback listeners and a forced reachability)."""
 
