@@ -202,3 +202,32 @@ async def _run_node(initial: list[str], task_status=trio.TASK_STATUS_IGNORED) ->
     ):
         task_status.started(dht)
         await trio.sleep_forever()
+
+
+def test_collaborations_install_the_schemas_by_default() -> None:
+    """A record of another shape sent straight to a run's node (as a peer of another version
+    or a hostile one would) is refused with the reason; with ``record_schemas=False`` the same
+    STORE is taken."""
+    from dedloc_jax.config import CollaborationConfig
+    from p2p.dht.wire import Contact
+    from p2p.testing import SimNetwork
+    from tests.dedloc_jax.simcollab import open_sim_collaboration
+
+    async def attempt(record_schemas: bool) -> bool | str | None:
+        config = CollaborationConfig.local_demo(32).replace(record_schemas=record_schemas)
+        async with open_sim_collaboration(SimNetwork(4), 2, config=config, run_id=RUN) as cores:
+            writer, target = cores[1], cores[0]
+            rec = Record(
+                progress_key(RUN),
+                owner_marker(writer.node.peer_id),
+                pack_value({**_progress(), "samples": -5}),
+                writer.dht.now() + 60,
+            )
+            rec = sign_record(rec, writer.node.identity)
+            contact = Contact(target.node.peer_id, tuple(str(a) for a in target.node.addrs))
+            answers = await writer.dht.protocol.store(contact, [rec])
+            return None if answers is None else answers[0]
+
+    refused = run_sim(attempt, True)
+    assert isinstance(refused, str) and "value.samples below 0" in refused
+    assert run_sim(attempt, False) is True
