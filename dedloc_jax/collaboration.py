@@ -668,8 +668,11 @@ async def open_collaboration(
     async with AsyncExitStack() as stack:
         if config.nat:
             forced = {"client": True, "node": False, "aux": False}.get(mode or "")
+            nat_config = NATConfig(force_client_mode=forced)
+            if not config.port_mapping:
+                nat_config = nat_config.with_(port_mapping=None)
             nat = await stack.enter_async_context(
-                open_nat(node, peers=initial_peers, config=NATConfig(force_client_mode=forced))
+                open_nat(node, peers=initial_peers, config=nat_config)
             )
             mode = mode or ("client" if nat.client_mode else "node")
         else:

@@ -25,6 +25,9 @@ class CollaborationConfig:
     codec: str = "fp16"  # on the wire: none, fp16, bf16, int8
     mode: Literal["node", "client", "aux"] | None = None  # None: detect (client if unreachable)
     nat: bool = True  # detect reachability, use relays when behind NAT (p2p.nat)
+    # With nat: ask the home router (NAT-PMP, PCP, UPnP IGD) to forward our port; a mapped
+    # peer is reachable directly and serves as a node instead of going through a relay.
+    port_mapping: bool = True
     upload_bps: float | None = None  # override the measured bandwidth (bytes/s)
     download_bps: float | None = None
     # Probe this peer's links (a few MB with a few peers) when it joins and when the figure
