@@ -148,3 +148,215 @@ class ShapedLab:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+# ---- a home router with UPnP IGD and NAT-PMP (miniupnpd) ------------------------------------
+UPNP_WAN = "11.79.0"
+"""The UPnP lab's outside network. miniupnpd maps nothing on a router whose outside address is
+private or reserved (as behind carrier-grade NAT), so this one is public-looking; it exists
+only inside the lab's namespaces, which have no route anywhere else."""
+UPNP_LAN = "10.79.1"
+
+
+def miniupnpd_unavailable() -> str | None:
+    """Why the UPnP router lab cannot run here, or None."""
+    reason = unavailable_reason()
+    if reason is not None:
+        return reason
+    for tool, package in (("nft", "nftables"), ("miniupnpd", "miniupnpd")):
+        if shutil.which(tool) is None and not os.path.exists(f"/usr/sbin/{tool}"):
+            return f"'{tool}' not found (install the {package} package)"
+    return None
+
+
+class UPnPRouterLab:
+    """One home behind a NAT router that runs miniupnpd (UPnP IGD + NAT-PMP), and one public
+    host outside; a context manager.
+
+    ::
+
+        [pub] 11.79.0.10 ── wan0 11.79.0.1 [rt] lan0 10.79.1.1 ── 10.79.1.2 [home]
+
+    The router masquerades the home and accepts no unsolicited inbound connection, except on
+    ports that miniupnpd maps (its nftables chains are jumped to from the router's own).
+    """
+
+    def __init__(self, prefix: str | None = None, *, natpmp: bool = True, upnp: bool = True):
+        self.prefix = prefix or f"d4u{os.getpid() % 100000}"
+        self.natpmp = natpmp
+        self.upnp = upnp
+        self.namespaces: list[str] = []
+        self.daemon: subprocess.Popen | None = None
+        self.workdir: str | None = None
+
+    def ns(self, name: str) -> str:
+        return f"{self.prefix}{name}"
+
+    @property
+    def pub_ip(self) -> str:
+        return f"{UPNP_WAN}.10"
+
+    @property
+    def router_wan_ip(self) -> str:
+        return f"{UPNP_WAN}.1"
+
+    @property
+    def home_ip(self) -> str:
+        return f"{UPNP_LAN}.2"
+
+    def _run(self, *argv: str, stdin: str | None = None) -> None:
+        done = subprocess.run(list(argv), capture_output=True, text=True, input=stdin)
+        if done.returncode != 0:
+            raise RuntimeError(f"{' '.join(argv)} failed: {done.stderr.strip()}")
+
+    def _in(self, name: str, *argv: str, stdin: str | None = None) -> None:
+        self._run("ip", "netns", "exec", self.ns(name), *argv, stdin=stdin)
+
+    def _add_ns(self, name: str) -> None:
+        self._run("ip", "netns", "add", self.ns(name))
+        self.namespaces.append(self.ns(name))
+        self._in(name, "ip", "link", "set", "lo", "up")
+
+    def _link(self, a: str, if_a: str, ip_a: str, b: str, if_b: str, ip_b: str) -> None:
+        self._run(
+            "ip", "link", "add", if_a, "netns", self.ns(a), "type", "veth",
+            "peer", "name", if_b, "netns", self.ns(b),
+        )  # fmt: skip
+        for name, iface, cidr in ((a, if_a, ip_a), (b, if_b, ip_b)):
+            self._in(name, "ip", "addr", "add", cidr, "dev", iface)
+            self._in(name, "ip", "link", "set", iface, "up")
+
+    def _rules(self) -> str:
+        # miniupnpd (nftables build) adds its rules to chains "miniupnpd",
+        # "prerouting_miniupnpd" and "postrouting_miniupnpd" of table inet "filter"
+        return """
+table inet filter {
+    chain miniupnpd { }
+    chain prerouting_miniupnpd { }
+    chain postrouting_miniupnpd { }
+    chain prerouting {
+        type nat hook prerouting priority dstnat; policy accept;
+        jump prerouting_miniupnpd
+    }
+    chain postrouting {
+        type nat hook postrouting priority srcnat; policy accept;
+        jump postrouting_miniupnpd
+        oifname "wan0" masquerade
+    }
+    chain input {
+        type filter hook input priority filter; policy accept;
+        iifname "wan0" ct state new drop
+    }
+    chain forward {
+        type filter hook forward priority filter; policy drop;
+        ct state established,related accept
+        iifname "lan0" oifname "wan0" accept
+        jump miniupnpd
+    }
+}
+"""
+
+    def _config(self) -> str:
+        return "\n".join(
+            [
+                "ext_ifname=wan0",
+                "listening_ip=lan0",
+                "http_port=5000",
+                f"enable_natpmp={'yes' if self.natpmp else 'no'}",
+                f"enable_upnp={'yes' if self.upnp else 'no'}",
+                "secure_mode=yes",
+                "system_uptime=no",
+                "min_lifetime=60",
+                "max_lifetime=86400",
+                "uuid=3a5f0c1e-7b2d-4e8f-9a6b-0d1c2e3f4a5b",
+                f"lease_file={self.workdir}/leases",
+                f"allow 1024-65535 {UPNP_LAN}.0/24 1024-65535",
+                "deny 0-65535 0.0.0.0/0 0-65535",
+                "",
+            ]
+        )
+
+    def setup(self) -> UPnPRouterLab:
+        import tempfile
+
+        try:
+            for name in ("pub", "rt", "home"):
+                self._add_ns(name)
+            self._link("pub", "eth0", f"{self.pub_ip}/24", "rt", "wan0", f"{self.router_wan_ip}/24")
+            self._link("rt", "lan0", f"{UPNP_LAN}.1/24", "home", "eth0", f"{self.home_ip}/24")
+            self._in("home", "ip", "route", "add", "default", "via", f"{UPNP_LAN}.1")
+            self._in("rt", "sysctl", "-qw", "net.ipv4.ip_forward=1")
+            self._in("rt", "nft", "-f", "-", stdin=self._rules())
+            self.workdir = tempfile.mkdtemp(prefix="upnplab")
+            conf = os.path.join(self.workdir, "miniupnpd.conf")
+            with open(conf, "w") as f:
+                f.write(self._config())
+            log = open(os.path.join(self.workdir, "miniupnpd.log"), "w")  # noqa: SIM115
+            self.daemon = subprocess.Popen(
+                ["ip", "netns", "exec", self.ns("rt"), "miniupnpd", "-d", "-f", conf,
+                 "-P", os.path.join(self.workdir, "pid")],
+                stdout=log, stderr=subprocess.STDOUT,
+            )  # fmt: skip
+            log.close()
+            self._wait_ready()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def _wait_ready(self, timeout: float = 10.0) -> None:
+        import time
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.daemon is not None and self.daemon.poll() is not None:
+                raise RuntimeError(f"miniupnpd exited: {self.daemon_log()[-2000:]}")
+            out = subprocess.run(
+                ["ip", "netns", "exec", self.ns("rt"), "ss", "-lntu"],
+                capture_output=True,
+                text=True,
+            ).stdout
+            if (":5000" in out or not self.upnp) and (":5351" in out or not self.natpmp):
+                return
+            time.sleep(0.1)
+        raise RuntimeError(f"miniupnpd did not start: {self.daemon_log()[-2000:]}")
+
+    def daemon_log(self) -> str:
+        if self.workdir is None:
+            return ""
+        try:
+            with open(os.path.join(self.workdir, "miniupnpd.log")) as f:
+                return f.read()
+        except OSError:
+            return ""
+
+    def redirects(self) -> str:
+        """The router's port-forwarding rules as nft lists them (what miniupnpd added)."""
+        return subprocess.run(
+            ["ip", "netns", "exec", self.ns("rt"), "nft", "list", "chain", "inet", "filter",
+             "prerouting_miniupnpd"],
+            capture_output=True, text=True,
+        ).stdout  # fmt: skip
+
+    def close(self) -> None:
+        if self.daemon is not None:
+            if self.daemon.poll() is None:
+                self.daemon.terminate()
+                try:
+                    self.daemon.wait(timeout=5)
+                except subprocess.TimeoutExpired:
+                    self.daemon.kill()
+                    self.daemon.wait(timeout=5)
+            self.daemon = None
+        for ns in reversed(self.namespaces):
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+        self.namespaces.clear()
+        if self.workdir is not None:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+            self.workdir = None
+
+    def __enter__(self) -> UPnPRouterLab:
+        return self.setup()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -8,8 +8,9 @@ Throughputs are ``*_gb_per_s``: gigabytes (1e9 bytes) per second, as in ``bench.
 - ``socket_gb_per_s``: plain blocking sockets (sendall / recv_into of 1 MiB) moving the same bytes;
   the ceiling any Python transport on this machine can reach.
 - ``secure_channel_gb_per_s`` / ``secure_channel8_gb_per_s``: the secure channel alone over
-  TCP, 1 MiB frames, on 1 and on 8 connections at once; ``secure_channel_chacha_gb_per_s``
-  forces ChaCha20.
+  TCP, 1 MiB frames, on 1 and on 8 connections at once, with the cipher both sides pick
+  (AES-256-OCB3 with AES instructions); ``secure_channel_gcm_gb_per_s`` forces AES-256-GCM and
+  ``secure_channel_chacha_gb_per_s`` ChaCha20.
 - ``rpc_rtt_*_us``: a 64-byte request and its reply.
 - ``*_cpu_s_per_gb``: CPU seconds each side spent per GB moved. On a shared machine wall-clock
   throughput swings with the load; CPU cost per byte does not, and ``cpu_bound_ratio`` (socket
@@ -280,11 +281,13 @@ def measure_secure_rtt(rounds: int) -> list[float]:
 
 
 async def _node_sender(
-    addr: str, total: int, streams: int, preset: str, rounds: int, retain: bool
+    addr: str, total: int, streams: int, preset: str, rounds: int, retain: bool, cipher: str | None
 ) -> tuple[Throughput, list[float]]:
     from p2p.node import NodeConfig, open_node
 
     config = getattr(NodeConfig, preset)().with_(retain_freed_memory=retain)
+    if cipher is not None:  # what the dialer offers decides: the listener offers all it has
+        config = config.with_(cipher=cipher)
     async with open_node(Identity.from_seed(CLIENT_SEED), listen=(), config=config) as node:
         await node.connect(addr)
         payload = bytes(MIB)
@@ -323,13 +326,18 @@ async def _node_sender(
 
 
 def measure_node(
-    total: int, streams: int, preset: str, rounds: int = 0, retain: bool = True
+    total: int,
+    streams: int,
+    preset: str,
+    rounds: int = 0,
+    retain: bool = True,
+    cipher: str | None = None,
 ) -> tuple[Throughput, list[float]]:
     """``retain=False`` only means something before this process opened any node with it True
     (:func:`p2p.node.retain_freed_memory` is process-wide and permanent)."""
     proc, _, addr = _spawn(_node_receiver, preset, retain)
     try:
-        return trio.run(_node_sender, addr, total, streams, preset, rounds, retain)
+        return trio.run(_node_sender, addr, total, streams, preset, rounds, retain, cipher)
     finally:
         _join(proc)
 
@@ -380,6 +388,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         default=3,
         help="rounds of socket / secure channel / one stream, interleaved (medians reported)",
     )
+    parser.add_argument(
+        "--cipher",
+        choices=["aes-256-ocb", "aes-256-gcm", "chacha20-poly1305"],
+        default=None,
+        help="force this cipher in the node and secure-channel figures (default: negotiated)",
+    )
     args = parser.parse_args(argv)
     if args.repeat < 1:
         parser.error("--repeat must be at least 1")
@@ -387,7 +401,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     use_node = not args.channel_only and _node_available()
 
     if use_node:  # first: retaining freed memory, once switched on, lasts for the process
-        plain1, _ = measure_node(total, 1, "internet", retain=False)
+        plain1, _ = measure_node(total, 1, "internet", retain=False, cipher=args.cipher)
         _show("node, 1 stream (no retain)", plain1)
     sock_runs: list[Throughput] = []
     sc1_runs: list[Throughput] = []
@@ -395,16 +409,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for _ in range(args.repeat):
         sock_runs.append(measure_socket(total))
         _show("plain socket", sock_runs[-1])
-        sc1_runs.append(measure_secure(total, 1, None))
+        sc1_runs.append(measure_secure(total, 1, args.cipher))
         _show("secure channel, 1 conn", sc1_runs[-1])
         if use_node:
-            node1_runs.append(measure_node(total, 1, "internet")[0])
+            node1_runs.append(measure_node(total, 1, "internet", cipher=args.cipher)[0])
             _show("node, 1 stream (default)", node1_runs[-1])
     sock = _median_throughput(sock_runs)
     sc1 = _median_throughput(sc1_runs)
     sc1_ratios = _ratios(sc1_runs, sock_runs)
-    sc8 = measure_secure(total, 8, None)
+    sc8 = measure_secure(total, 8, args.cipher)
     _show("secure channel, 8 conns", sc8)
+    gcm = measure_secure(total, 1, "aes-256-gcm")
+    _show("secure channel, AES-GCM", gcm)
     chacha = measure_secure(total, 1, "chacha20-poly1305")
     _show("secure channel, ChaCha20", chacha)
     rtts = measure_secure_rtt(args.rounds)
@@ -419,9 +435,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         _, node_rtts = measure_node(8 * MIB, 1, "internet", args.rounds)
         node1 = _median_throughput(node1_runs)
         enc_ratios = _ratios(node1_runs, sock_runs)
-        node8, _ = measure_node(total, 8, "internet")
+        node8, _ = measure_node(total, 8, "internet", cipher=args.cipher)
         _show("node, 8 streams (default)", node8)
-        bulk1, _ = measure_node(total, 1, "bulk")
+        bulk1, _ = measure_node(total, 1, "bulk", cipher=args.cipher)
         _show("node, 1 stream (bulk)", bulk1)
         rtt_median = statistics.median(node_rtts) * 1e6
         rtt_p99 = _percentile(node_rtts, 0.99) * 1e6
@@ -456,6 +472,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "encrypted_vs_socket_runs": enc_ratios,
         "secure_channel_gb_per_s": round(sc1.gbps, 3),
         "secure_channel8_gb_per_s": round(sc8.gbps, 3),
+        "secure_channel_gcm_gb_per_s": round(gcm.gbps, 3),
         "secure_channel_chacha_gb_per_s": round(chacha.gbps, 3),
         "secure_channel_vs_socket": round(statistics.median(sc1_ratios), 3),
         "secure_channel_vs_socket_runs": sc1_ratios,
@@ -466,10 +483,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "socket_recv_cpu_s_per_gb": round(sock.recv_cpu_s_per_gb, 3),
         "secure_channel_send_cpu_s_per_gb": round(sc1.send_cpu_s_per_gb, 3),
         "secure_channel_recv_cpu_s_per_gb": round(sc1.recv_cpu_s_per_gb, 3),
+        "gcm_send_cpu_s_per_gb": round(gcm.send_cpu_s_per_gb, 3),
+        "gcm_recv_cpu_s_per_gb": round(gcm.recv_cpu_s_per_gb, 3),
         "chacha_send_cpu_s_per_gb": round(chacha.send_cpu_s_per_gb, 3),
         "chacha_recv_cpu_s_per_gb": round(chacha.recv_cpu_s_per_gb, 3),
         "cpu_bound_ratio": round(busier(sock) / busier(enc1), 3),
         "secure_channel_cpu_bound_ratio": round(busier(sock) / busier(sc1), 3),
+        "gcm_cpu_bound_ratio": round(busier(sock) / busier(gcm), 3),
         "chacha_cpu_bound_ratio": round(busier(sock) / busier(chacha), 3),
         "bytes_per_measurement": total,
         "repeat": args.repeat,

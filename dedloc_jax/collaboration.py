@@ -44,6 +44,7 @@ from dedloc_jax.progress import CollaborationEstimate, estimate_collaboration, r
 from dedloc_jax.state_sync import StateServer, download_manifest_state, find_donors
 from dedloc_jax.timing import Deadlines, matchmaking_window
 from dedloc_jax.tracker import ProgressTracker
+from dedloc_jax.validators import run_validators
 from p2p.dht import DHTClock, DHTConfig, open_dht
 from p2p.errors import P2PError
 from p2p.identity import PeerID
@@ -701,8 +702,11 @@ async def open_collaboration(
     async with AsyncExitStack() as stack:
         if config.nat:
             forced = {"client": True, "node": False, "aux": False}.get(mode or "")
+            nat_config = NATConfig(force_client_mode=forced)
+            if not config.port_mapping:
+                nat_config = nat_config.with_(port_mapping=None)
             nat = await stack.enter_async_context(
-                open_nat(node, peers=initial_peers, config=NATConfig(force_client_mode=forced))
+                open_nat(node, peers=initial_peers, config=nat_config)
             )
             mode = mode or ("client" if nat.client_mode else "node")
         else:
@@ -715,7 +719,11 @@ async def open_collaboration(
                 config=dht_config,
                 client_mode=mode == "client" or (nat is not None and nat.dht_client_mode),
                 clock=dht_clock,
-                validators=private.validators if private is not None else (),
+                # who may write first (a stranger is told that), then what a record holds
+                validators=[
+                    *(private.validators if private is not None else ()),
+                    *(run_validators(run_id) if config.record_schemas else ()),
+                ],
             )
         )
         if nat is not None:

@@ -25,6 +25,9 @@ class CollaborationConfig:
     codec: str = "fp16"  # on the wire: none, fp16, bf16, int8
     mode: Literal["node", "client", "aux"] | None = None  # None: detect (client if unreachable)
     nat: bool = True  # detect reachability, use relays when behind NAT (p2p.nat)
+    # With nat: ask the home router (NAT-PMP, PCP, UPnP IGD) to forward our port; a mapped
+    # peer is reachable directly and serves as a node instead of going through a relay.
+    port_mapping: bool = True
     upload_bps: float | None = None  # override the measured bandwidth (bytes/s)
     download_bps: float | None = None
     # Probe this peer's links (a few MB with a few peers) when it joins and when the figure
@@ -46,6 +49,9 @@ class CollaborationConfig:
     # Against invited but malicious peers: reducers aggregate with CenteredClip at this L2
     # radius per chunk (AllReduceConfig.robust_tau) instead of the plain weighted mean.
     robust_tau: float | None = None
+    # Install the schemas of the run's DHT keys (dedloc_jax.validators): a record of another
+    # shape is refused where it would be stored, with the reason told to its writer.
+    record_schemas: bool = True
 
     def __post_init__(self) -> None:
         if self.target_batch_size is not None and self.target_batch_size <= 0:

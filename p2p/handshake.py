@@ -26,7 +26,14 @@ from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X
 from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
-from p2p.aead import AES_256_GCM, CHACHA20_POLY1305, KEY_BYTES, TAG_BYTES, choose_cipher
+from p2p.aead import (
+    AES_256_GCM,
+    AES_256_OCB,
+    CHACHA20_POLY1305,
+    KEY_BYTES,
+    TAG_BYTES,
+    choose_cipher,
+)
 from p2p.errors import HandshakeError, PeerIDMismatch
 from p2p.identity import PUBLIC_KEY_BYTES, SIGNATURE_BYTES, Identity, PeerID, verify_signature
 
@@ -34,7 +41,7 @@ LABEL = b"/dedloc-jax/secure/1.0.0"
 MAX_HANDSHAKE_MESSAGE = 512  # every message is far smaller; larger length prefixes are rejected
 
 _DH_BYTES = 32
-_CIPHER_CODES = {CHACHA20_POLY1305: 1, AES_256_GCM: 2}
+_CIPHER_CODES = {CHACHA20_POLY1305: 1, AES_256_GCM: 2, AES_256_OCB: 3}
 _CIPHER_NAMES = {v: k for k, v in _CIPHER_CODES.items()}
 _ZERO_NONCE = bytes(12)
 

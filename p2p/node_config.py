@@ -68,7 +68,7 @@ class NodeConfig:
     max_buffered_total: int = 1 << 30
     """The same, summed over every connection of the node."""
     cipher: str | None = None
-    """Force "chacha20-poly1305" or "aes-256-gcm"; None picks by hardware."""
+    """Force "chacha20-poly1305", "aes-256-gcm" or "aes-256-ocb"; None picks by hardware."""
     retain_freed_memory: bool = True
     """Let glibc keep freed memory for reuse, process-wide, from the first such node on (see
     :func:`retain_freed_memory`): received chunks then cost no page faults. Set False in every

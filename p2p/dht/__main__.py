@@ -38,7 +38,7 @@ from p2p.dht.node import open_dht
 from p2p.dht.records import ValueWithExpiration, owner_marker, pack_value
 from p2p.errors import P2PError
 from p2p.identity import Identity
-from p2p.nat import NATConfig, open_nat
+from p2p.nat import NATConfig, nat_validators, open_nat
 from p2p.node import open_node
 
 DEFAULT_LISTEN = "/ip4/127.0.0.1/tcp/0"
@@ -74,6 +74,12 @@ def _parser() -> argparse.ArgumentParser:
         "private takes relay reservations and advertises relayed addresses",
     )
     serve.add_argument("--no-nat", action="store_true", help="no identify/dial-back/relay")
+    serve.add_argument(
+        "--no-port-mapping",
+        action="store_true",
+        help="do not ask the home router (NAT-PMP, UPnP) to forward a port (also off with "
+        "--announce or --force-reachability)",
+    )
     serve.add_argument("--client-mode", action="store_true", help="query only, accept nothing")
     common(serve, False)
 
@@ -187,6 +193,8 @@ async def _serve(args: argparse.Namespace) -> int:
         force_reachability=args.force_reachability,
         force_client_mode=True if args.client_mode else None,
     )
+    if args.no_port_mapping or args.announce:
+        nat_config = nat_config.with_(port_mapping=None)
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async with AsyncExitStack() as stack:
             node = await stack.enter_async_context(
@@ -203,6 +211,7 @@ async def _serve(args: argparse.Namespace) -> int:
                     initial_peers=args.initial_peers,
                     config=PRESETS[args.config](),
                     client_mode=args.client_mode or (nat is not None and nat.dht_client_mode),
+                    validators=nat_validators(),
                 )
             )
             if nat is not None:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import math
+import re
 import threading
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
@@ -227,6 +228,18 @@ class Bytes:
 
 
 @dataclass(frozen=True)
+class OneOf:
+    """One of a few fixed values (e.g. a mode name)."""
+
+    choices: tuple[Any, ...]
+
+    def check(self, value: Any, path: str) -> str | None:
+        if any(type(value) is type(c) and value == c for c in self.choices):
+            return None
+        return f"{path} must be one of {', '.join(map(repr, self.choices))}"
+
+
+@dataclass(frozen=True)
 class Optional:
     inner: Spec
 
@@ -246,6 +259,21 @@ class ListOf:
             return f"{path} has more than {self.max_len} items"
         for i, v in enumerate(value):
             if (reason := self.item.check(v, f"{path}[{i}]")) is not None:
+                return reason
+        return None
+
+
+@dataclass(frozen=True)
+class Tuple:
+    """A list of fixed length whose items fit ``items`` in order (msgpack has no tuples)."""
+
+    items: tuple[Spec, ...]
+
+    def check(self, value: Any, path: str) -> str | None:
+        if not isinstance(value, list) or len(value) != len(self.items):
+            return f"{path} must be a list of {len(self.items)} items"
+        for i, (v, spec) in enumerate(zip(value, self.items, strict=True)):
+            if (reason := spec.check(v, f"{path}[{i}]")) is not None:
                 return reason
         return None
 
@@ -297,6 +325,39 @@ class SchemaValidator:
             raise InvalidRecordError(f"value is not valid msgpack: {e}") from None
         if (reason := self.spec.check(value, "value")) is not None:
             raise InvalidRecordError(f"schema of {self.prefix!r}: {reason}")
+
+
+@dataclass(frozen=True)
+class KeySchema:
+    """Records of the keys that ``pattern`` matches whole must fit ``spec``; with
+    ``owned_subkeys`` each must also be a subkey with an owner marker (so signed by the peer it
+    names): a plain value or an unsigned subkey there is refused, whatever it holds.
+
+    The reason names the key and the offending field, since it travels back to the writer
+    (``DHT.store``, the CLI). Keys that do not match are left to other validators."""
+
+    name: str
+    pattern: str
+    spec: Spec
+    owned_subkeys: bool = True
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_regex", re.compile(self.pattern))
+
+    def validate(self, record: Record) -> None:
+        if self._regex.fullmatch(record.key) is None:  # type: ignore[attr-defined]
+            return
+        if self.owned_subkeys and (record.subkey is None or record_owner(record) is None):
+            raise InvalidRecordError(
+                f"{self.name} {record.key[:80]!r}: only signed subkeys of their owners "
+                "(subkey with an [owner:ID] marker) are accepted"
+            )
+        try:
+            value = unpack_value(record.value)
+        except (ValueError, TypeError, RecursionError) as e:
+            raise InvalidRecordError(f"value is not valid msgpack: {e!r:.100}") from None
+        if (reason := self.spec.check(value, "value")) is not None:
+            raise InvalidRecordError(f"{self.name} {record.key[:80]!r}: {reason}")
 
 
 class ValidatorChain:

@@ -10,8 +10,10 @@ Typical use (before opening the DHT, so that it advertises relayed addresses)::
 
 from p2p.nat.autonat import AutoNATConfig, DialBackAnswer, Reachability, conclude
 from p2p.nat.circuit import CircuitStream, CircuitTransport, attach, circuit_addr
+from p2p.nat.discovery import nat_validators
 from p2p.nat.errors import RelayRefused
 from p2p.nat.observed import IdentifyResult, ObservedAddrs, identify
+from p2p.nat.portmap import PortMapConfig, PortMapper, PortMapping
 from p2p.nat.reachability import NATConfig, NATManager, Role, decide_role, open_nat
 from p2p.nat.relay import RelayConfig, RelayService, RelayStats
 
@@ -24,6 +26,9 @@ __all__ = [
     "NATConfig",
     "NATManager",
     "ObservedAddrs",
+    "PortMapConfig",
+    "PortMapper",
+    "PortMapping",
     "Reachability",
     "RelayConfig",
     "RelayRefused",
@@ -35,5 +40,6 @@ __all__ = [
     "conclude",
     "decide_role",
     "identify",
+    "nat_validators",
     "open_nat",
 ]

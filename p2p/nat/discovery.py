@@ -10,9 +10,10 @@ proves who answers at an address.)
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Any
 
-from p2p.dht import owner_marker
+from p2p.dht import KeySchema, ListOf, owner_marker
 from p2p.dht.records import owner_markers
 from p2p.errors import IdentityError, MultiaddrError
 from p2p.identity import PeerID
@@ -22,6 +23,34 @@ logger = logging.getLogger(__name__)
 
 RELAYS_KEY = "nat.relays"
 MAX_ADDRS = 8
+MAX_ADDR_CHARS = 512
+
+
+@dataclass(frozen=True)
+class AddrText:
+    """A multiaddr in text form, bounded (a DHT schema spec)."""
+
+    def check(self, value: Any, path: str) -> str | None:
+        if not isinstance(value, str) or len(value) > MAX_ADDR_CHARS:
+            return f"{path} must be a multiaddr of at most {MAX_ADDR_CHARS} characters"
+        try:
+            Multiaddr.parse(value)
+        except MultiaddrError as e:
+            return f"{path} is not a multiaddr: {e}"
+        return None
+
+
+def nat_validators() -> list[KeySchema]:
+    """Schemas of the NAT keys (every node of a public run installs them, so a writer cannot
+    blank or fill ``nat.relays`` with values of another shape): a relay's advert and a peer's
+    published addresses are short lists of multiaddrs, signed by their owner."""
+    addrs = ListOf(AddrText(), max_len=MAX_ADDRS)
+    return [
+        KeySchema("relay advert", r"nat\.relays", addrs),
+        KeySchema(
+            "published addresses", r"nat\.addrs\.\[owner:[^\]]+\]", addrs, owned_subkeys=False
+        ),
+    ]
 
 
 def addrs_key(peer: PeerID) -> str:

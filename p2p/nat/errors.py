@@ -1,8 +1,8 @@
-"""Errors of NAT traversal: a relay's refusal carries its reason to the dialer."""
+"""Errors of NAT traversal: a relay's refusal carries its reason to the dialer; port mapping."""
 
 from __future__ import annotations
 
-from p2p.errors import DialError
+from p2p.errors import DialError, P2PError
 
 
 class RelayRefused(DialError):
@@ -11,3 +11,11 @@ class RelayRefused(DialError):
     def __init__(self, reason: str) -> None:
         super().__init__(f"relay refused: {reason}")
         self.reason = reason
+
+
+class PortMapError(P2PError):
+    """No port mapping from the home router: it speaks no such protocol, or answered garbage."""
+
+
+class PortMapRefused(PortMapError):
+    """The router answered and refused the request (its reason or error code in the text)."""

@@ -30,6 +30,7 @@ from p2p.nat.circuit import CircuitTransport, attach
 from p2p.nat.discovery import advertise_relay, find_relays, publish_addrs
 from p2p.nat.holepunch import HolePunchConfig, HolePuncher
 from p2p.nat.observed import IDENTIFY, ObservedAddrs, handle_identify, identify
+from p2p.nat.portmap import PortMapConfig, PortMapper, mappable_port
 from p2p.nat.relay import RelayConfig, RelayService
 
 logger = logging.getLogger(__name__)
@@ -87,6 +88,10 @@ class NATConfig:
     large collaboration holds hundreds of connections, and a few reports settle the address)."""
     advertise_interval: float = 300.0
     """How often relay adverts and relayed addresses are refreshed in the DHT (see use_dht)."""
+    port_mapping: PortMapConfig | None = field(default_factory=PortMapConfig)
+    """Ask the home router (NAT-PMP, PCP, UPnP IGD) to forward a port to our listener; with a
+    mapping the node advertises it first and is public unless dial-backs prove otherwise.
+    None: never (also skipped for loopback listeners and a forced reachability)."""
 
     def __post_init__(self) -> None:
         if self.force_reachability is not None:  # accept "public"/"private" as well
@@ -103,7 +108,10 @@ class NATConfig:
     @classmethod
     def testing(cls) -> NATConfig:
         return cls(
-            autonat=AutoNATConfig.testing(), relay=RelayConfig.testing(), identify_timeout=5.0
+            autonat=AutoNATConfig.testing(),
+            relay=RelayConfig.testing(),
+            identify_timeout=5.0,
+            port_mapping=PortMapConfig.testing(),
         )
 
     def with_(self, **changes: Any) -> NATConfig:
@@ -127,6 +135,10 @@ class NATManager:
             if self.puncher.supported and config.hole_punching.auto:
                 self.circuits.on_dialed = self._schedule_upgrade
         self.reachability = config.force_reachability or Reachability.UNKNOWN
+        self.port_mapper: PortMapper | None = None
+        port = mappable_port(node)
+        if config.port_mapping is not None and config.force_reachability is None and port:
+            self.port_mapper = PortMapper(port, config.port_mapping, self._recheck_soon)
         self.public_addrs: list[Multiaddr] = []
         self.answers: list[DialBackAnswer] = []
         """The answers of the last dial-back probe."""
@@ -210,6 +222,10 @@ class NATManager:
         """Return at the next change of reachability, reservations or role."""
         await self._changed.wait()
 
+    def _recheck_soon(self) -> None:
+        """The port mapping changed: check reachability again (the run loop does)."""
+        self._recheck.set()
+
     def force(self, reachability: Reachability | None) -> None:
         """Force a verdict (None: detect again)."""
         self.config = self.config.with_(force_reachability=reachability)
@@ -263,12 +279,20 @@ class NATManager:
             self.reachability = self.config.force_reachability
             self._unsettled = False
         else:
+            mapped = self.port_mapper.addr if self.port_mapper is not None else None
             candidates = self.observed.candidates(self._direct_addrs)
+            if mapped is not None:
+                candidates = [mapped, *(c for c in candidates if c != mapped)]
             verdict, answers = await probe(
                 self.node, self._probe_peers(), candidates, self.config.autonat
             )
             self.answers = answers
             confirmed = [a.addr.transport_part() for a in answers if a.status == "ok" and a.addr]
+            if mapped is not None and verdict is not Reachability.PRIVATE:
+                # the router forwards the port: public, even before peers could confirm it
+                # (a dial-back that fails at the mapped address, behind a second NAT, wins)
+                verdict = Reachability.PUBLIC
+                confirmed.insert(0, mapped)
             self.public_addrs = list(dict.fromkeys(confirmed))
             self.reachability = verdict
             # failed dial-backs where none failed before: check again soon, not in 15 minutes
@@ -426,6 +450,12 @@ async def open_nat(
         if nat.puncher is not None:
             nat.puncher.register()
         try:
+            if nat.port_mapper is not None:
+                # the first answer (or none) before the first check, so a mapped node starts
+                # public; a router slower than this makes the mapping trigger a re-check
+                nursery.start_soon(nat.port_mapper.run)
+                with trio.move_on_after(nat.port_mapper.config.startup_wait):
+                    await nat.port_mapper.first_attempt.wait()
             await nat.check()
             if background:
                 nursery.start_soon(nat.run)

@@ -24,6 +24,7 @@ from dedloc_jax.collaboration import open_collaboration
 from dedloc_jax.config import CollaborationConfig
 from dedloc_jax.matchmaking_wire import JOIN
 from dedloc_jax.matchmaking_wire import member_to_wire as _member_to_wire
+from dedloc_jax.progress import PeerProgress
 from dedloc_jax.state_sync import MANIFEST
 from dedloc_jax.tracker import progress_key
 from p2p.dht import DHTConfig, InvalidRecordError
@@ -150,9 +151,8 @@ def _grad(peer: int, epoch: int) -> np.ndarray:
 async def _refusals(dht, peer) -> list[str]:
     """Why a progress write of ``peer`` was refused (here or by the nodes it reached)."""
     try:
-        res = await dht.store(
-            progress_key(RUN), {"epoch": 9}, dht.now() + 60, subkey=owner_marker(peer)
-        )
+        report = PeerProgress(str(peer), 9, 0, 0.0, dht.now()).to_record()  # well-formed
+        res = await dht.store(progress_key(RUN), report, dht.now() + 60, subkey=owner_marker(peer))
     except InvalidRecordError as e:
         return [e.reason]
     return sorted(res.refused.values())

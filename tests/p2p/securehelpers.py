@@ -9,14 +9,14 @@ import outcome
 import trio
 import trio.testing
 
-from p2p.aead import AES_256_GCM, CHACHA20_POLY1305
+from p2p.aead import AES_256_GCM, AES_256_OCB, CHACHA20_POLY1305
 from p2p.identity import Identity
 from p2p.secure import DEFAULT_MAX_FRAME, SecureChannel, secure_inbound, secure_outbound
 
 ALICE = Identity.from_seed(b"alice")
 BOB = Identity.from_seed(b"bob")
 MALLORY = Identity.from_seed(b"mallory")
-BOTH_CIPHERS = [CHACHA20_POLY1305, AES_256_GCM]
+ALL_CIPHERS = [CHACHA20_POLY1305, AES_256_GCM, AES_256_OCB]
 
 
 def run_mock(fn, *args):

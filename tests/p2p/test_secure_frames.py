@@ -14,7 +14,7 @@ import trio.testing
 from p2p import secure_buffers
 from p2p.errors import ConnectionClosed
 from p2p.secure import DEFAULT_MAX_FRAME
-from tests.p2p.securehelpers import BOB, BOTH_CIPHERS, memory_pair, run_mock, tcp_pair, transfer
+from tests.p2p.securehelpers import ALL_CIPHERS, BOB, memory_pair, run_mock, tcp_pair, transfer
 
 
 def test_confidentiality_no_plaintext_on_the_wire():
@@ -62,7 +62,7 @@ def test_tampered_frame_closes_connection(mutate, size, caplog):
     assert "failed authentication" in caplog.text
 
 
-@pytest.mark.parametrize("cipher", BOTH_CIPHERS)
+@pytest.mark.parametrize("cipher", ALL_CIPHERS)
 def test_big_frames_arrive_as_bytes_objects_of_their_own(cipher):
     """Big frames are decrypted into fresh bytes objects that were never zero-filled
     (p2p.secure_buffers): each must hold exactly its plaintext, whatever came before."""

@@ -12,12 +12,15 @@ import trio.testing
 
 from p2p.aead import (
     AES_256_GCM,
+    AES_256_OCB,
     CHACHA20_POLY1305,
     OFFER_AES,
+    OFFER_AES_OCB,
     OFFER_CHACHA,
     choose_cipher,
     cpuinfo_has_aes,
     has_aes_hardware,
+    has_ocb,
     local_offers,
 )
 from p2p.errors import HandshakeError, PeerIDMismatch
@@ -26,8 +29,8 @@ from p2p.identity import Identity
 from p2p.secure import secure_inbound, secure_outbound
 from tests.p2p.securehelpers import (
     ALICE,
+    ALL_CIPHERS,
     BOB,
-    BOTH_CIPHERS,
     MALLORY,
     SIZES,
     Tap,
@@ -38,7 +41,7 @@ from tests.p2p.securehelpers import (
 )
 
 
-@pytest.mark.parametrize("cipher", BOTH_CIPHERS)
+@pytest.mark.parametrize("cipher", ALL_CIPHERS)
 def test_handshake_authenticates_both_sides_and_carries_frames(cipher):
     async def main():
         kw = {"cipher": cipher}
@@ -76,6 +79,10 @@ def test_both_directions_at_once():
 @pytest.mark.parametrize(
     ("out_cipher", "in_cipher", "expected"),
     [
+        (AES_256_OCB, AES_256_OCB, AES_256_OCB),
+        (AES_256_OCB, AES_256_GCM, AES_256_GCM),  # a peer that does not offer OCB3
+        (AES_256_GCM, AES_256_OCB, AES_256_GCM),
+        (AES_256_OCB, CHACHA20_POLY1305, CHACHA20_POLY1305),
         (AES_256_GCM, AES_256_GCM, AES_256_GCM),
         (AES_256_GCM, CHACHA20_POLY1305, CHACHA20_POLY1305),
         (CHACHA20_POLY1305, AES_256_GCM, CHACHA20_POLY1305),
@@ -96,7 +103,8 @@ def test_cipher_negotiation(out_cipher, in_cipher, expected):
 def test_automatic_cipher_follows_aes_hardware():
     async def main():
         out, inn, _ = await memory_pair()
-        assert out.cipher == (AES_256_GCM if has_aes_hardware() else CHACHA20_POLY1305)
+        aes = AES_256_OCB if has_ocb() else AES_256_GCM
+        assert out.cipher == (aes if has_aes_hardware() else CHACHA20_POLY1305)
 
     run_mock(main)
 
@@ -113,7 +121,11 @@ def test_aes_detection_reads_x86_and_arm_cpuinfo():
 def test_cipher_choice_rules():
     assert local_offers(CHACHA20_POLY1305) == OFFER_CHACHA
     assert local_offers(AES_256_GCM) == OFFER_CHACHA | OFFER_AES
+    assert local_offers(AES_256_OCB) == OFFER_CHACHA | OFFER_AES | OFFER_AES_OCB
     assert choose_cipher(OFFER_CHACHA | OFFER_AES | 0x80, OFFER_AES) == AES_256_GCM
+    every = OFFER_CHACHA | OFFER_AES | OFFER_AES_OCB
+    assert choose_cipher(every, every) == AES_256_OCB
+    assert choose_cipher(every, OFFER_CHACHA | OFFER_AES) == AES_256_GCM
     assert choose_cipher(OFFER_CHACHA | 0x40, OFFER_CHACHA | OFFER_AES) == CHACHA20_POLY1305
     with pytest.raises(HandshakeError, match="no common cipher"):
         choose_cipher(OFFER_AES, OFFER_CHACHA)
@@ -192,20 +204,23 @@ def test_wrong_signature_fails_handshake_on_the_other_side(liar):
     run_mock(main)
 
 
-def test_downgrade_by_editing_offers_is_detected():
-    """A man in the middle clearing the AES bit changes the transcript: the handshake fails."""
+@pytest.mark.parametrize(
+    ("cipher", "bit"), [(AES_256_GCM, OFFER_AES), (AES_256_OCB, OFFER_AES_OCB)]
+)
+def test_downgrade_by_editing_offers_is_detected(cipher, bit):
+    """A man in the middle clearing an AES bit changes the transcript: the handshake fails."""
 
     def strip_aes(data: bytes) -> bytes:
         if data[2 : 2 + len(LABEL)] == LABEL:  # the hello, after its 2-byte length
             i = 2 + len(LABEL)
-            return data[:i] + bytes([data[i] & ~OFFER_AES]) + data[i + 1 :]
+            return data[:i] + bytes([data[i] & ~bit]) + data[i + 1 :]
         return data
 
     async def main():
         a, b = trio.testing.memory_stream_pair()
         tap = Tap(a)
         tap.mutate = strip_aes
-        kw = {"cipher": AES_256_GCM}
+        kw = {"cipher": cipher}
         out, inn = await handshake_both(tap, b, out_kwargs=kw, in_kwargs=kw)
         with pytest.raises(HandshakeError, match="cipher code"):
             out.unwrap()

@@ -14,8 +14,8 @@ import trio.testing
 from p2p.errors import ConnectionClosed, HandshakeError
 from p2p.secure import DEFAULT_MAX_FRAME, secure_inbound
 from tests.p2p.securehelpers import (
+    ALL_CIPHERS,
     BOB,
-    BOTH_CIPHERS,
     SIZES,
     Tap,
     handshake_both,
@@ -25,7 +25,7 @@ from tests.p2p.securehelpers import (
 )
 
 
-@pytest.mark.parametrize("cipher", BOTH_CIPHERS)
+@pytest.mark.parametrize("cipher", ALL_CIPHERS)
 def test_tcp_loopback_frames_of_every_size(cipher):
     async def main():
         kw = {"cipher": cipher}
