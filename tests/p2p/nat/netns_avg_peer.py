@@ -70,8 +70,10 @@ async def run_commands(args, node, nat, dht, receive) -> None:
     from dedloc_jax.averaging import GroupSpec, all_reduce, install
 
     install(node)
-    if args.role == "nated":
-        assert await publish_addrs(dht, node)
+    if args.role == "nated":  # (retried: on a loaded machine a 2 s DHT request may time out)
+        with trio.fail_after(60):
+            while not await publish_addrs(dht, node):
+                await trio.sleep(1)
     emit(
         "ready",
         peer=str(node.peer_id),
