@@ -276,9 +276,11 @@ class CollaborationCore:
                 await trio.sleep(self.meter.window / 4)
 
     async def average(
-        self, epoch: int, arrays: Sequence[np.ndarray], samples: int
+        self, epoch: int, arrays: Sequence[np.ndarray], samples: int, *, codec: str | None = None
     ) -> AveragingOutcome:
-        """Form a group for ``epoch`` and average ``arrays`` (weight ``samples``) with it."""
+        """Form a group for ``epoch`` and average ``arrays`` (weight ``samples``) with it,
+        sent in ``codec`` (None: ``config.codec``; every member of a round must use one)."""
+        codec = codec or self.config.codec
         est = self.tracker.current_estimate()
         self.matchmaker.window = self.config.matchmaking_time or matchmaking_window(
             self.config.min_refresh, self.tracker.dht_latency, est.max_step_interval
@@ -303,7 +305,7 @@ class CollaborationCore:
                     spec,
                     list(arrays),
                     float(samples),
-                    codec=self.config.codec,
+                    codec=codec,
                     timeout=timeout,
                     meter=self.meter,
                     config=self._round_config(),
@@ -319,7 +321,7 @@ class CollaborationCore:
             else:
                 if self.matchmaker.needs_cross(epoch):
                     result, _, complete = await self._across(
-                        epoch, spec, result, averaged_weight(spec, averaged)
+                        epoch, spec, result, averaged_weight(spec, averaged), codec
                     )
                     reason = "the round across groups missed some of them"
                 elif self._stepped_without(spec, epoch):
@@ -328,7 +330,9 @@ class CollaborationCore:
                     complete = False
                     reason = "others stepped without our group"
         elif self.matchmaker.needs_cross(epoch):  # alone among several groups: a group of one
-            result, group_size, complete = await self._across(epoch, None, result, float(samples))
+            result, group_size, complete = await self._across(
+                epoch, None, result, float(samples), codec
+            )
             reason = "alone in our group, and the round across groups failed"
         if complete and group_size > 1:
             reason = ""
@@ -364,7 +368,12 @@ class CollaborationCore:
         return AveragingOutcome(result, self.epoch, group_size, complete)
 
     async def _across(
-        self, epoch: int, spec: GroupSpec | None, mean: list[np.ndarray], weight: float
+        self,
+        epoch: int,
+        spec: GroupSpec | None,
+        mean: list[np.ndarray],
+        weight: float,
+        codec: str | None = None,
     ) -> tuple[list[np.ndarray], int, bool]:
         """The mean across this epoch's groups (see :mod:`dedloc_jax.across`), the size of
         the level-1 group (1 when this peer did not represent its group there) and whether
@@ -374,10 +383,11 @@ class CollaborationCore:
         wait = self._cross_wait(spec, mean)
         self.across.wait_limit = wait
         size = 1
+        codec = codec or self.config.codec
         if rep == me:
             ok, whole, found = False, False, None
             try:
-                found = await self._represent(epoch, mean, weight)
+                found = await self._represent(epoch, mean, weight, codec)
                 ok = found is not None
                 if found is not None:
                     mean, size, whole = found
@@ -398,7 +408,7 @@ class CollaborationCore:
             spec,
             mean,
             source=rep == me,
-            codec=self.config.codec,
+            codec=codec,
             timeout=self._timeout(spec, mean),
         )
         if out is None:  # the representative holds the mean across groups all the same
@@ -406,7 +416,7 @@ class CollaborationCore:
         return out, size, whole
 
     async def _represent(
-        self, epoch: int, mean: list[np.ndarray], weight: float
+        self, epoch: int, mean: list[np.ndarray], weight: float, codec: str
     ) -> tuple[list[np.ndarray], int, bool] | None:
         """As its group's representative, average ``mean`` (``weight`` samples) with the
         other groups' representatives: the result, how many there were and whether every
@@ -426,7 +436,7 @@ class CollaborationCore:
                 spec,
                 list(mean),
                 weight,
-                codec=self.config.codec,
+                codec=codec,
                 timeout=self._timeout(spec, mean),
                 meter=self.meter,
                 config=self._round_config(),
