@@ -270,6 +270,7 @@ def diloco(
             )
         else:
             inner_state = inner.init(params) if bool(state.fresh) else state.inner_state
+
         # A micro-step of no samples (a peer waiting for the others) takes no inner step.
         def inner_step(inner_state: Any) -> tuple[Any, Any]:
             return inner.update(updates, inner_state, params, **extra_args)
