@@ -453,6 +453,7 @@ class LoopbackPeer:
         self.step = step
         self.history: list[dict] = []
         self.fed: list[list] = []
+        self.group = 2  # the peers every outer step averages
 
     def _step(self, xb: np.ndarray, yb: np.ndarray, batch_size: int) -> None:
         self.params, self.state = self.step(self.params, self.state, xb, yb, batch_size)
@@ -470,7 +471,7 @@ class LoopbackPeer:
                 raise TimeoutError("the collaboration took no outer step")
             time.sleep(0.02)
             self._step(x[:MICRO], y[:MICRO], 0)
-        assert int(self.state.group_size) == 2 and bool(self.state.complete)
+        assert int(self.state.group_size) == self.group and bool(self.state.complete)
         self.history.append(jax.device_get(self.params))
 
 
@@ -520,3 +521,76 @@ def test_two_peers_on_loopback_step_to_the_weighted_mean_of_their_local_training
         for key in want:
             np.testing.assert_allclose(got[key], want[key], rtol=rtol, atol=1e-6)
     assert all(p.step._cache_size() == 1 for p in peers)
+
+
+def test_a_newcomer_loads_the_outer_state_and_steps_in_step() -> None:
+    """Two peers take two outer steps (outer SGD with momentum), then a third joins: it loads
+    the outer parameters and the outer momentum, and the next outer steps of all three are
+    bit-identical and equal the replay of their local training."""
+    target = 16
+    x, y = _data(target * 4)
+    config = CollaborationConfig.local_demo(target).replace(matchmaking_time=0.5, extrapolate=False)
+
+    def tx(c: Collaboration) -> optax.GradientTransformation:
+        outer = optax.sgd(0.8, momentum=0.5)
+        return diloco(optax.sgd(0.05), c, target_batch_size=target, outer=outer, codec="none")
+
+    def epoch_of(peers: list[LoopbackPeer], shares: list[int], e: int) -> list[Callable]:
+        starts = [e * target + sum(shares[:i]) for i in range(len(peers))]
+        return [
+            lambda p=p, lo=lo, n=n: p.train_epoch(x[lo : lo + n], y[lo : lo + n], deadline)
+            for p, lo, n in zip(peers, starts, shares, strict=True)
+        ]
+
+    deadline = time.monotonic() + 180
+    with (
+        Collaboration("join", config=config) as a,
+        Collaboration("join", initial_peers=a.addrs, config=config) as b,
+    ):
+        pa, pb = LoopbackPeer(a, tx(a)), LoopbackPeer(b, tx(b))
+        for e in range(2):
+            _run_peers(epoch_of([pa, pb], [8, 8], e))
+        with Collaboration("join", initial_peers=a.addrs, config=config) as c:
+            pc = LoopbackPeer(c, tx(c))
+            pc.params, pc.state, epoch = dedloc_jax.sync_state(c, pc.params, pc.state)
+            assert epoch == 2 and int(pc.state.epoch) == 2 and bool(pc.state.fresh)
+            start = jax.device_get(pc.params)
+            for key in start:
+                assert start[key].tobytes() == pa.history[-1][key].tobytes()
+            for mine, theirs in zip(
+                jax.tree.leaves(pc.state.outer_state),
+                jax.tree.leaves(pa.state.outer_state),
+                strict=True,
+            ):
+                assert np.asarray(mine).tobytes() == np.asarray(theirs).tobytes()
+            for p in (pa, pb, pc):
+                p.group = 3
+            for e in range(2, 4):
+                _run_peers(epoch_of([pa, pb, pc], [8, 4, 4], e))
+    _assert_bit_identical([pa.history[2:], pb.history[2:], pc.history])
+    # the replay: momentum carried from the first two steps, so not from zero
+    outer = optax.sgd(0.8, momentum=0.5)
+    params, state = _params(), outer.init(_params())
+    for e in range(4):
+        fed = [pa.fed[e], pb.fed[e]] + ([pc.fed[e - 2]] if e >= 2 else [])
+        locals_, weights = [], []
+        for batches in fed:
+            local = params
+            for xb, yb in batches:
+                grads = jax.grad(_loss)(local, xb, yb)
+                local = jax.tree.map(lambda w, g: w - 0.05 * g, local, grads)
+            locals_.append(local)
+            weights.append(sum(len(xb) for xb, _ in batches))
+        total = sum(weights)
+        delta = jax.tree.map(
+            lambda o, *ls, c=weights, t=total: sum(
+                np.float32(w / t) * (o - loc) for w, loc in zip(c, ls, strict=True)
+            ),
+            params,
+            *locals_,
+        )
+        updates, state = outer.update(delta, state, params)
+        params = optax.apply_updates(params, updates)
+        got = pa.history[e]
+        for key in params:
+            np.testing.assert_allclose(got[key], params[key], rtol=1e-5, atol=1e-6)
