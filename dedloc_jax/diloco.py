@@ -101,14 +101,15 @@ def served_form(state: DiLoCoState) -> DiLoCoState:
 def outer_params_after_step(params: Any, opt_state: Any) -> Any:
     """``params``, or the outer parameters of the :class:`DiLoCoState` in ``opt_state`` when
     its last micro-step took an outer step (bit-identical on every peer, unlike ``params``
-    moved by the returned update). Called by :func:`dedloc_jax.keep_in_step`."""
+    moved by the returned update), copied. Called by :func:`dedloc_jax.keep_in_step`."""
     found = [s for s in jax.tree.leaves(opt_state, is_leaf=is_diloco_state) if is_diloco_state(s)]
     if len(found) != 1 or not bool(found[0].synced):
         return params
     outer = found[0].outer_params
     if jax.tree.structure(outer) != jax.tree.structure(params):
         return params  # diloco wraps part of the parameters: the update moved them
-    return outer
+    # a copy: a step that donates both params and opt_state must not get one buffer twice
+    return jax.tree.map(jnp.copy, outer)
 
 
 def _accepts_codec(method: Any) -> bool:
