@@ -260,19 +260,24 @@ class CollaborationCore:
         moments ``poll`` to ``3 * poll`` apart), and again whenever the meter's figure goes
         stale; run it as a background task of the collaboration. Probes of peers that start
         together contend for the same links and read low; the figure is their max, so one
-        probe that ran alone suffices."""
+        probe that ran alone suffices.
+
+        A stale figure is probed again only when the next averaging is less than the meter's
+        window away (the new figure then lasts through it): with rare averaging (diloco's
+        outer steps, hours apart) probing every window would send more than the averaging."""
         rng = random.Random(str(self.node.peer_id))
         done = 0
         while True:
             await trio.sleep(rng.uniform(poll, 3 * poll) if done else rng.uniform(0, poll))
             known = any(pid != str(self.node.peer_id) for pid in self.tracker.records)
-            if known and (done < probes or self.meter.stale()):
+            stale = self.meter.stale() and self.tracker.current_estimate().eta < self.meter.window
+            if known and (done < probes or stale):
                 try:
                     await self.probe_links(nbytes=nbytes)
                     done += 1
                 except (ValueError, trio.TooSlowError, P2PError) as e:
                     log.info("probing our links failed: %r", e)
-            if done >= probes and not self.meter.stale():
+            if done >= probes and not stale:
                 await trio.sleep(self.meter.window / 4)
 
     async def average(
