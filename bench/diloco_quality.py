@@ -15,6 +15,7 @@ butterfly member sends ``2 (n - 1) / n`` of the encoded vector), the averaging r
 PNG of both held-out loss curves against samples.
 
     python -m bench.diloco_quality [--samples 5760] [--inner-steps 4] [--peers 3] [--out DIR]
+        [--outer-lr 0.7] [--outer-momentum 0.9]
 """
 
 from __future__ import annotations
@@ -138,7 +139,10 @@ def train(
         try:
             peer = group.peer(i)
             if mode == "diloco":
-                tx = dedloc_jax.diloco(inner, peer, target_batch_size=target, codec="int8")
+                outer = optax.sgd(args.outer_lr, momentum=args.outer_momentum, nesterov=True)
+                tx = dedloc_jax.diloco(
+                    inner, peer, target_batch_size=target, outer=outer, codec="int8"
+                )
             else:
                 tx = dedloc_jax.collaborative(inner, peer, target_batch_size=target)
 
@@ -221,6 +225,8 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=5760, help="samples, all peers together")
     parser.add_argument("--inner-steps", type=int, default=4, help="target batches per outer step")
     parser.add_argument("--peers", type=int, default=3)
+    parser.add_argument("--outer-lr", type=float, default=0.7, help="outer Nesterov SGD's rate")
+    parser.add_argument("--outer-momentum", type=float, default=0.9)
     parser.add_argument("--held-out", type=int, default=8, help="held-out batches of 16")
     parser.add_argument("--out", type=Path, default=Path("diloco_quality"))
     args = parser.parse_args()
@@ -254,6 +260,8 @@ def main() -> None:
     out = {
         "loss_ratio": round(ratio, 4),
         "inner_steps": args.inner_steps,
+        "outer_lr": args.outer_lr,
+        "outer_momentum": args.outer_momentum,
         "peers": args.peers,
         "plot": str(plot) if plot else None,
         **{f"{m}_{k}": v for m, r in results.items() for k, v in r.items() if k != "curve"},
