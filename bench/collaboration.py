@@ -16,6 +16,16 @@ epoch t runs in the background while the peer computes toward t + 1, and its res
 one step late; ``--mode blocking`` stops computing while matchmaking and averaging, and
 ``--mode both`` runs both on the same peers, links and churn, one after the other.
 
+``--mode diloco`` compares traffic with low-communication training (:func:`dedloc_jax.diloco`):
+the same peers, links and churn run DeDLOC mode (overlap, fp16), then DiLoCo mode: an outer
+step every ``--inner-steps H`` target batches (H x target samples, the samples of H DeDLOC
+steps), int8 pseudo-gradients of the model's size, averaged blocking (``diloco``'s default).
+On the network DiLoCo is DeDLOC with that target: peers report per micro-step and average one
+vector per outer step. Reported: ``bytes_per_sample`` (every byte the simulated network
+carried, DHT and matchmaking included, over the samples the peers computed) for both and
+``bytes_ratio`` (DeDLOC's over DiLoCo's). With ``--payload-scale S`` the averaged vector's
+bytes count 1/S and the DHT's do not, so the ratio is then understated.
+
 Payload scale (``--payload-scale S``): the simulator moves, encrypts and reduces real bytes,
 which costs CPU in proportion to the vector. With S > 1 the peers average ``params / S``
 values over links S times slower, so every transfer of the averaging takes the time it would
@@ -33,7 +43,7 @@ epoch time / ideal, where ideal = target / summed throughput + the averaging tim
 hidden: the LP's bound when blocking, what of it exceeds an epoch's computing with overlap).
 
     python -m bench.collaboration [--peers 40] [--params 18000000] [--epochs 3]
-        [--payload-scale S] [--mode overlap|blocking|both]
+        [--payload-scale S] [--mode overlap|blocking|both|diloco] [--inner-steps H]
 """
 
 from __future__ import annotations
@@ -73,6 +83,7 @@ class PeerStats:
     started: trio.Event = field(default_factory=trio.Event)
     left: float | None = None
     compute: float = 0.0
+    processed: int = 0  # samples computed, in every epoch
     epochs: list[EpochOutcome] = field(default_factory=list)
     links: tuple[float, float] | None = None  # what the LP got from this peer, at its end
     cut_off: float = 0.0  # seconds computed toward an epoch the run's end (or leaving) cut off
@@ -218,6 +229,7 @@ async def _train(
             step = micro / stats.rate
             await trio.sleep(step)
             stats.compute += step
+            stats.processed += micro
             computed += step
             stats.cut_off = computed  # until its step: cut off if the run ends first
             samples += micro
@@ -249,14 +261,20 @@ async def _train(
 
 
 def simulate(
-    args: argparse.Namespace, *, overlap: bool, config: CollaborationConfig | None = None
+    args: argparse.Namespace,
+    *,
+    overlap: bool,
+    config: CollaborationConfig | None = None,
+    target: int | None = None,
+    codec: str = "fp16",
 ) -> dict[str, float | None]:
-    """One run of the collaboration (same peers, links and churn for a given seed)."""
+    """One run of the collaboration (same peers, links and churn for a given seed); ``target``
+    and ``codec``: samples per averaging and the wire codec (DeDLOC's by default)."""
     rng = random.Random(args.seed)
     peers = _draw_peers(args.peers, rng, args.payload_scale)
-    config = config or CollaborationConfig(
-        target_batch_size=args.target, codec="fp16", max_refresh=5.0
-    )
+    target = target or args.target
+    config = config or CollaborationConfig(target_batch_size=target, codec=codec, max_refresh=5.0)
+    sent: list[int] = []
     probe_bytes = max(64 << 10, (4 << 20) // args.payload_scale)
     actual = max(1, args.params // args.payload_scale)
     vector = np.random.default_rng(args.seed).normal(size=actual).astype(np.float32)
@@ -325,6 +343,7 @@ def simulate(
                 if p.left is None:
                     p.left = end
             nursery.cancel_scope.cancel()
+        sent.append(net.stats.bytes)
         return everyone
 
     wall = time.perf_counter()
@@ -334,13 +353,20 @@ def simulate(
     for p in everyone:  # epochs past the last, which peers that finished early went on to
         p.cut_off += sum(o.compute for o in p.epochs if o.epoch >= args.epochs)
         p.epochs = [o for o in p.epochs if o.epoch < args.epochs]
-    figures = outcome_figures(everyone, peers, args.target, 2 * actual, overlap=overlap)
+    figures = outcome_figures(everyone, peers, target, 2 * actual, overlap=overlap)
+    processed = sum(p.processed for p in everyone)
+    figures["bytes_sent"] = sent[0]
+    figures["samples_processed"] = processed
+    figures["bytes_per_sample"] = round(sent[0] / processed, 2) if processed else None
     mode = "overlapped (delayed update)" if overlap else "blocking"
     print(f"--- {mode}: {figures['epochs']} epochs in {wall:.0f} s of wall time")
     print(
         f"complete rounds {figures['complete_fraction']}, averaged peer-epochs "
         f"{figures['averaged_fraction']}, compute fraction {figures['compute_fraction']} "
         f"(raw {figures['raw_compute_fraction']}), bandwidth error {figures['bandwidth_error']}"
+    )
+    print(
+        f"{sent[0]:,} bytes sent for {processed:,} samples: {figures['bytes_per_sample']} B/sample"
     )
     print(
         f"epoch {figures['epoch_seconds']} s against an ideal {figures['ideal_epoch_seconds']} s"
@@ -466,9 +492,16 @@ def main() -> None:
     )
     parser.add_argument(
         "--mode",
-        choices=("overlap", "blocking", "both"),
+        choices=("overlap", "blocking", "both", "diloco"),
         default="overlap",
-        help="delayed parameter update (default), peers that stop to average, or both",
+        help="delayed parameter update (default), peers that stop to average, or both; "
+        "diloco: DeDLOC (overlap) against DiLoCo's traffic",
+    )
+    parser.add_argument(
+        "--inner-steps",
+        type=int,
+        default=500,
+        help="diloco: target batches between outer steps (DiLoCo's H)",
     )
     args = parser.parse_args()
     if args.payload_scale < 1:
@@ -479,6 +512,11 @@ def main() -> None:
         f"{args.params:,} params simulated as {max(1, args.params // args.payload_scale):,} "
         f"over links {args.payload_scale}x slower, target {args.target}"
     )
+    if args.mode == "diloco":
+        if args.inner_steps < 1:
+            parser.error("--inner-steps must be at least 1")
+        _compare_diloco(args)
+        return
     modes = ["overlap", "blocking"] if args.mode == "both" else [args.mode]
     results = {m: simulate(args, overlap=m == "overlap") for m in modes}
     out: dict[str, object] = dict(results[modes[0]])
@@ -491,6 +529,33 @@ def main() -> None:
     )
     if len(modes) == 2:
         out["blocking"] = results["blocking"]
+    print(json.dumps(out))
+
+
+def _compare_diloco(args: argparse.Namespace) -> None:
+    """DeDLOC mode, then DiLoCo mode on the same peers, links and churn; the last line (JSON)
+    holds both runs' figures and the bytes ratio."""
+    dedloc = simulate(args, overlap=True)
+    outer_target = args.target * args.inner_steps
+    print(f"--- diloco: an outer step every {outer_target} samples, int8 pseudo-gradients")
+    diloco = simulate(args, overlap=False, target=outer_target, codec="int8")
+    ratio = None
+    if dedloc["bytes_per_sample"] and diloco["bytes_per_sample"]:
+        ratio = round(dedloc["bytes_per_sample"] / diloco["bytes_per_sample"], 1)
+    print(f"bytes per sample: DeDLOC {dedloc['bytes_per_sample']}, DiLoCo "
+          f"{diloco['bytes_per_sample']}: {ratio}x less")  # fmt: skip
+    out: dict[str, object] = dict(diloco)
+    out.update(
+        mode="diloco",
+        inner_steps=args.inner_steps,
+        outer_target=outer_target,
+        peers=args.peers,
+        simulated_params=args.params,
+        actual_params=max(1, args.params // args.payload_scale),
+        payload_scale=args.payload_scale,
+        dedloc=dedloc,
+        bytes_ratio=ratio,
+    )
     print(json.dumps(out))
 
 

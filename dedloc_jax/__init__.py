@@ -1,8 +1,9 @@
 """dedloc-jax: collaborative training over the Internet (DeDLOC) for JAX.
 
 The public API: join a run with :class:`Collaboration`, wrap your optax optimizer with
-:func:`collaborative`, and call :func:`keep_in_step` after every train step (it loads the run's
-state when you join, serves yours after each step, and catches up when you fall out of step).
+:func:`collaborative` (or :func:`diloco`: local training with an averaged outer step), and call
+:func:`keep_in_step` after every train step (it loads the run's state when you join, serves
+yours after each step, and catches up when you fall out of step).
 """
 
 from dedloc_jax.averaging import (
@@ -21,6 +22,7 @@ from dedloc_jax.averaging import (
 from dedloc_jax.collaboration import CollaborationCore, open_collaboration
 from dedloc_jax.collaborative import CollaborativeState, collaborative
 from dedloc_jax.config import CollaborationConfig
+from dedloc_jax.diloco import DiLoCoState, diloco
 from dedloc_jax.host import AveragingOutcome, CollaborationHost
 from dedloc_jax.keeping import KeepConfig, StepKeeper, keep_in_step
 from dedloc_jax.progress import CollaborationEstimate, PeerProgress
@@ -41,6 +43,7 @@ __all__ = [
     "CollaborationEstimate",
     "CollaborationHost",
     "CollaborativeState",
+    "DiLoCoState",
     "GroupSpec",
     "KeepConfig",
     "Member",
@@ -52,6 +55,7 @@ __all__ = [
     "all_reduce",
     "collaboration_epoch",
     "collaborative",
+    "diloco",
     "install",
     "keep_in_step",
     "open_collaboration",

@@ -290,25 +290,32 @@ class CollaborationCore:
         moments ``poll`` to ``3 * poll`` apart), and again whenever the meter's figure goes
         stale; run it as a background task of the collaboration. Probes of peers that start
         together contend for the same links and read low; the figure is their max, so one
-        probe that ran alone suffices."""
+        probe that ran alone suffices.
+
+        A stale figure is probed again only when the next averaging is less than the meter's
+        window away (the new figure then lasts through it): with rare averaging (diloco's
+        outer steps, hours apart) probing every window would send more than the averaging."""
         rng = random.Random(str(self.node.peer_id))
         done = 0
         while True:
             await trio.sleep(rng.uniform(poll, 3 * poll) if done else rng.uniform(0, poll))
             known = any(pid != str(self.node.peer_id) for pid in self.tracker.records)
-            if known and (done < probes or self.meter.stale()):
+            stale = self.meter.stale() and self.tracker.current_estimate().eta < self.meter.window
+            if known and (done < probes or stale):
                 try:
                     await self.probe_links(nbytes=nbytes)
                     done += 1
                 except (ValueError, trio.TooSlowError, P2PError) as e:
                     log.info("probing our links failed: %r", e)
-            if done >= probes and not self.meter.stale():
+            if done >= probes and not stale:
                 await trio.sleep(self.meter.window / 4)
 
     async def average(
-        self, epoch: int, arrays: Sequence[np.ndarray], samples: int
+        self, epoch: int, arrays: Sequence[np.ndarray], samples: int, *, codec: str | None = None
     ) -> AveragingOutcome:
-        """Form a group for ``epoch`` and average ``arrays`` (weight ``samples``) with it."""
+        """Form a group for ``epoch`` and average ``arrays`` (weight ``samples``) with it,
+        sent in ``codec`` (None: ``config.codec``; every member of a round must use one)."""
+        codec = codec or self.config.codec
         est = self.tracker.current_estimate()
         self.matchmaker.window = self.config.matchmaking_time or matchmaking_window(
             self.config.min_refresh, self.tracker.dht_latency, est.max_step_interval
@@ -333,7 +340,7 @@ class CollaborationCore:
                     spec,
                     list(arrays),
                     float(samples),
-                    codec=self.config.codec,
+                    codec=codec,
                     timeout=timeout,
                     meter=self.meter,
                     config=self._round_config(),
@@ -349,7 +356,7 @@ class CollaborationCore:
             else:
                 if self.matchmaker.needs_cross(epoch):
                     result, _, complete = await self._across(
-                        epoch, spec, result, averaged_weight(spec, averaged)
+                        epoch, spec, result, averaged_weight(spec, averaged), codec
                     )
                     reason = "the round across groups missed some of them"
                 elif self._stepped_without(spec, epoch):
@@ -358,7 +365,9 @@ class CollaborationCore:
                     complete = False
                     reason = "others stepped without our group"
         elif self.matchmaker.needs_cross(epoch):  # alone among several groups: a group of one
-            result, group_size, complete = await self._across(epoch, None, result, float(samples))
+            result, group_size, complete = await self._across(
+                epoch, None, result, float(samples), codec
+            )
             reason = "alone in our group, and the round across groups failed"
         if complete and group_size > 1:
             reason = ""
@@ -394,7 +403,12 @@ class CollaborationCore:
         return AveragingOutcome(result, self.epoch, group_size, complete)
 
     async def _across(
-        self, epoch: int, spec: GroupSpec | None, mean: list[np.ndarray], weight: float
+        self,
+        epoch: int,
+        spec: GroupSpec | None,
+        mean: list[np.ndarray],
+        weight: float,
+        codec: str | None = None,
     ) -> tuple[list[np.ndarray], int, bool]:
         """The mean across this epoch's groups (see :mod:`dedloc_jax.across`), the size of
         the level-1 group (1 when this peer did not represent its group there) and whether
@@ -404,10 +418,11 @@ class CollaborationCore:
         wait = self._cross_wait(spec, mean)
         self.across.wait_limit = wait
         size = 1
+        codec = codec or self.config.codec
         if rep == me:
             ok, whole, found = False, False, None
             try:
-                found = await self._represent(epoch, mean, weight)
+                found = await self._represent(epoch, mean, weight, codec)
                 ok = found is not None
                 if found is not None:
                     mean, size, whole = found
@@ -428,7 +443,7 @@ class CollaborationCore:
             spec,
             mean,
             source=rep == me,
-            codec=self.config.codec,
+            codec=codec,
             timeout=self._timeout(spec, mean),
         )
         if out is None:  # the representative holds the mean across groups all the same
@@ -436,7 +451,7 @@ class CollaborationCore:
         return out, size, whole
 
     async def _represent(
-        self, epoch: int, mean: list[np.ndarray], weight: float
+        self, epoch: int, mean: list[np.ndarray], weight: float, codec: str
     ) -> tuple[list[np.ndarray], int, bool] | None:
         """As its group's representative, average ``mean`` (``weight`` samples) with the
         other groups' representatives: the result, how many there were and whether every
@@ -456,7 +471,7 @@ class CollaborationCore:
                 spec,
                 list(mean),
                 weight,
-                codec=self.config.codec,
+                codec=codec,
                 timeout=self._timeout(spec, mean),
                 meter=self.meter,
                 config=self._round_config(),

@@ -273,6 +273,7 @@ def keep_in_step(collab: Any, params: Any, opt_state: Any) -> tuple[Any, Any]:
     state loaded from the others (see the module docstring for when). ``collab`` is the
     :class:`dedloc_jax.Collaboration` the optimizer's ``collaborative`` transform uses.
     """
+    from dedloc_jax.diloco import outer_params_after_step
     from dedloc_jax.state_sync import StaleStateError, StateSyncError
     from dedloc_jax.training_state import collaboration_state, share_state, sync_state
 
@@ -284,6 +285,8 @@ def keep_in_step(collab: Any, params: Any, opt_state: Any) -> tuple[Any, Any]:
     state = collaboration_state(opt_state)
     if state is None:
         raise ValueError("opt_state holds no dedloc_jax.collaborative state")
+    # diloco: right after an outer step, the parameters are its outer ones, bit for bit
+    params = outer_params_after_step(params, opt_state)
     # Reading the state's epoch waits for the step in flight: done only when something is due.
     epoch, complete = int(state.epoch), bool(state.complete)
     if keeper.epoch is not None and epoch != keeper.epoch and view.epoch != epoch:

@@ -265,11 +265,14 @@ class Collaboration:
         return ready
 
     def average_gradients(
-        self, epoch: int, gradients: Sequence[np.ndarray], samples: int
+        self, epoch: int, gradients: Sequence[np.ndarray], samples: int, *, codec: str | None = None
     ) -> AveragingOutcome:
+        """Average with this epoch's group; ``codec``: on the wire (None: the config's)."""
         thread, core = self._core()
         try:
-            return thread.run(core.average, epoch, list(gradients), samples)
+            return thread.run(
+                functools.partial(core.average, codec=codec), epoch, list(gradients), samples
+            )
         except Exception as e:
             # Logged in full: a JAX host callback re-raising it keeps only its last line.
             log.error("averaging at epoch %d raised %r", epoch, e, exc_info=e)
@@ -277,12 +280,16 @@ class Collaboration:
         finally:
             self._snapshot = None
 
-    def start_averaging(self, epoch: int, gradients: Sequence[np.ndarray], samples: int) -> None:
+    def start_averaging(
+        self, epoch: int, gradients: Sequence[np.ndarray], samples: int, *, codec: str | None = None
+    ) -> None:
         """:meth:`average_gradients` in the background (delayed updates); see poll_averaging."""
         thread, core = self._core()
         if self._background is not None:
             raise RuntimeError("an averaging is already in flight")
-        job = BackgroundAveraging(functools.partial(core.average, epoch, list(gradients), samples))
+        job = BackgroundAveraging(
+            functools.partial(core.average, epoch, list(gradients), samples, codec=codec)
+        )
         self._background = job
         thread.start_service(job.run)
 

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dedloc_jax.collaborative import CollaborativeState
+from dedloc_jax.diloco import DiLoCoState, is_diloco_state, served_form
 
 log = logging.getLogger(__name__)
 
@@ -28,11 +29,12 @@ class _StateHost(Protocol):
 
 
 def _is_collab_state(x: Any) -> bool:
-    return isinstance(x, CollaborativeState)
+    return isinstance(x, CollaborativeState | DiLoCoState)
 
 
-def collaboration_state(opt_state: Any) -> CollaborativeState | None:
-    """The :class:`CollaborativeState` inside ``opt_state`` (the newest, if several)."""
+def collaboration_state(opt_state: Any) -> CollaborativeState | DiLoCoState | None:
+    """The :class:`CollaborativeState` (or :class:`~dedloc_jax.diloco.DiLoCoState`) inside
+    ``opt_state`` (the newest, if several)."""
     found = [s for s in jax.tree.leaves(opt_state, is_leaf=_is_collab_state) if _is_collab_state(s)]
     return max(found, key=lambda s: int(s.epoch)) if found else None
 
@@ -49,6 +51,8 @@ def collaboration_epoch(opt_state: Any) -> int | None:
 
 def _reset_accumulators(opt_state: Any) -> Any:
     def reset(s: Any) -> Any:
+        if is_diloco_state(s):
+            return served_form(s)
         if not _is_collab_state(s):
             return s
         return s._replace(
@@ -59,13 +63,48 @@ def _reset_accumulators(opt_state: Any) -> Any:
     return jax.tree.map(reset, opt_state, is_leaf=_is_collab_state)
 
 
+def _outer_params(params: Any, opt_state: Any) -> Any:
+    """The parameters the collaboration shares: the outer ones under diloco."""
+    found = [s for s in jax.tree.leaves(opt_state, is_leaf=is_diloco_state) if is_diloco_state(s)]
+    if not found:
+        return params
+    if len(found) > 1:
+        raise ValueError("opt_state holds several diloco states: serve which outer parameters?")
+    outer = found[0].outer_params
+    if jax.tree.structure(outer) != jax.tree.structure(params):
+        raise ValueError(
+            "diloco's outer parameters are not shaped like the parameters shared: diloco must "
+            "wrap all of them to serve its state"
+        )
+    return outer
+
+
+def _outer_params(params: Any, opt_state: Any) -> Any:
+    """The parameters the collaboration shares: the outer ones under diloco."""
+    found = [s for s in jax.tree.leaves(opt_state, is_leaf=is_diloco_state) if is_diloco_state(s)]
+    if not found:
+        return params
+    if len(found) > 1:
+        raise ValueError("opt_state holds several diloco states: serve which outer parameters?")
+    outer = found[0].outer_params
+    if jax.tree.structure(outer) != jax.tree.structure(params):
+        raise ValueError(
+            "diloco's outer parameters are not shaped like the parameters shared: diloco must "
+            "wrap all of them to serve its state"
+        )
+    return outer
+
+
 def share_state(collab: _StateHost, params: Any, opt_state: Any) -> None:
     """Serve ``(params, opt_state)`` to newcomers (copied to host memory once per call).
 
     The gradient accumulator is this peer's own work toward the next step, not the
     collaboration's state: it is served empty, so peers that hold the same state serve the
     same digest (and matchmaking, which averages only peers stepping from one state, pairs them).
+    Under :func:`dedloc_jax.diloco` the outer parameters are served in place of ``params``
+    (the local ones differ across peers between outer steps), with the local work emptied.
     """
+    params = _outer_params(params, opt_state)
     opt_state = _reset_accumulators(opt_state)
     leaves = [np.asarray(x) for x in jax.device_get(jax.tree.leaves((params, opt_state)))]
     epoch = collaboration_epoch(opt_state) or 0

@@ -1,7 +1,8 @@
 """One peer process running the README's "own JAX code" block as written.
 
-``python -m tests.readme_peer OUT_DIR ADDRS TARGET EPOCHS SEED``: runs the block with the
-placeholder address replaced by ``ADDRS`` (a JSON list) and the target 4096 by ``TARGET``, and
+``python -m tests.readme_peer OUT_DIR ADDRS TARGET EPOCHS SEED [BLOCK]``: runs the block
+(BLOCK: "own", the default, or "diloco": the DiLoCo section's) with the placeholder address
+replaced by ``ADDRS`` (a JSON list) and the target by ``TARGET``, and
 supplies the three names it leaves to the user: ``params`` (a linear model's weights, zeros),
 ``loss_fn`` (mean squared error) and ``batches`` (micro-batches of 4 until the collaboration
 reached ``EPOCHS``, each taking ``$README_PEER_PACE`` seconds of "compute"). Every micro-batch
@@ -34,15 +35,21 @@ PACE = float(os.environ.get("README_PEER_PACE", "0.005"))  # seconds of "compute
 TRUE_W = np.arange(1, 6, dtype=np.float32)
 
 
-def example() -> str:
+# The README's blocks this peer can run: heading, and the target as written there.
+BLOCKS = {
+    "own": ("Train with a collaboration from your own JAX code", "target_batch_size=4096"),
+    "diloco": ("Low-communication training (DiLoCo)", "target_batch_size=500 * 4096"),
+}
+
+
+def example(block: str = "own") -> str:
     """The README's block, exactly as a user copies it."""
+    heading, target = BLOCKS[block]
     text = README.read_text()
-    found = re.search(
-        r"## Train with a collaboration from your own JAX code\n\n```python\n(.*?)```", text, re.S
-    )
-    assert found, "README.md lost its 'own JAX code' example"
+    found = re.search(rf"## {re.escape(heading)}\n\n```python\n(.*?)```", text, re.S)
+    assert found, f"README.md lost its {heading!r} example"
     code = found.group(1)
-    assert PLACEHOLDER in code and "target_batch_size=4096" in code
+    assert PLACEHOLDER in code and target in code
     return code
 
 
@@ -50,7 +57,9 @@ def loss_fn(params: dict, batch: dict) -> jnp.ndarray:
     return jnp.mean((batch["x"] @ params["w"] - batch["y"]) ** 2)
 
 
-def main(out: Path, addrs: list[str], target: int, epochs: int, seed: int) -> None:
+def main(
+    out: Path, addrs: list[str], target: int, epochs: int, seed: int, block: str = "own"
+) -> None:
     namespace: dict[str, Any] = {}
     rng = np.random.default_rng(seed)
     fed = (out / "fed.jsonl").open("a")
@@ -72,8 +81,8 @@ def main(out: Path, addrs: list[str], target: int, epochs: int, seed: int) -> No
             time.sleep(PACE)  # a micro-step of a small real model
             yield {"x": x, "y": y}
 
-    code = example().replace(PLACEHOLDER, repr(addrs))
-    code = code.replace("target_batch_size=4096", f"target_batch_size={target}")
+    code = example(block).replace(PLACEHOLDER, repr(addrs))
+    code = code.replace(BLOCKS[block][1], f"target_batch_size={target}")
     namespace.update(
         params={"w": jnp.zeros(TRUE_W.size, jnp.float32)}, loss_fn=loss_fn, batches=batches()
     )
@@ -90,5 +99,5 @@ def main(out: Path, addrs: list[str], target: int, epochs: int, seed: int) -> No
 
 if __name__ == "__main__":
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    out_dir, addrs_json, target_s, epochs_s, seed_s = sys.argv[1:]
-    main(Path(out_dir), json.loads(addrs_json), int(target_s), int(epochs_s), int(seed_s))
+    out_dir, addrs_json, target_s, epochs_s, seed_s, *block = sys.argv[1:]
+    main(Path(out_dir), json.loads(addrs_json), int(target_s), int(epochs_s), int(seed_s), *block)

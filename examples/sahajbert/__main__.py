@@ -170,6 +170,19 @@ def _add_model_options(p: argparse.ArgumentParser, d: TrainerConfig) -> None:
     g.add_argument(
         "--max-epochs", type=int, default=d.max_epochs, help="stop after this epoch (unset: never)"
     )
+    g.add_argument(
+        "--mode",
+        choices=("dedloc", "diloco"),
+        default=d.mode,
+        help="dedloc: average gradients every target batch; diloco: train locally, average "
+        "the parameters' change every --inner-steps target batches (int8 on the wire)",
+    )
+    g.add_argument(
+        "--inner-steps",
+        type=int,
+        default=d.inner_steps,
+        help="diloco: target batches between outer steps (DiLoCo's H)",
+    )
     g = p.add_argument_group("optimizer (sahajBERT's LAMB recipe)")
     g.add_argument("--learning-rate", type=float, default=o.learning_rate, help="peak lr")
     g.add_argument("--warmup-steps", type=int, default=o.warmup_steps, help="linear warmup")
@@ -391,6 +404,8 @@ def trainer_config(args: argparse.Namespace, base: TrainerConfig | None = None) 
         bf16=args.bf16 or base.bf16,
         step_delay=getattr(args, "step_delay", base.step_delay),
         wait_for_trainers=getattr(args, "wait_for_trainers", base.wait_for_trainers),
+        mode=args.mode,
+        inner_steps=args.inner_steps,
     )
 
 

@@ -70,6 +70,10 @@ class TrainerConfig:
     step_delay: float = 0.0  # seconds slept per micro-step: simulates a slower device
     wait_for_trainers: int = 0  # before the first step, wait (<= 60 s) for this many other trainers
     seed: int = 0
+    # "dedloc": one averaged step per target batch; "diloco": local inner steps on every
+    # micro-batch and one averaged outer step per inner_steps target batches (dedloc_jax.diloco)
+    mode: str = "dedloc"
+    inner_steps: int = 500
 
     def __post_init__(self) -> None:
         if self.model not in ("tiny", "sahajbert"):
@@ -78,6 +82,14 @@ class TrainerConfig:
             raise ValueError("batch sizes and grad_accumulation must be positive")
         if self.seq_length < 8:
             raise ValueError("seq_length must be at least 8")
+        if self.mode not in ("dedloc", "diloco") or self.inner_steps < 1:
+            raise ValueError("mode must be dedloc or diloco, and inner_steps positive")
+
+    @property
+    def collaboration_target(self) -> int:
+        """Samples the collaboration gathers per averaging: the target batch, times
+        ``inner_steps`` in DiLoCo mode (the samples of that many DeDLOC steps)."""
+        return self.target_batch_size * (self.inner_steps if self.mode == "diloco" else 1)
 
     def replace(self, **changes: object) -> TrainerConfig:
         return dataclasses.replace(self, **changes)
@@ -98,6 +110,7 @@ class TrainerConfig:
             optimizer=OptimizerConfig.demo(),
             work_dir=work_dir,
             max_epochs=30,
+            inner_steps=4,
         )
 
 

@@ -86,7 +86,7 @@ class Coordinator:
         self.net = net
         self.opts = opts
         self.ckpt_dir = opts.checkpoint_dir or opts.out_dir / "checkpoints"
-        self.table = metrics.EpochTable(cfg.target_batch_size)
+        self.table = metrics.EpochTable(cfg.collaboration_target)
         self.log = MetricsLog(opts.out_dir)
         self.last_checkpoint: tuple[int, Path] | None = None
         self.started = time.monotonic()
@@ -122,7 +122,12 @@ class Coordinator:
                 run_manifest.vocab_size, run_manifest.tokenizer_sha256, run_manifest.seq_length,
                 run_manifest.target_batch_size,
             )  # fmt: skip
-            tx = training.make_optimizer(self.cfg.optimizer, collab, self.cfg.target_batch_size)
+            tx = training.make_optimizer(
+                self.cfg.optimizer,
+                collab,
+                self.cfg.collaboration_target,
+                diloco=trainer.diloco_of(self.cfg),
+            )
             self.template = (params, tx.init(params))
             addrs = trainer.dialable(collab)
             if self.opts.addr_file is not None:

@@ -66,6 +66,8 @@ def cli_args(cfg: TrainerConfig) -> list[str]:
         args += ["--tokenizer", cfg.tokenizer]
     if cfg.bf16:
         args += ["--bf16"]
+    if cfg.mode != "dedloc":
+        args += ["--mode", cfg.mode, "--inner-steps", str(cfg.inner_steps)]
     return args
 
 
@@ -370,7 +372,8 @@ def run_demo(demo: DemoConfig, cfg: TrainerConfig, out: Path) -> int:
     console.print(
         f"[b]dedloc-jax sahajBERT demo[/b]: a coordinator and {demo.trainers} trainers "
         f"({demo.client_trainers} in client mode, one slower) train a tiny ALBERT for "
-        f"{demo.epochs} collaborative steps of {cfg.target_batch_size} samples on loopback.\n"
+        f"{demo.epochs} collaborative steps of {cfg.collaboration_target} samples on loopback"
+        f"{' (DiLoCo: local steps, averaged outer steps)' if cfg.mode == 'diloco' else ''}.\n"
         f"Preparing data and compiling (cached in {cfg.work_dir}); logs in {out / 'logs'}"
     )
     result = run_collaboration(demo, cfg, out)

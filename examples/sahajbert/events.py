@@ -82,10 +82,10 @@ class PhaseHost:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._collab, name)
 
-    def average_gradients(self, epoch: int, gradients: Any, samples: int) -> Any:
+    def average_gradients(self, epoch: int, gradients: Any, samples: int, **kw: Any) -> Any:
         self._events.phase("averaging", epoch=epoch)
         try:
-            return self._collab.average_gradients(epoch, gradients, samples)
+            return self._collab.average_gradients(epoch, gradients, samples, **kw)
         finally:
             self._events.phase("accumulating", epoch=epoch + 1)
 

@@ -38,12 +38,19 @@ def collaboration_config(cfg: TrainerConfig, mode: str | None = None) -> Any:
     if cfg.model == "tiny":
         # The matchmaking window adapts to the peers' micro-step times; those are real from the
         # first report on, since trainers compile (warm_up_step) before they report.
-        base = CollaborationConfig.local_demo(cfg.target_batch_size)
+        base = CollaborationConfig.local_demo(cfg.collaboration_target)
     else:
-        base = CollaborationConfig.sahajbert().replace(target_batch_size=cfg.target_batch_size)
+        base = CollaborationConfig.sahajbert().replace(target_batch_size=cfg.collaboration_target)
     if cfg.codec is not None:  # the run manifest's
         base = base.replace(codec=cfg.codec)
+    if cfg.mode == "diloco":  # aux peers reduce the pseudo-gradients in diloco's codec too
+        base = base.replace(codec=diloco_of(cfg))
     return base.replace(mode=mode) if mode else base
+
+
+def diloco_of(cfg: TrainerConfig) -> str | None:
+    """The pseudo-gradients' codec in DiLoCo mode (int8 unless the run names one), else None."""
+    return (cfg.codec or "int8") if cfg.mode == "diloco" else None
 
 
 def open_collaboration(cfg: TrainerConfig, net: NetConfig, mode: str | None = None) -> Any:
@@ -145,7 +152,9 @@ def run_trainer(
             serve_manifest(collab, *run_manifest)
         host = PhaseHost(collab, log_events) if events is not None else collab
         inner = training.jitted_inner(cfg.optimizer)
-        tx = training.make_optimizer(cfg.optimizer, host, cfg.target_batch_size, inner=inner)
+        tx = training.make_optimizer(
+            cfg.optimizer, host, cfg.collaboration_target, inner=inner, diloco=diloco_of(cfg)
+        )
         opt_state = tx.init(params)
         # Before anything is compiled: a newcomer loads the run's state, the first peer
         # serves its own (keep_in_step then follows the run on every micro-step).

@@ -244,8 +244,10 @@ def make_optimizer(
     target_batch_size: int,
     *,
     inner: optax.GradientTransformation | None = None,
+    diloco: str | None = None,
 ) -> Any:
-    """``collaborative(clip + LAMB)``; the inner optimizer is jitted on its own.
+    """``collaborative(clip + LAMB)``; the inner optimizer is jitted on its own. ``diloco``
+    (a wire codec): ``dedloc_jax.diloco`` instead, clip + LAMB as its inner optimizer.
 
     The training step runs ``collaborative`` on the host (its documented non-jit path): the
     expensive pieces (gradients, the inner update) are separate jitted functions without host
@@ -256,6 +258,8 @@ def make_optimizer(
     import dedloc_jax
 
     inner = inner if inner is not None else jitted_inner(opt)
+    if diloco is not None:
+        return dedloc_jax.diloco(inner, collab, target_batch_size=target_batch_size, codec=diloco)
     return dedloc_jax.collaborative(inner, collab, target_batch_size=target_batch_size)
 
 

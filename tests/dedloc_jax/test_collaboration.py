@@ -254,11 +254,11 @@ def test_a_group_whose_round_across_groups_failed_knows_its_mean_is_incomplete(
     represent = CollaborationCore._represent
     failed: list[str] = []
 
-    async def first_fails(self, epoch, mean, weight):  # noqa: ANN001, ANN202
+    async def first_fails(self, epoch, mean, weight, codec):  # noqa: ANN001, ANN202
         if not failed:
             failed.append(str(self.node.peer_id))
             return None
-        return await represent(self, epoch, mean, weight)
+        return await represent(self, epoch, mean, weight, codec)
 
     monkeypatch.setattr(CollaborationCore, "_represent", first_fails)
     rates = [4.0, 6.0, 8.0, 10.0, 12.0, 14.0, 16.0]

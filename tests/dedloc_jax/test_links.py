@@ -36,3 +36,37 @@ def test_keep_links_measured_probes_once_peers_are_known() -> None:
         assert f.upload_bps == pytest.approx(up * MBIT, rel=0.2), f
         assert f.download_bps == pytest.approx(100 * MBIT, rel=0.2), f
         assert f.upload_age < 120
+
+
+def test_a_stale_figure_is_not_probed_again_while_the_next_averaging_is_far() -> None:
+    """With rare averaging (diloco's outer steps) probing every meter window would send more
+    than the averaging: a stale figure waits until the next averaging is a window away."""
+    config = CollaborationConfig.local_demo(10_000)
+    probed_at: list[float] = []
+    stale: list[bool] = []
+
+    async def main() -> float:
+        net = SimNetwork(seed=0)
+        async with open_sim_collaboration(net, 2, config=config, latency=0.02) as cores:
+            for core in cores:
+                core.meter.window = 60.0  # figures expire after a minute (600 s by default)
+                probe = core.probe_links
+
+                async def timed(*, probe=probe, **kw):
+                    probed_at.append(trio.current_time())
+                    return await probe(**kw)
+
+                core.probe_links = timed
+            start = trio.current_time()
+            async with trio.open_nursery() as nursery:
+                for core in cores:
+                    core.report(0, 4, 4)  # one report: no rate, no averaging in sight
+                    nursery.start_soon(core.keep_links_measured)
+                await trio.sleep(4 * cores[0].meter.window)
+                stale.extend(core.meter.stale() for core in cores)
+                nursery.cancel_scope.cancel()
+            return start
+
+    start = run_sim(main, seed=0)
+    assert stale == [True, True]  # the figures expired ...
+    assert probed_at and max(probed_at) - start < 30  # ... and only the first probes ran

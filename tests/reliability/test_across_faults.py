@@ -23,12 +23,12 @@ def test_a_representative_that_dies_leaves_its_group_with_its_own_mean(monkeypat
     represent = CollaborationCore._represent
     died: list[str] = []
 
-    async def represent_or_die(self, epoch, mean, weight):
+    async def represent_or_die(self, epoch, mean, weight, codec):
         if not died:
             died.append(str(self.node.peer_id))
             net.kill(host_of(net, self.node))
             return None
-        return await represent(self, epoch, mean, weight)
+        return await represent(self, epoch, mean, weight, codec)
 
     monkeypatch.setattr(CollaborationCore, "_represent", represent_or_die)
     net = SimNetwork(seed=3)

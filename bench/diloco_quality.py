@@ -1,0 +1,273 @@
+"""DeDLOC mode against DiLoCo mode at equal samples: the demo's tiny ALBERT, 3 peers.
+
+Both modes train the demo's model (``TrainerConfig.demo()``: tiny ALBERT, the synthetic
+corpus, micro-batches of 16, target batch 96) from one initialisation on the same data
+streams, each peer its own: DeDLOC mode (``collaborative`` with the demo's clip + LAMB, fp16
+gradients) and DiLoCo mode (``diloco`` with that same optimizer as the inner one, the default
+Nesterov outer step, int8 pseudo-gradients, an outer step every ``--inner-steps`` target
+batches). The peers are threads of this process averaging through an in-process group that
+applies the codec as the butterfly does (each contribution and the mean pass through it),
+so the comparison is about the optimisation, not the network.
+
+Reported (last line, JSON): the final MLM+SOP loss of each mode on held-out batches, their
+ratio (goal: DiLoCo within 5% of DeDLOC), the bytes each peer sends (per averaging, a
+butterfly member sends ``2 (n - 1) / n`` of the encoded vector), the averaging rounds, and a
+PNG of both held-out loss curves against samples.
+
+    python -m bench.diloco_quality [--samples 5760] [--inner-steps 4] [--peers 3] [--out DIR]
+        [--outer-lr 0.7] [--outer-momentum 0.9]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import threading
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+import optax
+from flax import nnx
+
+import dedloc_jax
+from dedloc_jax.averaging.codecs import get_codec
+from dedloc_jax.diloco import outer_params_after_step
+from dedloc_jax.host import AveragingOutcome
+from examples.sahajbert import training
+from examples.sahajbert.config import TrainerConfig
+from models.albert import pretraining_batch_loss
+
+
+class Group:
+    """``n`` in-process peers in lockstep: every micro-step all report, and an averaging
+    gives every peer the same weighted mean, passed through the wire codec."""
+
+    def __init__(self, n: int, target: int, codec: str) -> None:
+        self.n, self.target, self.codec = n, target, codec
+        self.barrier = threading.Barrier(n)
+        self.samples = [0] * n
+        self.sent: list[list] = [[] for _ in range(n)]
+        self.bytes_sent = [0] * n
+        self.rounds = 0
+
+    def peer(self, index: int) -> Peer:
+        return Peer(self, index)
+
+
+class Peer:
+    def __init__(self, group: Group, index: int) -> None:
+        self.group, self.index = group, index
+
+    def report_progress(self, epoch: int, samples: int, batch_size: int) -> bool:
+        g = self.group
+        g.samples[self.index] = samples
+        g.barrier.wait()
+        ready = sum(g.samples) >= g.target
+        g.barrier.wait()
+        return ready
+
+    def average_gradients(
+        self, epoch: int, gradients: Sequence[np.ndarray], samples: int, *, codec: str | None = None
+    ) -> AveragingOutcome:
+        g = self.group
+        wire = get_codec(codec or g.codec)
+
+        def through(x: np.ndarray) -> np.ndarray:
+            flat = np.ascontiguousarray(x, np.float32).reshape(-1)
+            return wire.decode(wire.encode(flat), flat.size).reshape(x.shape)
+
+        g.sent[self.index] = ([through(x) for x in gradients], samples)
+        size = sum(int(np.size(x)) for x in gradients)
+        g.bytes_sent[self.index] += int(2 * (g.n - 1) / g.n * wire.encoded_size(size))
+        g.barrier.wait()
+        total = sum(w for _, w in g.sent)
+        mean = [
+            through(sum(np.float32(w / total) * arrays[i] for arrays, w in g.sent))
+            for i in range(len(gradients))
+        ]
+        g.barrier.wait()
+        if self.index == 0:
+            g.rounds += 1
+        return AveragingOutcome(mean, epoch + 1, g.n)
+
+
+apply_updates = jax.jit(optax.apply_updates)
+
+
+def _eval_loss(graphdef: Any, rest: Any) -> Callable[[Any, dict], jax.Array]:
+    @jax.jit
+    def loss(params: Any, batch: dict) -> jax.Array:
+        model = nnx.merge(graphdef, params, rest)
+        return pretraining_batch_loss(model, batch, deterministic=True)
+
+    return loss
+
+
+def train(
+    mode: str,
+    args: argparse.Namespace,
+    cfg: TrainerConfig,
+    corpus: Any,
+    vocab: int,
+    model: tuple[Any, Any, Any],
+    held_out: list[dict],
+) -> dict[str, Any]:
+    """One mode's run: every peer feeds ``args.samples / peers`` samples; held-out loss at
+    every averaging of peer 0 (DiLoCo: its outer parameters)."""
+    graphdef, params0, rest = model
+    micro = cfg.per_device_batch_size
+    per_peer = args.samples // args.peers
+    target = cfg.target_batch_size * (args.inner_steps if mode == "diloco" else 1)
+    group = Group(args.peers, target, "int8" if mode == "diloco" else "fp16")
+    grad_step = training.make_grad_step(graphdef, rest)
+    # As the trainer runs it: the transform eagerly around separately jitted pieces (one jit of
+    # the whole step compiles for minutes on a busy CPU), shared by the peers.
+    inner = training.jitted_inner(cfg.optimizer)
+    evaluate = _eval_loss(graphdef, rest)
+    curve: list[tuple[int, float]] = []
+    finals: list[Any] = [None] * args.peers
+    errors: list[BaseException] = []
+
+    def held_out_loss(params: Any) -> float:
+        return float(np.mean([float(evaluate(params, b)) for b in held_out]))
+
+    def run(i: int) -> None:
+        try:
+            peer = group.peer(i)
+            if mode == "diloco":
+                outer = optax.sgd(args.outer_lr, momentum=args.outer_momentum, nesterov=True)
+                tx = dedloc_jax.diloco(
+                    inner, peer, target_batch_size=target, outer=outer, codec="int8"
+                )
+            else:
+                tx = dedloc_jax.collaborative(inner, peer, target_batch_size=target)
+
+            def step(params, state, batch):
+                grads, loss = grad_step(params, batch)
+                updates, state = tx.update(grads, state, params, batch_size=micro)
+                return apply_updates(params, updates), state, loss
+
+            params = jax.tree.map(lambda x: x.copy(), params0)
+            state = tx.init(params)
+            data = training.batches(cfg, corpus, vocab, peer_seed=1000 + i)
+            epoch = 0
+            for _ in range(per_peer // micro):
+                params, state, _ = step(params, state, next(data))
+                if int(state.epoch) != epoch:
+                    epoch = int(state.epoch)
+                    params = outer_params_after_step(params, state)  # (DeDLOC: unchanged)
+                    # (DeDLOC: at the samples of each DiLoCo outer step, for one curve)
+                    if (
+                        i == 0
+                        and (epoch * target) % (args.inner_steps * cfg.target_batch_size) == 0
+                    ):
+                        curve.append((epoch * target, held_out_loss(params)))
+            finals[i] = params
+        except BaseException as e:  # noqa: BLE001 - re-raised in the main thread
+            errors.append(e)
+            group.barrier.abort()
+
+    started = time.perf_counter()
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(args.peers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    final = held_out_loss(finals[0])
+    identical = all(
+        all(
+            np.asarray(a).tobytes() == np.asarray(b).tobytes()
+            for a, b in zip(jax.tree.leaves(p), jax.tree.leaves(finals[0]), strict=True)
+        )
+        for p in finals[1:]
+    )
+    return {
+        "final_loss": round(final, 4),
+        "curve": [(n, round(v, 4)) for n, v in curve],
+        "rounds": group.rounds,
+        "bytes_sent_per_peer": int(np.mean(group.bytes_sent)),
+        "samples": per_peer * args.peers,
+        "peers_identical": identical,
+        "seconds": round(time.perf_counter() - started, 1),
+    }
+
+
+def _plot(results: dict[str, dict], out: Path) -> Path | None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for mode, r in results.items():
+        xs, ys = zip(*r["curve"], strict=True) if r["curve"] else ((), ())
+        ax.plot(xs, ys, marker="o", label=f"{mode} ({r['bytes_sent_per_peer'] / 1e6:.1f} MB/peer)")
+    ax.set_xlabel("samples processed (all peers)")
+    ax.set_ylabel("held-out MLM+SOP loss")
+    ax.legend()
+    fig.tight_layout()
+    path = out / "diloco_quality.png"
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--samples", type=int, default=5760, help="samples, all peers together")
+    parser.add_argument("--inner-steps", type=int, default=4, help="target batches per outer step")
+    parser.add_argument("--peers", type=int, default=3)
+    parser.add_argument("--outer-lr", type=float, default=0.7, help="outer Nesterov SGD's rate")
+    parser.add_argument("--outer-momentum", type=float, default=0.9)
+    parser.add_argument("--held-out", type=int, default=8, help="held-out batches of 16")
+    parser.add_argument("--out", type=Path, default=Path("diloco_quality"))
+    args = parser.parse_args()
+    cfg = TrainerConfig.demo()
+    if args.samples % (args.peers * cfg.per_device_batch_size):
+        parser.error("--samples must split into the peers' micro-batches")
+    training.enable_compilation_cache(cfg.work_dir / "jax-cache")
+    tokenizer, corpus = training.prepare_data(cfg)
+    vocab = len(tokenizer)
+    model = training.build_model(
+        training.model_config(cfg.model, vocab, cfg.seq_length, cfg.bf16), seed=cfg.seed
+    )
+    stream = training.batches(cfg, corpus, vocab, peer_seed=999)
+    held_out = []
+    for _ in range(args.held_out):
+        b = next(stream)
+        held_out.append({k: v[0] for k, v in b.items() if k != training.DROPOUT_SEED})
+    results = {}
+    for mode in ("dedloc", "diloco"):
+        r = train(mode, args, cfg, corpus, vocab, model, held_out)
+        results[mode] = r
+        print(
+            f"{mode}: final held-out loss {r['final_loss']} after {r['samples']} samples, "
+            f"{r['rounds']} averaging rounds, {r['bytes_sent_per_peer']:,} bytes sent per "
+            f"peer, peers identical {r['peers_identical']}, {r['seconds']} s"
+        )
+    args.out.mkdir(parents=True, exist_ok=True)
+    plot = _plot(results, args.out)
+    ratio = results["diloco"]["final_loss"] / results["dedloc"]["final_loss"]
+    print(f"DiLoCo's final loss / DeDLOC's: {ratio:.4f} (goal <= 1.05); plot {plot}")
+    out = {
+        "loss_ratio": round(ratio, 4),
+        "inner_steps": args.inner_steps,
+        "outer_lr": args.outer_lr,
+        "outer_momentum": args.outer_momentum,
+        "peers": args.peers,
+        "plot": str(plot) if plot else None,
+        **{f"{m}_{k}": v for m, r in results.items() for k, v in r.items() if k != "curve"},
+    }
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
