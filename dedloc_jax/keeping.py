@@ -20,7 +20,7 @@ download never brings a state older than ours). By default no call waits on a ch
 training thread goes on with its micro-steps while the others finish averaging (and may train
 on its lone state until the check tells). ``fork_hold`` lets a call after such a step wait
 instead, polling, for up to that many seconds into the epoch, until it knows which state to
-train on: the simulator's soak holds its peers so, and so never trains on a lone state.
+train on (the simulator's soak holds its peers so).
 
 The policy is :class:`StepKeeper`, written without I/O in the style of a sans-IO protocol: it
 yields requests (serve, load, ask the fork check, sleep) and the driver answers them. The
