@@ -28,7 +28,7 @@ from examples.sahajbert.__main__ import main
 from models.corpus import write_corpus
 from p2p.identity import Identity
 
-pytestmark = pytest.mark.timeout(1200)
+pytestmark = pytest.mark.timeout(1800)
 
 ROOT = Path(__file__).resolve().parents[2]
 RUN = ["--run-id", "private-cli"]
@@ -140,7 +140,7 @@ def test_running_peers_refuse_an_intruder_and_the_invited_trainer_trains_on(run,
         tmp / "volunteer", volunteer_log,
     )  # fmt: skip
     try:
-        assert volunteer.wait(timeout=500) == 0, volunteer_log.read_text()[-3000:]
+        assert volunteer.wait(timeout=900) == 0, volunteer_log.read_text()[-3000:]
     finally:
         bad.kill()
         bad.wait(timeout=30)
