@@ -52,8 +52,9 @@ PROGRESS = Struct(
         "state": Tuple((Int(0, MAX_EPOCH), _digest, ListOf(_digest, max_len=MAX_LINEAGE))),
         "averages": Bool(),
         "target": Int(1, MAX_TARGET),
+        "alone": Bool(),
     },
-    optional=frozenset({"interval", "waiting", "state", "averages", "target"}),
+    optional=frozenset({"interval", "waiting", "state", "averages", "target", "alone"}),
 )
 """A :class:`~dedloc_jax.progress.PeerProgress` record (``to_record``)."""
 

@@ -30,9 +30,10 @@ ADDR = f"/ip4/1.2.3.4/tcp/4001/p2p/{ME.peer_id}"
 
 
 def _progress() -> dict:
+    """A record with every optional field that ``to_record`` can write."""
     state = (7, b"d" * 32, (b"a" * 32, b"b" * 32))
     return PeerProgress(
-        str(ME.peer_id), 7, 120, 3.5, 1000.0, "node", 0.2, True, state, True, 4096
+        str(ME.peer_id), 7, 120, 3.5, 1000.0, "node", 0.2, True, state, True, 4096, alone=True
     ).to_record()
 
 
