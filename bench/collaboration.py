@@ -7,9 +7,9 @@ steps over 234 device-days), GPU throughputs spread like volunteers' (lognormal,
 samples/s), home links (asymmetric, 10-100 Mbit/s up, 5x that down: REFERENCE.md gives no
 link rates), a quarter of the peers client-only (behind NAT: they accept no connections), and
 a few peers leaving and others joining per hour. Everything above the simulated sockets is
-the real stack: secure channel, mux, DHT, progress tracker, matchmaking, butterfly all-reduce
-of real vectors, and each peer's loop keeps in step like a volunteer's (``keep_in_step_async``:
-it serves its state, a newcomer loads the run's).
+the real stack: secure channel, mux, DHT, progress tracker, matchmaking and butterfly
+all-reduce of real vectors. (Peers do not serve or load states: a peer that fell behind moves
+to the run's epoch without a download.)
 
 By default peers use DeDLOC's delayed parameter update (``--mode overlap``): the round of
 epoch t runs in the background while the peer computes toward t + 1, and its result is applied
@@ -63,7 +63,6 @@ import trio
 from dedloc_jax.averaging import Member, solve_shares
 from dedloc_jax.collaboration import CollaborationCore, open_collaboration
 from dedloc_jax.config import CollaborationConfig
-from dedloc_jax.keeping import StepKeeper, keep_in_step_async
 from p2p.dht import DHTClock, DHTConfig
 from p2p.node import NodeConfig, open_node
 from p2p.testing import SimNetwork, run_sim, sim_identity
@@ -199,11 +198,6 @@ async def _train(
     computed = 0.0  # seconds computed toward ``epoch``
     stats.cut_off = 0.0
     in_flight: list[trio.Event] = []  # the round of the previous epoch, while it runs
-    # The state this peer holds (a newcomer: a fresh one, of epoch 0) and whether the step
-    # that made it averaged with the whole collaboration: what keep_in_step decides on.
-    keeper = StepKeeper()
-    held: list[np.ndarray] = [vector]
-    state = {"epoch": 0, "complete": True}
 
     async def average(at: int, contributed: int, computed: float, finished: trio.Event) -> None:
         try:
@@ -211,7 +205,6 @@ async def _train(
             stats.in_round += computed
             stats.cut_off = 0.0
             out = await core.average(at, [vector], contributed)
-            state.update(epoch=out.epoch, complete=out.complete and out.group_size > 1)
             stats.in_round -= computed
             stats.epochs.append(
                 EpochOutcome(
@@ -243,20 +236,10 @@ async def _train(
                 else:
                     await average(epoch, samples, computed, finished)
                 epoch, samples, computed = epoch + 1, 0, 0.0
-            if in_flight:
-                continue
-            # Like a volunteer's loop: serve each state stepped to, load the run's state on
-            # joining, after a step alone and when behind (between rounds: with delayed
-            # updates, the state of the round in flight is not ours yet).
-            had = state["epoch"]
-            held, state["epoch"] = await keep_in_step_async(
-                core, keeper, held, had, bool(state["complete"])
-            )
-            if state["epoch"] != had:
-                state["complete"] = True  # the run's state, loaded
-            newest = max(state["epoch"], core.estimate.epoch)
-            if newest > epoch:  # we fell behind (joined late): move on; what it computed is lost
-                epoch, samples, computed = newest, 0, 0.0
+            elif (
+                not in_flight and core.estimate.epoch > epoch
+            ):  # we fell behind (joined late): move on; what it computed is lost
+                epoch, samples, computed = core.estimate.epoch, 0, 0.0
         nursery.cancel_scope.cancel()
 
 

@@ -225,7 +225,11 @@ class KeyFollower:
         for c in nearest:
             merged.setdefault(c.peer, c)
         by_distance = sorted(merged.values(), key=lambda c: node_id(c.peer) ^ target)
-        self._weighed = set(merged)
+        # (and those the routing table names: one that the lookup did not find, e.g. a dead
+        # node, brings no relocation at every sweep)
+        self._weighed = set(merged) | {
+            e.peer for e in self.dht.routing.nearest(target, self.wanted)
+        }
         stale, self._stale = self._stale, set()
         retry = [c for c in by_distance[: self.wanted] if c.peer in self._suspects - stale]
         if retry:
