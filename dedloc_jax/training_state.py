@@ -79,22 +79,6 @@ def _outer_params(params: Any, opt_state: Any) -> Any:
     return outer
 
 
-def _outer_params(params: Any, opt_state: Any) -> Any:
-    """The parameters the collaboration shares: the outer ones under diloco."""
-    found = [s for s in jax.tree.leaves(opt_state, is_leaf=is_diloco_state) if is_diloco_state(s)]
-    if not found:
-        return params
-    if len(found) > 1:
-        raise ValueError("opt_state holds several diloco states: serve which outer parameters?")
-    outer = found[0].outer_params
-    if jax.tree.structure(outer) != jax.tree.structure(params):
-        raise ValueError(
-            "diloco's outer parameters are not shaped like the parameters shared: diloco must "
-            "wrap all of them to serve its state"
-        )
-    return outer
-
-
 def share_state(collab: _StateHost, params: Any, opt_state: Any) -> None:
     """Serve ``(params, opt_state)`` to newcomers (copied to host memory once per call).
 
