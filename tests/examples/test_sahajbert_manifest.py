@@ -101,6 +101,7 @@ def test_a_trainer_with_another_seq_length_or_tokenizer_is_refused(run) -> None:
     assert _sha(other_tok / "tokenizer.json")[:16] in text  # both digests named
 
 
+@pytest.mark.slow
 def test_a_trainer_with_no_data_flags_trains_on_the_manifests_data_and_vocabulary(run) -> None:
     _volunteers_train_on_the_manifest(run, 1, "one")
 
