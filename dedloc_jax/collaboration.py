@@ -102,8 +102,17 @@ def _only_averaging(group: BaseExceptionGroup) -> BaseExceptionGroup:
 class CollaborationCore:
     """The trio side of a collaboration; use :func:`open_collaboration`."""
 
-    def __init__(self, node: Any, dht: Any, run_id: str, config: CollaborationConfig, mode: str):
+    def __init__(
+        self,
+        node: Any,
+        dht: Any,
+        run_id: str,
+        config: CollaborationConfig,
+        mode: str,
+        nat: NATManager | None = None,
+    ):
         self.node = node
+        self.nat = nat  # reachability and role (p2p.nat); None when config.nat is off
         self.dht = dht
         self.run_id = run_id
         self.config = config
@@ -312,11 +321,14 @@ class CollaborationCore:
             if done >= probes and not stale:
                 await trio.sleep(self.meter.window / 4)
 
-    async def follow_reachability(self, nat: NATManager) -> None:
-        """Keep the averaging mode in step with ``nat``'s role, from now on (a background
+    async def follow_reachability(self) -> None:
+        """Keep the averaging mode in step with :attr:`nat`'s role, from now on (a background
         task, like the DHT's mode): a peer with no inbound path at all (``nat.client_mode``)
         takes part as a client, which only dials out; any other one, relayed included, as a
         node that reduces a share. A change applies from the next round."""
+        nat = self.nat
+        if nat is None:
+            raise RuntimeError("follow_reachability needs a collaboration opened with config.nat")
         while True:
             mode = "client" if nat.client_mode else "node"
             if mode != self.mode:
@@ -767,7 +779,7 @@ async def open_collaboration(
             nat.use_dht(dht)
         if private is not None:
             dht = private.attach(dht)
-        core = CollaborationCore(node, dht, run_id, config, mode)
+        core = CollaborationCore(node, dht, run_id, config, mode, nat)
         averaging = install(node)
         install_probe(node)
         core.matchmaker.register()
@@ -779,7 +791,7 @@ async def open_collaboration(
         await nursery.start(core.tracker.run)
         nursery.start_soon(core._announce_state)
         if nat is not None and forced_mode is None:
-            nursery.start_soon(core.follow_reachability, nat)
+            nursery.start_soon(core.follow_reachability)
         if config.measure_links and (mode != "client" or forced_mode is None):
             nursery.start_soon(core.keep_links_measured)
         try:

@@ -1,0 +1,157 @@
+"""Every kind of node of a public run at once, on paths like the Internet's (issue #31's "done").
+
+In :class:`bench.netns_lab.InternetLab`, where every router silently drops packets to private
+addresses beyond its LAN:
+
+* a standalone JAX-free node (``python -m p2p.dht serve``) on a host with a public address,
+* the coordinator on a cloud VM behind 1:1 NAT, started with ``--announce PUBLIC_IP`` (an aux
+  peer, as the sahajBERT coordinator is),
+* three volunteers at home: behind a cone NAT and behind a symmetric NAT, both with no port
+  mapping (they take relay reservations), and behind a router running miniupnpd (it maps a
+  port and is public).
+
+All join through the standalone node, stay up, and average small vectors for a few epochs:
+every round must complete with all four averaging peers and leave the same bits on every
+volunteer, the weighted mean of what they sent.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import selectors
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from bench.netns_lab import InternetLab, miniupnpd_unavailable
+from tests.p2p.nat.netns import ROOT, read_event
+
+pytestmark = [pytest.mark.netns, pytest.mark.slow]
+
+_why = miniupnpd_unavailable()
+
+EPOCHS = 4
+SIZE = 1 << 16  # float32 values: 256 KiB per peer and round
+VOLUNTEERS = {"h1": "cone NAT", "h2": "symmetric NAT", "h3": "miniupnpd router"}
+
+
+def _line(proc: subprocess.Popen, timeout: float, log: Path) -> str:
+    assert proc.stdout is not None
+    with selectors.DefaultSelector() as sel:
+        sel.register(proc.stdout, selectors.EVENT_READ)
+        if sel.select(timeout):
+            line = proc.stdout.readline()
+            if line:
+                return line.strip()
+    raise AssertionError(f"no output within {timeout} s (exit {proc.poll()}):\n{log.read_text()}")
+
+
+def _send(proc: subprocess.Popen, line: str) -> None:
+    assert proc.stdin is not None
+    proc.stdin.write(line + "\n")
+    proc.stdin.flush()
+
+
+@pytest.mark.skipif(_why is not None, reason=_why or "")
+def test_a_standalone_node_a_coordinator_and_nated_volunteers_join_stay_up_and_average(
+    tmp_path: Path,
+) -> None:
+    env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
+    logs: dict[str, Path] = {}
+    started = time.monotonic()
+
+    with InternetLab(drop_private=True) as lab:
+
+        def spawn(host: str, *argv: str) -> subprocess.Popen:
+            logs[host] = tmp_path / f"{host}.log"
+            return lab.spawn(host, [sys.executable, "-m", *argv], log=str(logs[host]), env=env)
+
+        standalone = spawn("pub", "p2p.dht", "serve", "--listen", f"/ip4/{lab.pub_ip}/tcp/4001")
+        boot = _line(standalone, 60, logs["pub"])
+        assert boot.startswith(f"/ip4/{lab.pub_ip}/tcp/4001/p2p/")
+
+        peer_args = ["tests.p2p.nat.netns_world_peer", "--size", str(SIZE)]
+        peer_args += ["--epochs", str(EPOCHS)]
+        coordinator = spawn(
+            "vm", *peer_args, "coordinator", "--index", "0", "--listen", "/ip4/0.0.0.0/tcp/4002",
+            "--announce", f"/ip4/{lab.cloud_ip}/tcp/4002", "--boot", boot,
+        )  # fmt: skip
+        coord = read_event(coordinator, "ready", 180, logs["vm"])
+        # only the announced address is advertised, and the 1:1 NAT forwards it: public
+        assert coord["addrs"] == [f"/ip4/{lab.cloud_ip}/tcp/4002/p2p/{coord['peer']}"]
+        assert coord["reachability"] == "public" and coord["mode"] == "aux"
+        join = [boot, coord["addrs"][0]]
+
+        procs = {}
+        for i, host in enumerate(VOLUNTEERS, start=1):
+            procs[host] = spawn(
+                host, *peer_args, "volunteer", "--index", str(i),
+                "--listen", f"/ip4/{lab.home_ip(host)}/tcp/4003", "--boot", *join,
+            )  # fmt: skip
+        ready = {host: read_event(p, "ready", 180, logs[host]) for host, p in procs.items()}
+        for host in ("h1", "h2"):  # no port mapping: private, reachable through relays
+            r = ready[host]
+            assert r["reachability"] == "private" and r["role"] == "relayed", r
+            assert r["relayed"] and r["dht_client"] is True and r["mapping"] is None, r
+            assert r["mode"] == "node"  # a relayed peer reduces a share
+        h3 = ready["h3"]
+        router = f"/ip4/{lab.router_ip('r3')}/tcp/"
+        assert h3["mapping"] is not None and h3["mapping"][1].startswith(router), h3
+        assert h3["reachability"] == "public" and h3["role"] == "public", h3
+        assert h3["addrs"][0].startswith(router) and h3["mode"] == "node", h3
+        assert "prerouting_miniupnpd" in lab.redirects() and "dnat" in lab.redirects()
+
+        for p in procs.values():
+            _send(p, "go")
+        rounds = {host: [] for host in procs}
+        for host, p in procs.items():
+            for _ in range(EPOCHS):
+                rounds[host].append(read_event(p, "round", 300, logs[host]))
+            read_event(p, "done", 60, logs[host])
+        for epoch in range(EPOCHS):
+            rows = {host: rounds[host][epoch] for host in procs}
+            assert all(r["epoch"] == epoch for r in rows.values()), rows
+            # every round with every averaging peer: 3 volunteers and the aux coordinator
+            assert all(r["complete"] and r["group"] == 4 for r in rows.values()), rows
+            assert len({r["sha256"] for r in rows.values()}) == 1, rows  # the same bits
+            total = sum(r["samples"] for r in rows.values())
+            sent = sum(np.array(r["sent"], np.float64) * r["samples"] for r in rows.values())
+            np.testing.assert_allclose(rows["h1"]["got"], sent / total, rtol=1e-5, atol=1e-6)
+
+        # all still up and serving; the run's table holds every volunteer
+        assert standalone.poll() is None and coordinator.poll() is None
+        assert all(p.poll() is None for p in procs.values())
+        reports = {}
+        for host, p in [("vm", coordinator), *procs.items()]:
+            _send(p, "report")
+            reports[host] = read_event(p, "report", 60, logs[host])
+        volunteers = {ready[h]["peer"] for h in procs}
+        assert volunteers <= set(reports["vm"]["table"])
+        for host in ("h1", "h2"):
+            assert reports[host]["role"] == "relayed" and reports[host]["mode"] == "node"
+        assert reports["h3"]["role"] == "public" and reports["h3"]["mapping"] is not None
+        h1_h2 = reports["h1"]["conns"].get(ready["h2"]["peer"])
+        summary = {
+            "seconds": round(time.monotonic() - started, 1),
+            "rounds_complete_with_all": EPOCHS,
+            "roles": {h: (r["role"], r["mode"], r["mapping"]) for h, r in reports.items()},
+            "h1_to_h2": h1_h2,
+            "punched": {h: reports[h]["punched"] for h in procs},
+            "dropped_private": {r: lab.dropped(r) for r in ("r1", "r2", "r3")},
+        }
+        print(json.dumps(summary))
+        if h1_h2 is not None:  # the symmetric NAT defeats hole punching: still relayed
+            assert "/p2p-circuit/" in h1_h2
+
+        for p in [*procs.values(), coordinator]:
+            _send(p, "quit")
+        for host, p in [*procs.items(), ("vm", coordinator)]:
+            assert p.wait(timeout=60) == 0, logs[host].read_text()[-3000:]
+        standalone.send_signal(signal.SIGINT)
+        assert standalone.wait(timeout=30) == 0, logs["pub"].read_text()[-3000:]
