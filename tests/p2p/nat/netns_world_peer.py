@@ -38,6 +38,8 @@ MICRO = 4
 RATE = 16.0  # samples per second of one volunteer
 SAMPLE_EVERY = 997  # the coordinate stride of the values a round event carries
 
+log = logging.getLogger("netns_world_peer")
+
 
 def gradient(index: int, epoch: int, step: int, size: int) -> np.ndarray:
     return np.random.default_rng([index, epoch, step]).standard_normal(size, dtype=np.float32)
@@ -81,6 +83,7 @@ async def train(core: Any, args: argparse.Namespace) -> None:
         mean = acc / samples
         out = await core.average(epoch, [mean], samples)
         got = np.asarray(out.gradients[0])
+        log.info("epoch %d averaged: %s", epoch, core.history[-1])
         emit(
             "round",
             epoch=epoch,

@@ -19,10 +19,11 @@ from __future__ import annotations
 
 import json
 import os
-import selectors
+import queue
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -30,7 +31,7 @@ import numpy as np
 import pytest
 
 from bench.netns_lab import InternetLab, miniupnpd_unavailable
-from tests.p2p.nat.netns import ROOT, read_event
+from tests.p2p.nat.netns import ROOT
 
 pytestmark = [pytest.mark.netns, pytest.mark.slow]
 
@@ -38,18 +39,46 @@ _why = miniupnpd_unavailable()
 
 EPOCHS = 4
 SIZE = 1 << 16  # float32 values: 256 KiB per peer and round
+IDLE = 40.0  # seconds: keepalives (every 15 s) and a re-check (every 20-120 s) pass
 VOLUNTEERS = {"h1": "cone NAT", "h2": "symmetric NAT", "h3": "miniupnpd router"}
 
 
-def _line(proc: subprocess.Popen, timeout: float, log: Path) -> str:
-    assert proc.stdout is not None
-    with selectors.DefaultSelector() as sel:
-        sel.register(proc.stdout, selectors.EVENT_READ)
-        if sel.select(timeout):
-            line = proc.stdout.readline()
-            if line:
-                return line.strip()
-    raise AssertionError(f"no output within {timeout} s (exit {proc.poll()}):\n{log.read_text()}")
+class Lines:
+    """Every line a process prints, read by a thread as it comes (several events can arrive
+    in one read, which a select on the pipe then never reports again)."""
+
+    def __init__(self, proc: subprocess.Popen, log: Path) -> None:
+        self.proc = proc
+        self.log = log
+        self.queue: queue.Queue[str | None] = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.queue.put(line.strip())
+        self.queue.put(None)
+
+    def next(self, timeout: float) -> str:
+        try:
+            line = self.queue.get(timeout=timeout)
+        except queue.Empty:
+            line = None
+        if line is None:
+            tail = self.log.read_text()[-3000:]
+            raise AssertionError(f"no output within {timeout} s (exit {self.proc.poll()}):\n{tail}")
+        return line
+
+    def event(self, name: str, timeout: float) -> dict:
+        deadline = time.monotonic() + timeout
+        while True:
+            line = self.next(max(0.0, deadline - time.monotonic()))
+            try:
+                msg = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(msg, dict) and msg.get("event") == name:
+                return msg
 
 
 def _send(proc: subprocess.Popen, line: str) -> None:
@@ -67,13 +96,16 @@ def test_a_standalone_node_a_coordinator_and_nated_volunteers_join_stay_up_and_a
     started = time.monotonic()
 
     with InternetLab(drop_private=True) as lab:
+        lines: dict[str, Lines] = {}
 
         def spawn(host: str, *argv: str) -> subprocess.Popen:
             logs[host] = tmp_path / f"{host}.log"
-            return lab.spawn(host, [sys.executable, "-m", *argv], log=str(logs[host]), env=env)
+            proc = lab.spawn(host, [sys.executable, "-m", *argv], log=str(logs[host]), env=env)
+            lines[host] = Lines(proc, logs[host])
+            return proc
 
         standalone = spawn("pub", "p2p.dht", "serve", "--listen", f"/ip4/{lab.pub_ip}/tcp/4001")
-        boot = _line(standalone, 60, logs["pub"])
+        boot = lines["pub"].next(60)
         assert boot.startswith(f"/ip4/{lab.pub_ip}/tcp/4001/p2p/")
 
         peer_args = ["tests.p2p.nat.netns_world_peer", "--size", str(SIZE)]
@@ -82,7 +114,7 @@ def test_a_standalone_node_a_coordinator_and_nated_volunteers_join_stay_up_and_a
             "vm", *peer_args, "coordinator", "--index", "0", "--listen", "/ip4/0.0.0.0/tcp/4002",
             "--announce", f"/ip4/{lab.cloud_ip}/tcp/4002", "--boot", boot,
         )  # fmt: skip
-        coord = read_event(coordinator, "ready", 180, logs["vm"])
+        coord = lines["vm"].event("ready", 180)
         # only the announced address is advertised, and the 1:1 NAT forwards it: public
         assert coord["addrs"] == [f"/ip4/{lab.cloud_ip}/tcp/4002/p2p/{coord['peer']}"]
         assert coord["reachability"] == "public" and coord["mode"] == "aux"
@@ -94,7 +126,7 @@ def test_a_standalone_node_a_coordinator_and_nated_volunteers_join_stay_up_and_a
                 host, *peer_args, "volunteer", "--index", str(i),
                 "--listen", f"/ip4/{lab.home_ip(host)}/tcp/4003", "--boot", *join,
             )  # fmt: skip
-        ready = {host: read_event(p, "ready", 180, logs[host]) for host, p in procs.items()}
+        ready = {host: lines[host].event("ready", 180) for host in procs}
         for host in ("h1", "h2"):  # no port mapping: private, reachable through relays
             r = ready[host]
             assert r["reachability"] == "private" and r["role"] == "relayed", r
@@ -110,10 +142,10 @@ def test_a_standalone_node_a_coordinator_and_nated_volunteers_join_stay_up_and_a
         for p in procs.values():
             _send(p, "go")
         rounds = {host: [] for host in procs}
-        for host, p in procs.items():
+        for host in procs:
             for _ in range(EPOCHS):
-                rounds[host].append(read_event(p, "round", 300, logs[host]))
-            read_event(p, "done", 60, logs[host])
+                rounds[host].append(lines[host].event("round", 300))
+            lines[host].event("done", 60)
         for epoch in range(EPOCHS):
             rows = {host: rounds[host][epoch] for host in procs}
             assert all(r["epoch"] == epoch for r in rows.values()), rows
@@ -130,12 +162,22 @@ def test_a_standalone_node_a_coordinator_and_nated_volunteers_join_stay_up_and_a
         reports = {}
         for host, p in [("vm", coordinator), *procs.items()]:
             _send(p, "report")
-            reports[host] = read_event(p, "report", 60, logs[host])
+            reports[host] = lines[host].event("report", 60)
         volunteers = {ready[h]["peer"] for h in procs}
         assert volunteers <= set(reports["vm"]["table"])
         for host in ("h1", "h2"):
             assert reports[host]["role"] == "relayed" and reports[host]["mode"] == "node"
         assert reports["h3"]["role"] == "public" and reports["h3"]["mapping"] is not None
+        assert reports["h3"]["dht_client"] is False and reports["vm"]["dht_client"] is False
+        # idle for longer than a keepalive interval and a reachability re-check: still up,
+        # the NATed ones still reachable through their relays
+        time.sleep(IDLE)
+        assert all(p.poll() is None for p in [standalone, coordinator, *procs.values()])
+        for host in ("h1", "h2"):
+            _send(procs[host], "report")
+            later = lines[host].event("report", 60)
+            assert later["role"] == "relayed" and later["relayed"], later
+            assert later["dht_client"] is True and later["mode"] == "node", later
         h1_h2 = reports["h1"]["conns"].get(ready["h2"]["peer"])
         summary = {
             "seconds": round(time.monotonic() - started, 1),
