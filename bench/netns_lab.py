@@ -406,11 +406,12 @@ class InternetLab:
         [r1]    11.80.0.11 cone NAT    [h1] 10.80.1.2      home, no port mapping
         [r2]    11.80.0.12 symmetric   [h2] 10.80.2.2      home, a new port per connection
         [r3]    11.80.0.13 miniupnpd   [h3] 10.80.3.2      home router that maps ports
+        [r4]    11.80.0.14 cone NAT    [h4] 10.80.4.2      home, no port mapping
 
     Hosts are named ``pub``, ``vm``, ``h1``..``h3``; :meth:`spawn` starts a process in one.
     """
 
-    HOMES = {"r1": ("cone", 1), "r2": ("symmetric", 2), "r3": ("upnp", 3)}
+    HOMES = {"r1": ("cone", 1), "r2": ("symmetric", 2), "r3": ("upnp", 3), "r4": ("cone", 4)}
     CLOUD_LAN = 5
 
     def __init__(self, *, drop_private: bool = True, prefix: str | None = None) -> None:

@@ -6,7 +6,8 @@ Run as ``python -m tests.p2p.nat.netns_world_peer ROLE ...`` inside a lab namesp
   ``--announce PUBLIC`` like the sahajBERT coordinator, and like it an ``aux`` peer that
   trains nothing and helps average (it reduces a share of every round).
 * ``volunteer``: a peer at home whose mode follows its reachability (a node when reachable
-  directly or through relays, a client with no inbound path at all). After ``go`` it trains a
+  directly or through relays, a client with no inbound path at all, e.g. with
+  ``--no-relay``). After ``go`` it trains a
   stand-in model: each epoch it sums random gradients of ``--size`` floats until the
   collaboration reaches the target, then averages them with the run.
 
@@ -106,6 +107,8 @@ async def serve(args: argparse.Namespace) -> None:
     nat_config = NATConfig.default().with_(
         autonat=AutoNATConfig.testing(), port_mapping=PortMapConfig.testing()
     )
+    if args.no_relay:  # as when every relay refuses: no inbound path at all
+        nat_config = nat_config.with_(max_relays=0)
     announce = announce_addrs(args.announce, identity.peer_id) if args.announce else []
     async with AsyncExitStack() as stack:
         nursery = await stack.enter_async_context(trio.open_nursery())
@@ -149,6 +152,7 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=4)
     parser.add_argument("--size", type=int, default=1 << 16)
     parser.add_argument("--target", type=int, default=96)
+    parser.add_argument("--no-relay", action="store_true", help="take no relay reservation")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, stream=sys.stderr)
     trio.run(serve, args)

@@ -6,12 +6,12 @@ addresses beyond its LAN:
 * a standalone JAX-free node (``python -m p2p.dht serve``) on a host with a public address,
 * the coordinator on a cloud VM behind 1:1 NAT, started with ``--announce PUBLIC_IP`` (an aux
   peer, as the sahajBERT coordinator is),
-* three volunteers at home: behind a cone NAT and behind a symmetric NAT, both with no port
-  mapping (they take relay reservations), and behind a router running miniupnpd (it maps a
-  port and is public).
+* four volunteers at home: behind a cone NAT and behind a symmetric NAT, both with no port
+  mapping (they take relay reservations), behind a router running miniupnpd (it maps a port
+  and is public), and behind a cone NAT taking no relay (a client that only sends).
 
 All join through the standalone node, stay up, and average small vectors for a few epochs:
-every round must complete with all four averaging peers and leave the same bits on every
+every round must complete with all five averaging peers and leave the same bits on every
 volunteer, the weighted mean of what they sent.
 """
 
@@ -40,7 +40,13 @@ _why = miniupnpd_unavailable()
 EPOCHS = 4
 SIZE = 1 << 16  # float32 values: 256 KiB per peer and round
 IDLE = 40.0  # seconds: keepalives (every 15 s) and a re-check (every 20-120 s) pass
-VOLUNTEERS = {"h1": "cone NAT", "h2": "symmetric NAT", "h3": "miniupnpd router"}
+VOLUNTEERS = {
+    "h1": "cone NAT",
+    "h2": "symmetric NAT",
+    "h3": "miniupnpd router",
+    "h4": "cone NAT, no relay taken",
+}
+MEMBERS = len(VOLUNTEERS) + 1  # and the aux coordinator
 
 
 class Lines:
@@ -125,6 +131,7 @@ def test_a_standalone_node_a_coordinator_and_nated_volunteers_join_stay_up_and_a
             procs[host] = spawn(
                 host, *peer_args, "volunteer", "--index", str(i),
                 "--listen", f"/ip4/{lab.home_ip(host)}/tcp/4003", "--boot", *join,
+                *(["--no-relay"] if host == "h4" else []),
             )  # fmt: skip
         ready = {host: lines[host].event("ready", 180) for host in procs}
         for host in ("h1", "h2"):  # no port mapping: private, reachable through relays
@@ -134,6 +141,9 @@ def test_a_standalone_node_a_coordinator_and_nated_volunteers_join_stay_up_and_a
             # the standalone node serves as a relay (and so does the coordinator)
             assert sorted(a.split("/p2p-circuit")[0] for a in r["relayed"]) == sorted(join), r
             assert r["mode"] == "node"  # a relayed peer reduces a share
+        h4 = ready["h4"]  # no inbound path at all: a client that only sends
+        assert h4["reachability"] == "private" and h4["role"] == "client", h4
+        assert h4["mode"] == "client" and h4["relayed"] == [] and h4["dht_client"] is True, h4
         h3 = ready["h3"]
         router = f"/ip4/{lab.router_ip('r3')}/tcp/"
         assert h3["mapping"] is not None and h3["mapping"][1].startswith(router), h3
@@ -151,8 +161,9 @@ def test_a_standalone_node_a_coordinator_and_nated_volunteers_join_stay_up_and_a
         for epoch in range(EPOCHS):
             rows = {host: rounds[host][epoch] for host in procs}
             assert all(r["epoch"] == epoch for r in rows.values()), rows
-            # every round with every averaging peer: 3 volunteers and the aux coordinator
-            assert all(r["complete"] and r["group"] == 4 for r in rows.values()), rows
+            # every round with every averaging peer: the volunteers and the aux coordinator
+            assert all(r["complete"] and r["group"] == MEMBERS for r in rows.values()), rows
+            assert rows["h4"]["mode"] == "client"
             assert len({r["sha256"] for r in rows.values()}) == 1, rows  # the same bits
             total = sum(r["samples"] for r in rows.values())
             sent = sum(np.array(r["sent"], np.float64) * r["samples"] for r in rows.values())
@@ -187,7 +198,7 @@ def test_a_standalone_node_a_coordinator_and_nated_volunteers_join_stay_up_and_a
             "roles": {h: (r["role"], r["mode"], r["mapping"]) for h, r in reports.items()},
             "h1_to_h2": h1_h2,
             "punched": {h: reports[h]["punched"] for h in procs},
-            "dropped_private": {r: lab.dropped(r) for r in ("r1", "r2", "r3")},
+            "dropped_private": {r: lab.dropped(r) for r in ("r1", "r2", "r3", "r4")},
         }
         print(json.dumps(summary))
         if h1_h2 is not None:  # the symmetric NAT defeats hole punching: still relayed
