@@ -169,6 +169,108 @@ def miniupnpd_unavailable() -> str | None:
     return None
 
 
+def miniupnpd_rules() -> str:
+    """nftables rules of a home router running miniupnpd: masquerade towards ``wan0``, no
+    unsolicited inbound connection, except the forwards miniupnpd adds (its nftables build adds
+    them to chains "miniupnpd", "prerouting_miniupnpd" and "postrouting_miniupnpd" of table
+    inet "filter", jumped to from the router's own)."""
+    return """
+table inet filter {
+    chain miniupnpd { }
+    chain prerouting_miniupnpd { }
+    chain postrouting_miniupnpd { }
+    chain prerouting {
+        type nat hook prerouting priority dstnat; policy accept;
+        jump prerouting_miniupnpd
+    }
+    chain postrouting {
+        type nat hook postrouting priority srcnat; policy accept;
+        jump postrouting_miniupnpd
+        oifname "wan0" masquerade
+    }
+    chain input {
+        type filter hook input priority filter; policy accept;
+        iifname "wan0" ct state new drop
+    }
+    chain forward {
+        type filter hook forward priority filter; policy drop;
+        ct state established,related accept
+        iifname "lan0" oifname "wan0" accept
+        jump miniupnpd
+    }
+}
+"""
+
+
+def miniupnpd_config(workdir: str, lan: str, *, natpmp: bool = True, upnp: bool = True) -> str:
+    """miniupnpd.conf for a router with ``wan0`` outside and ``lan0`` on ``<lan>.0/24``."""
+    return "\n".join(
+        [
+            "ext_ifname=wan0",
+            "listening_ip=lan0",
+            "http_port=5000",
+            f"enable_natpmp={'yes' if natpmp else 'no'}",
+            f"enable_upnp={'yes' if upnp else 'no'}",
+            "secure_mode=yes",
+            "system_uptime=no",
+            "min_lifetime=60",
+            "max_lifetime=86400",
+            "uuid=3a5f0c1e-7b2d-4e8f-9a6b-0d1c2e3f4a5b",
+            f"lease_file={workdir}/leases",
+            f"allow 1024-65535 {lan}.0/24 1024-65535",
+            "deny 0-65535 0.0.0.0/0 0-65535",
+            "",
+        ]
+    )
+
+
+def start_miniupnpd(ns: str, workdir: str, config: str, *, natpmp: bool, upnp: bool):
+    """Start miniupnpd in namespace ``ns`` (logs in ``workdir``); returns once it listens."""
+    import time
+
+    conf = os.path.join(workdir, "miniupnpd.conf")
+    with open(conf, "w") as f:
+        f.write(config)
+    log = open(os.path.join(workdir, "miniupnpd.log"), "w")  # noqa: SIM115
+    daemon = subprocess.Popen(
+        ["ip", "netns", "exec", ns, "miniupnpd", "-d", "-f", conf,
+         "-P", os.path.join(workdir, "pid")],
+        stdout=log, stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    log.close()
+    deadline = time.monotonic() + 10.0
+    while time.monotonic() < deadline:
+        if daemon.poll() is not None:
+            raise RuntimeError(f"miniupnpd exited: {_tail(workdir)}")
+        out = subprocess.run(
+            ["ip", "netns", "exec", ns, "ss", "-lntu"], capture_output=True, text=True
+        ).stdout
+        if (":5000" in out or not upnp) and (":5351" in out or not natpmp):
+            return daemon
+        time.sleep(0.1)
+    daemon.kill()
+    raise RuntimeError(f"miniupnpd did not start: {_tail(workdir)}")
+
+
+def stop_daemon(daemon: subprocess.Popen | None) -> None:
+    if daemon is None or daemon.poll() is not None:
+        return
+    daemon.terminate()
+    try:
+        daemon.wait(timeout=5)
+    except subprocess.TimeoutExpired:
+        daemon.kill()
+        daemon.wait(timeout=5)
+
+
+def _tail(workdir: str) -> str:
+    try:
+        with open(os.path.join(workdir, "miniupnpd.log")) as f:
+            return f.read()[-2000:]
+    except OSError:
+        return ""
+
+
 class UPnPRouterLab:
     """One home behind a NAT router that runs miniupnpd (UPnP IGD + NAT-PMP), and one public
     host outside; a context manager.
@@ -227,54 +329,11 @@ class UPnPRouterLab:
             self._in(name, "ip", "link", "set", iface, "up")
 
     def _rules(self) -> str:
-        # miniupnpd (nftables build) adds its rules to chains "miniupnpd",
-        # "prerouting_miniupnpd" and "postrouting_miniupnpd" of table inet "filter"
-        return """
-table inet filter {
-    chain miniupnpd { }
-    chain prerouting_miniupnpd { }
-    chain postrouting_miniupnpd { }
-    chain prerouting {
-        type nat hook prerouting priority dstnat; policy accept;
-        jump prerouting_miniupnpd
-    }
-    chain postrouting {
-        type nat hook postrouting priority srcnat; policy accept;
-        jump postrouting_miniupnpd
-        oifname "wan0" masquerade
-    }
-    chain input {
-        type filter hook input priority filter; policy accept;
-        iifname "wan0" ct state new drop
-    }
-    chain forward {
-        type filter hook forward priority filter; policy drop;
-        ct state established,related accept
-        iifname "lan0" oifname "wan0" accept
-        jump miniupnpd
-    }
-}
-"""
+        return miniupnpd_rules()
 
     def _config(self) -> str:
-        return "\n".join(
-            [
-                "ext_ifname=wan0",
-                "listening_ip=lan0",
-                "http_port=5000",
-                f"enable_natpmp={'yes' if self.natpmp else 'no'}",
-                f"enable_upnp={'yes' if self.upnp else 'no'}",
-                "secure_mode=yes",
-                "system_uptime=no",
-                "min_lifetime=60",
-                "max_lifetime=86400",
-                "uuid=3a5f0c1e-7b2d-4e8f-9a6b-0d1c2e3f4a5b",
-                f"lease_file={self.workdir}/leases",
-                f"allow 1024-65535 {UPNP_LAN}.0/24 1024-65535",
-                "deny 0-65535 0.0.0.0/0 0-65535",
-                "",
-            ]
-        )
+        assert self.workdir is not None
+        return miniupnpd_config(self.workdir, UPNP_LAN, natpmp=self.natpmp, upnp=self.upnp)
 
     def setup(self) -> UPnPRouterLab:
         import tempfile
@@ -288,38 +347,13 @@ table inet filter {
             self._in("rt", "sysctl", "-qw", "net.ipv4.ip_forward=1")
             self._in("rt", "nft", "-f", "-", stdin=self._rules())
             self.workdir = tempfile.mkdtemp(prefix="upnplab")
-            conf = os.path.join(self.workdir, "miniupnpd.conf")
-            with open(conf, "w") as f:
-                f.write(self._config())
-            log = open(os.path.join(self.workdir, "miniupnpd.log"), "w")  # noqa: SIM115
-            self.daemon = subprocess.Popen(
-                ["ip", "netns", "exec", self.ns("rt"), "miniupnpd", "-d", "-f", conf,
-                 "-P", os.path.join(self.workdir, "pid")],
-                stdout=log, stderr=subprocess.STDOUT,
-            )  # fmt: skip
-            log.close()
-            self._wait_ready()
+            self.daemon = start_miniupnpd(
+                self.ns("rt"), self.workdir, self._config(), natpmp=self.natpmp, upnp=self.upnp
+            )
         except BaseException:
             self.close()
             raise
         return self
-
-    def _wait_ready(self, timeout: float = 10.0) -> None:
-        import time
-
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.daemon is not None and self.daemon.poll() is not None:
-                raise RuntimeError(f"miniupnpd exited: {self.daemon_log()[-2000:]}")
-            out = subprocess.run(
-                ["ip", "netns", "exec", self.ns("rt"), "ss", "-lntu"],
-                capture_output=True,
-                text=True,
-            ).stdout
-            if (":5000" in out or not self.upnp) and (":5351" in out or not self.natpmp):
-                return
-            time.sleep(0.1)
-        raise RuntimeError(f"miniupnpd did not start: {self.daemon_log()[-2000:]}")
 
     def daemon_log(self) -> str:
         if self.workdir is None:
@@ -339,15 +373,8 @@ table inet filter {
         ).stdout  # fmt: skip
 
     def close(self) -> None:
-        if self.daemon is not None:
-            if self.daemon.poll() is None:
-                self.daemon.terminate()
-                try:
-                    self.daemon.wait(timeout=5)
-                except subprocess.TimeoutExpired:
-                    self.daemon.kill()
-                    self.daemon.wait(timeout=5)
-            self.daemon = None
+        stop_daemon(self.daemon)
+        self.daemon = None
         for ns in reversed(self.namespaces):
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
         self.namespaces.clear()
@@ -360,3 +387,241 @@ table inet filter {
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+# ---- every kind of path at once --------------------------------------------------------------
+WORLD_WAN = "11.80.0"
+"""The world lab's Internet: public-looking (miniupnpd maps nothing behind a private outside
+address), reachable only inside the lab's namespaces."""
+
+
+class InternetLab:
+    """The paths volunteers and organisers really take, side by side on one WAN; a context
+    manager. Every router but the cloud's is a home router (masquerade, no unsolicited
+    inbound connection); with ``drop_private`` every router silently drops packets to private
+    addresses beyond its own LAN, as the Internet does (a dial to them hangs)::
+
+        [pub]   11.80.0.10                                 a host with a public address
+        [cloud] 11.80.0.20 1:1 NAT     [vm] 10.80.5.2      a cloud VM (every port forwarded)
+        [r1]    11.80.0.11 cone NAT    [h1] 10.80.1.2      home, no port mapping
+        [r2]    11.80.0.12 symmetric   [h2] 10.80.2.2      home, a new port per connection
+        [r3]    11.80.0.13 miniupnpd   [h3] 10.80.3.2      home router that maps ports
+        [r4]    11.80.0.14 cone NAT    [h4] 10.80.4.2      home, no port mapping
+
+    Hosts are named ``pub``, ``vm``, ``h1``..``h3``; :meth:`spawn` starts a process in one.
+    """
+
+    HOMES = {"r1": ("cone", 1), "r2": ("symmetric", 2), "r3": ("upnp", 3), "r4": ("cone", 4)}
+    CLOUD_LAN = 5
+
+    def __init__(self, *, drop_private: bool = True, prefix: str | None = None) -> None:
+        self.prefix = prefix or f"d4w{os.getpid() % 100000}"
+        self.drop_private = drop_private
+        self.namespaces: list[str] = []
+        self.procs: list[subprocess.Popen] = []
+        self.daemon: subprocess.Popen | None = None
+        self.workdir: str | None = None
+
+    def ns(self, name: str) -> str:
+        return f"{self.prefix}{name}"
+
+    @property
+    def pub_ip(self) -> str:
+        return f"{WORLD_WAN}.10"
+
+    @property
+    def cloud_ip(self) -> str:
+        """The VM's public address (forwarded 1:1 to :attr:`vm_ip`)."""
+        return f"{WORLD_WAN}.20"
+
+    @property
+    def vm_ip(self) -> str:
+        return f"10.80.{self.CLOUD_LAN}.2"
+
+    def home_ip(self, host: str) -> str:
+        return f"10.80.{host[1:]}.2"
+
+    def router_ip(self, router: str) -> str:
+        return f"{WORLD_WAN}.1{router[1:]}"
+
+    def _run(self, *argv: str, stdin: str | None = None) -> None:
+        done = subprocess.run(list(argv), capture_output=True, text=True, input=stdin)
+        if done.returncode != 0:
+            raise RuntimeError(f"{' '.join(argv)} failed: {done.stderr.strip()}")
+
+    def _in(self, name: str, *argv: str, stdin: str | None = None) -> None:
+        self._run("ip", "netns", "exec", self.ns(name), *argv, stdin=stdin)
+
+    def _add_ns(self, name: str) -> None:
+        self._run("ip", "netns", "add", self.ns(name))
+        self.namespaces.append(self.ns(name))
+        self._in(name, "ip", "link", "set", "lo", "up")
+
+    def _link(self, a: str, if_a: str, b: str, if_b: str) -> None:
+        self._run(
+            "ip", "link", "add", if_a, "netns", self.ns(a), "type", "veth",
+            "peer", "name", if_b, "netns", self.ns(b),
+        )  # fmt: skip
+
+    def _addr(self, name: str, iface: str, cidr: str) -> None:
+        self._in(name, "ip", "addr", "add", cidr, "dev", iface)
+        self._in(name, "ip", "link", "set", iface, "up")
+
+    def _on_wan(self, name: str, iface: str, ip: str) -> None:
+        self._link("wan", f"{name}port", name, iface)
+        self._in("wan", "ip", "link", "set", f"{name}port", "master", "br0")
+        self._in("wan", "ip", "link", "set", f"{name}port", "up")
+        self._addr(name, iface, f"{ip}/24")
+
+    def _router(self, router: str, host: str, lan: int, rules: str) -> None:
+        self._add_ns(router)
+        self._add_ns(host)
+        self._on_wan(router, "wan0", f"{WORLD_WAN}.{20 if lan == self.CLOUD_LAN else 10 + lan}")
+        self._link(router, "lan0", host, "eth0")
+        self._addr(router, "lan0", f"10.80.{lan}.1/24")
+        self._addr(host, "eth0", f"10.80.{lan}.2/24")
+        self._in(host, "ip", "route", "add", "default", "via", f"10.80.{lan}.1")
+        self._in(router, "sysctl", "-qw", "net.ipv4.ip_forward=1")
+        self._in(router, "nft", "-f", "-", stdin=rules)
+        if self.drop_private:
+            # private destinations beyond the LAN go out by the default route and die there
+            self._in(router, "ip", "route", "add", "10.0.0.0/8", "via", self.pub_ip)
+            self._in(router, "nft", "-f", "-", stdin=_DROP_PRIVATE)
+
+    @staticmethod
+    def _home_rules(kind: str) -> str:
+        if kind == "upnp":
+            return miniupnpd_rules()
+        random = " fully-random" if kind == "symmetric" else ""
+        return f"""
+table ip nat {{
+    chain postrouting {{
+        type nat hook postrouting priority srcnat; policy accept;
+        oifname "wan0" masquerade{random}
+    }}
+}}
+table ip filter {{
+    chain input {{
+        type filter hook input priority filter; policy accept;
+        iifname "wan0" ct state new drop
+    }}
+    chain forward {{
+        type filter hook forward priority filter; policy drop;
+        ct state established,related accept
+        iifname "lan0" oifname "wan0" accept
+    }}
+}}
+"""
+
+    def _cloud_rules(self) -> str:
+        return f"""
+table ip nat {{
+    chain prerouting {{
+        type nat hook prerouting priority dstnat; policy accept;
+        iifname "wan0" ip daddr {self.cloud_ip} dnat to {self.vm_ip}
+    }}
+    chain postrouting {{
+        type nat hook postrouting priority srcnat; policy accept;
+        oifname "wan0" ip saddr {self.vm_ip} snat to {self.cloud_ip}
+    }}
+}}
+"""
+
+    def setup(self) -> InternetLab:
+        import tempfile
+
+        try:
+            self._add_ns("wan")
+            self._in("wan", "ip", "link", "add", "br0", "type", "bridge")
+            self._in("wan", "ip", "link", "set", "br0", "up")
+            self._add_ns("pub")
+            self._on_wan("pub", "eth0", self.pub_ip)
+            self._router("cloud", "vm", self.CLOUD_LAN, self._cloud_rules())
+            for router, (kind, lan) in self.HOMES.items():
+                self._router(router, f"h{lan}", lan, self._home_rules(kind))
+            self.workdir = tempfile.mkdtemp(prefix="worldlab")
+            self.daemon = start_miniupnpd(
+                self.ns("r3"),
+                self.workdir,
+                miniupnpd_config(self.workdir, "10.80.3"),
+                natpmp=True,
+                upnp=True,
+            )
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def dropped(self, router: str) -> int:
+        """Packets ``router`` silently dropped towards foreign private addresses."""
+        import re
+
+        done = subprocess.run(
+            ["ip", "netns", "exec", self.ns(router), "nft", "list", "table", "ip", "internet"],
+            capture_output=True,
+            text=True,
+        )
+        found = re.search(r"counter packets (\d+)", done.stdout)
+        return int(found.group(1)) if found else 0
+
+    def redirects(self) -> str:
+        """The forwards miniupnpd added on ``r3`` (as nft lists them)."""
+        return subprocess.run(
+            ["ip", "netns", "exec", self.ns("r3"), "nft", "list", "chain", "inet", "filter",
+             "prerouting_miniupnpd"],
+            capture_output=True, text=True,
+        ).stdout  # fmt: skip
+
+    def spawn(self, host: str, argv: Sequence[str], *, log: str, env: dict | None = None):
+        """Start ``argv`` in ``host``'s namespace: stdin and stdout piped (text), stderr to
+        the file ``log``; killed by :meth:`close` if still running."""
+        err = open(log, "w")  # noqa: SIM115 - closed right below, the child keeps its copy
+        proc = subprocess.Popen(
+            ["ip", "netns", "exec", self.ns(host), *argv],
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=err,
+            text=True,
+        )
+        err.close()
+        self.procs.append(proc)
+        return proc
+
+    def close(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.kill()
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:  # pragma: no cover - a stuck process
+                pass
+            for pipe in (proc.stdin, proc.stdout):
+                if pipe is not None:
+                    pipe.close()
+        self.procs.clear()
+        stop_daemon(self.daemon)
+        self.daemon = None
+        for ns in reversed(self.namespaces):
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+        self.namespaces.clear()
+        if self.workdir is not None:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+            self.workdir = None
+
+    def __enter__(self) -> InternetLab:
+        return self.setup()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+_DROP_PRIVATE = """
+define private = { 10.0.0.0/8, 172.16.0.0/12, 192.168.0.0/16 }
+table ip internet {
+    chain forward {
+        type filter hook forward priority filter - 10; policy accept;
+        oifname "wan0" ip daddr $private counter drop
+    }
+}
+"""

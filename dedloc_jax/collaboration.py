@@ -49,7 +49,7 @@ from p2p.dht import DHTClock, DHTConfig, open_dht
 from p2p.errors import P2PError
 from p2p.identity import PeerID
 from p2p.multiaddr import Multiaddr
-from p2p.nat import NATConfig, open_nat
+from p2p.nat import NATConfig, NATManager, open_nat
 
 log = logging.getLogger(__name__)
 
@@ -102,8 +102,17 @@ def _only_averaging(group: BaseExceptionGroup) -> BaseExceptionGroup:
 class CollaborationCore:
     """The trio side of a collaboration; use :func:`open_collaboration`."""
 
-    def __init__(self, node: Any, dht: Any, run_id: str, config: CollaborationConfig, mode: str):
+    def __init__(
+        self,
+        node: Any,
+        dht: Any,
+        run_id: str,
+        config: CollaborationConfig,
+        mode: str,
+        nat: NATManager | None = None,
+    ):
         self.node = node
+        self.nat = nat  # reachability and role (p2p.nat); None when config.nat is off
         self.dht = dht
         self.run_id = run_id
         self.config = config
@@ -294,14 +303,16 @@ class CollaborationCore:
 
         A stale figure is probed again only when the next averaging is less than the meter's
         window away (the new figure then lasts through it): with rare averaging (diloco's
-        outer steps, hours apart) probing every window would send more than the averaging."""
+        outer steps, hours apart) probing every window would send more than the averaging.
+        A client reduces nothing, so it probes nothing (while it is one, see
+        :meth:`follow_reachability`)."""
         rng = random.Random(str(self.node.peer_id))
         done = 0
         while True:
             await trio.sleep(rng.uniform(poll, 3 * poll) if done else rng.uniform(0, poll))
             known = any(pid != str(self.node.peer_id) for pid in self.tracker.records)
             stale = self.meter.stale() and self.tracker.current_estimate().eta < self.meter.window
-            if known and (done < probes or stale):
+            if known and (done < probes or stale) and self.mode != "client":
                 try:
                     await self.probe_links(nbytes=nbytes)
                     done += 1
@@ -309,6 +320,22 @@ class CollaborationCore:
                     log.info("probing our links failed: %r", e)
             if done >= probes and not stale:
                 await trio.sleep(self.meter.window / 4)
+
+    async def follow_reachability(self) -> None:
+        """Keep the averaging mode in step with :attr:`nat`'s role, from now on (a background
+        task, like the DHT's mode): a peer with no inbound path at all (``nat.client_mode``)
+        takes part as a client, which only dials out; any other one, relayed included, as a
+        node that reduces a share. A change applies from the next round."""
+        nat = self.nat
+        if nat is None:
+            raise RuntimeError("follow_reachability needs a collaboration opened with config.nat")
+        while True:
+            mode = "client" if nat.client_mode else "node"
+            if mode != self.mode:
+                log.info("averaging mode %s -> %s (role %s)", self.mode, mode, nat.role.value)
+                self.mode = mode
+                self.tracker.mode = mode
+            await nat.wait_changed()
 
     async def average(
         self, epoch: int, arrays: Sequence[np.ndarray], samples: int, *, codec: str | None = None
@@ -398,6 +425,7 @@ class CollaborationCore:
                 "seconds": trio.current_time() - started,
                 "collab_samples": est.samples,
                 "reason": reason,
+                "mode": me.mode,
             }
         )
         return AveragingOutcome(result, self.epoch, group_size, complete)
@@ -705,19 +733,25 @@ async def open_collaboration(
     mode: str | None = None,
     dht_config: DHTConfig = DHTConfig(),
     dht_clock: DHTClock | None = None,
+    nat_config: NATConfig | None = None,
 ) -> AsyncIterator[CollaborationCore]:
     """Join (or start, with no initial peers) the collaboration ``run_id`` on ``node``.
 
-    With ``config.nat`` the node first finds out whether it is reachable (``p2p.nat``): a
-    peer behind NAT keeps relay reservations and advertises relayed addresses, and one with no
-    inbound path at all (and no mode forced) takes part as a client.
+    With ``config.nat`` the node first finds out whether it is reachable (``p2p.nat``, with
+    ``nat_config``; None: the defaults): a peer behind NAT keeps relay reservations and
+    advertises relayed addresses, and one with no inbound path at all takes part as a client.
+    Unless a mode is forced, the averaging mode follows reachability for the whole run (see
+    :meth:`CollaborationCore.follow_reachability`), as the DHT's mode does.
     """
-    mode = mode or config.mode
+    forced_mode = mode or config.mode
+    mode = forced_mode
     private = PrivateRun.for_config(node, run_id, config.owner_public_key, config.invitation)
     async with AsyncExitStack() as stack:
         if config.nat:
             forced = {"client": True, "node": False, "aux": False}.get(mode or "")
-            nat_config = NATConfig(force_client_mode=forced)
+            nat_config = nat_config or NATConfig()
+            if forced is not None:
+                nat_config = nat_config.with_(force_client_mode=forced)
             if not config.port_mapping:
                 nat_config = nat_config.with_(port_mapping=None)
             nat = await stack.enter_async_context(
@@ -745,7 +779,7 @@ async def open_collaboration(
             nat.use_dht(dht)
         if private is not None:
             dht = private.attach(dht)
-        core = CollaborationCore(node, dht, run_id, config, mode)
+        core = CollaborationCore(node, dht, run_id, config, mode, nat)
         averaging = install(node)
         install_probe(node)
         core.matchmaker.register()
@@ -756,7 +790,9 @@ async def open_collaboration(
         nursery = await stack.enter_async_context(trio.open_nursery())
         await nursery.start(core.tracker.run)
         nursery.start_soon(core._announce_state)
-        if config.measure_links and mode != "client":
+        if nat is not None and forced_mode is None:
+            nursery.start_soon(core.follow_reachability)
+        if config.measure_links and (mode != "client" or forced_mode is None):
             nursery.start_soon(core.keep_links_measured)
         try:
             yield core

@@ -19,3 +19,8 @@ class PortMapError(P2PError):
 
 class PortMapRefused(PortMapError):
     """The router answered and refused the request (its reason or error code in the text)."""
+
+
+class OtherProtocol(PortMapRefused):
+    """The router answered in the other protocol (PCP to NAT-PMP, or the reverse): asking it
+    again in this one, e.g. for another port, is pointless."""

@@ -22,15 +22,20 @@ import ipaddress
 import logging
 import socket
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import trio
 
-from p2p.nat.errors import PortMapError, PortMapRefused
+from p2p.nat.errors import OtherProtocol, PortMapError, PortMapRefused
 
 logger = logging.getLogger(__name__)
 
+T = TypeVar("T")
+
 PORT = 5351
+MAX_REPLY = 1100  # PCP's largest message (RFC 6887); NAT-PMP's are at most 16 bytes
 OP_EXTERNAL = 0
 OP_MAP_UDP = 1
 OP_MAP_TCP = 2
@@ -78,7 +83,7 @@ def encode_map_request(
 def _header(data: bytes, opcode: int, size: int) -> None:
     """Check size, version, opcode and result code (PortMapError / PortMapRefused)."""
     if data[:1] == b"\x02":  # a PCP server's answer (RFC 6887): it does not speak NAT-PMP
-        raise PortMapRefused("the gateway speaks PCP, not NAT-PMP")
+        raise OtherProtocol("the gateway speaks PCP, not NAT-PMP")
     if len(data) != size:
         raise PortMapError(f"NAT-PMP reply of {len(data)} bytes, expected {size}")
     version, op, result = struct.unpack_from("!BBH", data)
@@ -128,6 +133,46 @@ def default_gateway(route_table: str | None = None) -> str | None:
     return None
 
 
+async def ask_gateway(
+    protocol: str,
+    gateway: str,
+    port: int,
+    request: bytes,
+    decode: Callable[[bytes], T],
+    first_wait: float,
+    tries: int,
+) -> T:
+    """Send ``request`` over UDP to ``gateway:port`` and return ``decode(reply)``; NAT-PMP's
+    schedule, which PCP shares: resent after ``first_wait``, doubling, ``tries`` times.
+
+    A reply ``decode`` rejects with PortMapError (garbage, a stale or another request's
+    reply) is ignored and the wait goes on; PortMapRefused (a refusal, or the other protocol
+    answering) and an ICMP error (nobody listens there) end the attempt at once.
+    """
+    sock = trio.socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    with sock:
+        await sock.connect((gateway, port))
+        wait = first_wait
+        last: PortMapError | None = None
+        for _ in range(tries):
+            await sock.send(request)
+            with trio.move_on_after(wait):
+                while True:
+                    try:
+                        data = await sock.recv(MAX_REPLY)
+                    except OSError as e:  # ICMP port unreachable
+                        raise PortMapError(f"{protocol} at {gateway}: {e}") from None
+                    try:
+                        return decode(data)
+                    except PortMapRefused:
+                        raise
+                    except PortMapError as e:
+                        last = e
+                        logger.debug("ignoring a %s reply: %s", protocol, e)
+            wait *= 2
+    raise PortMapError(f"no {protocol} answer from {gateway}" + (f" ({last})" if last else ""))
+
+
 class NATPMPClient:
     """Talks NAT-PMP to one gateway (I/O; the messages are the pure functions above)."""
 
@@ -139,42 +184,17 @@ class NATPMPClient:
         self.first_wait = first_wait
         self.tries = tries
 
-    async def _ask(self, request: bytes, decode) -> object:
-        sock = trio.socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-        with sock:
-            await sock.connect((self.gateway, self.port))
-            wait = self.first_wait
-            last: Exception | None = None
-            for _ in range(self.tries):
-                await sock.send(request)
-                with trio.move_on_after(wait):
-                    while True:
-                        try:
-                            data = await sock.recv(64)
-                        except OSError as e:  # ICMP port unreachable: no NAT-PMP there
-                            raise PortMapError(f"NAT-PMP at {self.gateway}: {e}") from None
-                        try:
-                            return decode(data)
-                        except PortMapRefused:
-                            raise
-                        except PortMapError as e:
-                            last = e  # garbage or a stale reply: keep listening
-                            logger.debug("ignoring a NAT-PMP reply: %s", e)
-                wait *= 2
-            raise PortMapError(
-                f"no NAT-PMP answer from {self.gateway}" + (f" ({last})" if last else "")
-            )
+    async def _ask(self, request: bytes, decode: Callable[[bytes], T]) -> T:
+        return await ask_gateway(
+            "NAT-PMP", self.gateway, self.port, request, decode, self.first_wait, self.tries
+        )
 
     async def external_address(self) -> ExternalAddress:
-        out = await self._ask(encode_external_request(), decode_external_response)
-        assert isinstance(out, ExternalAddress)
-        return out
+        return await self._ask(encode_external_request(), decode_external_response)
 
     async def map(self, internal_port: int, external_port: int, lifetime: int) -> Mapping:
         request = encode_map_request(internal_port, external_port, lifetime)
-        out = await self._ask(request, lambda d: decode_map_response(d, internal_port))
-        assert isinstance(out, Mapping)
-        return out
+        return await self._ask(request, lambda d: decode_map_response(d, internal_port))
 
     async def unmap(self, internal_port: int) -> None:
         await self.map(internal_port, 0, 0)

@@ -17,22 +17,18 @@ The response (at least 60 bytes) echoes the opcode with R = 1::
 
 The nonce ties a response to our request (and a later renewal or delete to the mapping). A
 router that speaks only NAT-PMP answers a version-0 "unsupported version" reply, which ends the
-attempt at once. Encoders and decoders are pure; the client shares NAT-PMP's retry schedule.
+attempt at once. Encoders and decoders are pure; the client shares NAT-PMP's retry loop
+(:func:`p2p.nat.natpmp.ask_gateway`).
 """
 
 from __future__ import annotations
 
 import ipaddress
-import logging
-import socket
 import struct
 from dataclasses import dataclass
 
-import trio
-
-from p2p.nat.errors import PortMapError, PortMapRefused
-
-logger = logging.getLogger(__name__)
+from p2p.nat.errors import OtherProtocol, PortMapError, PortMapRefused
+from p2p.nat.natpmp import ask_gateway
 
 PORT = 5351
 VERSION = 2
@@ -98,7 +94,7 @@ def decode_map_response(data: bytes, nonce: bytes, internal_port: int) -> PCPMap
     """Check a MAP response against our request; PortMapRefused for a router's refusal."""
     if len(data) >= 4 and data[0] == 0 and data[1] >= 128:
         # a NAT-PMP server's reply: it does not speak PCP
-        raise PortMapRefused("the gateway speaks NAT-PMP, not PCP")
+        raise OtherProtocol("the gateway speaks NAT-PMP, not PCP")
     if len(data) < REQUEST_BYTES or len(data) > 1100 or len(data) % 4:
         raise PortMapError(f"PCP reply of {len(data)} bytes")
     version, op, result, lifetime, epoch = _RESPONSE.unpack_from(data)
@@ -142,28 +138,15 @@ class PCPClient:
         request = encode_map_request(
             self.client, self.nonce, internal_port, external_port, lifetime
         )
-        sock = trio.socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-        with sock:
-            await sock.connect((self.gateway, self.port))
-            wait = self.first_wait
-            last: Exception | None = None
-            for _ in range(self.tries):
-                await sock.send(request)
-                with trio.move_on_after(wait):
-                    while True:
-                        try:
-                            data = await sock.recv(1100)
-                        except OSError as e:  # ICMP port unreachable: no PCP there
-                            raise PortMapError(f"PCP at {self.gateway}: {e}") from None
-                        try:
-                            return decode_map_response(data, self.nonce, internal_port)
-                        except PortMapRefused:
-                            raise
-                        except PortMapError as e:
-                            last = e  # garbage or another request's reply: keep listening
-                            logger.debug("ignoring a PCP reply: %s", e)
-                wait *= 2
-        raise PortMapError(f"no PCP answer from {self.gateway}" + (f" ({last})" if last else ""))
+        return await ask_gateway(
+            "PCP",
+            self.gateway,
+            self.port,
+            request,
+            lambda d: decode_map_response(d, self.nonce, internal_port),
+            self.first_wait,
+            self.tries,
+        )
 
     async def unmap(self, internal_port: int) -> None:
         await self.map(internal_port, 0, 0)

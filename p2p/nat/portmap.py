@@ -20,14 +20,14 @@ import logging
 import os
 import random
 import socket
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
 import trio
 
 from p2p.multiaddr import Multiaddr
-from p2p.nat.errors import PortMapError, PortMapRefused
+from p2p.nat.errors import OtherProtocol, PortMapError, PortMapRefused
 from p2p.nat.natpmp import PORT as NATPMP_PORT
 from p2p.nat.natpmp import NATPMPClient, default_gateway
 from p2p.nat.pcp import PCPClient
@@ -170,6 +170,21 @@ class PortMapper:
             ports.append(self._rng.randrange(20000, 60000))
         return ports
 
+    async def _first_granted(
+        self, protocol: str, current: PortMapping | None, ask: Callable[[int], Awaitable[Any]]
+    ) -> Any:
+        """``ask(port)`` for each external port to try (:meth:`_ports`) until the router grants
+        one; its last refusal otherwise. A router of the other protocol is not asked again."""
+        last: PortMapError | None = None
+        for port in self._ports(current):
+            try:
+                return await ask(port)
+            except OtherProtocol:
+                raise
+            except PortMapRefused as e:
+                last = e
+        raise last or PortMapError(f"{protocol} gave no mapping")
+
     async def _natpmp(self, current: PortMapping | None) -> PortMapping:
         gateway = self._gateway()
         if gateway is None:
@@ -178,17 +193,13 @@ class PortMapper:
             gateway, port=self.config.natpmp_port, first_wait=self.config.discover_timeout / 8
         )
         external = await client.external_address()
-        last: PortMapError | None = None
-        for port in self._ports(current):
-            try:
-                got = await client.map(self.internal_port, port, self.config.lease)
-            except PortMapRefused as e:
-                last = e
-                continue
-            return PortMapping(
-                "natpmp", external.address, got.external_port, self.internal_port, got.lifetime
-            )
-        raise last or PortMapError("NAT-PMP gave no mapping")
+        lease = self.config.lease
+        got = await self._first_granted(
+            "NAT-PMP", current, lambda port: client.map(self.internal_port, port, lease)
+        )
+        return PortMapping(
+            "natpmp", external.address, got.external_port, self.internal_port, got.lifetime
+        )
 
     def _pcp_client(self) -> PCPClient:
         gateway = self._gateway()
@@ -204,19 +215,13 @@ class PortMapper:
 
     async def _pcp(self, current: PortMapping | None) -> PortMapping:
         client = self._pcp_client()
-        last: PortMapError | None = None
-        for port in self._ports(current):
-            try:
-                got = await client.map(self.internal_port, port, self.config.lease)
-            except PortMapRefused as e:
-                if "speaks NAT-PMP" in str(e):
-                    raise
-                last = e
-                continue
-            return PortMapping(
-                "pcp", got.external_address, got.external_port, self.internal_port, got.lifetime
-            )
-        raise last or PortMapError("PCP gave no mapping")
+        lease = self.config.lease
+        got = await self._first_granted(
+            "PCP", current, lambda port: client.map(self.internal_port, port, lease)
+        )
+        return PortMapping(
+            "pcp", got.external_address, got.external_port, self.internal_port, got.lifetime
+        )
 
     async def _upnp_map(self, current: PortMapping | None) -> PortMapping:
         if self._upnp is None:

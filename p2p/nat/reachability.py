@@ -287,6 +287,14 @@ class NATManager:
                 self.node, self._probe_peers(), candidates, self.config.autonat
             )
             self.answers = answers
+            heard = any(a.status in ("ok", "failed") for a in answers)
+            if not heard and before is not Reachability.UNKNOWN and mapped is None:
+                # errors and refusals say nothing about us: keep the verdict (turning a
+                # private node "unknown" made it a DHT server and a relay from behind its
+                # NAT), and ask again soon
+                logger.info("no dial-back answered: staying %s", before.value)
+                self._unsettled = True
+                return await self._settle()
             confirmed = [a.addr.transport_part() for a in answers if a.status == "ok" and a.addr]
             if mapped is not None and verdict is not Reachability.PRIVATE:
                 # the router forwards the port: public, even before peers could confirm it
@@ -299,6 +307,10 @@ class NATManager:
             failed = any(a.status == "failed" for a in answers)
             self._unsettled = verdict is not before or (failed and not self._failed_before)
             self._failed_before = failed
+        return await self._settle()
+
+    async def _settle(self) -> Reachability:
+        """Bring relays, addresses and modes in line with the verdict just reached."""
         if self.reachability is Reachability.PRIVATE:
             await self.ensure_relays()  # decide once the reservations are known (no flapping)
         else:

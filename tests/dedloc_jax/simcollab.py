@@ -60,15 +60,17 @@ async def open_sim_collaboration(
     *,
     config: CollaborationConfig,
     nat: bool = False,
-    modes: Sequence[str] | None = None,
+    nat_config: Any = None,
+    modes: Sequence[str | None] | None = None,
     run_id: str = "run",
     dht_config: DHTConfig | None = None,
     **host_kwargs: Any,
 ) -> AsyncIterator[list[Any]]:
     """``n`` peers of one collaboration (CollaborationCore); peer 0 is the first peer.
 
-    NAT detection is off unless the config asks for it: every simulated host is reachable
-    and the tests are about the collaboration, not about reachability.
+    NAT detection is off unless ``nat`` asks for it (with ``nat_config``): every simulated
+    host is reachable and most tests are about the collaboration, not about reachability.
+    A mode of None in ``modes`` lets that peer's mode follow its reachability.
     """
     from dedloc_jax.collaboration import open_collaboration
 
@@ -88,6 +90,7 @@ async def open_sim_collaboration(
                     mode=modes[i] if modes else "node",
                     dht_config=dht_config or DHTConfig.fast(),
                     dht_clock=DHTClock(trio.current_time),  # virtual time, like everything
+                    nat_config=nat_config,
                 )
             )
             cores.append(core)

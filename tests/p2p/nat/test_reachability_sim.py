@@ -8,6 +8,7 @@ import trio
 
 from p2p.dht import DHTConfig, open_dht
 from p2p.dht.wire import Contact
+from p2p.multiaddr import Multiaddr
 from p2p.nat import NATConfig, Reachability, Role, open_nat
 from p2p.nat.discovery import advertise_relay, find_relays, lookup_addrs, publish_addrs
 from p2p.nat.observed import IDENTIFY, handle_identify
@@ -331,5 +332,64 @@ def test_reachability_changing_mid_run_moves_relays_addresses_and_dht_mode():
         with trio.fail_after(60):
             while any(a.is_relayed for a in await lookup_addrs(newcomer_dht, node.peer_id)):
                 await trio.sleep(5)
+
+    world_run(body)
+
+
+def test_a_dial_back_of_silently_dropped_addresses_answers_failed_within_the_askers_wait():
+    """Behind a router that drops unsolicited SYNs every dial-back hangs until its timeout;
+    a server that dialed the addresses one after the other answered after the asker gave
+    up (an error, no verdict). Dialed at once, the answer is "failed" in one timeout."""
+    from p2p.nat.autonat import AutoNATConfig, DialBackServer, ask_dial_back
+
+    async def main():
+        net = SimNetwork(seed=6, silent_failures=True)
+        async with AsyncExitStack() as stack:
+            nodes = []
+            for i, reachable in enumerate([True, False]):
+                host = net.add_host(f"d{i}", reachable=reachable)
+                nodes.append(
+                    await stack.enter_async_context(
+                        open_node(
+                            sim_identity(net, i),
+                            transport=host.transport,
+                            listen=[host.listen_addr],
+                            config=NodeConfig.testing(),
+                        )
+                    )
+                )
+            server, hidden = nodes
+            config = AutoNATConfig.testing().with_(dial_timeout=2.0, request_timeout=5.0)
+            DialBackServer(server, config).register()
+            await hidden.connect(server.addrs[0])
+            base = str(hidden.addrs[0].transport_part()).rsplit("/", 1)[0]
+            addrs = [Multiaddr.parse(f"{base}/{port}") for port in (4001, 4002, 4003)]
+            start = trio.current_time()
+            answer = await ask_dial_back(hidden, server.peer_id, addrs, config)
+            return answer, trio.current_time() - start
+
+    answer, took = run_sim(main)
+    assert answer.status == "failed", answer  # a verdict, not the asker's timeout
+    assert took < 5.0 and answer.reason.count("timed out") == 3
+
+
+def test_a_check_whose_dial_backs_all_err_keeps_the_verdict():
+    """Errors and refusals say nothing about our reachability: a private, relayed node whose
+    re-check heard only errors stays private (a DHT client, no relay service) instead of
+    turning "unknown" and serving the DHT from behind its NAT."""
+    from p2p.nat.autonat import DIAL_BACK
+
+    async def body(w: World):
+        publics = [await w.node(reachable=True) for _ in range(2)]
+        for p in publics:
+            await w.nat(p, [q for q in publics if q is not p])
+        hidden = await w.node(reachable=False)
+        nat = await w.nat(hidden, publics, background=False)
+        assert nat.reachability is Reachability.PRIVATE and nat.role is Role.RELAYED
+        for p in publics:
+            p.remove_handler(DIAL_BACK)  # every dial-back request now ends in an error
+        assert await nat.check() is Reachability.PRIVATE
+        assert {a.status for a in nat.answers} == {"error"}
+        assert nat.role is Role.RELAYED and nat.dht_client_mode and not nat.relay.enabled
 
     world_run(body)
