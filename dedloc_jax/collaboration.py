@@ -581,7 +581,7 @@ class CollaborationCore:
         """The node's all-reduce settings with this run's robust aggregation, if any."""
         if self.config.robust_tau is None:
             return None
-        return install(self.node).config.with_(robust_tau=self.config.robust_tau)
+        return install(self.node).config.replace(robust_tau=self.config.robust_tau)
 
     def _deadlines(self, spec: Any, arrays: Sequence[np.ndarray]) -> Deadlines:
         """This round's deadlines: the matchmaking window's and the group's LP bound's."""
@@ -719,7 +719,7 @@ async def open_collaboration(
             forced = {"client": True, "node": False, "aux": False}.get(mode or "")
             nat_config = NATConfig(force_client_mode=forced)
             if not config.port_mapping:
-                nat_config = nat_config.with_(port_mapping=None)
+                nat_config = nat_config.replace(port_mapping=None)
             nat = await stack.enter_async_context(
                 open_nat(node, peers=initial_peers, config=nat_config)
             )
