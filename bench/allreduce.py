@@ -326,7 +326,7 @@ def _sim_case(
     ]
     lp = solve_shares(model)
     splits = {"lp": lp.parts, "equal": fractions_to_parts(equal_split(model))}
-    config = AllReduceConfig.internet().with_(chunk_elems=1 << 16)
+    config = AllReduceConfig.internet().replace(chunk_elems=1 << 16)
     times: dict[str, float] = {}
 
     for label, parts in splits.items():

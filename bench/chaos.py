@@ -224,7 +224,7 @@ class Chaos:
         """Prepare a tiny run on a generated text file (once: kept next to the compilation
         cache, so that later runs train the same shapes and find their programs compiled) and
         start its coordinator."""
-        from models.corpus import write_corpus
+        from models.text.corpus import write_corpus
 
         prepared = _shared_cache().parent / f"chaos-sahajbert-run-{self.args.target}"
         text = prepared / "text.txt"

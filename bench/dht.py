@@ -227,7 +227,7 @@ def _gc_paused() -> Iterator[None]:
 async def _sim(n: int, lookups: int, seed: int) -> dict[str, float]:
     rng = random.Random(seed)
     net = MemoryNetwork(latency=0.01)
-    cfg = DHTConfig.fast().with_(
+    cfg = DHTConfig.fast().replace(
         refresh_interval=1e9, republish_interval=1e9, maintenance_interval=1e9
     )
     dhts: list[DHT] = []

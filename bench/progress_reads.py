@@ -38,7 +38,7 @@ KEY = "bench.progress"
 async def _measure(n: int, rounds: int, share: float, seed: int) -> dict[str, Any]:
     rng = random.Random(seed)
     net = MemoryNetwork(latency=0.01)
-    cfg = DHTConfig.fast().with_(
+    cfg = DHTConfig.fast().replace(
         refresh_interval=1e9, republish_interval=1e9, maintenance_interval=1e9, locate_ttl=30.0
     )
     dhts: list[DHT] = []

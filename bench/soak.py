@@ -209,14 +209,14 @@ def run_soak(
                         sim_identity(net, i),
                         transport=host.transport,
                         listen=[host.listen_addr],
-                        config=NodeConfig.testing().with_(idle_timeout=120.0),
+                        config=NodeConfig.testing().replace(idle_timeout=120.0),
                     ) as node,
                     open_collaboration(
                         node,
                         "soak",
                         initial_peers=bootstrap,
                         config=config,
-                        dht_config=DHTConfig.fast().with_(locate_ttl=plan.locate_ttl),
+                        dht_config=DHTConfig.fast().replace(locate_ttl=plan.locate_ttl),
                         # Virtual time, like everything here: with the wall clock, expiry and
                         # extrapolation ran at the machine's speed, and no run repeated.
                         dht_clock=DHTClock(trio.current_time),

@@ -28,7 +28,7 @@ def _rss_mb() -> float:
 
 
 def write_corpus(path: Path, gigabytes: float) -> None:
-    from models.corpus import generate_documents
+    from models.text.corpus import generate_documents
 
     block = ("\n".join(generate_documents(2000, seed=1)) + "\n").encode()
     target = int(gigabytes * (1 << 30))
@@ -41,9 +41,9 @@ def measure(path: str, tok_dir: str, batches: int) -> dict:
     """(in the child) stream ``batches`` batches from ``path`` and report RSS figures."""
     import itertools
 
-    from models.data import PretrainingConfig, streaming_batches
-    from models.sources import parse_data, stream_documents
-    from models.tokenizer import load_tokenizer
+    from models.text.data import PretrainingConfig, streaming_batches
+    from models.text.sources import parse_data, stream_documents
+    from models.text.tokenizer import load_tokenizer
 
     tok = load_tokenizer(tok_dir)
     before = _rss_mb()
@@ -71,8 +71,8 @@ def main() -> None:
     if args.child:
         print(json.dumps(measure(args.child[0], args.child[1], int(args.child[2]))))
         return
-    from models.corpus import generate_documents
-    from models.tokenizer import train_tokenizer
+    from models.text.corpus import generate_documents
+    from models.text.tokenizer import train_tokenizer
 
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         tmp = Path(tmp)

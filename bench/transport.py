@@ -157,7 +157,7 @@ async def _node_receiver_async(conn: Any, preset: str, retain: bool) -> None:
     async def stop_handler(ctx: Any, request: Any) -> None:
         stop.set()
 
-    config = getattr(NodeConfig, preset)().with_(retain_freed_memory=retain)
+    config = getattr(NodeConfig, preset)().replace(retain_freed_memory=retain)
     async with open_node(Identity.from_seed(SERVER_SEED), config=config) as node:
         node.add_stream_handler("bench.sink", sink)
         node.add_handler("bench.echo", echo)
@@ -285,9 +285,9 @@ async def _node_sender(
 ) -> tuple[Throughput, list[float]]:
     from p2p.node import NodeConfig, open_node
 
-    config = getattr(NodeConfig, preset)().with_(retain_freed_memory=retain)
+    config = getattr(NodeConfig, preset)().replace(retain_freed_memory=retain)
     if cipher is not None:  # what the dialer offers decides: the listener offers all it has
-        config = config.with_(cipher=cipher)
+        config = config.replace(cipher=cipher)
     async with open_node(Identity.from_seed(CLIENT_SEED), listen=(), config=config) as node:
         await node.connect(addr)
         payload = bytes(MIB)

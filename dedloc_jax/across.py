@@ -16,14 +16,12 @@ updates, so their parameters part. Hence a second level:
 Every member of every group then holds the same vector. The broadcast uses an element-wise
 codec (int8 becomes fp16): int8 scales depend on each group's chunking, and groups must not
 round the same global mean differently. If anything fails, a group keeps its own mean; the fork
-rule (:func:`dedloc_jax.state_sync.on_minority_fork`) later puts its peers back on the
+rule (:func:`dedloc_jax.lineage.on_minority_fork`) later puts its peers back on the
 lineage most peers hold.
 
 A level-1 group that lacks a representative the leader's partition named (it died, or came
 late and formed a second level-1 group with other late ones) holds the mean of only some groups:
-its members learn that the mean is *partial* and check the fork before training on it. (In a
-200-peer soak the representatives of 72 peers came late and averaged apart; both sides took their
-mean for the epoch's, and 31 of the 72 trained the next epoch on the lineage that lost.)
+its members learn that the mean is *partial* and check the fork before training on it.
 """
 
 from __future__ import annotations

@@ -92,7 +92,7 @@ class ProgressSnapshot:
 
 def _only_averaging(group: BaseExceptionGroup) -> BaseExceptionGroup:
     """The averaging failures a round's nursery wrapped in a group (e.g. a share lost even
-    after repair, seen at 40 peers); anything else in the group is re-raised."""
+    after repair); anything else in the group is re-raised."""
     failed, rest = group.split((AllReduceError, GroupError))
     if rest is not None or failed is None:
         raise group
@@ -609,7 +609,7 @@ class CollaborationCore:
         """The node's all-reduce settings with this run's robust aggregation, if any."""
         if self.config.robust_tau is None:
             return None
-        return install(self.node).config.with_(robust_tau=self.config.robust_tau)
+        return install(self.node).config.replace(robust_tau=self.config.robust_tau)
 
     def _deadlines(self, spec: Any, arrays: Sequence[np.ndarray]) -> Deadlines:
         """This round's deadlines: the matchmaking window's and the group's LP bound's."""
@@ -672,18 +672,14 @@ class CollaborationCore:
 
     async def on_minority_fork(self, *, patience: float = 0.0, undecided: bool = False) -> bool:
         """Whether the state we serve lost to another lineage (one more peers hold, see
-        :func:`~dedloc_jax.state_sync.fork_verdict`): then load theirs. Ask once the others
+        :func:`~dedloc_jax.lineage.fork_verdict`): then load theirs. Ask once the others
         announced the epoch's state, e.g. when ready to average; ``patience``: seconds to keep
         asking (each second) while it cannot tell (also while the table names no state);
         ``undecided``: the answer when it still cannot tell then. A peer whose round missed
-        part of the epoch passes True: it is most likely the odd one out. (At 200 peers, a slow
-        peer that averaged alone read no table for 40 s, its check could not tell, it
-        answered "not lost", and the peer trained the next epoch on a lineage of its own.)
+        part of the epoch passes True: it is most likely the odd one out.
 
         It counts the states the progress table names (every peer publishes the state it
-        serves with its progress, and follows the table anyway): reading every state
-        announcement from the DHT for each check was most of a 200-peer soak's lookups, and
-        such a read missed a tenth of the peers on average (a third at worst)."""
+        serves with its progress, and follows the table anyway): it reads nothing from the DHT."""
         deadline = trio.current_time() + patience
         while True:
             verdict = self.fork_verdict()
@@ -710,8 +706,7 @@ class CollaborationCore:
     async def _announce_state(self) -> None:
         """Keep our announcement from expiring. Each step announces the new state, so only
         the time since the last announcement counts: with epochs shorter than a third of the
-        TTL, this never stores anything (the announcement was the biggest DHT cost of a
-        200-peer simulation)."""
+        TTL, this never stores anything."""
         period = self.config.progress_ttl / 3
         server = self.state_server
         while True:
@@ -753,7 +748,7 @@ async def open_collaboration(
             if forced is not None:
                 nat_config = nat_config.with_(force_client_mode=forced)
             if not config.port_mapping:
-                nat_config = nat_config.with_(port_mapping=None)
+                nat_config = nat_config.replace(port_mapping=None)
             nat = await stack.enter_async_context(
                 open_nat(node, peers=initial_peers, config=nat_config)
             )

@@ -9,9 +9,8 @@ Peers do not always see the same set: a registration can reach some readers a mo
 others, or not at all (a partition, a dead replica). So a peer's group and its leader depend on
 that peer's own hash and the number of groups, not on the rest of the set, and a different
 number of groups moves only a few peers (consistent hashing): two views that differ by a few
-peers agree on nearly everyone else's group and leader. A reshuffle of the whole set (the
-first design) put nearly every peer of a 200-peer run in a different group whenever one view
-missed one peer, and leaders then waited in vain for members that had gone elsewhere.
+peers agree on nearly everyone else's group and leader (a reshuffle of the whole set would
+move nearly everyone when a view misses one peer).
 """
 
 from __future__ import annotations

@@ -51,10 +51,8 @@ def _winning_side(announced: Sequence[Announcement]) -> list[Announcement]:
     those too far ahead of the state most of them reached to name it among their ancestors.
 
     Two lineages whose announcements name no common epoch cannot be counted against each other
-    at their fork. No peer of the collaboration's lineage gets that far ahead of most of its
-    peers, but the smaller side of a long partition may: in a 200-peer soak, 40 peers cut off
-    for 33 epochs came back 6 epochs ahead, every check found them not lost, and the larger
-    side, counting their epoch as the collaboration's, stopped stepping."""
+    at their fork; no peer of the collaboration's lineage gets that far ahead of most of its
+    peers, so such a state is a long partition's smaller side and loses."""
     alive = _fork_walk(announced)
     reached = _reached(alive)
     if reached is None:
@@ -93,11 +91,8 @@ def fork_choice(announced: Sequence[Announcement]) -> tuple[int, bytes] | None:
     or as an ancestor), of as many the smaller digest; answer the newest state left that at
     least as many of its peers reached as still announce older epochs.
 
-    After a partition heals, the smaller side may be an epoch ahead: picking the newest
-    epoch outright had the larger side load the smaller side's state (a peer that fell
-    behind loads what this returns), so the lineage that lost came back. And the first
-    peers to step may be one that stepped alone: at 200 peers, a peer that lost a fork
-    loaded such a state the moment it appeared, and the others' count then outvoted it."""
+    Not the newest epoch: after a heal the smaller side may be ahead, and the first peer to
+    step may have stepped alone; a peer that falls behind loads what this returns."""
     alive = _winning_side(announced)
     newest = _reached(alive)
     if newest is None:
@@ -109,10 +104,8 @@ def fork_choice(announced: Sequence[Announcement]) -> tuple[int, bytes] | None:
 def losing_peers(announced: Sequence[Announcement]) -> set[str]:
     """The peers (as text) whose announced state is on a side :func:`fork_choice` leaves.
 
-    Their epoch must not lead the collaboration: after a heal, the side that lost may be
-    ahead, and counting its epoch as the collaboration's stopped every peer of the winning
-    side (they were "behind", and never behind the winning lineage, so none stepped) until
-    the losers had noticed and loaded the winners' state."""
+    Their epoch must not lead the collaboration: the side that lost may be ahead, and the
+    winners, "behind" with nothing newer on their own lineage to load, would stop."""
     if len({(a.epoch, a.digest) for a in announced}) < 2:
         return set()  # everyone serves one state: no fork (the usual case, and cheap)
     kept = {id(a) for a in _winning_side(announced)}

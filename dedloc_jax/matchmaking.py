@@ -95,7 +95,7 @@ class Matchmaker(Leading):
         # represents the other groups at level 1.
         self._views: dict[int, tuple[list[list[str]], dict[str, str]]] = {}
         # The addresses last learned per peer: every poll of the registrations reads them all
-        # again, and parsing them each time was about a tenth of a 60-peer soak's CPU.
+        # again, so parse only what changed.
         self._learned: dict[str, tuple[str, ...]] = {}
         # Updated by the collaboration from its predictions (the window, see timing.py).
         self.deadlines = Deadlines(window=1.0)
@@ -196,8 +196,8 @@ class Matchmaker(Leading):
     def member_wait(self) -> float:
         """The longest a leader waits for a member it saw registered in its group. Members
         decide about when the leader does, from nearly the same registrations, so one that
-        has not joined after a few windows saw other groups (or died): waiting ``max_wait``
-        for it held whole groups of a 200-peer run for 15-30 s per epoch."""
+        has not joined after a few windows saw other groups (or died), and ``max_wait`` would
+        hold the whole group."""
         return self.deadlines.member_wait
 
     async def _registrations(

@@ -29,8 +29,7 @@ async def drop_gone(
     registrations or computes (undecided: keep waiting for it, and ask again a window
     later). One that gathers registrations sends its own, which our read of the key
     missed: it goes into ``probed`` (and the state it steps from into ``states``) and is not
-    asked again (these questions were a third of a 200-peer run's RPCs, 552k in three
-    epochs). Drop a peer from ``expected`` when it cannot be reached (crashed, or across a
+    asked again. Drop a peer from ``expected`` when it cannot be reached (crashed, or across a
     partition) or has already decided on a group that our view of the registrations missed:
     either way no samples of it will come. ``ask_leader(peer, timeout)``: the peer's answer
     to whom it follows at this slot (raises P2PError). Runs until cancelled."""

@@ -174,8 +174,8 @@ class CollaborationEstimate:
         """Time to average: the target is reached, or everyone else already waits for us.
         The others stop on their own estimate, which extrapolates rates and may overshoot
         (e.g. a peer paused to load state while others counted its samples): then the
-        samples still missing can only come from the peers that still compute, and a lone
-        straggler filling the gap held every group for the whole matchmaking timeout."""
+        samples still missing can only come from the peers that still compute, so a lone
+        straggler averages at once instead of filling the gap while every group waits."""
         return self.samples >= self.target or self.others_waiting
 
 

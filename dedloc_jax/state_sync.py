@@ -134,9 +134,8 @@ class StateServer:
                 },
                 self.dht.now() + self.ttl,
                 subkey=owner_marker(self.node.peer_id),
-                # Every peer re-announces each epoch, and a fork check reads all the key's
-                # nearest nodes: a few replicas suffice (all ``replication`` of them made
-                # these stores a quarter of a 100-peer soak's RPCs).
+                # re-announced every epoch and read from all the key's nearest nodes: a few
+                # replicas suffice (see docs/decisions.md, "Stores on every replica")
                 replicas=follower_replicas(self.dht.config),
             )
             self.announced_at = trio.current_time()

@@ -48,8 +48,8 @@ class Deadlines:
 
     The matchmaking part follows the window (how stale peers' views are); the averaging part
     follows the group's links and the vector size through the LP's lower bound (members not
-    measured yet count as slow home links, never as infinitely fast ones: a zero bound gave
-    the first round of 6 peers x 6M parameters a 5 s timeout, and 4 of them stepped alone).
+    measured yet count as slow home links, never as infinitely fast ones: a bound of zero
+    would time the first round out).
     """
 
     window: float

@@ -239,12 +239,9 @@ class ProgressTracker:
         """The records of the peers on the lineage the collaboration follows (and of those
         that serve no state yet): only they move its epoch and count toward its batch.
 
-        After a healed partition the side that lost may be ahead. Counting its epoch as the
-        collaboration's stopped the winning side, whose peers were "behind" (they contribute
-        no gradients of an old epoch) yet had no newer state to load, until every loser had
-        noticed and loaded the winners' state (in one 200-peer simulation, 138 peers sat
-        about 45 virtual seconds behind). The losers are left out until their own fork check
-        moves them."""
+        After a healed partition the side that lost may be ahead, and the winners, "behind"
+        with no newer state to load, must not wait for it: the losers are left out until their
+        own fork check moves them."""
         if not self.losers:
             return self.records
         return {pid: r for pid, r in self.records.items() if pid not in self.losers}
@@ -394,8 +391,7 @@ class ProgressTracker:
         parsed: dict[str, tuple[Record, PeerProgress | None]] = {}
         if isinstance(view, dict):
             for subkey, rec in sorted(view.items()):
-                # Most records did not change since the last read: parse only the new ones
-                # (parsing every peer's record on every read was a tenth of a soak's time).
+                # Most records did not change since the last read: parse only the new ones.
                 known = self._parsed.get(subkey)
                 progress = (
                     known[1] if known is not None and known[0] is rec else _parse(subkey, rec)

@@ -1,5 +1,7 @@
-"""The model side: ALBERT in Flax NNX, its PyTorch bridge, data parallelism."""
-# ruff: noqa: F401  (re-exports)
+"""The model side: ALBERT in Flax NNX, its PyTorch bridge, data parallelism.
+
+Text (tokenizer, batch pipeline, document sources, synthetic corpus) lives in ``models.text``.
+"""
 
 from models.albert import (
     AlbertConfig,
@@ -17,3 +19,30 @@ from models.albert import (
     pretraining_loss,
     sentence_order_loss,
 )
+from models.hf import albert_from_torch, albert_to_torch, config_from_hf, config_to_hf
+from models.sharding import make_grad_step, make_mesh, make_train_step, shard_batch
+
+__all__ = [
+    "AlbertConfig",
+    "AlbertForPreTraining",
+    "AlbertForPreTrainingOutput",
+    "AlbertForSequenceClassification",
+    "AlbertForTokenClassification",
+    "AlbertModel",
+    "AlbertModelOutput",
+    "ClassifierOutput",
+    "albert_from_torch",
+    "albert_to_torch",
+    "config_from_hf",
+    "config_to_hf",
+    "count_params",
+    "load_backbone",
+    "make_grad_step",
+    "make_mesh",
+    "make_train_step",
+    "masked_lm_loss",
+    "pretraining_batch_loss",
+    "pretraining_loss",
+    "sentence_order_loss",
+    "shard_batch",
+]

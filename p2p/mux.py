@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
 import trio
@@ -47,7 +47,7 @@ from p2p.mux_frames import (
     encode_frame,
     reason_bytes,
 )
-from p2p.mux_stream import MuxStream
+from p2p.mux_stream import Frames, MuxStream
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +72,8 @@ class Mux:
 
     ``handle_stream`` runs for each stream the peer opens, in the mux's nursery, inside a
     cancel scope that a reset of that stream (or the end of the connection) cancels.
+    To its streams it is a :class:`p2p.mux_stream.StreamHost` (the methods under "-- for
+    the streams --").
     """
 
     def __init__(
@@ -160,11 +162,11 @@ class Mux:
 
         Nothing is sent yet: the peer learns of the stream with its first data (or EOF).
         """
-        self._raise_if_closed()
+        self.raise_if_closed()
         await self._outbound_slots.acquire()
         if self._closed_reason is not None or self._closing:
             self._outbound_slots.release()
-            self._raise_if_closed()
+            self.raise_if_closed()
         stream = MuxStream(self, None, outbound=True)
         self._unopened[stream] = None
         self._streams_changed()
@@ -203,19 +205,14 @@ class Mux:
         self._control.append(encode_frame(PING, 0, payload[:8]))
         self._control_lot.unpark_all()
 
-    # -- sending -------------------------------------------------------------------------
-    def _raise_if_closed(self) -> None:
+    # -- for the streams (StreamHost) ----------------------------------------------------
+    def raise_if_closed(self) -> None:
         if self._closed_reason is not None:
             raise ConnectionClosed(f"connection closed: {self._closed_reason}")
         if self._closing:
             raise ConnectionClosed("connection is closing")
 
-    async def _send(
-        self, kind: int, stream: MuxStream, parts: Iterable[memoryview | bytes]
-    ) -> None:
-        await self._send_batch(stream, [(kind, list(parts))])
-
-    async def _send_batch(self, stream: MuxStream, batch: list[tuple[int, list[Any]]]) -> None:
+    async def send_stream_frames(self, stream: MuxStream, batch: Frames) -> None:
         """Send ``stream``'s frames (kind, payload pieces) in one channel write.
 
         The lock is taken without a pass through the scheduler when it is free (the channel's
@@ -232,14 +229,56 @@ class Mux:
         finally:
             lock.release()
 
-    async def _send_batch_locked(
-        self, stream: MuxStream, batch: list[tuple[int, list[Any]]]
-    ) -> None:
+    def grant(self, stream_id: int, increment: int) -> None:
+        """Queue a WINDOW update (merged with others of the same stream until flushed)."""
+        if self.is_closed:
+            return
+        self._window_updates[stream_id] = self._window_updates.get(stream_id, 0) + increment
+        self._control_lot.unpark_all()
+
+    def queue_reset(self, stream_id: int, reason: str, *, refusal: bool = False) -> None:
+        """Queue a RESET. Refusals of streams the peer opens are unbounded in number, so a
+        peer that keeps opening while not reading our answers is cut off."""
+        if self.is_closed:
+            return
+        if refusal and len(self._control) >= self.config.max_pending_control:
+            self._fail("too many refused streams queued (peer not reading?)")
+            return
+        self._window_updates.pop(stream_id, None)
+        self._control.append(encode_frame(RESET, stream_id, reason_bytes(reason)))
+        self._control_lot.unpark_all()
+
+    def release(self, n: int) -> None:
+        self._held_total -= n
+        if self.budget is not None:
+            self.budget.release(n)
+
+    def stream_ended(self, stream: MuxStream) -> None:
+        """Forget a finished stream (its id, its outbound slot or inbound count); idempotent."""
+        if not stream.finished:
+            return
+        if stream.stream_id is None:
+            if stream not in self._unopened:
+                return
+            del self._unopened[stream]
+        else:
+            if self._streams.get(stream.stream_id) is not stream:
+                return
+            del self._streams[stream.stream_id]
+            self._window_updates.pop(stream.stream_id, None)
+        if stream.outbound:
+            self._outbound_slots.release()
+        else:
+            self._inbound -= 1
+        self._streams_changed()
+
+    # -- sending -------------------------------------------------------------------------
+    async def _send_batch_locked(self, stream: MuxStream, batch: Frames) -> None:
         if self._closed_reason is not None:
             raise ConnectionClosed(f"connection closed: {self._closed_reason}")
         sid = stream.stream_id
         if sid is None:  # the stream's first frame: give it the next id now
-            stream._raise_if_reset()
+            stream.raise_if_reset()
             if self._next_id > MAX_STREAM_ID:
                 raise ConnectionClosed("stream ids exhausted on this connection")
             sid = stream.stream_id = self._next_id
@@ -266,7 +305,7 @@ class Mux:
             else:
                 frames.append(b"".join((HEADER.pack(kind, sid), *parts)))
             prev = (kind, parts)
-        stream._announced = True
+        stream.frames_leaving()
         try:
             await self._send_frames(frames)
         except _CHANNEL_ERRORS as e:
@@ -274,10 +313,9 @@ class Mux:
             raise ConnectionClosed(f"connection closed: {e!r}") from e
         except trio.Cancelled:
             # cancelled before the frames left (a cut frame closes the channel anyway)
-            if stream.frames_sent == 0:
-                stream._announced = False
+            stream.frames_cancelled()
             raise
-        stream.frames_sent += 1
+        stream.frames_written()
 
     def _fits_bulk_head(self, parts: list[Any]) -> bool:
         return sum(len(p) for p in parts) + BULK_PAYLOAD.size <= self.max_payload
@@ -295,24 +333,6 @@ class Mux:
                 if i:  # the peer may be waiting for the rest of a BULK: nothing may follow
                     self._close_now("send cancelled between the frames of one write")
                 raise
-
-    def _queue_window_update(self, stream_id: int, increment: int) -> None:
-        if self.is_closed:
-            return
-        self._window_updates[stream_id] = self._window_updates.get(stream_id, 0) + increment
-        self._control_lot.unpark_all()
-
-    def _queue_reset(self, stream_id: int, reason: str, *, refusal: bool = False) -> None:
-        """Queue a RESET. Refusals of streams the peer opens are unbounded in number, so a
-        peer that keeps opening while not reading our answers is cut off."""
-        if self.is_closed:
-            return
-        if refusal and len(self._control) >= self.config.max_pending_control:
-            self._fail("too many refused streams queued (peer not reading?)")
-            return
-        self._window_updates.pop(stream_id, None)
-        self._control.append(encode_frame(RESET, stream_id, reason_bytes(reason)))
-        self._control_lot.unpark_all()
 
     async def _control_loop(self) -> None:
         """Flush control frames; the receive loop never blocks on sending."""
@@ -393,11 +413,11 @@ class Mux:
                 raise ProtocolError(f"peer reused or reordered stream id {sid}")
             self._last_remote_id = sid
             if self._closing:
-                self._queue_reset(sid, "connection closing", refusal=True)
+                self.queue_reset(sid, "connection closing", refusal=True)
                 return
             if self._inbound >= self.config.max_inbound_streams:
                 logger.info("%s: refusing stream %d: too many streams", self.label, sid)
-                self._queue_reset(sid, "too many streams", refusal=True)
+                self.queue_reset(sid, "too many streams", refusal=True)
                 return
             new = MuxStream(self, sid, outbound=False)
             self._streams[sid] = new
@@ -418,49 +438,43 @@ class Mux:
             return  # a frame for a stream that already finished: harmless, drop it
         if kind in (DATA, DATA_EOF):
             n = len(payload)
-            if stream._remote_eof:
+            if stream.remote_eof:
                 raise ProtocolError(f"DATA after EOF on stream {sid}")
-            if n > stream._recv_window:
+            if n > stream.recv_window:
                 raise ProtocolError(
-                    f"stream {sid}: peer sent {n} bytes with only {stream._recv_window} granted"
+                    f"stream {sid}: peer sent {n} bytes with only {stream.recv_window} granted"
                 )
             if n:
-                stream._recv_window -= n
+                stream.count_received(n)
                 if not self._deliver(stream, payload):
                     return
             if kind == DATA_EOF:
-                stream._remote_eof = True
-                stream._recv_lot.unpark_all()
-                self._maybe_forget(stream)
+                stream.on_remote_eof()
+                self.stream_ended(stream)
         elif kind == BULK:
             (n,) = BULK_PAYLOAD.unpack_from(payload)
             head = payload[BULK_PAYLOAD.size :]  # stream bytes that come before the piece
-            if stream._remote_eof:
+            if stream.remote_eof:
                 raise ProtocolError(f"BULK after EOF on stream {sid}")
-            if n <= 0 or n + len(head) > stream._recv_window:
+            if n <= 0 or n + len(head) > stream.recv_window:
                 raise ProtocolError(
-                    f"stream {sid}: BULK of {len(head)}+{n} bytes with"
-                    f" {stream._recv_window} granted"
+                    f"stream {sid}: BULK of {len(head)}+{n} bytes with {stream.recv_window} granted"
                 )
-            stream._recv_window -= n + len(head)
+            stream.count_received(n + len(head))
             self._bulk = (sid, n)  # set first: the piece must be consumed even if head is refused
             if head:
                 self._deliver(stream, head)
         elif kind == WINDOW:
             (inc,) = WINDOW_PAYLOAD.unpack(payload)
-            stream._send_window += inc
-            if stream._send_window > MAX_WINDOW:
-                raise ProtocolError(f"stream {sid}: send window overflow")
-            stream._send_lot.unpark_all()
+            stream.on_window(inc)
         elif kind == EOF:
-            if stream._remote_eof:
+            if stream.remote_eof:
                 raise ProtocolError(f"duplicate EOF on stream {sid}")
-            stream._remote_eof = True
-            stream._recv_lot.unpark_all()
-            self._maybe_forget(stream)
+            stream.on_remote_eof()
+            self.stream_ended(stream)
         elif kind == RESET:
             reason = bytes(payload).decode("utf-8", "replace")
-            stream._on_reset(f"remote: {reason}")
+            stream.on_reset(f"remote: {reason}")
 
     def _handle_bulk_data(self, frame: bytes | bytearray | memoryview) -> None:
         """The raw frame a BULK announced: the stream's next bytes, kept as they arrived."""
@@ -470,7 +484,7 @@ class Mux:
         if len(frame) != n:
             raise ProtocolError(f"stream {sid}: BULK announced {n} bytes, got {len(frame)}")
         stream = self._streams.get(sid)
-        if stream is None or stream._reset_reason is not None:
+        if stream is None or stream.is_reset:
             return  # finished or reset meanwhile: drop the data
         data = frame if isinstance(frame, bytes) else bytes(frame)  # the channel may reuse it
         self._deliver(stream, memoryview(data))
@@ -487,10 +501,7 @@ class Mux:
             )
             stream.reset("memory limit")
             return False
-        stream._held += n
-        stream._chunks.append(payload)
-        stream._buffered += n
-        stream._recv_lot.unpark_all()
+        stream.queue_received(payload)
         return True
 
     async def _run_handler(self, stream: MuxStream) -> None:
@@ -507,25 +518,6 @@ class Mux:
                     stream.reset("handler finished")
 
     # -- bookkeeping ---------------------------------------------------------------------
-    def _maybe_forget(self, stream: MuxStream) -> None:
-        if stream._local_eof and stream._remote_eof:
-            self._forget(stream)
-
-    def _forget(self, stream: MuxStream) -> None:
-        if stream._forgotten:
-            return
-        stream._forgotten = True
-        if stream.stream_id is None:
-            self._unopened.pop(stream, None)
-        else:
-            self._streams.pop(stream.stream_id, None)
-            self._window_updates.pop(stream.stream_id, None)
-        if stream.outbound:
-            self._outbound_slots.release()
-        else:
-            self._inbound -= 1
-        self._streams_changed()
-
     def _goaway(self, reason: str) -> bytes:
         return encode_frame(GOAWAY, self._last_remote_id, reason_bytes(reason))
 
@@ -536,11 +528,6 @@ class Mux:
             return False
         self._held_total += n
         return True
-
-    def _release(self, n: int) -> None:
-        self._held_total -= n
-        if self.budget is not None:
-            self.budget.release(n)
 
     @property
     def held_bytes(self) -> int:
@@ -570,7 +557,7 @@ class Mux:
         for stream in self._unopened:
             stream.unprocessed = True
         for stream in [*self._streams.values(), *self._unopened]:
-            stream._on_reset(f"connection closed: {reason}", discard=True)
+            stream.on_reset(f"connection closed: {reason}", discard=True)
         self._control.clear()
         self._window_updates.clear()
         self._control_lot.unpark_all()

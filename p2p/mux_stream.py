@@ -3,21 +3,57 @@
 Why apart from the multiplexer: a stream's flow control (what the peer may still send us,
 what we may still send, credit given back in quarters of the window) is a state machine of
 its own; the :class:`~p2p.mux.Mux` only routes frames to it and writes what it batches.
+
+The two talk through public methods only: a stream sees its mux as a :class:`StreamHost`,
+and the mux drives a stream through the methods under "-- driven by the mux --".
 """
 
 from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import trio
 
-from p2p.errors import ConnectionClosed
-from p2p.mux_frames import BULK, DATA, DATA_EOF, EOF
+from p2p.errors import ConnectionClosed, ProtocolError
+from p2p.mux_config import MuxConfig
+from p2p.mux_frames import BULK, DATA, DATA_EOF, EOF, MAX_WINDOW
 
-if TYPE_CHECKING:
-    from p2p.mux import Mux
+Frames = list[tuple[int, list[Any]]]  # (frame kind, payload pieces) of one write
+
+
+class StreamHost(Protocol):
+    """What a stream needs from its multiplexer (:class:`p2p.mux.Mux` implements it)."""
+
+    config: MuxConfig
+    max_payload: int  # bytes of one DATA frame's payload
+    max_bulk: int  # bytes of one BULK piece
+    bulk_min: int  # a buffer this long or longer leaves as BULK
+
+    def raise_if_closed(self) -> None:
+        """ConnectionClosed if the connection is closed or closing."""
+        ...
+
+    async def send_stream_frames(self, stream: MuxStream, frames: Frames) -> None:
+        """Write ``stream``'s frames in one channel write (the first one opens the stream)."""
+        ...
+
+    def grant(self, stream_id: int, increment: int) -> None:
+        """Queue a WINDOW update: the peer may send ``increment`` more bytes on the stream."""
+        ...
+
+    def queue_reset(self, stream_id: int, reason: str) -> None:
+        """Queue a RESET of the stream for the peer."""
+        ...
+
+    def release(self, n: int) -> None:
+        """``n`` received bytes no longer count against the memory limits."""
+        ...
+
+    def stream_ended(self, stream: MuxStream) -> None:
+        """Drop ``stream`` if it is :attr:`~MuxStream.finished` (idempotent)."""
+        ...
 
 
 class MuxStream:
@@ -27,12 +63,11 @@ class MuxStream:
     every operation raises :class:`ConnectionClosed` carrying the reason.
     """
 
-    def __init__(self, mux: Mux, stream_id: int | None, *, outbound: bool) -> None:
+    def __init__(self, mux: StreamHost, stream_id: int | None, *, outbound: bool) -> None:
         self._mux = mux
         self.stream_id = stream_id  # None until an outbound stream's first frame is sent
         self.frames_sent = 0  # 0: the peer has seen nothing of this stream (safe to retry)
         self._announced = stream_id is not None  # the peer knows (or is about to know) the id
-        self._forgotten = False
         self._sending = False
         self._receiving = False
         self.unprocessed = False  # known never to have reached the peer's handler
@@ -66,7 +101,17 @@ class MuxStream:
         else:
             self._cancel_scopes.append(scope)
 
-    def _raise_if_reset(self) -> None:
+    @property
+    def remote_eof(self) -> bool:
+        """The peer sent EOF: it sends no more data."""
+        return self._remote_eof
+
+    @property
+    def recv_window(self) -> int:
+        """Bytes the peer may still send on this stream."""
+        return self._recv_window
+
+    def raise_if_reset(self) -> None:
         if self._reset_reason is not None:
             raise ConnectionClosed(f"stream reset: {self._reset_reason}")
 
@@ -79,7 +124,7 @@ class MuxStream:
         """
         await trio.lowlevel.checkpoint_if_cancelled()
         while not self._chunks:
-            self._raise_if_reset()
+            self.raise_if_reset()
             if self._remote_eof:
                 return b""
             await self._recv_lot.park()
@@ -117,7 +162,7 @@ class MuxStream:
         try:
             while got < n:
                 if not self._chunks:
-                    self._raise_if_reset()
+                    self.raise_if_reset()
                     if self._remote_eof:
                         if got == 0 and eof_ok:
                             return None
@@ -145,14 +190,14 @@ class MuxStream:
     async def wait_eof(self) -> None:
         """Wait until the peer sent EOF (discarding nothing; raises if data is still queued)."""
         while not self._remote_eof:
-            self._raise_if_reset()
+            self.raise_if_reset()
             await self._recv_lot.park()
 
     def _release(self, n: int) -> None:
         n = min(n, self._held)
         if n:
             self._held -= n
-            self._mux._release(n)
+            self._mux.release(n)
 
     def _consumed_bytes(self, n: int) -> None:
         self._buffered -= n
@@ -163,7 +208,7 @@ class MuxStream:
         if self._consumed >= self._mux.config.initial_window // 4 and not self._remote_eof:
             assert self.stream_id is not None
             self._recv_window += self._consumed
-            self._mux._queue_window_update(self.stream_id, self._consumed)
+            self._mux.grant(self.stream_id, self._consumed)
             self._consumed = 0
 
     # -- sending -------------------------------------------------------------------------
@@ -193,17 +238,17 @@ class MuxStream:
                 head = len(views[0])
                 need = min(head, mux.max_bulk) if head >= mux.bulk_min else 1
                 while self._send_window < need:
-                    self._raise_if_reset()
-                    mux._raise_if_closed()
+                    self.raise_if_reset()
+                    mux.raise_if_closed()
                     await self._send_lot.park()
-                self._raise_if_reset()
+                self.raise_if_reset()
                 batch = self._take_frames(views, eof)
                 last = eof and not views
                 if last:
                     self._local_eof = True
-                await mux._send_batch(self, batch)
+                await mux.send_stream_frames(self, batch)
                 if last:
-                    mux._maybe_forget(self)
+                    mux.stream_ended(self)
                     return
         except trio.Cancelled:
             # A partly sent message cannot be finished later: the stream is unusable.
@@ -214,12 +259,12 @@ class MuxStream:
         if eof:
             await self.send_eof()
 
-    def _take_frames(self, views: deque[memoryview], eof: bool) -> list[tuple[int, list[Any]]]:
+    def _take_frames(self, views: deque[memoryview], eof: bool) -> Frames:
         """The frames of the next write, within the send window: a DATA frame of small pieces
         and/or one BULK frame (one of each at most, so other streams' frames interleave)."""
         mux = self._mux
         window = self._send_window
-        batch: list[tuple[int, list[Any]]] = []
+        batch: Frames = []
         while views and window > 0:
             v = views[0]
             if len(v) >= mux.bulk_min:
@@ -266,18 +311,18 @@ class MuxStream:
         await trio.lowlevel.checkpoint_if_cancelled()
         if self._local_eof:
             return
-        self._raise_if_reset()
+        self.raise_if_reset()
         self._local_eof = True
         try:
-            await self._mux._send(EOF, self, ())
+            await self._mux.send_stream_frames(self, [(EOF, [])])
         except trio.Cancelled:
             self.reset("send_eof cancelled")
             raise
-        self._mux._maybe_forget(self)
+        self._mux.stream_ended(self)
 
     async def wait_send_all_might_not_block(self) -> None:
         while self._send_window <= 0:
-            self._raise_if_reset()
+            self.raise_if_reset()
             await self._send_lot.park()
 
     # -- closing -------------------------------------------------------------------------
@@ -287,8 +332,8 @@ class MuxStream:
             return
         if self._announced:  # a never-sent stream: the peer does not know it
             assert self.stream_id is not None
-            self._mux._queue_reset(self.stream_id, reason)
-        self._on_reset(f"local: {reason}", discard=True)
+            self._mux.queue_reset(self.stream_id, reason)
+        self.on_reset(f"local: {reason}", discard=True)
 
     async def aclose(self) -> None:
         """Finish the stream: EOF if not sent yet, and a reset if the peer may still write."""
@@ -306,7 +351,10 @@ class MuxStream:
         if not self._remote_eof:
             self.reset("closed by reader")
 
-    def _on_reset(self, reason: str, *, discard: bool = False) -> None:
+    # -- driven by the mux -----------------------------------------------------------
+    def on_reset(self, reason: str, *, discard: bool = False) -> None:
+        """The stream is dead (peer's RESET, local reset, connection gone): wake every waiter,
+        cancel the handler; ``discard`` drops unread data too."""
         if self._reset_reason is not None:
             return
         self._reset_reason = reason
@@ -320,7 +368,42 @@ class MuxStream:
         self._cancel_scopes.clear()
         self._recv_lot.unpark_all()
         self._send_lot.unpark_all()
-        self._mux._forget(self)
+        self._mux.stream_ended(self)
+
+    def frames_leaving(self) -> None:
+        """The mux is writing this stream's frames: from now on the peer may know its id."""
+        self._announced = True
+
+    def frames_cancelled(self) -> None:
+        """A write was cancelled before its frames left: a stream never sent stays unknown."""
+        if self.frames_sent == 0:
+            self._announced = False
+
+    def frames_written(self) -> None:
+        self.frames_sent += 1
+
+    def count_received(self, n: int) -> None:
+        """``n`` bytes arrived within the window (the mux checked the window first)."""
+        self._recv_window -= n
+
+    def queue_received(self, payload: memoryview) -> None:
+        """Queue received bytes for the reader (the mux reserved them against its limits)."""
+        n = len(payload)
+        self._held += n
+        self._chunks.append(payload)
+        self._buffered += n
+        self._recv_lot.unpark_all()
+
+    def on_remote_eof(self) -> None:
+        self._remote_eof = True
+        self._recv_lot.unpark_all()
+
+    def on_window(self, increment: int) -> None:
+        """The peer granted ``increment`` bytes more; ProtocolError past ``MAX_WINDOW``."""
+        self._send_window += increment
+        if self._send_window > MAX_WINDOW:
+            raise ProtocolError(f"stream {self.stream_id}: send window overflow")
+        self._send_lot.unpark_all()
 
     async def __aenter__(self) -> MuxStream:
         return self

@@ -114,7 +114,7 @@ class NodeConfig:
         if not self.keepalive_timeout > 0:
             raise ValueError("keepalive_timeout must be > 0")
 
-    def with_(self, **changes: Any) -> NodeConfig:
+    def replace(self, **changes: Any) -> NodeConfig:
         return replace(self, **changes)
 
     def mux_config(self, channel_max_frame: int | None = None) -> MuxConfig:

@@ -87,11 +87,9 @@ def _ordered_deadlines() -> Iterator[None]:
     """Expire timers that fall due at the same instant in the order they were set.
 
     trio breaks ties between equal deadlines by ``id()`` of the cancel scope, a memory
-    address that differs from one process to the next. Under a MockClock, hundreds of peers
-    often wake at the very same virtual instant, so the order they ran in (and everything
-    after it) changed from run to run: 200-peer soaks with the same seeds did not repeat.
-    A counter in place of the address makes the order the one in which the deadlines were
-    set. This reaches into trio's internals, so it does nothing if they change.
+    address that differs between processes, and under a MockClock many peers wake at one
+    instant: a counter in place of the address makes a seed fix the run. This reaches into
+    trio's internals, so it does nothing if they change.
     """
     run_mod = getattr(getattr(trio, "_core", None), "_run", None)
     deadlines = getattr(run_mod, "Deadlines", None)
@@ -123,9 +121,9 @@ def _rare_collections() -> Iterator[None]:
     """Run the cyclic garbage collector rarely while simulating.
 
     Hundreds of nodes in one process hold millions of live objects and allocate fast (every
-    trio checkpoint, frame and cancel scope), so the default thresholds collect the young
-    generation every 700 allocations and the older ones often: a third of a 200-peer soak's
-    CPU went there. Nearly all of it is freed by reference counting; a young collection
+    trio checkpoint, frame and cancel scope), so the default thresholds (a young collection
+    every 700 allocations) spend much of the CPU scanning them. Nearly all of it is freed by
+    reference counting; a young collection
     every 50,000 allocations still frees the cycles (tracebacks, cancelled tasks) in time.
     """
     before = gc.get_threshold()

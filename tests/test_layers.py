@@ -1,4 +1,4 @@
-"""The layering rules of DEVELOPERS.md, checked on the import graph."""
+"""The layering rules of ARCHITECTURE.md, checked on the import graph."""
 
 from __future__ import annotations
 

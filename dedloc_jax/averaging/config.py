@@ -61,5 +61,5 @@ class AllReduceConfig:
         if self.robust_iters < 1:
             raise ValueError("robust_iters must be at least 1")
 
-    def with_(self, **changes: Any) -> AllReduceConfig:
+    def replace(self, **changes: Any) -> AllReduceConfig:
         return replace(self, **changes)

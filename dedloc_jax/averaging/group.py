@@ -159,8 +159,7 @@ class GroupSpec:
     def lower_bound(self, vector_bytes: int) -> float:
         """The round's lower bound in seconds for the agreed split (the load-balancing model,
         :func:`~dedloc_jax.averaging.load_balancing.predicted_time`), for a timeout: no LP
-        when the leader's spec carries the parts (solving one per member and round was 6% of
-        a 200-peer soak's time)."""
+        when the leader's spec carries the parts (one LP per round, not one per member)."""
         from .load_balancing import predicted_time
 
         fractions = [p / FRACTION_GRID for p in self.share_parts()]

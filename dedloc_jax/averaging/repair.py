@@ -73,10 +73,8 @@ class Repair:
             expected = set(r.senders) - {j, r.me} - dead
             while not expected <= set(self.joined) and trio.current_time() < r.join_at:
                 await self.changes.wait(r.join_at)
-            # A majority of the group's senders, or nothing: two sides of a partition each
-            # re-reducing a share they both lost would end the round with different values
-            # (the soak saw it when a partition cut a round in flight). At most one side has
-            # a majority; members of the other fail the round instead of diverging.
+            # A majority of the group's senders, or nothing: at most one side of a partition
+            # has one, so the other fails the round instead of reducing a different value.
             present = len(self.joined) + (1 if r.is_sender else 0)
             if not self.joined or 2 * present <= len(r.senders):
                 logger.warning(

@@ -27,7 +27,7 @@ from examples.sahajbert.config import (
     NetConfig,
     TrainerConfig,
 )
-from models.sources import DATA_HELP
+from models.text.sources import DATA_HELP
 
 ROLES = ("demo", "prepare", "trainer", "coordinator", "aux", "finetune", "export", "invite")
 
@@ -442,7 +442,7 @@ def join_run(cfg: TrainerConfig, net: NetConfig, explicit: set[str]) -> tuple[Tr
     when there is none, it is not validly signed, or an explicit option contradicts it; a
     FileNotFoundError when the run's local data is not here)."""
     from examples.sahajbert import manifest, training
-    from models.tokenizer import load_tokenizer
+    from models.text.tokenizer import load_tokenizer
 
     got, envelope, tok_dir = manifest.fetch(
         net.initial_peers,

@@ -35,7 +35,7 @@ def run_aux(cfg: TrainerConfig, net: NetConfig) -> int:
     if net.client_mode:
         raise ValueError("an aux peer must be reachable: it cannot run in client mode")
     training.enable_compilation_cache(cfg.work_dir / "jax-cache")
-    from models.tokenizer import load_tokenizer
+    from models.text.tokenizer import load_tokenizer
 
     # cfg carries the run manifest's settings and tokenizer (the CLI fetched them)
     vocab = len(load_tokenizer(training.tokenizer_dir(cfg)))

@@ -61,7 +61,7 @@ class TrainerConfig:
     bf16: bool = False
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     work_dir: Path = DEFAULT_WORK_DIR
-    data: str | None = None  # --data sources (models.sources.parse_data); None: synthetic corpus
+    data: str | None = None  # --data sources (models.text.sources.parse_data); None: synthetic
     data_mix: str | None = None  # --data-mix weights, one per source (None: the default mix)
     tokenizer: str | None = None  # a saved tokenizer directory; default: work_dir/tokenizer
     codec: str | None = None  # gradients on the wire (None: the model preset's)

@@ -34,7 +34,7 @@ def export(checkpoint_path: Path, out_dir: Path) -> Path:
     except ImportError as e:
         raise ExportError(f"export needs torch and transformers ({e.name} is missing)") from None
     from models.hf import albert_to_torch
-    from models.tokenizer import load_tokenizer
+    from models.text.tokenizer import load_tokenizer
 
     try:
         source = checkpoint.resolve(Path(checkpoint_path))

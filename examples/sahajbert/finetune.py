@@ -40,7 +40,7 @@ from models.albert import (
     AlbertForTokenClassification,
     load_backbone,
 )
-from models.corpus import NCC_LABELS, NER_TAGS
+from models.text.corpus import NCC_LABELS, NER_TAGS
 
 log = logging.getLogger(__name__)
 
@@ -168,7 +168,7 @@ def load_task_data(task: str, data: str | None, *, seed: int = 0) -> dict[str, l
 
 
 def synthetic_task_data(task: str, *, seed: int = 0, sizes=(400, 100, 100)) -> dict[str, list]:
-    from models.corpus import generate_ncc_examples, generate_ner_examples
+    from models.text.corpus import generate_ncc_examples, generate_ner_examples
 
     gen = generate_ner_examples if task == "ner" else generate_ncc_examples
     return {
@@ -317,7 +317,7 @@ def finetune(
 ) -> dict[str, Any]:
     """Fine-tune and score; returns test scores, the epochs run and the validation losses.
     ``work_dir`` holds the compiled programs' cache."""
-    from models.tokenizer import load_tokenizer
+    from models.text.tokenizer import load_tokenizer
 
     training.enable_compilation_cache(Path(work_dir) / "jax-cache")
     splits = load_task_data(task, data, seed=cfg.seed)  # first: bad data fails fast

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from examples.sahajbert.config import OptimizerConfig, TrainerConfig
-from models.sources import MAX_SOURCES, SourceSpec, parse_data
+from models.text.sources import MAX_SOURCES, SourceSpec, parse_data
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +77,7 @@ def sha256_file(path: Path) -> str:
 
 
 def _masking(value: dict[str, Any]) -> dict[str, float]:
-    from models.data import PretrainingConfig
+    from models.text.data import PretrainingConfig
 
     if not isinstance(value, dict) or set(value) != set(_MASKING_FIELDS):
         raise ValueError(f"masking must hold exactly {list(_MASKING_FIELDS)}")
@@ -116,7 +116,7 @@ class RunManifest:
     target_batch_size: int
     optimizer: dict[str, Any]  # OptimizerConfig's fields
     data: tuple[SourceSpec, ...] | None  # None: the synthetic corpus (regenerated, seed 0)
-    masking: dict[str, float]  # models.data.PretrainingConfig's masking and SOP fields
+    masking: dict[str, float]  # models.text.data.PretrainingConfig's masking and SOP fields
     codec: str  # gradients on the wire
     tokenizer_sha256: str
     tokenizer_bytes: int
@@ -201,7 +201,7 @@ class RunManifest:
 # --- preparing ---------------------------------------------------------------------------
 def build(cfg: TrainerConfig, tokenizer_file: Path, vocab_size: int, codec: str) -> RunManifest:
     """The manifest of ``cfg``'s run with this tokenizer."""
-    from models.data import PretrainingConfig
+    from models.text.data import PretrainingConfig
 
     masking = PretrainingConfig()
     data = None if cfg.data is None else parse_data(cfg.data, cfg.data_mix)
@@ -250,12 +250,13 @@ def load(run_dir: Path) -> tuple[RunManifest, Path]:
 
 def install_tokenizer(data: bytes, tok_dir: Path) -> Path:
     """Write ``tokenizer.json`` byte for byte (its digest is the manifest's) plus the
-    transformers config files around it, so :func:`models.tokenizer.load_tokenizer` loads it."""
+    transformers config files around it, so :func:`models.text.tokenizer.load_tokenizer` loads
+    it."""
     import tempfile
 
     from tokenizers import Tokenizer
 
-    from models.tokenizer import save_tokenizer, wrap_fast
+    from models.text.tokenizer import save_tokenizer, wrap_fast
 
     tok_dir.mkdir(parents=True, exist_ok=True)
     fast = wrap_fast(Tokenizer.from_str(data.decode("utf-8")))

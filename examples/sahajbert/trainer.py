@@ -338,9 +338,7 @@ def _loop(
 
 def _linger(collab: Any, epoch: int, seconds: float) -> None:
     """Keep serving the final state until the coordinator has checkpointed it (or time is up).
-    The coordinator downloads it from the trainers: in a CI run on a busy machine it had not
-    got it within the 30 s the trainers used to wait, and with every trainer gone it never
-    could."""
+    The coordinator downloads it from the trainers, so once they are all gone it never can."""
     log.info("serving epoch %d until the coordinator saved it (at most %.0f s)", epoch, seconds)
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:

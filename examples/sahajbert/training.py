@@ -39,8 +39,8 @@ TOKENIZER_DOCUMENTS = 200_000  # documents of a streamed corpus the organiser's 
 
 
 def _synthetic_texts(cfg: TrainerConfig) -> list[str]:
-    from models.corpus import write_corpus
-    from models.sources import read_local_documents
+    from models.text.corpus import write_corpus
+    from models.text.sources import read_local_documents
 
     path = cache_dir(cfg) / "corpus.txt"
     if not path.is_file():
@@ -55,7 +55,7 @@ def _synthetic_texts(cfg: TrainerConfig) -> list[str]:
 def sources(cfg: TrainerConfig) -> Any:
     """The ``--data`` sources (None: the synthetic corpus); FileNotFoundError naming a local
     one that is missing here."""
-    from models.sources import check_local, parse_data
+    from models.text.sources import check_local, parse_data
 
     if cfg.data is None:
         return None
@@ -68,8 +68,8 @@ def prepare_tokenizer(cfg: TrainerConfig, documents: int = TOKENIZER_DOCUMENTS) 
     """The organiser's tokenizer: ``--tokenizer`` if given, else the one trained once (on
     the synthetic corpus, or the first ``documents`` of the streamed data) and kept in the
     work directory. Returns ``(tokenizer, directory)``. Volunteers never call this."""
-    from models.sources import sample_documents
-    from models.tokenizer import load_tokenizer, train_tokenizer
+    from models.text.sources import sample_documents
+    from models.text.tokenizer import load_tokenizer, train_tokenizer
 
     if cfg.tokenizer:
         return load_tokenizer(cfg.tokenizer), Path(cfg.tokenizer)
@@ -91,7 +91,7 @@ def prepare_data(cfg: TrainerConfig) -> tuple[Any, Any]:
 
     A trainer passes the manifest's tokenizer (``cfg.tokenizer``); without one the
     organiser's is prepared (:func:`prepare_tokenizer`)."""
-    from models.data import load_or_tokenize, tokenizer_fingerprint
+    from models.text.data import load_or_tokenize, tokenizer_fingerprint
 
     tokenizer, _ = prepare_tokenizer(cfg)
     specs = sources(cfg)
@@ -120,7 +120,7 @@ def batches(cfg: TrainerConfig, corpus: Any, vocab: int, peer_seed: int) -> Iter
     """Endless ``[grad_accumulation, micro_batch, seq]`` batches for one peer: from the
     tokenized corpus, or streamed from the sources (``corpus`` a tuple of SourceSpec) in this
     peer's own order."""
-    from models.data import (
+    from models.text.data import (
         PretrainingConfig,
         TokenizedCorpus,
         pretraining_batches,
@@ -139,8 +139,8 @@ def batches(cfg: TrainerConfig, corpus: Any, vocab: int, peer_seed: int) -> Iter
             vocab_size=vocab,
         )
     else:
-        from models.sources import stream_documents
-        from models.tokenizer import load_tokenizer
+        from models.text.sources import stream_documents
+        from models.text.tokenizer import load_tokenizer
 
         docs = stream_documents(corpus, seed=(cfg.seed << 32) ^ peer_seed)
         stream = streaming_batches(

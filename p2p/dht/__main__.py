@@ -194,7 +194,7 @@ async def _serve(args: argparse.Namespace) -> int:
         force_client_mode=True if args.client_mode else None,
     )
     if args.no_port_mapping or args.announce:
-        nat_config = nat_config.with_(port_mapping=None)
+        nat_config = nat_config.replace(port_mapping=None)
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async with AsyncExitStack() as stack:
             node = await stack.enter_async_context(

@@ -77,7 +77,7 @@ class DHTConfig:
         """A small network (a handful to a few dozen nodes): smaller buckets, fewer replicas."""
         return cls(k=8, replication=5)
 
-    def with_(self, **changes: object) -> DHTConfig:
+    def replace(self, **changes: object) -> DHTConfig:
         return replace(self, **changes)  # type: ignore[arg-type]
 
 

@@ -2,8 +2,7 @@
 
 Why: every peer of a collaboration re-reads the run's progress table (one signed subkey per
 peer) about once a second. A ``get`` is a lookup whose answers each carry the whole table, so
-with n peers a refresh round moves n² records (times the lookup's fan-out): a 200-peer
-simulation spent half an hour on two epochs, most of it in these reads. A :class:`KeyFollower`
+with n peers a refresh round moves n² records (times the lookup's fan-out). A :class:`KeyFollower`
 finds the key's nearest nodes once per ``relocate_interval`` and otherwise asks them (over
 ``dht.changes``) for the records they stored since its last read from each, which costs about
 one record per update instead of one per peer. A read asks one of the ``holders`` nearest
@@ -19,20 +18,16 @@ that writers do not store on). And an expired record leaves on time only when a 
 sent us that very record answered after it expired (with nothing newer for it): a reader that
 hears from none of them (its own link saturated, a cut, or only far nodes answering, which hold
 a few records or none) cannot tell that the writer left, so the record then lapses only
-``lapse_grace`` seconds past its expiry. In a 200-peer simulation a slow peer whose calls all
-timed out for half a minute, and whose lookup then found two far nodes that answered with
-nothing, saw its table of 181 records lapse to none, took itself for the only peer left, and
-trained an epoch alone. (Counting any holder that had ever sent a record of the key was not
-enough: a far node holding a few records then spoke for all of them, and a slow peer's table
-of 183 records dwindled to its own within a minute.)
+``lapse_grace`` seconds past its expiry. A holder speaks only for the records it sent: a far
+node holding a few records says nothing of the others.
 
 A relocation keeps the holders that still answer unless nearer nodes were found, and a read
 on which every holder failed drops none of them (the fault is then most likely ours: our own
 link is congested, or we are cut off); the next relocation asks such holders again before it
-ranks them behind the nodes a lookup found. A reader that replaced its holders whenever they failed
-lost the table: a lookup on a busy network returns a few far nodes, and writers do not store
-there. In a 200-peer simulation such a reader's table went from 180 records to 1 within a
-minute, and its fork check, seeing nobody, kept it on a lineage of its own.
+ranks them behind the nodes a lookup found: a lookup on a busy network may return a few far
+nodes that writers do not store on.
+
+The incidents behind these rules are in docs/decisions.md ("Followed keys").
 
 Every record is validated as in a ``get`` (a forged or expired one is dropped) and merged with
 the same rules (:class:`~p2p.dht.records.KeyState`), so the view equals what a ``get`` from the
@@ -63,8 +58,8 @@ log = logging.getLogger(__name__)
 def follower_replicas(config: DHTConfig) -> int:
     """Replicas for a short-lived record that readers follow: twice the holders a follower
     reads (slack for churn among the key's nearest), within ``replication``. A progress
-    record rewritten every few seconds needs no more; storing it on all ``replication``
-    nodes made stores the biggest cost of a 40-peer simulation."""
+    record rewritten every few seconds needs no more, and every extra replica is a store per
+    peer and update."""
     return min(config.replication, 2 * max(1, config.get_quorum))
 
 
@@ -165,8 +160,7 @@ class KeyFollower:
         """Half the view lapsed in one read although every holder was asked: they no longer
         get the writers' stores (or a cut took the writers away). Look the key up afresh at
         the next read, not from a store's cached lookup, and prefer the nodes it finds to the
-        holders that let the view lapse. (In a 100-epoch 200-peer soak, two readers' fork checks
-        counted only their own record for over three minutes.)"""
+        holders that let the view lapse."""
         self.stats["collapses"] += 1
         log.debug("the view of %r lapsed; looking the key up again", self.key)
         self._stale.update(c.peer for c in self._holders)
@@ -175,9 +169,8 @@ class KeyFollower:
 
     def _lapsing(self) -> bool:
         """Whether records would drop out of the view now. Before letting them go on one
-        holder's word, ask them all: the one may be a far node writers do not store on (in a
-        200-peer simulation a reader whose pick was such a node watched its table of 180
-        records lapse to none between two sweeps). A writer that left costs one sweep."""
+        holder's word, ask them all: the one may be a far node writers do not store on. A
+        writer that left costs one sweep."""
         return self._state.lapsing(self.dht.now())
 
     def _drop_lapsed(self) -> None:
@@ -234,9 +227,7 @@ class KeyFollower:
         retry = [c for c in by_distance[: self.wanted] if c.peer in self._suspects - stale]
         if retry:
             # Holders that failed while every one failed (our link, most likely) are still
-            # the key's nearest: ask them again before putting far nodes in their place. (After
-            # a 30 s spell in which a slow peer's calls all timed out, its relocation took
-            # two far nodes instead; writers did not store there, and its table froze.)
+            # the key's nearest: ask them again before putting far nodes in their place.
             await self._poll(retry, drop=False)
         ranked = sorted(
             by_distance, key=lambda c: c.peer in self._suspects or c.peer in stale

@@ -381,8 +381,8 @@ class DHT:
         subkeys were stored on different nodes (e.g. by both sides of a healed partition) is
         then read whole, at the cost of a full lookup. ``repair=False`` gives the nodes that
         lack some records nothing: right for a key whose writers rewrite their records often
-        anyway (with repair, each whole read of a 100-writer key stored up to ``replication``
-        records, most of a 100-peer soak's stores).
+        anyway (with repair, each whole read of an n-writer key stores up to ``replication``
+        records per missing one).
         """
         if quorum is not None:
             return decode_view(await self._lookup_value(key, quorum, repair=repair))

@@ -60,7 +60,7 @@ MAX_FIND_RESPONSE_BYTES = 16 << 20
 
 LIVE_FOR = 30.0
 """Seconds a routing entry heard from counts as live: a full bucket keeps it without a ping
-(Kademlia's optimisation). Pinging on every newcomer was up to a seventh of a soak's RPCs."""
+(Kademlia's optimisation), so a busy bucket does not ping on every newcomer."""
 
 
 class DHTProtocol:

@@ -84,7 +84,7 @@ class AutoNATConfig:
             unknown_recheck_interval=20.0,
         )
 
-    def with_(self, **changes: Any) -> AutoNATConfig:
+    def replace(self, **changes: Any) -> AutoNATConfig:
         return replace(self, **changes)
 
 

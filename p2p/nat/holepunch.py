@@ -46,7 +46,7 @@ class HolePunchConfig:
     exchange_timeout: float = 10.0
     """The address exchange over the relay must finish within this."""
 
-    def with_(self, **changes: Any) -> HolePunchConfig:
+    def replace(self, **changes: Any) -> HolePunchConfig:
         return replace(self, **changes)
 
 

@@ -76,7 +76,7 @@ class PortMapConfig:
     def testing(cls) -> PortMapConfig:
         return cls(discover_timeout=1.0, request_timeout=3.0, retry_interval=5.0)
 
-    def with_(self, **changes: Any) -> PortMapConfig:
+    def replace(self, **changes: Any) -> PortMapConfig:
         return replace(self, **changes)
 
 

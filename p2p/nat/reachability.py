@@ -114,7 +114,7 @@ class NATConfig:
             port_mapping=PortMapConfig.testing(),
         )
 
-    def with_(self, **changes: Any) -> NATConfig:
+    def replace(self, **changes: Any) -> NATConfig:
         return replace(self, **changes)
 
 
@@ -228,7 +228,7 @@ class NATManager:
 
     def force(self, reachability: Reachability | None) -> None:
         """Force a verdict (None: detect again)."""
-        self.config = self.config.with_(force_reachability=reachability)
+        self.config = self.config.replace(force_reachability=reachability)
         if self.config.force_reachability is not None:
             self.reachability = self.config.force_reachability
             self._update()

@@ -88,7 +88,7 @@ class RelayConfig:
             request_timeout=5.0,
         )
 
-    def with_(self, **changes: Any) -> RelayConfig:
+    def replace(self, **changes: Any) -> RelayConfig:
         return replace(self, **changes)
 
 

@@ -15,8 +15,8 @@ transformers = pytest.importorskip("transformers")
 
 from examples.sahajbert import checkpoint, training  # noqa: E402
 from examples.sahajbert.__main__ import main  # noqa: E402
-from models.corpus import generate_documents  # noqa: E402
-from models.tokenizer import load_tokenizer, train_tokenizer  # noqa: E402
+from models.text.corpus import generate_documents  # noqa: E402
+from models.text.tokenizer import load_tokenizer, train_tokenizer  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
 

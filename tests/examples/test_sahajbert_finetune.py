@@ -56,8 +56,8 @@ def test_ner_finetunes_and_finds_entities(tiny_checkpoint: Path) -> None:
 def small_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny model (fresh) with a small tokenizer trained on generated text: no corpus
     cache needed, so the CLI test below stays short."""
-    from models.corpus import generate_documents
-    from models.tokenizer import load_tokenizer, train_tokenizer
+    from models.text.corpus import generate_documents
+    from models.text.tokenizer import load_tokenizer, train_tokenizer
 
     root = tmp_path_factory.mktemp("small")
     train_tokenizer(generate_documents(200, seed=3), 400, root / "tok")

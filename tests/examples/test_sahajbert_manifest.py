@@ -20,8 +20,8 @@ import pytest
 
 from examples.sahajbert import manifest
 from examples.sahajbert.config import TrainerConfig
-from models.corpus import write_corpus
-from models.sources import SourceKind, parse_data
+from models.text.corpus import write_corpus
+from models.text.sources import SourceKind, parse_data
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -85,8 +85,8 @@ def test_a_trainer_with_another_seq_length_or_tokenizer_is_refused(run) -> None:
     other_tok = run["tmp"] / "other-tok"
     other = run["tmp"] / "other.txt"
     write_corpus(other, 50, seed=5)
-    from models.sources import read_local_documents
-    from models.tokenizer import train_tokenizer
+    from models.text.sources import read_local_documents
+    from models.text.tokenizer import train_tokenizer
 
     train_tokenizer(read_local_documents(other), 400, other_tok)
     seq, _, seq_log = _trainer(run, "refused-seq", "--seq-length", "128")

@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 
 from examples.sahajbert.__main__ import main
-from models.corpus import write_corpus
+from models.text.corpus import write_corpus
 from p2p.identity import Identity
 
 pytestmark = pytest.mark.timeout(1800)

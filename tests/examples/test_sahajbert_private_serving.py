@@ -14,9 +14,9 @@ import pytest
 from dedloc_jax import Collaboration, CollaborationConfig, access
 from examples.sahajbert import manifest, trainer
 from examples.sahajbert.config import TrainerConfig
-from models.corpus import write_corpus
-from models.sources import read_local_documents
-from models.tokenizer import train_tokenizer
+from models.text.corpus import write_corpus
+from models.text.sources import read_local_documents
+from models.text.tokenizer import train_tokenizer
 from p2p.identity import Identity
 
 pytestmark = pytest.mark.timeout(300)

@@ -299,7 +299,7 @@ def test_each_peer_draws_its_own_dropout_seeds() -> None:
     import numpy as np
 
     from examples.sahajbert import training
-    from models.data import TokenizedCorpus
+    from models.text.data import TokenizedCorpus
 
     cfg = TrainerConfig.demo().replace(per_device_batch_size=2, grad_accumulation=3)
     rng = np.random.default_rng(0)

@@ -33,7 +33,7 @@ from p2p.mux import (
 from p2p.secure import secure_outbound
 from p2p.testing import SimNetwork, open_sim_nodes, run_sim
 
-FAST = NodeConfig.testing().with_(handshake_timeout=1.0, frame_timeout=1.0, header_timeout=1.0)
+FAST = NodeConfig.testing().replace(handshake_timeout=1.0, frame_timeout=1.0, header_timeout=1.0)
 
 
 async def echo(ctx: CallContext, request: Any) -> Any:
@@ -146,7 +146,7 @@ def test_garbage_mux_frames_after_a_valid_handshake(caplog: pytest.LogCaptureFix
 
 def test_oversized_and_malformed_messages_reset_only_their_stream() -> None:
     async def main() -> None:
-        async with open_node(config=FAST.with_(max_message_size=1000)) as node:
+        async with open_node(config=FAST.replace(max_message_size=1000)) as node:
             node.add_handler("echo", echo)
             raw = await raw_tcp(node)
             channel = await secure_outbound(raw, Identity.generate(), node.peer_id)
@@ -226,7 +226,7 @@ def test_silent_connections_are_dropped_in_virtual_time(caplog: pytest.LogCaptur
 
 
 def test_too_many_streams_from_one_peer() -> None:
-    config = FAST.with_(max_streams_per_connection=4)
+    config = FAST.replace(max_streams_per_connection=4)
 
     async def main() -> None:
         async with open_node(config=config) as node:

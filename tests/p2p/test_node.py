@@ -287,7 +287,7 @@ def test_nodes_ask_the_allocator_to_keep_freed_memory_once_unless_told_not_to(
     monkeypatch.setattr(p2p.node, "_allocator_settled", False)
 
     async def main() -> None:
-        opted_out = NodeConfig.testing().with_(retain_freed_memory=False)
+        opted_out = NodeConfig.testing().replace(retain_freed_memory=False)
         async with open_node(config=opted_out, listen=()):
             pass
         assert calls == []

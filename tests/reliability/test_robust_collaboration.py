@@ -102,7 +102,7 @@ def test_repair_of_a_dead_reducers_share_is_robust_too() -> None:
         net.kill(host_of(net, nodes[1]))
         scopes[1].cancel()
 
-    cfg = AllReduceConfig.testing().with_(chunk_elems=chunk, robust_tau=tau)
+    cfg = AllReduceConfig.testing().replace(chunk_elems=chunk, robust_tau=tau)
     outcome, _, names = run_round(
         ["node"] * 5,
         [{"g": v} for v in vecs],

@@ -83,7 +83,7 @@ def test_shares_follow_bandwidth_and_beat_an_equal_split_in_simulated_time():
     members = [Member(f"p{i}", "node", *bw) for i, bw in enumerate(bandwidth)]
     lp = solve_shares(members)
     assert lp.fractions[0] <= lp.fractions[1] < lp.fractions[2] < lp.fractions[3]
-    cfg = AllReduceConfig.testing().with_(chunk_elems=1 << 14, stall_timeout=20.0)
+    cfg = AllReduceConfig.testing().replace(chunk_elems=1 << 14, stall_timeout=20.0)
     durations = {}
     for label, parts in (("lp", lp.parts), ("equal", fractions_to_parts(equal_split(members)))):
         outcome, durations[label], names = run_round(
@@ -257,7 +257,7 @@ def test_the_ack_never_overlaps_a_send_that_returns_late(monkeypatch):
     modes = ["node", "node", "client"]
     trees = [make_tree(rng, [(30, 50), (700,)]) for _ in modes]
     weights = [1.0, 2.0, 3.0]
-    cfg = AllReduceConfig.testing().with_(chunk_elems=512, stall_timeout=5.0)  # 2 parts a share
+    cfg = AllReduceConfig.testing().replace(chunk_elems=512, stall_timeout=5.0)  # 2 parts a share
     outcome, _, names = run_round(modes, trees, weights, timeout=60, config=cfg)
     results = check_survivors(outcome, trees, weights, names)
     assert len(results) == 3, outcome

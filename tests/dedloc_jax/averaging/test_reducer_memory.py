@@ -21,7 +21,7 @@ def test_reducer_holds_at_most_its_window_of_chunks(monkeypatch, codec):
         held.append((len(self.enc), len(self.acc)))
 
     monkeypatch.setattr(Reducer, "_finalise", spy)
-    config = AllReduceConfig.testing().with_(window_chunks=4)
+    config = AllReduceConfig.testing().replace(window_chunks=4)
     rng = np.random.default_rng(0)
     trees = [make_tree(rng, [(16 * 300,)]) for _ in range(4)]
     weights = [1.0, 2.0, 3.0, 4.0]

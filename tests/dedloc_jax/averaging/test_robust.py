@@ -76,7 +76,7 @@ def _scaled_round(robust_tau: float | None) -> tuple[np.ndarray, np.ndarray, lis
     vecs = [truth + 0.05 * rng.standard_normal(dim).astype(np.float32) for _ in range(5)]
     honest_mean = np.mean(np.asarray(vecs[:4], np.float64), axis=0)
     vecs[4] = vecs[4] * np.float32(1e4)  # peer 4 sends a scaled gradient
-    cfg = AllReduceConfig.testing().with_(robust_tau=robust_tau and tau)
+    cfg = AllReduceConfig.testing().replace(robust_tau=robust_tau and tau)
     outcome, _, _ = run_round(["node"] * 5, [{"g": v} for v in vecs], [1.0] * 5, config=cfg)
     results = [o for o in outcome if not isinstance(o, Exception)]
     assert len(results) == 5, outcome

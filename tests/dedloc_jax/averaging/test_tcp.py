@@ -37,7 +37,7 @@ def test_round_over_tcp_with_a_client_is_exact_and_identical():
     trees = [make_tree(rng, [(64, 33), (1000,)]) for _ in modes]
     weights = [1.0, 2.0, 3.0, 4.0]
     outcome: list = [None] * len(modes)
-    cfg = AllReduceConfig.testing().with_(chunk_elems=512, stall_timeout=10.0)
+    cfg = AllReduceConfig.testing().replace(chunk_elems=512, stall_timeout=10.0)
 
     async def main() -> list[str]:
         async with AsyncExitStack() as stack:
@@ -73,7 +73,7 @@ def test_peer_leaving_mid_round_over_tcp_leaves_identical_results():
     trees = [make_tree(rng, [(1024, 1024)]) for _ in modes]
     weights = [1.0, 1.0, 1.0]
     outcome: list = [None] * len(modes)
-    cfg = AllReduceConfig.testing().with_(chunk_elems=1 << 15, stall_timeout=10.0)
+    cfg = AllReduceConfig.testing().replace(chunk_elems=1 << 15, stall_timeout=10.0)
     victim_identity = Identity.from_seed(b"tcp-test/victim")
 
     async def main() -> list[str]:

@@ -17,7 +17,7 @@ from p2p.testing import sim_identity
 
 # Long refresh/republish intervals keep background lookups out of the way of what a test
 # measures; tests of maintenance override them.
-TEST_CONFIG = DHTConfig.fast().with_(refresh_interval=3600.0, republish_interval=3600.0)
+TEST_CONFIG = DHTConfig.fast().replace(refresh_interval=3600.0, republish_interval=3600.0)
 
 
 @dataclass

@@ -8,7 +8,7 @@ from p2p.testing import run_sim
 
 from .swarm import TEST_CONFIG, dht_swarm
 
-CONFIG = TEST_CONFIG.with_(locate_ttl=10.0)
+CONFIG = TEST_CONFIG.replace(locate_ttl=10.0)
 
 
 def test_a_frequent_writer_skips_the_lookup_until_a_target_fails_or_the_ttl_ends() -> None:

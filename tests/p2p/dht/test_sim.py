@@ -344,7 +344,7 @@ def test_new_nodes_receive_values_they_are_now_nearest_to() -> None:
 
 
 def test_republish_restores_lost_replicas_and_gets_cache_along_the_path() -> None:
-    config = TEST_CONFIG.with_(
+    config = TEST_CONFIG.replace(
         replication=3, get_quorum=0, republish_interval=30.0, maintenance_interval=10.0
     )
 

@@ -40,10 +40,10 @@ def vector(index: int, size: int) -> np.ndarray:
 
 
 async def serve(args: argparse.Namespace) -> None:
-    cfg = NodeConfig.testing().with_(call_timeout=60.0, idle_timeout=120.0)
-    relay = RelayConfig.default().with_(max_circuit_bytes=args.relay_bytes)
+    cfg = NodeConfig.testing().replace(call_timeout=60.0, idle_timeout=120.0)
+    relay = RelayConfig.default().replace(max_circuit_bytes=args.relay_bytes)
     punch = HolePunchConfig(auto=True, attempts=2, connect_timeout=2.0) if args.punch else None
-    nat_cfg = NATConfig.default().with_(
+    nat_cfg = NATConfig.default().replace(
         autonat=AutoNATConfig.testing(), relay=relay, hole_punching=punch
     )
     identity = Identity.from_seed(f"netns-avg/{args.index}".encode())

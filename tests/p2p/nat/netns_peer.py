@@ -58,10 +58,10 @@ def commands() -> tuple[trio.MemoryReceiveChannel, Callable[[], Awaitable[None]]
 
 async def serve(args: argparse.Namespace) -> None:
     marker = bytes.fromhex(args.marker)
-    cfg = NodeConfig.testing().with_(call_timeout=30.0, idle_timeout=60.0)
+    cfg = NodeConfig.testing().replace(call_timeout=30.0, idle_timeout=60.0)
     # short timeouts: the routers drop unsolicited SYNs, so failed dial-backs and punches
     # end by timing out
-    nat_cfg = NATConfig.default().with_(
+    nat_cfg = NATConfig.default().replace(
         autonat=AutoNATConfig.testing(),
         hole_punching=HolePunchConfig(auto=False, attempts=2, connect_timeout=2.0),
     )

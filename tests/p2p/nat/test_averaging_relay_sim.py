@@ -44,13 +44,15 @@ def test_nated_peers_average_bit_identically_through_a_renewed_relay():
                         sim_identity(net, i),
                         transport=host.transport,
                         listen=[host.listen_addr],
-                        config=NodeConfig.testing().with_(call_timeout=60.0),
+                        config=NodeConfig.testing().replace(call_timeout=60.0),
                     )
                 )
                 install(node)
                 nodes.append(node)
             relay, a, b = nodes
-            limits = RelayConfig.testing().with_(max_circuit_bytes=4 << 20, max_circuits_per_peer=4)
+            limits = RelayConfig.testing().replace(
+                max_circuit_bytes=4 << 20, max_circuits_per_peer=4
+            )
             service = RelayService(relay, limits)
             service.register()
             for n in (a, b):

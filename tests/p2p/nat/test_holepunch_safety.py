@@ -30,8 +30,8 @@ def test_local_ip_is_a_bound_listen_address_never_an_announced_one() -> None:
 
 def test_punch_from_an_announced_public_address_keeps_the_node_and_the_relay() -> None:
     async def main() -> None:
-        public = NATConfig.testing().with_(force_reachability=Reachability.PUBLIC)
-        private = NATConfig.testing().with_(force_reachability=Reachability.PRIVATE)
+        public = NATConfig.testing().replace(force_reachability=Reachability.PUBLIC)
+        private = NATConfig.testing().replace(force_reachability=Reachability.PRIVATE)
         async with (
             open_node() as relay,
             open_nat(relay, config=public),

@@ -33,7 +33,7 @@ def _outcome(keepalive: float | None) -> dict:
 
     async def main():
         net = SimNetwork(seed=3)
-        config = NodeConfig.testing().with_(keepalive_interval=keepalive, idle_timeout=3600.0)
+        config = NodeConfig.testing().replace(keepalive_interval=keepalive, idle_timeout=3600.0)
         async with trio.open_nursery() as nursery, AsyncExitStack() as stack:
 
             async def node(i: int, *, reachable: bool, mapping: float | None = None):
@@ -102,7 +102,7 @@ def test_a_connection_that_stops_answering_pings_is_closed():
 
     async def main():
         net = SimNetwork(seed=4)
-        config = NodeConfig.testing().with_(
+        config = NodeConfig.testing().replace(
             keepalive_interval=300.0, keepalive_timeout=60.0, idle_timeout=3600.0
         )
         async with AsyncExitStack() as stack:

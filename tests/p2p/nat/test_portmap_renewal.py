@@ -71,7 +71,7 @@ def test_a_refusing_router_leaves_the_node_unmapped_with_the_reason() -> None:
         router = FakeRouter(result=2)
         async with trio.open_nursery() as nursery:
             port = await nursery.start(router.serve)
-            mapper = PortMapper(4001, _config(port, lease=60).with_(attempts=2))
+            mapper = PortMapper(4001, _config(port, lease=60).replace(attempts=2))
             await nursery.start(mapper.run)
             assert mapper.mapping is None and "not authorized" in (mapper.last_error or "")
             assert len(router.requests) == 2  # our port, then one random one

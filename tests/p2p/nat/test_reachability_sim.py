@@ -70,9 +70,9 @@ def test_public_and_private_peers_are_told_apart():
 
 def test_unreachable_peer_without_relay_becomes_a_dht_client():
     async def body(w: World):
-        no_relay = NATConfig.testing().with_(offer_relay=False)
+        no_relay = NATConfig.testing().replace(offer_relay=False)
         boot = await w.node(reachable=True)
-        boot_nat = await w.nat(boot, [], config=no_relay.with_(force_reachability="public"))
+        boot_nat = await w.nat(boot, [], config=no_relay.replace(force_reachability="public"))
         assert boot_nat.reachability is Reachability.PUBLIC
         helpers = [await w.node(reachable=True) for _ in range(2)]
         for h in helpers:
@@ -111,11 +111,11 @@ def test_unreachable_peer_without_relay_becomes_a_dht_client():
 def test_forced_client_mode_and_forced_verdict_skip_detection():
     async def body(w: World):
         boot = await w.node(reachable=True)
-        await w.nat(boot, [], config=NATConfig.testing().with_(force_reachability="public"))
-        forced = NATConfig.testing().with_(force_client_mode=True)
+        await w.nat(boot, [], config=NATConfig.testing().replace(force_reachability="public"))
+        forced = NATConfig.testing().replace(force_client_mode=True)
         nat = await w.nat(await w.node(reachable=True), [boot], config=forced)
         assert nat.role is Role.CLIENT and nat.client_mode
-        told = NATConfig.testing().with_(force_reachability=Reachability.PRIVATE, max_relays=1)
+        told = NATConfig.testing().replace(force_reachability=Reachability.PRIVATE, max_relays=1)
         hidden_nat = await w.nat(await w.node(reachable=True), [boot], config=told)
         # forced private (though reachable): it went for a relay instead of probing
         assert hidden_nat.reachability is Reachability.PRIVATE
@@ -159,12 +159,14 @@ def test_verdict_follows_a_change_of_reachability():
 def test_relays_and_relayed_addresses_are_found_through_the_dht():
     async def body(w: World):
         boot = await w.node(reachable=True)
-        await w.nat(boot, [], config=NATConfig.testing().with_(force_reachability="public"))
+        await w.nat(boot, [], config=NATConfig.testing().replace(force_reachability="public"))
         boot_dht = await w.stack.enter_async_context(open_dht(boot, config=DHTConfig.fast()))
         assert await advertise_relay(boot_dht, boot)
 
         hidden = await w.node(reachable=False)
-        nat = await w.nat(hidden, [boot], relays=[], config=NATConfig.testing().with_(max_relays=0))
+        nat = await w.nat(
+            hidden, [boot], relays=[], config=NATConfig.testing().replace(max_relays=0)
+        )
         assert nat.role is Role.CLIENT
         dht = await w.stack.enter_async_context(
             open_dht(
@@ -173,13 +175,13 @@ def test_relays_and_relayed_addresses_are_found_through_the_dht():
         )
         relays = await find_relays(dht)
         assert relays == [boot.addrs[0]]
-        nat.config = nat.config.with_(max_relays=1)
+        nat.config = nat.config.replace(max_relays=1)
         assert await nat.ensure_relays(relays) == 1
         assert nat.role is Role.RELAYED
         assert await publish_addrs(dht, hidden)
 
         other = await w.node(reachable=False)
-        await w.nat(other, [boot], config=NATConfig.testing().with_(max_relays=0))
+        await w.nat(other, [boot], config=NATConfig.testing().replace(max_relays=0))
         other_dht = await w.stack.enter_async_context(
             open_dht(
                 other, initial_peers=[boot.addrs[0]], config=DHTConfig.fast(), client_mode=True
@@ -197,21 +199,21 @@ def test_the_nat_manager_keeps_the_dht_in_step_with_its_role():
     async def body(w: World):
         boot = await w.node(reachable=True)
         boot_nat = await w.nat(
-            boot, [], config=NATConfig.testing().with_(force_reachability="public")
+            boot, [], config=NATConfig.testing().replace(force_reachability="public")
         )
         boot_dht = await w.stack.enter_async_context(open_dht(boot, config=DHTConfig.fast()))
         boot_nat.use_dht(boot_dht)  # advertises itself as a relay
 
         # a private node that was given no relay and tried none (max_relays=0 at first)
         hidden = await w.node(reachable=False)
-        nat = await w.nat(hidden, [boot], config=NATConfig.testing().with_(max_relays=0))
+        nat = await w.nat(hidden, [boot], config=NATConfig.testing().replace(max_relays=0))
         assert nat.role is Role.CLIENT
         dht = await w.stack.enter_async_context(
             open_dht(
                 hidden, initial_peers=[boot.addrs[0]], config=DHTConfig.fast(), client_mode=True
             )
         )
-        nat.config = nat.config.with_(max_relays=1)
+        nat.config = nat.config.replace(max_relays=1)
         nat.use_dht(dht)  # finds the advertised relay, reserves, publishes its relayed address
         with trio.fail_after(30):
             while nat.role is not Role.RELAYED:
@@ -244,7 +246,7 @@ def test_each_observation_round_asks_a_few_connected_peers_in_turn():
             return await call(peer, name, request, **kwargs)
 
         node.call = spy
-        config = NATConfig.testing().with_(observers=4, force_reachability="public")
+        config = NATConfig.testing().replace(observers=4, force_reachability="public")
         nat = await w.nat(node, [], config=config, background=False)
         rounds = []
         for _ in range(3):

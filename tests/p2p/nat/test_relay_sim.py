@@ -106,7 +106,7 @@ def test_two_unreachable_peers_talk_end_to_end_through_a_relay():
 def test_bulk_data_crosses_a_circuit_intact():
     async def body(lab: Lab):
         relay, service = await lab.relay(
-            config=RelayConfig.testing().with_(max_circuit_bytes=64 << 20)
+            config=RelayConfig.testing().replace(max_circuit_bytes=64 << 20)
         )
         a = await lab.private(relay)
         b = await lab.private(relay)
@@ -134,7 +134,7 @@ def test_bulk_data_crosses_a_circuit_intact():
 
 def test_relay_refuses_reservations_past_its_limit():
     async def body(lab: Lab):
-        relay, service = await lab.relay(config=RelayConfig.testing().with_(max_reservations=1))
+        relay, service = await lab.relay(config=RelayConfig.testing().replace(max_reservations=1))
         await lab.private(relay)
         late = await lab.private()
         with pytest.raises(RelayRefused, match="reservation limit reached"):
@@ -148,7 +148,7 @@ def test_relay_refuses_reservations_past_its_limit():
 def test_relay_refuses_circuits_past_the_per_peer_limit_and_unknown_targets():
     async def body(lab: Lab):
         relay, service = await lab.relay(
-            config=RelayConfig.testing().with_(max_circuits_per_peer=1)
+            config=RelayConfig.testing().replace(max_circuits_per_peer=1)
         )
         target = await lab.private(relay)
         addr = circuit_addr(relay.addrs[0], target.peer_id)
@@ -170,7 +170,7 @@ def test_relay_refuses_circuits_past_the_per_peer_limit_and_unknown_targets():
 def test_circuit_past_its_byte_budget_is_closed():
     async def body(lab: Lab):
         relay, service = await lab.relay(
-            config=RelayConfig.testing().with_(max_circuit_bytes=200_000)
+            config=RelayConfig.testing().replace(max_circuit_bytes=200_000)
         )
         a = await lab.private(relay)
         attach(a).renew_at = None  # the relay's cut itself (one stream cannot change circuits)
@@ -196,7 +196,7 @@ def test_circuit_past_its_byte_budget_is_closed():
 
 def test_circuit_past_its_duration_is_closed():
     async def body(lab: Lab):
-        cfg = RelayConfig.testing().with_(max_circuit_duration=30.0)
+        cfg = RelayConfig.testing().replace(max_circuit_duration=30.0)
         relay, service = await lab.relay(config=cfg)
         a = await lab.private(relay)
         attach(a).renew_at = None  # the relay's cut itself (one stream cannot change circuits)
@@ -263,7 +263,7 @@ def test_circuits_arrive_only_from_relays_we_hold_a_reservation_on():
 
 def test_reservations_are_renewed_without_losing_the_relayed_address():
     async def body(lab: Lab):
-        relay, service = await lab.relay(config=RelayConfig.testing().with_(reservation_ttl=30.0))
+        relay, service = await lab.relay(config=RelayConfig.testing().replace(reservation_ttl=30.0))
         b = await lab.private(relay)
         ct = b.circuit_transport
         lost = []
@@ -295,7 +295,7 @@ def test_circuits_are_renewed_before_the_relay_cuts_them(renew):
     its duration) by a new one, so no call ever meets the relay's cut."""
 
     async def body(lab: Lab):
-        cfg = RelayConfig.testing().with_(max_circuit_bytes=4 << 20, max_circuit_duration=60.0)
+        cfg = RelayConfig.testing().replace(max_circuit_bytes=4 << 20, max_circuit_duration=60.0)
         relay, service = await lab.relay(config=cfg)
         a = await lab.private(relay)
         if not renew:

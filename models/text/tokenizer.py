@@ -2,7 +2,7 @@
 
 The pipeline (normaliser, pre-tokeniser, decoder, post-processor and special-token ids) follows
 the published sahajBERT tokenizer; only the training text differs (here: whatever the caller
-passes, by default the synthetic corpus of :mod:`models.corpus`). The result is saved as a
+passes, by default the synthetic corpus of :mod:`models.text.corpus`). The result is saved as a
 transformers fast tokenizer so ``AutoTokenizer.from_pretrained(out_dir)`` loads it.
 
 The visarga rule uses a regex look-behind, ``(?<=[\\u0980-\\u09ff]):``. The ``tokenizers`` Regex

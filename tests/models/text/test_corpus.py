@@ -6,7 +6,7 @@ from collections import Counter
 
 import pytest
 
-from models.corpus import (
+from models.text.corpus import (
     CLOSING,
     CONNECTIVES,
     NCC_LABELS,
@@ -20,8 +20,8 @@ from models.corpus import (
     generate_ner_examples,
     write_corpus,
 )
-from models.data import split_sentences
-from models.sources import read_local_documents
+from models.text.data import split_sentences
+from models.text.sources import read_local_documents
 
 
 @pytest.fixture(scope="module")
@@ -145,7 +145,7 @@ def test_ner_entities_come_from_the_lexicons():
         "ORG": {o.split()[0] for t in TOPICS for o in t.orgs},
         "LOC": {p.split()[0] for t in TOPICS for p in t.places},
     }
-    from models.corpus import FIRST_NAMES
+    from models.text.corpus import FIRST_NAMES
 
     first_words["PER"] = set(FIRST_NAMES)
     for tokens, tags in generate_ner_examples(200, seed=9):

@@ -5,8 +5,8 @@ import sys
 import numpy as np
 import pytest
 
-from models.corpus import generate_documents, write_corpus
-from models.data import (
+from models.text.corpus import generate_documents, write_corpus
+from models.text.data import (
     BATCH_KEYS,
     IGNORE_INDEX,
     PretrainingConfig,
@@ -21,8 +21,8 @@ from models.data import (
     tokenize_corpus,
     truncate_pair,
 )
-from models.sources import SourceUnavailableError, iter_local_documents, stream_hf_documents
-from models.tokenizer import CLS_ID, MASK_ID, NUM_SPECIAL, PAD_ID, SEP_ID, train_tokenizer
+from models.text.sources import SourceUnavailableError, iter_local_documents, stream_hf_documents
+from models.text.tokenizer import CLS_ID, MASK_ID, NUM_SPECIAL, PAD_ID, SEP_ID, train_tokenizer
 
 SEQ = 64
 BATCH = 16

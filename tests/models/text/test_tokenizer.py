@@ -5,8 +5,8 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-from models.corpus import generate_documents, write_corpus
-from models.tokenizer import (
+from models.text.corpus import generate_documents, write_corpus
+from models.text.tokenizer import (
     MODEL_MAX_LENGTH,
     SPECIAL_TOKENS,
     build_normalizer,

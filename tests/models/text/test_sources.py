@@ -9,9 +9,9 @@ import itertools
 import numpy as np
 import pytest
 
-from models.corpus import generate_documents
-from models.data import PretrainingConfig, streaming_batches
-from models.sources import (
+from models.text.corpus import generate_documents
+from models.text.data import PretrainingConfig, streaming_batches
+from models.text.sources import (
     SAHAJBERT_SOURCES,
     DocumentLayout,
     SourceKind,
@@ -20,7 +20,7 @@ from models.sources import (
     sample_documents,
     stream_documents,
 )
-from models.tokenizer import train_tokenizer
+from models.text.tokenizer import train_tokenizer
 
 
 def _text(tmp_path, name, docs, layout="line"):

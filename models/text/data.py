@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from models.tokenizer import (
+from models.text.tokenizer import (
     CLS_ID,
     MASK_ID,
     NUM_SPECIAL,
