@@ -746,7 +746,7 @@ async def open_collaboration(
             forced = {"client": True, "node": False, "aux": False}.get(mode or "")
             nat_config = nat_config or NATConfig()
             if forced is not None:
-                nat_config = nat_config.with_(force_client_mode=forced)
+                nat_config = nat_config.replace(force_client_mode=forced)
             if not config.port_mapping:
                 nat_config = nat_config.replace(port_mapping=None)
             nat = await stack.enter_async_context(

@@ -59,7 +59,7 @@ class Forwarder:
 
 
 def _config(keepalive: bool) -> NodeConfig:
-    return NodeConfig().with_(
+    return NodeConfig().replace(
         keepalive_interval=INTERVAL if keepalive else None,
         keepalive_timeout=TIMEOUT,
         idle_timeout=600.0,  # idle closing must not be what ends (or keeps) anything here

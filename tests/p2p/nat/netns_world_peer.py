@@ -104,11 +104,11 @@ async def serve(args: argparse.Namespace) -> None:
     config = CollaborationConfig.local_demo(args.target).replace(
         measure_links=False, averaging_timeout=120.0
     )
-    nat_config = NATConfig.default().with_(
+    nat_config = NATConfig.default().replace(
         autonat=AutoNATConfig.testing(), port_mapping=PortMapConfig.testing()
     )
     if args.no_relay:  # as when every relay refuses: no inbound path at all
-        nat_config = nat_config.with_(max_relays=0)
+        nat_config = nat_config.replace(max_relays=0)
     announce = announce_addrs(args.announce, identity.peer_id) if args.announce else []
     async with AsyncExitStack() as stack:
         nursery = await stack.enter_async_context(trio.open_nursery())

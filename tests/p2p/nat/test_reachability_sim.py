@@ -361,7 +361,7 @@ def test_a_dial_back_of_silently_dropped_addresses_answers_failed_within_the_ask
                     )
                 )
             server, hidden = nodes
-            config = AutoNATConfig.testing().with_(dial_timeout=2.0, request_timeout=5.0)
+            config = AutoNATConfig.testing().replace(dial_timeout=2.0, request_timeout=5.0)
             DialBackServer(server, config).register()
             await hidden.connect(server.addrs[0])
             base = str(hidden.addrs[0].transport_part()).rsplit("/", 1)[0]
