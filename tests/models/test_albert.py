@@ -162,6 +162,7 @@ def test_bfloat16_compute_keeps_float32_weights():
     assert abs(float(loss) - float(ref_loss)) < 0.01
 
 
+@pytest.mark.slow
 def test_bfloat16_gradients_agree_with_float32_within_bfloat16_tolerance():
     """Forward and backward in bf16 compute (fp32 master weights) follow the fp32 ones: the
     loss to 1%, every gradient within a tenth of its scale and pointing the same way (cosine

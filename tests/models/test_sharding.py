@@ -81,6 +81,7 @@ TWO_DEVICES = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_two_device_data_parallel_step_matches_single_device():
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
     env["XLA_FLAGS"] = (
