@@ -322,7 +322,7 @@ async def measure_links(
     if not chosen:
         raise ValueError("no peer to probe")
     payload = os.urandom(_PROBE_CHUNK)
-    with trio.fail_after(timeout), _Busy(node):
+    with trio.fail_after(timeout):
         async with AsyncExitStack() as stack:
             streams: list[MessageStream] = []
             for peer in chosen:
@@ -333,11 +333,18 @@ async def measure_links(
                     logger.info("probe partner %s unreachable: %r", peer, e)
             if not streams:
                 raise ValueError("no probe partner answered")
-            uploads = streams[: max(1, upload_peers)]
-            each_up = max(1, min(MAX_PROBE_BYTES, nbytes // len(uploads)))
+            # Busy (declining others' probes) only while our transfers run: busy while it
+            # dialed its partners too, a node that probed was busy most of the time, and at
+            # the start of a 12-peer run 101 of 112 probes found every partner busy.
+            stack.enter_context(_Busy(node))
+            uploaders = max(1, min(upload_peers, len(streams)))
+            each_up = max(1, min(MAX_PROBE_BYTES, nbytes // uploaders))
             alive: list[MessageStream] = []
-            for i, ms in enumerate(streams):
-                size = each_up if i < len(uploads) else 0
+            uploaded = 0
+            for ms in streams:
+                # The upload goes to the first partners that accept (a busy one is skipped):
+                # by position, a busy first partner left the uplink unmeasured.
+                size = each_up if uploaded < uploaders else 0
                 try:
                     seconds = await _upload(ms, size, payload)
                 except (P2PError, ValueError) as e:  # this partner is left out
@@ -345,6 +352,7 @@ async def measure_links(
                     continue
                 alive.append(ms)
                 if size:
+                    uploaded += 1
                     meter.record("up", size, seconds)
             streams = alive
             if not streams:
