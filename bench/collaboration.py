@@ -55,12 +55,15 @@ import logging
 import random
 import statistics
 import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
 import numpy as np
 import trio
 
-from dedloc_jax.averaging import Member, solve_shares
+from dedloc_jax.averaging import AllReduceConfig, Member, install, solve_shares
+from dedloc_jax.averaging.bandwidth import UNMEASURED_DOWNLOAD_BPS, UNMEASURED_UPLOAD_BPS
 from dedloc_jax.collaboration import CollaborationCore, open_collaboration
 from dedloc_jax.config import CollaborationConfig
 from p2p.dht import DHTClock, DHTConfig
@@ -136,6 +139,7 @@ async def _peer(
     ending: trio.Event,
     overlap: bool,
     probe_bytes: int,
+    scale: int,
 ) -> None:
     host = net.add_host(
         stats.name,
@@ -152,6 +156,7 @@ async def _peer(
             listen=listen,
             config=NodeConfig.bulk(),
         ) as node,
+        _scaled_averaging(node, scale),
         open_collaboration(
             node,
             "sahajbert-sim",
@@ -173,6 +178,18 @@ async def _peer(
                 nursery.cancel_scope.cancel()
         finally:
             stats.links = core._bandwidth()
+
+
+@asynccontextmanager
+async def _scaled_averaging(node: object, scale: int) -> AsyncIterator[None]:
+    """The all-reduce's chunks ``scale`` times smaller, like the vector: each chunk then takes
+    the time it would take at full size over the full-speed links, so that stall detection
+    (``AllReduceConfig.stall_timeout``, per chunk) sees what a real run would. (Unscaled, a
+    12-peer run's parts were single chunks of 30 KB that took 26 s on a 100x slower 10 Mbit/s
+    uplink shared by 11 streams, and reducers excluded their senders as stalled.)"""
+    base = AllReduceConfig.internet()
+    install(node, base.with_(chunk_elems=max(16, base.chunk_elems // scale)))
+    yield
 
 
 async def _train(
@@ -256,7 +273,14 @@ def simulate(
     rng = random.Random(args.seed)
     peers = _draw_peers(args.peers, rng, args.payload_scale)
     target = target or args.target
-    config = config or CollaborationConfig(target_batch_size=target, codec=codec, max_refresh=5.0)
+    # An unmeasured link counts as a slow home link, slowed like every link by the scale.
+    config = config or CollaborationConfig(
+        target_batch_size=target,
+        codec=codec,
+        max_refresh=5.0,
+        unmeasured_upload_bps=UNMEASURED_UPLOAD_BPS / args.payload_scale,
+        unmeasured_download_bps=UNMEASURED_DOWNLOAD_BPS / args.payload_scale,
+    )
     sent: list[int] = []
     probe_bytes = max(64 << 10, (4 << 20) // args.payload_scale)
     actual = max(1, args.params // args.payload_scale)
@@ -288,6 +312,7 @@ def simulate(
                         ending,
                         overlap,
                         probe_bytes,
+                        args.payload_scale,
                     )
 
             await nursery.start(_started, start, peers[0], 0)
