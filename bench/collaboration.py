@@ -288,7 +288,10 @@ def simulate(
     vector.setflags(write=False)
 
     async def run() -> list[PeerStats]:
-        net = SimNetwork(seed=args.seed)
+        # Socket buffers hold as many seconds of a link as at full scale: unscaled, 512 KB
+        # queued ahead of a new stream's first frame took 5-40 s on the 100x slower links,
+        # and reducers excluded senders whose streams were still opening.
+        net = SimNetwork(seed=args.seed, buffer_bytes=max(4096, (512 << 10) // args.payload_scale))
         first: list[str] = []
         done = trio.Event()
         ending = trio.Event()  # a peer's round of the last epoch ended
