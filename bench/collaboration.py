@@ -29,14 +29,18 @@ bytes count 1/S and the DHT's do not, so the ratio is then understated.
 Payload scale (``--payload-scale S``): the simulator moves, encrypts and reduces real bytes,
 which costs CPU in proportion to the vector. With S > 1 the peers average ``params / S``
 values over links S times slower, so every transfer of the averaging takes the time it would
-take with the full vector; what is not faithful is that the (small) DHT and matchmaking
-messages also travel S times slower. The JSON says ``simulated_params`` (the model the times
+take with the full vector; the all-reduce's chunks, the socket buffers, the link probe and the
+rate an unmeasured link counts as are S times smaller too, so that each takes the time it
+would at full scale. What is not faithful is that the (small) DHT, matchmaking and connection
+set-up messages also travel S times slower. The JSON says ``simulated_params`` (the model the times
 stand for) and ``actual_params`` (the vector moved).
 
 Reported (last line, JSON), per run: ``complete_fraction`` (epochs whose averaging gave every
 peer that took part the mean of all it expected), ``averaged_fraction`` (peer-epochs whose step
 averaged with at least one other peer), ``compute_fraction`` (mean over peers of time computing
 toward epochs that averaged / time in the run; ``raw_compute_fraction`` counts all computing),
+``compute_ceiling`` (the most a peer can compute when every round takes the LP's bound:
+computing / (computing + bound) blocking, computing / max(computing, bound) with overlap),
 ``bandwidth_error`` (median relative error of the links the LP got against the true ones;
 peers probe their links on joining, ``keep_links_measured``) and ``epoch_time_ratio`` (mean
 epoch time / ideal, where ideal = target / summed throughput + the averaging time that is not
@@ -374,7 +378,8 @@ def simulate(
     print(
         f"complete rounds {figures['complete_fraction']}, averaged peer-epochs "
         f"{figures['averaged_fraction']}, compute fraction {figures['compute_fraction']} "
-        f"(raw {figures['raw_compute_fraction']}), bandwidth error {figures['bandwidth_error']}"
+        f"(raw {figures['raw_compute_fraction']}; at most {figures['compute_ceiling']} with "
+        f"every round at the LP bound), bandwidth error {figures['bandwidth_error']}"
     )
     print(
         f"{sent[0]:,} bytes sent for {processed:,} samples: {figures['bytes_per_sample']} B/sample"
@@ -416,6 +421,8 @@ def outcome_figures(
     * ``compute_fraction``: per peer, time computing toward epochs whose step averaged over
       its time in the run, mean over peers (the epoch the run's end or the peer's leaving cut
       off counts on neither side; ``raw_compute_fraction`` counts all computing);
+    * ``compute_ceiling``: the compute fraction when every round takes the LP's bound (the
+      most any run can reach on these links);
     * ``bandwidth_error``: median relative error of the links the LP got against the true ones;
     * ``epoch_time_ratio``: mean epoch time over an ideal of computing the target at the
       summed throughput plus the averaging time that is not hidden (all of the LP bound when
@@ -451,6 +458,11 @@ def outcome_figures(
     lp_bound = solve_shares(members).lower_bound(vector_bytes)
     computing = target / total_rate
     ideal = computing + (max(0.0, lp_bound - computing) if overlap else lp_bound)
+    # The most of its time a peer can compute when every round takes the LP's bound: blocking
+    # stops computing for all of it; with overlap only what exceeds an epoch's computing.
+    ceiling = (
+        computing / (computing + lp_bound) if not overlap else computing / max(computing, lp_bound)
+    )
     mean_epoch = statistics.mean(epoch_times) if epoch_times else float("nan")
     contributed: dict[int, int] = {}
     for o in outcomes:
@@ -464,6 +476,7 @@ def outcome_figures(
         "complete_fraction": share(complete),
         "averaged_fraction": share(averaged),
         "compute_fraction": round(statistics.mean(useful), 4) if useful else None,
+        "compute_ceiling": round(ceiling, 4),
         "min_compute_fraction": round(min(useful), 4) if useful else None,
         "raw_compute_fraction": round(statistics.mean(raw), 4) if raw else None,
         "bandwidth_error": round(statistics.median(errors), 4) if errors else None,
