@@ -29,14 +29,18 @@ bytes count 1/S and the DHT's do not, so the ratio is then understated.
 Payload scale (``--payload-scale S``): the simulator moves, encrypts and reduces real bytes,
 which costs CPU in proportion to the vector. With S > 1 the peers average ``params / S``
 values over links S times slower, so every transfer of the averaging takes the time it would
-take with the full vector; what is not faithful is that the (small) DHT and matchmaking
-messages also travel S times slower. The JSON says ``simulated_params`` (the model the times
+take with the full vector; the all-reduce's chunks, the socket buffers, the link probe and the
+rate an unmeasured link counts as are S times smaller too, so that each takes the time it
+would at full scale. What is not faithful is that the (small) DHT, matchmaking and connection
+set-up messages also travel S times slower. The JSON says ``simulated_params`` (the model the times
 stand for) and ``actual_params`` (the vector moved).
 
 Reported (last line, JSON), per run: ``complete_fraction`` (epochs whose averaging gave every
 peer that took part the mean of all it expected), ``averaged_fraction`` (peer-epochs whose step
 averaged with at least one other peer), ``compute_fraction`` (mean over peers of time computing
 toward epochs that averaged / time in the run; ``raw_compute_fraction`` counts all computing),
+``compute_ceiling`` (the most a peer can compute when every round takes the LP's bound:
+computing / (computing + bound) blocking, computing / max(computing, bound) with overlap),
 ``bandwidth_error`` (median relative error of the links the LP got against the true ones;
 peers probe their links on joining, ``keep_links_measured``) and ``epoch_time_ratio`` (mean
 epoch time / ideal, where ideal = target / summed throughput + the averaging time that is not
@@ -55,12 +59,15 @@ import logging
 import random
 import statistics
 import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
 import numpy as np
 import trio
 
-from dedloc_jax.averaging import Member, solve_shares
+from dedloc_jax.averaging import AllReduceConfig, Member, install, solve_shares
+from dedloc_jax.averaging.bandwidth import UNMEASURED_DOWNLOAD_BPS, UNMEASURED_UPLOAD_BPS
 from dedloc_jax.collaboration import CollaborationCore, open_collaboration
 from dedloc_jax.config import CollaborationConfig
 from p2p.dht import DHTClock, DHTConfig
@@ -136,6 +143,7 @@ async def _peer(
     ending: trio.Event,
     overlap: bool,
     probe_bytes: int,
+    scale: int,
 ) -> None:
     host = net.add_host(
         stats.name,
@@ -152,6 +160,7 @@ async def _peer(
             listen=listen,
             config=NodeConfig.bulk(),
         ) as node,
+        _scaled_averaging(node, scale),
         open_collaboration(
             node,
             "sahajbert-sim",
@@ -173,6 +182,18 @@ async def _peer(
                 nursery.cancel_scope.cancel()
         finally:
             stats.links = core._bandwidth()
+
+
+@asynccontextmanager
+async def _scaled_averaging(node: object, scale: int) -> AsyncIterator[None]:
+    """The all-reduce's chunks ``scale`` times smaller, like the vector: each chunk then takes
+    the time it would take at full size over the full-speed links, so that stall detection
+    (``AllReduceConfig.stall_timeout``, per chunk) sees what a real run would. (Unscaled, a
+    12-peer run's parts were single chunks of 30 KB that took 26 s on a 100x slower 10 Mbit/s
+    uplink shared by 11 streams, and reducers excluded their senders as stalled.)"""
+    base = AllReduceConfig.internet()
+    install(node, base.replace(chunk_elems=max(16, base.chunk_elems // scale)))
+    yield
 
 
 async def _train(
@@ -256,7 +277,14 @@ def simulate(
     rng = random.Random(args.seed)
     peers = _draw_peers(args.peers, rng, args.payload_scale)
     target = target or args.target
-    config = config or CollaborationConfig(target_batch_size=target, codec=codec, max_refresh=5.0)
+    # An unmeasured link counts as a slow home link, slowed like every link by the scale.
+    config = config or CollaborationConfig(
+        target_batch_size=target,
+        codec=codec,
+        max_refresh=5.0,
+        unmeasured_upload_bps=UNMEASURED_UPLOAD_BPS / args.payload_scale,
+        unmeasured_download_bps=UNMEASURED_DOWNLOAD_BPS / args.payload_scale,
+    )
     sent: list[int] = []
     probe_bytes = max(64 << 10, (4 << 20) // args.payload_scale)
     actual = max(1, args.params // args.payload_scale)
@@ -264,7 +292,10 @@ def simulate(
     vector.setflags(write=False)
 
     async def run() -> list[PeerStats]:
-        net = SimNetwork(seed=args.seed)
+        # Socket buffers hold as many seconds of a link as at full scale: unscaled, 512 KB
+        # queued ahead of a new stream's first frame took 5-40 s on the 100x slower links,
+        # and reducers excluded senders whose streams were still opening.
+        net = SimNetwork(seed=args.seed, buffer_bytes=max(4096, (512 << 10) // args.payload_scale))
         first: list[str] = []
         done = trio.Event()
         ending = trio.Event()  # a peer's round of the last epoch ended
@@ -288,6 +319,7 @@ def simulate(
                         ending,
                         overlap,
                         probe_bytes,
+                        args.payload_scale,
                     )
 
             await nursery.start(_started, start, peers[0], 0)
@@ -346,7 +378,8 @@ def simulate(
     print(
         f"complete rounds {figures['complete_fraction']}, averaged peer-epochs "
         f"{figures['averaged_fraction']}, compute fraction {figures['compute_fraction']} "
-        f"(raw {figures['raw_compute_fraction']}), bandwidth error {figures['bandwidth_error']}"
+        f"(raw {figures['raw_compute_fraction']}; at most {figures['compute_ceiling']} with "
+        f"every round at the LP bound), bandwidth error {figures['bandwidth_error']}"
     )
     print(
         f"{sent[0]:,} bytes sent for {processed:,} samples: {figures['bytes_per_sample']} B/sample"
@@ -388,6 +421,8 @@ def outcome_figures(
     * ``compute_fraction``: per peer, time computing toward epochs whose step averaged over
       its time in the run, mean over peers (the epoch the run's end or the peer's leaving cut
       off counts on neither side; ``raw_compute_fraction`` counts all computing);
+    * ``compute_ceiling``: the compute fraction when every round takes the LP's bound (the
+      most any run can reach on these links);
     * ``bandwidth_error``: median relative error of the links the LP got against the true ones;
     * ``epoch_time_ratio``: mean epoch time over an ideal of computing the target at the
       summed throughput plus the averaging time that is not hidden (all of the LP bound when
@@ -423,6 +458,11 @@ def outcome_figures(
     lp_bound = solve_shares(members).lower_bound(vector_bytes)
     computing = target / total_rate
     ideal = computing + (max(0.0, lp_bound - computing) if overlap else lp_bound)
+    # The most of its time a peer can compute when every round takes the LP's bound: blocking
+    # stops computing for all of it; with overlap only what exceeds an epoch's computing.
+    ceiling = (
+        computing / (computing + lp_bound) if not overlap else computing / max(computing, lp_bound)
+    )
     mean_epoch = statistics.mean(epoch_times) if epoch_times else float("nan")
     contributed: dict[int, int] = {}
     for o in outcomes:
@@ -436,6 +476,7 @@ def outcome_figures(
         "complete_fraction": share(complete),
         "averaged_fraction": share(averaged),
         "compute_fraction": round(statistics.mean(useful), 4) if useful else None,
+        "compute_ceiling": round(ceiling, 4),
         "min_compute_fraction": round(min(useful), 4) if useful else None,
         "raw_compute_fraction": round(statistics.mean(raw), 4) if raw else None,
         "bandwidth_error": round(statistics.median(errors), 4) if errors else None,

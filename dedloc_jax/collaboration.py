@@ -135,6 +135,7 @@ class CollaborationCore:
         # The epoch of our first report toward it, and whether its round began without us
         self._first_report_epoch: int | None = None
         self._missed = False
+        self._averaging = 0  # rounds of ours in progress (no link probe meanwhile)
 
     # --- progress ------------------------------------------------------------------------
     def report(self, epoch: int, samples: int, batch_size: int) -> bool:
@@ -265,7 +266,9 @@ class CollaborationCore:
         """Measured (or overridden) link speeds; an unmeasured one counts as a slow home link,
         so that deadlines computed from it are long enough (see timing.Deadlines)."""
         f = self.meter.figures()
-        return f.upload_bps or UNMEASURED_UPLOAD_BPS, f.download_bps or UNMEASURED_DOWNLOAD_BPS
+        up = self.config.unmeasured_upload_bps or UNMEASURED_UPLOAD_BPS
+        down = self.config.unmeasured_download_bps or UNMEASURED_DOWNLOAD_BPS
+        return f.upload_bps or up, f.download_bps or down
 
     @property
     def links(self) -> LinkFigures:
@@ -312,12 +315,17 @@ class CollaborationCore:
             await trio.sleep(rng.uniform(poll, 3 * poll) if done else rng.uniform(0, poll))
             known = any(pid != str(self.node.peer_id) for pid in self.tracker.records)
             stale = self.meter.stale() and self.tracker.current_estimate().eta < self.meter.window
-            if known and (done < probes or stale) and self.mode != "client":
+            # Not while we average: the round's traffic and the probe's would slow each other.
+            if known and (done < probes or stale) and self.mode != "client" and not self._averaging:
                 try:
-                    await self.probe_links(nbytes=nbytes)
-                    done += 1
+                    figures = await self.probe_links(nbytes=nbytes)
                 except (ValueError, trio.TooSlowError, P2PError) as e:
                     log.info("probing our links failed: %r", e)
+                else:
+                    # A probe counts once it measured both ways (partners may all be busy
+                    # when we upload, and the uplink went unmeasured for a whole window).
+                    if figures.upload_bps is not None and figures.download_bps is not None:
+                        done += 1
             if done >= probes and not stale:
                 await trio.sleep(self.meter.window / 4)
 
@@ -342,6 +350,15 @@ class CollaborationCore:
     ) -> AveragingOutcome:
         """Form a group for ``epoch`` and average ``arrays`` (weight ``samples``) with it,
         sent in ``codec`` (None: ``config.codec``; every member of a round must use one)."""
+        self._averaging += 1
+        try:
+            return await self._average(epoch, arrays, samples, codec)
+        finally:
+            self._averaging -= 1
+
+    async def _average(
+        self, epoch: int, arrays: Sequence[np.ndarray], samples: int, codec: str | None
+    ) -> AveragingOutcome:
         codec = codec or self.config.codec
         est = self.tracker.current_estimate()
         self.matchmaker.window = self.config.matchmaking_time or matchmaking_window(
@@ -362,6 +379,14 @@ class CollaborationCore:
         if spec is not None:
             try:
                 timeout = self._timeout(spec, arrays)
+                log.info(
+                    "epoch %d: group of %d after %.1f s, LP bound %.1f s, timeout %.1f s",
+                    epoch,
+                    len(spec.members),
+                    trio.current_time() - started,
+                    spec.lower_bound(sum(int(np.asarray(a).size) * 4 for a in arrays)),
+                    timeout,
+                )
                 averaged = await all_reduce(
                     self.node,
                     spec,

@@ -30,6 +30,10 @@ class CollaborationConfig:
     port_mapping: bool = True
     upload_bps: float | None = None  # override the measured bandwidth (bytes/s)
     download_bps: float | None = None
+    # What an unmeasured link counts as (bytes/s; None: a 10 Mbit/s up, 25 Mbit/s down home
+    # link): slow on purpose, so that deadlines assume a slow member until it is measured.
+    unmeasured_upload_bps: float | None = None
+    unmeasured_download_bps: float | None = None
     # Probe this peer's links (a few MB with a few peers) when it joins and when the figure
     # goes stale, so the first rounds split the work by measured rates.
     measure_links: bool = True
@@ -62,7 +66,14 @@ class CollaborationConfig:
             raise ValueError(f"unknown codec {self.codec!r}")
         if not 0 < self.min_refresh <= self.max_refresh:
             raise ValueError("need 0 < min_refresh <= max_refresh")
-        positive = ("matchmaking_time", "averaging_timeout", "upload_bps", "download_bps")
+        positive = (
+            "matchmaking_time",
+            "averaging_timeout",
+            "upload_bps",
+            "download_bps",
+            "unmeasured_upload_bps",
+            "unmeasured_download_bps",
+        )
         for name in (*positive, "robust_tau"):
             value = getattr(self, name)
             if value is not None and not value > 0:

@@ -185,9 +185,14 @@ class SecureChannel:
     """An encrypted, authenticated frame channel to a peer whose identity has been proven.
 
     ``send_frame`` and ``receive_frame`` may run concurrently with each other, but each allows one
-    caller at a time. Cancelling ``send_frame`` midway (like trio's ``send_all``) may leave half a
-    frame on the wire; the channel then closes itself.
+    caller at a time. A send cancelled once its bytes began to leave finishes its frames (within
+    ``finish_timeout``, else the channel closes) and returns; the cancellation takes effect at
+    the caller's next checkpoint. Half a frame would close the channel, and with it every stream
+    of a multiplexed connection, for one stream's cancelled send.
     """
+
+    finish_timeout: float = 60.0
+    """Seconds a cancelled send may take to finish the frames it began."""
 
     def __init__(
         self,
@@ -295,7 +300,13 @@ class SecureChannel:
                         # fileno() each time: -1 (EBADF) once closed, never a reused number
                         sent += os.write(sock.fileno(), buf[sent:])
                     except BlockingIOError:
-                        await trio.lowlevel.wait_writable(sock)
+                        try:
+                            await trio.lowlevel.wait_writable(sock)
+                        except trio.Cancelled:
+                            if not sent:
+                                raise  # nothing left: the channel is intact
+                            await self._finish_raw(sock, buf, sent, total)
+                            break
                         waited = True
                 if not waited:
                     await trio.lowlevel.cancel_shielded_checkpoint()
@@ -303,8 +314,14 @@ class SecureChannel:
                 while sent < total:
                     sent += await sock.send(buf[sent:])
             else:
+                # Cancellable until the stream takes bytes; from then on the frames finish.
+                await self.transport_stream.wait_send_all_might_not_block()
                 sent = -1  # unknown progress once send_all starts
-                await self.transport_stream.send_all(buf)
+                with trio.CancelScope(shield=True) as scope:
+                    scope.deadline = trio.current_time() + self.finish_timeout
+                    await self.transport_stream.send_all(buf)
+                if scope.cancelled_caught:
+                    raise await self._fail("send interrupted mid-frame", level=logging.INFO)
         except _STREAM_ERRORS as e:
             raise await self._fail(f"send failed: {e!r}", level=logging.INFO) from None
         except BaseException:
@@ -312,6 +329,21 @@ class SecureChannel:
                 await self._fail("send interrupted mid-frame", level=logging.INFO)
             raise
         self._send_counter = counter + len(sizes)
+
+    async def _finish_raw(
+        self, sock: socket.socket, buf: memoryview, sent: int, total: int
+    ) -> None:
+        """Write the rest of frames a cancellation cut, within ``finish_timeout`` (else the
+        channel closes)."""
+        with trio.CancelScope(shield=True) as scope:
+            scope.deadline = trio.current_time() + self.finish_timeout
+            while sent < total:
+                try:
+                    sent += os.write(sock.fileno(), buf[sent:])
+                except BlockingIOError:
+                    await trio.lowlevel.wait_writable(sock)
+        if scope.cancelled_caught:
+            raise await self._fail("send interrupted mid-frame", level=logging.INFO)
 
     # ---- receiving -----------------------------------------------------------------------
 

@@ -24,6 +24,7 @@ A user-supplied override replaces the measurement in its direction.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import math
@@ -259,24 +260,27 @@ async def _serve_probe(node: Any, ctx: CallContext, ms: MessageStream) -> None:
     if _BUSY.get(node):
         await ms.send({"busy": True})
         return
-    with _Busy(node):
-        await ms.send({"ok": True})
-        await _serve_transfers(ms, up)
+    await ms.send({"ok": True})
+    await _serve_transfers(node, ms, up)
 
 
-async def _serve_transfers(ms: MessageStream, up: int) -> None:
+async def _serve_transfers(node: Any, ms: MessageStream, up: int) -> None:
+    """Busy while bytes flow only: the prober uploads to its partners one after the other
+    and asks each for its download at the end, and a partner busy all that time declined
+    most other probes."""
     got = after_first = 0
     first = last = trio.current_time()
-    while got < up:
-        msg = await ms.receive()
-        if not isinstance(msg, bytes) or got + len(msg) > up:
-            raise ValueError("probe payload must be bytes of the announced size")
-        last = trio.current_time()
-        if got:
-            after_first += len(msg)
-        else:
-            first = last
-        got += len(msg)
+    with _Busy(node) if up else contextlib.nullcontext():
+        while got < up:
+            msg = await ms.receive()
+            if not isinstance(msg, bytes) or got + len(msg) > up:
+                raise ValueError("probe payload must be bytes of the announced size")
+            last = trio.current_time()
+            if got:
+                after_first += len(msg)
+            else:
+                first = last
+            got += len(msg)
     # What arrived after the first message, over the time it took: the rate without the
     # request's round trip and the first message's latency.
     await ms.send({"got": got, "bytes": after_first, "seconds": last - first})
@@ -287,10 +291,11 @@ async def _serve_transfers(ms: MessageStream, up: int) -> None:
     chunk = _chunk_for(down)
     payload = os.urandom(chunk)
     sent = 0
-    while sent < down:
-        n = min(chunk, down - sent)
-        await ms.send(payload[:n])
-        sent += n
+    with _Busy(node):
+        while sent < down:
+            n = min(chunk, down - sent)
+            await ms.send(payload[:n])
+            sent += n
 
 
 def install_probe(node: Any) -> None:
@@ -322,7 +327,7 @@ async def measure_links(
     if not chosen:
         raise ValueError("no peer to probe")
     payload = os.urandom(_PROBE_CHUNK)
-    with trio.fail_after(timeout), _Busy(node):
+    with trio.fail_after(timeout):
         async with AsyncExitStack() as stack:
             streams: list[MessageStream] = []
             for peer in chosen:
@@ -333,11 +338,18 @@ async def measure_links(
                     logger.info("probe partner %s unreachable: %r", peer, e)
             if not streams:
                 raise ValueError("no probe partner answered")
-            uploads = streams[: max(1, upload_peers)]
-            each_up = max(1, min(MAX_PROBE_BYTES, nbytes // len(uploads)))
+            # Busy (declining others' probes) only while our transfers run: busy while it
+            # dialed its partners too, a node that probed was busy most of the time, and at
+            # the start of a 12-peer run 101 of 112 probes found every partner busy.
+            stack.enter_context(_Busy(node))
+            uploaders = max(1, min(upload_peers, len(streams)))
+            each_up = max(1, min(MAX_PROBE_BYTES, nbytes // uploaders))
             alive: list[MessageStream] = []
-            for i, ms in enumerate(streams):
-                size = each_up if i < len(uploads) else 0
+            uploaded = 0
+            for ms in streams:
+                # The upload goes to the first partners that accept (a busy one is skipped):
+                # by position, a busy first partner left the uplink unmeasured.
+                size = each_up if uploaded < uploaders else 0
                 try:
                     seconds = await _upload(ms, size, payload)
                 except (P2PError, ValueError) as e:  # this partner is left out
@@ -345,6 +357,7 @@ async def measure_links(
                     continue
                 alive.append(ms)
                 if size:
+                    uploaded += 1
                     meter.record("up", size, seconds)
             streams = alive
             if not streams:

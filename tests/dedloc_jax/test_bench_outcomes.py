@@ -25,6 +25,8 @@ def test_a_healthy_run_counts_every_round_complete() -> None:
     out = simulate(_args(), overlap=False)
     assert out["complete_fraction"] == 1.0 and out["averaged_fraction"] == 1.0
     assert out["compute_fraction"] > 0.5
+    # Rounds take at least the LP's bound: no blocking run computes more than the ceiling.
+    assert out["compute_fraction"] <= out["compute_ceiling"] < 1.0
     assert out["bandwidth_error"] is not None
 
 

@@ -70,3 +70,43 @@ def test_a_stale_figure_is_not_probed_again_while_the_next_averaging_is_far() ->
     start = run_sim(main, seed=0)
     assert stale == [True, True]  # the figures expired ...
     assert probed_at and max(probed_at) - start < 30  # ... and only the first probes ran
+
+
+def test_a_peer_does_not_probe_its_links_while_it_averages() -> None:
+    """A probe during our own round slows the round and reads the links the round fills as
+    slow: keep_links_measured waits until the round is over."""
+    config = CollaborationConfig.local_demo(10_000)
+    probed_at: list[float] = []
+    round_over: list[float] = []
+
+    async def main() -> None:
+        net = SimNetwork(seed=0)
+        async with open_sim_collaboration(net, 2, config=config, latency=0.02) as cores:
+            core = cores[0]
+            probe = core.probe_links
+
+            async def timed(**kw):
+                probed_at.append(trio.current_time())
+                return await probe(**kw)
+
+            core.probe_links = timed
+            release = trio.Event()
+
+            async def fake_round(*args, **kwargs):
+                await release.wait()
+
+            core._average = fake_round  # a round that lasts until released
+            async with trio.open_nursery() as nursery:
+                for c in cores:
+                    c.report(0, 4, 4)
+                nursery.start_soon(core.average, 0, [], 4)
+                await trio.sleep(0)
+                nursery.start_soon(core.keep_links_measured)
+                await trio.sleep(60)
+                round_over.append(trio.current_time())
+                release.set()
+                await trio.sleep(60)
+                nursery.cancel_scope.cancel()
+
+    run_sim(main, seed=0)
+    assert probed_at and min(probed_at) >= round_over[0]

@@ -122,3 +122,43 @@ def test_10_mb_stream_takes_the_bandwidth_predicted_time():
     # a's 10 MB/s uplink is the bottleneck; framing and encryption add well under 1%
     expected = total / (10 * MB) + 0.04
     assert expected <= elapsed <= expected * 1.01
+
+
+def test_a_send_cancelled_midway_leaves_the_connection_and_its_other_streams_alive():
+    """One stream's send cancelled while its frame is half on the wire (a slow link, a full
+    socket buffer) finishes that frame: the connection and its other streams live on. (Cut
+    there, the channel closed, and every stream of the connection with it: in
+    bench.collaboration a link probe that timed out killed the all-reduce streams that shared
+    its connection, and the round failed.)"""
+    from p2p.node import NodeConfig
+    from p2p.testing import open_sim_nodes
+
+    received: list[int] = []
+
+    async def sink(ctx, ms) -> None:
+        while True:
+            msg = await ms.receive()
+            received.append(len(msg))
+
+    async def echo(ctx, request):
+        return request
+
+    async def main():
+        net = SimNetwork(seed=3)
+        async with open_sim_nodes(
+            net, 2, config=NodeConfig.testing(), upload_bps=1_000_000, latency=0.01
+        ) as (a, b):
+            b.add_stream_handler("sink", sink)
+            b.add_handler("echo", echo)
+            await a.connect(b.addrs[0])
+            conn = a.connection_to(b.peer_id)
+            async with a.open_stream(b.peer_id, "sink") as ms:
+                with trio.move_on_after(2.5) as scope:  # 8 MB take 8 s on this link
+                    await ms.send(b"x" * (8 << 20))
+                assert scope.cancelled_caught
+                ms.reset("cancelled")
+            assert await a.call(b.peer_id, "echo", {"n": 1}) == {"n": 1}
+            assert a.connection_to(b.peer_id) is conn
+            assert not conn.mux.is_closed
+
+    run_sim(main)

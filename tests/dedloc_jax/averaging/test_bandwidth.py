@@ -101,3 +101,32 @@ def test_probe_skips_a_partner_it_cannot_reach_and_the_server_rejects_oversized_
     assert refused
     assert meter.upload_bps == pytest.approx(2e6, rel=0.1)
     assert meter.download_bps == pytest.approx(8e6, rel=0.1)
+
+
+def test_the_upload_goes_to_the_partners_that_accept_when_the_first_ones_are_busy():
+    """Partners busy with probes of their own decline ours. The upload must go to the first
+    partners that accept, not to the first two by position: when those two were busy, the
+    uplink went unmeasured (at the start of a 12-peer run, most peers' probes did so, and an
+    unmeasured uplink entered the LP as a placeholder)."""
+    from dedloc_jax.averaging import measure_links
+    from dedloc_jax.averaging.bandwidth import _Busy
+
+    meter = BandwidthMeter()
+
+    async def main() -> None:
+        net = SimNetwork(seed=0)
+        async with (
+            open_sim_nodes(net, 1, upload_bps=2e6, download_bps=8e6) as (a,),
+            open_sim_nodes(net, 3, upload_bps=50e6, download_bps=50e6) as partners,
+        ):
+            for b in partners:
+                install_probe(b)
+                a.peerstore.add_addrs(b.peer_id, b.addrs)
+            with _Busy(partners[0]), _Busy(partners[1]):  # probing on their own
+                await measure_links(
+                    a, [b.peer_id for b in partners], meter, nbytes=2 << 20, timeout=30.0
+                )
+
+    run_sim(main)
+    assert meter.upload_bps == pytest.approx(2e6, rel=0.1)
+    assert meter.download_bps is not None

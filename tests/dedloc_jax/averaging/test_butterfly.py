@@ -262,3 +262,60 @@ def test_the_ack_never_overlaps_a_send_that_returns_late(monkeypatch):
     results = check_survivors(outcome, trees, weights, names)
     assert len(results) == 3, outcome
     assert all(not s.repaired for s in results[0].shares)
+
+
+def test_a_sender_sends_no_part_before_its_streams_to_every_reducer_are_open(monkeypatch):
+    """Parts sent while other streams of the sender still open take the uplink the openings
+    need: in bench.collaboration a 14 KB/s sender opened its 8th stream after 21 s, and that
+    reducer excluded it as stalled. Here the stream to one reducer takes 3 s to open (a long
+    path); the sender's first part leaves only then."""
+    from dedloc_jax.averaging import GroupSpec, all_reduce, install
+    from dedloc_jax.averaging.partition import FRACTION_GRID
+    from p2p.node import NodeConfig
+    from p2p.sim import SimNetwork
+    from p2p.testing import open_sim_nodes, run_sim
+
+    sent_at: list[float] = []
+    part = wire.part
+
+    def timed_part(k, data):
+        sent_at.append(trio.current_time())
+        return part(k, data)
+
+    monkeypatch.setattr(wire, "part", timed_part)
+    cfg = AllReduceConfig.internet()
+    results: list = []
+
+    async def main() -> None:
+        net = SimNetwork(seed=0)
+        async with open_sim_nodes(net, 3, config=NodeConfig.testing(), latency=0.01) as nodes:
+            for node in nodes:
+                install(node, cfg)
+            for a in nodes:
+                for b in nodes:
+                    if a is not b:
+                        a.peerstore.add_addrs(b.peer_id, b.addrs)
+                        await a.connect(b.peer_id)
+            # The only sender is node 0; the path to reducer 2 is long.
+            net.set_latency(host_of(net, nodes[0]), host_of(net, nodes[2]), 0.75)
+            modes = ("node", "aux", "aux")
+            spec = GroupSpec(
+                tuple(Member(str(n.peer_id), m) for n, m in zip(nodes, modes, strict=True)),
+                b"opening",
+                (0, FRACTION_GRID // 2, FRACTION_GRID - FRACTION_GRID // 2),
+            )
+            vec = np.arange(1 << 16, dtype=np.float32)
+            t0 = trio.current_time()
+
+            async def one(i: int) -> None:
+                tree = vec if i == 0 else np.zeros_like(vec)
+                results.append(await all_reduce(nodes[i], spec, tree, float(i == 0), config=cfg))
+
+            async with trio.open_nursery() as nursery:
+                for i in range(3):
+                    nursery.start_soon(one, i)
+            sent_at[:] = [t - t0 for t in sent_at]
+
+    run_sim(main)
+    assert len(results) == 3
+    assert sent_at and min(sent_at) >= 1.5  # after the 2 x 0.75 s round trip to reducer 2
