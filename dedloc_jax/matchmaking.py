@@ -42,10 +42,10 @@ from dedloc_jax.matchmaking_wire import (
     LEADER,
     Slot,
     group_key,
+    leader_order,
     same_state,
     state_from_wire,
     state_to_follow,
-    stated_first,
 )
 from dedloc_jax.matchmaking_wire import member_from_wire as _member_from_wire
 from dedloc_jax.matchmaking_wire import member_to_wire as _member_to_wire
@@ -391,11 +391,11 @@ class Matchmaker(Leading):
             seed=seed,
             population=population,
         )
+        modes = {p: m.mode for p, m in others.items()} | {self.peer_id: me.mode}
         if level == 0:
-            modes = {p: m.mode for p, m in others.items()} | {self.peer_id: me.mode}
             self._remember(epoch, len(groups) > 1, (groups, modes))
         known = {p: states.get(p) for p in others} | {self.peer_id: my_state}
-        mine = stated_first(next(g for g in groups if self.peer_id in g), known)
+        mine = leader_order(next(g for g in groups if self.peer_id in g), known, modes)
         if level == 1:
             # Also wait for the representatives we expect that have not registered yet:
             # their groups may still be averaging (bounded, and dropped once they decline).

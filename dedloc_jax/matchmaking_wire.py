@@ -63,11 +63,18 @@ def state_to_follow(mine: bytes | None, states: Mapping[str, bytes | None]) -> b
     return min(counts, key=lambda s: (-counts[s], s)) if counts else None
 
 
-def stated_first(group: Sequence[str], states: Mapping[str, bytes | None]) -> list[str]:
-    """``group`` in rank order, but peers that said which state they step from first: the
-    leader is then one of them, so peers of one state that see a stateless peer (which may
-    join any group) in their view do not follow it into another state's group."""
-    return sorted(group, key=lambda p: states.get(p) is None)
+def leader_order(
+    group: Sequence[str],
+    states: Mapping[str, bytes | None],
+    modes: Mapping[str, str] | None = None,
+) -> list[str]:
+    """``group`` in the order its members try to lead: rank order, but peers that said which
+    state they step from first (the leader is then one of them, so peers of one state that see
+    a stateless peer, which may join any group, do not follow it into another state's group),
+    and clients last within each (a client has no inbound path: its followers could not reach
+    it)."""
+    modes = modes or {}
+    return sorted(group, key=lambda p: (states.get(p) is None, modes.get(p) == "client"))
 
 
 def member_to_wire(m: Member) -> dict[str, Any]:

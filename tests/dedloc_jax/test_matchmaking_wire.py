@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from dedloc_jax.averaging.errors import GroupError
-from dedloc_jax.matchmaking_wire import same_state, state_from_wire, state_to_follow, stated_first
+from dedloc_jax.matchmaking_wire import leader_order, same_state, state_from_wire, state_to_follow
 
 A, B = b"a" * 32, b"b" * 32
 
@@ -34,5 +34,9 @@ def test_a_stateless_peer_follows_the_state_most_registered_peers_step_from() ->
 
 def test_a_peer_that_names_its_state_leads_before_one_that_does_not() -> None:
     states = {"x": None, "y": A, "z": A}
-    assert stated_first(["x", "y", "z"], states) == ["y", "z", "x"]
-    assert stated_first(["x", "w"], {}) == ["x", "w"]  # nobody said: rank order stands
+    assert leader_order(["x", "y", "z"], states) == ["y", "z", "x"]
+    assert leader_order(["x", "w"], {}) == ["x", "w"]  # nobody said: rank order stands
+    # clients (no inbound path) lead last, within peers that stated and within those that did not
+    modes = {"y": "client", "x": "client"}
+    assert leader_order(["x", "y", "z"], states, modes) == ["z", "y", "x"]
+    assert leader_order(["x", "w"], {}, {"x": "client", "w": "node"}) == ["w", "x"]
