@@ -23,8 +23,10 @@ steps), int8 pseudo-gradients of the model's size, averaged blocking (``diloco``
 On the network DiLoCo is DeDLOC with that target: peers report per micro-step and average one
 vector per outer step. Reported: ``bytes_per_sample`` (every byte the simulated network
 carried, DHT and matchmaking included, over the samples the peers computed) for both and
-``bytes_ratio`` (DeDLOC's over DiLoCo's). With ``--payload-scale S`` the averaged vector's
-bytes count 1/S and the DHT's do not, so the ratio is then understated.
+``bytes_ratio`` (DeDLOC's over DiLoCo's); ``bytes_per_complete_sample`` and
+``complete_bytes_ratio`` count only the samples of rounds that completed. With
+``--payload-scale S`` the averaged vector's bytes count 1/S and the DHT's do not, so the
+ratio is then understated.
 
 Payload scale (``--payload-scale S``): the simulator moves, encrypts and reduces real bytes,
 which costs CPU in proportion to the vector. With S > 1 the peers average ``params / S``
@@ -341,6 +343,8 @@ def simulate(
     figures["bytes_sent"] = sent[0]
     figures["samples_processed"] = processed
     figures["bytes_per_sample"] = round(sent[0] / processed, 2) if processed else None
+    useful = _complete_samples(everyone)  # samples of the rounds that completed
+    figures["bytes_per_complete_sample"] = round(sent[0] / useful, 2) if useful else None
     mode = "overlapped (delayed update)" if overlap else "blocking"
     print(f"--- {mode}: {figures['epochs']} epochs in {wall:.0f} s of wall time")
     print(
@@ -527,6 +531,14 @@ def _compare_diloco(args: argparse.Namespace) -> None:
         ratio = round(dedloc["bytes_per_sample"] / diloco["bytes_per_sample"], 1)
     print(f"bytes per sample: DeDLOC {dedloc['bytes_per_sample']}, DiLoCo "
           f"{diloco['bytes_per_sample']}: {ratio}x less")  # fmt: skip
+    # The headline counts only samples of rounds that completed with every expected member.
+    complete_ratio = None
+    if dedloc["bytes_per_complete_sample"] and diloco["bytes_per_complete_sample"]:
+        complete_ratio = round(
+            dedloc["bytes_per_complete_sample"] / diloco["bytes_per_complete_sample"], 1
+        )
+    print(f"bytes per sample of complete rounds: DeDLOC {dedloc['bytes_per_complete_sample']}, "
+          f"DiLoCo {diloco['bytes_per_complete_sample']}: {complete_ratio}x less")  # fmt: skip
     out: dict[str, object] = dict(diloco)
     out.update(
         mode="diloco",
@@ -538,8 +550,22 @@ def _compare_diloco(args: argparse.Namespace) -> None:
         payload_scale=args.payload_scale,
         dedloc=dedloc,
         bytes_ratio=ratio,
+        complete_bytes_ratio=complete_ratio,
     )
     print(json.dumps(out))
+
+
+def _complete_samples(everyone: list[PeerStats]) -> int:
+    """Samples contributed to epochs whose round completed for every peer in it (as
+    ``complete_fraction`` counts them)."""
+    by_epoch: dict[int, list[EpochOutcome]] = {}
+    for o in (o for p in everyone for o in p.epochs):
+        by_epoch.setdefault(o.epoch, []).append(o)
+    return sum(
+        sum(o.samples for o in os)
+        for os in by_epoch.values()
+        if all(o.complete and o.group_size > 1 for o in os)
+    )
 
 
 async def _started(start, stats: PeerStats, index: int, *, task_status=trio.TASK_STATUS_IGNORED):
