@@ -130,6 +130,8 @@ class Peer:
     async def keep(self) -> None:
         """keep_in_step, as :func:`dedloc_jax.keep_in_step` does it for JAX pytrees."""
         self.params = outer_params_after_step(self.params, self.state)
+        if not self.keeper.due(trio.current_time(), self.epoch, self.core.behind):
+            return  # the cheap path: nothing to serve, check or load
         arrays, epoch = served(self.params, self.state)
         loads = self.keeper.loads
         got, at = await keep_in_step_async(
