@@ -46,6 +46,7 @@ hidden: the LP's bound when blocking, what of it exceeds an epoch's computing wi
 
     python -m bench.collaboration [--peers 40] [--params 18000000] [--epochs 3]
         [--payload-scale S] [--mode overlap|blocking|both|diloco] [--inner-steps H]
+        [--dedloc-epochs N]
 """
 
 from __future__ import annotations
@@ -490,6 +491,12 @@ def main() -> None:
         default=500,
         help="diloco: target batches between outer steps (DiLoCo's H)",
     )
+    parser.add_argument(
+        "--dedloc-epochs",
+        type=int,
+        default=None,
+        help="diloco: epochs of the DeDLOC run it is compared with (default: --epochs)",
+    )
     args = parser.parse_args()
     if args.payload_scale < 1:
         parser.error("--payload-scale must be at least 1")
@@ -522,7 +529,10 @@ def main() -> None:
 def _compare_diloco(args: argparse.Namespace) -> None:
     """DeDLOC mode, then DiLoCo mode on the same peers, links and churn; the last line (JSON)
     holds both runs' figures and the bytes ratio."""
-    dedloc = simulate(args, overlap=True)
+    # DeDLOC's epochs are short: with --dedloc-epochs its run lasts long enough that joining
+    # (bootstrap, link probes) does not dominate its bytes, as it does not DiLoCo's long run.
+    dedloc_epochs = args.dedloc_epochs or args.epochs
+    dedloc = simulate(argparse.Namespace(**{**vars(args), "epochs": dedloc_epochs}), overlap=True)
     outer_target = args.target * args.inner_steps
     print(f"--- diloco: an outer step every {outer_target} samples, int8 pseudo-gradients")
     diloco = simulate(args, overlap=False, target=outer_target, codec="int8")
@@ -549,6 +559,7 @@ def _compare_diloco(args: argparse.Namespace) -> None:
         actual_params=max(1, args.params // args.payload_scale),
         payload_scale=args.payload_scale,
         dedloc=dedloc,
+        dedloc_epochs=dedloc_epochs,
         bytes_ratio=ratio,
         complete_bytes_ratio=complete_ratio,
     )
