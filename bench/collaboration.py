@@ -351,7 +351,8 @@ def simulate(
     print(
         f"complete rounds {figures['complete_fraction']}, averaged peer-epochs "
         f"{figures['averaged_fraction']}, compute fraction {figures['compute_fraction']} "
-        f"(raw {figures['raw_compute_fraction']}), bandwidth error {figures['bandwidth_error']}"
+        f"(raw {figures['raw_compute_fraction']}, time-weighted "
+        f"{figures['weighted_compute_fraction']}), bandwidth error {figures['bandwidth_error']}"
     )
     print(
         f"{sent[0]:,} bytes sent for {processed:,} samples: {figures['bytes_per_sample']} B/sample"
@@ -405,6 +406,8 @@ def outcome_figures(
         / (p.left - p.joined - p.cut_off - p.in_round)
         for p in trainers
     ]
+    useful_s = [sum(o.compute for o in p.epochs if o.group_size > 1) for p in trainers]
+    spans = [p.left - p.joined - p.cut_off - p.in_round for p in trainers]
     outcomes = [o for p in everyone for o in p.epochs]
     by_epoch: dict[int, list[EpochOutcome]] = {}
     for o in outcomes:
@@ -442,6 +445,10 @@ def outcome_figures(
         "averaged_fraction": share(averaged),
         "compute_fraction": round(statistics.mean(useful), 4) if useful else None,
         "min_compute_fraction": round(min(useful), 4) if useful else None,
+        # the same over all peers' time together: a peer that left before its first round
+        # ended (common when rounds take an hour, as DiLoCo's do) counts a zero above over
+        # its seconds of joining, and here only for those seconds
+        "weighted_compute_fraction": round(sum(useful_s) / sum(spans), 4) if useful_s else None,
         "raw_compute_fraction": round(statistics.mean(raw), 4) if raw else None,
         "bandwidth_error": round(statistics.median(errors), 4) if errors else None,
         "epoch_time_ratio": round(mean_epoch / ideal, 4),
