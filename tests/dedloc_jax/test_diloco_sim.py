@@ -25,7 +25,6 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import trio
-import trio.testing
 
 from dedloc_jax.collaboration import open_collaboration
 from dedloc_jax.config import CollaborationConfig
@@ -35,7 +34,7 @@ from dedloc_jax.keeping import KeepConfig, StepKeeper, keep_in_step_async
 from dedloc_jax.training_state import share_state, sync_state
 from p2p.dht import DHTClock, DHTConfig
 from p2p.node import NodeConfig
-from p2p.testing import SimNetwork, host_of, open_sim_nodes
+from p2p.testing import SimNetwork, host_of, open_sim_nodes, run_sim
 from tests.dedloc_jax.simcollab import open_sim_collaboration
 
 DIM, MICRO, PACE = 6, 4, 0.25
@@ -194,7 +193,8 @@ def _assert_one_lineage(peers: Sequence[Peer], outer_steps: int) -> None:
 
 
 def _run(main: Any) -> Any:
-    return trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+    """``main`` in virtual time (a MockClock), the scheduler seeded, bounded in virtual time."""
+    return run_sim(main, seed=0, timeout=600.0)
 
 
 def test_a_peer_killed_mid_averaging_leaves_one_lineage() -> None:
