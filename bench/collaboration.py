@@ -23,8 +23,10 @@ steps), int8 pseudo-gradients of the model's size, averaged blocking (``diloco``
 On the network DiLoCo is DeDLOC with that target: peers report per micro-step and average one
 vector per outer step. Reported: ``bytes_per_sample`` (every byte the simulated network
 carried, DHT and matchmaking included, over the samples the peers computed) for both and
-``bytes_ratio`` (DeDLOC's over DiLoCo's). With ``--payload-scale S`` the averaged vector's
-bytes count 1/S and the DHT's do not, so the ratio is then understated.
+``bytes_ratio`` (DeDLOC's over DiLoCo's); ``bytes_per_complete_sample`` and
+``complete_bytes_ratio`` count only the samples of rounds that completed. With
+``--payload-scale S`` the averaged vector's bytes count 1/S and the DHT's do not, so the
+ratio is then understated.
 
 Payload scale (``--payload-scale S``): the simulator moves, encrypts and reduces real bytes,
 which costs CPU in proportion to the vector. With S > 1 the peers average ``params / S``
@@ -48,6 +50,7 @@ hidden: the LP's bound when blocking, what of it exceeds an epoch's computing wi
 
     python -m bench.collaboration [--peers 40] [--params 18000000] [--epochs 3]
         [--payload-scale S] [--mode overlap|blocking|both|diloco] [--inner-steps H]
+        [--dedloc-epochs N]
 """
 
 from __future__ import annotations
@@ -373,12 +376,15 @@ def simulate(
     figures["bytes_sent"] = sent[0]
     figures["samples_processed"] = processed
     figures["bytes_per_sample"] = round(sent[0] / processed, 2) if processed else None
+    useful = _complete_samples(everyone)  # samples of the rounds that completed
+    figures["bytes_per_complete_sample"] = round(sent[0] / useful, 2) if useful else None
     mode = "overlapped (delayed update)" if overlap else "blocking"
     print(f"--- {mode}: {figures['epochs']} epochs in {wall:.0f} s of wall time")
     print(
         f"complete rounds {figures['complete_fraction']}, averaged peer-epochs "
         f"{figures['averaged_fraction']}, compute fraction {figures['compute_fraction']} "
-        f"(raw {figures['raw_compute_fraction']}; at most {figures['compute_ceiling']} with "
+        f"(raw {figures['raw_compute_fraction']}, time-weighted "
+        f"{figures['weighted_compute_fraction']}; at most {figures['compute_ceiling']} with "
         f"every round at the LP bound), bandwidth error {figures['bandwidth_error']}"
     )
     print(
@@ -435,6 +441,8 @@ def outcome_figures(
         / (p.left - p.joined - p.cut_off - p.in_round)
         for p in trainers
     ]
+    useful_s = [sum(o.compute for o in p.epochs if o.group_size > 1) for p in trainers]
+    spans = [p.left - p.joined - p.cut_off - p.in_round for p in trainers]
     outcomes = [o for p in everyone for o in p.epochs]
     by_epoch: dict[int, list[EpochOutcome]] = {}
     for o in outcomes:
@@ -478,6 +486,10 @@ def outcome_figures(
         "compute_fraction": round(statistics.mean(useful), 4) if useful else None,
         "compute_ceiling": round(ceiling, 4),
         "min_compute_fraction": round(min(useful), 4) if useful else None,
+        # the same over all peers' time together: a peer that left before its first round
+        # ended (common when rounds take an hour, as DiLoCo's do) counts a zero above over
+        # its seconds of joining, and here only for those seconds
+        "weighted_compute_fraction": round(sum(useful_s) / sum(spans), 4) if useful_s else None,
         "raw_compute_fraction": round(statistics.mean(raw), 4) if raw else None,
         "bandwidth_error": round(statistics.median(errors), 4) if errors else None,
         "epoch_time_ratio": round(mean_epoch / ideal, 4),
@@ -527,6 +539,12 @@ def main() -> None:
         default=500,
         help="diloco: target batches between outer steps (DiLoCo's H)",
     )
+    parser.add_argument(
+        "--dedloc-epochs",
+        type=int,
+        default=None,
+        help="diloco: epochs of the DeDLOC run it is compared with (default: --epochs)",
+    )
     args = parser.parse_args()
     if args.payload_scale < 1:
         parser.error("--payload-scale must be at least 1")
@@ -559,7 +577,10 @@ def main() -> None:
 def _compare_diloco(args: argparse.Namespace) -> None:
     """DeDLOC mode, then DiLoCo mode on the same peers, links and churn; the last line (JSON)
     holds both runs' figures and the bytes ratio."""
-    dedloc = simulate(args, overlap=True)
+    # DeDLOC's epochs are short: with --dedloc-epochs its run lasts long enough that joining
+    # (bootstrap, link probes) does not dominate its bytes, as it does not DiLoCo's long run.
+    dedloc_epochs = args.dedloc_epochs or args.epochs
+    dedloc = simulate(argparse.Namespace(**{**vars(args), "epochs": dedloc_epochs}), overlap=True)
     outer_target = args.target * args.inner_steps
     print(f"--- diloco: an outer step every {outer_target} samples, int8 pseudo-gradients")
     diloco = simulate(args, overlap=False, target=outer_target, codec="int8")
@@ -568,6 +589,14 @@ def _compare_diloco(args: argparse.Namespace) -> None:
         ratio = round(dedloc["bytes_per_sample"] / diloco["bytes_per_sample"], 1)
     print(f"bytes per sample: DeDLOC {dedloc['bytes_per_sample']}, DiLoCo "
           f"{diloco['bytes_per_sample']}: {ratio}x less")  # fmt: skip
+    # The headline counts only samples of rounds that completed with every expected member.
+    complete_ratio = None
+    if dedloc["bytes_per_complete_sample"] and diloco["bytes_per_complete_sample"]:
+        complete_ratio = round(
+            dedloc["bytes_per_complete_sample"] / diloco["bytes_per_complete_sample"], 1
+        )
+    print(f"bytes per sample of complete rounds: DeDLOC {dedloc['bytes_per_complete_sample']}, "
+          f"DiLoCo {diloco['bytes_per_complete_sample']}: {complete_ratio}x less")  # fmt: skip
     out: dict[str, object] = dict(diloco)
     out.update(
         mode="diloco",
@@ -578,9 +607,24 @@ def _compare_diloco(args: argparse.Namespace) -> None:
         actual_params=max(1, args.params // args.payload_scale),
         payload_scale=args.payload_scale,
         dedloc=dedloc,
+        dedloc_epochs=dedloc_epochs,
         bytes_ratio=ratio,
+        complete_bytes_ratio=complete_ratio,
     )
     print(json.dumps(out))
+
+
+def _complete_samples(everyone: list[PeerStats]) -> int:
+    """Samples contributed to epochs whose round completed for every peer in it (as
+    ``complete_fraction`` counts them)."""
+    by_epoch: dict[int, list[EpochOutcome]] = {}
+    for o in (o for p in everyone for o in p.epochs):
+        by_epoch.setdefault(o.epoch, []).append(o)
+    return sum(
+        sum(o.samples for o in os)
+        for os in by_epoch.values()
+        if all(o.complete and o.group_size > 1 for o in os)
+    )
 
 
 async def _started(start, stats: PeerStats, index: int, *, task_status=trio.TASK_STATUS_IGNORED):

@@ -130,6 +130,77 @@ def _check_outcome(gradients: Sequence[Any], want: Sequence[Any]) -> list[np.nda
     return out
 
 
+class HostCalls:
+    """The host side of a collaborative transform: plain Python on NumPy, shared by the
+    jitted and the eager paths (and by :func:`dedloc_jax.diloco.diloco`). ``wire``: keyword
+    arguments every averaging call passes on (diloco's codec). One training loop per
+    instance: with overlap, the averaging in flight is remembered here."""
+
+    def __init__(self, collab: CollaborationHost, wire: dict[str, Any] | None = None) -> None:
+        self.collab = collab
+        self.wire = dict(wire or {})
+        self.in_flight: dict[str, Any] = {"active": False, "outcome": None}
+
+    def decide(self, epoch: np.ndarray, samples: np.ndarray, batch: np.ndarray) -> tuple:
+        """KEEP, STEP or APPLY for this micro-step."""
+        in_flight = self.in_flight
+        if in_flight["active"]:
+            # Not reported while averaging: others must not see this peer in the next epoch
+            # before its registration for this one is in; the next report carries all samples.
+            if in_flight["outcome"] is None:
+                try:
+                    in_flight["outcome"] = self.collab.poll_averaging()  # type: ignore[attr-defined]
+                except Exception:  # the averaging failed: re-raised, and nothing is in flight
+                    in_flight.update(active=False, outcome=None)
+                    raise
+            return (np.int32(KEEP if in_flight["outcome"] is None else APPLY),)
+        ready = self.collab.report_progress(int(epoch), int(samples), int(batch))
+        return (np.int32(STEP if ready else KEEP),)
+
+    def average(self, epoch: np.ndarray, samples: np.ndarray, *arrays: np.ndarray) -> tuple:
+        """Average ``arrays``: the averages, the outcome's epoch, group size and whether it
+        was complete, and the samples consumed (all of them)."""
+        # Copies: in the jitted path the inputs are views of XLA buffers that die after the call.
+        sent = [np.array(a, copy=True) for a in arrays]
+        outcome = self.collab.average_gradients(int(epoch), sent, int(samples), **self.wire)
+        avg = _check_outcome(outcome.gradients, arrays)
+        outcome_of = (np.int32(outcome.epoch), np.int32(outcome.group_size), _done(outcome))
+        return (*avg, *outcome_of, np.int32(samples))
+
+    def start(self, epoch: np.ndarray, samples: np.ndarray, *arrays: np.ndarray) -> tuple:
+        """Start averaging ``arrays`` in the background: the samples consumed, as in
+        :meth:`average`."""
+        sent = [np.array(a, copy=True) for a in arrays]
+        self.collab.start_averaging(int(epoch), sent, int(samples), **self.wire)  # type: ignore[attr-defined]
+        self.in_flight.update(active=True, outcome=None)
+        return (np.int32(samples),)
+
+    def collect(self, specs: Sequence[jax.ShapeDtypeStruct]) -> Callable[..., tuple]:
+        """The host function that hands over the finished averaging (arrays of ``specs``)."""
+
+        def collect(epoch: np.ndarray) -> tuple:
+            outcome = self.in_flight["outcome"]
+            if outcome is None:
+                raise RuntimeError("no finished averaging to apply")
+            self.in_flight.update(active=False, outcome=None)
+            avg = _check_outcome(outcome.gradients, specs)
+            return (*avg, np.int32(outcome.epoch), np.int32(outcome.group_size), _done(outcome))
+
+        return collect
+
+
+def host_caller(traced: bool, kind: str) -> Callable[..., list]:
+    """``host(fn, result_shapes, *args)``: ``fn`` on the host, through a callback of ``kind``
+    when traced, called directly when eager."""
+
+    def host(fn: Callable[..., tuple], shapes: Sequence[Any], *args: Any) -> list:
+        if traced:
+            return _host_call(fn, shapes, *args, kind=kind)
+        return [jnp.asarray(r) for r in fn(*(np.asarray(a) for a in args))]
+
+    return host
+
+
 def collaborative(
     inner: optax.GradientTransformation,
     collab: CollaborationHost,
@@ -176,8 +247,7 @@ def collaborative(
             f"(dedloc_jax.host.OverlappingHost); {type(collab).__name__} has not"
         )
     inner = optax.with_extra_args_support(inner)
-    # overlap only: the averaging in flight, as the host sees it
-    in_flight: dict[str, Any] = {"active": False, "outcome": None}
+    calls = HostCalls(collab)
 
     def init(params: optax.Params) -> CollaborativeState:
         return CollaborativeState(
@@ -188,47 +258,6 @@ def collaborative(
             group_size=jnp.zeros((), jnp.int32),
             complete=jnp.zeros((), jnp.bool_),
         )
-
-    # --- the host side: plain Python on NumPy, shared by the jitted and the eager paths ---
-    def _decide(epoch: np.ndarray, samples: np.ndarray, batch: np.ndarray) -> tuple:
-        if in_flight["active"]:
-            # Not reported while averaging: others must not see this peer in the next epoch
-            # before its registration for this one is in; the next report carries all samples.
-            if in_flight["outcome"] is None:
-                try:
-                    in_flight["outcome"] = collab.poll_averaging()  # type: ignore[attr-defined]
-                except Exception:  # the averaging failed: re-raised, and nothing is in flight
-                    in_flight.update(active=False, outcome=None)
-                    raise
-            return (np.int32(KEEP if in_flight["outcome"] is None else APPLY),)
-        ready = collab.report_progress(int(epoch), int(samples), int(batch))
-        return (np.int32(STEP if ready else KEEP),)
-
-    def _average(epoch: np.ndarray, samples: np.ndarray, *means: np.ndarray) -> tuple:
-        # Copies: in the jitted path the inputs are views of XLA buffers that die after the call.
-        arrays = [np.array(m, copy=True) for m in means]
-        outcome = collab.average_gradients(int(epoch), arrays, int(samples))
-        grads = _check_outcome(outcome.gradients, means)
-        # the last value: the samples consumed (all of them), which clears the accumulator
-        outcome_of = (np.int32(outcome.epoch), np.int32(outcome.group_size), _done(outcome))
-        return (*grads, *outcome_of, np.int32(samples))
-
-    def _start(epoch: np.ndarray, samples: np.ndarray, *means: np.ndarray) -> tuple:
-        arrays = [np.array(m, copy=True) for m in means]
-        collab.start_averaging(int(epoch), arrays, int(samples))  # type: ignore[attr-defined]
-        in_flight.update(active=True, outcome=None)
-        return (np.int32(samples),)  # the samples consumed, as in _average
-
-    def _collect(specs: Sequence[jax.ShapeDtypeStruct]) -> Callable[..., tuple]:
-        def collect(epoch: np.ndarray) -> tuple:
-            outcome = in_flight["outcome"]
-            if outcome is None:
-                raise RuntimeError("no finished averaging to apply")
-            in_flight.update(active=False, outcome=None)
-            grads = _check_outcome(outcome.gradients, specs)
-            return (*grads, np.int32(outcome.epoch), np.int32(outcome.group_size), _done(outcome))
-
-        return collect
 
     def update(
         updates: optax.Updates,
@@ -243,13 +272,8 @@ def collaborative(
         traced = any(_is_tracer(x) for x in (samples, *jax.tree.leaves(updates)))
         int32 = jax.ShapeDtypeStruct((), jnp.int32)
 
-        def host(fn: Callable[..., tuple], shapes: Sequence[Any], *args: Any) -> list:
-            """``fn`` on the host: a callback when traced, a direct call when eager."""
-            if traced:
-                return _host_call(fn, shapes, *args, kind=callback)
-            return [jnp.asarray(r) for r in fn(*(np.asarray(a) for a in args))]
-
-        (action,) = host(_decide, [int32], state.epoch, samples, batch)
+        host = host_caller(traced, callback)
+        (action,) = host(calls.decide, [int32], state.epoch, samples, batch)
 
         # Every branch needs the accumulator with this micro-batch in it: one fused pass per leaf,
         # before the branch (in place when the state is donated).
@@ -296,20 +320,20 @@ def collaborative(
             means, treedef = means_of(grad_sum)
             specs = [jax.ShapeDtypeStruct(m.shape, m.dtype) for m in means]
             shapes = [*specs, int32, int32, int32, int32]
-            *got, taken = host(_average, shapes, state.epoch, samples, *means)
+            *got, taken = host(calls.average, shapes, state.epoch, samples, *means)
             out = step_with(grads, inner_state, treedef, got)
             return (*out, *consumed(grad_sum, taken), jnp.bool_(True))
 
         def start_averaging(grads, grad_sum, inner_state) -> tuple:
             means, _ = means_of(grad_sum)
-            (taken,) = host(_start, [int32], state.epoch, samples, *means)
+            (taken,) = host(calls.start, [int32], state.epoch, samples, *means)
             kept = (grads, inner_state, state.epoch, state.group_size, state.complete)
             return (*kept, *consumed(grad_sum, taken), jnp.bool_(False))
 
         def apply_averaged(grads, grad_sum, inner_state) -> tuple:
             leaves, treedef = jax.tree.flatten(grad_sum)
             specs = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in leaves]
-            got = host(_collect(specs), [*specs, int32, int32, int32], state.epoch)
+            got = host(calls.collect(specs), [*specs, int32, int32, int32], state.epoch)
             out = step_with(grads, inner_state, treedef, got)
             return (*out, grad_sum, samples, jnp.bool_(True))
 

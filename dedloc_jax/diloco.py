@@ -34,24 +34,13 @@ from __future__ import annotations
 
 import inspect
 import logging
-from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
-from dedloc_jax.collaborative import (
-    APPLY,
-    CALLBACKS,
-    KEEP,
-    STEP,
-    _check_outcome,
-    _done,
-    _host_call,
-    _is_tracer,
-)
+from dedloc_jax.collaborative import CALLBACKS, HostCalls, _is_tracer, host_caller
 from dedloc_jax.host import CollaborationHost
 
 __all__ = ["DiLoCoState", "diloco", "outer_params_after_step"]
@@ -186,8 +175,7 @@ def diloco(
     inner = optax.with_extra_args_support(inner)
     if outer is None:
         outer = optax.sgd(0.7, momentum=0.9, nesterov=True)
-    wire = {} if codec is None else {"codec": codec}
-    in_flight: dict[str, Any] = {"active": False, "outcome": None}
+    calls = HostCalls(collab, {} if codec is None else {"codec": codec})
 
     def init(params: optax.Params) -> DiLoCoState:
         return DiLoCoState(
@@ -204,43 +192,6 @@ def diloco(
             if overlap
             else None,
         )
-
-    # --- the host side: plain Python on NumPy, shared by the jitted and the eager paths ---
-    def _decide(epoch: np.ndarray, samples: np.ndarray, batch: np.ndarray) -> tuple:
-        if in_flight["active"]:
-            if in_flight["outcome"] is None:
-                try:
-                    in_flight["outcome"] = collab.poll_averaging()  # type: ignore[attr-defined]
-                except Exception:
-                    in_flight.update(active=False, outcome=None)
-                    raise
-            return (np.int32(KEEP if in_flight["outcome"] is None else APPLY),)
-        ready = collab.report_progress(int(epoch), int(samples), int(batch))
-        return (np.int32(STEP if ready else KEEP),)
-
-    def _average(epoch: np.ndarray, samples: np.ndarray, *deltas: np.ndarray) -> tuple:
-        arrays = [np.array(d, copy=True) for d in deltas]  # views of buffers that die
-        outcome = collab.average_gradients(int(epoch), arrays, int(samples), **wire)
-        avg = _check_outcome(outcome.gradients, deltas)
-        outcome_of = (np.int32(outcome.epoch), np.int32(outcome.group_size), _done(outcome))
-        return (*avg, *outcome_of, np.int32(samples))
-
-    def _start(epoch: np.ndarray, samples: np.ndarray, *deltas: np.ndarray) -> tuple:
-        arrays = [np.array(d, copy=True) for d in deltas]
-        collab.start_averaging(int(epoch), arrays, int(samples), **wire)  # type: ignore[attr-defined]
-        in_flight.update(active=True, outcome=None)
-        return (np.int32(samples),)
-
-    def _collect(specs: Sequence[jax.ShapeDtypeStruct]) -> Callable[..., tuple]:
-        def collect(epoch: np.ndarray) -> tuple:
-            outcome = in_flight["outcome"]
-            if outcome is None:
-                raise RuntimeError("no finished averaging to apply")
-            in_flight.update(active=False, outcome=None)
-            avg = _check_outcome(outcome.gradients, specs)
-            return (*avg, np.int32(outcome.epoch), np.int32(outcome.group_size), _done(outcome))
-
-        return collect
 
     def update(
         updates: optax.Updates,
@@ -259,10 +210,7 @@ def diloco(
         )
         int32 = jax.ShapeDtypeStruct((), jnp.int32)
 
-        def host(fn: Callable[..., tuple], shapes: Sequence[Any], *args: Any) -> list:
-            if traced:
-                return _host_call(fn, shapes, *args, kind=callback)
-            return [jnp.asarray(r) for r in fn(*(np.asarray(a) for a in args))]
+        host = host_caller(traced, callback)
 
         # A served or loaded state holds a placeholder inner state: start a fresh one.
         if traced:
@@ -286,7 +234,7 @@ def diloco(
             step = inner_step if int(batch) > 0 else no_step
             inner_updates, inner_state = step(inner_state)
 
-        (action,) = host(_decide, [int32], state.epoch, samples, batch)
+        (action,) = host(calls.decide, [int32], state.epoch, samples, batch)
 
         def local_delta() -> list:
             """outer - local after this micro-step's inner update, float32 leaves."""
@@ -330,7 +278,7 @@ def diloco(
             leaves, treedef = jax.tree.flatten(local_delta())
             specs = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in leaves]
             *got, new_epoch, group_size, complete, taken = host(
-                _average, [*specs, int32, int32, int32, int32], state.epoch, samples, *leaves
+                calls.average, [*specs, int32, int32, int32, int32], state.epoch, samples, *leaves
             )
             new_outer, outer_state = outer_step(got, treedef)
             return (
@@ -349,7 +297,7 @@ def diloco(
         def start_averaging(inner_state) -> tuple:
             delta = local_delta()
             leaves = jax.tree.leaves(delta)
-            (taken,) = host(_start, [int32], state.epoch, samples, *leaves)
+            (taken,) = host(calls.start, [int32], state.epoch, samples, *leaves)
             out = keep(inner_state)
             return (*out[:7], samples - taken, jnp.bool_(False), delta)
 
@@ -357,7 +305,7 @@ def diloco(
             leaves, treedef = jax.tree.flatten(state.sent)
             specs = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in leaves]
             *got, new_epoch, group_size, complete = host(
-                _collect(specs), [*specs, int32, int32, int32], state.epoch
+                calls.collect(specs), [*specs, int32, int32, int32], state.epoch
             )
             new_outer, outer_state = outer_step(got, treedef)
             # local = new_outer + (local_now - local_sent), local_sent = outer - sent

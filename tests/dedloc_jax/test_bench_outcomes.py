@@ -42,3 +42,25 @@ def test_a_run_whose_rounds_fail_reports_no_complete_round_and_no_useful_compute
     assert out["averaged_fraction"] == 0.0
     assert out["compute_fraction"] == 0.0
     assert out["raw_compute_fraction"] > 0.5
+
+
+def test_the_time_weighted_compute_fraction_counts_a_peer_gone_before_its_first_round_by_time() -> (
+    None
+):
+    """With hour-long rounds (DiLoCo) a peer may leave before its first round ended: its
+    computing is cut off, and only its 2 s of joining remain. The mean over peers counts it
+    as a zero like any other peer; the time-weighted figure counts it for those 2 s."""
+    from bench.collaboration import EpochOutcome, PeerStats, outcome_figures
+
+    def peer(name: str, joined: float, left: float, useful: float, cut_off: float) -> PeerStats:
+        p = PeerStats(name, "node", 4.0, 1e6, 5e6, joined=joined, left=left, cut_off=cut_off)
+        if useful:
+            p.epochs.append(EpochOutcome(0, left, 4000, useful, 2, True))
+        p.compute = useful + cut_off
+        return p
+
+    stayed = [peer("a", 0.0, 1000.0, 990.0, 0.0), peer("b", 0.0, 1000.0, 990.0, 0.0)]
+    gone = peer("c", 0.0, 500.0, 0.0, 498.0)
+    out = outcome_figures([*stayed, gone], stayed, 4000, 1000, overlap=False)
+    assert out["compute_fraction"] == round((0.99 + 0.99 + 0.0) / 3, 4)
+    assert out["weighted_compute_fraction"] == round(1980 / 2002, 4)
