@@ -282,6 +282,7 @@ _PARTNER_MARGIN = 1.5
 """Download partners until their published uplinks add up to this times our downlink figure."""
 _MAX_TRANSFERS = 64
 _BOUND_FRACTION = 0.7
+_MIN_SPAN_MESSAGES = 32
 """A download at this fraction of its partners' summed uplinks may be limited by them."""
 
 
@@ -570,8 +571,8 @@ async def _measure_download(
                 rate, bound = await _download(held, nbytes)
             if rate is not None:
                 meter.record("down", rate[0], rate[1], at=rate[2], lower_bound=bound)
-            if rate is None or not bound or late:
-                return
+            if rate is None or not bound or late or len(held) == len(candidates):
+                return  # measured, out of time, or no partner left to add
             # The partners set the rate: more of them next time, if there are more to have.
             enough = _PARTNER_MARGIN * max(total, meter.figures().download_bps or 0.0)
             known = [published.get(id(p)) for p in partners if not p.failed]
@@ -639,19 +640,18 @@ async def _download(
     if not done:
         return None, False
     # From when every partner's data flowed to when one of them finished, the best rate over
-    # spans at least half as long as the whole: while partners send, our link is filled or
-    # all of them are at their limit; after the first finish the rest may not fill it, and
-    # a span of a few round trips alone read 0.4-1.3x the truth. If a partner's first message
-    # came after another had finished, from the request on.
+    # spans of at least 32 messages: until the first finish all send, so our link is filled
+    # or all of them are at their limit; after it the rest may not fill it; and a span of a
+    # few messages read up to 1.3x the truth. If a partner's first message came after another
+    # had finished, from the request on.
     begin = max(started)
     if begin >= min(done):
         begin = t1
-    whole = max(done) - begin
     best: tuple[float, int, float] = (-1.0, 0, 0.0)
     for end in sorted(done):
-        if end - begin >= whole / 2:
-            moved = sum(n for t, n in arrivals if begin < t <= end)
-            best = max(best, (moved / (end - begin), moved, end))
+        within = [n for t, n in arrivals if begin < t <= end]
+        if len(within) >= _MIN_SPAN_MESSAGES or end == max(done):
+            best = max(best, (sum(within) / (end - begin), sum(within), end))
     _, nbytes_in, end = best
     # A lower bound unless the partners' published uplinks could have sent clearly more (a
     # partner that published none could have been the limit too).
