@@ -16,8 +16,18 @@ Samples come from two sources:
   across all streams and rounds, are merged, and each merged span is one sample: its bytes over
   its length. Time when nothing was queued (waiting for a slow peer's results) never counts.
 * an active probe (:func:`measure_links`) when a peer joins or its figure has expired: a few MB
-  sent to, then fetched from, a couple of peers at once (several partners together can fill a
-  downlink that each one's uplink alone cannot).
+  sent to a couple of peers one after the other, then fetched from several at once (several
+  partners together can fill a downlink that each one's uplink alone cannot).
+
+Probe protocol (``PROBE_PROTOCOL``, one stream per partner, any number of transfers): the prober
+sends ``{"hold": "down"|"up", "wait": s}``; the partner queues for that direction of its link
+(one lock per node and direction, so no two probes share a link, while a partner sending to one
+prober still receives from another) up to ``s`` seconds, then answers ``{"busy": True}`` or
+``{"held": True, "up_bps": its published uplink}``; then ``{"up": n}`` and n bytes (answered
+with the partner's timing) or ``{"down": n}`` (answered with n bytes); n = 0 lets it go.
+
+A downlink wider than the probe partners' uplinks together cannot be measured by them: its
+figure is what they sent, published as it is and marked (:meth:`BandwidthMeter.bounded`).
 
 A user-supplied override replaces the measurement in its direction.
 """
@@ -45,7 +55,7 @@ from p2p.rpc import CallContext, MessageStream
 
 logger = logging.getLogger(__name__)
 
-PROBE_PROTOCOL = "dedloc/bwprobe/2"
+PROBE_PROTOCOL = "dedloc/bwprobe/3"
 MAX_PROBE_BYTES = 16 << 20
 _PROBE_CHUNK = 32 << 10  # small, so that a slow partner's first message arrives early
 
