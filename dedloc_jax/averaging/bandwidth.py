@@ -660,9 +660,11 @@ async def _download(
     best: tuple[float, int, float] = (-1.0, 0, 0.0)
     for end in sorted(done):
         within = [n for t, n in arrivals if begin < t <= end]
-        if len(within) >= _MIN_SPAN_MESSAGES or end == max(done):
+        if end > begin and (len(within) >= _MIN_SPAN_MESSAGES or end == max(done)):
             best = max(best, (sum(within) / (end - begin), sum(within), end))
     _, nbytes_in, end = best
+    if nbytes_in <= 0:  # no time passed (an instant link): nothing to tell
+        return None, False
     # A lower bound unless the partners' published uplinks could have sent clearly more (a
     # partner that published none could have been the limit too).
     bound = len(known) < len(ups) or nbytes_in / (end - begin) >= _BOUND_FRACTION * sum(known)
