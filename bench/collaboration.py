@@ -56,7 +56,6 @@ hidden: the LP's bound when blocking, what of it exceeds an epoch's computing wi
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import logging
 import random
@@ -145,7 +144,6 @@ async def _peer(
     done: trio.Event,
     ending: trio.Event,
     overlap: bool,
-    probe_bytes: int,
     scale: int,
 ) -> None:
     host = net.add_host(
@@ -179,10 +177,10 @@ async def _peer(
         stats.joined = trio.current_time()
         stats.started.set()
         try:
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(functools.partial(core.keep_links_measured, nbytes=probe_bytes))
-                await _train(core, stats, vector, micro, epochs, done, ending, overlap)
-                nursery.cancel_scope.cancel()
+            # The collaboration probes its links itself (config.measure_links), with the
+            # config's scaled probe_bytes: a second prober here sent unscaled 4 MB probes
+            # beside it, which took 20-50 s on the slowed links and kept partners busy.
+            await _train(core, stats, vector, micro, epochs, done, ending, overlap)
         finally:
             stats.links = core._bandwidth()
 
@@ -288,8 +286,9 @@ def simulate(
         unmeasured_upload_bps=UNMEASURED_UPLOAD_BPS / args.payload_scale,
         unmeasured_download_bps=UNMEASURED_DOWNLOAD_BPS / args.payload_scale,
     )
+    # A probe as many seconds of a link as at full scale (4 MB), within a 64 KB floor.
+    config = config.replace(probe_bytes=max(64 << 10, (4 << 20) // args.payload_scale))
     sent: list[int] = []
-    probe_bytes = max(64 << 10, (4 << 20) // args.payload_scale)
     actual = max(1, args.params // args.payload_scale)
     vector = np.random.default_rng(args.seed).normal(size=actual).astype(np.float32)
     vector.setflags(write=False)
@@ -321,7 +320,6 @@ def simulate(
                         done,
                         ending,
                         overlap,
-                        probe_bytes,
                         args.payload_scale,
                     )
 

@@ -296,11 +296,12 @@ class CollaborationCore:
         )
 
     async def keep_links_measured(
-        self, *, nbytes: int = 4 << 20, poll: float = 5.0, probes: int = 2
+        self, *, nbytes: int | None = None, poll: float = 5.0, probes: int = 2
     ) -> None:
         """Probe this peer's links once other peers are known (``probes`` times, at random
         moments ``poll`` to ``3 * poll`` apart), and again whenever the meter's figure goes
-        stale; run it as a background task of the collaboration. Probes of peers that start
+        stale; ``open_collaboration`` runs it in the background when ``config.measure_links``
+        (``nbytes``: ``config.probe_bytes`` unless given). Probes of peers that start
         together contend for the same links and read low; the figure is their max, so one
         probe that ran alone suffices.
 
@@ -310,6 +311,7 @@ class CollaborationCore:
         A client reduces nothing, so it probes nothing (while it is one, see
         :meth:`follow_reachability`)."""
         rng = random.Random(str(self.node.peer_id))
+        nbytes = self.config.probe_bytes if nbytes is None else nbytes
         done = 0
         while True:
             await trio.sleep(rng.uniform(poll, 3 * poll) if done else rng.uniform(0, poll))
@@ -801,7 +803,7 @@ async def open_collaboration(
             dht = private.attach(dht)
         core = CollaborationCore(node, dht, run_id, config, mode, nat)
         averaging = install(node)
-        install_probe(node)
+        install_probe(node, core.meter)
         core.matchmaker.register()
         core.across.register()
         core.state_server.register()

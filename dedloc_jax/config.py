@@ -37,6 +37,7 @@ class CollaborationConfig:
     # Probe this peer's links (a few MB with a few peers) when it joins and when the figure
     # goes stale, so the first rounds split the work by measured rates.
     measure_links: bool = True
+    probe_bytes: int = 4 << 20  # what a probe sends, and fetches (scaled down in simulations)
     min_refresh: float = 0.25  # seconds between progress reads near the target
     max_refresh: float = 5.0  # ... and far from it
     progress_ttl: float = 60.0  # a vanished peer's progress expires after this
@@ -74,6 +75,8 @@ class CollaborationConfig:
             "unmeasured_upload_bps",
             "unmeasured_download_bps",
         )
+        if self.probe_bytes < 1:
+            raise ValueError("probe_bytes must be positive")
         for name in (*positive, "robust_tau"):
             value = getattr(self, name)
             if value is not None and not value > 0:

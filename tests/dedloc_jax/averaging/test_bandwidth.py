@@ -1,8 +1,11 @@
+import random
+
 import pytest
+import trio
 
 from dedloc_jax.averaging import BandwidthMeter, install_probe, probe
 from p2p.sim import SimNetwork
-from p2p.testing import open_sim_nodes, run_sim
+from p2p.testing import host_of, open_sim_nodes, run_sim
 
 
 def test_meter_publishes_the_windowed_max_of_its_samples_and_override_wins():
@@ -104,12 +107,12 @@ def test_probe_skips_a_partner_it_cannot_reach_and_the_server_rejects_oversized_
 
 
 def test_the_upload_goes_to_the_partners_that_accept_when_the_first_ones_are_busy():
-    """Partners busy with probes of their own decline ours. The upload must go to the first
-    partners that accept, not to the first two by position: when those two were busy, the
-    uplink went unmeasured (at the start of a 12-peer run, most peers' probes did so, and an
-    unmeasured uplink entered the LP as a placeholder)."""
+    """Partners whose downlinks other probes hold answer busy once ours waited its turn. The
+    upload must go to the first partners that accept, not to the first two by position: when
+    those two were busy, the uplink went unmeasured (at the start of a 12-peer run, most peers'
+    probes did so, and an unmeasured uplink entered the LP as a placeholder)."""
     from dedloc_jax.averaging import measure_links
-    from dedloc_jax.averaging.bandwidth import _Busy
+    from dedloc_jax.averaging.bandwidth import _link_lock
 
     meter = BandwidthMeter()
 
@@ -122,7 +125,7 @@ def test_the_upload_goes_to_the_partners_that_accept_when_the_first_ones_are_bus
             for b in partners:
                 install_probe(b)
                 a.peerstore.add_addrs(b.peer_id, b.addrs)
-            with _Busy(partners[0]), _Busy(partners[1]):  # probing on their own
+            async with _link_lock(partners[0], "down"), _link_lock(partners[1], "down"):
                 await measure_links(
                     a, [b.peer_id for b in partners], meter, nbytes=2 << 20, timeout=30.0
                 )
@@ -130,3 +133,48 @@ def test_the_upload_goes_to_the_partners_that_accept_when_the_first_ones_are_bus
     run_sim(main)
     assert meter.upload_bps == pytest.approx(2e6, rel=0.1)
     assert meter.download_bps is not None
+
+
+def test_twelve_peers_probing_at_once_measure_downlinks_five_times_their_uplinks():
+    """Every peer of a run probes when it joins, so probes meet. A partner that declined every
+    other probe while one used it left most downlinks unmeasured (187 of 210 probes of a
+    12-peer run found every partner busy; downlinks read 0.05-0.66 of the truth): partners now
+    queue probes per direction of their link. A downlink wider than every partner's uplink
+    together cannot be filled: its figure is what they sent, marked as a lower bound. Each
+    peer probes twice, as ``keep_links_measured`` does when a peer joins."""
+    from dedloc_jax.averaging import measure_links
+
+    mbit = 1e6 / 8
+    ups = [(10, 25, 50, 100)[i % 4] * mbit for i in range(12)]
+    meters = [BandwidthMeter() for _ in ups]
+
+    async def main() -> None:
+        net = SimNetwork(seed=0)
+        async with open_sim_nodes(net, len(ups), latency=0.02) as nodes:
+            for node, up, meter in zip(nodes, ups, meters, strict=True):
+                install_probe(node, meter)
+                net.set_bandwidth(host_of(net, node), up, 5 * up)
+                for other in nodes:
+                    if other is not node:
+                        node.peerstore.add_addrs(other.peer_id, other.addrs)
+            async with trio.open_nursery() as nursery:
+                for i, node in enumerate(nodes):
+                    partners = [p.peer_id for p in nodes if p is not node]
+                    random.Random(i).shuffle(partners)
+                    nursery.start_soon(twice, node, partners, meters[i])
+
+    async def twice(node, partners, meter) -> None:  # as a joining peer does
+        for _ in range(2):
+            await measure_links(node, partners, meter, max_peers=11, timeout=240.0)
+
+    run_sim(main)
+    for i, (meter, up) in enumerate(zip(meters, ups, strict=True)):
+        f = meter.figures(now=0.0)
+        others = sum(ups) - up
+        assert f.upload_bps == pytest.approx(up, rel=0.2), (i, f)
+        if others > 5 * up:  # the partners together can fill it: measured
+            assert f.download_bps == pytest.approx(5 * up, rel=0.2), (i, f)
+            assert not meter.bounded("down", now=0.0), i
+        else:  # they cannot: what they sent, marked
+            assert f.download_bps == pytest.approx(others, rel=0.2), (i, f)
+            assert meter.bounded("down", now=0.0), i
