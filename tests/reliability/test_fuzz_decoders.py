@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 
 from bench.fuzz import DECODERS, Decoder
 from bench.fuzz_inputs import mutate_bytes, random_object
+from dedloc_jax.averaging import bandwidth, wire
 from dedloc_jax.state_chunks import StateError, StateManifest
 from p2p import messages
 from p2p.errors import ProtocolError
@@ -137,7 +138,7 @@ def test_progress_record_rejects_non_finite_numbers() -> None:
 # ---- a live node ------------------------------------------------------------------------------
 RPC_NAMES = ("dht.ping", "dht.store", "dht.find", "dht.changes", "collab.join", "collab.leader",
              "collab.state.manifest", "collab.state.chunk")  # fmt: skip
-STREAM_NAMES = ("dedloc/allreduce/1", "dedloc/allreduce-repair/1", "dedloc/bwprobe/1")
+STREAM_NAMES = (wire.PROTOCOL, wire.REPAIR_PROTOCOL, bandwidth.PROBE_PROTOCOL)  # the served names
 
 
 def test_live_node_survives_garbage_and_random_rpcs() -> None:
