@@ -58,6 +58,7 @@ logger = logging.getLogger(__name__)
 PROBE_PROTOCOL = "dedloc/bwprobe/3"
 MAX_PROBE_BYTES = 16 << 20
 _PROBE_CHUNK = 32 << 10  # small, so that a slow partner's first message arrives early
+_SAME_DELIVERY = 1e-4  # seconds: messages read this soon after the first arrived with it
 
 
 def _chunk_for(nbytes: int) -> int:
@@ -353,13 +354,14 @@ async def _receive_upload(ms: MessageStream, up: int) -> None:
         if not isinstance(msg, bytes) or got + len(msg) > up:
             raise ValueError("probe payload must be bytes of the announced size")
         last = trio.current_time()
-        if got:
-            after_first += len(msg)
-        else:
+        if not got:
             first = last
+        elif last - first > _SAME_DELIVERY:
+            after_first += len(msg)
         got += len(msg)
-    # What arrived after the first message, over the time it took: the rate without the
-    # request's round trip and the first message's latency.
+    # What arrived after the first delivery, over the time it took: the rate without the
+    # request's round trip and the first message's latency. Messages read with the first one
+    # were on their way before it (one TCP burst, one simulator chunk) and count with it.
     await ms.send({"got": got, "bytes": after_first, "seconds": last - first})
 
 

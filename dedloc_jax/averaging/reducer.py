@@ -348,6 +348,8 @@ class Reducer:
         k = 0
         while True:
             while k < self.done:
+                if s not in self.receivers:  # dropped: its results may be released already
+                    return
                 data = self.enc[k]
                 t = trio.current_time()
                 await ms.send(wire.result(k, data, self.final_masks[k]))

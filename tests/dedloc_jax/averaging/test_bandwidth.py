@@ -75,6 +75,26 @@ def test_probe_measures_simulated_links():
     assert meter.download_bps == pytest.approx(8e6, rel=0.1)
 
 
+def test_a_probe_of_small_messages_delivered_several_at_once_reads_the_true_uplink():
+    # 256 KiB in 16 KiB messages: the simulator delivers 64 KiB at a time, so the first
+    # delivery holds four messages; counting three of them as timed read the uplink 1.25x
+    # too fast (every node of bench.collaboration --payload-scale 10 published 1.25x).
+    meter = BandwidthMeter()
+
+    async def main() -> None:
+        net = SimNetwork(seed=0)
+        async with (
+            open_sim_nodes(net, 1, upload_bps=2e6, download_bps=8e6) as (a,),
+            open_sim_nodes(net, 1, upload_bps=50e6, download_bps=50e6) as (b,),
+        ):
+            install_probe(b)
+            a.peerstore.add_addrs(b.peer_id, b.addrs)
+            await probe(a, b.peer_id, meter, nbytes=256 << 10)
+
+    run_sim(main)
+    assert meter.upload_bps == pytest.approx(2e6, rel=0.05)
+
+
 def test_probe_skips_a_partner_it_cannot_reach_and_the_server_rejects_oversized_asks():
     from dedloc_jax.averaging import measure_links
     from dedloc_jax.averaging.bandwidth import PROBE_PROTOCOL
