@@ -604,7 +604,10 @@ class CollaborationCore:
             if not est.ready:
                 await trio.sleep(
                     refresh_delay(
-                        est, min_delay=self.config.min_refresh, max_delay=self.config.max_refresh
+                        est,
+                        min_delay=self.config.min_refresh,
+                        max_delay=self.config.max_refresh,
+                        idle_delay=self.config.idle_refresh,
                     )
                 )
                 continue
