@@ -41,10 +41,12 @@ class CollaborationConfig:
     min_refresh: float = 0.25  # seconds between progress reads near the target
     max_refresh: float = 5.0  # ... and far from it (reads at half the ETA in between)
     progress_ttl: float = 60.0  # a vanished peer's progress expires after this
-    # Far from the target (a tenth of the ETA above max_refresh: diloco's outer steps, hours
-    # apart) reads come at a tenth of the ETA up to idle_refresh, and our record lives up to
-    # half the ETA within idle_ttl (renewed at a third of that): a peer that vanishes then
-    # still expires before the step, and the table is not re-read a thousand times per step.
+    # Far from the target (an ETA of idle_after or more: diloco's outer steps, hours apart,
+    # never a DeDLOC epoch) reads come at a tenth of the ETA up to idle_refresh, and our
+    # record lives up to half the ETA within idle_ttl (renewed at a third of that): a peer
+    # that vanishes still expires before the step, and the table is not re-read every
+    # max_refresh for hours. (At a tenth of an 80 s epoch's ETA, DeDLOC rounds failed.)
+    idle_after: float = 600.0
     idle_refresh: float = 60.0
     idle_ttl: float = 600.0
     # Count others' samples since their last report from their rate (DeDLOC): less overshoot,
@@ -75,6 +77,8 @@ class CollaborationConfig:
             raise ValueError("need 0 < min_refresh <= max_refresh <= idle_refresh")
         if not 0 < self.progress_ttl <= self.idle_ttl:
             raise ValueError("need 0 < progress_ttl <= idle_ttl")
+        if not self.idle_after > 0:
+            raise ValueError("idle_after must be positive")
         positive = (
             "matchmaking_time",
             "averaging_timeout",

@@ -362,12 +362,27 @@ class ProgressTracker:
         )
 
     # --- DHT I/O -----------------------------------------------------------------------
+    def settled_eta(self) -> float:
+        """The ETA if every peer we know trained toward our epoch at its last known rate: just
+        after a step, while few peers have entered the new epoch, the estimate's ETA is long,
+        and reading or renewing rarely then overshot (test_collaboration's 10x spread). Zero
+        during our first ``idle_after`` seconds: peers that join with us are not in the table
+        yet, and a first peer alone in it would otherwise read every ``idle_refresh``."""
+        first = self._first_report_at
+        if first is None or trio.current_time() - first < self.config.idle_after:
+            return 0.0
+        est = self.current_estimate()
+        rates = {**{p: self._rates.get(p, 0.0) for p in self.records}, self.peer_id: self.rate}
+        total = sum(rates.values())
+        remaining = max(0.0, est.target - est.samples)
+        return min(est.eta, remaining / total if total > 0 else math.inf)
+
     def record_ttl(self) -> float:
-        """How long our next record lives: ``progress_ttl``, or far from the target up to half
-        the ETA (within ``idle_ttl``), so that a peer that vanishes still expires before the
-        step while one that stays renews its record rarely."""
-        eta = self.current_estimate().eta
-        if not math.isfinite(eta):
+        """How long our next record lives: ``progress_ttl``, or at ``idle_after`` or more
+        from the target up to half the (settled) ETA within ``idle_ttl``, so that a peer that
+        vanishes still expires before the step while one that stays renews its record rarely."""
+        eta = self.settled_eta()
+        if not self.config.idle_after <= eta < math.inf:
             return self.config.progress_ttl
         return max(self.config.progress_ttl, min(eta / 2, self.config.idle_ttl))
 
@@ -446,6 +461,8 @@ class ProgressTracker:
                     max_delay=self.config.max_refresh,
                     crowd=self.dht.config.replication,  # readers the key's replicas serve
                     idle_delay=self.config.idle_refresh,
+                    idle_eta=self.settled_eta(),
+                    idle_after=self.config.idle_after,
                 )
             with trio.move_on_after(delay):
                 await self._wake.wait()

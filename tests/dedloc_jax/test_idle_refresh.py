@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import trio
 
 from dedloc_jax.config import CollaborationConfig
@@ -32,15 +33,20 @@ def test_reads_follow_a_tenth_of_a_far_eta_and_half_of_a_near_one() -> None:
         return refresh_delay(_estimate(eta), min_delay=0.25, max_delay=5.0, idle_delay=60.0)
 
     assert delay(1.0) == 0.5  # near: half the ETA, as without idle_delay
-    assert delay(30.0) == 5.0  # every DeDLOC epoch of less than a minute: as before
-    assert delay(300.0) == 30.0  # far: a tenth of the ETA ...
+    assert delay(30.0) == 5.0  # DeDLOC epochs: as before
+    assert delay(599.0) == 5.0
+    assert delay(600.0) == 60.0  # far (idle_after, 600 s, or more): a tenth of the ETA ...
     assert delay(7200.0) == 60.0  # ... up to idle_delay
+    assert refresh_delay(
+        _estimate(1000.0), min_delay=0.25, max_delay=5.0, idle_delay=300.0
+    ) == pytest.approx(100.0)
     assert delay(math.inf) == 5.0  # nothing to predict from: as before
 
 
 def test_a_peer_far_from_the_target_reads_and_publishes_a_few_times_a_minute_at_most() -> None:
-    """Two peers train toward a step about 40 minutes away. Between minutes 2 and 12 each
-    reads the table at most twice a minute and publishes at most once every two minutes
+    """Two peers train toward a step about 40 minutes away. Between minutes 12 and 22 (past
+    their first idle_after) each reads the table at most twice a minute and publishes at
+    most once every two minutes
     (before: a read every 5 s and a publish every 20 s); in the last minute before the
     target it reads as often as before (at least every 5 s)."""
     target = int(2 * RATE * 2400)
@@ -84,8 +90,8 @@ def test_a_peer_far_from_the_target_reads_and_publishes_a_few_times_a_minute_at_
     run_sim(main, seed=0)
     assert len(ready_at) == 2
     for i in range(2):
-        far_reads = [t for t in reads[i] if 120 <= t < 720]
-        far_publishes = [t for t in publishes[i] if 120 <= t < 720]
+        far_reads = [t for t in reads[i] if 720 <= t < 1320]
+        far_publishes = [t for t in publishes[i] if 720 <= t < 1320]
         assert len(far_reads) <= 20, far_reads
         assert len(far_publishes) <= 5, far_publishes
         near = sorted(t for t in reads[i] if ready_at[i] - 60 <= t <= ready_at[i])
