@@ -608,6 +608,7 @@ class CollaborationCore:
                         min_delay=self.config.min_refresh,
                         max_delay=self.config.max_refresh,
                         idle_delay=self.config.idle_refresh,
+                        idle_eta=self.tracker.settled_eta(),
                         idle_after=self.config.idle_after,
                     )
                 )
