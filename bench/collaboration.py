@@ -61,6 +61,7 @@ import logging
 import random
 import statistics
 import time
+from collections import Counter
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -73,7 +74,7 @@ from dedloc_jax.averaging.bandwidth import UNMEASURED_DOWNLOAD_BPS, UNMEASURED_U
 from dedloc_jax.collaboration import CollaborationCore, open_collaboration
 from dedloc_jax.config import CollaborationConfig
 from p2p.dht import DHTClock, DHTConfig
-from p2p.node import NodeConfig, open_node
+from p2p.node import Node, NodeConfig, open_node
 from p2p.testing import SimNetwork, run_sim, sim_identity
 
 MBIT = 1e6 / 8  # bytes per second
@@ -145,6 +146,7 @@ async def _peer(
     ending: trio.Event,
     overlap: bool,
     scale: int,
+    nodes: list[Node],
 ) -> None:
     host = net.add_host(
         stats.name,
@@ -172,6 +174,7 @@ async def _peer(
             dht_clock=DHTClock(trio.current_time),
         ) as core,
     ):
+        nodes.append(node)  # its bytes_sent are read once the run is over
         if index == 0:
             first.append(str(node.addrs[0]))
         stats.joined = trio.current_time()
@@ -289,6 +292,8 @@ def simulate(
     # A probe as many seconds of a link as at full scale (4 MB), within a 64 KB floor.
     config = config.replace(probe_bytes=max(64 << 10, (4 << 20) // args.payload_scale))
     sent: list[int] = []
+    traffic: Counter[str] = Counter()  # bytes every node wrote, per protocol
+    nodes: list[Node] = []
     actual = max(1, args.params // args.payload_scale)
     vector = np.random.default_rng(args.seed).normal(size=actual).astype(np.float32)
     vector.setflags(write=False)
@@ -321,6 +326,7 @@ def simulate(
                         ending,
                         overlap,
                         args.payload_scale,
+                        nodes,
                     )
 
             await nursery.start(_started, start, peers[0], 0)
@@ -360,6 +366,8 @@ def simulate(
                     p.left = end
             nursery.cancel_scope.cancel()
         sent.append(net.stats.bytes)
+        for node in nodes:
+            traffic.update(node.bytes_sent)
         return everyone
 
     wall = time.perf_counter()
@@ -376,6 +384,7 @@ def simulate(
     figures["bytes_per_sample"] = round(sent[0] / processed, 2) if processed else None
     useful = _complete_samples(everyone)  # samples of the rounds that completed
     figures["bytes_per_complete_sample"] = round(sent[0] / useful, 2) if useful else None
+    figures["bytes_by_kind"] = bytes_by_kind(traffic, sent[0])
     mode = "overlapped (delayed update)" if overlap else "blocking"
     print(f"--- {mode}: {figures['epochs']} epochs in {wall:.0f} s of wall time")
     print(
@@ -388,6 +397,7 @@ def simulate(
     print(
         f"{sent[0]:,} bytes sent for {processed:,} samples: {figures['bytes_per_sample']} B/sample"
     )
+    print("bytes by kind:", ", ".join(f"{k} {v:,}" for k, v in figures["bytes_by_kind"].items()))
     print(
         f"epoch {figures['epoch_seconds']} s against an ideal {figures['ideal_epoch_seconds']} s"
         f" (LP bound {figures['lp_bound_seconds']} s)"
@@ -407,6 +417,15 @@ def simulate(
         )
     figures["wall_seconds"] = round(wall, 1)
     return figures
+
+
+def bytes_by_kind(traffic: Counter[str], wire: int) -> dict[str, int]:
+    """What the nodes wrote per protocol (``Node.bytes_sent``), largest first, and
+    ``unattributed``: what the network carried beyond that, the secure handshakes (a relayed
+    connection's bytes count twice above: once as its own protocols, once as the relay's)."""
+    kinds = dict(traffic.most_common())
+    kinds["unattributed"] = wire - sum(traffic.values())
+    return kinds
 
 
 def outcome_figures(

@@ -296,29 +296,40 @@ class CollaborationCore:
         )
 
     async def keep_links_measured(
-        self, *, nbytes: int | None = None, poll: float = 5.0, probes: int = 2
+        self,
+        *,
+        nbytes: int | None = None,
+        poll: float = 5.0,
+        probes: int = 2,
+        lead: float | None = None,
     ) -> None:
-        """Probe this peer's links once other peers are known (``probes`` times, at random
-        moments ``poll`` to ``3 * poll`` apart), and again whenever the meter's figure goes
-        stale; ``open_collaboration`` runs it in the background when ``config.measure_links``
-        (``nbytes``: ``config.probe_bytes`` unless given). Probes of peers that start
-        together contend for the same links and read low; the figure is their max, so one
-        probe that ran alone suffices.
+        """Probe this peer's links once other peers are known and the next averaging is less
+        than ``lead`` seconds away (None: a quarter of the meter's window), ``probes`` times
+        at random moments ``poll`` to ``3 * poll`` apart, and again before each later
+        averaging whose round would find the figure stale; ``open_collaboration`` runs it in
+        the background when ``config.measure_links`` (``nbytes``: ``config.probe_bytes``
+        unless given). Probes of peers that start together contend for the same links and
+        read low; the figure is their max, so one probe that ran alone suffices.
 
-        A stale figure is probed again only when the next averaging is less than the meter's
-        window away (the new figure then lasts through it): with rare averaging (diloco's
-        outer steps, hours apart) probing every window would send more than the averaging.
-        A client reduces nothing, so it probes nothing (while it is one, see
-        :meth:`follow_reachability`)."""
+        Only a round uses the figure, so probes wait for one: with rare averaging (diloco's
+        outer steps, hours apart) probes on joining and at every expiry sent several times
+        what the averaging did. Within ``lead`` of the round the new figure lasts through it
+        even if it comes later than predicted. A peer that sees no rate at all (nothing to
+        predict from) probes on joining. A client reduces nothing, so it probes nothing
+        (while it is one, see :meth:`follow_reachability`)."""
         rng = random.Random(str(self.node.peer_id))
         nbytes = self.config.probe_bytes if nbytes is None else nbytes
+        lead = self.meter.window / 4 if lead is None else lead
         done = 0
         while True:
             await trio.sleep(rng.uniform(poll, 3 * poll) if done else rng.uniform(0, poll))
             known = any(pid != str(self.node.peer_id) for pid in self.tracker.records)
-            stale = self.meter.stale() and self.tracker.current_estimate().eta < self.meter.window
+            eta = self.tracker.current_estimate().eta
+            f = self.meter.figures()
+            stale = max(f.upload_age, f.download_age) + eta > self.meter.window  # at the round
+            due = eta < lead and stale or done < probes and (eta < lead or math.isinf(eta))
             # Not while we average: the round's traffic and the probe's would slow each other.
-            if known and (done < probes or stale) and self.mode != "client" and not self._averaging:
+            if known and due and self.mode != "client" and not self._averaging:
                 try:
                     figures = await self.probe_links(nbytes=nbytes)
                 except (ValueError, trio.TooSlowError, P2PError) as e:
@@ -328,8 +339,8 @@ class CollaborationCore:
                     # when we upload, and the uplink went unmeasured for a whole window).
                     if figures.upload_bps is not None and figures.download_bps is not None:
                         done += 1
-            if done >= probes and not stale:
-                await trio.sleep(self.meter.window / 4)
+            if done >= probes and not due and math.isfinite(eta):
+                await trio.sleep(min(self.meter.window / 4, max(0.0, eta - lead)))
 
     async def follow_reachability(self) -> None:
         """Keep the averaging mode in step with :attr:`nat`'s role, from now on (a background
@@ -593,7 +604,12 @@ class CollaborationCore:
             if not est.ready:
                 await trio.sleep(
                     refresh_delay(
-                        est, min_delay=self.config.min_refresh, max_delay=self.config.max_refresh
+                        est,
+                        min_delay=self.config.min_refresh,
+                        max_delay=self.config.max_refresh,
+                        idle_delay=self.config.idle_refresh,
+                        idle_eta=self.tracker.settled_eta(),
+                        idle_after=self.config.idle_after,
                     )
                 )
                 continue

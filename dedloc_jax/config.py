@@ -39,8 +39,16 @@ class CollaborationConfig:
     measure_links: bool = True
     probe_bytes: int = 4 << 20  # what a probe sends, and fetches (scaled down in simulations)
     min_refresh: float = 0.25  # seconds between progress reads near the target
-    max_refresh: float = 5.0  # ... and far from it
+    max_refresh: float = 5.0  # ... and far from it (reads at half the ETA in between)
     progress_ttl: float = 60.0  # a vanished peer's progress expires after this
+    # Far from the target (an ETA of idle_after or more: diloco's outer steps, hours apart,
+    # never a DeDLOC epoch) reads come at a tenth of the ETA up to idle_refresh, and our
+    # record lives up to half the ETA within idle_ttl (renewed at a third of that): a peer
+    # that vanishes still expires before the step, and the table is not re-read every
+    # max_refresh for hours. (At a tenth of an 80 s epoch's ETA, DeDLOC rounds failed.)
+    idle_after: float = 600.0
+    idle_refresh: float = 60.0
+    idle_ttl: float = 600.0
     # Count others' samples since their last report from their rate (DeDLOC): less overshoot,
     # but a peer may stop early and wait in matchmaking for the rest. False: published only.
     extrapolate: bool = True
@@ -65,8 +73,12 @@ class CollaborationConfig:
             raise ValueError("max_group_size must be at least 1")
         if self.codec not in ("none", "fp16", "bf16", "int8"):
             raise ValueError(f"unknown codec {self.codec!r}")
-        if not 0 < self.min_refresh <= self.max_refresh:
-            raise ValueError("need 0 < min_refresh <= max_refresh")
+        if not 0 < self.min_refresh <= self.max_refresh <= self.idle_refresh:
+            raise ValueError("need 0 < min_refresh <= max_refresh <= idle_refresh")
+        if not 0 < self.progress_ttl <= self.idle_ttl:
+            raise ValueError("need 0 < progress_ttl <= idle_ttl")
+        if not self.idle_after > 0:
+            raise ValueError("idle_after must be positive")
         positive = (
             "matchmaking_time",
             "averaging_timeout",

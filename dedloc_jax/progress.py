@@ -232,8 +232,18 @@ def estimate_collaboration(
     )
 
 
+IDLE_FRACTION = 0.1  # of the ETA, between reads far from the target
+
+
 def refresh_delay(
-    estimate: CollaborationEstimate, *, min_delay: float, max_delay: float, crowd: int = 0
+    estimate: CollaborationEstimate,
+    *,
+    min_delay: float,
+    max_delay: float,
+    crowd: int = 0,
+    idle_delay: float | None = None,
+    idle_eta: float | None = None,
+    idle_after: float = 600.0,
 ) -> float:
     """How long to wait before re-reading the DHT: often near the target, rarely far from it.
 
@@ -242,6 +252,12 @@ def refresh_delay(
     ``crowd`` > 0 and more peers than that, the shortest delay grows in proportion (up to
     ``max_delay``): the replicas then see about ``crowd / min_delay`` reads per second whatever
     the collaboration's size, and extrapolating the others' rates covers the longer gaps.
+
+    With ``idle_delay``, a target ``idle_after`` seconds away or more is read every
+    ``IDLE_FRACTION`` of the ETA (``idle_eta`` when given: a lower bound that the moments
+    after a step do not inflate), up to ``idle_delay``: a step hours away (diloco) was
+    otherwise read every ``max_delay``, and the reads were most of the run's traffic. Nearer
+    the target (every DeDLOC epoch) nothing changes.
     """
     if not min_delay <= max_delay:
         raise ValueError("min_delay must not exceed max_delay")
@@ -249,7 +265,11 @@ def refresh_delay(
         raise ValueError("crowd must be non-negative")
     if crowd and estimate.num_peers > crowd:
         min_delay = min(max_delay, min_delay * estimate.num_peers / crowd)
-    return min(max(estimate.eta / 2, min_delay), max_delay)
+    delay = min(max(estimate.eta / 2, min_delay), max_delay)
+    far = estimate.eta if idle_eta is None else min(idle_eta, estimate.eta)
+    if idle_delay is not None and idle_after <= far < math.inf:
+        delay = max(delay, min(far * IDLE_FRACTION, idle_delay))
+    return delay
 
 
 class ThroughputMeter:

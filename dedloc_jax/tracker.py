@@ -65,6 +65,7 @@ class ProgressTracker:
         self.estimate = estimate_collaboration([], now=0.0, target_batch_size=math.inf)
         self._wake = trio.Event()
         self._published_at = -math.inf
+        self._published_ttl = config.progress_ttl  # how long our last record lives
         self._published_epoch = -1
         self._frozen = False
         self.step_interval = 0.0
@@ -361,17 +362,43 @@ class ProgressTracker:
         )
 
     # --- DHT I/O -----------------------------------------------------------------------
+    def settled_eta(self) -> float:
+        """The ETA if every peer we know trained toward our epoch at its last known rate: just
+        after a step, while few peers have entered the new epoch, the estimate's ETA is long,
+        and reading or renewing rarely then overshot (test_collaboration's 10x spread). Zero
+        during our first ``idle_after`` seconds: peers that join with us are not in the table
+        yet, and a first peer alone in it would otherwise read every ``idle_refresh``."""
+        first = self._first_report_at
+        if first is None or trio.current_time() - first < self.config.idle_after:
+            return 0.0
+        est = self.current_estimate()
+        rates = {**{p: self._rates.get(p, 0.0) for p in self.records}, self.peer_id: self.rate}
+        total = sum(rates.values())
+        remaining = max(0.0, est.target - est.samples)
+        return min(est.eta, remaining / total if total > 0 else math.inf)
+
+    def record_ttl(self) -> float:
+        """How long our next record lives: ``progress_ttl``, or at ``idle_after`` or more
+        from the target up to half the (settled) ETA within ``idle_ttl``, so that a peer that
+        vanishes still expires before the step while one that stays renews its record rarely."""
+        eta = self.settled_eta()
+        if not self.config.idle_after <= eta < math.inf:
+            return self.config.progress_ttl
+        return max(self.config.progress_ttl, min(eta / 2, self.config.idle_ttl))
+
     async def publish(self) -> None:
         me = self.own_progress()
+        ttl = self.record_ttl()
         try:
             await self.dht.store(
                 progress_key(self.run_id),
                 me.to_record(),
-                self.dht.now() + self.config.progress_ttl,
+                self.dht.now() + ttl,
                 subkey=owner_marker(self.dht.peer_id),
                 replicas=follower_replicas(self.dht.config),
             )
             self._published_at = trio.current_time()
+            self._published_ttl = ttl
             self._published_epoch = me.epoch
             self._published = me
         except (P2PError, InvalidRecordError) as e:
@@ -433,6 +460,9 @@ class ProgressTracker:
                     min_delay=self.config.min_refresh,
                     max_delay=self.config.max_refresh,
                     crowd=self.dht.config.replication,  # readers the key's replicas serve
+                    idle_delay=self.config.idle_refresh,
+                    idle_eta=self.settled_eta(),
+                    idle_after=self.config.idle_after,
                 )
             with trio.move_on_after(delay):
                 await self._wake.wait()
@@ -454,22 +484,22 @@ class ProgressTracker:
         what others need: a new epoch or served state at once; our rate once it is first
         known; and whenever their extrapolation of our record is off by more than what matters
         at their distance from the target (half a micro-batch near it, a fifth of what we will
-        still add before it far from it). Otherwise only often enough that the record does
-        not expire."""
+        still add before it, or before our record must be renewed anyway, far from it).
+        Otherwise only often enough that the record does not expire (:meth:`record_ttl`)."""
         if self._published_epoch != self.epoch or self._published is None:
             return True
         if self._published.state != self.served or self._published.averages != self.averages:
             return True
         if self._published.target != self._target:
             return True
-        if trio.current_time() - self._published_at > self.config.progress_ttl / 3:
+        if trio.current_time() - self._published_at > self._published_ttl / 3:
             return True
         if self._frozen:
             return False  # freeze() published our final record
         rate = self.rate
         if self._published.samples_per_second == 0 and rate > 0:
             return True
-        ahead = rate * min(self.estimate.eta, self.config.progress_ttl)
+        ahead = rate * min(self.estimate.eta, self._published_ttl)
         return self.published_error() > max(self._batch / 2, ahead / 5)
 
 

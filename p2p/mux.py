@@ -14,7 +14,7 @@ The wire format is in :mod:`p2p.mux_frames`.
 from __future__ import annotations
 
 import logging
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
@@ -66,6 +66,8 @@ class FrameChannel(Protocol):
 
 StreamHandler = Callable[[MuxStream], Awaitable[None]]
 
+CONTROL = "mux/"  # frames of no stream count in ``Mux.bytes_sent`` as mux/<kind>: mux/ping
+
 
 class Mux:
     """The multiplexer of one connection. Run :meth:`run` in a nursery; it owns the tasks.
@@ -85,8 +87,13 @@ class Mux:
         config: MuxConfig = MuxConfig(),
         label: str = "",
         budget: MemoryBudget | None = None,
+        bytes_sent: Counter[str] | None = None,
     ) -> None:
         self.channel = channel
+        # Bytes written to the channel per stream protocol (control frames as CONTROL + kind),
+        # each frame with the channel's framing; a node passes one Counter to all its muxes.
+        self.bytes_sent: Counter[str] = Counter() if bytes_sent is None else bytes_sent
+        self._frame_overhead = int(getattr(channel, "frame_overhead", 0))
         self.config = config
         self.initiator = initiator
         self.label = label
@@ -182,7 +189,7 @@ class Mux:
             cs.shield = True
             try:
                 async with self._send_lock:
-                    await self.channel.send_frame(self._goaway(reason))
+                    await self._send_control(self._goaway(reason))
             except _CHANNEL_ERRORS:
                 pass
         self._close_now(reason)
@@ -316,6 +323,9 @@ class Mux:
             stream.frames_cancelled()
             raise
         stream.frames_written()
+        self.bytes_sent[stream.protocol] += (
+            sum(map(len, frames)) + len(frames) * self._frame_overhead
+        )
 
     def _fits_bulk_head(self, parts: list[Any]) -> bool:
         return sum(len(p) for p in parts) + BULK_PAYLOAD.size <= self.max_payload
@@ -333,6 +343,10 @@ class Mux:
                 if i:  # the peer may be waiting for the rest of a BULK: nothing may follow
                     self._close_now("send cancelled between the frames of one write")
                 raise
+
+    async def _send_control(self, frame: bytes) -> None:
+        await self.channel.send_frame(frame)
+        self.bytes_sent[CONTROL + KIND_NAMES[frame[0]].lower()] += len(frame) + self._frame_overhead
 
     async def _control_loop(self) -> None:
         """Flush control frames; the receive loop never blocks on sending."""
@@ -353,7 +367,7 @@ class Mux:
                         sid, inc = self._window_updates.popitem()
                         frame = encode_frame(WINDOW, sid, WINDOW_PAYLOAD.pack(inc))
                     try:
-                        await self.channel.send_frame(frame)
+                        await self._send_control(frame)
                     except _CHANNEL_ERRORS as e:
                         self._close_now(f"send failed: {e!r}")
                         return
@@ -375,7 +389,7 @@ class Mux:
                     cs.shield = True
                     try:
                         async with self._send_lock:
-                            await self.channel.send_frame(self._goaway(f"protocol violation: {e}"))
+                            await self._send_control(self._goaway(f"protocol violation: {e}"))
                     except _CHANNEL_ERRORS:
                         pass
                 return

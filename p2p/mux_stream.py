@@ -72,6 +72,7 @@ class MuxStream:
         self._receiving = False
         self.unprocessed = False  # known never to have reached the peer's handler
         self.outbound = outbound
+        self.protocol = ""  # named by the RPC layer once known (the mux counts bytes by it)
         self._chunks: deque[memoryview] = deque()
         self._buffered = 0  # bytes queued in _chunks
         self._held = 0  # bytes counted against the memory limits: queued + in messages being read

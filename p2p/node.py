@@ -153,6 +153,9 @@ class Node:
         self._closing = False
         self._parsed: dict[str, PeerID | Multiaddr] = {}
         self._budget = MemoryBudget(config.max_buffered_total)
+        # Bytes this node wrote to its secure channels per stream protocol, over all its
+        # connections, closed ones included (frames of no stream as mux/<kind>: p2p.mux.CONTROL).
+        self.bytes_sent: Counter[str] = Counter()
         self._serve_limits = ServeLimits(
             max_message_size=config.max_message_size,
             header_timeout=config.header_timeout,
@@ -421,6 +424,7 @@ class Node:
             config=self.config.mux_config(getattr(channel, "max_frame", None)),
             label=f"{str(conn.peer)[:10]}{'>' if outbound else '<'}",
             budget=self._budget,
+            bytes_sent=self.bytes_sent,
         )
         self._all_conns[conn] = None
 

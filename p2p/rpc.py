@@ -206,6 +206,7 @@ async def serve_stream(
         with trio.move_on_after(limits.header_timeout) as scope:
             header = await ms._receive_raw()
             kind, name = _parse_header(header)
+            stream.protocol = name
             entry = registry.handlers.get(name)
             if entry is None or entry[0] != kind:
                 what = "unknown protocol" if entry is None else "wrong call kind for protocol"
@@ -289,6 +290,7 @@ async def _run_handler(
 async def call_on_stream(stream: MuxStream, name: str, request: Any, max_message_size: int) -> Any:
     """A unary call on a fresh stream; the caller resets the stream if this is cancelled."""
     ms = MessageStream(stream, max_message_size)
+    stream.protocol = name
     parts = encode_parts([UNARY, name], max_message_size)
     parts += encode_parts(request, max_message_size)
     await stream.send_parts(parts, eof=True)
@@ -304,6 +306,7 @@ async def call_on_stream(stream: MuxStream, name: str, request: Any, max_message
 async def open_message_stream(stream: MuxStream, name: str, max_message_size: int) -> MessageStream:
     """Send a streaming header and wait for the server to accept it."""
     ms = MessageStream(stream, max_message_size)
+    stream.protocol = name
     await ms._send_raw([STREAMING, name])
     try:
         reply = await ms._receive_raw()

@@ -232,6 +232,11 @@ class SecureChannel:
     def closed(self) -> bool:
         return self._closed_reason is not None
 
+    @property
+    def frame_overhead(self) -> int:
+        """Bytes each frame adds on the wire: its length prefix and authentication tag."""
+        return HEADER_BYTES + TAG_BYTES
+
     async def _fail(self, reason: str, *, level: int = logging.WARNING) -> ConnectionClosed:
         """Close the connection for ``reason`` and return the error to raise."""
         if self._closed_reason is None:

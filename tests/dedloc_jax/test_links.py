@@ -13,6 +13,7 @@ MBIT = 1e6 / 8
 
 
 def test_keep_links_measured_probes_once_peers_are_known() -> None:
+    """Peers that report no rate yet (nothing predicts their next round) probe on joining."""
     ups = [10, 50, 100, 100]  # every peer's partners together can fill its downlink
     config = CollaborationConfig.local_demo(10_000).replace(max_refresh=1.0)
     figures: list = []
@@ -38,9 +39,9 @@ def test_keep_links_measured_probes_once_peers_are_known() -> None:
         assert f.upload_age < 120
 
 
-def test_a_stale_figure_is_not_probed_again_while_the_next_averaging_is_far() -> None:
+def test_a_stale_figure_is_not_probed_again_while_no_averaging_is_in_sight() -> None:
     """With rare averaging (diloco's outer steps) probing every meter window would send more
-    than the averaging: a stale figure waits until the next averaging is a window away."""
+    than the averaging: a stale figure waits until the next averaging is near."""
     config = CollaborationConfig.local_demo(10_000)
     probed_at: list[float] = []
     stale: list[bool] = []
@@ -110,3 +111,52 @@ def test_a_peer_does_not_probe_its_links_while_it_averages() -> None:
 
     run_sim(main, seed=0)
     assert probed_at and min(probed_at) >= round_over[0]
+
+
+def test_peers_far_from_their_first_round_probe_only_as_it_nears() -> None:
+    """Only a round uses the figure: peers that join ten minutes of computing before their
+    first round (diloco's outer steps are hours apart) probe within the lead before it, not
+    on joining (which then cost a probe per peer more for each round, and one per window)."""
+    # (the collaboration's own prober off: this one starts once the peers report a rate)
+    config = CollaborationConfig.local_demo(4_000).replace(measure_links=False)
+    probed_at: list[float] = []
+    eta_at_start: list[float] = []
+    lead = 150.0  # the default: a quarter of the meter's 600 s window
+
+    async def main() -> float:
+        net = SimNetwork(seed=0)
+        async with open_sim_collaboration(net, 2, config=config, latency=0.02) as cores:
+            for core in cores:
+                probe = core.probe_links
+
+                async def timed(*, probe=probe, **kw):
+                    probed_at.append(trio.current_time())
+                    return await probe(**kw)
+
+                core.probe_links = timed
+
+            async def train(core) -> None:
+                samples = 0
+                while True:  # 4 samples/s each: the target is 500 s away
+                    samples += 4
+                    core.report(0, samples, 4)
+                    await trio.sleep(1.0)
+
+            async with trio.open_nursery() as nursery:
+                for core in cores:
+                    nursery.start_soon(train, core)
+                await trio.sleep(5)
+                start = trio.current_time()
+                eta_at_start.append(cores[0].tracker.current_estimate().eta)
+                for core in cores:
+                    nursery.start_soon(core.keep_links_measured)
+                await trio.sleep(600)
+                nursery.cancel_scope.cancel()
+            return start
+
+    start = run_sim(main, seed=0)
+    assert eta_at_start[0] > 400
+    assert probed_at, "the peers never probed"
+    # (without the rule both peers probe within 20 s of starting)
+    assert min(probed_at) - start > eta_at_start[0] - lead - 60
+    assert min(probed_at) - start < eta_at_start[0]  # ... and before the round

@@ -1,0 +1,101 @@
+"""Far from the target (diloco's outer steps, hours apart) peers read and publish progress
+rarely; near it as often as before."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import trio
+
+from dedloc_jax.config import CollaborationConfig
+from dedloc_jax.progress import CollaborationEstimate, refresh_delay
+from p2p.testing import SimNetwork, run_sim
+from tests.dedloc_jax.simcollab import open_sim_collaboration
+
+RATE = 4.0  # samples per second per peer
+
+
+def _estimate(eta: float) -> CollaborationEstimate:
+    return CollaborationEstimate(
+        epoch=0,
+        samples=0.0,
+        samples_per_second=1.0,
+        eta=eta,
+        num_peers=2,
+        num_clients=0,
+        target=100,
+    )
+
+
+def test_reads_follow_a_tenth_of_a_far_eta_and_half_of_a_near_one() -> None:
+    def delay(eta: float) -> float:
+        return refresh_delay(_estimate(eta), min_delay=0.25, max_delay=5.0, idle_delay=60.0)
+
+    assert delay(1.0) == 0.5  # near: half the ETA, as without idle_delay
+    assert delay(30.0) == 5.0  # DeDLOC epochs: as before
+    assert delay(599.0) == 5.0
+    assert delay(600.0) == 60.0  # far (idle_after, 600 s, or more): a tenth of the ETA ...
+    assert delay(7200.0) == 60.0  # ... up to idle_delay
+    assert refresh_delay(
+        _estimate(1000.0), min_delay=0.25, max_delay=5.0, idle_delay=300.0
+    ) == pytest.approx(100.0)
+    assert delay(math.inf) == 5.0  # nothing to predict from: as before
+
+
+def test_a_peer_far_from_the_target_reads_and_publishes_a_few_times_a_minute_at_most() -> None:
+    """Two peers train toward a step about 40 minutes away. Between minutes 12 and 22 (past
+    their first idle_after) each reads the table at most twice a minute and publishes at
+    most once every two minutes
+    (before: a read every 5 s and a publish every 20 s); in the last minute before the
+    target it reads as often as before (at least every 5 s)."""
+    target = int(2 * RATE * 2400)
+    config = CollaborationConfig(target_batch_size=target, measure_links=False)
+    reads: list[list[float]] = [[], []]
+    publishes: list[list[float]] = [[], []]
+    ready_at: list[float] = []
+
+    async def main() -> float:
+        net = SimNetwork(seed=0)
+        async with open_sim_collaboration(net, 2, config=config, latency=0.02) as cores:
+            start = trio.current_time()
+            for i, core in enumerate(cores):
+                tracker = core.tracker
+                fetch, publish = tracker.fetch, tracker.publish
+
+                async def timed_fetch(*, fetch=fetch, i=i):
+                    reads[i].append(trio.current_time() - start)
+                    return await fetch()
+
+                async def timed_publish(*, publish=publish, i=i):
+                    publishes[i].append(trio.current_time() - start)
+                    return await publish()
+
+                tracker.fetch, tracker.publish = timed_fetch, timed_publish
+
+            async def train(core) -> None:
+                samples = 0
+                while True:
+                    samples += 4
+                    if core.report(0, samples, 4):
+                        ready_at.append(trio.current_time() - start)
+                        return
+                    await trio.sleep(4 / RATE)
+
+            async with trio.open_nursery() as nursery:
+                for core in cores:
+                    nursery.start_soon(train, core)
+            return start
+
+    run_sim(main, seed=0)
+    assert len(ready_at) == 2
+    for i in range(2):
+        far_reads = [t for t in reads[i] if 720 <= t < 1320]
+        far_publishes = [t for t in publishes[i] if 720 <= t < 1320]
+        assert len(far_reads) <= 20, far_reads
+        assert len(far_publishes) <= 5, far_publishes
+        near = sorted(t for t in reads[i] if ready_at[i] - 60 <= t <= ready_at[i])
+        gaps = [b - a for a, b in zip([ready_at[i] - 60, *near], near, strict=False)]
+        assert near and max(gaps) <= 6.5, gaps  # max_refresh and a read's own time
+    # the step came about when the peers' samples reached the target, not later
+    assert max(ready_at) <= 2400 + 30
