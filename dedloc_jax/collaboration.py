@@ -37,11 +37,16 @@ from dedloc_jax.averaging import (
 from dedloc_jax.averaging.bandwidth import UNMEASURED_DOWNLOAD_BPS, UNMEASURED_UPLOAD_BPS
 from dedloc_jax.config import CollaborationConfig
 from dedloc_jax.host import AveragingOutcome
-from dedloc_jax.lineage import Announcement, fork_verdict
 from dedloc_jax.matchmaking import Matchmaker
 from dedloc_jax.matchmaking_wire import member_for
 from dedloc_jax.progress import CollaborationEstimate, estimate_collaboration, refresh_delay
-from dedloc_jax.state_sync import StateServer, download_manifest_state, find_donors
+from dedloc_jax.state import (
+    Announcement,
+    StateServer,
+    download_manifest_state,
+    find_donors,
+    fork_verdict,
+)
 from dedloc_jax.timing import Deadlines, matchmaking_window
 from dedloc_jax.tracker import ProgressTracker
 from dedloc_jax.validators import run_validators
@@ -687,7 +692,7 @@ class CollaborationCore:
 
     async def newest_state_epoch(self) -> int | None:
         """The epoch of the state a download would bring (the newest on the lineage most
-        peers hold, :func:`~dedloc_jax.state_sync.fork_choice`), or None (nobody announces
+        peers hold, :func:`~dedloc_jax.state.lineage.fork_choice`), or None (nobody announces
         one): whether a download would bring anything newer, for one DHT read. The tracker's
         epoch alone cannot tell: after a healed partition, the side that lost may be ahead."""
         found = await find_donors(self.node, self.dht, self.run_id, self._table_states())
@@ -699,7 +704,7 @@ class CollaborationCore:
 
     async def on_minority_fork(self, *, patience: float = 0.0, undecided: bool = False) -> bool:
         """Whether the state we serve lost to another lineage (one more peers hold, see
-        :func:`~dedloc_jax.lineage.fork_verdict`): then load theirs. Ask once the others
+        :func:`~dedloc_jax.state.lineage.fork_verdict`): then load theirs. Ask once the others
         announced the epoch's state, e.g. when ready to average; ``patience``: seconds to keep
         asking (each second) while it cannot tell (also while the table names no state);
         ``undecided``: the answer when it still cannot tell then. A peer whose round missed

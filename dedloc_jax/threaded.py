@@ -18,9 +18,8 @@ import trio
 from dedloc_jax.collaboration import CollaborationCore, ProgressSnapshot, open_collaboration
 from dedloc_jax.config import CollaborationConfig
 from dedloc_jax.host import AveragingOutcome, BackgroundAveraging
-from dedloc_jax.keeping import KeepConfig, StepKeeper
 from dedloc_jax.progress import CollaborationEstimate, PeerProgress
-from dedloc_jax.state_sync import StateSyncError
+from dedloc_jax.state import KeepConfig, StateSyncError, StepKeeper
 from p2p.bridge import TrioThread
 from p2p.dht import DHTConfig
 from p2p.identity import Identity

@@ -2,7 +2,7 @@
 
 Each simulated peer runs the library's :func:`dedloc_jax.diloco.diloco` transform (eagerly)
 on a small linear model, over a :class:`~dedloc_jax.collaboration.CollaborationCore`, and keeps
-in step with :func:`dedloc_jax.keeping.keep_in_step_async` after every micro-step, serving and
+in step with :func:`dedloc_jax.state.keeping.keep_in_step_async` after every micro-step, serving and
 loading its state with the library's own flattening (``share_state``/``sync_state``). After
 each scenario every live peer must hold one lineage: bit-identical outer parameters, outer
 optimizer state and epoch.
@@ -30,8 +30,8 @@ from dedloc_jax.collaboration import open_collaboration
 from dedloc_jax.config import CollaborationConfig
 from dedloc_jax.diloco import DiLoCoState, diloco, outer_params_after_step
 from dedloc_jax.host import AveragingOutcome
-from dedloc_jax.keeping import KeepConfig, StepKeeper, keep_in_step_async
-from dedloc_jax.training_state import share_state, sync_state
+from dedloc_jax.state.keeping import KeepConfig, StepKeeper, keep_in_step_async
+from dedloc_jax.state.training import share_state, sync_state
 from p2p.dht import DHTClock, DHTConfig
 from p2p.node import NodeConfig
 from p2p.testing import SimNetwork, host_of, open_sim_nodes, run_sim

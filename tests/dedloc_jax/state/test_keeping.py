@@ -12,7 +12,7 @@ import trio
 import trio.testing
 
 from dedloc_jax.config import CollaborationConfig
-from dedloc_jax.keeping import (
+from dedloc_jax.state.keeping import (
     FAILED,
     STALE,
     ForkLost,
