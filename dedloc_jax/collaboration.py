@@ -36,6 +36,7 @@ from dedloc_jax.averaging import (
 )
 from dedloc_jax.averaging.bandwidth import UNMEASURED_DOWNLOAD_BPS, UNMEASURED_UPLOAD_BPS
 from dedloc_jax.config import CollaborationConfig
+from dedloc_jax.history import RoundOutcome
 from dedloc_jax.host import AveragingOutcome
 from dedloc_jax.matchmaking import Matchmaker
 from dedloc_jax.matchmaking_wire import member_for
@@ -136,7 +137,7 @@ class CollaborationCore:
             upload_override=config.upload_bps, download_override=config.download_bps
         )
         self.epoch = 0
-        self.history: list[dict[str, Any]] = []  # one entry per averaging step
+        self.history: list[RoundOutcome] = []  # one entry per averaging step
         # The epoch of our first report toward it, and whether its round began without us
         self._first_report_epoch: int | None = None
         self._missed = False
@@ -450,15 +451,15 @@ class CollaborationCore:
         # A peer that serves its state serves the new one next (share_state): one record.
         self.tracker.set_epoch(self.epoch, state_follows=self.state_server.latest is not None)
         self.history.append(
-            {
-                "epoch": epoch,
-                "group_size": group_size,
-                "complete": complete,
-                "seconds": trio.current_time() - started,
-                "collab_samples": est.samples,
-                "reason": reason,
-                "mode": me.mode,
-            }
+            RoundOutcome(
+                epoch=epoch,
+                group_size=group_size,
+                complete=complete,
+                seconds=trio.current_time() - started,
+                collab_samples=est.samples,
+                reason=reason,
+                mode=me.mode,
+            )
         )
         return AveragingOutcome(result, self.epoch, group_size, complete)
 

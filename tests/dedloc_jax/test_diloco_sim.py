@@ -244,7 +244,7 @@ def test_a_peer_killed_mid_averaging_leaves_one_lineage() -> None:
     live = peers[:victim]
     _assert_one_lineage(live, outer_steps)
     last = [p.core.history[-1] for p in live]  # the last round: the survivors, together
-    assert all(h["group_size"] == len(live) and h["complete"] for h in last), last
+    assert all(h.group_size == len(live) and h.complete for h in last), last
 
 
 def test_a_newcomer_loads_the_outer_state_and_joins_the_next_outer_steps() -> None:
@@ -286,7 +286,7 @@ def test_a_newcomer_loads_the_outer_state_and_joins_the_next_outer_steps() -> No
 
     peers, late = _run(main)
     assert late is not peers[-1] and late.keeper.loads >= 1
-    joined = [h for h in late.core.history if h["group_size"] == 4 and h["complete"]]
+    joined = [h for h in late.core.history if h.group_size == 4 and h.complete]
     assert joined, late.core.history  # it averaged with all three after loading
     _assert_one_lineage([*peers, late], outer_steps)
 
@@ -321,10 +321,10 @@ def test_a_two_epoch_partition_heals_to_one_lineage() -> None:
 
     peers = _run(main)
     apart = {
-        (i, h["epoch"], h["group_size"])
+        (i, h.epoch, h.group_size)
         for i, p in enumerate(peers)
         for h in p.core.history
-        if split["at"] <= h["epoch"] < split["at"] + 2
+        if split["at"] <= h.epoch < split["at"] + 2
     }
     assert (3, split["at"], 2) in apart and (0, split["at"], 3) in apart  # two sides averaged
     assert sum(p.keeper.forks for p in peers[3:]) >= 1  # the minority loaded the majority's
