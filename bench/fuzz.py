@@ -38,7 +38,7 @@ from dedloc_jax.averaging.codecs import CODECS
 from dedloc_jax.averaging.errors import BadContributionError, CodecError, GroupError
 from dedloc_jax.averaging.group import GroupSpec, Member
 from dedloc_jax.progress import PeerProgress
-from dedloc_jax.state_chunks import StateAssembler, StateError, StateManifest, pack_state
+from dedloc_jax.state import StateAssembler, StateError, StateManifest, pack_state
 from examples.sahajbert import manifest as sahajbert_manifest
 from examples.sahajbert import metrics as sahajbert_metrics
 from p2p import messages, mux

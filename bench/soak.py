@@ -10,10 +10,11 @@ During the run peers leave (some gracefully at an epoch boundary, some killed at
 moment, mid-averaging included), new peers join and download the state from others, a
 partition splits the network for a sixth of the epochs and heals, and a tenth of the hosts have
 slow uplinks. Each peer keeps in step with the library's policy, as the sahajBERT trainer does:
-:func:`dedloc_jax.keeping.keep_in_step_async` after every micro-step and step (a newcomer loads
-the run's state; a peer that fell behind, stepped alone while others trained, or whose lineage
-lost a fork check loads the winner's), with its timings shortened to the simulation's epochs
-and a peer that stepped alone waiting for its check before it trains on (``KEEP``). Figures:
+:func:`dedloc_jax.state.keeping.keep_in_step_async` after every micro-step and step (a
+newcomer loads the run's state; a peer that fell behind, stepped alone while others trained, or
+whose lineage lost a fork check loads the winner's), with its timings shortened to the
+simulation's epochs and a peer that stepped alone waiting for its check before it trains on
+(``KEEP``). Figures:
 
 - ``epochs``: epochs the bootstrap peer (peer 0, never leaves) completed; ``averaged``: in how
   many of them it averaged (it may skip one it fell behind in); ``grouped``: how many in a
@@ -59,7 +60,7 @@ import trio
 from bench.soak_figures import check_soak, partial_figures, summarize
 from dedloc_jax.collaboration import open_collaboration
 from dedloc_jax.config import CollaborationConfig
-from dedloc_jax.keeping import KeepConfig, StepKeeper, keep_in_step_async
+from dedloc_jax.state import KeepConfig, StepKeeper, keep_in_step_async
 from p2p.dht import DHTClock, DHTConfig
 from p2p.node import NodeConfig, open_node
 from p2p.testing import SimNetwork, run_sim, sim_identity

@@ -20,11 +20,17 @@ from dedloc_jax.collaborative import CollaborativeState, collaborative
 from dedloc_jax.config import CollaborationConfig
 from dedloc_jax.diloco import DiLoCoState, diloco
 from dedloc_jax.host import AveragingOutcome
-from dedloc_jax.keeping import KeepConfig, keep_in_step
 from dedloc_jax.progress import CollaborationEstimate, PeerProgress
-from dedloc_jax.state_sync import StaleStateError, StateSyncError
+from dedloc_jax.state import (
+    KeepConfig,
+    StaleStateError,
+    StateSyncError,
+    collaboration_epoch,
+    keep_in_step,
+    share_state,
+    sync_state,
+)
 from dedloc_jax.threaded import Collaboration
-from dedloc_jax.training_state import collaboration_epoch, share_state, sync_state
 
 __all__ = [
     "AllReduceConfig",

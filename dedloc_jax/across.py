@@ -16,7 +16,7 @@ updates, so their parameters part. Hence a second level:
 Every member of every group then holds the same vector. The broadcast uses an element-wise
 codec (int8 becomes fp16): int8 scales depend on each group's chunking, and groups must not
 round the same global mean differently. If anything fails, a group keeps its own mean; the fork
-rule (:func:`dedloc_jax.lineage.on_minority_fork`) later puts its peers back on the
+rule (:func:`dedloc_jax.state.lineage.on_minority_fork`) later puts its peers back on the
 lineage most peers hold.
 
 A level-1 group that lacks a representative the leader's partition named (it died, or came

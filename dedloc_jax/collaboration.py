@@ -36,12 +36,18 @@ from dedloc_jax.averaging import (
 )
 from dedloc_jax.averaging.bandwidth import UNMEASURED_DOWNLOAD_BPS, UNMEASURED_UPLOAD_BPS
 from dedloc_jax.config import CollaborationConfig
+from dedloc_jax.history import RoundOutcome
 from dedloc_jax.host import AveragingOutcome
-from dedloc_jax.lineage import Announcement, fork_verdict
 from dedloc_jax.matchmaking import Matchmaker
 from dedloc_jax.matchmaking_wire import member_for
 from dedloc_jax.progress import CollaborationEstimate, estimate_collaboration, refresh_delay
-from dedloc_jax.state_sync import StateServer, download_manifest_state, find_donors
+from dedloc_jax.state import (
+    Announcement,
+    StateServer,
+    download_manifest_state,
+    find_donors,
+    fork_verdict,
+)
 from dedloc_jax.timing import Deadlines, matchmaking_window
 from dedloc_jax.tracker import ProgressTracker
 from dedloc_jax.validators import run_validators
@@ -131,7 +137,7 @@ class CollaborationCore:
             upload_override=config.upload_bps, download_override=config.download_bps
         )
         self.epoch = 0
-        self.history: list[dict[str, Any]] = []  # one entry per averaging step
+        self.history: list[RoundOutcome] = []  # one entry per averaging step
         # The epoch of our first report toward it, and whether its round began without us
         self._first_report_epoch: int | None = None
         self._missed = False
@@ -456,15 +462,15 @@ class CollaborationCore:
         # A peer that serves its state serves the new one next (share_state): one record.
         self.tracker.set_epoch(self.epoch, state_follows=self.state_server.latest is not None)
         self.history.append(
-            {
-                "epoch": epoch,
-                "group_size": group_size,
-                "complete": complete,
-                "seconds": trio.current_time() - started,
-                "collab_samples": est.samples,
-                "reason": reason,
-                "mode": me.mode,
-            }
+            RoundOutcome(
+                epoch=epoch,
+                group_size=group_size,
+                complete=complete,
+                seconds=trio.current_time() - started,
+                collab_samples=est.samples,
+                reason=reason,
+                mode=me.mode,
+            )
         )
         return AveragingOutcome(result, self.epoch, group_size, complete)
 
@@ -703,7 +709,7 @@ class CollaborationCore:
 
     async def newest_state_epoch(self) -> int | None:
         """The epoch of the state a download would bring (the newest on the lineage most
-        peers hold, :func:`~dedloc_jax.state_sync.fork_choice`), or None (nobody announces
+        peers hold, :func:`~dedloc_jax.state.lineage.fork_choice`), or None (nobody announces
         one): whether a download would bring anything newer, for one DHT read. The tracker's
         epoch alone cannot tell: after a healed partition, the side that lost may be ahead."""
         found = await find_donors(self.node, self.dht, self.run_id, self._table_states())
@@ -715,7 +721,7 @@ class CollaborationCore:
 
     async def on_minority_fork(self, *, patience: float = 0.0, undecided: bool = False) -> bool:
         """Whether the state we serve lost to another lineage (one more peers hold, see
-        :func:`~dedloc_jax.lineage.fork_verdict`): then load theirs. Ask once the others
+        :func:`~dedloc_jax.state.lineage.fork_verdict`): then load theirs. Ask once the others
         announced the epoch's state, e.g. when ready to average; ``patience``: seconds to keep
         asking (each second) while it cannot tell (also while the table names no state);
         ``undecided``: the answer when it still cannot tell then. A peer whose round missed

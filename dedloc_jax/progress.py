@@ -31,7 +31,7 @@ class PeerProgress:
     waiting: bool = False
     # The state it serves: (epoch, digest, lineage: the digests it descends from, newest
     # first). Fork checks count lineages over this table, which every peer already follows,
-    # instead of reading every state announcement again (see dedloc_jax.state_sync).
+    # instead of reading every state announcement again (see dedloc_jax.state.serving).
     state: tuple[int, bytes, tuple[bytes, ...]] | None = None
     # It joins averaging rounds. False for an aux-mode peer that only follows the run (a
     # coordinator): groups must not wait for it to register.
@@ -133,7 +133,7 @@ class PeerProgress:
 
 
 MAX_TARGET = 1 << 53  # samples per step a record may name (exact in a float)
-MAX_LINEAGE = 4  # ancestors a state names (dedloc_jax.lineage.LINEAGE)
+MAX_LINEAGE = 4  # ancestors a state names (dedloc_jax.state.lineage.LINEAGE)
 MAX_DIGEST = 64
 
 

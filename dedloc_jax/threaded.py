@@ -17,10 +17,10 @@ import trio
 
 from dedloc_jax.collaboration import CollaborationCore, ProgressSnapshot, open_collaboration
 from dedloc_jax.config import CollaborationConfig
+from dedloc_jax.history import RoundOutcome
 from dedloc_jax.host import AveragingOutcome, BackgroundAveraging
-from dedloc_jax.keeping import KeepConfig, StepKeeper
 from dedloc_jax.progress import CollaborationEstimate, PeerProgress
-from dedloc_jax.state_sync import StateSyncError
+from dedloc_jax.state import KeepConfig, StateSyncError, StepKeeper
 from p2p.bridge import TrioThread
 from p2p.dht import DHTConfig
 from p2p.identity import Identity
@@ -200,17 +200,18 @@ class Collaboration:
             self._thread.run_sync(self.core.use_target, target)
 
     @property
-    def last_outcome(self) -> dict[str, Any] | None:
-        """The last averaging step: epoch, group_size, complete (with every peer), seconds,
-        reason (why it was not complete; empty when it was). None before the first."""
+    def last_outcome(self) -> RoundOutcome | None:
+        """The last averaging step (:class:`~dedloc_jax.history.RoundOutcome`): epoch,
+        group_size, complete (with every peer), seconds, reason (why it was not complete; empty
+        when it was). None before the first."""
         thread, core = self._core()
-        return thread.run_sync(lambda: dict(core.history[-1]) if core.history else None)
+        return thread.run_sync(lambda: core.history[-1] if core.history else None)
 
     @property
-    def history(self) -> list[dict[str, Any]]:
+    def history(self) -> list[RoundOutcome]:
         """Every averaging step this peer took, as :attr:`last_outcome` describes one."""
         thread, core = self._core()
-        return thread.run_sync(lambda: [dict(h) for h in core.history])
+        return thread.run_sync(lambda: list(core.history))
 
     @property
     def progress(self) -> dict[str, PeerProgress]:

@@ -18,7 +18,6 @@ from collections.abc import Iterable
 import trio
 
 from dedloc_jax.config import CollaborationConfig
-from dedloc_jax.lineage import Announcement, losing_peers
 from dedloc_jax.progress import (
     CollaborationEstimate,
     PeerProgress,
@@ -27,6 +26,7 @@ from dedloc_jax.progress import (
     estimate_collaboration,
     refresh_delay,
 )
+from dedloc_jax.state import Announcement, losing_peers
 from p2p.dht import DHT, InvalidRecordError, follower_replicas
 from p2p.dht.records import Record, owner_marker, owner_markers
 from p2p.errors import P2PError

@@ -94,7 +94,7 @@ def main(
         epoch=np.int64(dedloc_jax.collaboration_epoch(state)),
     )
     history = namespace["collab"].core.history  # kept by the closed collaboration's core
-    (out / "history.json").write_text(json.dumps(history))
+    (out / "history.json").write_text(json.dumps([h.to_dict() for h in history]))
 
 
 if __name__ == "__main__":

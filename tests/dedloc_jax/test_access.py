@@ -25,7 +25,7 @@ from dedloc_jax.config import CollaborationConfig
 from dedloc_jax.matchmaking_wire import JOIN
 from dedloc_jax.matchmaking_wire import member_to_wire as _member_to_wire
 from dedloc_jax.progress import PeerProgress
-from dedloc_jax.state_sync import MANIFEST
+from dedloc_jax.state.serving import MANIFEST
 from dedloc_jax.tracker import progress_key
 from p2p.dht import DHTConfig, InvalidRecordError
 from p2p.dht.clock import DHTClock

@@ -383,7 +383,7 @@ def test_the_state_announcement_is_renewed_only_when_no_step_renewed_it() -> Non
     when no step did within that time, and keeps an idle peer's announcement alive. Renewing
     on a fixed beat on top of every step made announcements the biggest DHT cost of the
     200-peer soak."""
-    from dedloc_jax.state_sync import find_donors
+    from dedloc_jax.state.download import find_donors
 
     async def main() -> tuple[int, int, object]:
         net = SimNetwork(seed=8)
@@ -539,7 +539,7 @@ def test_a_patient_fork_check_waits_while_the_progress_table_is_empty() -> None:
     cannot tell whether our state lost: a patient check waits for the table to fill. Before,
     it answered "not lost" at once, and a peer on the losing side went on with its lineage.
     One that still cannot tell when its patience runs out answers ``undecided``."""
-    from dedloc_jax.lineage import Announcement
+    from dedloc_jax.state.lineage import Announcement
 
     config = CollaborationConfig.local_demo(96)
 

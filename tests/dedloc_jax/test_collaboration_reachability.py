@@ -69,7 +69,7 @@ def test_averaging_mode_follows_reachability_and_rounds_still_complete() -> None
                                 "got": out.gradients[0],
                                 "group": out.group_size,
                                 "complete": out.complete,
-                                "mode": core.history[-1]["mode"],
+                                "mode": core.history[-1].mode,
                             }
                         )
                         epoch += 1

@@ -22,7 +22,7 @@ import dedloc_jax
 from dedloc_jax import Collaboration, CollaborationConfig, DiLoCoState, diloco
 from dedloc_jax.diloco import outer_params_after_step
 from dedloc_jax.host import AveragingOutcome
-from dedloc_jax.training_state import share_state, sync_state
+from dedloc_jax.state.training import share_state, sync_state
 from tests.dedloc_jax.lockstep import LockstepGroup, LockstepPeer
 
 DIM = 5

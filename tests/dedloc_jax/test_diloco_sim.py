@@ -2,7 +2,7 @@
 
 Each simulated peer runs the library's :func:`dedloc_jax.diloco.diloco` transform (eagerly)
 on a small linear model, over a :class:`~dedloc_jax.collaboration.CollaborationCore`, and keeps
-in step with :func:`dedloc_jax.keeping.keep_in_step_async` after every micro-step, serving and
+in step with :func:`dedloc_jax.state.keeping.keep_in_step_async` after every micro-step, serving and
 loading its state with the library's own flattening (``share_state``/``sync_state``). After
 each scenario every live peer must hold one lineage: bit-identical outer parameters, outer
 optimizer state and epoch.
@@ -30,8 +30,8 @@ from dedloc_jax.collaboration import open_collaboration
 from dedloc_jax.config import CollaborationConfig
 from dedloc_jax.diloco import DiLoCoState, diloco, outer_params_after_step
 from dedloc_jax.host import AveragingOutcome
-from dedloc_jax.keeping import KeepConfig, StepKeeper, keep_in_step_async
-from dedloc_jax.training_state import share_state, sync_state
+from dedloc_jax.state.keeping import KeepConfig, StepKeeper, keep_in_step_async
+from dedloc_jax.state.training import share_state, sync_state
 from p2p.dht import DHTClock, DHTConfig
 from p2p.node import NodeConfig
 from p2p.testing import SimNetwork, host_of, open_sim_nodes, run_sim
@@ -244,7 +244,7 @@ def test_a_peer_killed_mid_averaging_leaves_one_lineage() -> None:
     live = peers[:victim]
     _assert_one_lineage(live, outer_steps)
     last = [p.core.history[-1] for p in live]  # the last round: the survivors, together
-    assert all(h["group_size"] == len(live) and h["complete"] for h in last), last
+    assert all(h.group_size == len(live) and h.complete for h in last), last
 
 
 def test_a_newcomer_loads_the_outer_state_and_joins_the_next_outer_steps() -> None:
@@ -286,7 +286,7 @@ def test_a_newcomer_loads_the_outer_state_and_joins_the_next_outer_steps() -> No
 
     peers, late = _run(main)
     assert late is not peers[-1] and late.keeper.loads >= 1
-    joined = [h for h in late.core.history if h["group_size"] == 4 and h["complete"]]
+    joined = [h for h in late.core.history if h.group_size == 4 and h.complete]
     assert joined, late.core.history  # it averaged with all three after loading
     _assert_one_lineage([*peers, late], outer_steps)
 
@@ -321,10 +321,10 @@ def test_a_two_epoch_partition_heals_to_one_lineage() -> None:
 
     peers = _run(main)
     apart = {
-        (i, h["epoch"], h["group_size"])
+        (i, h.epoch, h.group_size)
         for i, p in enumerate(peers)
         for h in p.core.history
-        if split["at"] <= h["epoch"] < split["at"] + 2
+        if split["at"] <= h.epoch < split["at"] + 2
     }
     assert (3, split["at"], 2) in apart and (0, split["at"], 3) in apart  # two sides averaged
     assert sum(p.keeper.forks for p in peers[3:]) >= 1  # the minority loaded the majority's

@@ -13,7 +13,7 @@ import trio
 
 from dedloc_jax.matchmaking_wire import group_key, member_for, member_to_wire
 from dedloc_jax.progress import PeerProgress
-from dedloc_jax.state_sync import state_key
+from dedloc_jax.state.serving import state_key
 from dedloc_jax.tracker import progress_key
 from dedloc_jax.validators import run_validators
 from p2p.dht import InvalidRecordError, Record, open_dht, owner_marker

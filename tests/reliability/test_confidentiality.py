@@ -15,7 +15,7 @@ import trio
 
 from dedloc_jax.collaboration import open_collaboration
 from dedloc_jax.config import CollaborationConfig
-from dedloc_jax.state_sync import download_state
+from dedloc_jax.state.download import download_state
 from p2p.dht import DHTConfig
 from p2p.identity import Identity
 from p2p.node import NodeConfig, open_node

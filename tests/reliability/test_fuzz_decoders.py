@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from bench.fuzz import DECODERS, Decoder
 from bench.fuzz_inputs import mutate_bytes, random_object
 from dedloc_jax.averaging import bandwidth, wire
-from dedloc_jax.state_chunks import StateError, StateManifest
+from dedloc_jax.state.chunks import StateError, StateManifest
 from p2p import messages
 from p2p.errors import ProtocolError
 
@@ -101,7 +101,8 @@ def test_valid_seeds_are_accepted(name: str) -> None:
 # ---- regressions found by the fuzzer ----------------------------------------------------------
 def test_manifest_with_a_malformed_dtype_name_is_a_state_error() -> None:
     """np.dtype raises ValueError (not TypeError) for a comma-string; it escaped as a plain
-    ValueError, which download_state does not catch (fixed in state_chunks._dtype_from_name)."""
+    ValueError, which download_state does not catch (fixed in
+    dedloc_jax.state.chunks._dtype_from_name)."""
     wire = {"epoch": 0, "specs": [["2x,", [1]]], "chunk_bytes": 4, "total": 4}
     wire["chunks"] = [b"x" * 32]
     with pytest.raises(StateError):
@@ -149,7 +150,7 @@ def test_live_node_survives_garbage_and_random_rpcs() -> None:
 
     from dedloc_jax.collaboration import open_collaboration
     from dedloc_jax.config import CollaborationConfig
-    from dedloc_jax.state_sync import download_state
+    from dedloc_jax.state.download import download_state
     from p2p.dht import DHTConfig, open_dht
     from p2p.errors import P2PError
     from p2p.identity import Identity

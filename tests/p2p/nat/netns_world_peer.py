@@ -90,7 +90,7 @@ async def train(core: Any, args: argparse.Namespace) -> None:
             epoch=epoch,
             group=out.group_size,
             complete=out.complete,
-            mode=core.history[-1]["mode"],
+            mode=core.history[-1].mode,
             samples=samples,
             sha256=hashlib.sha256(got.tobytes()).hexdigest(),
             sent=mean[::SAMPLE_EVERY].tolist(),

@@ -179,13 +179,3 @@ class StateAssembler:
             )
             offset += n * dt.itemsize
         return out
-
-
-def plan_downloads(missing: Sequence[int], donors: Sequence[str]) -> dict[str, list[int]]:
-    """Spread the missing chunks over the donors round-robin (several donors at once)."""
-    if not donors:
-        return {}
-    plan: dict[str, list[int]] = {d: [] for d in donors}
-    for i, chunk in enumerate(missing):
-        plan[donors[i % len(donors)]].append(chunk)
-    return {d: c for d, c in plan.items() if c}

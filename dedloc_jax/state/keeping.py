@@ -41,6 +41,11 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import numpy as np
+import trio
+
+from dedloc_jax.diloco import outer_params_after_step
+from dedloc_jax.state.download import StaleStateError, StateSyncError
+from dedloc_jax.state.training import collaboration_state, share_state, sync_state
 
 log = logging.getLogger(__name__)
 
@@ -273,10 +278,6 @@ def keep_in_step(collab: Any, params: Any, opt_state: Any) -> tuple[Any, Any]:
     state loaded from the others (see the module docstring for when). ``collab`` is the
     :class:`dedloc_jax.Collaboration` the optimizer's ``collaborative`` transform uses.
     """
-    from dedloc_jax.diloco import outer_params_after_step
-    from dedloc_jax.state_sync import StaleStateError, StateSyncError
-    from dedloc_jax.training_state import collaboration_state, share_state, sync_state
-
     keeper: StepKeeper = collab.keeper
     view = collab.step_view()
     now = time.monotonic()
@@ -340,10 +341,6 @@ async def keep_in_step_async(
     """:func:`keep_in_step` for a peer written against the async core (the simulator's):
     ``arrays`` is the state it holds at ``epoch``; returns the state and epoch to go on with.
     """
-    import trio
-
-    from dedloc_jax.state_sync import StaleStateError, StateSyncError
-
     now = trio.current_time()
     behind = core.behind
     held = {"arrays": list(arrays), "epoch": epoch}

@@ -4,15 +4,14 @@ import numpy as np
 import pytest
 import trio
 
-from dedloc_jax.lineage import LINEAGE, Announcement
-from dedloc_jax.state_sync import (
-    StateServer,
+from dedloc_jax.state.download import (
     StateSyncError,
     download_manifest_state,
     download_state,
     find_donors,
-    state_forked,
 )
+from dedloc_jax.state.lineage import LINEAGE, Announcement
+from dedloc_jax.state.serving import StateServer, state_forked
 from p2p.identity import Identity, PeerID
 from p2p.testing import SimNetwork, host_of, run_sim
 from tests.dedloc_jax.simcollab import open_sim_dhts

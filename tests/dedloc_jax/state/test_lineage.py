@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dedloc_jax.lineage import (
+from dedloc_jax.state.lineage import (
     LINEAGE,
     Announcement,
     fork_choice,

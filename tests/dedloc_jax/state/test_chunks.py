@@ -5,14 +5,14 @@ import msgpack
 import numpy as np
 import pytest
 
-from dedloc_jax.state_chunks import (
+from dedloc_jax.state.chunks import (
     StateAssembler,
     StateError,
     StateManifest,
     chunk_of,
     pack_state,
-    plan_downloads,
 )
+from dedloc_jax.state.download import plan_downloads
 
 
 def _state() -> list[np.ndarray]:

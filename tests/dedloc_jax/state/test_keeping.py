@@ -12,7 +12,7 @@ import trio
 import trio.testing
 
 from dedloc_jax.config import CollaborationConfig
-from dedloc_jax.keeping import (
+from dedloc_jax.state.keeping import (
     FAILED,
     STALE,
     ForkLost,
@@ -254,9 +254,9 @@ def test_twenty_two_peer_runs_with_short_targets_all_average() -> None:
                     nursery.start_soon(_train, core, keepers[i], 10 * seed + i, 4, 0.001, start)
             for core in cores:
                 lone.extend(
-                    (seed, h["epoch"], h["reason"])
+                    (seed, h.epoch, h.reason)
                     for h in core.history
-                    if h["group_size"] != 2 or not h["complete"]
+                    if h.group_size != 2 or not h.complete
                 )
 
     async def main() -> None:

@@ -10,7 +10,8 @@ from __future__ import annotations
 import numpy as np
 import trio
 
-from dedloc_jax.state_sync import StateServer, download_state
+from dedloc_jax.state.download import download_state
+from dedloc_jax.state.serving import StateServer
 from p2p.testing import SimNetwork, host_of, run_sim
 from tests.dedloc_jax.simcollab import open_sim_dhts
 

@@ -1,0 +1,206 @@
+"""State download: a newcomer fetches the state donors announce, verified.
+
+A newcomer picks the state the fork choice names among the announcements, fetches the
+manifest, checks that its digest is the announced one, then fetches chunks from all donors
+of that digest at once, checks each chunk against the manifest, and when a donor leaves or
+lies, re-plans its chunks over the remaining donors.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import trio
+
+from dedloc_jax.state.chunks import StateAssembler, StateError, StateManifest
+from dedloc_jax.state.lineage import Announcement, fork_choice
+from dedloc_jax.state.serving import CHUNK, MANIFEST, read_announcements
+from p2p.dht import DHT
+from p2p.errors import P2PError
+from p2p.identity import PeerID
+
+log = logging.getLogger(__name__)
+
+
+class StateSyncError(RuntimeError):
+    """No verified state could be downloaded (no donors, or all of them failed)."""
+
+
+class StaleStateError(StateSyncError):
+    """The state a download would bring is older than the caller wants (nothing was
+    downloaded, and the peer's own state and epoch stand)."""
+
+
+async def find_donors(
+    node: Any, dht: DHT, run_id: str, extra: Sequence[Announcement] = ()
+) -> tuple[int, bytes, list[PeerID]] | None:
+    """The state to download: (epoch, digest, donors), or None. :func:`fork_choice` over
+    every announcement, and over ``extra`` (the states the progress table names, which the
+    fork checks count: choosing from the state key alone, whose reads miss some peers, had
+    peers load the lineage their next check rejected). Per peer, its newest one counts."""
+    newest: dict[str, Announcement] = {}
+    for a in (*await read_announcements(node, dht, run_id, whole=True), *extra):
+        known = newest.get(str(a.peer))
+        if known is None or a.epoch > known.epoch:
+            newest[str(a.peer)] = a
+    chosen = fork_choice(list(newest.values()))
+    if chosen is None:
+        return None
+    donors = []
+    for a in newest.values():
+        if (a.epoch, a.digest) == chosen:
+            try:
+                donors.append(a.peer if isinstance(a.peer, PeerID) else PeerID.from_base58(a.peer))
+            except P2PError:
+                continue
+    return chosen[0], chosen[1], sorted(donors)
+
+
+async def _offers(
+    node: Any, dht: DHT, run_id: str, *, whole: bool = False
+) -> dict[tuple[int, bytes], list[PeerID]]:
+    """Every announced state: (epoch, digest) -> the peers announcing it (not this one)."""
+    offers: dict[tuple[int, bytes], list[PeerID]] = {}
+    for a in await read_announcements(node, dht, run_id, whole=whole):
+        offers.setdefault((a.epoch, a.digest), []).append(a.peer)
+    return offers
+
+
+def plan_downloads(missing: Sequence[int], donors: Sequence[str]) -> dict[str, list[int]]:
+    """Spread the missing chunks over the donors round-robin (several donors at once)."""
+    if not donors:
+        return {}
+    plan: dict[str, list[int]] = {d: [] for d in donors}
+    for i, chunk in enumerate(missing):
+        plan[donors[i % len(donors)]].append(chunk)
+    return {d: c for d, c in plan.items() if c}
+
+
+async def _latest_manifests(
+    node: Any, donors: list[PeerID], min_epoch: int, request_timeout: float
+) -> tuple[StateManifest | None, list[PeerID]]:
+    """Each donor's current manifest; the newest digest held by the most donors."""
+    held: dict[bytes, tuple[StateManifest, list[PeerID]]] = {}
+    for donor in donors:
+        try:
+            wire = await node.call(donor, MANIFEST, {"latest": True}, timeout=request_timeout)
+            manifest = StateManifest.from_wire(wire)
+        except (P2PError, StateError) as e:
+            log.info("donor %s gave no current manifest: %s", donor, e)
+            continue
+        if manifest.epoch >= min_epoch:
+            held.setdefault(manifest.digest, (manifest, []))[1].append(donor)
+    if not held:
+        return None, []
+    manifest, agreeing = max(held.values(), key=lambda mv: (mv[0].epoch, len(mv[1])))
+    return manifest, agreeing
+
+
+async def download_state(
+    node: Any,
+    dht: DHT,
+    run_id: str,
+    *,
+    timeout: float = 60.0,
+    request_timeout: float = 10.0,
+) -> tuple[int, list[np.ndarray], int]:
+    """Download the newest state; returns (epoch, arrays, number of donors used)."""
+    manifest, arrays, used = await download_manifest_state(
+        node, dht, run_id, timeout=timeout, request_timeout=request_timeout
+    )
+    return manifest.epoch, arrays, used
+
+
+async def download_manifest_state(
+    node: Any,
+    dht: DHT,
+    run_id: str,
+    *,
+    timeout: float = 60.0,
+    request_timeout: float = 10.0,
+    extra: Sequence[Announcement] = (),
+    min_epoch: int | None = None,
+    local: Callable[[bytes], tuple[StateManifest, list[np.ndarray]] | None] | None = None,
+) -> tuple[StateManifest, list[np.ndarray], int]:
+    """:func:`download_state`, with the downloaded state's manifest instead of its epoch;
+    ``extra``: more announcements to choose from (see :func:`find_donors`); ``min_epoch``:
+    raise :class:`StaleStateError` instead of downloading an older state; ``local``: the
+    state of a digest if we hold it (:meth:`StateServer.held`), which then comes from no donor
+    (0 donors used): a peer whose round missed part of the epoch asks for the state most
+    peers hold, and that is often its own."""
+
+    def check_new_enough(epoch: int) -> None:
+        if min_epoch is not None and epoch < min_epoch:
+            raise StaleStateError(
+                f"the newest state served is of epoch {epoch}, wanted {min_epoch} or newer"
+            )
+
+    with trio.move_on_after(timeout) as scope:
+        found = await find_donors(node, dht, run_id, extra)
+        if found is None:
+            raise StateSyncError("no peer announces a state")
+        epoch, digest, donors = found
+        check_new_enough(epoch)
+        held = local(digest) if local is not None else None
+        if held is not None:
+            return held[0], held[1], 0
+        request = {"digest": digest}
+        manifest = None
+        for donor in donors:
+            try:
+                wire = await node.call(donor, MANIFEST, request, timeout=request_timeout)
+                candidate = StateManifest.from_wire(wire)
+            except (P2PError, StateError) as e:
+                log.info("donor %s gave no manifest: %s", donor, e)
+                continue
+            if candidate.digest == digest:
+                manifest = candidate
+                break
+            log.warning("donor %s sent a manifest that does not match its announcement", donor)
+        if manifest is None:
+            # The announcements we read were stale (e.g. from a cache after a partition): ask
+            # the donors what they hold now and take the newest state most of them agree on.
+            manifest, donors = await _latest_manifests(node, donors, epoch, request_timeout)
+            if manifest is None:
+                # The newest state's donors are gone (e.g. killed before their announcement
+                # expired): take the newest state that any other announcing peer holds now.
+                others = await _offers(node, dht, run_id)
+                rest = sorted({d for ds in others.values() for d in ds} - set(found[2]))
+                manifest, donors = await _latest_manifests(node, rest, 0, request_timeout)
+            if manifest is None:
+                raise StateSyncError("no donor served a manifest matching its announcement")
+            check_new_enough(manifest.epoch)
+            request = {"digest": manifest.digest}
+        assembler = StateAssembler(manifest)
+        live = list(donors)
+        used: set[PeerID] = set()
+        while not assembler.complete:
+            if not live:
+                raise StateSyncError(f"all donors failed with {len(assembler.missing())} left")
+            plan = plan_downloads(assembler.missing(), [str(d) for d in live])
+            failed: set[str] = set()
+
+            async def fetch(donor: str, indices: list[int], failed: set[str] = failed) -> None:
+                pid = PeerID.from_base58(donor)
+                for i in indices:
+                    try:
+                        data = await node.call(
+                            pid, CHUNK, {**request, "index": i}, timeout=request_timeout
+                        )
+                        assembler.add(i, data)
+                        used.add(pid)
+                    except (P2PError, StateError) as e:
+                        log.info("donor %s failed on chunk %d: %s", donor, i, e)
+                        failed.add(donor)
+                        return
+
+            async with trio.open_nursery() as nursery:
+                for donor, indices in plan.items():
+                    nursery.start_soon(fetch, donor, indices)
+            live = [d for d in live if str(d) not in failed]
+        return manifest, assembler.arrays(), len(used)
+    assert scope.cancelled_caught
+    raise StateSyncError(f"state download did not finish within {timeout} s")

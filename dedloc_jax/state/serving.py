@@ -1,0 +1,218 @@
+"""The donor side of state sync: serving this peer's state, and what donors announce.
+
+Donors announce ``{epoch, digest, lineage}`` under ``<run_id>.state`` (one signed subkey
+each; ``lineage`` is the digests of the states it descends from, newest first) and
+answer two RPCs: the manifest of a digest, and one chunk of it. The announcement record is
+written and read here, so its format has one home.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
+
+import numpy as np
+import trio
+
+from dedloc_jax.progress import MAX_DIGEST
+from dedloc_jax.state.chunks import StateAssembler, StateError, StateManifest, chunk_of, pack_state
+from dedloc_jax.state.lineage import LINEAGE, Announcement, fork_verdict
+from p2p.dht import DHT, InvalidRecordError, follower_replicas
+from p2p.dht.records import owner_marker, owner_markers
+from p2p.errors import P2PError
+from p2p.identity import PeerID
+from p2p.multiaddr import Multiaddr
+from p2p.rpc import CallContext
+
+log = logging.getLogger(__name__)
+
+MANIFEST = "collab.state.manifest"
+CHUNK = "collab.state.chunk"
+_KEEP = 2  # snapshots kept, so a download started before our last step can finish
+_MAX_DIGEST = MAX_DIGEST
+
+
+def state_key(run_id: str) -> str:
+    return f"{run_id}.state"
+
+
+class StateServer:
+    """Serves this peer's latest state snapshots to others."""
+
+    def __init__(self, node: Any, dht: DHT, run_id: str, *, chunk_bytes: int, ttl: float) -> None:
+        self.node = node
+        self.dht = dht
+        self.run_id = run_id
+        self.chunk_bytes = chunk_bytes
+        self.ttl = ttl
+        self._snapshots: dict[bytes, tuple[StateManifest, bytes]] = {}
+        self.latest: StateManifest | None = None
+        self.lineage: tuple[bytes, ...] = ()  # the digests ``latest`` descends from
+        # The state this peer trains on: (epoch, digest), set by set_state and by a download
+        # (adopt); the next step's state descends from it.
+        self._head: tuple[int, bytes] | None = None
+        self.announced_at = -float("inf")  # trio time of the last announcement that went out
+        self.chunks_served = 0
+        # Private runs (dedloc_jax.access): raises ValueError unless the peer may take part.
+        self.admit: Callable[[PeerID], Awaitable[None]] | None = None
+
+    def register(self) -> None:
+        self.node.add_handler(MANIFEST, self._handle_manifest)
+        self.node.add_handler(CHUNK, self._handle_chunk)
+
+    def set_state(self, arrays: Sequence[np.ndarray], epoch: int) -> StateManifest:
+        manifest, buffer = pack_state(arrays, epoch, chunk_bytes=self.chunk_bytes)
+        self._snapshots[manifest.digest] = (manifest, buffer)
+        while len(self._snapshots) > _KEEP:
+            del self._snapshots[next(iter(self._snapshots))]
+        head = self._head
+        if head is not None and head[0] == epoch - 1:
+            self.lineage = (head[1], *self.lineage)[:LINEAGE]  # a step from it
+        elif head != (epoch, manifest.digest):
+            self.lineage = ()  # whose descendant it is, we do not know
+        self._head = (epoch, manifest.digest)
+        self.latest = manifest
+        return manifest
+
+    def head_at(self, epoch: int) -> bytes | None:
+        """The digest of the state we step from at ``epoch`` (None: we hold none of it)."""
+        head = self._head
+        return head[1] if head is not None and head[0] == epoch else None
+
+    def hold(self, manifest: StateManifest, arrays: Sequence[np.ndarray]) -> None:
+        """Serve a state downloaded from others under its own manifest (its digest, which the
+        others' fork checks count and ours asks of, whatever our chunk size); our next step
+        descends from it."""
+        self.adopt(manifest.epoch, manifest.digest)
+        self._snapshots[manifest.digest] = (manifest, b"".join(a.tobytes() for a in arrays))
+        while len(self._snapshots) > _KEEP:
+            del self._snapshots[next(iter(self._snapshots))]
+        self.latest = manifest
+
+    def adopt(self, epoch: int, digest: bytes) -> None:
+        """We now train on another peer's state (``digest`` of ``epoch``, downloaded): our
+        next step descends from it, not from what we served."""
+        if self._head != (epoch, digest):
+            self._head = (epoch, digest)
+            self.lineage = ()
+
+    async def announce(self) -> None:
+        if self.latest is None:
+            return
+        try:
+            await self.dht.store(
+                state_key(self.run_id),
+                {
+                    "epoch": self.latest.epoch,
+                    "digest": self.latest.digest,
+                    "lineage": list(self.lineage),
+                    "addrs": [str(a) for a in self.node.addrs],
+                },
+                self.dht.now() + self.ttl,
+                subkey=owner_marker(self.node.peer_id),
+                # re-announced every epoch and read from all the key's nearest nodes: a few
+                # replicas suffice (see docs/decisions.md, "Stores on every replica")
+                replicas=follower_replicas(self.dht.config),
+            )
+            self.announced_at = trio.current_time()
+        except (P2PError, InvalidRecordError) as e:
+            log.warning("could not announce state: %s", e)
+
+    def held(self, digest: bytes) -> tuple[StateManifest, list[np.ndarray]] | None:
+        """The state of ``digest`` if this peer holds it (a download may then skip the wire)."""
+        snapshot = self._snapshots.get(digest)
+        if snapshot is None:
+            return None
+        manifest, buffer = snapshot
+        assembler = StateAssembler(manifest)
+        for i in range(manifest.num_chunks):
+            assembler.add(i, chunk_of(buffer, manifest, i))
+        return manifest, assembler.arrays()
+
+    def _snapshot(self, request: Any) -> tuple[StateManifest, bytes]:
+        if isinstance(request, dict) and request.get("latest") is True and self.latest:
+            return self._snapshots[self.latest.digest]
+        digest = request.get("digest") if isinstance(request, dict) else None
+        if not isinstance(digest, bytes) or digest not in self._snapshots:
+            raise ValueError("no such state (it may have been replaced by a newer one)")
+        return self._snapshots[digest]
+
+    async def _handle_manifest(self, ctx: CallContext, request: Any) -> Any:
+        if self.admit is not None:
+            await self.admit(ctx.remote_peer)
+        return self._snapshot(request)[0].to_wire()
+
+    async def _handle_chunk(self, ctx: CallContext, request: Any) -> Any:
+        if self.admit is not None:
+            await self.admit(ctx.remote_peer)
+        manifest, buffer = self._snapshot(request)
+        index = request.get("index")
+        if not isinstance(index, int):
+            raise ValueError("chunk index must be an integer")
+        try:
+            data = chunk_of(buffer, manifest, index)
+        except StateError as e:
+            raise ValueError(str(e)) from None
+        self.chunks_served += 1
+        return data
+
+
+async def read_announcements(
+    node: Any, dht: DHT, run_id: str, *, whole: bool = False
+) -> list[Announcement]:
+    """Every other peer's announced state (malformed ones are skipped and logged).
+    ``whole`` asks all the key's nearest nodes: counting lineages needs every announcement,
+    and after a partition each side's went to the nodes that side could reach. It repairs
+    nothing: every peer re-announces each epoch."""
+    value = await dht.get(state_key(run_id), quorum=0 if whole else None, repair=not whole)
+    found: list[Announcement] = []
+    if not isinstance(value, dict):
+        return found
+    for subkey, item in value.items():
+        names = owner_markers(subkey)
+        v = item.value
+        if len(names) != 1 or names[0] == str(node.peer_id) or not isinstance(v, dict):
+            continue
+        epoch, digest, addrs = v.get("epoch"), v.get("digest"), v.get("addrs", [])
+        lineage = v.get("lineage", [])
+        if not (
+            isinstance(epoch, int)
+            and isinstance(digest, bytes)
+            and isinstance(addrs, list)
+            and isinstance(lineage, list)
+            and len(lineage) <= LINEAGE
+            and all(isinstance(d, bytes) and len(d) <= _MAX_DIGEST for d in lineage)
+        ):
+            log.info("ignoring a malformed state offer of %s", names[0][:8])
+            continue
+        try:
+            pid = PeerID.from_base58(names[0])
+            node.peerstore.add_addrs(pid, [Multiaddr.parse(a) for a in addrs[:8]])
+        except (P2PError, TypeError) as e:
+            log.info("ignoring a malformed state offer: %s", e)
+            continue
+        found.append(Announcement(pid, epoch, digest, tuple(lineage)))
+    return found
+
+
+async def state_forked(
+    node: Any,
+    dht: DHT,
+    run_id: str,
+    epoch: int,
+    digest: bytes,
+    *,
+    lineage: Sequence[bytes] = (),
+    patience: float = 0.0,
+) -> bool:
+    """:func:`fork_verdict` over the states peers announce now; while it cannot tell, read
+    again (every second) for up to ``patience`` seconds, then answer False."""
+    deadline = trio.current_time() + patience
+    while True:
+        announced = await read_announcements(node, dht, run_id, whole=True)
+        verdict = fork_verdict(announced, epoch, digest, lineage)
+        left = deadline - trio.current_time()
+        if verdict is not None or left <= 0:
+            return bool(verdict)
+        await trio.sleep(min(1.0, left))
