@@ -71,8 +71,8 @@ import trio
 
 from dedloc_jax.averaging import AllReduceConfig, Member, install, solve_shares
 from dedloc_jax.averaging.bandwidth import UNMEASURED_DOWNLOAD_BPS, UNMEASURED_UPLOAD_BPS
-from dedloc_jax.collaboration import CollaborationCore, open_collaboration
 from dedloc_jax.config import CollaborationConfig
+from dedloc_jax.peer import CollaborationPeer, open_collaboration
 from p2p.dht import DHTClock, DHTConfig
 from p2p.node import Node, NodeConfig, open_node
 from p2p.testing import SimNetwork, run_sim, sim_identity
@@ -201,7 +201,7 @@ async def _scaled_averaging(node: object, scale: int) -> AsyncIterator[None]:
 
 
 async def _train(
-    core: CollaborationCore,
+    core: CollaborationPeer,
     stats: PeerStats,
     vector: np.ndarray,
     micro: int,

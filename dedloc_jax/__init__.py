@@ -7,7 +7,7 @@ yours after each step, and catches up when you fall out of step).
 
 ``__all__`` is the user API. The machinery behind it (the peer's core, the host thread,
 matchmaking, the all-reduce and its load balancing) is imported from its own module, e.g.
-``dedloc_jax.averaging``, ``dedloc_jax.collaboration``, ``dedloc_jax.host``.
+``dedloc_jax.averaging``, ``dedloc_jax.peer``, ``dedloc_jax.host``.
 """
 
 from dedloc_jax.averaging import (
@@ -16,6 +16,7 @@ from dedloc_jax.averaging import (
     AveragingError,
     ShareLostError,
 )
+from dedloc_jax.collaboration import Collaboration
 from dedloc_jax.collaborative import CollaborativeState, collaborative
 from dedloc_jax.config import CollaborationConfig
 from dedloc_jax.diloco import DiLoCoState, diloco
@@ -30,7 +31,6 @@ from dedloc_jax.state import (
     share_state,
     sync_state,
 )
-from dedloc_jax.threaded import Collaboration
 
 __all__ = [
     "AllReduceConfig",

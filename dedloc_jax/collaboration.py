@@ -1,844 +1,348 @@
-"""A peer's membership in a collaboration: the async core.
+"""The synchronous facade: a collaboration in one background trio thread.
 
-:func:`open_collaboration` runs, on a p2p node, everything a peer needs: the DHT, the progress
-tracker, matchmaking, the butterfly all-reduce and the state server.
-:class:`dedloc_jax.threaded.Collaboration` runs the same in one background trio thread for
-ordinary Python (the JAX training loop).
+:class:`Collaboration` runs :func:`~dedloc_jax.peer.open_collaboration` for ordinary
+Python (the JAX training loop), and implements :class:`dedloc_jax.host.CollaborationHost` for
+:func:`dedloc_jax.collaborative`.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
-import math
-import random
-import time
-from collections.abc import AsyncIterator, Sequence
-from contextlib import AsyncExitStack, asynccontextmanager
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, NamedTuple
 
 import numpy as np
 import trio
 
-from dedloc_jax.access import PrivateRun
-from dedloc_jax.across import AcrossGroups, averaged_weight, broadcast, representative
-from dedloc_jax.averaging import (
-    AllReduceConfig,
-    AllReduceError,
-    BandwidthMeter,
-    GroupError,
-    GroupSpec,
-    LinkFigures,
-    all_reduce,
-    install,
-    install_probe,
-    measure_links,
-)
-from dedloc_jax.averaging.bandwidth import UNMEASURED_DOWNLOAD_BPS, UNMEASURED_UPLOAD_BPS
 from dedloc_jax.config import CollaborationConfig
 from dedloc_jax.history import RoundOutcome
-from dedloc_jax.host import AveragingOutcome
-from dedloc_jax.matchmaking import Matchmaker
-from dedloc_jax.matchmaking_wire import member_for
-from dedloc_jax.progress import CollaborationEstimate, estimate_collaboration, refresh_delay
-from dedloc_jax.state import (
-    Announcement,
-    StateServer,
-    download_manifest_state,
-    find_donors,
-    fork_verdict,
-)
-from dedloc_jax.timing import Deadlines, matchmaking_window
-from dedloc_jax.tracker import ProgressTracker
-from dedloc_jax.validators import run_validators
-from p2p.dht import DHTClock, DHTConfig, open_dht
-from p2p.errors import P2PError
-from p2p.identity import PeerID
+from dedloc_jax.host import AveragingOutcome, BackgroundAveraging
+from dedloc_jax.peer import CollaborationPeer, ProgressSnapshot, open_collaboration
+from dedloc_jax.progress import CollaborationEstimate, PeerProgress
+from dedloc_jax.state import KeepConfig, StepKeeper
+from p2p.bridge import TrioThread
+from p2p.dht import DHTConfig
+from p2p.identity import Identity
 from p2p.multiaddr import Multiaddr
-from p2p.nat import NATConfig, NATManager, open_nat
+from p2p.node import NodeConfig, announce_addrs, open_node
+from p2p.transport import Transport
 
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class ProgressSnapshot:
-    """The others' progress at one instant: lets a training thread decide without a hop."""
+class StepView(NamedTuple):
+    """The host-side figures keep_in_step reads after every micro-step."""
 
-    epoch: int
-    others_samples: float
-    others_samples_per_second: float
-    at: float
-    """time.monotonic() of the snapshot: real time on purpose, since the training thread
-    (outside trio, so without trio's or a MockClock's time) reads it; only the host-side
-    Collaboration takes snapshots, never a simulated peer."""
-    max_extrapolation: float
-    others_waiting: bool = False  # see CollaborationEstimate.ready
-    target: float = math.inf  # samples per step (inf: not known yet)
-    fresh: bool = True  # the table was read after this peer's first report
-    behind: bool = False  # the collaboration is at a newer epoch than this peer
-    others_train: bool = False  # the table names another peer that computes gradients
-    newest_served: int | None = None  # the newest epoch another peer serves a state of
-    missed: bool = False  # the round of ``epoch`` began without us (CollaborationCore.report)
-
-    def ready(self, epoch: int, samples: int) -> bool:
-        if self.missed and epoch == self.epoch:
-            return False
-        return self.fresh and self.reached(epoch, samples)
-
-    def reached(self, epoch: int, samples: int) -> bool:
-        """Whether the target is reached, fresh table or not."""
-        if self.epoch > epoch:
-            return False
-        if self.others_waiting and epoch == self.epoch:
-            return True
-        elapsed = min(max(0.0, time.monotonic() - self.at), self.max_extrapolation)
-        others = self.others_samples + elapsed * self.others_samples_per_second
-        return samples + others >= self.target
+    epoch: int  # the epoch the transform last reported (or stepped to)
+    behind: bool
+    others_train: bool
+    newest_served: int | None  # the newest epoch another peer serves a state of
 
 
-def _only_averaging(group: BaseExceptionGroup) -> BaseExceptionGroup:
-    """The averaging failures a round's nursery wrapped in a group (e.g. a share lost even
-    after repair); anything else in the group is re-raised."""
-    failed, rest = group.split((AllReduceError, GroupError))
-    if rest is not None or failed is None:
-        raise group
-    return failed
+class Collaboration:
+    """Join a collaboration from ordinary Python; implements ``CollaborationHost``.
 
+    Use as a context manager. It owns one background thread running a trio loop with the node,
+    the DHT, the tracker, matchmaking, the averager and the state server::
 
-class CollaborationCore:
-    """The trio side of a collaboration; use :func:`open_collaboration`."""
+        with dedloc_jax.Collaboration("sahajbert", initial_peers=[...]) as collab:
+            tx = dedloc_jax.collaborative(optax.lamb(1e-3), collab, target_batch_size=4096)
+    """
 
     def __init__(
         self,
-        node: Any,
-        dht: Any,
         run_id: str,
-        config: CollaborationConfig,
-        mode: str,
-        nat: NATManager | None = None,
-    ):
-        self.node = node
-        self.nat = nat  # reachability and role (p2p.nat); None when config.nat is off
-        self.dht = dht
+        *,
+        initial_peers: Sequence[str | Multiaddr] = (),
+        listen: Sequence[str | Multiaddr] = ("/ip4/127.0.0.1/tcp/0",),
+        announce: Sequence[str | Multiaddr] = (),
+        identity: Identity | None = None,
+        client_mode: bool | None = None,
+        config: CollaborationConfig = CollaborationConfig(),
+        node_config: NodeConfig | None = None,
+        dht_config: DHTConfig | None = None,
+        transport: Transport | None = None,
+        keep: KeepConfig = KeepConfig(),
+    ) -> None:
+        if not run_id or any(c in run_id for c in "[]"):
+            raise ValueError(f"invalid run_id {run_id!r}")
         self.run_id = run_id
         self.config = config
-        self.mode = mode
-        self.tracker = ProgressTracker(dht, run_id, config, mode)
-        self.matchmaker = Matchmaker(node, dht, run_id, max_group_size=config.max_group_size)
-        self.matchmaker.moved_on = self._moved_on
-        self.matchmaker.epoch_over = lambda epoch: self.tracker.current_estimate().epoch > epoch
-        self.across = AcrossGroups(node)
-        self.state_server = StateServer(
-            node, dht, run_id, chunk_bytes=config.state_chunk_bytes, ttl=config.progress_ttl
-        )
-        # Peers average only with peers that step from the same state (or do not say).
-        self.matchmaker.state_of = self.state_server.head_at
-        self.meter = BandwidthMeter(
-            upload_override=config.upload_bps, download_override=config.download_bps
-        )
-        self.epoch = 0
-        self.history: list[RoundOutcome] = []  # one entry per averaging step
-        # The epoch of our first report toward it, and whether its round began without us
-        self._first_report_epoch: int | None = None
-        self._missed = False
-        self._averaging = 0  # rounds of ours in progress (no link probe meanwhile)
+        self._initial_peers = list(initial_peers)
+        self._listen = [] if client_mode else list(listen)
+        if announce and client_mode:
+            raise ValueError("a client-mode peer accepts no connections: it announces nothing")
+        self._mode = "client" if client_mode else config.mode
+        self._identity = identity or Identity.generate()
+        # checked here (a clear MultiaddrError); they replace the listen addresses (open_node)
+        self._announce = announce_addrs(announce, self._identity.peer_id)
+        self._node_config = node_config or NodeConfig.bulk()
+        self._dht_config = dht_config or DHTConfig.fast()
+        self._transport = transport
+        self._thread: TrioThread | None = None
+        self._snapshot: ProgressSnapshot | None = None
+        self._background: BackgroundAveraging | None = None  # collaborative(overlap=True)
+        self._stop: trio.Event | None = None
+        self._target: int | None = None  # from collaborative(), applied when started
+        self.core: CollaborationPeer | None = None
+        self.keeper = StepKeeper(keep)  # keep_in_step's policy and memory for this peer
 
-    # --- progress ------------------------------------------------------------------------
-    def report(self, epoch: int, samples: int, batch_size: int) -> bool:
-        """Record a micro-step; True when this peer should average now.
+    # --- lifecycle -----------------------------------------------------------------------
+    def start(self) -> Collaboration:
+        self._thread = TrioThread(name=f"dedloc-{self.run_id}").start()
+        try:
+            self.core = self._thread.start_service(self._serve)
+            if self._target is not None:
+                self._thread.run_sync(self.core.use_target, self._target)
+        except BaseException:
+            self._thread.stop()
+            raise
+        return self
 
-        With delayed updates a peer reports toward ``epoch`` + 1 while the round of ``epoch``
-        is in flight (:meth:`average` in a background task); those samples count once the
-        round ends, and until then this returns False."""
-        self.epoch = max(self.epoch, epoch)
-        self.tracker.report(epoch, samples, batch_size)
-        if self.tracker.epoch != epoch:
-            return False  # our round of the previous epoch is in flight
-        est = self.tracker.current_estimate()
-        if est.epoch > epoch:
-            return False  # behind: never contribute gradients of an old epoch
-        if epoch != self._first_report_epoch:
-            self._first_report_epoch = epoch
-            self._missed = self._round_began_without_us(epoch, est)
-        if self._missed:
-            return False  # until the others move on (we are then behind)
-        # Not before a table read that began after our first report: peers that opened with
-        # us may be missing from the one read at opening, and we would step without them.
-        return est.ready and self.tracker.table_fresh
+    async def _serve(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        self._stop = trio.Event()
+        async with (
+            open_node(
+                self._identity,
+                listen=self._listen,
+                transport=self._transport,
+                config=self._node_config,
+                announce=self._announce,
+            ) as node,
+            open_collaboration(
+                node,
+                self.run_id,
+                initial_peers=self._initial_peers,
+                config=self.config,
+                mode=self._mode,
+                dht_config=self._dht_config,
+            ) as core,
+        ):
+            task_status.started(core)
+            await self._stop.wait()
 
-    def _round_began_without_us(self, epoch: int, est: CollaborationEstimate) -> bool:
-        """At our first report toward ``epoch``: whether every other peer that contributes to
-        it already waits in its round, and none averaged with us into it (so none expects
-        us). Such a peer (a newcomer, one that loaded the state late) cannot join that round:
-        trying, it stepped alone, on a lineage of its own. It waits for the epoch to end and
-        goes on from the others' state instead."""
-        if not est.others_waiting or est.epoch != epoch:
-            return False
-        into, mates = self.tracker.mates
-        if into == epoch and mates:
-            return False
-        log.info("epoch %d: its round began before our first micro-step; skipping it", epoch)
-        return True
+    def close(self) -> None:
+        if self._thread is None:
+            return
+        if self._stop is not None and self._thread.running:
+            self._thread.run_sync(self._stop.set)
+        self._thread.stop()
+        self._thread = None
 
-    async def read_fresh_table(self) -> None:
-        """Wait, within the DHT request timeout, for a progress read that began after our
-        first report: before it, a peer that reached the target by its own count cannot tell
-        whether it is alone."""
-        if not await self.tracker.read_fresh_table(self.config.rpc_timeout):
-            log.info(
-                "no progress read within %.0f s: deciding on the table at hand",
-                self.config.rpc_timeout,
-            )
+    def __enter__(self) -> Collaboration:
+        return self.start()
 
-    def use_target(self, target: int) -> None:
-        """Train toward ``target`` samples per step (what ``collaborative`` was given)."""
-        self.tracker.use_target(target)
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _core(self) -> tuple[TrioThread, CollaborationPeer]:
+        if self._thread is None or self.core is None:
+            raise RuntimeError("the collaboration is not started (use it as a context manager)")
+        return self._thread, self.core
+
+    # --- what others need ----------------------------------------------------------------
+    @property
+    def addrs(self) -> list[str]:
+        _, core = self._core()
+        return [str(a) for a in core.node.addrs]
 
     @property
-    def target(self) -> int | None:
-        """Samples per step: this peer's, or the run's when it sets none (an aux peer)."""
-        return self.tracker.target
+    def peer_id(self) -> str:
+        _, core = self._core()
+        return str(core.node.peer_id)
 
     @property
     def estimate(self) -> CollaborationEstimate:
-        return self.tracker.current_estimate()
+        thread, core = self._core()
+        return thread.run_sync(lambda: core.estimate)
 
-    def snapshot(self) -> ProgressSnapshot:
-        """What the other peers hold now, for deciding outside the trio thread."""
-        me = self.tracker.peer_id
-        others = [r for pid, r in self.tracker.projected().items() if pid != me]
-        cap = self.config.max_refresh * 2 if self.config.extrapolate else 0.0
-        target = self.target
-        target = math.inf if target is None else target
-        est = estimate_collaboration(
-            [*others, self.tracker.own_progress()],
-            now=self.dht.now(),
-            target_batch_size=target,
-            max_extrapolation=cap,
-            me=me,
+    @property
+    def epoch(self) -> int:
+        _, core = self._core()
+        return core.epoch
+
+    def run_async(self, async_fn: Any, *args: Any) -> Any:
+        """Run ``await async_fn(core, *args)`` in the collaboration's trio loop and return it.
+
+        For code that needs the DHT or the node directly (e.g. publishing metrics):
+        ``collab.run_async(lambda core: core.dht.get("key"))``.
+        """
+        thread, core = self._core()
+
+        async def call() -> Any:
+            return await async_fn(core, *args)
+
+        return thread.run(call)
+
+    def now(self) -> float:
+        """The DHT clock's time (what records such as metrics are stamped with)."""
+        thread, core = self._core()
+        return thread.run_sync(core.dht.now)
+
+    @property
+    def mode(self) -> str:
+        """How this peer takes part: "node", "client" or "aux"."""
+        _, core = self._core()
+        return core.mode
+
+    @property
+    def target(self) -> int | None:
+        """Samples per step this peer trains toward (the run's, for a peer that sets none)."""
+        thread, core = self._core()
+        return thread.run_sync(lambda: core.target)
+
+    def use_target(self, target: int) -> None:
+        """Train toward ``target`` samples per step; ``collaborative`` calls it. ValueError
+        when ``config.target_batch_size`` names another."""
+        self._target = self.config.agreed_target(target)
+        if self._thread is not None and self.core is not None:
+            self._thread.run_sync(self.core.use_target, target)
+
+    @property
+    def last_outcome(self) -> RoundOutcome | None:
+        """The last averaging step (:class:`~dedloc_jax.history.RoundOutcome`): epoch,
+        group_size, complete (with every peer), seconds, reason (why it was not complete; empty
+        when it was). None before the first."""
+        thread, core = self._core()
+        return thread.run_sync(lambda: core.history[-1] if core.history else None)
+
+    @property
+    def history(self) -> list[RoundOutcome]:
+        """Every averaging step this peer took, as :attr:`last_outcome` describes one."""
+        thread, core = self._core()
+        return thread.run_sync(lambda: list(core.history))
+
+    @property
+    def progress(self) -> dict[str, PeerProgress]:
+        """The progress table as last read: peer ID -> its record (ours included)."""
+        thread, core = self._core()
+
+        def table() -> dict[str, PeerProgress]:
+            found = dict(core.tracker.records)
+            found[core.tracker.peer_id] = core.tracker.own_progress()
+            return found
+
+        return thread.run_sync(table)
+
+    @property
+    def links(self) -> dict[str, float | None]:
+        """This peer's published link figures, what the averaging's split uses:
+        ``upload_bps`` and ``download_bps`` (bytes/s, None: not measured yet) and
+        ``upload_age`` / ``download_age`` (seconds since measured)."""
+        thread, core = self._core()
+        return thread.run_sync(lambda: core.links._asdict())
+
+    def step_view(self) -> StepView:
+        """What :func:`dedloc_jax.keep_in_step` decides on, from the last progress snapshot
+        (no DHT read; one hop to the trio thread only when no snapshot is at hand)."""
+        thread, core = self._core()
+        snap = self._snapshot
+        if snap is None:
+            snap = thread.run_sync(core.snapshot)
+        return StepView(core.epoch, snap.behind, snap.others_train, snap.newest_served)
+
+    # --- CollaborationHost ---------------------------------------------------------------
+    def report_progress(self, epoch: int, samples: int, batch_size: int) -> bool:
+        """Called on every micro-step: posts the numbers to the trio thread without waiting,
+        and decides from the last snapshot of the others' progress plus our exact samples."""
+        thread, core = self._core()
+        snap = self._snapshot
+        if snap is not None and not snap.fresh and snap.reached(epoch, samples):
+            # Reached the target by our own count before reading who else trains: wait
+            # (bounded) for that read rather than step alone or keep accumulating.
+            thread.run(core.read_fresh_table)
+            snap = None
+        if snap is None or snap.epoch != epoch:  # no usable snapshot: one blocking hop
+            return thread.run_sync(self._apply_report, core, epoch, samples, batch_size)
+        thread.post(self._apply_report, core, epoch, samples, batch_size)
+        return snap.ready(epoch, samples)
+
+    def _apply_report(
+        self, core: CollaborationPeer, epoch: int, samples: int, batch_size: int
+    ) -> bool:
+        ready = core.report(epoch, samples, batch_size)
+        self._snapshot = core.snapshot()
+        return ready
+
+    def average_gradients(
+        self, epoch: int, gradients: Sequence[np.ndarray], samples: int, *, codec: str | None = None
+    ) -> AveragingOutcome:
+        """Average with this epoch's group; ``codec``: on the wire (None: the config's)."""
+        thread, core = self._core()
+        try:
+            return thread.run(
+                functools.partial(core.average, codec=codec), epoch, list(gradients), samples
+            )
+        except Exception as e:
+            # Logged in full: a JAX host callback re-raising it keeps only its last line.
+            log.error("averaging at epoch %d raised %r", epoch, e, exc_info=e)
+            raise
+        finally:
+            self._snapshot = None
+
+    def start_averaging(
+        self, epoch: int, gradients: Sequence[np.ndarray], samples: int, *, codec: str | None = None
+    ) -> None:
+        """:meth:`average_gradients` in the background (delayed updates); see poll_averaging."""
+        thread, core = self._core()
+        if self._background is not None:
+            raise RuntimeError("an averaging is already in flight")
+        job = BackgroundAveraging(
+            functools.partial(core.average, epoch, list(gradients), samples, codec=codec)
         )
-        rest = estimate_collaboration(
-            [r for r in others if r.epoch == est.epoch],
-            now=self.dht.now(),
-            target_batch_size=target,
-            max_extrapolation=cap,
-        )
-        return ProgressSnapshot(
-            est.epoch,
-            rest.samples,
-            rest.samples_per_second,
-            time.monotonic(),
-            cap,
-            est.others_waiting,
-            target,
-            self.tracker.table_fresh,
-            est.epoch > self.tracker.epoch,
-            self.others_train(),
-            max((state[1] for state in self.tracker.states()), default=None),
-            self._missed and self._first_report_epoch == est.epoch,
-        )
+        self._background = job
+        thread.start_service(job.run)
+
+    def poll_averaging(self) -> AveragingOutcome | None:
+        """The background averaging's outcome once it finished, else None (no waiting)."""
+        job = self._background
+        if job is None or not job.done:
+            return None
+        self._background = None
+        self._snapshot = None  # the epoch moved on
+        return job.result()
+
+    # --- state sync ----------------------------------------------------------------------
+    def share_state(self, arrays: Sequence[np.ndarray], epoch: int) -> None:
+        thread, core = self._core()
+        thread.run(core.share_state, [np.asarray(a) for a in arrays], epoch)
+
+    def load_state(
+        self, *, timeout: float = 60.0, min_epoch: int | None = None
+    ) -> tuple[int, list[np.ndarray]]:
+        """Download the state the fork choice names and train on it; ``min_epoch``: raise
+        :class:`~dedloc_jax.StaleStateError` (and change nothing) if it is older."""
+        thread, core = self._core()
+        return thread.run(functools.partial(core.load_state, timeout=timeout, min_epoch=min_epoch))
+
+    def newest_state_epoch(self) -> int | None:
+        """The epoch of the state a download would bring: the newest on the lineage most
+        peers hold (None: nobody announces one). Cheaper than a download: one DHT read."""
+        thread, core = self._core()
+        return thread.run(core.newest_state_epoch)
+
+    def on_minority_fork(self, *, patience: float = 0.0, undecided: bool = False) -> bool:
+        """Whether the state this peer serves lost to another lineage of its epoch (more peers
+        hold it): then load theirs (:func:`dedloc_jax.sync_state`). See the core's method."""
+        thread, core = self._core()
+        check = functools.partial(core.on_minority_fork, patience=patience, undecided=undecided)
+        return thread.run(check)
+
+    def fork_verdict(self) -> bool | None:
+        """:meth:`on_minority_fork` asked once, without waiting (None: it cannot tell yet)."""
+        thread, core = self._core()
+        return thread.run_sync(core.fork_verdict)
 
     @property
     def behind(self) -> bool:
-        return self.tracker.current_estimate().epoch > self.tracker.epoch
+        thread, core = self._core()
+        return thread.run_sync(lambda: core.behind)
 
-    def _stepped_without(self, spec: GroupSpec, epoch: int) -> bool:
-        """Whether a peer that trains, outside ``spec``, averaged into a newer epoch than
-        ``epoch``: a group averaged apart from ours. One that got there alone (a step alone, a
-        newcomer that moved on) holds no other mean: it loads the collaboration's state, and
-        counting it sent every member of our group to download the state it already held. (A
-        peer on a lineage the collaboration left does not count either.)"""
-        members = {m.peer_id for m in spec.members}
-        return any(
-            r.epoch > epoch and not r.alone and r.mode != "aux" and pid not in members
-            for pid, r in self.tracker.contenders().items()
-        )
-
-    def _target_or_zero(self) -> float:
-        """The target for matchmaking's "registered samples fall short" rule (0: unknown)."""
-        return float(self.target or 0)
-
-    def others_train(self) -> bool:
-        """Whether the progress table names another peer that computes gradients."""
-        me = self.tracker.peer_id
-        return any(pid != me and r.mode != "aux" for pid, r in self.tracker.records.items())
-
-    def _moved_on(self, peer: str, epoch: int) -> bool:
-        record = self.tracker.records.get(peer)
-        return record is not None and record.epoch > epoch
-
-    # --- averaging -----------------------------------------------------------------------
-    def _bandwidth(self) -> tuple[float, float]:
-        """Measured (or overridden) link speeds; an unmeasured one counts as a slow home link,
-        so that deadlines computed from it are long enough (see timing.Deadlines)."""
-        f = self.meter.figures()
-        up = self.config.unmeasured_upload_bps or UNMEASURED_UPLOAD_BPS
-        down = self.config.unmeasured_download_bps or UNMEASURED_DOWNLOAD_BPS
-        return f.upload_bps or up, f.download_bps or down
-
-    @property
-    def links(self) -> LinkFigures:
-        """This peer's published link figures: measured up and down (bytes/s), their age."""
-        return self.meter.figures()
-
-    async def probe_links(self, *, nbytes: int = 4 << 20, max_peers: int = 8) -> LinkFigures:
-        """Measure this peer's links against a few peers of the run whose progress we read
-        (reachable ones, in a per-peer random order): on joining, or when ``meter.stale()``."""
-        me = str(self.node.peer_id)
-        rng = random.Random(me)
-        peers = sorted(
-            pid for pid, r in self.tracker.records.items() if pid != me and r.mode != "client"
-        )
-        rng.shuffle(peers)
-        if not peers:
-            return self.meter.figures()
-        return await measure_links(
-            self.node,
-            [PeerID.from_base58(p) for p in peers],
-            self.meter,
-            nbytes=nbytes,
-            max_peers=max_peers,
-            timeout=self.config.rpc_timeout * 6,
-        )
-
-    async def keep_links_measured(
-        self,
-        *,
-        nbytes: int | None = None,
-        poll: float = 5.0,
-        probes: int = 2,
-        lead: float | None = None,
-    ) -> None:
-        """Probe this peer's links once other peers are known and the next averaging is less
-        than ``lead`` seconds away (None: a quarter of the meter's window), ``probes`` times
-        at random moments ``poll`` to ``3 * poll`` apart, and again before each later
-        averaging whose round would find the figure stale; ``open_collaboration`` runs it in
-        the background when ``config.measure_links`` (``nbytes``: ``config.probe_bytes``
-        unless given). Probes of peers that start together contend for the same links and
-        read low; the figure is their max, so one probe that ran alone suffices.
-
-        Only a round uses the figure, so probes wait for one: with rare averaging (diloco's
-        outer steps, hours apart) probes on joining and at every expiry sent several times
-        what the averaging did. Within ``lead`` of the round the new figure lasts through it
-        even if it comes later than predicted. A peer that sees no rate at all (nothing to
-        predict from) probes on joining. A client reduces nothing, so it probes nothing
-        (while it is one, see :meth:`follow_reachability`)."""
-        rng = random.Random(str(self.node.peer_id))
-        nbytes = self.config.probe_bytes if nbytes is None else nbytes
-        lead = self.meter.window / 4 if lead is None else lead
-        done = 0
-        while True:
-            await trio.sleep(rng.uniform(poll, 3 * poll) if done else rng.uniform(0, poll))
-            known = any(pid != str(self.node.peer_id) for pid in self.tracker.records)
-            eta = self.tracker.current_estimate().eta
-            f = self.meter.figures()
-            stale = max(f.upload_age, f.download_age) + eta > self.meter.window  # at the round
-            due = eta < lead and stale or done < probes and (eta < lead or math.isinf(eta))
-            # Not while we average: the round's traffic and the probe's would slow each other.
-            if known and due and self.mode != "client" and not self._averaging:
-                try:
-                    figures = await self.probe_links(nbytes=nbytes)
-                except (ValueError, trio.TooSlowError, P2PError) as e:
-                    log.info("probing our links failed: %r", e)
-                else:
-                    # A probe counts once it measured both ways (partners may all be busy
-                    # when we upload, and the uplink went unmeasured for a whole window).
-                    if figures.upload_bps is not None and figures.download_bps is not None:
-                        done += 1
-            if done >= probes and not due and math.isfinite(eta):
-                await trio.sleep(min(self.meter.window / 4, max(0.0, eta - lead)))
-
-    async def follow_reachability(self) -> None:
-        """Keep the averaging mode in step with :attr:`nat`'s role, from now on (a background
-        task, like the DHT's mode): a peer with no inbound path at all (``nat.client_mode``)
-        takes part as a client, which only dials out; any other one, relayed included, as a
-        node that reduces a share. A change applies from the next round."""
-        nat = self.nat
-        if nat is None:
-            raise RuntimeError("follow_reachability needs a collaboration opened with config.nat")
-        while True:
-            mode = "client" if nat.client_mode else "node"
-            if mode != self.mode:
-                log.info("averaging mode %s -> %s (role %s)", self.mode, mode, nat.role.value)
-                self.mode = mode
-                self.tracker.mode = mode
-            await nat.wait_changed()
-
-    async def average(
-        self, epoch: int, arrays: Sequence[np.ndarray], samples: int, *, codec: str | None = None
-    ) -> AveragingOutcome:
-        """Form a group for ``epoch`` and average ``arrays`` (weight ``samples``) with it,
-        sent in ``codec`` (None: ``config.codec``; every member of a round must use one)."""
-        self._averaging += 1
-        try:
-            return await self._average(epoch, arrays, samples, codec)
-        finally:
-            self._averaging -= 1
-
-    async def _average(
-        self, epoch: int, arrays: Sequence[np.ndarray], samples: int, codec: str | None
-    ) -> AveragingOutcome:
-        codec = codec or self.config.codec
-        est = self.tracker.current_estimate()
-        self.matchmaker.window = self.config.matchmaking_time or matchmaking_window(
-            self.config.min_refresh, self.tracker.dht_latency, est.max_step_interval
-        )
-        await self.tracker.freeze()  # others must not extrapolate our samples any further
-        up, down = self._bandwidth()
-        me = member_for(str(self.node.peer_id), self.mode, up, down, float(samples))
-        started = trio.current_time()
-        # Registration closes as soon as every peer the tracker sees at this epoch is in.
-        spec = await self.matchmaker.form_group(
-            epoch, me, target=self._target_or_zero(), expected=self._peers_at(epoch)
-        )
-        group_size = 1
-        complete = False
-        reason = "no group formed in time (nobody else registered for this epoch)"
-        result = [np.asarray(a) for a in arrays]
-        if spec is not None:
-            try:
-                timeout = self._timeout(spec, arrays)
-                log.info(
-                    "epoch %d: group of %d after %.1f s, LP bound %.1f s, timeout %.1f s",
-                    epoch,
-                    len(spec.members),
-                    trio.current_time() - started,
-                    spec.lower_bound(sum(int(np.asarray(a).size) * 4 for a in arrays)),
-                    timeout,
-                )
-                averaged = await all_reduce(
-                    self.node,
-                    spec,
-                    list(arrays),
-                    float(samples),
-                    codec=codec,
-                    timeout=timeout,
-                    meter=self.meter,
-                    config=self._round_config(),
-                )
-                result = [np.asarray(a) for a in averaged.average]
-                group_size = len(spec.members)
-                complete = True
-                self.tracker.expect_mates(epoch + 1, (m.peer_id for m in spec.members))
-            except (AllReduceError, GroupError) as e:
-                reason = f"the all-reduce failed: {e}"
-            except BaseExceptionGroup as group:
-                reason = f"the all-reduce failed: {_only_averaging(group)}"
-            else:
-                if self.matchmaker.needs_cross(epoch):
-                    result, _, complete = await self._across(
-                        epoch, spec, result, averaged_weight(spec, averaged), codec
-                    )
-                    reason = "the round across groups missed some of them"
-                elif self._stepped_without(spec, epoch):
-                    # Peers outside our leader's one group already moved past this epoch:
-                    # they averaged apart (we came late), so ours is not the epoch's mean.
-                    complete = False
-                    reason = "others stepped without our group"
-        elif self.matchmaker.needs_cross(epoch):  # alone among several groups: a group of one
-            result, group_size, complete = await self._across(
-                epoch, None, result, float(samples), codec
-            )
-            reason = "alone in our group, and the round across groups failed"
-        if complete and group_size > 1:
-            reason = ""
-        elif complete:
-            reason = "averaged with no other peer"
-        if reason:
-            # A run of one peer steps alone by design: that is no news.
-            level = logging.WARNING if self.others_train() else logging.INFO
-            log.log(
-                level,
-                "epoch %d: stepped without the whole collaboration (group of %d): %s",
-                epoch,
-                group_size,
-                reason,
-            )
-        self.matchmaker.decline(epoch)  # no-ops if it took part in the round across groups
-        self.across.close(epoch)
-        if group_size == 1 and self.config.on_no_group == "skip":
-            result = [np.zeros_like(np.asarray(a)) for a in arrays]
-        self.epoch = epoch + 1
-        # A peer that serves its state serves the new one next (share_state): one record.
-        self.tracker.set_epoch(self.epoch, state_follows=self.state_server.latest is not None)
-        self.history.append(
-            RoundOutcome(
-                epoch=epoch,
-                group_size=group_size,
-                complete=complete,
-                seconds=trio.current_time() - started,
-                collab_samples=est.samples,
-                reason=reason,
-                mode=me.mode,
-            )
-        )
-        return AveragingOutcome(result, self.epoch, group_size, complete)
-
-    async def _across(
-        self,
-        epoch: int,
-        spec: GroupSpec | None,
-        mean: list[np.ndarray],
-        weight: float,
-        codec: str | None = None,
-    ) -> tuple[list[np.ndarray], int, bool]:
-        """The mean across this epoch's groups (see :mod:`dedloc_jax.across`), the size of
-        the level-1 group (1 when this peer did not represent its group there) and whether
-        that is the whole epoch's mean; ``mean`` itself when it failed."""
-        me = str(self.node.peer_id)
-        rep = me if spec is None else representative(spec)
-        wait = self._cross_wait(spec, mean)
-        self.across.wait_limit = wait
-        size = 1
-        codec = codec or self.config.codec
-        if rep == me:
-            ok, whole, found = False, False, None
-            try:
-                found = await self._represent(epoch, mean, weight, codec)
-                ok = found is not None
-                if found is not None:
-                    mean, size, whole = found
-            finally:
-                self.across.settle(epoch, ok, whole)
-            if found is None:
-                return mean, 1, False
-            if spec is None:
-                return mean, size, whole
-        else:
-            self.matchmaker.decline(epoch)
-            ok, whole = (False, False) if rep is None else await self.across.ask(rep, epoch, wait)
-            if not ok:
-                return mean, 1, False
-        assert spec is not None
-        out = await broadcast(
-            self.node,
-            spec,
-            mean,
-            source=rep == me,
-            codec=codec,
-            timeout=self._timeout(spec, mean),
-        )
-        if out is None:  # the representative holds the mean across groups all the same
-            return mean, 1, rep == me and whole
-        return out, size, whole
-
-    async def _represent(
-        self, epoch: int, mean: list[np.ndarray], weight: float, codec: str
-    ) -> tuple[list[np.ndarray], int, bool] | None:
-        """As its group's representative, average ``mean`` (``weight`` samples) with the
-        other groups' representatives: the result, how many there were and whether every
-        representative our leader's partition named took part (else the mean is partial), or
-        None."""
-        up, down = self._bandwidth()
-        me = member_for(str(self.node.peer_id), self.mode, up, down, weight)
-        others = self.matchmaker.representatives(epoch) - {me.peer_id}
-        spec = await self.matchmaker.form_group(
-            epoch, me, target=self._target_or_zero(), expected=others, level=1
-        )
-        if spec is None:
-            return None
-        try:
-            averaged = await all_reduce(
-                self.node,
-                spec,
-                list(mean),
-                weight,
-                codec=codec,
-                timeout=self._timeout(spec, mean),
-                meter=self.meter,
-                config=self._round_config(),
-            )
-        except (AllReduceError, GroupError) as e:
-            log.warning("averaging across groups at epoch %d failed: %s", epoch, e)
-            return None
-        except BaseExceptionGroup as group:
-            failure = _only_averaging(group)
-            log.warning("averaging across groups at epoch %d failed: %s", epoch, failure)
-            return None
-        members = {m.peer_id for m in spec.members}
-        whole = others <= members
-        if not whole:
-            log.info(
-                "epoch %d: %d of the groups' representatives missed the round across groups",
-                epoch,
-                len(others - members),
-            )
-        return [np.asarray(a) for a in averaged.average], len(spec.members), whole
-
-    def _cross_wait(self, spec: GroupSpec | None, arrays: Sequence[np.ndarray]) -> float:
-        """How long a member waits for its representative's round across groups."""
-        if spec is None:
-            return self.matchmaker.deadlines.cross_wait
-        return self._deadlines(spec, arrays).cross_wait
-
-    def _peers_at(self, epoch: int) -> set[str]:
-        """Who should register for ``epoch``: peers that join rounds and whose latest progress
-        report is at ``epoch``, and those that averaged with us into it, whose report we read
-        may still be of the epoch before that. (A peer that fills the target alone read its
-        group mate's old report, expected nobody and stepped alone: in the demo, the fast
-        trainer did so for epochs on end while the slow one loaded its state.)
-
-        An aux peer that only follows the run (a coordinator that downloads states to
-        checkpoint them) moves to the run's epochs too, but is not expected: a leader waited
-        for it to join, in the demo 4 s of every checkpointed epoch."""
-        records = self.tracker.records
-        peers = {pid for pid, r in records.items() if r.epoch == epoch and r.averages}
-        into, mates = self.tracker.mates  # (without us)
-        if into == epoch:
-            me = str(self.node.peer_id)
-            # (Not one whose report we lack: a table that lost records would hold every
-            # group for its mates.)
-            peers |= {p for p in mates if p != me and p in records and records[p].epoch == into - 1}
-        return peers
-
-    async def run_aux(self, template: Sequence[np.ndarray], *, epochs: int | None = None) -> int:
-        """Serve as an auxiliary peer: join every averaging round and reduce a share.
-
-        An aux peer has no accelerator and computes no gradients; it brings its bandwidth.
-        ``template`` gives the shapes and dtypes of the averaged arrays (values unused).
-        Returns after ``epochs`` rounds (never, when None); returns the rounds joined.
-        """
-        if self.mode != "aux":
-            raise RuntimeError("run_aux needs a collaboration opened with mode='aux'")
-        template = [np.zeros(np.shape(a), np.asarray(a).dtype) for a in template]
-        self.tracker.join_averaging()
-        rounds = 0
-        while epochs is None or rounds < epochs:
-            est = await self.tracker.fetch()
-            if est.epoch > self.tracker.epoch:
-                self.tracker.set_epoch(est.epoch)
-            if not est.ready:
-                await trio.sleep(
-                    refresh_delay(
-                        est,
-                        min_delay=self.config.min_refresh,
-                        max_delay=self.config.max_refresh,
-                        idle_delay=self.config.idle_refresh,
-                        idle_eta=self.tracker.settled_eta(),
-                        idle_after=self.config.idle_after,
-                    )
-                )
-                continue
-            epoch = est.epoch
-            self.matchmaker.window = self.config.matchmaking_time or matchmaking_window(
-                self.config.min_refresh, self.tracker.dht_latency, est.max_step_interval
-            )
-            up, down = self._bandwidth()
-            me = member_for(str(self.node.peer_id), "aux", up, down, 0.0)
-            spec = await self.matchmaker.form_group(
-                epoch, me, target=self._target_or_zero(), expected=self._peers_at(epoch)
-            )
-            if spec is not None:
-                try:
-                    await all_reduce(
-                        self.node,
-                        spec,
-                        template,
-                        0.0,
-                        codec=self.config.codec,
-                        timeout=self._timeout(spec, template),
-                        meter=self.meter,
-                        config=self._round_config(),
-                    )
-                    rounds += 1
-                    if self.matchmaker.needs_cross(epoch):  # reduce a share of the broadcast
-                        await self._across(epoch, spec, template, 0.0)
-                except (AllReduceError, GroupError) as e:
-                    log.warning("aux averaging at epoch %d failed: %s", epoch, e)
-                except BaseExceptionGroup as group:
-                    failure = _only_averaging(group)
-                    log.warning("aux averaging at epoch %d failed: %s", epoch, failure)
-            self.matchmaker.decline(epoch)
-            self.across.close(epoch)
-            self.epoch = epoch + 1
-            self.tracker.set_epoch(self.epoch)
-        return rounds
-
-    def _round_config(self) -> AllReduceConfig | None:
-        """The node's all-reduce settings with this run's robust aggregation, if any."""
-        if self.config.robust_tau is None:
-            return None
-        return install(self.node).config.replace(robust_tau=self.config.robust_tau)
-
-    def _deadlines(self, spec: Any, arrays: Sequence[np.ndarray]) -> Deadlines:
-        """This round's deadlines: the matchmaking window's and the group's LP bound's."""
-        nbytes = sum(int(np.asarray(a).size) * 4 for a in arrays)
-        return self.matchmaker.deadlines.for_group(
-            spec.lower_bound(nbytes),
-            self.tracker.dht_latency,
-            override=self.config.averaging_timeout,
-        )
-
-    def _timeout(self, spec: Any, arrays: Sequence[np.ndarray]) -> float:
-        return self._deadlines(spec, arrays).averaging
-
-    # --- state ---------------------------------------------------------------------------
-    async def share_state(self, arrays: Sequence[np.ndarray], epoch: int) -> None:
-        manifest = self.state_server.set_state(arrays, epoch)
-        self.tracker.serve(epoch, manifest.digest, self.state_server.lineage)
-        await self.state_server.announce()
-
-    async def load_state(
-        self, *, timeout: float = 60.0, min_epoch: int | None = None
-    ) -> tuple[int, list[np.ndarray]]:
-        """Download the state the fork choice names, train on it from now on (our epoch
-        becomes its epoch) and serve it (the fork checks, ours and the others', count the
-        state a peer serves). ``min_epoch``: raise :class:`StaleStateError` instead when that
-        state is older; nothing changes then. (A caller that downloaded an older state and
-        kept its own had adopted the download's epoch and lineage all the same: its next
-        state then claimed to descend from the others', and its fork check never found it
-        on a lineage of its own.)"""
-        manifest, arrays, donors = await download_manifest_state(
-            self.node,
-            self.dht,
-            self.run_id,
-            timeout=timeout,
-            request_timeout=self.config.rpc_timeout,
-            extra=self._table_states(),
-            min_epoch=min_epoch,
-            local=self.state_server.held,
-        )
-        epoch = manifest.epoch
-        self.state_server.hold(manifest, arrays)
-        log.info("loaded the state of epoch %d from %d donors", epoch, donors)
-        self.epoch = epoch
-        self.tracker.set_epoch(epoch)
-        self.tracker.serve(epoch, manifest.digest, self.state_server.lineage)
-        await self.state_server.announce()
-        return epoch, arrays
-
-    async def newest_state_epoch(self) -> int | None:
-        """The epoch of the state a download would bring (the newest on the lineage most
-        peers hold, :func:`~dedloc_jax.state.lineage.fork_choice`), or None (nobody announces
-        one): whether a download would bring anything newer, for one DHT read. The tracker's
-        epoch alone cannot tell: after a healed partition, the side that lost may be ahead."""
-        found = await find_donors(self.node, self.dht, self.run_id, self._table_states())
-        return None if found is None else found[0]
-
-    def _table_states(self) -> list[Announcement]:
-        """The states the progress table names (every other peer's, as last read)."""
-        return [Announcement(*s) for s in self.tracker.states()]
-
-    async def on_minority_fork(self, *, patience: float = 0.0, undecided: bool = False) -> bool:
-        """Whether the state we serve lost to another lineage (one more peers hold, see
-        :func:`~dedloc_jax.state.lineage.fork_verdict`): then load theirs. Ask once the others
-        announced the epoch's state, e.g. when ready to average; ``patience``: seconds to keep
-        asking (each second) while it cannot tell (also while the table names no state);
-        ``undecided``: the answer when it still cannot tell then. A peer whose round missed
-        part of the epoch passes True: it is most likely the odd one out.
-
-        It counts the states the progress table names (every peer publishes the state it
-        serves with its progress, and follows the table anyway): it reads nothing from the DHT."""
-        deadline = trio.current_time() + patience
-        while True:
-            verdict = self.fork_verdict()
-            left = deadline - trio.current_time()
-            if verdict is not None:
-                return verdict
-            if left <= 0:
-                log.info("the fork check could not tell within %.0f s", patience)
-                return undecided
-            await trio.sleep(min(1.0, left))
-
-    def fork_verdict(self) -> bool | None:
-        """:meth:`on_minority_fork` asked once, without waiting: None while it cannot tell
-        (most peers still average the epoch, or the table names no state)."""
-        latest = self.state_server.latest
-        if latest is None:
-            return False  # we serve nothing: nothing to lose
-        table = self._table_states()
-        # An empty table (a read that failed, records that lapsed in a cut) cannot tell.
-        if not table:
-            return None
-        return fork_verdict(table, latest.epoch, latest.digest, self.state_server.lineage)
-
-    async def _announce_state(self) -> None:
-        """Keep our announcement from expiring. Each step announces the new state, so only
-        the time since the last announcement counts: with epochs shorter than a third of the
-        TTL, this never stores anything."""
-        period = self.config.progress_ttl / 3
-        server = self.state_server
-        while True:
-            if trio.current_time() < server.announced_at + period:
-                await trio.sleep_until(server.announced_at + period)
-                continue
-            await server.announce()
-            if trio.current_time() >= server.announced_at + period:
-                await trio.sleep(period)  # nothing to announce yet, or it failed
+    def run_aux(self, template: Sequence[np.ndarray], *, epochs: int | None = None) -> int:
+        """Blocking :meth:`CollaborationPeer.run_aux` (open with ``config.mode="aux"``)."""
+        thread, core = self._core()
+        return thread.run(functools.partial(core.run_aux, list(template), epochs=epochs))
 
 
-@asynccontextmanager
-async def open_collaboration(
-    node: Any,
-    run_id: str,
-    *,
-    initial_peers: Sequence[str | Multiaddr] = (),
-    config: CollaborationConfig = CollaborationConfig(),
-    mode: str | None = None,
-    dht_config: DHTConfig = DHTConfig(),
-    dht_clock: DHTClock | None = None,
-    nat_config: NATConfig | None = None,
-) -> AsyncIterator[CollaborationCore]:
-    """Join (or start, with no initial peers) the collaboration ``run_id`` on ``node``.
-
-    With ``config.nat`` the node first finds out whether it is reachable (``p2p.nat``, with
-    ``nat_config``; None: the defaults): a peer behind NAT keeps relay reservations and
-    advertises relayed addresses, and one with no inbound path at all takes part as a client.
-    Unless a mode is forced, the averaging mode follows reachability for the whole run (see
-    :meth:`CollaborationCore.follow_reachability`), as the DHT's mode does.
-    """
-    forced_mode = mode or config.mode
-    mode = forced_mode
-    private = PrivateRun.for_config(node, run_id, config.owner_public_key, config.invitation)
-    async with AsyncExitStack() as stack:
-        if config.nat:
-            forced = {"client": True, "node": False, "aux": False}.get(mode or "")
-            nat_config = nat_config or NATConfig()
-            if forced is not None:
-                nat_config = nat_config.replace(force_client_mode=forced)
-            if not config.port_mapping:
-                nat_config = nat_config.replace(port_mapping=None)
-            nat = await stack.enter_async_context(
-                open_nat(node, peers=initial_peers, config=nat_config)
-            )
-            mode = mode or ("client" if nat.client_mode else "node")
-        else:
-            nat = None
-            mode = mode or ("node" if node.addrs else "client")
-        dht = await stack.enter_async_context(
-            open_dht(
-                node,
-                initial_peers=initial_peers,
-                config=dht_config,
-                client_mode=mode == "client" or (nat is not None and nat.dht_client_mode),
-                clock=dht_clock,
-                # who may write first (a stranger is told that), then what a record holds
-                validators=[
-                    *(private.validators if private is not None else ()),
-                    *(run_validators(run_id) if config.record_schemas else ()),
-                ],
-            )
-        )
-        if nat is not None:
-            nat.use_dht(dht)
-        if private is not None:
-            dht = private.attach(dht)
-        core = CollaborationCore(node, dht, run_id, config, mode, nat)
-        averaging = install(node)
-        install_probe(node, core.meter)
-        core.matchmaker.register()
-        core.across.register()
-        core.state_server.register()
-        if private is not None:
-            private.protect(core, averaging)
-        nursery = await stack.enter_async_context(trio.open_nursery())
-        await nursery.start(core.tracker.run)
-        nursery.start_soon(core._announce_state)
-        if nat is not None and forced_mode is None:
-            nursery.start_soon(core.follow_reachability)
-        if config.measure_links and (mode != "client" or forced_mode is None):
-            nursery.start_soon(core.keep_links_measured)
-        try:
-            yield core
-        finally:
-            nursery.cancel_scope.cancel()
+__all__ = ["Collaboration"]

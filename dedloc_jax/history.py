@@ -1,6 +1,6 @@
 """The averaging history: what each averaging round did on this peer.
 
-:class:`~dedloc_jax.collaboration.CollaborationCore` appends one :class:`RoundOutcome` per
+:class:`~dedloc_jax.peer.CollaborationPeer` appends one :class:`RoundOutcome` per
 round; :attr:`dedloc_jax.Collaboration.history` and ``last_outcome`` return them.
 """
 

@@ -41,7 +41,7 @@ class PeerProgress:
     target: int | None = None
     # It entered ``epoch`` without averaging with another peer (a step alone, a newcomer, a
     # peer that moved on without stepping): its record is no sign that a group of the epoch
-    # before averaged apart from ours (CollaborationCore._stepped_without).
+    # before averaged apart from ours (CollaborationPeer._stepped_without).
     alone: bool = False
 
     def __post_init__(self) -> None:

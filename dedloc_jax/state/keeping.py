@@ -26,7 +26,7 @@ The policy is :class:`StepKeeper`, written without I/O in the style of a sans-IO
 yields requests (serve, load, ask the fork check, sleep) and the driver answers them. The
 synchronous driver (:func:`keep_in_step`, for a :class:`dedloc_jax.Collaboration` and JAX
 pytrees) and the asynchronous one (:func:`keep_in_step_async`, for a
-:class:`~dedloc_jax.collaboration.CollaborationCore`, e.g. in the simulator) share it. The
+:class:`~dedloc_jax.peer.CollaborationPeer`, e.g. in the simulator) share it. The
 decision whether anything is due reads only host-side figures (the progress snapshot, the
 epoch the transform last reported); nothing reads the DHT on the calling thread.
 """
@@ -330,7 +330,7 @@ def keep_in_step(collab: Any, params: Any, opt_state: Any) -> tuple[Any, Any]:
     return held["params"], held["opt_state"]
 
 
-# --- the asynchronous driver: a CollaborationCore and flat arrays -------------------------
+# --- the asynchronous driver: a CollaborationPeer and flat arrays -------------------------
 async def keep_in_step_async(
     core: Any,
     keeper: StepKeeper,

@@ -66,13 +66,13 @@ async def open_sim_collaboration(
     dht_config: DHTConfig | None = None,
     **host_kwargs: Any,
 ) -> AsyncIterator[list[Any]]:
-    """``n`` peers of one collaboration (CollaborationCore); peer 0 is the first peer.
+    """``n`` peers of one collaboration (CollaborationPeer); peer 0 is the first peer.
 
     NAT detection is off unless ``nat`` asks for it (with ``nat_config``): every simulated
     host is reachable and most tests are about the collaboration, not about reachability.
     A mode of None in ``modes`` lets that peer's mode follow its reachability.
     """
-    from dedloc_jax.collaboration import open_collaboration
+    from dedloc_jax.peer import open_collaboration
 
     async with (
         open_sim_nodes(net, n, config=NodeConfig.testing(), **host_kwargs) as nodes,

@@ -249,9 +249,9 @@ def test_a_group_whose_round_across_groups_failed_knows_its_mean_is_incomplete(
     others' state); every other peer holds the mean across the other groups, and is told it
     is incomplete too: that mean lacks a group's samples (the fork check then finds the most
     peers hold it)."""
-    from dedloc_jax.collaboration import CollaborationCore
+    from dedloc_jax.peer import CollaborationPeer
 
-    represent = CollaborationCore._represent
+    represent = CollaborationPeer._represent
     failed: list[str] = []
 
     async def first_fails(self, epoch, mean, weight, codec):  # noqa: ANN001, ANN202
@@ -260,7 +260,7 @@ def test_a_group_whose_round_across_groups_failed_knows_its_mean_is_incomplete(
             return None
         return await represent(self, epoch, mean, weight, codec)
 
-    monkeypatch.setattr(CollaborationCore, "_represent", first_fails)
+    monkeypatch.setattr(CollaborationPeer, "_represent", first_fails)
     rates = [4.0, 6.0, 8.0, 10.0, 12.0, 14.0, 16.0]
     rows = [log[0] for log in _run(rates, epochs=1, target=280, max_group_size=3)]
     assert len(failed) == 1
@@ -341,7 +341,7 @@ def test_a_lagging_peer_is_excluded_then_resyncs_from_the_others() -> None:
 def test_a_round_failing_inside_its_nursery_leaves_the_peer_stepping_alone(monkeypatch) -> None:
     """The butterfly's round reports a lost share wrapped in its nursery's ExceptionGroup
     (seen at 40 peers in bench.collaboration); the peer must step alone, not crash."""
-    from dedloc_jax import collaboration
+    from dedloc_jax import peer
     from dedloc_jax.averaging.errors import ShareLostError
 
     calls = []
@@ -350,7 +350,7 @@ def test_a_round_failing_inside_its_nursery_leaves_the_peer_stepping_alone(monke
         calls.append(args[1])  # the group spec: the two peers did form a group
         raise ExceptionGroup("round", [ShareLostError("share 1 lost", shares=(1,))])
 
-    monkeypatch.setattr(collaboration, "all_reduce", failing_all_reduce)
+    monkeypatch.setattr(peer, "all_reduce", failing_all_reduce)
     config = CollaborationConfig.local_demo(16)
 
     async def main() -> list:
@@ -419,7 +419,7 @@ def test_a_progress_snapshot_is_ready_when_every_other_peer_waits_for_us() -> No
     import dataclasses
     import time
 
-    from dedloc_jax.collaboration import ProgressSnapshot
+    from dedloc_jax.peer import ProgressSnapshot
 
     snap = ProgressSnapshot(3, 600.0, 0.0, time.monotonic(), 2.0, others_waiting=True, target=1000)
     assert snap.ready(3, 40)  # 640 of 1000, but the others wait
@@ -477,7 +477,7 @@ def test_a_newcomer_skips_an_epoch_whose_round_began_without_it() -> None:
     step, and their group is complete. (It used to step alone at once, the others' samples
     having reached the target: a lineage of its own, and at 40 peers one epoch in three
     counted incomplete.)"""
-    from dedloc_jax.collaboration import open_collaboration
+    from dedloc_jax.peer import open_collaboration
     from p2p.dht import DHTClock
     from p2p.node import NodeConfig
     from p2p.testing import open_sim_nodes

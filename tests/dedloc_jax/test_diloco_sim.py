@@ -1,7 +1,7 @@
 """``diloco`` peers in the simulator: faults, a newcomer and a partition end on one lineage.
 
 Each simulated peer runs the library's :func:`dedloc_jax.diloco.diloco` transform (eagerly)
-on a small linear model, over a :class:`~dedloc_jax.collaboration.CollaborationCore`, and keeps
+on a small linear model, over a :class:`~dedloc_jax.peer.CollaborationPeer`, and keeps
 in step with :func:`dedloc_jax.state.keeping.keep_in_step_async` after every micro-step, serving and
 loading its state with the library's own flattening (``share_state``/``sync_state``). After
 each scenario every live peer must hold one lineage: bit-identical outer parameters, outer
@@ -26,10 +26,10 @@ import numpy as np
 import optax
 import trio
 
-from dedloc_jax.collaboration import open_collaboration
 from dedloc_jax.config import CollaborationConfig
 from dedloc_jax.diloco import DiLoCoState, diloco, outer_params_after_step
 from dedloc_jax.host import AveragingOutcome
+from dedloc_jax.peer import open_collaboration
 from dedloc_jax.state.keeping import KeepConfig, StepKeeper, keep_in_step_async
 from dedloc_jax.state.training import share_state, sync_state
 from p2p.dht import DHTClock, DHTConfig

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import trio
 
-from dedloc_jax.collaboration import CollaborationCore
 from dedloc_jax.config import CollaborationConfig
+from dedloc_jax.peer import CollaborationPeer
 from p2p.testing import SimNetwork, host_of, run_sim
 from tests.dedloc_jax.simcollab import open_sim_collaboration
 
@@ -20,7 +20,7 @@ def test_a_representative_that_dies_leaves_its_group_with_its_own_mean(monkeypat
     not hang; every other peer gets the mean of the remaining groups, and knows it is partial
     (not the epoch's mean: a group is missing), so that it checks the fork before training."""
     config = CollaborationConfig.local_demo(sum(SAMPLES)).replace(max_group_size=3)
-    represent = CollaborationCore._represent
+    represent = CollaborationPeer._represent
     died: list[str] = []
 
     async def represent_or_die(self, epoch, mean, weight, codec):
@@ -30,7 +30,7 @@ def test_a_representative_that_dies_leaves_its_group_with_its_own_mean(monkeypat
             return None
         return await represent(self, epoch, mean, weight, codec)
 
-    monkeypatch.setattr(CollaborationCore, "_represent", represent_or_die)
+    monkeypatch.setattr(CollaborationPeer, "_represent", represent_or_die)
     net = SimNetwork(seed=3)
     sent = [np.random.default_rng(i).normal(size=500).astype(np.float32) for i in range(PEERS)]
     got: list[np.ndarray | None] = [None] * PEERS
