@@ -12,7 +12,7 @@ class CollaborationConfig:
     """How a peer takes part in a collaboration.
 
     Deadlines left as None are derived at run time from what the progress tracker and the
-    measured bandwidths predict (see :mod:`dedloc_jax.timing`); setting them fixes them.
+    measured bandwidths predict (see :mod:`dedloc_jax.round.deadlines`); setting them fixes them.
     """
 
     # Samples per step. None (the default): the target given to ``collaborative(...,

@@ -21,7 +21,6 @@ import numpy as np
 import trio
 
 from dedloc_jax.access import PrivateRun
-from dedloc_jax.across import AcrossGroups, averaged_weight, broadcast, representative
 from dedloc_jax.averaging import (
     AllReduceConfig,
     AllReduceError,
@@ -38,9 +37,12 @@ from dedloc_jax.averaging.bandwidth import UNMEASURED_DOWNLOAD_BPS, UNMEASURED_U
 from dedloc_jax.config import CollaborationConfig
 from dedloc_jax.history import RoundOutcome
 from dedloc_jax.host import AveragingOutcome
-from dedloc_jax.matchmaking import Matchmaker
-from dedloc_jax.matchmaking_wire import member_for
 from dedloc_jax.progress import CollaborationEstimate, estimate_collaboration, refresh_delay
+from dedloc_jax.round.across import AcrossGroups, averaged_weight, broadcast, representative
+from dedloc_jax.round.deadlines import Deadlines, matchmaking_window
+from dedloc_jax.round.matchmaking import Matchmaker
+from dedloc_jax.round.plan import expected_peers
+from dedloc_jax.round.wire import member_for
 from dedloc_jax.state import (
     Announcement,
     StateServer,
@@ -48,7 +50,6 @@ from dedloc_jax.state import (
     find_donors,
     fork_verdict,
 )
-from dedloc_jax.timing import Deadlines, matchmaking_window
 from dedloc_jax.tracker import ProgressTracker
 from dedloc_jax.validators import run_validators
 from p2p.dht import DHTClock, DHTConfig, open_dht
@@ -482,7 +483,7 @@ class CollaborationPeer:
         weight: float,
         codec: str | None = None,
     ) -> tuple[list[np.ndarray], int, bool]:
-        """The mean across this epoch's groups (see :mod:`dedloc_jax.across`), the size of
+        """The mean across this epoch's groups (see :mod:`dedloc_jax.round.across`), the size of
         the level-1 group (1 when this peer did not represent its group there) and whether
         that is the whole epoch's mean; ``mean`` itself when it failed."""
         me = str(self.node.peer_id)
@@ -572,24 +573,10 @@ class CollaborationPeer:
         return self._deadlines(spec, arrays).cross_wait
 
     def _peers_at(self, epoch: int) -> set[str]:
-        """Who should register for ``epoch``: peers that join rounds and whose latest progress
-        report is at ``epoch``, and those that averaged with us into it, whose report we read
-        may still be of the epoch before that. (A peer that fills the target alone read its
-        group mate's old report, expected nobody and stepped alone: in the demo, the fast
-        trainer did so for epochs on end while the slow one loaded its state.)
-
-        An aux peer that only follows the run (a coordinator that downloads states to
-        checkpoint them) moves to the run's epochs too, but is not expected: a leader waited
-        for it to join, in the demo 4 s of every checkpointed epoch."""
-        records = self.tracker.records
-        peers = {pid for pid, r in records.items() if r.epoch == epoch and r.averages}
+        """Who should register for ``epoch``, from the progress table and our last group (see
+        :func:`~dedloc_jax.round.plan.expected_peers`)."""
         into, mates = self.tracker.mates  # (without us)
-        if into == epoch:
-            me = str(self.node.peer_id)
-            # (Not one whose report we lack: a table that lost records would hold every
-            # group for its mates.)
-            peers |= {p for p in mates if p != me and p in records and records[p].epoch == into - 1}
-        return peers
+        return expected_peers(self.tracker.records, (into, mates), str(self.node.peer_id), epoch)
 
     async def run_aux(self, template: Sequence[np.ndarray], *, epochs: int | None = None) -> int:
         """Serve as an auxiliary peer: join every averaging round and reduce a share.

@@ -2,7 +2,7 @@
 
 A node that stores or forwards a record of ``RUN.progress``, ``RUN.group.E`` (and ``.x``) or
 ``RUN.state`` checks it against the shape its readers expect (:mod:`dedloc_jax.progress`,
-:mod:`dedloc_jax.matchmaking_wire`, :mod:`dedloc_jax.state.serving`): each is a signed subkey of
+:mod:`dedloc_jax.round.wire`, :mod:`dedloc_jax.state.serving`): each is a signed subkey of
 the peer it describes, fields typed and bounded, numbers finite. A record of another shape is
 refused where it is stored, and the writer gets the reason back (``DHT.store`` raises it,
 ``python -m p2p.dht store`` prints it), instead of readers each skipping it later. Text such as
@@ -15,8 +15,8 @@ from __future__ import annotations
 import re
 
 from dedloc_jax.averaging.group import MODES as MEMBER_MODES
-from dedloc_jax.matchmaking_wire import MAX_STATE_BYTES
 from dedloc_jax.progress import MAX_DIGEST, MAX_LINEAGE, MAX_TARGET, MODES
+from dedloc_jax.round.wire import MAX_STATE_BYTES
 from p2p.dht import (
     Bool,
     Bytes,

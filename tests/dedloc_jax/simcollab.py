@@ -42,7 +42,7 @@ def matchmakers(
     peers: Sequence[tuple[Node, DHT]], *, max_group_size: int, window: float = 1.0
 ) -> list[Any]:
     """A registered :class:`Matchmaker` with a fixed window for each of ``peers``."""
-    from dedloc_jax.matchmaking import Matchmaker
+    from dedloc_jax.round.matchmaking import Matchmaker
 
     makers = []
     for node, dht in peers:

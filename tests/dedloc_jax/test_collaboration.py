@@ -172,7 +172,7 @@ def test_groups_do_not_wait_for_an_aux_peer_that_only_follows_the_run(caplog) ->
             out["joined"] = cores[0]._peers_at(follower.tracker.epoch)
         return out
 
-    with caplog.at_level("INFO", logger="dedloc_jax.leading"):
+    with caplog.at_level("INFO", logger="dedloc_jax.round.leading"):
         out = run_sim(main, seed=3)
     a, b, aux = out["ids"]
     assert out["groups"] == [2] * 6

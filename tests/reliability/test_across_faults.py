@@ -1,4 +1,4 @@
-"""The round across capped groups when a representative dies before it (dedloc_jax.across)."""
+"""The round across capped groups when a representative dies before it (dedloc_jax.round.across)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
-"""Asking the expected peers that have not registered for an epoch's group what they are doing,
-so that a peer gathering registrations stops waiting for those that will bring no samples."""
+"""Registration: a peer ready for a slot stores what it brings under the slot's key, reads the
+others', and asks the expected peers it has not read what they are doing, so that it stops
+waiting for those that will bring no samples."""
 
 from __future__ import annotations
 
@@ -11,10 +12,50 @@ import trio
 
 from dedloc_jax.averaging.errors import GroupError
 from dedloc_jax.averaging.group import Member
-from dedloc_jax.matchmaking_wire import member_from_wire, state_from_wire
+from dedloc_jax.round.wire import member_from_wire, state_from_wire
+from p2p.dht import KeyFollower
+from p2p.dht.records import owner_markers
 from p2p.errors import P2PError
 
 log = logging.getLogger(__name__)
+
+
+async def read_registrations(
+    registry: KeyFollower,
+    me: str,
+    *,
+    sweep: bool = False,
+    states: dict[str, bytes | None],
+    learn: Callable[[str, Any], None],
+) -> dict[str, Member]:
+    """The peers registered under ``registry``'s key (``me`` left out) and what each brings;
+    ``sweep`` reads all the key's holders (before a decision, when expected peers are
+    missing). ``states`` gets the state each one steps from; ``learn(peer, registration)``
+    sees each registration (its addresses). A failed read is an empty one: the caller polls
+    again, and a malformed registration is skipped."""
+    try:
+        value = await registry.get(sweep=sweep)
+    except P2PError as e:
+        log.warning("could not read matchmaking registrations: %s", e)
+        return {}
+    found: dict[str, Member] = {}
+    if not isinstance(value, dict):
+        return found
+    for subkey, item in value.items():
+        names = owner_markers(subkey)
+        reg = item.value
+        if len(names) != 1 or names[0] == me or not isinstance(reg, dict):
+            continue
+        try:
+            member = member_from_wire(names[0], reg.get("member"))
+            state = state_from_wire(reg.get("state"))
+        except GroupError as e:
+            log.info("ignoring a malformed registration of %s: %s", names[0], e)
+            continue
+        found[names[0]] = member
+        states[names[0]] = state
+        learn(names[0], reg)
+    return found
 
 
 async def drop_gone(

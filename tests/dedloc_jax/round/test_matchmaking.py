@@ -4,7 +4,7 @@ import pytest
 import trio
 
 from dedloc_jax.config import CollaborationConfig
-from dedloc_jax.matchmaking_wire import member_for
+from dedloc_jax.round.wire import member_for
 from p2p.testing import SimNetwork, run_sim
 from tests.dedloc_jax.simcollab import matchmakers, open_sim_dhts
 

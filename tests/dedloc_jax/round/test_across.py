@@ -1,9 +1,14 @@
-"""The pure parts of averaging across groups (dedloc_jax.across)."""
+"""The pure parts of averaging across groups (dedloc_jax.round.across)."""
 
 from __future__ import annotations
 
-from dedloc_jax.across import averaged_weight, broadcast_codec, broadcast_round, representative
 from dedloc_jax.averaging import AllReduceResult, GroupSpec, Member, ShareResult
+from dedloc_jax.round.across import (
+    averaged_weight,
+    broadcast_codec,
+    broadcast_round,
+    representative,
+)
 
 
 def _spec(*modes: str) -> GroupSpec:

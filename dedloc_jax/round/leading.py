@@ -1,7 +1,7 @@
 """The leader's side of forming a group: accept joins, wait (bounded) for the members it
 expects, ask a missing one whom it follows, and answer every member with one spec.
 
-:class:`Leading` is the part of :class:`dedloc_jax.matchmaking.Matchmaker` that runs when the
+:class:`Leading` is the part of :class:`dedloc_jax.round.matchmaking.Matchmaker` that runs when the
 peer ranks first in its group; the attributes it reads (rounds, choices, waits, the tracker's
 ``moved_on``) are the matchmaker's.
 """
@@ -17,7 +17,8 @@ import trio
 
 from dedloc_jax.averaging.errors import GroupError
 from dedloc_jax.averaging.group import GroupSpec, Member
-from dedloc_jax.matchmaking_wire import Slot, member_from_wire, same_state, slot_of, state_from_wire
+from dedloc_jax.round.plan import same_state
+from dedloc_jax.round.wire import Slot, member_from_wire, slot_of, state_from_wire
 from p2p.errors import P2PError
 from p2p.identity import PeerID
 from p2p.multiaddr import Multiaddr

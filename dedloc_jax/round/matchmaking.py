@@ -5,7 +5,7 @@
    peers who learned of the target a refresh later can register too; while the registered
    samples fall short of the target (a decision made on an extrapolated estimate), it waits a
    little more, within a bound.
-2. It reads the registrations and runs :func:`~dedloc_jax.grouping.assign_groups` (capped,
+2. It reads the registrations and runs :func:`~dedloc_jax.round.plan.plan_groups` (capped,
    reshuffled per epoch). The first member of its group is the group's leader.
 3. Followers send ``collab.join`` to their leader, a call that returns once the leader has
    formed the group. The leader accepts joins for one window (longer, within a bound, while a
@@ -15,8 +15,8 @@
 
 Above ``max_group_size`` peers an epoch has several groups; each group's mean then goes through
 a second round across groups (level 1, one group of representatives, see
-:mod:`dedloc_jax.across`), formed the same way under ``<run_id>.group.<e>.x``. The leader tells
-its members whether its view of the epoch held other groups (``cross``).
+:mod:`dedloc_jax.round.across`), formed the same way under ``<run_id>.group.<e>.x``. The leader
+tells its members whether its view of the epoch held other groups (``cross``).
 
 Only the leader decides, so two peers that saw different registrations cannot form
 conflicting specs: at worst a peer that joined nobody in time averages alone (no deadlock: every
@@ -34,25 +34,22 @@ import trio
 
 from dedloc_jax.averaging.errors import GroupError
 from dedloc_jax.averaging.group import GroupSpec, Member
-from dedloc_jax.grouping import assign_groups, group_seed
-from dedloc_jax.leading import LeaderRound, Leading
-from dedloc_jax.matchmaking_probe import drop_gone
-from dedloc_jax.matchmaking_wire import (
+from dedloc_jax.round.deadlines import Deadlines
+from dedloc_jax.round.grouping import group_seed
+from dedloc_jax.round.leading import LeaderRound, Leading
+from dedloc_jax.round.plan import plan_groups
+from dedloc_jax.round.plan import representatives as plan_representatives
+from dedloc_jax.round.registration import drop_gone, read_registrations
+from dedloc_jax.round.wire import (
     JOIN,
     LEADER,
     Slot,
     group_key,
-    leader_order,
-    same_state,
-    state_from_wire,
-    state_to_follow,
 )
-from dedloc_jax.matchmaking_wire import member_from_wire as _member_from_wire
-from dedloc_jax.matchmaking_wire import member_to_wire as _member_to_wire
-from dedloc_jax.matchmaking_wire import slot_of as _slot_of
-from dedloc_jax.timing import Deadlines
+from dedloc_jax.round.wire import member_to_wire as _member_to_wire
+from dedloc_jax.round.wire import slot_of as _slot_of
 from p2p.dht import DHT, InvalidRecordError, KeyFollower, follower_replicas
-from p2p.dht.records import owner_marker, owner_markers
+from p2p.dht.records import owner_marker
 from p2p.errors import ConnectionClosed, DialError, P2PError, RPCError, RPCTimeout
 from p2p.identity import PeerID
 from p2p.multiaddr import Multiaddr
@@ -125,7 +122,7 @@ class Matchmaker(Leading):
 
     def needs_cross(self, epoch: int) -> bool:
         """Whether this peer's level-0 group at ``epoch`` was one of several (its leader's
-        view): the group's mean is then averaged across groups (:mod:`dedloc_jax.across`)."""
+        view): the group's mean is then averaged across groups (:mod:`dedloc_jax.round.across`)."""
         return self._cross.get(epoch, False)
 
     def decline(self, epoch: int) -> None:
@@ -137,13 +134,7 @@ class Matchmaker(Leading):
     def representatives(self, epoch: int) -> set[str]:
         """Who represents the level-0 groups of ``epoch`` in this peer's view: each group's
         first member that sends a vector (aux peers hold none)."""
-        groups, modes = self._views.get(epoch, ([], {}))
-        reps = set()
-        for g in groups:
-            rep = next((p for p in g if modes.get(p, "node") != "aux"), None)
-            if rep is not None:
-                reps.add(rep)
-        return reps
+        return plan_representatives(*self._views.get(epoch, ([], {})))
 
     def _remember(self, epoch: int, cross: bool, view: Any = None) -> None:
         self._cross[epoch] = cross
@@ -201,37 +192,11 @@ class Matchmaker(Leading):
         return self.deadlines.member_wait
 
     async def _registrations(
-        self,
-        registry: KeyFollower,
-        *,
-        sweep: bool = False,
-        states: dict[str, bytes | None],
+        self, registry: KeyFollower, *, sweep: bool = False, states: dict[str, bytes | None]
     ) -> dict[str, Member]:
-        """Registered peers at this epoch (level) and what each brings; ``sweep`` reads all
-        the key's holders (before a decision, when expected peers are missing). ``states``
-        gets the state each one steps from."""
-        try:
-            value = await registry.get(sweep=sweep)
-        except P2PError as e:
-            log.warning("could not read matchmaking registrations: %s", e)
-            return {}
-        found: dict[str, Member] = {}
-        if isinstance(value, dict):
-            for subkey, item in value.items():
-                names = owner_markers(subkey)
-                reg = item.value
-                if len(names) != 1 or names[0] == self.peer_id or not isinstance(reg, dict):
-                    continue
-                try:
-                    member = _member_from_wire(names[0], reg.get("member"))
-                    state = state_from_wire(reg.get("state"))
-                except GroupError as e:
-                    log.info("ignoring a malformed registration of %s: %s", names[0], e)
-                    continue
-                found[names[0]] = member
-                states[names[0]] = state
-                self._learn_addrs(names[0], reg)
-        return found
+        return await read_registrations(
+            registry, self.peer_id, sweep=sweep, states=states, learn=self._learn_addrs
+        )
 
     async def form_group(
         self,
@@ -371,48 +336,29 @@ class Matchmaker(Leading):
                 trio.current_time() - start,
                 sorted(expected - set(others)),
             )
-        seed = group_seed(self.run_id, epoch)
-        # Peers that step from another state (another lineage) average among themselves.
-        follow = state_to_follow(my_state, states)
-        apart = {p for p in others if not same_state(follow, states.get(p))}
-        population = len(planned | set(others))
-        if apart:
+        modes = {p: m.mode for p, m in others.items()} | {self.peer_id: me.mode}
+        plan = plan_groups(
+            self.peer_id,
+            my_state,
+            others,
+            states,
+            modes,
+            planned=planned,
+            expected=expected,
+            seed=group_seed(self.run_id, epoch),
+            cap=cap,
+            level=level,
+        )
+        if plan.apart:
             log.info(
                 "%s: %d of %d registered peers step from another state: not averaging with them",
                 slot,
-                len(apart),
+                len(plan.apart),
                 len(others),
             )
-            # Groups sized for our lineage's share of the peers.
-            population = -(-population * (len(others) + 1 - len(apart)) // (len(others) + 1))
-        groups = assign_groups(
-            sorted({self.peer_id, *others} - apart),
-            max_group_size=cap,
-            seed=seed,
-            population=population,
-        )
-        modes = {p: m.mode for p, m in others.items()} | {self.peer_id: me.mode}
+        groups, mine, late = plan.groups, plan.mine, set(plan.late)
         if level == 0:
             self._remember(epoch, len(groups) > 1, (groups, modes))
-        known = {p: states.get(p) for p in others} | {self.peer_id: my_state}
-        mine = leader_order(next(g for g in groups if self.peer_id in g), known, modes)
-        if level == 1:
-            # Also wait for the representatives we expect that have not registered yet:
-            # their groups may still be averaging (bounded, and dropped once they decline).
-            late = expected - set(others)
-        else:
-            # Expected peers that hash into our group but whose registration we have not
-            # read (a straggler, or a slow read): leading, wait for them too (bounded; a
-            # leader stops for one that went elsewhere or cannot be reached). Closing without
-            # them refused their joins as "group already formed" and left them alone.
-            full = assign_groups(
-                sorted((planned | set(others)) - apart),
-                max_group_size=cap,
-                seed=seed,
-                population=population,
-            )
-            mates = next(g for g in full if self.peer_id in g)
-            late = set(mates) & (expected - set(others))
         if len(mine) == 1 and not late:
             log.debug(
                 "%s: alone in our group of %d (%d registrations read, %d planned, %d expected)",

@@ -1,11 +1,9 @@
 """What matchmaking peers send each other: RPC names, the DHT key of an epoch's registrations,
-slots, and members on the wire. Pure: no I/O."""
+slots, state digests and members on the wire. Pure: no I/O."""
 
 from __future__ import annotations
 
 import math
-from collections import Counter
-from collections.abc import Mapping, Sequence
 from typing import Any
 
 from dedloc_jax.averaging.errors import GroupError
@@ -44,37 +42,6 @@ def state_from_wire(value: Any) -> bytes | None:
     if not isinstance(value, bytes) or not 0 < len(value) <= MAX_STATE_BYTES:
         raise GroupError(f"a state digest is 1 to {MAX_STATE_BYTES} bytes")
     return value
-
-
-def same_state(a: bytes | None, b: bytes | None) -> bool:
-    """Whether two peers may average together: both step from the same state, or one of
-    them did not say (an aux peer holds none; a trainer may not have served its state yet).
-    Peers on two lineages that average gradients stay apart, since each applies the mean to
-    other parameters, and every such step counts one more peer for the wrong lineage."""
-    return a is None or b is None or a == b
-
-
-def state_to_follow(mine: bytes | None, states: Mapping[str, bytes | None]) -> bytes | None:
-    """The state whose peers we group with: ours, or when we hold none (an aux peer) the one
-    most registered peers step from (of as many, the smallest digest)."""
-    if mine is not None:
-        return mine
-    counts = Counter(s for s in states.values() if s is not None)
-    return min(counts, key=lambda s: (-counts[s], s)) if counts else None
-
-
-def leader_order(
-    group: Sequence[str],
-    states: Mapping[str, bytes | None],
-    modes: Mapping[str, str] | None = None,
-) -> list[str]:
-    """``group`` in the order its members try to lead: rank order, but peers that said which
-    state they step from first (the leader is then one of them, so peers of one state that see
-    a stateless peer, which may join any group, do not follow it into another state's group),
-    and clients last within each (a client has no inbound path: its followers could not reach
-    it)."""
-    modes = modes or {}
-    return sorted(group, key=lambda p: (states.get(p) is None, modes.get(p) == "client"))
 
 
 def member_to_wire(m: Member) -> dict[str, Any]:

@@ -1,25 +1,12 @@
+"""Every deadline of a round, from the predictions it follows (dedloc_jax.round.deadlines)."""
+
 from __future__ import annotations
 
 import pytest
 
-from dedloc_jax.config import CollaborationConfig
-from dedloc_jax.timing import averaging_timeout, matchmaking_window
-
-
-def test_presets_and_validation() -> None:
-    assert CollaborationConfig.sahajbert().target_batch_size == 4096
-    demo = CollaborationConfig.local_demo(32)
-    assert demo.target_batch_size == 32 and demo.codec == "none"
-    assert demo.replace(max_group_size=4).max_group_size == 4
-    for bad in (
-        {"target_batch_size": 0},
-        {"max_group_size": 0},
-        {"codec": "zip"},
-        {"min_refresh": 2.0, "max_refresh": 1.0},
-        {"averaging_timeout": -1.0},
-    ):
-        with pytest.raises(ValueError):
-            CollaborationConfig(**bad)
+from dedloc_jax.averaging import GroupSpec, Member
+from dedloc_jax.averaging.bandwidth import UNMEASURED_DOWNLOAD_BPS, UNMEASURED_UPLOAD_BPS
+from dedloc_jax.round.deadlines import Deadlines, averaging_timeout, matchmaking_window
 
 
 def test_deadlines_follow_predictions() -> None:
@@ -33,9 +20,6 @@ def test_deadlines_follow_predictions() -> None:
 
 
 def test_one_deadlines_object_follows_the_window_and_the_group_links() -> None:
-    from dedloc_jax.averaging import GroupSpec, Member
-    from dedloc_jax.averaging.bandwidth import UNMEASURED_DOWNLOAD_BPS, UNMEASURED_UPLOAD_BPS
-    from dedloc_jax.timing import Deadlines
 
     base = Deadlines(window=1.0)
     assert base.max_wait == 15.0 and base.member_wait == 6.0

@@ -1,0 +1,34 @@
+"""One averaging round of an epoch, from the trigger to the wire, read top-down:
+
+- :mod:`~dedloc_jax.round.deadlines`: every deadline of a round, one frozen object (pure);
+- :mod:`~dedloc_jax.round.plan`: whom a peer expects, whom its lineage leaves out, which group
+  it is in (pure; :mod:`~dedloc_jax.round.grouping`: the consistent hashing behind it);
+- :mod:`~dedloc_jax.round.wire`: what matchmaking peers send each other (pure);
+- :mod:`~dedloc_jax.round.registration`: registering for a slot and reading the others;
+- :mod:`~dedloc_jax.round.matchmaking`: forming one group per slot, as follower or leader
+  (:mod:`~dedloc_jax.round.leading`: the leader's side);
+- :mod:`~dedloc_jax.round.across`: the second level, across capped groups.
+
+Re-exported here: the names other modules use.
+"""
+
+from dedloc_jax.round.across import AcrossGroups, averaged_weight, broadcast, representative
+from dedloc_jax.round.deadlines import Deadlines, averaging_timeout, matchmaking_window
+from dedloc_jax.round.matchmaking import Matchmaker
+from dedloc_jax.round.plan import expected_peers
+from dedloc_jax.round.wire import MAX_STATE_BYTES, group_key, member_for
+
+__all__ = [
+    "MAX_STATE_BYTES",
+    "AcrossGroups",
+    "Deadlines",
+    "Matchmaker",
+    "averaged_weight",
+    "averaging_timeout",
+    "broadcast",
+    "expected_peers",
+    "group_key",
+    "matchmaking_window",
+    "member_for",
+    "representative",
+]
