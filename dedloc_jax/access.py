@@ -390,9 +390,7 @@ class PrivateRun:
         self.guard.register()
         return InvitingDHT(dht, self.policy, self.invitation)
 
-    def protect(self, core: Any, averaging: Any) -> None:
-        """Guard the join, state and all-reduce handlers (they call ``admit`` when set)."""
-        core.matchmaker.admit = self.guard.admit
-        core.across.admit = self.guard.admit
-        core.state_server.admit = self.guard.admit
+    def protect(self, averaging: Any) -> None:
+        """Guard the node's all-reduce handlers (the node's one service, which may predate the
+        collaboration); the peer's own handlers get ``guard.admit`` at construction."""
         averaging.admit = self.guard.admit

@@ -12,7 +12,7 @@ import logging
 import math
 import random
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -39,9 +39,11 @@ from dedloc_jax.history import RoundOutcome
 from dedloc_jax.host import AveragingOutcome
 from dedloc_jax.progress import CollaborationEstimate, estimate_collaboration, refresh_delay
 from dedloc_jax.round.across import AcrossGroups, averaged_weight, broadcast, representative
+from dedloc_jax.round.context import RoundContext
 from dedloc_jax.round.deadlines import Deadlines, matchmaking_window
 from dedloc_jax.round.matchmaking import Matchmaker
 from dedloc_jax.round.plan import expected_peers
+from dedloc_jax.round.slots import Slots
 from dedloc_jax.round.wire import member_for
 from dedloc_jax.state import (
     Announcement,
@@ -117,7 +119,11 @@ class CollaborationPeer:
         config: CollaborationConfig,
         mode: str,
         nat: NATManager | None = None,
+        *,
+        admit: Callable[[PeerID, str | None], Awaitable[None]] | None = None,
     ):
+        """``admit``: a private run's access guard (:meth:`~dedloc_jax.access.AccessGuard.
+        admit`), which every handler of the peer's calls first; None in an open run."""
         self.node = node
         self.nat = nat  # reachability and role (p2p.nat); None when config.nat is off
         self.dht = dht
@@ -125,15 +131,26 @@ class CollaborationPeer:
         self.config = config
         self.mode = mode
         self.tracker = ProgressTracker(dht, run_id, config, mode)
-        self.matchmaker = Matchmaker(node, dht, run_id, max_group_size=config.max_group_size)
-        self.matchmaker.moved_on = self._moved_on
-        self.matchmaker.epoch_over = lambda epoch: self.tracker.current_estimate().epoch > epoch
-        self.across = AcrossGroups(node)
         self.state_server = StateServer(
-            node, dht, run_id, chunk_bytes=config.state_chunk_bytes, ttl=config.progress_ttl
+            node,
+            dht,
+            run_id,
+            chunk_bytes=config.state_chunk_bytes,
+            ttl=config.progress_ttl,
+            admit=admit,
         )
-        # Peers average only with peers that step from the same state (or do not say).
-        self.matchmaker.state_of = self.state_server.head_at
+        context = RoundContext(
+            moved_on=self._moved_on,
+            epoch_over=lambda epoch: self.tracker.current_estimate().epoch > epoch,
+            # Peers average only with peers that step from the same state (or do not say).
+            state_of=self.state_server.head_at,
+            admit=admit,
+        )
+        slots = Slots()
+        self.matchmaker = Matchmaker(
+            node, dht, run_id, max_group_size=config.max_group_size, context=context, slots=slots
+        )
+        self.across = AcrossGroups(node, slots, admit=admit)
         self.meter = BandwidthMeter(
             upload_override=config.upload_bps, download_override=config.download_bps
         )
@@ -381,9 +398,7 @@ class CollaborationPeer:
     ) -> AveragingOutcome:
         codec = codec or self.config.codec
         est = self.tracker.current_estimate()
-        self.matchmaker.window = self.config.matchmaking_time or matchmaking_window(
-            self.config.min_refresh, self.tracker.dht_latency, est.max_step_interval
-        )
+        self.matchmaker.deadlines = Deadlines(window=self._window(est))
         await self.tracker.freeze()  # others must not extrapolate our samples any further
         up, down = self._bandwidth()
         me = member_for(str(self.node.peer_id), self.mode, up, down, float(samples))
@@ -489,7 +504,7 @@ class CollaborationPeer:
         me = str(self.node.peer_id)
         rep = me if spec is None else representative(spec)
         wait = self._cross_wait(spec, mean)
-        self.across.wait_limit = wait
+        self.across.begin(wait)
         size = 1
         codec = codec or self.config.codec
         if rep == me:
@@ -607,9 +622,7 @@ class CollaborationPeer:
                 )
                 continue
             epoch = est.epoch
-            self.matchmaker.window = self.config.matchmaking_time or matchmaking_window(
-                self.config.min_refresh, self.tracker.dht_latency, est.max_step_interval
-            )
+            self.matchmaker.deadlines = Deadlines(window=self._window(est))
             up, down = self._bandwidth()
             me = member_for(str(self.node.peer_id), "aux", up, down, 0.0)
             spec = await self.matchmaker.form_group(
@@ -640,6 +653,12 @@ class CollaborationPeer:
             self.epoch = epoch + 1
             self.tracker.set_epoch(self.epoch)
         return rounds
+
+    def _window(self, est: CollaborationEstimate) -> float:
+        """This round's matchmaking window: the configured one, else the predicted one."""
+        return self.config.matchmaking_time or matchmaking_window(
+            self.config.min_refresh, self.tracker.dht_latency, est.max_step_interval
+        )
 
     def _round_config(self) -> AllReduceConfig | None:
         """The node's all-reduce settings with this run's robust aggregation, if any."""
@@ -810,14 +829,15 @@ async def open_collaboration(
             nat.use_dht(dht)
         if private is not None:
             dht = private.attach(dht)
-        core = CollaborationPeer(node, dht, run_id, config, mode, nat)
+        admit = private.guard.admit if private is not None else None
+        core = CollaborationPeer(node, dht, run_id, config, mode, nat, admit=admit)
         averaging = install(node)
         install_probe(node, core.meter)
         core.matchmaker.register()
         core.across.register()
         core.state_server.register()
         if private is not None:
-            private.protect(core, averaging)
+            private.protect(averaging)
         nursery = await stack.enter_async_context(trio.open_nursery())
         await nursery.start(core.tracker.run)
         nursery.start_soon(core._announce_state)

@@ -4,6 +4,9 @@
 - :mod:`~dedloc_jax.round.plan`: whom a peer expects, whom its lineage leaves out, which group
   it is in (pure; :mod:`~dedloc_jax.round.grouping`: the consistent hashing behind it);
 - :mod:`~dedloc_jax.round.wire`: what matchmaking peers send each other (pure);
+- :mod:`~dedloc_jax.round.context`: what a round needs from its peer, passed in at
+  construction;
+- :mod:`~dedloc_jax.round.slots`: one record per slot (epoch, level), pruned in one place;
 - :mod:`~dedloc_jax.round.registration`: registering for a slot and reading the others;
 - :mod:`~dedloc_jax.round.matchmaking`: forming one group per slot, as follower or leader
   (:mod:`~dedloc_jax.round.leading`: the leader's side);
@@ -13,9 +16,11 @@ Re-exported here: the names other modules use.
 """
 
 from dedloc_jax.round.across import AcrossGroups, averaged_weight, broadcast, representative
+from dedloc_jax.round.context import RoundContext
 from dedloc_jax.round.deadlines import Deadlines, averaging_timeout, matchmaking_window
 from dedloc_jax.round.matchmaking import Matchmaker
 from dedloc_jax.round.plan import expected_peers
+from dedloc_jax.round.slots import Slots
 from dedloc_jax.round.wire import MAX_STATE_BYTES, group_key, member_for
 
 __all__ = [
@@ -23,6 +28,8 @@ __all__ = [
     "AcrossGroups",
     "Deadlines",
     "Matchmaker",
+    "RoundContext",
+    "Slots",
     "averaged_weight",
     "averaging_timeout",
     "broadcast",

@@ -27,7 +27,7 @@ its members learn that the mean is *partial* and check the fork before training 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -35,6 +35,7 @@ import trio
 
 from dedloc_jax.averaging import AllReduceError, AllReduceResult, GroupError, all_reduce
 from dedloc_jax.averaging.group import GroupSpec
+from dedloc_jax.round.slots import Slots
 from p2p.errors import P2PError
 from p2p.identity import PeerID
 from p2p.rpc import CallContext
@@ -43,7 +44,6 @@ log = logging.getLogger(__name__)
 
 CROSS = "collab.cross"
 """Asked by a group member of its representative: did the round across groups work?"""
-_KEEP = 4  # epochs whose outcome a representative remembers
 
 
 def representative(spec: GroupSpec) -> str | None:
@@ -69,41 +69,44 @@ def broadcast_round(spec: GroupSpec) -> bytes:
 
 
 class AcrossGroups:
-    """One peer's side of the level-1 round: as a representative, it remembers whether the
-    round across groups produced a mean for its group; as a member, it asks its representative.
-    """
+    """One peer's side of the level-1 round: as a representative, it records in the slot's
+    record whether the round across groups produced a mean for its group; as a member, it asks
+    its representative. ``slots`` are shared with the peer's matchmaker; ``admit``: as
+    :attr:`~dedloc_jax.round.context.RoundContext.admit`."""
 
-    def __init__(self, node: Any) -> None:
+    def __init__(
+        self,
+        node: Any,
+        slots: Slots,
+        *,
+        admit: Callable[[PeerID, str | None], Awaitable[None]] | None = None,
+    ) -> None:
         self.node = node
-        self._done: dict[int, trio.Event] = {}
-        self._ok: dict[int, bool] = {}
-        self._whole: dict[int, bool] = {}
-        self.admit: Any = None  # as Matchmaker.admit (private runs)
-        self.wait_limit = 60.0  # seconds a member's question may wait; set per epoch
+        self.slots = slots
+        self.admit = admit
+        self._wait = 60.0  # how long a member's question may wait: the last round's (begin)
 
     def register(self) -> None:
         self.node.add_handler(CROSS, self._handle)
 
-    def _event(self, epoch: int) -> trio.Event:
-        if epoch not in self._done:
-            self._done[epoch] = trio.Event()
-            for old in [e for e in self._done if e < epoch - _KEEP]:
-                del self._done[old]
-                self._ok.pop(old, None)
-                self._whole.pop(old, None)
-        return self._done[epoch]
+    def begin(self, wait: float) -> None:
+        """This peer's part in a round across groups begins: a member's question waits up to
+        ``wait`` seconds for the outcome (that round's matchmaking and two all-reduces)."""
+        self._wait = wait
 
     def settle(self, epoch: int, ok: bool, whole: bool = True) -> None:
         """As representative: whether this epoch's group mean was averaged across groups, and
         whether with every group's representative (``whole``; else the mean is partial)."""
-        self._ok[epoch] = ok
-        self._whole[epoch] = ok and whole
-        self._event(epoch).set()
+        record = self.slots[(epoch, 1)]
+        record.ok = ok
+        record.whole = ok and whole
+        record.settled.set()
 
     def close(self, epoch: int) -> None:
         """This peer is done with ``epoch``: a member still asking hears no (e.g. our first
         round failed, so we never represented the group)."""
-        if epoch not in self._ok:
+        record = self.slots.get((epoch, 1))
+        if record is None or record.ok is None:
             self.settle(epoch, False)
 
     async def _handle(self, ctx: CallContext, request: Any) -> Any:
@@ -112,9 +115,12 @@ class AcrossGroups:
         if self.admit is not None:
             await self.admit(ctx.remote_peer, None)
         epoch = request["epoch"]
-        with trio.move_on_after(self.wait_limit):
-            await self._event(epoch).wait()
-        return {"ok": self._ok.get(epoch, False), "whole": self._whole.get(epoch, False)}
+        with trio.move_on_after(self._wait):
+            await self.slots[(epoch, 1)].settled.wait()
+        record = self.slots.get((epoch, 1))  # (pruned meanwhile: no outcome to tell)
+        if record is None or not record.ok:
+            return {"ok": False, "whole": False}
+        return {"ok": True, "whole": record.whole}
 
     async def ask(self, rep: str, epoch: int, timeout: float) -> tuple[bool, bool]:
         """As member: whether ``rep`` holds a mean across groups (False if unreachable), and

@@ -27,25 +27,28 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Awaitable, Callable
 from typing import Any
 
 import trio
 
 from dedloc_jax.averaging.errors import GroupError
 from dedloc_jax.averaging.group import GroupSpec, Member
+from dedloc_jax.round.context import RoundContext
 from dedloc_jax.round.deadlines import Deadlines
 from dedloc_jax.round.grouping import group_seed
-from dedloc_jax.round.leading import LeaderRound, Leading
+from dedloc_jax.round.leading import answer_join, lead
 from dedloc_jax.round.plan import plan_groups
 from dedloc_jax.round.plan import representatives as plan_representatives
 from dedloc_jax.round.registration import drop_gone, read_registrations
+from dedloc_jax.round.slots import LeaderRound, Slots
 from dedloc_jax.round.wire import (
     JOIN,
     LEADER,
     Slot,
     group_key,
+    state_from_wire,
 )
+from dedloc_jax.round.wire import member_from_wire as _member_from_wire
 from dedloc_jax.round.wire import member_to_wire as _member_to_wire
 from dedloc_jax.round.wire import slot_of as _slot_of
 from p2p.dht import DHT, InvalidRecordError, KeyFollower, follower_replicas
@@ -70,80 +73,72 @@ class _LeaderGone(Exception):
     """The leader could not be reached or dropped the connection (not a refusal)."""
 
 
-class Matchmaker(Leading):
-    """Forms averaging groups for one peer; registers the ``collab.join`` handler."""
+class Matchmaker:
+    """Forms averaging groups for one peer; registers the ``collab.join`` handler.
 
-    def __init__(self, node: Any, dht: DHT, run_id: str, *, max_group_size: int) -> None:
+    ``context``: what the round reads from its peer (default: a peer that knows nothing);
+    ``slots``: the peer's slot records, shared with its :class:`~dedloc_jax.round.across.
+    AcrossGroups`; ``deadlines``: the first round's (each round sets its own)."""
+
+    def __init__(
+        self,
+        node: Any,
+        dht: DHT,
+        run_id: str,
+        *,
+        max_group_size: int,
+        context: RoundContext = RoundContext(),
+        slots: Slots | None = None,
+        deadlines: Deadlines = Deadlines(window=1.0),
+    ) -> None:
         self.node = node
         self.dht = dht
         self.run_id = run_id
         self.max_group_size = max_group_size
         self.peer_id = str(node.peer_id)
-        self._rounds: dict[Slot, LeaderRound] = {}
-        self._round_opened: dict[Slot, trio.Event] = {}
-        self._chosen: dict[Slot, str | None] = {}  # the leader we went to (None: alone)
-        # What we registered per slot, told to a peer that asks whom we follow while we
-        # gather registrations: its read of the key may have missed ours.
-        self._registered: dict[Slot, Any] = {}
-        # epoch -> whether its level-0 groups left out peers that registered (the leader's view,
-        # sent with the spec): then the group's mean goes through a round across groups.
-        self._cross: dict[int, bool] = {}
-        # epoch -> the level-0 groups this peer computed and the registered peers' modes: who
-        # represents the other groups at level 1.
-        self._views: dict[int, tuple[list[list[str]], dict[str, str]]] = {}
+        self.context = context
+        self.slots = Slots() if slots is None else slots
         # The addresses last learned per peer: every poll of the registrations reads them all
         # again, so parse only what changed.
         self._learned: dict[str, tuple[str, ...]] = {}
-        # Updated by the collaboration from its predictions (the window, see timing.py).
-        self.deadlines = Deadlines(window=1.0)
-        # Private runs (dedloc_jax.access): raises ValueError unless the peer may take part.
-        self.admit: Callable[[PeerID, str | None], Awaitable[None]] | None = None
-        # Whether a peer has gone past an epoch (the tracker knows): a leader stops waiting
-        # for an expected member that already averaged that epoch without it.
-        self.moved_on: Callable[[str, int], bool] = lambda peer, epoch: False
-        # Whether the collaboration is past an epoch (the tracker's estimate is newer): a late
-        # peer that nobody waits for at its epoch then stops looking for a group at once.
-        self.epoch_over: Callable[[int], bool] = lambda epoch: False
-        # The digest of the state this peer steps from at an epoch (None: not known, e.g. not
-        # served yet): registrations and joins carry it, and peers on other states are left
-        # out of our group (see same_state).
-        self.state_of: Callable[[int], bytes | None] = lambda epoch: None
+        # The current round's, from the peer's predictions (see deadlines.py).
+        self.deadlines = deadlines
 
     def register(self) -> None:
         self.node.add_handler(JOIN, self._handle_join)
         self.node.add_handler(LEADER, self._handle_leader)
 
     def _choose(self, slot: Slot, leader: str | None) -> None:
-        self._chosen[slot] = leader
-        for old in [s for s in self._chosen if s[0] < slot[0] - 2]:
-            del self._chosen[old]
+        record = self.slots[slot]
+        record.decided, record.leader = True, leader
         if leader != self.peer_id:  # a join that waits for us is answered (redirected) now
-            self._opened(slot).set()
+            record.opened.set()
 
     def needs_cross(self, epoch: int) -> bool:
         """Whether this peer's level-0 group at ``epoch`` was one of several (its leader's
         view): the group's mean is then averaged across groups (:mod:`dedloc_jax.round.across`)."""
-        return self._cross.get(epoch, False)
+        record = self.slots.get((epoch, 0))
+        return record is not None and record.cross
 
     def decline(self, epoch: int) -> None:
         """This peer takes no part in ``epoch``'s round across groups (it does not represent
         a group, or its group needs none): a leader waiting for it stops at once."""
-        if (epoch, 1) not in self._chosen:
+        record = self.slots.get((epoch, 1))
+        if record is None or not record.decided:
             self._choose((epoch, 1), None)
 
     def representatives(self, epoch: int) -> set[str]:
         """Who represents the level-0 groups of ``epoch`` in this peer's view: each group's
         first member that sends a vector (aux peers hold none)."""
-        return plan_representatives(*self._views.get(epoch, ([], {})))
+        record = self.slots.get((epoch, 0))
+        view = record.view if record is not None else None
+        return plan_representatives(*(view or ([], {})))
 
     def _remember(self, epoch: int, cross: bool, view: Any = None) -> None:
-        self._cross[epoch] = cross
+        record = self.slots[(epoch, 0)]
+        record.cross = cross
         if view is not None:
-            self._views[epoch] = view
-        for old in [e for e in self._cross if e < epoch - 2]:
-            del self._cross[old]
-        for old in [e for e in self._views if e < epoch - 2]:
-            del self._views[old]
+            record.view = view
 
     async def _handle_leader(self, ctx: CallContext, request: Any) -> Any:
         """Whom this peer follows at an epoch: ``{"decided": False}`` while it is still
@@ -151,32 +146,24 @@ class Matchmaker(Leading):
         registration (``"member"``) once it registered, which the asker's read of the key
         may have missed."""
         slot = _slot_of(request)
-        if self.admit is not None:
-            await self.admit(ctx.remote_peer, None)
-        answer: dict[str, Any] = {"decided": slot in self._chosen}
-        if slot in self._chosen:
-            answer["leader"] = self._chosen[slot]
-        if slot in self._registered:  # the asker's read of the registrations may miss ours
-            answer["member"] = self._registered[slot]
-            state = self.state_of(slot[0])  # ours stays until we step, after this round
+        if self.context.admit is not None:
+            await self.context.admit(ctx.remote_peer, None)
+        record = self.slots.get(slot)
+        if record is None:
+            return {"decided": False}
+        answer: dict[str, Any] = {"decided": record.decided}
+        if record.decided:
+            answer["leader"] = record.leader
+        if record.registered is not None:  # the asker's read of the key may miss ours
+            answer["member"] = record.registered
+            state = self.context.state_of(slot[0])  # ours stays until we step, after this round
             if state is not None:
                 answer["state"] = state
         return answer
 
-    def _opened(self, slot: Slot) -> trio.Event:
-        if slot not in self._round_opened:
-            self._round_opened[slot] = trio.Event()
-            for old in [s for s in self._round_opened if s[0] < slot[0] - 2]:
-                del self._round_opened[old]
-        return self._round_opened[slot]
-
     @property
     def window(self) -> float:
         return self.deadlines.window
-
-    @window.setter
-    def window(self, seconds: float) -> None:
-        self.deadlines = Deadlines(window=seconds)
 
     @property
     def max_wait(self) -> float:
@@ -222,7 +209,7 @@ class Matchmaker(Leading):
             return await self._form_group((epoch, level), me, target=target, expected=expected)
         finally:
             # This peer's part in the epoch is over: a late join is answered at once.
-            self._opened((epoch, level)).set()
+            self.slots[(epoch, level)].opened.set()
 
     async def _form_group(
         self, slot: Slot, me: Member, *, target: float, expected: set[str] | frozenset[str]
@@ -236,16 +223,15 @@ class Matchmaker(Leading):
             self._remember(epoch, False)
         if self._too_late(slot, set(expected) - {self.peer_id}):
             return None
-        self._registered[slot] = _member_to_wire(me)
+        record = self.slots[slot]
+        record.registered = _member_to_wire(me)
         registration: dict[str, Any] = {
-            "member": self._registered[slot],
+            "member": record.registered,
             "addrs": [str(a) for a in self.node.addrs],
         }
-        my_state = self.state_of(epoch)
+        my_state = self.context.state_of(epoch)
         if my_state is not None:
             registration["state"] = my_state
-        for old in [s for s in self._registered if s[0] < epoch - 2]:
-            del self._registered[old]
         try:
             await self.dht.store(
                 key,
@@ -391,7 +377,8 @@ class Matchmaker(Leading):
         instead of waiting out the windows, which made a late peer late for the next epoch
         too."""
         epoch = slot[0]
-        if not self.epoch_over(epoch) or any(not self.moved_on(p, epoch) for p in expected):
+        context = self.context
+        if not context.epoch_over(epoch) or any(not context.moved_on(p, epoch) for p in expected):
             return False
         log.info("epoch %d: the others moved past it; averaging alone", epoch)
         self._choose(slot, None)
@@ -451,7 +438,7 @@ class Matchmaker(Leading):
             "member": _member_to_wire(me),
             "addrs": [str(a) for a in self.node.addrs],
         }
-        state = self.state_of(epoch)
+        state = self.context.state_of(epoch)
         if state is not None:
             request["state"] = state
         try:
@@ -500,10 +487,10 @@ class Matchmaker(Leading):
                     self._learn_addrs(peer, {"addrs": listed})
         if level == 0:
             self._remember(epoch, answer.get("cross") is True)
-        if self.admit is not None:
+        if self.context.admit is not None:
             try:
                 for m in spec.members:
-                    await self.admit(PeerID.from_base58(m.peer_id), m.mode)
+                    await self.context.admit(PeerID.from_base58(m.peer_id), m.mode)
             except (ValueError, P2PError) as e:
                 log.warning("leader %s formed a group with an uninvited peer: %s", leader, e)
                 return None
@@ -534,3 +521,61 @@ class Matchmaker(Leading):
     def _group_id(self, slot: Slot) -> bytes:
         epoch, level = slot
         return f"{self.run_id}:{epoch}:{'x:' if level else ''}{self.peer_id}".encode()
+
+    async def _handle_join(self, ctx: CallContext, request: Any) -> Any:
+        """A follower's join of a group we may lead (see :func:`~dedloc_jax.round.leading.
+        answer_join`)."""
+        slot = _slot_of(request)
+        peer = str(ctx.remote_peer)
+        member = _member_from_wire(peer, request.get("member"))
+        state = state_from_wire(request.get("state"))
+        if self.context.admit is not None:
+            await self.context.admit(ctx.remote_peer, member.mode)
+        addrs = request.get("addrs", [])
+        known: list[str] = []
+        if isinstance(addrs, list):
+            try:
+                parsed = [Multiaddr.parse(a) for a in addrs[:8] if isinstance(a, str)]
+                self.node.peerstore.add_addrs(ctx.remote_peer, parsed)
+                known = [str(a) for a in parsed]
+            except P2PError as e:
+                log.info("ignoring bad addresses from %s: %s", peer, e)
+        return await answer_join(
+            self.slots,
+            slot,
+            peer,
+            member,
+            state,
+            known,
+            me=self.peer_id,
+            wait=lambda: self.max_wait + 2 * self.window,
+            learned=self._learned,
+        )
+
+    async def _lead(
+        self, slot: Slot, me: Member, window: float, cap: int, *, expected: set[str]
+    ) -> GroupSpec | None:
+        """Lead ``slot``'s group: accept joins for one window, and longer (up to
+        :attr:`member_wait`; level 1: :attr:`max_wait`, as the other groups' means come when
+        their rounds end) while an expected member has not joined yet."""
+        epoch, level = slot
+        rnd = LeaderRound(
+            slot,
+            me,
+            cap,
+            expected=expected,
+            cross=self.needs_cross(epoch) if level == 0 else False,
+            state=self.context.state_of(epoch),
+        )
+        record = self.slots[slot]
+        record.leading = rnd
+        record.opened.set()
+        return await lead(
+            rnd,
+            window=window,
+            wait=self.member_wait if level == 0 else self.max_wait,
+            me=self.peer_id,
+            moved_on=self.context.moved_on,
+            ask=functools.partial(self._ask_leader, slot),
+            group_id=self._group_id(slot),
+        )

@@ -40,7 +40,16 @@ def state_key(run_id: str) -> str:
 class StateServer:
     """Serves this peer's latest state snapshots to others."""
 
-    def __init__(self, node: Any, dht: DHT, run_id: str, *, chunk_bytes: int, ttl: float) -> None:
+    def __init__(
+        self,
+        node: Any,
+        dht: DHT,
+        run_id: str,
+        *,
+        chunk_bytes: int,
+        ttl: float,
+        admit: Callable[[PeerID], Awaitable[None]] | None = None,
+    ) -> None:
         self.node = node
         self.dht = dht
         self.run_id = run_id
@@ -55,7 +64,7 @@ class StateServer:
         self.announced_at = -float("inf")  # trio time of the last announcement that went out
         self.chunks_served = 0
         # Private runs (dedloc_jax.access): raises ValueError unless the peer may take part.
-        self.admit: Callable[[PeerID], Awaitable[None]] | None = None
+        self.admit = admit
 
     def register(self) -> None:
         self.node.add_handler(MANIFEST, self._handle_manifest)

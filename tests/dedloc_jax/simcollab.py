@@ -39,16 +39,30 @@ async def open_sim_dhts(
 
 
 def matchmakers(
-    peers: Sequence[tuple[Node, DHT]], *, max_group_size: int, window: float = 1.0
+    peers: Sequence[tuple[Node, DHT]],
+    *,
+    max_group_size: int,
+    window: float = 1.0,
+    contexts: Sequence[Any] | None = None,
 ) -> list[Any]:
-    """A registered :class:`Matchmaker` with a fixed window for each of ``peers``."""
+    """A registered :class:`Matchmaker` with a fixed window for each of ``peers``, each with
+    its ``contexts`` entry (a :class:`RoundContext`; default: a peer that knows nothing)."""
+    from dedloc_jax.round.context import RoundContext
+    from dedloc_jax.round.deadlines import Deadlines
     from dedloc_jax.round.matchmaking import Matchmaker
 
     makers = []
-    for node, dht in peers:
-        mm = Matchmaker(node, dht, "run", max_group_size=max_group_size)
+    for i, (node, dht) in enumerate(peers):
+        context = contexts[i] if contexts is not None else RoundContext()
+        mm = Matchmaker(
+            node,
+            dht,
+            "run",
+            max_group_size=max_group_size,
+            context=context,
+            deadlines=Deadlines(window=window),
+        )
         mm.register()
-        mm.window = window
         makers.append(mm)
     return makers
 

@@ -4,6 +4,7 @@ import pytest
 import trio
 
 from dedloc_jax.config import CollaborationConfig
+from dedloc_jax.round.context import RoundContext
 from dedloc_jax.round.wire import member_for
 from p2p.testing import SimNetwork, run_sim
 from tests.dedloc_jax.simcollab import matchmakers, open_sim_dhts
@@ -75,9 +76,11 @@ def test_peers_that_step_from_other_states_average_apart() -> None:
     async def main() -> list:
         net = SimNetwork(seed=3)
         async with open_sim_dhts(net, len(states), latency=0.01) as peers:
-            makers = matchmakers(peers, max_group_size=8)
-            for mm, state in zip(makers, states, strict=True):
-                mm.state_of = lambda epoch, state=state: state if epoch == 3 else None
+            contexts = [
+                RoundContext(state_of=lambda epoch, state=state: state if epoch == 3 else None)
+                for state in states
+            ]
+            makers = matchmakers(peers, max_group_size=8, contexts=contexts)
             specs: list = [None] * len(states)
 
             async def one(i: int) -> None:
@@ -121,11 +124,8 @@ def test_a_leader_refuses_a_member_that_steps_from_another_state() -> None:
             nursery.start_soon(one, 1)
             nursery.start_soon(one, 2)
 
-    def setup(makers, ids) -> None:
-        for i, mm in enumerate(makers):
-            mm.state_of = lambda epoch, i=i: state[i]
-
-    out = _two_at_once(3, 7, setup, lead, follow)
+    contexts = [RoundContext(state_of=lambda epoch, i=i: state[i]) for i in range(3)]
+    out = _two_at_once(3, 7, lambda makers, ids: None, lead, follow, contexts=contexts)
     assert out[1] is None  # refused: another state
     assert out[2] is not None and out[2] == out["leader"]
     assert {m.peer_id for m in out[2].members} == {out["ids"][0], out["ids"][2]}
@@ -145,12 +145,20 @@ def _late_peer(leader_is_late: bool) -> tuple[float, float, object]:
         net = SimNetwork(seed=5)
         async with open_sim_dhts(net, 2, latency=0.01) as peers:
             ids = [str(node.peer_id) for node, _ in peers]
-            makers = dict(zip(ids, matchmakers(peers, max_group_size=8), strict=True))
-            first, second = sorted(makers)
+            first, second = sorted(ids)
             a, b = (second, first) if leader_is_late else (first, second)
+            seen: set[str] = set()  # the peers B's tracker saw at the next epoch
+            contexts = [
+                RoundContext(moved_on=lambda peer, epoch: peer in seen and epoch < 4)
+                if pid == b
+                else RoundContext()
+                for pid in ids
+            ]
+            makers = dict(
+                zip(ids, matchmakers(peers, max_group_size=8, contexts=contexts), strict=True)
+            )
             assert await makers[a].form_group(3, member_for(a, "node", 1e6, 1e6, 8.0)) is None
-            # B's tracker has seen A's record for the next epoch.
-            makers[b].moved_on = lambda peer, epoch: peer == a and epoch < 4
+            seen.add(a)  # B's tracker has seen A's record for the next epoch.
             start = trio.current_time()
             spec = await makers[b].form_group(3, member_for(b, "node", 1e6, 1e6, 8.0), expected={a})
             return trio.current_time() - start, makers[b].max_wait, spec
@@ -293,9 +301,9 @@ def test_a_peer_the_collaboration_left_behind_stops_looking_for_a_group_at_once(
         net = SimNetwork(seed=6)
         async with open_sim_dhts(net, 2, latency=0.01) as peers:
             ids = [str(node.peer_id) for node, _ in peers]
-            makers = matchmakers(peers, max_group_size=8)
+            contexts = [RoundContext(epoch_over=lambda epoch: epoch < 4), RoundContext()]
+            makers = matchmakers(peers, max_group_size=8, contexts=contexts)
             late = makers[0]
-            late.epoch_over = lambda epoch: epoch < 4
             me = member_for(ids[0], "node", 1e6, 1e6, 8.0)
             start = trio.current_time()
             assert await late.form_group(3, me, target=64.0) is None
@@ -310,14 +318,15 @@ def test_a_peer_the_collaboration_left_behind_stops_looking_for_a_group_at_once(
     assert waiting >= 2 * window  # the expected peer's two windows
 
 
-def _two_at_once(n: int, seed: int, setup, first, second) -> dict:
-    """``n`` matchmakers that know each other's addresses: ``setup(makers, ids)``, then
+def _two_at_once(n: int, seed: int, setup, first, second, *, contexts=None) -> dict:
+    """``n`` matchmakers that know each other's addresses (with ``contexts``, see
+    :func:`matchmakers`): ``setup(makers, ids)``, then
     ``first`` and ``second`` (each ``async (makers, ids, out)``) run side by side."""
 
     async def main() -> dict:
         net = SimNetwork(seed=seed)
         async with open_sim_dhts(net, n, latency=0.01) as peers:
-            makers = matchmakers(peers, max_group_size=8)
+            makers = matchmakers(peers, max_group_size=8, contexts=contexts)
             ids = [str(node.peer_id) for node, _ in peers]
             for node, _ in peers:  # as after reading each other's registrations
                 for other, _ in peers:

@@ -1,0 +1,40 @@
+"""What a round needs from the peer it runs for, passed in at construction: the round reads
+the peer's progress table and state through it and never holds the peer itself."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+from p2p.identity import PeerID
+
+
+def _never_moved_on(peer: str, epoch: int) -> bool:
+    return False
+
+
+def _never_over(epoch: int) -> bool:
+    return False
+
+
+def _no_state(epoch: int) -> bytes | None:
+    return None
+
+
+@dataclass(frozen=True)
+class RoundContext:
+    """The peer's side of its rounds; the defaults are a peer that knows nothing (an open run
+    with no progress table, as in the matchmaking tests)."""
+
+    moved_on: Callable[[str, int], bool] = _never_moved_on
+    """Whether a peer has gone past an epoch (the tracker knows): a leader stops waiting for
+    an expected member that already averaged that epoch without it."""
+    epoch_over: Callable[[int], bool] = _never_over
+    """Whether the collaboration is past an epoch: a late peer that nobody waits for at its
+    epoch then stops looking for a group at once."""
+    state_of: Callable[[int], bytes | None] = _no_state
+    """The digest of the state this peer steps from at an epoch (None: not known, e.g. not
+    served yet): registrations and joins carry it, and peers on other states group apart."""
+    admit: Callable[[PeerID, str | None], Awaitable[None]] | None = None
+    """Private runs (:mod:`dedloc_jax.access`): raises unless the caller (in that mode) may
+    take part; None in an open run."""
