@@ -22,13 +22,10 @@ import trio
 
 from dedloc_jax.access import PrivateRun
 from dedloc_jax.averaging import (
-    AllReduceConfig,
-    AllReduceError,
     BandwidthMeter,
-    GroupError,
     GroupSpec,
     LinkFigures,
-    all_reduce,
+    Member,
     install,
     install_probe,
     measure_links,
@@ -38,7 +35,8 @@ from dedloc_jax.config import CollaborationConfig
 from dedloc_jax.history import RoundOutcome
 from dedloc_jax.host import AveragingOutcome
 from dedloc_jax.progress import CollaborationEstimate, estimate_collaboration, refresh_delay
-from dedloc_jax.round.across import AcrossGroups, averaged_weight, broadcast, representative
+from dedloc_jax.round.across import AcrossGroups
+from dedloc_jax.round.average import Rounds, average_round
 from dedloc_jax.round.context import RoundContext
 from dedloc_jax.round.deadlines import Deadlines, matchmaking_window
 from dedloc_jax.round.matchmaking import Matchmaker
@@ -99,15 +97,6 @@ class ProgressSnapshot:
         return samples + others >= self.target
 
 
-def _only_averaging(group: BaseExceptionGroup) -> BaseExceptionGroup:
-    """The averaging failures a round's nursery wrapped in a group (e.g. a share lost even
-    after repair); anything else in the group is re-raised."""
-    failed, rest = group.split((AllReduceError, GroupError))
-    if rest is not None or failed is None:
-        raise group
-    return failed
-
-
 class CollaborationPeer:
     """The trio side of a collaboration; use :func:`open_collaboration`."""
 
@@ -153,6 +142,16 @@ class CollaborationPeer:
         self.across = AcrossGroups(node, slots, admit=admit)
         self.meter = BandwidthMeter(
             upload_override=config.upload_bps, download_override=config.download_bps
+        )
+        self.rounds = Rounds(
+            node,
+            self.matchmaker,
+            self.across,
+            self.meter,
+            member=self._member,
+            dht_latency=lambda: self.tracker.dht_latency,
+            averaging_timeout=config.averaging_timeout,
+            robust_tau=config.robust_tau,
         )
         self.epoch = 0
         self.history: list[RoundOutcome] = []  # one entry per averaging step
@@ -396,70 +395,32 @@ class CollaborationPeer:
     async def _average(
         self, epoch: int, arrays: Sequence[np.ndarray], samples: int, codec: str | None
     ) -> AveragingOutcome:
-        codec = codec or self.config.codec
         est = self.tracker.current_estimate()
         self.matchmaker.deadlines = Deadlines(window=self._window(est))
         await self.tracker.freeze()  # others must not extrapolate our samples any further
-        up, down = self._bandwidth()
-        me = member_for(str(self.node.peer_id), self.mode, up, down, float(samples))
+        me = self.rounds.member(float(samples))
         started = trio.current_time()
-        # Registration closes as soon as every peer the tracker sees at this epoch is in.
-        spec = await self.matchmaker.form_group(
-            epoch, me, target=self._target_or_zero(), expected=self._peers_at(epoch)
+
+        def mates(spec: GroupSpec) -> None:
+            """The next epoch's round expects the peers we averaged with (expected_peers)."""
+            self.tracker.expect_mates(epoch + 1, (m.peer_id for m in spec.members))
+
+        got = await average_round(
+            self.rounds,
+            epoch,
+            me,
+            arrays,
+            codec=codec or self.config.codec,
+            target=self._target_or_zero(),
+            expected=self._peers_at(epoch),
+            on_averaged=mates,
         )
-        group_size = 1
-        complete = False
-        reason = "no group formed in time (nobody else registered for this epoch)"
-        result = [np.asarray(a) for a in arrays]
-        if spec is not None:
-            try:
-                timeout = self._timeout(spec, arrays)
-                log.info(
-                    "epoch %d: group of %d after %.1f s, LP bound %.1f s, timeout %.1f s",
-                    epoch,
-                    len(spec.members),
-                    trio.current_time() - started,
-                    spec.lower_bound(sum(int(np.asarray(a).size) * 4 for a in arrays)),
-                    timeout,
-                )
-                averaged = await all_reduce(
-                    self.node,
-                    spec,
-                    list(arrays),
-                    float(samples),
-                    codec=codec,
-                    timeout=timeout,
-                    meter=self.meter,
-                    config=self._round_config(),
-                )
-                result = [np.asarray(a) for a in averaged.average]
-                group_size = len(spec.members)
-                complete = True
-                self.tracker.expect_mates(epoch + 1, (m.peer_id for m in spec.members))
-            except (AllReduceError, GroupError) as e:
-                reason = f"the all-reduce failed: {e}"
-            except BaseExceptionGroup as group:
-                reason = f"the all-reduce failed: {_only_averaging(group)}"
-            else:
-                if self.matchmaker.needs_cross(epoch):
-                    result, _, complete = await self._across(
-                        epoch, spec, result, averaged_weight(spec, averaged), codec
-                    )
-                    reason = "the round across groups missed some of them"
-                elif self._stepped_without(spec, epoch):
-                    # Peers outside our leader's one group already moved past this epoch:
-                    # they averaged apart (we came late), so ours is not the epoch's mean.
-                    complete = False
-                    reason = "others stepped without our group"
-        elif self.matchmaker.needs_cross(epoch):  # alone among several groups: a group of one
-            result, group_size, complete = await self._across(
-                epoch, None, result, float(samples), codec
-            )
-            reason = "alone in our group, and the round across groups failed"
-        if complete and group_size > 1:
-            reason = ""
-        elif complete:
-            reason = "averaged with no other peer"
+        complete, reason = got.complete, got.reason
+        in_group = got.group is not None and not got.across
+        if in_group and complete and self._stepped_without(got.group, epoch):
+            # Peers outside our leader's one group already moved past this epoch: they
+            # averaged apart (we came late), so ours is not the epoch's mean.
+            complete, reason = False, "others stepped without our group"
         if reason:
             # A run of one peer steps alone by design: that is no news.
             level = logging.WARNING if self.others_train() else logging.INFO
@@ -467,12 +428,11 @@ class CollaborationPeer:
                 level,
                 "epoch %d: stepped without the whole collaboration (group of %d): %s",
                 epoch,
-                group_size,
+                got.group_size,
                 reason,
             )
-        self.matchmaker.decline(epoch)  # no-ops if it took part in the round across groups
-        self.across.close(epoch)
-        if group_size == 1 and self.config.on_no_group == "skip":
+        result = got.average
+        if got.group_size == 1 and self.config.on_no_group == "skip":
             result = [np.zeros_like(np.asarray(a)) for a in arrays]
         self.epoch = epoch + 1
         # A peer that serves its state serves the new one next (share_state): one record.
@@ -480,7 +440,7 @@ class CollaborationPeer:
         self.history.append(
             RoundOutcome(
                 epoch=epoch,
-                group_size=group_size,
+                group_size=got.group_size,
                 complete=complete,
                 seconds=trio.current_time() - started,
                 collab_samples=est.samples,
@@ -488,104 +448,7 @@ class CollaborationPeer:
                 mode=me.mode,
             )
         )
-        return AveragingOutcome(result, self.epoch, group_size, complete)
-
-    async def _across(
-        self,
-        epoch: int,
-        spec: GroupSpec | None,
-        mean: list[np.ndarray],
-        weight: float,
-        codec: str | None = None,
-    ) -> tuple[list[np.ndarray], int, bool]:
-        """The mean across this epoch's groups (see :mod:`dedloc_jax.round.across`), the size of
-        the level-1 group (1 when this peer did not represent its group there) and whether
-        that is the whole epoch's mean; ``mean`` itself when it failed."""
-        me = str(self.node.peer_id)
-        rep = me if spec is None else representative(spec)
-        wait = self._cross_wait(spec, mean)
-        self.across.begin(wait)
-        size = 1
-        codec = codec or self.config.codec
-        if rep == me:
-            ok, whole, found = False, False, None
-            try:
-                found = await self._represent(epoch, mean, weight, codec)
-                ok = found is not None
-                if found is not None:
-                    mean, size, whole = found
-            finally:
-                self.across.settle(epoch, ok, whole)
-            if found is None:
-                return mean, 1, False
-            if spec is None:
-                return mean, size, whole
-        else:
-            self.matchmaker.decline(epoch)
-            ok, whole = (False, False) if rep is None else await self.across.ask(rep, epoch, wait)
-            if not ok:
-                return mean, 1, False
-        assert spec is not None
-        out = await broadcast(
-            self.node,
-            spec,
-            mean,
-            source=rep == me,
-            codec=codec,
-            timeout=self._timeout(spec, mean),
-        )
-        if out is None:  # the representative holds the mean across groups all the same
-            return mean, 1, rep == me and whole
-        return out, size, whole
-
-    async def _represent(
-        self, epoch: int, mean: list[np.ndarray], weight: float, codec: str
-    ) -> tuple[list[np.ndarray], int, bool] | None:
-        """As its group's representative, average ``mean`` (``weight`` samples) with the
-        other groups' representatives: the result, how many there were and whether every
-        representative our leader's partition named took part (else the mean is partial), or
-        None."""
-        up, down = self._bandwidth()
-        me = member_for(str(self.node.peer_id), self.mode, up, down, weight)
-        others = self.matchmaker.representatives(epoch) - {me.peer_id}
-        spec = await self.matchmaker.form_group(
-            epoch, me, target=self._target_or_zero(), expected=others, level=1
-        )
-        if spec is None:
-            return None
-        try:
-            averaged = await all_reduce(
-                self.node,
-                spec,
-                list(mean),
-                weight,
-                codec=codec,
-                timeout=self._timeout(spec, mean),
-                meter=self.meter,
-                config=self._round_config(),
-            )
-        except (AllReduceError, GroupError) as e:
-            log.warning("averaging across groups at epoch %d failed: %s", epoch, e)
-            return None
-        except BaseExceptionGroup as group:
-            failure = _only_averaging(group)
-            log.warning("averaging across groups at epoch %d failed: %s", epoch, failure)
-            return None
-        members = {m.peer_id for m in spec.members}
-        whole = others <= members
-        if not whole:
-            log.info(
-                "epoch %d: %d of the groups' representatives missed the round across groups",
-                epoch,
-                len(others - members),
-            )
-        return [np.asarray(a) for a in averaged.average], len(spec.members), whole
-
-    def _cross_wait(self, spec: GroupSpec | None, arrays: Sequence[np.ndarray]) -> float:
-        """How long a member waits for its representative's round across groups."""
-        if spec is None:
-            return self.matchmaker.deadlines.cross_wait
-        return self._deadlines(spec, arrays).cross_wait
+        return AveragingOutcome(result, self.epoch, got.group_size, complete)
 
     def _peers_at(self, epoch: int) -> set[str]:
         """Who should register for ``epoch``, from the progress table and our last group (see
@@ -623,60 +486,34 @@ class CollaborationPeer:
                 continue
             epoch = est.epoch
             self.matchmaker.deadlines = Deadlines(window=self._window(est))
-            up, down = self._bandwidth()
-            me = member_for(str(self.node.peer_id), "aux", up, down, 0.0)
-            spec = await self.matchmaker.form_group(
-                epoch, me, target=self._target_or_zero(), expected=self._peers_at(epoch)
+            me = self.rounds.member(0.0)  # (mode "aux")
+            got = await average_round(
+                self.rounds,
+                epoch,
+                me,
+                template,
+                codec=self.config.codec,
+                target=self._target_or_zero(),
+                expected=self._peers_at(epoch),
             )
-            if spec is not None:
-                try:
-                    await all_reduce(
-                        self.node,
-                        spec,
-                        template,
-                        0.0,
-                        codec=self.config.codec,
-                        timeout=self._timeout(spec, template),
-                        meter=self.meter,
-                        config=self._round_config(),
-                    )
-                    rounds += 1
-                    if self.matchmaker.needs_cross(epoch):  # reduce a share of the broadcast
-                        await self._across(epoch, spec, template, 0.0)
-                except (AllReduceError, GroupError) as e:
-                    log.warning("aux averaging at epoch %d failed: %s", epoch, e)
-                except BaseExceptionGroup as group:
-                    failure = _only_averaging(group)
-                    log.warning("aux averaging at epoch %d failed: %s", epoch, failure)
-            self.matchmaker.decline(epoch)
-            self.across.close(epoch)
+            if got.group is not None:
+                rounds += 1
+            elif got.error is not None:
+                log.warning("aux averaging at epoch %d failed: %s", epoch, got.error)
             self.epoch = epoch + 1
             self.tracker.set_epoch(self.epoch)
         return rounds
+
+    def _member(self, weight: float) -> Member:
+        """This peer's member entry now: its mode and measured links, bringing ``weight``."""
+        up, down = self._bandwidth()
+        return member_for(str(self.node.peer_id), self.mode, up, down, weight)
 
     def _window(self, est: CollaborationEstimate) -> float:
         """This round's matchmaking window: the configured one, else the predicted one."""
         return self.config.matchmaking_time or matchmaking_window(
             self.config.min_refresh, self.tracker.dht_latency, est.max_step_interval
         )
-
-    def _round_config(self) -> AllReduceConfig | None:
-        """The node's all-reduce settings with this run's robust aggregation, if any."""
-        if self.config.robust_tau is None:
-            return None
-        return install(self.node).config.replace(robust_tau=self.config.robust_tau)
-
-    def _deadlines(self, spec: Any, arrays: Sequence[np.ndarray]) -> Deadlines:
-        """This round's deadlines: the matchmaking window's and the group's LP bound's."""
-        nbytes = sum(int(np.asarray(a).size) * 4 for a in arrays)
-        return self.matchmaker.deadlines.for_group(
-            spec.lower_bound(nbytes),
-            self.tracker.dht_latency,
-            override=self.config.averaging_timeout,
-        )
-
-    def _timeout(self, spec: Any, arrays: Sequence[np.ndarray]) -> float:
-        return self._deadlines(spec, arrays).averaging
 
     # --- state ---------------------------------------------------------------------------
     async def share_state(self, arrays: Sequence[np.ndarray], epoch: int) -> None:

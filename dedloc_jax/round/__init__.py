@@ -10,12 +10,15 @@
 - :mod:`~dedloc_jax.round.registration`: registering for a slot and reading the others;
 - :mod:`~dedloc_jax.round.matchmaking`: forming one group per slot, as follower or leader
   (:mod:`~dedloc_jax.round.leading`: the leader's side);
-- :mod:`~dedloc_jax.round.across`: the second level, across capped groups.
+- :mod:`~dedloc_jax.round.across`: the second level, across capped groups;
+- :mod:`~dedloc_jax.round.average`: :func:`average_round`, one round as trainers and aux peers
+  run it, over all of the above.
 
 Re-exported here: the names other modules use.
 """
 
 from dedloc_jax.round.across import AcrossGroups, averaged_weight, broadcast, representative
+from dedloc_jax.round.average import RoundResult, Rounds, average_round
 from dedloc_jax.round.context import RoundContext
 from dedloc_jax.round.deadlines import Deadlines, averaging_timeout, matchmaking_window
 from dedloc_jax.round.matchmaking import Matchmaker
@@ -29,7 +32,10 @@ __all__ = [
     "Deadlines",
     "Matchmaker",
     "RoundContext",
+    "RoundResult",
+    "Rounds",
     "Slots",
+    "average_round",
     "averaged_weight",
     "averaging_timeout",
     "broadcast",

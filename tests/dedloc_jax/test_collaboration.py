@@ -249,18 +249,18 @@ def test_a_group_whose_round_across_groups_failed_knows_its_mean_is_incomplete(
     others' state); every other peer holds the mean across the other groups, and is told it
     is incomplete too: that mean lacks a group's samples (the fork check then finds the most
     peers hold it)."""
-    from dedloc_jax.peer import CollaborationPeer
+    from dedloc_jax.round import average
 
-    represent = CollaborationPeer._represent
+    represent = average.represent
     failed: list[str] = []
 
-    async def first_fails(self, epoch, mean, weight, codec):  # noqa: ANN001, ANN202
+    async def first_fails(rounds, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
         if not failed:
-            failed.append(str(self.node.peer_id))
+            failed.append(str(rounds.node.peer_id))
             return None
-        return await represent(self, epoch, mean, weight, codec)
+        return await represent(rounds, *args, **kwargs)
 
-    monkeypatch.setattr(CollaborationPeer, "_represent", first_fails)
+    monkeypatch.setattr(average, "represent", first_fails)
     rates = [4.0, 6.0, 8.0, 10.0, 12.0, 14.0, 16.0]
     rows = [log[0] for log in _run(rates, epochs=1, target=280, max_group_size=3)]
     assert len(failed) == 1
@@ -341,8 +341,8 @@ def test_a_lagging_peer_is_excluded_then_resyncs_from_the_others() -> None:
 def test_a_round_failing_inside_its_nursery_leaves_the_peer_stepping_alone(monkeypatch) -> None:
     """The butterfly's round reports a lost share wrapped in its nursery's ExceptionGroup
     (seen at 40 peers in bench.collaboration); the peer must step alone, not crash."""
-    from dedloc_jax import peer
     from dedloc_jax.averaging.errors import ShareLostError
+    from dedloc_jax.round import average
 
     calls = []
 
@@ -350,7 +350,7 @@ def test_a_round_failing_inside_its_nursery_leaves_the_peer_stepping_alone(monke
         calls.append(args[1])  # the group spec: the two peers did form a group
         raise ExceptionGroup("round", [ShareLostError("share 1 lost", shares=(1,))])
 
-    monkeypatch.setattr(peer, "all_reduce", failing_all_reduce)
+    monkeypatch.setattr(average, "all_reduce", failing_all_reduce)
     config = CollaborationConfig.local_demo(16)
 
     async def main() -> list:

@@ -1,4 +1,5 @@
-"""The round across capped groups when a representative dies before it (dedloc_jax.round.across)."""
+"""The round across capped groups when a representative dies before it (dedloc_jax.round.across,
+dedloc_jax.round.average)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import numpy as np
 import trio
 
 from dedloc_jax.config import CollaborationConfig
-from dedloc_jax.peer import CollaborationPeer
+from dedloc_jax.round import average
 from p2p.testing import SimNetwork, host_of, run_sim
 from tests.dedloc_jax.simcollab import open_sim_collaboration
 
@@ -20,17 +21,17 @@ def test_a_representative_that_dies_leaves_its_group_with_its_own_mean(monkeypat
     not hang; every other peer gets the mean of the remaining groups, and knows it is partial
     (not the epoch's mean: a group is missing), so that it checks the fork before training."""
     config = CollaborationConfig.local_demo(sum(SAMPLES)).replace(max_group_size=3)
-    represent = CollaborationPeer._represent
+    represent = average.represent
     died: list[str] = []
 
-    async def represent_or_die(self, epoch, mean, weight, codec):
+    async def represent_or_die(rounds, *args, **kwargs):
         if not died:
-            died.append(str(self.node.peer_id))
-            net.kill(host_of(net, self.node))
+            died.append(str(rounds.node.peer_id))
+            net.kill(host_of(net, rounds.node))
             return None
-        return await represent(self, epoch, mean, weight, codec)
+        return await represent(rounds, *args, **kwargs)
 
-    monkeypatch.setattr(CollaborationPeer, "_represent", represent_or_die)
+    monkeypatch.setattr(average, "represent", represent_or_die)
     net = SimNetwork(seed=3)
     sent = [np.random.default_rng(i).normal(size=500).astype(np.float32) for i in range(PEERS)]
     got: list[np.ndarray | None] = [None] * PEERS
