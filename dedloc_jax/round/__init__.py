@@ -9,7 +9,7 @@
 - :mod:`~dedloc_jax.round.slots`: one record per slot (epoch, level), pruned in one place;
 - :mod:`~dedloc_jax.round.registration`: registering for a slot and reading the others;
 - :mod:`~dedloc_jax.round.matchmaking`: forming one group per slot, as follower or leader
-  (:mod:`~dedloc_jax.round.leading`: the leader's side);
+  (:mod:`~dedloc_jax.round.following`, :mod:`~dedloc_jax.round.leading`: the two sides);
 - :mod:`~dedloc_jax.round.across`: the second level, across capped groups;
 - :mod:`~dedloc_jax.round.average`: :func:`average_round`, one round as trainers and aux peers
   run it, over all of the above.

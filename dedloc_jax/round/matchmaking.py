@@ -31,15 +31,15 @@ from typing import Any
 
 import trio
 
-from dedloc_jax.averaging.errors import GroupError
 from dedloc_jax.averaging.group import GroupSpec, Member
 from dedloc_jax.round.context import RoundContext
 from dedloc_jax.round.deadlines import Deadlines
+from dedloc_jax.round.following import Joining, LeaderGone, ask_leader, follow, leader_of
 from dedloc_jax.round.grouping import group_seed
 from dedloc_jax.round.leading import answer_join, lead
 from dedloc_jax.round.plan import plan_groups
 from dedloc_jax.round.plan import representatives as plan_representatives
-from dedloc_jax.round.registration import drop_gone, read_registrations
+from dedloc_jax.round.registration import drop_gone, read_registrations, register
 from dedloc_jax.round.slots import LeaderRound, Slots
 from dedloc_jax.round.wire import (
     JOIN,
@@ -51,9 +51,8 @@ from dedloc_jax.round.wire import (
 from dedloc_jax.round.wire import member_from_wire as _member_from_wire
 from dedloc_jax.round.wire import member_to_wire as _member_to_wire
 from dedloc_jax.round.wire import slot_of as _slot_of
-from p2p.dht import DHT, InvalidRecordError, KeyFollower, follower_replicas
-from p2p.dht.records import owner_marker
-from p2p.errors import ConnectionClosed, DialError, P2PError, RPCError, RPCTimeout
+from p2p.dht import DHT, KeyFollower
+from p2p.errors import P2PError
 from p2p.identity import PeerID
 from p2p.multiaddr import Multiaddr
 from p2p.rpc import CallContext
@@ -64,13 +63,7 @@ CROSS_CAP = 4096
 """Representatives in one level-1 group: all of them (n / max_group_size of an epoch's n peers)."""
 MAX_LEADER_FALLBACKS = 2
 """Members after a dead leader that its followers try as leader, in group order."""
-MAX_REDIRECTS = 2
-"""Hops a follower takes when the peer it took for leader follows another (views differ)."""
 _MAX_LEARNED = 4096  # peers whose last addresses we remember (then start over)
-
-
-class _LeaderGone(Exception):
-    """The leader could not be reached or dropped the connection (not a refusal)."""
 
 
 class Matchmaker:
@@ -232,16 +225,7 @@ class Matchmaker:
         my_state = self.context.state_of(epoch)
         if my_state is not None:
             registration["state"] = my_state
-        try:
-            await self.dht.store(
-                key,
-                registration,
-                self.dht.now() + deadlines.registration_ttl,
-                subkey=owner_marker(self.node.peer_id),
-                replicas=follower_replicas(self.dht.config),
-            )
-        except (P2PError, InvalidRecordError) as e:
-            log.warning("could not register for matchmaking: %s", e)
+        await register(self.dht, self.node.peer_id, key, registration, deadlines.registration_ttl)
         start = trio.current_time()
         give_up = start + deadlines.max_wait
         # Who the tracker saw at this epoch, before any is dropped: groups are sized for them.
@@ -365,8 +349,8 @@ class Matchmaker:
                     return await self._lead_or_join(slot, me, mine, window, cap, late=late)
                 return await self._lead(slot, me, window, cap, expected=set(mine[k + 1 :]) | late)
             try:
-                return await self._follow(slot, me, leader, window)
-            except _LeaderGone:
+                return await self._follow(slot, me, leader)
+            except LeaderGone:
                 continue
         self._choose(slot, None)
         return None
@@ -401,103 +385,39 @@ class Matchmaker:
         split the group in two (one round across groups needs one group of
         representatives)."""
         if len(mine) > 1:
-            other = await self._leader_of(slot, mine[1], window)
+            other = await leader_of(self.node, slot, mine[1], window)
             if other is not None and other != self.peer_id:
                 self._choose(slot, other)
                 try:
-                    return await self._follow(slot, me, other, window)
-                except _LeaderGone:
+                    return await self._follow(slot, me, other)
+                except LeaderGone:
                     self._choose(slot, None)
                     return None
         return await self._lead(slot, me, window, cap, expected=set(mine[1:]) | late)
 
     async def _ask_leader(self, slot: Slot, peer: str, timeout: float) -> Any:
         """``peer``'s answer to whom it follows at ``slot`` (raises P2PError)."""
-        request = {"epoch": slot[0], "level": slot[1]}
-        return await self.node.call(self._leader_addr(peer), LEADER, request, timeout=timeout)
+        return await ask_leader(self.node, slot, peer, timeout)
 
-    async def _leader_of(self, slot: Slot, peer: str, timeout: float) -> str | None:
-        """Whom ``peer`` follows at ``slot`` (None: undecided, alone, or unreachable)."""
-        try:
-            answer = await self._ask_leader(slot, peer, timeout)
-        except P2PError as e:
-            log.debug("%s did not say whom it follows at %s: %s", peer, slot, e)
-            return None
-        if not isinstance(answer, dict) or answer.get("decided") is not True:
-            return None
-        leader = answer.get("leader")
-        return leader if isinstance(leader, str) else None
-
-    async def _follow(
-        self, slot: Slot, me: Member, leader: str, window: float, *, hops: int = 0
-    ) -> GroupSpec | None:
+    async def _follow(self, slot: Slot, me: Member, leader: str) -> GroupSpec | None:
+        """Join ``leader``'s group (see :func:`~dedloc_jax.round.following.follow`)."""
         epoch, level = slot
-        request = {
-            "epoch": epoch,
-            "level": level,
-            "member": _member_to_wire(me),
-            "addrs": [str(a) for a in self.node.addrs],
-        }
-        state = self.context.state_of(epoch)
-        if state is not None:
-            request["state"] = state
-        try:
-            answer = await self.node.call(
-                self._leader_addr(leader),
-                JOIN,
-                request,
-                timeout=self.deadlines.join_timeout,
-            )
-        except P2PError as e:
-            log.info("leader %s of epoch %d did not take us: %s", leader, epoch, e)
-            gone = isinstance(e, DialError | ConnectionClosed) or (
-                isinstance(e, RPCError) and not e.remote and not isinstance(e, RPCTimeout)
-            )
-            if gone:
-                raise _LeaderGone(leader) from e
-            return None
-        if not isinstance(answer, dict) or not answer.get("ok"):
-            reason = answer.get("reason") if isinstance(answer, dict) else "malformed answer"
-            log.info("leader %s refused us at epoch %d: %s", leader, epoch, reason)
-            target = answer.get("redirect") if isinstance(answer, dict) else None
-            if hops < MAX_REDIRECTS and isinstance(target, str) and target != self.peer_id:
-                self._learn_addrs(target, {"addrs": answer.get("redirect_addrs")})
-                try:
-                    PeerID.from_base58(target)
-                except P2PError as e:
-                    log.info("leader %s redirected us to a bad peer ID: %s", leader, e)
-                    return None
-                self._choose(slot, target)
-                try:
-                    return await self._follow(slot, me, target, window, hops=hops + 1)
-                except _LeaderGone:
-                    return None
-            return None
-        try:
-            spec = GroupSpec.from_bytes(answer["spec"])
-            spec.index_of(self.peer_id)
-        except (GroupError, KeyError, TypeError) as e:
-            log.warning("leader %s sent a bad group spec: %s", leader, e)
-            return None
-        addrs = answer.get("addrs")
-        if isinstance(addrs, dict):
-            members = {m.peer_id for m in spec.members}
-            for peer, listed in list(addrs.items())[: len(members)]:
-                if peer in members and peer != self.peer_id:
-                    self._learn_addrs(peer, {"addrs": listed})
-        if level == 0:
-            self._remember(epoch, answer.get("cross") is True)
-        if self.context.admit is not None:
-            try:
-                for m in spec.members:
-                    await self.context.admit(PeerID.from_base58(m.peer_id), m.mode)
-            except (ValueError, P2PError) as e:
-                log.warning("leader %s formed a group with an uninvited peer: %s", leader, e)
-                return None
-        return spec
 
-    def _leader_addr(self, leader: str) -> PeerID:
-        return PeerID.from_base58(leader)
+        def cross(several: bool) -> None:
+            if level == 0:
+                self._remember(epoch, several)
+
+        joining = Joining(
+            self.node,
+            slot,
+            me,
+            self.context,
+            self.deadlines.join_timeout,
+            learn=self._learn_addrs,
+            choose=lambda target: self._choose(slot, target),
+            cross=cross,
+        )
+        return await follow(joining, leader)
 
     def _learn_addrs(self, peer: str, registration: Any) -> None:
         """Remember a registered peer's addresses, so that we can dial it if it leads."""

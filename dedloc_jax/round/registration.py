@@ -13,11 +13,30 @@ import trio
 from dedloc_jax.averaging.errors import GroupError
 from dedloc_jax.averaging.group import Member
 from dedloc_jax.round.wire import member_from_wire, state_from_wire
-from p2p.dht import KeyFollower
-from p2p.dht.records import owner_markers
+from p2p.dht import DHT, InvalidRecordError, KeyFollower, follower_replicas
+from p2p.dht.records import owner_marker, owner_markers
 from p2p.errors import P2PError
+from p2p.identity import PeerID
 
 log = logging.getLogger(__name__)
+
+
+async def register(
+    dht: DHT, peer: PeerID, key: str, registration: dict[str, Any], ttl: float
+) -> None:
+    """Store our ``registration`` under the slot's ``key`` (our signed subkey) for ``ttl``
+    seconds. A failed store is logged, not raised: peers that read the key miss us, and the
+    leaders' questions to expected peers still find us."""
+    try:
+        await dht.store(
+            key,
+            registration,
+            dht.now() + ttl,
+            subkey=owner_marker(peer),
+            replicas=follower_replicas(dht.config),
+        )
+    except (P2PError, InvalidRecordError) as e:
+        log.warning("could not register for matchmaking: %s", e)
 
 
 async def read_registrations(

@@ -118,7 +118,7 @@ def test_a_leader_refuses_a_member_that_steps_from_another_state() -> None:
 
         async def one(i: int) -> None:
             me = member_for(ids[i], "node", 1e6, 1e6, 8.0)
-            out[i] = await makers[i]._follow((5, 0), me, ids[0], 1.0)
+            out[i] = await makers[i]._follow((5, 0), me, ids[0])
 
         async with trio.open_nursery() as nursery:
             nursery.start_soon(one, 1)
@@ -275,7 +275,7 @@ def test_a_leader_stops_waiting_for_a_member_that_follows_someone_else() -> None
                 makers[2]._choose((6, 0), ids[0])
                 specs.append(
                     await makers[2]._follow(
-                        (6, 0), member_for(ids[2], "node", 1e6, 1e6, 8.0), ids[0], 1.0
+                        (6, 0), member_for(ids[2], "node", 1e6, 1e6, 8.0), ids[0]
                     )
                 )
 
@@ -353,7 +353,7 @@ def test_a_follower_sent_to_a_peer_that_follows_another_is_redirected_there() ->
     async def follow(makers, ids, out) -> None:
         await trio.sleep(0.1)
         me = member_for(ids[0], "node", 1e6, 1e6, 8.0)
-        out["follower"] = await makers[0]._follow((5, 0), me, ids[1], 1.0)
+        out["follower"] = await makers[0]._follow((5, 0), me, ids[1])
 
     def setup(makers, ids) -> None:
         makers[1]._choose((5, 0), ids[2])  # peer 1 follows peer 2

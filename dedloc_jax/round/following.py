@@ -1,0 +1,132 @@
+"""The follower's side of forming a group: join the leader the plan names, follow a redirect
+when the leader's view put us elsewhere, and check the spec it answers with."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from dedloc_jax.averaging.errors import GroupError
+from dedloc_jax.averaging.group import GroupSpec, Member
+from dedloc_jax.round.context import RoundContext
+from dedloc_jax.round.wire import JOIN, LEADER, Slot, member_to_wire
+from p2p.errors import ConnectionClosed, DialError, P2PError, RPCError, RPCTimeout
+from p2p.identity import PeerID
+
+log = logging.getLogger(__name__)
+
+MAX_REDIRECTS = 2
+"""Hops a follower takes when the peer it took for leader follows another (views differ)."""
+
+
+class LeaderGone(Exception):
+    """The leader could not be reached or dropped the connection (not a refusal): its
+    followers try the next member in group order."""
+
+
+def _gone(e: P2PError) -> bool:
+    """Whether a failed join means the leader is unreachable, rather than slow or refusing."""
+    return isinstance(e, DialError | ConnectionClosed) or (
+        isinstance(e, RPCError) and not e.remote and not isinstance(e, RPCTimeout)
+    )
+
+
+async def ask_leader(node: Any, slot: Slot, peer: str, timeout: float) -> Any:
+    """``peer``'s answer to whom it follows at ``slot`` (raises P2PError)."""
+    request = {"epoch": slot[0], "level": slot[1]}
+    return await node.call(PeerID.from_base58(peer), LEADER, request, timeout=timeout)
+
+
+async def leader_of(node: Any, slot: Slot, peer: str, timeout: float) -> str | None:
+    """Whom ``peer`` follows at ``slot`` (None: undecided, alone, or unreachable)."""
+    try:
+        answer = await ask_leader(node, slot, peer, timeout)
+    except P2PError as e:
+        log.debug("%s did not say whom it follows at %s: %s", peer, slot, e)
+        return None
+    if not isinstance(answer, dict) or answer.get("decided") is not True:
+        return None
+    leader = answer.get("leader")
+    return leader if isinstance(leader, str) else None
+
+
+@dataclass(frozen=True)
+class Joining:
+    """One follower's join of a slot's group: what it sends and what it tells its matchmaker."""
+
+    node: Any
+    slot: Slot
+    me: Member
+    context: RoundContext
+    timeout: float
+    """The join call's: the leader may hold the group up to its longest wait."""
+    learn: Callable[[str, Any], None]
+    """``learn(peer, {"addrs": [...]})``: remember a peer's addresses."""
+    choose: Callable[[str], None]
+    """This peer now follows that leader (a redirect): a join waiting on us is redirected."""
+    cross: Callable[[bool], None]
+    """The leader's word on whether its view held other groups (the mean then goes across
+    groups), told as soon as its spec checks out."""
+
+
+async def follow(j: Joining, leader: str, *, hops: int = 0) -> GroupSpec | None:
+    """Join ``leader``'s group: its spec, or None (refused, a bad spec, an uninvited member).
+    Raises :class:`LeaderGone` when ``leader`` cannot be reached."""
+    epoch, level = j.slot
+    peer_id = j.me.peer_id
+    request: dict[str, Any] = {
+        "epoch": epoch,
+        "level": level,
+        "member": member_to_wire(j.me),
+        "addrs": [str(a) for a in j.node.addrs],
+    }
+    state = j.context.state_of(epoch)
+    if state is not None:
+        request["state"] = state
+    try:
+        answer = await j.node.call(PeerID.from_base58(leader), JOIN, request, timeout=j.timeout)
+    except P2PError as e:
+        log.info("leader %s of epoch %d did not take us: %s", leader, epoch, e)
+        if _gone(e):
+            raise LeaderGone(leader) from e
+        return None
+    if not isinstance(answer, dict) or not answer.get("ok"):
+        reason = answer.get("reason") if isinstance(answer, dict) else "malformed answer"
+        log.info("leader %s refused us at epoch %d: %s", leader, epoch, reason)
+        target = answer.get("redirect") if isinstance(answer, dict) else None
+        if hops < MAX_REDIRECTS and isinstance(target, str) and target != peer_id:
+            j.learn(target, {"addrs": answer.get("redirect_addrs")})
+            try:
+                PeerID.from_base58(target)
+            except P2PError as e:
+                log.info("leader %s redirected us to a bad peer ID: %s", leader, e)
+                return None
+            j.choose(target)
+            try:
+                return await follow(j, target, hops=hops + 1)
+            except LeaderGone:
+                return None
+        return None
+    try:
+        spec = GroupSpec.from_bytes(answer["spec"])
+        spec.index_of(peer_id)
+    except (GroupError, KeyError, TypeError) as e:
+        log.warning("leader %s sent a bad group spec: %s", leader, e)
+        return None
+    addrs = answer.get("addrs")
+    if isinstance(addrs, dict):
+        members = {m.peer_id for m in spec.members}
+        for peer, listed in list(addrs.items())[: len(members)]:
+            if peer in members and peer != peer_id:
+                j.learn(peer, {"addrs": listed})
+    j.cross(answer.get("cross") is True)
+    if j.context.admit is not None:
+        try:
+            for m in spec.members:
+                await j.context.admit(PeerID.from_base58(m.peer_id), m.mode)
+        except (ValueError, P2PError) as e:
+            log.warning("leader %s formed a group with an uninvited peer: %s", leader, e)
+            return None
+    return spec
