@@ -40,11 +40,15 @@ def state_key(run_id: str) -> str:
 class StateServer:
     """Serves this peer's latest state snapshots to others."""
 
-    def __init__(self, node: Any, dht: DHT, run_id: str, *, chunk_bytes: int, ttl: float) -> None:
+    def __init__(
+        self, node: Any, dht: DHT, run_id: str, *, chunk_bytes: int, ttl: Callable[[], float]
+    ) -> None:
         self.node = node
         self.dht = dht
         self.run_id = run_id
         self.chunk_bytes = chunk_bytes
+        # How long the next announcement lives (the progress record's lifetime: long while the
+        # next step is far, so that rare steps do not mean frequent renewals).
         self.ttl = ttl
         self._snapshots: dict[bytes, tuple[StateManifest, bytes]] = {}
         self.latest: StateManifest | None = None
@@ -52,7 +56,7 @@ class StateServer:
         # The state this peer trains on: (epoch, digest), set by set_state and by a download
         # (adopt); the next step's state descends from it.
         self._head: tuple[int, bytes] | None = None
-        self.announced_at = -float("inf")  # trio time of the last announcement that went out
+        self.renew_at = -float("inf")  # trio time to renew the last announcement that went out
         self.chunks_served = 0
         # Private runs (dedloc_jax.access): raises ValueError unless the peer may take part.
         self.admit: Callable[[PeerID], Awaitable[None]] | None = None
@@ -100,6 +104,7 @@ class StateServer:
     async def announce(self) -> None:
         if self.latest is None:
             return
+        ttl = self.ttl()
         try:
             await self.dht.store(
                 state_key(self.run_id),
@@ -109,13 +114,13 @@ class StateServer:
                     "lineage": list(self.lineage),
                     "addrs": [str(a) for a in self.node.addrs],
                 },
-                self.dht.now() + self.ttl,
+                self.dht.now() + ttl,
                 subkey=owner_marker(self.node.peer_id),
                 # re-announced every epoch and read from all the key's nearest nodes: a few
                 # replicas suffice (see docs/decisions.md, "Stores on every replica")
                 replicas=follower_replicas(self.dht.config),
             )
-            self.announced_at = trio.current_time()
+            self.renew_at = trio.current_time() + ttl / 3
         except (P2PError, InvalidRecordError) as e:
             log.warning("could not announce state: %s", e)
 
