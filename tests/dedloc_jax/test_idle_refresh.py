@@ -151,3 +151,39 @@ def test_a_peer_far_from_the_target_renews_its_state_announcement_rarely_and_kee
         far = [t for t in stores[i] if 720 <= t < 1320]
         assert 1 <= len(far) <= 5, far
     assert live == [2] * 20, live
+
+
+def test_far_from_the_target_the_table_is_looked_up_about_once_per_record_lifetime() -> None:
+    """Six peers (enough that the table has its full set of holders) train toward a step
+    about 40 minutes away: between minutes 12 and 22 each looks the table's nearest nodes up
+    at most 3 times (before: at every read past 30 s, about 10)."""
+    peers = 6
+    target = int(peers * RATE * 2400)
+    config = CollaborationConfig(target_batch_size=target, measure_links=False)
+    relocations: list[int] = []
+
+    async def main() -> None:
+        net = SimNetwork(seed=0)
+        async with open_sim_collaboration(net, peers, config=config, latency=0.02) as cores:
+            start = trio.current_time()
+
+            async def train(core) -> None:
+                samples = 0
+                while not core.report(0, samples, 4):
+                    samples += 4
+                    await trio.sleep(4 / RATE)
+
+            async def count() -> None:
+                await trio.sleep_until(start + 720)
+                before = [c.tracker._follower.stats["relocations"] for c in cores]
+                await trio.sleep_until(start + 1320)
+                for c, b in zip(cores, before, strict=True):
+                    relocations.append(c.tracker._follower.stats["relocations"] - b)
+
+            async with trio.open_nursery() as nursery:
+                for core in cores:
+                    nursery.start_soon(train, core)
+                nursery.start_soon(count)
+
+    run_sim(main, seed=0)
+    assert len(relocations) == peers and max(relocations) <= 3, relocations
