@@ -125,7 +125,7 @@ class CollaborationPeer:
             dht,
             run_id,
             chunk_bytes=config.state_chunk_bytes,
-            ttl=config.progress_ttl,
+            ttl=self.tracker.record_ttl,
             admit=admit,
         )
         context = RoundContext(
@@ -596,18 +596,17 @@ class CollaborationPeer:
         return fork_verdict(table, latest.epoch, latest.digest, self.state_server.lineage)
 
     async def _announce_state(self) -> None:
-        """Keep our announcement from expiring. Each step announces the new state, so only
-        the time since the last announcement counts: with epochs shorter than a third of the
-        TTL, this never stores anything."""
-        period = self.config.progress_ttl / 3
+        """Keep our announcement from expiring: renew it at a third of its lifetime. Each step
+        announces the new state, so only the time since the last announcement counts: with
+        epochs shorter than a third of the TTL, this never stores anything."""
         server = self.state_server
         while True:
-            if trio.current_time() < server.announced_at + period:
-                await trio.sleep_until(server.announced_at + period)
+            if trio.current_time() < server.renew_at:
+                await trio.sleep_until(server.renew_at)
                 continue
             await server.announce()
-            if trio.current_time() >= server.announced_at + period:
-                await trio.sleep(period)  # nothing to announce yet, or it failed
+            if trio.current_time() >= server.renew_at:
+                await trio.sleep(self.config.progress_ttl / 3)  # nothing to announce, or failed
 
 
 @asynccontextmanager

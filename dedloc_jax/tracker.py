@@ -386,6 +386,16 @@ class ProgressTracker:
             return self.config.progress_ttl
         return max(self.config.progress_ttl, min(eta / 2, self.config.idle_ttl))
 
+    def _relocate_interval(self) -> float:
+        """How long the table's nearest nodes found by a lookup are followed: the follower's
+        30 s, or far from the target (rare reads) our record's lifetime: holders change only
+        with churn, and a failed holder or a nearer node relocates the follower at once."""
+        eta = self.settled_eta()
+        default = self._follower.relocate_interval
+        if not self.config.idle_after <= eta < math.inf:
+            return default
+        return max(default, self.record_ttl())
+
     async def publish(self) -> None:
         me = self.own_progress()
         ttl = self.record_ttl()
@@ -407,7 +417,7 @@ class ProgressTracker:
     async def fetch(self) -> CollaborationEstimate:
         started = trio.current_time()
         try:
-            view = await self._follower.read()
+            view = await self._follower.read(relocate_interval=self._relocate_interval())
         except P2PError as e:
             # Keep the last table: an empty one says nobody else trains, and a peer whose
             # round failed would then keep its own parameters instead of loading the others'.

@@ -47,13 +47,15 @@ class StateServer:
         run_id: str,
         *,
         chunk_bytes: int,
-        ttl: float,
+        ttl: Callable[[], float],
         admit: Callable[[PeerID], Awaitable[None]] | None = None,
     ) -> None:
         self.node = node
         self.dht = dht
         self.run_id = run_id
         self.chunk_bytes = chunk_bytes
+        # How long the next announcement lives (the progress record's lifetime: long while the
+        # next step is far, so that rare steps do not mean frequent renewals).
         self.ttl = ttl
         self._snapshots: dict[bytes, tuple[StateManifest, bytes]] = {}
         self.latest: StateManifest | None = None
@@ -61,7 +63,7 @@ class StateServer:
         # The state this peer trains on: (epoch, digest), set by set_state and by a download
         # (adopt); the next step's state descends from it.
         self._head: tuple[int, bytes] | None = None
-        self.announced_at = -float("inf")  # trio time of the last announcement that went out
+        self.renew_at = -float("inf")  # trio time to renew the last announcement that went out
         self.chunks_served = 0
         # Private runs (dedloc_jax.access): raises ValueError unless the peer may take part.
         self.admit = admit
@@ -109,6 +111,7 @@ class StateServer:
     async def announce(self) -> None:
         if self.latest is None:
             return
+        ttl = self.ttl()
         try:
             await self.dht.store(
                 state_key(self.run_id),
@@ -118,13 +121,13 @@ class StateServer:
                     "lineage": list(self.lineage),
                     "addrs": [str(a) for a in self.node.addrs],
                 },
-                self.dht.now() + self.ttl,
+                self.dht.now() + ttl,
                 subkey=owner_marker(self.node.peer_id),
                 # re-announced every epoch and read from all the key's nearest nodes: a few
                 # replicas suffice (see docs/decisions.md, "Stores on every replica")
                 replicas=follower_replicas(self.dht.config),
             )
-            self.announced_at = trio.current_time()
+            self.renew_at = trio.current_time() + ttl / 3
         except (P2PError, InvalidRecordError) as e:
             log.warning("could not announce state: %s", e)
 

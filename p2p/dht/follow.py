@@ -119,13 +119,18 @@ class KeyFollower:
         dictionary, or None. ``sweep`` reads every holder this time (see :meth:`read`)."""
         return decode_view(await self.read(sweep=sweep))
 
-    async def read(self, *, sweep: bool = False) -> View | None:
+    async def read(
+        self, *, sweep: bool = False, relocate_interval: float | None = None
+    ) -> View | None:
         """Bring the view up to date and return it (a dictionary is a fresh copy). A read
         asks one holder, and all of them every ``sweep_every`` reads or when ``sweep`` is
         set: for a reader that must not miss records a holder lacks (writers store on the
-        nearest nodes they found, and their views of the nearest differ)."""
+        nearest nodes they found, and their views of the nearest differ).
+        ``relocate_interval`` overrides the follower's for this read: a reader that reads
+        rarely can relocate as rarely (a failed holder or a nearer node still relocates)."""
         turn = 0 if sweep else self._reads % self.sweep_every
-        due = trio.current_time() - self._located_at >= self.relocate_interval
+        interval = self.relocate_interval if relocate_interval is None else relocate_interval
+        due = trio.current_time() - self._located_at >= interval
         if turn == 0 and self._nearer_known():
             due = self._fresh_lookup = True  # (a cached lookup predates the nearer node)
         if due or len(self._holders) < self.wanted:

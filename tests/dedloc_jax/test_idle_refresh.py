@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import trio
 
 from dedloc_jax.config import CollaborationConfig
 from dedloc_jax.progress import CollaborationEstimate, refresh_delay
+from dedloc_jax.state import state_key
 from p2p.testing import SimNetwork, run_sim
 from tests.dedloc_jax.simcollab import open_sim_collaboration
 
@@ -99,3 +101,89 @@ def test_a_peer_far_from_the_target_reads_and_publishes_a_few_times_a_minute_at_
         assert near and max(gaps) <= 6.5, gaps  # max_refresh and a read's own time
     # the step came about when the peers' samples reached the target, not later
     assert max(ready_at) <= 2400 + 30
+
+
+def test_a_peer_far_from_the_target_renews_its_state_announcement_rarely_and_keeps_it_live() -> (
+    None
+):
+    """Two peers that serve a state train toward a step about 40 minutes away. Between minutes
+    12 and 22 each renews its state announcement at most 5 times (before: every 20 s, about
+    30), and the other peer finds both announcements live throughout."""
+    target = int(2 * RATE * 2400)
+    config = CollaborationConfig(target_batch_size=target, measure_links=False)
+    stores: list[list[float]] = [[], []]
+    live: list[int] = []
+
+    async def main() -> None:
+        net = SimNetwork(seed=0)
+        async with open_sim_collaboration(net, 2, config=config, latency=0.02) as cores:
+            start = trio.current_time()
+            for i, core in enumerate(cores):
+                server = core.state_server
+                announce = server.announce
+
+                async def timed_announce(*, announce=announce, i=i):
+                    stores[i].append(trio.current_time() - start)
+                    return await announce()
+
+                server.announce = timed_announce
+                await core.share_state([np.full(8, i, np.float32)], 0)
+
+            async def train(core) -> None:
+                samples = 0
+                while not core.report(0, samples, 4):
+                    samples += 4
+                    await trio.sleep(4 / RATE)
+
+            async def check() -> None:
+                for _ in range(20):
+                    await trio.sleep(60.0)
+                    view = await cores[0].dht.get(state_key(cores[0].run_id), latest=True)
+                    live.append(len(view or {}))
+
+            async with trio.open_nursery() as nursery:
+                for core in cores:
+                    nursery.start_soon(train, core)
+                nursery.start_soon(check)
+
+    run_sim(main, seed=0)
+    for i in range(2):
+        far = [t for t in stores[i] if 720 <= t < 1320]
+        assert 1 <= len(far) <= 5, far
+    assert live == [2] * 20, live
+
+
+def test_far_from_the_target_the_table_is_looked_up_about_once_per_record_lifetime() -> None:
+    """Six peers (enough that the table has its full set of holders) train toward a step
+    about 40 minutes away: between minutes 12 and 22 each looks the table's nearest nodes up
+    at most 3 times (before: at every read past 30 s, about 10)."""
+    peers = 6
+    target = int(peers * RATE * 2400)
+    config = CollaborationConfig(target_batch_size=target, measure_links=False)
+    relocations: list[int] = []
+
+    async def main() -> None:
+        net = SimNetwork(seed=0)
+        async with open_sim_collaboration(net, peers, config=config, latency=0.02) as cores:
+            start = trio.current_time()
+
+            async def train(core) -> None:
+                samples = 0
+                while not core.report(0, samples, 4):
+                    samples += 4
+                    await trio.sleep(4 / RATE)
+
+            async def count() -> None:
+                await trio.sleep_until(start + 720)
+                before = [c.tracker._follower.stats["relocations"] for c in cores]
+                await trio.sleep_until(start + 1320)
+                for c, b in zip(cores, before, strict=True):
+                    relocations.append(c.tracker._follower.stats["relocations"] - b)
+
+            async with trio.open_nursery() as nursery:
+                for core in cores:
+                    nursery.start_soon(train, core)
+                nursery.start_soon(count)
+
+    run_sim(main, seed=0)
+    assert len(relocations) == peers and max(relocations) <= 3, relocations

@@ -285,7 +285,7 @@ def test_a_failed_read_keeps_the_last_progress_table() -> None:
             reader = trackers[0]
             assert len(reader.records) == 3
 
-            async def failing_read(*, sweep: bool = False) -> None:
+            async def failing_read(**_: object) -> None:
                 raise P2PError("lookup failed")
 
             reader._follower.read = failing_read

@@ -28,7 +28,7 @@ def test_newest_donor_dead_newcomer_takes_the_newest_live_state() -> None:
             servers = []
             for i, epoch in ((1, 5), (2, 4)):  # peer 1 serves epoch 5, peer 2 epoch 4
                 node, dht = peers[i]
-                server = StateServer(node, dht, "run", chunk_bytes=4096, ttl=60.0)
+                server = StateServer(node, dht, "run", chunk_bytes=4096, ttl=lambda: 60.0)
                 server.register()
                 server.set_state(_state(epoch), epoch=epoch)
                 await server.announce()

@@ -29,7 +29,7 @@ def _pid() -> PeerID:
 def _servers(peers, donors: range) -> list[StateServer]:
     servers = []
     for node, dht in (peers[i] for i in donors):
-        server = StateServer(node, dht, "run", chunk_bytes=4096, ttl=60.0)
+        server = StateServer(node, dht, "run", chunk_bytes=4096, ttl=lambda: 60.0)
         server.register()
         servers.append(server)
     return servers
