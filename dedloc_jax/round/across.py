@@ -116,7 +116,7 @@ class AcrossGroups:
             await self.admit(ctx.remote_peer, None)
         epoch = request["epoch"]
         with trio.move_on_after(self._wait):
-            await self.slots[(epoch, 1)].settled.wait()
+            await self.slots.asked((epoch, 1)).settled.wait()
         record = self.slots.get((epoch, 1))  # (pruned meanwhile: no outcome to tell)
         if record is None or not record.ok:
             return {"ok": False, "whole": False}

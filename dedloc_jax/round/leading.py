@@ -45,7 +45,7 @@ async def answer_join(
     addresses we know per peer, sent with a redirect."""
     # The follower may come before we decided to lead this epoch: wait a bounded time.
     with trio.move_on_after(wait()):
-        await slots[slot].opened.wait()
+        await slots.asked(slot).opened.wait()
     record = slots.get(slot)
     rnd = record.leading if record is not None else None
     if rnd is None:

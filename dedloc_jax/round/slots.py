@@ -58,19 +58,50 @@ class SlotRecord:
     """Level 1: whether every group's representative took part (else the mean is partial)."""
 
 
+MAX_ASKED = 256
+"""Records other peers' questions may create ahead of this peer's own rounds."""
+
+
 class Slots:
-    """This peer's slot records. A record is made on first use (a join may come before we
-    register) and each new one prunes those :data:`KEEP` epochs older than it."""
+    """This peer's slot records. Its own rounds make and prune them: a record goes once this
+    peer's newest epoch is :data:`KEEP` past it. A question from another peer (a join, a
+    cross query) may come before we register, so it may make a record too, but only near our
+    own epochs and at most :data:`MAX_ASKED` of them: a query naming a far epoch must neither
+    prune the rounds in progress nor grow the table."""
 
     def __init__(self) -> None:
         self._records: dict[Slot, SlotRecord] = {}
+        self._newest: int | None = None  # the newest epoch of a round of our own
 
     def __getitem__(self, slot: Slot) -> SlotRecord:
+        """The record of a slot this peer works on (made if new; older ones pruned)."""
+        epoch = slot[0]
+        if self._newest is None or epoch > self._newest:
+            self._newest = epoch
+            for old in [s for s in self._records if s[0] < epoch - KEEP]:
+                del self._records[old]
+        return self._make(slot)
+
+    def asked(self, slot: Slot) -> SlotRecord:
+        """The record another peer's question about ``slot`` waits on. Outside ``KEEP`` epochs
+        of our newest, or past ``MAX_ASKED`` records, it is a record of nobody's: it tells that
+        we decided nothing there, at once."""
+        record = self._records.get(slot)
+        if record is not None:
+            return record
+        newest = self._newest
+        near = newest is None or abs(slot[0] - newest) <= KEEP
+        if near and len(self._records) < MAX_ASKED:
+            return self._make(slot)
+        record = SlotRecord()
+        record.opened.set()
+        record.settled.set()
+        return record
+
+    def _make(self, slot: Slot) -> SlotRecord:
         record = self._records.get(slot)
         if record is None:
             record = self._records[slot] = SlotRecord()
-            for old in [s for s in self._records if s[0] < slot[0] - KEEP]:
-                del self._records[old]
         return record
 
     def get(self, slot: Slot) -> SlotRecord | None:
