@@ -185,14 +185,24 @@ class CollaborationPeer:
 
     def _round_began_without_us(self, epoch: int, est: CollaborationEstimate) -> bool:
         """At our first report toward ``epoch``: whether every other peer that contributes to
-        it already waits in its round, and none averaged with us into it (so none expects
-        us). Such a peer (a newcomer, one that loaded the state late) cannot join that round:
-        trying, it stepped alone, on a lineage of its own. It waits for the epoch to end and
-        goes on from the others' state instead."""
+        it already waits in its round, none averaged with us into it, and each stopped before
+        our record of the epoch was stored (so none expects us). Such a peer (a newcomer, one
+        that loaded the state late) cannot join that round: trying, it stepped alone, on a
+        lineage of its own. It waits for the epoch to end and goes on from the others' state
+        instead."""
         if not est.others_waiting or est.epoch != epoch:
             return False
         into, mates = self.tracker.mates
         if into == epoch and mates:
+            return False
+        # Peers that stopped after our record of the epoch was stored expect us (it was in
+        # their table), and their leader holds the group open for us: join it.
+        waiting = [
+            r.time
+            for pid, r in self.tracker.contenders().items()
+            if pid != self.tracker.peer_id and r.epoch == epoch and r.waiting
+        ]
+        if waiting and self.tracker.stored_since(epoch) <= min(waiting):
             return False
         log.info("epoch %d: its round began before our first micro-step; skipping it", epoch)
         return True

@@ -67,6 +67,8 @@ class ProgressTracker:
         self._published_at = -math.inf
         self._published_ttl = config.progress_ttl  # how long our last record lives
         self._published_epoch = -1
+        # (epoch, DHT time): when our first record of that epoch was stored (see seen_since)
+        self._epoch_stored: tuple[int, float] = (-1, math.inf)
         self._frozen = False
         self.step_interval = 0.0
         self._last_report: float | None = None
@@ -334,6 +336,12 @@ class ProgressTracker:
             alone=not (self.mates[0] == self.epoch and self.mates[1]),
         )
 
+    def stored_since(self, epoch: int) -> float:
+        """DHT time by which our first record of ``epoch`` was stored (inf: none yet): a peer
+        that read the table after it knows that we train toward ``epoch``."""
+        stored_epoch, at = self._epoch_stored
+        return at if stored_epoch == epoch else math.inf
+
     def published_error(self) -> float:
         """How far (in samples) others' extrapolation of our last published record is from
         what we hold now; inf when they hold none for this epoch."""
@@ -409,6 +417,8 @@ class ProgressTracker:
             )
             self._published_at = trio.current_time()
             self._published_ttl = ttl
+            if me.epoch != self._epoch_stored[0]:
+                self._epoch_stored = (me.epoch, self.dht.now())
             self._published_epoch = me.epoch
             self._published = me
         except (P2PError, InvalidRecordError) as e:

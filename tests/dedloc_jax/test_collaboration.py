@@ -534,6 +534,46 @@ def test_a_newcomer_skips_an_epoch_whose_round_began_without_it() -> None:
     assert [(o.group_size, o.complete) for o in out["outcomes"]] == [(3, True)] * 3
 
 
+def test_a_peer_that_opened_with_the_others_joins_the_round_that_waits_for_it() -> None:
+    """Two peers open together; one compiles slowly and reports its first micro-batch only
+    after the other reached the target alone and waits in its round. That round expects it
+    (its record was in the table before the other stopped): it joins, and the epoch's group is
+    both of them. (It used to skip the epoch as a newcomer would: the other waited out its
+    matchmaking, stepped alone, and the slow peer kept feeding samples for seconds.)"""
+    config = CollaborationConfig.local_demo(64)
+
+    async def main() -> dict:
+        net = SimNetwork(seed=0)
+        out: dict = {"fed": 0}
+        async with open_sim_collaboration(net, 2, config=config, latency=0.002) as (a, b):
+
+            async def fast() -> None:
+                samples = 0
+                while not a.report(0, samples := samples + MICRO, MICRO):
+                    await trio.sleep(0.005)
+                out["a"] = await a.average(0, [np.ones(5, np.float32)], samples)
+
+            async def slow() -> None:
+                await trio.sleep(1.0)  # its first micro-step (compilation)
+                out["a_waited"] = a.tracker._frozen
+                samples = 0
+                while not b.report(0, samples := samples + MICRO, MICRO):
+                    assert not b.behind and samples < 4 * config.target_batch_size
+                    await trio.sleep(0.005)
+                out["fed"] = samples
+                out["b"] = await b.average(0, [np.ones(5, np.float32)], samples)
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(fast)
+                nursery.start_soon(slow)
+        return out
+
+    out = run_sim(main, seed=0)
+    assert out["a_waited"]  # the other peer already waited in its round
+    assert [(o.group_size, o.complete) for o in (out["a"], out["b"])] == [(2, True)] * 2
+    assert out["fed"] < config.target_batch_size
+
+
 def test_a_patient_fork_check_waits_while_the_progress_table_is_empty() -> None:
     """An empty table (a read that failed, records that lapsed while a partition cut us off)
     cannot tell whether our state lost: a patient check waits for the table to fill. Before,
