@@ -631,7 +631,13 @@ async def open_collaboration(
     """
     forced_mode = mode or config.mode
     mode = forced_mode
-    private = PrivateRun.for_config(node, run_id, config.owner_public_key, config.invitation)
+    # Made here, not by the DHT, so that a private run's policy reads DHT time from the start.
+    clock = dht_clock or DHTClock(
+        samples=dht_config.clock_samples, max_skew=dht_config.max_clock_skew
+    )
+    private = PrivateRun.for_config(
+        node, run_id, config.owner_public_key, config.invitation, clock.now
+    )
     async with AsyncExitStack() as stack:
         if config.nat:
             forced = {"client": True, "node": False, "aux": False}.get(mode or "")
@@ -653,7 +659,7 @@ async def open_collaboration(
                 initial_peers=initial_peers,
                 config=dht_config,
                 client_mode=mode == "client" or (nat is not None and nat.dht_client_mode),
-                clock=dht_clock,
+                clock=clock,
                 # who may write first (a stranger is told that), then what a record holds
                 validators=[
                     *(private.validators if private is not None else ()),
@@ -668,12 +674,12 @@ async def open_collaboration(
         admit = private.guard.admit if private is not None else None
         core = CollaborationPeer(node, dht, run_id, config, mode, nat, admit=admit)
         averaging = install(node)
+        if admit is not None:
+            averaging.guard_with(admit)
         install_probe(node, core.meter)
         core.matchmaker.register()
         core.across.register()
         core.state_server.register()
-        if private is not None:
-            private.protect(averaging)
         nursery = await stack.enter_async_context(trio.open_nursery())
         await nursery.start(core.tracker.run)
         nursery.start_soon(core._announce_state)
