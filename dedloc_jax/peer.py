@@ -1,4 +1,4 @@
-"""A peer's membership in a collaboration: the async core.
+"""A peer's membership in a collaboration: :class:`CollaborationPeer`, the async (trio) side.
 
 :func:`open_collaboration` runs, on a p2p node, everything a peer needs: the DHT, the progress
 tracker, matchmaking, the butterfly all-reduce and the state server.
@@ -287,7 +287,8 @@ class CollaborationPeer:
     # --- averaging -----------------------------------------------------------------------
     def _bandwidth(self) -> tuple[float, float]:
         """Measured (or overridden) link speeds; an unmeasured one counts as a slow home link,
-        so that deadlines computed from it are long enough (see timing.Deadlines)."""
+        so that deadlines computed from it are long enough (see
+        :class:`~dedloc_jax.round.deadlines.Deadlines`)."""
         f = self.meter.figures()
         up = self.config.unmeasured_upload_bps or UNMEASURED_UPLOAD_BPS
         down = self.config.unmeasured_download_bps or UNMEASURED_DOWNLOAD_BPS
@@ -396,7 +397,7 @@ class CollaborationPeer:
         self, epoch: int, arrays: Sequence[np.ndarray], samples: int, codec: str | None
     ) -> AveragingOutcome:
         est = self.tracker.current_estimate()
-        self.matchmaker.deadlines = Deadlines(window=self._window(est))
+        self.matchmaker.use_deadlines(Deadlines(window=self._window(est)))
         await self.tracker.freeze()  # others must not extrapolate our samples any further
         me = self.rounds.member(float(samples))
         started = trio.current_time()
@@ -485,7 +486,7 @@ class CollaborationPeer:
                 )
                 continue
             epoch = est.epoch
-            self.matchmaker.deadlines = Deadlines(window=self._window(est))
+            self.matchmaker.use_deadlines(Deadlines(window=self._window(est)))
             me = self.rounds.member(0.0)  # (mode "aux")
             got = await average_round(
                 self.rounds,
