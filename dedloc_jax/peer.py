@@ -262,9 +262,9 @@ class CollaborationPeer:
     def _stepped_without(self, spec: GroupSpec, epoch: int) -> bool:
         """Whether a peer that trains, outside ``spec``, averaged into a newer epoch than
         ``epoch``: a group averaged apart from ours. One that got there alone (a step alone, a
-        newcomer that moved on) holds no other mean: it loads the collaboration's state, and
-        counting it sent every member of our group to download the state it already held. (A
-        peer on a lineage the collaboration left does not count either.)"""
+        newcomer that moved on) does not count: it holds no other mean and loads the
+        collaboration's state, which our group already holds. Nor does a peer on a lineage the
+        collaboration left."""
         members = {m.peer_id for m in spec.members}
         return any(
             r.epoch > epoch and not r.alone and r.mode != "aux" and pid not in members
@@ -335,12 +335,12 @@ class CollaborationPeer:
         unless given). Probes of peers that start together contend for the same links and
         read low; the figure is their max, so one probe that ran alone suffices.
 
-        Only a round uses the figure, so probes wait for one: with rare averaging (diloco's
-        outer steps, hours apart) probes on joining and at every expiry sent several times
-        what the averaging did. Within ``lead`` of the round the new figure lasts through it
-        even if it comes later than predicted. A peer that sees no rate at all (nothing to
-        predict from) probes on joining. A client reduces nothing, so it probes nothing
-        (while it is one, see :meth:`follow_reachability`)."""
+        Only a round uses the figure, so probes wait for one (with diloco's outer steps hours
+        apart, probing at every expiry would send more than the averaging). Within ``lead`` of
+        the round the new figure lasts through it even if it comes later than predicted. A
+        peer that sees no rate at all (nothing to predict from) probes on joining. A client
+        reduces nothing, so it probes nothing (while it is one, see
+        :meth:`follow_reachability`)."""
         rng = random.Random(str(self.node.peer_id))
         nbytes = self.config.probe_bytes if nbytes is None else nbytes
         lead = self.meter.window / 4 if lead is None else lead
@@ -528,10 +528,8 @@ class CollaborationPeer:
         """Download the state the fork choice names, train on it from now on (our epoch
         becomes its epoch) and serve it (the fork checks, ours and the others', count the
         state a peer serves). ``min_epoch``: raise :class:`StaleStateError` instead when that
-        state is older; nothing changes then. (A caller that downloaded an older state and
-        kept its own had adopted the download's epoch and lineage all the same: its next
-        state then claimed to descend from the others', and its fork check never found it
-        on a lineage of its own.)"""
+        state is older; nothing changes then (a caller that keeps its own state must keep its
+        own epoch and lineage too, or its fork check counts it on the others' lineage)."""
         manifest, arrays, donors = await download_manifest_state(
             self.node,
             self.dht,
