@@ -20,6 +20,7 @@ from dedloc_jax.collaboration import Collaboration
 from dedloc_jax.collaborative import CollaborativeState, collaborative
 from dedloc_jax.config import CollaborationConfig
 from dedloc_jax.diloco import DiLoCoState, diloco
+from dedloc_jax.history import RoundOutcome
 from dedloc_jax.host import AveragingOutcome
 from dedloc_jax.progress import CollaborationEstimate, PeerProgress
 from dedloc_jax.state import (
@@ -44,6 +45,7 @@ __all__ = [
     "DiLoCoState",
     "KeepConfig",
     "PeerProgress",
+    "RoundOutcome",
     "ShareLostError",
     "StaleStateError",
     "StateSyncError",

@@ -182,7 +182,8 @@ def invite(
 class AccessPolicy:
     """Who may take part in a private run: invitations seen so far, checked against the owner key.
 
-    ``clock`` gives DHT time; the collaboration sets it to ``dht.now`` once its DHT is open.
+    ``clock`` gives DHT time (the collaboration passes its DHT clock's ``now``), in which
+    invitations expire.
     """
 
     def __init__(
@@ -364,13 +365,18 @@ class PrivateRun:
 
     @classmethod
     def for_config(
-        cls, node: Any, run_id: str, owner_public_key: bytes | None, invitation: bytes | None
+        cls,
+        node: Any,
+        run_id: str,
+        owner_public_key: bytes | None,
+        invitation: bytes | None,
+        clock: Callable[[], float],
     ) -> PrivateRun | None:
         """None for an open run; otherwise checks our own invitation's form (not its expiry:
-        the DHT clock is not known yet)."""
+        the DHT clock has heard no peer yet). ``clock``: DHT time, as for the policy."""
         if owner_public_key is None:
             return None
-        policy = AccessPolicy(run_id, owner_public_key)
+        policy = AccessPolicy(run_id, owner_public_key, clock)
         inv = Invitation.from_bytes(invitation) if invitation is not None else None
         if inv is not None:
             inv.verify(owner_public_key, node.peer_id, -math.inf, run_id)
@@ -385,12 +391,6 @@ class PrivateRun:
         return [InvitedWritersValidator(self.policy)]
 
     def attach(self, dht: Any) -> InvitingDHT:
-        """Use the DHT's clock, serve ``collab.auth``; the DHT our components should use."""
-        self.policy.clock = dht.now
+        """Serve ``collab.auth``; the DHT our components should use."""
         self.guard.register()
         return InvitingDHT(dht, self.policy, self.invitation)
-
-    def protect(self, averaging: Any) -> None:
-        """Guard the node's all-reduce handlers (the node's one service, which may predate the
-        collaboration); the peer's own handlers get ``guard.admit`` at construction."""
-        averaging.admit = self.guard.admit

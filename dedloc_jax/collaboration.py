@@ -324,7 +324,8 @@ class Collaboration:
 
     def on_minority_fork(self, *, patience: float = 0.0, undecided: bool = False) -> bool:
         """Whether the state this peer serves lost to another lineage of its epoch (more peers
-        hold it): then load theirs (:func:`dedloc_jax.sync_state`). See the core's method."""
+        hold it): then load theirs (:func:`dedloc_jax.sync_state`). See
+        :meth:`CollaborationPeer.on_minority_fork`."""
         thread, core = self._core()
         check = functools.partial(core.on_minority_fork, patience=patience, undecided=undecided)
         return thread.run(check)

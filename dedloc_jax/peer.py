@@ -1,4 +1,4 @@
-"""A peer's membership in a collaboration: the async core.
+"""A peer's membership in a collaboration: :class:`CollaborationPeer`, the async (trio) side.
 
 :func:`open_collaboration` runs, on a p2p node, everything a peer needs: the DHT, the progress
 tracker, matchmaking, the butterfly all-reduce and the state server.
@@ -272,9 +272,9 @@ class CollaborationPeer:
     def _stepped_without(self, spec: GroupSpec, epoch: int) -> bool:
         """Whether a peer that trains, outside ``spec``, averaged into a newer epoch than
         ``epoch``: a group averaged apart from ours. One that got there alone (a step alone, a
-        newcomer that moved on) holds no other mean: it loads the collaboration's state, and
-        counting it sent every member of our group to download the state it already held. (A
-        peer on a lineage the collaboration left does not count either.)"""
+        newcomer that moved on) does not count: it holds no other mean and loads the
+        collaboration's state, which our group already holds. Nor does a peer on a lineage the
+        collaboration left."""
         members = {m.peer_id for m in spec.members}
         return any(
             r.epoch > epoch and not r.alone and r.mode != "aux" and pid not in members
@@ -297,7 +297,8 @@ class CollaborationPeer:
     # --- averaging -----------------------------------------------------------------------
     def _bandwidth(self) -> tuple[float, float]:
         """Measured (or overridden) link speeds; an unmeasured one counts as a slow home link,
-        so that deadlines computed from it are long enough (see timing.Deadlines)."""
+        so that deadlines computed from it are long enough (see
+        :class:`~dedloc_jax.round.deadlines.Deadlines`)."""
         f = self.meter.figures()
         up = self.config.unmeasured_upload_bps or UNMEASURED_UPLOAD_BPS
         down = self.config.unmeasured_download_bps or UNMEASURED_DOWNLOAD_BPS
@@ -344,12 +345,12 @@ class CollaborationPeer:
         unless given). Probes of peers that start together contend for the same links and
         read low; the figure is their max, so one probe that ran alone suffices.
 
-        Only a round uses the figure, so probes wait for one: with rare averaging (diloco's
-        outer steps, hours apart) probes on joining and at every expiry sent several times
-        what the averaging did. Within ``lead`` of the round the new figure lasts through it
-        even if it comes later than predicted. A peer that sees no rate at all (nothing to
-        predict from) probes on joining. A client reduces nothing, so it probes nothing
-        (while it is one, see :meth:`follow_reachability`)."""
+        Only a round uses the figure, so probes wait for one (with diloco's outer steps hours
+        apart, probing at every expiry would send more than the averaging). Within ``lead`` of
+        the round the new figure lasts through it even if it comes later than predicted. A
+        peer that sees no rate at all (nothing to predict from) probes on joining. A client
+        reduces nothing, so it probes nothing (while it is one, see
+        :meth:`follow_reachability`)."""
         rng = random.Random(str(self.node.peer_id))
         nbytes = self.config.probe_bytes if nbytes is None else nbytes
         lead = self.meter.window / 4 if lead is None else lead
@@ -406,7 +407,7 @@ class CollaborationPeer:
         self, epoch: int, arrays: Sequence[np.ndarray], samples: int, codec: str | None
     ) -> AveragingOutcome:
         est = self.tracker.current_estimate()
-        self.matchmaker.deadlines = Deadlines(window=self._window(est))
+        self.matchmaker.use_deadlines(Deadlines(window=self._window(est)))
         await self.tracker.freeze()  # others must not extrapolate our samples any further
         me = self.rounds.member(float(samples))
         started = trio.current_time()
@@ -495,7 +496,7 @@ class CollaborationPeer:
                 )
                 continue
             epoch = est.epoch
-            self.matchmaker.deadlines = Deadlines(window=self._window(est))
+            self.matchmaker.use_deadlines(Deadlines(window=self._window(est)))
             me = self.rounds.member(0.0)  # (mode "aux")
             got = await average_round(
                 self.rounds,
@@ -537,10 +538,8 @@ class CollaborationPeer:
         """Download the state the fork choice names, train on it from now on (our epoch
         becomes its epoch) and serve it (the fork checks, ours and the others', count the
         state a peer serves). ``min_epoch``: raise :class:`StaleStateError` instead when that
-        state is older; nothing changes then. (A caller that downloaded an older state and
-        kept its own had adopted the download's epoch and lineage all the same: its next
-        state then claimed to descend from the others', and its fork check never found it
-        on a lineage of its own.)"""
+        state is older; nothing changes then (a caller that keeps its own state must keep its
+        own epoch and lineage too, or its fork check counts it on the others' lineage)."""
         manifest, arrays, donors = await download_manifest_state(
             self.node,
             self.dht,
@@ -641,7 +640,13 @@ async def open_collaboration(
     """
     forced_mode = mode or config.mode
     mode = forced_mode
-    private = PrivateRun.for_config(node, run_id, config.owner_public_key, config.invitation)
+    # Made here, not by the DHT, so that a private run's policy reads DHT time from the start.
+    clock = dht_clock or DHTClock(
+        samples=dht_config.clock_samples, max_skew=dht_config.max_clock_skew
+    )
+    private = PrivateRun.for_config(
+        node, run_id, config.owner_public_key, config.invitation, clock.now
+    )
     async with AsyncExitStack() as stack:
         if config.nat:
             forced = {"client": True, "node": False, "aux": False}.get(mode or "")
@@ -663,7 +668,7 @@ async def open_collaboration(
                 initial_peers=initial_peers,
                 config=dht_config,
                 client_mode=mode == "client" or (nat is not None and nat.dht_client_mode),
-                clock=dht_clock,
+                clock=clock,
                 # who may write first (a stranger is told that), then what a record holds
                 validators=[
                     *(private.validators if private is not None else ()),
@@ -678,12 +683,12 @@ async def open_collaboration(
         admit = private.guard.admit if private is not None else None
         core = CollaborationPeer(node, dht, run_id, config, mode, nat, admit=admit)
         averaging = install(node)
+        if admit is not None:
+            averaging.guard_with(admit)
         install_probe(node, core.meter)
         core.matchmaker.register()
         core.across.register()
         core.state_server.register()
-        if private is not None:
-            private.protect(averaging)
         nursery = await stack.enter_async_context(trio.open_nursery())
         await nursery.start(core.tracker.run)
         nursery.start_soon(core._announce_state)

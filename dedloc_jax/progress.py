@@ -255,8 +255,8 @@ def refresh_delay(
 
     With ``idle_delay``, a target ``idle_after`` seconds away or more is read every
     ``IDLE_FRACTION`` of the ETA (``idle_eta`` when given: a lower bound that the moments
-    after a step do not inflate), up to ``idle_delay``: a step hours away (diloco) was
-    otherwise read every ``max_delay``, and the reads were most of the run's traffic. Nearer
+    after a step do not inflate), up to ``idle_delay``: otherwise a step hours away (diloco)
+    is read every ``max_delay``, and the reads are most of the run's traffic. Nearer
     the target (every DeDLOC epoch) nothing changes.
     """
     if not min_delay <= max_delay:

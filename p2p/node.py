@@ -180,6 +180,11 @@ class Node:
     def remove_handler(self, name: str) -> None:
         self._registry.handlers.pop(name, None)
 
+    def use_circuit_transport(self, transport: Transport) -> None:
+        """Dial relayed addresses through ``transport`` (:func:`p2p.nat.circuit.attach` sets it:
+        a circuit transport opens its streams through this node, so it comes after it)."""
+        self.circuit_transport = transport
+
     # ---- connections ----------------------------------------------------------------------
 
     def connected_peers(self) -> list[PeerID]:

@@ -94,10 +94,15 @@ class AveragingService:
         self._rounds: dict[bytes, Round] = {}
         self._started: dict[bytes, trio.Event] = {}
         self._finished: OrderedDict[bytes, tuple[float, Round]] = OrderedDict()
-        # Private runs (dedloc_jax.access): raises ValueError unless the peer may take part.
-        self.admit: Callable[[PeerID], Awaitable[None]] | None = None
+        self._admit: Callable[[PeerID], Awaitable[None]] | None = None
         node.add_stream_handler(wire.PROTOCOL, self._handle_exchange)
         node.add_stream_handler(wire.REPAIR_PROTOCOL, self._handle_repair)
+
+    def guard_with(self, admit: Callable[[PeerID], Awaitable[None]]) -> None:
+        """Await ``admit(peer)`` (it raises unless the peer may take part, e.g. a private run's
+        :meth:`~dedloc_jax.access.AccessGuard.admit`) before serving any stream. A method, not
+        a constructor argument: the service is one per node and may predate the collaboration."""
+        self._admit = admit
 
     def _open(self, rnd: Round) -> None:
         if rnd.round_id in self._rounds:
@@ -135,8 +140,8 @@ class AveragingService:
         return self._rounds[round_id]
 
     async def _hello(self, ctx: CallContext, ms: MessageStream) -> tuple[Round, wire.Hello]:
-        if self.admit is not None:
-            await self.admit(ctx.remote_peer)
+        if self._admit is not None:
+            await self._admit(ctx.remote_peer)
         with trio.move_on_after(self.config.stall_timeout):
             hello = wire.parse_hello(await ms.receive())
             rnd = await self._find(hello.round_id)

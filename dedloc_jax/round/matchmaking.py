@@ -71,7 +71,8 @@ class Matchmaker:
 
     ``context``: what the round reads from its peer (default: a peer that knows nothing);
     ``slots``: the peer's slot records, shared with its :class:`~dedloc_jax.round.across.
-    AcrossGroups`; ``deadlines``: the first round's (each round sets its own)."""
+    AcrossGroups`; ``deadlines``: the first round's (each round sets its own,
+    :meth:`use_deadlines`)."""
 
     def __init__(
         self,
@@ -94,7 +95,11 @@ class Matchmaker:
         # The addresses last learned per peer: every poll of the registrations reads them all
         # again, so parse only what changed.
         self._learned: dict[str, tuple[str, ...]] = {}
-        # The current round's, from the peer's predictions (see deadlines.py).
+        self.deadlines = deadlines
+
+    def use_deadlines(self, deadlines: Deadlines) -> None:
+        """The deadlines of the round this peer begins now (from its predictions): its own
+        waits and its answers to others' joins follow them until the next round begins."""
         self.deadlines = deadlines
 
     def register(self) -> None:

@@ -39,8 +39,8 @@ async def find_donors(
 ) -> tuple[int, bytes, list[PeerID]] | None:
     """The state to download: (epoch, digest, donors), or None. :func:`fork_choice` over
     every announcement, and over ``extra`` (the states the progress table names, which the
-    fork checks count: choosing from the state key alone, whose reads miss some peers, had
-    peers load the lineage their next check rejected). Per peer, its newest one counts."""
+    fork checks count: the state key's reads miss some peers, and a choice from it alone may
+    name a lineage the next fork check rejects). Per peer, its newest one counts."""
     newest: dict[str, Announcement] = {}
     for a in (*await read_announcements(node, dht, run_id, whole=True), *extra):
         known = newest.get(str(a.peer))

@@ -338,7 +338,8 @@ async def keep_in_step_async(
     epoch: int,
     complete: bool,
 ) -> tuple[list[np.ndarray], int]:
-    """:func:`keep_in_step` for a peer written against the async core (the simulator's):
+    """:func:`keep_in_step` for a peer written against :class:`~dedloc_jax.peer.
+    CollaborationPeer` (the simulator's):
     ``arrays`` is the state it holds at ``epoch``; returns the state and epoch to go on with.
     """
     now = trio.current_time()

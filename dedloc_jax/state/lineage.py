@@ -131,8 +131,8 @@ def on_minority_fork(others: Mapping[tuple[int, bytes], int], epoch: int, digest
 def lineage_counts(announcements: Iterable[Announcement], epoch: int) -> Counter:
     """(epoch, digest) -> how many announcing peers hold that state of ``epoch`` or a
     descendant of it. Peers that moved on replaced their announcement of ``epoch``: counting
-    only announcements of ``epoch`` made a late check lose to the few that had not, and a peer
-    on a lost lineage win once the winners had moved on."""
+    only announcements of ``epoch`` would make a late check lose to the few that have not, and
+    a peer on a lost lineage win once the winners move on."""
     counts: Counter = Counter()
     for a in announcements:
         d = a.digest_at(epoch)
@@ -152,12 +152,12 @@ def fork_verdict(
 
     Every epoch our lineage names, oldest first, where another peer holds a different state
     is counted by :func:`on_minority_fork` (the rule of :func:`fork_choice`): after a healed
-    partition the sides forked epochs ago, and counting only at our epoch missed it while the
-    other side was an epoch behind. It cannot tell while fewer peers (us included) hold a
+    partition the sides forked epochs ago, and counting only at our epoch misses it while the
+    other side is an epoch behind. It cannot tell while fewer peers (us included) hold a
     state of that epoch, or a descendant, than still announce older epochs: those are still
-    averaging, and decide the count (a peer that stepped alone and asked at once saw nobody
-    to lose to; one that saw the first of the others lost or won a 1-1 tie by digest). A
-    state more than ``LINEAGE`` epochs ahead of the one most peers reached lost (a lineage of
+    averaging, and decide the count (a peer that stepped alone and asks at once sees nobody
+    to lose to; one that sees the first of the others loses or wins a 1-1 tie by digest). A
+    state more than ``LINEAGE`` epochs ahead of the one most peers reached loses (a lineage of
     its own: see :func:`_winning_side`)."""
     ours = Announcement("us", epoch, digest, tuple(lineage)[:LINEAGE])
     reached = _reached(_fork_walk([*announced, ours]))

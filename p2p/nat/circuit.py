@@ -141,8 +141,13 @@ class CircuitTransport:
         self.reservations: dict[PeerID, Multiaddr] = {}
         """Relay -> our relayed address through it, for every reservation held now."""
         self._changed = trio.Event()
-        self.on_dialed: Callable[[PeerID], None] | None = None
-        """Called with the target after each successful relayed dial (hole punching hooks in)."""
+        self._on_dialed: Callable[[PeerID], None] | None = None
+
+    def notify_dials(self, on_dialed: Callable[[PeerID], None]) -> None:
+        """Call ``on_dialed(target)`` after each successful relayed dial (hole punching upgrades
+        the connection). A method, not a constructor argument: the transport is one per node
+        (:func:`attach`) and may predate the NAT manager that punches holes."""
+        self._on_dialed = on_dialed
 
     # ---- dialing -------------------------------------------------------------------------
 
@@ -178,8 +183,8 @@ class CircuitTransport:
             await stack.aclose()
             reason = answer.get("reason") if isinstance(answer, dict) else None
             raise RelayRefused(str(reason or "malformed answer")[:300])
-        if self.on_dialed is not None:
-            self.on_dialed(target)
+        if self._on_dialed is not None:
+            self._on_dialed(target)
         if self.renew_at is None:
             return CircuitStream(ms.stream, stack)
         budget, duration = _limits(answer.get("limits"))
@@ -321,7 +326,7 @@ def attach(node: Any) -> CircuitTransport:
     if isinstance(existing, CircuitTransport):
         return existing
     transport = CircuitTransport(node)
-    node.circuit_transport = transport
+    node.use_circuit_transport(transport)
     node.add_stream_handler(STOP, transport.handle_stop)
     return transport
 

@@ -226,9 +226,10 @@ class PortMapper:
     async def _upnp_map(self, current: PortMapping | None) -> PortMapping:
         if self._upnp is None:
             self._upnp = await UPnPClient.find(
-                self._gateway(), timeout=self.config.discover_timeout
+                self._gateway(),
+                timeout=self.config.discover_timeout,
+                request_timeout=self.config.request_timeout,
             )
-            self._upnp.timeout = self.config.request_timeout
         igd = self._upnp
         client = local_ip_towards(igd.host)
         external = await igd.external_ip()

@@ -133,7 +133,7 @@ class NATManager:
         if config.hole_punching is not None:
             self.puncher = HolePuncher(node, nursery, self.observed.hosts, config.hole_punching)
             if self.puncher.supported and config.hole_punching.auto:
-                self.circuits.on_dialed = self._schedule_upgrade
+                self.circuits.notify_dials(self._schedule_upgrade)
         self.reachability = config.force_reachability or Reachability.UNKNOWN
         self.port_mapper: PortMapper | None = None
         port = mappable_port(node)

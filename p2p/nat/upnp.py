@@ -300,7 +300,11 @@ class UPnPClient:
         self.timeout = timeout
 
     @classmethod
-    async def find(cls, gateway: str | None, *, timeout: float = 2.0) -> UPnPClient:
+    async def find(
+        cls, gateway: str | None, *, timeout: float = 2.0, request_timeout: float = 5.0
+    ) -> UPnPClient:
+        """The IGD that answers discovery within ``timeout``; its calls then take up to
+        ``request_timeout`` each."""
         location = await discover(gateway, timeout)
         status, body = await http_exchange(location, encode_http_request("GET", location), timeout)
         if status != 200:
@@ -308,7 +312,7 @@ class UPnPClient:
         service = parse_description(body, location)
         if check_http_url(service.control_url)[0] != check_http_url(location)[0]:
             raise PortMapError("the control URL names another host than the device")
-        return cls(service)
+        return cls(service, timeout=request_timeout)
 
     @property
     def host(self) -> str:

@@ -37,15 +37,27 @@ class Event:
 
 
 class Engine:
-    """Events ordered by (time, scheduling order); time only moves forward."""
+    """Events ordered by (time, scheduling order); time only moves forward.
 
-    def __init__(self) -> None:
+    ``on_new_head``: called whenever a newly scheduled event becomes the earliest (the
+    simulated network wakes its waiting task then).
+    """
+
+    def __init__(self, on_new_head: Callable[[], None] | None = None) -> None:
         self._heap: list[Event] = []
         self._seq = 0
         self.now = -math.inf
-        self.on_new_head: Callable[[], None] | None = None
+        self.on_new_head = on_new_head
         self.pending: Callable[[], bool] | None = None
         self.flush: Callable[[], bool] | None = None
+
+    def defer_to(self, pending: Callable[[], bool], flush: Callable[[], bool]) -> None:
+        """Work deferred within an instant: while ``pending()``, :meth:`next_time` is now;
+        ``flush()`` does it (returning whether it did anything) before time moves on. A method,
+        not a constructor argument: the one deferring (the fluid model) schedules on this
+        engine, so it is made after it."""
+        self.pending = pending
+        self.flush = flush
 
     def at(self, time: float, fn: Callable[..., None], *args: Any, owner: Any = None) -> Event:
         """Schedule ``fn(*args)`` at ``time`` (clamped to now)."""

@@ -91,8 +91,7 @@ class FluidNet:
         self._link_seq = 0
         self._dirty: dict[Link, None] = {}
         self.reallocations = 0
-        engine.pending = self.has_pending
-        engine.flush = self.flush
+        engine.defer_to(self.has_pending, self.flush)
 
     def has_pending(self) -> bool:
         """Whether rates must be recomputed before time moves on."""

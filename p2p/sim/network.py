@@ -120,8 +120,7 @@ class SimNetwork:
         self.buffer_bytes = buffer_bytes
         self.max_inflight_bytes = max_inflight_bytes
         self.silent_failures = silent_failures
-        self.engine = Engine()
-        self.engine.on_new_head = self._refresh_keeper
+        self.engine = Engine(on_new_head=self._refresh_keeper)
         self.fluid = FluidNet(self.engine)
         self.hosts: dict[str, SimHost] = {}
         self.stats = SimStats()
