@@ -186,7 +186,13 @@ def _add_model_options(p: argparse.ArgumentParser, d: TrainerConfig) -> None:
     g = p.add_argument_group("optimizer (sahajBERT's LAMB recipe)")
     g.add_argument("--learning-rate", type=float, default=o.learning_rate, help="peak lr")
     g.add_argument("--warmup-steps", type=int, default=o.warmup_steps, help="linear warmup")
-    g.add_argument("--total-steps", type=int, default=o.total_steps, help="linear decay to 0")
+    g.add_argument(
+        "--total-steps",
+        type=int,
+        default=o.total_steps,
+        help="linear decay to 0 (diloco: the outer rate's cosine decay to 0 at total-steps / "
+        "inner-steps outer steps; the inner rate stays at its peak after the warmup)",
+    )
 
 
 def _add_trainer_options(p: argparse.ArgumentParser) -> None:

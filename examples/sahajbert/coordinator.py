@@ -127,6 +127,7 @@ class Coordinator:
                 collab,
                 self.cfg.collaboration_target,
                 diloco=trainer.diloco_of(self.cfg),
+                inner_steps=self.cfg.inner_steps,
             )
             self.template = (params, tx.init(params))
             addrs = trainer.dialable(collab)

@@ -109,7 +109,8 @@ def warm_up(cfg: TrainerConfig) -> None:
     micro = cfg.per_device_batch_size * jax.local_device_count() * cfg.grad_accumulation
     grad_step = training.make_grad_step(graphdef, rest)
     batch = next(training.batches(cfg, corpus, len(tokenizer), 0))
-    training.warm_up_step(grad_step, training.jitted_inner(cfg.optimizer), micro, params, batch)
+    inner = training.jitted_inner(cfg.optimizer, decay=cfg.mode != "diloco")
+    training.warm_up_step(grad_step, inner, micro, params, batch)
     marker.write_text(json.dumps(key))
 
 
@@ -313,6 +314,10 @@ def run_collaboration(
     ``on_tick(procs, status)`` is called while waiting (tests use it to kill a peer).
     """
     cfg = cfg.replace(max_epochs=demo.epochs)
+    if cfg.mode == "diloco":  # the outer rate decays to 0 at the demo's last outer step
+        cfg = cfg.replace(
+            optimizer=cfg.optimizer.replace(total_steps=demo.epochs * cfg.inner_steps)
+        )
     started = time.monotonic()
     warm_up(cfg)
     if (out / "logs").is_dir():

@@ -151,9 +151,14 @@ def run_trainer(
         if run_manifest is not None:
             serve_manifest(collab, *run_manifest)
         host = PhaseHost(collab, log_events) if events is not None else collab
-        inner = training.jitted_inner(cfg.optimizer)
+        inner = training.jitted_inner(cfg.optimizer, decay=cfg.mode != "diloco")
         tx = training.make_optimizer(
-            cfg.optimizer, host, cfg.collaboration_target, inner=inner, diloco=diloco_of(cfg)
+            cfg.optimizer,
+            host,
+            cfg.collaboration_target,
+            inner=inner,
+            diloco=diloco_of(cfg),
+            inner_steps=cfg.inner_steps,
         )
         opt_state = tx.init(params)
         # Before anything is compiled: a newcomer loads the run's state, the first peer
