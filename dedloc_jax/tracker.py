@@ -67,7 +67,7 @@ class ProgressTracker:
         self._published_at = -math.inf
         self._published_ttl = config.progress_ttl  # how long our last record lives
         self._published_epoch = -1
-        # (epoch, DHT time): when our first record of that epoch was stored (see seen_since)
+        # (epoch, DHT time): when our first record of that epoch was stored (see stored_since)
         self._epoch_stored: tuple[int, float] = (-1, math.inf)
         self._frozen = False
         self.step_interval = 0.0

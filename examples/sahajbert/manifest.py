@@ -2,10 +2,11 @@
 
 The organiser prepares a run once (``prepare``, or the coordinator when given none): the model
 config, the tokenizer (trained once, on the organiser's machine), the data recipe (sources, mix,
-sequence length, masking), the target batch, the optimizer recipe and the wire codec. The
-coordinator signs it with its identity, stores it under ``<run_id>.manifest`` in the DHT (its
-owner-marked subkey) and serves it, with the tokenizer file, over two RPCs; a trainer that
-adopted it serves both too, so volunteers can join through any peer.
+sequence length, masking), the target batch, the optimizer recipe, the training mode (DeDLOC or
+DiLoCo, with its inner steps) and the wire codec. The coordinator signs it with its identity,
+stores it under ``<run_id>.manifest`` in the DHT (its owner-marked subkey) and serves it, with
+the tokenizer file, over two RPCs; a trainer that adopted it serves both too, so volunteers can
+join through any peer.
 
 A volunteer's trainer asks its ``--initial-peers`` for the manifest before it opens the
 collaboration (the manifest decides how to open it), checks the signature (in a private run:
@@ -32,7 +33,7 @@ from models.text.sources import MAX_SOURCES, SourceSpec, parse_data
 
 log = logging.getLogger(__name__)
 
-VERSION = 1
+VERSION = 2  # 2: the training mode (dedloc or diloco) and DiLoCo's inner steps
 GET_MANIFEST = "sahajbert.manifest"  # RPC: the signed manifest
 GET_TOKENIZER = "sahajbert.tokenizer"  # RPC: the tokenizer.json the manifest names
 MAX_MANIFEST_BYTES = 64 << 10
@@ -118,6 +119,8 @@ class RunManifest:
     data: tuple[SourceSpec, ...] | None  # None: the synthetic corpus (regenerated, seed 0)
     masking: dict[str, float]  # models.text.data.PretrainingConfig's masking and SOP fields
     codec: str  # gradients on the wire
+    mode: str  # "dedloc" or "diloco" (TrainerConfig.mode)
+    inner_steps: int  # diloco: target batches per outer step (1 in dedloc mode)
     tokenizer_sha256: str
     tokenizer_bytes: int
     seed: int = 0  # the shared initialisation
@@ -148,6 +151,11 @@ class RunManifest:
             raise ValueError(f"unknown model {value['model']!r}")
         if value["codec"] not in ("none", "fp16", "bf16", "int8"):
             raise ValueError(f"unknown codec {value['codec']!r}")
+        if value["mode"] not in ("dedloc", "diloco"):
+            raise ValueError(f"unknown mode {value['mode']!r}")
+        inner_steps = _int(value["inner_steps"], "inner_steps", 1, 1 << 20)
+        if value["mode"] == "dedloc" and inner_steps != 1:
+            raise ValueError("inner_steps must be 1 in dedloc mode")
         digest = value["tokenizer_sha256"]
         if (
             not isinstance(digest, str)
@@ -170,6 +178,8 @@ class RunManifest:
             data=data,
             masking=_masking(value["masking"]),
             codec=value["codec"],
+            mode=value["mode"],
+            inner_steps=inner_steps,
             tokenizer_sha256=digest,
             tokenizer_bytes=_int(
                 value["tokenizer_bytes"], "tokenizer_bytes", 1, MAX_TOKENIZER_BYTES
@@ -215,6 +225,8 @@ def build(cfg: TrainerConfig, tokenizer_file: Path, vocab_size: int, codec: str)
         data=data,
         masking={k: float(getattr(masking, k)) for k in _MASKING_FIELDS},
         codec=codec,
+        mode=cfg.mode,
+        inner_steps=cfg.inner_steps if cfg.mode == "diloco" else 1,
         tokenizer_sha256=sha256_file(tokenizer_file),
         tokenizer_bytes=tokenizer_file.stat().st_size,
         seed=cfg.seed,
@@ -482,6 +494,8 @@ RUN_FLAGS = (
     "--learning-rate",
     "--warmup-steps",
     "--total-steps",
+    "--mode",
+    "--inner-steps",
 )
 
 
@@ -496,7 +510,10 @@ def check(manifest: RunManifest, cfg: TrainerConfig, explicit: set[str]) -> None
         "--learning-rate": (o.learning_rate, manifest.optimizer["learning_rate"]),
         "--warmup-steps": (o.warmup_steps, manifest.optimizer["warmup_steps"]),
         "--total-steps": (o.total_steps, manifest.optimizer["total_steps"]),
+        "--mode": (cfg.mode, manifest.mode),
     }
+    if manifest.mode == "diloco":
+        simple["--inner-steps"] = (cfg.inner_steps, manifest.inner_steps)
     for flag, (given, wanted) in simple.items():
         if flag in explicit and given != wanted:
             raise ManifestMismatch(flag, given, wanted)
@@ -550,6 +567,8 @@ def apply(manifest: RunManifest, cfg: TrainerConfig, tok_dir: Path) -> TrainerCo
         data_mix=mix,
         tokenizer=str(tok_dir),
         codec=manifest.codec,
+        mode=manifest.mode,
+        inner_steps=manifest.inner_steps if manifest.mode == "diloco" else cfg.inner_steps,
         seed=manifest.seed,
         masking=tuple(sorted(manifest.masking.items())),
     )

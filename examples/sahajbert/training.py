@@ -241,18 +241,17 @@ def inner_optimizer(opt: OptimizerConfig, *, decay: bool = True) -> optax.Gradie
     )
 
 
+DILOCO_OUTER_LR = 0.7  # DiLoCo's outer rate (its peak here)
+
+
 def outer_optimizer(opt: OptimizerConfig, inner_steps: int) -> optax.GradientTransformation:
     """DiLoCo's outer step for a run of ``opt.total_steps`` target batches, one outer step per
     ``inner_steps`` of them: Nesterov SGD (momentum 0.9) whose rate decays from DiLoCo's 0.7
-    to 0 (cosine) at the run's last outer step. A constant outer rate overshoots once the
-    model nears its loss floor (``bench.diloco_quality``: 8% above DeDLOC's final loss,
-    within 0.1% decayed); every peer derives the same schedule from the run's settings."""
+    to 0 (cosine) at the run's last outer step, since a constant rate overshoots once the
+    model nears its loss floor. Every peer derives the same schedule from the run's settings."""
     outer_steps = max(1, opt.total_steps // inner_steps)
     lr = optax.cosine_decay_schedule(DILOCO_OUTER_LR, outer_steps)
     return optax.sgd(lr, momentum=0.9, nesterov=True)
-
-
-DILOCO_OUTER_LR = 0.7  # DiLoCo's outer rate (its peak here)
 
 
 def jitted_inner(opt: OptimizerConfig, *, decay: bool = True) -> optax.GradientTransformation:

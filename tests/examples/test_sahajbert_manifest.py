@@ -156,7 +156,8 @@ def test_manifest_round_trip_and_hostile_envelopes() -> None:
         manifest.verify(env, run_id="s")
     for field, value in [("seq_length", float("inf")), ("vocab_size", -1), ("codec", "<b>"),
                          ("tokenizer_sha256", "zz"), ("data", [{"kind": "text", "path": ""}]),
-                         ("masking", {"mlm_probability": 2.0})]:  # fmt: skip
+                         ("masking", {"mlm_probability": 2.0}), ("mode", "local"),
+                         ("inner_steps", 0), ("inner_steps", 5)]:  # fmt: skip
         forged = {**made.to_dict(), field: value}
         body = json.dumps(forged, sort_keys=True, separators=(",", ":")).encode()
         e = {"manifest": body, "signer": me.public_key, "signature": me.sign(
@@ -186,3 +187,25 @@ def test_flags_that_contradict_the_manifest_name_the_flag_and_both_values(tmp_pa
     applied = manifest.apply(made, TrainerConfig(), tmp_path)
     assert (applied.model, applied.seq_length, applied.data) == ("tiny", 64, f"block:{data}")
     assert parse_data(applied.data, applied.data_mix) == made.data
+
+
+def test_a_diloco_run_makes_every_volunteer_train_in_diloco_mode(tmp_path) -> None:
+    """The organiser's --mode diloco --inner-steps H travels in the manifest: a volunteer's
+    one-line start (no --mode) trains in DiLoCo mode with H, and a --mode or --inner-steps that
+    contradicts it is refused."""
+    cfg = TrainerConfig().replace(model="tiny", run_id="r", mode="diloco", inner_steps=7)
+    made = manifest.build(cfg, Path(__file__), 900, "int8")
+    assert manifest.RunManifest.from_dict(made.to_dict()) == made
+    applied = manifest.apply(made, TrainerConfig(), tmp_path)
+    assert (applied.mode, applied.inner_steps, applied.codec) == ("diloco", 7, "int8")
+    assert applied.collaboration_target == 7 * applied.target_batch_size
+    manifest.check(made, applied, {"--mode", "--inner-steps"})
+    for bad, flag in [(applied.replace(mode="dedloc"), "--mode"),
+                      (applied.replace(inner_steps=500), "--inner-steps")]:  # fmt: skip
+        with pytest.raises(manifest.ManifestMismatch, match=re.escape(flag)):
+            manifest.check(made, bad, {flag})
+    # a DeDLOC run: the mode travels too, and --inner-steps means nothing there
+    plain = manifest.build(cfg.replace(mode="dedloc"), Path(__file__), 900, "fp16")
+    assert (plain.mode, plain.inner_steps) == ("dedloc", 1)
+    assert manifest.apply(plain, applied, tmp_path).mode == "dedloc"
+    manifest.check(plain, TrainerConfig().replace(inner_steps=9), {"--inner-steps"})
