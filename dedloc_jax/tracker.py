@@ -261,8 +261,9 @@ class ProgressTracker:
         until a read shows the truth (an epoch of fast micro-steps can end before the next
         read):
 
-        - a peer that averaged with us into our epoch, still read at the epoch before, started
-          this one when we did (our first micro-step in it), at its last known rate;
+        - a peer that averaged with us into our epoch, still read at the epoch before or with
+          no sample counted in it yet, started this one when we did (our first micro-step in
+          it), at its last known rate;
         - a peer at our epoch that reports samples but no rate yet (it just started) trains at
           our rate."""
         records = dict(self.contenders())
@@ -270,7 +271,11 @@ class ProgressTracker:
         began = self._mates_began
         for pid in mates if began is not None else ():
             r = records.get(pid)
-            if r is not None and r.epoch == into - 1:
+            if r is not None and r.epoch == into and r.samples == 0 and not r.waiting:
+                # it stepped but has not counted a sample: stamped at its step, before the
+                # pause that follows one (serving, loading, compiling), as ours was
+                records[pid] = dataclasses.replace(r, time=max(r.time, began))
+            elif r is not None and r.epoch == into - 1:
                 # (its last record is the frozen one it published while averaging: rate zero;
                 # one that never published a rate trains at ours, as below)
                 rate = r.samples_per_second or self._rates.get(pid, 0.0) or self.rate

@@ -574,6 +574,38 @@ def test_a_peer_that_opened_with_the_others_joins_the_round_that_waits_for_it() 
     assert out["fed"] < config.target_batch_size
 
 
+def test_a_peer_that_pauses_after_a_step_is_not_counted_as_computing() -> None:
+    """After a step both peers serve their state for a second before their next micro-step.
+    The next step still gathers the target from samples really fed: a mate's record of the
+    new epoch, with no sample yet, counts from when we resumed, not from its step."""
+    config = CollaborationConfig.local_demo(128)
+
+    async def main() -> list[int]:
+        net = SimNetwork(seed=1)
+        fed: list[int] = [0, 0]
+        async with open_sim_collaboration(net, 2, config=config, latency=0.002) as cores:
+
+            async def peer(i: int) -> None:
+                core = cores[i]
+                for epoch in range(2):
+                    if epoch == 1:
+                        await trio.sleep(1.0 + 0.05 * i)  # serving the new state
+                    samples = 0
+                    while not core.report(epoch, samples := samples + MICRO, MICRO):
+                        await trio.sleep(0.02)
+                    if epoch == 1:
+                        fed[i] = samples
+                    await core.average(epoch, [np.ones(5, np.float32)], samples)
+
+            async with trio.open_nursery() as nursery:
+                for i in range(2):
+                    nursery.start_soon(peer, i)
+        return fed
+
+    fed = run_sim(main, seed=1)
+    assert sum(fed) >= config.target_batch_size - 2 * MICRO, fed
+
+
 def test_a_patient_fork_check_waits_while_the_progress_table_is_empty() -> None:
     """An empty table (a read that failed, records that lapsed while a partition cut us off)
     cannot tell whether our state lost: a patient check waits for the table to fill. Before,
