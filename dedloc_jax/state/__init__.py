@@ -13,7 +13,13 @@
 Re-exported here: the names other modules and packages use.
 """
 
-from dedloc_jax.state.chunks import StateAssembler, StateError, StateManifest, pack_state
+from dedloc_jax.state.chunks import (
+    NonFiniteStateError,
+    StateAssembler,
+    StateError,
+    StateManifest,
+    pack_state,
+)
 from dedloc_jax.state.download import (
     StaleStateError,
     StateSyncError,
@@ -29,6 +35,7 @@ from dedloc_jax.state.training import collaboration_epoch, share_state, sync_sta
 __all__ = [
     "Announcement",
     "KeepConfig",
+    "NonFiniteStateError",
     "StaleStateError",
     "StateAssembler",
     "StateError",

@@ -26,6 +26,25 @@ class StateError(ValueError):
     """A manifest or chunk is malformed or does not match its digest."""
 
 
+class NonFiniteStateError(StateError):
+    """A state holds a NaN or an infinity: the run (or this peer) diverged. Such a state is
+    never served nor loaded: it would spread to every peer that trains on it."""
+
+
+def first_non_finite(arrays: Sequence[np.ndarray]) -> int | None:
+    """The index of the first array holding a NaN or an infinity (None: all are finite).
+    Integer and boolean arrays are finite by nature; bfloat16 ones are checked as float32."""
+    for i, a in enumerate(arrays):
+        a = np.asarray(a)
+        if a.dtype.kind in "biu":
+            continue
+        if a.dtype.kind != "f":  # e.g. ml_dtypes' bfloat16
+            a = a.astype(np.float32)
+        if not np.isfinite(a).all():
+            return i
+    return None
+
+
 def _dtype_name(dtype: np.dtype) -> str:
     return np.dtype(dtype).name
 

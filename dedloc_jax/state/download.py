@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import trio
 
-from dedloc_jax.state.chunks import StateAssembler, StateError, StateManifest
+from dedloc_jax.state.chunks import StateAssembler, StateError, StateManifest, first_non_finite
 from dedloc_jax.state.lineage import Announcement, fork_choice
 from dedloc_jax.state.serving import CHUNK, MANIFEST, read_announcements
 from p2p.dht import DHT
@@ -201,6 +201,17 @@ async def download_manifest_state(
                 for donor, indices in plan.items():
                     nursery.start_soon(fetch, donor, indices)
             live = [d for d in live if str(d) not in failed]
-        return manifest, assembler.arrays(), len(used)
+        arrays = assembler.arrays()
+        bad = first_non_finite(arrays)
+        if bad is not None:
+            # Its digest checks out, so every donor of it serves the same: a diverged run's
+            # state (or liars'); training on it would only spread the NaN.
+            log.error(
+                "the state of epoch %d that %d donor(s) serve holds a NaN or an infinity "
+                "(array %d): the run diverged; not loading it",
+                manifest.epoch, len(used), bad,
+            )  # fmt: skip
+            raise StateSyncError(f"the state of epoch {manifest.epoch} is not finite")
+        return manifest, arrays, len(used)
     assert scope.cancelled_caught
     raise StateSyncError(f"state download did not finish within {timeout} s")

@@ -16,7 +16,15 @@ import numpy as np
 import trio
 
 from dedloc_jax.progress import MAX_DIGEST
-from dedloc_jax.state.chunks import StateAssembler, StateError, StateManifest, chunk_of, pack_state
+from dedloc_jax.state.chunks import (
+    NonFiniteStateError,
+    StateAssembler,
+    StateError,
+    StateManifest,
+    chunk_of,
+    first_non_finite,
+    pack_state,
+)
 from dedloc_jax.state.lineage import LINEAGE, Announcement, fork_verdict
 from p2p.dht import DHT, InvalidRecordError, follower_replicas
 from p2p.dht.records import owner_marker, owner_markers
@@ -73,6 +81,14 @@ class StateServer:
         self.node.add_handler(CHUNK, self._handle_chunk)
 
     def set_state(self, arrays: Sequence[np.ndarray], epoch: int) -> StateManifest:
+        """Serve ``arrays`` as our state of ``epoch`` from now on. NonFiniteStateError (and
+        nothing changes) when they hold a NaN or an infinity."""
+        bad = first_non_finite(arrays)
+        if bad is not None:
+            raise NonFiniteStateError(
+                f"the state of epoch {epoch} holds a NaN or an infinity (array {bad}): the run "
+                "diverged; not serving it"
+            )
         manifest, buffer = pack_state(arrays, epoch, chunk_bytes=self.chunk_bytes)
         self._snapshots[manifest.digest] = (manifest, buffer)
         while len(self._snapshots) > _KEEP:
@@ -94,7 +110,13 @@ class StateServer:
     def hold(self, manifest: StateManifest, arrays: Sequence[np.ndarray]) -> None:
         """Serve a state downloaded from others under its own manifest (its digest, which the
         others' fork checks count and ours asks of, whatever our chunk size); our next step
-        descends from it."""
+        descends from it. NonFiniteStateError (and nothing changes) for a non-finite state."""
+        bad = first_non_finite(arrays)
+        if bad is not None:
+            raise NonFiniteStateError(
+                f"the state of epoch {manifest.epoch} holds a NaN or an infinity (array {bad}): "
+                "not serving it"
+            )
         self.adopt(manifest.epoch, manifest.digest)
         self._snapshots[manifest.digest] = (manifest, b"".join(a.tobytes() for a in arrays))
         while len(self._snapshots) > _KEEP:

@@ -1,9 +1,11 @@
 from __future__ import annotations
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import trio
 
+from dedloc_jax.state.chunks import NonFiniteStateError, pack_state
 from dedloc_jax.state.download import (
     StateSyncError,
     download_manifest_state,
@@ -79,6 +81,35 @@ def test_a_lying_donor_is_detected_and_honest_donors_finish() -> None:
             servers[0]._snapshots[digest] = (manifest, bytes(b ^ 0xFF for b in buffer))
             epoch, arrays, _ = await download_state(peers[3][0], peers[3][1], "run", timeout=60)
             assert epoch == 2 and arrays[0].tobytes() == _state(2)[0].tobytes()
+
+    run_sim(main)
+
+
+def test_a_non_finite_state_is_never_served_nor_loaded() -> None:
+    """A diverged state (a NaN in it) spreads to every peer that trains on it: a peer refuses
+    to serve one (and keeps serving its last finite state), and a download of one that a
+    donor serves anyway (an older version, a liar) loads nothing."""
+
+    async def main() -> None:
+        net = SimNetwork(seed=5)
+        async with open_sim_dhts(net, 3) as peers:
+            honest, liar = _servers(peers, range(2))
+            honest.set_state(_state(3), epoch=3)
+            diverged = _state(4)
+            diverged[0][5, 7] = np.nan
+            with pytest.raises(NonFiniteStateError, match="epoch 4 holds a NaN"):
+                honest.set_state(diverged, epoch=4)
+            assert honest.latest.epoch == 3  # still serving epoch 3
+            # bfloat16 (ml_dtypes) arrays are checked too
+            with pytest.raises(NonFiniteStateError):
+                honest.set_state([diverged[0].astype(jnp.bfloat16)], epoch=4)
+            # the liar serves the diverged state behind the checks
+            manifest, buffer = pack_state(diverged, 4, chunk_bytes=4096)
+            liar._snapshots[manifest.digest] = (manifest, buffer)
+            liar.latest = manifest
+            await liar.announce()
+            with pytest.raises(StateSyncError, match="epoch 4 is not finite"):
+                await download_state(peers[2][0], peers[2][1], "run", timeout=60)
 
     run_sim(main)
 
