@@ -567,6 +567,13 @@ def main(argv: list[str] | None = None) -> int:
         result = run_trainer(
             cfg, net, final_params=args.save_final, run_manifest=run_manifest, events=args.events
         )
+        if result.diverged is not None:
+            print(
+                f"trainer: the run diverged at epoch {result.diverged} (a loss or parameter "
+                "that is not finite); stopped",
+                file=sys.stderr,
+            )
+            return 3
         print(f"stopped at epoch {result.epoch} after {result.samples} samples")
         return 0
     if role == "coordinator":

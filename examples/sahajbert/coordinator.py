@@ -97,6 +97,9 @@ class Coordinator:
         self.envelope: dict | None = None  # what we sign and serve (run() sets it)
         self.manifest_conflicts: dict[str, str] = {}  # peer -> digest of what it republishes
         self._manifests_checked = -math.inf
+        # peer -> the epoch at which it found the run diverged (kept after its record lapses:
+        # a trainer stops then); bounded, since any peer may claim it
+        self.diverged: dict[str, int] = {}
 
     def run(self) -> dict[str, Any]:
         from examples.sahajbert import manifest
@@ -151,6 +154,7 @@ class Coordinator:
                 self._check_manifests(collab)
                 self._manifests_checked = time.monotonic()
             records = self._fetch(collab)
+            self._note_divergence(records)
             est = collab.estimate
             now = time.time()
             self.table.add(records, now=now)
@@ -175,6 +179,12 @@ class Coordinator:
                 return status
             self._check_final(final)
             time.sleep(self.opts.poll_interval)
+
+    def _note_divergence(self, records: dict[str, metrics.PeerMetrics]) -> None:
+        for peer, r in records.items():
+            if r.diverged is not None and peer not in self.diverged and len(self.diverged) < 64:
+                self.diverged[peer] = r.diverged
+                log.error("peer %s reports that the run diverged at epoch %d", peer, r.diverged)
 
     def _fetch(self, collab: Any) -> dict[str, metrics.PeerMetrics]:
         """Every peer's metrics, or none when the DHT does not answer within the read timeout
@@ -320,8 +330,13 @@ class Coordinator:
             {k: v for k, v in asdict(r).items() if k != "history"}
             for r in sorted(records.values(), key=lambda r: r.peer)
         ]
+        diverged = self.diverged
         return {
             "run_id": self.cfg.run_id,
+            "state": "diverged" if diverged else "training",
+            "diverged": {"epoch": min(diverged.values()), "peers": sorted(diverged)}
+            if diverged
+            else None,
             "manifest": self.manifest.digest if self.manifest else None,
             "tokenizer_sha256": self.manifest.tokenizer_sha256 if self.manifest else None,
             "manifest_conflicts": dict(sorted(self.manifest_conflicts.items())[:100]),

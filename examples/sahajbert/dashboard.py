@@ -64,7 +64,10 @@ function plot(id,xs,ys,color,digits){
 async function refresh(){
   try{
     const s=await (await fetch("api/status")).json(),e=s.estimate||{};
-    document.getElementById("summary").innerHTML=
+    const dv=s.diverged;
+    document.getElementById("summary").innerHTML=(dv?`<span id="diverged" style="color:#c00">`+
+      `<b>diverged</b> at epoch ${esc(dv.epoch)} (${(dv.peers||[]).length|0} peers say so)`+
+      `</span>`:"")+
       `<span>epoch <b id="epoch">${esc(e.epoch)}</b></span>`+
       `<span>samples ${fmt(e.samples,0)} / ${esc(s.target_batch_size)}</span>`+
       `<span>${fmt(e.samples_per_second,1)} samples/s</span><span>ETA ${fmt(e.eta,1)} s</span>`+

@@ -109,7 +109,7 @@ def warm_up(cfg: TrainerConfig) -> None:
     micro = cfg.per_device_batch_size * jax.local_device_count() * cfg.grad_accumulation
     grad_step = training.make_grad_step(graphdef, rest)
     batch = next(training.batches(cfg, corpus, len(tokenizer), 0))
-    inner = training.jitted_inner(cfg.optimizer, decay=cfg.mode != "diloco")
+    inner = training.trainer_inner(cfg, micro)
     training.warm_up_step(grad_step, inner, micro, params, batch)
     marker.write_text(json.dumps(key))
 

@@ -9,8 +9,9 @@ Each line is flushed at once (a SIGKILL loses at most the line being written) an
   load), ``accumulating`` or ``averaging`` (matchmaking and the all-reduce);
 - ``beat``: a heartbeat while accumulating (at most twice a second);
 - ``epoch``: after each collaboration step (``how`` ``step``, ``group``: the averaging group's
-  size) or state load (``how`` ``load``): the epoch, the SHA-256 of the parameters
-  (``digest``), the mean loss and whether everything is finite.
+  size) or state load (``how`` ``load``): the epoch, the SHA-256 of the parameters that
+  peers in step hold bit for bit (``digest``; in DiLoCo mode the outer parameters), the mean
+  loss and whether everything is finite.
 """
 
 from __future__ import annotations

@@ -98,11 +98,16 @@ class PeerMetrics:
     time: float = 0.0  # DHT time of the report
     devices: int = 1
     history: tuple[EpochFigures, ...] = field(default_factory=tuple)
+    # The epoch after which this peer found the run diverged (a non-finite loss or state) and
+    # stopped; None while it trains. A claim like any other: it names the peer that made it.
+    diverged: int | None = None
 
     def to_record(self) -> dict[str, Any]:
         out = asdict(self)
         del out["peer"]  # the subkey names the peer, and the signature proves it
         out["history"] = [[h.epoch, h.loss, h.samples, h.seconds] for h in self.history]
+        if self.diverged is None:
+            del out["diverged"]
         return out
 
     @classmethod
@@ -128,10 +133,18 @@ class PeerMetrics:
                 time=_number(value.get("time", 0.0), "time", 0.0, MAX_TIME),
                 devices=_integer(value.get("devices", 1), "devices", 1, MAX_DEVICES),
                 history=_history(value.get("history", [])),
+                diverged=None
+                if value.get("diverged") is None
+                else _integer(value["diverged"], "diverged", 0, MAX_EPOCH),
             )
         except KeyError as e:
             raise ValueError(f"metrics record lacks {e}") from None
         return record
+
+
+def reportable_loss(loss: float) -> float:
+    """``loss`` as a record carries it: NaN (no figure) for one outside [0, MAX_LOSS]."""
+    return loss if 0.0 <= loss <= MAX_LOSS else math.nan
 
 
 def _shown(value: Any) -> str:
@@ -182,7 +195,8 @@ def _history(value: Any) -> tuple[EpochFigures, ...]:
         out.append(
             EpochFigures(
                 _integer(e, "history epoch", 0, MAX_EPOCH),
-                _number(loss, "history loss", 0.0, MAX_LOSS),
+                # NaN: no figure (a diverged epoch's loss, which a record cannot carry)
+                _number(loss, "history loss", 0.0, MAX_LOSS, unknown_ok=True),
                 _integer(samples, "history samples", 0, MAX_SAMPLES),
                 _number(seconds, "history seconds", 0.0, MAX_SECONDS),
             )

@@ -23,7 +23,7 @@ import numpy as np
 
 from examples.sahajbert import metrics, training
 from examples.sahajbert.config import NetConfig, TrainerConfig
-from examples.sahajbert.events import EventLog, PhaseHost
+from examples.sahajbert.events import EventLog, PhaseHost, finite
 
 log = logging.getLogger(__name__)
 
@@ -101,6 +101,7 @@ class TrainerResult:
     samples: int
     history: list[metrics.EpochFigures] = field(default_factory=list)
     final_params: Path | None = None
+    diverged: int | None = None  # the epoch whose loss or state was not finite (then it stopped)
 
 
 class _Throughput:
@@ -151,7 +152,8 @@ def run_trainer(
         if run_manifest is not None:
             serve_manifest(collab, *run_manifest)
         host = PhaseHost(collab, log_events) if events is not None else collab
-        inner = training.jitted_inner(cfg.optimizer, decay=cfg.mode != "diloco")
+        micro = cfg.per_device_batch_size * jax.local_device_count() * cfg.grad_accumulation
+        inner = training.trainer_inner(cfg, micro)  # DiLoCo: its rate is per micro-batch
         tx = training.make_optimizer(
             cfg.optimizer,
             host,
@@ -166,7 +168,6 @@ def run_trainer(
         params, opt_state = _keep_in_step(host, params, opt_state, log_events)
         log_events.phase("compiling", epoch=int(opt_state.epoch))
         devices = jax.local_device_count()
-        micro = cfg.per_device_batch_size * devices * cfg.grad_accumulation
         grad_step = training.make_grad_step(graphdef, rest)
         step = training.make_train_step(graphdef, rest, tx, micro, grad_step=grad_step)
         peer_seed = int.from_bytes(hashlib.sha256(collab.peer_id.encode()).digest()[:4], "big")
@@ -186,6 +187,8 @@ def run_trainer(
         result = _loop(cfg, collab, step, data, params, opt_state, devices, host, log_events)
         params, opt_state = result.pop("params"), result.pop("opt_state")
         out = TrainerResult(**result)
+        if out.diverged is not None:
+            return out  # nothing finite to save or to serve on
         if final_params is not None:
             final_params.parent.mkdir(parents=True, exist_ok=True)
             flat = training.flat_params(params)
@@ -204,9 +207,24 @@ def _keep_in_step(host: Any, params: Any, opt_state: Any, events: EventLog) -> t
     loads = host.keeper.loads
     params, opt_state = dedloc_jax.keep_in_step(host, params, opt_state)
     if host.keeper.loads != loads:
-        events.epoch(int(opt_state.epoch), "load", params)
+        events.epoch(int(opt_state.epoch), "load", shared_params(params, opt_state))
         events.phase("accumulating", epoch=int(opt_state.epoch))
     return params, opt_state
+
+
+def shared_params(params: Any, opt_state: Any) -> Any:
+    """The parameters every peer of a step holds bit for bit: in DiLoCo mode the outer ones
+    (the local ones are each peer's own work, and right after an outer step they are moved
+    onto the outer ones with one rounding each, which differs per peer), else ``params``."""
+    from dedloc_jax import DiLoCoState
+
+    return opt_state.outer_params if isinstance(opt_state, DiLoCoState) else params
+
+
+def _diverged(loss: float, shared: Any) -> bool:
+    """Whether an epoch's figures say the run diverged: a loss that is not finite or beyond
+    any a record may carry (metrics.MAX_LOSS), or parameters holding a NaN or an infinity."""
+    return not 0.0 <= loss <= metrics.MAX_LOSS or not finite(shared)
 
 
 def _spread(params: Any, opt_state: Any, data: Any) -> tuple[Any, Any, Any]:
@@ -274,13 +292,14 @@ def _loop(
     epoch_samples = 0
     epoch_started = last_publish = time.monotonic()
     last_loss = math.nan
+    diverged: int | None = None
 
     def publish() -> None:
         links = collab.links
         record = metrics.PeerMetrics(
             peer=collab.peer_id,
             epoch=epoch,
-            loss=last_loss,
+            loss=metrics.reportable_loss(last_loss),
             samples_per_second=meter.rate,
             micro_steps=micro_steps,
             samples=samples,
@@ -290,6 +309,7 @@ def _loop(
             time=collab.now(),
             devices=devices,
             history=tuple(history[-metrics.HISTORY :]),
+            diverged=diverged,
         )
         try:
             collab.run_async(lambda c: metrics.publish(c, record, METRICS_TTL))
@@ -310,16 +330,29 @@ def _loop(
         events.beat(stepped_to)
         if stepped_to != epoch:
             last_loss = float(np.mean(epoch_losses))
+            loss_shown = metrics.reportable_loss(last_loss)
+            figures = metrics.EpochFigures(epoch, loss_shown, epoch_samples, now - epoch_started)
             group = int(opt_state.group_size)
-            events.epoch(stepped_to, "step", params, group=group, loss=last_loss)
+            shared = shared_params(params, opt_state)
+            events.epoch(stepped_to, "step", shared, group=group, loss=last_loss)
+            if _diverged(last_loss, shared):
+                # Stop the damage: this state is never served (nor loaded by anyone), and a
+                # trainer that went on would only feed NaN to the others.
+                log.error(
+                    "the run diverged: epoch %d's loss is %s and its state is %s; stopping. "
+                    "Restart the run from a checkpoint before epoch %d with a smaller learning "
+                    "rate", epoch, last_loss, "finite" if finite(shared) else "not finite",
+                    epoch,
+                )  # fmt: skip
+                diverged = epoch
+                history.append(figures)
+                break
         # Serves the new state after a step; loads the run's after a step alone, a lost fork
         # check, or when the run is ahead (the library's policy: dedloc_jax.keep_in_step).
         params, opt_state = _keep_in_step(host, params, opt_state, events)
         new_epoch = int(opt_state.epoch)
         if stepped_to != epoch:
-            history.append(
-                metrics.EpochFigures(epoch, last_loss, epoch_samples, now - epoch_started)
-            )
+            history.append(figures)
             log.info("epoch %d done: loss %.4f (%d samples here)", epoch, last_loss, epoch_samples)
         if new_epoch != epoch:
             epoch, epoch_losses, epoch_samples, epoch_started = new_epoch, [], 0, now
@@ -332,6 +365,7 @@ def _loop(
             time.sleep(cfg.step_delay)
     publish()
     return {
+        "diverged": diverged,
         "epoch": epoch,
         "micro_steps": micro_steps,
         "samples": samples,

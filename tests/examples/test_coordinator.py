@@ -183,7 +183,8 @@ HOSTILE = {
     "epoch bool": {"epoch": True},
     "loss -1e30": {"loss": -1e30, "history": [[3, -1e30, 32, 3.0]]},
     "samples 1e15": {"samples": 1e15, "history": [[3, 7.0, 10**15, 3.0]]},
-    "history nan": {"history": [[3, math.nan, 32, 3.0]]},
+    "history loss inf": {"history": [[3, math.inf, 32, 3.0]]},
+    "diverged text": {"diverged": "3"},
     "history inf seconds": {"history": [[3, 7.0, 32, math.inf]]},
     "history too long": {"history": [[e, 7.0, 32, 3.0] for e in range(100)]},
     "script mode": {"mode": "<img src=x onerror=alert(1)>"},
@@ -209,6 +210,32 @@ def test_hostile_metrics_records_leave_the_rows_unchanged(tmp_path, saved, caplo
     assert len(status["peers"]) == 3  # only the honest ones
     dropped = {r.args[0] for r in caplog.records if "dropping the metrics" in r.getMessage()}
     assert len(dropped) == len(HOSTILE)  # each liar logged
+
+
+def test_a_diverged_run_shows_as_diverged_with_its_peers(tmp_path, saved, caplog) -> None:
+    """A trainer that found the run diverged publishes a record whose last epoch has no loss
+    (NaN) and which says at which epoch: the coordinator counts the peer (it dropped every
+    such record before, "history loss nan is outside [0, 10000]", and showed 0 peers), logs an
+    ERROR and shows the run as diverged in status.json, also once the record has lapsed."""
+    honest = _honest()
+    marker = next(iter(honest))
+    record = honest[marker]
+    record["history"][-1][1] = math.nan
+    honest[marker] = {**record, "loss": math.nan, "diverged": 3}
+    coord = _coordinator(tmp_path)
+    status = coord._poll(MetricsCollab(honest), _Dash(), [])
+    assert len(status["peers"]) == 3
+    assert status["state"] == "diverged"
+    (peer,) = [p["peer"] for p in status["peers"] if math.isnan(p["loss"])]
+    assert status["diverged"] == {"epoch": 3, "peers": [peer]}
+    assert any(
+        r.levelname == "ERROR" and "diverged at epoch 3" in r.getMessage() for r in caplog.records
+    )
+    # epoch 3's row: the median of the other two peers' losses (6.9 and 7.1)
+    assert coord.table.rows[-1]["epoch"] == 3
+    assert coord.table.rows[-1]["loss"] == pytest.approx(7.0)
+    lapsed = coord._status({}, MetricsCollab({}).estimate, "", [])
+    assert lapsed["state"] == "diverged" and lapsed["diverged"]["peers"] == [peer]
 
 
 def test_one_lying_peer_cannot_move_the_epoch_rows(tmp_path, saved) -> None:

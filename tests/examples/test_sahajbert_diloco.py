@@ -11,7 +11,7 @@ import pytest
 from dedloc_jax import DiLoCoState
 from examples.sahajbert import training
 from examples.sahajbert.__main__ import parse_args, trainer_config
-from examples.sahajbert.config import DEFAULT_WORK_DIR, DemoConfig, TrainerConfig
+from examples.sahajbert.config import DEFAULT_WORK_DIR, DemoConfig, OptimizerConfig, TrainerConfig
 from examples.sahajbert.demo import cli_args, run_collaboration
 from examples.sahajbert.trainer import collaboration_config
 
@@ -103,3 +103,84 @@ def test_the_diloco_demo_as_shipped_lowers_the_loss(tmp_path: Path) -> None:
     assert result.identical
     losses = [r["loss"] for r in result.rows if r.get("loss") is not None]
     assert np.mean(losses[-3:]) < np.mean(losses[:3]) - 0.2, losses
+
+
+def _replay_prepared_run(outer_steps: int, peers: int = 2) -> list[float]:
+    """The recipe of a prepared DiLoCo run as the issue ran it (`prepare --config tiny
+    --target-batch-size 96 --seq-length 64 --learning-rate 0.03 --warmup-steps 2 --total-steps
+    1000 --mode diloco --inner-steps 2`, volunteers with `--per-device-batch-size 4`), its
+    peers as threads of this process averaging in lockstep (int8 as on the wire), built from
+    the trainer's own pieces. Peer 0's mean training loss per outer step."""
+    import threading
+
+    from bench.diloco_quality import Group
+    from dedloc_jax.diloco import outer_params_after_step
+
+    opt = OptimizerConfig(learning_rate=0.03, warmup_steps=2, total_steps=1000)
+    cfg = TrainerConfig.demo(DEFAULT_WORK_DIR).replace(
+        per_device_batch_size=4, optimizer=opt, mode="diloco", inner_steps=2
+    )
+    micro = cfg.per_device_batch_size
+    tokenizer, corpus = training.prepare_data(cfg)
+    vocab = len(tokenizer)
+    graphdef, params0, rest = training.build_model(
+        training.model_config(cfg.model, vocab, cfg.seq_length, cfg.bf16), seed=cfg.seed
+    )
+    group = Group(peers, cfg.collaboration_target, "int8")
+    grad_step = training.make_grad_step(graphdef, rest)
+    inner = training.trainer_inner(cfg, micro)
+    losses: list[float] = []
+    errors: list[BaseException] = []
+
+    def run(i: int) -> None:
+        try:
+            tx = training.make_optimizer(
+                opt, group.peer(i), cfg.collaboration_target, inner=inner, diloco="int8",
+                inner_steps=cfg.inner_steps,
+            )  # fmt: skip
+            step = training.make_train_step(graphdef, rest, tx, micro, grad_step=grad_step)
+            params, state = params0, tx.init(params0)
+            data = training.batches(cfg, corpus, vocab, peer_seed=1000 + i)
+            mean: list[float] = []
+            while int(state.epoch) < outer_steps:
+                epoch = int(state.epoch)
+                params, state, loss = step(params, state, next(data))
+                mean.append(float(loss))
+                if int(state.epoch) != epoch:
+                    params = outer_params_after_step(params, state)
+                    if i == 0:
+                        losses.append(float(np.mean(mean)))
+                    mean = []
+        except BaseException as e:  # noqa: BLE001 - re-raised in the test's thread
+            errors.append(e)
+            group.barrier.abort()
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(peers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return losses
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_prepared_diloco_run_keeps_lowering_its_loss() -> None:
+    """Issue 45's recipe: with the inner LAMB at the run's rate on each micro-batch of 4, the
+    loss fell 7.29 -> 6.35 by the third outer step, then rose (7.26 at the 10th, 63 at the
+    30th, NaN near the 50th). With the inner rate per micro-batch it falls and stays down."""
+    losses = _replay_prepared_run(24)
+    assert all(np.isfinite(losses)), losses
+    assert np.mean(losses[-4:]) < losses[0] - 0.8, losses
+    assert max(losses[12:]) < min(losses[:6]) + 0.3, losses  # no rise after the first fall
+
+
+def test_the_inner_rate_in_diloco_mode_is_the_runs_per_micro_batch() -> None:
+    opt = TrainerConfig.demo().optimizer  # lr 0.03
+    inner = training.diloco_inner_recipe(opt, samples_per_step=4, target_batch_size=96)
+    assert inner.learning_rate == pytest.approx(0.03 * 4 / 96)
+    assert inner.replace(learning_rate=opt.learning_rate) == opt  # nothing else changes
+    # a micro-batch larger than the target batch never raises the rate
+    assert training.diloco_inner_recipe(opt, 256, 96).learning_rate == opt.learning_rate
