@@ -184,3 +184,44 @@ def test_the_inner_rate_in_diloco_mode_is_the_runs_per_micro_batch() -> None:
     assert inner.replace(learning_rate=opt.learning_rate) == opt  # nothing else changes
     # a micro-batch larger than the target batch never raises the rate
     assert training.diloco_inner_recipe(opt, 256, 96).learning_rate == opt.learning_rate
+
+
+def test_the_digested_parameters_are_bit_identical_after_an_outer_step() -> None:
+    """Two peers in lockstep (int8 on the wire) after one outer step: the parameters the
+    trainer digests (``shared_params``: the outer ones) are equal bit for bit, while the local
+    parameters the step returned (moved onto the outer ones, one rounding each) are not; those
+    were the digests of issue 45."""
+    import threading
+
+    import jax.numpy as jnp
+
+    import dedloc_jax
+    from bench.diloco_quality import Group
+    from examples.sahajbert.events import params_digest
+    from examples.sahajbert.trainer import shared_params
+
+    group = Group(2, target=8, codec="int8")
+    init = {"w": jnp.asarray(np.random.default_rng(0).normal(size=4096), jnp.float32)}
+    out: list = [None, None]
+
+    def run(i: int) -> None:
+        tx = dedloc_jax.diloco(optax.adam(0.01), group.peer(i), target_batch_size=8)
+        params, state = init, tx.init(init)
+        rng = np.random.default_rng(i + 1)
+        while int(state.epoch) == 0:
+            grads = {"w": jnp.asarray(rng.normal(size=4096), jnp.float32)}
+            updates, state = tx.update(grads, state, params, batch_size=2)
+            params = optax.apply_updates(params, updates)
+        out[i] = (params, state)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    (p0, s0), (p1, s1) = out
+    assert params_digest(shared_params(p0, s0)) == params_digest(shared_params(p1, s1))
+    assert params_digest(p0) != params_digest(p1)  # what was digested before
+    np.testing.assert_allclose(p0["w"], s0.outer_params["w"], atol=1e-6)  # one rounding off
+    # DeDLOC mode: the parameters themselves
+    assert shared_params(p0, ()) is p0
