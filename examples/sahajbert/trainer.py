@@ -339,10 +339,9 @@ def _loop(
                 # Stop the damage: this state is never served (nor loaded by anyone), and a
                 # trainer that went on would only feed NaN to the others.
                 log.error(
-                    "the run diverged: epoch %d's loss is %s and its state is %s; stopping. "
-                    "Restart the run from a checkpoint before epoch %d with a smaller learning "
-                    "rate", epoch, last_loss, "finite" if finite(shared) else "not finite",
-                    epoch,
+                    "the run diverged: epoch %d's loss is %s and its state is %s; stopping "
+                    "(restart the run from an earlier checkpoint with a smaller learning rate)",
+                    epoch, last_loss, "finite" if finite(shared) else "not finite",
                 )  # fmt: skip
                 diverged = epoch
                 history.append(figures)
