@@ -317,8 +317,11 @@ def _loop(
         params, opt_state = _keep_in_step(host, params, opt_state, events)
         new_epoch = int(opt_state.epoch)
         if stepped_to != epoch:
+            state = _served_state(collab, int(opt_state.epoch))
             history.append(
-                metrics.EpochFigures(epoch, last_loss, epoch_samples, now - epoch_started)
+                metrics.EpochFigures(
+                    epoch, last_loss, epoch_samples, now - epoch_started, group, state
+                )
             )
             log.info("epoch %d done: loss %.4f (%d samples here)", epoch, last_loss, epoch_samples)
         if new_epoch != epoch:
@@ -339,6 +342,22 @@ def _loop(
         "params": params,
         "opt_state": opt_state,
     }
+
+
+def _served_state(collab: Any, epoch: int) -> str:
+    """The first hex digits of the digest of the state this peer serves, if of ``epoch`` (the
+    one it goes on with); "" when it serves none of that epoch."""
+
+    async def served(core: Any) -> Any:
+        return core.tracker.served
+
+    try:
+        got = collab.run_async(served)
+    except RuntimeError:
+        return ""
+    if got is None or got[0] != epoch:
+        return ""
+    return got[1].hex()[: metrics.STATE_HEX]
 
 
 def _linger(collab: Any, epoch: int, seconds: float) -> None:
