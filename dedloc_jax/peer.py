@@ -569,7 +569,7 @@ class CollaborationPeer:
 
     def _table_states(self) -> list[Announcement]:
         """The states the progress table names (every other peer's, as last read)."""
-        return [Announcement(*s) for s in self.tracker.states()]
+        return self.tracker.announcements()
 
     async def on_minority_fork(self, *, patience: float = 0.0, undecided: bool = False) -> bool:
         """Whether the state we serve lost to another lineage (one more peers hold, see
@@ -596,8 +596,8 @@ class CollaborationPeer:
         """:meth:`on_minority_fork` asked once, without waiting: None while it cannot tell
         (most peers still average the epoch, or the table names no state)."""
         latest = self.state_server.latest
-        if latest is None:
-            return False  # we serve nothing: nothing to lose
+        if latest is None or self.mode == "aux":
+            return False  # we serve nothing, or a copy (no vote): nothing to lose
         table = self._table_states()
         # An empty table (a read that failed, records that lapsed in a cut) cannot tell.
         if not table:

@@ -238,6 +238,15 @@ class ProgressTracker:
             (pid, *r.state) for pid, r in self.records.items() if r.state and pid != self.peer_id
         ]
 
+    def announcements(self) -> list[Announcement]:
+        """:meth:`states` as the fork choice counts them: an aux peer's state (a coordinator's
+        checkpoint) is a copy it serves, not a vote (:attr:`Announcement.votes`)."""
+        return [
+            Announcement(pid, *r.state, votes=r.mode != "aux")
+            for pid, r in self.records.items()
+            if r.state and pid != self.peer_id
+        ]
+
     def contenders(self) -> dict[str, PeerProgress]:
         """The records of the peers on the lineage the collaboration follows (and of those
         that serve no state yet): only they move its epoch and count toward its batch.
@@ -313,9 +322,9 @@ class ProgressTracker:
         if key == self._fork_input:
             return
         self._fork_input = key
-        announced = [Announcement(*s) for s in states]
+        announced = self.announcements()
         if self.served is not None:
-            announced.append(Announcement(self.peer_id, *self.served))
+            announced.append(Announcement(self.peer_id, *self.served, votes=self.mode != "aux"))
         self.losers = frozenset(losing_peers(announced) - {self.peer_id})
 
     async def freeze(self) -> None:

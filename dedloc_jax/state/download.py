@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -42,10 +43,12 @@ async def find_donors(
     fork checks count: the state key's reads miss some peers, and a choice from it alone may
     name a lineage the next fork check rejects). Per peer, its newest one counts."""
     newest: dict[str, Announcement] = {}
+    # The table says which peers train nothing: their announcements are copies, not votes.
+    copies = {str(a.peer) for a in extra if not a.votes}
     for a in (*await read_announcements(node, dht, run_id, whole=True), *extra):
         known = newest.get(str(a.peer))
         if known is None or a.epoch > known.epoch:
-            newest[str(a.peer)] = a
+            newest[str(a.peer)] = replace(a, votes=False) if str(a.peer) in copies else a
     chosen = fork_choice(list(newest.values()))
     if chosen is None:
         return None

@@ -9,14 +9,14 @@ Called once per micro-step after the train step, it makes a training loop follow
   healed partition, a step alone while the others averaged): ``fork_check_after`` seconds
   into each epoch and every ``fork_recheck`` seconds after, and at once after a step taken
   without the whole collaboration or at the end of an epoch too short to have been checked;
-  when it lost, it loads the winner's state (never one older than ours), with a few retries;
+  when it lost, it loads the winner's state (an older one too), with a few retries;
 - when the others are at a newer epoch and a newer state is served, it loads it.
 
 A fork check is patient without blocking: while it cannot tell (most peers still average the
 epoch), it is asked again every ``fork_poll`` seconds, at the next calls, for up to
 ``fork_patience`` seconds into the epoch. Then it counts as "not lost", except after a step
-without the whole collaboration: that peer is most likely the odd one out, and it loads (a
-download never brings a state older than ours). By default no call waits on a check: the
+without the whole collaboration: that peer is most likely the odd one out, and it loads
+the state the fork choice names. By default no call waits on a check: the
 training thread goes on with its micro-steps while the others finish averaging (and may train
 on its lone state until the check tells). ``fork_hold`` lets a call after such a step wait
 instead, polling, for up to that many seconds into the epoch, until it knows which state to
@@ -220,34 +220,23 @@ class StepKeeper:
             # Another lineage, held by more peers, won (after a partition healed, each side
             # having averaged apart; or we stepped alone): take theirs.
             log.warning("epoch %d: our state lost to the majority's; loading it", epoch)
-            got, now = yield from self._adopt(epoch, now)
-            if got != STALE or not patient:
-                return
-            # Lost at an older fork while the winners still average this epoch: ask again
-            # soon, and load the state they step to.
-            if now >= hold_until:
-                self._next_check = now + c.fork_poll
-                return
-            self.checked = False
-            now = yield Sleep(c.fork_poll)
+            yield from self._adopt(epoch, now)
+            return
 
-    def _adopt(self, epoch: int, now: float) -> Generator[Request, Any, tuple[int | str, float]]:
-        """Load the winner's state unless it is older than ours (an older one, e.g. a peer
-        still on its first micro-step serving the initial state, would undo the run's
-        progress: ours is kept, and the late peers load it), trying ``lost_loads`` times.
-        Returns the load's answer and the time."""
-        got: int | str = FAILED
+    def _adopt(self, epoch: int, now: float) -> Generator[Request, Any, None]:
+        """Load the winner's state, trying ``lost_loads`` times: whatever its epoch. The
+        winners never come to a lineage they beat, so a loser that kept its newer state (one
+        restarted or slow, the other stepping alone meanwhile) stepped alone on both sides
+        for as long as it stayed ahead; states that must not win (an aux peer's copy, a
+        newcomer's own initial one) are no votes in the fork choice instead."""
         for attempt in range(self.config.lost_loads):
             if attempt:
                 now = yield Sleep(self.config.retry)
-            got = yield from self._load(epoch, now)
+            got = yield from self._load(None, now)
             if isinstance(got, int):
                 self.forks += 1
-                return got, now
-            if got == STALE:
-                break
-        log.info("keeping this peer's state of epoch %d", epoch)
-        return got, now
+                return
+        log.info("keeping this peer's state of epoch %d: no download succeeded", epoch)
 
     def _load(self, min_epoch: int | None, now: float) -> Generator[Request, Any, int | str]:
         got = yield Load(min_epoch)

@@ -32,6 +32,9 @@ class Announcement:
     epoch: int
     digest: bytes
     lineage: tuple[bytes, ...] = ()
+    votes: bool = True
+    """False for a copy held by a peer that trains nothing (an aux peer, e.g. a coordinator
+    serving its checkpoint): a donor, never a vote (see :func:`_voters`)."""
 
     def digest_at(self, epoch: int) -> bytes | None:
         """The digest of this lineage's state at ``epoch`` (an ancestor's), if known."""
@@ -46,18 +49,46 @@ def _chain(a: Announcement) -> set[tuple[int, bytes]]:
     return {(a.epoch - k, d) for k, d in enumerate((a.digest, *a.lineage))}
 
 
-def _winning_side(announced: Sequence[Announcement]) -> list[Announcement]:
-    """The announcements left after following, at every fork, the side more peers hold, less
-    those too far ahead of the state most of them reached to name it among their ancestors.
+def _voters(announced: Sequence[Announcement]) -> list[Announcement]:
+    """The announcements the fork choice counts: states their peer stepped to (they name
+    their lineage), of peers that train.
 
-    Two lineages whose announcements name no common epoch cannot be counted against each other
-    at their fork; no peer of the collaboration's lineage gets that far ahead of most of its
-    peers, so such a state is a long partition's smaller side and loses."""
-    alive = _fork_walk(announced)
-    reached = _reached(alive)
-    if reached is None:
+    A copy (a state loaded from others: a restarted peer's, or a coordinator's checkpoint)
+    repeats the choice made when it was loaded: counted, it voted again for a lineage the
+    trainers may have left since, and with a killed peer's announcement (it lives until it
+    expires) it outvoted the one live trainer of a pair. A state of epoch 0 names no lineage
+    either (a newcomer whose download failed serves its own). With no such state (a run's
+    first epoch, or only copies left), every announcement counts."""
+    votes = [a for a in announced if a.votes]
+    return [a for a in votes if a.lineage] or votes or list(announced)
+
+
+def _winning_side(announced: Sequence[Announcement]) -> list[Announcement]:
+    """The voters left after following, at every fork, the side more peers hold, then keeping
+    the cluster (:func:`_clusters`) more of them are in; of as many, the newest.
+
+    States further apart than a lineage names cannot be counted against each other at a
+    fork: whether the older is an ancestor of the newer (a peer restarted, or still
+    compiling, while another stepped alone) or another lineage (a long partition), more peers
+    win, and of as many the newest, so that a peer alone and behind moves forward. The peers
+    of the cluster that lost load its state, whatever its epoch (never waiting for the others
+    to come to them: the others do not, and each side stepped alone forever)."""
+    alive = _fork_walk(_voters(announced))
+    if not alive:
         return alive
-    return [a for a in alive if a.epoch <= reached + LINEAGE]
+    return max(_clusters(alive), key=lambda c: (len(c), max(a.epoch for a in c)))
+
+
+def _clusters(alive: Sequence[Announcement]) -> list[list[Announcement]]:
+    """``alive`` cut, in epoch order, where two announced epochs are more than ``LINEAGE``
+    apart (so that no lineage named in one names a state of the other)."""
+    ordered = sorted(alive, key=lambda a: a.epoch)
+    out = [[ordered[0]]]
+    for a in ordered[1:]:
+        if a.epoch - out[-1][-1].epoch > LINEAGE:
+            out.append([])
+        out[-1].append(a)
+    return out
 
 
 def _reached(alive: Sequence[Announcement]) -> int | None:
@@ -88,8 +119,11 @@ def _fork_walk(announced: Sequence[Announcement]) -> list[Announcement]:
 def fork_choice(announced: Sequence[Announcement]) -> tuple[int, bytes] | None:
     """The state a peer should train on: walk the announced states from the oldest epoch a
     lineage names to the newest; where they fork, follow the side more peers hold (themselves
-    or as an ancestor), of as many the smaller digest; answer the newest state left that at
-    least as many of its peers reached as still announce older epochs.
+    or as an ancestor), of as many the smaller digest; of states too far apart to be counted
+    at a fork, keep the cluster more peers are in (of as many, the newest); answer the newest
+    state left that at least as many of its peers reached as still announce older epochs.
+    Every peer that reads the same announcements picks the same state, and one that lost
+    loads it whatever its epoch: no two sides each wait for the other.
 
     Not the newest epoch: after a heal the smaller side may be ahead, and the first peer to
     step may have stepped alone; a peer that falls behind loads what this returns."""
@@ -108,8 +142,30 @@ def losing_peers(announced: Sequence[Announcement]) -> set[str]:
     winners, "behind" with nothing newer on their own lineage to load, would stop."""
     if len({(a.epoch, a.digest) for a in announced}) < 2:
         return set()  # everyone serves one state: no fork (the usual case, and cheap)
-    kept = {id(a) for a in _winning_side(announced)}
-    return {str(a.peer) for a in announced if id(a) not in kept}
+    voters = _voters(announced)
+    side = _winning_side(voters)
+    kept = {id(a) for a in side}
+    out = {str(a.peer) for a in voters if id(a) not in kept}
+    counted = {id(a) for a in voters}
+    lost = _lost_states(voters, side)
+    for a in announced:
+        if id(a) not in counted and _copy_lost(side, lost, a.epoch, a.digest):
+            out.add(str(a.peer))
+    return out
+
+
+def _lost_states(voters: Sequence[Announcement], side: Sequence[Announcement]) -> set:
+    """The (epoch, digest) states the voters the fork choice leaves hold or descend from."""
+    kept = {id(a) for a in side}
+    return {s for a in voters if id(a) not in kept for s in _chain(a)}
+
+
+def _copy_lost(side: Sequence[Announcement], lost: set, epoch: int, digest: bytes) -> bool:
+    """Whether a copy (no vote) of ``digest`` at ``epoch`` is on a side the choice leaves: a
+    loser holds it, or a winner names another state of its epoch."""
+    if (epoch, digest) in lost:
+        return True
+    return any(a.digest_at(epoch) not in (None, digest) for a in side)
 
 
 def on_minority_fork(others: Mapping[tuple[int, bytes], int], epoch: int, digest: bytes) -> bool:
@@ -157,18 +213,24 @@ def fork_verdict(
     state of that epoch, or a descendant, than still announce older epochs: those are still
     averaging, and decide the count (a peer that stepped alone and asks at once sees nobody
     to lose to; one that sees the first of the others loses or wins a 1-1 tie by digest). A
-    state more than ``LINEAGE`` epochs ahead of the one most peers reached loses (a lineage of
-    its own: see :func:`_winning_side`)."""
+    state in a cluster of fewer peers than another (or as many, older) loses at once
+    (:func:`_winning_side`). Only votes count (:func:`_voters`); a state of ours that is no
+    vote (a copy) loses with the side it copied (:func:`_copy_lost`)."""
     ours = Announcement("us", epoch, digest, tuple(lineage)[:LINEAGE])
-    reached = _reached(_fork_walk([*announced, ours]))
-    if reached is not None and epoch > reached + LINEAGE:
-        return True  # too far ahead of most peers to be on their lineage (_winning_side)
+    voters = _voters([*announced, ours])
+    if not any(a is ours for a in voters):  # a copy: lost with the side it copied
+        side = _winning_side(voters)
+        return _copy_lost(side, _lost_states(voters, side), epoch, digest)
+    others = [a for a in voters if a is not ours]
+    alive = _fork_walk(voters)
+    if any(a is ours for a in alive) and not any(a is ours for a in _winning_side(voters)):
+        return True  # too far from most peers to count at a fork, and fewer (or older)
     for e in range(epoch - len(ours.lineage), epoch + 1):
         mine = ours.digest_at(e)
-        counts = lineage_counts(announced, e)
+        counts = lineage_counts(others, e)
         if e < epoch and all(d == mine for _, d in counts):
             continue  # no fork there
-        if sum(counts.values()) + 1 < sum(a.epoch < e for a in announced):
+        if sum(counts.values()) + 1 < sum(a.epoch < e for a in others):
             return None
         if on_minority_fork(counts, e, mine):
             return True

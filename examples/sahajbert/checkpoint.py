@@ -4,7 +4,9 @@ Layout of one checkpoint (``<checkpoint-dir>/epoch_000010/``)::
 
     params/             orbax (StandardCheckpointer) of {"albert.embeddings...": array, ...}
     model_config.json   the AlbertConfig fields
-    meta.json           epoch, run id, save time
+    meta.json           epoch, run id, save time, and the state's lineage: its digest and
+                        the digests of the states it descends from (newest first), as the
+                        trainers that served it announce them
     tokenizer/          the tokenizer the run used (fine-tuning needs the same ids)
 
 ``<checkpoint-dir>/latest`` names the newest one. Parameters are stored under flat dotted names
@@ -36,8 +38,11 @@ def save_checkpoint(
     model_config: AlbertConfig,
     tokenizer_dir: Path | None,
     run_id: str,
+    lineage: dict[str, Any] | None = None,
 ) -> Path:
-    """Write checkpoint ``epoch`` under ``root`` and point ``root/latest`` at it."""
+    """Write checkpoint ``epoch`` under ``root`` and point ``root/latest`` at it; ``lineage``
+    (:func:`served_lineage`) goes to its meta: after two peers split, it tells which lineage a
+    checkpoint is of (and whether the run went on from it)."""
     import orbax.checkpoint as ocp
 
     root = root.resolve()
@@ -49,13 +54,27 @@ def save_checkpoint(
     checkpointer.save(path / "params", {k: np.asarray(v) for k, v in flat.items()})
     checkpointer.wait_until_finished()
     training.save_model_config(model_config, path / "model_config.json")
-    meta = {"epoch": epoch, "run_id": run_id, "saved_at": time.time()}
+    meta = {"epoch": epoch, "run_id": run_id, "saved_at": time.time(), **(lineage or {})}
     (path / "meta.json").write_text(json.dumps(meta))
     if tokenizer_dir is not None and Path(tokenizer_dir).is_dir():
         shutil.copytree(tokenizer_dir, path / "tokenizer")
     (root / "latest").write_text(path.name)
     log.info("saved checkpoint of epoch %d to %s", epoch, path)
     return path
+
+
+async def served_lineage(core: Any) -> dict[str, Any]:
+    """The lineage of the state ``core`` (a CollaborationPeer) serves: ``{"digest": hex,
+    "lineage": [hex, ...]}``, the ancestors as the peers serving the same state name them
+    (a downloaded copy knows none of its own). Empty when it serves nothing."""
+    served = core.tracker.served
+    if served is None:
+        return {}
+    epoch, digest, ancestors = served
+    for a in core.tracker.announcements():
+        if (a.epoch, a.digest) == (epoch, digest) and len(a.lineage) > len(ancestors):
+            ancestors = a.lineage
+    return {"digest": digest.hex(), "lineage": [d.hex() for d in ancestors]}
 
 
 def resolve(path: Path) -> Path:

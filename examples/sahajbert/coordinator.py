@@ -30,7 +30,10 @@ from examples.sahajbert.dashboard import Dashboard, clean_json
 
 log = logging.getLogger(__name__)
 
-CSV_FIELDS = ("epoch", "loss", "samples", "peers", "seconds", "samples_per_second", "time")
+CSV_FIELDS = (
+    "epoch", "loss", "samples", "peers", "lone", "lineages", "seconds", "samples_per_second",
+    "time",
+)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -304,6 +307,7 @@ class Coordinator:
             self.model_cfg,
             training.tokenizer_dir(self.cfg),
             self.cfg.run_id,
+            collab.run_async(checkpoint.served_lineage),
         )
         self.last_checkpoint = (epoch, path)
         dedloc_jax.share_state(collab, params, opt_state)  # serve it to newcomers too

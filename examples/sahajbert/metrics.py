@@ -13,7 +13,7 @@ import logging
 import math
 import re
 import statistics
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from p2p.dht import owner_marker
@@ -45,6 +45,9 @@ MAX_BPS = 1e12  # bytes/s measured by one peer's averager
 MAX_TIME = 1e12  # a DHT time
 MAX_DEVICES = 1 << 16
 MODES = ("node", "client", "aux")
+MAX_GROUP = 1 << 16  # peers one step averaged
+STATE_HEX = 16  # hex digits of a state's digest a record names
+_STATE = re.compile(rf"(?:[0-9a-f]{{{STATE_HEX}}})?")
 _PEER_ID = re.compile(r"[1-9A-HJ-NP-Za-km-z]{1,100}")  # base58, as owner markers carry them
 
 
@@ -80,6 +83,11 @@ class EpochFigures:
     loss: float  # mean training loss over its micro-batches of that epoch
     samples: int  # samples it contributed
     seconds: float  # time it spent in that epoch
+    # How the epoch ended for it: the peers it stepped with, itself included (1: alone; 0: not
+    # said), and the state it went on with (its digest's first STATE_HEX hex digits; "": not
+    # said). Two peers that each stepped alone are two lone steps, not one averaged epoch.
+    group: int = 0
+    state: str = ""
 
 
 @dataclass(frozen=True)
@@ -108,6 +116,8 @@ class PeerMetrics:
         out["history"] = [[h.epoch, h.loss, h.samples, h.seconds] for h in self.history]
         if self.diverged is None:
             del out["diverged"]
+        # apart from the history, so that a coordinator that does not know them still parses
+        out["stepped"] = [[h.epoch, h.group, h.state] for h in self.history if h.group]
         return out
 
     @classmethod
@@ -132,7 +142,9 @@ class PeerMetrics:
                 download_bps=_number(value.get("download_bps", 0.0), "download_bps", 0.0, MAX_BPS),
                 time=_number(value.get("time", 0.0), "time", 0.0, MAX_TIME),
                 devices=_integer(value.get("devices", 1), "devices", 1, MAX_DEVICES),
-                history=_history(value.get("history", [])),
+                history=_with_steps(
+                    _history(value.get("history", [])), _stepped(value.get("stepped", []))
+                ),
                 diverged=None
                 if value.get("diverged") is None
                 else _integer(value["diverged"], "diverged", 0, MAX_EPOCH),
@@ -204,6 +216,34 @@ def _history(value: Any) -> tuple[EpochFigures, ...]:
     if len({h.epoch for h in out}) != len(out):
         raise ValueError("history names an epoch twice")
     return tuple(out)
+
+
+def _stepped(value: Any) -> dict[int, tuple[int, str]]:
+    """epoch -> (group, state) from a record's ``stepped`` list (see :class:`EpochFigures`)."""
+    if not isinstance(value, list | tuple):
+        raise ValueError("stepped must be a list")
+    if len(value) > HISTORY:
+        raise ValueError(f"stepped holds {len(value)} epochs, more than {HISTORY}")
+    out = {}
+    for item in value:
+        if not isinstance(item, list | tuple) or len(item) != 3:
+            raise ValueError("a stepped entry is [epoch, group, state]")
+        e, group, state = item
+        epoch = _integer(e, "stepped epoch", 0, MAX_EPOCH)
+        group = _integer(group, "stepped group", 0, MAX_GROUP)
+        if not isinstance(state, str) or not _STATE.fullmatch(state):
+            raise ValueError(f"stepped state must be {STATE_HEX} hex digits or empty")
+        out[epoch] = (group, state)
+    return out
+
+
+def _with_steps(
+    history: tuple[EpochFigures, ...], steps: dict[int, tuple[int, str]]
+) -> tuple[EpochFigures, ...]:
+    return tuple(
+        replace(h, group=steps[h.epoch][0], state=steps[h.epoch][1]) if h.epoch in steps else h
+        for h in history
+    )
 
 
 # The reason last logged per peer: a bad record is re-read on every poll, and is worth one
@@ -306,11 +346,17 @@ class EpochTable:
             loss = statistics.median(losses) if losses else math.nan
             # the upper median: a peer that joined late spent less of the epoch than the others
             seconds = statistics.median_high(f.seconds for f in figures) if figures else 0.0
+            said = [f for f in figures if f.group]
             row = {
                 "epoch": e,
                 "loss": loss,
                 "samples": samples,
                 "peers": len(figures),
+                # Peers that stepped alone, and the states the peers went on with: "peers 2,
+                # lone 2, lineages 2" is two lone steps on two lineages, not an averaged epoch
+                # (None: no peer said, e.g. an older trainer).
+                "lone": sum(f.group == 1 for f in said) if said else None,
+                "lineages": len({f.state for f in said if f.state}) or None,
                 "seconds": seconds,
                 "samples_per_second": samples / seconds if seconds > 0 else 0.0,
                 "time": getattr(self, "_now", 0.0),

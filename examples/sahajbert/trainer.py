@@ -14,7 +14,7 @@ import hashlib
 import logging
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -331,8 +331,10 @@ def _loop(
         if stepped_to != epoch:
             last_loss = float(np.mean(epoch_losses))
             loss_shown = metrics.reportable_loss(last_loss)
-            figures = metrics.EpochFigures(epoch, loss_shown, epoch_samples, now - epoch_started)
             group = int(opt_state.group_size)
+            figures = metrics.EpochFigures(
+                epoch, loss_shown, epoch_samples, now - epoch_started, group
+            )
             shared = shared_params(params, opt_state)
             events.epoch(stepped_to, "step", shared, group=group, loss=last_loss)
             if _diverged(last_loss, shared):
@@ -351,7 +353,8 @@ def _loop(
         params, opt_state = _keep_in_step(host, params, opt_state, events)
         new_epoch = int(opt_state.epoch)
         if stepped_to != epoch:
-            history.append(figures)
+            state = _served_state(collab, int(opt_state.epoch))
+            history.append(replace(figures, state=state))
             log.info("epoch %d done: loss %.4f (%d samples here)", epoch, last_loss, epoch_samples)
         if new_epoch != epoch:
             epoch, epoch_losses, epoch_samples, epoch_started = new_epoch, [], 0, now
@@ -372,6 +375,22 @@ def _loop(
         "params": params,
         "opt_state": opt_state,
     }
+
+
+def _served_state(collab: Any, epoch: int) -> str:
+    """The first hex digits of the digest of the state this peer serves, if of ``epoch`` (the
+    one it goes on with); "" when it serves none of that epoch."""
+
+    async def served(core: Any) -> Any:
+        return core.tracker.served
+
+    try:
+        got = collab.run_async(served)
+    except RuntimeError:
+        return ""
+    if got is None or got[0] != epoch:
+        return ""
+    return got[1].hex()[: metrics.STATE_HEX]
 
 
 def _linger(collab: Any, epoch: int, seconds: float) -> None:

@@ -36,9 +36,17 @@ class _DHT:
         return 0.0
 
 
+class _Tracker:
+    served = None  # (epoch, digest, lineage) of the state the coordinator serves
+
+    def announcements(self) -> list:
+        return []
+
+
 class _Core:
     run_id = "test"
     dht = _DHT()
+    tracker = _Tracker()
 
 
 class ScriptedCollab:
@@ -257,6 +265,56 @@ def test_one_lying_peer_cannot_move_the_epoch_rows(tmp_path, saved) -> None:
         assert 3.0 <= row["seconds"] <= 5.0  # the honest peers' 3, 4 and 5 s
         assert ref["samples"] <= row["samples"] <= ref["samples"] + 2 * target
         assert row["peers"] == 4
+
+
+def test_an_epoch_of_lone_steps_on_two_lineages_says_so(tmp_path, saved) -> None:
+    """Two trainers that each stepped alone in epoch 2 (issue 45: the row read "peers 2,
+    samples 192" like an averaged epoch) give a row with lone 2, lineages 2; the epochs they
+    averaged say lone 0, lineages 1; a trainer that says nothing leaves both unknown."""
+    from examples.sahajbert.metrics import EpochFigures, PeerMetrics
+
+    value = {}
+    for i in range(2):
+        peer = Identity.from_seed(b"pair-%d" % i).peer_id
+        history = tuple(
+            EpochFigures(e, 7.0, 48, 3.0, *((1, f"{i + 1:016x}") if e == 2 else (2, "0" * 16)))
+            for e in range(4)
+        )
+        rec = PeerMetrics(str(peer), 4, 7.0, 10.0, 16, 192, "node", history=history)
+        value[owner_marker(peer)] = rec.to_record()
+    rows, _ = _rows(tmp_path / "pair", value)
+    assert [(r["epoch"], r["peers"], r["lone"], r["lineages"]) for r in rows] == [
+        (0, 2, 0, 1), (1, 2, 0, 1), (2, 2, 2, 2), (3, 2, 0, 1),
+    ]  # fmt: skip
+    header, *lines = (tmp_path / "pair" / "metrics.csv").read_text().splitlines()
+    assert "lone" in header.split(",") and "lineages" in header.split(",")
+    older, _ = _rows(tmp_path / "older", _honest())  # records without "stepped"
+    assert all(r["lone"] is None and r["lineages"] is None for r in older)
+
+
+def test_a_checkpoint_names_the_lineage_of_the_state_it_saved() -> None:
+    """The coordinator's copy names no ancestors of its own: the checkpoint takes those the
+    trainers serving the same state announce."""
+    import trio
+
+    from dedloc_jax.state import Announcement
+    from examples.sahajbert.checkpoint import served_lineage
+
+    a, b, c = b"\x0a" * 32, b"\x0b" * 32, b"\x0c" * 32
+
+    class Tracker:
+        served = (5, a, ())
+
+        def announcements(self) -> list:
+            return [Announcement("t1", 5, a, (b, c)), Announcement("t2", 5, c, (b,))]
+
+    class Core:
+        tracker = Tracker()
+
+    got = trio.run(served_lineage, Core())
+    assert got == {"digest": a.hex(), "lineage": [b.hex(), c.hex()]}
+    Core.tracker.served = None
+    assert trio.run(served_lineage, Core()) == {}
 
 
 def test_the_coordinator_warns_of_peers_that_republish_another_manifest(

@@ -59,13 +59,15 @@ def _digests(tag: int, n: int) -> list[bytes]:
 def test_after_a_heal_the_side_one_epoch_ahead_finds_it_lost_at_the_fork() -> None:
     """Both sides share epochs 4 and 5, forked at 6; the small side reached epoch 9, the big
     one is still at 8. Counting only at epoch 9 the small side cannot lose (nobody else holds
-    9); counting at the fork (epoch 6) it does, and the big side does not."""
+    9); counting at the fork (epoch 6) it does, and the big side does not. A peer that loaded
+    the small side's state names no lineage: it loses with the side it copied."""
     shared = _digests(0, 2)
     big = [*shared, *_digests(1, 3)]  # epochs 4..8
     small = [*shared, *_digests(2, 4)]  # epochs 4..9
     announced = [*_side(6, 8, big), *_side(2, 9, small)]
     me_small = small[-1], tuple(reversed(small[:-1]))
-    assert fork_verdict(announced, 9, me_small[0]) is None  # its epoch alone: cannot tell
+    # A copy of the small side's state (loaded: no lineage, no vote) loses with that side.
+    assert fork_verdict(announced, 9, me_small[0]) is True
     assert fork_verdict(announced, 9, *me_small) is True
     me_big = big[-1], tuple(reversed(big[:-1]))
     assert fork_verdict(announced, 8, *me_big) is False
