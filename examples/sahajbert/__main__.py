@@ -29,7 +29,10 @@ from examples.sahajbert.config import (
 )
 from models.text.sources import DATA_HELP
 
-ROLES = ("demo", "prepare", "trainer", "coordinator", "aux", "finetune", "export", "invite")
+ROLES = (
+    "demo", "prepare", "trainer", "coordinator", "aux", "finetune", "export", "invite",
+    "identity",
+)  # fmt: skip
 
 
 def _announce_addr(text: str) -> str:
@@ -362,8 +365,19 @@ def build_parser() -> argparse.ArgumentParser:
     inv.add_argument(
         "--role", dest="invite_role", choices=("node", "client", "aux"), help="unset: any role"
     )
-    inv.add_argument("--run-id", default=TrainerConfig().run_id, help="the run it admits to")
+    inv.add_argument(
+        "--run-id", default=TrainerConfig().run_id, help="the run it admits to (or --manifest)"
+    )
+    inv.add_argument(
+        "--manifest", type=Path, metavar="RUN_DIR", help="admit to the run `prepare` wrote there"
+    )
     inv.add_argument("--out", type=Path, help="the file to write (unset: PEER_ID.invitation)")
+    ident = role("identity", "print a key file's peer ID and public key (--owner for an owner key)")
+    ident.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    ident.add_argument(
+        "--key", type=Path, required=True, help="the key file (--identity, --owner-key)"
+    )
+    ident.add_argument("--create", action="store_true", help="create the key file if missing")
     return p
 
 
@@ -443,6 +457,17 @@ def net_config(args: argparse.Namespace) -> NetConfig:
     )
 
 
+def invited_run_id(args: argparse.Namespace, explicit: set[str]) -> str:
+    """A trainer's or aux peer's run id: ``--run-id`` when given, else the run its invitation
+    admits to (a private run), else ``--run-id``'s default (``join_run`` then takes the run
+    the initial peers serve)."""
+    from examples.sahajbert.private import invitation_run_id
+
+    if "--run-id" in explicit or not getattr(args, "invitation", None):
+        return args.run_id
+    return invitation_run_id(args.invitation) or args.run_id
+
+
 def join_run(cfg: TrainerConfig, net: NetConfig, explicit: set[str]) -> tuple[TrainerConfig, tuple]:
     """``cfg`` with the run manifest's settings, fetched from the initial peers (ManifestError
     when there is none, it is not validly signed, or an explicit option contradicts it; a
@@ -450,9 +475,11 @@ def join_run(cfg: TrainerConfig, net: NetConfig, explicit: set[str]) -> tuple[Tr
     from examples.sahajbert import manifest, training
     from models.text.tokenizer import load_tokenizer
 
+    # The run is the one the initial peers serve, unless --run-id (or an invitation) names it.
+    named = "--run-id" in explicit or net.invitation is not None
     got, envelope, tok_dir = manifest.fetch(
         net.initial_peers,
-        run_id=cfg.run_id,
+        run_id=cfg.run_id if named else None,
         work_dir=cfg.work_dir,
         owner=net.owner_public_key,
         identity=net.identity,
@@ -476,6 +503,33 @@ def inv_owner_hex(owner_key: Path) -> str:
     from p2p.identity import Identity
 
     return Identity.load(owner_key).public_key.hex()
+
+
+def _invite(args: argparse.Namespace, explicit: set[str]) -> int:
+    from examples.sahajbert import manifest
+    from examples.sahajbert.private import PrivateRunError, describe_key, write_invitation
+
+    run_id = args.run_id
+    try:
+        if args.manifest is not None:
+            prepared, _ = manifest.load(args.manifest)
+            if "--run-id" in explicit and run_id != prepared.run_id:
+                raise manifest.ManifestMismatch("--run-id", run_id, prepared.run_id)
+            run_id = prepared.run_id
+        path, inv = write_invitation(
+            args.owner_key, run_id, args.peer, args.expires, args.invite_role, args.out
+        )
+    except (PrivateRunError, manifest.ManifestError) as e:
+        print(f"invite: {e}", file=sys.stderr)
+        if args.owner_key.exists():  # the key is still worth knowing
+            with contextlib.suppress(PrivateRunError):
+                print(describe_key(args.owner_key, create=False)[0], file=sys.stderr)
+        return 2
+    owner = inv_owner_hex(args.owner_key)
+    print(f"wrote {path}: {args.peer} may join run {inv.run_id!r} until {inv.expiry:.0f}")
+    print(f"owner public key: {owner}")
+    print(f"peers join with: --owner {owner} --invitation {path.name} --identity KEYFILE")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -516,20 +570,19 @@ def main(argv: list[str] | None = None) -> int:
             print(f"export: {e}", file=sys.stderr)
             return 1
         return 0
-    if role == "invite":
-        from examples.sahajbert.private import PrivateRunError, write_invitation
+    if role == "identity":
+        from examples.sahajbert.private import PrivateRunError, describe_key
 
         try:
-            path, inv = write_invitation(
-                args.owner_key, args.run_id, args.peer, args.expires, args.invite_role, args.out
-            )
+            text, created = describe_key(args.key, create=args.create)
         except PrivateRunError as e:
-            print(f"invite: {e}", file=sys.stderr)
+            hint = "" if args.key.exists() else " (--create makes one)"
+            print(f"identity: {e}{hint}", file=sys.stderr)
             return 2
-        owner = inv_owner_hex(args.owner_key)
-        print(f"wrote {path}: {args.peer} may join run {inv.run_id!r} until {inv.expiry:.0f}")
-        print(f"peers join with: --owner {owner} --invitation {path.name} --identity KEYFILE")
+        print(f"created {args.key}\n{text}" if created else text)
         return 0
+    if role == "invite":
+        return _invite(args, explicit_flags(argv))
     from examples.sahajbert.private import PrivateRunError
 
     cfg = trainer_config(args)
@@ -547,6 +600,10 @@ def main(argv: list[str] | None = None) -> int:
         )
         print(f"start it with: python -m examples.sahajbert coordinator --manifest {args.out}")
         return 0
+    explicit = explicit_flags(argv)
+    if role in ("trainer", "aux"):
+        args.run_id = invited_run_id(args, explicit)
+        cfg = cfg.replace(run_id=args.run_id)
     try:
         net = net_config(args)
     except PrivateRunError as e:
@@ -557,7 +614,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"a {role} needs --initial-peers (start a coordinator first)", file=sys.stderr)
             return 2
         try:
-            cfg, run_manifest = join_run(cfg, net, explicit_flags(argv))
+            cfg, run_manifest = join_run(cfg, net, explicit)
         except (RuntimeError, FileNotFoundError, ValueError) as e:
             print(f"{role}: {e}", file=sys.stderr)
             return 2
@@ -590,7 +647,7 @@ def main(argv: list[str] | None = None) -> int:
 
             try:
                 prepared, _ = manifest.load(args.manifest)
-                manifest.check(prepared, cfg, explicit_flags(argv) - {"--tokenizer"})
+                manifest.check(prepared, cfg, explicit - {"--tokenizer"})
             except manifest.ManifestError as e:
                 print(f"coordinator: {e}", file=sys.stderr)
                 return 2

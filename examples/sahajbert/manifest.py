@@ -297,9 +297,12 @@ def sign(manifest: RunManifest, identity: Any) -> dict[str, bytes]:
     }
 
 
-def verify(envelope: Any, *, run_id: str, owner: bytes | None = None) -> tuple[RunManifest, str]:
+def verify(
+    envelope: Any, *, run_id: str | None, owner: bytes | None = None
+) -> tuple[RunManifest, str]:
     """``(manifest, signer's peer ID)`` from a signed envelope; ManifestError when it is not
-    well-formed, not validly signed, of another run, or (private run) not the owner's."""
+    well-formed, not validly signed, of another run than ``run_id`` (None: any run), or
+    (private run) not the owner's."""
     from p2p.identity import PeerID, verify_signature
 
     if not isinstance(envelope, dict):
@@ -323,8 +326,11 @@ def verify(envelope: Any, *, run_id: str, owner: bytes | None = None) -> tuple[R
         raise ManifestError(f"malformed manifest: {e}") from None
     if manifest.encode() != body:
         raise ManifestError("the manifest is not in canonical form")
-    if manifest.run_id != run_id:
-        raise ManifestError(f"the manifest is of run {manifest.run_id!r}, not {run_id!r}")
+    if run_id is not None and manifest.run_id != run_id:
+        raise ManifestError(
+            f"the initial peers serve run {manifest.run_id!r}, not {run_id!r} (--run-id): drop "
+            f"--run-id to join run {manifest.run_id!r}, or give --initial-peers of run {run_id!r}"
+        )
     return manifest, str(PeerID.from_public_key(signer))
 
 
@@ -372,14 +378,15 @@ async def serve(core: Any, envelope: dict[str, bytes], tokenizer_file: Path, ttl
 def fetch(
     initial_peers: Sequence[str],
     *,
-    run_id: str,
+    run_id: str | None,
     work_dir: Path,
     owner: bytes | None = None,
     identity: Path | None = None,
     invitation: bytes | None = None,
     timeout: float = 120.0,
 ) -> tuple[RunManifest, dict[str, bytes], Path]:
-    """Ask the initial peers for the run's manifest (retrying until ``timeout``), and make
+    """Ask the initial peers for the run's manifest (retrying until ``timeout``; of run
+    ``run_id``, or of the run they serve when None), and make
     sure the tokenizer it names is in ``work_dir/tokenizers/<digest>/`` (downloaded and
     checked when it is not). Returns the manifest, its signed envelope and that directory.
 
@@ -397,7 +404,7 @@ def fetch(
 
 async def _fetch(
     peers: list[str],
-    run_id: str,
+    run_id: str | None,
     work_dir: Path,
     owner: bytes | None,
     me: Any,
@@ -485,6 +492,7 @@ def _check_tokenizer(data: Any, manifest: RunManifest) -> None:
 # --- checking a peer's options against it ------------------------------------------------
 # The options a run fixes, as (flag, TrainerConfig attribute or None for the tokenizer).
 RUN_FLAGS = (
+    "--run-id",
     "--config",
     "--seq-length",
     "--target-batch-size",
@@ -504,6 +512,7 @@ def check(manifest: RunManifest, cfg: TrainerConfig, explicit: set[str]) -> None
     line) whose value in ``cfg`` contradicts the manifest."""
     o = cfg.optimizer
     simple = {
+        "--run-id": (cfg.run_id, manifest.run_id),
         "--config": (cfg.model, manifest.model),
         "--seq-length": (cfg.seq_length, manifest.seq_length),
         "--target-batch-size": (cfg.target_batch_size, manifest.target_batch_size),
@@ -559,6 +568,7 @@ def apply(manifest: RunManifest, cfg: TrainerConfig, tok_dir: Path) -> TrainerCo
     if cfg.data is not None and manifest.data is not None:
         data, mix = cfg.data, cfg.data_mix
     return cfg.replace(
+        run_id=manifest.run_id,
         model=manifest.model,
         seq_length=manifest.seq_length,
         target_batch_size=manifest.target_batch_size,
