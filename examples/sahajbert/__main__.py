@@ -19,6 +19,7 @@ import logging
 import signal
 import sys
 from pathlib import Path
+from typing import Any
 
 from examples.sahajbert.config import (
     DEFAULT_WORK_DIR,
@@ -51,6 +52,10 @@ def _announce_addr(text: str) -> str:
     return text
 
 
+QUIET_LOGGERS = ("absl", "orbax", "jax._src.xla_bridge")  # WARNING and above unless -v
+FROM_MANIFEST = " (default: from the run's manifest)"
+
+
 class _Help(argparse.RawDescriptionHelpFormatter):
     """Each option's default once, at the end of its help (none for flags and unset ones)."""
 
@@ -58,6 +63,8 @@ class _Help(argparse.RawDescriptionHelpFormatter):
         text = action.help or ""
         default = action.default
         if default in (None, False, [], (), argparse.SUPPRESS) or "%(default)" in text:
+            return text
+        if text.endswith(FROM_MANIFEST):  # the run decides it, not this default
             return text
         if not action.option_strings:
             return text
@@ -87,8 +94,9 @@ def _add_net_options(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--listen",
         nargs="*",
-        default=["/ip4/127.0.0.1/tcp/0"],
-        help="addresses to listen on (use /ip4/0.0.0.0/tcp/PORT to accept peers from the network)",
+        default=list(NetConfig().listen),
+        help="addresses to listen on: on every interface, a home router is asked for a port "
+        "and hole punching is tried (/ip4/127.0.0.1/tcp/PORT: this machine only)",
     )
     g.add_argument(
         "--announce",
@@ -129,22 +137,29 @@ def _add_private_options(p: argparse.ArgumentParser, *, owner: bool) -> None:
     g.add_argument("--invitation", type=Path, help="this peer's invitation file (from `invite`)")
 
 
-def _add_model_options(p: argparse.ArgumentParser, d: TrainerConfig) -> None:
-    """The run's model, data and optimizer options, with ``d``'s values as defaults."""
+def _add_model_options(
+    p: argparse.ArgumentParser, d: TrainerConfig, *, joins: bool = False
+) -> None:
+    """The run's model, data and optimizer options, with ``d``'s values as defaults. A role
+    that ``joins`` a run takes the run's options from its manifest: --help says so."""
     o = d.optimizer
+
+    def run(text: str) -> str:
+        return text + FROM_MANIFEST if joins else text
+
     g = p.add_argument_group("run, model and data")
-    g.add_argument("--run-id", default=d.run_id, help="name of the collaboration")
+    g.add_argument("--run-id", default=d.run_id, help=run("name of the collaboration"))
     g.add_argument(
         "--config",
         choices=("tiny", "sahajbert"),
         default=d.model,
-        help="model size only: sahajbert (ALBERT-large, 18M parameters) or tiny (for CPUs)",
+        help=run("model size only: sahajbert (ALBERT-large, 18M parameters) or tiny (for CPUs)"),
     )
     g.add_argument(
         "--target-batch-size",
         type=int,
         default=d.target_batch_size,
-        help="samples the whole collaboration gathers per step",
+        help=run("samples the whole collaboration gathers per step"),
     )
     g.add_argument(
         "--per-device-batch-size",
@@ -158,16 +173,21 @@ def _add_model_options(p: argparse.ArgumentParser, d: TrainerConfig) -> None:
         default=d.grad_accumulation,
         help="micro-batches whose gradients are summed locally per report",
     )
-    g.add_argument("--seq-length", type=int, default=d.seq_length, help="tokens per example")
-    g.add_argument("--data", default=d.data, help=f"{DATA_HELP}; unset: the synthetic corpus")
+    g.add_argument("--seq-length", type=int, default=d.seq_length, help=run("tokens per example"))
+    unset = "the paths of your local copies of the run's files" if joins else "unset: synthetic"
+    g.add_argument("--data", default=d.data, help=run(f"{DATA_HELP}; {unset}"))
     g.add_argument(
         "--data-mix",
         default=d.data_mix,
         metavar="W1,W2,...",
-        help="weights of the --data sources, one each (unset: equal, or sahajBERT's for 'hf')",
+        help=run("weights of the --data sources, one each (unset: equal, or sahajBERT's for 'hf')"),
     )
     g.add_argument(
-        "--tokenizer", default=d.tokenizer, help="a saved tokenizer directory (unset: train one)"
+        "--tokenizer",
+        default=d.tokenizer,
+        help=run(
+            "a saved tokenizer directory " + ("(the run's)" if joins else "(unset: train one)")
+        ),
     )
     g.add_argument("--bf16", action="store_true", help="compute in bfloat16 (accelerators)")
     g.add_argument(
@@ -177,24 +197,28 @@ def _add_model_options(p: argparse.ArgumentParser, d: TrainerConfig) -> None:
         "--mode",
         choices=("dedloc", "diloco"),
         default=d.mode,
-        help="dedloc: average gradients every target batch; diloco: train locally, average "
-        "the parameters' change every --inner-steps target batches (int8 on the wire)",
+        help=run(
+            "dedloc: average gradients every target batch; diloco: train locally, average "
+            "the parameters' change every --inner-steps target batches (int8 on the wire)"
+        ),
     )
     g.add_argument(
         "--inner-steps",
         type=int,
         default=d.inner_steps,
-        help="diloco: target batches between outer steps (DiLoCo's H)",
+        help=run("diloco: target batches between outer steps (DiLoCo's H)"),
     )
     g = p.add_argument_group("optimizer (sahajBERT's LAMB recipe)")
-    g.add_argument("--learning-rate", type=float, default=o.learning_rate, help="peak lr")
-    g.add_argument("--warmup-steps", type=int, default=o.warmup_steps, help="linear warmup")
+    g.add_argument("--learning-rate", type=float, default=o.learning_rate, help=run("peak lr"))
+    g.add_argument("--warmup-steps", type=int, default=o.warmup_steps, help=run("linear warmup"))
     g.add_argument(
         "--total-steps",
         type=int,
         default=o.total_steps,
-        help="linear decay to 0 (diloco: the outer rate's cosine decay to 0 at total-steps / "
-        "inner-steps outer steps; the inner rate stays at its peak after the warmup)",
+        help=run(
+            "linear decay to 0 (diloco: the outer rate's cosine decay to 0 at total-steps / "
+            "inner-steps outer steps; the inner rate stays at its peak after the warmup)"
+        ),
     )
 
 
@@ -328,7 +352,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_common(trainer)
     _add_net_options(trainer)
     _add_private_options(trainer, owner=False)
-    _add_model_options(trainer, TrainerConfig())
+    _add_model_options(trainer, TrainerConfig(), joins=True)
     _add_trainer_options(trainer)
     coord = role("coordinator", "the run's first peer: monitor, dashboard, checkpoints")
     _add_common(coord)
@@ -340,7 +364,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_common(aux)
     _add_net_options(aux)
     _add_private_options(aux, owner=False)
-    _add_model_options(aux, TrainerConfig())
+    _add_model_options(aux, TrainerConfig(), joins=True)
     ft = role(
         "finetune", "NER (WikiANN bn) or news classification (sna.bn) of a checkpoint",
         epilog=FINETUNE_FORMAT,
@@ -545,6 +569,10 @@ def main(argv: list[str] | None = None) -> int:
         format="%(asctime)s %(name)s %(levelname)s: %(message)s",
         datefmt="%H:%M:%S",
     )
+    if not args.verbose:
+        # ~25 INFO lines per orbax checkpoint and JAX's backend probing: not the user's news
+        for noisy in QUIET_LOGGERS:
+            logging.getLogger(noisy).setLevel(logging.WARNING)
     if role != "demo":
         logging.getLogger("examples").setLevel(logging.INFO)
         # `kill -USR1 <pid>` prints every thread's stack: what a stuck peer is waiting on.
@@ -583,7 +611,59 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if role == "invite":
         return _invite(args, explicit_flags(argv))
+    from examples.sahajbert.dashboard import DashboardError
+    from p2p.errors import ListenError
+
+    with _Signals() as signals:
+        try:
+            return _run_peer(args, argv)
+        except KeyboardInterrupt:
+            # the collaboration closed on the way out: port mappings removed, peers told
+            print(f"{role}: stopped by {signals.name}; left the run", file=sys.stderr)
+            return 128 + signals.number
+        except (ListenError, DashboardError) as e:
+            print(f"{role}: {e}", file=sys.stderr)
+            return 2
+
+
+class _Signals:
+    """SIGTERM is handled as SIGINT (a KeyboardInterrupt in the main thread, or trio's own
+    while it runs there), so either way a role closes its collaboration and says so once."""
+
+    def __init__(self) -> None:
+        self.name, self.number = "SIGINT", int(signal.SIGINT)
+        self._old: Any = None
+        self._old_int: Any = None
+
+    def _term(self, signum: int, frame: Any) -> None:
+        self.name, self.number = "SIGTERM", int(signal.SIGTERM)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # one is enough: leave in peace
+        handler = signal.getsignal(signal.SIGINT)  # Python's, or trio's while it runs here
+        if callable(handler):
+            handler(int(signal.SIGINT), frame)
+        else:
+            raise KeyboardInterrupt
+
+    def __enter__(self) -> _Signals:
+        with contextlib.suppress(ValueError):  # not the main thread (embedded): left alone
+            self._old = signal.signal(signal.SIGTERM, self._term)
+            # a shell starts background jobs with SIGINT ignored; `kill -INT` still means stop
+            if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+                self._old_int = signal.signal(signal.SIGINT, signal.default_int_handler)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._old is not None:
+            signal.signal(signal.SIGTERM, self._old)
+        if self._old_int is not None:
+            signal.signal(signal.SIGINT, self._old_int)
+
+
+def _run_peer(args: argparse.Namespace, argv: list[str] | None) -> int:
+    """The prepare, trainer, coordinator and aux roles."""
     from examples.sahajbert.private import PrivateRunError
+
+    role = args.role
 
     cfg = trainer_config(args)
     if role == "prepare":
