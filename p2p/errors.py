@@ -39,6 +39,10 @@ class DialError(P2PError):
     """No connection could be made to a peer (unreachable, refused, timed out, unknown address)."""
 
 
+class ListenError(DialError):
+    """A listen address could not be bound (in use, not this host's, not permitted)."""
+
+
 class RPCError(P2PError):
     """A remote procedure call failed; ``remote`` tells whether the handler itself raised."""
 

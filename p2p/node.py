@@ -640,19 +640,29 @@ async def open_node(
     identity = identity if identity is not None else Identity.generate()
     transport = transport if transport is not None else TcpTransport()
     announced = announce_addrs(announce, identity.peer_id)
+    # A listen address that cannot be bound ends the node with that one error, not with a
+    # group of them from the nursery (a caller can name the address to its user).
+    failed: P2PError | None = None
     async with trio.open_nursery() as nursery:
         node = Node(identity, transport, config, nursery)
-        for addr in listen:
-            bound: Multiaddr = await nursery.start(
-                transport.listen, Multiaddr.parse(addr), node._handle_inbound
-            )
-            node.listen_addrs.append(bound.with_peer(node.peer_id))
-        node.addrs[:] = announced or dialable_addrs(node.listen_addrs)
         try:
-            yield node
-        finally:
-            await node._shutdown()
+            for addr in listen:
+                bound: Multiaddr = await nursery.start(
+                    transport.listen, Multiaddr.parse(addr), node._handle_inbound
+                )
+                node.listen_addrs.append(bound.with_peer(node.peer_id))
+        except P2PError as e:
+            failed = e
             nursery.cancel_scope.cancel()
+        if failed is None:
+            node.addrs[:] = announced or dialable_addrs(node.listen_addrs)
+            try:
+                yield node
+            finally:
+                await node._shutdown()
+                nursery.cancel_scope.cancel()
+    if failed is not None:
+        raise failed
 
 
 def dialable_addrs(bound: Sequence[Multiaddr]) -> list[Multiaddr]:

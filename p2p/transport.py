@@ -8,6 +8,7 @@ follows :class:`Transport`, which is what lets the in-memory simulator test the 
 
 from __future__ import annotations
 
+import errno
 import ipaddress
 import logging
 import socket
@@ -17,7 +18,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import trio
 
-from p2p.errors import ConnectionClosed, DialError, MultiaddrError, P2PError
+from p2p.errors import ConnectionClosed, DialError, ListenError, MultiaddrError, P2PError
 from p2p.multiaddr import Multiaddr
 
 logger = logging.getLogger(__name__)
@@ -80,7 +81,8 @@ class TcpTransport:
         try:
             listeners = await trio.open_tcp_listeners(port, host=host, backlog=self.backlog)
         except OSError as e:
-            raise DialError(f"cannot listen on {addr}: {e}") from e
+            why = "address already in use" if e.errno == errno.EADDRINUSE else e.strerror or e
+            raise ListenError(f"cannot listen on {addr}: {why}") from e
         bound = sockaddr_to_multiaddr(listeners[0].socket.getsockname())
         logger.debug("listening on %s", bound)
         task_status.started(bound)

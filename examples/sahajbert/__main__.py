@@ -19,6 +19,7 @@ import logging
 import signal
 import sys
 from pathlib import Path
+from typing import Any
 
 from examples.sahajbert.config import (
     DEFAULT_WORK_DIR,
@@ -29,7 +30,10 @@ from examples.sahajbert.config import (
 )
 from models.text.sources import DATA_HELP
 
-ROLES = ("demo", "prepare", "trainer", "coordinator", "aux", "finetune", "export", "invite")
+ROLES = (
+    "demo", "prepare", "trainer", "coordinator", "aux", "finetune", "export", "invite",
+    "identity",
+)  # fmt: skip
 
 
 def _announce_addr(text: str) -> str:
@@ -48,6 +52,10 @@ def _announce_addr(text: str) -> str:
     return text
 
 
+QUIET_LOGGERS = ("absl", "orbax", "jax._src.xla_bridge")  # WARNING and above unless -v
+FROM_MANIFEST = " (default: from the run's manifest)"
+
+
 class _Help(argparse.RawDescriptionHelpFormatter):
     """Each option's default once, at the end of its help (none for flags and unset ones)."""
 
@@ -55,6 +63,8 @@ class _Help(argparse.RawDescriptionHelpFormatter):
         text = action.help or ""
         default = action.default
         if default in (None, False, [], (), argparse.SUPPRESS) or "%(default)" in text:
+            return text
+        if text.endswith(FROM_MANIFEST):  # the run decides it, not this default
             return text
         if not action.option_strings:
             return text
@@ -84,8 +94,9 @@ def _add_net_options(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--listen",
         nargs="*",
-        default=["/ip4/127.0.0.1/tcp/0"],
-        help="addresses to listen on (use /ip4/0.0.0.0/tcp/PORT to accept peers from the network)",
+        default=list(NetConfig().listen),
+        help="addresses to listen on: on every interface, a home router is asked for a port "
+        "and hole punching is tried (/ip4/127.0.0.1/tcp/PORT: this machine only)",
     )
     g.add_argument(
         "--announce",
@@ -126,22 +137,29 @@ def _add_private_options(p: argparse.ArgumentParser, *, owner: bool) -> None:
     g.add_argument("--invitation", type=Path, help="this peer's invitation file (from `invite`)")
 
 
-def _add_model_options(p: argparse.ArgumentParser, d: TrainerConfig) -> None:
-    """The run's model, data and optimizer options, with ``d``'s values as defaults."""
+def _add_model_options(
+    p: argparse.ArgumentParser, d: TrainerConfig, *, joins: bool = False
+) -> None:
+    """The run's model, data and optimizer options, with ``d``'s values as defaults. A role
+    that ``joins`` a run takes the run's options from its manifest: --help says so."""
     o = d.optimizer
+
+    def run(text: str) -> str:
+        return text + FROM_MANIFEST if joins else text
+
     g = p.add_argument_group("run, model and data")
-    g.add_argument("--run-id", default=d.run_id, help="name of the collaboration")
+    g.add_argument("--run-id", default=d.run_id, help=run("name of the collaboration"))
     g.add_argument(
         "--config",
         choices=("tiny", "sahajbert"),
         default=d.model,
-        help="model size only: sahajbert (ALBERT-large, 18M parameters) or tiny (for CPUs)",
+        help=run("model size only: sahajbert (ALBERT-large, 18M parameters) or tiny (for CPUs)"),
     )
     g.add_argument(
         "--target-batch-size",
         type=int,
         default=d.target_batch_size,
-        help="samples the whole collaboration gathers per step",
+        help=run("samples the whole collaboration gathers per step"),
     )
     g.add_argument(
         "--per-device-batch-size",
@@ -155,16 +173,21 @@ def _add_model_options(p: argparse.ArgumentParser, d: TrainerConfig) -> None:
         default=d.grad_accumulation,
         help="micro-batches whose gradients are summed locally per report",
     )
-    g.add_argument("--seq-length", type=int, default=d.seq_length, help="tokens per example")
-    g.add_argument("--data", default=d.data, help=f"{DATA_HELP}; unset: the synthetic corpus")
+    g.add_argument("--seq-length", type=int, default=d.seq_length, help=run("tokens per example"))
+    unset = "the paths of your local copies of the run's files" if joins else "unset: synthetic"
+    g.add_argument("--data", default=d.data, help=run(f"{DATA_HELP}; {unset}"))
     g.add_argument(
         "--data-mix",
         default=d.data_mix,
         metavar="W1,W2,...",
-        help="weights of the --data sources, one each (unset: equal, or sahajBERT's for 'hf')",
+        help=run("weights of the --data sources, one each (unset: equal, or sahajBERT's for 'hf')"),
     )
     g.add_argument(
-        "--tokenizer", default=d.tokenizer, help="a saved tokenizer directory (unset: train one)"
+        "--tokenizer",
+        default=d.tokenizer,
+        help=run(
+            "a saved tokenizer directory " + ("(the run's)" if joins else "(unset: train one)")
+        ),
     )
     g.add_argument("--bf16", action="store_true", help="compute in bfloat16 (accelerators)")
     g.add_argument(
@@ -174,24 +197,28 @@ def _add_model_options(p: argparse.ArgumentParser, d: TrainerConfig) -> None:
         "--mode",
         choices=("dedloc", "diloco"),
         default=d.mode,
-        help="dedloc: average gradients every target batch; diloco: train locally, average "
-        "the parameters' change every --inner-steps target batches (int8 on the wire)",
+        help=run(
+            "dedloc: average gradients every target batch; diloco: train locally, average "
+            "the parameters' change every --inner-steps target batches (int8 on the wire)"
+        ),
     )
     g.add_argument(
         "--inner-steps",
         type=int,
         default=d.inner_steps,
-        help="diloco: target batches between outer steps (DiLoCo's H)",
+        help=run("diloco: target batches between outer steps (DiLoCo's H)"),
     )
     g = p.add_argument_group("optimizer (sahajBERT's LAMB recipe)")
-    g.add_argument("--learning-rate", type=float, default=o.learning_rate, help="peak lr")
-    g.add_argument("--warmup-steps", type=int, default=o.warmup_steps, help="linear warmup")
+    g.add_argument("--learning-rate", type=float, default=o.learning_rate, help=run("peak lr"))
+    g.add_argument("--warmup-steps", type=int, default=o.warmup_steps, help=run("linear warmup"))
     g.add_argument(
         "--total-steps",
         type=int,
         default=o.total_steps,
-        help="linear decay to 0 (diloco: the outer rate's cosine decay to 0 at total-steps / "
-        "inner-steps outer steps; the inner rate stays at its peak after the warmup)",
+        help=run(
+            "linear decay to 0 (diloco: the outer rate's cosine decay to 0 at total-steps / "
+            "inner-steps outer steps; the inner rate stays at its peak after the warmup)"
+        ),
     )
 
 
@@ -325,7 +352,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_common(trainer)
     _add_net_options(trainer)
     _add_private_options(trainer, owner=False)
-    _add_model_options(trainer, TrainerConfig())
+    _add_model_options(trainer, TrainerConfig(), joins=True)
     _add_trainer_options(trainer)
     coord = role("coordinator", "the run's first peer: monitor, dashboard, checkpoints")
     _add_common(coord)
@@ -337,7 +364,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_common(aux)
     _add_net_options(aux)
     _add_private_options(aux, owner=False)
-    _add_model_options(aux, TrainerConfig())
+    _add_model_options(aux, TrainerConfig(), joins=True)
     ft = role(
         "finetune", "NER (WikiANN bn) or news classification (sna.bn) of a checkpoint",
         epilog=FINETUNE_FORMAT,
@@ -362,8 +389,19 @@ def build_parser() -> argparse.ArgumentParser:
     inv.add_argument(
         "--role", dest="invite_role", choices=("node", "client", "aux"), help="unset: any role"
     )
-    inv.add_argument("--run-id", default=TrainerConfig().run_id, help="the run it admits to")
+    inv.add_argument(
+        "--run-id", default=TrainerConfig().run_id, help="the run it admits to (or --manifest)"
+    )
+    inv.add_argument(
+        "--manifest", type=Path, metavar="RUN_DIR", help="admit to the run `prepare` wrote there"
+    )
     inv.add_argument("--out", type=Path, help="the file to write (unset: PEER_ID.invitation)")
+    ident = role("identity", "print a key file's peer ID and public key (--owner for an owner key)")
+    ident.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    ident.add_argument(
+        "--key", type=Path, required=True, help="the key file (--identity, --owner-key)"
+    )
+    ident.add_argument("--create", action="store_true", help="create the key file if missing")
     return p
 
 
@@ -443,6 +481,17 @@ def net_config(args: argparse.Namespace) -> NetConfig:
     )
 
 
+def invited_run_id(args: argparse.Namespace, explicit: set[str]) -> str:
+    """A trainer's or aux peer's run id: ``--run-id`` when given, else the run its invitation
+    admits to (a private run), else ``--run-id``'s default (``join_run`` then takes the run
+    the initial peers serve)."""
+    from examples.sahajbert.private import invitation_run_id
+
+    if "--run-id" in explicit or not getattr(args, "invitation", None):
+        return args.run_id
+    return invitation_run_id(args.invitation) or args.run_id
+
+
 def join_run(cfg: TrainerConfig, net: NetConfig, explicit: set[str]) -> tuple[TrainerConfig, tuple]:
     """``cfg`` with the run manifest's settings, fetched from the initial peers (ManifestError
     when there is none, it is not validly signed, or an explicit option contradicts it; a
@@ -450,9 +499,11 @@ def join_run(cfg: TrainerConfig, net: NetConfig, explicit: set[str]) -> tuple[Tr
     from examples.sahajbert import manifest, training
     from models.text.tokenizer import load_tokenizer
 
+    # The run is the one the initial peers serve, unless --run-id (or an invitation) names it.
+    named = "--run-id" in explicit or net.invitation is not None
     got, envelope, tok_dir = manifest.fetch(
         net.initial_peers,
-        run_id=cfg.run_id,
+        run_id=cfg.run_id if named else None,
         work_dir=cfg.work_dir,
         owner=net.owner_public_key,
         identity=net.identity,
@@ -478,6 +529,33 @@ def inv_owner_hex(owner_key: Path) -> str:
     return Identity.load(owner_key).public_key.hex()
 
 
+def _invite(args: argparse.Namespace, explicit: set[str]) -> int:
+    from examples.sahajbert import manifest
+    from examples.sahajbert.private import PrivateRunError, describe_key, write_invitation
+
+    run_id = args.run_id
+    try:
+        if args.manifest is not None:
+            prepared, _ = manifest.load(args.manifest)
+            if "--run-id" in explicit and run_id != prepared.run_id:
+                raise manifest.ManifestMismatch("--run-id", run_id, prepared.run_id)
+            run_id = prepared.run_id
+        path, inv = write_invitation(
+            args.owner_key, run_id, args.peer, args.expires, args.invite_role, args.out
+        )
+    except (PrivateRunError, manifest.ManifestError) as e:
+        print(f"invite: {e}", file=sys.stderr)
+        if args.owner_key.exists():  # the key is still worth knowing
+            with contextlib.suppress(PrivateRunError):
+                print(describe_key(args.owner_key, create=False)[0], file=sys.stderr)
+        return 2
+    owner = inv_owner_hex(args.owner_key)
+    print(f"wrote {path}: {args.peer} may join run {inv.run_id!r} until {inv.expiry:.0f}")
+    print(f"owner public key: {owner}")
+    print(f"peers join with: --owner {owner} --invitation {path.name} --identity KEYFILE")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     role = args.role
@@ -491,6 +569,10 @@ def main(argv: list[str] | None = None) -> int:
         format="%(asctime)s %(name)s %(levelname)s: %(message)s",
         datefmt="%H:%M:%S",
     )
+    if not args.verbose:
+        # ~25 INFO lines per orbax checkpoint and JAX's backend probing: not the user's news
+        for noisy in QUIET_LOGGERS:
+            logging.getLogger(noisy).setLevel(logging.WARNING)
     if role != "demo":
         logging.getLogger("examples").setLevel(logging.INFO)
         # `kill -USR1 <pid>` prints every thread's stack: what a stuck peer is waiting on.
@@ -516,21 +598,72 @@ def main(argv: list[str] | None = None) -> int:
             print(f"export: {e}", file=sys.stderr)
             return 1
         return 0
-    if role == "invite":
-        from examples.sahajbert.private import PrivateRunError, write_invitation
+    if role == "identity":
+        from examples.sahajbert.private import PrivateRunError, describe_key
 
         try:
-            path, inv = write_invitation(
-                args.owner_key, args.run_id, args.peer, args.expires, args.invite_role, args.out
-            )
+            text, created = describe_key(args.key, create=args.create)
         except PrivateRunError as e:
-            print(f"invite: {e}", file=sys.stderr)
+            hint = "" if args.key.exists() else " (--create makes one)"
+            print(f"identity: {e}{hint}", file=sys.stderr)
             return 2
-        owner = inv_owner_hex(args.owner_key)
-        print(f"wrote {path}: {args.peer} may join run {inv.run_id!r} until {inv.expiry:.0f}")
-        print(f"peers join with: --owner {owner} --invitation {path.name} --identity KEYFILE")
+        print(f"created {args.key}\n{text}" if created else text)
         return 0
+    if role == "invite":
+        return _invite(args, explicit_flags(argv))
+    from examples.sahajbert.dashboard import DashboardError
+    from p2p.errors import ListenError
+
+    with _Signals() as signals:
+        try:
+            return _run_peer(args, argv)
+        except KeyboardInterrupt:
+            # the collaboration closed on the way out: port mappings removed, peers told
+            print(f"{role}: stopped by {signals.name}; left the run", file=sys.stderr)
+            return 128 + signals.number
+        except (ListenError, DashboardError) as e:
+            print(f"{role}: {e}", file=sys.stderr)
+            return 2
+
+
+class _Signals:
+    """SIGTERM is handled as SIGINT (a KeyboardInterrupt in the main thread, or trio's own
+    while it runs there), so either way a role closes its collaboration and says so once."""
+
+    def __init__(self) -> None:
+        self.name, self.number = "SIGINT", int(signal.SIGINT)
+        self._old: Any = None
+        self._old_int: Any = None
+
+    def _term(self, signum: int, frame: Any) -> None:
+        self.name, self.number = "SIGTERM", int(signal.SIGTERM)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # one is enough: leave in peace
+        handler = signal.getsignal(signal.SIGINT)  # Python's, or trio's while it runs here
+        if callable(handler):
+            handler(int(signal.SIGINT), frame)
+        else:
+            raise KeyboardInterrupt
+
+    def __enter__(self) -> _Signals:
+        with contextlib.suppress(ValueError):  # not the main thread (embedded): left alone
+            self._old = signal.signal(signal.SIGTERM, self._term)
+            # a shell starts background jobs with SIGINT ignored; `kill -INT` still means stop
+            if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+                self._old_int = signal.signal(signal.SIGINT, signal.default_int_handler)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._old is not None:
+            signal.signal(signal.SIGTERM, self._old)
+        if self._old_int is not None:
+            signal.signal(signal.SIGINT, self._old_int)
+
+
+def _run_peer(args: argparse.Namespace, argv: list[str] | None) -> int:
+    """The prepare, trainer, coordinator and aux roles."""
     from examples.sahajbert.private import PrivateRunError
+
+    role = args.role
 
     cfg = trainer_config(args)
     if role == "prepare":
@@ -547,6 +680,10 @@ def main(argv: list[str] | None = None) -> int:
         )
         print(f"start it with: python -m examples.sahajbert coordinator --manifest {args.out}")
         return 0
+    explicit = explicit_flags(argv)
+    if role in ("trainer", "aux"):
+        args.run_id = invited_run_id(args, explicit)
+        cfg = cfg.replace(run_id=args.run_id)
     try:
         net = net_config(args)
     except PrivateRunError as e:
@@ -557,7 +694,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"a {role} needs --initial-peers (start a coordinator first)", file=sys.stderr)
             return 2
         try:
-            cfg, run_manifest = join_run(cfg, net, explicit_flags(argv))
+            cfg, run_manifest = join_run(cfg, net, explicit)
         except (RuntimeError, FileNotFoundError, ValueError) as e:
             print(f"{role}: {e}", file=sys.stderr)
             return 2
@@ -597,7 +734,7 @@ def main(argv: list[str] | None = None) -> int:
 
             try:
                 prepared, _ = manifest.load(args.manifest)
-                manifest.check(prepared, cfg, explicit_flags(argv) - {"--tokenizer"})
+                manifest.check(prepared, cfg, explicit - {"--tokenizer"})
             except manifest.ManifestError as e:
                 print(f"coordinator: {e}", file=sys.stderr)
                 return 2

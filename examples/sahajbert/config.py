@@ -119,7 +119,9 @@ class NetConfig:
     """How a peer reaches the others."""
 
     initial_peers: tuple[str, ...] = ()  # multiaddrs with /p2p/<peer-id>; empty: start a run
-    listen: tuple[str, ...] = ("/ip4/127.0.0.1/tcp/0",)
+    # Every interface: peers on the network (and a home router's mapped port) reach us; we
+    # advertise the interfaces' addresses, a mapped, observed or announced one, never 0.0.0.0.
+    listen: tuple[str, ...] = ("/ip4/0.0.0.0/tcp/0",)
     announce: tuple[str, ...] = ()  # advertised instead of `listen` (port forward, proxy)
     identity: Path | None = None  # key file, created on first use: a stable peer ID
     client_mode: bool = False  # no listening: dial out only, send gradients, reduce nothing

@@ -111,6 +111,13 @@ class Coordinator:
         run_manifest, tok_dir = prepare_run(self.cfg, self.opts)
         self.cfg = manifest.apply(run_manifest, self.cfg, tok_dir)
         self.manifest = run_manifest
+        # bound before we join: a dashboard port in use ends the start at once
+        with Dashboard(self.cfg.run_id, port=self.opts.dashboard_port) as dash:
+            return self._run(run_manifest, tok_dir, dash)
+
+    def _run(self, run_manifest: Any, tok_dir: Path, dash: Dashboard) -> dict[str, Any]:
+        from examples.sahajbert import manifest
+
         self.model_cfg = training.model_config(
             self.cfg.model, run_manifest.vocab_size, self.cfg.seq_length, self.cfg.bf16
         )
@@ -139,10 +146,9 @@ class Coordinator:
             addrs = trainer.dialable(collab)
             if self.opts.addr_file is not None:
                 _write_atomic(self.opts.addr_file, json.dumps(addrs))
-            with Dashboard(self.cfg.run_id, port=self.opts.dashboard_port) as dash:
-                log.info("dashboard at %s", dash.url)
-                log.info("join with: --initial-peers %s", addrs[0])
-                return self._poll(collab, dash, addrs)
+            log.info("dashboard at %s", dash.url)
+            log.info("join with: --initial-peers %s", addrs[0])
+            return self._poll(collab, dash, addrs)
         finally:
             collab.close()
 

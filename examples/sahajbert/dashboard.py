@@ -10,6 +10,7 @@ process (it only reads a snapshot the coordinator swaps in).
 from __future__ import annotations
 
 import base64
+import errno
 import hashlib
 import html
 import json
@@ -104,6 +105,10 @@ def _csp(page: str) -> str:
 CSP = _csp(PAGE)
 
 
+class DashboardError(OSError):
+    """The dashboard's address could not be bound."""
+
+
 class Dashboard:
     """Serves :attr:`status` (a JSON-able dict replaced by the coordinator) over HTTP."""
 
@@ -135,7 +140,14 @@ class Dashboard:
             def log_message(self, format: str, *args: Any) -> None:
                 log.debug("dashboard: " + format, *args)
 
-        self._server = ThreadingHTTPServer((host, port), Handler)
+        try:
+            self._server = ThreadingHTTPServer((host, port), Handler)
+        except OSError as e:
+            why = "in use" if e.errno == errno.EADDRINUSE else e.strerror or e
+            raise DashboardError(
+                f"cannot serve the dashboard on {host}:{port}: {why} (--dashboard-port PORT "
+                "picks another; 0: any free port)"
+            ) from None
         self._server.daemon_threads = True
         self._thread = threading.Thread(
             target=self._server.serve_forever, name="dashboard", daemon=True

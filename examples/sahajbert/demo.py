@@ -43,6 +43,9 @@ class DemoResult:
     returncodes: dict[str, int | None]
 
 
+LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]  # the demo's peers all run here: nobody else reaches them
+
+
 def cli_args(cfg: TrainerConfig) -> list[str]:
     """The command-line options that reproduce ``cfg`` in a child process."""
     o = cfg.optimizer
@@ -189,7 +192,7 @@ def start_run(
     addr_file = out / "addrs.json"
     addr_file.unlink(missing_ok=True)
     (out / "status.json").unlink(missing_ok=True)
-    base = cli_args(cfg)
+    base = [*cli_args(cfg), "--listen", *LOOPBACK]
     coord = procs.start(
         "coordinator",
         ["coordinator", *base, "--out", str(out), "--addr-file", str(addr_file),

@@ -297,9 +297,12 @@ def sign(manifest: RunManifest, identity: Any) -> dict[str, bytes]:
     }
 
 
-def verify(envelope: Any, *, run_id: str, owner: bytes | None = None) -> tuple[RunManifest, str]:
+def verify(
+    envelope: Any, *, run_id: str | None, owner: bytes | None = None
+) -> tuple[RunManifest, str]:
     """``(manifest, signer's peer ID)`` from a signed envelope; ManifestError when it is not
-    well-formed, not validly signed, of another run, or (private run) not the owner's."""
+    well-formed, not validly signed, of another run than ``run_id`` (None: any run), or
+    (private run) not the owner's."""
     from p2p.identity import PeerID, verify_signature
 
     if not isinstance(envelope, dict):
@@ -323,8 +326,11 @@ def verify(envelope: Any, *, run_id: str, owner: bytes | None = None) -> tuple[R
         raise ManifestError(f"malformed manifest: {e}") from None
     if manifest.encode() != body:
         raise ManifestError("the manifest is not in canonical form")
-    if manifest.run_id != run_id:
-        raise ManifestError(f"the manifest is of run {manifest.run_id!r}, not {run_id!r}")
+    if run_id is not None and manifest.run_id != run_id:
+        raise ManifestError(
+            f"the initial peers serve run {manifest.run_id!r}, not {run_id!r} (--run-id): drop "
+            f"--run-id to join run {manifest.run_id!r}, or give --initial-peers of run {run_id!r}"
+        )
     return manifest, str(PeerID.from_public_key(signer))
 
 
@@ -372,16 +378,20 @@ async def serve(core: Any, envelope: dict[str, bytes], tokenizer_file: Path, ttl
 def fetch(
     initial_peers: Sequence[str],
     *,
-    run_id: str,
+    run_id: str | None,
     work_dir: Path,
     owner: bytes | None = None,
     identity: Path | None = None,
     invitation: bytes | None = None,
     timeout: float = 120.0,
+    unreachable_after: float = 10.0,
 ) -> tuple[RunManifest, dict[str, bytes], Path]:
-    """Ask the initial peers for the run's manifest (retrying until ``timeout``), and make
+    """Ask the initial peers for the run's manifest (retrying until ``timeout``; of run
+    ``run_id``, or of the run they serve when None), and make
     sure the tokenizer it names is in ``work_dir/tokenizers/<digest>/`` (downloaded and
     checked when it is not). Returns the manifest, its signed envelope and that directory.
+    When no initial peer could even be connected to (refused, another peer's key, no route)
+    for ``unreachable_after`` seconds, it fails then, with each address's reason.
 
     We call as ``identity`` (a throwaway one without). In a private run (``owner``) the
     peers serve only invited callers: we show ``invitation`` first; a peer's refusal ends the
@@ -392,28 +402,31 @@ def fetch(
 
     me = Identity.load_or_create(identity) if identity is not None else None
     args = (list(initial_peers), run_id, Path(work_dir), owner, me, invitation, timeout)
-    return trio.run(_fetch, *args)
+    return trio.run(_fetch, *args, unreachable_after)
 
 
 async def _fetch(
     peers: list[str],
-    run_id: str,
+    run_id: str | None,
     work_dir: Path,
     owner: bytes | None,
     me: Any,
     invitation: bytes | None,
     timeout: float,
+    unreachable_after: float,
 ) -> tuple[RunManifest, dict[str, bytes], Path]:
     import trio
 
     from dedloc_jax.access import AUTH
-    from p2p.errors import P2PError, RPCError
+    from p2p.errors import DialError, HandshakeError, P2PError, RPCError
     from p2p.multiaddr import Multiaddr
     from p2p.node import open_node
 
     addrs = [Multiaddr.parse(a) for a in peers]
     last = "no initial peer answered"
     got: tuple[RunManifest, dict[str, bytes], Path] | ManifestError | None = None
+    unreachable: dict[Multiaddr, str] = {}  # why each address could not be connected to
+    reached = False  # some initial peer took a connection (then wait up to `timeout`)
 
     async def show_invitation(ctx: Any, request: Any) -> Any:  # a guard may ask us
         return {"invitation": invitation}
@@ -437,6 +450,7 @@ async def _fetch(
 
     # A throwaway client (the manifest says how to join), as this peer in a private run.
     # Errors leave the node's nursery as results: raised inside, they would come out grouped.
+    started = trio.current_time()
     async with open_node(me, listen=[]) as node:
         node.add_handler(AUTH, show_invitation)
         with trio.move_on_after(timeout):
@@ -450,14 +464,24 @@ async def _fetch(
                         if e.remote and str(e).startswith(REFUSED):
                             got = ManifestError(_refusal(addr, node.peer_id, str(e)))
                         last = f"{addr}: {e}"
-                    except (P2PError, OSError) as e:
-                        last = f"{addr}: {e}"
+                    except (DialError, HandshakeError, OSError) as e:
+                        last = unreachable[addr] = f"{addr}: {e}"
+                    except P2PError as e:
+                        last, reached = f"{addr}: {e}", True
                     if got is not None:
                         break
                 else:
+                    if not reached and trio.current_time() - started >= unreachable_after:
+                        break
                     await trio.sleep(1.0)
     if isinstance(got, ManifestError):
         raise got
+    if got is None and not reached and unreachable:
+        raise ManifestError(
+            f"could not connect to any of the --initial-peers ({'; '.join(unreachable.values())}): "
+            "check the address, port and /p2p/ ID against what the coordinator prints after "
+            "'join with: --initial-peers'"
+        )
     if got is None:
         raise ManifestError(f"no run manifest from --initial-peers within {timeout:.0f} s ({last})")
     return got
@@ -485,6 +509,7 @@ def _check_tokenizer(data: Any, manifest: RunManifest) -> None:
 # --- checking a peer's options against it ------------------------------------------------
 # The options a run fixes, as (flag, TrainerConfig attribute or None for the tokenizer).
 RUN_FLAGS = (
+    "--run-id",
     "--config",
     "--seq-length",
     "--target-batch-size",
@@ -504,6 +529,7 @@ def check(manifest: RunManifest, cfg: TrainerConfig, explicit: set[str]) -> None
     line) whose value in ``cfg`` contradicts the manifest."""
     o = cfg.optimizer
     simple = {
+        "--run-id": (cfg.run_id, manifest.run_id),
         "--config": (cfg.model, manifest.model),
         "--seq-length": (cfg.seq_length, manifest.seq_length),
         "--target-batch-size": (cfg.target_batch_size, manifest.target_batch_size),
@@ -559,6 +585,7 @@ def apply(manifest: RunManifest, cfg: TrainerConfig, tok_dir: Path) -> TrainerCo
     if cfg.data is not None and manifest.data is not None:
         data, mix = cfg.data, cfg.data_mix
     return cfg.replace(
+        run_id=manifest.run_id,
         model=manifest.model,
         seq_length=manifest.seq_length,
         target_batch_size=manifest.target_batch_size,

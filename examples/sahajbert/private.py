@@ -93,6 +93,30 @@ def write_invitation(
     return path, Invitation.from_bytes(data)
 
 
+def invitation_run_id(invitation: Path) -> str | None:
+    """The run an invitation file admits to (None when it is unreadable: ``peer_access``
+    then says why)."""
+    try:
+        return Invitation.from_bytes(invitation.read_bytes()).run_id
+    except (OSError, AccessDenied, ValueError, TypeError):
+        return None
+
+
+def describe_key(key_file: Path, *, create: bool) -> tuple[str, bool]:
+    """The lines that name a key file's peer ID and public key (``--owner`` takes the hex
+    key), and whether the file was created now."""
+    existed = key_file.exists()
+    try:
+        me = Identity.load_or_create(key_file) if create else Identity.load(key_file)
+    except IdentityError as e:
+        raise PrivateRunError(str(e)) from None
+    text = (
+        f"peer ID: {me.peer_id}\n"
+        f"public key: {me.public_key.hex()} (for a run's owner key: what peers pass as --owner)"
+    )
+    return text, not existed
+
+
 @dataclass(frozen=True)
 class Access:
     """What a peer passes to its collaboration: the owner key, its invitation, its identity."""

@@ -149,7 +149,8 @@ class DHT:
                     if await self.protocol.ping(Contact(peer, (str(ma.with_peer(peer)),))):
                         answered.append(peer)
                     else:
-                        errors.append(f"{addr}: no answer to ping")
+                        contact = Contact(peer, (str(ma.with_peer(peer)),))
+                        errors.append(f"{addr}: {await self.protocol.why_no_ping(contact)}")
             except (P2PError, trio.TooSlowError) as e:
                 errors.append(f"{addr}: {e or type(e).__name__}")
 

@@ -50,7 +50,7 @@ from p2p.dht.wire import (
     response,
     store_addrs,
 )
-from p2p.errors import P2PError, ProtocolError
+from p2p.errors import P2PError, ProtocolError, RPCError
 from p2p.identity import PeerID
 
 log = logging.getLogger(__name__)
@@ -316,6 +316,27 @@ class DHTProtocol:
 
     async def ping(self, contact: Contact) -> bool:
         return await self._call(contact, PING) is not None
+
+    async def why_no_ping(self, contact: Contact) -> str:
+        """Why ``contact`` did not answer a ping, in words a user can act on: a DHT client
+        (behind a NAT, no public address) serves no DHT request, so it cannot bootstrap."""
+        try:
+            await self.node.call(
+                contact.peer,
+                PING,
+                request(self.client_mode, self.own_addrs()),
+                timeout=self.config.request_timeout,
+            )
+        except RPCError as e:
+            if e.remote and "unknown protocol" in str(e):
+                return (
+                    "it serves no DHT requests: it is a DHT client (a node behind a NAT, "
+                    "without a public address); use a node others can reach (a public one)"
+                )
+            return f"no answer to ping ({e})"
+        except P2PError as e:
+            return f"no answer to ping ({e})"
+        return "no answer to ping"
 
     async def store(
         self, contact: Contact, records: list[Record], *, cache: bool = False

@@ -44,7 +44,9 @@ def test_a_peer_behind_a_port_forward_is_reached_at_its_announced_address(tmp_pa
     port = _free_port()
     with TrioThread("forwarder") as thread:
         fwd: Forwarder = thread.start_service(_serve_forwarder, port)
-        with closing(trainer.open_collaboration(cfg, NetConfig())) as coord:
+        # all on loopback: a dial-back goes only to the IP a peer is seen from (127.0.0.1 here)
+        loopback = NetConfig(listen=("/ip4/127.0.0.1/tcp/0",))
+        with closing(trainer.open_collaboration(cfg, loopback)) as coord:
             join = (trainer.dialable(coord)[0],)
             net_a = NetConfig(
                 initial_peers=join, listen=(f"/ip4/127.0.0.1/tcp/{port}",), announce=(fwd.addr,)

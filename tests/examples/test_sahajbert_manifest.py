@@ -58,8 +58,9 @@ def run(tmp_path_factory: pytest.TempPathFactory):
     assert prep.returncode == 0, prep.stderr
     addr_file = tmp / "addrs.json"
     coord_log = tmp / "coordinator.log"
+    # neither the coordinator nor the volunteers name the run: the manifest does
     coord = _cli(
-        ["coordinator", *RUN, "--manifest", str(run_dir), "--out", str(tmp / "out"),
+        ["coordinator", "--manifest", str(run_dir), "--out", str(tmp / "out"),
          "--addr-file", str(addr_file), "--checkpoint-every", "1"],
         tmp / "organiser", coord_log,
     )  # fmt: skip
@@ -77,7 +78,7 @@ def run(tmp_path_factory: pytest.TempPathFactory):
 def _trainer(run: dict, name: str, *extra: str) -> tuple[subprocess.Popen, Path, Path]:
     work = run["tmp"] / name
     log = run["tmp"] / f"{name}.log"
-    proc = _cli(["trainer", *RUN, "--initial-peers", run["addr"], *DEVICE, *extra], work, log)
+    proc = _cli(["trainer", "--initial-peers", run["addr"], *DEVICE, *extra], work, log)
     return proc, work, log
 
 
@@ -99,6 +100,30 @@ def test_a_trainer_with_another_seq_length_or_tokenizer_is_refused(run) -> None:
     text = tok_log.read_text()
     assert "--tokenizer" in text and "contradicts the run's manifest" in text, text
     assert _sha(other_tok / "tokenizer.json")[:16] in text  # both digests named
+
+
+def test_the_manifest_names_the_run_for_every_role(run) -> None:
+    """`prepare --run-id X`, then `coordinator --manifest` and the volunteers' one-line start
+    without --run-id all take part in run X; a --run-id that contradicts it is refused with
+    both values and the fix."""
+    status = run["tmp"] / "out" / "status.json"
+    deadline = time.monotonic() + 120
+    while not status.is_file():
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    assert json.loads(status.read_text())["run_id"] == "manifest-test"
+    got, _, _ = manifest.fetch([run["addr"]], run_id=None, work_dir=run["tmp"] / "fetch")
+    assert got.run_id == "manifest-test"
+    with pytest.raises(manifest.ManifestError, match="drop --run-id to join run 'manifest-test'"):
+        manifest.fetch([run["addr"]], run_id="other", work_dir=run["tmp"] / "fetch")
+    log = run["tmp"] / "coord-other.log"
+    argv = ["coordinator", "--run-id", "other", "--manifest", str(run["run_dir"]),
+            "--out", str(run["tmp"] / "out-other")]  # fmt: skip
+    other = _cli(argv, run["tmp"] / "organiser", log)
+    assert other.wait(timeout=120) == 2, log.read_text()
+    assert "--run-id other contradicts the run's manifest (--run-id manifest-test)" in (
+        log.read_text()
+    )
 
 
 @pytest.mark.slow
@@ -152,8 +177,9 @@ def test_manifest_round_trip_and_hostile_envelopes() -> None:
         owner = other.public_key if i == 1 else None
         with pytest.raises(manifest.ManifestError, match=why):
             manifest.verify(e, run_id="r", owner=owner)
-    with pytest.raises(manifest.ManifestError, match="of run 'r'"):
+    with pytest.raises(manifest.ManifestError, match="serve run 'r', not 's'"):
         manifest.verify(env, run_id="s")
+    assert manifest.verify(env, run_id=None)[0] == made  # the run the peer serves
     for field, value in [("seq_length", float("inf")), ("vocab_size", -1), ("codec", "<b>"),
                          ("tokenizer_sha256", "zz"), ("data", [{"kind": "text", "path": ""}]),
                          ("masking", {"mlm_probability": 2.0}), ("mode", "local"),
@@ -184,8 +210,11 @@ def test_flags_that_contradict_the_manifest_name_the_flag_and_both_values(tmp_pa
             manifest.check(made, bad, {flag})
         assert e.value.flag == flag
         manifest.check(made, bad, set())  # not given explicitly: the manifest's value is used
-    applied = manifest.apply(made, TrainerConfig(), tmp_path)
+    applied = manifest.apply(made, TrainerConfig(run_id="other"), tmp_path)
     assert (applied.model, applied.seq_length, applied.data) == ("tiny", 64, f"block:{data}")
+    assert applied.run_id == made.run_id  # the manifest names the run
+    with pytest.raises(manifest.ManifestMismatch, match="--run-id other contradicts"):
+        manifest.check(made, TrainerConfig(run_id="other"), {"--run-id"})
     assert parse_data(applied.data, applied.data_mix) == made.data
 
 

@@ -13,7 +13,14 @@ import pytest
 
 from dedloc_jax import access
 from examples.sahajbert import trainer
-from examples.sahajbert.__main__ import main, net_config, parse_args, trainer_config
+from examples.sahajbert.__main__ import (
+    explicit_flags,
+    invited_run_id,
+    main,
+    net_config,
+    parse_args,
+    trainer_config,
+)
 from p2p.identity import Identity
 
 PEERS = "/ip4/127.0.0.1/tcp/1/p2p/12D3KooWExample"
@@ -103,6 +110,52 @@ def test_invite_rejects_bad_input(tmp_path, capsys) -> None:
         assert message in capsys.readouterr().err
     assert main(["trainer", "--initial-peers", PEERS, "--owner", "zz"]) == 2
     assert "public key in hex" in capsys.readouterr().err
+
+
+def test_identity_prints_the_peer_id_and_the_public_key(run, tmp_path, capsys) -> None:
+    assert main(["identity", "--key", str(tmp_path / "none.key")]) == 2
+    assert "--create makes one" in capsys.readouterr().err
+    assert not (tmp_path / "none.key").exists()
+    assert main(["identity", "--key", str(tmp_path / "owner.key")]) == 0
+    out = capsys.readouterr().out
+    assert run["hex"] in out and str(run["owner"].peer_id) in out and "--owner" in out
+    assert main(["identity", "--key", str(tmp_path / "new.key"), "--create"]) == 0
+    assert f"created {tmp_path / 'new.key'}" in capsys.readouterr().out
+
+
+def test_a_failed_invite_still_prints_the_owner_public_key(run, tmp_path, capsys) -> None:
+    argv = ["invite", "--owner-key", str(tmp_path / "owner.key"), "--peer", "<x>",
+            "--expires", "7d"]  # fmt: skip
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "is not a peer ID" in err and run["hex"] in err
+
+
+def test_invite_and_a_volunteer_take_the_run_from_the_manifest_and_invitation(
+    run, tmp_path, capsys
+) -> None:
+    """`invite --manifest RUN` admits to the prepared run's id; a volunteer with that
+    invitation and no --run-id takes the invitation's run."""
+    from examples.sahajbert import manifest
+    from examples.sahajbert.config import TrainerConfig
+
+    tok = tmp_path / "RUN" / "tokenizer" / manifest.TOKENIZER_FILE
+    tok.parent.mkdir(parents=True)
+    tok.write_text("{}")  # any file: load() checks its digest only
+    made = manifest.build(TrainerConfig(run_id="foo", model="tiny"), tok, 900, "fp16")
+    manifest.save(made, tok, tmp_path / "RUN")
+    inv = tmp_path / "foo.invitation"
+    base = ["invite", "--owner-key", str(tmp_path / "owner.key"), "--peer", str(run["me"].peer_id),
+            "--expires", "7d", "--manifest", str(tmp_path / "RUN")]  # fmt: skip
+    assert main([*base, "--out", str(inv)]) == 0
+    assert "may join run 'foo'" in capsys.readouterr().out
+    assert main([*base, "--run-id", "bar"]) == 2
+    assert "--run-id bar contradicts the run's manifest (--run-id foo)" in capsys.readouterr().err
+    argv = _trainer(run, "--identity", str(run["me_key"]), "--invitation", str(inv))
+    args = parse_args(argv)
+    args.run_id = invited_run_id(args, explicit_flags(argv))
+    assert args.run_id == "foo"
+    assert net_config(args).invitation == inv.read_bytes()
 
 
 def test_the_coordinator_runs_as_the_owner_and_the_config_reaches_the_collaboration(

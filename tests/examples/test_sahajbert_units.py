@@ -200,13 +200,18 @@ def _help(*argv: str, capsys: pytest.CaptureFixture) -> str:
 
 
 def test_each_role_has_its_own_help_page_with_each_default_once(capsys) -> None:
-    pages = {role: _help(role, capsys=capsys) for role in ("trainer", "finetune", "coordinator")}
+    roles = ("trainer", "finetune", "coordinator", "prepare")
+    pages = {role: _help(role, capsys=capsys) for role in roles}
     top = _help(capsys=capsys)
-    assert len({top, *pages.values()}) == 4  # four different pages
+    assert len({top, *pages.values()}) == 5  # five different pages
     assert all(role in top for role in ("demo", "trainer", "finetune", "export"))
-    trainer = pages["trainer"]
-    assert trainer.count("4096") == 1 and trainer.count("0.00176") == 1
-    assert trainer.count("(default: 512)") == 1 and "--lr " not in trainer
+    prepare = pages["prepare"]
+    assert prepare.count("4096") == 1 and prepare.count("0.00176") == 1
+    assert prepare.count("(default: 512)") == 1 and "--lr " not in prepare
+    # a volunteer's run options come from the run's manifest, not sahajBERT's defaults
+    trainer = " ".join(pages["trainer"].split())
+    assert "4096" not in trainer and "0.00176" not in trainer and "(default: 512)" not in trainer
+    assert trainer.count("(default: from the run's manifest)") == 12
     assert "--checkpoint-dir" in pages["coordinator"] and "--step-delay" not in pages["finetune"]
     for page in pages.values():
         assert "default: None" not in page and "default: False" not in page

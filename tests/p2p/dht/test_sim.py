@@ -278,6 +278,24 @@ def test_bootstrap_fails_clearly_when_no_initial_peer_answers() -> None:
     run_sim(main)
 
 
+def test_bootstrapping_from_a_dht_client_says_it_serves_no_requests() -> None:
+    """A `serve` node behind a NAT became a DHT client: naming it as the initial peer fails
+    with why (it serves no DHT requests; a public node is needed), not a bare "no answer"."""
+
+    async def main() -> None:
+        async with dht_swarm(2, seed=9) as swarm:
+            behind_nat = swarm.dhts[1]
+            behind_nat.set_client_mode(True)
+            addr = str(behind_nat.node.addrs[0])
+            host = swarm.net.add_host("newcomer")
+            async with open_node(transport=host.transport, listen=[host.listen_addr]) as node:
+                with pytest.raises(BootstrapError, match="serves no DHT requests.*public one"):
+                    async with open_dht(node, initial_peers=[addr], config=TEST_CONFIG):
+                        pass
+
+    run_sim(main)
+
+
 def test_concurrent_gets_of_one_key_share_one_search_and_stores_batch_keys() -> None:
     async def main() -> None:
         async with dht_swarm(12, seed=10) as swarm:
