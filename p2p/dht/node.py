@@ -264,8 +264,9 @@ class DHT:
             self.validators.validate(rec)
             if rec.expiration <= now:
                 raise InvalidRecordError(f"record of {rec.key!r} expired already")
-            if rec.expiration > now + self.config.max_ttl:
-                raise InvalidRecordError(f"expiration more than {self.config.max_ttl} s ahead")
+            too_long = self.validators.lifetime_reason(rec, now, self.config.max_ttl)
+            if too_long is not None:
+                raise InvalidRecordError(too_long)
         results = [StoreResult() for _ in records]
         targets: dict[str, list[Contact]] = {}
         local: dict[str, bool] = {}
@@ -443,7 +444,13 @@ class DHT:
             ok = verdicts.get(ident)
             if ok is None:
                 ok = verdicts[ident] = self.validators.reason(r) is None
-            return ok and r.expiration > now
+            # (a record that lives longer than its key allows came from a node that does
+            # not check: it is dropped as the honest nodes refuse it)
+            return (
+                ok
+                and r.expiration > now
+                and self.validators.lifetime_reason(r, now, self.config.max_ttl) is None
+            )
 
         def enough(peer: PeerID, records: list[Record]) -> bool:
             now = self.now()
