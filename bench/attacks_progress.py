@@ -8,7 +8,8 @@ accepted and the readers had to ignore.
 
 - :func:`hijack_epoch`: one signed progress record at ``epoch`` 2**53 - 1, stored once with a
   7-day TTL (or, when the honest nodes refuse that TTL, the longest they take), then the
-  attacker may leave.
+  attacker may leave; :func:`keep_leading` is the subtle variant (always one epoch ahead of
+  the run, claiming a state of it).
 - :func:`claim_samples`, :func:`keep_claiming_samples`: a record of 2**53 - 1 samples at the
   run's current epoch, once or republished.
 - :func:`junk_state_offer`: a ``RUN.state`` announcement at epoch 10**6 with markup for addresses.
@@ -36,6 +37,7 @@ from p2p.dht.records import owner_marker, owner_markers
 HUGE = (1 << 53) - 1  # the largest integer the schemas took (exact in a float)
 WEEK = 7 * 24 * 3600.0
 LIE_BPS = 1e15
+FAKE_DIGEST = b"\x00" * 32
 
 
 def _progress(epoch: int, samples: int, sps: float, now: float) -> dict[str, Any]:
@@ -66,11 +68,15 @@ async def hijack_epoch(
     epoch: int = HUGE,
     ttl: float = WEEK,
     fallback_ttl: float = 3000.0,
+    state: bool = False,
 ) -> tuple[StoreResult, float]:
-    """Store our progress record at ``epoch`` (no samples, no state) for ``ttl`` seconds; if a
-    node refuses it, store it for ``fallback_ttl`` instead (the lifetime was perhaps what it
-    refused). Returns the store's last answer and the TTL it used."""
+    """Store our progress record at ``epoch`` (no samples; with ``state``, claiming to serve a
+    made-up state of that epoch) for ``ttl`` seconds; if a node refuses it, store it for
+    ``fallback_ttl`` instead (the lifetime was perhaps what it refused). Returns the store's
+    last answer and the TTL it used."""
     value = _progress(epoch, 0, 0.0, dht.now())
+    if state:
+        value["state"] = [epoch, FAKE_DIGEST, []]
     try:
         result = await _store(dht, progress_key(run_id), value, ttl)
     except InvalidRecordError:
@@ -93,6 +99,20 @@ async def current_epoch(dht: DHT, run_id: str) -> int:
             if isinstance(e, int) and not isinstance(e, bool) and e < HUGE:
                 epochs[e] += 1
     return max(epochs, key=lambda e: (epochs[e], e)) if epochs else 0
+
+
+async def keep_leading(
+    dht: DHT, run_id: str, *, lead: int = 1, every: float = 0.5, state: bool = True
+) -> None:
+    """Claim the run's current epoch + ``lead`` (serving a made-up state of it with
+    ``state``) every ``every`` seconds, so that the honest peers always look behind."""
+    while True:
+        epoch = await current_epoch(dht, run_id) + lead
+        value = _progress(epoch, 0, 0.0, dht.now())
+        if state:
+            value["state"] = [epoch, FAKE_DIGEST, []]
+        await _store(dht, progress_key(run_id), value, 60.0)
+        await trio.sleep(every)
 
 
 async def claim_samples(
@@ -133,7 +153,7 @@ async def junk_state_offer(
 ) -> StoreResult:
     """Announce a state of ``epoch`` with a made-up digest and ``addrs`` (markup by default).
     Raises InvalidRecordError when the attacker's own DHT already refuses it."""
-    value = {"epoch": epoch, "digest": b"\x00" * 32, "lineage": [], "addrs": list(addrs)}
+    value = {"epoch": epoch, "digest": FAKE_DIGEST, "lineage": [], "addrs": list(addrs)}
     return await _store(dht, state_key(run_id), value, ttl)
 
 

@@ -264,16 +264,16 @@ class ProgressTracker:
 
     def backed_ceiling(self) -> int:
         """The newest epoch a claim may name and count: ours; the one more than half of the
-        trainers reached (others', and ours once we serve a state: a newcomer's epoch 0 says
-        nothing); or the epoch of the state the fork choice names. A record ahead of all three
-        (one peer's ``epoch: 2**53 - 1``, stored once, stopped every trainer, which waited to
-        be "behind" no more) stands for nobody and is left out."""
+        trainers reached (others', and ours once we train and serve a state: a newcomer's
+        epoch 0 says nothing); or the epoch of the state the fork choice names. A record
+        ahead of all three (one peer's ``epoch: 2**53 - 1``, stored once, stopped every
+        trainer, which waited to be "behind" no more) stands for nobody and is left out."""
         counted = [
             r.epoch
             for pid, r in self.records.items()
             if pid != self.peer_id and r.mode == "node" and pid not in self.losers
         ]
-        if self.served is not None:
+        if self.served is not None and self.mode == "node":
             counted.append(self.epoch)
         quorum = backed_epoch(counted)
         return max(self.epoch, -1 if quorum is None else quorum, self.chosen_epoch or -1)

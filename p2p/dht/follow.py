@@ -294,7 +294,7 @@ class KeyFollower:
             )
             if reason is not None:
                 self.stats["invalid"] += 1
-                log.debug("dropped a record of %r: %s", self.key, reason)
+                self.dht.note_invalid(rec, reason)
                 continue
             state.apply(rec, self.dht.config.max_subkeys)
             slot = rec.subkey

@@ -7,14 +7,25 @@ is the epochs the honest peers complete after the attack against before it.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Awaitable, Callable
 
 import numpy as np
 import pytest
 import trio
 
-from bench.attacks_progress import HUGE, WEEK, accepted, hijack_epoch, keep_claiming_samples
+from bench.attacks_progress import (
+    HUGE,
+    WEEK,
+    accepted,
+    current_epoch,
+    hijack_epoch,
+    junk_state_offer,
+    keep_claiming_samples,
+    keep_leading,
+)
 from dedloc_jax.config import CollaborationConfig
+from dedloc_jax.state.serving import read_announcements
 from dedloc_jax.validators import MAX_EPOCH
 from p2p.dht import DHT
 from p2p.testing import SimNetwork, run_sim
@@ -78,16 +89,25 @@ def _epochs(out: dict) -> tuple[int, int]:
     return sum(t < at for t in steps), sum(t >= at for t in steps)
 
 
-@pytest.mark.parametrize("epoch", [HUGE, MAX_EPOCH])
-def test_one_record_far_ahead_neither_stops_the_run_nor_leads_it(epoch: int) -> None:
+@pytest.mark.parametrize("epoch", [HUGE, MAX_EPOCH, "next"])
+def test_one_record_ahead_neither_stops_the_run_nor_leads_it(epoch: int | str) -> None:
     """The issue's record (epoch 2**53 - 1, a week's TTL) stopped every trainer: now the nodes
-    refuse it, and one the schema takes (epoch 10**9) is ignored by its readers."""
-    out = _run(lambda dht: hijack_epoch(dht, "run", epoch=epoch))
+    refuse it, and one the schema takes (epoch 10**9; or the next epoch, claiming a state of
+    it) is ignored by its readers."""
+
+    async def attack(dht: DHT) -> tuple:
+        if epoch == "next":  # one epoch ahead of the run, always, claiming a state of it
+            trio.lowlevel.spawn_system_task(keep_leading, dht, "run")
+            epoch_now = await current_epoch(dht, "run")
+            return await hijack_epoch(dht, "run", epoch=epoch_now + 1, state=True)
+        return await hijack_epoch(dht, "run", epoch=epoch)
+
+    out = _run(attack)
     result, ttl = out["attack"]
     before, after = _epochs(out)
     print(f"epoch {epoch}: {before} / {after} epochs in {PHASE:.0f} s before / after; ttl {ttl}")
     assert ttl < WEEK  # no honest node takes a record for a week
-    assert accepted(result) == (epoch <= MAX_EPOCH)  # 2**53 - 1 is refused outright
+    assert accepted(result) == (epoch != HUGE)  # 2**53 - 1 is refused outright
     assert before >= 5
     assert after >= 0.7 * before  # the run keeps stepping at its clean rate
     assert out["estimate"].epoch < 1000  # the estimate follows the honest peers
@@ -112,3 +132,35 @@ def test_a_peer_claiming_2_53_samples_at_the_current_epoch_counts_as_a_few_peers
     # The claim counts as CLAIM_CAP median peers at most: the honest three still bring 3/7 of
     # the target; unbounded, the claim closed each epoch at the first read (~60 samples).
     assert min(totals) >= 0.4 * target
+
+
+def test_a_junk_state_offer_is_refused_and_logged_once(caplog) -> None:
+    """A ``RUN.state`` announcement at epoch 10**6 with markup for addresses was taken by the
+    schema, and every trainer logged "ignoring a malformed state offer" at each read (about
+    once a second). Now the honest nodes refuse it; a reader that meets it on a node that
+    does not check drops it, logging it once."""
+    config = CollaborationConfig.local_demo(TARGET)
+
+    async def main() -> tuple:
+        net = SimNetwork(seed=3)
+        async with (
+            open_sim_collaboration(net, 3, config=config, latency=0.01) as cores,
+            open_sim_attacker(net, cores[0].node) as attacker,
+        ):
+            result = await junk_state_offer(attacker, "run")
+            # the attacker holds it itself and answers reads with it: read every second
+            found = []
+            for _ in range(10):
+                found.append(await read_announcements(cores[1].node, cores[1].dht, "run"))
+                await trio.sleep(1.0)
+        return result, found
+
+    caplog.set_level(logging.DEBUG)
+    result, found = run_sim(main, seed=3)
+    assert result.refused and all("multiaddr" in why for why in result.refused.values())
+    assert all(a.epoch != 10**6 for got in found for a in got)
+    malformed = [r for r in caplog.records if "malformed state offer" in r.getMessage()]
+    loud = [r for r in caplog.records if r.levelno >= logging.INFO]
+    noted = [r for r in loud if "dropped an invalid record of 'run.state'" in r.getMessage()]
+    assert not [r for r in malformed if r.levelno >= logging.INFO]
+    assert len(noted) == 1  # ten reads met it on the attacker's node: logged once
