@@ -6,6 +6,10 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Literal
 
+MAX_RECORD_TTL = 3600.0
+"""Seconds a record of the run's keys may live (the schemas refuse longer ones, with a minute
+for clocks): a record stored once by a peer that left lapses within the hour, not in a week."""
+
 
 @dataclass(frozen=True)
 class CollaborationConfig:
@@ -75,8 +79,8 @@ class CollaborationConfig:
             raise ValueError(f"unknown codec {self.codec!r}")
         if not 0 < self.min_refresh <= self.max_refresh <= self.idle_refresh:
             raise ValueError("need 0 < min_refresh <= max_refresh <= idle_refresh")
-        if not 0 < self.progress_ttl <= self.idle_ttl:
-            raise ValueError("need 0 < progress_ttl <= idle_ttl")
+        if not 0 < self.progress_ttl <= self.idle_ttl <= MAX_RECORD_TTL:
+            raise ValueError(f"need 0 < progress_ttl <= idle_ttl <= {MAX_RECORD_TTL:.0f}")
         if not self.idle_after > 0:
             raise ValueError("idle_after must be positive")
         positive = (

@@ -244,16 +244,10 @@ class CollaborationPeer:
             max_extrapolation=cap,
             me=me,
         )
-        rest = estimate_collaboration(
-            [r for r in others if r.epoch == est.epoch],
-            now=self.dht.now(),
-            target_batch_size=target,
-            max_extrapolation=cap,
-        )
         return ProgressSnapshot(
             est.epoch,
-            rest.samples,
-            rest.samples_per_second,
+            est.others_samples,
+            est.others_samples_per_second,
             time.monotonic(),
             cap,
             est.others_waiting,

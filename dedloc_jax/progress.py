@@ -9,7 +9,8 @@ when it will reach the target. Pure logic: no I/O, times are passed in.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+import statistics
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -168,6 +169,9 @@ class CollaborationEstimate:
     max_step_interval: float = 0.0  # slowest micro-step among peers at ``epoch``
     # Every other peer that contributes to ``epoch`` stopped and waits for the round.
     others_waiting: bool = False
+    # What ``samples`` and ``samples_per_second`` hold of the peers other than ``me``.
+    others_samples: float = 0.0
+    others_samples_per_second: float = 0.0
 
     @property
     def ready(self) -> bool:
@@ -197,19 +201,31 @@ def estimate_collaboration(
     # Only trainers move the epoch: clients may lag or lie about it, aux peers follow.
     trainers = [r for r in records if r.mode == "node"]
     epoch = max((r.epoch for r in (trainers or records)), default=0)
+    at_epoch = [r for r in records if r.epoch == epoch]
+    rate_cap = claim_cap(r.samples_per_second for r in at_epoch if r.mode != "aux")
+
+    def rate(r: PeerProgress) -> float:
+        return r.samples_per_second if r.peer_id == me else min(r.samples_per_second, rate_cap)
+
+    def held(r: PeerProgress) -> float:
+        elapsed = min(max(0.0, now - r.time), max_extrapolation)
+        return r.samples + elapsed * rate(r)
+
+    samples_cap = claim_cap(held(r) for r in at_epoch if r.mode != "aux")
     samples = 0.0
     sps = 0.0
     interval = 0.0
     waiting = computing = 0
-    for r in records:
-        if r.epoch != epoch:
-            continue
+    own = own_rate = 0.0
+    for r in at_epoch:
         if r.peer_id != me:
             waiting += r.waiting
             computing += not r.waiting and (r.samples > 0 or r.samples_per_second > 0)
-        elapsed = min(max(0.0, now - r.time), max_extrapolation)
-        samples += r.samples + elapsed * r.samples_per_second
-        sps += r.samples_per_second
+        else:
+            own, own_rate = held(r), rate(r)
+        # Our own count is exact; every other one is a claim, bounded by the median peer's.
+        samples += held(r) if r.peer_id == me else min(held(r), samples_cap)
+        sps += rate(r)
         interval = max(interval, r.step_interval)
     others_waiting = waiting > 0 and computing == 0
     remaining = max(0.0, target_batch_size - samples)
@@ -229,7 +245,32 @@ def estimate_collaboration(
         target=target_batch_size,
         max_step_interval=interval,
         others_waiting=others_waiting,
+        others_samples=samples - own,
+        others_samples_per_second=sps - own_rate,
     )
+
+
+CLAIM_CAP = 4.0
+"""No other peer's rate or samples count for more than this many times the median peer's: one
+record claiming 2**53 samples closed every epoch at once; now it counts as four typical peers
+(honest throughputs 10x apart, 3.3x the median at most, are counted whole)."""
+
+
+def claim_cap(values: Iterable[float]) -> float:
+    """``CLAIM_CAP`` times the lower median of the positive ``values`` (inf when none is
+    positive: nothing to bound by). The lower median, so that with two peers one claim cannot
+    raise its own bound."""
+    positive = [v for v in values if v > 0]
+    if not positive:
+        return math.inf
+    return CLAIM_CAP * statistics.median_low(positive)
+
+
+def backed_epoch(epochs: Sequence[int]) -> int | None:
+    """The newest epoch that more than half of ``epochs`` reached (None: none given). A claim
+    beyond it stands for a minority: one record alone cannot move a run of several peers."""
+    ordered = sorted(epochs, reverse=True)
+    return ordered[len(ordered) // 2] if ordered else None
 
 
 IDLE_FRACTION = 0.1  # of the ETA, between reads far from the target

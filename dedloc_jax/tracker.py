@@ -22,16 +22,19 @@ from dedloc_jax.progress import (
     CollaborationEstimate,
     PeerProgress,
     ThroughputMeter,
+    backed_epoch,
     check_state,
     estimate_collaboration,
     refresh_delay,
 )
-from dedloc_jax.state import Announcement, losing_peers
+from dedloc_jax.state import Announcement, fork_choice, losing_peers
 from p2p.dht import DHT, InvalidRecordError, follower_replicas
 from p2p.dht.records import Record, owner_marker, owner_markers
 from p2p.errors import P2PError
 
 log = logging.getLogger(__name__)
+
+MAX_LOGGED = 4096  # peers remembered as logged for an unbacked epoch (then forgotten)
 
 
 def progress_key(run_id: str) -> str:
@@ -87,6 +90,14 @@ class ProgressTracker:
         # Peers whose served state is on a lineage the fork choice leaves: see contenders().
         self.losers: frozenset[str] = frozenset()
         self._fork_input: tuple = ()
+        # The epoch of the state the fork choice names in the table (None: none served): a
+        # claim of an epoch up to it is backed by a state a download would bring.
+        self.chosen_epoch: int | None = None
+        # Peers whose epoch nobody backs (see contenders), and those already logged.
+        self.unbacked: frozenset[str] = frozenset()
+        self._unbacked_input: tuple = ()
+        self._unbacked_table: dict[str, PeerProgress] | None = None
+        self._unbacked_logged: set[str] = set()
         # (epoch, peers): who averaged with us into ``epoch``; and the DHT time of our first
         # report in it (None: none yet), from which their samples are extrapolated
         self.mates: tuple[int, frozenset[str]] = (-1, frozenset())
@@ -254,9 +265,53 @@ class ProgressTracker:
         After a healed partition the side that lost may be ahead, and the winners, "behind"
         with no newer state to load, must not wait for it: the losers are left out until their
         own fork check moves them."""
-        if not self.losers:
+        self._find_unbacked()
+        left_out = self.losers | self.unbacked
+        if not left_out:
             return self.records
-        return {pid: r for pid, r in self.records.items() if pid not in self.losers}
+        return {pid: r for pid, r in self.records.items() if pid not in left_out}
+
+    def backed_ceiling(self) -> int:
+        """The newest epoch a claim may name and count: ours; the one more than half of the
+        trainers reached (others', and ours once we train and serve a state: a newcomer's
+        epoch 0 says nothing); or the epoch of the state the fork choice names. A record
+        ahead of all three (one peer's ``epoch: 2**53 - 1``, stored once, stopped every
+        trainer, which waited to be "behind" no more) stands for nobody and is left out."""
+        counted = [
+            r.epoch
+            for pid, r in self.records.items()
+            if pid != self.peer_id and r.mode == "node" and pid not in self.losers
+        ]
+        if self.served is not None and self.mode == "node":
+            counted.append(self.epoch)
+        quorum = backed_epoch(counted)
+        return max(self.epoch, -1 if quorum is None else quorum, self.chosen_epoch or -1)
+
+    def _find_unbacked(self) -> None:
+        """Recount :attr:`unbacked` when the table, our epoch or the states changed."""
+        key = (self.epoch, self.served is not None, self.chosen_epoch, self.losers)
+        if key == self._unbacked_input and self._unbacked_table is self.records:
+            return
+        self._unbacked_input, self._unbacked_table = key, self.records
+        ceiling = self.backed_ceiling()
+        unbacked = {
+            pid: r.epoch
+            for pid, r in self.records.items()
+            if pid != self.peer_id and r.epoch > ceiling
+        }
+        for pid, epoch in sorted(unbacked.items()):
+            if pid not in self._unbacked_logged:
+                if len(self._unbacked_logged) >= MAX_LOGGED:
+                    self._unbacked_logged.clear()
+                self._unbacked_logged.add(pid)
+                log.warning(
+                    "ignoring peer %s's progress at epoch %d: most trainers are at %d or "
+                    "before and no state of it is served (logged once per peer)",
+                    pid,
+                    epoch,
+                    ceiling,
+                )
+        self.unbacked = frozenset(unbacked)
 
     def expect_mates(self, epoch: int, peers: Iterable[str]) -> None:
         """``peers`` averaged with us into ``epoch``: they are expected in its round (the
@@ -326,6 +381,8 @@ class ProgressTracker:
         if self.served is not None:
             announced.append(Announcement(self.peer_id, *self.served, votes=self.mode != "aux"))
         self.losers = frozenset(losing_peers(announced) - {self.peer_id})
+        chosen = fork_choice(announced) if announced else None
+        self.chosen_epoch = None if chosen is None else chosen[0]
 
     async def freeze(self) -> None:
         """Publish that this peer stopped accumulating (it is averaging): rate zero."""

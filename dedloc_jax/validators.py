@@ -4,17 +4,21 @@ A node that stores or forwards a record of ``RUN.progress``, ``RUN.group.E`` (an
 ``RUN.state`` checks it against the shape its readers expect (:mod:`dedloc_jax.progress`,
 :mod:`dedloc_jax.round.wire`, :mod:`dedloc_jax.state.serving`): each is a signed subkey of
 the peer it describes, fields typed and bounded, numbers finite. A record of another shape is
-refused where it is stored, and the writer gets the reason back (``DHT.store`` raises it,
-``python -m p2p.dht store`` prints it), instead of readers each skipping it later. Text such as
-addresses is taken as data, never interpreted, and bounded in length. The NAT keys' schemas
+refused where it is stored (and where it is read: a node that skips the checks cannot pass it
+on), and the writer gets the reason back (``DHT.store`` raises it,
+``python -m p2p.dht store`` prints it), instead of readers each skipping it later. Addresses
+must parse as multiaddrs; every record lives at most ``MAX_RECORD_TTL``. The NAT keys' schemas
 come from :func:`p2p.nat.nat_validators`.
 """
 
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
+from typing import Any
 
 from dedloc_jax.averaging.group import MODES as MEMBER_MODES
+from dedloc_jax.config import MAX_RECORD_TTL
 from dedloc_jax.progress import MAX_DIGEST, MAX_LINEAGE, MAX_TARGET, MODES
 from dedloc_jax.round.wire import MAX_STATE_BYTES
 from p2p.dht import (
@@ -26,24 +30,51 @@ from p2p.dht import (
     ListOf,
     OneOf,
     RecordValidator,
-    Str,
     Struct,
     Tuple,
 )
+from p2p.errors import P2PError
+from p2p.multiaddr import Multiaddr
 from p2p.nat import nat_validators
 
 MAX_ADDRS = 32  # addresses a record may list (interfaces plus relayed ones)
 MAX_ADDR_CHARS = 512
-MAX_EPOCH = 1 << 53
-MAX_RATE = 1e15  # samples/s, bytes/s: far above anything real, finite
+MAX_EPOCH = 10**9  # a step every 0.1 s for three years; 2**53 - 1 was taken
+MAX_SAMPLES = MAX_TARGET
+MAX_RATE = 1e9  # samples/s of one peer: far above anything real, finite
+MAX_BPS = 1e12  # bytes/s a member may state (what member_for makes of an unknown link)
+CLOCK_SLACK = 60.0  # seconds of clock difference a record's lifetime is allowed on top
+_DNS = ("dns", "dns4", "dns6", "dnsaddr")
+_HOSTNAME = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9.-]{0,251}[A-Za-z0-9])?")
 
-_addrs = ListOf(Str(MAX_ADDR_CHARS), max_len=MAX_ADDRS)
+
+@dataclass(frozen=True)
+class Addr:
+    """A multiaddr's text that parses, with host names of letters, digits, dots and dashes
+    (markup in a state offer's addresses made every trainer log it once a second)."""
+
+    max_len: int = MAX_ADDR_CHARS
+
+    def check(self, value: Any, path: str) -> str | None:
+        if not isinstance(value, str) or len(value) > self.max_len:
+            return f"{path} must be a multiaddr of at most {self.max_len} characters"
+        try:
+            addr = Multiaddr.parse(value)
+        except P2PError:
+            return f"{path} is not a multiaddr"
+        for proto, host in addr.components:
+            if proto in _DNS and (host is None or _HOSTNAME.fullmatch(host) is None):
+                return f"{path} names a malformed host"
+        return None
+
+
+_addrs = ListOf(Addr(), max_len=MAX_ADDRS)
 _digest = Bytes(MAX_DIGEST)
 
 PROGRESS = Struct(
     {
         "epoch": Int(0, MAX_EPOCH),
-        "samples": Int(0, MAX_EPOCH),
+        "samples": Int(0, MAX_SAMPLES),
         "sps": Float(0.0, MAX_RATE),
         "time": Float(),
         "mode": OneOf(MODES),
@@ -61,9 +92,9 @@ PROGRESS = Struct(
 MEMBER = Struct(
     {
         "mode": OneOf(MEMBER_MODES),
-        "up": Float(1e-9, MAX_RATE),
-        "down": Float(1e-9, MAX_RATE),
-        "weight": Float(0.0, MAX_RATE),
+        "up": Float(1e-9, MAX_BPS),
+        "down": Float(1e-9, MAX_BPS),
+        "weight": Float(0.0, MAX_SAMPLES),
     }
 )
 
@@ -87,9 +118,15 @@ STATE_ANNOUNCEMENT = Struct(
 def run_validators(run_id: str) -> list[RecordValidator]:
     """The validators every DHT node of run ``run_id`` installs: its keys and the NAT keys."""
     run = re.escape(run_id)
+    ttl = MAX_RECORD_TTL + CLOCK_SLACK
     return [
-        KeySchema("progress record", rf"{run}\.progress", PROGRESS),
-        KeySchema("group registration", rf"{run}\.group\.[0-9]{{1,16}}(\.x)?", REGISTRATION),
-        KeySchema("state announcement", rf"{run}\.state", STATE_ANNOUNCEMENT),
+        KeySchema("progress record", rf"{run}\.progress", PROGRESS, max_ttl=ttl),
+        KeySchema(
+            "group registration",
+            rf"{run}\.group\.[0-9]{{1,16}}(\.x)?",
+            REGISTRATION,
+            max_ttl=ttl,
+        ),
+        KeySchema("state announcement", rf"{run}\.state", STATE_ANNOUNCEMENT, max_ttl=ttl),
         *nat_validators(),
     ]

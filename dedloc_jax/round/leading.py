@@ -15,6 +15,7 @@ import trio
 
 from dedloc_jax.averaging.errors import GroupError
 from dedloc_jax.averaging.group import GroupSpec, Member
+from dedloc_jax.round.claims import bound_claims
 from dedloc_jax.round.plan import same_state
 from dedloc_jax.round.slots import LeaderRound, Slots
 from dedloc_jax.round.wire import Slot
@@ -133,7 +134,9 @@ async def lead(
                 ", ".join(sorted(p[:8] for p in missing)),
             )
         if rnd.joined:
-            members = [rnd.me, *(rnd.joined[p] for p in sorted(rnd.joined))]
+            members = bound_claims(
+                [rnd.me, *(rnd.joined[p] for p in sorted(rnd.joined))], rnd.me.peer_id
+            )
             spec = GroupSpec(tuple(members), group_id=group_id)
             rnd.spec = spec.with_parts()
         return rnd.spec

@@ -289,10 +289,12 @@ class KeyFollower:
         for rec in records:
             if rec.expiration <= now:
                 continue
-            reason = self.dht.validators.reason(rec)
+            reason = self.dht.validators.reason(rec) or self.dht.validators.lifetime_reason(
+                rec, now, self.dht.config.max_ttl
+            )
             if reason is not None:
                 self.stats["invalid"] += 1
-                log.debug("dropped a record of %r: %s", self.key, reason)
+                self.dht.note_invalid(rec, reason)
                 continue
             state.apply(rec, self.dht.config.max_subkeys)
             slot = rec.subkey

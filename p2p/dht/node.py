@@ -41,6 +41,7 @@ from p2p.multiaddr import Multiaddr
 log = logging.getLogger(__name__)
 
 DHTValue = ValueWithExpiration | dict[str, ValueWithExpiration]
+_MAX_NOTED = 4096  # invalid records remembered as logged (then forgotten, so logged again)
 _MAX_LOCATED = 1024  # keys whose nearest nodes a DHT remembers (locate_ttl)
 
 
@@ -91,6 +92,25 @@ class DHT:
         self._located: dict[str, tuple[float, list[Contact]]] = {}  # key -> (when, nearest)
         self.lookups: list[LookupResult] = []  # the last few lookups (rounds/messages figures)
         self.initial_peers: list[str | Multiaddr] = []
+        self._noted: set[tuple] = set()  # invalid records already logged (see note_invalid)
+
+    def note_invalid(self, record: Record, reason: str) -> None:
+        """Log an invalid record that a read brought, once per record (key, subkey, value):
+        a junk record that stays in the DHT is read again every second, and logging it at
+        every read buried the log."""
+        ident = (record.key, record.subkey, record.value)
+        if ident in self._noted:
+            log.debug("dropped an invalid record of %r again: %s", record.key, reason)
+            return
+        if len(self._noted) >= _MAX_NOTED:
+            self._noted.clear()
+        self._noted.add(ident)
+        log.info(
+            "dropped an invalid record of %r (subkey %.60r): %s; not logged again",
+            record.key,
+            record.subkey,
+            reason,
+        )
 
     def now(self) -> float:
         """The DHT time (skew-corrected) in which expirations are written."""
@@ -265,8 +285,9 @@ class DHT:
             self.validators.validate(rec)
             if rec.expiration <= now:
                 raise InvalidRecordError(f"record of {rec.key!r} expired already")
-            if rec.expiration > now + self.config.max_ttl:
-                raise InvalidRecordError(f"expiration more than {self.config.max_ttl} s ahead")
+            too_long = self.validators.lifetime_reason(rec, now, self.config.max_ttl)
+            if too_long is not None:
+                raise InvalidRecordError(too_long)
         results = [StoreResult() for _ in records]
         targets: dict[str, list[Contact]] = {}
         local: dict[str, bool] = {}
@@ -443,8 +464,17 @@ class DHT:
             ident = (r.subkey, r.value, r.expiration, r.proof)
             ok = verdicts.get(ident)
             if ok is None:
-                ok = verdicts[ident] = self.validators.reason(r) is None
-            return ok and r.expiration > now
+                why = self.validators.reason(r)
+                ok = verdicts[ident] = why is None
+                if why is not None:
+                    self.note_invalid(r, why)
+            # (a record that lives longer than its key allows came from a node that does
+            # not check: it is dropped as the honest nodes refuse it)
+            return (
+                ok
+                and r.expiration > now
+                and self.validators.lifetime_reason(r, now, self.config.max_ttl) is None
+            )
 
         def enough(peer: PeerID, records: list[Record]) -> bool:
             now = self.now()

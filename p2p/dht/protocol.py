@@ -237,8 +237,8 @@ class DHTProtocol:
         results: list[bool | str] = []
         for rec, cache in items:
             reason = self.validators.reason(rec)
-            if reason is None and rec.expiration > now + self.config.max_ttl:
-                reason = f"expiration more than {self.config.max_ttl:.0f} s ahead"
+            if reason is None:
+                reason = self.validators.lifetime_reason(rec, now, self.config.max_ttl)
             if reason is None:
                 outcome = (self.cache if cache else self.storage).offer(rec, now)
                 if isinstance(outcome, str):

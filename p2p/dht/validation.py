@@ -340,9 +340,18 @@ class KeySchema:
     pattern: str
     spec: Spec
     owned_subkeys: bool = True
+    # Seconds a record of these keys may live (None: the DHT's max_ttl): a record stored once
+    # by a peer that then left must not outlive the run's use of it by days.
+    max_ttl: float | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "_regex", re.compile(self.pattern))
+
+    def lifetime(self, record: Record) -> float | None:
+        """The longest lifetime this schema allows ``record`` (None: no bound of its own)."""
+        if self.max_ttl is None or self._regex.fullmatch(record.key) is None:  # type: ignore[attr-defined]
+            return None
+        return self.max_ttl
 
     def validate(self, record: Record) -> None:
         if self._regex.fullmatch(record.key) is None:  # type: ignore[attr-defined]
@@ -384,4 +393,17 @@ class ValidatorChain:
             self.validate(record)
         except InvalidRecordError as e:
             return e.reason
+        return None
+
+    def lifetime_reason(self, record: Record, now: float, max_ttl: float) -> str | None:
+        """Why ``record`` lives too long at ``now`` (None: it does not): its expiration is
+        further ahead than ``max_ttl`` or than a validator's own bound (``lifetime``)."""
+        limit = max_ttl
+        for v in self.validators:
+            bound = getattr(v, "lifetime", None)
+            got = bound(record) if bound is not None else None
+            if got is not None:
+                limit = min(limit, got)
+        if record.expiration > now + limit:
+            return f"expiration more than {limit:.0f} s ahead"
         return None

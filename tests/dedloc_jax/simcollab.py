@@ -109,3 +109,19 @@ async def open_sim_collaboration(
             )
             cores.append(core)
         yield cores
+
+
+@asynccontextmanager
+async def open_sim_attacker(net: SimNetwork, bootstrap: Any) -> AsyncIterator[DHT]:
+    """A hostile peer's DHT on a new host, joined through ``bootstrap`` (a node), without the
+    run's schemas: what it stores is refused, if at all, by the honest nodes."""
+    async with (
+        open_sim_nodes(net, 1, config=NodeConfig.testing(), names=["attacker"]) as (node,),
+        open_dht(
+            node,
+            initial_peers=[str(bootstrap.addrs[0])],
+            config=DHTConfig.fast(),
+            clock=DHTClock(trio.current_time),
+        ) as dht,
+    ):
+        yield dht

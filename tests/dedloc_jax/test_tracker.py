@@ -49,9 +49,13 @@ def test_peers_see_each_others_progress_and_the_global_epoch() -> None:
                 # 6 peers x 100 samples, plus a little extrapolation since their last report.
                 assert 600 <= est.samples <= 600 + 6 * 10 * 3
                 assert est.ready
-            # A peer at a newer epoch raises the global epoch; a client cannot.
+            # A peer at a newer epoch raises the global epoch once it serves the state of it
+            # (one of five alone, with no state, stands for nobody); a client cannot.
             trackers[5].set_epoch(7)
             trackers[1].set_epoch(1)
+            await trio.sleep(3 * config.max_refresh)
+            assert trackers[0].current_estimate().epoch == 0
+            trackers[1].serve(1, b"d1", ())
             await trio.sleep(3 * config.max_refresh)
             assert trackers[0].current_estimate().epoch == 1
             nursery.cancel_scope.cancel()

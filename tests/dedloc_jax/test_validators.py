@@ -82,7 +82,17 @@ def test_the_real_records_pass() -> None:
         ("progress", {"extra": 1}, "unknown field 'extra'"),
         ("progress", {"state": [7, b"d", [b"x"] * 5]}, "value.state[2] has more than 4"),
         ("progress", {"target": 0}, "value.target below 1"),
-        ("group", {"addrs": ["<b>x</b>" * 100]}, "value.addrs[0] longer than 512"),
+        ("group", {"addrs": ["<b>x</b>" * 100]}, "value.addrs[0] must be a multiaddr of at most"),
+        ("group", {"addrs": ["<b>x</b>"]}, "value.addrs[0] is not a multiaddr"),
+        ("group", {"addrs": ["/dns4/<b>x<b>/tcp/1"]}, "value.addrs[0] names a malformed host"),
+        ("state", {"addrs": ["/ip4/1.2.3.4/tcp/1<b>"]}, "value.addrs[0] is not a multiaddr"),
+        ("progress", {"epoch": (1 << 53) - 1}, "value.epoch above"),
+        ("state", {"epoch": (1 << 53) - 1}, "value.epoch above"),
+        (
+            "group",
+            {"member": {"mode": "node", "up": 1e15, "down": 1e15, "weight": 1.0}},
+            "value.member.up above",
+        ),
         ("group", {"addrs": [ADDR] * 33}, "value.addrs has more than 32 items"),
         ("group", {"member": {"mode": "node", "up": 1.0, "down": 1.0}}, "weight is missing"),
         ("group", {"state": b"s" * 65}, "value.state longer than 64"),
@@ -100,9 +110,28 @@ def test_records_of_another_shape_are_refused_with_the_reason(key, change, why) 
     assert reason is not None and why in reason and k in reason
 
 
-def test_markup_is_data_and_plain_or_unsigned_records_are_refused() -> None:
-    # text is bounded, never interpreted: markup in an address list is just a string
-    assert _reason(_signed(group_key(RUN, 3), {**_registration(), "addrs": ["<b>x</b>"]})) is None
+def test_records_that_would_live_longer_than_the_run_allows_are_refused() -> None:
+    """A progress record stored once with a 7-day TTL outlived its writer by a week; every
+    key of the run takes MAX_RECORD_TTL (plus clock slack) at most, on store and on read."""
+    from dedloc_jax.config import MAX_RECORD_TTL
+
+    chain = ValidatorChain(run_validators(RUN))
+    week = 7 * 24 * 3600.0
+    for key, value in (
+        (progress_key(RUN), _progress()),
+        (group_key(RUN, 3), _registration()),
+        (state_key(RUN), _state()),
+    ):
+        rec = _signed(key, value)  # expires at 100.0
+        assert chain.lifetime_reason(rec, 100.0 - MAX_RECORD_TTL, week) is None
+        reason = chain.lifetime_reason(rec, 100.0 - week, week)
+        assert reason is not None and "expiration more than" in reason
+    # keys without a bound of their own keep the DHT's
+    other = Record(f"{RUN}.metrics", None, pack_value("x"), 100.0)
+    assert chain.lifetime_reason(other, 100.0 - week, week) is None
+
+
+def test_plain_or_unsigned_records_are_refused() -> None:
     for key in (progress_key(RUN), group_key(RUN, 3), state_key(RUN), "nat.relays"):
         reason = _reason(Record(key, None, pack_value("x"), 100.0))
         assert reason is not None and "only signed subkeys" in reason

@@ -1,0 +1,57 @@
+"""What a member may claim in its group registration: bandwidths and weight, bounded by the
+others' before the leader sizes shares (pure).
+
+Every figure in a join is the member's own word. The load-balancing LP gives a peer that claims
+1e15 B/s up and down nearly the whole vector to reduce, and a weight of 2**53 samples made its
+vector the whole mean. The leader bounds each other member's links
+by the group's lower median in the same direction (its own figure, measured on its own links,
+among them): the LP is that sensitive, since a member stating 3x the others' links already got
+the whole vector (1.5x: half of it). A faster honest member reduces no more than an equal share
+then. Weights are bounded by :data:`~dedloc_jax.progress.CLAIM_CAP` times their median, as the
+progress estimate bounds samples: a liar weighs at most as much as a few typical members.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Sequence
+
+from dedloc_jax.averaging.group import Member
+from dedloc_jax.progress import CLAIM_CAP, claim_cap
+
+log = logging.getLogger(__name__)
+
+
+def bound_claims(members: Sequence[Member], me: str) -> list[Member]:
+    """``members`` with every other member's upload and download lowered to the group's lower
+    median of that figure, and its weight to ``CLAIM_CAP`` times theirs (positive ones; ours
+    counted and kept as it is). Logs each member it bounds."""
+    up = claim_cap(m.upload_bps for m in members if m.mode != "client") / CLAIM_CAP
+    down = claim_cap(m.download_bps for m in members) / CLAIM_CAP
+    weight = claim_cap(m.weight for m in members if m.sends)
+    out = []
+    for m in members:
+        if m.peer_id == me:
+            out.append(m)
+            continue
+        bounded = dataclasses.replace(
+            m,
+            upload_bps=min(m.upload_bps, up),
+            download_bps=min(m.download_bps, down),
+            weight=min(m.weight, weight),
+        )
+        if bounded != m:
+            log.info(
+                "member %s claims %.3g B/s up, %.3g B/s down and weight %.3g: counted as "
+                "%.3g, %.3g and %.3g (bounded by the group's medians)",
+                m.peer_id[:8],
+                m.upload_bps,
+                m.download_bps,
+                m.weight,
+                bounded.upload_bps,
+                bounded.download_bps,
+                bounded.weight,
+            )
+        out.append(bounded)
+    return out

@@ -1,0 +1,34 @@
+"""Issue 46, item 3: a member's stated links and weight buy it no more than a few typical
+members' share (the leader bounds them before the load-balancing LP)."""
+
+from __future__ import annotations
+
+from bench.attacks_progress import LIE_BPS
+from dedloc_jax.averaging.group import FRACTION_GRID, GroupSpec, Member
+from dedloc_jax.progress import CLAIM_CAP
+from dedloc_jax.round.claims import bound_claims
+
+
+def _share(members: list[Member], peer: str) -> float:
+    spec = GroupSpec(tuple(members)).with_parts()
+    return spec.share_parts()[spec.index_of(peer)] / FRACTION_GRID
+
+
+def test_a_member_claiming_1e15_bytes_per_second_gets_a_bounded_share() -> None:
+    honest = [Member(f"h{i}", "node", 1e7, 1e7, 100.0) for i in range(3)]
+    liar = Member("liar", "node", LIE_BPS, LIE_BPS, float(1 << 53))
+    plain = _share([*honest, liar], "liar")
+    bounded_members = bound_claims([*honest, liar], me="h0")
+    bounded = _share(bounded_members, "liar")
+    print(f"the liar's share: {plain:.3f} taken at its word, {bounded:.3f} bounded")
+    assert plain > 0.9  # the LP believed it: nearly the whole vector on the liar
+    assert bounded <= 0.26  # counted as the group's median member's links
+    got = {m.peer_id: m for m in bounded_members}["liar"]
+    assert got.upload_bps == got.download_bps == 1e7
+    assert got.weight == CLAIM_CAP * 100.0
+    # slower links are kept as they are, and so are the leader's own figures
+    spread = [Member("a", "node", 1e6, 1e6, 10.0), Member("b", "node", 1e7, 1e7, 40.0)]
+    spread.append(Member("c", "node", 3e6, 3e6, 20.0))
+    kept = bound_claims(spread, me="b")
+    assert kept[0] == spread[0] and kept[1] == spread[1]
+    assert bound_claims([liar, *honest], me="liar")[0] == liar
