@@ -15,6 +15,9 @@ from __future__ import annotations
 import re
 
 from dedloc_jax.averaging.group import MODES as MEMBER_MODES
+from dedloc_jax.bans import MAX_EVIDENCE, MAX_REASON
+from dedloc_jax.bans import MAX_RECORDS as MAX_BANS
+from dedloc_jax.bans import ROLES as BAN_ROLES
 from dedloc_jax.progress import MAX_DIGEST, MAX_LINEAGE, MAX_TARGET, MODES
 from dedloc_jax.round.wire import MAX_STATE_BYTES
 from p2p.dht import (
@@ -84,6 +87,26 @@ STATE_ANNOUNCEMENT = Struct(
 """A state donor's announcement under ``RUN.state``."""
 
 
+BAN = Struct(
+    {
+        "bans": ListOf(
+            Struct(
+                {
+                    "peer": Str(64),
+                    "role": OneOf(BAN_ROLES),
+                    "reason": Str(MAX_REASON),
+                    "round": Bytes(64),
+                    "evidence": Bytes(MAX_EVIDENCE),
+                    "digest": Bytes(32),
+                }
+            ),
+            max_len=MAX_BANS,
+        )
+    }
+)
+"""An accuser's convictions under ``RUN.bans`` (:mod:`dedloc_jax.bans`)."""
+
+
 def run_validators(run_id: str) -> list[RecordValidator]:
     """The validators every DHT node of run ``run_id`` installs: its keys and the NAT keys."""
     run = re.escape(run_id)
@@ -91,5 +114,6 @@ def run_validators(run_id: str) -> list[RecordValidator]:
         KeySchema("progress record", rf"{run}\.progress", PROGRESS),
         KeySchema("group registration", rf"{run}\.group\.[0-9]{{1,16}}(\.x)?", REGISTRATION),
         KeySchema("state announcement", rf"{run}\.state", STATE_ANNOUNCEMENT),
+        KeySchema("ban list", rf"{run}\.bans", BAN),
         *nat_validators(),
     ]

@@ -37,6 +37,7 @@ from .verify import (
     NO_HASH,
     ShareFigures,
     Statement,
+    clips,
     derived_tau,
     direction,
     make_statement,
@@ -234,6 +235,7 @@ def check_chunk(
             return ChunkCheck(False, f"member {i} is counted but stated no contribution")
         figs.append(f)
     raw = [statements[i].weight for i in order]
+    robust = clips(robust, fixed_tau, len(order))
     weights = list(cap_weights(raw)) if robust else raw
     norms = [float(f.norms[k]) for f in figs]
     if robust:

@@ -36,7 +36,7 @@ class AllReduceConfig:
     """Reducers aggregate each chunk with CenteredClip (:mod:`.robust`), buffering the chunk's
     parts until all arrived, so one peer sending scaled values moves a chunk by a bounded
     amount. The radius is ``robust_tau`` if set, else derived per chunk from the parts: the
-    lower median of their norms (:func:`.verify.derived_tau`)."""
+    upper median of their norms (:func:`.verify.derived_tau`)."""
     robust_tau: float | None = None
     """A fixed CenteredClip radius (L2, per chunk); setting it implies ``robust``."""
     robust_iters: int = 50

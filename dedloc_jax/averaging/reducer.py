@@ -22,7 +22,7 @@ from .codecs import is_finite
 from .errors import BadContributionError, CodecError
 from .robust import cap_weights, centered_clip
 from .sync import Changes
-from .verify import CLIP_SLACK, derived_tau, part_norm, result_digest
+from .verify import CLIP_SLACK, clips, derived_tau, part_norm, result_digest
 
 if TYPE_CHECKING:
     from .bandwidth import Gauge
@@ -273,8 +273,13 @@ class Reducer:
         self.parts[k] = {}
         senders = sorted(parts)
         own = r.weight if r.is_sender and not r.abstain else 0.0
-        weights = cap_weights([own if s == r.me else self.weights[s] for s in senders])
+        raw = [own if s == r.me else self.weights[s] for s in senders]
         values = [parts[s] for s in senders]
+        if not clips(True, r.config.robust_tau, len(senders)):
+            x = np.asarray(values, np.float64)
+            out[:] = (np.asarray(raw) @ x) / max(sum(raw), 1e-300)
+            return
+        weights = cap_weights(raw)
         tau = r.config.robust_tau or derived_tau([part_norm(v) for v in values])
         self.taus[k] = tau
         out[:] = centered_clip(values, weights, tau, r.config.robust_iters, tol=CLIP_TOL)

@@ -25,7 +25,7 @@ from .codecs import is_finite
 from .errors import BadContributionError, ShareLostError
 from .robust import cap_weights, centered_clip
 from .sync import F32, Changes
-from .verify import derived_tau, part_norm
+from .verify import clips, derived_tau, part_norm
 
 if TYPE_CHECKING:
     from .butterfly import Round
@@ -139,8 +139,12 @@ class Repair:
         """CenteredClip over chunk ``k``'s parts, with weights capped as a reducer does."""
         r = self.r
         senders = sorted(self.parts[k])
-        weights = cap_weights([self.weights[s] for s in senders])
         values = [self.parts[k][s] for s in senders]
+        if not clips(True, r.config.robust_tau, len(senders)):
+            raw = np.asarray([self.weights[s] for s in senders], np.float64)
+            mean = (raw @ np.asarray(values, np.float64)) / max(float(raw.sum()), 1e-300)
+            return mean.astype(np.float32)
+        weights = cap_weights([self.weights[s] for s in senders])
         tau = r.config.robust_tau or derived_tau([part_norm(v) for v in values])
         out = centered_clip(values, weights, tau, r.config.robust_iters)
         return out.astype(np.float32)

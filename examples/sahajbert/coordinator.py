@@ -97,6 +97,8 @@ class Coordinator:
         self.envelope: dict | None = None  # what we sign and serve (run() sets it)
         self.manifest_conflicts: dict[str, str] = {}  # peer -> digest of what it republishes
         self._manifests_checked = -math.inf
+        self._bans: list[dict] = []  # peers banned for lying (status.json, dashboard)
+        self._bans_read = -math.inf
 
     def run(self) -> dict[str, Any]:
         from examples.sahajbert import manifest
@@ -163,6 +165,7 @@ class Coordinator:
             if self._checkpoint_due(self.newest_epoch):
                 self._checkpoint(collab)
             status = self._status(records, est, dash.url, addrs)
+            status["banned"] = self._banned(collab)
             dash.status = status
             _write_atomic(self.opts.out_dir / "status.json", json.dumps(clean_json(status)))
             final = self.opts.exit_after_epoch
@@ -175,6 +178,17 @@ class Coordinator:
                 return status
             self._check_final(final)
             time.sleep(self.opts.poll_interval)
+
+    def _banned(self, collab: Any) -> list[dict]:
+        """Peers banned for lying in a verified round, with reasons (at most one DHT read per
+        minute; dedloc_jax.bans)."""
+        if time.monotonic() - self._bans_read > 60.0:
+            try:
+                self._bans = collab.banned_peers()[:100]
+            except (RuntimeError, ValueError, trio.TooSlowError) as e:
+                log.warning("could not read the ban list: %s", e)
+            self._bans_read = time.monotonic()
+        return self._bans
 
     def _fetch(self, collab: Any) -> dict[str, metrics.PeerMetrics]:
         """Every peer's metrics, or none when the DHT does not answer within the read timeout
