@@ -103,6 +103,9 @@ def run(attack: str | None, defended: bool, epochs: int, task: Task, seed: int) 
         net = SimNetwork(seed=seed)
         async with open_sim_collaboration(net, PEERS, config=config, latency=0.01) as cores:
             liar.append(str(cores[HOSTILE].node.peer_id))
+            if attack == "lying_reducer":  # claims a huge link: the LP gives it shares
+                cores[HOSTILE].meter.upload_override = 1e15
+                cores[HOSTILE].meter.download_override = 1e15
             w = [np.zeros(task.dim, np.float32) for _ in range(PEERS)]
             groups: list[list[int]] = [[] for _ in range(PEERS)]
             banned_at: list[int | None] = [None] * PEERS
