@@ -175,6 +175,17 @@ class Collaboration:
 
         return thread.run(call)
 
+    def banned_peers(self) -> list[dict]:
+        """Peers caught lying in verified rounds (:mod:`dedloc_jax.bans`), read anew from the
+        DHT: ``peer``, ``role``, ``reason``, ``round``, ``by`` (the accuser) and ``verified``
+        (whether this peer checked the evidence; unproven reports ban nobody)."""
+
+        async def read(core: Any) -> list[dict]:
+            await core.bans.refresh(force=True)
+            return core.bans.listing()
+
+        return self.run_async(read)
+
     def now(self) -> float:
         """The DHT clock's time (what records such as metrics are stamped with)."""
         thread, core = self._core()

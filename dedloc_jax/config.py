@@ -63,9 +63,14 @@ class CollaborationConfig:
     # invitation signed by it (Invitation.to_bytes). None: an open run.
     owner_public_key: bytes | None = None
     invitation: bytes | None = None
-    # Against invited but malicious peers: reducers aggregate with CenteredClip at this L2
-    # radius per chunk (AllReduceConfig.robust_tau) instead of the plain weighted mean.
+    # Against hostile peers: reducers aggregate with CenteredClip instead of the plain
+    # weighted mean (AllReduceConfig.robust), at this fixed L2 radius per chunk, or (None) one
+    # derived from the parts. robust None: on in open runs, off in private ones.
     robust_tau: float | None = None
+    robust: bool | None = None
+    # Every member checks every reducer's result in its round and bans a caught liar with
+    # evidence (dedloc_jax.averaging.audit, dedloc_jax.bans). None: on in open runs.
+    verify: bool | None = None
     # Install the schemas of the run's DHT keys (dedloc_jax.validators): a record of another
     # shape is refused where it would be stored, with the reason told to its writer.
     record_schemas: bool = True
@@ -97,6 +102,23 @@ class CollaborationConfig:
             value = getattr(self, name)
             if value is not None and not value > 0:
                 raise ValueError(f"{name} must be positive when set")
+
+    @property
+    def public(self) -> bool:
+        """An open run (anyone may join), as opposed to a private one."""
+        return self.owner_public_key is None
+
+    @property
+    def robust_on(self) -> bool:
+        """Whether averages use CenteredClip (default: in open runs, or a radius is set)."""
+        if self.robust is not None:
+            return self.robust or self.robust_tau is not None
+        return self.public or self.robust_tau is not None
+
+    @property
+    def verify_on(self) -> bool:
+        """Whether rounds are verified (default: in open runs)."""
+        return self.public if self.verify is None else self.verify
 
     def agreed_target(self, target: int) -> int:
         """``target`` (what ``collaborative`` was given) when this config names no other;

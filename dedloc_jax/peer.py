@@ -31,6 +31,7 @@ from dedloc_jax.averaging import (
     measure_links,
 )
 from dedloc_jax.averaging.bandwidth import UNMEASURED_DOWNLOAD_BPS, UNMEASURED_UPLOAD_BPS
+from dedloc_jax.bans import Bans
 from dedloc_jax.config import CollaborationConfig
 from dedloc_jax.history import RoundOutcome
 from dedloc_jax.host import AveragingOutcome
@@ -128,11 +129,13 @@ class CollaborationPeer:
             ttl=self.tracker.record_ttl,
             admit=admit,
         )
+        self.bans = Bans(node, dht, run_id)
         context = RoundContext(
             moved_on=self._moved_on,
             epoch_over=lambda epoch: self.tracker.current_estimate().epoch > epoch,
             # Peers average only with peers that step from the same state (or do not say).
             state_of=self.state_server.head_at,
+            banned=self.bans.is_banned,
             admit=admit,
         )
         slots = Slots()
@@ -152,6 +155,9 @@ class CollaborationPeer:
             dht_latency=lambda: self.tracker.dht_latency,
             averaging_timeout=config.averaging_timeout,
             robust_tau=config.robust_tau,
+            robust=config.robust_on,
+            verify=config.verify_on,
+            bans=self.bans,
         )
         self.epoch = 0
         self.history: list[RoundOutcome] = []  # one entry per averaging step

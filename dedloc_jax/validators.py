@@ -18,6 +18,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from dedloc_jax.averaging.group import MODES as MEMBER_MODES
+from dedloc_jax.bans import MAX_EVIDENCE, MAX_REASON
+from dedloc_jax.bans import MAX_RECORDS as MAX_BANS
+from dedloc_jax.bans import ROLES as BAN_ROLES
 from dedloc_jax.config import MAX_RECORD_TTL
 from dedloc_jax.progress import MAX_DIGEST, MAX_LINEAGE, MAX_TARGET, MODES
 from dedloc_jax.round.wire import MAX_STATE_BYTES
@@ -30,6 +33,7 @@ from p2p.dht import (
     ListOf,
     OneOf,
     RecordValidator,
+    Str,
     Struct,
     Tuple,
 )
@@ -115,6 +119,26 @@ STATE_ANNOUNCEMENT = Struct(
 """A state donor's announcement under ``RUN.state``."""
 
 
+BAN = Struct(
+    {
+        "bans": ListOf(
+            Struct(
+                {
+                    "peer": Str(64),
+                    "role": OneOf(BAN_ROLES),
+                    "reason": Str(MAX_REASON),
+                    "round": Bytes(64),
+                    "evidence": Bytes(MAX_EVIDENCE),
+                    "digest": Bytes(32),
+                }
+            ),
+            max_len=MAX_BANS,
+        )
+    }
+)
+"""An accuser's convictions under ``RUN.bans`` (:mod:`dedloc_jax.bans`)."""
+
+
 def run_validators(run_id: str) -> list[RecordValidator]:
     """The validators every DHT node of run ``run_id`` installs: its keys and the NAT keys."""
     run = re.escape(run_id)
@@ -128,5 +152,6 @@ def run_validators(run_id: str) -> list[RecordValidator]:
             max_ttl=ttl,
         ),
         KeySchema("state announcement", rf"{run}\.state", STATE_ANNOUNCEMENT, max_ttl=ttl),
+        KeySchema("ban list", rf"{run}\.bans", BAN, max_ttl=ttl),
         *nat_validators(),
     ]

@@ -20,6 +20,7 @@ left out from that chunk on; every result chunk carries the set of members it in
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 import weakref
@@ -35,7 +36,8 @@ from p2p.errors import P2PError
 from p2p.identity import PeerID
 from p2p.rpc import CallContext, MessageStream
 
-from . import wire
+from . import audit, wire
+from .audit import Accusation
 from .bandwidth import BandwidthMeter, Gauge
 from .codecs import Codec, get_codec, is_finite
 from .config import AllReduceConfig
@@ -44,7 +46,8 @@ from .group import GroupSpec
 from .partition import chunk_bounds, flatten, share_bounds, unflatten
 from .reducer import Reducer
 from .repair import Repair, expect_done, receive_finals, send_finals
-from .sync import FAILURES, is_failure
+from .sync import FAILURES, Changes, is_failure
+from .verify import NO_HASH, Statement
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +63,8 @@ class ShareResult:
     stop: int
     segments: tuple[tuple[int, int, frozenset[str]], ...]
     repaired: bool
+    dropped: bool = False
+    """Its result failed the group's check (:mod:`.audit`): every member holds zeros there."""
 
     @property
     def contributors(self) -> frozenset[str]:
@@ -75,6 +80,8 @@ class AllReduceResult:
     average: Any
     vector: np.ndarray | None
     shares: tuple[ShareResult, ...]
+    accusations: tuple[Accusation, ...] = ()
+    """Peers this member caught lying in the round, with evidence (verified rounds only)."""
 
     @property
     def contributors(self) -> tuple[frozenset[str], ...]:
@@ -97,6 +104,7 @@ class AveragingService:
         self._admit: Callable[[PeerID], Awaitable[None]] | None = None
         node.add_stream_handler(wire.PROTOCOL, self._handle_exchange)
         node.add_stream_handler(wire.REPAIR_PROTOCOL, self._handle_repair)
+        node.add_stream_handler(audit.VERIFY_PROTOCOL, self._handle_verify)
 
     def guard_with(self, admit: Callable[[PeerID], Awaitable[None]]) -> None:
         """Await ``admit(peer)`` (it raises unless the peer may take part, e.g. a private run's
@@ -154,6 +162,20 @@ class AveragingService:
         if rnd.reducer is None or hello.share != -1:
             raise BadContributionError("this member reduces no share")
         await rnd.reducer.serve(hello, ms)
+
+    async def _handle_verify(self, ctx: CallContext, ms: MessageStream) -> None:
+        if self._admit is not None:
+            await self._admit(ctx.remote_peer)
+        with trio.move_on_after(self.config.stall_timeout):
+            msg = await ms.receive()
+            if not isinstance(msg, dict) or not isinstance(msg.get("r"), bytes):
+                raise BadContributionError("expected a verify hello")
+            rnd = await self._find(msg["r"])
+            if not rnd.is_sender:
+                raise BadContributionError("this member holds no result to verify")
+            await audit.serve(rnd, ms, ctx.remote_peer)
+            return
+        raise BadContributionError("verify request stalled")
 
     async def _handle_repair(self, ctx: CallContext, ms: MessageStream) -> None:
         rnd, hello = await self._hello(ctx, ms)
@@ -214,7 +236,10 @@ class Round:
         # Results land in the vector itself when it is our own copy of the tree (one vector of
         # memory, not two): a chunk is overwritten only after its part was sent, and the parts
         # a repair asks for are the chunks we never received.
-        private = vec is not None and vec.flags.owndata and vec.flags.writeable
+        # A verified round keeps the parts until its check is over: results go elsewhere.
+        private = (
+            vec is not None and vec.flags.owndata and vec.flags.writeable and not config.verify
+        )
         self.out = (vec if private else np.zeros(self.size, np.float32)) if self.is_sender else None
         self.held = dict.fromkeys(self.reducers, 0)
         self.masks: dict[int, list[frozenset[int]]] = {j: [] for j in self.reducers}
@@ -223,6 +248,17 @@ class Round:
         self.repaired: set[int] = set()
         self.failed_peers: set[int] = set()
         self.repairs: dict[int, Repair] = {}
+        # Verification (config.verify): per share, what the reducer sent with each chunk (its
+        # CenteredClip radius, its signature) and our commitments (hash per encoded part).
+        self.taus: dict[int, list[float | None]] = {j: [] for j in self.reducers}
+        self.result_sigs: dict[int, list[bytes | None]] = {j: [] for j in self.reducers}
+        self.result_bytes: dict[int, list[bytes]] = {j: [] for j in self.reducers}
+        self.part_hashes = {j: [NO_HASH] * len(self.chunks[j]) for j in self.reducers}
+        self.statements: dict[int, Statement] = {}
+        self.statement_changes = Changes()
+        self.verify_timeout = config.verify_timeout or config.stall_timeout
+        self.reveals: dict[int, int] = {}
+        self.keep_vec = False  # a check failed: keep our parts for those who ask to see them
         t0 = trio.current_time()
         self.deadline = t0 + timeout
         self.collect_at = t0 + config.collect_fraction * timeout
@@ -244,13 +280,22 @@ class Round:
         contributor masks). The vector (maybe a private copy of the caller's tree), the
         reducer's buffers and any repair's share-sized buffers go."""
         self.finished = True
-        self.vec = None
+        if not self.keep_vec:
+            self.vec = None
         self.reducer = None
         self.repairs = {}
+        self.result_bytes = {}
 
     # -- helpers ------------------------------------------------------------------------------
     def name(self, i: int) -> str:
         return self.members[i].peer_id
+
+    def commit_part(self, j: int, k: int, part: np.ndarray) -> np.ndarray:
+        """Commit to our part of chunk ``k`` of share ``j`` (hash of its encoding); returns
+        the values the reducer gets."""
+        data = self.codec.encode(part)
+        self.part_hashes[j][k] = hashlib.sha256(data).digest()
+        return self.codec.decode(data, part.size)
 
     def share_slice(self, j: int, k: int) -> tuple[int, int]:
         a, b = self.chunks[j][k]
@@ -354,6 +399,8 @@ class Round:
             for k in range(len(self.chunks[j])):
                 a, b = self.share_slice(j, k)
                 data = self.codec.encode(self.vec[a:b])
+                if self.config.verify:
+                    self.part_hashes[j][k] = hashlib.sha256(data).digest()
                 t = trio.current_time()
                 await ms.send(wire.part(k, data))
                 gauge.sent(len(data), t, trio.current_time())
@@ -391,11 +438,17 @@ class Round:
             a, b = self.share_slice(j, k)
             data = wire.parse_chunk(msg, k, self.codec.encoded_size(b - a))
             mask = wire.parse_contributors(msg, self.senders)
+            tau = wire.parse_tau(msg)
+            sig = wire.parse_sig(msg)
             self.codec.decode_into(data, self.out[a:b])
             if not is_finite(self.out[a:b]):
                 raise BadContributionError("non-finite result")
             gauge.received(len(data), trio.current_time())
             self.masks[j].append(mask)
+            self.taus[j].append(tau)
+            self.result_sigs[j].append(sig)
+            if self.config.verify:  # evidence, should this reducer be caught
+                self.result_bytes[j].append(bytes(data))
             self.held[j] = k + 1
             if k + 1 == n_chunks:
                 await sent.wait()
@@ -553,8 +606,11 @@ async def all_reduce(
     if not member.sends:
         rnd.vec = None
     service._open(rnd)
+    verdict = None
     try:
         await rnd.run()
+        if cfg.verify and member.sends and all(rnd.ok[j] for j in rnd.reducers):
+            verdict = await audit.audit(rnd)
     finally:
         service._close(rnd)
     if meter is not None:
@@ -580,8 +636,14 @@ async def all_reduce(
                 segments.append((a, b, names))
         shares.append(
             ShareResult(
-                rnd.name(j), rnd.bounds[j], rnd.bounds[j + 1], tuple(segments), j in rnd.repaired
+                rnd.name(j),
+                rnd.bounds[j],
+                rnd.bounds[j + 1],
+                tuple(segments),
+                j in rnd.repaired,
+                verdict is not None and j in verdict.dropped,
             )
         )
     assert rnd.out is not None
-    return AllReduceResult(unflatten(rnd.out, spec), rnd.out, tuple(shares))
+    accusations = verdict.accusations if verdict is not None else ()
+    return AllReduceResult(unflatten(rnd.out, spec), rnd.out, tuple(shares), accusations)

@@ -253,6 +253,32 @@ CODECS: dict[str, Codec] = {
 }
 
 
+def rounding_bound(codec: Codec, y: np.ndarray, cap: float) -> float:
+    """An L2 bound on ``|x - y|`` for ``y = decode(encode(x))`` (the error bounds above), from
+    ``y`` alone; ``cap`` bounds ``|x|`` where ``y`` saturated (fp16's +-65504)."""
+    y = np.abs(np.asarray(y, np.float64))
+    if codec.name == "none" or y.size == 0:
+        return 0.0
+    if codec.name == "fp16":
+        b = np.maximum(y * 2.0**-11 * (1 + 2.0**-10), 2.0**-25)
+        b[y >= _F16_MAX] = cap
+    elif codec.name == "bf16":
+        b = np.maximum(y * 2.0**-8 * (1 + 2.0**-7), 2.0**-133)
+    elif codec.name == "int8":
+        block = BlockwiseInt8Compression.block
+        nb = -(-y.size // block)
+        padded = np.zeros(nb * block)
+        padded[: y.size] = y
+        absmax = padded.reshape(nb, block).max(axis=1)
+        per = absmax / 254 * (1 + 2.0**-19) + 127 * 2.0**-150
+        counts = np.full(nb, block)
+        counts[-1] = y.size - (nb - 1) * block
+        return float(np.sqrt(np.sum(per**2 * counts)))
+    else:
+        raise CodecError(f"no rounding bound for codec {codec.name!r}")
+    return float(np.sqrt(np.dot(b, b)))
+
+
 def get_codec(name: str) -> Codec:
     """The codec registered under ``name`` (``none``, ``fp16``, ``bf16``, ``int8``)."""
     try:

@@ -32,11 +32,19 @@ class AllReduceConfig:
     """Rounds a peer may announce before we start them locally; more are refused."""
     linger: float = 60.0
     """How long a finished round stays available to relay its results to repairing peers."""
+    robust: bool = False
+    """Reducers aggregate each chunk with CenteredClip (:mod:`.robust`), buffering the chunk's
+    parts until all arrived, so one peer sending scaled values moves a chunk by a bounded
+    amount. The radius is ``robust_tau`` if set, else derived per chunk from the parts: the
+    upper median of their norms (:func:`.verify.derived_tau`)."""
     robust_tau: float | None = None
-    """None: plain weighted mean. Otherwise reducers aggregate each chunk with CenteredClip
-    (:mod:`.robust`) at this L2 radius per chunk, buffering the chunk's parts until all arrived,
-    so one peer sending scaled values moves a chunk by a bounded amount."""
-    robust_iters: int = 20
+    """A fixed CenteredClip radius (L2, per chunk); setting it implies ``robust``."""
+    robust_iters: int = 50
+    verify: bool = False
+    """Every member checks every reducer's result in the same round (:mod:`.verify`,
+    :mod:`.audit`); a caught share is dropped by everyone and its liar named."""
+    verify_timeout: float | None = None
+    """How long the check's statements may take to gather (None: ``stall_timeout``)."""
 
     @classmethod
     def internet(cls) -> AllReduceConfig:
@@ -60,6 +68,11 @@ class AllReduceConfig:
             raise ValueError("window_chunks must be at least 1")
         if self.robust_iters < 1:
             raise ValueError("robust_iters must be at least 1")
+
+    @property
+    def robust_mode(self) -> bool:
+        """Whether reducers use CenteredClip (``robust`` or a fixed ``robust_tau``)."""
+        return self.robust or self.robust_tau is not None
 
     def replace(self, **changes: Any) -> AllReduceConfig:
         return replace(self, **changes)

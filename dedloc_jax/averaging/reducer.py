@@ -22,12 +22,17 @@ from .codecs import is_finite
 from .errors import BadContributionError, CodecError
 from .robust import cap_weights, centered_clip
 from .sync import Changes
+from .verify import CLIP_SLACK, clips, derived_tau, part_norm, result_digest
 
 if TYPE_CHECKING:
     from .bandwidth import Gauge
     from .butterfly import Round
 
 logger = logging.getLogger(__name__)
+
+CLIP_TOL = CLIP_SLACK / 10
+"""CenteredClip iterates until its step is below this fraction of the radius: well inside
+the slack a verifier allows (:data:`.verify.CLIP_SLACK`)."""
 
 
 class Reducer:
@@ -73,16 +78,18 @@ class Reducer:
         # the group (that was quadratic in the group size per chunk).
         self.results = Changes()
         # Robust mode buffers each chunk's parts (sender -> values) until it is finalised.
-        self.robust = rnd.config.robust_tau is not None
+        self.robust = rnd.config.robust_mode
         self.parts: list[dict[int, np.ndarray]] = [{} for _ in range(n)] if self.robust else []
+        self.taus: list[float | None] = [None] * n  # CenteredClip's radius per chunk
+        self.sigs: list[bytes | None] = [None] * n  # our signature of each result chunk
         self.own = rnd.is_sender and not rnd.abstain
         if self.own:
             assert rnd.vec is not None
             self.wsum[:] = rnd.weight
             for m in self.cmask:
                 m.add(j)
-            for k, (a, b) in enumerate(self.chunks if self.robust else ()):
-                self.parts[k][j] = rnd.vec[self.start + a : self.start + b]
+            for k in range(n) if self.robust else ():
+                self.parts[k][j] = self._own_part(k)
         for k in range(min(self.window, n)):
             self._open_slot(k)
 
@@ -90,14 +97,22 @@ class Reducer:
         a, b = self.chunks[k]
         return self.acc[k % len(self.acc), : b - a]
 
+    def _own_part(self, k: int) -> np.ndarray:
+        """Our own part of chunk ``k``: as is, or, when results are verified, as the codec
+        carries everyone else's (so our statement's figures are about what we aggregated)."""
+        a, b = self.chunks[k]
+        vec = self.r.vec
+        assert vec is not None
+        part = vec[self.start + a : self.start + b]
+        if self.r.config.verify:
+            return self.r.commit_part(self.r.me, k, part)
+        return part
+
     def _open_slot(self, k: int) -> None:
         """Start chunk ``k``'s accumulator: our own contribution, or zeros."""
         slot = self._slot(k)
-        if self.own:
-            a, b = self.chunks[k]
-            vec = self.r.vec
-            assert vec is not None
-            np.multiply(vec[self.start + a : self.start + b], np.float32(self.r.weight), out=slot)
+        if self.own and not self.robust:
+            np.multiply(self._own_part(k), np.float32(self.r.weight), out=slot)
         else:
             slot[:] = 0.0
 
@@ -213,10 +228,7 @@ class Reducer:
         r = self.r
         a, b = self.chunks[k]
         avg = self._slot(k)  # averaged in place: the accumulator of this chunk is done
-        if self.robust and self.parts[k]:
-            self._robust_finalise(k, avg)
-        elif self.wsum[k] > 0:
-            np.divide(avg, np.float32(self.wsum[k]), out=avg)
+        self._aggregate(k, avg)
         data = r.codec.encode(avg)
         if not r.codec.lossless:
             r.codec.decode_into(data, avg)  # use exactly what the receivers will decode
@@ -226,12 +238,19 @@ class Reducer:
             out = r.out[self.start + a : self.start + b]
             out[:] = avg
             r.masks[r.me].append(mask)
+            r.taus[r.me].append(self.taus[k])
             r.held[r.me] = k + 1
             if r.codec.lossless:  # a view of the slot, which the next chunk reuses
                 data = r.codec.encode(out)
         elif isinstance(data, memoryview):
             data = bytes(data)
         self.enc[k] = data
+        if r.config.verify:  # signed, so a conviction can name these bytes as ours
+            self.sigs[k] = r.node.identity.sign(
+                result_digest(r.round_id, r.spec.digest, r.me, k, data, mask, self.taus[k])
+            )
+            r.result_sigs[r.me].append(self.sigs[k])
+            r.result_bytes[r.me].append(bytes(data))
         self.done = k + 1
         if not self.receivers:
             self._release()
@@ -240,6 +259,13 @@ class Reducer:
         self.changes.notify()
         self.results.notify()
 
+    def _aggregate(self, k: int, avg: np.ndarray) -> None:
+        """Chunk ``k``'s aggregate, in place of its accumulator ``avg``."""
+        if self.robust and self.parts[k]:
+            self._robust_finalise(k, avg)
+        elif self.wsum[k] > 0:
+            np.divide(avg, np.float32(self.wsum[k]), out=avg)
+
     def _robust_finalise(self, k: int, out: np.ndarray) -> None:
         """CenteredClip over the chunk's buffered parts (weights capped) into ``out``."""
         r = self.r
@@ -247,11 +273,16 @@ class Reducer:
         self.parts[k] = {}
         senders = sorted(parts)
         own = r.weight if r.is_sender and not r.abstain else 0.0
-        weights = cap_weights([own if s == r.me else self.weights[s] for s in senders])
-        assert r.config.robust_tau is not None
-        out[:] = centered_clip(
-            [parts[s] for s in senders], weights, r.config.robust_tau, r.config.robust_iters
-        )
+        raw = [own if s == r.me else self.weights[s] for s in senders]
+        values = [parts[s] for s in senders]
+        if not clips(True, r.config.robust_tau, len(senders)):
+            x = np.asarray(values, np.float64)
+            out[:] = (np.asarray(raw) @ x) / max(sum(raw), 1e-300)
+            return
+        weights = cap_weights(raw)
+        tau = r.config.robust_tau or derived_tau([part_norm(v) for v in values])
+        self.taus[k] = tau
+        out[:] = centered_clip(values, weights, tau, r.config.robust_iters, tol=CLIP_TOL)
 
     async def serve(self, h: wire.Hello, ms: MessageStream) -> None:
         s = h.sender
@@ -352,7 +383,9 @@ class Reducer:
                     return
                 data = self.enc[k]
                 t = trio.current_time()
-                await ms.send(wire.result(k, data, self.final_masks[k]))
+                await ms.send(
+                    wire.result(k, data, self.final_masks[k], tau=self.taus[k], sig=self.sigs[k])
+                )
                 k += 1
                 self.last_sent[s] = trio.current_time()
                 gauge.sent(len(data), t, self.last_sent[s])

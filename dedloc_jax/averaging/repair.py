@@ -4,7 +4,7 @@ The coordinator waits for the survivors (each sends how many leading chunks of t
 holds), relays the longest prefix any of them holds, re-reduces the rest from their own
 vectors, and sends every participant the same float32 values. It acts only with a majority
 of the group's senders present, so no member ever ends a round with a value nobody else
-holds, and two sides of a partition cannot both re-reduce a share. With ``robust_tau`` set it
+holds, and two sides of a partition cannot both re-reduce a share. In robust mode it
 re-reduces with CenteredClip like a reducer does, so killing a reducer cannot bring back the
 plain mean.
 """
@@ -25,6 +25,7 @@ from .codecs import is_finite
 from .errors import BadContributionError, ShareLostError
 from .robust import cap_weights, centered_clip
 from .sync import F32, Changes
+from .verify import clips, derived_tau, part_norm
 
 if TYPE_CHECKING:
     from .butterfly import Round
@@ -46,7 +47,7 @@ class Repair:
         self.wsum = np.zeros(self.n_chunks, np.float64)
         self.cmask: list[set[int]] = [set() for _ in range(self.n_chunks)]
         # Robust mode keeps each chunk's parts (sender -> values) for CenteredClip.
-        self.robust = rnd.config.robust_tau is not None
+        self.robust = rnd.config.robust_mode
         self.parts: list[dict[int, np.ndarray]] = [{} for _ in range(self.n_chunks)]
         self.weights: dict[int, float] = {}
         self.base = np.zeros(self.length, np.float32)  # relayed prefix values
@@ -138,10 +139,14 @@ class Repair:
         """CenteredClip over chunk ``k``'s parts, with weights capped as a reducer does."""
         r = self.r
         senders = sorted(self.parts[k])
-        weights = cap_weights([self.weights[s] for s in senders])
-        assert r.config.robust_tau is not None
         values = [self.parts[k][s] for s in senders]
-        out = centered_clip(values, weights, r.config.robust_tau, r.config.robust_iters)
+        if not clips(True, r.config.robust_tau, len(senders)):
+            raw = np.asarray([self.weights[s] for s in senders], np.float64)
+            mean = (raw @ np.asarray(values, np.float64)) / max(float(raw.sum()), 1e-300)
+            return mean.astype(np.float32)
+        weights = cap_weights([self.weights[s] for s in senders])
+        tau = r.config.robust_tau or derived_tau([part_norm(v) for v in values])
+        out = centered_clip(values, weights, tau, r.config.robust_iters)
         return out.astype(np.float32)
 
     async def serve(self, h: wire.Hello, ms: MessageStream) -> None:

@@ -100,8 +100,40 @@ def parse_chunk(msg: Any, expected_k: int, expected_bytes: int) -> bytes:
     return data
 
 
-def result(k: int, data: bytes, contributors: Iterable[int], kind: str = "res") -> dict:
-    return {"t": kind, "k": k, "d": data, "m": sorted(contributors)}
+def result(
+    k: int,
+    data: bytes,
+    contributors: Iterable[int],
+    kind: str = "res",
+    tau: float | None = None,
+    sig: bytes | None = None,
+) -> dict:
+    msg: dict = {"t": kind, "k": k, "d": data, "m": sorted(contributors)}
+    if tau is not None:
+        msg["u"] = float(tau)
+    if sig is not None:
+        msg["sg"] = sig
+    return msg
+
+
+def parse_sig(msg: Any) -> bytes | None:
+    """A result chunk's signature by its reducer (None when results are not verified)."""
+    if not isinstance(msg, dict) or "sg" not in msg:
+        return None
+    sig = _get(msg, "sg", bytes)
+    if len(sig) != 64:
+        raise BadContributionError("malformed result signature")
+    return sig
+
+
+def parse_tau(msg: Any) -> float | None:
+    """A result chunk's CenteredClip radius (None: a plain mean)."""
+    if not isinstance(msg, dict) or "u" not in msg:
+        return None
+    tau = _get(msg, "u", float)
+    if not math.isfinite(tau) or not tau > 0:
+        raise BadContributionError(f"bad CenteredClip radius {tau!r}")
+    return tau
 
 
 def parse_contributors(msg: Any, allowed: frozenset[int]) -> frozenset[int]:

@@ -28,6 +28,7 @@ from dedloc_jax.averaging import (
     all_reduce,
     install,
 )
+from dedloc_jax.bans import Bans
 from dedloc_jax.round.across import AcrossGroups, averaged_weight, broadcast, representative
 from dedloc_jax.round.deadlines import Deadlines
 from dedloc_jax.round.matchmaking import Matchmaker
@@ -57,13 +58,22 @@ class Rounds:
     averaging_timeout: float | None = None
     """A user-set all-reduce timeout (None: from the group's LP bound)."""
     robust_tau: float | None = None
-    """CenteredClip's radius for this run (None: the node's plain mean)."""
+    """CenteredClip's fixed radius for this run (None: derived from the parts)."""
+    robust: bool = False
+    """Whether reducers use CenteredClip (``robust_tau`` set implies it)."""
+    verify: bool = False
+    """Whether every member checks every reducer's result (:mod:`~dedloc_jax.averaging.audit`)."""
+    bans: Bans | None = None
+    """Where caught liars go (and are published); None: nobody is banned."""
 
     def all_reduce_config(self) -> AllReduceConfig | None:
-        """The node's all-reduce settings with this run's robust aggregation, if any."""
-        if self.robust_tau is None:
+        """The node's all-reduce settings with this run's robust aggregation and checks."""
+        robust = self.robust or self.robust_tau is not None
+        if not robust and not self.verify:
             return None
-        return install(self.node).config.replace(robust_tau=self.robust_tau)
+        return install(self.node).config.replace(
+            robust=robust, robust_tau=self.robust_tau, verify=self.verify
+        )
 
     def deadlines(self, spec: GroupSpec, arrays: Sequence[np.ndarray]) -> Deadlines:
         """The round's deadlines: the matchmaking window's and the group's LP bound's."""
@@ -100,6 +110,12 @@ class Rounds:
             return None, str(e)
         except BaseExceptionGroup as group:
             return None, str(_only_averaging(group))
+        if self.bans is not None:
+            for accusation in result.accusations:
+                self.bans.convict(accusation)
+            with trio.move_on_after(self.dht_latency() * 4 + 5.0):
+                await self.bans.publish()
+                await self.bans.refresh()
         return result, ""
 
 

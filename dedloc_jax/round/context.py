@@ -17,6 +17,10 @@ def _never_over(epoch: int) -> bool:
     return False
 
 
+def _never_banned(peer: str) -> bool:
+    return False
+
+
 def _no_state(epoch: int) -> bytes | None:
     return None
 
@@ -35,6 +39,8 @@ class RoundContext:
     state_of: Callable[[int], bytes | None] = _no_state
     """The digest of the state this peer steps from at an epoch (None: not known, e.g. not
     served yet): registrations and joins carry it, and peers on other states group apart."""
+    banned: Callable[[str], bool] = _never_banned
+    """Whether a peer was caught lying (:mod:`dedloc_jax.bans`): left out of our groups."""
     admit: Callable[[PeerID, str | None], Awaitable[None]] | None = None
     """Private runs (:mod:`dedloc_jax.access`): raises unless the caller (in that mode) may
     take part; None in an open run."""

@@ -31,6 +31,7 @@ from typing import Any
 
 import trio
 
+from dedloc_jax.averaging.errors import GroupError
 from dedloc_jax.averaging.group import GroupSpec, Member
 from dedloc_jax.round.context import RoundContext
 from dedloc_jax.round.deadlines import Deadlines
@@ -179,9 +180,10 @@ class Matchmaker:
     async def _registrations(
         self, registry: KeyFollower, *, sweep: bool = False, states: dict[str, bytes | None]
     ) -> dict[str, Member]:
-        return await read_registrations(
+        found = await read_registrations(
             registry, self.peer_id, sweep=sweep, states=states, learn=self._learn_addrs
         )
+        return {p: m for p, m in found.items() if not self.context.banned(p)}
 
     async def form_group(
         self,
@@ -203,6 +205,7 @@ class Matchmaker:
         decided early on an extrapolated estimate), longer while expected peers are missing
         (up to :attr:`max_wait`), or two windows when nobody is expected.
         """
+        expected = {p for p in expected if not self.context.banned(p)}  # nobody waits for them
         try:
             return await self._form_group((epoch, level), me, target=target, expected=expected)
         finally:
@@ -456,6 +459,8 @@ class Matchmaker:
         state = state_from_wire(request.get("state"))
         if self.context.admit is not None:
             await self.context.admit(ctx.remote_peer, member.mode)
+        if self.context.banned(peer):
+            raise GroupError(f"{peer} is banned (caught lying in a round)")
         addrs = request.get("addrs", [])
         known: list[str] = []
         if isinstance(addrs, list):

@@ -103,6 +103,8 @@ class Coordinator:
         # peer -> the epoch at which it found the run diverged (kept after its record lapses:
         # a trainer stops then); bounded, since any peer may claim it
         self.diverged: dict[str, int] = {}
+        self._bans: list[dict] = []  # peers banned for lying (status.json, dashboard)
+        self._bans_read = -math.inf
 
     def run(self) -> dict[str, Any]:
         from examples.sahajbert import manifest
@@ -176,6 +178,7 @@ class Coordinator:
             if self._checkpoint_due(self.newest_epoch):
                 self._checkpoint(collab)
             status = self._status(records, est, dash.url, addrs)
+            status["banned"] = self._banned(collab)
             dash.status = status
             _write_atomic(self.opts.out_dir / "status.json", json.dumps(clean_json(status)))
             final = self.opts.exit_after_epoch
@@ -194,6 +197,17 @@ class Coordinator:
             if r.diverged is not None and peer not in self.diverged and len(self.diverged) < 64:
                 self.diverged[peer] = r.diverged
                 log.error("peer %s reports that the run diverged at epoch %d", peer, r.diverged)
+
+    def _banned(self, collab: Any) -> list[dict]:
+        """Peers banned for lying in a verified round, with reasons (at most one DHT read per
+        minute; dedloc_jax.bans)."""
+        if time.monotonic() - self._bans_read > 60.0:
+            try:
+                self._bans = collab.banned_peers()[:100]
+            except (RuntimeError, ValueError, trio.TooSlowError) as e:
+                log.warning("could not read the ban list: %s", e)
+            self._bans_read = time.monotonic()
+        return self._bans
 
     def _fetch(self, collab: Any) -> dict[str, metrics.PeerMetrics]:
         """Every peer's metrics, or none when the DHT does not answer within the read timeout

@@ -37,6 +37,9 @@ text-align:right}th{background:#f4f4f4}td:first-child,th:first-child{text-align:
 <table id="peers"><thead><tr><th>peer</th><th>mode</th><th>epoch</th><th>samples</th>
 <th>samples/s</th><th>loss</th><th>upload MB/s</th><th>download MB/s</th></tr></thead>
 <tbody></tbody></table>
+<h2>Banned peers</h2>
+<table id="banned"><thead><tr><th>peer</th><th>role</th><th>reason</th><th>round</th>
+<th>by</th><th>verified</th></tr></thead><tbody></tbody></table>
 <div class="charts"><div><h2>Loss per epoch</h2><svg id="loss" width="420" height="220"></svg>
 </div><div><h2>Samples/s per epoch</h2><svg id="tput" width="420" height="220"></svg></div></div>
 <script>
@@ -80,6 +83,11 @@ async function refresh(){
       `<td>${esc(p.epoch)}</td><td>${esc(p.samples)}</td><td>${fmt(p.samples_per_second,1)}</td>`+
       `<td>${fmt(p.loss,3)}</td><td>${fmt(p.upload_bps/1e6,2)}</td>`+
       `<td>${fmt(p.download_bps/1e6,2)}</td></tr>`).join("");
+    document.querySelector("#banned tbody").innerHTML=(s.banned||[]).map(b=>
+      `<tr class="ban"><td><code>${esc(String(b.peer).slice(0,16))}</code></td>`+
+      `<td>${esc(b.role)}</td><td>${esc(b.reason)}</td><td>${esc(b.round)}</td>`+
+      `<td><code>${esc(String(b.by).slice(0,16))}</code></td><td>${esc(b.verified)}</td></tr>`
+      ).join("");
     const rows=s.rows||[];
     plot("loss",rows.map(r=>r.epoch),rows.map(r=>r.loss),"#c33",3);
     plot("tput",rows.map(r=>r.epoch),rows.map(r=>r.samples_per_second),"#36c",1);

@@ -28,7 +28,10 @@ def _honest(rng: np.random.Generator, truth: np.ndarray) -> np.ndarray:
 
 def _collaboration_round(robust_tau: float | None) -> tuple[list[dict], list[np.ndarray]]:
     """Five peers average once; peer 4 sends its gradient scaled by 10^4."""
-    config = CollaborationConfig.local_demo(5 * 8).replace(robust_tau=robust_tau)
+    # robust_tau None: the plain mean (an open run's default is CenteredClip, derived radius)
+    config = CollaborationConfig.local_demo(5 * 8).replace(
+        robust_tau=robust_tau, robust=robust_tau is not None
+    )
     truth = np.random.default_rng(1).standard_normal(DIM).astype(np.float32)
     sent = []
     for i in range(5):

@@ -1,0 +1,521 @@
+"""Verified averaging, the protocol half: gather statements, check every share, reveal, judge.
+
+After a round's exchange, each member holding the result (every sender) derives the check seed
+from the result (:func:`.verify.seed_of`), signs its :class:`~.verify.Statement` and swaps it
+with every dialable sender (``VERIFY_PROTOCOL``: a member answers with every statement it
+holds once it holds them all or its wait ends, so clients, which nobody can dial, learn them
+too; a relayed statement is checked by its own signature). Then every member checks every
+share it can (the figures of each chunk's contributors are in; a repaired share is not
+checked). A share that fails is **dropped by every member** (set to zero: the same bits
+everywhere, no liar's values in anyone's model). For the first failing chunk the member asks
+each contributor to reveal its encoded part: a part that does not match its sender's signed
+hash or stated projection convicts the sender; if all match, the reducer lied. An
+:class:`Accusation` carries the signed statements and the revealed bytes, so a third party can
+redo the check from the record alone (:func:`check_evidence`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import trio
+
+from p2p.errors import IdentityError
+from p2p.identity import PeerID, verify_signature
+from p2p.rpc import MessageStream
+
+from .codecs import get_codec, rounding_bound
+from .errors import BadContributionError
+from .robust import cap_weights
+from .sync import FAILURES
+from .verify import (
+    NO_HASH,
+    ShareFigures,
+    Statement,
+    clips,
+    derived_tau,
+    direction,
+    make_statement,
+    parse_statement,
+    part_norm,
+    projection,
+    residual,
+    result_digest,
+    seed_of,
+    tolerance,
+)
+
+if TYPE_CHECKING:
+    from .butterfly import Round
+
+logger = logging.getLogger(__name__)
+
+VERIFY_PROTOCOL = "dedloc/allreduce-verify/1"
+MAX_REVEALS = 64
+"""Parts one member may ask us to reveal in one round."""
+
+
+@dataclass(frozen=True)
+class Accusation:
+    """A peer caught lying in a round, with what proves it."""
+
+    peer: str
+    role: str
+    """"reducer": its result is not the aggregate of the parts; "sender": its revealed part
+    contradicts its own signed statement."""
+    reason: str
+    round_id: bytes
+    share: int
+    chunk: int
+    evidence: dict = field(repr=False)
+    """msgpack-able: codec, seed, chunk range, radius, the contributors' signed statements,
+    their revealed encoded parts, and the result chunk (float32 bytes)."""
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What a round's check found on this member."""
+
+    dropped: frozenset[int]
+    """Shares (reducer indices) whose check failed: every member zeroed them."""
+    unverified: frozenset[int]
+    """Shares not checked (a repaired share, or a contributor's statement missing)."""
+    accusations: tuple[Accusation, ...]
+
+
+def _figures(rnd: Round, seed: bytes) -> dict[int, ShareFigures]:
+    """This sender's figures for every share: per chunk, its committed hash, ``q`` and norm."""
+    out: dict[int, ShareFigures] = {}
+    if rnd.abstain or rnd.vec is None or rnd.out is None:
+        return out
+    for j in rnd.reducers:
+        n = len(rnd.chunks[j])
+        q = np.full(n, np.nan)
+        norms = np.full(n, np.nan)
+        for k in range(n):
+            a, b = rnd.share_slice(j, k)
+            part = rnd.codec.decode(rnd.codec.encode(rnd.vec[a:b]), b - a)
+            z = direction(seed, a, b - a)
+            q[k] = projection(z, part, rnd.out[a:b], rnd.taus[j][k])
+            norms[k] = part_norm(part)
+        out[j] = ShareFigures(tuple(rnd.part_hashes[j]), q, norms)
+    return out
+
+
+def _parse(rnd: Round, msg: Any) -> Statement:
+    return parse_statement(
+        msg,
+        round_id=rnd.round_id,
+        digest=rnd.spec.digest,
+        members=[m.peer_id for m in rnd.members],
+        chunks={j: len(c) for j, c in rnd.chunks.items()},
+    )
+
+
+def _expected(rnd: Round) -> set[int]:
+    return {i for i, m in enumerate(rnd.members) if m.sends}
+
+
+def _add(rnd: Round, st: Statement) -> None:
+    if st.sender not in rnd.statements:
+        rnd.statements[st.sender] = st
+        rnd.statement_changes.notify()
+
+
+async def _wait_for_all(rnd: Round, until: float) -> None:
+    while not _expected(rnd) <= set(rnd.statements) and trio.current_time() < until:
+        await rnd.statement_changes.wait(until)
+
+
+async def serve(rnd: Round, ms: MessageStream, remote: PeerID) -> None:
+    """Answer a member's statement (with every statement we hold) or a reveal request."""
+    names = [m.peer_id for m in rnd.members]
+    if str(remote) not in names:
+        raise BadContributionError(f"{remote} is no member of this round")
+    who = names.index(str(remote))
+    msg = await ms.receive()
+    if not isinstance(msg, dict):
+        raise BadContributionError("expected a map")
+    if msg.get("t") == "stmt":
+        st = _parse(rnd, msg.get("s"))
+        if st.sender != who:
+            raise BadContributionError("a member may only push its own statement")
+        _add(rnd, st)
+        await _wait_for_all(rnd, trio.current_time() + rnd.verify_timeout)
+        await ms.send({"t": "stmts", "l": [s.wire for s in rnd.statements.values()]})
+    elif msg.get("t") == "reveal":
+        j, k = msg.get("j"), msg.get("k")
+        if j not in rnd.chunks or not isinstance(k, int) or not 0 <= k < len(rnd.chunks[j]):
+            raise BadContributionError("reveal of a chunk that does not exist")
+        rnd.reveals[who] = rnd.reveals.get(who, 0) + 1
+        if rnd.reveals[who] > MAX_REVEALS or rnd.vec is None or rnd.abstain:
+            raise BadContributionError("nothing to reveal")
+        a, b = rnd.share_slice(j, k)
+        await ms.send({"t": "part", "d": bytes(rnd.codec.encode(rnd.vec[a:b]))})
+    else:
+        raise BadContributionError("unexpected verify message")
+
+
+async def _swap(rnd: Round, i: int, mine: dict) -> None:
+    peer = PeerID.from_base58(rnd.name(i))
+    try:
+        async with rnd.node.open_stream(
+            peer, VERIFY_PROTOCOL, timeout=rnd.config.stall_timeout
+        ) as ms:
+            await ms.send({"t": "vhello", "r": rnd.round_id})
+            await ms.send({"t": "stmt", "s": mine})
+            reply = await ms.receive()
+            listed = reply.get("l") if isinstance(reply, dict) else None
+            if not isinstance(listed, list) or len(listed) > len(rnd.members):
+                raise BadContributionError("malformed statement list")
+            for raw in listed:
+                try:
+                    _add(rnd, _parse(rnd, raw))
+                except BadContributionError as e:
+                    logger.warning("statement relayed by %s refused: %s", rnd.name(i), e)
+    except FAILURES as e:
+        logger.info("statement swap with %s failed: %s", rnd.name(i), e)
+
+
+async def _reveal(rnd: Round, i: int, j: int, k: int) -> bytes | None:
+    if i == rnd.me:
+        assert rnd.vec is not None
+        a, b = rnd.share_slice(j, k)
+        return bytes(rnd.codec.encode(rnd.vec[a:b]))
+    if rnd.members[i].mode == "client":
+        return None  # nobody can dial it
+    try:
+        peer = PeerID.from_base58(rnd.name(i))
+        with trio.move_on_after(rnd.verify_timeout):
+            async with rnd.node.open_stream(
+                peer, VERIFY_PROTOCOL, timeout=rnd.config.stall_timeout
+            ) as ms:
+                await ms.send({"t": "vhello", "r": rnd.round_id})
+                await ms.send({"t": "reveal", "j": j, "k": k})
+                reply = await ms.receive()
+                data = reply.get("d") if isinstance(reply, dict) else None
+                return data if isinstance(data, bytes) else None
+    except FAILURES as e:
+        logger.info("%s revealed nothing: %s", rnd.name(i), e)
+    return None
+
+
+@dataclass(frozen=True)
+class ChunkCheck:
+    """The figures of one chunk's check."""
+
+    ok: bool
+    why: str
+    residual: float = 0.0
+    tolerance: float = 0.0
+
+
+def check_chunk(
+    codec_name: str,
+    result: np.ndarray,
+    statements: dict[int, Statement],
+    contributors: frozenset[int],
+    j: int,
+    k: int,
+    tau: float | None,
+    robust: bool,
+    fixed_tau: float | None,
+) -> ChunkCheck:
+    """Whether chunk ``k`` of share ``j`` is the aggregate its contributors' figures imply."""
+    order = sorted(contributors)
+    figs = []
+    for i in order:
+        f = statements[i].shares.get(j)
+        if f is None or not math.isfinite(f.q[k]) or statements[i].weight <= 0:
+            return ChunkCheck(False, f"member {i} is counted but stated no contribution")
+        figs.append(f)
+    raw = [statements[i].weight for i in order]
+    robust = clips(robust, fixed_tau, len(order))
+    weights = list(cap_weights(raw)) if robust else raw
+    norms = [float(f.norms[k]) for f in figs]
+    if robust:
+        want = fixed_tau or derived_tau(norms)
+        if tau is None or abs(tau - want) > 1e-6 * want:
+            return ChunkCheck(False, f"CenteredClip radius {tau} is not the rule's {want:.6g}")
+    elif tau is not None:
+        return ChunkCheck(False, "a CenteredClip radius on a plain mean")
+    # Any weighted mean or CenteredClip point of the parts is no longer than the longest part
+    # (the codec's rounding adds at most 7%: int8); a longer result also hides in its own
+    # rounding bound, so it is refused first.
+    longest = max(norms, default=0.0)
+    if part_norm(result) > 1.1 * longest + 1e-30:
+        return ChunkCheck(False, f"result norm {part_norm(result):.3g} > every part's")
+    bound = rounding_bound(get_codec(codec_name), result, longest)
+    tol = tolerance(bound, norms, weights, tau)
+    res = residual([float(f.q[k]) for f in figs], weights)
+    if abs(res) > tol:
+        return ChunkCheck(False, f"off its aggregate: residual {res:.3g} > {tol:.3g}", res, tol)
+    return ChunkCheck(True, "", res, tol)
+
+
+async def audit(rnd: Round) -> Verdict:
+    """Check every share of ``rnd`` with the group (see the module docstring)."""
+    assert rnd.out is not None
+    until = trio.current_time() + rnd.verify_timeout
+    seed = seed_of(
+        rnd.round_id,
+        rnd.spec.digest,
+        [
+            (rnd.out[rnd.bounds[j] : rnd.bounds[j + 1]].tobytes(), rnd.masks[j], rnd.taus[j])
+            for j in rnd.reducers
+        ],
+    )
+    weight = 0.0 if rnd.abstain else rnd.weight
+    mine = make_statement(
+        rnd.node.identity,
+        rnd.round_id,
+        rnd.spec.digest,
+        rnd.me,
+        weight,
+        seed,
+        _figures(rnd, seed),
+    )
+    _add(rnd, _parse(rnd, mine))
+    with trio.move_on_at(until):
+        async with trio.open_nursery() as nursery:
+            for i, m in enumerate(rnd.members):
+                if m.sends and m.mode != "client" and i != rnd.me:
+                    nursery.start_soon(_swap, rnd, i, mine)
+        await _wait_for_all(rnd, until)
+    dropped: set[int] = set()
+    unverified: set[int] = set()
+    failures: dict[int, tuple[int, ChunkCheck]] = {}
+    stated = {i: st for i, st in rnd.statements.items() if st.seed == seed}
+    cfg = rnd.config
+    for j in rnd.reducers:
+        if j in rnd.repaired:
+            unverified.add(j)
+            continue
+        for k, mask in enumerate(rnd.masks[j]):
+            if not mask <= set(stated):
+                unverified.add(j)
+                break
+            a, b = rnd.share_slice(j, k)
+            chk = check_chunk(
+                rnd.codec.name,
+                rnd.out[a:b],
+                stated,
+                mask,
+                j,
+                k,
+                rnd.taus[j][k],
+                cfg.robust_mode,
+                cfg.robust_tau,
+            )
+            if not chk.ok:
+                failures[j] = (k, chk)
+                break
+    if unverified:
+        logger.warning(
+            "round %s: shares of %s not verified (repaired, or statements missing)",
+            rnd.round_id.hex()[:8],
+            [rnd.name(j) for j in sorted(unverified)],
+        )
+    accusations: list[Accusation] = []
+    if failures:
+        rnd.keep_vec = True  # the others will ask us to reveal our parts
+    for j, (k, chk) in failures.items():
+        dropped.add(j)
+        logger.warning(
+            "round %s: share of reducer %s failed its check at chunk %d (%s); every member "
+            "drops it",
+            rnd.round_id.hex()[:8],
+            rnd.name(j),
+            k,
+            chk.why,
+        )
+        accused = await _judge(rnd, seed, stated, j, k, chk)
+        if accused is not None:
+            accusations.append(accused)
+    for j in dropped:
+        rnd.out[rnd.bounds[j] : rnd.bounds[j + 1]] = 0.0
+    return Verdict(frozenset(dropped), frozenset(unverified - dropped), tuple(accusations))
+
+
+async def _judge(
+    rnd: Round, seed: bytes, stated: dict[int, Statement], j: int, k: int, chk: ChunkCheck
+) -> Accusation | None:
+    """Who lied about chunk ``k`` of share ``j``: reveal its contributors' parts."""
+    assert rnd.out is not None
+    mask = sorted(rnd.masks[j][k])
+    a, b = rnd.share_slice(j, k)
+    revealed: dict[int, bytes | None] = dict.fromkeys(mask)
+    async with trio.open_nursery() as nursery:
+
+        async def one(i: int) -> None:
+            revealed[i] = await _reveal(rnd, i, j, k)
+
+        for i in mask:
+            nursery.start_soon(one, i)
+    evidence = {
+        "codec": rnd.codec.name,
+        "seed": seed,
+        "start": a,
+        "stop": b,
+        "share": j,
+        "chunk": k,
+        "tau": rnd.taus[j][k],
+        "robust": rnd.config.robust_mode,
+        "fixed_tau": rnd.config.robust_tau,
+        "statements": [stated[i].wire for i in mask],
+        "parts": [revealed[i] or b"" for i in mask],
+        "result": rnd.out[a:b].astype("<f4").tobytes(),
+        "members": [m.peer_id for m in rnd.members],
+        "mask": mask,
+        # the reducer's signature of the encoded result chunk, and its key (from its own
+        # statement; an aux reducer states nothing, and its conviction rests on the members)
+        "encoded": rnd.result_bytes[j][k] if k < len(rnd.result_bytes.get(j, ())) else b"",
+        "result_sig": rnd.result_sigs[j][k] or b"",
+        "reducer_key": stated[j].wire["pk"] if j in stated else b"",
+    }
+    z = direction(seed, a, b - a)
+    silent = []
+    for i in mask:
+        data = revealed[i]
+        if data is None:
+            silent.append(i)
+            continue
+        why = _part_lie(rnd.codec.name, data, stated[i], j, k, z, rnd.out[a:b], rnd.taus[j][k])
+        if why:
+            logger.warning("round %s: sender %s lied: %s", rnd.round_id.hex()[:8], rnd.name(i), why)
+            return Accusation(rnd.name(i), "sender", why, rnd.round_id, j, k, evidence)
+    if silent:
+        logger.warning(
+            "round %s: %s revealed nothing; the liar about share %s stays unknown",
+            rnd.round_id.hex()[:8],
+            [rnd.name(i) for i in silent],
+            rnd.name(j),
+        )
+        return None
+    why = f"result is not the aggregate of the committed parts ({chk.why})"
+    logger.warning("round %s: reducer %s lied: %s", rnd.round_id.hex()[:8], rnd.name(j), why)
+    return Accusation(rnd.name(j), "reducer", why, rnd.round_id, j, k, evidence)
+
+
+def _part_lie(
+    codec_name: str,
+    data: bytes,
+    st: Statement,
+    j: int,
+    k: int,
+    z: np.ndarray,
+    result: np.ndarray,
+    tau: float | None,
+) -> str:
+    """Why a revealed part contradicts its sender's statement ("" when it does not)."""
+    fig = st.shares.get(j)
+    if fig is None:
+        return "stated nothing for this share"
+    if hashlib.sha256(data).digest() != fig.hashes[k] or fig.hashes[k] == NO_HASH:
+        return "revealed part does not match its committed hash"
+    codec = get_codec(codec_name)
+    try:
+        part = codec.decode(data, result.size)
+    except ValueError as e:
+        return f"revealed part does not decode: {e}"
+    q = projection(z, part, result, tau)
+    if abs(q - fig.q[k]) > 1e-6 * (abs(q) + float(np.linalg.norm(z)) * part_norm(part - result)):
+        return f"stated projection {fig.q[k]:.6g}, its part gives {q:.6g}"
+    if abs(part_norm(part) - fig.norms[k]) > 1e-6 * part_norm(part) + 1e-30:
+        return "stated norm differs from its part's"
+    return ""
+
+
+def check_evidence(acc_evidence: dict, accused: str) -> bool:
+    """Redo an accusation's check from its evidence alone: True when it convicts ``accused``
+    (signatures, commitments and arithmetic all hold). Used by peers that were not there.
+
+    A sender is convicted by its own signed statement and the part it revealed; a reducer by
+    its signature of the result chunk, the contributors' signed statements and their revealed
+    parts (all of them, matching their commitments)."""
+    try:
+        members = list(acc_evidence["members"])
+        j, k = int(acc_evidence["share"]), int(acc_evidence["chunk"])
+        a, b = int(acc_evidence["start"]), int(acc_evidence["stop"])
+        mask = frozenset(int(i) for i in acc_evidence["mask"])
+        codec = get_codec(acc_evidence["codec"])
+        encoded = acc_evidence["encoded"]
+        result = codec.decode(encoded, b - a)
+        if result.size != b - a:
+            return False
+        n_chunks = {j: k + 1}
+        stmts = []
+        for raw in acc_evidence["statements"]:
+            st = parse_statement(
+                raw,
+                round_id=parse_round(raw),
+                digest=parse_digest(raw),
+                members=members,
+                chunks=n_chunks | {jj: len(_fig_count(raw, jj)) for jj in _shares_of(raw)},
+            )
+            stmts.append(st)
+    except (KeyError, TypeError, ValueError, BadContributionError):
+        return False
+    if not stmts or len({(s.round_id, s.digest, s.seed) for s in stmts}) != 1:
+        return False
+    if {s.sender for s in stmts} != mask or len(stmts) != len(mask):
+        return False
+    key, sig = acc_evidence["reducer_key"], acc_evidence["result_sig"]
+    signed = result_digest(
+        stmts[0].round_id, stmts[0].digest, j, k, encoded, mask, acc_evidence["tau"]
+    )
+    try:
+        reducer_signed = PeerID.from_public_key(key) == PeerID.from_base58(
+            members[j]
+        ) and verify_signature(key, sig, signed)
+    except (TypeError, ValueError, IdentityError):
+        reducer_signed = False
+    seed = stmts[0].seed
+    if seed != acc_evidence["seed"]:
+        return False
+    z = direction(seed, a, b - a)
+    tau = acc_evidence["tau"]
+    stated = {s.sender: s for s in stmts}
+    for st, data in zip(stmts, acc_evidence["parts"], strict=True):
+        why = _part_lie(acc_evidence["codec"], data, st, j, k, z, result, tau)
+        if why:
+            return members[st.sender] == accused
+    chk = check_chunk(
+        acc_evidence["codec"],
+        result,
+        stated,
+        frozenset(stated),
+        j,
+        k,
+        tau,
+        bool(acc_evidence["robust"]),
+        acc_evidence["fixed_tau"],
+    )
+    return reducer_signed and not chk.ok and members[j] == accused
+
+
+def _body(raw: dict) -> dict:
+    import msgpack
+
+    return msgpack.unpackb(raw["b"], raw=False, strict_map_key=False)
+
+
+def parse_round(raw: dict) -> bytes:
+    return _body(raw)["r"]
+
+
+def parse_digest(raw: dict) -> bytes:
+    return _body(raw)["g"]
+
+
+def _shares_of(raw: dict) -> list[int]:
+    return list(_body(raw)["j"])
+
+
+def _fig_count(raw: dict, j: int) -> range:
+    return range(len(_body(raw)["j"][j][1]) // 8)

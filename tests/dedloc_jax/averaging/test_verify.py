@@ -1,0 +1,171 @@
+"""Verified averaging: every member checks every reducer's result in the same round."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from dedloc_jax.averaging import AllReduceConfig, flatten
+from dedloc_jax.averaging.audit import check_evidence
+from dedloc_jax.averaging.reducer import Reducer
+from dedloc_jax.averaging.robust import centered_clip
+from dedloc_jax.averaging.verify import derived_tau
+
+from .helpers import check_survivors, make_tree, run_round
+
+SHAPES = [(7, 9), (33,), (5,)]
+VERIFY = AllReduceConfig.testing().replace(verify=True)
+
+
+def _results(outcome):
+    ok = [o for o in outcome if o is not None and not isinstance(o, Exception)]
+    assert len(ok) == len(outcome), outcome
+    return ok
+
+
+@pytest.fixture
+def liar(monkeypatch):
+    """Make the reducer named in ``liar.name`` return -1000 x the aggregate of its share."""
+
+    class Liar:
+        name: str | None = None
+        factor = -1000.0
+
+    original = Reducer._aggregate
+
+    def lying(self, k, avg):
+        original(self, k, avg)
+        if str(self.r.node.peer_id) == Liar.name:
+            avg *= np.float32(Liar.factor)
+
+    monkeypatch.setattr(Reducer, "_aggregate", lying)
+    return Liar
+
+
+def ev_bytes(result):
+    return result.accusations[0].evidence["encoded"]
+
+
+def _names(n: int, seed: int = 0) -> list[str]:
+    """The members' peer IDs of a run_round with ``n`` nodes (deterministic per seed)."""
+    _, _, names = run_round(["node"] * n, [{"x": np.zeros(1, np.float32)}] * n, [1.0] * n)
+    return names
+
+
+@pytest.mark.parametrize("codec", ["none", "fp16", "bf16", "int8"])
+@pytest.mark.parametrize("robust", [False, True])
+def test_honest_round_passes_its_check_with_every_codec(codec, robust):
+    rng = np.random.default_rng(3)
+    trees = [make_tree(rng, SHAPES) for _ in range(4)]
+    weights = [1.0, 2.0, 3.0, 1.5]
+    cfg = VERIFY.replace(robust=robust)
+    outcome, _, names = run_round(
+        ["node"] * 3 + ["client"], trees, weights, codec=codec, config=cfg
+    )
+    results = _results(outcome)
+    for r in results:
+        assert r.accusations == ()
+        assert not any(s.dropped for s in r.shares)
+        assert r.vector.tobytes() == results[0].vector.tobytes()
+    if not robust:
+        tol = {"none": 1e-5, "fp16": 2e-3, "bf16": 2e-2, "int8": 5e-2}[codec]
+        check_survivors(outcome, trees, weights, names, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("codec", ["none", "fp16", "int8"])
+@pytest.mark.parametrize("robust", [False, True])
+def test_lying_reducer_is_caught_in_the_same_round_and_its_share_dropped(liar, codec, robust):
+    n = 4
+    names = _names(n)
+    liar.name = names[1]
+    rng = np.random.default_rng(5)
+    trees = [make_tree(rng, SHAPES) for _ in range(n)]
+    weights = [1.0] * n
+    cfg = VERIFY.replace(robust=robust)
+    outcome, _, got_names = run_round(["node"] * n, trees, weights, codec=codec, config=cfg)
+    assert got_names == names
+    results = _results(outcome)
+    honest = [r for i, r in enumerate(results) if i != 1]
+    for r in honest:
+        assert r.vector.tobytes() == honest[0].vector.tobytes()  # identical bits
+        assert [a.peer for a in r.accusations] == [liar.name]
+        assert r.accusations[0].role == "reducer"
+        assert check_evidence(r.accusations[0].evidence, liar.name)
+        assert not check_evidence(r.accusations[0].evidence, names[0])  # nobody else convicted
+        forged = dict(r.accusations[0].evidence, encoded=b"\0" * len(ev_bytes(r)))
+        assert not check_evidence(forged, liar.name)  # the reducer never signed other bytes
+    share = next(s for s in honest[0].shares if s.owner == liar.name)
+    assert share.dropped
+    vec = honest[0].vector
+    assert np.all(vec[share.start : share.stop] == 0)
+    # every other share is the honest aggregate
+    parts = [flatten(t)[0] for t in trees]
+    tol = {"none": 1e-5, "fp16": 2e-3, "int8": 5e-2}[codec]
+    tol = max(tol, 1e-3) if robust else tol  # CenteredClip stops within 1e-4 of its radius
+    for s in honest[0].shares:
+        if s.owner != liar.name:
+            want = _aggregate(parts, s.start, s.stop, cfg.chunk_elems, robust)
+            np.testing.assert_allclose(vec[s.start : s.stop], want, atol=tol, rtol=tol)
+
+
+def _aggregate(parts, start, stop, chunk, robust):
+    """The rule's aggregate of equal-weight parts over ``start..stop``, chunk by chunk."""
+    out = np.empty(stop - start)
+    for a in range(start, stop, chunk):
+        b = min(a + chunk, stop)
+        x = np.asarray([p[a:b] for p in parts], np.float64)
+        if robust:
+            tau = derived_tau([np.linalg.norm(v) for v in x])
+            out[a - start : b - start] = centered_clip(x, np.ones(len(x)), tau, 200, tol=1e-9)
+        else:
+            out[a - start : b - start] = x.mean(axis=0)
+    return out
+
+
+def test_sender_lying_about_its_projection_is_convicted_not_the_reducer(monkeypatch):
+    import dedloc_jax.averaging.audit as audit
+
+    names = _names(4)
+    original = audit._figures
+
+    def lying(rnd, seed):
+        figs = original(rnd, seed)
+        if rnd.name(rnd.me) == names[2]:
+            figs = {j: replace(f, q=f.q * 10 + 1.0) for j, f in figs.items()}
+        return figs
+
+    monkeypatch.setattr(audit, "_figures", lying)
+    rng = np.random.default_rng(9)
+    trees = [make_tree(rng, SHAPES) for _ in range(4)]
+    outcome, _, _ = run_round(["node"] * 4, trees, [1.0] * 4, config=VERIFY)
+    results = _results(outcome)
+    honest = [r for i, r in enumerate(results) if i != 2]
+    for r in honest:
+        assert r.vector.tobytes() == honest[0].vector.tobytes()
+        accused = {(a.peer, a.role) for a in r.accusations}
+        assert accused == {(names[2], "sender")}, accused  # no honest reducer is named
+        for a in r.accusations:
+            assert check_evidence(a.evidence, names[2])
+            reducer = a.evidence["members"][a.share]
+            assert reducer == names[2] or not check_evidence(a.evidence, reducer)
+
+
+def test_sign_flipped_gradient_is_bounded_by_default_centered_clip():
+    """One of four sends -1000 x its gradient: the plain mean is poisoned, the derived-radius
+    CenteredClip stays within a fraction of the honest gradients' norm of their mean."""
+    rng = np.random.default_rng(11)
+    truth = rng.standard_normal(400).astype(np.float32)
+    vecs = [truth + 0.3 * rng.standard_normal(400).astype(np.float32) for _ in range(4)]
+    honest = np.mean(np.asarray(vecs[:3], np.float64), axis=0)
+    vecs[3] = vecs[3] * np.float32(-1000)
+    errs = {}
+    for robust in (False, True):
+        cfg = VERIFY.replace(robust=robust, chunk_elems=100)
+        outcome, _, _ = run_round(["node"] * 4, [{"g": v} for v in vecs], [1.0] * 4, config=cfg)
+        results = _results(outcome)
+        assert all(r.accusations == () for r in results)  # honest reducers: nothing to catch
+        errs[robust] = np.linalg.norm(results[0].vector - honest) / np.linalg.norm(honest)
+    assert errs[False] > 100
+    assert errs[True] < 0.5, errs

@@ -1,0 +1,181 @@
+"""One hostile peer in an open run (simulator, virtual time): the lying reducer is caught and
+banned, the honest peers stay in step with the honest aggregate; a ban travels through the DHT
+only with evidence that convicts."""
+
+from __future__ import annotations
+
+import types
+
+import msgpack
+import numpy as np
+import pytest
+import trio
+
+from dedloc_jax.averaging import AllReduceConfig
+from dedloc_jax.averaging.reducer import Reducer
+from dedloc_jax.bans import Bans, bans_key
+from dedloc_jax.config import CollaborationConfig
+from p2p.dht.records import owner_marker
+from p2p.identity import PeerID
+from p2p.testing import SimNetwork, run_sim
+from tests.dedloc_jax.averaging.helpers import run_round
+from tests.dedloc_jax.simcollab import open_sim_collaboration
+
+DIM = 600
+PEERS = 4
+LIAR = 3
+
+
+@pytest.fixture
+def liar_ids(monkeypatch):
+    """Peer IDs whose reducer returns -1000 x its aggregate."""
+    ids: set[str] = set()
+    original = Reducer._aggregate
+
+    def lying(self, k, avg):
+        original(self, k, avg)
+        if str(self.r.node.peer_id) in ids:
+            avg *= np.float32(-1000.0)
+
+    monkeypatch.setattr(Reducer, "_aggregate", lying)
+    return ids
+
+
+def test_lying_reducer_is_banned_within_two_rounds_and_honest_peers_keep_the_aggregate(liar_ids):
+    config = CollaborationConfig.local_demo(PEERS * 8)  # an open run: robust and verified
+    assert config.robust_on and config.verify_on
+    truth = np.random.default_rng(0).standard_normal(DIM).astype(np.float32)
+    sent = [
+        [
+            truth + 0.01 * np.random.default_rng([e, i]).standard_normal(DIM).astype(np.float32)
+            for i in range(PEERS)
+        ]
+        for e in range(3)
+    ]
+
+    async def main() -> list[list[dict]]:
+        net = SimNetwork(seed=5)
+        logs: list[list[dict]] = [[] for _ in range(PEERS)]
+        async with open_sim_collaboration(net, PEERS, config=config, latency=0.01) as cores:
+            liar = str(cores[LIAR].node.peer_id)
+            liar_ids.add(liar)
+            # it claims a huge link, so the LP gives it shares to reduce (the issue's attack)
+            cores[LIAR].meter.upload_override = cores[LIAR].meter.download_override = 1e15
+
+            async def peer(i: int) -> None:
+                core, samples = cores[i], 0
+                for epoch in range(3):
+                    samples = 0
+                    while True:
+                        await trio.sleep(0.1)
+                        samples += 8
+                        if core.report(epoch, samples, 8):
+                            break
+                    out = await core.average(epoch, [sent[epoch][i]], samples)
+                    logs[i].append(
+                        {
+                            "got": np.asarray(out.gradients[0]),
+                            "group": out.group_size,
+                            "banned": core.bans.is_banned(liar),
+                        }
+                    )
+
+            async with trio.open_nursery() as nursery:
+                for i in range(PEERS):
+                    nursery.start_soon(peer, i)
+            # the conviction is in the DHT for anyone to check
+            value = await cores[0].dht.get(bans_key("run"))
+            assert owner_marker(cores[0].node.peer_id) in value
+        return logs
+
+    logs = run_sim(main, seed=5)
+    honest = [i for i in range(PEERS) if i != LIAR]
+    first = min(e for e in range(3) if all(logs[i][e]["banned"] for i in honest))
+    assert first <= 1  # banned within two rounds (here: in the round it lied)
+    for e in range(3):
+        got = logs[honest[0]][e]["got"]
+        assert all(logs[i][e]["got"].tobytes() == got.tobytes() for i in honest)  # in step
+        members = honest if e > first else list(range(PEERS))
+        want = np.mean([sent[e][i] for i in members], axis=0)
+        zero = got == 0
+        # the liar's share is dropped (zeros) in the round it lied; everything else, in every
+        # round, is the honest aggregate, and the poison (-1000 x) reached nobody
+        assert np.abs(got).max() < 10
+        np.testing.assert_allclose(got[~zero], want[~zero], rtol=1e-3, atol=1e-3)
+        if e > first:
+            assert not zero.any() and all(logs[i][e]["group"] == 3 for i in honest)
+
+
+class _MemoryDHT:
+    """The part of the DHT a Bans uses: signed subkeys kept in memory."""
+
+    def __init__(self) -> None:
+        self.values: dict[str, dict] = {}
+
+    def now(self) -> float:
+        return 0.0
+
+    async def store(self, key, value, expiration, *, subkey=None, **kw) -> None:
+        self.values.setdefault(key, {})[subkey] = types.SimpleNamespace(value=value)
+
+    async def get(self, key, **kw):
+        return self.values.get(key)
+
+
+def _node(seed: int):
+    from p2p.identity import Identity
+
+    ident = Identity.from_seed(bytes([seed]) * 32)
+    return types.SimpleNamespace(peer_id=ident.peer_id, identity=ident)
+
+
+def _accusation(liar_ids):
+    _, _, names = run_round(["node"] * 4, [{"x": np.zeros(1, np.float32)}] * 4, [1.0] * 4)
+    liar_ids.add(names[1])
+    rng = np.random.default_rng(2)
+    trees = [{"g": rng.standard_normal(120).astype(np.float32)} for _ in range(4)]
+    cfg = AllReduceConfig.testing().replace(verify=True)
+    outcome, _, _ = run_round(["node"] * 4, trees, [1.0] * 4, config=cfg, codec="fp16")
+    (acc,) = outcome[0].accusations
+    return acc, names
+
+
+def test_a_ban_travels_only_with_evidence_that_convicts(liar_ids):
+    acc, names = _accusation(liar_ids)
+    dht = _MemoryDHT()
+    accuser, reader = Bans(_node(1), dht, "run"), Bans(_node(2), dht, "run")
+    accuser.convict(acc)
+    assert accuser.is_banned(names[1])
+
+    async def go() -> None:
+        await accuser.publish()
+        await reader.refresh(force=True)
+
+    trio.run(go)
+    assert reader.is_banned(names[1])
+    assert [b["peer"] for b in reader.listing()] == [names[1]]
+    assert reader.listing()[0]["verified"] and reader.listing()[0]["role"] == "reducer"
+
+    # an accuser naming an honest peer with the same evidence, or with forged evidence, bans
+    # nobody: it is only listed as an unproven report
+    evidence = msgpack.unpackb(
+        dht.values[bans_key("run")][owner_marker(_node(1).peer_id)].value["bans"][0]["evidence"],
+        raw=False,
+        strict_map_key=False,
+    )
+    forged = dict(evidence, encoded=bytes(len(evidence["encoded"])))
+    records = [
+        {"peer": names[0], "evidence": msgpack.packb(evidence)},
+        {"peer": names[1], "evidence": msgpack.packb(forged)},
+    ]
+    liar_dht = _MemoryDHT()
+    for rec in records:
+        rec |= {"role": "reducer", "reason": "lied", "round": b"r", "digest": bytes(32)}
+    liar_dht.values[bans_key("run")] = {
+        owner_marker(PeerID.from_base58(names[3])): types.SimpleNamespace(value={"bans": records})
+    }
+    third = Bans(_node(3), liar_dht, "run")
+    trio.run(lambda: third.refresh(force=True))
+    assert not third.is_banned(names[0]) and not third.is_banned(names[1])
+    assert {b["peer"] for b in third.listing()} == {names[0], names[1]}
+    assert not any(b["verified"] for b in third.listing())
