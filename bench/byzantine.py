@@ -39,6 +39,7 @@ import trio
 
 from dedloc_jax.averaging.reducer import Reducer
 from dedloc_jax.config import CollaborationConfig
+from dedloc_jax.validators import MAX_BPS
 from p2p.testing import SimNetwork, run_sim
 from tests.dedloc_jax.simcollab import open_sim_collaboration
 
@@ -104,8 +105,8 @@ def run(attack: str | None, defended: bool, epochs: int, task: Task, seed: int) 
         async with open_sim_collaboration(net, PEERS, config=config, latency=0.01) as cores:
             liar.append(str(cores[HOSTILE].node.peer_id))
             if attack == "lying_reducer":  # claims a huge link: the LP gives it shares
-                cores[HOSTILE].meter.upload_override = 1e15
-                cores[HOSTILE].meter.download_override = 1e15
+                cores[HOSTILE].meter.upload_override = MAX_BPS  # the most the schema takes
+                cores[HOSTILE].meter.download_override = MAX_BPS
             w = [np.zeros(task.dim, np.float32) for _ in range(PEERS)]
             groups: list[list[int]] = [[] for _ in range(PEERS)]
             banned_at: list[int | None] = [None] * PEERS

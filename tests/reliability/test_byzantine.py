@@ -15,6 +15,7 @@ from dedloc_jax.averaging import AllReduceConfig
 from dedloc_jax.averaging.reducer import Reducer
 from dedloc_jax.bans import Bans, bans_key
 from dedloc_jax.config import CollaborationConfig
+from dedloc_jax.validators import MAX_BPS
 from p2p.dht.records import owner_marker
 from p2p.identity import PeerID
 from p2p.testing import SimNetwork, run_sim
@@ -59,8 +60,9 @@ def test_lying_reducer_is_banned_within_two_rounds_and_honest_peers_keep_the_agg
         async with open_sim_collaboration(net, PEERS, config=config, latency=0.01) as cores:
             liar = str(cores[LIAR].node.peer_id)
             liar_ids.add(liar)
-            # it claims a huge link, so the LP gives it shares to reduce (the attack)
-            cores[LIAR].meter.upload_override = cores[LIAR].meter.download_override = 1e15
+            # it claims the largest link the schema takes (the 1e15 is refused), so the
+            # LP gives it a share to reduce
+            cores[LIAR].meter.upload_override = cores[LIAR].meter.download_override = MAX_BPS
 
             async def peer(i: int) -> None:
                 core, samples = cores[i], 0
