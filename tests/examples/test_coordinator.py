@@ -72,6 +72,9 @@ class ScriptedCollab:
 
         return trio.run(async_fn, _Core(), *args)
 
+    def banned_peers(self) -> list[dict]:
+        return []
+
     def newest_state_epoch(self) -> int | None:
         self.newest = next(self._served)
         return self.newest
