@@ -92,13 +92,20 @@ def test_metrics_record_fields_are_typed_and_bounded() -> None:
         ("devices", 0), ("mode", "<script>x</script>"), ("mode", "NODE"), ("mode", None),
         ("history", [[1, 7.5, 32, 2.0]] * 2), ("history", [[1, 7.5, 32]]),
         ("history", [[e, 7.0, 1, 1.0] for e in range(metrics.HISTORY + 1)]),
-        ("history", [[1, math.nan, 32, 2.0]]), ("history", [[1, 7.0, 32, -1.0]]),
-        ("history", "[]"),
+        ("history", [[1, math.inf, 32, 2.0]]), ("history", [[1, 7.0, 32, -1.0]]),
+        ("history", "[]"), ("diverged", -1), ("diverged", 2.5), ("diverged", "3"),
     ]:  # fmt: skip
         with pytest.raises(ValueError, match=field.split("_")[0]):
             metrics.PeerMetrics.from_record("peerA", {**wire, field: bad})
     # no loss yet (before the first epoch) is NaN, and that is allowed
     assert math.isnan(metrics.PeerMetrics.from_record("peerA", {**wire, "loss": math.nan}).loss)
+    # so is an epoch without a figure (a diverged one), and the epoch the run diverged at
+    diverged = {**wire, "history": [[2, math.nan, 40, 2.0]], "diverged": 2}
+    parsed = metrics.PeerMetrics.from_record("peerA", diverged)
+    assert parsed.diverged == 2 and math.isnan(parsed.history[0].loss)
+    again = metrics.PeerMetrics.from_record("peerA", parsed.to_record())
+    assert again.diverged == 2 and math.isnan(again.history[0].loss)
+    assert "diverged" not in _record("peerA", 3, []).to_record()  # absent while training
 
 
 def test_epoch_table_waits_for_a_silent_peer_only_a_few_epochs() -> None:
