@@ -217,7 +217,8 @@ def _add_model_options(
         default=o.total_steps,
         help=run(
             "linear decay to 0 (diloco: the outer rate's cosine decay to 0 at total-steps / "
-            "inner-steps outer steps; the inner rate stays at its peak after the warmup)"
+            "inner-steps outer steps; the inner rate, the run's times micro-batch / target "
+            "batch, stays at its peak after the warmup)"
         ),
     )
 

@@ -295,7 +295,8 @@ def make_optimizer(
     """``collaborative(clip + LAMB)``; the inner optimizer is jitted on its own. ``diloco``
     (a wire codec): ``dedloc_jax.diloco`` instead, an outer step every ``inner_steps`` target
     batches (``target_batch_size`` is then the outer step's samples), clip + LAMB at its peak
-    after the warmup as its inner optimizer and :func:`outer_optimizer` as its outer one.
+    after the warmup as its inner optimizer (a trainer passes :func:`trainer_inner`, at its
+    rate per micro-batch) and :func:`outer_optimizer` as its outer one.
 
     The training step runs ``collaborative`` on the host (its documented non-jit path): the
     expensive pieces (gradients, the inner update) are separate jitted functions without host
