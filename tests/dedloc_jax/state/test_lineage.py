@@ -158,3 +158,34 @@ def test_a_side_further_ahead_than_a_lineage_names_loses_after_a_long_partition(
     other = _side(1, 20 + LINEAGE, [*big[:-1], *_digests(4, LINEAGE + 1)])
     assert losing_peers([*bigs, *other]) == {str(other[0].peer)}
     assert fork_verdict(bigs, 20 + LINEAGE, other[0].digest, other[0].lineage) is True
+
+
+def test_copies_do_not_outvote_a_survivor_that_stepped_alone_past_the_lineage_window() -> None:
+    """Issue 45: a pair's survivor A stepped alone to epoch 42 while the other restarted. The
+    killed peer's announcement (epoch 37, it lives until it expires), the restarted peer's copy
+    of that state and the coordinator's checkpoint copy outvoted A, which then refused the
+    older state: both sides stepped alone. Copies are no votes; two lone states too far apart
+    to count at a fork: the newer wins, and the copies lose with the older."""
+    chain = _digests(5, 42)  # epochs 1..42 of one lineage
+    a = _side(1, 42, chain)[0]
+    killed = _side(1, 37, chain[:37])[0]
+    restarted = Announcement("restarted", 37, chain[36])  # loaded: names no lineage
+    checkpoint = Announcement("coordinator", 30, chain[29], votes=False)
+    announced = [killed, restarted, checkpoint]
+    assert fork_choice([a, *announced]) == (42, a.digest)
+    assert fork_verdict(announced, 42, a.digest, a.lineage) is False
+    assert losing_peers([a, *announced]) == {str(killed.peer), "restarted"}
+    assert fork_verdict([a, killed, checkpoint], 37, chain[36]) is True  # the restarted copy
+
+
+def test_of_two_lone_peers_split_at_a_fork_the_loser_is_told_even_when_it_is_ahead() -> None:
+    """Two peers forked at epoch 6 (each stepped alone); the one the tie-break leaves went on
+    alone to epoch 9 while the other is at 7. Both agree which lineage goes on, whatever the
+    epochs, and the choice names the winner's (older) state for the loser to load."""
+    shared = _digests(0, 5)  # epochs 1..5
+    x, y = [*shared, *_digests(1, 2)], [*shared, *_digests(2, 4)]  # to 7 and to 9
+    px, py = _side(1, 7, x)[0], _side(1, 9, y)[0]
+    winner, loser = (px, py) if x[5] < y[5] else (py, px)
+    assert fork_choice([px, py]) == (winner.epoch, winner.digest)
+    assert fork_verdict([winner], loser.epoch, loser.digest, loser.lineage) is True
+    assert fork_verdict([loser], winner.epoch, winner.digest, winner.lineage) is False
