@@ -35,7 +35,7 @@ from p2p.errors import (
 from p2p.identity import Identity, PeerID
 from p2p.interfaces import local_ipv4_addrs
 from p2p.multiaddr import Multiaddr
-from p2p.mux import MemoryBudget, Mux, MuxStream
+from p2p.mux import ByteCount, MemoryBudget, Mux, MuxStream
 from p2p.node_config import NodeConfig
 from p2p.peerstore import PeerStore
 from p2p.rpc import (
@@ -156,6 +156,7 @@ class Node:
         # Bytes this node wrote to its secure channels per stream protocol, over all its
         # connections, closed ones included (frames of no stream as mux/<kind>: p2p.mux.CONTROL).
         self.bytes_sent: Counter[str] = Counter()
+        self.bytes_received = ByteCount()  # read from its secure channels, framing included
         self._serve_limits = ServeLimits(
             max_message_size=config.max_message_size,
             header_timeout=config.header_timeout,
@@ -430,6 +431,7 @@ class Node:
             label=f"{str(conn.peer)[:10]}{'>' if outbound else '<'}",
             budget=self._budget,
             bytes_sent=self.bytes_sent,
+            bytes_received=self.bytes_received,
         )
         self._all_conns[conn] = None
 
