@@ -118,6 +118,11 @@ class Connection:
     def usable(self) -> bool:
         return not self.draining and not self.mux.is_closed and not self.mux._closing
 
+    @property
+    def relayed(self) -> bool:
+        """Over a relay circuit (both ends see it so)."""
+        return self.remote_addr is not None and self.remote_addr.is_relayed
+
     def __repr__(self) -> str:
         direction = "out" if self.outbound else "in"
         return f"Connection({self.peer}, {direction}, {self.remote_addr})"
@@ -468,7 +473,11 @@ class Node:
         if existing is None or not existing.usable:
             self._conns[conn.peer] = conn
             return
-        if existing.initiator == conn.initiator:
+        if existing.relayed != conn.relayed:
+            # a direct connection beats a relayed one (both ends see which is which, so they
+            # agree): a relay's budget is for signalling, and relays serve only direct peers
+            keep, drop = (existing, conn) if conn.relayed else (conn, existing)
+        elif existing.initiator == conn.initiator:
             keep, drop = conn, existing  # a redial: the old one is probably dead
         else:
             smaller = min(self.peer_id, conn.peer)
