@@ -244,6 +244,13 @@ class Collaboration:
         thread, core = self._core()
         return thread.run_sync(lambda: core.links._asdict())
 
+    def traffic(self) -> tuple[int, int]:
+        """Bytes this peer has sent and received so far, all connections and protocols
+        together (framing included): what its links actually carried."""
+        thread, core = self._core()
+        node = core.node
+        return thread.run_sync(lambda: (sum(node.bytes_sent.values()), node.bytes_received.total))
+
     def step_view(self) -> StepView:
         """What :func:`dedloc_jax.keep_in_step` decides on, from the last progress snapshot
         (no DHT read; one hop to the trio thread only when no snapshot is at hand)."""

@@ -208,6 +208,8 @@ def estimate_collaboration(
         return r.samples_per_second if r.peer_id == me else min(r.samples_per_second, rate_cap)
 
     def held(r: PeerProgress) -> float:
+        if r.waiting:  # a waiting peer's rate is its pace when it trains, not now
+            return r.samples
         elapsed = min(max(0.0, now - r.time), max_extrapolation)
         return r.samples + elapsed * rate(r)
 
@@ -225,7 +227,8 @@ def estimate_collaboration(
             own, own_rate = held(r), rate(r)
         # Our own count is exact; every other one is a claim, bounded by the median peer's.
         samples += held(r) if r.peer_id == me else min(held(r), samples_cap)
-        sps += rate(r)
+        if not r.waiting:
+            sps += rate(r)
         interval = max(interval, r.step_interval)
     others_waiting = waiting > 0 and computing == 0
     remaining = max(0.0, target_batch_size - samples)
@@ -316,8 +319,11 @@ def refresh_delay(
 class ThroughputMeter:
     """Smoothed samples per second of this peer, from its micro-step events.
 
-    An exponential moving average over time, so a pause in training decays the estimate instead
-    of freezing it at the last burst.
+    Samples over time, both sums decayed with the same half-life: each span weighs as long as
+    it lasted, so one slow span (a stall under load, the first steps) counts for its duration
+    only. (An average of rates seeded with the first one kept a 15 samples/s stall for 10 s of
+    training: a mate at 250 samples/s was extrapolated at 15, and epochs overshot by 75%.)
+    Time not training that was not paused counts as slow time: the rate decays.
     """
 
     def __init__(self, half_life: float = 30.0, min_span: float = 0.2) -> None:
@@ -326,15 +332,21 @@ class ThroughputMeter:
         self._half_life = half_life
         self._min_span = min_span
         self._last_time: float | None = None
-        self._rate = 0.0
+        self._samples = 0.0  # decayed sum of samples ...
+        self._seconds = 0.0  # ... and of the time they took
         self._observed = 0.0
+        self._pooled_at = -math.inf  # time of the last pooled update
 
     @property
     def samples_per_second(self) -> float:
-        return self._rate
+        return self._samples / self._seconds if self._seconds > 0 else 0.0
 
     def pause(self) -> None:
-        """Forget the time since the last update (e.g. an averaging round is not training)."""
+        """Forget the time since the last update (e.g. an averaging round is not training);
+        the samples pooled since the last span count over the time they took. (Epochs shorter
+        than ``min_span`` were dropped whole: a rate measured once at start never changed.)"""
+        if self._last_time is not None and self._pooled_at > self._last_time:
+            self._add(self._observed, self._pooled_at - self._last_time)
         self._last_time = None
         self._observed = 0.0
 
@@ -342,15 +354,19 @@ class ThroughputMeter:
         """Record ``samples`` processed since the previous call, at time ``now``."""
         if self._last_time is None:
             self._last_time = now
-            return self._rate
+            return self.samples_per_second
         dt = now - self._last_time
         if dt <= 0 or dt < self._min_span:
             # Too short to measure (the first steps after a pause are bursty): pool them.
             self._observed += samples
-            return self._rate
-        rate = (samples + self._observed) / dt
+            self._pooled_at = max(self._pooled_at, now)
+            return self.samples_per_second
+        self._add(samples + self._observed, dt)
         self._observed = 0.0
-        alpha = 1.0 - 0.5 ** (dt / self._half_life)
-        self._rate = rate if self._rate == 0 else self._rate + alpha * (rate - self._rate)
         self._last_time = now
-        return self._rate
+        return self.samples_per_second
+
+    def _add(self, samples: float, seconds: float) -> None:
+        decay = 0.5 ** (seconds / self._half_life)
+        self._samples = self._samples * decay + samples
+        self._seconds = self._seconds * decay + seconds

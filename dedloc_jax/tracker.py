@@ -340,8 +340,8 @@ class ProgressTracker:
                 # pause that follows one (serving, loading, compiling), as ours was
                 records[pid] = dataclasses.replace(r, time=max(r.time, began))
             elif r is not None and r.epoch == into - 1:
-                # (its last record is the frozen one it published while averaging: rate zero;
-                # one that never published a rate trains at ours, as below)
+                # (its last record is the frozen one it published while averaging, with the
+                # rate it trains at; one that never published a rate trains at ours, as below)
                 rate = r.samples_per_second or self._rates.get(pid, 0.0) or self.rate
                 records[pid] = dataclasses.replace(
                     r, epoch=into, samples=0, samples_per_second=rate, time=began, waiting=False
@@ -385,7 +385,9 @@ class ProgressTracker:
         self.chosen_epoch = None if chosen is None else chosen[0]
 
     async def freeze(self) -> None:
-        """Publish that this peer stopped accumulating (it is averaging): rate zero."""
+        """Publish that this peer stopped accumulating (it is averaging): ``waiting``, with
+        the rate it trains at (readers extrapolate no waiting record; the rate is what its
+        mates count it at once it trains again, before their next read)."""
         self._frozen = True
         await self.publish()
 
@@ -396,7 +398,7 @@ class ProgressTracker:
             self.peer_id,
             self.epoch,
             self.samples,
-            0.0 if self._frozen else self.rate,
+            self.rate,
             self._report_time,
             self.mode,
             self.step_interval,

@@ -69,6 +69,15 @@ StreamHandler = Callable[[MuxStream], Awaitable[None]]
 CONTROL = "mux/"  # frames of no stream count in ``Mux.bytes_sent`` as mux/<kind>: mux/ping
 
 
+class ByteCount:
+    """A running total of bytes (what a node's muxes read, all connections together)."""
+
+    __slots__ = ("total",)
+
+    def __init__(self) -> None:
+        self.total = 0
+
+
 class Mux:
     """The multiplexer of one connection. Run :meth:`run` in a nursery; it owns the tasks.
 
@@ -88,8 +97,11 @@ class Mux:
         label: str = "",
         budget: MemoryBudget | None = None,
         bytes_sent: Counter[str] | None = None,
+        bytes_received: ByteCount | None = None,
     ) -> None:
         self.channel = channel
+        # Bytes read from the channel (every frame, with its framing); shared like bytes_sent.
+        self.bytes_received = ByteCount() if bytes_received is None else bytes_received
         # Bytes written to the channel per stream protocol (control frames as CONTROL + kind),
         # each frame with the channel's framing; a node passes one Counter to all its muxes.
         self.bytes_sent: Counter[str] = Counter() if bytes_sent is None else bytes_sent
@@ -381,6 +393,7 @@ class Mux:
                 self._close_now(f"channel closed: {e}")
                 return
             self.frames_received += 1
+            self.bytes_received.total += len(frame) + self._frame_overhead
             try:
                 self.handle_frame(frame)
             except ProtocolError as e:

@@ -35,7 +35,7 @@ from p2p.errors import (
 from p2p.identity import Identity, PeerID
 from p2p.interfaces import local_ipv4_addrs
 from p2p.multiaddr import Multiaddr
-from p2p.mux import MemoryBudget, Mux, MuxStream
+from p2p.mux import ByteCount, MemoryBudget, Mux, MuxStream
 from p2p.node_config import NodeConfig
 from p2p.peerstore import PeerStore
 from p2p.rpc import (
@@ -118,6 +118,11 @@ class Connection:
     def usable(self) -> bool:
         return not self.draining and not self.mux.is_closed and not self.mux._closing
 
+    @property
+    def relayed(self) -> bool:
+        """Over a relay circuit (both ends see it so)."""
+        return self.remote_addr is not None and self.remote_addr.is_relayed
+
     def __repr__(self) -> str:
         direction = "out" if self.outbound else "in"
         return f"Connection({self.peer}, {direction}, {self.remote_addr})"
@@ -156,6 +161,7 @@ class Node:
         # Bytes this node wrote to its secure channels per stream protocol, over all its
         # connections, closed ones included (frames of no stream as mux/<kind>: p2p.mux.CONTROL).
         self.bytes_sent: Counter[str] = Counter()
+        self.bytes_received = ByteCount()  # read from its secure channels, framing included
         self._serve_limits = ServeLimits(
             max_message_size=config.max_message_size,
             header_timeout=config.header_timeout,
@@ -430,6 +436,7 @@ class Node:
             label=f"{str(conn.peer)[:10]}{'>' if outbound else '<'}",
             budget=self._budget,
             bytes_sent=self.bytes_sent,
+            bytes_received=self.bytes_received,
         )
         self._all_conns[conn] = None
 
@@ -466,7 +473,11 @@ class Node:
         if existing is None or not existing.usable:
             self._conns[conn.peer] = conn
             return
-        if existing.initiator == conn.initiator:
+        if existing.relayed != conn.relayed:
+            # a direct connection beats a relayed one (both ends see which is which, so they
+            # agree): a relay's budget is for signalling, and relays serve only direct peers
+            keep, drop = (existing, conn) if conn.relayed else (conn, existing)
+        elif existing.initiator == conn.initiator:
             keep, drop = conn, existing  # a redial: the old one is probably dead
         else:
             smaller = min(self.peer_id, conn.peer)

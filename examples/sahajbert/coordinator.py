@@ -355,6 +355,12 @@ class Coordinator:
             for r in sorted(records.values(), key=lambda r: r.peer)
         ]
         diverged = self.diverged
+        # The trainers' own measured throughput: the tracker's rate counts a peer as zero
+        # while it averages, which read "0.0 samples/s, ETA 0.0 s" while the run trained.
+        rate = sum(r.samples_per_second for r in records.values() if r.mode != "aux")
+        target = self.cfg.collaboration_target
+        remaining = max(0.0, target - est.samples)
+        eta = remaining / rate if rate > 0 else (est.eta if math.isfinite(est.eta) else None)
         return {
             "run_id": self.cfg.run_id,
             "state": "diverged" if diverged else "training",
@@ -365,11 +371,12 @@ class Coordinator:
             "tokenizer_sha256": self.manifest.tokenizer_sha256 if self.manifest else None,
             "manifest_conflicts": dict(sorted(self.manifest_conflicts.items())[:100]),
             "target_batch_size": self.cfg.target_batch_size,
+            "target": target,  # samples per averaging (DiLoCo: inner_steps target batches)
             "estimate": {
                 "epoch": est.epoch,
                 "samples": est.samples,
-                "samples_per_second": est.samples_per_second,
-                "eta": est.eta,
+                "samples_per_second": rate,
+                "eta": eta,
                 "num_peers": getattr(est, "num_peers", len(peers)),
             },
             "peers": peers,

@@ -35,7 +35,8 @@ text-align:right}th{background:#f4f4f4}td:first-child,th:first-child{text-align:
 <div id="summary">loading...</div>
 <h2>Peers</h2>
 <table id="peers"><thead><tr><th>peer</th><th>mode</th><th>epoch</th><th>samples</th>
-<th>samples/s</th><th>loss</th><th>upload MB/s</th><th>download MB/s</th></tr></thead>
+<th>samples/s</th><th>loss</th><th>sent MB/s</th><th>received MB/s</th>
+<th>link capacity up MB/s</th><th>link capacity down MB/s</th></tr></thead>
 <tbody></tbody></table>
 <h2>Banned peers</h2>
 <table id="banned"><thead><tr><th>peer</th><th>role</th><th>reason</th><th>round</th>
@@ -46,9 +47,17 @@ text-align:right}th{background:#f4f4f4}td:first-child,th:first-child{text-align:
 // Every peer-supplied value goes through esc() before it meets innerHTML.
 function esc(x){return String(x??"-").replace(/[&<>"']/g,c=>"&#"+c.charCodeAt(0)+";")}
 function fmt(x,d){return (x===null||x===undefined||isNaN(x))?"-":Number(x).toFixed(d)}
-function plot(id,xs,ys,color,digits){
+// About n round values (1, 2 or 5 times a power of ten) spanning [a, b]; whole ones if int.
+function ticks(a,b,n,int){
+  if(!(b>a))return [a];
+  let step=(b-a)/n;const mag=Math.pow(10,Math.floor(Math.log10(step)));
+  step=[1,2,5,10].map(m=>m*mag).find(s=>s>=step);if(int)step=Math.max(1,Math.round(step));
+  const out=[];for(let v=Math.ceil(a/step)*step;v<=b+step*1e-9;v+=step)out.push(+v.toPrecision(12));
+  return out;
+}
+function plot(id,xs,ys,color,label){
   const svg=document.getElementById(id),W=svg.width.baseVal.value,H=svg.height.baseVal.value;
-  const L=52,R=14,T=14,B=30;svg.innerHTML="";
+  const L=56,R=14,T=14,B=38;svg.innerHTML="";
   const pts=xs.map((x,i)=>[x,ys[i]]).filter(p=>p[1]!==null&&isFinite(p[1]));
   if(!pts.length){svg.innerHTML=`<text x="${L}" y="${H/2}">no finished epoch yet</text>`;return}
   const x0=Math.min(...pts.map(p=>p[0])),x1=Math.max(...pts.map(p=>p[0]));
@@ -58,12 +67,19 @@ function plot(id,xs,ys,color,digits){
   const d=pts.map((p,i)=>(i?"L":"M")+sx(p[0]).toFixed(1)+","+sy(p[1]).toFixed(1)).join("");
   const dots=pts.length<40?pts.map(p=>`<circle cx="${sx(p[0]).toFixed(1)}" `+
     `cy="${sy(p[1]).toFixed(1)}" r="2.5" fill="${color}"/>`).join(""):"";
-  svg.innerHTML=`<path d="M${L},${T}V${H-B}H${W-R}" fill="none" stroke="#999"/>`+
+  const yt=ticks(y0,y1,4,false),xt=ticks(x0,x1,5,true);
+  const dy=yt.length>1?Math.max(0,-Math.floor(Math.log10(yt[1]-yt[0])+1e-9)):2;
+  const ygrid=yt.map(v=>`<path class="ytick" d="M${L},${sy(v).toFixed(1)}H${W-R}" stroke="#eee"/>`+
+    `<text x="${L-4}" y="${(sy(v)+4).toFixed(1)}" font-size="11" text-anchor="end">`+
+    `${fmt(v,dy)}</text>`).join("");
+  const xgrid=(x1>x0?xt:[x0]).map(v=>`<path class="xtick" d="M${sx(v).toFixed(1)},${H-B}v4" `+
+    `stroke="#999"/><text x="${sx(v).toFixed(1)}" y="${H-B+16}" font-size="11" `+
+    `text-anchor="middle">${v}</text>`).join("");
+  svg.innerHTML=ygrid+`<path d="M${L},${T}V${H-B}H${W-R}" fill="none" stroke="#999"/>`+xgrid+
     `<path class="curve" d="${d}" fill="none" stroke="${color}" stroke-width="2"/>`+dots+
-    `<text x="${L-4}" y="${T+4}" font-size="11" text-anchor="end">${fmt(y1,digits)}</text>`+
-    `<text x="${L-4}" y="${H-B+4}" font-size="11" text-anchor="end">${fmt(y0,digits)}</text>`+
-    `<text x="${L}" y="${H-10}" font-size="11">epoch ${x0}</text>`+
-    `<text x="${W-R}" y="${H-10}" font-size="11" text-anchor="end">epoch ${x1}</text>`;
+    `<text x="${(L+W-R)/2}" y="${H-4}" font-size="11" text-anchor="middle">epoch</text>`+
+    `<text x="12" y="${(T+H-B)/2}" font-size="11" text-anchor="middle" `+
+    `transform="rotate(-90 12 ${(T+H-B)/2})">${label}</text>`;
 }
 async function refresh(){
   try{
@@ -73,7 +89,7 @@ async function refresh(){
       `<b>diverged</b> at epoch ${esc(dv.epoch)} (${(dv.peers||[]).length|0} peers say so)`+
       `</span>`:"")+
       `<span>epoch <b id="epoch">${esc(e.epoch)}</b></span>`+
-      `<span>samples ${fmt(e.samples,0)} / ${esc(s.target_batch_size)}</span>`+
+      `<span>samples ${fmt(e.samples,0)} / ${esc(s.target??s.target_batch_size)}</span>`+
       `<span>${fmt(e.samples_per_second,1)} samples/s</span><span>ETA ${fmt(e.eta,1)} s</span>`+
       `<span>${(s.peers||[]).length|0} peers</span>`+
       `<span>last checkpoint: ${esc(s.checkpoint)}</span>`;
@@ -81,7 +97,8 @@ async function refresh(){
       `<tr class="peer"><td><code>${esc(String(p.peer).slice(0,16))}</code></td>`+
       `<td>${esc(p.mode)}</td>`+
       `<td>${esc(p.epoch)}</td><td>${esc(p.samples)}</td><td>${fmt(p.samples_per_second,1)}</td>`+
-      `<td>${fmt(p.loss,3)}</td><td>${fmt(p.upload_bps/1e6,2)}</td>`+
+      `<td>${fmt(p.loss,3)}</td><td>${fmt(p.sent_bps/1e6,2)}</td>`+
+      `<td>${fmt(p.received_bps/1e6,2)}</td><td>${fmt(p.upload_bps/1e6,2)}</td>`+
       `<td>${fmt(p.download_bps/1e6,2)}</td></tr>`).join("");
     document.querySelector("#banned tbody").innerHTML=(s.banned||[]).map(b=>
       `<tr class="ban"><td><code>${esc(String(b.peer).slice(0,16))}</code></td>`+
@@ -89,8 +106,8 @@ async function refresh(){
       `<td><code>${esc(String(b.by).slice(0,16))}</code></td><td>${esc(b.verified)}</td></tr>`
       ).join("");
     const rows=s.rows||[];
-    plot("loss",rows.map(r=>r.epoch),rows.map(r=>r.loss),"#c33",3);
-    plot("tput",rows.map(r=>r.epoch),rows.map(r=>r.samples_per_second),"#36c",1);
+    plot("loss",rows.map(r=>r.epoch),rows.map(r=>r.loss),"#c33","loss");
+    plot("tput",rows.map(r=>r.epoch),rows.map(r=>r.samples_per_second),"#36c","samples/s");
   }catch(err){document.getElementById("summary").textContent="coordinator unreachable"}
 }
 refresh();setInterval(refresh,1000);

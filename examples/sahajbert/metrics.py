@@ -101,8 +101,10 @@ class PeerMetrics:
     micro_steps: int  # total micro-steps since the peer started
     samples: int  # total samples since the peer started
     mode: str  # node / client / aux
-    upload_bps: float = 0.0  # measured by its averager (0: not measured yet)
+    upload_bps: float = 0.0  # link capacity its averager measured (0: not measured yet)
     download_bps: float = 0.0
+    sent_bps: float = 0.0  # traffic: bytes/s it sent and received over the last half minute
+    received_bps: float = 0.0
     time: float = 0.0  # DHT time of the report
     devices: int = 1
     history: tuple[EpochFigures, ...] = field(default_factory=tuple)
@@ -140,6 +142,8 @@ class PeerMetrics:
                 mode=_mode(value["mode"]),
                 upload_bps=_number(value.get("upload_bps", 0.0), "upload_bps", 0.0, MAX_BPS),
                 download_bps=_number(value.get("download_bps", 0.0), "download_bps", 0.0, MAX_BPS),
+                sent_bps=_number(value.get("sent_bps", 0.0), "sent_bps", 0.0, MAX_BPS),
+                received_bps=_number(value.get("received_bps", 0.0), "received_bps", 0.0, MAX_BPS),
                 time=_number(value.get("time", 0.0), "time", 0.0, MAX_TIME),
                 devices=_integer(value.get("devices", 1), "devices", 1, MAX_DEVICES),
                 history=_with_steps(

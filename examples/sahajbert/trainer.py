@@ -10,6 +10,7 @@ started again simply loads the state again and carries on.
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import logging
 import math
@@ -102,6 +103,24 @@ class TrainerResult:
     history: list[metrics.EpochFigures] = field(default_factory=list)
     final_params: Path | None = None
     diverged: int | None = None  # the epoch whose loss or state was not finite (then it stopped)
+
+
+class _Traffic:
+    """Bytes/s sent and received over the last ``window`` seconds, from running totals (the
+    averaging's traffic comes in bursts: a longer window shows what the link carries)."""
+
+    def __init__(self, window: float = 30.0) -> None:
+        self.window = window
+        self._samples: collections.deque[tuple[float, int, int]] = collections.deque()
+
+    def update(self, now: float, sent: int, received: int) -> tuple[float, float]:
+        self._samples.append((now, sent, received))
+        while len(self._samples) > 2 and now - self._samples[1][0] >= self.window:
+            self._samples.popleft()
+        t0, s0, r0 = self._samples[0]
+        if now <= t0:
+            return 0.0, 0.0
+        return (sent - s0) / (now - t0), (received - r0) / (now - t0)
 
 
 class _Throughput:
@@ -294,8 +313,11 @@ def _loop(
     last_loss = math.nan
     diverged: int | None = None
 
+    traffic = _Traffic()
+
     def publish() -> None:
         links = collab.links
+        sent_bps, received_bps = traffic.update(time.monotonic(), *collab.traffic())
         record = metrics.PeerMetrics(
             peer=collab.peer_id,
             epoch=epoch,
@@ -306,6 +328,8 @@ def _loop(
             mode=collab.mode,
             upload_bps=float(links["upload_bps"] or 0.0),
             download_bps=float(links["download_bps"] or 0.0),
+            sent_bps=sent_bps,
+            received_bps=received_bps,
             time=collab.now(),
             devices=devices,
             history=tuple(history[-metrics.HISTORY :]),

@@ -246,6 +246,7 @@ class CircuitTransport:
             while True:
                 granted_at: float | None = None
                 try:
+                    await self._direct_to(relay, rid)
                     async with self.node.open_stream(relay, RESERVE) as ms:
                         answer = await ms.receive()
                         if not isinstance(answer, dict) or answer.get("ok") is not True:
@@ -278,6 +279,15 @@ class CircuitTransport:
             del self._listeners[rid]
             if self.reservations.pop(rid, None) is not None:
                 self._notify()
+
+    async def _direct_to(self, relay: Multiaddr, rid: PeerID) -> None:
+        """Make our connection to the relay a direct one: a relay grants reservations only
+        over those (a circuit inside a circuit would carry nothing), and a peer it reached
+        through another relay (it dialed our relayed address) would otherwise be refused."""
+        current = self.node.connection_to(rid)
+        if current is not None and current.relayed:
+            logger.info("dialing relay %s directly for a reservation (connected via a relay)", rid)
+            await self.node.redial(relay)
 
     def _notify(self) -> None:
         self._changed.set()

@@ -159,3 +159,32 @@ def test_throughput_meter_tracks_rate_and_decays_when_idle() -> None:
     assert meter.samples_per_second == pytest.approx(8.0)
     meter.update(0, 80.0)  # a long pause
     assert meter.samples_per_second < 8.0
+
+
+def test_the_rate_follows_epochs_shorter_than_a_measurable_span() -> None:
+    """Epochs of 16 micro-steps of 5 ms (the README's two peers) are shorter than `min_span`
+    and the meter pauses at each step: their samples still count, over the time they took.
+    Before, the rate of the first (slow, loaded) span stayed: a mate at ~800 samples/s was
+    extrapolated at 15 and each epoch overshot its target by up to 75%."""
+    meter = ThroughputMeter(half_life=10.0)
+    meter.update(0, 0.0)
+    meter.update(15, 1.0)  # a slow start: 15 samples/s
+    t = 1.0
+    for _ in range(20):
+        meter.pause()  # averaging
+        t += 0.5
+        meter.update(0, t)
+        for _ in range(16):
+            t += 0.005
+            meter.update(4, t)
+    assert meter.samples_per_second > 400  # (20 x 64 + 15) / (20 x 0.08 + 1) = 498
+
+
+def test_a_waiting_record_keeps_its_rate_but_is_not_extrapolated() -> None:
+    """A peer that averages publishes `waiting` with the rate it trains at: nobody counts
+    samples it is not feeding, and its mates know its pace once it trains again."""
+    waiting = PeerProgress("a", 3, 40, 500.0, 0.0, waiting=True)
+    training = PeerProgress("b", 3, 10, 100.0, 0.0)
+    est = estimate_collaboration([waiting, training], now=0.1, target_batch_size=100)
+    assert est.samples == pytest.approx(40 + 10 + 0.1 * 100.0)
+    assert est.samples_per_second == 100.0

@@ -93,7 +93,8 @@ def test_estimate_reaches_target_near_true_sum(seed: int) -> None:
 
 def test_samples_toward_the_next_epoch_count_once_the_round_in_flight_ends() -> None:
     """Delayed updates: while this peer averages epoch 2 it trains toward epoch 3; others keep
-    seeing its final epoch-2 record (rate zero), and its epoch-3 samples survive the round."""
+    seeing its final epoch-2 record (waiting: not extrapolated), and its epoch-3 samples
+    survive the round."""
     config = CollaborationConfig.local_demo(target_batch_size=100)
 
     async def main() -> None:
@@ -109,7 +110,7 @@ def test_samples_toward_the_next_epoch_count_once_the_round_in_flight_ends() -> 
                 await trio.sleep(1.0)
                 tracker.report(3, samples, 10)
             mine = tracker.own_progress()
-            assert (mine.epoch, mine.samples, mine.samples_per_second) == (2, 30, 0.0)
+            assert (mine.epoch, mine.samples, mine.waiting) == (2, 30, True)
             tracker.set_epoch(3)
             mine = tracker.own_progress()
             assert (mine.epoch, mine.samples) == (3, 20)

@@ -372,3 +372,36 @@ def test_the_coordinator_warns_of_peers_that_republish_another_manifest(
     slots[owner_marker(liar)] = envelope
     coord._check_manifests(_Collab())
     assert set(coord.manifest_conflicts) == {str(garbler)}
+
+
+def test_live_figures_are_the_trainers_throughput_while_they_average(tmp_path) -> None:
+    """While every trainer averages, the tracker's estimate reads 0 samples/s and ETA 0; the
+    status shows what the trainers measured (~130 samples/s) and the ETA it gives, and each
+    peer's traffic apart from its link capacity."""
+    from examples.sahajbert.metrics import PeerMetrics
+
+    coord = _coordinator(tmp_path)
+    records = {
+        p: PeerMetrics(
+            peer=p,
+            epoch=5,
+            loss=6.0,
+            samples_per_second=rate,
+            micro_steps=10,
+            samples=160,
+            mode=mode,
+            upload_bps=3e8,
+            sent_bps=2.5e5,
+        )  # fmt: skip
+        for p, rate, mode in [("a", 60.0, "node"), ("b", 70.0, "client"), ("c", 0.0, "aux")]
+    }
+    est = CollaborationEstimate(
+        epoch=5, samples=31.0, samples_per_second=0.0, eta=0.0, num_peers=3, num_clients=1,
+        target=96,
+    )  # fmt: skip
+    status = coord._status(records, est, "http://x/", [])
+    assert status["estimate"]["samples_per_second"] == 130.0
+    assert status["estimate"]["eta"] == pytest.approx((96 - 31) / 130)
+    assert status["target"] == coord.cfg.collaboration_target == 96
+    peer = status["peers"][0]
+    assert (peer["sent_bps"], peer["upload_bps"]) == (2.5e5, 3e8)

@@ -56,6 +56,8 @@ def _peer(peer: str, mode: str, rate: float, losses: list[float]) -> PeerMetrics
         mode=mode,
         upload_bps=1.5e6 if mode == "node" else 0.25e6,
         download_bps=2.5e6,
+        sent_bps=0.5e6,
+        received_bps=0.75e6,
         history=history,
     )
 
@@ -108,14 +110,17 @@ def test_dashboard_page_shows_the_peers_and_the_loss_curve(tmp_path: Path) -> No
     one, two = by_peer[ids[0][:16]], by_peer[ids[1][:16]]
     assert one[1:5] == ["node", "3", "144", "12.4"]  # mode, epoch, samples, samples/s
     assert two[1:5] == ["client", "3", "144", "4.6"]
-    assert one[6:8] == ["1.50", "2.50"]  # upload / download MB/s
+    assert one[6:10] == ["0.50", "0.75", "1.50", "2.50"]  # traffic, then link capacity MB/s
     assert '<b id="epoch">3</b>' in dom and "2 peers" in dom
     # the loss curve: a path with one point per finished epoch, labelled with its range
     loss_svg = re.search(r'<svg id="loss".*?</svg>', dom, re.S)
     assert loss_svg is not None
     path = re.search(r'<path class="curve" d="([^"]+)"', loss_svg.group(0))
     assert path is not None and path.group(1).count("L") == 2  # 3 points: M, L, L
-    assert "7.550" in loss_svg.group(0) and "6.750" in loss_svg.group(0)  # two peers: median
+    # the axes carry round ticks (the loss spans 6.75..7.55, two peers' medians) and names
+    labels = re.findall(r"<text[^>]*>([^<]*)</text>", loss_svg.group(0))
+    assert {"6.8", "7.0", "7.2", "7.4"} <= set(labels) and {"epoch", "loss"} <= set(labels)
+    assert {"0", "1", "2"} <= set(labels)  # one tick per epoch here
 
 
 MARKUP = "<img src=x onerror=\"document.body.setAttribute('data-pwned','1')\">"

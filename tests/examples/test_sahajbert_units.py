@@ -340,3 +340,14 @@ def test_the_demo_passes_bf16_on_to_its_trainers() -> None:
 
     assert "--bf16" not in cli_args(TrainerConfig())
     assert "--bf16" in cli_args(dataclasses.replace(TrainerConfig(), bf16=True))
+
+
+def test_traffic_rates_are_bytes_over_the_last_window() -> None:
+    from examples.sahajbert.trainer import _Traffic
+
+    t = _Traffic(window=30.0)
+    assert t.update(0.0, 0, 0) == (0.0, 0.0)
+    assert t.update(10.0, 1_000_000, 500_000) == (100_000.0, 50_000.0)
+    # an averaging burst, then quiet: the rate falls once the burst leaves the window
+    t.update(20.0, 3_000_000, 2_500_000)
+    assert t.update(60.0, 3_000_000, 2_500_000) == (0.0, 0.0)

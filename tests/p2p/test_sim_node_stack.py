@@ -187,9 +187,12 @@ def test_bytes_sent_name_each_protocol_and_add_up_to_the_wire():
             await a.call(b.peer_id, "echo", bytes(100_000))
             await a.call(b.peer_id, "small", bytes(30_000))
             await trio.sleep(1)  # window updates and the like are flushed
-            return dict(a.bytes_sent), dict(b.bytes_sent), handshakes, net.stats.bytes
+            received = (a.bytes_received.total, b.bytes_received.total)
+            return dict(a.bytes_sent), dict(b.bytes_sent), handshakes, net.stats.bytes, received
 
-    sent_a, sent_b, handshakes, wire = run_sim(main)
+    sent_a, sent_b, handshakes, wire, (received_a, received_b) = run_sim(main)
+    # what one node wrote after the handshake is what the other read (a traffic rate's base)
+    assert received_b == sum(sent_a.values()) and received_a == sum(sent_b.values())
     assert 100_000 < sent_a["echo"] < 101_000
     assert 100_000 < sent_b["echo"] < 101_000
     assert 30_000 < sent_a["small"] < 30_500

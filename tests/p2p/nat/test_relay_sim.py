@@ -328,3 +328,34 @@ def test_circuits_are_renewed_before_the_relay_cuts_them(renew):
             assert any(o is not True for o in outcomes)
 
     lab_run(body)
+
+
+def test_a_peer_reached_only_through_a_relay_reserves_on_another_over_a_direct_connection():
+    """A private peer whose only connection to a second relay came in through the first (the
+    second dialed its relayed address, as a restarted coordinator does) takes its reservation
+    there over a direct connection of its own: a relay refuses reservations over a relayed
+    one, so the peer held none on the second relay and fell to 0 relays when the first died."""
+
+    async def body(lab: Lab):
+        first, _ = await lab.relay()
+        second, service = await lab.relay()
+        attach(second)  # dials relayed addresses
+        v = await lab.node(reachable=False)
+        ct = attach(v)
+        await lab.nursery.start(ct.listen, first.addrs[0], v.accept_inbound)
+        await second.connect(circuit_addr(first.addrs[0], v.peer_id))
+        await trio.sleep(1)  # v has set up the connection it accepted
+        via = v.connection_to(second.peer_id)
+        assert via is not None and via.remote_addr is not None and via.remote_addr.is_relayed
+        mine = await lab.nursery.start(ct.listen, second.addrs[0], v.accept_inbound)
+        assert mine == circuit_addr(second.addrs[0], v.peer_id)
+        assert v.peer_id in service.reservations and set(ct.reservations) == {
+            first.peer_id,
+            second.peer_id,
+        }
+        lab.net.kill(lab.net.hosts[first.addrs[0].value_of("sim")])  # the first relay dies
+        other = await lab.private()
+        reply = await other.call(mine, "echo", "still reachable")
+        assert reply["echo"] == "still reachable"
+
+    lab_run(body)
