@@ -261,7 +261,7 @@ class CollaborationPeer:
             self.tracker.table_fresh,
             est.epoch > self.tracker.epoch,
             self.others_train(),
-            max((state[1] for state in self.tracker.states()), default=None),
+            self.tracker.newest_served(),
             self._missed and self._first_report_epoch == est.epoch,
         )
 

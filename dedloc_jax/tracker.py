@@ -258,6 +258,20 @@ class ProgressTracker:
             if r.state and pid != self.peer_id
         ]
 
+    def newest_served(self) -> int | None:
+        """The newest epoch another peer serves a state of, among peers whose epoch someone
+        backs (see :meth:`backed_ceiling`): a made-up state in an unbacked record must not
+        send a peer to download."""
+        self._find_unbacked()
+        return max(
+            (
+                r.state[0]
+                for pid, r in self.records.items()
+                if r.state and pid != self.peer_id and pid not in self.unbacked
+            ),
+            default=None,
+        )
+
     def contenders(self) -> dict[str, PeerProgress]:
         """The records of the peers on the lineage the collaboration follows (and of those
         that serve no state yet): only they move its epoch and count toward its batch.

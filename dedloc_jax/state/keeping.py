@@ -336,8 +336,7 @@ async def keep_in_step_async(
     held = {"arrays": list(arrays), "epoch": epoch}
     if not keeper.due(now, epoch, behind):
         return held["arrays"], epoch
-    served = [state[1] for state in core.tracker.states()]
-    newest = max(served) if served else None
+    newest = core.tracker.newest_served()
     obs = Observation(now, epoch, complete, core.others_train(), newest, behind)
     plan = keeper.plan(obs)
     reply: Any = None

@@ -341,3 +341,44 @@ def test_a_collaboration_configured_with_another_target_refuses_the_transforms()
     with pytest.raises(ValueError, match="128.*4096"):
         dedloc_jax.collaborative(optax.sgd(0.1), collab, target_batch_size=128)
     dedloc_jax.collaborative(optax.sgd(0.1), collab, target_batch_size=4096)  # agrees: fine
+
+
+def test_an_epoch_nobody_backs_neither_leads_nor_offers_a_download() -> None:
+    """Issue 46: three peers at epoch 5 serve its state; a fourth record claims epoch 6 and a
+    state of it. It stands for nobody: the epoch stays 5 and no peer looks for a newer state.
+    Once two of the three step to 6 (serving it), the third follows them."""
+    from p2p.dht.records import owner_marker
+
+    config = _config(max_refresh=1.0, progress_ttl=60.0)
+
+    async def main() -> None:
+        net = SimNetwork(seed=6)
+        async with open_sim_dhts(net, 4, latency=0.005) as peers, trio.open_nursery() as nursery:
+            trackers = [ProgressTracker(dht, "run", config, "node") for _, dht in peers[:3]]
+            for tracker in trackers:
+                tracker.set_epoch(5)
+                tracker.serve(5, b"five", ())
+                await nursery.start(tracker.run)
+            liar = peers[3][1]
+            claim = {"epoch": 6, "samples": 0, "sps": 0.0, "time": liar.now(), "mode": "node"}
+            claim["state"] = [6, b"made-up", []]
+            await liar.store(
+                "run.progress", claim, liar.now() + 60.0, subkey=owner_marker(liar.peer_id)
+            )
+            for _ in range(3):
+                for tracker in trackers:
+                    tracker.report(tracker.epoch, tracker.samples + 10, 10)
+                await trio.sleep(1.0)
+            for tracker in trackers:
+                assert tracker.unbacked == {str(liar.peer_id)}
+                assert tracker.current_estimate().epoch == 5
+                assert tracker.newest_served() == 5
+            for tracker in trackers[:2]:
+                tracker.set_epoch(6)
+                tracker.serve(6, b"six", (b"five",))
+            await trio.sleep(3.0)
+            assert trackers[2].current_estimate().epoch == 6
+            assert trackers[2].newest_served() == 6
+            nursery.cancel_scope.cancel()
+
+    run_sim(main)
