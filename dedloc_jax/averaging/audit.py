@@ -31,7 +31,6 @@ from p2p.rpc import MessageStream
 
 from .codecs import get_codec, rounding_bound
 from .errors import BadContributionError
-from .robust import cap_weights
 from .sync import FAILURES
 from .verify import (
     NO_HASH,
@@ -46,6 +45,7 @@ from .verify import (
     projection,
     residual,
     result_digest,
+    robust_weights,
     seed_of,
     tolerance,
 )
@@ -236,8 +236,8 @@ def check_chunk(
         figs.append(f)
     raw = [statements[i].weight for i in order]
     robust = clips(robust, fixed_tau, len(order))
-    weights = list(cap_weights(raw)) if robust else raw
     norms = [float(f.norms[k]) for f in figs]
+    weights = list(robust_weights(raw, norms, fixed_tau)) if robust else raw
     if robust:
         want = fixed_tau or derived_tau(norms)
         if tau is None or abs(tau - want) > 1e-6 * want:
