@@ -109,6 +109,8 @@ def run(attack: str | None, defended: bool, epochs: int, task: Task, seed: int) 
             w = [np.zeros(task.dim, np.float32) for _ in range(PEERS)]
             groups: list[list[int]] = [[] for _ in range(PEERS)]
             curve: list[float] = []  # peer 0's evaluation loss after each step
+            fed: list[int] = []  # the honest peers' samples in each step
+            step_samples: list[list[int]] = [[] for _ in range(epochs)]
             banned_at: list[int | None] = [None] * PEERS
             t0 = trio.current_time()
 
@@ -125,6 +127,8 @@ def run(attack: str | None, defended: bool, epochs: int, task: Task, seed: int) 
                         if core.report(epoch, samples, BATCH):
                             break
                     g = acc / samples
+                    if i != HOSTILE:
+                        step_samples[epoch].append(samples)
                     if attack == "sign_flip" and i == HOSTILE:
                         g = g * np.float32(-1000.0)
                     outcome = await core.average(epoch, [g], samples)
@@ -132,6 +136,7 @@ def run(attack: str | None, defended: bool, epochs: int, task: Task, seed: int) 
                     w[i] = w[i] - LR * np.asarray(outcome.gradients[0], np.float32)
                     if i == 0:
                         curve.append(round(task.loss(w[0]), 4))
+                        fed.append(sum(s for s in step_samples[epoch]))
                     if banned_at[i] is None and core.bans.is_banned(liar[0]):
                         banned_at[i] = epoch + 1
 
@@ -154,6 +159,7 @@ def run(attack: str | None, defended: bool, epochs: int, task: Task, seed: int) 
             out["bans"] = cores[0].bans.listing()
             out["curve"] = curve
             out["groups"] = groups[0]
+            out["honest_samples"] = fed
 
     ctx = lying_reducer(liar) if attack == "lying_reducer" else _nothing()
     with ctx:
