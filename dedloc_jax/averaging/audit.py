@@ -88,8 +88,9 @@ class Verdict:
     accusations: tuple[Accusation, ...]
 
 
-def _figures(rnd: Round, seed: bytes) -> dict[int, ShareFigures]:
-    """This sender's figures for every share: per chunk, its committed hash, ``q`` and norm."""
+async def _figures(rnd: Round, seed: bytes) -> dict[int, ShareFigures]:
+    """This sender's figures for every share: per chunk, its committed hash, ``q`` and norm
+    (a checkpoint after each chunk: the node keeps serving while it computes)."""
     out: dict[int, ShareFigures] = {}
     if rnd.abstain or rnd.vec is None or rnd.out is None:
         return out
@@ -103,6 +104,7 @@ def _figures(rnd: Round, seed: bytes) -> dict[int, ShareFigures]:
             z = direction(seed, a, b - a)
             q[k] = projection(z, part, rnd.out[a:b], rnd.taus[j][k])
             norms[k] = part_norm(part)
+            await trio.lowlevel.checkpoint()
         out[j] = ShareFigures(tuple(rnd.part_hashes[j]), q, norms)
     return out
 
@@ -278,7 +280,7 @@ async def audit(rnd: Round) -> Verdict:
         rnd.me,
         weight,
         seed,
-        _figures(rnd, seed),
+        await _figures(rnd, seed),
     )
     _add(rnd, _parse(rnd, mine))
     with trio.move_on_at(until):
@@ -312,6 +314,7 @@ async def audit(rnd: Round) -> Verdict:
                 cfg.robust_mode,
                 cfg.robust_tau,
             )
+            await trio.lowlevel.checkpoint()
             if not chk.ok:
                 failures[j] = (k, chk)
                 break

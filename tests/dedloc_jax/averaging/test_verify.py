@@ -130,8 +130,8 @@ def test_sender_lying_about_its_projection_is_convicted_not_the_reducer(monkeypa
     names = _names(4)
     original = audit._figures
 
-    def lying(rnd, seed):
-        figs = original(rnd, seed)
+    async def lying(rnd, seed):
+        figs = await original(rnd, seed)
         if rnd.name(rnd.me) == names[2]:
             figs = {j: replace(f, q=f.q * 10 + 1.0) for j, f in figs.items()}
         return figs
