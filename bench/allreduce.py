@@ -43,7 +43,15 @@ def _vector(i: int, size: int) -> np.ndarray:
 # ---- worker process -------------------------------------------------------------------------
 
 
-def _worker(index: int, size: int, mode: str, codec_name: str, rounds: int, conn: Any) -> None:
+def _worker(
+    index: int,
+    size: int,
+    mode: str,
+    codec_name: str,
+    rounds: int,
+    conn: Any,
+    defences: bool = False,
+) -> None:
     import trio
 
     from dedloc_jax.averaging import (
@@ -88,6 +96,8 @@ def _worker(index: int, size: int, mode: str, codec_name: str, rounds: int, conn
     async def main() -> None:
         identity = Identity.from_seed(f"bench-allreduce/{index}".encode())
         config = AllReduceConfig.loopback()
+        if defences:  # an open run's: CenteredClip (derived radius) and verified results
+            config = config.replace(robust=True, verify=True)
         async with (
             open_node(identity, config=NodeConfig.bulk()) as node,
             trio.open_nursery() as nursery,
@@ -216,6 +226,7 @@ def run_loopback(
     codec: str,
     rounds: int,
     between: Callable[[int], None] | None = None,
+    defences: bool = False,
 ) -> dict:
     """``between(r)``, if given, runs after round ``r`` while the peers wait (another system's
     round, measured under the same load: bench.compare_hivemind)."""
@@ -226,7 +237,7 @@ def run_loopback(
     pipes, procs = [], []
     for i in range(peers):
         parent, child = ctx.Pipe()
-        p = ctx.Process(target=_worker, args=(i, size, modes[i], codec, rounds, child))
+        p = ctx.Process(target=_worker, args=(i, size, modes[i], codec, rounds, child, defences))
         p.start()
         pipes.append(parent)
         procs.append(p)
@@ -413,6 +424,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--codec", default="none", choices=["none", "fp16", "bf16", "int8"])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--sim-hetero", action="store_true")
+    ap.add_argument(
+        "--defences",
+        action="store_true",
+        help="also run with an open run's defences (CenteredClip, verified rounds) and print "
+        "their cost: seconds_ratio, cpu_ratio (defended / plain)",
+    )
     args = ap.parse_args(argv)
     if args.sim_hetero:
         result = run_sim_hetero(args.size or 2_000_000, args.codec)
@@ -422,6 +439,25 @@ def main(argv: list[str] | None = None) -> None:
         result = run_loopback(
             args.peers, args.size or 18_000_000, args.clients, args.codec, args.rounds
         )
+        if args.defences:
+            defended = run_loopback(
+                args.peers,
+                args.size or 18_000_000,
+                args.clients,
+                args.codec,
+                args.rounds,
+                defences=True,
+            )
+            result = {
+                "plain": result,
+                "defended": defended,
+                "seconds_ratio": defended["seconds"] / result["seconds"],
+                "cpu_ratio": defended["cpu_seconds"] / result["cpu_seconds"],
+            }
+            print(
+                f"defences' cost: {result['seconds_ratio']:.3f}x the round time, "
+                f"{result['cpu_ratio']:.3f}x its CPU"
+            )
     print(json.dumps(result))
 
 

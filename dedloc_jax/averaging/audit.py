@@ -31,7 +31,6 @@ from p2p.rpc import MessageStream
 
 from .codecs import get_codec, rounding_bound
 from .errors import BadContributionError
-from .robust import cap_weights
 from .sync import FAILURES
 from .verify import (
     NO_HASH,
@@ -46,6 +45,7 @@ from .verify import (
     projection,
     residual,
     result_digest,
+    robust_weights,
     seed_of,
     tolerance,
 )
@@ -88,8 +88,9 @@ class Verdict:
     accusations: tuple[Accusation, ...]
 
 
-def _figures(rnd: Round, seed: bytes) -> dict[int, ShareFigures]:
-    """This sender's figures for every share: per chunk, its committed hash, ``q`` and norm."""
+async def _figures(rnd: Round, seed: bytes) -> dict[int, ShareFigures]:
+    """This sender's figures for every share: per chunk, its committed hash, ``q`` and norm
+    (a checkpoint after each chunk: the node keeps serving while it computes)."""
     out: dict[int, ShareFigures] = {}
     if rnd.abstain or rnd.vec is None or rnd.out is None:
         return out
@@ -103,6 +104,7 @@ def _figures(rnd: Round, seed: bytes) -> dict[int, ShareFigures]:
             z = direction(seed, a, b - a)
             q[k] = projection(z, part, rnd.out[a:b], rnd.taus[j][k])
             norms[k] = part_norm(part)
+            await trio.lowlevel.checkpoint()
         out[j] = ShareFigures(tuple(rnd.part_hashes[j]), q, norms)
     return out
 
@@ -236,8 +238,8 @@ def check_chunk(
         figs.append(f)
     raw = [statements[i].weight for i in order]
     robust = clips(robust, fixed_tau, len(order))
-    weights = list(cap_weights(raw)) if robust else raw
     norms = [float(f.norms[k]) for f in figs]
+    weights = list(robust_weights(raw, norms, fixed_tau)) if robust else raw
     if robust:
         want = fixed_tau or derived_tau(norms)
         if tau is None or abs(tau - want) > 1e-6 * want:
@@ -278,7 +280,7 @@ async def audit(rnd: Round) -> Verdict:
         rnd.me,
         weight,
         seed,
-        _figures(rnd, seed),
+        await _figures(rnd, seed),
     )
     _add(rnd, _parse(rnd, mine))
     with trio.move_on_at(until):
@@ -312,6 +314,7 @@ async def audit(rnd: Round) -> Verdict:
                 cfg.robust_mode,
                 cfg.robust_tau,
             )
+            await trio.lowlevel.checkpoint()
             if not chk.ok:
                 failures[j] = (k, chk)
                 break

@@ -276,7 +276,7 @@ def rounding_bound(codec: Codec, y: np.ndarray, cap: float) -> float:
         return float(np.sqrt(np.sum(per**2 * counts)))
     else:
         raise CodecError(f"no rounding bound for codec {codec.name!r}")
-    return float(np.sqrt(np.dot(b, b)))
+    return float(np.sqrt(np.einsum("i,i->", b, b)))  # einsum: BLAS is slow on a busy machine
 
 
 def get_codec(name: str) -> Codec:

@@ -35,8 +35,9 @@ class AllReduceConfig:
     robust: bool = False
     """Reducers aggregate each chunk with CenteredClip (:mod:`.robust`), buffering the chunk's
     parts until all arrived, so one peer sending scaled values moves a chunk by a bounded
-    amount. The radius is ``robust_tau`` if set, else derived per chunk from the parts: the
-    upper median of their norms (:func:`.verify.derived_tau`)."""
+    amount. The radius is ``robust_tau`` if set, else derived per chunk from the parts: twice
+    the upper median of their norms, parts over ten upper medians weighing nothing
+    (:func:`.verify.derived_tau`, :func:`.verify.robust_weights`)."""
     robust_tau: float | None = None
     """A fixed CenteredClip radius (L2, per chunk); setting it implies ``robust``."""
     robust_iters: int = 50

@@ -20,9 +20,9 @@ from p2p.rpc import MessageStream
 from . import wire
 from .codecs import is_finite
 from .errors import BadContributionError, CodecError
-from .robust import cap_weights, centered_clip
+from .robust import centered_clip
 from .sync import Changes
-from .verify import CLIP_SLACK, clips, derived_tau, part_norm, result_digest
+from .verify import CLIP_SLACK, clips, derived_tau, part_norm, result_digest, robust_weights
 
 if TYPE_CHECKING:
     from .bandwidth import Gauge
@@ -159,6 +159,8 @@ class Reducer:
                     )
             await self._room_for(k)
             self._finalise(k)
+            if self.robust:  # CenteredClip takes CPU per chunk: let the streams run between
+                await trio.lowlevel.checkpoint()
         # Commit once every live receiver acked; drop receivers that stop making progress.
         while not self.receivers <= self.acked:
             now = trio.current_time()
@@ -279,8 +281,9 @@ class Reducer:
             x = np.asarray(values, np.float64)
             out[:] = (np.asarray(raw) @ x) / max(sum(raw), 1e-300)
             return
-        weights = cap_weights(raw)
-        tau = r.config.robust_tau or derived_tau([part_norm(v) for v in values])
+        norms = [part_norm(v) for v in values]
+        weights = robust_weights(raw, norms, r.config.robust_tau)
+        tau = r.config.robust_tau or derived_tau(norms)
         self.taus[k] = tau
         out[:] = centered_clip(values, weights, tau, r.config.robust_iters, tol=CLIP_TOL)
 

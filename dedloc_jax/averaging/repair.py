@@ -23,9 +23,9 @@ from p2p.rpc import MessageStream
 from . import wire
 from .codecs import is_finite
 from .errors import BadContributionError, ShareLostError
-from .robust import cap_weights, centered_clip
+from .robust import centered_clip
 from .sync import F32, Changes
-from .verify import clips, derived_tau, part_norm
+from .verify import clips, derived_tau, part_norm, robust_weights
 
 if TYPE_CHECKING:
     from .butterfly import Round
@@ -144,8 +144,9 @@ class Repair:
             raw = np.asarray([self.weights[s] for s in senders], np.float64)
             mean = (raw @ np.asarray(values, np.float64)) / max(float(raw.sum()), 1e-300)
             return mean.astype(np.float32)
-        weights = cap_weights([self.weights[s] for s in senders])
-        tau = r.config.robust_tau or derived_tau([part_norm(v) for v in values])
+        norms = [part_norm(v) for v in values]
+        weights = robust_weights([self.weights[s] for s in senders], norms, r.config.robust_tau)
+        tau = r.config.robust_tau or derived_tau(norms)
         out = centered_clip(values, weights, tau, r.config.robust_iters)
         return out.astype(np.float32)
 

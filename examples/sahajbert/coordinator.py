@@ -177,8 +177,8 @@ class Coordinator:
             self.newest_epoch = max(self.newest_epoch, est.epoch)
             if self._checkpoint_due(self.newest_epoch):
                 self._checkpoint(collab)
+            self._read_bans(collab)
             status = self._status(records, est, dash.url, addrs)
-            status["banned"] = self._banned(collab)
             dash.status = status
             _write_atomic(self.opts.out_dir / "status.json", json.dumps(clean_json(status)))
             final = self.opts.exit_after_epoch
@@ -198,16 +198,15 @@ class Coordinator:
                 self.diverged[peer] = r.diverged
                 log.error("peer %s reports that the run diverged at epoch %d", peer, r.diverged)
 
-    def _banned(self, collab: Any) -> list[dict]:
+    def _read_bans(self, collab: Any) -> None:
         """Peers banned for lying in a verified round, with reasons (at most one DHT read per
-        minute; dedloc_jax.bans)."""
+        minute; dedloc_jax.bans), for the status."""
         if time.monotonic() - self._bans_read > 60.0:
             try:
                 self._bans = collab.banned_peers()[:100]
             except (RuntimeError, ValueError, trio.TooSlowError) as e:
                 log.warning("could not read the ban list: %s", e)
             self._bans_read = time.monotonic()
-        return self._bans
 
     def _fetch(self, collab: Any) -> dict[str, metrics.PeerMetrics]:
         """Every peer's metrics, or none when the DHT does not answer within the read timeout
@@ -380,6 +379,7 @@ class Coordinator:
                 "num_peers": getattr(est, "num_peers", len(peers)),
             },
             "peers": peers,
+            "banned": self._bans,
             "rows": self.table.rows,
             "checkpoint": str(self.last_checkpoint[1]) if self.last_checkpoint else None,
             "checkpoint_epoch": self.last_checkpoint[0] if self.last_checkpoint else None,

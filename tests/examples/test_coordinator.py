@@ -72,12 +72,12 @@ class ScriptedCollab:
 
         return trio.run(async_fn, _Core(), *args)
 
-    def banned_peers(self) -> list[dict]:
-        return []
-
     def newest_state_epoch(self) -> int | None:
         self.newest = next(self._served)
         return self.newest
+
+    def banned_peers(self) -> list[dict]:
+        return [{"peer": "liar", "role": "reducer", "reason": "lied", "verified": True}]
 
     def load_state(self, *, timeout: float = 60.0) -> tuple[int, list[np.ndarray]]:
         assert self.newest is not None
@@ -130,6 +130,7 @@ def test_the_last_epoch_is_saved_after_the_estimate_fell_back(tmp_path, saved) -
     assert [epoch for epoch, _ in saved] == [2, 3, 4]
     assert saved[-1][1] == 4.0  # the downloaded state, not the template
     assert status["checkpoint_epoch"] == 4
+    assert [b["peer"] for b in status["banned"]] == ["liar"]  # status.json lists the banned
     # epoch 3, served on two polls, was downloaded once
     assert collab.downloads == [2, 3, 4]
     assert len(collab.shared) == 3  # and serves each checkpoint

@@ -130,8 +130,8 @@ def test_sender_lying_about_its_projection_is_convicted_not_the_reducer(monkeypa
     names = _names(4)
     original = audit._figures
 
-    def lying(rnd, seed):
-        figs = original(rnd, seed)
+    async def lying(rnd, seed):
+        figs = await original(rnd, seed)
         if rnd.name(rnd.me) == names[2]:
             figs = {j: replace(f, q=f.q * 10 + 1.0) for j, f in figs.items()}
         return figs
@@ -154,7 +154,7 @@ def test_sender_lying_about_its_projection_is_convicted_not_the_reducer(monkeypa
 
 def test_sign_flipped_gradient_is_bounded_by_default_centered_clip():
     """One of four sends -1000 x its gradient: the plain mean is poisoned, the derived-radius
-    CenteredClip stays within a fraction of the honest gradients' norm of their mean."""
+    CenteredClip gives the honest peers' mean."""
     rng = np.random.default_rng(11)
     truth = rng.standard_normal(400).astype(np.float32)
     vecs = [truth + 0.3 * rng.standard_normal(400).astype(np.float32) for _ in range(4)]
@@ -168,4 +168,6 @@ def test_sign_flipped_gradient_is_bounded_by_default_centered_clip():
         assert all(r.accusations == () for r in results)  # honest reducers: nothing to catch
         errs[robust] = np.linalg.norm(results[0].vector - honest) / np.linalg.norm(honest)
     assert errs[False] > 100
-    assert errs[True] < 0.5, errs
+    # a part ten times longer than the radius counts for nothing: the honest mean (clipping
+    # alone left it at 1/3 of the radius off: 0.34 here)
+    assert errs[True] < 0.01, errs
