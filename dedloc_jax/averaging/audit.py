@@ -96,6 +96,8 @@ async def _figures(rnd: Round, seed: bytes) -> dict[int, ShareFigures]:
         return out
     for j in rnd.reducers:
         n = len(rnd.chunks[j])
+        if j in rnd.repaired or len(rnd.taus[j]) < n:
+            continue  # a repaired share is not checked (its reducer's results never all came)
         q = np.full(n, np.nan)
         norms = np.full(n, np.nan)
         for k in range(n):
