@@ -2,7 +2,8 @@
 
 It opens the collaboration (others pass its address as ``--initial-peers``) as an ``aux``-mode
 peer that trains nothing, then polls: every peer's signed metrics from the DHT become one row
-per collaboration epoch (median loss, samples/s, peers) appended to ``metrics.jsonl``
+per collaboration epoch (median loss, samples/s, peers, how many of them stepped alone and
+on how many lineages they went on) appended to ``metrics.jsonl``
 and ``metrics.csv``; the live status goes to the dashboard and to ``status.json``. Every
 ``checkpoint_every`` epochs it downloads the collaboration's state (verified, from the
 trainers), saves an orbax checkpoint, announces it in the DHT, and serves that state to
