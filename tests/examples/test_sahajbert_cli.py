@@ -180,3 +180,24 @@ def test_defaults_fit_a_home_machine(tmp_path, capsys, monkeypatch) -> None:
     assert main(["identity", "--key", str(tmp_path / "k"), "--create"]) == 0
     for name in QUIET_LOGGERS:
         assert logging.getLogger(name).getEffectiveLevel() >= logging.WARNING
+
+
+def test_a_stop_swallowed_by_python_is_asked_again() -> None:
+    """Python swallows a KeyboardInterrupt raised in a garbage-collection callback ("Exception
+    ignored in: <function _xla_gc_callback ...>"): a SIGINT then left a trainer running."""
+    from examples.sahajbert.__main__ import _Signals
+
+    stopped = False
+    with _Signals(insist=0.2) as signals:
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)
+        except KeyboardInterrupt:
+            pass  # swallowed, as in a gc callback
+        try:
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:
+                time.sleep(0.05)
+        except KeyboardInterrupt:
+            stopped = True
+    assert stopped and signals.name == "SIGTERM"
