@@ -633,7 +633,8 @@ class _Signals:
     """SIGINT and SIGTERM both stop a role the same way: a KeyboardInterrupt in the main
     thread, so the collaboration closes (port mappings removed, peers told) and main says so
     in one line. One that lands in a garbage-collection callback is swallowed by Python
-    ("Exception ignored in: ..."; seen with JAX's): it is asked again after ``insist`` s."""
+    ("Exception ignored in: ..."; seen with JAX's): it is asked again at once, and again
+    after ``insist`` s should it be lost some other way."""
 
     def __init__(self, insist: float = 10.0) -> None:
         self.name, self.number = "SIGINT", int(signal.SIGINT)
@@ -641,6 +642,7 @@ class _Signals:
         self.done = False
         self._asked = 0
         self._old: dict[int, Any] = {}
+        self._old_hook = sys.unraisablehook
 
     def _stop(self, signum: int, frame: Any) -> None:
         if self._asked == 0:
@@ -648,6 +650,14 @@ class _Signals:
             threading.Thread(target=self._ask_again, name="stop", daemon=True).start()
         self._asked += 1
         raise KeyboardInterrupt
+
+    def _unraisable(self, unraisable: Any) -> None:
+        """A stop swallowed by Python (a gc callback was running): ask again at once, quietly."""
+        if issubclass(unraisable.exc_type, KeyboardInterrupt) and self._asked:
+            # from another thread: raised in here, it would be swallowed again
+            threading.Timer(0.05, os.kill, (os.getpid(), signal.SIGINT)).start()
+            return
+        self._old_hook(unraisable)
 
     def _ask_again(self) -> None:
         for _ in range(3):
@@ -661,12 +671,16 @@ class _Signals:
             # (a shell starts background jobs with SIGINT ignored; `kill -INT` still stops)
             for sig in (signal.SIGINT, signal.SIGTERM):
                 self._old[sig] = signal.signal(sig, self._stop)
+            self._old_hook = sys.unraisablehook
+            sys.unraisablehook = self._unraisable
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.done = True
         for sig, old in self._old.items():
             signal.signal(sig, old)
+        if self._old.get(signal.SIGINT) is not None:
+            sys.unraisablehook = self._old_hook
 
 
 def _run_peer(args: argparse.Namespace, argv: list[str] | None) -> int:
