@@ -116,12 +116,14 @@ def test_readme_example_two_processes_step_together(tmp_path: Path, bootstrap: l
     # at their rates, and these epochs (16 micro-steps of 5 ms) are shorter than that: the
     # total per epoch lies between about the target and every peer's whole target (on a
     # loaded machine: 272-324 samples for 4 epochs; 308-452 before the rates were measured
-    # over short epochs too). Under that, one step per TARGET samples fed.
-    for epoch in range(epochs):
+    # over short epochs too). Epoch 0 is the start-up: a peer that has not yet read who else
+    # trains keeps accumulating rather than step alone (192 samples seen there under load).
+    for epoch in range(1, epochs):
         for out in outs:
             mine = sum(len(b["x"]) for b in _fed(out) if b["epoch"] == epoch)
             assert mine <= TARGET, (epoch, out.name, mine)
-    assert (epochs - 1) * TARGET <= samples <= len(outs) * epochs * TARGET, samples
+    later = sum(len(b["x"]) for b in fed if b["epoch"] > 0)
+    assert (epochs - 1) * TARGET <= samples and later <= len(outs) * (epochs - 1) * TARGET
     for out in outs:  # every step averaged with the other peer
         assert [(h["group_size"], h["complete"]) for h in _history(out)] == [(2, True)] * epochs
     np.testing.assert_allclose(w0, _single_process(fed, epochs), rtol=0, atol=1e-6)

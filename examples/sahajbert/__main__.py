@@ -16,8 +16,11 @@ import argparse
 import contextlib
 import faulthandler
 import logging
+import os
 import signal
 import sys
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -628,36 +631,57 @@ def main(argv: list[str] | None = None) -> int:
 
 
 class _Signals:
-    """SIGTERM is handled as SIGINT (a KeyboardInterrupt in the main thread, or trio's own
-    while it runs there), so either way a role closes its collaboration and says so once."""
+    """SIGINT and SIGTERM both stop a role the same way: a KeyboardInterrupt in the main
+    thread, so the collaboration closes (port mappings removed, peers told) and main says so
+    in one line. One that lands in a garbage-collection callback is swallowed by Python
+    ("Exception ignored in: ..."; seen with JAX's): it is asked again at once, and again
+    after ``insist`` s should it be lost some other way."""
 
-    def __init__(self) -> None:
+    def __init__(self, insist: float = 10.0) -> None:
         self.name, self.number = "SIGINT", int(signal.SIGINT)
-        self._old: Any = None
-        self._old_int: Any = None
+        self.insist = insist
+        self.done = False
+        self._asked = 0
+        self._old: dict[int, Any] = {}
+        self._old_hook = sys.unraisablehook
 
-    def _term(self, signum: int, frame: Any) -> None:
-        self.name, self.number = "SIGTERM", int(signal.SIGTERM)
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # one is enough: leave in peace
-        handler = signal.getsignal(signal.SIGINT)  # Python's, or trio's while it runs here
-        if callable(handler):
-            handler(int(signal.SIGINT), frame)
-        else:
-            raise KeyboardInterrupt
+    def _stop(self, signum: int, frame: Any) -> None:
+        if self._asked == 0:
+            self.name, self.number = signal.Signals(signum).name, int(signum)
+            threading.Thread(target=self._ask_again, name="stop", daemon=True).start()
+        self._asked += 1
+        raise KeyboardInterrupt
+
+    def _unraisable(self, unraisable: Any) -> None:
+        """A stop swallowed by Python (a gc callback was running): ask again at once, quietly."""
+        if issubclass(unraisable.exc_type, KeyboardInterrupt) and self._asked:
+            # from another thread: raised in here, it would be swallowed again
+            threading.Timer(0.05, os.kill, (os.getpid(), signal.SIGINT)).start()
+            return
+        self._old_hook(unraisable)
+
+    def _ask_again(self) -> None:
+        for _ in range(3):
+            time.sleep(self.insist)
+            if self.done:
+                return
+            os.kill(os.getpid(), signal.SIGINT)
 
     def __enter__(self) -> _Signals:
         with contextlib.suppress(ValueError):  # not the main thread (embedded): left alone
-            self._old = signal.signal(signal.SIGTERM, self._term)
-            # a shell starts background jobs with SIGINT ignored; `kill -INT` still means stop
-            if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
-                self._old_int = signal.signal(signal.SIGINT, signal.default_int_handler)
+            # (a shell starts background jobs with SIGINT ignored; `kill -INT` still stops)
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._old[sig] = signal.signal(sig, self._stop)
+            self._old_hook = sys.unraisablehook
+            sys.unraisablehook = self._unraisable
         return self
 
     def __exit__(self, *exc: object) -> None:
-        if self._old is not None:
-            signal.signal(signal.SIGTERM, self._old)
-        if self._old_int is not None:
-            signal.signal(signal.SIGINT, self._old_int)
+        self.done = True
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+        if self._old.get(signal.SIGINT) is not None:
+            sys.unraisablehook = self._old_hook
 
 
 def _run_peer(args: argparse.Namespace, argv: list[str] | None) -> int:

@@ -396,13 +396,29 @@ def fetch(
     We call as ``identity`` (a throwaway one without). In a private run (``owner``) the
     peers serve only invited callers: we show ``invitation`` first; a peer's refusal ends the
     fetch at once with its reason (ManifestError)."""
+    import threading
+
+    import outcome
     import trio
 
     from p2p.identity import Identity
 
     me = Identity.load_or_create(identity) if identity is not None else None
     args = (list(initial_peers), run_id, Path(work_dir), owner, me, invitation, timeout)
-    return trio.run(_fetch, *args, unreachable_after)
+    # In a thread of its own: the caller's thread stays interruptible (a stop signal raises
+    # there, not inside trio's loop, which swallowed it) and the fetch dies with the process.
+    result: list[Any] = []
+
+    def run() -> None:
+        try:
+            result.append(outcome.Value(trio.run(_fetch, *args, unreachable_after)))
+        except BaseException as e:
+            result.append(outcome.Error(e))
+
+    worker = threading.Thread(target=run, name="manifest-fetch", daemon=True)
+    worker.start()
+    worker.join()
+    return result[0].unwrap()
 
 
 async def _fetch(

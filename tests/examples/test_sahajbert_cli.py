@@ -180,3 +180,54 @@ def test_defaults_fit_a_home_machine(tmp_path, capsys, monkeypatch) -> None:
     assert main(["identity", "--key", str(tmp_path / "k"), "--create"]) == 0
     for name in QUIET_LOGGERS:
         assert logging.getLogger(name).getEffectiveLevel() >= logging.WARNING
+
+
+def test_a_stop_swallowed_by_python_is_asked_again() -> None:
+    """Python swallows a KeyboardInterrupt raised in a garbage-collection callback ("Exception
+    ignored in: <function _xla_gc_callback ...>"): a SIGINT then left a trainer running."""
+    from examples.sahajbert.__main__ import _Signals
+
+    stopped = False
+    with _Signals(insist=0.2) as signals:
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)
+        except KeyboardInterrupt:
+            pass  # swallowed, as some code may
+        try:
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:
+                time.sleep(0.05)
+        except KeyboardInterrupt:
+            stopped = True
+    assert stopped and signals.name == "SIGTERM"
+
+
+def test_a_stop_raised_in_a_gc_callback_is_asked_again_at_once() -> None:
+    """Python reports a KeyboardInterrupt raised in a gc callback as unraisable and goes on;
+    the stop is asked again at once, without the "Exception ignored" text."""
+    import gc
+
+    from examples.sahajbert.__main__ import _Signals
+
+    def callback(phase: str, info: dict) -> None:
+        if phase == "start" and not hit:
+            hit.append(1)
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.01)  # the handler runs here: its KeyboardInterrupt is unraisable
+
+    hit: list[int] = []
+    stopped = False
+    with _Signals(insist=60.0):
+        gc.callbacks.append(callback)
+        try:
+            try:
+                gc.collect()
+                deadline = time.monotonic() + 10
+                while time.monotonic() < deadline:
+                    time.sleep(0.01)
+            finally:
+                gc.callbacks.remove(callback)
+        except KeyboardInterrupt:
+            stopped = True
+    assert hit and stopped
