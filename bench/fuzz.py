@@ -391,8 +391,9 @@ def _metrics_seeds() -> tuple[bytes, ...]:
         sahajbert_metrics.EpochFigures(3, 7.0, 40, 3.0),
     )
     rec = sahajbert_metrics.PeerMetrics(
-        str(ALICE.peer_id), 4, 7.0, 12.5, 30, 240, "node", 1e6, 2e6, 100.0, 1, history
-    )
+        str(ALICE.peer_id), 4, 7.0, 12.5, 30, 240, "node", upload_bps=1e6, download_bps=2e6,
+        sent_bps=3e5, received_bps=4e5, time=100.0, devices=1, history=history,
+    )  # fmt: skip
     fresh = sahajbert_metrics.PeerMetrics(str(ALICE.peer_id), 0, math.nan, 0.0, 0, 0, "client")
     return (_pack(rec.to_record()), _pack(fresh.to_record()))
 

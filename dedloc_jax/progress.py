@@ -213,7 +213,11 @@ def estimate_collaboration(
         elapsed = min(max(0.0, now - r.time), max_extrapolation)
         return r.samples + elapsed * rate(r)
 
-    samples_cap = claim_cap(held(r) for r in at_epoch if r.mode != "aux")
+    # The samples bound counts peers that have none yet and never falls below an equal share of
+    # the target, so it only grows with time: an estimate must not shrink while peers train.
+    counted = [held(r) for r in at_epoch if r.mode != "aux"]
+    share = target_batch_size / max(1, len(counted))
+    samples_cap = max(CLAIM_CAP * statistics.median_low(counted), share) if counted else math.inf
     samples = 0.0
     sps = 0.0
     interval = 0.0
