@@ -7,17 +7,28 @@ its own batches) for ``--epochs`` epochs; peer 3 is hostile. Attacks:
 
 * ``lying_reducer``: as a reducer, returns -1000 x the aggregate of its share;
 * ``sign_flip``: sends -1000 x its gradient;
-* the progress attacks of ``bench/attacks_progress.py`` (another engineer's; listed as
-  "not run" while that module does not exist).
+* the progress and claim attacks of :mod:`bench.attacks_progress`, mounted from the hostile
+  peer's own DHT node (one without the run's schemas, :func:`~dedloc_jax.testing.
+  open_sim_attacker`) while peer 3 trains honestly: ``hijack_epoch`` (one record at epoch
+  2**53 - 1 for a week), ``keep_leading`` (one epoch ahead, claiming a state of it),
+  ``claim_samples`` (2**53 samples at the current epoch, republished), ``junk_state_offer``
+  (epoch 10**6, markup for addresses), and ``lying_config`` (peer 3 states 1e15 B/s links in
+  every registration; its reductions are honest). These defences cannot be switched off: one
+  row each, with them.
 
 Each attack runs with the defences (the open-run defaults) and without them (``robust`` and
 ``verify`` off: the plain mean, unchecked). One row each: ``detected`` (an honest peer banned
-the hostile one), ``rounds_to_detection`` (epochs until the first ban, 1 = the first round),
+the hostile one), ``rounds_to_detection`` (epochs until the first ban, 1 = the first round;
+for the progress attacks, detected = a node refused the record or an honest reader logged it
+as ignored or bounded, counted in peer 0's epochs from the attack's start),
 ``stall_s`` (virtual seconds beyond the clean run's for the same epochs), ``honest_loss`` and
 ``clean_loss`` (the honest peers' evaluation loss at the end, against the clean run's at equal
-samples), ``complete_rounds`` (honest peer-epochs averaged with every peer it expected: all
-four, or the three honest ones once the liar is banned). The clean rows give the defences'
-overhead: ``time_ratio`` and ``bytes_ratio`` (defended / undefended; bytes every node sent).
+honest samples: its loss after the first step by which its honest peers had fed as many),
+``min_epoch_samples`` (the fewest honest samples one epoch closed with: an epoch hurried by
+sample claims closes with fewer), ``complete_rounds`` (honest peer-epochs averaged with every
+peer it expected: all four, or the three honest ones once the liar is banned). The clean rows
+give the defences' overhead: ``time_ratio`` and ``bytes_ratio`` (defended / undefended; bytes
+every node sent).
 The last line is one JSON object.
 
     python -m bench.byzantine [--epochs 12] [--dim 256] [--seed 0]
@@ -31,17 +42,18 @@ import logging
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import trio
 
+from bench import attacks_progress as ap
 from dedloc_jax.averaging.reducer import Reducer
 from dedloc_jax.config import CollaborationConfig
+from dedloc_jax.testing import open_sim_attacker, open_sim_collaboration
 from dedloc_jax.validators import MAX_BPS
+from p2p.dht import DHT
 from p2p.testing import SimNetwork, run_sim
-from tests.dedloc_jax.simcollab import open_sim_collaboration
 
 PEERS = 4
 HOSTILE = 3
@@ -49,6 +61,78 @@ BATCH = 8
 MICRO_S = 0.1  # virtual seconds per micro-step
 LR = 0.2  # E[x x^T] = I: stable, and the gradient noise stays below the signal at dim 256
 ATTACKS = ("lying_reducer", "sign_flip")
+PROGRESS_ATTACKS = (
+    "hijack_epoch",
+    "keep_leading",
+    "claim_samples",
+    "junk_state_offer",
+    "lying_config",
+)
+ATTACK_AT = 2.0  # virtual seconds into the run when a progress attack starts
+# What an honest peer logs when it ignores or bounds the attacker's word (detection).
+DETECTED_BY = {
+    "hijack_epoch": "ignoring peer",
+    "keep_leading": "ignoring peer",
+    "claim_samples": "ignoring peer",
+    "junk_state_offer": "invalid record",
+    "lying_config": "bounded by the group's medians",
+}
+
+
+async def mount(attack: str, dht: DHT, run_id: str, refused: list[bool]) -> None:
+    """Run one of :mod:`bench.attacks_progress`'s attacks from ``dht`` (forever, for the
+    republishing ones); ``refused`` gets True when a node refused one of its records."""
+    if attack == "hijack_epoch":
+        result, _ = await ap.hijack_epoch(dht, run_id)
+        refused.append(bool(result.refused))
+    elif attack == "keep_leading":
+        epoch = await ap.current_epoch(dht, run_id) + 1
+        result, _ = await ap.hijack_epoch(dht, run_id, epoch=epoch, state=True)
+        refused.append(bool(result.refused))
+        await ap.keep_leading(dht, run_id)
+    elif attack == "claim_samples":
+        epoch = await ap.current_epoch(dht, run_id)
+        refused.append(bool((await ap.claim_samples(dht, run_id, epoch=epoch)).refused))
+        await ap.keep_claiming_samples(dht, run_id, every=0.5)
+    elif attack == "junk_state_offer":
+        while True:  # republished, as a pest would
+            refused.append(bool((await ap.junk_state_offer(dht, run_id)).refused))
+            await trio.sleep(1.0)
+
+
+class _Seen(logging.Handler):
+    """Remembers the virtual time of the first record whose message holds ``needle``."""
+
+    def __init__(self, needle: str) -> None:
+        super().__init__(logging.INFO)
+        self.needle = needle
+        self.at: float | None = None
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self.at is None and self.needle in record.getMessage():
+            self.at = trio.current_time()
+
+
+@contextmanager
+def _watch(needle: str | None) -> Iterator[_Seen | None]:
+    """Collect the honest side's INFO records (kept from the console) while a run lasts."""
+    if needle is None:
+        yield None
+        return
+    seen = _Seen(needle)
+    loggers = [logging.getLogger(n) for n in ("dedloc_jax", "p2p")]
+    saved = [(lg.level, lg.propagate) for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.INFO)
+        lg.propagate = False
+        lg.addHandler(seen)
+    try:
+        yield seen
+    finally:
+        for lg, (level, propagate) in zip(loggers, saved, strict=True):
+            lg.removeHandler(seen)
+            lg.setLevel(level)
+            lg.propagate = propagate
 
 
 @contextmanager
@@ -97,12 +181,21 @@ class Task:
 def run(attack: str | None, defended: bool, epochs: int, task: Task, seed: int) -> dict[str, Any]:
     target = PEERS * BATCH * 4
     config = CollaborationConfig.local_demo(target).replace(robust=defended, verify=defended)
+    configs = [config] * PEERS
+    if attack == "lying_config":
+        configs[HOSTILE] = ap.lying_config(config)
     liar: list[str] = []
+    refused: list[bool] = []
     out: dict[str, Any] = {}
 
     async def main() -> None:
         net = SimNetwork(seed=seed)
-        async with open_sim_collaboration(net, PEERS, config=config, latency=0.01) as cores:
+        async with (
+            open_sim_collaboration(
+                net, PEERS, config=config, configs=configs, latency=0.01
+            ) as cores,
+            open_sim_attacker(net, cores[0].node) as attacker,
+        ):
             liar.append(str(cores[HOSTILE].node.peer_id))
             if attack == "lying_reducer":  # claims a huge link: the LP gives it shares
                 cores[HOSTILE].meter.upload_override = MAX_BPS  # the most the schema takes
@@ -114,6 +207,11 @@ def run(attack: str | None, defended: bool, epochs: int, task: Task, seed: int) 
             step_samples: list[list[int]] = [[] for _ in range(epochs)]
             banned_at: list[int | None] = [None] * PEERS
             t0 = trio.current_time()
+            steps_at: list[float] = []  # peer 0's step times
+
+            async def hostile() -> None:
+                await trio.sleep(ATTACK_AT)
+                await mount(attack or "", attacker, "run", refused)
 
             async def peer(i: int) -> None:
                 core, step = cores[i], 0
@@ -136,14 +234,22 @@ def run(attack: str | None, defended: bool, epochs: int, task: Task, seed: int) 
                     groups[i].append(outcome.group_size)
                     w[i] = w[i] - LR * np.asarray(outcome.gradients[0], np.float32)
                     if i == 0:
+                        steps_at.append(trio.current_time())
                         curve.append(round(task.loss(w[0]), 4))
                         fed.append(sum(s for s in step_samples[epoch]))
                     if banned_at[i] is None and core.bans.is_banned(liar[0]):
                         banned_at[i] = epoch + 1
 
-            async with trio.open_nursery() as nursery:
-                for i in range(PEERS):
-                    nursery.start_soon(peer, i)
+            async with trio.open_nursery() as outer:
+                if attack in PROGRESS_ATTACKS:
+                    outer.start_soon(hostile)
+                async with trio.open_nursery() as nursery:
+                    for i in range(PEERS):
+                        nursery.start_soon(peer, i)
+                outer.cancel_scope.cancel()
+            out["refused"] = any(refused)
+            out["attack_at"] = t0 + ATTACK_AT
+            out["steps_at"] = steps_at
             out["virtual_s"] = trio.current_time() - t0
             out["bytes"] = sum(sum(c.node.bytes_sent.values()) for c in cores)
             honest = [i for i in range(PEERS) if i != HOSTILE]
@@ -163,9 +269,47 @@ def run(attack: str | None, defended: bool, epochs: int, task: Task, seed: int) 
             out["honest_samples"] = fed
 
     ctx = lying_reducer(liar) if attack == "lying_reducer" else _nothing()
-    with ctx:
+    with ctx, _watch(DETECTED_BY.get(attack or "")) as seen:
         run_sim(main, seed=seed)
+    if seen is not None:
+        out["seen_at"] = seen.at
     return out
+
+
+def _progress_row(attack: str, r: dict[str, Any], clean: dict[str, Any]) -> dict[str, Any]:
+    """One progress attack's row: detection counted in peer 0's epochs since the attack."""
+    at = r["attack_at"]
+    detected_at = at if r["refused"] else r.get("seen_at")
+    rounds = None
+    if detected_at is not None:
+        rounds = 1 + sum(at <= t < detected_at for t in r["steps_at"])
+    return {
+        "attack": attack,
+        "defences": True,
+        "detected": detected_at is not None,
+        "refused_by_nodes": r["refused"],
+        "rounds_to_detection": rounds,
+        "stall_s": round(r["virtual_s"] - clean["virtual_s"], 2),
+        "honest_loss": round(r["honest_loss"], 5),
+        "clean_loss": round(_loss_at_samples(clean, sum(r["honest_samples"])), 5),
+        "loss_vs_clean": round(
+            r["honest_loss"] / _loss_at_samples(clean, sum(r["honest_samples"])), 4
+        ),
+        "min_epoch_samples": min(r["honest_samples"]),
+        "complete_rounds": f"{r['complete_rounds']}/{r['honest_rounds']}",
+        "in_step": r["in_step"],
+    }
+
+
+def _loss_at_samples(clean: dict[str, Any], samples: int) -> float:
+    """The clean run's loss after its first step by which its honest peers had fed
+    ``samples`` (its last loss if it never fed that many)."""
+    fed = 0
+    for loss, n in zip(clean["curve"], clean["honest_samples"], strict=True):
+        fed += n
+        if fed >= samples:
+            return loss
+    return clean["curve"][-1]
 
 
 @contextmanager
@@ -178,6 +322,9 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=12)
     parser.add_argument("--dim", type=int, default=256)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--attacks", nargs="*", default=[*ATTACKS, *PROGRESS_ATTACKS], help="(default: all)"
+    )
     args = parser.parse_args()
     logging.basicConfig(level=logging.ERROR)
     task = Task(args.dim, args.seed)
@@ -202,7 +349,7 @@ def main() -> None:
         "bytes_ratio": round(clean[True]["bytes"] / clean[False]["bytes"], 4),
         "loss_ratio": round(clean[True]["honest_loss"] / clean[False]["honest_loss"], 4),
     }
-    for attack in ATTACKS:
+    for attack in (a for a in ATTACKS if a in args.attacks):
         for d in (True, False):
             r = run(attack, d, args.epochs, task, args.seed)
             first = min((b for b in r["banned_at"] if b is not None), default=None)
@@ -221,11 +368,10 @@ def main() -> None:
                     "bans": [(b["role"], b["reason"][:60]) for b in r["bans"]][:2],
                 }
             )
-    if not Path(__file__).with_name("attacks_progress.py").exists():
-        for name in ("progress_hijack", "sample_claims", "junk_state_offers"):
-            rows.append({"attack": name, "status": "not run (bench/attacks_progress.py absent)"})
-    else:  # TODO: run the progress attacks once bench/attacks_progress.py exists
-        rows.append({"attack": "progress (bench/attacks_progress.py)", "status": "not run yet"})
+    for attack in (a for a in PROGRESS_ATTACKS if a in args.attacks):
+        rows.append(
+            _progress_row(attack, run(attack, True, args.epochs, task, args.seed), clean[True])
+        )
     for row in rows:
         print(" ".join(f"{k}={v}" for k, v in row.items()))
     print(f"defences' overhead on a clean run: {overhead}")

@@ -120,7 +120,8 @@ class CollaborationPeer:
         self.run_id = run_id
         self.config = config
         self.mode = mode
-        self.tracker = ProgressTracker(dht, run_id, config, mode)
+        self.bans = Bans(node, dht, run_id)
+        self.tracker = ProgressTracker(dht, run_id, config, mode, banned=self.bans.is_banned)
         self.state_server = StateServer(
             node,
             dht,
@@ -129,7 +130,6 @@ class CollaborationPeer:
             ttl=self.tracker.record_ttl,
             admit=admit,
         )
-        self.bans = Bans(node, dht, run_id)
         context = RoundContext(
             moved_on=self._moved_on,
             epoch_over=lambda epoch: self.tracker.current_estimate().epoch > epoch,

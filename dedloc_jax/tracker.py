@@ -13,7 +13,7 @@ import dataclasses
 import logging
 import math
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import trio
 
@@ -42,10 +42,23 @@ def progress_key(run_id: str) -> str:
 
 
 class ProgressTracker:
-    """Owned by a collaboration; :meth:`run` is its background task."""
+    """Owned by a collaboration; :meth:`run` is its background task.
 
-    def __init__(self, dht: DHT, run_id: str, config: CollaborationConfig, mode: str) -> None:
+    ``banned``: whether a peer is banned (:meth:`dedloc_jax.bans.Bans.is_banned`); a banned
+    peer's record is dropped from the table, so it neither counts toward the batch nor moves
+    the epoch, the fork choice or the newest served state (None: nobody is banned)."""
+
+    def __init__(
+        self,
+        dht: DHT,
+        run_id: str,
+        config: CollaborationConfig,
+        mode: str,
+        *,
+        banned: Callable[[str], bool] | None = None,
+    ) -> None:
         self.dht = dht
+        self._banned = banned
         self.run_id = run_id
         self.config = config
         self.mode = mode
@@ -246,7 +259,9 @@ class ProgressTracker:
     def states(self) -> list[tuple[str, int, bytes, tuple[bytes, ...]]]:
         """(peer, epoch, digest, lineage) of every other peer's served state, as last read."""
         return [
-            (pid, *r.state) for pid, r in self.records.items() if r.state and pid != self.peer_id
+            (pid, *r.state)
+            for pid, r in self.records.items()
+            if r.state and pid != self.peer_id and not self._is_banned(pid)
         ]
 
     def announcements(self) -> list[Announcement]:
@@ -255,13 +270,14 @@ class ProgressTracker:
         return [
             Announcement(pid, *r.state, votes=r.mode != "aux")
             for pid, r in self.records.items()
-            if r.state and pid != self.peer_id
+            if r.state and pid != self.peer_id and not self._is_banned(pid)
         ]
 
     def newest_served(self) -> int | None:
         """The newest epoch another peer serves a state of, among peers whose epoch someone
         backs (see :meth:`backed_ceiling`): a made-up state in an unbacked record must not
         send a peer to download."""
+        self._drop_banned()
         self._find_unbacked()
         return max(
             (
@@ -272,6 +288,17 @@ class ProgressTracker:
             default=None,
         )
 
+    def _is_banned(self, peer: str) -> bool:
+        return self._banned is not None and peer != self.peer_id and self._banned(peer)
+
+    def _drop_banned(self) -> None:
+        """Drop the records of peers banned since the last read (a ban lands mid-round, and
+        the liar must stop counting at once, not at our next read)."""
+        if self._banned is None or not any(map(self._is_banned, self.records)):
+            return
+        self.records = {p: r for p, r in self.records.items() if not self._is_banned(p)}
+        self._find_losers()
+
     def contenders(self) -> dict[str, PeerProgress]:
         """The records of the peers on the lineage the collaboration follows (and of those
         that serve no state yet): only they move its epoch and count toward its batch.
@@ -279,6 +306,7 @@ class ProgressTracker:
         After a healed partition the side that lost may be ahead, and the winners, "behind"
         with no newer state to load, must not wait for it: the losers are left out until their
         own fork check moves them."""
+        self._drop_banned()
         self._find_unbacked()
         left_out = self.losers | self.unbacked
         if not left_out:
@@ -531,7 +559,7 @@ class ProgressTracker:
                     known[1] if known is not None and known[0] is rec else _parse(subkey, rec)
                 )
                 parsed[subkey] = (rec, progress)
-                if progress is not None:
+                if progress is not None and not self._is_banned(progress.peer_id):
                     records[progress.peer_id] = progress
         self._parsed = parsed
         self.records = records

@@ -9,7 +9,7 @@ reached ``EPOCHS``, each taking ``$README_PEER_PACE`` seconds of "compute"). Eve
 it feeds is appended to ``OUT_DIR/fed.jsonl`` with the epoch of the state it was fed to,
 flushed at once (a killed peer leaves what it fed); at the end ``OUT_DIR/final.npz`` holds the
 parameters and the epoch, and ``history.json`` the averaging steps (group size, complete)
-this process took.
+this process took; ``peer.json`` its peer id and the peers it banned (``dedloc_jax.bans``).
 """
 
 from __future__ import annotations
@@ -93,8 +93,10 @@ def main(
         w=np.asarray(namespace["params"]["w"]),
         epoch=np.int64(dedloc_jax.collaboration_epoch(state)),
     )
-    history = namespace["collab"].core.history  # kept by the closed collaboration's core
-    (out / "history.json").write_text(json.dumps([h.to_dict() for h in history]))
+    core = namespace["collab"].core  # kept by the closed collaboration
+    (out / "history.json").write_text(json.dumps([h.to_dict() for h in core.history]))
+    me = {"peer_id": str(core.node.peer_id), "bans": core.bans.listing()}
+    (out / "peer.json").write_text(json.dumps(me))
 
 
 if __name__ == "__main__":

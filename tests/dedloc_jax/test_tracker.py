@@ -382,3 +382,48 @@ def test_an_epoch_nobody_backs_neither_leads_nor_offers_a_download() -> None:
             nursery.cancel_scope.cancel()
 
     run_sim(main)
+
+
+def test_a_banned_peers_progress_and_state_count_for_nothing() -> None:
+    """A peer banned for lying in a round (dedloc_jax.bans) kept hurrying epochs with inflated
+    sample claims and, serving a state of a newer epoch, pulled the estimate (and newest
+    served) to it. Its record is dropped from the table as soon as it is banned."""
+    config = _config()
+
+    async def main() -> None:
+        net = SimNetwork(seed=11)
+        async with open_sim_dhts(net, 5, latency=0.005) as peers, trio.open_nursery() as nursery:
+            banned: set[str] = set()
+            honest = [
+                ProgressTracker(dht, "run", config, "node", banned=banned.__contains__)
+                for _, dht in peers[:3]
+            ]
+            blind = ProgressTracker(peers[3][1], "run", config, "node")  # nobody banned
+            liar = ProgressTracker(peers[4][1], "run", config, "node")
+            for tracker in [*honest, blind, liar]:
+                await nursery.start(tracker.run)
+            for _ in range(8):  # 3 honest peers at 10 samples/s: 240 of the 500
+                for tracker in [*honest, blind]:
+                    tracker.report(0, tracker.samples + 10, 10)
+                liar.report(0, liar.samples + 10**6, 10)
+                await trio.sleep(1.0)
+            await trio.sleep(2 * config.max_refresh)
+            # the liar counts as four typical peers: the epoch is all but closed
+            assert honest[0].current_estimate().samples >= 500
+            banned.add(liar.peer_id)  # between two reads: counts at once
+            for tracker in honest:
+                est = tracker.current_estimate()
+                assert est.num_peers == 4 and est.samples < 500
+                assert liar.peer_id not in tracker.contenders()
+            # It jumps ahead and serves a state of that epoch: the blind peer follows it.
+            liar.set_epoch(1)
+            liar.serve(1, b"x" * 32, ())
+            await trio.sleep(3 * config.max_refresh)
+            assert blind.newest_served() == 1 and blind.current_estimate().epoch == 1
+            for tracker in honest:
+                assert tracker.newest_served() is None
+                assert tracker.current_estimate().epoch == 0
+                assert tracker.chosen_epoch is None and tracker.announcements() == []
+            nursery.cancel_scope.cancel()
+
+    run_sim(main)
