@@ -65,6 +65,8 @@ CROSS_CAP = 4096
 MAX_LEADER_FALLBACKS = 2
 """Members after a dead leader that its followers try as leader, in group order."""
 _MAX_LEARNED = 4096  # peers whose last addresses we remember (then start over)
+MAX_NO_SHOW_SKIP = 32
+"""The most epochs a peer that kept missing its expected registrations goes unwaited for."""
 
 
 class Matchmaker:
@@ -96,6 +98,9 @@ class Matchmaker:
         # The addresses last learned per peer: every poll of the registrations reads them all
         # again, so parse only what changed.
         self._learned: dict[str, tuple[str, ...]] = {}
+        # Expected peers that did not register in time: peer -> (epoch of its last miss,
+        # misses in a row). See :meth:`_earned`.
+        self._no_shows: dict[str, tuple[int, int]] = {}
         self.deadlines = deadlines
 
     def use_deadlines(self, deadlines: Deadlines) -> None:
@@ -206,6 +211,8 @@ class Matchmaker:
         (up to :attr:`max_wait`), or two windows when nobody is expected.
         """
         expected = {p for p in expected if not self.context.banned(p)}  # nobody waits for them
+        if level == 0:
+            expected = {p for p in expected if self._earned(p, epoch)}
         try:
             return await self._form_group((epoch, level), me, target=target, expected=expected)
         finally:
@@ -307,6 +314,8 @@ class Matchmaker:
         if too_late:
             return None
         others = others | probed
+        if level == 0:
+            self._note_shows(epoch, expected, set(others))
         if expected - set(others):
             log.debug(
                 "%s: going on after %.1f s without expected peers %s",
@@ -362,6 +371,38 @@ class Matchmaker:
                 continue
         self._choose(slot, None)
         return None
+
+    def _earned(self, peer: str, epoch: int) -> bool:
+        """Whether the round at ``epoch`` waits for ``peer``, which progress records say should
+        register: a record costs nothing to publish, so a peer that publishes one and never
+        registers would stall every round by the registration window. After ``k`` misses in a
+        row it is not waited for during ``2**k - 1`` epochs (at most :data:`MAX_NO_SHOW_SKIP`),
+        then given another chance; a registration clears it. It is still grouped whenever it
+        registers in time, so a slow honest peer loses only the wait, never its place."""
+        missed = self._no_shows.get(peer)
+        if missed is None:
+            return True
+        last, k = missed
+        return epoch >= last + min(2**k, MAX_NO_SHOW_SKIP + 1) or epoch < last
+
+    def _note_shows(self, epoch: int, expected: set[str], registered: set[str]) -> None:
+        """Remember which expected peers did not register for ``epoch`` (see :meth:`_earned`)."""
+        for p in registered:
+            self._no_shows.pop(p, None)
+        if len(self._no_shows) >= _MAX_LEARNED:
+            self._no_shows.clear()
+        for p in expected - registered:
+            last, k = self._no_shows.get(p, (epoch, 0))
+            if last < epoch or k == 0:
+                self._no_shows[p] = (epoch, k + 1)
+                log.info(
+                    "epoch %d: expected peer %s did not register (%d in a row): not waited for "
+                    "in the next %d epochs",
+                    epoch,
+                    p[:8],
+                    k + 1,
+                    min(2 ** (k + 1), MAX_NO_SHOW_SKIP + 1) - 1,
+                )
 
     def _too_late(self, slot: Slot, expected: set[str]) -> bool:
         """The others averaged this epoch and moved on, and nobody we expect is still at it:
