@@ -23,7 +23,7 @@ from dedloc_jax.bans import MAX_RECORDS as MAX_BANS
 from dedloc_jax.bans import ROLES as BAN_ROLES
 from dedloc_jax.config import MAX_RECORD_TTL
 from dedloc_jax.progress import MAX_DIGEST, MAX_LINEAGE, MAX_TARGET, MODES
-from dedloc_jax.round.wire import MAX_STATE_BYTES
+from dedloc_jax.round.wire import MAX_BPS, MAX_STATE_BYTES
 from p2p.dht import (
     Bool,
     Bytes,
@@ -46,7 +46,6 @@ MAX_ADDR_CHARS = 512
 MAX_EPOCH = 10**9  # a step every 0.1 s for three years; 2**53 - 1 was taken
 MAX_SAMPLES = MAX_TARGET
 MAX_RATE = 1e9  # samples/s of one peer: far above anything real, finite
-MAX_BPS = 1e12  # bytes/s a member may state (what member_for makes of an unknown link)
 CLOCK_SLACK = 60.0  # seconds of clock difference a record's lifetime is allowed on top
 _DNS = ("dns", "dns4", "dns6", "dnsaddr")
 _HOSTNAME = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9.-]{0,251}[A-Za-z0-9])?")

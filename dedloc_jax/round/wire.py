@@ -64,13 +64,17 @@ def member_from_wire(peer_id: str, msg: Any) -> Member:
         raise GroupError(f"malformed member description: {e}") from None
 
 
+MAX_BPS = 1e12
+"""Bytes/s a member may state (what :func:`member_for` makes of an unknown link)."""
+
+
 def member_for(
     peer_id: str, mode: str, upload_bps: float, download_bps: float, weight: float
 ) -> Member:
-    """This peer's member entry; infinite or unknown bandwidths become a large finite value."""
-    big = 1e12
+    """This peer's member entry; infinite, unknown or larger bandwidths become :data:`MAX_BPS`
+    (a registration stating more is refused by every node: the peer would never register)."""
 
     def finite(x: float) -> float:
-        return big if not math.isfinite(x) or x <= 0 else float(x)
+        return MAX_BPS if not math.isfinite(x) or x <= 0 else min(float(x), MAX_BPS)
 
     return Member(peer_id, mode, finite(upload_bps), finite(download_bps), float(weight))

@@ -261,3 +261,13 @@ def test_collaborations_install_the_schemas_by_default() -> None:
     refused = run_sim(attempt, True)
     assert isinstance(refused, str) and "value.samples below 0" in refused
     assert run_sim(attempt, False) is True
+
+
+def test_a_peer_stating_links_above_the_cap_still_registers() -> None:
+    """bench.byzantine lying_config: a peer configured with 1e15 B/s links wrote a registration
+    its own node refused (the schema caps links at MAX_BPS), so it never registered; every
+    round waited two windows for it and probed it (stall 16.7 s, 6 of 36 rounds incomplete).
+    Its member entry now states MAX_BPS at most, which the leader then bounds to the median."""
+    me = member_for(str(ME.peer_id), "node", 1e15, 1e15, 120.0)
+    registration = {"member": member_to_wire(me), "addrs": [ADDR]}
+    assert _reason(_signed(group_key(RUN, 7), registration)) is None
