@@ -99,8 +99,9 @@ class Matchmaker:
         # again, so parse only what changed.
         self._learned: dict[str, tuple[str, ...]] = {}
         # Expected peers that did not register in time: peer -> (epoch of its last miss,
-        # misses in a row). See :meth:`_earned`.
+        # misses in a row); and the peers we ever read a registration of. See :meth:`_earned`.
         self._no_shows: dict[str, tuple[int, int]] = {}
+        self._registered: set[str] = set()
         self.deadlines = deadlines
 
     def use_deadlines(self, deadlines: Deadlines) -> None:
@@ -377,31 +378,37 @@ class Matchmaker:
         register: a record costs nothing to publish, so a peer that publishes one and never
         registers would stall every round by the registration window. After ``k`` misses in a
         row it is not waited for during ``2**k - 1`` epochs (at most :data:`MAX_NO_SHOW_SKIP`),
-        then given another chance; a registration clears it. It is still grouped whenever it
-        registers in time, so a slow honest peer loses only the wait, never its place."""
+        then given another chance; a registration clears it. A peer we never saw register gets
+        no second chance until it does. It is still grouped whenever it registers in time, so a
+        slow honest peer or newcomer loses only the wait, never its place."""
         missed = self._no_shows.get(peer)
         if missed is None:
             return True
         last, k = missed
-        return epoch >= last + min(2**k, MAX_NO_SHOW_SKIP + 1) or epoch < last
+        if epoch < last:
+            return True
+        skip = min(2**k - 1, MAX_NO_SHOW_SKIP) if peer in self._registered else MAX_NO_SHOW_SKIP
+        return epoch > last + skip
 
     def _note_shows(self, epoch: int, expected: set[str], registered: set[str]) -> None:
         """Remember which expected peers did not register for ``epoch`` (see :meth:`_earned`)."""
+        if len(self._no_shows) >= _MAX_LEARNED or len(self._registered) >= _MAX_LEARNED:
+            self._no_shows.clear()
+            self._registered.clear()
         for p in registered:
             self._no_shows.pop(p, None)
-        if len(self._no_shows) >= _MAX_LEARNED:
-            self._no_shows.clear()
+        self._registered |= registered
         for p in expected - registered:
             last, k = self._no_shows.get(p, (epoch, 0))
             if last < epoch or k == 0:
                 self._no_shows[p] = (epoch, k + 1)
                 log.info(
-                    "epoch %d: expected peer %s did not register (%d in a row): not waited for "
-                    "in the next %d epochs",
+                    "epoch %d: expected peer %s did not register (%d in a row%s): not waited "
+                    "for in the next epochs",
                     epoch,
                     p[:8],
                     k + 1,
-                    min(2 ** (k + 1), MAX_NO_SHOW_SKIP + 1) - 1,
+                    "" if p in self._registered else ", never seen registered",
                 )
 
     def _too_late(self, slot: Slot, expected: set[str]) -> bool:
