@@ -51,6 +51,7 @@ from dedloc_jax.state import (
     find_donors,
     fork_verdict,
 )
+from dedloc_jax.state.vouching import VouchBook
 from dedloc_jax.tracker import ProgressTracker
 from dedloc_jax.validators import run_validators
 from p2p.dht import DHTClock, DHTConfig, open_dht
@@ -120,7 +121,8 @@ class CollaborationPeer:
         self.run_id = run_id
         self.config = config
         self.mode = mode
-        self.tracker = ProgressTracker(dht, run_id, config, mode)
+        self.vouches = VouchBook()
+        self.tracker = ProgressTracker(dht, run_id, config, mode, vouched=self.vouches.vouched)
         self.state_server = StateServer(
             node,
             dht,
@@ -128,6 +130,8 @@ class CollaborationPeer:
             chunk_bytes=config.state_chunk_bytes,
             ttl=self.tracker.record_ttl,
             admit=admit,
+            mates=self._mates_into,
+            book=self.vouches,
         )
         self.bans = Bans(node, dht, run_id)
         context = RoundContext(
@@ -602,7 +606,13 @@ class CollaborationPeer:
         # An empty table (a read that failed, records that lapsed in a cut) cannot tell.
         if not table:
             return None
-        return fork_verdict(table, latest.epoch, latest.digest, self.state_server.lineage)
+        server = self.state_server
+        return fork_verdict(table, latest.epoch, latest.digest, server.lineage, server.vouched)
+
+    def _mates_into(self, epoch: int) -> frozenset[str]:
+        """The peers that averaged with us into ``epoch`` (named in our vouch of its state)."""
+        into, peers = self.tracker.mates
+        return peers if into == epoch else frozenset()
 
     async def _announce_state(self) -> None:
         """Keep our announcement from expiring: renew it at a third of its lifetime. Each step
