@@ -553,6 +553,7 @@ class CollaborationPeer:
             extra=self._table_states(),
             min_epoch=min_epoch,
             local=self.state_server.held,
+            book=self.vouches,
         )
         epoch = manifest.epoch
         self.state_server.hold(manifest, arrays)
@@ -568,7 +569,9 @@ class CollaborationPeer:
         peers hold, :func:`~dedloc_jax.state.lineage.fork_choice`), or None (nobody announces
         one): whether a download would bring anything newer, for one DHT read. The tracker's
         epoch alone cannot tell: after a healed partition, the side that lost may be ahead."""
-        found = await find_donors(self.node, self.dht, self.run_id, self._table_states())
+        found = await find_donors(
+            self.node, self.dht, self.run_id, self._table_states(), self.vouches
+        )
         return None if found is None else found[0]
 
     def _table_states(self) -> list[Announcement]:

@@ -50,10 +50,10 @@ class ProgressTracker:
         run_id: str,
         config: CollaborationConfig,
         mode: str,
-        vouched: Callable[[str, set[tuple[int, bytes]]], bool] | None = None,
+        vouched: Callable[[str], bool] | None = None,
     ) -> None:
         self.dht = dht
-        # Whether a peer was vouched for a state of its chain (a VouchBook's; the records
+        # Whether another peer vouched it averaged with a peer (a VouchBook's; the records
         # carry no vouches): the fork choice counts only vouched states while any is.
         self.vouched = vouched
         self.run_id = run_id
@@ -263,15 +263,13 @@ class ProgressTracker:
         """:meth:`states` as the fork choice counts them: an aux peer's state (a coordinator's
         checkpoint) is a copy it serves, not a vote (:attr:`Announcement.votes`)."""
         return [
-            Announcement(pid, *r.state, votes=r.mode != "aux", vouched=self._vouched(pid, r.state))
+            Announcement(pid, *r.state, votes=r.mode != "aux", vouched=self._vouched(pid))
             for pid, r in self.records.items()
             if r.state and pid != self.peer_id
         ]
 
-    def _vouched(self, pid: str, state: tuple[int, bytes, tuple[bytes, ...]]) -> bool:
-        epoch, digest, lineage = state
-        chain = {(epoch - k, d) for k, d in enumerate((digest, *lineage))}
-        return self.vouched is not None and self.vouched(pid, chain)
+    def _vouched(self, pid: str) -> bool:
+        return self.vouched is not None and self.vouched(pid)
 
     def newest_served(self) -> int | None:
         """The newest epoch another peer serves a state of, among peers whose epoch someone
@@ -313,7 +311,7 @@ class ProgressTracker:
         }
         # While any trainer's state is vouched, only those count (Sybil identities that never
         # averaged with the run would otherwise make up "more than half").
-        vouched = [r for pid, r in trainers.items() if r.state and self._vouched(pid, r.state)]
+        vouched = [r for pid, r in trainers.items() if r.state and self._vouched(pid)]
         counted = [r.epoch for r in vouched or trainers.values()]
         if self.served is not None and self.mode == "node":
             counted.append(self.epoch)

@@ -36,8 +36,8 @@ class Announcement:
     """False for a copy held by a peer that trains nothing (an aux peer, e.g. a coordinator
     serving its checkpoint): a donor, never a vote (see :func:`_voters`)."""
     vouched: bool = False
-    """Another peer signed that this peer averaged into this state or an ancestor
-    (:mod:`dedloc_jax.state.vouching`): while any announcement is, only those vote."""
+    """Another peer signed that it averaged with this peer (its averaging history,
+    :mod:`dedloc_jax.state.vouching`): while any announcement is, only those vote."""
 
     def digest_at(self, epoch: int) -> bytes | None:
         """The digest of this lineage's state at ``epoch`` (an ancestor's), if known."""
@@ -63,8 +63,8 @@ def _voters(announced: Sequence[Announcement]) -> list[Announcement]:
     either (a newcomer whose download failed serves its own). With no such state (a run's
     first epoch, or only copies left), every announcement counts.
 
-    Of those, while any is vouched (another peer signed that its peer averaged into it or
-    an ancestor), only the vouched vote: announcers that never averaged with the run (Sybil
+    Of those, while any is vouched (another peer signed that it averaged with its peer),
+    only the vouched vote: announcers that never averaged with the run (Sybil
     identities) cannot outvote it. Unvouched states vote only when none is vouched (a run of
     one, a run's first epoch)."""
     votes = [a for a in announced if a.votes]

@@ -28,7 +28,13 @@ from dedloc_jax.state.chunks import (
     pack_state,
 )
 from dedloc_jax.state.lineage import LINEAGE, Announcement, fork_verdict
-from dedloc_jax.state.vouching import MAX_VOUCHES, Vouch, VouchBook, sign_vouch, vouched_states
+from dedloc_jax.state.vouching import (
+    MAX_VOUCHES,
+    Vouch,
+    VouchBook,
+    sign_vouch,
+    vouched_by_another,
+)
 from p2p.dht import DHT, InvalidRecordError, follower_replicas
 from p2p.dht.records import owner_marker, owner_markers
 from p2p.errors import P2PError
@@ -123,7 +129,6 @@ class StateServer:
                 else None
             )
             self._vouch_tries = 0
-            self._keep_chain_vouches()
         return manifest
 
     def head_at(self, epoch: int) -> bytes | None:
@@ -154,22 +159,10 @@ class StateServer:
             self._head = (epoch, digest)
             self.lineage = ()
             self._own_vouch = None
-            self._keep_chain_vouches()
-
-    def chain(self) -> set[tuple[int, bytes]]:
-        """The states we hold or descend from: (epoch, digest) of our head and its lineage."""
-        if self._head is None:
-            return set()
-        epoch, digest = self._head
-        return {(epoch - k, d) for k, d in enumerate((digest, *self.lineage))}
-
-    def _keep_chain_vouches(self) -> None:
-        chain = self.chain()
-        self._vouches = {k: v for k, v in self._vouches.items() if (v.epoch, v.digest) in chain}
 
     @property
     def vouched(self) -> bool:
-        """Whether a mate's vouch names us for our state or one of its ancestors."""
+        """Whether a mate's vouch names us (we averaged with another peer)."""
         return bool(self._vouches)
 
     def _wants_vouch(self) -> bool:
@@ -184,14 +177,14 @@ class StateServer:
         )
 
     def _collect(self, offered: Sequence[Vouch]) -> None:
-        """Keep the valid vouches mates signed naming us for a state of our chain."""
-        me, chain = str(self.node.peer_id), self.chain()
+        """Keep the newest valid vouches mates signed naming us (our averaging history)."""
+        me = str(self.node.peer_id)
         for v in offered:
             key = (v.signer, v.epoch, v.digest)
-            if key in self._vouches or (v.epoch, v.digest) not in chain or me not in v.mates:
-                continue
-            if v.valid(self.run_id):
+            if key not in self._vouches and me in v.mates and v.valid(self.run_id):
                 self._vouches[key] = v
+        newest = sorted(self._vouches.items(), key=lambda kv: -kv[1].epoch)[: MAX_VOUCHES - 1]
+        self._vouches = dict(newest)
 
     def _vouches_out(self) -> list[list]:
         """Our own vouch, then the mates' naming us, newest first (bounded)."""
@@ -289,7 +282,7 @@ async def read_announcements(
     nothing: every peer re-announces each epoch.
 
     An announcement is ``vouched`` when one of its vouches, signed by another peer, names its
-    peer for its state or an ancestor (verified here; ``book`` remembers them). ``offered``
+    peer (verified here; ``book`` remembers the peer). ``offered``
     gets each announcer's own vouch naming this peer (unverified: the caller checks it)."""
     me = str(node.peer_id)
     value = await dht.get(state_key(run_id), quorum=0 if whole else None, repair=not whole)
@@ -323,13 +316,12 @@ async def read_announcements(
             log.debug("ignoring a malformed state offer: %s", e)
             continue
         vouches = [w for w in map(Vouch.from_wire, wire_vouches) if w is not None]
-        chain = {(epoch - k, d) for k, d in enumerate((digest, *lineage))}
-        states = vouched_states(run_id, names[0], chain, vouches)
-        if book is not None:
-            book.record(names[0], states)
+        vouched = vouched_by_another(run_id, names[0], vouches)
+        if book is not None and vouched:
+            book.record(names[0])
         if offered is not None:
             offered.extend(w for w in vouches if me in w.mates and w.signer == names[0])
-        found.append(Announcement(pid, epoch, digest, tuple(lineage), vouched=bool(states)))
+        found.append(Announcement(pid, epoch, digest, tuple(lineage), vouched=vouched))
     return found
 
 

@@ -1,9 +1,9 @@
 """Vouches: a peer's signed word that it averaged with named peers into a state.
 
 After a step, a peer signs ``(run, epoch, digest, mates)``: the state it stepped to and the
-peers it averaged with into it. A mate copies that vouch into its own state announcement, so
-that anyone reading it can check, from the signature alone, that another peer put the
-announcer in the group that produced the state (or one of its ancestors). A signature over a
+peers it averaged with into it. A mate copies that vouch into its own state announcement (it
+keeps the newest few), so that anyone reading it can check, from the signature alone, that
+another peer averaged with the announcer: its averaging history. A signature over a
 digest alone proves nothing (anyone can sign any digest); one naming the announcer as a mate
 is what a fresh identity cannot get without averaging with the run.
 
@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 
 MAX_MATES = 64  # peers one vouch names (a group's members; larger groups are cut)
 MAX_VOUCHES = 8  # vouches one announcement carries (its own, then its mates')
-MAX_BOOK = 4096  # peers whose vouched states a VouchBook remembers (then forgotten)
+MAX_BOOK = 4096  # vouched peers a VouchBook remembers (then forgotten)
 _DOMAIN = b"dedloc-jax state vouch v1\0"
 
 
@@ -94,40 +94,24 @@ def sign_vouch(
     return Vouch(epoch, digest, named, identity.public_key, sig)
 
 
-def vouched_states(
-    run_id: str, peer: str, chain: Iterable[tuple[int, bytes]], vouches: Iterable[Vouch]
-) -> set[tuple[int, bytes]]:
-    """The states of ``chain`` (a peer's state and ancestors) that another peer vouched
-    ``peer`` averaged into: a valid vouch signed by someone else, naming ``peer``."""
-    states = set(chain)
-    out: set[tuple[int, bytes]] = set()
-    for v in vouches:
-        at = (v.epoch, v.digest)
-        fits = at in states and at not in out and peer in v.mates and v.signer != peer
-        if fits and v.valid(run_id):
-            out.add(at)
-    return out
+def vouched_by_another(run_id: str, peer: str, vouches: Iterable[Vouch]) -> bool:
+    """Whether one of ``vouches`` is another peer's valid word that ``peer`` averaged with it
+    (signed by someone else, naming ``peer``): its averaging history."""
+    return any(peer in v.mates and v.signer != peer and v.valid(run_id) for v in vouches)
 
 
 class VouchBook:
-    """The states, per peer, that a read announcement proved it averaged into (verified
-    once, when read); the progress table's states are marked by it (its records carry no
+    """The peers a read announcement proved to have averaged with another (verified once,
+    when read); the progress table's states are marked by it (its records carry no
     vouches)."""
 
     def __init__(self) -> None:
-        self._states: dict[str, set[tuple[int, bytes]]] = {}
+        self._peers: set[str] = set()
 
-    def record(self, peer: str, states: set[tuple[int, bytes]]) -> None:
-        if not states:
-            return
-        if peer not in self._states and len(self._states) >= MAX_BOOK:
-            self._states.clear()
-        self._states.setdefault(peer, set()).update(states)
-        if len(self._states[peer]) > 4 * MAX_VOUCHES:  # keep the newest
-            newest = sorted(self._states[peer], reverse=True)[: 2 * MAX_VOUCHES]
-            self._states[peer] = set(newest)
+    def record(self, peer: str) -> None:
+        if len(self._peers) >= MAX_BOOK:
+            self._peers.clear()
+        self._peers.add(peer)
 
-    def vouched(self, peer: str, chain: Iterable[tuple[int, bytes]]) -> bool:
-        """Whether ``peer`` was vouched for a state of ``chain`` (its state or an ancestor)."""
-        known = self._states.get(peer)
-        return bool(known) and any(s in known for s in chain)
+    def vouched(self, peer: str) -> bool:
+        return peer in self._peers
