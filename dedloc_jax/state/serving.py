@@ -282,8 +282,8 @@ async def read_announcements(
     nothing: every peer re-announces each epoch.
 
     An announcement is ``vouched`` when one of its vouches, signed by another peer, names its
-    peer (verified here; ``book`` remembers the peer). ``offered``
-    gets each announcer's own vouch naming this peer (unverified: the caller checks it)."""
+    peer (verified here; ``book`` remembers the peer). ``offered`` gets each announcer's own
+    vouch naming this peer (unverified: the caller checks it)."""
     me = str(node.peer_id)
     value = await dht.get(state_key(run_id), quorum=0 if whole else None, repair=not whole)
     found: list[Announcement] = []
