@@ -51,6 +51,7 @@ from dedloc_jax.state import (
     find_donors,
     fork_verdict,
 )
+from dedloc_jax.state.vouching import VouchBook
 from dedloc_jax.tracker import ProgressTracker
 from dedloc_jax.validators import run_validators
 from p2p.dht import DHTClock, DHTConfig, open_dht
@@ -121,7 +122,10 @@ class CollaborationPeer:
         self.config = config
         self.mode = mode
         self.bans = Bans(node, dht, run_id)
-        self.tracker = ProgressTracker(dht, run_id, config, mode, banned=self.bans.is_banned)
+        self.vouches = VouchBook()
+        self.tracker = ProgressTracker(
+            dht, run_id, config, mode, banned=self.bans.is_banned, vouched=self.vouches.vouched
+        )
         self.state_server = StateServer(
             node,
             dht,
@@ -129,6 +133,8 @@ class CollaborationPeer:
             chunk_bytes=config.state_chunk_bytes,
             ttl=self.tracker.record_ttl,
             admit=admit,
+            mates=self._mates_into,
+            book=self.vouches,
         )
         context = RoundContext(
             moved_on=self._moved_on,
@@ -549,6 +555,7 @@ class CollaborationPeer:
             extra=self._table_states(),
             min_epoch=min_epoch,
             local=self.state_server.held,
+            book=self.vouches,
         )
         epoch = manifest.epoch
         self.state_server.hold(manifest, arrays)
@@ -564,7 +571,9 @@ class CollaborationPeer:
         peers hold, :func:`~dedloc_jax.state.lineage.fork_choice`), or None (nobody announces
         one): whether a download would bring anything newer, for one DHT read. The tracker's
         epoch alone cannot tell: after a healed partition, the side that lost may be ahead."""
-        found = await find_donors(self.node, self.dht, self.run_id, self._table_states())
+        found = await find_donors(
+            self.node, self.dht, self.run_id, self._table_states(), self.vouches
+        )
         return None if found is None else found[0]
 
     def _table_states(self) -> list[Announcement]:
@@ -602,7 +611,13 @@ class CollaborationPeer:
         # An empty table (a read that failed, records that lapsed in a cut) cannot tell.
         if not table:
             return None
-        return fork_verdict(table, latest.epoch, latest.digest, self.state_server.lineage)
+        server = self.state_server
+        return fork_verdict(table, latest.epoch, latest.digest, server.lineage, server.vouched)
+
+    def _mates_into(self, epoch: int) -> frozenset[str]:
+        """The peers that averaged with us into ``epoch`` (named in our vouch of its state)."""
+        into, peers = self.tracker.mates
+        return peers if into == epoch else frozenset()
 
     async def _announce_state(self) -> None:
         """Keep our announcement from expiring: renew it at a third of its lifetime. Each step

@@ -56,9 +56,13 @@ class ProgressTracker:
         mode: str,
         *,
         banned: Callable[[str], bool] | None = None,
+        vouched: Callable[[str], bool] | None = None,
     ) -> None:
         self.dht = dht
         self._banned = banned
+        # Whether another peer vouched it averaged with a peer (a VouchBook's; the records
+        # carry no vouches): the fork choice counts only vouched states while any is.
+        self.vouched = vouched
         self.run_id = run_id
         self.config = config
         self.mode = mode
@@ -268,10 +272,13 @@ class ProgressTracker:
         """:meth:`states` as the fork choice counts them: an aux peer's state (a coordinator's
         checkpoint) is a copy it serves, not a vote (:attr:`Announcement.votes`)."""
         return [
-            Announcement(pid, *r.state, votes=r.mode != "aux")
+            Announcement(pid, *r.state, votes=r.mode != "aux", vouched=self._vouched(pid))
             for pid, r in self.records.items()
             if r.state and pid != self.peer_id and not self._is_banned(pid)
         ]
+
+    def _vouched(self, pid: str) -> bool:
+        return self.vouched is not None and self.vouched(pid)
 
     def newest_served(self) -> int | None:
         """The newest epoch another peer serves a state of, among peers whose epoch someone
@@ -319,11 +326,15 @@ class ProgressTracker:
         epoch 0 says nothing); or the epoch of the state the fork choice names. A record
         ahead of all three (one peer's ``epoch: 2**53 - 1``, stored once, stopped every
         trainer, which waited to be "behind" no more) stands for nobody and is left out."""
-        counted = [
-            r.epoch
+        trainers = {
+            pid: r
             for pid, r in self.records.items()
             if pid != self.peer_id and r.mode == "node" and pid not in self.losers
-        ]
+        }
+        # While any trainer's state is vouched, only those count (Sybil identities that never
+        # averaged with the run would otherwise make up "more than half").
+        vouched = [r for pid, r in trainers.items() if r.state and self._vouched(pid)]
+        counted = [r.epoch for r in vouched or trainers.values()]
         if self.served is not None and self.mode == "node":
             counted.append(self.epoch)
         quorum = backed_epoch(counted)

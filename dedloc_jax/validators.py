@@ -24,6 +24,7 @@ from dedloc_jax.bans import ROLES as BAN_ROLES
 from dedloc_jax.config import MAX_RECORD_TTL
 from dedloc_jax.progress import MAX_DIGEST, MAX_LINEAGE, MAX_TARGET, MODES
 from dedloc_jax.round.wire import MAX_BPS, MAX_STATE_BYTES
+from dedloc_jax.state.vouching import MAX_MATES, MAX_VOUCHES
 from p2p.dht import (
     Bool,
     Bytes,
@@ -113,9 +114,23 @@ STATE_ANNOUNCEMENT = Struct(
         "digest": _digest,
         "lineage": ListOf(_digest, max_len=MAX_LINEAGE),
         "addrs": _addrs,
-    }
+        "vouches": ListOf(
+            Tuple(
+                (
+                    Int(0, MAX_EPOCH),
+                    _digest,
+                    ListOf(Str(64), max_len=MAX_MATES),
+                    Bytes(32),  # an Ed25519 public key
+                    Bytes(64),  # its signature
+                )
+            ),
+            max_len=MAX_VOUCHES,
+        ),
+    },
+    optional=frozenset({"vouches"}),
 )
-"""A state donor's announcement under ``RUN.state``."""
+"""A state donor's announcement under ``RUN.state`` (``vouches``: :mod:`dedloc_jax.state.
+vouching`, each ``[epoch, digest, mates, key, signature]``)."""
 
 
 BAN = Struct(

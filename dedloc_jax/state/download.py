@@ -19,6 +19,7 @@ import trio
 from dedloc_jax.state.chunks import StateAssembler, StateError, StateManifest, first_non_finite
 from dedloc_jax.state.lineage import Announcement, fork_choice
 from dedloc_jax.state.serving import CHUNK, MANIFEST, read_announcements
+from dedloc_jax.state.vouching import VouchBook
 from p2p.dht import DHT
 from p2p.errors import P2PError
 from p2p.identity import PeerID
@@ -36,16 +37,21 @@ class StaleStateError(StateSyncError):
 
 
 async def find_donors(
-    node: Any, dht: DHT, run_id: str, extra: Sequence[Announcement] = ()
+    node: Any,
+    dht: DHT,
+    run_id: str,
+    extra: Sequence[Announcement] = (),
+    book: VouchBook | None = None,
 ) -> tuple[int, bytes, list[PeerID]] | None:
     """The state to download: (epoch, digest, donors), or None. :func:`fork_choice` over
     every announcement, and over ``extra`` (the states the progress table names, which the
     fork checks count: the state key's reads miss some peers, and a choice from it alone may
-    name a lineage the next fork check rejects). Per peer, its newest one counts."""
+    name a lineage the next fork check rejects). Per peer, its newest one counts. ``book``
+    keeps the vouches the read proves (the progress table's states are marked by it)."""
     newest: dict[str, Announcement] = {}
     # The table says which peers train nothing: their announcements are copies, not votes.
     copies = {str(a.peer) for a in extra if not a.votes}
-    for a in (*await read_announcements(node, dht, run_id, whole=True), *extra):
+    for a in (*await read_announcements(node, dht, run_id, whole=True, book=book), *extra):
         known = newest.get(str(a.peer))
         if known is None or a.epoch > known.epoch:
             newest[str(a.peer)] = replace(a, votes=False) if str(a.peer) in copies else a
@@ -125,11 +131,12 @@ async def download_manifest_state(
     timeout: float = 60.0,
     request_timeout: float = 10.0,
     extra: Sequence[Announcement] = (),
+    book: VouchBook | None = None,
     min_epoch: int | None = None,
     local: Callable[[bytes], tuple[StateManifest, list[np.ndarray]] | None] | None = None,
 ) -> tuple[StateManifest, list[np.ndarray], int]:
     """:func:`download_state`, with the downloaded state's manifest instead of its epoch;
-    ``extra``: more announcements to choose from (see :func:`find_donors`); ``min_epoch``:
+    ``extra``, ``book``: more announcements to choose from (see :func:`find_donors`); ``min_epoch``:
     raise :class:`StaleStateError` instead of downloading an older state; ``local``: the
     state of a digest if we hold it (:meth:`StateServer.held`), which then comes from no donor
     (0 donors used): a peer whose round missed part of the epoch asks for the state most
@@ -142,7 +149,7 @@ async def download_manifest_state(
             )
 
     with trio.move_on_after(timeout) as scope:
-        found = await find_donors(node, dht, run_id, extra)
+        found = await find_donors(node, dht, run_id, extra, book)
         if found is None:
             raise StateSyncError("no peer announces a state")
         epoch, digest, donors = found

@@ -35,6 +35,9 @@ class Announcement:
     votes: bool = True
     """False for a copy held by a peer that trains nothing (an aux peer, e.g. a coordinator
     serving its checkpoint): a donor, never a vote (see :func:`_voters`)."""
+    vouched: bool = False
+    """Another peer signed that it averaged with this peer (its averaging history,
+    :mod:`dedloc_jax.state.vouching`): while any announcement is, only those vote."""
 
     def digest_at(self, epoch: int) -> bytes | None:
         """The digest of this lineage's state at ``epoch`` (an ancestor's), if known."""
@@ -58,9 +61,15 @@ def _voters(announced: Sequence[Announcement]) -> list[Announcement]:
     trainers may have left since, and with a killed peer's announcement (it lives until it
     expires) it outvoted the one live trainer of a pair. A state of epoch 0 names no lineage
     either (a newcomer whose download failed serves its own). With no such state (a run's
-    first epoch, or only copies left), every announcement counts."""
+    first epoch, or only copies left), every announcement counts.
+
+    Of those, while any is vouched (another peer signed that it averaged with its peer),
+    only the vouched vote: announcers that never averaged with the run (Sybil
+    identities) cannot outvote it. Unvouched states vote only when none is vouched (a run of
+    one, a run's first epoch)."""
     votes = [a for a in announced if a.votes]
-    return [a for a in votes if a.lineage] or votes or list(announced)
+    voters = [a for a in votes if a.lineage] or votes or list(announced)
+    return [a for a in voters if a.vouched] or voters
 
 
 def _winning_side(announced: Sequence[Announcement]) -> list[Announcement]:
@@ -149,7 +158,7 @@ def losing_peers(announced: Sequence[Announcement]) -> set[str]:
     counted = {id(a) for a in voters}
     lost = _lost_states(voters, side)
     for a in announced:
-        if id(a) not in counted and _copy_lost(side, lost, a.epoch, a.digest):
+        if id(a) not in counted and _copy_lost(side, lost, a):
             out.add(str(a.peer))
     return out
 
@@ -160,12 +169,14 @@ def _lost_states(voters: Sequence[Announcement], side: Sequence[Announcement]) -
     return {s for a in voters if id(a) not in kept for s in _chain(a)}
 
 
-def _copy_lost(side: Sequence[Announcement], lost: set, epoch: int, digest: bytes) -> bool:
-    """Whether a copy (no vote) of ``digest`` at ``epoch`` is on a side the choice leaves: a
-    loser holds it, or a winner names another state of its epoch."""
-    if (epoch, digest) in lost:
+def _copy_lost(side: Sequence[Announcement], lost: set, copy: Announcement) -> bool:
+    """Whether a state that has no vote (a copy, or unvouched) is on a side the choice
+    leaves: a loser holds it or an ancestor it names, or a winner names another state of an
+    epoch its lineage names."""
+    chain = _chain(copy)
+    if chain & lost:
         return True
-    return any(a.digest_at(epoch) not in (None, digest) for a in side)
+    return any(a.digest_at(e) not in (None, d) for a in side for e, d in chain)
 
 
 def on_minority_fork(others: Mapping[tuple[int, bytes], int], epoch: int, digest: bytes) -> bool:
@@ -202,6 +213,7 @@ def fork_verdict(
     epoch: int,
     digest: bytes,
     lineage: Sequence[bytes] = (),
+    vouched: bool = False,
 ) -> bool | None:
     """Whether our state (``digest`` at ``epoch``, descending from ``lineage``, newest first)
     lost to another lineage, or None when it cannot tell yet.
@@ -215,12 +227,13 @@ def fork_verdict(
     to lose to; one that sees the first of the others loses or wins a 1-1 tie by digest). A
     state in a cluster of fewer peers than another (or as many, older) loses at once
     (:func:`_winning_side`). Only votes count (:func:`_voters`); a state of ours that is no
-    vote (a copy) loses with the side it copied (:func:`_copy_lost`)."""
-    ours = Announcement("us", epoch, digest, tuple(lineage)[:LINEAGE])
+    vote (a copy, or unvouched while others are) loses with the side it copied
+    (:func:`_copy_lost`); ``vouched``: whether ours is (see :class:`Announcement`)."""
+    ours = Announcement("us", epoch, digest, tuple(lineage)[:LINEAGE], vouched=vouched)
     voters = _voters([*announced, ours])
     if not any(a is ours for a in voters):  # a copy: lost with the side it copied
         side = _winning_side(voters)
-        return _copy_lost(side, _lost_states(voters, side), epoch, digest)
+        return _copy_lost(side, _lost_states(voters, side), ours)
     others = [a for a in voters if a is not ours]
     alive = _fork_walk(voters)
     if any(a is ours for a in alive) and not any(a is ours for a in _winning_side(voters)):

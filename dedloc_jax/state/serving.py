@@ -1,7 +1,9 @@
 """The donor side of state sync: serving this peer's state, and what donors announce.
 
-Donors announce ``{epoch, digest, lineage}`` under ``<run_id>.state`` (one signed subkey
-each; ``lineage`` is the digests of the states it descends from, newest first) and
+Donors announce ``{epoch, digest, lineage, vouches}`` under ``<run_id>.state`` (one signed
+subkey each; ``lineage`` is the digests of the states it descends from, newest first;
+``vouches`` its own signed vouch for the state it stepped to, naming the mates it averaged
+with, and the vouches of mates naming it: :mod:`dedloc_jax.state.vouching`) and
 answer two RPCs: the manifest of a digest, and one chunk of it. The announcement record is
 written and read here, so its format has one home.
 """
@@ -9,7 +11,7 @@ written and read here, so its format has one home.
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -26,6 +28,13 @@ from dedloc_jax.state.chunks import (
     pack_state,
 )
 from dedloc_jax.state.lineage import LINEAGE, Announcement, fork_verdict
+from dedloc_jax.state.vouching import (
+    MAX_VOUCHES,
+    Vouch,
+    VouchBook,
+    sign_vouch,
+    vouched_by_another,
+)
 from p2p.dht import DHT, InvalidRecordError, follower_replicas
 from p2p.dht.records import owner_marker, owner_markers
 from p2p.errors import P2PError
@@ -39,6 +48,8 @@ MANIFEST = "collab.state.manifest"
 CHUNK = "collab.state.chunk"
 _KEEP = 2  # snapshots kept, so a download started before our last step can finish
 _MAX_DIGEST = MAX_DIGEST
+VOUCH_RETRY = 2.0  # seconds between re-announcements while our mates' vouches are missing
+VOUCH_TRIES = 15  # of them, per state
 
 
 def state_key(run_id: str) -> str:
@@ -57,6 +68,8 @@ class StateServer:
         chunk_bytes: int,
         ttl: Callable[[], float],
         admit: Callable[[PeerID], Awaitable[None]] | None = None,
+        mates: Callable[[int], Iterable[str]] | None = None,
+        book: VouchBook | None = None,
     ) -> None:
         self.node = node
         self.dht = dht
@@ -75,6 +88,13 @@ class StateServer:
         self.chunks_served = 0
         # Private runs (dedloc_jax.access): raises ValueError unless the peer may take part.
         self.admit = admit
+        # Who averaged with us into an epoch (named in our vouch for the state we step to),
+        # and where the vouches read from announcements are kept (see state.vouching).
+        self.mates = mates
+        self.book = book
+        self._own_vouch: Vouch | None = None
+        self._vouches: dict[tuple[str, int, bytes], Vouch] = {}  # mates' vouches naming us
+        self._vouch_tries = 0
 
     def register(self) -> None:
         self.node.add_handler(MANIFEST, self._handle_manifest)
@@ -98,8 +118,17 @@ class StateServer:
             self.lineage = (head[1], *self.lineage)[:LINEAGE]  # a step from it
         elif head != (epoch, manifest.digest):
             self.lineage = ()  # whose descendant it is, we do not know
+        stepped = head is not None and head[0] == epoch - 1
         self._head = (epoch, manifest.digest)
         self.latest = manifest
+        if head != self._head:  # a new state: vouch for it when we averaged into it
+            mates = list(self.mates(epoch)) if self.mates is not None and stepped else []
+            self._own_vouch = (
+                sign_vouch(self.node.identity, self.run_id, epoch, manifest.digest, mates)
+                if mates
+                else None
+            )
+            self._vouch_tries = 0
         return manifest
 
     def head_at(self, epoch: int) -> bytes | None:
@@ -129,11 +158,56 @@ class StateServer:
         if self._head != (epoch, digest):
             self._head = (epoch, digest)
             self.lineage = ()
+            self._own_vouch = None
+
+    @property
+    def vouched(self) -> bool:
+        """Whether a mate's vouch names us (we averaged with another peer)."""
+        return bool(self._vouches)
+
+    def _wants_vouch(self) -> bool:
+        """Our own state's vouch is out, none of its mates' is in yet (retry soon)."""
+        own = self._own_vouch
+        return (
+            own is not None
+            and self._vouch_tries < VOUCH_TRIES
+            and not any(
+                (v.epoch, v.digest) == (own.epoch, own.digest) for v in self._vouches.values()
+            )
+        )
+
+    def _collect(self, offered: Sequence[Vouch]) -> None:
+        """Keep the newest valid vouches mates signed naming us (our averaging history)."""
+        me = str(self.node.peer_id)
+        for v in offered:
+            key = (v.signer, v.epoch, v.digest)
+            if key not in self._vouches and me in v.mates and v.valid(self.run_id):
+                self._vouches[key] = v
+        newest = sorted(self._vouches.items(), key=lambda kv: -kv[1].epoch)[: MAX_VOUCHES - 1]
+        self._vouches = dict(newest)
+
+    def _vouches_out(self) -> list[list]:
+        """Our own vouch, then the mates' naming us, newest first (bounded)."""
+        theirs = sorted(self._vouches.values(), key=lambda v: -v.epoch)
+        own = [self._own_vouch] if self._own_vouch is not None else []
+        return [v.to_wire() for v in (*own, *theirs)[:MAX_VOUCHES]]
 
     async def announce(self) -> None:
         if self.latest is None:
             return
         ttl = self.ttl()
+        if self._wants_vouch():
+            # Our mates announce the state they stepped to as we do: read theirs for their
+            # vouches naming us (one read per step, a few more while none is in).
+            self._vouch_tries += 1
+            offered: list[Vouch] = []
+            try:
+                await read_announcements(
+                    self.node, self.dht, self.run_id, book=self.book, offered=offered
+                )
+            except (P2PError, InvalidRecordError) as e:
+                log.debug("could not read the state announcements for vouches: %s", e)
+            self._collect(offered)
         try:
             await self.dht.store(
                 state_key(self.run_id),
@@ -142,6 +216,7 @@ class StateServer:
                     "digest": self.latest.digest,
                     "lineage": list(self.lineage),
                     "addrs": [str(a) for a in self.node.addrs],
+                    "vouches": self._vouches_out(),
                 },
                 self.dht.now() + ttl,
                 subkey=owner_marker(self.node.peer_id),
@@ -149,7 +224,7 @@ class StateServer:
                 # replicas suffice (see docs/decisions.md, "Stores on every replica")
                 replicas=follower_replicas(self.dht.config),
             )
-            self.renew_at = trio.current_time() + ttl / 3
+            self.renew_at = trio.current_time() + (VOUCH_RETRY if self._wants_vouch() else ttl / 3)
         except (P2PError, InvalidRecordError) as e:
             log.warning("could not announce state: %s", e)
 
@@ -193,12 +268,23 @@ class StateServer:
 
 
 async def read_announcements(
-    node: Any, dht: DHT, run_id: str, *, whole: bool = False
+    node: Any,
+    dht: DHT,
+    run_id: str,
+    *,
+    whole: bool = False,
+    book: VouchBook | None = None,
+    offered: list[Vouch] | None = None,
 ) -> list[Announcement]:
     """Every other peer's announced state (malformed ones are skipped and logged).
     ``whole`` asks all the key's nearest nodes: counting lineages needs every announcement,
     and after a partition each side's went to the nodes that side could reach. It repairs
-    nothing: every peer re-announces each epoch."""
+    nothing: every peer re-announces each epoch.
+
+    An announcement is ``vouched`` when one of its vouches, signed by another peer, names its
+    peer (verified here; ``book`` remembers the peer). ``offered`` gets each announcer's own
+    vouch naming this peer (unverified: the caller checks it)."""
+    me = str(node.peer_id)
     value = await dht.get(state_key(run_id), quorum=0 if whole else None, repair=not whole)
     found: list[Announcement] = []
     if not isinstance(value, dict):
@@ -209,7 +295,7 @@ async def read_announcements(
         if len(names) != 1 or names[0] == str(node.peer_id) or not isinstance(v, dict):
             continue
         epoch, digest, addrs = v.get("epoch"), v.get("digest"), v.get("addrs", [])
-        lineage = v.get("lineage", [])
+        lineage, wire_vouches = v.get("lineage", []), v.get("vouches", [])
         if not (
             isinstance(epoch, int)
             and isinstance(digest, bytes)
@@ -217,6 +303,8 @@ async def read_announcements(
             and isinstance(lineage, list)
             and len(lineage) <= LINEAGE
             and all(isinstance(d, bytes) and len(d) <= _MAX_DIGEST for d in lineage)
+            and isinstance(wire_vouches, list)
+            and len(wire_vouches) <= MAX_VOUCHES
         ):
             # (the run's schema refuses these where they are stored and read: debug only)
             log.debug("ignoring a malformed state offer of %s", names[0][:8])
@@ -227,7 +315,13 @@ async def read_announcements(
         except (P2PError, TypeError) as e:
             log.debug("ignoring a malformed state offer: %s", e)
             continue
-        found.append(Announcement(pid, epoch, digest, tuple(lineage)))
+        vouches = [w for w in map(Vouch.from_wire, wire_vouches) if w is not None]
+        vouched = vouched_by_another(run_id, names[0], vouches)
+        if book is not None and vouched:
+            book.record(names[0])
+        if offered is not None:
+            offered.extend(w for w in vouches if me in w.mates and w.signer == names[0])
+        found.append(Announcement(pid, epoch, digest, tuple(lineage), vouched=vouched))
     return found
 
 
@@ -240,13 +334,14 @@ async def state_forked(
     *,
     lineage: Sequence[bytes] = (),
     patience: float = 0.0,
+    vouched: bool = False,
 ) -> bool:
     """:func:`fork_verdict` over the states peers announce now; while it cannot tell, read
     again (every second) for up to ``patience`` seconds, then answer False."""
     deadline = trio.current_time() + patience
     while True:
         announced = await read_announcements(node, dht, run_id, whole=True)
-        verdict = fork_verdict(announced, epoch, digest, lineage)
+        verdict = fork_verdict(announced, epoch, digest, lineage, vouched)
         left = deadline - trio.current_time()
         if verdict is not None or left <= 0:
             return bool(verdict)

@@ -1,0 +1,117 @@
+"""Vouches: a peer's signed word that it averaged with named peers into a state.
+
+After a step, a peer signs ``(run, epoch, digest, mates)``: the state it stepped to and the
+peers it averaged with into it. A mate copies that vouch into its own state announcement (it
+keeps the newest few), so that anyone reading it can check, from the signature alone, that
+another peer averaged with the announcer: its averaging history. A signature over a
+digest alone proves nothing (anyone can sign any digest); one naming the announcer as a mate
+is what a fresh identity cannot get without averaging with the run.
+
+The fork choice counts only vouched announcements as votes while any exists
+(:func:`dedloc_jax.state.lineage._voters`): Sybil announcers that never averaged with the run
+cannot outvote it, however many. A run of one, or a run's first epoch, has no vouch yet: then
+every stepped state counts as before. Sybils that first average with honest peers, or that
+form groups among themselves from the start, are not caught by this rule (identities cost
+nothing in an open run; a private run's invitations are the cost).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from p2p.errors import P2PError
+from p2p.identity import PeerID, verify_signature
+
+log = logging.getLogger(__name__)
+
+MAX_MATES = 64  # peers one vouch names (a group's members; larger groups are cut)
+MAX_VOUCHES = 8  # vouches one announcement carries (its own, then its mates')
+MAX_BOOK = 4096  # vouched peers a VouchBook remembers (then forgotten)
+_DOMAIN = b"dedloc-jax state vouch v1\0"
+
+
+def vouch_payload(run_id: str, epoch: int, digest: bytes, mates: Sequence[str]) -> bytes:
+    """The bytes a vouch signs: the run, the state, and the sorted mates (length-prefixed)."""
+    parts = [run_id.encode(), str(epoch).encode(), digest, *(m.encode() for m in mates)]
+    return _DOMAIN + b"".join(len(p).to_bytes(4, "big") + p for p in parts)
+
+
+@dataclass(frozen=True)
+class Vouch:
+    """``key``'s signature saying: I averaged with ``mates`` into ``digest`` of ``epoch``."""
+
+    epoch: int
+    digest: bytes
+    mates: tuple[str, ...]
+    key: bytes
+    sig: bytes
+
+    @property
+    def signer(self) -> str:
+        return str(PeerID.from_public_key(self.key))
+
+    def valid(self, run_id: str) -> bool:
+        return verify_signature(
+            self.key, self.sig, vouch_payload(run_id, self.epoch, self.digest, self.mates)
+        )
+
+    def to_wire(self) -> list:
+        return [self.epoch, self.digest, list(self.mates), self.key, self.sig]
+
+    @classmethod
+    def from_wire(cls, value: Any) -> Vouch | None:
+        """The vouch ``value`` encodes, or None when it is malformed (not verified here)."""
+        if not isinstance(value, list) or len(value) != 5:
+            return None
+        epoch, digest, mates, key, sig = value
+        if not (
+            isinstance(epoch, int)
+            and isinstance(digest, bytes)
+            and isinstance(mates, list)
+            and len(mates) <= MAX_MATES
+            and all(isinstance(m, str) and len(m) <= 64 for m in mates)
+            and isinstance(key, bytes)
+            and isinstance(sig, bytes)
+        ):
+            return None
+        try:
+            PeerID.from_public_key(key)
+        except P2PError:
+            return None
+        return cls(epoch, digest, tuple(mates), key, sig)
+
+
+def sign_vouch(
+    identity: Any, run_id: str, epoch: int, digest: bytes, mates: Iterable[str]
+) -> Vouch:
+    """Our vouch for the state we stepped to, naming the ``mates`` we averaged with."""
+    me = str(identity.peer_id)
+    named = tuple(sorted({str(m) for m in mates} - {me}))[:MAX_MATES]
+    sig = identity.sign(vouch_payload(run_id, epoch, digest, named))
+    return Vouch(epoch, digest, named, identity.public_key, sig)
+
+
+def vouched_by_another(run_id: str, peer: str, vouches: Iterable[Vouch]) -> bool:
+    """Whether one of ``vouches`` is another peer's valid word that ``peer`` averaged with it
+    (signed by someone else, naming ``peer``): its averaging history."""
+    return any(peer in v.mates and v.signer != peer and v.valid(run_id) for v in vouches)
+
+
+class VouchBook:
+    """The peers a read announcement proved to have averaged with another (verified once,
+    when read); the progress table's states are marked by it (its records carry no
+    vouches)."""
+
+    def __init__(self) -> None:
+        self._peers: set[str] = set()
+
+    def record(self, peer: str) -> None:
+        if len(self._peers) >= MAX_BOOK:
+            self._peers.clear()
+        self._peers.add(peer)
+
+    def vouched(self, peer: str) -> bool:
+        return peer in self._peers

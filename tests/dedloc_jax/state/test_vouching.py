@@ -1,0 +1,53 @@
+"""Vouches (dedloc_jax.state.vouching) and the fork choice's rule for them (pure)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from dedloc_jax.state.lineage import Announcement, fork_choice, fork_verdict, losing_peers
+from dedloc_jax.state.vouching import Vouch, VouchBook, sign_vouch, vouched_by_another
+from p2p.identity import Identity
+
+RUN = "run"
+
+
+def _ids(n: int, tag: str) -> list[Identity]:
+    return [Identity.from_seed(f"{tag}{i}".encode()) for i in range(n)]
+
+
+def test_a_vouch_counts_only_signed_by_another_peer_naming_the_announcer() -> None:
+    a, b, sybil = _ids(3, "v")
+    pa, pb, ps = (str(x.peer_id) for x in (a, b, sybil))
+    digest = b"d" * 32
+    by_b = sign_vouch(b, RUN, 5, digest, [pa, pb])
+    assert vouched_by_another(RUN, pa, [by_b])
+    assert not vouched_by_another(RUN, ps, [by_b])  # replayed: names a, not the Sybil
+    assert not vouched_by_another(RUN, pb, [by_b])  # its own word is no vouch
+    assert not vouched_by_another("other", pa, [by_b])  # another run's
+    forged = replace(by_b, mates=(pa, ps))  # the Sybil added to b's mates
+    assert not vouched_by_another(RUN, ps, [forged])
+    by_sybil = replace(by_b, key=sybil.public_key)  # b's signature under another key
+    assert not vouched_by_another(RUN, pa, [by_sybil])
+    wire = Vouch.from_wire(by_b.to_wire())
+    assert wire == by_b
+    assert Vouch.from_wire([5, digest, [pa], b"short", b"sig"]) is None
+    book = VouchBook()
+    book.record(pa)
+    assert book.vouched(pa) and not book.vouched(pb)
+
+
+def _lineage(tag: bytes, epoch: int) -> tuple[bytes, ...]:
+    return tuple(tag + bytes([epoch - k]) for k in range(1, 5))
+
+
+def test_unvouched_announcers_vote_only_when_no_state_is_vouched() -> None:
+    honest = [Announcement(f"h{i}", 9, b"H\x09", _lineage(b"H", 9), vouched=True) for i in range(3)]
+    sybils = [Announcement(f"s{i}", 12, b"S\x0c", _lineage(b"S", 12)) for i in range(6)]
+    assert fork_choice([*honest, *sybils]) == (9, b"H\x09")
+    assert losing_peers([*honest, *sybils]) == {f"s{i}" for i in range(6)}
+    assert fork_verdict(sybils + honest[1:], 9, b"H\x09", _lineage(b"H", 9), True) is False
+    # Before the vouches: six announcers outvote three.
+    unvouched = [replace(a, vouched=False) for a in honest]
+    assert fork_choice([*unvouched, *sybils]) == (12, b"S\x0c")
+    # A run of one (no vouch anywhere): its state is the one to load.
+    assert fork_choice([replace(honest[0], vouched=False)]) == (9, b"H\x09")
