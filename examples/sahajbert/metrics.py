@@ -95,11 +95,11 @@ class PeerMetrics:
     mode: str  # node / client / aux
     upload_bps: float = 0.0  # link capacity its averager measured (0: not measured yet)
     download_bps: float = 0.0
-    sent_bps: float = 0.0  # traffic: bytes/s it sent and received over the last half minute
-    received_bps: float = 0.0
     time: float = 0.0  # DHT time of the report
     devices: int = 1
     history: tuple[EpochFigures, ...] = field(default_factory=tuple)
+    sent_bps: float = 0.0  # traffic: bytes/s it sent and received over the last half minute
+    received_bps: float = 0.0
 
     def to_record(self) -> dict[str, Any]:
         out = asdict(self)
