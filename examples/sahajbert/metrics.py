@@ -103,14 +103,14 @@ class PeerMetrics:
     mode: str  # node / client / aux
     upload_bps: float = 0.0  # link capacity its averager measured (0: not measured yet)
     download_bps: float = 0.0
-    sent_bps: float = 0.0  # traffic: bytes/s it sent and received over the last half minute
-    received_bps: float = 0.0
     time: float = 0.0  # DHT time of the report
     devices: int = 1
     history: tuple[EpochFigures, ...] = field(default_factory=tuple)
     # The epoch after which this peer found the run diverged (a non-finite loss or state) and
     # stopped; None while it trains. A claim like any other: it names the peer that made it.
     diverged: int | None = None
+    sent_bps: float = 0.0  # traffic: bytes/s it sent and received over the last half minute
+    received_bps: float = 0.0
 
     def to_record(self) -> dict[str, Any]:
         out = asdict(self)
