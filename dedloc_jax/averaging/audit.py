@@ -272,7 +272,7 @@ async def audit(rnd: Round) -> Verdict:
         rnd.round_id,
         rnd.spec.digest,
         [
-            (rnd.out[rnd.bounds[j] : rnd.bounds[j + 1]].tobytes(), rnd.masks[j], rnd.taus[j])
+            (rnd.out[rnd.bounds[j] : rnd.bounds[j + 1]], rnd.masks[j], rnd.taus[j])
             for j in rnd.reducers
         ],
     )

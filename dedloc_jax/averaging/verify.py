@@ -126,9 +126,11 @@ def clip_scale(dev_norm: float, tau: float | None) -> float:
 def seed_of(
     round_id: bytes,
     digest: bytes,
-    results: Sequence[tuple[bytes, Sequence[frozenset[int]], Sequence[float | None]]],
+    results: Sequence[tuple[bytes | np.ndarray, Sequence[frozenset[int]], Sequence[float | None]]],
 ) -> bytes:
-    """The check seed from every share's result bytes, masks and radii (same on all members)."""
+    """The check seed from every share's result bytes (or its contiguous float32 values,
+    hashed in place: a copy of the whole result was a third of the hashing's time), masks
+    and radii (same on all members)."""
     h = hashlib.sha256(b"dedloc-verify/1" + round_id + digest)
     for values, masks, taus in results:
         h.update(hashlib.sha256(values).digest())
