@@ -178,7 +178,10 @@ async def _swap(rnd: Round, i: int, mine: dict) -> None:
             listed = reply.get("l") if isinstance(reply, dict) else None
             if not isinstance(listed, list) or len(listed) > len(rnd.members):
                 raise BadContributionError("malformed statement list")
+            known = {st.wire["b"] for st in rnd.statements.values()}
             for raw in listed:
+                if isinstance(raw, dict) and raw.get("b") in known:
+                    continue  # the same signed bytes as one we checked (each comes ~n times)
                 try:
                     _add(rnd, _parse(rnd, raw))
                 except BadContributionError as e:
