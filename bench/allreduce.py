@@ -26,6 +26,7 @@ import argparse
 import hashlib
 import json
 import multiprocessing as mp
+import os
 import statistics
 import sys
 import time
@@ -172,7 +173,18 @@ def _worker(
             conn.send((times, plain_times, digest, err, peak, base, cpu, plain_cpu, complete))
             nursery.cancel_scope.cancel()
 
-    trio.run(main)
+    prof_dir = os.environ.get("BENCH_PROFILE")  # a folder: one cProfile dump per peer and mode
+    if prof_dir:
+        import cProfile
+
+        cProfile.runctx(
+            "trio.run(main)",
+            globals(),
+            {"trio": trio, "main": main},
+            f"{prof_dir}/peer{index}-{'defended' if defences else 'plain'}.prof",
+        )
+    else:
+        trio.run(main)
 
 
 def _rss_mb(field: str) -> float:

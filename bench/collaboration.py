@@ -289,6 +289,8 @@ def simulate(
         unmeasured_upload_bps=UNMEASURED_UPLOAD_BPS / args.payload_scale,
         unmeasured_download_bps=UNMEASURED_DOWNLOAD_BPS / args.payload_scale,
     )
+    if getattr(args, "no_defences", False):  # a public run has them on: CenteredClip, checks
+        config = config.replace(robust=False, verify=False)
     # A probe as many seconds of a link as at full scale (4 MB), within a 64 KB floor.
     config = config.replace(probe_bytes=max(64 << 10, (4 << 20) // args.payload_scale))
     sent: list[int] = []
@@ -561,6 +563,11 @@ def main() -> None:
         type=int,
         default=None,
         help="diloco: epochs of the DeDLOC run it is compared with (default: --epochs)",
+    )
+    parser.add_argument(
+        "--no-defences",
+        action="store_true",
+        help="without an open run's defences (CenteredClip, verified rounds), on by default",
     )
     args = parser.parse_args()
     if args.payload_scale < 1:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -30,13 +31,15 @@ from p2p.identity import PeerID, verify_signature
 from p2p.rpc import MessageStream
 
 from .codecs import get_codec, rounding_bound
-from .errors import BadContributionError
+from .errors import BadContributionError, GroupError
+from .group import GroupSpec
 from .sync import FAILURES
 from .verify import (
     NO_HASH,
     ShareFigures,
     Statement,
     clips,
+    counted_weight,
     derived_tau,
     direction,
     make_statement,
@@ -102,7 +105,7 @@ async def _figures(rnd: Round, seed: bytes) -> dict[int, ShareFigures]:
         norms = np.full(n, np.nan)
         for k in range(n):
             a, b = rnd.share_slice(j, k)
-            part = rnd.codec.decode(rnd.codec.encode(rnd.vec[a:b]), b - a)
+            part = rnd.sent_values(j, k)
             z = direction(seed, a, b - a)
             q[k] = projection(z, part, rnd.out[a:b], rnd.taus[j][k])
             norms[k] = part_norm(part)
@@ -159,8 +162,7 @@ async def serve(rnd: Round, ms: MessageStream, remote: PeerID) -> None:
         rnd.reveals[who] = rnd.reveals.get(who, 0) + 1
         if rnd.reveals[who] > MAX_REVEALS or rnd.vec is None or rnd.abstain:
             raise BadContributionError("nothing to reveal")
-        a, b = rnd.share_slice(j, k)
-        await ms.send({"t": "part", "d": bytes(rnd.codec.encode(rnd.vec[a:b]))})
+        await ms.send({"t": "part", "d": bytes(rnd.sent_part(j, k))})
     else:
         raise BadContributionError("unexpected verify message")
 
@@ -177,7 +179,10 @@ async def _swap(rnd: Round, i: int, mine: dict) -> None:
             listed = reply.get("l") if isinstance(reply, dict) else None
             if not isinstance(listed, list) or len(listed) > len(rnd.members):
                 raise BadContributionError("malformed statement list")
+            known = {st.wire["b"] for st in rnd.statements.values()}
             for raw in listed:
+                if isinstance(raw, dict) and raw.get("b") in known:
+                    continue  # the same signed bytes as one we checked (each comes ~n times)
                 try:
                     _add(rnd, _parse(rnd, raw))
                 except BadContributionError as e:
@@ -188,9 +193,7 @@ async def _swap(rnd: Round, i: int, mine: dict) -> None:
 
 async def _reveal(rnd: Round, i: int, j: int, k: int) -> bytes | None:
     if i == rnd.me:
-        assert rnd.vec is not None
-        a, b = rnd.share_slice(j, k)
-        return bytes(rnd.codec.encode(rnd.vec[a:b]))
+        return bytes(rnd.sent_part(j, k))
     if rnd.members[i].mode == "client":
         return None  # nobody can dial it
     try:
@@ -229,8 +232,11 @@ def check_chunk(
     tau: float | None,
     robust: bool,
     fixed_tau: float | None,
+    member_weights: Sequence[float],
 ) -> ChunkCheck:
-    """Whether chunk ``k`` of share ``j`` is the aggregate its contributors' figures imply."""
+    """Whether chunk ``k`` of share ``j`` is the aggregate its contributors' figures imply.
+    A sender counts for its weight in the group spec (``member_weights``) where that is
+    finite, as reducers count it (:func:`.verify.counted_weight`)."""
     order = sorted(contributors)
     figs = []
     for i in order:
@@ -238,7 +244,7 @@ def check_chunk(
         if f is None or not math.isfinite(f.q[k]) or statements[i].weight <= 0:
             return ChunkCheck(False, f"member {i} is counted but stated no contribution")
         figs.append(f)
-    raw = [statements[i].weight for i in order]
+    raw = [counted_weight(statements[i].weight, float(member_weights[i])) for i in order]
     robust = clips(robust, fixed_tau, len(order))
     norms = [float(f.norms[k]) for f in figs]
     weights = list(robust_weights(raw, norms, fixed_tau)) if robust else raw
@@ -270,7 +276,7 @@ async def audit(rnd: Round) -> Verdict:
         rnd.round_id,
         rnd.spec.digest,
         [
-            (rnd.out[rnd.bounds[j] : rnd.bounds[j + 1]].tobytes(), rnd.masks[j], rnd.taus[j])
+            (rnd.out[rnd.bounds[j] : rnd.bounds[j + 1]], rnd.masks[j], rnd.taus[j])
             for j in rnd.reducers
         ],
     )
@@ -315,6 +321,7 @@ async def audit(rnd: Round) -> Verdict:
                 rnd.taus[j][k],
                 cfg.robust_mode,
                 cfg.robust_tau,
+                [m.weight for m in rnd.members],
             )
             await trio.lowlevel.checkpoint()
             if not chk.ok:
@@ -376,6 +383,7 @@ async def _judge(
         "parts": [revealed[i] or b"" for i in mask],
         "result": rnd.out[a:b].astype("<f4").tobytes(),
         "members": [m.peer_id for m in rnd.members],
+        "spec": rnd.spec.to_bytes(),  # its members' weights bound the stated ones
         "mask": mask,
         # the reducer's signature of the encoded result chunk, and its key (from its own
         # statement; an aux reducer states nothing, and its conviction rests on the members)
@@ -445,6 +453,9 @@ def check_evidence(acc_evidence: dict, accused: str) -> bool:
     parts (all of them, matching their commitments)."""
     try:
         members = list(acc_evidence["members"])
+        spec = GroupSpec.from_bytes(acc_evidence["spec"])
+        if [m.peer_id for m in spec.members] != members:
+            return False
         j, k = int(acc_evidence["share"]), int(acc_evidence["chunk"])
         a, b = int(acc_evidence["start"]), int(acc_evidence["stop"])
         mask = frozenset(int(i) for i in acc_evidence["mask"])
@@ -464,9 +475,11 @@ def check_evidence(acc_evidence: dict, accused: str) -> bool:
                 chunks=n_chunks | {jj: len(_fig_count(raw, jj)) for jj in _shares_of(raw)},
             )
             stmts.append(st)
-    except (KeyError, TypeError, ValueError, BadContributionError):
+    except (KeyError, TypeError, ValueError, BadContributionError, GroupError):
         return False
     if not stmts or len({(s.round_id, s.digest, s.seed) for s in stmts}) != 1:
+        return False
+    if stmts[0].digest != spec.digest:
         return False
     if {s.sender for s in stmts} != mask or len(stmts) != len(mask):
         return False
@@ -500,6 +513,7 @@ def check_evidence(acc_evidence: dict, accused: str) -> bool:
         tau,
         bool(acc_evidence["robust"]),
         acc_evidence["fixed_tau"],
+        [m.weight for m in spec.members],
     )
     return reducer_signed and not chk.ok and members[j] == accused
 

@@ -47,7 +47,7 @@ from .partition import chunk_bounds, flatten, share_bounds, unflatten
 from .reducer import Reducer
 from .repair import Repair, expect_done, receive_finals, send_finals
 from .sync import FAILURES, Changes, is_failure
-from .verify import NO_HASH, Statement
+from .verify import NO_HASH, Statement, counted_weight
 
 logger = logging.getLogger(__name__)
 
@@ -223,7 +223,9 @@ class Round:
         self.is_sender = self.members[me].sends
         self.vec = vec
         self.size = int(vec.size) if vec is not None else 0
-        self.weight = float(weight)
+        # A sender's weight counts for at most its member entry's (which the leader bounded,
+        # round/claims.py): ours as theirs, so every member applies the same rule.
+        self.weight = self.bounded_weight(me, float(weight))
         self.abstain = (
             (not self.is_sender) or self.weight <= 0 or (vec is not None and not is_finite(vec))
         )
@@ -254,6 +256,11 @@ class Round:
         self.result_sigs: dict[int, list[bytes | None]] = {j: [] for j in self.reducers}
         self.result_bytes: dict[int, list[bytes]] = {j: [] for j in self.reducers}
         self.part_hashes = {j: [NO_HASH] * len(self.chunks[j]) for j in self.reducers}
+        # The encoded parts we sent (lossy codecs): the statement's figures and a reveal are
+        # about exactly these bytes, and encoding them again cost a tenth of a round's CPU.
+        self.part_data: dict[int, list[Any]] = {
+            j: [None] * len(self.chunks[j]) for j in self.reducers
+        }
         self.statements: dict[int, Statement] = {}
         self.statement_changes = Changes()
         self.verify_timeout = config.verify_timeout or config.stall_timeout
@@ -282,6 +289,7 @@ class Round:
         self.finished = True
         if not self.keep_vec:
             self.vec = None
+            self.part_data = {}
         self.reducer = None
         self.repairs = {}
         self.result_bytes = {}
@@ -290,12 +298,38 @@ class Round:
     def name(self, i: int) -> str:
         return self.members[i].peer_id
 
+    def bounded_weight(self, s: int, stated: float) -> float:
+        """The weight sender ``s`` counts for (:func:`.verify.counted_weight`)."""
+        return counted_weight(stated, float(self.members[s].weight))
+
     def commit_part(self, j: int, k: int, part: np.ndarray) -> np.ndarray:
         """Commit to our part of chunk ``k`` of share ``j`` (hash of its encoding); returns
         the values the reducer gets."""
         data = self.codec.encode(part)
-        self.part_hashes[j][k] = hashlib.sha256(data).digest()
+        self._commit(j, k, data)
         return self.codec.decode(data, part.size)
+
+    def _commit(self, j: int, k: int, data: Any) -> None:
+        self.part_hashes[j][k] = hashlib.sha256(data).digest()
+        if not self.codec.lossless:
+            self.part_data[j][k] = data
+
+    def sent_part(self, j: int, k: int) -> Any:
+        """The encoded bytes of our part of chunk ``k`` of share ``j``, as committed."""
+        data = self.part_data.get(j, [None] * (k + 1))[k]
+        if data is None:  # lossless (the encoding is the values), or never sent
+            assert self.vec is not None
+            a, b = self.share_slice(j, k)
+            data = self.codec.encode(self.vec[a:b])
+        return data
+
+    def sent_values(self, j: int, k: int) -> np.ndarray:
+        """Our part of chunk ``k`` of share ``j`` as its reducer decoded it."""
+        a, b = self.share_slice(j, k)
+        if self.codec.lossless:
+            assert self.vec is not None
+            return self.vec[a:b]
+        return self.codec.decode(self.sent_part(j, k), b - a)
 
     def share_slice(self, j: int, k: int) -> tuple[int, int]:
         a, b = self.chunks[j][k]
@@ -400,7 +434,7 @@ class Round:
                 a, b = self.share_slice(j, k)
                 data = self.codec.encode(self.vec[a:b])
                 if self.config.verify:
-                    self.part_hashes[j][k] = hashlib.sha256(data).digest()
+                    self._commit(j, k, data)
                 t = trio.current_time()
                 await ms.send(wire.part(k, data))
                 gauge.sent(len(data), t, trio.current_time())

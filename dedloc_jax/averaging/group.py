@@ -35,7 +35,10 @@ class Member:
     mode: Mode = "node"
     upload_bps: float = math.inf
     download_bps: float = math.inf
-    weight: float = 1.0
+    weight: float = math.inf
+    """The most this member's contribution counts for (its samples, as the leader bounded
+    its claim: round/claims.py); a larger weight it states in the round counts as this.
+    Infinite: the spec does not bound it (groups made by hand, private tests)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.peer_id, str) or not self.peer_id:
@@ -47,8 +50,8 @@ class Member:
             if not isinstance(value, int | float) or math.isnan(value) or value <= 0:
                 raise GroupError(f"{name} of {self.peer_id} must be > 0, got {value!r}")
         w = self.weight
-        if not isinstance(w, int | float) or not math.isfinite(w) or w < 0:
-            raise GroupError(f"weight of {self.peer_id} must be finite and >= 0, got {w!r}")
+        if not isinstance(w, int | float) or math.isnan(w) or w < 0:
+            raise GroupError(f"weight of {self.peer_id} must be >= 0, got {w!r}")
 
     @property
     def sends(self) -> bool:

@@ -293,9 +293,9 @@ class Reducer:
             raise BadContributionError(f"{self.r.name(s)} connected twice or too late")
         self.seen.add(s)
         self.gauges[s] = self.r.gauge("down")
-        self.weights[s] = h.weight
+        self.weights[s] = self.r.bounded_weight(s, h.weight)  # not what it says, unbounded
         self.last[s] = trio.current_time()
-        if h.abstain or h.weight <= 0:
+        if h.abstain or self.weights[s] <= 0:
             self.exclude(s, "abstains (no or non-finite contribution)")
         try:
             async with trio.open_nursery() as nursery:

@@ -7,7 +7,8 @@ Every reducer's result is checked by every member holding it, in the same round:
 2. *A direction nobody chose.* The seed is the hash of every share's result (values, contributor
    masks, CenteredClip radii): every member holds the same bits, so all derive the same seed, and
    it exists only after every reducer has sent its result. :func:`direction` expands it into a
-   standard normal vector per chunk.
+   vector per chunk of independent coordinates uniform on ``[-sqrt 3, sqrt 3)`` (mean 0,
+   variance 1; five times cheaper to draw than normals, which took a fifth of a round's CPU).
 3. *Projections.* Each sender states, per chunk it contributed to, ``q_i = s_i <z, x_i - r>``
    (``x_i`` its part as the reducer decoded it, ``r`` the result, ``s_i`` the CenteredClip scale
    ``min(1, tau / |x_i - r|)``; 1 for a plain mean) and ``|x_i|``. For the plain weighted mean
@@ -17,12 +18,14 @@ Every reducer's result is checked by every member holding it, in the same round:
    stopping slack): see :func:`tolerance`.
 
 Detection probability. ``z`` is drawn after the residual ``e`` (honest rounding plus any lie)
-is fixed, so ``<z, e> ~ N(0, |e|^2)``. An honest chunk fails with probability at most
-``P(|N(0,1)| > SIGMAS)`` (< 1.3e-15 at 8 sigmas); a result off the aggregate by ``|e|`` passes
-with probability at most ``2 * SIGMAS * b / (sqrt(2 pi) |e|)``, i.e. ``6.4 b / |e|``: a lie ten
-thousand times the codec's rounding (fp16: 1e4 * 2**-10 ~ 10x the result's own norm) is missed
-with probability below 1e-3 per chunk, and a share of C such chunks below 1e-3**C. Lies within
-``~SIGMAS * b`` (the codec's own noise) may pass; they move the result by no more than that.
+is fixed. A uniform variable is strictly sub-Gaussian (variance proxy = variance = 1), so an
+honest chunk fails with probability at most ``2 exp(-SIGMAS**2 / 2)`` (< 2.6e-14 at 8 sigmas).
+By Ball's cube-slicing theorem the density of ``<z, e> / |e|`` is at most ``sqrt(2 / 12)`` (a
+normal's is 0.399), so a result off the aggregate by ``|e|`` passes with probability at most
+``2 * SIGMAS * b * sqrt(1 / 6) / |e|``, i.e. ``6.6 b / |e|``: a lie ten thousand times the
+codec's rounding (fp16: 1e4 * 2**-10 ~ 10x the result's own norm) is missed with probability
+below 1e-3 per chunk, and a share of C such chunks below 1e-3**C. Lies within ``~SIGMAS * b``
+(the codec's own noise) may pass; they move the result by no more than that.
 
 A failed check is followed by a *reveal* (:mod:`.audit`): the contributors send their encoded
 part chunk, which must hash to their committed hash and reproduce their stated projection; if
@@ -123,9 +126,11 @@ def clip_scale(dev_norm: float, tau: float | None) -> float:
 def seed_of(
     round_id: bytes,
     digest: bytes,
-    results: Sequence[tuple[bytes, Sequence[frozenset[int]], Sequence[float | None]]],
+    results: Sequence[tuple[bytes | np.ndarray, Sequence[frozenset[int]], Sequence[float | None]]],
 ) -> bytes:
-    """The check seed from every share's result bytes, masks and radii (same on all members)."""
+    """The check seed from every share's result bytes (or its contiguous float32 values,
+    hashed in place: a copy of the whole result was a third of the hashing's time), masks
+    and radii (same on all members)."""
     h = hashlib.sha256(b"dedloc-verify/1" + round_id + digest)
     for values, masks, taus in results:
         h.update(hashlib.sha256(values).digest())
@@ -151,11 +156,15 @@ def result_digest(
 
 
 def direction(seed: bytes, start: int, n: int) -> np.ndarray:
-    """The check direction for the ``n`` values from vector index ``start``: standard normal,
-    a pure function of the seed and the position (anyone can recompute one chunk's)."""
+    """The check direction for the ``n`` values from vector index ``start``: coordinates
+    uniform on ``[-sqrt 3, sqrt 3)`` (see the module docstring), a pure function of the seed and
+    the position (anyone can recompute one chunk's). SFC64 and uniform doubles: 5x faster than
+    PCG64 normals (bench/allreduce: 40 -> 8 ms per 4M values)."""
     key = [int.from_bytes(seed[i : i + 8], "little") for i in range(0, 32, 8)]
-    rng = np.random.Generator(np.random.PCG64([*key, start]))
-    return rng.standard_normal(n, np.float64)
+    z = np.random.Generator(np.random.SFC64([*key, start])).random(n, np.float64)
+    z -= 0.5
+    z *= math.sqrt(12.0)
+    return z
 
 
 def projection(z: np.ndarray, part: np.ndarray, result: np.ndarray, tau: float | None) -> float:
@@ -183,6 +192,17 @@ def residual(qs: Sequence[float], weights: Sequence[float]) -> float:
 
 
 # ---- statements ---------------------------------------------------------------------------
+
+
+def counted_weight(stated: float, bound: float) -> float:
+    """The weight a sender counts for, in the reducer and in every check alike: its group
+    spec's (what it registered, bounded by the leader) whenever the spec bounds it, else what
+    it states; nothing when it states none. The stated figure is not signed with the result,
+    so a sender stating one weight to the reducer and another in its statement would make an
+    honest reducer fail its check."""
+    if stated <= 0:
+        return 0.0
+    return float(bound) if math.isfinite(bound) else stated
 
 
 @dataclass(frozen=True)

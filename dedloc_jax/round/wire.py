@@ -57,11 +57,14 @@ def member_from_wire(peer_id: str, msg: Any) -> Member:
     if not isinstance(msg, dict):
         raise GroupError("a member description is a map")
     try:
-        return Member(peer_id, msg["mode"], msg["up"], msg["down"], msg["weight"])
+        m = Member(peer_id, msg["mode"], msg["up"], msg["down"], msg["weight"])
     except KeyError as e:
         raise GroupError(f"member description misses {e}") from None
     except TypeError as e:
         raise GroupError(f"malformed member description: {e}") from None
+    if not math.isfinite(m.weight):  # a claim of samples: a spec's "unbounded" is no claim
+        raise GroupError(f"weight of {peer_id} must be finite, got {m.weight!r}")
+    return m
 
 
 MAX_BPS = 1e12

@@ -238,7 +238,10 @@ def test_private_run_end_to_end(monkeypatch: pytest.MonkeyPatch) -> None:
             # direct join and state requests by the stranger are refused; invited ones work
             manifest = honest[0].state_server.set_state([np.ones(10, np.float32)], epoch=2)
             digest = manifest.digest
-            join = {"epoch": 99, "member": _member_to_wire(Member(str(nodes[4].peer_id)))}
+            join = {
+                "epoch": 99,
+                "member": _member_to_wire(Member(str(nodes[4].peer_id), weight=1.0)),
+            }
             for who, node in (("stranger", nodes[4]), ("invited", nodes[2])):
                 for name, req in ((MANIFEST, {"digest": digest}), (JOIN, join)):
                     if who == "invited" and name == JOIN:

@@ -31,9 +31,10 @@ def run_round(
     seed: int = 0,
     parts: tuple[int, ...] | None = None,
     codecs: Sequence[Any] | None = None,
+    member_weights: Sequence[float] | None = None,
 ) -> tuple[list, float, list[str]]:
     """Run one round; returns (per-member result, exception or None if killed; virtual duration;
-    member peer IDs)."""
+    member peer IDs). ``member_weights``: the spec's bounds on the weights (default none)."""
     cfg = config or AllReduceConfig.testing()
     outcome: list = [None] * len(modes)
     duration = [0.0]
@@ -53,6 +54,7 @@ def run_round(
                     str(node.peer_id),
                     mode,
                     *(bandwidth[i] if bandwidth is not None else (float("inf"),) * 2),
+                    *((member_weights[i],) if member_weights is not None else ()),
                 )
                 for i, (node, mode) in enumerate(zip(nodes, modes, strict=True))
             )

@@ -89,3 +89,22 @@ def test_int8_bound_holds_for_subnormal_blocks():
     y = codec.decode(codec.encode(x), x.size)
     err = np.abs(x.astype(np.float64) - y.astype(np.float64))
     assert np.all(err <= _bound("int8", x))
+
+
+def test_fp16_rounding_bound_bounds_the_error_and_matches_its_per_value_formula():
+    from dedloc_jax.averaging.codecs import _F16_MAX, rounding_bound
+
+    rng = np.random.default_rng(7)
+    x = (rng.standard_normal(50_000) * np.exp(rng.uniform(-30, 12, 50_000))).astype(np.float32)
+    x[:5] = [0.0, 1e-30, -7e4, 1e6, -65504.0]  # zero, subnormal, saturated both ways
+    codec = get_codec("fp16")
+    y = codec.decode(codec.encode(x), x.size)
+    cap = float(np.max(np.abs(x)))
+    got = rounding_bound(codec, y, cap)
+    # the bound's definition, value by value in float64
+    y64 = np.abs(y.astype(np.float64))
+    b = np.maximum(y64 * 2.0**-11 * (1 + 2.0**-10), 2.0**-25)
+    b[y64 >= _F16_MAX] = cap
+    assert got >= float(np.sqrt(np.sum(b**2))) * (1 - 1e-12)
+    assert got <= float(np.sqrt(np.sum(b**2))) * (1 + 1e-6)
+    assert got >= float(np.linalg.norm(x.astype(np.float64) - y))

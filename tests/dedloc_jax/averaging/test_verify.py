@@ -9,6 +9,7 @@ import pytest
 
 from dedloc_jax.averaging import AllReduceConfig, flatten
 from dedloc_jax.averaging.audit import check_evidence
+from dedloc_jax.averaging.butterfly import Round
 from dedloc_jax.averaging.reducer import Reducer
 from dedloc_jax.averaging.robust import centered_clip
 from dedloc_jax.averaging.verify import derived_tau
@@ -171,3 +172,52 @@ def test_sign_flipped_gradient_is_bounded_by_default_centered_clip():
     # a part ten times longer than the radius counts for nothing: the honest mean (clipping
     # alone left it at 1/3 of the radius off: 0.34 here)
     assert errs[True] < 0.01, errs
+
+
+@pytest.mark.parametrize("verify", [False, True])
+@pytest.mark.parametrize("robust", [False, True])
+def test_a_sender_stating_a_smaller_hello_weight_cannot_frame_an_honest_reducer(
+    monkeypatch, verify, robust
+):
+    """A sender telling the reducers 0.01 samples while its signed statement says 1 (the spec's
+    figure) counts for the spec's weight in both, so the honest reducers pass their checks
+    and nobody is accused."""
+    original = Round.hello
+
+    def modest(self, share=-1):
+        h = original(self, share)
+        return replace(h, weight=0.01) if self.me == 3 else h
+
+    monkeypatch.setattr(Round, "hello", modest)
+    n = 4
+    trees = [{"x": np.full(40, 2.0 if i == 3 else 1.0, np.float32)} for i in range(n)]
+    cfg = AllReduceConfig.testing().replace(verify=verify, robust=robust)
+    outcome, _, _ = run_round(["node"] * n, trees, [1.0] * n, config=cfg, member_weights=[1.0] * n)
+    for r in _results(outcome):
+        assert r.accusations == ()
+        assert not any(s.dropped for s in r.shares)
+        np.testing.assert_allclose(r.vector, 1.25, atol=1e-6)
+
+
+@pytest.mark.parametrize("verify", [False, True])
+@pytest.mark.parametrize("robust", [False, True])
+def test_a_huge_hello_weight_counts_for_no_more_than_the_spec_allows(monkeypatch, verify, robust):
+    """A sender whose hello states 1e6 samples (the spec, as the leader bounded it, says 1)
+    moves the mean as one sample of four would; the verified check still passes."""
+    original = Round.hello
+
+    def boasting(self, share=-1):
+        h = original(self, share)
+        return replace(h, weight=1e6) if self.me == 3 else h
+
+    monkeypatch.setattr(Round, "hello", boasting)
+    n = 4
+    trees = [{"x": np.full(40, 2.0 if i == 3 else 1.0, np.float32)} for i in range(n)]
+    cfg = AllReduceConfig.testing().replace(verify=verify, robust=robust)
+    outcome, _, _ = run_round(["node"] * n, trees, [1.0] * n, config=cfg, member_weights=[1.0] * n)
+    results = _results(outcome)
+    for r in results:
+        assert r.accusations == ()
+        assert not any(s.dropped for s in r.shares)
+        # (3 * 1 + 2) / 4; CenteredClip leaves parts within its radius alone (the plain mean)
+        np.testing.assert_allclose(r.vector, 1.25, atol=1e-6)
