@@ -194,17 +194,6 @@ def residual(qs: Sequence[float], weights: Sequence[float]) -> float:
 # ---- statements ---------------------------------------------------------------------------
 
 
-def counted_weight(stated: float, bound: float) -> float:
-    """The weight a sender counts for, in the reducer and in every check alike: its group
-    spec's (what it registered, bounded by the leader) whenever the spec bounds it, else what
-    it states; nothing when it states none. The stated figure is not signed with the result,
-    so a sender stating one weight to the reducer and another in its statement would make an
-    honest reducer fail its check."""
-    if stated <= 0:
-        return 0.0
-    return float(bound) if math.isfinite(bound) else stated
-
-
 @dataclass(frozen=True)
 class ShareFigures:
     """One sender's figures for one reducer's share: per chunk, the part's hash, ``q`` and
