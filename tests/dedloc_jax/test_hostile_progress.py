@@ -29,7 +29,11 @@ from dedloc_jax.state.serving import read_announcements
 from dedloc_jax.validators import MAX_EPOCH
 from p2p.dht import DHT
 from p2p.testing import SimNetwork, run_sim
-from tests.dedloc_jax.simcollab import open_sim_attacker, open_sim_collaboration
+from tests.dedloc_jax.simcollab import (
+    open_sim_attacker,
+    open_sim_collaboration,
+    train_steadily,
+)
 
 MICRO = 4
 RATE = 16.0  # samples/s per honest peer
@@ -47,21 +51,11 @@ def _run(attack: Callable[[DHT], Awaitable[object]], seed: int = 7, target: int 
             params = [np.zeros(100, np.float32) for _ in cores]
 
             async def train(i: int) -> None:
-                core, epoch = cores[i], 0
-                while True:
-                    samples = 0
-                    while True:
-                        await trio.sleep(MICRO / RATE)
-                        samples += MICRO
-                        if core.report(epoch, samples, MICRO):
-                            break
-                    grad = np.full(100, float(i + 1), np.float32)
-                    outcome = await core.average(epoch, [grad], samples)
-                    params[i] = params[i] + outcome.gradients[0]
-                    epoch = outcome.epoch
+                def stepped(samples: int) -> None:
                     out["steps"][i].append(trio.current_time())
                     out["samples"][i].append(samples)
-                    await core.share_state([params[i]], epoch)
+
+                await train_steadily(cores[i], i, params, micro=MICRO, rate=RATE, on_step=stepped)
 
             async with (
                 open_sim_attacker(net, cores[0].node) as attacker,

@@ -28,7 +28,7 @@ from p2p.dht.records import owner_marker
 from p2p.errors import P2PError
 from p2p.node import NodeConfig
 from p2p.testing import SimNetwork, open_sim_nodes, run_sim
-from tests.dedloc_jax.simcollab import open_sim_collaboration
+from tests.dedloc_jax.simcollab import open_sim_collaboration, train_steadily
 
 MICRO = 4
 RATE = 16.0
@@ -86,19 +86,7 @@ def _run(seed: int = 11) -> dict:
             params = [np.zeros(100, np.float32) for _ in cores]
 
             async def train(i: int) -> None:
-                core, epoch = cores[i], 0
-                while True:
-                    samples = 0
-                    while True:
-                        await trio.sleep(MICRO / RATE)
-                        samples += MICRO
-                        if core.report(epoch, samples, MICRO):
-                            break
-                    grad = np.full(100, float(i + 1), np.float32)
-                    outcome = await core.average(epoch, [grad], samples)
-                    params[i] = params[i] + outcome.gradients[0]
-                    epoch = outcome.epoch
-                    await core.share_state([params[i]], epoch)
+                await train_steadily(cores[i], i, params, micro=MICRO, rate=RATE)
 
             names = [f"sybil{k}" for k in range(SYBILS)]
             async with (
