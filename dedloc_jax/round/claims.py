@@ -9,6 +9,10 @@ among them): the LP is that sensitive, since a member stating 3x the others' lin
 the whole vector (1.5x: half of it). A faster honest member reduces no more than an equal share
 then. Weights are bounded by :data:`~dedloc_jax.progress.CLAIM_CAP` times their median, as the
 progress estimate bounds samples: a liar weighs at most as much as a few typical members.
+That bound never falls below ``CLAIM_CAP`` equal shares of the target among the peers expected
+at the slot: a peer that honestly fed most of the target while the other compiled or joined
+(64 samples against 12, two peers) counts whole, and a group of two cannot be defended by
+weights anyway.
 """
 
 from __future__ import annotations
@@ -23,13 +27,14 @@ from dedloc_jax.progress import CLAIM_CAP, claim_cap
 log = logging.getLogger(__name__)
 
 
-def bound_claims(members: Sequence[Member], me: str) -> list[Member]:
+def bound_claims(members: Sequence[Member], me: str, *, share: float = 0.0) -> list[Member]:
     """``members`` with every other member's upload and download lowered to the group's lower
     median of that figure, and its weight to ``CLAIM_CAP`` times theirs (positive ones; ours
-    counted and kept as it is). Logs each member it bounds."""
+    counted and kept as it is) or times ``share`` (an equal share of the target), whichever is
+    larger. Logs each member it bounds."""
     up = claim_cap(m.upload_bps for m in members if m.mode != "client") / CLAIM_CAP
     down = claim_cap(m.download_bps for m in members) / CLAIM_CAP
-    weight = claim_cap(m.weight for m in members if m.sends)
+    weight = max(claim_cap(m.weight for m in members if m.sends), CLAIM_CAP * share)
     out = []
     for m in members:
         if m.peer_id == me:

@@ -135,7 +135,9 @@ async def lead(
             )
         if rnd.joined:
             members = bound_claims(
-                [rnd.me, *(rnd.joined[p] for p in sorted(rnd.joined))], rnd.me.peer_id
+                [rnd.me, *(rnd.joined[p] for p in sorted(rnd.joined))],
+                rnd.me.peer_id,
+                share=rnd.share,
             )
             spec = GroupSpec(tuple(members), group_id=group_id)
             rnd.spec = spec.with_parts()

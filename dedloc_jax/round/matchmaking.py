@@ -234,6 +234,7 @@ class Matchmaker:
             return None
         record = self.slots[slot]
         record.registered = _member_to_wire(me)
+        record.share = target / (1 + len(set(expected) - {self.peer_id}))
         registration: dict[str, Any] = {
             "member": record.registered,
             "addrs": [str(a) for a in self.node.addrs],
@@ -544,6 +545,7 @@ class Matchmaker:
             expected=expected,
             cross=self.needs_cross(epoch) if level == 0 else False,
             state=self.context.state_of(epoch),
+            share=self.slots[slot].share,
         )
         record = self.slots[slot]
         record.leading = rnd

@@ -31,6 +31,7 @@ class LeaderRound:
     addrs: dict[str, list[str]] = field(default_factory=dict)  # what each joiner sent
     cross: bool = False  # the leader's view held other groups: members average across them
     state: bytes | None = None  # the state the leader steps from (None: not known)
+    share: float = 0.0  # an equal share of the target among the peers expected (claims.py)
 
 
 @dataclass
@@ -45,6 +46,8 @@ class SlotRecord:
     """The leader this peer went to, once ``decided`` (None: alone)."""
     registered: dict[str, Any] | None = None
     """Our registration's member as sent: told to a peer whose read of the key missed it."""
+    share: float = 0.0
+    """The target's samples over the peers expected at the slot, us counted (claims.py)."""
     leading: LeaderRound | None = None
     cross: bool = False
     """Level 0: the leader's view held other groups, so the mean goes across groups."""

@@ -32,3 +32,15 @@ def test_a_member_claiming_1e15_bytes_per_second_gets_a_bounded_share() -> None:
     kept = bound_claims(spread, me="b")
     assert kept[0] == spread[0] and kept[1] == spread[1]
     assert bound_claims([liar, *honest], me="liar")[0] == liar
+
+
+def test_an_honest_peer_that_fed_most_of_the_target_counts_whole() -> None:
+    # Two peers of a target of 64: one fed it nearly alone while the other was compiling (the
+    # README DiLoCo example in CI: 64 samples counted as 48, and the run left its replay).
+    fast, slow = Member("fast", "node", 1e7, 1e7, 64.0), Member("slow", "node", 1e7, 1e7, 12.0)
+    assert bound_claims([slow, fast], me="slow")[1].weight == CLAIM_CAP * 12.0  # medians only
+    assert bound_claims([slow, fast], me="slow", share=64 / 2)[1] == fast
+    # a liar still weighs no more than CLAIM_CAP equal shares of the target
+    liar = Member("liar", "node", 1e7, 1e7, float(1 << 53))
+    got = bound_claims([slow, fast, liar], me="slow", share=64 / 3)[2]
+    assert got.weight == max(CLAIM_CAP * 64 / 3, CLAIM_CAP * 64.0)  # median 64
