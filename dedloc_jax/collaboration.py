@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Sequence
+import threading
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -17,7 +18,7 @@ import trio
 
 from dedloc_jax.config import CollaborationConfig
 from dedloc_jax.history import RoundOutcome
-from dedloc_jax.host import AveragingOutcome, BackgroundAveraging
+from dedloc_jax.host import AveragingOutcome
 from dedloc_jax.peer import CollaborationPeer, ProgressSnapshot, open_collaboration
 from dedloc_jax.progress import CollaborationEstimate, PeerProgress
 from dedloc_jax.state import KeepConfig, StepKeeper
@@ -38,6 +39,44 @@ class StepView(NamedTuple):
     behind: bool
     others_train: bool
     newest_served: int | None  # the newest epoch another peer serves a state of
+
+
+class BackgroundAveraging:
+    """One averaging that runs as a task of the collaboration's trio loop while the training
+    thread goes on (``collaborative(overlap=True)``); the training thread polls
+    :meth:`result` (no waiting)."""
+
+    def __init__(self, average: Callable[[], Awaitable[AveragingOutcome]]) -> None:
+        self._average = average
+        self._done = threading.Event()
+        self._outcome: AveragingOutcome | None = None
+        self._error: Exception | None = None
+
+    async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        task_status.started()
+        try:
+            self._outcome = await self._average()
+        except Exception as e:  # noqa: BLE001 - handed to the training thread by result()
+            # Logged in full here: the training thread may re-raise it through a JAX host
+            # callback, whose error message keeps only the traceback's last line.
+            log.error("averaging raised %r", e, exc_info=e)
+            self._error = e
+        finally:
+            self._done.set()
+
+    @property
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def result(self) -> AveragingOutcome:
+        """The outcome of a finished averaging; raises what it raised."""
+        if not self._done.is_set():
+            raise RuntimeError("the averaging has not finished")
+        if self._error is not None:
+            raise self._error
+        if self._outcome is None:
+            raise RuntimeError("the collaboration closed while averaging")
+        return self._outcome
 
 
 class Collaboration:

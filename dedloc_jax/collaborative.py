@@ -7,26 +7,15 @@ with its group (weights = samples), the inner optimizer is applied to the averag
 accumulator is reset. Every peer of a group receives bit-identical averages and holds the same
 inner state, so every peer takes the same step.
 
-Inside ``jax.jit`` the host is reached with callbacks: a cheap one with scalars on every
-micro-step, whose answer picks a ``lax.switch`` branch, and, only in the branch that averages,
-one that moves the gradient buffers. Why they are built the way they are (``bench.optax_overhead``
-measures it):
-
-- They are ``buffer_callback``s: the host reads and writes XLA's buffers as NumPy views.
-  ``io_callback``/``pure_callback`` first ``device_put`` every argument into a new ``jax.Array``,
-  which costs far more than the host's own work on a micro-step.
-- They carry no JAX effect. Any effect (``io_callback``, ordered or not) takes the jitted step off
-  JAX's C++ dispatch path, on every call. Effects are not needed for order: each host call reads
-  state that the previous one produced (``epoch``, ``samples``, the averaging result), so data
-  dependencies sequence them; every result is consumed, so none is dropped; and XLA keeps a
-  custom call inside its branch (never turned into a select that runs both branches).
-- A step that does not average costs what plain optax costs, pass for pass over memory: the
-  accumulator takes the micro-batch in one fused pass before the branch; the big state crosses
-  the branch untouched (with donated buffers XLA aliases it: no copy); and no zero tree is
-  written: the branch hands back the gradients' own dead buffers, masked to zero outside it by a
-  ``where`` that XLA fuses into the caller's ``apply_updates``. Every value a branch writes in
-  place of one it read is computed from the host's answer, which orders the write after the read,
-  so XLA can reuse the buffer instead of copying it on every step.
+Inside ``jax.jit`` the host is reached through :mod:`dedloc_jax.host` (one cheap callback on
+every micro-step picks the branch; only a branch that averages moves the gradients). A step that
+does not average costs what plain optax costs, pass for pass over memory
+(``bench.optax_overhead`` measures it): the accumulator takes the micro-batch in one fused pass
+before the branch; the big state crosses the branch untouched (with donated buffers XLA aliases
+it: no copy); and no zero tree is written: the branch hands back the gradients' own dead buffers,
+masked to zero outside it by a ``where`` that XLA fuses into the caller's ``apply_updates``.
+Every value a branch writes in place of one it read is computed from the host's answer, which
+orders the write after the read, so XLA can reuse the buffer instead of copying it on every step.
 
 ``overlap=True`` gives DeDLOC's delayed updates: the averaging runs in the background while the
 peer computes the next epoch's gradients, and the step is applied once it finished.
@@ -34,171 +23,24 @@ peer computes the next epoch's gradients, and the step is applied once it finish
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
-from dedloc_jax.host import CollaborationHost
-
-try:
-    from jax.experimental.buffer_callback import buffer_callback
-except ImportError:  # older JAX: pure_callback, same semantics, slower per call
-    buffer_callback = None
+from dedloc_jax.host import (
+    Averaged,
+    Branches,
+    CollaborationHost,
+    MicroStep,
+    check_options,
+    connect,
+    is_traced,
+)
+from dedloc_jax.state.transform_states import CollaborativeState
 
 __all__ = ["CollaborativeState", "collaborative"]
-
-
-class CollaborativeState(NamedTuple):
-    """State of :func:`collaborative`: fixed shapes and dtypes, so jit never recompiles."""
-
-    inner_state: optax.OptState
-    grad_sum: optax.Updates  # sum over micro-batches of (mean gradient x batch size), float32
-    samples: jax.Array  # int32: samples accumulated toward the current epoch
-    epoch: jax.Array  # int32: collaboration epoch this peer is in
-    group_size: jax.Array  # int32: peers in the last averaging group (0 before the first)
-    # bool: the last step averaged with the whole collaboration (False before the first, and
-    # after a step alone or one whose mean missed part of the run: keep_in_step then loads
-    # the others' state)
-    complete: jax.Array
-
-
-def _is_tracer(x: Any) -> bool:
-    return isinstance(x, jax.core.Tracer)
-
-
-CALLBACKS = ("auto", "buffer", "pure")
-
-
-def _buffer_views_work() -> bool:
-    """Whether ``buffer_callback``'s buffers can be read as NumPy views here: on CPU only
-    (a GPU buffer offers ``__cuda_array_interface__``, and TPUs cannot lower it)."""
-    return buffer_callback is not None and jax.default_backend() == "cpu"
-
-
-def _host_call(
-    fn: Callable[..., Sequence[Any]],
-    result_shapes: Sequence[jax.ShapeDtypeStruct],
-    *args: Any,
-    kind: str = "auto",
-) -> list[jax.Array]:
-    """Call ``fn(*numpy_args) -> results`` on the host from traced code (see module docstring).
-
-    ``kind``: "buffer" (NumPy views of XLA's buffers: the cheapest, CPU only), "pure"
-    (``jax.pure_callback``: copies, works on every platform) or "auto" (chosen when traced:
-    buffer views on CPU, the pure callback elsewhere). The arguments are valid only during
-    the call; the results are written into XLA's output buffers.
-    """
-    shapes = tuple(result_shapes)
-    if kind == "auto":
-        kind = "buffer" if _buffer_views_work() else "pure"
-    if kind == "buffer" and buffer_callback is None:
-        raise RuntimeError("this JAX has no buffer_callback: use callback='pure'")
-    if kind == "pure":
-        outs = jax.pure_callback(lambda *a: tuple(fn(*map(np.asarray, a))), shapes, *args)
-        return list(outs)
-
-    def on_host(_ctx: Any, out: tuple, *buffers: Any) -> None:
-        results = fn(*(np.asarray(b) for b in buffers))
-        for buf, value in zip(out, results, strict=True):
-            np.asarray(buf)[...] = value
-
-    return list(buffer_callback(on_host, shapes)(*args))
-
-
-KEEP, STEP, APPLY = 0, 1, 2  # what a micro-step does (the host's answer to every report)
-
-
-def _done(outcome: Any) -> np.int32:
-    """Whether an outcome averaged with the whole collaboration, as the int32 sent back."""
-    return np.int32(bool(getattr(outcome, "complete", True)) and outcome.group_size > 1)
-
-
-def _check_outcome(gradients: Sequence[Any], want: Sequence[Any]) -> list[np.ndarray]:
-    """The averaged gradients as arrays of the shapes and dtypes that were sent."""
-    if len(gradients) != len(want):
-        raise ValueError("the collaboration returned a different number of gradient arrays")
-    out = []
-    for got, spec in zip(gradients, want, strict=True):
-        got = np.asarray(got)
-        if got.shape != tuple(spec.shape):
-            raise ValueError(f"averaged gradient has shape {got.shape}, expected {spec.shape}")
-        out.append(got.astype(spec.dtype, copy=False))
-    return out
-
-
-class HostCalls:
-    """The host side of a collaborative transform: plain Python on NumPy, shared by the
-    jitted and the eager paths (and by :func:`dedloc_jax.diloco.diloco`). ``wire``: keyword
-    arguments every averaging call passes on (diloco's codec). One training loop per
-    instance: with overlap, the averaging in flight is remembered here."""
-
-    def __init__(self, collab: CollaborationHost, wire: dict[str, Any] | None = None) -> None:
-        self.collab = collab
-        self.wire = dict(wire or {})
-        self.in_flight: dict[str, Any] = {"active": False, "outcome": None}
-
-    def decide(self, epoch: np.ndarray, samples: np.ndarray, batch: np.ndarray) -> tuple:
-        """KEEP, STEP or APPLY for this micro-step."""
-        in_flight = self.in_flight
-        if in_flight["active"]:
-            # Not reported while averaging: others must not see this peer in the next epoch
-            # before its registration for this one is in; the next report carries all samples.
-            if in_flight["outcome"] is None:
-                try:
-                    in_flight["outcome"] = self.collab.poll_averaging()  # type: ignore[attr-defined]
-                except Exception:  # the averaging failed: re-raised, and nothing is in flight
-                    in_flight.update(active=False, outcome=None)
-                    raise
-            return (np.int32(KEEP if in_flight["outcome"] is None else APPLY),)
-        ready = self.collab.report_progress(int(epoch), int(samples), int(batch))
-        return (np.int32(STEP if ready else KEEP),)
-
-    def average(self, epoch: np.ndarray, samples: np.ndarray, *arrays: np.ndarray) -> tuple:
-        """Average ``arrays``: the averages, the outcome's epoch, group size and whether it
-        was complete, and the samples consumed (all of them)."""
-        # Copies: in the jitted path the inputs are views of XLA buffers that die after the call.
-        sent = [np.array(a, copy=True) for a in arrays]
-        outcome = self.collab.average_gradients(int(epoch), sent, int(samples), **self.wire)
-        avg = _check_outcome(outcome.gradients, arrays)
-        outcome_of = (np.int32(outcome.epoch), np.int32(outcome.group_size), _done(outcome))
-        return (*avg, *outcome_of, np.int32(samples))
-
-    def start(self, epoch: np.ndarray, samples: np.ndarray, *arrays: np.ndarray) -> tuple:
-        """Start averaging ``arrays`` in the background: the samples consumed, as in
-        :meth:`average`."""
-        sent = [np.array(a, copy=True) for a in arrays]
-        self.collab.start_averaging(int(epoch), sent, int(samples), **self.wire)  # type: ignore[attr-defined]
-        self.in_flight.update(active=True, outcome=None)
-        return (np.int32(samples),)
-
-    def collect(self, specs: Sequence[jax.ShapeDtypeStruct]) -> Callable[..., tuple]:
-        """The host function that hands over the finished averaging (arrays of ``specs``)."""
-
-        def collect(epoch: np.ndarray) -> tuple:
-            outcome = self.in_flight["outcome"]
-            if outcome is None:
-                raise RuntimeError("no finished averaging to apply")
-            self.in_flight.update(active=False, outcome=None)
-            avg = _check_outcome(outcome.gradients, specs)
-            return (*avg, np.int32(outcome.epoch), np.int32(outcome.group_size), _done(outcome))
-
-        return collect
-
-
-def host_caller(traced: bool, kind: str) -> Callable[..., list]:
-    """``host(fn, result_shapes, *args)``: ``fn`` on the host, through a callback of ``kind``
-    when traced, called directly when eager."""
-
-    def host(fn: Callable[..., tuple], shapes: Sequence[Any], *args: Any) -> list:
-        if traced:
-            return _host_call(fn, shapes, *args, kind=kind)
-        return [jnp.asarray(r) for r in fn(*(np.asarray(a) for a in args))]
-
-    return host
 
 
 def collaborative(
@@ -232,22 +74,9 @@ def collaborative(
     ``update(grads, state, params=None, *, batch_size)``: ``grads`` are the mean gradients of a
     micro-batch of ``batch_size`` samples.
     """
-    if target_batch_size <= 0:
-        raise ValueError(f"target_batch_size must be positive, got {target_batch_size}")
-    if callback not in CALLBACKS:
-        raise ValueError(f"callback must be one of {CALLBACKS}, got {callback!r}")
-    # The collaboration trains toward (and publishes) this target; one configured with
-    # another raises a ValueError naming both.
-    use_target = getattr(collab, "use_target", None)
-    if use_target is not None:
-        use_target(int(target_batch_size))
-    if overlap and not all(hasattr(collab, m) for m in ("start_averaging", "poll_averaging")):
-        raise TypeError(
-            "overlap=True needs a collaboration with start_averaging and poll_averaging "
-            f"(dedloc_jax.host.OverlappingHost); {type(collab).__name__} has not"
-        )
+    check_options(target_batch_size, callback)
+    calls = connect(collab, target_batch_size=target_batch_size, overlap=overlap)
     inner = optax.with_extra_args_support(inner)
-    calls = HostCalls(collab)
 
     def init(params: optax.Params) -> CollaborativeState:
         return CollaborativeState(
@@ -269,97 +98,116 @@ def collaborative(
     ) -> tuple[optax.Updates, CollaborativeState]:
         batch = jnp.asarray(batch_size, jnp.int32)
         samples = state.samples + batch
-        traced = any(_is_tracer(x) for x in (samples, *jax.tree.leaves(updates)))
-        int32 = jax.ShapeDtypeStruct((), jnp.int32)
-
-        host = host_caller(traced, callback)
-        (action,) = host(calls.decide, [int32], state.epoch, samples, batch)
-
-        # Every branch needs the accumulator with this micro-batch in it: one fused pass per leaf,
-        # before the branch (in place when the state is donated).
-        grad_sum = jax.tree.map(
-            lambda acc, g: acc + g.astype(acc.dtype) * batch.astype(acc.dtype),
-            state.grad_sum,
-            updates,
-        )
-
-        def means_of(grad_sum: optax.Updates) -> tuple[list, Any]:
-            leaves, treedef = jax.tree.flatten(grad_sum)
-            return [x / jnp.maximum(samples, 1).astype(x.dtype) for x in leaves], treedef
-
-        def step_with(grads: optax.Updates, inner_state: optax.OptState, treedef: Any, got: list):
-            *avg_leaves, new_epoch, group_size, complete = got
-            averaged = jax.tree.unflatten(treedef, avg_leaves)
-            averaged = jax.tree.map(lambda a, u: a.astype(u.dtype), averaged, grads)
-            step_updates, inner_state = inner.update(averaged, inner_state, params, **extra_args)
-            return step_updates, inner_state, new_epoch, group_size, complete.astype(jnp.bool_)
-
-        def zeros(tree: Any) -> Any:
-            return jax.tree.map(jnp.zeros_like, tree)
-
-        def consumed(grad_sum: optax.Updates, taken: jax.Array) -> tuple[optax.Updates, jax.Array]:
-            """The accumulator and sample count once the host took ``taken`` samples.
-
-            Computed from the host's answer, so XLA orders it after the host read the
-            accumulator and can write it into the accumulator's buffer; a plain zero tree
-            would have no such order, and XLA would copy the accumulator on every step.
-            """
-            zero = jax.tree.map(lambda a: jnp.where(taken > 0, jnp.zeros((), a.dtype), a), grad_sum)
-            return zero, samples - taken
-
-        # Each branch returns (updates, inner_state, epoch, group_size, complete, grad_sum,
-        # samples, stepped). A branch that does not step returns the gradients it was given in the
-        # updates slot: they are dead after the branch, so XLA reuses their buffers instead of
-        # writing a zero tree, and ``stepped`` masks them below (fused into the caller's
-        # ``apply_updates``).
-        def keep_accumulating(grads, grad_sum, inner_state) -> tuple:
-            kept = (grads, inner_state, state.epoch, state.group_size, state.complete)
-            return (*kept, grad_sum, samples, jnp.bool_(False))
-
-        def average_and_step(grads, grad_sum, inner_state) -> tuple:
-            means, treedef = means_of(grad_sum)
-            specs = [jax.ShapeDtypeStruct(m.shape, m.dtype) for m in means]
-            shapes = [*specs, int32, int32, int32, int32]
-            *got, taken = host(calls.average, shapes, state.epoch, samples, *means)
-            out = step_with(grads, inner_state, treedef, got)
-            return (*out, *consumed(grad_sum, taken), jnp.bool_(True))
-
-        def start_averaging(grads, grad_sum, inner_state) -> tuple:
-            means, _ = means_of(grad_sum)
-            (taken,) = host(calls.start, [int32], state.epoch, samples, *means)
-            kept = (grads, inner_state, state.epoch, state.group_size, state.complete)
-            return (*kept, *consumed(grad_sum, taken), jnp.bool_(False))
-
-        def apply_averaged(grads, grad_sum, inner_state) -> tuple:
-            leaves, treedef = jax.tree.flatten(grad_sum)
-            specs = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in leaves]
-            got = host(calls.collect(specs), [*specs, int32, int32, int32], state.epoch)
-            out = step_with(grads, inner_state, treedef, got)
-            return (*out, grad_sum, samples, jnp.bool_(True))
-
-        if overlap:
-            branches = [keep_accumulating, start_averaging, apply_averaged]
-        else:
-            branches = [keep_accumulating, average_and_step]
-        operands = (updates, grad_sum, state.inner_state)
-        if traced:
-            out = jax.lax.switch(action, branches, *operands)
-        else:  # eager: Python control flow, and no work for the branch not taken
-            out = branches[int(action)](*operands)
-        step_updates, inner_state, epoch, group_size, complete, grad_sum, samples, stepped = out
-        if traced:
-            step_updates = jax.tree.map(
-                lambda u: jnp.where(stepped, u, jnp.zeros((), u.dtype)), step_updates
-            )
-        elif not stepped:
-            step_updates = zeros(step_updates)
-        return step_updates, CollaborativeState(
-            inner_state=inner_state,
-            grad_sum=grad_sum,
-            samples=jnp.asarray(samples),
-            epoch=jnp.asarray(epoch),
-            group_size=jnp.asarray(group_size),
-            complete=jnp.asarray(complete, jnp.bool_),
-        )
+        step = MicroStep(calls, traced=is_traced(samples, updates), kind=callback, overlap=overlap)
+        action = step.decide(state.epoch, samples, batch)
+        grad_sum = _accumulated(state.grad_sum, updates, batch)
+        branches = _Accumulation(inner, step, state, samples, params, extra_args)
+        out = step.switch(action, branches.table(), updates, grad_sum, state.inner_state)
+        return _masked(out, step.traced)
 
     return optax.GradientTransformationExtraArgs(init, update)
+
+
+def _accumulated(grad_sum: optax.Updates, updates: optax.Updates, batch: jax.Array) -> Any:
+    """The accumulator with this micro-batch in it. Every branch needs it: one fused pass per
+    leaf, before the branch (in place when the state is donated)."""
+    return jax.tree.map(
+        lambda acc, g: acc + g.astype(acc.dtype) * batch.astype(acc.dtype), grad_sum, updates
+    )
+
+
+def _masked(out: tuple, traced: bool) -> tuple[optax.Updates, CollaborativeState]:
+    """The updates (zero unless the branch stepped) and the new state, from a branch's output."""
+    step_updates, inner_state, epoch, group_size, complete, grad_sum, samples, stepped = out
+    if traced:
+        step_updates = jax.tree.map(
+            lambda u: jnp.where(stepped, u, jnp.zeros((), u.dtype)), step_updates
+        )
+    elif not stepped:
+        step_updates = jax.tree.map(jnp.zeros_like, step_updates)
+    return step_updates, CollaborativeState(
+        inner_state=inner_state,
+        grad_sum=grad_sum,
+        samples=jnp.asarray(samples),
+        epoch=jnp.asarray(epoch),
+        group_size=jnp.asarray(group_size),
+        complete=jnp.asarray(complete, jnp.bool_),
+    )
+
+
+class _Accumulation:
+    """The branches of one micro-step of :func:`collaborative`.
+
+    Each takes ``(grads, grad_sum, inner_state)`` and returns (updates, inner_state, epoch,
+    group_size, complete, grad_sum, samples, stepped). A branch that does not step returns the
+    gradients it was given in the updates slot: they are dead after the branch, so XLA reuses
+    their buffers instead of writing a zero tree, and ``stepped`` masks them (fused into the
+    caller's ``apply_updates``).
+    """
+
+    def __init__(
+        self,
+        inner: optax.GradientTransformationExtraArgs,
+        step: MicroStep,
+        state: CollaborativeState,
+        samples: jax.Array,
+        params: optax.Params | None,
+        extra_args: dict[str, Any],
+    ) -> None:
+        self.inner = inner
+        self.step = step
+        self.state = state
+        self.samples = samples
+        self.params = params
+        self.extra_args = extra_args
+
+    def table(self) -> Branches:
+        return Branches(keep=self.keep, average=self.average, start=self.start, apply=self.apply)
+
+    def keep(self, grads: Any, grad_sum: Any, inner_state: Any) -> tuple:
+        return (*self._kept(grads, inner_state), grad_sum, self.samples, jnp.bool_(False))
+
+    def average(self, grads: Any, grad_sum: Any, inner_state: Any) -> tuple:
+        means, treedef = self._means(grad_sum)
+        averaged, taken = self.step.average(self.state.epoch, self.samples, means)
+        out = self._step_with(grads, inner_state, treedef, averaged)
+        return (*out, *self._consumed(grad_sum, taken), jnp.bool_(True))
+
+    def start(self, grads: Any, grad_sum: Any, inner_state: Any) -> tuple:
+        means, _ = self._means(grad_sum)
+        taken = self.step.start(self.state.epoch, self.samples, means)
+        return (*self._kept(grads, inner_state), *self._consumed(grad_sum, taken), jnp.bool_(False))
+
+    def apply(self, grads: Any, grad_sum: Any, inner_state: Any) -> tuple:
+        leaves, treedef = jax.tree.flatten(grad_sum)
+        averaged = self.step.collect(self.state.epoch, leaves)
+        out = self._step_with(grads, inner_state, treedef, averaged)
+        return (*out, grad_sum, self.samples, jnp.bool_(True))
+
+    def _kept(self, grads: Any, inner_state: Any) -> tuple:
+        """The step's slots of a branch that does not step."""
+        state = self.state
+        return (grads, inner_state, state.epoch, state.group_size, state.complete)
+
+    def _means(self, grad_sum: optax.Updates) -> tuple[list, Any]:
+        leaves, treedef = jax.tree.flatten(grad_sum)
+        return [x / jnp.maximum(self.samples, 1).astype(x.dtype) for x in leaves], treedef
+
+    def _step_with(self, grads: Any, inner_state: Any, treedef: Any, got: Averaged) -> tuple:
+        """The inner step on the averaged gradients (cast to the gradients' dtypes)."""
+        averaged = jax.tree.unflatten(treedef, got.leaves)
+        averaged = jax.tree.map(lambda a, u: a.astype(u.dtype), averaged, grads)
+        step_updates, inner_state = self.inner.update(
+            averaged, inner_state, self.params, **self.extra_args
+        )
+        return step_updates, inner_state, got.epoch, got.group_size, got.complete
+
+    def _consumed(self, grad_sum: optax.Updates, taken: jax.Array) -> tuple:
+        """The accumulator and sample count once the host took ``taken`` samples.
+
+        Computed from the host's answer, so XLA orders it after the host read the
+        accumulator and can write it into the accumulator's buffer; a plain zero tree
+        would have no such order, and XLA would copy the accumulator on every step.
+        """
+        zero = jax.tree.map(lambda a: jnp.where(taken > 0, jnp.zeros((), a.dtype), a), grad_sum)
+        return zero, self.samples - taken

@@ -1,21 +1,41 @@
-"""The host-side interface that the collaborative optax transform talks to.
+"""The boundary between jitted code and the collaboration, shared by both transforms.
 
-The transform runs inside ``jax.jit``; everything that needs the network happens on the host,
-behind this small protocol. :class:`dedloc_jax.Collaboration` implements it over the DHT and the
+The transforms (:func:`dedloc_jax.collaborative`, :func:`dedloc_jax.diloco`) run inside
+``jax.jit``; everything that needs the network happens on the host, behind the small protocol
+:class:`CollaborationHost`. :class:`dedloc_jax.Collaboration` implements it over the DHT and the
 butterfly all-reduce; tests may implement it in-process.
+
+A micro-step reaches the host with callbacks: a cheap one with scalars on every micro-step
+(:meth:`HostCalls.decide`), whose answer (:data:`KEEP`, :data:`STEP` or :data:`APPLY`) picks a
+``lax.switch`` branch, and, only in a branch that averages, one that moves the arrays. Why they
+are built the way they are (``bench.optax_overhead`` measures it):
+
+- They are ``buffer_callback``s: the host reads and writes XLA's buffers as NumPy views.
+  ``io_callback``/``pure_callback`` first ``device_put`` every argument into a new ``jax.Array``,
+  which costs far more than the host's own work on a micro-step.
+- They carry no JAX effect. Any effect (``io_callback``, ordered or not) takes the jitted step off
+  JAX's C++ dispatch path, on every call. Effects are not needed for order: each host call reads
+  state that the previous one produced (``epoch``, ``samples``, the averaging result), so data
+  dependencies sequence them; every result is consumed, so none is dropped; and XLA keeps a
+  custom call inside its branch (never turned into a select that runs both branches).
+
+The same code runs eagerly: :class:`MicroStep` then calls the host directly and takes the
+branch with Python control flow (no work for the branches not taken).
 """
 
 from __future__ import annotations
 
-import logging
-import threading
-from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, NamedTuple, Protocol
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple, Protocol, runtime_checkable
 
+import jax
+import jax.numpy as jnp
 import numpy as np
-import trio
 
-log = logging.getLogger(__name__)
+try:
+    from jax.experimental.buffer_callback import buffer_callback
+except ImportError:  # older JAX: pure_callback, same semantics, slower per call
+    buffer_callback = None
 
 
 class AveragingOutcome(NamedTuple):
@@ -54,9 +74,10 @@ class CollaborationHost(Protocol):
         ...
 
 
+@runtime_checkable
 class OverlappingHost(CollaborationHost, Protocol):
-    """A collaboration that can average in the background, for ``collaborative(overlap=True)``
-    (DeDLOC's delayed updates: the peer keeps computing while its group averages)."""
+    """A collaboration that can average in the background, for ``overlap=True`` (DeDLOC's
+    delayed updates: the peer keeps computing while its group averages)."""
 
     def start_averaging(self, epoch: int, gradients: Sequence[np.ndarray], samples: int) -> None:
         """Begin what :meth:`average_gradients` does and return at once (one at a time)."""
@@ -68,38 +89,254 @@ class OverlappingHost(CollaborationHost, Protocol):
         ...
 
 
-class BackgroundAveraging:
-    """One averaging that runs as a task of the collaboration's trio loop while the training
-    thread goes on; the training thread polls :meth:`result` (no waiting)."""
+@runtime_checkable
+class TargetedHost(Protocol):
+    """A collaboration that trains toward (and publishes) the target a transform names."""
 
-    def __init__(self, average: Callable[[], Awaitable[AveragingOutcome]]) -> None:
-        self._average = average
-        self._done = threading.Event()
-        self._outcome: AveragingOutcome | None = None
-        self._error: Exception | None = None
+    def use_target(self, target: int) -> None:
+        """Train toward ``target`` samples per step; ValueError when configured with another."""
+        ...
 
-    async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
-        task_status.started()
-        try:
-            self._outcome = await self._average()
-        except Exception as e:  # noqa: BLE001 - handed to the training thread by result()
-            # Logged in full here: the training thread may re-raise it through a JAX host
-            # callback, whose error message keeps only the traceback's last line.
-            log.error("averaging raised %r", e, exc_info=e)
-            self._error = e
-        finally:
-            self._done.set()
 
-    @property
-    def done(self) -> bool:
-        return self._done.is_set()
+# --- the options both transforms share ---------------------------------------------------
+CALLBACKS = ("auto", "buffer", "pure")
+KEEP, STEP, APPLY = 0, 1, 2  # what a micro-step does (the host's answer to every report)
+INT32 = jax.ShapeDtypeStruct((), jnp.int32)
 
-    def result(self) -> AveragingOutcome:
-        """The outcome of a finished averaging; raises what it raised."""
-        if not self._done.is_set():
-            raise RuntimeError("the averaging has not finished")
-        if self._error is not None:
-            raise self._error
-        if self._outcome is None:
-            raise RuntimeError("the collaboration closed while averaging")
-        return self._outcome
+
+def check_options(target_batch_size: int, callback: str) -> None:
+    if target_batch_size <= 0:
+        raise ValueError(f"target_batch_size must be positive, got {target_batch_size}")
+    if callback not in CALLBACKS:
+        raise ValueError(f"callback must be one of {CALLBACKS}, got {callback!r}")
+
+
+def connect(
+    collab: CollaborationHost,
+    *,
+    target_batch_size: int,
+    overlap: bool,
+    wire: dict[str, Any] | None = None,
+) -> HostCalls:
+    """The host calls of one transform on ``collab``: tells it the target (a collaboration
+    configured with another raises a ValueError naming both) and checks it can overlap."""
+    if isinstance(collab, TargetedHost):
+        collab.use_target(int(target_batch_size))
+    if overlap and not isinstance(collab, OverlappingHost):
+        raise TypeError(
+            "overlap=True needs a collaboration with start_averaging and poll_averaging "
+            f"(dedloc_jax.host.OverlappingHost); {type(collab).__name__} has not"
+        )
+    return HostCalls(collab, wire)
+
+
+def is_traced(*trees: Any) -> bool:
+    """Whether any leaf of ``trees`` is a tracer (the update runs under ``jax.jit``)."""
+    return any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(trees))
+
+
+# --- the host side: plain Python on NumPy -------------------------------------------------
+def _done(outcome: Any) -> np.int32:
+    """Whether an outcome averaged with the whole collaboration, as the int32 sent back."""
+    return np.int32(bool(getattr(outcome, "complete", True)) and outcome.group_size > 1)
+
+
+def _check_outcome(gradients: Sequence[Any], want: Sequence[Any]) -> list[np.ndarray]:
+    """The averaged gradients as arrays of the shapes and dtypes that were sent."""
+    if len(gradients) != len(want):
+        raise ValueError("the collaboration returned a different number of gradient arrays")
+    out = []
+    for got, spec in zip(gradients, want, strict=True):
+        got = np.asarray(got)
+        if got.shape != tuple(spec.shape):
+            raise ValueError(f"averaged gradient has shape {got.shape}, expected {spec.shape}")
+        out.append(got.astype(spec.dtype, copy=False))
+    return out
+
+
+class HostCalls:
+    """The host side of a transform: plain Python on NumPy, shared by the jitted and the
+    eager paths and by both transforms. ``wire``: keyword arguments every averaging call passes
+    on (diloco's codec). One training loop per instance: with overlap, the averaging in flight
+    is remembered here."""
+
+    def __init__(self, collab: CollaborationHost, wire: dict[str, Any] | None = None) -> None:
+        self.collab = collab
+        self.wire = dict(wire or {})
+        self.in_flight: dict[str, Any] = {"active": False, "outcome": None}
+
+    def decide(self, epoch: np.ndarray, samples: np.ndarray, batch: np.ndarray) -> tuple:
+        """KEEP, STEP or APPLY for this micro-step."""
+        in_flight = self.in_flight
+        if in_flight["active"]:
+            # Not reported while averaging: others must not see this peer in the next epoch
+            # before its registration for this one is in; the next report carries all samples.
+            if in_flight["outcome"] is None:
+                try:
+                    in_flight["outcome"] = self.collab.poll_averaging()  # type: ignore[attr-defined]
+                except Exception:  # the averaging failed: re-raised, and nothing is in flight
+                    in_flight.update(active=False, outcome=None)
+                    raise
+            return (np.int32(KEEP if in_flight["outcome"] is None else APPLY),)
+        ready = self.collab.report_progress(int(epoch), int(samples), int(batch))
+        return (np.int32(STEP if ready else KEEP),)
+
+    def average(self, epoch: np.ndarray, samples: np.ndarray, *arrays: np.ndarray) -> tuple:
+        """Average ``arrays``: the averages, the outcome's epoch, group size and whether it
+        was complete, and the samples consumed (all of them)."""
+        # Copies: in the jitted path the inputs are views of XLA buffers that die after the call.
+        sent = [np.array(a, copy=True) for a in arrays]
+        outcome = self.collab.average_gradients(int(epoch), sent, int(samples), **self.wire)
+        avg = _check_outcome(outcome.gradients, arrays)
+        outcome_of = (np.int32(outcome.epoch), np.int32(outcome.group_size), _done(outcome))
+        return (*avg, *outcome_of, np.int32(samples))
+
+    def start(self, epoch: np.ndarray, samples: np.ndarray, *arrays: np.ndarray) -> tuple:
+        """Start averaging ``arrays`` in the background: the samples consumed, as in
+        :meth:`average`."""
+        sent = [np.array(a, copy=True) for a in arrays]
+        self.collab.start_averaging(int(epoch), sent, int(samples), **self.wire)  # type: ignore[attr-defined]
+        self.in_flight.update(active=True, outcome=None)
+        return (np.int32(samples),)
+
+    def collect(self, specs: Sequence[jax.ShapeDtypeStruct]) -> Callable[..., tuple]:
+        """The host function that hands over the finished averaging (arrays of ``specs``)."""
+
+        def collect(epoch: np.ndarray) -> tuple:
+            outcome = self.in_flight["outcome"]
+            if outcome is None:
+                raise RuntimeError("no finished averaging to apply")
+            self.in_flight.update(active=False, outcome=None)
+            avg = _check_outcome(outcome.gradients, specs)
+            return (*avg, np.int32(outcome.epoch), np.int32(outcome.group_size), _done(outcome))
+
+        return collect
+
+
+# --- the jitted side: reaching the host from traced code ----------------------------------
+def _buffer_views_work() -> bool:
+    """Whether ``buffer_callback``'s buffers can be read as NumPy views here: on CPU only
+    (a GPU buffer offers ``__cuda_array_interface__``, and TPUs cannot lower it)."""
+    return buffer_callback is not None and jax.default_backend() == "cpu"
+
+
+def _host_call(
+    fn: Callable[..., Sequence[Any]],
+    result_shapes: Sequence[jax.ShapeDtypeStruct],
+    *args: Any,
+    kind: str = "auto",
+) -> list[jax.Array]:
+    """Call ``fn(*numpy_args) -> results`` on the host from traced code (see module docstring).
+
+    ``kind``: "buffer" (NumPy views of XLA's buffers: the cheapest, CPU only), "pure"
+    (``jax.pure_callback``: copies, works on every platform) or "auto" (chosen when traced:
+    buffer views on CPU, the pure callback elsewhere). The arguments are valid only during
+    the call; the results are written into XLA's output buffers.
+    """
+    shapes = tuple(result_shapes)
+    if kind == "auto":
+        kind = "buffer" if _buffer_views_work() else "pure"
+    if kind == "buffer" and buffer_callback is None:
+        raise RuntimeError("this JAX has no buffer_callback: use callback='pure'")
+    if kind == "pure":
+        outs = jax.pure_callback(lambda *a: tuple(fn(*map(np.asarray, a))), shapes, *args)
+        return list(outs)
+
+    def on_host(_ctx: Any, out: tuple, *buffers: Any) -> None:
+        results = fn(*(np.asarray(b) for b in buffers))
+        for buf, value in zip(out, results, strict=True):
+            np.asarray(buf)[...] = value
+
+    return list(buffer_callback(on_host, shapes)(*args))
+
+
+def host_caller(traced: bool, kind: str) -> Callable[..., list]:
+    """``host(fn, result_shapes, *args)``: ``fn`` on the host, through a callback of ``kind``
+    when traced, called directly when eager."""
+
+    def host(fn: Callable[..., tuple], shapes: Sequence[Any], *args: Any) -> list:
+        if traced:
+            return _host_call(fn, shapes, *args, kind=kind)
+        return [jnp.asarray(r) for r in fn(*(np.asarray(a) for a in args))]
+
+    return host
+
+
+class Averaged(NamedTuple):
+    """An averaging as the transform sees it: the mean leaves (the shapes and dtypes sent),
+    the epoch after it, the group's size and whether it was complete (bool)."""
+
+    leaves: list[jax.Array]
+    epoch: jax.Array
+    group_size: jax.Array
+    complete: jax.Array
+
+
+class Branches(NamedTuple):
+    """What a transform does on each of the host's answers; every branch takes the same
+    operands and returns values of the same structure (they are ``lax.switch`` branches)."""
+
+    keep: Callable[..., Any]  # KEEP: go on accumulating
+    average: Callable[..., Any]  # STEP without overlap: average now and step
+    start: Callable[..., Any]  # STEP with overlap: start averaging in the background
+    apply: Callable[..., Any]  # APPLY (overlap only): step with the finished averaging
+
+
+def _specs(leaves: Sequence[Any]) -> list[jax.ShapeDtypeStruct]:
+    return [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in leaves]
+
+
+class MicroStep:
+    """One micro-step's way across the boundary: host callbacks of ``kind`` when ``traced``,
+    direct calls when eager; and the one dispatch on the host's answer."""
+
+    def __init__(self, calls: HostCalls, *, traced: bool, kind: str, overlap: bool) -> None:
+        self.calls = calls
+        self.traced = traced
+        self.overlap = overlap
+        self._host = host_caller(traced, kind)
+
+    def decide(self, epoch: jax.Array, samples: jax.Array, batch: jax.Array) -> jax.Array:
+        """The host's answer to this micro-step's report: KEEP, STEP or APPLY."""
+        (action,) = self._host(self.calls.decide, [INT32], epoch, samples, batch)
+        return action
+
+    def average(
+        self, epoch: jax.Array, samples: jax.Array, leaves: Sequence[jax.Array]
+    ) -> tuple[Averaged, jax.Array]:
+        """Average ``leaves`` now: the averaging and the samples it consumed."""
+        shapes = [*_specs(leaves), INT32, INT32, INT32, INT32]
+        *avg, new_epoch, group_size, complete, taken = self._host(
+            self.calls.average, shapes, epoch, samples, *leaves
+        )
+        return Averaged(avg, new_epoch, group_size, complete.astype(jnp.bool_)), taken
+
+    def start(self, epoch: jax.Array, samples: jax.Array, leaves: Sequence[jax.Array]) -> jax.Array:
+        """Start averaging ``leaves`` in the background: the samples consumed."""
+        (taken,) = self._host(self.calls.start, [INT32], epoch, samples, *leaves)
+        return taken
+
+    def collect(self, epoch: jax.Array, like: Sequence[jax.Array]) -> Averaged:
+        """The finished background averaging, as leaves shaped like ``like``."""
+        specs = _specs(like)
+        *avg, new_epoch, group_size, complete = self._host(
+            self.calls.collect(specs), [*specs, INT32, INT32, INT32], epoch
+        )
+        return Averaged(avg, new_epoch, group_size, complete.astype(jnp.bool_))
+
+    def switch(self, action: jax.Array, branches: Branches, *operands: Any) -> Any:
+        """Run the branch the host's answer names: ``lax.switch`` when traced, Python when
+        eager (no work for the branches not taken)."""
+        if self.overlap:
+            table = [branches.keep, branches.start, branches.apply]
+        else:
+            table = [branches.keep, branches.average]
+        if self.traced:
+            return jax.lax.switch(action, table, *operands)
+        return table[int(action)](*operands)
+
+    def cond(self, pred: Any, if_true: Callable[..., Any], if_false: Callable[..., Any], *ops: Any):
+        """``lax.cond`` when traced, Python when eager."""
+        if self.traced:
+            return jax.lax.cond(pred, if_true, if_false, *ops)
+        return (if_true if bool(pred) else if_false)(*ops)

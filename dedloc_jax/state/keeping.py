@@ -43,9 +43,9 @@ from typing import Any, NamedTuple
 import numpy as np
 import trio
 
-from dedloc_jax.diloco import outer_params_after_step
 from dedloc_jax.state.download import StaleStateError, StateSyncError
 from dedloc_jax.state.training import collaboration_state, share_state, sync_state
+from dedloc_jax.state.transform_states import outer_params_after_step
 
 log = logging.getLogger(__name__)
 

@@ -15,8 +15,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dedloc_jax.collaborative import CollaborativeState
-from dedloc_jax.diloco import DiLoCoState, is_diloco_state, served_form
+from dedloc_jax.state.transform_states import (
+    CollaborativeState,
+    DiLoCoState,
+    is_diloco_state,
+    served_form,
+)
 
 log = logging.getLogger(__name__)
 

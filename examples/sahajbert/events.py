@@ -83,6 +83,20 @@ class PhaseHost:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._collab, name)
 
+    # Declared, not only forwarded: the transforms check their host against typed protocols
+    # (dedloc_jax.host), which look at the class, not at __getattr__.
+    def report_progress(self, epoch: int, samples: int, batch_size: int) -> bool:
+        return self._collab.report_progress(epoch, samples, batch_size)
+
+    def use_target(self, target: int) -> None:
+        self._collab.use_target(target)
+
+    def start_averaging(self, *args: Any, **kw: Any) -> None:
+        self._collab.start_averaging(*args, **kw)
+
+    def poll_averaging(self) -> Any:
+        return self._collab.poll_averaging()
+
     def average_gradients(self, epoch: int, gradients: Any, samples: int, **kw: Any) -> Any:
         self._events.phase("averaging", epoch=epoch)
         try:

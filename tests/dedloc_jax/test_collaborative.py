@@ -320,7 +320,7 @@ def test_the_portable_host_callback_steps_like_the_cpu_buffer_views() -> None:
     CPU, it gives bit-identical results, and "auto" picks the buffer views on CPU."""
     import importlib
 
-    module = importlib.import_module("dedloc_jax.collaborative")
+    module = importlib.import_module("dedloc_jax.host")
 
     x, y = _data(48)
 
