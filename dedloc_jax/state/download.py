@@ -157,71 +157,104 @@ async def download_manifest_state(
         held = local(digest) if local is not None else None
         if held is not None:
             return held[0], held[1], 0
-        request = {"digest": digest}
-        manifest = None
-        for donor in donors:
-            try:
-                wire = await node.call(donor, MANIFEST, request, timeout=request_timeout)
-                candidate = StateManifest.from_wire(wire)
-            except (P2PError, StateError) as e:
-                log.info("donor %s gave no manifest: %s", donor, e)
-                continue
-            if candidate.digest == digest:
-                manifest = candidate
-                break
-            log.warning("donor %s sent a manifest that does not match its announcement", donor)
+        manifest = await _announced_manifest(node, donors, digest, request_timeout)
         if manifest is None:
-            # The announcements we read were stale (e.g. from a cache after a partition): ask
-            # the donors what they hold now and take the newest state most of them agree on.
-            manifest, donors = await _latest_manifests(node, donors, epoch, request_timeout)
-            if manifest is None:
-                # The newest state's donors are gone (e.g. killed before their announcement
-                # expired): take the newest state that any other announcing peer holds now.
-                others = await _offers(node, dht, run_id)
-                rest = sorted({d for ds in others.values() for d in ds} - set(found[2]))
-                manifest, donors = await _latest_manifests(node, rest, 0, request_timeout)
-            if manifest is None:
-                raise StateSyncError("no donor served a manifest matching its announcement")
+            manifest, donors = await _current_manifest(
+                node, dht, run_id, donors, epoch, request_timeout
+            )
             check_new_enough(manifest.epoch)
-            request = {"digest": manifest.digest}
-        assembler = StateAssembler(manifest)
-        live = list(donors)
-        used: set[PeerID] = set()
-        while not assembler.complete:
-            if not live:
-                raise StateSyncError(f"all donors failed with {len(assembler.missing())} left")
-            plan = plan_downloads(assembler.missing(), [str(d) for d in live])
-            failed: set[str] = set()
-
-            async def fetch(donor: str, indices: list[int], failed: set[str] = failed) -> None:
-                pid = PeerID.from_base58(donor)
-                for i in indices:
-                    try:
-                        data = await node.call(
-                            pid, CHUNK, {**request, "index": i}, timeout=request_timeout
-                        )
-                        assembler.add(i, data)
-                        used.add(pid)
-                    except (P2PError, StateError) as e:
-                        log.info("donor %s failed on chunk %d: %s", donor, i, e)
-                        failed.add(donor)
-                        return
-
-            async with trio.open_nursery() as nursery:
-                for donor, indices in plan.items():
-                    nursery.start_soon(fetch, donor, indices)
-            live = [d for d in live if str(d) not in failed]
-        arrays = assembler.arrays()
-        bad = first_non_finite(arrays)
-        if bad is not None:
-            # Its digest checks out, so every donor of it serves the same: a diverged run's
-            # state (or liars'); training on it would only spread the NaN.
-            log.error(
-                "the state of epoch %d that %d donor(s) serve holds a NaN or an infinity "
-                "(array %d): the run diverged; not loading it",
-                manifest.epoch, len(used), bad,
-            )  # fmt: skip
-            raise StateSyncError(f"the state of epoch {manifest.epoch} is not finite")
-        return manifest, arrays, len(used)
+        arrays, used = await _fetch_chunks(node, manifest, donors, request_timeout)
+        _check_finite(manifest, arrays, used)
+        return manifest, arrays, used
     assert scope.cancelled_caught
     raise StateSyncError(f"state download did not finish within {timeout} s")
+
+
+async def _announced_manifest(
+    node: Any, donors: Sequence[PeerID], digest: bytes, request_timeout: float
+) -> StateManifest | None:
+    """The manifest of the announced ``digest`` from the first donor that serves it."""
+    for donor in donors:
+        try:
+            wire = await node.call(donor, MANIFEST, {"digest": digest}, timeout=request_timeout)
+            candidate = StateManifest.from_wire(wire)
+        except (P2PError, StateError) as e:
+            log.info("donor %s gave no manifest: %s", donor, e)
+            continue
+        if candidate.digest == digest:
+            return candidate
+        log.warning("donor %s sent a manifest that does not match its announcement", donor)
+    return None
+
+
+async def _current_manifest(
+    node: Any,
+    dht: DHT,
+    run_id: str,
+    donors: Sequence[PeerID],
+    epoch: int,
+    request_timeout: float,
+) -> tuple[StateManifest, list[PeerID]]:
+    """When no donor serves the state it announced, the newest state the peers hold now and
+    who serves it."""
+    # The announcements we read were stale (e.g. from a cache after a partition): ask
+    # the donors what they hold now and take the newest state most of them agree on.
+    manifest, serving = await _latest_manifests(node, donors, epoch, request_timeout)
+    if manifest is None:
+        # The newest state's donors are gone (e.g. killed before their announcement
+        # expired): take the newest state that any other announcing peer holds now.
+        others = await _offers(node, dht, run_id)
+        rest = sorted({d for ds in others.values() for d in ds} - set(donors))
+        manifest, serving = await _latest_manifests(node, rest, 0, request_timeout)
+    if manifest is None:
+        raise StateSyncError("no donor served a manifest matching its announcement")
+    return manifest, serving
+
+
+async def _fetch_chunks(
+    node: Any, manifest: StateManifest, donors: Sequence[PeerID], request_timeout: float
+) -> tuple[list[np.ndarray], int]:
+    """The state's arrays, its chunks spread over ``donors`` and a failed donor's re-planned
+    over the others; and how many donors it came from."""
+    request = {"digest": manifest.digest}
+    assembler = StateAssembler(manifest)
+    live = list(donors)
+    used: set[PeerID] = set()
+    while not assembler.complete:
+        if not live:
+            raise StateSyncError(f"all donors failed with {len(assembler.missing())} left")
+        plan = plan_downloads(assembler.missing(), [str(d) for d in live])
+        failed: set[str] = set()
+
+        async def fetch(donor: str, indices: list[int], failed: set[str] = failed) -> None:
+            pid = PeerID.from_base58(donor)
+            for i in indices:
+                try:
+                    data = await node.call(
+                        pid, CHUNK, {**request, "index": i}, timeout=request_timeout
+                    )
+                    assembler.add(i, data)
+                    used.add(pid)
+                except (P2PError, StateError) as e:
+                    log.info("donor %s failed on chunk %d: %s", donor, i, e)
+                    failed.add(donor)
+                    return
+
+        async with trio.open_nursery() as nursery:
+            for donor, indices in plan.items():
+                nursery.start_soon(fetch, donor, indices)
+        live = [d for d in live if str(d) not in failed]
+    return assembler.arrays(), len(used)
+
+
+def _check_finite(manifest: StateManifest, arrays: list[np.ndarray], used: int) -> None:
+    bad = first_non_finite(arrays)
+    if bad is not None:
+        # Its digest checks out, so every donor of it serves the same: a diverged run's
+        # state (or liars'); training on it would only spread the NaN.
+        log.error(
+            "the state of epoch %d that %d donor(s) serve holds a NaN or an infinity "
+            "(array %d): the run diverged; not loading it",
+            manifest.epoch, used, bad,
+        )  # fmt: skip
+        raise StateSyncError(f"the state of epoch {manifest.epoch} is not finite")

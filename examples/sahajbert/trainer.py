@@ -303,102 +303,131 @@ def _loop(
     events: EventLog,
 ) -> dict[str, Any]:
     micro = cfg.per_device_batch_size * devices * cfg.grad_accumulation
-    epoch = int(opt_state.epoch)
-    history: list[metrics.EpochFigures] = []
-    meter = _Throughput()
-    micro_steps = samples = 0
-    epoch_losses: list[float] = []
-    epoch_samples = 0
-    epoch_started = last_publish = time.monotonic()
-    last_loss = math.nan
-    diverged: int | None = None
+    tally = _Tally(collab, devices, int(opt_state.epoch), time.monotonic())
+    while cfg.max_epochs is None or tally.epoch < cfg.max_epochs:
+        batch = next(data)
+        params, opt_state, loss = step(params, opt_state, batch)
+        loss = float(loss)
+        now = time.monotonic()
+        tally.count(micro, loss, now)
+        stepped_to = int(opt_state.epoch)
+        events.beat(stepped_to)
+        figures = None
+        if stepped_to != tally.epoch:
+            figures = _close_epoch(tally, stepped_to, params, opt_state, now, events)
+            if tally.diverged is not None:
+                break
+        # Serves the new state after a step; loads the run's after a step alone, a lost fork
+        # check, or when the run is ahead (the library's policy: dedloc_jax.keep_in_step).
+        params, opt_state = _keep_in_step(host, params, opt_state, events)
+        new_epoch = int(opt_state.epoch)
+        if figures is not None:
+            state = _served_state(collab, int(opt_state.epoch))
+            tally.history.append(replace(figures, state=state))
+            log.info(
+                "epoch %d done: loss %.4f (%d samples here)",
+                tally.epoch, tally.last_loss, tally.epoch_samples,
+            )  # fmt: skip
+        if new_epoch != tally.epoch:
+            tally.begin_epoch(new_epoch, now)
+            tally.publish(now)
+        elif now - tally.last_publish > 2.0:
+            tally.publish(now)
+        if cfg.step_delay:
+            time.sleep(cfg.step_delay)
+    tally.publish(tally.last_publish)
+    return {
+        "diverged": tally.diverged,
+        "epoch": tally.epoch,
+        "micro_steps": tally.micro_steps,
+        "samples": tally.samples,
+        "history": tally.history,
+        "params": params,
+        "opt_state": opt_state,
+    }
 
-    traffic = _Traffic()
 
-    def publish() -> None:
+class _Tally:
+    """What the training loop counts, and this peer's metrics record made of it."""
+
+    def __init__(self, collab: Any, devices: int, epoch: int, now: float) -> None:
+        self.collab = collab
+        self.devices = devices
+        self.epoch = epoch
+        self.history: list[metrics.EpochFigures] = []
+        self.meter = _Throughput()
+        self.traffic = _Traffic()
+        self.micro_steps = self.samples = 0
+        self.epoch_losses: list[float] = []
+        self.epoch_samples = 0
+        self.epoch_started = self.last_publish = now
+        self.last_loss = math.nan
+        self.diverged: int | None = None
+
+    def count(self, micro: int, loss: float, now: float) -> None:
+        """One micro-step of ``micro`` samples."""
+        self.micro_steps += 1
+        self.samples += micro
+        self.epoch_samples += micro
+        self.epoch_losses.append(loss)
+        self.meter.update(micro, now)
+
+    def begin_epoch(self, epoch: int, now: float) -> None:
+        self.epoch, self.epoch_losses, self.epoch_samples, self.epoch_started = epoch, [], 0, now
+
+    def publish(self, now: float) -> None:
+        """Publish this peer's metrics record (a failure is logged, training goes on)."""
+        self.last_publish = now
+        collab = self.collab
         links = collab.links
-        sent_bps, received_bps = traffic.update(time.monotonic(), *collab.traffic())
+        sent_bps, received_bps = self.traffic.update(time.monotonic(), *collab.traffic())
         record = metrics.PeerMetrics(
             peer=collab.peer_id,
-            epoch=epoch,
-            loss=metrics.reportable_loss(last_loss),
-            samples_per_second=meter.rate,
-            micro_steps=micro_steps,
-            samples=samples,
+            epoch=self.epoch,
+            loss=metrics.reportable_loss(self.last_loss),
+            samples_per_second=self.meter.rate,
+            micro_steps=self.micro_steps,
+            samples=self.samples,
             mode=collab.mode,
             upload_bps=float(links["upload_bps"] or 0.0),
             download_bps=float(links["download_bps"] or 0.0),
             sent_bps=sent_bps,
             received_bps=received_bps,
             time=collab.now(),
-            devices=devices,
-            history=tuple(history[-metrics.HISTORY :]),
-            diverged=diverged,
+            devices=self.devices,
+            history=tuple(self.history[-metrics.HISTORY :]),
+            diverged=self.diverged,
         )
         try:
             collab.run_async(lambda c: metrics.publish(c, record, METRICS_TTL))
         except (OSError, RuntimeError, ValueError) as e:  # P2PError is a RuntimeError
             log.warning("could not publish metrics: %s", e)
 
-    while cfg.max_epochs is None or epoch < cfg.max_epochs:
-        batch = next(data)
-        params, opt_state, loss = step(params, opt_state, batch)
-        loss = float(loss)
-        micro_steps += 1
-        samples += micro
-        epoch_samples += micro
-        epoch_losses.append(loss)
-        now = time.monotonic()
-        meter.update(micro, now)
-        stepped_to = int(opt_state.epoch)
-        events.beat(stepped_to)
-        if stepped_to != epoch:
-            last_loss = float(np.mean(epoch_losses))
-            loss_shown = metrics.reportable_loss(last_loss)
-            group = int(opt_state.group_size)
-            figures = metrics.EpochFigures(
-                epoch, loss_shown, epoch_samples, now - epoch_started, group
-            )
-            shared = shared_params(params, opt_state)
-            events.epoch(stepped_to, "step", shared, group=group, loss=last_loss)
-            if _diverged(last_loss, shared):
-                # Stop the damage: this state is never served (nor loaded by anyone), and a
-                # trainer that went on would only feed NaN to the others.
-                log.error(
-                    "the run diverged: epoch %d's loss is %s and its state is %s; stopping "
-                    "(restart the run from an earlier checkpoint with a smaller learning rate)",
-                    epoch, last_loss, "finite" if finite(shared) else "not finite",
-                )  # fmt: skip
-                diverged = epoch
-                history.append(figures)
-                break
-        # Serves the new state after a step; loads the run's after a step alone, a lost fork
-        # check, or when the run is ahead (the library's policy: dedloc_jax.keep_in_step).
-        params, opt_state = _keep_in_step(host, params, opt_state, events)
-        new_epoch = int(opt_state.epoch)
-        if stepped_to != epoch:
-            state = _served_state(collab, int(opt_state.epoch))
-            history.append(replace(figures, state=state))
-            log.info("epoch %d done: loss %.4f (%d samples here)", epoch, last_loss, epoch_samples)
-        if new_epoch != epoch:
-            epoch, epoch_losses, epoch_samples, epoch_started = new_epoch, [], 0, now
-            publish()
-            last_publish = now
-        elif now - last_publish > 2.0:
-            publish()
-            last_publish = now
-        if cfg.step_delay:
-            time.sleep(cfg.step_delay)
-    publish()
-    return {
-        "diverged": diverged,
-        "epoch": epoch,
-        "micro_steps": micro_steps,
-        "samples": samples,
-        "history": history,
-        "params": params,
-        "opt_state": opt_state,
-    }
+
+def _close_epoch(
+    tally: _Tally, stepped_to: int, params: Any, opt_state: Any, now: float, events: EventLog
+) -> metrics.EpochFigures:
+    """The figures of the epoch this peer just stepped out of; marks the run diverged (and
+    keeps the figures) when they say so."""
+    tally.last_loss = float(np.mean(tally.epoch_losses))
+    loss_shown = metrics.reportable_loss(tally.last_loss)
+    group = int(opt_state.group_size)
+    figures = metrics.EpochFigures(
+        tally.epoch, loss_shown, tally.epoch_samples, now - tally.epoch_started, group
+    )
+    shared = shared_params(params, opt_state)
+    events.epoch(stepped_to, "step", shared, group=group, loss=tally.last_loss)
+    if _diverged(tally.last_loss, shared):
+        # Stop the damage: this state is never served (nor loaded by anyone), and a
+        # trainer that went on would only feed NaN to the others.
+        log.error(
+            "the run diverged: epoch %d's loss is %s and its state is %s; stopping "
+            "(restart the run from an earlier checkpoint with a smaller learning rate)",
+            tally.epoch, tally.last_loss, "finite" if finite(shared) else "not finite",
+        )  # fmt: skip
+        tally.diverged = tally.epoch
+        tally.history.append(figures)
+    return figures
 
 
 def _served_state(collab: Any, epoch: int) -> str:
