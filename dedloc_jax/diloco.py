@@ -125,20 +125,7 @@ def diloco(
         outer = optax.sgd(0.7, momentum=0.9, nesterov=True)
 
     def init(params: optax.Params) -> DiLoCoState:
-        return DiLoCoState(
-            inner_state=inner.init(params),
-            outer_params=jax.tree.map(jnp.array, params),  # a copy: params may be donated
-            outer_state=outer.init(params),
-            samples=jnp.zeros((), jnp.int32),
-            epoch=jnp.zeros((), jnp.int32),
-            group_size=jnp.zeros((), jnp.int32),
-            complete=jnp.zeros((), jnp.bool_),
-            synced=jnp.zeros((), jnp.bool_),
-            fresh=jnp.zeros((), jnp.bool_),
-            sent=jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), jnp.float32), params)
-            if overlap
-            else None,
-        )
+        return _init_state(inner, outer, params, overlap)
 
     def update(
         updates: optax.Updates,
@@ -164,6 +151,28 @@ def diloco(
         return _new_state(step.switch(action, branches.table(), inner_state))
 
     return optax.GradientTransformationExtraArgs(init, update)
+
+
+def _init_state(
+    inner: optax.GradientTransformation,
+    outer: optax.GradientTransformation,
+    params: optax.Params,
+    overlap: bool,
+) -> DiLoCoState:
+    return DiLoCoState(
+        inner_state=inner.init(params),
+        outer_params=jax.tree.map(jnp.array, params),  # a copy: params may be donated
+        outer_state=outer.init(params),
+        samples=jnp.zeros((), jnp.int32),
+        epoch=jnp.zeros((), jnp.int32),
+        group_size=jnp.zeros((), jnp.int32),
+        complete=jnp.zeros((), jnp.bool_),
+        synced=jnp.zeros((), jnp.bool_),
+        fresh=jnp.zeros((), jnp.bool_),
+        sent=jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), jnp.float32), params)
+        if overlap
+        else None,
+    )
 
 
 def _inner_step(
