@@ -149,9 +149,6 @@ def _reply(data: bytes) -> None:
     hs.process_reply(data)
 
 
-_FINISH_STATE: dict[str, Any] = {}
-
-
 def _finish(data: bytes) -> None:
     # A fresh responder per input (a handshake is single-use); the hello is a real one.
     init = InitiatorHandshake(ALICE, OFFER_CHACHA)
