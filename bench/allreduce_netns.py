@@ -425,7 +425,7 @@ def main(argv: list[str] | None = None) -> None:
         ap.error("--downlink and --modes need one value per uplink")
     if any(m not in ("node", "client", "aux") for m in modes):
         ap.error("--modes: each one of node, client, aux")
-    reason = unavailable_reason()
+    reason = unavailable_reason("tc")
     if reason is not None:
         sys.exit(f"bench.allreduce_netns cannot run: {reason}")
     signal.signal(signal.SIGTERM, _terminate)

@@ -19,6 +19,7 @@ import hashlib
 import json
 import logging
 import math
+import random
 import signal
 import struct
 import sys
@@ -47,10 +48,12 @@ from p2p.dht import wire as dht_wire
 from p2p.dht.errors import InvalidRecordError
 from p2p.dht.records import Record, owner_marker, pack_value
 from p2p.dht.validation import ValidatorChain, sign_record
-from p2p.errors import ConnectionClosed, HandshakeError, ProtocolError
+from p2p.errors import ConnectionClosed, HandshakeError, ProtocolError, RPCError
 from p2p.handshake import InitiatorHandshake, ResponderHandshake, SessionKeys
 from p2p.identity import Identity
+from p2p.rpc import MessageStream
 from p2p.secure import SecureChannel, _Reader
+from p2p.testing import received_stream
 
 ALICE = Identity.from_seed(b"bench-fuzz-alice")
 BOB = Identity.from_seed(b"bench-fuzz-bob")
@@ -83,15 +86,48 @@ def _msg(parse: Callable[[Any], Any]) -> Callable[[bytes], Any]:
 
 
 # ---- p2p framing ------------------------------------------------------------------------------
-def _message_parser(data: bytes) -> None:
-    parser = messages.MessageParser(max_size=1 << 16)
-    step = 1 + (data[0] % 7 if data else 0)
-    for i in range(0, len(data), step):
-        parser.feed(data[i : i + step])
-        while True:
-            ok, _ = parser.next_message()
-            if not ok:
-                break
+MESSAGE_LIMIT = 1 << 17
+
+
+def _arrival(data: bytes) -> list[bytes | memoryview]:
+    """``data`` cut, where its hash says, into the pieces a mux stream queues: DATA frame
+    payloads (views into a larger buffer) and BULK frame data (whole bytes objects), half the
+    time as a BULK frame brings a big message: the prefix and 5 bytes, then the rest whole."""
+    rng = random.Random(hashlib.sha256(data).digest())
+    cuts = {0, len(data)}
+    whole = rng.random() < 0.5
+    pos = 0
+    while pos < len(data):
+        if whole and pos + 4 <= len(data):
+            cuts.add(pos + 9)
+            pos += 4 + int.from_bytes(data[pos : pos + 4], "big")
+        else:
+            pos += rng.choice((1, 4, 5, rng.randint(1, 64), rng.randint(1, 2 * MESSAGE_LIMIT)))
+        cuts.add(pos)
+    frame = data + b"\x00"  # a view into it never spans a whole bytes object
+    bounds = sorted(c for c in cuts if c <= len(data))
+    return [
+        data[a:b] if whole or rng.random() < 0.5 else memoryview(frame)[a:b]
+        for a, b in zip(bounds, bounds[1:], strict=False)
+    ]
+
+
+async def _message_stream_async(data: bytes) -> None:
+    """Framed messages as production reads them (:class:`p2p.rpc.MessageStream` on a mux
+    stream), arriving in pieces; each must equal what msgpack reads from its body."""
+    stream = MessageStream(received_stream(_arrival(data)), MESSAGE_LIMIT)
+    pos = 0
+    async for msg in stream:
+        n = int.from_bytes(data[pos : pos + 4], "big")
+        body = data[pos + 4 : pos + 4 + n]
+        pos += 4 + n
+        expected = msgpack.unpackb(body, raw=False, strict_map_key=False)
+        if _pack(msg) != _pack(expected):
+            raise AssertionError(f"decoded {msg!r:.80} where msgpack reads {expected!r:.80}")
+
+
+def _message_stream(data: bytes) -> None:
+    trio.run(_message_stream_async, data)
 
 
 def _framed(obj: Any) -> bytes:
@@ -111,9 +147,6 @@ def _reply(data: bytes) -> None:
     hs = InitiatorHandshake(ALICE, OFFER_CHACHA | OFFER_AES)
     hs.hello()
     hs.process_reply(data)
-
-
-_FINISH_STATE: dict[str, Any] = {}
 
 
 def _finish(data: bytes) -> None:
@@ -406,10 +439,16 @@ def _build() -> dict[str, Decoder]:
     decoders = [
         Decoder(
             "p2p.messages",
-            _message_parser,
-            (ProtocolError,),
-            (_framed({"a": [1, b"x" * 40]}) + _framed("hi"), _framed(None)),
+            _message_stream,
+            (ProtocolError, ConnectionClosed, RPCError),
+            (
+                _framed({"a": [1, b"x" * 40]}) + _framed("hi"),
+                _framed(None),
+                _framed(b"\x07" * 40_000) + _framed(b"\x08" * 70_000),  # bin16, bin32 chunks
+                _framed({"chunk": b"\x09" * 40_000, "i": 3}),
+            ),
             message=False,
+            arun=_message_stream_async,
         ),
         Decoder(
             "p2p.mux_frame",

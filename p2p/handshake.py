@@ -42,7 +42,6 @@ MAX_HANDSHAKE_MESSAGE = 512  # every message is far smaller; larger length prefi
 
 _DH_BYTES = 32
 _CIPHER_CODES = {CHACHA20_POLY1305: 1, AES_256_GCM: 2, AES_256_OCB: 3}
-_CIPHER_NAMES = {v: k for k, v in _CIPHER_CODES.items()}
 _ZERO_NONCE = bytes(12)
 
 HELLO_SIZE = len(LABEL) + 1 + _DH_BYTES + PUBLIC_KEY_BYTES
@@ -206,8 +205,3 @@ class ResponderHandshake:
             raise HandshakeError("initiator's signature over the handshake is invalid")
         recv_key, send_key = _hkdf(shared, full, LABEL + b" data")
         return SessionKeys(cipher, send_key, recv_key, s_i, PeerID.from_public_key(s_i))
-
-
-def cipher_name(code: int) -> str | None:
-    """The cipher a reply's code names, or None for an unknown code."""
-    return _CIPHER_NAMES.get(code)

@@ -3,13 +3,14 @@
 Why a length prefix: the reader learns a message's size before reading it, so a message
 above ``max_size`` is rejected without buffering it (a 4 GB prefix costs nothing). msgpack
 carries bytes values natively, so tensor chunks travel without base64 or pickling (pickle
-would let a peer run code). Everything here is pure: no I/O, easy to fuzz.
+would let a peer run code). Everything here is pure: no I/O, easy to fuzz;
+:class:`p2p.rpc.MessageStream` reads the bytes and decodes them with :func:`decode_body`.
 """
 
 from __future__ import annotations
 
 import struct
-from collections import deque
+from collections.abc import Sequence
 from typing import Any
 
 import msgpack
@@ -114,78 +115,59 @@ def bin_payload_length(head: bytes | bytearray | memoryview) -> tuple[int, int] 
     return None
 
 
+def whole_bytes(view: memoryview) -> bytes | None:
+    """The bytes object ``view`` spans entirely, if it does (then it needs no copy)."""
+    obj = view.obj
+    if type(obj) is bytes and view.nbytes == len(obj):
+        return obj
+    return None
+
+
+def decode_body(pieces: Sequence[bytes | bytearray | memoryview]) -> Any:
+    """The message a body holds, the body given as the pieces it arrived in (what
+    :class:`p2p.rpc.MessageStream` reads off a stream); ProtocolError for anything malformed.
+
+    Why pieces: a body of ``BIG_BYTES`` or more that is one msgpack byte string (a tensor
+    chunk) is returned as its payload joined once, or as the very bytes object a BULK frame
+    delivered when the payload arrived as one, instead of joining then copying it again.
+    """
+    n = sum(len(p) for p in pieces)
+    if n >= BIG_BYTES and pieces:
+        sizes = bin_payload_length(_first_bytes(pieces, 5))
+        if sizes is not None and sum(sizes) == n:
+            payload = _skip(pieces, sizes[0])
+            if len(payload) == 1 and (whole := whole_bytes(memoryview(payload[0]))) is not None:
+                return whole  # the payload came as one BULK frame: no copy at all
+            return b"".join(payload)
+    body = pieces[0] if len(pieces) == 1 else b"".join(pieces)
+    return unpack(body)
+
+
+def _first_bytes(pieces: Sequence[bytes | bytearray | memoryview], n: int) -> bytes:
+    """The first ``n`` bytes of ``pieces`` (fewer if they hold fewer), copying only those."""
+    out = b""
+    for piece in pieces:
+        out += bytes(piece[: n - len(out)])
+        if len(out) == n:
+            break
+    return out
+
+
+def _skip(pieces: Sequence[bytes | bytearray | memoryview], n: int) -> list[Any]:
+    """``pieces`` without their first ``n`` bytes."""
+    out: list[Any] = []
+    for piece in pieces:
+        if n >= len(piece):
+            n -= len(piece)
+        else:
+            out.append(piece[n:] if n else piece)
+            n = 0
+    return out
+
+
 def check_length(prefix: bytes | bytearray | memoryview, max_size: int) -> int:
     """The body length a prefix announces; ProtocolError when above ``max_size``."""
     (n,) = LENGTH.unpack(prefix)
     if n > max_size:
         raise ProtocolError(f"peer announced a message of {n} bytes (limit {max_size})")
     return n
-
-
-class MessageParser:
-    """Incremental decoder: feed bytes as they arrive, pop whole messages.
-
-    Buffers at most one message plus one prefix, so memory stays below ``max_size + 4``
-    plus the last chunk fed.
-    """
-
-    def __init__(self, max_size: int = DEFAULT_MAX_MESSAGE_SIZE) -> None:
-        self.max_size = max_size
-        self._chunks: deque[memoryview] = deque()
-        self._buffered = 0
-        self._need: int | None = None  # body length of the message being assembled
-
-    @property
-    def buffered(self) -> int:
-        return self._buffered
-
-    def feed(self, data: bytes | bytearray | memoryview) -> None:
-        if len(data):
-            self._chunks.append(memoryview(data).cast("B"))
-            self._buffered += len(data)
-
-    def _take(self, n: int) -> bytes | memoryview:
-        if n == 0:
-            return b""
-        first = self._chunks[0]
-        if len(first) >= n:
-            out: bytes | memoryview = first[:n]
-            if len(first) == n:
-                self._chunks.popleft()
-            else:
-                self._chunks[0] = first[n:]
-        else:
-            parts = []
-            need = n
-            while need:
-                c = self._chunks[0]
-                if len(c) <= need:
-                    parts.append(self._chunks.popleft())
-                    need -= len(c)
-                else:
-                    parts.append(c[:need])
-                    self._chunks[0] = c[need:]
-                    need = 0
-            out = b"".join(parts)
-        self._buffered -= n
-        return out
-
-    def next_message(self) -> tuple[bool, Any]:
-        """(True, message) when a whole message is buffered, else (False, None).
-
-        Raises ProtocolError for an oversized prefix or a malformed body.
-        """
-        if self._need is None:
-            if self._buffered < LENGTH.size:
-                return False, None
-            self._need = check_length(self._take(LENGTH.size), self.max_size)
-        if self._buffered < self._need:
-            return False, None
-        body = self._take(self._need)
-        self._need = None
-        return True, unpack(body)
-
-    @property
-    def at_boundary(self) -> bool:
-        """True when no partial message is buffered (a clean place for the stream to end)."""
-        return self._need is None and self._buffered == 0

@@ -188,12 +188,6 @@ class MuxStream:
             self._release(got)  # the caller owns these bytes now (or they are gone)
         return parts
 
-    async def wait_eof(self) -> None:
-        """Wait until the peer sent EOF (discarding nothing; raises if data is still queued)."""
-        while not self._remote_eof:
-            self.raise_if_reset()
-            await self._recv_lot.park()
-
     def _release(self, n: int) -> None:
         n = min(n, self._held)
         if n:

@@ -33,7 +33,7 @@ from p2p.errors import (
     RPCTimeout,
 )
 from p2p.identity import Identity, PeerID
-from p2p.interfaces import local_ipv4_addrs
+from p2p.local_addrs import local_ipv4_addrs
 from p2p.multiaddr import Multiaddr
 from p2p.mux import ByteCount, MemoryBudget, Mux, MuxStream
 from p2p.node_config import NodeConfig

@@ -48,16 +48,6 @@ class PeerStore:
         self._addrs.move_to_end(peer_id)
         return [a if a.is_relayed else a.with_peer(peer_id) for a in addrs]
 
-    def remove_addr(self, peer_id: PeerID, addr: Multiaddr) -> None:
-        addrs = self._addrs.get(peer_id)
-        if addrs is None:
-            return
-        bare = addr if addr.is_relayed else addr.transport_part()
-        if bare in addrs:
-            addrs.remove(bare)
-        if not addrs:
-            del self._addrs[peer_id]
-
     def peers(self) -> list[PeerID]:
         return list(self._addrs)
 

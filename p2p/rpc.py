@@ -27,13 +27,11 @@ import trio
 from p2p.errors import ConnectionClosed, P2PError, ProtocolError, RPCError
 from p2p.identity import PeerID
 from p2p.messages import (
-    BIG_BYTES,
     EXT_ACCEPT,
     EXT_ERROR,
-    bin_payload_length,
     check_length,
+    decode_body,
     encode_parts,
-    unpack,
 )
 from p2p.multiaddr import Multiaddr
 from p2p.mux import MuxStream
@@ -84,22 +82,10 @@ class MessageStream:
         except ProtocolError:
             self.stream.reset("message too large")
             raise
-        if n >= BIG_BYTES:
-            # a big byte string arrives in pieces: join them once, straight into the result
-            head = await self.stream.receive_exactly(5)
-            assert head is not None
-            rest = await self.stream.receive_parts(n - 5)
-            assert rest is not None
-            sizes = bin_payload_length(head)
-            if sizes is not None and sum(sizes) == n:
-                if len(rest) == 1 and (whole := _whole_bytes(rest[0])) is not None:
-                    return whole  # the chunk came as one BULK frame: no copy at all
-                return b"".join([head[sizes[0] :], *rest])
-            body: Any = b"".join([head, *rest])
-        else:
-            body = await self.stream.receive_exactly(n)
+        body = await self.stream.receive_parts(n)
+        assert body is not None
         try:
-            return unpack(body)
+            return decode_body(body)
         except ProtocolError:
             self.stream.reset("malformed message")
             raise
@@ -140,14 +126,6 @@ class MessageStream:
             self.reset("aborted")
         else:
             await self.aclose()
-
-
-def _whole_bytes(view: memoryview) -> bytes | None:
-    """The bytes object ``view`` spans entirely, if it does (then it needs no copy)."""
-    obj = view.obj
-    if type(obj) is bytes and view.nbytes == len(obj):
-        return obj
-    return None
 
 
 class _EndOfStream(Exception):

@@ -20,6 +20,8 @@ import trio
 import trio.testing
 
 from p2p.identity import Identity
+from p2p.mux_config import MuxConfig
+from p2p.mux_stream import Frames, MuxStream
 from p2p.sim import (
     Connection,
     SimHost,
@@ -183,6 +185,52 @@ def host_of(net: SimNetwork, node: Node) -> SimHost:
     raise ValueError(f"{node!r} has no simulated address")
 
 
+class _ReadOnlyHost:
+    """The mux behind :func:`received_stream`: grants and releases go nowhere, sends fail."""
+
+    def __init__(self, config: MuxConfig) -> None:
+        self.config = config
+        self.max_payload = self.max_bulk = config.max_frame_payload
+        self.bulk_min = config.max_frame_payload
+
+    def raise_if_closed(self) -> None:
+        pass
+
+    async def send_stream_frames(self, stream: MuxStream, frames: Frames) -> None:
+        raise trio.ClosedResourceError("a received_stream only receives")
+
+    def grant(self, stream_id: int, increment: int) -> None:
+        pass
+
+    def queue_reset(self, stream_id: int, reason: str) -> None:
+        pass
+
+    def release(self, n: int) -> None:
+        pass
+
+    def stream_ended(self, stream: MuxStream) -> None:
+        pass
+
+
+def received_stream(
+    pieces: Sequence[bytes | bytearray | memoryview] = (), *, eof: bool = True
+) -> MuxStream:
+    """An inbound mux stream that has received ``pieces`` (and then EOF if ``eof``), each as
+    the mux queues a frame's payload, so decoders read them through the production path.
+
+    A piece that is a ``bytes`` object arrives as a BULK frame delivers it (whole, no copy);
+    wrap it in a memoryview slice to mimic a DATA frame's payload. More can be queued later
+    with ``stream.queue_received`` and ``stream.on_remote_eof``.
+    """
+    stream = MuxStream(_ReadOnlyHost(MuxConfig()), 1, outbound=False)
+    for piece in pieces:
+        if len(piece):
+            stream.queue_received(memoryview(piece).cast("B"))
+    if eof:
+        stream.on_remote_eof()
+    return stream
+
+
 __all__ = [
     "Connection",
     "SimHost",
@@ -193,6 +241,7 @@ __all__ = [
     "SimTransport",
     "host_of",
     "open_sim_nodes",
+    "received_stream",
     "run_sim",
     "sim_identity",
 ]

@@ -31,9 +31,8 @@ from p2p.identity import PeerID, verify_signature
 from p2p.rpc import MessageStream
 
 from .codecs import get_codec, rounding_bound
-from .errors import BadContributionError, GroupError
+from .errors import FAILURES, BadContributionError, GroupError
 from .group import GroupSpec
-from .sync import FAILURES
 from .verify import (
     NO_HASH,
     ShareFigures,

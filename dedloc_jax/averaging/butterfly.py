@@ -39,14 +39,14 @@ from p2p.rpc import CallContext, MessageStream
 from . import audit, wire
 from .audit import Accusation
 from .bandwidth import BandwidthMeter, Gauge
+from .changes import Changes
 from .codecs import Codec, get_codec, is_finite
 from .config import AllReduceConfig
-from .errors import AllReduceError, BadContributionError, ShareLostError
+from .errors import FAILURES, AllReduceError, BadContributionError, ShareLostError, is_failure
 from .group import GroupSpec
 from .partition import chunk_bounds, flatten, share_bounds, unflatten
 from .reducer import Reducer
 from .repair import Repair, expect_done, receive_finals, send_finals
-from .sync import FAILURES, Changes, is_failure
 from .verify import NO_HASH, Statement
 
 logger = logging.getLogger(__name__)

@@ -2,9 +2,12 @@
 
 Callers catch :class:`AveragingError` for any failure of a round; the subclasses say what went
 wrong precisely enough to decide whether to retry, skip the step or resync state.
+:func:`is_failure` tells a peer's failure (one the round survives) from a bug.
 """
 
 from __future__ import annotations
+
+from p2p.errors import P2PError
 
 
 class AveragingError(Exception):
@@ -41,3 +44,13 @@ class ShareLostError(AllReduceError):
 
 class BadContributionError(AveragingError, ValueError):
     """A contribution (or message) from a peer is malformed: wrong size, non-finite, bad field."""
+
+
+FAILURES = (P2PError, BadContributionError, CodecError)
+
+
+def is_failure(e: BaseException) -> bool:
+    """Whether ``e`` (possibly a group from a nursery) consists only of a peer's failures."""
+    if isinstance(e, BaseExceptionGroup):
+        return all(is_failure(x) for x in e.exceptions)
+    return isinstance(e, FAILURES)

@@ -21,16 +21,17 @@ import trio
 from p2p.rpc import MessageStream
 
 from . import wire
+from .changes import Changes
 from .codecs import is_finite
 from .errors import BadContributionError, ShareLostError
 from .robust import centered_clip
-from .sync import F32, Changes
 from .verify import clips, derived_tau, part_norm, robust_weights
 
 if TYPE_CHECKING:
     from .butterfly import Round
 
 logger = logging.getLogger(__name__)
+F32 = np.dtype("<f4")  # the wire's float32 byte order, whatever the host's
 
 
 class Repair:

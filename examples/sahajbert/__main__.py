@@ -769,7 +769,7 @@ def _run_peer(args: argparse.Namespace, argv: list[str] | None) -> int:
             print(f"coordinator: {e}", file=sys.stderr)
             return 1
         return 0
-    from examples.sahajbert.aux import run_aux
+    from examples.sahajbert.auxiliary import run_aux
 
     return run_aux(cfg, net)
 

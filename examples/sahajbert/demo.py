@@ -215,12 +215,6 @@ def start_run(
     return addr, finals
 
 
-def trainer_label(i: int, demo: DemoConfig) -> str:
-    kind = "client" if i >= demo.trainers - demo.client_trainers else "node"
-    slow = ", slow" if i == 1 or demo.trainers == 1 else ""
-    return f"trainer{i} ({kind}{slow})"
-
-
 def render(status: dict[str, Any] | None, started: float, demo: DemoConfig) -> Any:
     """The live view (a rich renderable)."""
     from rich.console import Group

@@ -523,21 +523,6 @@ def _check_tokenizer(data: Any, manifest: RunManifest) -> None:
 
 
 # --- checking a peer's options against it ------------------------------------------------
-# The options a run fixes, as (flag, TrainerConfig attribute or None for the tokenizer).
-RUN_FLAGS = (
-    "--run-id",
-    "--config",
-    "--seq-length",
-    "--target-batch-size",
-    "--tokenizer",
-    "--data",
-    "--data-mix",
-    "--learning-rate",
-    "--warmup-steps",
-    "--total-steps",
-    "--mode",
-    "--inner-steps",
-)
 
 
 def check(manifest: RunManifest, cfg: TrainerConfig, explicit: set[str]) -> None:

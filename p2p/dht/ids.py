@@ -33,16 +33,6 @@ def distance(a: int, b: int) -> int:
     return a ^ b
 
 
-def id_to_bytes(value: int) -> bytes:
-    return value.to_bytes(ID_BYTES, "big")
-
-
-def id_from_bytes(raw: bytes) -> int:
-    if len(raw) != ID_BYTES:
-        raise ValueError(f"a DHT ID is {ID_BYTES} bytes, got {len(raw)}")
-    return int.from_bytes(raw, "big")
-
-
 def random_id(lo: int = 0, hi: int = MAX_ID + 1, rng: random.Random | None = None) -> int:
     """A uniform ID in ``[lo, hi)`` (used to refresh a bucket covering that range)."""
     return (rng or random).randrange(lo, hi)

@@ -410,18 +410,6 @@ class DHT:
             return decode_view(await self._lookup_value(key, quorum, repair=repair))
         return decode_view(await self.get_view(key, latest=latest))
 
-    async def get_many(self, keys: Iterable[str], *, latest: bool = True) -> dict[str, Any]:
-        """Several gets at once (their FIND requests to the same node are merged)."""
-        out: dict[str, Any] = {}
-
-        async def one(key: str) -> None:
-            out[key] = await self.get(key, latest=latest)
-
-        async with trio.open_nursery() as nursery:
-            for key in dict.fromkeys(keys):
-                nursery.start_soon(one, key)
-        return out
-
     async def get_view(self, key: str, *, latest: bool = True) -> View | None:
         """The merged records of ``key``; concurrent gets of one key share one search."""
         if not latest:

@@ -36,7 +36,6 @@ from p2p.nat.upnp import UPnPClient, fault_code
 logger = logging.getLogger(__name__)
 
 PROTOCOLS = ("natpmp", "pcp", "upnp")
-UPNP_CONFLICT = 718  # ConflictInMappingEntry: the external port is mapped to someone else
 UPNP_PERMANENT_ONLY = 725  # OnlyPermanentLeasesSupported
 
 

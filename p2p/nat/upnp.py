@@ -44,7 +44,6 @@ SERVICES = (
 MAX_DATAGRAM = 2048
 MAX_HTTP = 128 * 1024
 SOAP_ENV = "http://schemas.xmlsoap.org/soap/envelope/"
-CONTROL_NS = "urn:schemas-upnp-org:control-1-0"
 
 
 # ---- SSDP -------------------------------------------------------------------------------

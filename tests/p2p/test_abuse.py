@@ -15,9 +15,9 @@ import trio.testing
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from p2p import CallContext, Identity, Node, NodeConfig, open_node
+from p2p import CallContext, Identity, MessageStream, Node, NodeConfig, open_node
 from p2p.errors import ConnectionClosed, P2PError, ProtocolError
-from p2p.messages import MessageParser, unpack
+from p2p.messages import unpack
 from p2p.mux import (
     BULK,
     DATA,
@@ -31,7 +31,7 @@ from p2p.mux import (
     encode_frame,
 )
 from p2p.secure import secure_outbound
-from p2p.testing import SimNetwork, open_sim_nodes, run_sim
+from p2p.testing import SimNetwork, open_sim_nodes, received_stream, run_sim
 
 FAST = NodeConfig.testing().replace(handshake_timeout=1.0, frame_timeout=1.0, header_timeout=1.0)
 
@@ -345,20 +345,25 @@ def test_message_decoder_accepts_or_raises_protocol_error(data: bytes) -> None:
 
 
 @given(st.lists(st.binary(max_size=50), max_size=20), st.integers(1, 300))
-def test_message_parser_is_bounded_and_only_raises_protocol_error(
+def test_message_stream_is_bounded_and_only_raises_protocol_error(
     chunks: list[bytes], limit: int
 ) -> None:
-    parser = MessageParser(max_size=limit)
-    try:
-        for chunk in chunks:
-            parser.feed(chunk)
-            while True:
-                ok, _ = parser.next_message()
-                if not ok:
-                    break
-            assert parser.buffered <= limit + 4 + len(chunk)
-    except ProtocolError:
-        pass
+    """Whatever arrives, the reader returns only messages of at most ``limit`` bytes, or ends
+    with a ProtocolError (or ConnectionClosed when the bytes stop mid-message)."""
+    data = b"".join(chunks)
+
+    async def main() -> None:
+        reader = MessageStream(received_stream(chunks), max_message_size=limit)
+        pos = 0
+        try:
+            async for _ in reader:
+                n = int.from_bytes(data[pos : pos + 4], "big")
+                assert n <= limit
+                pos += 4 + n
+        except (ProtocolError, ConnectionClosed):
+            pass
+
+    trio.run(main)
 
 
 @given(
@@ -375,16 +380,17 @@ def test_message_parser_is_bounded_and_only_raises_protocol_error(
         max_leaves=20,
     )
 )
-def test_messages_roundtrip_through_the_parser_in_any_split(value: Any) -> None:
+def test_messages_roundtrip_through_the_stream_in_any_split(value: Any) -> None:
     from p2p.messages import encode_message
 
     prefix, body = encode_message(value)
     data = prefix + body
-    parser = MessageParser()
-    for i in range(0, len(data), 7):
-        parser.feed(data[i : i + 7])
-    ok, decoded = parser.next_message()
-    assert ok and decoded == value and parser.at_boundary
+    pieces = [data[i : i + 7] for i in range(0, len(data), 7)]
+
+    async def main() -> list[Any]:
+        return [message async for message in MessageStream(received_stream(pieces), 1 << 20)]
+
+    assert trio.run(main) == [value]  # and then a clean end: the stream is at a boundary
 
 
 def test_a_stream_that_never_completes_its_request_is_reset(

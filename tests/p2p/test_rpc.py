@@ -20,8 +20,8 @@ from p2p import (
     RPCTimeout,
     open_node,
 )
-from p2p.messages import MessageParser, encode_message, unpack
-from p2p.testing import SimNetwork, open_sim_nodes, run_sim
+from p2p.messages import encode_message, unpack
+from p2p.testing import SimNetwork, open_sim_nodes, received_stream, run_sim
 
 
 async def echo(ctx: CallContext, request: Any) -> Any:
@@ -30,18 +30,33 @@ async def echo(ctx: CallContext, request: Any) -> Any:
 
 def test_message_framing_roundtrip_and_limits() -> None:
     prefix, body = encode_message({"a": [1, 2.5, b"\x00" * 10, None, True]}, max_size=100)
-    parser = MessageParser(max_size=100)
     data = prefix + body
-    for i in range(len(data)):  # byte by byte: nothing until the last byte
-        assert parser.next_message() == (False, None)
-        parser.feed(data[i : i + 1])
-    assert parser.next_message() == (True, {"a": [1, 2.5, b"\x00" * 10, None, True]})
-    assert parser.at_boundary
+
+    async def main() -> None:
+        stream = received_stream(eof=False)
+        reader = MessageStream(stream, max_message_size=100)
+        got: list[Any] = []
+
+        async def read() -> None:
+            got.append(await reader.receive())
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(read)
+            for i in range(len(data)):  # byte by byte: nothing until the last byte
+                await trio.testing.wait_all_tasks_blocked()
+                assert got == []
+                stream.queue_received(memoryview(data[i : i + 1]))
+        assert got == [{"a": [1, 2.5, b"\x00" * 10, None, True]}]
+        stream.on_remote_eof()  # an end at a message boundary is a clean one
+        with pytest.raises(ConnectionClosed, match="peer closed the stream"):
+            await reader.receive()
+        oversized = MessageStream(received_stream([b"\xff\xff\xff\xff"]), max_message_size=100)
+        with pytest.raises(ProtocolError, match="limit"):
+            await oversized.receive()
+
+    trio.run(main)
     with pytest.raises(ProtocolError, match="exceeds"):
         encode_message(b"x" * 200, max_size=100)
-    parser.feed(b"\xff\xff\xff\xff")
-    with pytest.raises(ProtocolError, match="limit"):
-        parser.next_message()
     with pytest.raises(ProtocolError):
         unpack(b"\xc1")  # a reserved msgpack byte
     with pytest.raises(ProtocolError):
@@ -268,3 +283,19 @@ def test_large_bytes_are_framed_exactly_like_msgpack(value: Any) -> None:
 
 async def same(ctx: CallContext, value: Any) -> Any:
     return value
+
+
+@pytest.mark.parametrize("size", [40_000, 70_000])  # a bin16 and a bin32 msgpack header
+def test_a_byte_string_whose_payload_arrives_as_one_piece_decodes_to_every_byte(size: int) -> None:
+    """A big byte string's bytes after its first 5 (as a BULK frame brings them, whole) were
+    returned as the payload even when the msgpack header was 3 bytes long: a 40,960-byte
+    string read as 40,958 (found by bench.fuzz once it read through MessageStream)."""
+    value = bytes(range(256)) * (size // 256)
+    prefix, body = encode_message(value)
+    data = prefix + body
+
+    async def main() -> list[Any]:
+        reader = MessageStream(received_stream([data[:9], data[9:]]), max_message_size=1 << 20)
+        return [message async for message in reader]
+
+    assert trio.run(main) == [value]

@@ -21,8 +21,9 @@ from bench.fuzz import DECODERS, Decoder
 from bench.fuzz_inputs import mutate_bytes, random_object
 from dedloc_jax.averaging import bandwidth, wire
 from dedloc_jax.state.chunks import StateError, StateManifest
-from p2p import messages
 from p2p.errors import ProtocolError
+from p2p.rpc import MessageStream
+from p2p.testing import received_stream
 
 FUZZ = settings(
     deadline=None,
@@ -121,11 +122,10 @@ def test_manifest_with_overflowing_shape_is_rejected() -> None:
         StateManifest.from_wire(wire)
 
 
-def test_message_parser_zero_length_body_at_buffer_end() -> None:
-    parser = messages.MessageParser()
-    parser.feed(b"\x00\x00\x00\x00")
+def test_message_stream_zero_length_body_at_buffer_end() -> None:
+    reader = MessageStream(received_stream([b"\x00\x00\x00\x00"]), max_message_size=1 << 16)
     with pytest.raises(ProtocolError):  # an empty body is not a msgpack value
-        parser.next_message()
+        trio.run(reader.receive)
 
 
 def test_progress_record_rejects_non_finite_numbers() -> None:

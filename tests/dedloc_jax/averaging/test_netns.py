@@ -10,7 +10,7 @@ pytestmark = [pytest.mark.netns, pytest.mark.slow]
 
 @pytest.fixture(scope="module")
 def lab_ok():
-    reason = unavailable_reason()
+    reason = unavailable_reason("tc")
     if reason is not None:
         pytest.skip(reason)
 

@@ -13,11 +13,11 @@ import os
 
 import pytest
 
-from tests.p2p.nat.netns import NetnsLab, read_event, unavailable_reason
+from bench.netns_lab import NetnsLab, read_event, unavailable_reason
 
 pytestmark = pytest.mark.netns
 
-_why = unavailable_reason()
+_why = unavailable_reason("nft")
 
 
 @pytest.mark.skipif(_why is not None, reason=_why or "")
@@ -35,7 +35,8 @@ def test_two_nated_peers_exchange_data_through_the_public_relay(tmp_path, fully_
 
         def spawn(ns: str, *args: str):
             log = tmp_path / f"{ns}.log"
-            proc = lab.spawn(ns, "tests.p2p.nat.netns_peer", *args, "--marker", marker, log=log)
+            peer = "tests.p2p.nat.netns_peer"
+            proc = lab.spawn_module(ns, peer, *args, "--marker", marker, log=log)
             return proc, log
 
         pub, pub_log = spawn("pub", "pub", "--listen", "/ip4/10.77.0.10/tcp/0")

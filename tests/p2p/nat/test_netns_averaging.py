@@ -15,11 +15,11 @@ import json
 import numpy as np
 import pytest
 
-from tests.p2p.nat.netns import NetnsLab, read_event, unavailable_reason
+from bench.netns_lab import NetnsLab, read_event, unavailable_reason
 
 pytestmark = pytest.mark.netns
 
-_why = unavailable_reason()
+_why = unavailable_reason("nft")
 
 SIZE = 1 << 20  # float32 values: 4 MB per peer and round
 ROUNDS = 4
@@ -50,7 +50,7 @@ def test_nated_dht_clients_average_bit_identically_through_a_relay(tmp_path, sym
         def spawn(ns: str, index: int, *args: str):
             logs[ns] = tmp_path / f"{ns}.log"
             extra = ["--punch"] if symmetric else []  # the cone case: no hole punch at all
-            return lab.spawn(
+            return lab.spawn_module(
                 ns,
                 "tests.p2p.nat.netns_avg_peer",
                 *args,

@@ -30,12 +30,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from bench.netns_lab import InternetLab, miniupnpd_unavailable
-from tests.p2p.nat.netns import ROOT
+from bench.netns_lab import ROOT, InternetLab, unavailable_reason
 
 pytestmark = [pytest.mark.netns, pytest.mark.slow]
 
-_why = miniupnpd_unavailable()
+_why = unavailable_reason("nft", "miniupnpd")
 
 EPOCHS = 4
 SIZE = 1 << 16  # float32 values: 256 KiB per peer and round

@@ -19,12 +19,12 @@ from pathlib import Path
 
 import pytest
 
-from bench.netns_lab import UPnPRouterLab, miniupnpd_unavailable
+from bench.netns_lab import UPnPRouterLab, unavailable_reason
 
 pytestmark = pytest.mark.netns
 
 ROOT = Path(__file__).resolve().parents[3]
-_why = miniupnpd_unavailable()
+_why = unavailable_reason("nft", "miniupnpd")
 skip = pytest.mark.skipif(_why is not None, reason=_why or "")
 
 MAP_AND_PROBE = """

@@ -1,23 +1,9 @@
-"""Small pieces shared by the round's roles: a change signal and failure classification."""
+"""A broadcast "something changed" signal: tasks of a round's roles that re-check a condition
+(a share's result arrived, a sender was excluded) wait on it instead of polling."""
 
 from __future__ import annotations
 
-import numpy as np
 import trio
-
-from p2p.errors import P2PError
-
-from .errors import BadContributionError, CodecError
-
-F32 = np.dtype("<f4")
-FAILURES = (P2PError, BadContributionError, CodecError)
-
-
-def is_failure(e: BaseException) -> bool:
-    """Whether ``e`` (possibly a group from a nursery) consists only of a peer's failures."""
-    if isinstance(e, BaseExceptionGroup):
-        return all(is_failure(x) for x in e.exceptions)
-    return isinstance(e, FAILURES)
 
 
 class Changes:
