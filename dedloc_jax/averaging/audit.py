@@ -39,6 +39,7 @@ from .verify import (
     ShareFigures,
     Statement,
     clips,
+    counted_weight,
     derived_tau,
     direction,
     make_statement,
@@ -234,8 +235,8 @@ def check_chunk(
     member_weights: Sequence[float],
 ) -> ChunkCheck:
     """Whether chunk ``k`` of share ``j`` is the aggregate its contributors' figures imply.
-    A stated weight counts for at most the member's weight in the group spec
-    (``member_weights``), as reducers count it (:meth:`.butterfly.Round.bounded_weight`)."""
+    A sender counts for its weight in the group spec (``member_weights``) where that is
+    finite, as reducers count it (:func:`.verify.counted_weight`)."""
     order = sorted(contributors)
     figs = []
     for i in order:
@@ -243,7 +244,7 @@ def check_chunk(
         if f is None or not math.isfinite(f.q[k]) or statements[i].weight <= 0:
             return ChunkCheck(False, f"member {i} is counted but stated no contribution")
         figs.append(f)
-    raw = [min(statements[i].weight, float(member_weights[i])) for i in order]
+    raw = [counted_weight(statements[i].weight, float(member_weights[i])) for i in order]
     robust = clips(robust, fixed_tau, len(order))
     norms = [float(f.norms[k]) for f in figs]
     weights = list(robust_weights(raw, norms, fixed_tau)) if robust else raw

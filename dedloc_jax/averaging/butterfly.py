@@ -47,7 +47,7 @@ from .partition import chunk_bounds, flatten, share_bounds, unflatten
 from .reducer import Reducer
 from .repair import Repair, expect_done, receive_finals, send_finals
 from .sync import FAILURES, Changes, is_failure
-from .verify import NO_HASH, Statement
+from .verify import NO_HASH, Statement, counted_weight
 
 logger = logging.getLogger(__name__)
 
@@ -299,9 +299,8 @@ class Round:
         return self.members[i].peer_id
 
     def bounded_weight(self, s: int, stated: float) -> float:
-        """The weight sender ``s`` counts for: what it states (hello, statement), at most its
-        member entry's weight."""
-        return min(stated, float(self.members[s].weight))
+        """The weight sender ``s`` counts for (:func:`.verify.counted_weight`)."""
+        return counted_weight(stated, float(self.members[s].weight))
 
     def commit_part(self, j: int, k: int, part: np.ndarray) -> np.ndarray:
         """Commit to our part of chunk ``k`` of share ``j`` (hash of its encoding); returns

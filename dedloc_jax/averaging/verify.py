@@ -194,6 +194,17 @@ def residual(qs: Sequence[float], weights: Sequence[float]) -> float:
 # ---- statements ---------------------------------------------------------------------------
 
 
+def counted_weight(stated: float, bound: float) -> float:
+    """The weight a sender counts for, in the reducer and in every check alike: its group
+    spec's (what it registered, as the leader bounded it) whenever the spec bounds it, else
+    what it states; nothing when it states none. The stated figure is in the hello and again
+    in the signed statement; a sender stating one to the reducer and another to the checkers
+    made an honest reducer fail its check, so only "contributes or not" is taken from it."""
+    if not stated > 0:
+        return 0.0
+    return float(bound) if math.isfinite(bound) else float(stated)
+
+
 @dataclass(frozen=True)
 class ShareFigures:
     """One sender's figures for one reducer's share: per chunk, the part's hash, ``q`` and

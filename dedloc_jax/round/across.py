@@ -26,6 +26,7 @@ its members learn that the mean is *partial* and check the fork before training 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
@@ -61,6 +62,18 @@ def averaged_weight(spec: GroupSpec, result: AllReduceResult) -> float:
 def broadcast_codec(codec: str) -> str:
     """An element-wise codec for the broadcast: every group must round the mean alike."""
     return "fp16" if codec == "int8" else codec
+
+
+def broadcast_spec(spec: GroupSpec) -> GroupSpec:
+    """The broadcast's group: ``spec`` with the representative weighing 1 and every other
+    member 0, since a sender counts for its spec weight (:func:`~dedloc_jax.averaging.verify.
+    counted_weight`): with its group's samples as weight, the mean came back as (w x) / w,
+    rounded differently in each group."""
+    rep = representative(spec)
+    members = tuple(
+        dataclasses.replace(m, weight=1.0 if m.peer_id == rep else 0.0) for m in spec.members
+    )
+    return GroupSpec(members, spec.group_id, spec.parts)
 
 
 def broadcast_round(spec: GroupSpec) -> bytes:
@@ -153,7 +166,7 @@ async def broadcast(
     try:
         result = await all_reduce(
             node,
-            spec,
+            broadcast_spec(spec),
             list(arrays),
             1.0 if source else 0.0,
             codec=broadcast_codec(codec),

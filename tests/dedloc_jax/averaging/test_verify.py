@@ -196,3 +196,30 @@ def test_a_huge_hello_weight_counts_for_no_more_than_the_spec_allows(monkeypatch
         assert not any(s.dropped for s in r.shares)
         # (3 * 1 + 2) / 4; CenteredClip leaves parts within its radius alone (the plain mean)
         np.testing.assert_allclose(r.vector, 1.25, atol=1e-6)
+
+
+@pytest.mark.parametrize("robust", [False, True])
+@pytest.mark.parametrize("hello_weight", [0.01, 0.5])
+def test_a_sender_stating_a_smaller_hello_weight_cannot_frame_an_honest_reducer(
+    monkeypatch, robust, hello_weight
+):
+    """A sender telling the reducers fewer samples than its signed statement (and the spec)
+    says counts for the spec's weight in both: the honest reducers pass their checks, nobody
+    is accused or dropped, and every member holds the same honest mean."""
+    original = Round.hello
+
+    def modest(self, share=-1):
+        h = original(self, share)
+        return replace(h, weight=hello_weight) if self.me == 3 else h
+
+    monkeypatch.setattr(Round, "hello", modest)
+    n = 4
+    trees = [{"x": np.full(40, 2.0 if i == 3 else 1.0, np.float32)} for i in range(n)]
+    cfg = VERIFY.replace(robust=robust)
+    outcome, _, _ = run_round(["node"] * n, trees, [1.0] * n, config=cfg, member_weights=[1.0] * n)
+    results = _results(outcome)
+    for r in results:
+        assert r.accusations == ()
+        assert not any(s.dropped for s in r.shares)
+        np.testing.assert_array_equal(r.vector, results[0].vector)
+    np.testing.assert_allclose(results[0].vector, 1.25, atol=1e-6)
