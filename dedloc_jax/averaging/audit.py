@@ -6,12 +6,17 @@ with every dialable sender (``VERIFY_PROTOCOL``: a member answers with every sta
 holds once it holds them all or its wait ends, so clients, which nobody can dial, learn them
 too; a relayed statement is checked by its own signature). Then every member checks every
 share it can (the figures of each chunk's contributors are in; a repaired share is not
-checked). A share that fails is **dropped by every member** (set to zero: the same bits
-everywhere, no liar's values in anyone's model). For the first failing chunk the member asks
-each contributor to reveal its encoded part: a part that does not match its sender's signed
-hash or stated projection convicts the sender; if all match, the reducer lied. An
-:class:`Accusation` carries the signed statements and the revealed bytes, so a third party can
-redo the check from the record alone (:func:`check_evidence`).
+checked). For a share that fails, the member asks each of its contributors to reveal its
+encoded parts of the whole share: a part that does not match its sender's signed hash or (in
+the first failing chunk) its stated projection convicts the sender; if all match, the reducer
+lied. An :class:`Accusation` carries the signed statements and the revealed bytes, so a third
+party can redo the check from the record alone (:func:`check_evidence`). Every member then
+**recomputes the share** from the revealed parts, leaving out the convicted peer's
+(:func:`.verify.recompute`: the parts are the committed bytes, so every member holds the same
+bits and no reducer is trusted). If nobody is convicted (a contributor revealed nothing: a
+client nobody can dial, or a peer that left) or a part is missing, the share is **dropped**
+(set to zero on every member whose reveals came to the same). A contributor revealing to some
+members and not to others can still make their shares differ; the fork choice then mends it.
 """
 
 from __future__ import annotations
@@ -30,7 +35,8 @@ from p2p.errors import IdentityError
 from p2p.identity import PeerID, verify_signature
 from p2p.rpc import MessageStream
 
-from .codecs import get_codec, rounding_bound
+from . import wire
+from .codecs import get_codec, is_finite, rounding_bound
 from .errors import BadContributionError, GroupError
 from .group import GroupSpec
 from .sync import FAILURES
@@ -46,6 +52,7 @@ from .verify import (
     parse_statement,
     part_norm,
     projection,
+    recompute,
     residual,
     result_digest,
     robust_weights,
@@ -58,9 +65,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-VERIFY_PROTOCOL = "dedloc/allreduce-verify/1"
-MAX_REVEALS = 64
-"""Parts one member may ask us to reveal in one round."""
+VERIFY_PROTOCOL = "dedloc/allreduce-verify/2"
 
 
 @dataclass(frozen=True)
@@ -85,7 +90,11 @@ class Verdict:
     """What a round's check found on this member."""
 
     dropped: frozenset[int]
-    """Shares (reducer indices) whose check failed: every member zeroed them."""
+    """Shares (reducer indices) whose check failed and that could not be recomputed: every
+    member zeroed them."""
+    recomputed: frozenset[int]
+    """Shares whose check failed and that every member recomputed from the revealed parts,
+    without the convicted peer's."""
     unverified: frozenset[int]
     """Shares not checked (a repaired share, or a contributor's statement missing)."""
     accusations: tuple[Accusation, ...]
@@ -155,14 +164,15 @@ async def serve(rnd: Round, ms: MessageStream, remote: PeerID) -> None:
         _add(rnd, st)
         await _wait_for_all(rnd, trio.current_time() + rnd.verify_timeout)
         await ms.send({"t": "stmts", "l": [s.wire for s in rnd.statements.values()]})
-    elif msg.get("t") == "reveal":
-        j, k = msg.get("j"), msg.get("k")
-        if j not in rnd.chunks or not isinstance(k, int) or not 0 <= k < len(rnd.chunks[j]):
-            raise BadContributionError("reveal of a chunk that does not exist")
-        rnd.reveals[who] = rnd.reveals.get(who, 0) + 1
-        if rnd.reveals[who] > MAX_REVEALS or rnd.vec is None or rnd.abstain:
+    elif msg.get("t") == "reveal":  # our parts of one share, once per member and share
+        j = msg.get("j")
+        if j not in rnd.chunks or (who, j) in rnd.reveals:
+            raise BadContributionError("reveal of a share that does not exist, or again")
+        rnd.reveals.add((who, j))
+        if rnd.vec is None or rnd.abstain:
             raise BadContributionError("nothing to reveal")
-        await ms.send({"t": "part", "d": bytes(rnd.sent_part(j, k))})
+        for k in range(len(rnd.chunks[j])):
+            await ms.send(wire.part(k, bytes(rnd.sent_part(j, k))))
     else:
         raise BadContributionError("unexpected verify message")
 
@@ -191,9 +201,12 @@ async def _swap(rnd: Round, i: int, mine: dict) -> None:
         logger.info("statement swap with %s failed: %s", rnd.name(i), e)
 
 
-async def _reveal(rnd: Round, i: int, j: int, k: int) -> bytes | None:
+async def _reveal(rnd: Round, i: int, j: int) -> list[bytes] | None:
+    """Member ``i``'s encoded parts of every chunk of share ``j`` (None if it revealed
+    nothing in time or a malformed part)."""
+    n = len(rnd.chunks[j])
     if i == rnd.me:
-        return bytes(rnd.sent_part(j, k))
+        return [bytes(rnd.sent_part(j, k)) for k in range(n)]
     if rnd.members[i].mode == "client":
         return None  # nobody can dial it
     try:
@@ -203,10 +216,13 @@ async def _reveal(rnd: Round, i: int, j: int, k: int) -> bytes | None:
                 peer, VERIFY_PROTOCOL, timeout=rnd.config.stall_timeout
             ) as ms:
                 await ms.send({"t": "vhello", "r": rnd.round_id})
-                await ms.send({"t": "reveal", "j": j, "k": k})
-                reply = await ms.receive()
-                data = reply.get("d") if isinstance(reply, dict) else None
-                return data if isinstance(data, bytes) else None
+                await ms.send({"t": "reveal", "j": j})
+                parts = []
+                for k in range(n):
+                    a, b = rnd.chunks[j][k]
+                    msg = await ms.receive()
+                    parts.append(wire.parse_chunk(msg, k, rnd.codec.encoded_size(b - a)))
+                return parts
     except FAILURES as e:
         logger.info("%s revealed nothing: %s", rnd.name(i), e)
     return None
@@ -334,41 +350,113 @@ async def audit(rnd: Round) -> Verdict:
             [rnd.name(j) for j in sorted(unverified)],
         )
     accusations: list[Accusation] = []
+    recomputed: set[int] = set()
     if failures:
         rnd.keep_vec = True  # the others will ask us to reveal our parts
     for j, (k, chk) in failures.items():
-        dropped.add(j)
         logger.warning(
             "round %s: share of reducer %s failed its check at chunk %d (%s); every member "
-            "drops it",
+            "recomputes it from the revealed parts",
             rnd.round_id.hex()[:8],
             rnd.name(j),
             k,
             chk.why,
         )
-        accused = await _judge(rnd, seed, stated, j, k, chk)
+        accused, parts = await _judge(rnd, seed, stated, j, k, chk)
         if accused is not None:
             accusations.append(accused)
-    for j in dropped:
-        rnd.out[rnd.bounds[j] : rnd.bounds[j + 1]] = 0.0
-    return Verdict(frozenset(dropped), frozenset(unverified - dropped), tuple(accusations))
+            liar = [m.peer_id for m in rnd.members].index(accused.peer)
+            why = _recompute(rnd, stated, j, parts, liar)
+        else:
+            why = "nobody was convicted"
+        if why:
+            logger.warning(
+                "round %s: share of reducer %s not recomputed (%s); every member drops it",
+                rnd.round_id.hex()[:8],
+                rnd.name(j),
+                why,
+            )
+            dropped.add(j)
+            rnd.out[rnd.bounds[j] : rnd.bounds[j + 1]] = 0.0
+        else:
+            recomputed.add(j)
+    failed = dropped | recomputed
+    return Verdict(
+        frozenset(dropped),
+        frozenset(recomputed),
+        frozenset(unverified - failed),
+        tuple(accusations),
+    )
+
+
+def _recompute(
+    rnd: Round, stated: dict[int, Statement], j: int, parts: dict[int, list[bytes]], liar: int
+) -> str:
+    """Share ``j`` aggregated here from its contributors' revealed parts, ``liar``'s left out,
+    chunk by chunk with the contributors' signed weights and norms (the same inputs on every
+    member, :func:`.verify.recompute`), then rounded by the codec as a reducer's result is;
+    written into the result with its new masks. Returns why not ("" when done)."""
+    assert rnd.out is not None
+    cfg, codec = rnd.config, rnd.codec
+    values, masks, taus = [], [], []
+    for k, mask in enumerate(rnd.masks[j]):
+        keep = sorted(mask - {liar})
+        if not keep:
+            return f"chunk {k} had no contributor but the liar"
+        a, b = rnd.chunks[j][k]
+        xs, raw, norms = [], [], []
+        for i in keep:
+            fig = stated[i].shares.get(j)
+            data = parts.get(i)
+            if fig is None or data is None:
+                return f"{rnd.name(i)} revealed nothing"
+            if fig.hashes[k] == NO_HASH or hashlib.sha256(data[k]).digest() != fig.hashes[k]:
+                return f"{rnd.name(i)} revealed a part it did not commit to"
+            x = codec.decode(data[k], b - a)
+            norm = float(fig.norms[k])
+            if not is_finite(x) or abs(part_norm(x) - norm) > 1e-6 * norm + 1e-30:
+                return f"{rnd.name(i)} stated a norm its part does not have"
+            xs.append(x)
+            raw.append(counted_weight(stated[i].weight, float(rnd.members[i].weight)))
+            norms.append(norm)
+        if not sum(raw) > 0:
+            return f"chunk {k} had no weight but the liar's"
+        agg, tau = recompute(xs, raw, norms, cfg.robust_mode, cfg.robust_tau, cfg.robust_iters)
+        values.append(codec.decode(codec.encode(agg), b - a))
+        masks.append(frozenset(keep))
+        taus.append(tau)
+    a = rnd.bounds[j]
+    for (x, y), v in zip(rnd.chunks[j], values, strict=True):
+        rnd.out[a + x : a + y] = v
+    rnd.masks[j], rnd.taus[j] = masks, taus
+    logger.warning(
+        "round %s: share of reducer %s recomputed without %s",
+        rnd.round_id.hex()[:8],
+        rnd.name(j),
+        rnd.name(liar),
+    )
+    return ""
 
 
 async def _judge(
     rnd: Round, seed: bytes, stated: dict[int, Statement], j: int, k: int, chk: ChunkCheck
-) -> Accusation | None:
-    """Who lied about chunk ``k`` of share ``j``: reveal its contributors' parts."""
+) -> tuple[Accusation | None, dict[int, list[bytes]]]:
+    """Who lied about chunk ``k`` of share ``j``, from the parts of the whole share its
+    contributors reveal (returned, for the recomputation)."""
     assert rnd.out is not None
     mask = sorted(rnd.masks[j][k])
     a, b = rnd.share_slice(j, k)
-    revealed: dict[int, bytes | None] = dict.fromkeys(mask)
+    shares: dict[int, list[bytes]] = {}
     async with trio.open_nursery() as nursery:
 
         async def one(i: int) -> None:
-            revealed[i] = await _reveal(rnd, i, j, k)
+            got = await _reveal(rnd, i, j)
+            if got is not None:
+                shares[i] = got
 
-        for i in mask:
+        for i in sorted(frozenset().union(*rnd.masks[j])):
             nursery.start_soon(one, i)
+    revealed = {i: shares[i][k] if i in shares else None for i in mask}
     evidence = {
         "codec": rnd.codec.name,
         "seed": seed,
@@ -401,7 +489,7 @@ async def _judge(
         why = _part_lie(rnd.codec.name, data, stated[i], j, k, z, rnd.out[a:b], rnd.taus[j][k])
         if why:
             logger.warning("round %s: sender %s lied: %s", rnd.round_id.hex()[:8], rnd.name(i), why)
-            return Accusation(rnd.name(i), "sender", why, rnd.round_id, j, k, evidence)
+            return Accusation(rnd.name(i), "sender", why, rnd.round_id, j, k, evidence), shares
     if silent:
         logger.warning(
             "round %s: %s revealed nothing; the liar about share %s stays unknown",
@@ -409,10 +497,10 @@ async def _judge(
             [rnd.name(i) for i in silent],
             rnd.name(j),
         )
-        return None
+        return None, shares
     why = f"result is not the aggregate of the committed parts ({chk.why})"
     logger.warning("round %s: reducer %s lied: %s", rnd.round_id.hex()[:8], rnd.name(j), why)
-    return Accusation(rnd.name(j), "reducer", why, rnd.round_id, j, k, evidence)
+    return Accusation(rnd.name(j), "reducer", why, rnd.round_id, j, k, evidence), shares
 
 
 def _part_lie(

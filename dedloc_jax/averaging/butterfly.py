@@ -64,7 +64,11 @@ class ShareResult:
     segments: tuple[tuple[int, int, frozenset[str]], ...]
     repaired: bool
     dropped: bool = False
-    """Its result failed the group's check (:mod:`.audit`): every member holds zeros there."""
+    """Its result failed the group's check (:mod:`.audit`) and could not be recomputed: every
+    member holds zeros there."""
+    recomputed: bool = False
+    """Its result failed the group's check: every member recomputed it from the revealed
+    parts without the convicted peer's (:mod:`.audit`)."""
 
     @property
     def contributors(self) -> frozenset[str]:
@@ -264,7 +268,7 @@ class Round:
         self.statements: dict[int, Statement] = {}
         self.statement_changes = Changes()
         self.verify_timeout = config.verify_timeout or config.stall_timeout
-        self.reveals: dict[int, int] = {}
+        self.reveals: set[tuple[int, int]] = set()  # (member, share) we revealed our parts of
         self.keep_vec = False  # a check failed: keep our parts for those who ask to see them
         t0 = trio.current_time()
         self.deadline = t0 + timeout
@@ -676,6 +680,7 @@ async def all_reduce(
                 tuple(segments),
                 j in rnd.repaired,
                 verdict is not None and j in verdict.dropped,
+                verdict is not None and j in verdict.recomputed,
             )
         )
     assert rnd.out is not None

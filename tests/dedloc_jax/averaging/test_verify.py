@@ -77,7 +77,10 @@ def test_honest_round_passes_its_check_with_every_codec(codec, robust):
 
 @pytest.mark.parametrize("codec", ["none", "fp16", "bf16", "int8"])
 @pytest.mark.parametrize("robust", [False, True])
-def test_lying_reducer_is_caught_in_the_same_round_and_its_share_dropped(liar, codec, robust):
+def test_lying_reducer_is_caught_in_the_same_round_and_its_share_recomputed(liar, codec, robust):
+    """Every honest member convicts the reducer and recomputes its share from the senders'
+    revealed parts without the liar's: the same bits everywhere, the honest members' aggregate
+    there and the whole group's elsewhere (it was zeroed before)."""
     n = 4
     names = _names(n)
     liar.name = names[1]
@@ -98,17 +101,17 @@ def test_lying_reducer_is_caught_in_the_same_round_and_its_share_dropped(liar, c
         forged = dict(r.accusations[0].evidence, encoded=b"\0" * len(ev_bytes(r)))
         assert not check_evidence(forged, liar.name)  # the reducer never signed other bytes
     share = next(s for s in honest[0].shares if s.owner == liar.name)
-    assert share.dropped
+    assert share.recomputed and not share.dropped
+    assert share.contributors == frozenset(names) - {liar.name}
     vec = honest[0].vector
-    assert np.all(vec[share.start : share.stop] == 0)
-    # every other share is the honest aggregate
+    # the liar's share is the others' aggregate, every other share the whole group's
     parts = [flatten(t)[0] for t in trees]
     tol = {"none": 1e-5, "fp16": 2e-3, "bf16": 2e-2, "int8": 5e-2}[codec]
     tol = max(tol, 1e-3) if robust else tol  # CenteredClip stops within 1e-4 of its radius
     for s in honest[0].shares:
-        if s.owner != liar.name:
-            want = _aggregate(parts, s.start, s.stop, cfg.chunk_elems, robust)
-            np.testing.assert_allclose(vec[s.start : s.stop], want, atol=tol, rtol=tol)
+        members = [p for i, p in enumerate(parts) if i != 1] if s.owner == liar.name else parts
+        want = _aggregate(members, s.start, s.stop, cfg.chunk_elems, robust)
+        np.testing.assert_allclose(vec[s.start : s.stop], want, atol=tol, rtol=tol)
 
 
 def _aggregate(parts, start, stop, chunk, robust):
@@ -151,6 +154,10 @@ def test_sender_lying_about_its_projection_is_convicted_not_the_reducer(monkeypa
             assert check_evidence(a.evidence, names[2])
             reducer = a.evidence["members"][a.share]
             assert reducer == names[2] or not check_evidence(a.evidence, reducer)
+        # every share failed (its figures were false everywhere): recomputed without it
+        assert all(s.recomputed and names[2] not in s.contributors for s in r.shares)
+    parts = [flatten(t)[0] for i, t in enumerate(trees) if i != 2]
+    np.testing.assert_allclose(honest[0].vector, np.mean(parts, axis=0), atol=2e-3, rtol=2e-3)
 
 
 def test_sign_flipped_gradient_is_bounded_by_default_centered_clip():
