@@ -274,9 +274,10 @@ def check_chunk(
     # (the codec's rounding adds at most 7%: int8); a longer result also hides in its own
     # rounding bound, so it is refused first.
     longest = max(norms, default=0.0)
-    if part_norm(result) > 1.1 * longest + 1e-30:
-        return ChunkCheck(False, f"result norm {part_norm(result):.3g} > every part's")
-    bound = rounding_bound(get_codec(codec_name), result, longest)
+    length = part_norm(result)
+    if length > 1.1 * longest + 1e-30:
+        return ChunkCheck(False, f"result norm {length:.3g} > every part's")
+    bound = rounding_bound(get_codec(codec_name), result, longest, length)
     tol = tolerance(bound, norms, weights, tau)
     res = residual([float(f.q[k]) for f in figs], weights)
     if abs(res) > tol:

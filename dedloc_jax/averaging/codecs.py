@@ -254,11 +254,16 @@ CODECS: dict[str, Codec] = {
 }
 
 
-def rounding_bound(codec: Codec, y: np.ndarray, cap: float) -> float:
+def rounding_bound(codec: Codec, y: np.ndarray, cap: float, norm: float | None = None) -> float:
     """An L2 bound on ``|x - y|`` for ``y = decode(encode(x))`` (the error bounds above), from
-    ``y`` alone; ``cap`` bounds ``|x|`` where ``y`` saturated (fp16's +-65504)."""
+    ``y`` alone; ``cap`` bounds ``|x|`` where ``y`` saturated (fp16's +-65504). ``norm``:
+    ``|y|`` if the caller has it (fp16 then needs no pass over ``y`` but its extremes)."""
     if codec.name == "none" or np.size(y) == 0:
         return 0.0
+    if codec.name == "fp16" and norm is not None and not _exceeds(y, _F16_MAX * (1 - 2**-11)):
+        # max(a, f)**2 <= a**2 + f**2 per value: within 2**-50 per value of the formula below
+        c = 2.0**-11 * (1 + 2.0**-10)
+        return math.sqrt(norm * norm * c * c + np.size(y) * 2.0**-50)
     if codec.name == "fp16":
         # per value max(|y| c, 2**-25), cap where saturated: c * max(|y|, 2**-25 / c) summed
         # in float32 values with float64 squares (a float64 copy and four passes cost a
