@@ -34,7 +34,13 @@ from typing import Any
 import numpy as np
 import trio
 
-from dedloc_jax.averaging import AllReduceError, AllReduceResult, GroupError, all_reduce
+from dedloc_jax.averaging import (
+    AllReduceConfig,
+    AllReduceError,
+    AllReduceResult,
+    GroupError,
+    all_reduce,
+)
 from dedloc_jax.averaging.group import GroupSpec
 from dedloc_jax.round.slots import Slots
 from p2p.errors import P2PError
@@ -158,11 +164,15 @@ async def broadcast(
     source: bool,
     codec: str,
     timeout: float,
-) -> list[np.ndarray] | None:
-    """Hand the representative's ``arrays`` to every member of ``spec`` (None on failure).
+    config: AllReduceConfig | None = None,
+) -> AllReduceResult | None:
+    """Hand the representative's ``arrays`` to every member of ``spec``: the round's result
+    (None on failure). ``config``: the run's all-reduce settings, so that in an open run each
+    share of the broadcast is verified like any round's (a reducer returning anything but the
+    representative's values is caught and its share recomputed from them).
 
     Members other than the source pass their own arrays only for the shapes; aux members get
-    None back either way."""
+    no average either way."""
     try:
         result = await all_reduce(
             node,
@@ -172,6 +182,7 @@ async def broadcast(
             codec=broadcast_codec(codec),
             timeout=timeout,
             round_id=broadcast_round(spec),
+            config=config,
         )
     except (AllReduceError, GroupError) as e:
         log.warning("the broadcast of the mean across groups failed: %s", e)
@@ -182,6 +193,4 @@ async def broadcast(
             raise
         log.warning("the broadcast of the mean across groups failed: %s", failed)
         return None
-    if result.average is None:
-        return None
-    return [np.asarray(a) for a in result.average]
+    return result
