@@ -82,7 +82,7 @@ class Accusation:
     chunk: int
     evidence: dict = field(repr=False)
     """msgpack-able: codec, seed, chunk range, radius, the contributors' signed statements,
-    their revealed encoded parts, and the result chunk (float32 bytes)."""
+    their revealed encoded parts, and the reducer's signed encoded result chunk."""
 
 
 @dataclass(frozen=True)
@@ -470,7 +470,6 @@ async def _judge(
         "fixed_tau": rnd.config.robust_tau,
         "statements": [stated[i].wire for i in mask],
         "parts": [revealed[i] or b"" for i in mask],
-        "result": rnd.out[a:b].astype("<f4").tobytes(),
         "members": [m.peer_id for m in rnd.members],
         "spec": rnd.spec.to_bytes(),  # its members' weights bound the stated ones
         "mask": mask,

@@ -188,3 +188,32 @@ def test_a_ban_travels_only_with_evidence_that_convicts(liar_ids):
     assert not third.is_banned(names[0]) and not third.is_banned(names[1])
     assert {b["peer"] for b in third.listing()} == {names[0], names[1]}
     assert not any(b["verified"] for b in third.listing())
+
+
+def test_evidence_too_large_for_a_record_is_published_without_it_and_said_so(liar_ids, caplog):
+    """A conviction whose evidence exceeds what a ban record carries goes out bare, with one
+    warning naming the sizes; a reader lists it unverified and bans nobody on it."""
+    import dataclasses
+
+    from dedloc_jax.bans import MAX_EVIDENCE
+
+    acc, names = _accusation(liar_ids)
+    big = dataclasses.replace(acc, evidence=dict(acc.evidence, pad=bytes(MAX_EVIDENCE)))
+    dht = _MemoryDHT()
+    accuser, reader = Bans(_node(1), dht, "run"), Bans(_node(2), dht, "run")
+    accuser.convict(big)
+
+    async def go() -> None:
+        await accuser.publish()
+        accuser._dirty = True
+        await accuser.publish()  # republished: logged once
+        await reader.refresh(force=True)
+
+    with caplog.at_level("WARNING", logger="dedloc_jax.bans"):
+        trio.run(go)
+    said = [r.getMessage() for r in caplog.records if "published without it" in r.getMessage()]
+    assert len(said) == 1 and names[1] in said[0] and str(MAX_EVIDENCE) in said[0]
+    rec = dht.values[bans_key("run")][owner_marker(_node(1).peer_id)].value["bans"][0]
+    assert rec["evidence"] == b""
+    assert not reader.is_banned(names[1])
+    assert [(b["peer"], b["verified"]) for b in reader.listing()] == [(names[1], False)]
