@@ -130,3 +130,14 @@ def test_fp16_rounding_bound_from_the_norm_bounds_the_error_like_the_formula():
     x[1] = 1e6  # saturates: the per-value formula, with its cap
     y = codec.decode(codec.encode(x), x.size)
     assert rounding_bound(codec, y, 1e6, part_norm(y)) == rounding_bound(codec, y, 1e6)
+
+
+def test_fp16_decodes_every_bit_pattern_as_numpys_conversion_does():
+    codec = get_codec("fp16")
+    bits = np.arange(1 << 16, dtype=np.uint16)
+    want = bits.view("<f2").astype(np.float32)
+    got = codec.decode(bits.tobytes(), bits.size)
+    assert got.view(np.uint32).tobytes() == want.view(np.uint32).tobytes()
+    into = np.empty((2, 1 << 16), np.float32)[:, 0]  # not contiguous
+    codec.decode_into(bits[:2].tobytes(), into)
+    assert into.view(np.uint32).tolist() == want[:2].view(np.uint32).tolist()
