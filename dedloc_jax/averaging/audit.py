@@ -407,10 +407,10 @@ def _recompute(
         a, b = rnd.chunks[j][k]
         xs, raw, norms = [], [], []
         for i in keep:
-            fig = stated[i].shares.get(j)
-            data = parts.get(i)
+            st, data = stated.get(i), parts.get(i)
+            fig = st.shares.get(j) if st is not None else None
             if fig is None or data is None:
-                return f"{rnd.name(i)} revealed nothing"
+                return f"{rnd.name(i)} stated or revealed nothing"
             if fig.hashes[k] == NO_HASH or hashlib.sha256(data[k]).digest() != fig.hashes[k]:
                 return f"{rnd.name(i)} revealed a part it did not commit to"
             x = codec.decode(data[k], b - a)
@@ -418,7 +418,7 @@ def _recompute(
             if not is_finite(x) or abs(part_norm(x) - norm) > 1e-6 * norm + 1e-30:
                 return f"{rnd.name(i)} stated a norm its part does not have"
             xs.append(x)
-            raw.append(counted_weight(stated[i].weight, float(rnd.members[i].weight)))
+            raw.append(counted_weight(st.weight, float(rnd.members[i].weight)))
             norms.append(norm)
         if not sum(raw) > 0:
             return f"chunk {k} had no weight but the liar's"
@@ -517,6 +517,8 @@ def _part_lie(
     fig = st.shares.get(j)
     if fig is None:
         return "stated nothing for this share"
+    if not st.weight > 0:  # it sent a part (its hash below) and says it contributed nothing
+        return "stated no weight for a part it sent"
     if hashlib.sha256(data).digest() != fig.hashes[k] or fig.hashes[k] == NO_HASH:
         return "revealed part does not match its committed hash"
     codec = get_codec(codec_name)

@@ -230,3 +230,28 @@ def test_a_sender_stating_a_smaller_hello_weight_cannot_frame_an_honest_reducer(
         assert not any(s.dropped for s in r.shares)
         np.testing.assert_array_equal(r.vector, results[0].vector)
     np.testing.assert_allclose(results[0].vector, 1.25, atol=1e-6)
+
+
+def test_a_sender_stating_no_weight_for_parts_it_sent_is_convicted_not_the_reducers(monkeypatch):
+    """A sender whose parts every reducer counted signs a statement of weight 0: every share
+    fails its check, and the reveal convicts the sender (its own hashes show it sent them),
+    never an honest reducer; the shares are recomputed without it, the same bits everywhere."""
+    import dedloc_jax.averaging.audit as audit
+
+    names = _names(4)
+    original = audit.make_statement
+
+    def disowning(identity, round_id, digest, sender, weight, seed, shares):
+        weight = 0.0 if sender == 3 else weight
+        return original(identity, round_id, digest, sender, weight, seed, shares)
+
+    monkeypatch.setattr(audit, "make_statement", disowning)
+    rng = np.random.default_rng(4)
+    trees = [make_tree(rng, SHAPES) for _ in range(4)]
+    outcome, _, _ = run_round(["node"] * 4, trees, [1.0] * 4, config=VERIFY)
+    honest = _results(outcome)[:3]
+    for r in honest:
+        assert r.vector.tobytes() == honest[0].vector.tobytes()
+        assert {(a.peer, a.role) for a in r.accusations} == {(names[3], "sender")}
+        assert all(check_evidence(a.evidence, names[3]) for a in r.accusations)
+        assert all(s.recomputed and names[3] not in s.contributors for s in r.shares)
