@@ -13,8 +13,10 @@ lied. An :class:`Accusation` carries the signed statements and the revealed byte
 party can redo the check from the record alone (:func:`check_evidence`). Every member then
 **recomputes the share** from the revealed parts, leaving out the convicted peer's
 (:func:`.verify.recompute`: the parts are the committed bytes, so every member holds the same
-bits and no reducer is trusted). If nobody is convicted (a contributor revealed nothing: a
-client nobody can dial, or a peer that left) or a part is missing, the share is **dropped**
+bits and no reducer is trusted). A client, whom nobody can dial, pushes its parts of a failed
+share to the dialable members, who relay them to other clients. If nobody is convicted (a
+contributor revealed nothing: it left, or its push was lost) or a part is missing, the share is
+**dropped**
 (set to zero on every member whose reveals came to the same). A contributor revealing to some
 members and not to others can still make their shares differ; the fork choice then mends it.
 """
@@ -173,6 +175,24 @@ async def serve(rnd: Round, ms: MessageStream, remote: PeerID) -> None:
             raise BadContributionError("nothing to reveal")
         for k in range(len(rnd.chunks[j])):
             await ms.send(wire.part(k, bytes(rnd.sent_part(j, k))))
+    elif msg.get("t") == "push":  # a client's parts of a failed share, once per share
+        j = msg.get("j")
+        if j not in rnd.chunks or (who, j) in rnd.pushed or rnd.members[who].mode != "client":
+            raise BadContributionError("push of a share that does not exist, again or by a node")
+        rnd.pushed[(who, j)] = await _receive_parts(rnd, ms, j)
+        rnd.push_changes.notify()
+    elif msg.get("t") == "relay":  # a client asks for another client's pushed parts
+        i, j = msg.get("i"), msg.get("j")
+        if not isinstance(i, int) or not 0 <= i < len(rnd.members) or j not in rnd.chunks:
+            raise BadContributionError("relay of a share that does not exist")
+        if (who, i, j) in rnd.reveals:
+            raise BadContributionError("relay asked again")
+        rnd.reveals.add((who, i, j))
+        parts = await _pushed(rnd, i, j)
+        if parts is None:
+            raise BadContributionError("nothing pushed to relay")
+        for k, data in enumerate(parts):
+            await ms.send(wire.part(k, data))
     else:
         raise BadContributionError("unexpected verify message")
 
@@ -201,31 +221,84 @@ async def _swap(rnd: Round, i: int, mine: dict) -> None:
         logger.info("statement swap with %s failed: %s", rnd.name(i), e)
 
 
-async def _reveal(rnd: Round, i: int, j: int) -> list[bytes] | None:
-    """Member ``i``'s encoded parts of every chunk of share ``j`` (None if it revealed
-    nothing in time or a malformed part)."""
-    n = len(rnd.chunks[j])
-    if i == rnd.me:
-        return [bytes(rnd.sent_part(j, k)) for k in range(n)]
-    if rnd.members[i].mode == "client":
-        return None  # nobody can dial it
+async def _receive_parts(rnd: Round, ms: MessageStream, j: int) -> list[bytes]:
+    """Encoded parts of every chunk of share ``j``, in order, of the codec's sizes."""
+    parts = []
+    for k, (a, b) in enumerate(rnd.chunks[j]):
+        parts.append(wire.parse_chunk(await ms.receive(), k, rnd.codec.encoded_size(b - a)))
+    return parts
+
+
+async def _pushed(rnd: Round, i: int, j: int) -> list[bytes] | None:
+    """Client ``i``'s parts of share ``j`` as it pushed them to us (waiting a while)."""
+    until = trio.current_time() + rnd.verify_timeout
+    while (i, j) not in rnd.pushed and trio.current_time() < until:
+        await rnd.push_changes.wait(until)
+    return rnd.pushed.get((i, j))
+
+
+async def _ask(rnd: Round, peer_index: int, request: dict, j: int) -> list[bytes] | None:
     try:
-        peer = PeerID.from_base58(rnd.name(i))
-        with trio.move_on_after(rnd.verify_timeout):
+        peer = PeerID.from_base58(rnd.name(peer_index))
+        with trio.move_on_after(2 * rnd.verify_timeout):
             async with rnd.node.open_stream(
                 peer, VERIFY_PROTOCOL, timeout=rnd.config.stall_timeout
             ) as ms:
                 await ms.send({"t": "vhello", "r": rnd.round_id})
-                await ms.send({"t": "reveal", "j": j})
-                parts = []
-                for k in range(n):
-                    a, b = rnd.chunks[j][k]
-                    msg = await ms.receive()
-                    parts.append(wire.parse_chunk(msg, k, rnd.codec.encoded_size(b - a)))
-                return parts
+                await ms.send(request)
+                return await _receive_parts(rnd, ms, j)
     except FAILURES as e:
-        logger.info("%s revealed nothing: %s", rnd.name(i), e)
+        logger.info("%s revealed nothing: %s", rnd.name(peer_index), e)
     return None
+
+
+def _dialable(rnd: Round) -> list[int]:
+    """Members that verify and that anyone can dial."""
+    return [i for i, m in enumerate(rnd.members) if m.sends and m.mode != "client"]
+
+
+async def _reveal(rnd: Round, i: int, j: int) -> list[bytes] | None:
+    """Member ``i``'s encoded parts of every chunk of share ``j`` (None if it revealed
+    nothing in time or a malformed part). A client, whom nobody can dial, pushes them to the
+    dialable members (:func:`_push`); a client asks one of those to relay another's."""
+    n = len(rnd.chunks[j])
+    if i == rnd.me:
+        return [bytes(rnd.sent_part(j, k)) for k in range(n)]
+    if rnd.members[i].mode != "client":
+        return await _ask(rnd, i, {"t": "reveal", "j": j}, j)
+    if rnd.members[rnd.me].mode != "client":
+        return await _pushed(rnd, i, j)
+    for relay in _dialable(rnd):  # each relayed part is checked against i's commitments
+        parts = await _ask(rnd, relay, {"t": "relay", "i": i, "j": j}, j)
+        if parts is not None:
+            return parts
+    return None
+
+
+async def _push(rnd: Round, j: int) -> None:
+    """As a client, hand our parts of failed share ``j`` to every dialable member."""
+    if rnd.vec is None or rnd.abstain:
+        return
+    n = len(rnd.chunks[j])
+
+    async def one(i: int) -> None:
+        try:
+            peer = PeerID.from_base58(rnd.name(i))
+            with trio.move_on_after(rnd.verify_timeout):
+                async with rnd.node.open_stream(
+                    peer, VERIFY_PROTOCOL, timeout=rnd.config.stall_timeout
+                ) as ms:
+                    await ms.send({"t": "vhello", "r": rnd.round_id})
+                    await ms.send({"t": "push", "j": j})
+                    for k in range(n):
+                        await ms.send(wire.part(k, bytes(rnd.sent_part(j, k))))
+        except FAILURES as e:
+            logger.info("could not push our parts to %s: %s", rnd.name(i), e)
+
+    async with trio.open_nursery() as nursery:
+        for i in _dialable(rnd):
+            if i != rnd.me:
+                nursery.start_soon(one, i)
 
 
 @dataclass(frozen=True)
@@ -354,6 +427,10 @@ async def audit(rnd: Round) -> Verdict:
     recomputed: set[int] = set()
     if failures:
         rnd.keep_vec = True  # the others will ask us to reveal our parts
+    if failures and rnd.members[rnd.me].mode == "client":
+        async with trio.open_nursery() as nursery:
+            for j in failures:
+                nursery.start_soon(_push, rnd, j)
     for j, (k, chk) in failures.items():
         logger.warning(
             "round %s: share of reducer %s failed its check at chunk %d (%s); every member "

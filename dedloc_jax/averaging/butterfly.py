@@ -268,7 +268,11 @@ class Round:
         self.statements: dict[int, Statement] = {}
         self.statement_changes = Changes()
         self.verify_timeout = config.verify_timeout or config.stall_timeout
-        self.reveals: set[tuple[int, int]] = set()  # (member, share) we revealed our parts of
+        self.reveals: set[tuple[int, ...]] = set()  # (member, [client,] share) we revealed
+        # Parts of a failed share that clients (whom nobody can dial) pushed to us, by (client,
+        # share): we judge with them and relay them to other clients.
+        self.pushed: dict[tuple[int, int], list[bytes]] = {}
+        self.push_changes = Changes()
         self.keep_vec = False  # a check failed: keep our parts for those who ask to see them
         t0 = trio.current_time()
         self.deadline = t0 + timeout

@@ -255,3 +255,27 @@ def test_a_sender_stating_no_weight_for_parts_it_sent_is_convicted_not_the_reduc
         assert {(a.peer, a.role) for a in r.accusations} == {(names[3], "sender")}
         assert all(check_evidence(a.evidence, names[3]) for a in r.accusations)
         assert all(s.recomputed and names[3] not in s.contributors for s in r.shares)
+
+
+@pytest.mark.parametrize("modes", [["node"] * 3 + ["client"], ["node"] * 2 + ["client"] * 2])
+def test_clients_push_their_parts_so_a_lying_reducers_share_is_recomputed(liar, modes):
+    """Nobody can dial a client, so it pushes its parts of a failed share to the dialable
+    members, who relay them to the other clients: the liar is convicted and its share
+    recomputed by every honest member, clients included, with the same bits (without the
+    pushes the clients' silence left the liar unconvicted and the share zeroed)."""
+    n = len(modes)
+    names = _names(n)
+    liar.name = names[1]
+    rng = np.random.default_rng(6)
+    trees = [make_tree(rng, SHAPES) for _ in range(n)]
+    outcome, _, _ = run_round(modes, trees, [1.0] * n, config=VERIFY)
+    honest = [r for i, r in enumerate(_results(outcome)) if i != 1]
+    for r in honest:
+        assert r.vector.tobytes() == honest[0].vector.tobytes()
+        assert [a.peer for a in r.accusations] == [liar.name]
+        share = next(s for s in r.shares if s.owner == liar.name)
+        assert share.recomputed and share.contributors == frozenset(names) - {liar.name}
+    parts = [flatten(t)[0] for i, t in enumerate(trees) if i != 1]
+    share = next(s for s in honest[0].shares if s.owner == liar.name)
+    want = np.mean(parts, axis=0)[share.start : share.stop]
+    np.testing.assert_allclose(honest[0].vector[share.start : share.stop], want, atol=2e-3)
