@@ -16,9 +16,9 @@ party can redo the check from the record alone (:func:`check_evidence`). Every m
 bits and no reducer is trusted). A client, whom nobody can dial, pushes its parts of a failed
 share to the dialable members, who relay them to other clients. If nobody is convicted (a
 contributor revealed nothing: it left, or its push was lost) or a part is missing, the share is
-**dropped**
-(set to zero on every member whose reveals came to the same). A contributor revealing to some
-members and not to others can still make their shares differ; the fork choice then mends it.
+**dropped** (set to zero on every member whose reveals came to the same). A contributor
+revealing to some members and not to others can still make their shares differ; the fork
+choice then mends it.
 """
 
 from __future__ import annotations
