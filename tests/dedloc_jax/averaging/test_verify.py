@@ -279,3 +279,35 @@ def test_clients_push_their_parts_so_a_lying_reducers_share_is_recomputed(liar, 
     share = next(s for s in honest[0].shares if s.owner == liar.name)
     want = np.mean(parts, axis=0)[share.start : share.stop]
     np.testing.assert_allclose(honest[0].vector[share.start : share.stop], want, atol=2e-3)
+
+
+def test_recompute_follows_the_reducers_rule_in_each_case():
+    """A caught share's recomputation (every member, the same bits) is the reducers'
+    aggregate: the plain weighted mean, CenteredClip's mean when nothing lies outside the
+    radius, its clipped fixed point when a part does, nothing from a part over ten medians."""
+    from dedloc_jax.averaging.verify import part_norm, recompute
+
+    rng = np.random.default_rng(12)
+    parts = [rng.standard_normal(500).astype(np.float32) for _ in range(4)]
+    raw = [1.0, 2.0, 1.0, 3.0]
+
+    def run(ps, robust):
+        return recompute(ps, raw, [part_norm(p) for p in ps], robust, None, 200)
+
+    got, tau = run(parts, False)
+    want = np.average(np.asarray(parts, np.float64), axis=0, weights=raw)
+    assert tau is None and np.allclose(got, want, atol=1e-6)
+    got, tau = run(parts, True)  # all within the radius: the same mean
+    assert tau == derived_tau([part_norm(p) for p in parts]) and np.allclose(got, want, atol=1e-6)
+    far = [*parts[:3], parts[3] + np.float32(0.15) * np.float32(part_norm(parts[3]))]
+    got, tau = run(far, True)  # one part outside the radius: CenteredClip's fixed point
+    w = np.asarray(raw) / sum(raw)
+    clipped = centered_clip(np.asarray(far, np.float64), w, tau, 500, tol=1e-12)
+    assert np.allclose(got, clipped, atol=1e-3 * tau)
+    assert not np.allclose(got, np.average(np.asarray(far, np.float64), axis=0, weights=raw))
+    huge = [*parts[:3], parts[3] * np.float32(1000)]  # over ten medians: weighs nothing
+    got, _ = run(huge, True)
+    want = np.average(np.asarray(parts[:3], np.float64), axis=0, weights=raw[:3])
+    assert np.allclose(got, want, atol=1e-5)
+    again, _ = run(huge, True)
+    assert again.tobytes() == got.tobytes()
