@@ -97,6 +97,7 @@ class Bans:
         self._dirty = False
         self._published_at = -float("inf")
         self._read_at = -float("inf")
+        self._bare: set[str] = set()  # peers whose evidence we published without, once logged
 
     def is_banned(self, peer: str) -> bool:
         return peer in self._banned
@@ -134,9 +135,20 @@ class Bans:
         records, size = [], 0
         for ban in reversed(self._mine):
             rec = ban.to_record()
-            size += len(rec["evidence"])
+            size += len(ban.evidence)
             if size > MAX_EVIDENCE:
                 rec["evidence"] = b""
+                if ban.peer not in self._bare:
+                    self._bare.add(ban.peer)
+                    log.warning(
+                        "the evidence against %s is %d bytes, over the %d bytes our ban record "
+                        "may carry with the others': published without it, so only peers that "
+                        "catch %s themselves will ban it",
+                        ban.peer,
+                        len(ban.evidence),
+                        MAX_EVIDENCE,
+                        ban.peer,
+                    )
             records.append(rec)
         try:
             await self.dht.store(

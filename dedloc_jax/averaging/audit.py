@@ -6,12 +6,19 @@ with every dialable sender (``VERIFY_PROTOCOL``: a member answers with every sta
 holds once it holds them all or its wait ends, so clients, which nobody can dial, learn them
 too; a relayed statement is checked by its own signature). Then every member checks every
 share it can (the figures of each chunk's contributors are in; a repaired share is not
-checked). A share that fails is **dropped by every member** (set to zero: the same bits
-everywhere, no liar's values in anyone's model). For the first failing chunk the member asks
-each contributor to reveal its encoded part: a part that does not match its sender's signed
-hash or stated projection convicts the sender; if all match, the reducer lied. An
-:class:`Accusation` carries the signed statements and the revealed bytes, so a third party can
-redo the check from the record alone (:func:`check_evidence`).
+checked). For a share that fails, the member asks each of its contributors to reveal its
+encoded parts of the whole share: a part that does not match its sender's signed hash or (in
+the first failing chunk) its stated projection convicts the sender; if all match, the reducer
+lied. An :class:`Accusation` carries the signed statements and the revealed bytes, so a third
+party can redo the check from the record alone (:func:`check_evidence`). Every member then
+**recomputes the share** from the revealed parts, leaving out the convicted peer's
+(:func:`.verify.recompute`: the parts are the committed bytes, so every member holds the same
+bits and no reducer is trusted). A client, whom nobody can dial, pushes its parts of a failed
+share to the dialable members, who relay them to other clients. If nobody is convicted (a
+contributor revealed nothing: it left, or its push was lost) or a part is missing, the share is
+**dropped** (set to zero on every member whose reveals came to the same). A contributor
+revealing to some members and not to others can still make their shares differ; the fork
+choice then mends it.
 """
 
 from __future__ import annotations
@@ -30,7 +37,8 @@ from p2p.errors import IdentityError
 from p2p.identity import PeerID, verify_signature
 from p2p.rpc import MessageStream
 
-from .codecs import get_codec, rounding_bound
+from . import wire
+from .codecs import get_codec, is_finite, rounding_bound
 from .errors import FAILURES, BadContributionError, GroupError
 from .group import GroupSpec
 from .verify import (
@@ -38,12 +46,14 @@ from .verify import (
     ShareFigures,
     Statement,
     clips,
+    counted_weight,
     derived_tau,
     direction,
     make_statement,
     parse_statement,
     part_norm,
     projection,
+    recompute,
     residual,
     result_digest,
     robust_weights,
@@ -56,9 +66,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-VERIFY_PROTOCOL = "dedloc/allreduce-verify/1"
-MAX_REVEALS = 64
-"""Parts one member may ask us to reveal in one round."""
+VERIFY_PROTOCOL = "dedloc/allreduce-verify/2"
 
 
 @dataclass(frozen=True)
@@ -75,7 +83,7 @@ class Accusation:
     chunk: int
     evidence: dict = field(repr=False)
     """msgpack-able: codec, seed, chunk range, radius, the contributors' signed statements,
-    their revealed encoded parts, and the result chunk (float32 bytes)."""
+    their revealed encoded parts, and the reducer's signed encoded result chunk."""
 
 
 @dataclass(frozen=True)
@@ -83,7 +91,11 @@ class Verdict:
     """What a round's check found on this member."""
 
     dropped: frozenset[int]
-    """Shares (reducer indices) whose check failed: every member zeroed them."""
+    """Shares (reducer indices) whose check failed and that could not be recomputed: every
+    member zeroed them."""
+    recomputed: frozenset[int]
+    """Shares whose check failed and that every member recomputed from the revealed parts,
+    without the convicted peer's."""
     unverified: frozenset[int]
     """Shares not checked (a repaired share, or a contributor's statement missing)."""
     accusations: tuple[Accusation, ...]
@@ -153,14 +165,33 @@ async def serve(rnd: Round, ms: MessageStream, remote: PeerID) -> None:
         _add(rnd, st)
         await _wait_for_all(rnd, trio.current_time() + rnd.verify_timeout)
         await ms.send({"t": "stmts", "l": [s.wire for s in rnd.statements.values()]})
-    elif msg.get("t") == "reveal":
-        j, k = msg.get("j"), msg.get("k")
-        if j not in rnd.chunks or not isinstance(k, int) or not 0 <= k < len(rnd.chunks[j]):
-            raise BadContributionError("reveal of a chunk that does not exist")
-        rnd.reveals[who] = rnd.reveals.get(who, 0) + 1
-        if rnd.reveals[who] > MAX_REVEALS or rnd.vec is None or rnd.abstain:
+    elif msg.get("t") == "reveal":  # our parts of one share, once per member and share
+        j = msg.get("j")
+        if j not in rnd.chunks or (who, j) in rnd.reveals:
+            raise BadContributionError("reveal of a share that does not exist, or again")
+        rnd.reveals.add((who, j))
+        if rnd.vec is None or rnd.abstain:
             raise BadContributionError("nothing to reveal")
-        await ms.send({"t": "part", "d": bytes(rnd.sent_part(j, k))})
+        for k in range(len(rnd.chunks[j])):
+            await ms.send(wire.part(k, bytes(rnd.sent_part(j, k))))
+    elif msg.get("t") == "push":  # a client's parts of a failed share, once per share
+        j = msg.get("j")
+        if j not in rnd.chunks or (who, j) in rnd.pushed or rnd.members[who].mode != "client":
+            raise BadContributionError("push of a share that does not exist, again or by a node")
+        rnd.pushed[(who, j)] = await _receive_parts(rnd, ms, j)
+        rnd.push_changes.notify()
+    elif msg.get("t") == "relay":  # a client asks for another client's pushed parts
+        i, j = msg.get("i"), msg.get("j")
+        if not isinstance(i, int) or not 0 <= i < len(rnd.members) or j not in rnd.chunks:
+            raise BadContributionError("relay of a share that does not exist")
+        if (who, i, j) in rnd.reveals:
+            raise BadContributionError("relay asked again")
+        rnd.reveals.add((who, i, j))
+        parts = await _pushed(rnd, i, j)
+        if parts is None:
+            raise BadContributionError("nothing pushed to relay")
+        for k, data in enumerate(parts):
+            await ms.send(wire.part(k, data))
     else:
         raise BadContributionError("unexpected verify message")
 
@@ -189,25 +220,84 @@ async def _swap(rnd: Round, i: int, mine: dict) -> None:
         logger.info("statement swap with %s failed: %s", rnd.name(i), e)
 
 
-async def _reveal(rnd: Round, i: int, j: int, k: int) -> bytes | None:
-    if i == rnd.me:
-        return bytes(rnd.sent_part(j, k))
-    if rnd.members[i].mode == "client":
-        return None  # nobody can dial it
+async def _receive_parts(rnd: Round, ms: MessageStream, j: int) -> list[bytes]:
+    """Encoded parts of every chunk of share ``j``, in order, of the codec's sizes."""
+    parts = []
+    for k, (a, b) in enumerate(rnd.chunks[j]):
+        parts.append(wire.parse_chunk(await ms.receive(), k, rnd.codec.encoded_size(b - a)))
+    return parts
+
+
+async def _pushed(rnd: Round, i: int, j: int) -> list[bytes] | None:
+    """Client ``i``'s parts of share ``j`` as it pushed them to us (waiting a while)."""
+    until = trio.current_time() + rnd.verify_timeout
+    while (i, j) not in rnd.pushed and trio.current_time() < until:
+        await rnd.push_changes.wait(until)
+    return rnd.pushed.get((i, j))
+
+
+async def _ask(rnd: Round, peer_index: int, request: dict, j: int) -> list[bytes] | None:
     try:
-        peer = PeerID.from_base58(rnd.name(i))
-        with trio.move_on_after(rnd.verify_timeout):
+        peer = PeerID.from_base58(rnd.name(peer_index))
+        with trio.move_on_after(2 * rnd.verify_timeout):
             async with rnd.node.open_stream(
                 peer, VERIFY_PROTOCOL, timeout=rnd.config.stall_timeout
             ) as ms:
                 await ms.send({"t": "vhello", "r": rnd.round_id})
-                await ms.send({"t": "reveal", "j": j, "k": k})
-                reply = await ms.receive()
-                data = reply.get("d") if isinstance(reply, dict) else None
-                return data if isinstance(data, bytes) else None
+                await ms.send(request)
+                return await _receive_parts(rnd, ms, j)
     except FAILURES as e:
-        logger.info("%s revealed nothing: %s", rnd.name(i), e)
+        logger.info("%s revealed nothing: %s", rnd.name(peer_index), e)
     return None
+
+
+def _dialable(rnd: Round) -> list[int]:
+    """Members that verify and that anyone can dial."""
+    return [i for i, m in enumerate(rnd.members) if m.sends and m.mode != "client"]
+
+
+async def _reveal(rnd: Round, i: int, j: int) -> list[bytes] | None:
+    """Member ``i``'s encoded parts of every chunk of share ``j`` (None if it revealed
+    nothing in time or a malformed part). A client, whom nobody can dial, pushes them to the
+    dialable members (:func:`_push`); a client asks one of those to relay another's."""
+    n = len(rnd.chunks[j])
+    if i == rnd.me:
+        return [bytes(rnd.sent_part(j, k)) for k in range(n)]
+    if rnd.members[i].mode != "client":
+        return await _ask(rnd, i, {"t": "reveal", "j": j}, j)
+    if rnd.members[rnd.me].mode != "client":
+        return await _pushed(rnd, i, j)
+    for relay in _dialable(rnd):  # each relayed part is checked against i's commitments
+        parts = await _ask(rnd, relay, {"t": "relay", "i": i, "j": j}, j)
+        if parts is not None:
+            return parts
+    return None
+
+
+async def _push(rnd: Round, j: int) -> None:
+    """As a client, hand our parts of failed share ``j`` to every dialable member."""
+    if rnd.vec is None or rnd.abstain:
+        return
+    n = len(rnd.chunks[j])
+
+    async def one(i: int) -> None:
+        try:
+            peer = PeerID.from_base58(rnd.name(i))
+            with trio.move_on_after(rnd.verify_timeout):
+                async with rnd.node.open_stream(
+                    peer, VERIFY_PROTOCOL, timeout=rnd.config.stall_timeout
+                ) as ms:
+                    await ms.send({"t": "vhello", "r": rnd.round_id})
+                    await ms.send({"t": "push", "j": j})
+                    for k in range(n):
+                        await ms.send(wire.part(k, bytes(rnd.sent_part(j, k))))
+        except FAILURES as e:
+            logger.info("could not push our parts to %s: %s", rnd.name(i), e)
+
+    async with trio.open_nursery() as nursery:
+        for i in _dialable(rnd):
+            if i != rnd.me:
+                nursery.start_soon(one, i)
 
 
 @dataclass(frozen=True)
@@ -233,8 +323,8 @@ def check_chunk(
     member_weights: Sequence[float],
 ) -> ChunkCheck:
     """Whether chunk ``k`` of share ``j`` is the aggregate its contributors' figures imply.
-    A stated weight counts for at most the member's weight in the group spec
-    (``member_weights``), as reducers count it (:meth:`.butterfly.Round.bounded_weight`)."""
+    A sender counts for its weight in the group spec (``member_weights``) where that is
+    finite, as reducers count it (:func:`.verify.counted_weight`)."""
     order = sorted(contributors)
     figs = []
     for i in order:
@@ -242,7 +332,7 @@ def check_chunk(
         if f is None or not math.isfinite(f.q[k]) or statements[i].weight <= 0:
             return ChunkCheck(False, f"member {i} is counted but stated no contribution")
         figs.append(f)
-    raw = [min(statements[i].weight, float(member_weights[i])) for i in order]
+    raw = [counted_weight(statements[i].weight, float(member_weights[i])) for i in order]
     robust = clips(robust, fixed_tau, len(order))
     norms = [float(f.norms[k]) for f in figs]
     weights = list(robust_weights(raw, norms, fixed_tau)) if robust else raw
@@ -256,9 +346,10 @@ def check_chunk(
     # (the codec's rounding adds at most 7%: int8); a longer result also hides in its own
     # rounding bound, so it is refused first.
     longest = max(norms, default=0.0)
-    if part_norm(result) > 1.1 * longest + 1e-30:
-        return ChunkCheck(False, f"result norm {part_norm(result):.3g} > every part's")
-    bound = rounding_bound(get_codec(codec_name), result, longest)
+    length = part_norm(result)
+    if length > 1.1 * longest + 1e-30:
+        return ChunkCheck(False, f"result norm {length:.3g} > every part's")
+    bound = rounding_bound(get_codec(codec_name), result, longest, length)
     tol = tolerance(bound, norms, weights, tau)
     res = residual([float(f.q[k]) for f in figs], weights)
     if abs(res) > tol:
@@ -332,41 +423,117 @@ async def audit(rnd: Round) -> Verdict:
             [rnd.name(j) for j in sorted(unverified)],
         )
     accusations: list[Accusation] = []
+    recomputed: set[int] = set()
     if failures:
         rnd.keep_vec = True  # the others will ask us to reveal our parts
+    if failures and rnd.members[rnd.me].mode == "client":
+        async with trio.open_nursery() as nursery:
+            for j in failures:
+                nursery.start_soon(_push, rnd, j)
     for j, (k, chk) in failures.items():
-        dropped.add(j)
         logger.warning(
             "round %s: share of reducer %s failed its check at chunk %d (%s); every member "
-            "drops it",
+            "recomputes it from the revealed parts",
             rnd.round_id.hex()[:8],
             rnd.name(j),
             k,
             chk.why,
         )
-        accused = await _judge(rnd, seed, stated, j, k, chk)
+        accused, parts = await _judge(rnd, seed, stated, j, k, chk)
         if accused is not None:
             accusations.append(accused)
-    for j in dropped:
-        rnd.out[rnd.bounds[j] : rnd.bounds[j + 1]] = 0.0
-    return Verdict(frozenset(dropped), frozenset(unverified - dropped), tuple(accusations))
+            liar = [m.peer_id for m in rnd.members].index(accused.peer)
+            why = _recompute(rnd, stated, j, parts, liar)
+        else:
+            why = "nobody was convicted"
+        if why:
+            logger.warning(
+                "round %s: share of reducer %s not recomputed (%s); every member drops it",
+                rnd.round_id.hex()[:8],
+                rnd.name(j),
+                why,
+            )
+            dropped.add(j)
+            rnd.out[rnd.bounds[j] : rnd.bounds[j + 1]] = 0.0
+        else:
+            recomputed.add(j)
+    failed = dropped | recomputed
+    return Verdict(
+        frozenset(dropped),
+        frozenset(recomputed),
+        frozenset(unverified - failed),
+        tuple(accusations),
+    )
+
+
+def _recompute(
+    rnd: Round, stated: dict[int, Statement], j: int, parts: dict[int, list[bytes]], liar: int
+) -> str:
+    """Share ``j`` aggregated here from its contributors' revealed parts, ``liar``'s left out,
+    chunk by chunk with the contributors' signed weights and norms (the same inputs on every
+    member, :func:`.verify.recompute`), then rounded by the codec as a reducer's result is;
+    written into the result with its new masks. Returns why not ("" when done)."""
+    assert rnd.out is not None
+    cfg, codec = rnd.config, rnd.codec
+    values, masks, taus = [], [], []
+    for k, mask in enumerate(rnd.masks[j]):
+        keep = sorted(mask - {liar})
+        if not keep:
+            return f"chunk {k} had no contributor but the liar"
+        a, b = rnd.chunks[j][k]
+        xs, raw, norms = [], [], []
+        for i in keep:
+            st, data = stated.get(i), parts.get(i)
+            fig = st.shares.get(j) if st is not None else None
+            if fig is None or data is None:
+                return f"{rnd.name(i)} stated or revealed nothing"
+            if fig.hashes[k] == NO_HASH or hashlib.sha256(data[k]).digest() != fig.hashes[k]:
+                return f"{rnd.name(i)} revealed a part it did not commit to"
+            x = codec.decode(data[k], b - a)
+            norm = float(fig.norms[k])
+            if not is_finite(x) or abs(part_norm(x) - norm) > 1e-6 * norm + 1e-30:
+                return f"{rnd.name(i)} stated a norm its part does not have"
+            xs.append(x)
+            raw.append(counted_weight(st.weight, float(rnd.members[i].weight)))
+            norms.append(norm)
+        if not sum(raw) > 0:
+            return f"chunk {k} had no weight but the liar's"
+        agg, tau = recompute(xs, raw, norms, cfg.robust_mode, cfg.robust_tau, cfg.robust_iters)
+        values.append(codec.decode(codec.encode(agg), b - a))
+        masks.append(frozenset(keep))
+        taus.append(tau)
+    a = rnd.bounds[j]
+    for (x, y), v in zip(rnd.chunks[j], values, strict=True):
+        rnd.out[a + x : a + y] = v
+    rnd.masks[j], rnd.taus[j] = masks, taus
+    logger.warning(
+        "round %s: share of reducer %s recomputed without %s",
+        rnd.round_id.hex()[:8],
+        rnd.name(j),
+        rnd.name(liar),
+    )
+    return ""
 
 
 async def _judge(
     rnd: Round, seed: bytes, stated: dict[int, Statement], j: int, k: int, chk: ChunkCheck
-) -> Accusation | None:
-    """Who lied about chunk ``k`` of share ``j``: reveal its contributors' parts."""
+) -> tuple[Accusation | None, dict[int, list[bytes]]]:
+    """Who lied about chunk ``k`` of share ``j``, from the parts of the whole share its
+    contributors reveal (returned, for the recomputation)."""
     assert rnd.out is not None
     mask = sorted(rnd.masks[j][k])
     a, b = rnd.share_slice(j, k)
-    revealed: dict[int, bytes | None] = dict.fromkeys(mask)
+    shares: dict[int, list[bytes]] = {}
     async with trio.open_nursery() as nursery:
 
         async def one(i: int) -> None:
-            revealed[i] = await _reveal(rnd, i, j, k)
+            got = await _reveal(rnd, i, j)
+            if got is not None:
+                shares[i] = got
 
-        for i in mask:
+        for i in sorted(frozenset().union(*rnd.masks[j])):
             nursery.start_soon(one, i)
+    revealed = {i: shares[i][k] if i in shares else None for i in mask}
     evidence = {
         "codec": rnd.codec.name,
         "seed": seed,
@@ -379,7 +546,6 @@ async def _judge(
         "fixed_tau": rnd.config.robust_tau,
         "statements": [stated[i].wire for i in mask],
         "parts": [revealed[i] or b"" for i in mask],
-        "result": rnd.out[a:b].astype("<f4").tobytes(),
         "members": [m.peer_id for m in rnd.members],
         "spec": rnd.spec.to_bytes(),  # its members' weights bound the stated ones
         "mask": mask,
@@ -399,7 +565,7 @@ async def _judge(
         why = _part_lie(rnd.codec.name, data, stated[i], j, k, z, rnd.out[a:b], rnd.taus[j][k])
         if why:
             logger.warning("round %s: sender %s lied: %s", rnd.round_id.hex()[:8], rnd.name(i), why)
-            return Accusation(rnd.name(i), "sender", why, rnd.round_id, j, k, evidence)
+            return Accusation(rnd.name(i), "sender", why, rnd.round_id, j, k, evidence), shares
     if silent:
         logger.warning(
             "round %s: %s revealed nothing; the liar about share %s stays unknown",
@@ -407,10 +573,10 @@ async def _judge(
             [rnd.name(i) for i in silent],
             rnd.name(j),
         )
-        return None
+        return None, shares
     why = f"result is not the aggregate of the committed parts ({chk.why})"
     logger.warning("round %s: reducer %s lied: %s", rnd.round_id.hex()[:8], rnd.name(j), why)
-    return Accusation(rnd.name(j), "reducer", why, rnd.round_id, j, k, evidence)
+    return Accusation(rnd.name(j), "reducer", why, rnd.round_id, j, k, evidence), shares
 
 
 def _part_lie(
@@ -427,6 +593,8 @@ def _part_lie(
     fig = st.shares.get(j)
     if fig is None:
         return "stated nothing for this share"
+    if not st.weight > 0:  # it sent a part (its hash below) and says it contributed nothing
+        return "stated no weight for a part it sent"
     if hashlib.sha256(data).digest() != fig.hashes[k] or fig.hashes[k] == NO_HASH:
         return "revealed part does not match its committed hash"
     codec = get_codec(codec_name)

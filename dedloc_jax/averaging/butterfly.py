@@ -47,7 +47,7 @@ from .group import GroupSpec
 from .partition import chunk_bounds, flatten, share_bounds, unflatten
 from .reducer import Reducer
 from .repair import Repair, expect_done, receive_finals, send_finals
-from .verify import NO_HASH, Statement
+from .verify import NO_HASH, Statement, counted_weight
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +64,11 @@ class ShareResult:
     segments: tuple[tuple[int, int, frozenset[str]], ...]
     repaired: bool
     dropped: bool = False
-    """Its result failed the group's check (:mod:`.audit`): every member holds zeros there."""
+    """Its result failed the group's check (:mod:`.audit`) and could not be recomputed: every
+    member holds zeros there."""
+    recomputed: bool = False
+    """Its result failed the group's check: every member recomputed it from the revealed
+    parts without the convicted peer's (:mod:`.audit`)."""
 
     @property
     def contributors(self) -> frozenset[str]:
@@ -264,7 +268,11 @@ class Round:
         self.statements: dict[int, Statement] = {}
         self.statement_changes = Changes()
         self.verify_timeout = config.verify_timeout or config.stall_timeout
-        self.reveals: dict[int, int] = {}
+        self.reveals: set[tuple[int, ...]] = set()  # (member, [client,] share) we revealed
+        # Parts of a failed share that clients (whom nobody can dial) pushed to us, by (client,
+        # share): we judge with them and relay them to other clients.
+        self.pushed: dict[tuple[int, int], list[bytes]] = {}
+        self.push_changes = Changes()
         self.keep_vec = False  # a check failed: keep our parts for those who ask to see them
         t0 = trio.current_time()
         self.deadline = t0 + timeout
@@ -299,9 +307,8 @@ class Round:
         return self.members[i].peer_id
 
     def bounded_weight(self, s: int, stated: float) -> float:
-        """The weight sender ``s`` counts for: what it states (hello, statement), at most its
-        member entry's weight."""
-        return min(stated, float(self.members[s].weight))
+        """The weight sender ``s`` counts for (:func:`.verify.counted_weight`)."""
+        return counted_weight(stated, float(self.members[s].weight))
 
     def commit_part(self, j: int, k: int, part: np.ndarray) -> np.ndarray:
         """Commit to our part of chunk ``k`` of share ``j`` (hash of its encoding); returns
@@ -677,6 +684,7 @@ async def all_reduce(
                 tuple(segments),
                 j in rnd.repaired,
                 verdict is not None and j in verdict.dropped,
+                verdict is not None and j in verdict.recomputed,
             )
         )
     assert rnd.out is not None

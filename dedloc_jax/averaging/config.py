@@ -43,7 +43,8 @@ class AllReduceConfig:
     robust_iters: int = 50
     verify: bool = False
     """Every member checks every reducer's result in the same round (:mod:`.verify`,
-    :mod:`.audit`); a caught share is dropped by everyone and its liar named."""
+    :mod:`.audit`); a caught share is recomputed by everyone without its liar's part (or
+    dropped when nobody is convicted) and its liar named."""
     verify_timeout: float | None = None
     """How long the check's statements may take to gather (None: ``stall_timeout``)."""
 

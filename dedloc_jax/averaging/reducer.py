@@ -77,9 +77,12 @@ class Reducer:
         # Kept apart from ``changes`` so a part arriving does not wake every result stream of
         # the group (that was quadratic in the group size per chunk).
         self.results = Changes()
-        # Robust mode buffers each chunk's parts (sender -> values) until it is finalised.
+        # Robust mode buffers each chunk's parts (sender -> values) and their norms until it
+        # is finalised; it accumulates the weighted sum as the plain mean does all the same,
+        # which is CenteredClip's result whenever no part lies outside the radius.
         self.robust = rnd.config.robust_mode
         self.parts: list[dict[int, np.ndarray]] = [{} for _ in range(n)] if self.robust else []
+        self.norms: list[dict[int, float]] = [{} for _ in range(n)] if self.robust else []
         self.taus: list[float | None] = [None] * n  # CenteredClip's radius per chunk
         self.sigs: list[bytes | None] = [None] * n  # our signature of each result chunk
         self.own = rnd.is_sender and not rnd.abstain
@@ -90,6 +93,7 @@ class Reducer:
                 m.add(j)
             for k in range(n) if self.robust else ():
                 self.parts[k][j] = self._own_part(k)
+                self.norms[k][j] = part_norm(self.parts[k][j])
         for k in range(min(self.window, n)):
             self._open_slot(k)
 
@@ -111,8 +115,9 @@ class Reducer:
     def _open_slot(self, k: int) -> None:
         """Start chunk ``k``'s accumulator: our own contribution, or zeros."""
         slot = self._slot(k)
-        if self.own and not self.robust:
-            np.multiply(self._own_part(k), np.float32(self.r.weight), out=slot)
+        if self.own:
+            own = self.parts[k][self.r.me] if self.robust else self._own_part(k)
+            np.multiply(own, np.float32(self.r.weight), out=slot)
         else:
             slot[:] = 0.0
 
@@ -269,22 +274,33 @@ class Reducer:
             np.divide(avg, np.float32(self.wsum[k]), out=avg)
 
     def _robust_finalise(self, k: int, out: np.ndarray) -> None:
-        """CenteredClip over the chunk's buffered parts (weights capped) into ``out``."""
+        """CenteredClip over the chunk's buffered parts (weights capped) into ``out``, which
+        holds their weighted sum: the weighted mean is the answer, without a pass over the
+        parts, when the weights stand and every part lies within the radius of the mean
+        (``|x_i| + |mean| <= tau`` by the triangle inequality, else measured)."""
         r = self.r
-        parts = self.parts[k]
-        self.parts[k] = {}
+        parts, norms_of = self.parts[k], self.norms[k]
+        self.parts[k], self.norms[k] = {}, {}
         senders = sorted(parts)
         own = r.weight if r.is_sender and not r.abstain else 0.0
         raw = [own if s == r.me else self.weights[s] for s in senders]
-        values = [parts[s] for s in senders]
+        total = float(sum(raw))
         if not clips(True, r.config.robust_tau, len(senders)):
-            x = np.asarray(values, np.float64)
-            out[:] = (np.asarray(raw) @ x) / max(sum(raw), 1e-300)
+            np.divide(out, np.float32(max(total, 1e-300)), out=out)  # the plain mean
             return
-        norms = [part_norm(v) for v in values]
+        norms = [norms_of[s] for s in senders]
         weights = robust_weights(raw, norms, r.config.robust_tau)
         tau = r.config.robust_tau or derived_tau(norms)
         self.taus[k] = tau
+        if np.array_equal(weights, raw) and total > 0:
+            np.divide(out, np.float32(total), out=out)
+            mean_bound = sum(w * n for w, n in zip(raw, norms, strict=True)) / total
+            if all(
+                n + mean_bound <= tau or _within(parts[s], out, tau)
+                for s, n in zip(senders, norms, strict=True)
+            ):
+                return
+        values = [parts[s] for s in senders]
         out[:] = centered_clip(values, weights, tau, r.config.robust_iters, tol=CLIP_TOL)
 
     async def serve(self, h: wire.Hello, ms: MessageStream) -> None:
@@ -349,7 +365,10 @@ class Reducer:
         scratch = self.scratch[: b - a]
         try:
             data = wire.parse_chunk(msg, k, self.r.codec.encoded_size(b - a))
-            values = self.r.codec.decode_view(data, scratch)  # no copy when lossless
+            if self.robust and not self.r.codec.lossless:  # kept until finalisation
+                values = self.r.codec.decode(data, b - a)
+            else:
+                values = self.r.codec.decode_view(data, scratch)  # no copy when lossless
         except (BadContributionError, CodecError) as e:
             self.exclude(s, f"malformed chunk {k}: {e}")
             return
@@ -357,12 +376,12 @@ class Reducer:
             self.exclude(s, f"non-finite values in chunk {k}")
             return
         w = self.weights[s]
-        if self.robust:
-            self.parts[k][s] = values.copy()  # weighed at finalisation
-        else:
-            if w != 1.0:
-                values = np.multiply(values, np.float32(w), out=scratch)
-            self._slot(k)[:] += values
+        if self.robust:  # kept for finalisation (a lossless view holds the message's bytes)
+            self.parts[k][s] = values
+            self.norms[k][s] = part_norm(values)
+        if w != 1.0:
+            values = np.multiply(values, np.float32(w), out=scratch)
+        self._slot(k)[:] += values
         self.wsum[k] += w
         self.cmask[k].add(s)
         self.changes.notify()
@@ -410,3 +429,9 @@ class Reducer:
             await ms.send(wire.simple("commit"))
         else:
             ms.reset("no ack in time")
+
+
+def _within(part: np.ndarray, center: np.ndarray, tau: float) -> bool:
+    """Whether ``|part - center| <= tau`` (float64 sum of float32 differences)."""
+    dev = np.subtract(part, center, dtype=np.float32)
+    return float(np.einsum("i,i->", dev, dev, dtype=np.float64)) <= tau * tau

@@ -163,7 +163,11 @@ class Repair:
         else:
             holder, relay_from, prefix = self.plan
             relay = (relay_from, prefix) if s == holder else (0, 0)
-            parts = (prefix, self.n_chunks) if not h.abstain and h.weight > 0 else (0, 0)
+            parts = (
+                (prefix, self.n_chunks)
+                if not h.abstain and r.bounded_weight(s, h.weight) > 0
+                else (0, 0)
+            )
             await ms.send(wire.need(relay, parts))
             with trio.move_on_at(r.data_at):
                 await self._receive_data(s, h, ms, relay, parts)
@@ -208,12 +212,13 @@ class Repair:
                 continue
             if self.ready.is_set():
                 return
-            self.acc[x:y] += values * np.float32(h.weight)
-            self.wsum[k] += h.weight
+            w = r.bounded_weight(s, h.weight)  # as in the round: not what it says, unbounded
+            self.acc[x:y] += values * np.float32(w)
+            self.wsum[k] += w
             self.cmask[k].add(s)
             if self.robust:
                 self.parts[k][s] = values
-                self.weights[s] = h.weight
+                self.weights[s] = w
         await expect_done(ms)
 
 

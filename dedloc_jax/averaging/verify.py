@@ -46,7 +46,7 @@ import numpy as np
 from p2p.identity import PeerID, verify_signature
 
 from .errors import BadContributionError
-from .robust import cap_weights
+from .robust import cap_weights, weighted_median
 
 SIGMAS = 8.0
 """Standard deviations of the honest residual's projection a result may be off."""
@@ -186,12 +186,65 @@ def tolerance(
     return SIGMAS * (result_bound + acc / total + slack) + 1e-30
 
 
+def recompute(
+    parts: Sequence[np.ndarray],
+    raw: Sequence[float],
+    norms: Sequence[float],
+    robust: bool,
+    fixed_tau: float | None,
+    iters: int,
+) -> tuple[np.ndarray, float | None]:
+    """The aggregate of ``parts`` (weights ``raw``, stated norms ``norms``) by the reducers'
+    rule, computed by every member of a round for a caught share: the same bits on each, so
+    only element-wise float64 arithmetic in the parts' order and numpy's pairwise sums (no
+    einsum or BLAS, whose order follows the CPU). Returns the float32 values and the radius
+    (None for a plain mean)."""
+    tau = None
+    weights = np.asarray(raw, np.float64)
+    if clips(robust, fixed_tau, len(parts)):
+        weights = robust_weights(raw, norms, fixed_tau)
+        tau = fixed_tau or derived_tau(norms)
+    w = weights / float(np.add.reduce(weights))
+    mean = np.zeros(parts[0].size, np.float64)
+    for wi, x in zip(w, parts, strict=True):
+        mean += wi * np.asarray(x, np.float64)
+    if tau is None:
+        return mean.astype(np.float32), None
+    x = np.asarray(parts, np.float64)
+    center = mean
+    bound = float(np.add.reduce(w * np.asarray(norms, np.float64)))
+    if any(n + bound > tau for n, wi in zip(norms, w, strict=True) if wi > 0):
+        center = weighted_median(x, w)  # as the reducer's CenteredClip starts
+        for _ in range(iters):
+            dev = x - center
+            dist = np.sqrt(np.add.reduce(dev * dev, axis=1))
+            scale = w * np.minimum(1.0, tau / np.maximum(dist, 1e-300))
+            step = np.zeros_like(center)
+            for si, d in zip(scale, dev, strict=True):
+                step += si * d
+            center = center + step
+            if math.sqrt(float(np.add.reduce(step * step))) <= CLIP_SLACK / 10 * tau:
+                break
+    return center.astype(np.float32), tau
+
+
 def residual(qs: Sequence[float], weights: Sequence[float]) -> float:
     total = float(sum(weights))
     return float(sum(w * q for w, q in zip(weights, qs, strict=True))) / (total or 1.0)
 
 
 # ---- statements ---------------------------------------------------------------------------
+
+
+def counted_weight(stated: float, bound: float) -> float:
+    """The weight a sender counts for, in the reducer and in every check alike: its group
+    spec's (what it registered, as the leader bounded it) whenever the spec bounds it, else
+    what it states; nothing when it states none. The stated figure is in the hello and again
+    in the signed statement; a sender stating one to the reducer and another to the checkers
+    made an honest reducer fail its check, so only "contributes or not" is taken from it."""
+    if not stated > 0:
+        return 0.0
+    return float(bound) if math.isfinite(bound) else float(stated)
 
 
 @dataclass(frozen=True)

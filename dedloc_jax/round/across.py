@@ -26,6 +26,7 @@ its members learn that the mean is *partial* and check the fork before training 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
@@ -33,7 +34,13 @@ from typing import Any
 import numpy as np
 import trio
 
-from dedloc_jax.averaging import AllReduceError, AllReduceResult, GroupError, all_reduce
+from dedloc_jax.averaging import (
+    AllReduceConfig,
+    AllReduceError,
+    AllReduceResult,
+    GroupError,
+    all_reduce,
+)
 from dedloc_jax.averaging.group import GroupSpec
 from dedloc_jax.round.slots import Slots
 from p2p.errors import P2PError
@@ -61,6 +68,18 @@ def averaged_weight(spec: GroupSpec, result: AllReduceResult) -> float:
 def broadcast_codec(codec: str) -> str:
     """An element-wise codec for the broadcast: every group must round the mean alike."""
     return "fp16" if codec == "int8" else codec
+
+
+def broadcast_spec(spec: GroupSpec) -> GroupSpec:
+    """The broadcast's group: ``spec`` with the representative weighing 1 and every other
+    member 0, since a sender counts for its spec weight (:func:`~dedloc_jax.averaging.verify.
+    counted_weight`): with its group's samples as weight, the mean came back as (w x) / w,
+    rounded differently in each group."""
+    rep = representative(spec)
+    members = tuple(
+        dataclasses.replace(m, weight=1.0 if m.peer_id == rep else 0.0) for m in spec.members
+    )
+    return GroupSpec(members, spec.group_id, spec.parts)
 
 
 def broadcast_round(spec: GroupSpec) -> bytes:
@@ -145,20 +164,25 @@ async def broadcast(
     source: bool,
     codec: str,
     timeout: float,
-) -> list[np.ndarray] | None:
-    """Hand the representative's ``arrays`` to every member of ``spec`` (None on failure).
+    config: AllReduceConfig | None = None,
+) -> AllReduceResult | None:
+    """Hand the representative's ``arrays`` to every member of ``spec``: the round's result
+    (None on failure). ``config``: the run's all-reduce settings, so that in an open run each
+    share of the broadcast is verified like any round's (a reducer returning anything but the
+    representative's values is caught and its share recomputed from them).
 
     Members other than the source pass their own arrays only for the shapes; aux members get
-    None back either way."""
+    no average either way."""
     try:
         result = await all_reduce(
             node,
-            spec,
+            broadcast_spec(spec),
             list(arrays),
             1.0 if source else 0.0,
             codec=broadcast_codec(codec),
             timeout=timeout,
             round_id=broadcast_round(spec),
+            config=config,
         )
     except (AllReduceError, GroupError) as e:
         log.warning("the broadcast of the mean across groups failed: %s", e)
@@ -169,6 +193,4 @@ async def broadcast(
             raise
         log.warning("the broadcast of the mean across groups failed: %s", failed)
         return None
-    if result.average is None:
-        return None
-    return [np.asarray(a) for a in result.average]
+    return result

@@ -110,13 +110,17 @@ class Rounds:
             return None, str(e)
         except BaseExceptionGroup as group:
             return None, str(_only_averaging(group))
+        await self.convict(result)
+        return result, ""
+
+    async def convict(self, result: AllReduceResult) -> None:
+        """Ban the peers a round caught lying, publish it, and adopt others' proven bans."""
         if self.bans is not None:
             for accusation in result.accusations:
                 self.bans.convict(accusation)
             with trio.move_on_after(self.dht_latency() * 4 + 5.0):
                 await self.bans.publish()
                 await self.bans.refresh()
-        return result, ""
 
 
 @dataclass(frozen=True)
@@ -265,14 +269,18 @@ async def _across(
         if not ok:
             return mean, 1, False
     assert spec is not None  # a peer alone represents itself, and returned above
-    out = await broadcast(
+    sent = await broadcast(
         rounds.node,
         spec,
         mean,
         source=rep == me,
         codec=codec,
         timeout=rounds.deadlines(spec, mean).averaging,
+        config=rounds.all_reduce_config(),
     )
+    if sent is not None:
+        await rounds.convict(sent)
+    out = None if sent is None or sent.average is None else [np.asarray(a) for a in sent.average]
     if out is None:  # the representative holds the mean across groups all the same
         return mean, 1, rep == me and whole
     return out, size, whole

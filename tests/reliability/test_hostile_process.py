@@ -5,8 +5,8 @@ bit-identical, ban the liar within two rounds and average without it afterwards,
 toward the truth: LAMB's first step from zero moves each weight by the learning rate along the
 sign of its averaged gradient, so a poisoned share that landed in the first round leaves its
 weights at -1e-3 (and later steps, scaled by the trust ratio, are 1000x smaller); a share
-caught and dropped leaves them near zero. Measured: the liar banned in round 1 by the peer it
-cheated, the others following from the evidence; ~45 s on 2 loaded cores."""
+caught is recomputed without the liar's part. Measured: the liar banned in round 1 by the peer
+it cheated, the others following from the evidence; ~45 s on 2 loaded cores."""
 
 from __future__ import annotations
 

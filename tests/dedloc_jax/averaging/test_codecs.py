@@ -108,3 +108,36 @@ def test_fp16_rounding_bound_bounds_the_error_and_matches_its_per_value_formula(
     assert got >= float(np.sqrt(np.sum(b**2))) * (1 - 1e-12)
     assert got <= float(np.sqrt(np.sum(b**2))) * (1 + 1e-6)
     assert got >= float(np.linalg.norm(x.astype(np.float64) - y))
+
+
+def test_fp16_rounding_bound_from_the_norm_bounds_the_error_like_the_formula():
+    """Given ``|y|`` (what a check has already), the fp16 bound takes no pass over the values
+    but their extremes: never below the per-value formula, within 1e-6 of it on real chunks,
+    and the formula itself where a value saturated."""
+    from dedloc_jax.averaging.codecs import rounding_bound
+    from dedloc_jax.averaging.verify import part_norm
+
+    rng = np.random.default_rng(8)
+    codec = get_codec("fp16")
+    for scale in (1e-6, 1.0, 3e3):
+        x = (rng.standard_normal(65_536) * scale).astype(np.float32)
+        x[0] = 0.0
+        y = codec.decode(codec.encode(x), x.size)
+        exact = rounding_bound(codec, y, 1.0)
+        fast = rounding_bound(codec, y, 1.0, part_norm(y))
+        assert exact * (1 - 1e-12) <= fast <= exact * (1 + 1e-6) + 2.0**-25 * 256
+        assert fast >= float(np.linalg.norm(x.astype(np.float64) - y))
+    x[1] = 1e6  # saturates: the per-value formula, with its cap
+    y = codec.decode(codec.encode(x), x.size)
+    assert rounding_bound(codec, y, 1e6, part_norm(y)) == rounding_bound(codec, y, 1e6)
+
+
+def test_fp16_decodes_every_bit_pattern_as_numpys_conversion_does():
+    codec = get_codec("fp16")
+    bits = np.arange(1 << 16, dtype=np.uint16)
+    want = bits.view("<f2").astype(np.float32)
+    got = codec.decode(bits.tobytes(), bits.size)
+    assert got.view(np.uint32).tobytes() == want.view(np.uint32).tobytes()
+    into = np.empty((2, 1 << 16), np.float32)[:, 0]  # not contiguous
+    codec.decode_into(bits[:2].tobytes(), into)
+    assert into.view(np.uint32).tolist() == want[:2].view(np.uint32).tolist()

@@ -77,7 +77,10 @@ def test_honest_round_passes_its_check_with_every_codec(codec, robust):
 
 @pytest.mark.parametrize("codec", ["none", "fp16", "bf16", "int8"])
 @pytest.mark.parametrize("robust", [False, True])
-def test_lying_reducer_is_caught_in_the_same_round_and_its_share_dropped(liar, codec, robust):
+def test_lying_reducer_is_caught_in_the_same_round_and_its_share_recomputed(liar, codec, robust):
+    """Every honest member convicts the reducer and recomputes its share from the senders'
+    revealed parts without the liar's: the same bits everywhere, the honest members' aggregate
+    there and the whole group's elsewhere (it was zeroed before)."""
     n = 4
     names = _names(n)
     liar.name = names[1]
@@ -98,17 +101,17 @@ def test_lying_reducer_is_caught_in_the_same_round_and_its_share_dropped(liar, c
         forged = dict(r.accusations[0].evidence, encoded=b"\0" * len(ev_bytes(r)))
         assert not check_evidence(forged, liar.name)  # the reducer never signed other bytes
     share = next(s for s in honest[0].shares if s.owner == liar.name)
-    assert share.dropped
+    assert share.recomputed and not share.dropped
+    assert share.contributors == frozenset(names) - {liar.name}
     vec = honest[0].vector
-    assert np.all(vec[share.start : share.stop] == 0)
-    # every other share is the honest aggregate
+    # the liar's share is the others' aggregate, every other share the whole group's
     parts = [flatten(t)[0] for t in trees]
     tol = {"none": 1e-5, "fp16": 2e-3, "bf16": 2e-2, "int8": 5e-2}[codec]
     tol = max(tol, 1e-3) if robust else tol  # CenteredClip stops within 1e-4 of its radius
     for s in honest[0].shares:
-        if s.owner != liar.name:
-            want = _aggregate(parts, s.start, s.stop, cfg.chunk_elems, robust)
-            np.testing.assert_allclose(vec[s.start : s.stop], want, atol=tol, rtol=tol)
+        members = [p for i, p in enumerate(parts) if i != 1] if s.owner == liar.name else parts
+        want = _aggregate(members, s.start, s.stop, cfg.chunk_elems, robust)
+        np.testing.assert_allclose(vec[s.start : s.stop], want, atol=tol, rtol=tol)
 
 
 def _aggregate(parts, start, stop, chunk, robust):
@@ -151,6 +154,10 @@ def test_sender_lying_about_its_projection_is_convicted_not_the_reducer(monkeypa
             assert check_evidence(a.evidence, names[2])
             reducer = a.evidence["members"][a.share]
             assert reducer == names[2] or not check_evidence(a.evidence, reducer)
+        # every share failed (its figures were false everywhere): recomputed without it
+        assert all(s.recomputed and names[2] not in s.contributors for s in r.shares)
+    parts = [flatten(t)[0] for i, t in enumerate(trees) if i != 2]
+    np.testing.assert_allclose(honest[0].vector, np.mean(parts, axis=0), atol=2e-3, rtol=2e-3)
 
 
 def test_sign_flipped_gradient_is_bounded_by_default_centered_clip():
@@ -196,3 +203,111 @@ def test_a_huge_hello_weight_counts_for_no_more_than_the_spec_allows(monkeypatch
         assert not any(s.dropped for s in r.shares)
         # (3 * 1 + 2) / 4; CenteredClip leaves parts within its radius alone (the plain mean)
         np.testing.assert_allclose(r.vector, 1.25, atol=1e-6)
+
+
+@pytest.mark.parametrize("robust", [False, True])
+@pytest.mark.parametrize("hello_weight", [0.01, 0.5])
+def test_a_sender_stating_a_smaller_hello_weight_cannot_frame_an_honest_reducer(
+    monkeypatch, robust, hello_weight
+):
+    """A sender telling the reducers fewer samples than its signed statement (and the spec)
+    says counts for the spec's weight in both: the honest reducers pass their checks, nobody
+    is accused or dropped, and every member holds the same honest mean."""
+    original = Round.hello
+
+    def modest(self, share=-1):
+        h = original(self, share)
+        return replace(h, weight=hello_weight) if self.me == 3 else h
+
+    monkeypatch.setattr(Round, "hello", modest)
+    n = 4
+    trees = [{"x": np.full(40, 2.0 if i == 3 else 1.0, np.float32)} for i in range(n)]
+    cfg = VERIFY.replace(robust=robust)
+    outcome, _, _ = run_round(["node"] * n, trees, [1.0] * n, config=cfg, member_weights=[1.0] * n)
+    results = _results(outcome)
+    for r in results:
+        assert r.accusations == ()
+        assert not any(s.dropped for s in r.shares)
+        np.testing.assert_array_equal(r.vector, results[0].vector)
+    np.testing.assert_allclose(results[0].vector, 1.25, atol=1e-6)
+
+
+def test_a_sender_stating_no_weight_for_parts_it_sent_is_convicted_not_the_reducers(monkeypatch):
+    """A sender whose parts every reducer counted signs a statement of weight 0: every share
+    fails its check, and the reveal convicts the sender (its own hashes show it sent them),
+    never an honest reducer; the shares are recomputed without it, the same bits everywhere."""
+    import dedloc_jax.averaging.audit as audit
+
+    names = _names(4)
+    original = audit.make_statement
+
+    def disowning(identity, round_id, digest, sender, weight, seed, shares):
+        weight = 0.0 if sender == 3 else weight
+        return original(identity, round_id, digest, sender, weight, seed, shares)
+
+    monkeypatch.setattr(audit, "make_statement", disowning)
+    rng = np.random.default_rng(4)
+    trees = [make_tree(rng, SHAPES) for _ in range(4)]
+    outcome, _, _ = run_round(["node"] * 4, trees, [1.0] * 4, config=VERIFY)
+    honest = _results(outcome)[:3]
+    for r in honest:
+        assert r.vector.tobytes() == honest[0].vector.tobytes()
+        assert {(a.peer, a.role) for a in r.accusations} == {(names[3], "sender")}
+        assert all(check_evidence(a.evidence, names[3]) for a in r.accusations)
+        assert all(s.recomputed and names[3] not in s.contributors for s in r.shares)
+
+
+@pytest.mark.parametrize("modes", [["node"] * 3 + ["client"], ["node"] * 2 + ["client"] * 2])
+def test_clients_push_their_parts_so_a_lying_reducers_share_is_recomputed(liar, modes):
+    """Nobody can dial a client, so it pushes its parts of a failed share to the dialable
+    members, who relay them to the other clients: the liar is convicted and its share
+    recomputed by every honest member, clients included, with the same bits (without the
+    pushes the clients' silence left the liar unconvicted and the share zeroed)."""
+    n = len(modes)
+    names = _names(n)
+    liar.name = names[1]
+    rng = np.random.default_rng(6)
+    trees = [make_tree(rng, SHAPES) for _ in range(n)]
+    outcome, _, _ = run_round(modes, trees, [1.0] * n, config=VERIFY)
+    honest = [r for i, r in enumerate(_results(outcome)) if i != 1]
+    for r in honest:
+        assert r.vector.tobytes() == honest[0].vector.tobytes()
+        assert [a.peer for a in r.accusations] == [liar.name]
+        share = next(s for s in r.shares if s.owner == liar.name)
+        assert share.recomputed and share.contributors == frozenset(names) - {liar.name}
+    parts = [flatten(t)[0] for i, t in enumerate(trees) if i != 1]
+    share = next(s for s in honest[0].shares if s.owner == liar.name)
+    want = np.mean(parts, axis=0)[share.start : share.stop]
+    np.testing.assert_allclose(honest[0].vector[share.start : share.stop], want, atol=2e-3)
+
+
+def test_recompute_follows_the_reducers_rule_in_each_case():
+    """A caught share's recomputation (every member, the same bits) is the reducers'
+    aggregate: the plain weighted mean, CenteredClip's mean when nothing lies outside the
+    radius, its clipped fixed point when a part does, nothing from a part over ten medians."""
+    from dedloc_jax.averaging.verify import part_norm, recompute
+
+    rng = np.random.default_rng(12)
+    parts = [rng.standard_normal(500).astype(np.float32) for _ in range(4)]
+    raw = [1.0, 2.0, 1.0, 3.0]
+
+    def run(ps, robust):
+        return recompute(ps, raw, [part_norm(p) for p in ps], robust, None, 200)
+
+    got, tau = run(parts, False)
+    want = np.average(np.asarray(parts, np.float64), axis=0, weights=raw)
+    assert tau is None and np.allclose(got, want, atol=1e-6)
+    got, tau = run(parts, True)  # all within the radius: the same mean
+    assert tau == derived_tau([part_norm(p) for p in parts]) and np.allclose(got, want, atol=1e-6)
+    far = [*parts[:3], parts[3] + np.float32(0.15) * np.float32(part_norm(parts[3]))]
+    got, tau = run(far, True)  # one part outside the radius: CenteredClip's fixed point
+    w = np.asarray(raw) / sum(raw)
+    clipped = centered_clip(np.asarray(far, np.float64), w, tau, 500, tol=1e-12)
+    assert np.allclose(got, clipped, atol=1e-3 * tau)
+    assert not np.allclose(got, np.average(np.asarray(far, np.float64), axis=0, weights=raw))
+    huge = [*parts[:3], parts[3] * np.float32(1000)]  # over ten medians: weighs nothing
+    got, _ = run(huge, True)
+    want = np.average(np.asarray(parts[:3], np.float64), axis=0, weights=raw[:3])
+    assert np.allclose(got, want, atol=1e-5)
+    again, _ = run(huge, True)
+    assert again.tobytes() == got.tobytes()
