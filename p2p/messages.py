@@ -115,7 +115,7 @@ def bin_payload_length(head: bytes | bytearray | memoryview) -> tuple[int, int] 
     return None
 
 
-def whole_bytes(view: memoryview) -> bytes | None:
+def _whole_bytes(view: memoryview) -> bytes | None:
     """The bytes object ``view`` spans entirely, if it does (then it needs no copy)."""
     obj = view.obj
     if type(obj) is bytes and view.nbytes == len(obj):
@@ -136,7 +136,7 @@ def decode_body(pieces: Sequence[bytes | bytearray | memoryview]) -> Any:
         sizes = bin_payload_length(_first_bytes(pieces, 5))
         if sizes is not None and sum(sizes) == n:
             payload = _skip(pieces, sizes[0])
-            if len(payload) == 1 and (whole := whole_bytes(memoryview(payload[0]))) is not None:
+            if len(payload) == 1 and (whole := _whole_bytes(memoryview(payload[0]))) is not None:
                 return whole  # the payload came as one BULK frame: no copy at all
             return b"".join(payload)
     body = pieces[0] if len(pieces) == 1 else b"".join(pieces)
