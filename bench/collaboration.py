@@ -44,7 +44,7 @@ toward epochs that averaged / time in the run; ``raw_compute_fraction`` counts a
 ``compute_ceiling`` (the most a peer can compute when every round takes the LP's bound:
 computing / (computing + bound) blocking, computing / max(computing, bound) with overlap),
 ``bandwidth_error`` (median relative error of the links the LP got against the true ones;
-peers probe their links on joining, ``keep_links_measured``) and ``epoch_time_ratio`` (mean
+peers probe their links on joining, ``LinkKeeper.keep_measured``) and ``epoch_time_ratio`` (mean
 epoch time / ideal, where ideal = target / summed throughput + the averaging time that is not
 hidden: the LP's bound when blocking, what of it exceeds an epoch's computing with overlap).
 
@@ -72,7 +72,8 @@ import trio
 from dedloc_jax.averaging import AllReduceConfig, Member, install, solve_shares
 from dedloc_jax.averaging.bandwidth import UNMEASURED_DOWNLOAD_BPS, UNMEASURED_UPLOAD_BPS
 from dedloc_jax.config import CollaborationConfig
-from dedloc_jax.peer import CollaborationPeer, open_collaboration
+from dedloc_jax.opening import open_collaboration
+from dedloc_jax.peer import CollaborationPeer
 from p2p.dht import DHTClock, DHTConfig
 from p2p.node import Node, NodeConfig, open_node
 from p2p.testing import SimNetwork, run_sim, sim_identity
@@ -185,7 +186,7 @@ async def _peer(
             # beside it, which took 20-50 s on the slowed links and kept partners busy.
             await _train(core, stats, vector, micro, epochs, done, ending, overlap)
         finally:
-            stats.links = core._bandwidth()
+            stats.links = core.link_keeper.bandwidth()
 
 
 @asynccontextmanager

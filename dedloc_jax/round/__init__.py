@@ -18,7 +18,7 @@ Re-exported here: the names other modules use.
 """
 
 from dedloc_jax.round.across import AcrossGroups, averaged_weight, broadcast, representative
-from dedloc_jax.round.average import RoundResult, Rounds, average_round
+from dedloc_jax.round.average import Rounds, average_round
 from dedloc_jax.round.context import RoundContext
 from dedloc_jax.round.deadlines import Deadlines, averaging_timeout, matchmaking_window
 from dedloc_jax.round.matchmaking import Matchmaker
@@ -32,7 +32,6 @@ __all__ = [
     "Deadlines",
     "Matchmaker",
     "RoundContext",
-    "RoundResult",
     "Rounds",
     "Slots",
     "average_round",

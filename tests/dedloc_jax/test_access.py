@@ -21,7 +21,7 @@ from dedloc_jax.access import (
 from dedloc_jax.averaging import GroupSpec, Member, all_reduce
 from dedloc_jax.averaging.errors import AveragingError
 from dedloc_jax.config import CollaborationConfig
-from dedloc_jax.peer import open_collaboration
+from dedloc_jax.opening import open_collaboration
 from dedloc_jax.progress import PeerProgress
 from dedloc_jax.round.wire import JOIN
 from dedloc_jax.round.wire import member_to_wire as _member_to_wire

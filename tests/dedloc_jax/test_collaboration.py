@@ -421,7 +421,7 @@ def test_a_progress_snapshot_is_ready_when_every_other_peer_waits_for_us() -> No
     import dataclasses
     import time
 
-    from dedloc_jax.peer import ProgressSnapshot
+    from dedloc_jax.snapshot import ProgressSnapshot
 
     snap = ProgressSnapshot(3, 600.0, 0.0, time.monotonic(), 2.0, others_waiting=True, target=1000)
     assert snap.ready(3, 40)  # 640 of 1000, but the others wait
@@ -479,7 +479,7 @@ def test_a_newcomer_skips_an_epoch_whose_round_began_without_it() -> None:
     step, and their group is complete. (It used to step alone at once, the others' samples
     having reached the target: a lineage of its own, and at 40 peers one epoch in three
     counted incomplete.)"""
-    from dedloc_jax.peer import open_collaboration
+    from dedloc_jax.opening import open_collaboration
     from p2p.dht import DHTClock
     from p2p.node import NodeConfig
     from p2p.testing import open_sim_nodes
@@ -626,12 +626,12 @@ def test_a_patient_fork_check_waits_while_the_progress_table_is_empty() -> None:
             other = bytes(32) if ours != bytes(32) else b"\x01" * 32
             fills_at = trio.current_time() + 3.0
             majority = [Announcement(f"peer{i}", 3, other) for i in range(2)]
-            core._table_states = lambda: majority if trio.current_time() >= fills_at else []
+            core.state.table_states = lambda: majority if trio.current_time() >= fills_at else []
             impatient = await core.on_minority_fork()
             start = trio.current_time()
             patient = await core.on_minority_fork(patience=10.0)
             waited = trio.current_time() - start
-            core._table_states = lambda: []  # never fills
+            core.state.table_states = lambda: []  # never fills
             undecided = (
                 await core.on_minority_fork(patience=2.0),
                 await core.on_minority_fork(patience=2.0, undecided=True),

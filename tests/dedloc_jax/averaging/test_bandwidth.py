@@ -145,7 +145,7 @@ def test_twelve_peers_probing_at_once_measure_downlinks_five_times_their_uplinks
     12-peer run found every partner busy; downlinks read 0.05-0.66 of the truth): partners now
     queue probes per direction of their link. A downlink wider than every partner's uplink
     together cannot be filled: its figure is what they sent, marked as a lower bound. Each
-    peer probes twice, as ``keep_links_measured`` does when a peer joins."""
+    peer probes twice, as ``LinkKeeper.keep_measured`` does when a peer joins."""
     from dedloc_jax.averaging import measure_links
 
     mbit = 1e6 / 8
