@@ -62,14 +62,12 @@ import random
 import statistics
 import time
 from collections import Counter
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
 import numpy as np
 import trio
 
-from dedloc_jax.averaging import AllReduceConfig, Member, install, solve_shares
+from dedloc_jax.averaging import AllReduceConfig, Member, solve_shares
 from dedloc_jax.averaging.bandwidth import UNMEASURED_DOWNLOAD_BPS, UNMEASURED_UPLOAD_BPS
 from dedloc_jax.config import CollaborationConfig
 from dedloc_jax.opening import open_collaboration
@@ -164,7 +162,6 @@ async def _peer(
             listen=listen,
             config=NodeConfig.bulk(),
         ) as node,
-        _scaled_averaging(node, scale),
         open_collaboration(
             node,
             "sahajbert-sim",
@@ -173,6 +170,7 @@ async def _peer(
             mode=stats.mode,
             dht_config=DHTConfig.fast(),
             dht_clock=DHTClock(trio.current_time),
+            allreduce_config=_scaled_averaging(scale),
         ) as core,
     ):
         nodes.append(node)  # its bytes_sent are read once the run is over
@@ -189,16 +187,14 @@ async def _peer(
             stats.links = core.link_keeper.bandwidth()
 
 
-@asynccontextmanager
-async def _scaled_averaging(node: object, scale: int) -> AsyncIterator[None]:
+def _scaled_averaging(scale: int) -> AllReduceConfig:
     """The all-reduce's chunks ``scale`` times smaller, like the vector: each chunk then takes
     the time it would take at full size over the full-speed links, so that stall detection
     (``AllReduceConfig.stall_timeout``, per chunk) sees what a real run would. (Unscaled, a
     12-peer run's parts were single chunks of 30 KB that took 26 s on a 100x slower 10 Mbit/s
     uplink shared by 11 streams, and reducers excluded their senders as stalled.)"""
     base = AllReduceConfig.internet()
-    install(node, base.replace(chunk_elems=max(16, base.chunk_elems // scale)))
-    yield
+    return base.replace(chunk_elems=max(16, base.chunk_elems // scale))
 
 
 async def _train(

@@ -11,7 +11,13 @@ from contextlib import AsyncExitStack, asynccontextmanager
 import trio
 
 from dedloc_jax.access import PrivateRun
-from dedloc_jax.averaging import BandwidthMeter, install, install_probe
+from dedloc_jax.averaging import (
+    AllReduceConfig,
+    AveragingService,
+    BandwidthMeter,
+    LinkLocks,
+    install_probe,
+)
 from dedloc_jax.averaging.links import LinkKeeper
 from dedloc_jax.bans import Bans
 from dedloc_jax.config import CollaborationConfig
@@ -22,12 +28,13 @@ from dedloc_jax.round.context import context_of
 from dedloc_jax.round.matchmaking import Matchmaker
 from dedloc_jax.round.slots import Slots
 from dedloc_jax.round.stepping import Stepper
+from dedloc_jax.run_dht import RunDHT
 from dedloc_jax.state import StateServer
 from dedloc_jax.state.local import LocalState, mates_into
 from dedloc_jax.state.vouching import VouchBook
 from dedloc_jax.tracker import ProgressTracker
 from dedloc_jax.validators import run_validators
-from p2p.dht import DHT, DHTClock, DHTConfig, open_dht
+from p2p.dht import DHTClock, DHTConfig, open_dht
 from p2p.identity import PeerID
 from p2p.multiaddr import Multiaddr
 from p2p.nat import NATConfig, NATManager, open_nat
@@ -45,6 +52,7 @@ async def open_collaboration(
     dht_config: DHTConfig = DHTConfig(),
     dht_clock: DHTClock | None = None,
     nat_config: NATConfig | None = None,
+    allreduce_config: AllReduceConfig = AllReduceConfig(),
 ) -> AsyncIterator[CollaborationPeer]:
     """Join (or start, with no initial peers) the collaboration ``run_id`` on ``node``.
 
@@ -53,6 +61,8 @@ async def open_collaboration(
     advertises relayed addresses, and one with no inbound path at all takes part as a client.
     Unless a mode is forced, the averaging mode follows reachability for the whole run (see
     :meth:`CollaborationPeer.follow_reachability`), as the DHT's mode does.
+    ``allreduce_config``: the node's all-reduce settings (the run's robust aggregation and
+    checks come from ``config``).
     """
     forced_mode = mode or config.mode
     mode = forced_mode
@@ -97,11 +107,8 @@ async def open_collaboration(
         if private is not None:
             dht = private.attach(dht)
         admit = private.guard.admit if private is not None else None
-        core = _assemble(node, dht, run_id, config, mode, nat, admit)
-        averaging = install(node)
-        if admit is not None:
-            averaging.guard_with(admit)
-        install_probe(node, core.meter)
+        core = _assemble(node, dht, run_id, config, mode, nat, admit, allreduce_config)
+        install_probe(node, core.link_keeper.locks, core.meter)
         core.matchmaker.register()
         core.across.register()
         core.state_server.register()
@@ -120,16 +127,18 @@ async def open_collaboration(
 
 def _assemble(
     node: Node,
-    dht: DHT,
+    dht: RunDHT,
     run_id: str,
     config: CollaborationConfig,
     mode: str,
     nat: NATManager | None,
     admit: Callable[[PeerID, str | None], Awaitable[None]] | None,
+    allreduce_config: AllReduceConfig,
 ) -> CollaborationPeer:
     """Build a peer's parts, each handed the finished parts it uses. ``admit``: a private
     run's access guard (:meth:`~dedloc_jax.access.AccessGuard.admit`), which every handler
-    calls first; None in an open run."""
+    calls first; None in an open run. The all-reduce service registers its handlers here,
+    before any round can start."""
     bans = Bans(node, dht, run_id)
     vouches = VouchBook()
     tracker = ProgressTracker(
@@ -161,13 +170,14 @@ def _assemble(
     links = LinkKeeper(
         node,
         meter,
+        LinkLocks(),
         tracker,
         probe_bytes=config.probe_bytes,
         rpc_timeout=config.rpc_timeout,
         unmeasured=(config.unmeasured_upload_bps, config.unmeasured_download_bps),
     )
     rounds = Rounds(
-        node,
+        AveragingService(node, allreduce_config, admit=admit),
         Matchmaker(
             node, dht, run_id, max_group_size=config.max_group_size, context=context, slots=slots
         ),

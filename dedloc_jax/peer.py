@@ -20,10 +20,10 @@ from dedloc_jax.host import AveragingOutcome
 from dedloc_jax.progress import CollaborationEstimate, refresh_delay
 from dedloc_jax.round.plan import expected_peers
 from dedloc_jax.round.stepping import Stepper
+from dedloc_jax.run_dht import RunDHT
 from dedloc_jax.snapshot import ProgressSnapshot, others_train, take_snapshot
 from dedloc_jax.state.local import LocalState
 from dedloc_jax.tracker import ProgressTracker
-from p2p.dht import DHT
 from p2p.nat import NATManager
 from p2p.node import Node
 
@@ -41,7 +41,7 @@ class CollaborationPeer:
     def __init__(
         self,
         node: Node,
-        dht: DHT,
+        dht: RunDHT,
         config: CollaborationConfig,
         mode: str,
         *,

@@ -17,6 +17,7 @@ from dedloc_jax.averaging.bandwidth import (
     UNMEASURED_UPLOAD_BPS,
     BandwidthMeter,
     LinkFigures,
+    LinkLocks,
     measure_links,
 )
 from p2p.errors import P2PError
@@ -41,7 +42,8 @@ class ProgressTable(Protocol):
 class LinkKeeper:
     """Measures this peer's links for the rounds that use the figures.
 
-    ``unmeasured``: the (upload, download) bytes/s a direction not measured yet counts as (a
+    ``locks``: the node's link locks (its probe server's too); ``unmeasured``: the (upload,
+    download) bytes/s a direction not measured yet counts as (a
     slow home link, so deadlines computed from it are long enough); ``rpc_timeout`` bounds a
     probe (six of them)."""
 
@@ -49,6 +51,7 @@ class LinkKeeper:
         self,
         node: Node,
         meter: BandwidthMeter,
+        locks: LinkLocks,
         table: ProgressTable,
         *,
         probe_bytes: int,
@@ -57,6 +60,7 @@ class LinkKeeper:
     ) -> None:
         self.node = node
         self.meter = meter
+        self.locks = locks
         self.table = table
         self.probe_bytes = probe_bytes
         self.rpc_timeout = rpc_timeout
@@ -99,6 +103,7 @@ class LinkKeeper:
             self.node,
             [PeerID.from_base58(p) for p in peers],
             self.meter,
+            locks=self.locks,
             nbytes=nbytes,
             max_peers=max_peers,
             timeout=self.rpc_timeout * 6,

@@ -33,11 +33,18 @@ from typing import Any
 import numpy as np
 import trio
 
-from dedloc_jax.averaging import AllReduceError, AllReduceResult, GroupError, all_reduce
+from dedloc_jax.averaging import (
+    AllReduceError,
+    AllReduceResult,
+    AveragingService,
+    GroupError,
+    all_reduce,
+)
 from dedloc_jax.averaging.group import GroupSpec
 from dedloc_jax.round.slots import Slots
 from p2p.errors import P2PError
 from p2p.identity import PeerID
+from p2p.node import Node
 from p2p.rpc import CallContext
 
 log = logging.getLogger(__name__)
@@ -76,7 +83,7 @@ class AcrossGroups:
 
     def __init__(
         self,
-        node: Any,
+        node: Node,
         slots: Slots,
         *,
         admit: Callable[[PeerID, str | None], Awaitable[None]] | None = None,
@@ -138,7 +145,7 @@ class AcrossGroups:
 
 
 async def broadcast(
-    node: Any,
+    service: AveragingService,
     spec: GroupSpec,
     arrays: Sequence[np.ndarray],
     *,
@@ -152,7 +159,7 @@ async def broadcast(
     None back either way."""
     try:
         result = await all_reduce(
-            node,
+            service,
             spec,
             list(arrays),
             1.0 if source else 0.0,

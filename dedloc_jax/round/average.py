@@ -21,11 +21,11 @@ from dedloc_jax.averaging import (
     AllReduceConfig,
     AllReduceError,
     AllReduceResult,
+    AveragingService,
     GroupError,
     GroupSpec,
     Member,
     all_reduce,
-    install,
 )
 from dedloc_jax.averaging.links import LinkKeeper
 from dedloc_jax.bans import Bans
@@ -58,11 +58,11 @@ class PeerTable(Protocol):
 
 @dataclass(frozen=True)
 class Rounds:
-    """A peer's round machinery, made once with the peer: its node, matchmaker and round
-    across groups, its links (whose meter its all-reduces feed), and the progress table it
-    reads anew each round."""
+    """A peer's round machinery, made once with the peer: its node's all-reduce service,
+    matchmaker and round across groups, its links (whose meter its all-reduces feed), and the
+    progress table it reads anew each round."""
 
-    node: Node
+    service: AveragingService
     matchmaker: Matchmaker
     across: AcrossGroups
     links: LinkKeeper
@@ -78,6 +78,10 @@ class Rounds:
     bans: Bans | None = None
     """Where caught liars go (and are published); None: nobody is banned."""
 
+    @property
+    def node(self) -> Node:
+        return self.service.node
+
     def member(self, weight: float) -> Member:
         """This peer's member entry now: its mode and measured links, bringing ``weight``."""
         up, down = self.links.bandwidth()
@@ -88,7 +92,7 @@ class Rounds:
         robust = self.robust or self.robust_tau is not None
         if not robust and not self.verify:
             return None
-        return install(self.node).config.replace(
+        return self.service.config.replace(
             robust=robust, robust_tau=self.robust_tau, verify=self.verify
         )
 
@@ -116,7 +120,7 @@ class Rounds:
         propagates."""
         try:
             result = await all_reduce(
-                self.node,
+                self.service,
                 spec,
                 list(arrays),
                 weight,
@@ -285,7 +289,7 @@ async def _across(
             return mean, 1, False
     assert spec is not None  # a peer alone represents itself, and returned above
     out = await broadcast(
-        rounds.node,
+        rounds.service,
         spec,
         mean,
         source=rep == me,

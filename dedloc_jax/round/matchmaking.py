@@ -53,7 +53,8 @@ from dedloc_jax.round.wire import (
 from dedloc_jax.round.wire import member_from_wire as _member_from_wire
 from dedloc_jax.round.wire import member_to_wire as _member_to_wire
 from dedloc_jax.round.wire import slot_of as _slot_of
-from p2p.dht import DHT, KeyFollower
+from dedloc_jax.run_dht import RunDHT
+from p2p.dht import KeyFollower
 from p2p.errors import P2PError
 from p2p.identity import PeerID
 from p2p.multiaddr import Multiaddr
@@ -109,7 +110,7 @@ class Matchmaker:
     def __init__(
         self,
         node: Node,
-        dht: DHT,
+        dht: RunDHT,
         run_id: str,
         *,
         max_group_size: int,

@@ -10,11 +10,11 @@ from typing import TYPE_CHECKING
 import numpy as np
 import trio
 
+from dedloc_jax.run_dht import RunDHT
 from dedloc_jax.state.download import download_manifest_state, find_donors
 from dedloc_jax.state.lineage import Announcement, fork_verdict
 from dedloc_jax.state.serving import StateServer
 from dedloc_jax.state.vouching import VouchBook
-from p2p.dht import DHT
 from p2p.node import Node
 
 if TYPE_CHECKING:  # the tracker imports this package
@@ -36,7 +36,7 @@ class LocalState:
     def __init__(
         self,
         node: Node,
-        dht: DHT,
+        dht: RunDHT,
         run_id: str,
         server: StateServer,
         tracker: ProgressTracker,

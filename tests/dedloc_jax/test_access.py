@@ -265,7 +265,8 @@ def test_private_run_end_to_end(monkeypatch: pytest.MonkeyPatch) -> None:
             got: dict[int, object] = {}
 
             async def member(i: int) -> None:
-                r = await all_reduce(nodes[i], spec, [vec[i]], 1.0, codec="none", timeout=10)
+                service = cores[i].rounds.service
+                r = await all_reduce(service, spec, [vec[i]], 1.0, codec="none", timeout=10)
                 got[i] = r.average[0]
 
             async with trio.open_nursery() as nursery:
