@@ -12,7 +12,9 @@
   (:mod:`~dedloc_jax.round.following`, :mod:`~dedloc_jax.round.leading`: the two sides);
 - :mod:`~dedloc_jax.round.across`: the second level, across capped groups;
 - :mod:`~dedloc_jax.round.average`: :func:`average_round`, one round as trainers and aux peers
-  run it, over all of the above.
+  run it, over all of the above;
+- :mod:`~dedloc_jax.round.stepping`: a peer's averaging step around the round (its window, the
+  verdict on the mean, the history).
 
 Re-exported here: the names other modules use.
 """

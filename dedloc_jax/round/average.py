@@ -30,7 +30,7 @@ from dedloc_jax.averaging import (
 from dedloc_jax.averaging.links import LinkKeeper
 from dedloc_jax.bans import Bans
 from dedloc_jax.history import RoundOutcome
-from dedloc_jax.round.across import AcrossGroups, averaged_weight, broadcast, representative
+from dedloc_jax.round.across import AcrossGroups, averaged_weight, cross_average
 from dedloc_jax.round.deadlines import Deadlines
 from dedloc_jax.round.matchmaking import Matchmaker
 from dedloc_jax.round.wire import member_for
@@ -177,12 +177,12 @@ async def average_round(
         epoch, me, target=target, expected=expected, deadlines=deadlines
     )
     own = [np.asarray(a) for a in arrays]
-    this = _ThisRound(epoch, deadlines, codec, target, me.mode)
+    this = ThisRound(epoch, deadlines, codec, target, me.mode)
     result = this.outcome(own, 1, False, NO_GROUP)
     if spec is not None:
         result = await _in_group(rounds, this, spec, me, arrays, started, on_averaged)
     elif matchmaker.needs_cross(epoch) and me.sends:  # alone among several groups
-        mean, size, whole = await _across(rounds, this, None, own, me.weight)
+        mean, size, whole = await cross_average(rounds, this, None, own, me.weight, deadlines)
         reason = "alone in our group, and the round across groups failed"
         result = this.outcome(mean, size, whole, reason, across=True)
     matchmaker.decline(epoch)  # no-ops if it took part in the round across groups
@@ -194,9 +194,9 @@ async def average_round(
 
 
 @dataclass(frozen=True)
-class _ThisRound:
-    """What every stage of one round shares: the epoch, the window's deadlines, the codec and
-    the target."""
+class ThisRound:
+    """What every stage of one round shares: the epoch, the window's deadlines, the codec, the
+    target and how this peer takes part."""
 
     epoch: int
     deadlines: Deadlines
@@ -213,7 +213,7 @@ class _ThisRound:
 
 async def _in_group(
     rounds: Rounds,
-    this: _ThisRound,
+    this: ThisRound,
     spec: GroupSpec,
     me: Member,
     arrays: Sequence[np.ndarray],
@@ -250,82 +250,6 @@ async def _in_group(
     if not rounds.matchmaker.needs_cross(epoch):
         return this.outcome(mean, size, True, "", group=spec)
     weight = averaged_weight(spec, averaged) if me.sends else 0.0
-    mean, _, whole = await _across(rounds, this, spec, mean, weight)
+    mean, _, whole = await cross_average(rounds, this, spec, mean, weight, deadlines)
     missed = "the round across groups missed some of them"
     return this.outcome(mean, size, whole, missed, group=spec, across=True)
-
-
-async def _across(
-    rounds: Rounds, this: _ThisRound, spec: GroupSpec | None, mean: list[np.ndarray], weight: float
-) -> tuple[list[np.ndarray], int, bool]:
-    """The mean across this epoch's groups (see :mod:`dedloc_jax.round.across`), the size of
-    the level-1 group (1 when this peer did not represent its group there) and whether
-    that is the whole epoch's mean; ``mean`` itself when it failed."""
-    epoch = this.epoch
-    me = str(rounds.node.peer_id)
-    rep = me if spec is None else representative(spec)
-    # How long a member waits for its representative's round across groups.
-    base = this.deadlines
-    wait = (base if spec is None else rounds.deadlines(base, spec, mean)).cross_wait
-    rounds.across.begin(wait)
-    size = 1
-    if rep == me:
-        ok, whole, found = False, False, None
-        try:
-            found = await represent(rounds, this, mean, weight)
-            ok = found is not None
-            if found is not None:
-                mean, size, whole = found
-        finally:
-            rounds.across.settle(epoch, ok, whole)
-        if found is None:
-            return mean, 1, False
-        if spec is None:
-            return mean, size, whole
-    else:
-        rounds.matchmaker.decline(epoch)
-        ok, whole = (False, False) if rep is None else await rounds.across.ask(rep, epoch, wait)
-        if not ok:
-            return mean, 1, False
-    assert spec is not None  # a peer alone represents itself, and returned above
-    out = await broadcast(
-        rounds.service,
-        spec,
-        mean,
-        source=rep == me,
-        codec=this.codec,
-        timeout=rounds.deadlines(base, spec, mean).averaging,
-    )
-    if out is None:  # the representative holds the mean across groups all the same
-        return mean, 1, rep == me and whole
-    return out, size, whole
-
-
-async def represent(
-    rounds: Rounds, this: _ThisRound, mean: list[np.ndarray], weight: float
-) -> tuple[list[np.ndarray], int, bool] | None:
-    """As its group's representative, average ``mean`` (``weight`` samples) with the other
-    groups' representatives: the result, how many there were and whether every
-    representative our leader's partition named took part (else the mean is partial), or
-    None."""
-    epoch = this.epoch
-    me = rounds.member(weight)
-    others = rounds.matchmaker.representatives(epoch) - {me.peer_id}
-    spec = await rounds.matchmaker.form_group(
-        epoch, me, target=this.target, expected=others, level=1, deadlines=this.deadlines
-    )
-    if spec is None:
-        return None
-    averaged, failure = await rounds.all_reduce(spec, mean, weight, this.codec, this.deadlines)
-    if averaged is None:
-        log.warning("averaging across groups at epoch %d failed: %s", epoch, failure)
-        return None
-    members = {m.peer_id for m in spec.members}
-    whole = others <= members
-    if not whole:
-        log.info(
-            "epoch %d: %d of the groups' representatives missed the round across groups",
-            epoch,
-            len(others - members),
-        )
-    return [np.asarray(a) for a in averaged.average], len(spec.members), whole

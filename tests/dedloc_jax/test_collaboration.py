@@ -251,9 +251,9 @@ def test_a_group_whose_round_across_groups_failed_knows_its_mean_is_incomplete(
     others' state); every other peer holds the mean across the other groups, and is told it
     is incomplete too: that mean lacks a group's samples (the fork check then finds the most
     peers hold it)."""
-    from dedloc_jax.round import average
+    from dedloc_jax.round import across
 
-    represent = average.represent
+    represent = across.represent
     failed: list[str] = []
 
     async def first_fails(rounds, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
@@ -262,7 +262,7 @@ def test_a_group_whose_round_across_groups_failed_knows_its_mean_is_incomplete(
             return None
         return await represent(rounds, *args, **kwargs)
 
-    monkeypatch.setattr(average, "represent", first_fails)
+    monkeypatch.setattr(across, "represent", first_fails)
     rates = [4.0, 6.0, 8.0, 10.0, 12.0, 14.0, 16.0]
     rows = [log[0] for log in _run(rates, epochs=1, target=280, max_group_size=3)]
     assert len(failed) == 1
