@@ -58,10 +58,10 @@ def _worker(
     from dedloc_jax.averaging import (
         AllReduceConfig,
         AllReduceError,
+        AveragingService,
         GroupSpec,
         all_reduce,
         get_codec,
-        install,
     )
     from p2p.identity import Identity, PeerID
     from p2p.node import NodeConfig, open_node
@@ -103,7 +103,7 @@ def _worker(
             open_node(identity, config=NodeConfig.bulk()) as node,
             trio.open_nursery() as nursery,
         ):
-            install(node, config)
+            service = AveragingService(node, config)
             serve = partial(trio.serve_tcp, serve_plain, 0, host="127.0.0.1")
             listeners = await nursery.start(serve)
             plain_port = listeners[0].socket.getsockname()[1]
@@ -136,7 +136,7 @@ def _worker(
                 t0, c0 = time.perf_counter(), time.process_time()
                 try:
                     out = await all_reduce(
-                        node,
+                        service,
                         spec,
                         {"g": vec},
                         weight,
@@ -328,11 +328,11 @@ def _sim_case(
 
     from dedloc_jax.averaging import (
         AllReduceConfig,
+        AveragingService,
         GroupSpec,
         Member,
         all_reduce,
         get_codec,
-        install,
         solve_shares,
     )
     from dedloc_jax.averaging.load_balancing import equal_split, predicted_time
@@ -357,8 +357,8 @@ def _sim_case(
         async def main(parts: tuple[int, ...] = parts, label: str = label) -> None:
             net = SimNetwork(seed=0)
             async with open_sim_nodes(net, len(links)) as nodes:
+                services = [AveragingService(node, config) for node in nodes]
                 for node, mode, (up, down) in zip(nodes, modes, links, strict=True):
-                    install(node, config)
                     net.set_bandwidth(host_of(net, node), up, down)
                     host_of(net, node).reachable = mode != "client"
                     for other in nodes:
@@ -374,10 +374,10 @@ def _sim_case(
                 )
                 t0 = trio.current_time()
                 async with trio.open_nursery() as nursery:
-                    for i, node in enumerate(nodes):
+                    for i, service in enumerate(services):
                         nursery.start_soon(
-                            lambda node=node, i=i: all_reduce(
-                                node,
+                            lambda service=service, i=i: all_reduce(
+                                service,
                                 spec,
                                 {"g": vectors[i]},
                                 1.0,

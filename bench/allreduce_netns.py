@@ -56,11 +56,12 @@ def _worker(index: int, ns: str, mode: str, size: int, codec_name: str, conn: An
 
     from dedloc_jax.averaging import (
         AllReduceConfig,
+        AveragingService,
         BandwidthMeter,
         GroupSpec,
+        LinkLocks,
         all_reduce,
         get_codec,
-        install,
         install_probe,
         measure_links,
     )
@@ -81,8 +82,9 @@ def _worker(index: int, ns: str, mode: str, size: int, codec_name: str, conn: An
         identity = Identity.from_seed(f"bench-allreduce-netns/{index}".encode())
         listen = [f"/ip4/{peer_ip(index)}/tcp/0"]
         async with open_node(identity, listen=listen, config=NodeConfig.bulk()) as node:
-            install(node, config)
-            install_probe(node)
+            service = AveragingService(node, config)
+            locks = LinkLocks()
+            install_probe(node, locks)
             conn.send((str(node.peer_id), [str(a) for a in node.addrs]))
             addrs = await recv()
             for pid, pa in addrs.items():
@@ -93,7 +95,8 @@ def _worker(index: int, ns: str, mode: str, size: int, codec_name: str, conn: An
                 if msg == "quit":
                     return
                 if msg[0] == "probe":  # measure our links against these peers, best first
-                    await measure_links(node, [PeerID.from_base58(p) for p in msg[1]], meter)
+                    partners = [PeerID.from_base58(p) for p in msg[1]]
+                    await measure_links(node, partners, meter, locks=locks)
                     conn.send(tuple(meter.figures()))
                     continue
                 if msg[0] == "figures":
@@ -103,7 +106,7 @@ def _worker(index: int, ns: str, mode: str, size: int, codec_name: str, conn: An
                 spec = GroupSpec.from_bytes(spec_bytes)
                 t0 = time.perf_counter()
                 result = await all_reduce(
-                    node,
+                    service,
                     spec,
                     {"g": vec[:length]},
                     weight,

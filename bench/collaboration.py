@@ -44,7 +44,7 @@ toward epochs that averaged / time in the run; ``raw_compute_fraction`` counts a
 ``compute_ceiling`` (the most a peer can compute when every round takes the LP's bound:
 computing / (computing + bound) blocking, computing / max(computing, bound) with overlap),
 ``bandwidth_error`` (median relative error of the links the LP got against the true ones;
-peers probe their links on joining, ``keep_links_measured``) and ``epoch_time_ratio`` (mean
+peers probe their links on joining, ``LinkKeeper.keep_measured``) and ``epoch_time_ratio`` (mean
 epoch time / ideal, where ideal = target / summed throughput + the averaging time that is not
 hidden: the LP's bound when blocking, what of it exceeds an epoch's computing with overlap).
 
@@ -62,17 +62,16 @@ import random
 import statistics
 import time
 from collections import Counter
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
 import numpy as np
 import trio
 
-from dedloc_jax.averaging import AllReduceConfig, Member, install, solve_shares
+from dedloc_jax.averaging import AllReduceConfig, Member, solve_shares
 from dedloc_jax.averaging.bandwidth import UNMEASURED_DOWNLOAD_BPS, UNMEASURED_UPLOAD_BPS
 from dedloc_jax.config import CollaborationConfig
-from dedloc_jax.peer import CollaborationPeer, open_collaboration
+from dedloc_jax.opening import open_collaboration
+from dedloc_jax.peer import CollaborationPeer
 from p2p.dht import DHTClock, DHTConfig
 from p2p.node import Node, NodeConfig, open_node
 from p2p.testing import SimNetwork, run_sim, sim_identity
@@ -163,7 +162,6 @@ async def _peer(
             listen=listen,
             config=NodeConfig.bulk(),
         ) as node,
-        _scaled_averaging(node, scale),
         open_collaboration(
             node,
             "sahajbert-sim",
@@ -172,6 +170,7 @@ async def _peer(
             mode=stats.mode,
             dht_config=DHTConfig.fast(),
             dht_clock=DHTClock(trio.current_time),
+            allreduce_config=_scaled_averaging(scale),
         ) as core,
     ):
         nodes.append(node)  # its bytes_sent are read once the run is over
@@ -185,19 +184,17 @@ async def _peer(
             # beside it, which took 20-50 s on the slowed links and kept partners busy.
             await _train(core, stats, vector, micro, epochs, done, ending, overlap)
         finally:
-            stats.links = core._bandwidth()
+            stats.links = core.link_keeper.bandwidth()
 
 
-@asynccontextmanager
-async def _scaled_averaging(node: object, scale: int) -> AsyncIterator[None]:
+def _scaled_averaging(scale: int) -> AllReduceConfig:
     """The all-reduce's chunks ``scale`` times smaller, like the vector: each chunk then takes
     the time it would take at full size over the full-speed links, so that stall detection
     (``AllReduceConfig.stall_timeout``, per chunk) sees what a real run would. (Unscaled, a
     12-peer run's parts were single chunks of 30 KB that took 26 s on a 100x slower 10 Mbit/s
     uplink shared by 11 streams, and reducers excluded their senders as stalled.)"""
     base = AllReduceConfig.internet()
-    install(node, base.replace(chunk_elems=max(16, base.chunk_elems // scale)))
-    yield
+    return base.replace(chunk_elems=max(16, base.chunk_elems // scale))
 
 
 async def _train(

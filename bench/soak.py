@@ -59,7 +59,7 @@ import trio
 
 from bench.soak_figures import check_soak, partial_figures, summarize
 from dedloc_jax.config import CollaborationConfig
-from dedloc_jax.peer import open_collaboration
+from dedloc_jax.opening import open_collaboration
 from dedloc_jax.state import KeepConfig, StepKeeper, keep_in_step_async
 from p2p.dht import DHTClock, DHTConfig
 from p2p.node import NodeConfig, open_node

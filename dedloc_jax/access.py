@@ -36,11 +36,13 @@ from typing import Any
 
 import msgpack
 
+from p2p.dht import DHT
 from p2p.dht.errors import InvalidRecordError
 from p2p.dht.records import Record, owner_marker
 from p2p.dht.validation import record_owner
 from p2p.errors import IdentityError, P2PError
 from p2p.identity import PUBLIC_KEY_BYTES, SIGNATURE_BYTES, Identity, PeerID, verify_signature
+from p2p.node import Node
 
 log = logging.getLogger(__name__)
 
@@ -265,16 +267,20 @@ class InvitedWritersValidator:
 
 
 class InvitingDHT:
-    """The DHT as the collaboration's components see it: our own owner-marked subkeys under the
-    run's keys get our invitation marker. Everything else is passed through unchanged."""
+    """The DHT as a private run's components see it (a :class:`~dedloc_jax.run_dht.RunDHT`):
+    our own owner-marked subkeys under the run's keys get our invitation marker. Reads, the
+    clock and the rest are the DHT's own."""
 
-    def __init__(self, dht: Any, policy: AccessPolicy, invitation: Invitation | None) -> None:
+    def __init__(self, dht: DHT, policy: AccessPolicy, invitation: Invitation | None) -> None:
         self._dht = dht
         self._policy = policy
         self._marker = invitation.marker() if invitation is not None else ""
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._dht, name)
+        self.node = dht.node
+        self.peer_id = dht.peer_id
+        self.config = dht.config
+        self.now = dht.now
+        self.get = dht.get
+        self.follow = dht.follow
 
     async def store(
         self,
@@ -286,7 +292,7 @@ class InvitingDHT:
         replicas: int | None = None,
     ) -> Any:
         if self._marker and subkey is not None and self._policy.is_run_key(key):
-            mine = owner_marker(self._dht.node.peer_id)
+            mine = owner_marker(self.peer_id)
             if mine in subkey and "[invite:" not in subkey:
                 subkey += self._marker
         return await self._dht.store(key, value, expiration, subkey=subkey, replicas=replicas)
@@ -297,7 +303,7 @@ class AccessGuard:
 
     def __init__(
         self,
-        node: Any,
+        node: Node,
         policy: AccessPolicy,
         invitation: Invitation | None,
         *,
@@ -366,7 +372,7 @@ class PrivateRun:
     @classmethod
     def for_config(
         cls,
-        node: Any,
+        node: Node,
         run_id: str,
         owner_public_key: bytes | None,
         invitation: bytes | None,
@@ -390,7 +396,7 @@ class PrivateRun:
     def validators(self) -> list[InvitedWritersValidator]:
         return [InvitedWritersValidator(self.policy)]
 
-    def attach(self, dht: Any) -> InvitingDHT:
+    def attach(self, dht: DHT) -> InvitingDHT:
         """Serve ``collab.auth``; the DHT our components should use."""
         self.guard.register()
         return InvitingDHT(dht, self.policy, self.invitation)

@@ -24,9 +24,11 @@ import trio
 
 from dedloc_jax.averaging.audit import Accusation, check_evidence
 from dedloc_jax.config import MAX_RECORD_TTL
+from dedloc_jax.run_dht import RunDHT
 from p2p.dht.errors import InvalidRecordError
 from p2p.dht.records import owner_marker, owner_markers
 from p2p.errors import P2PError
+from p2p.node import Node
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +88,7 @@ def _pack_evidence(evidence: dict) -> bytes:
 class Bans:
     """This peer's ban list: its own convictions and others' that their evidence proves."""
 
-    def __init__(self, node: Any, dht: Any, run_id: str) -> None:
+    def __init__(self, node: Node, dht: RunDHT, run_id: str) -> None:
         self.node = node
         self.dht = dht
         self.run_id = run_id

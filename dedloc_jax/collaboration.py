@@ -1,6 +1,6 @@
 """The synchronous facade: a collaboration in one background trio thread.
 
-:class:`Collaboration` runs :func:`~dedloc_jax.peer.open_collaboration` for ordinary
+:class:`Collaboration` runs :func:`~dedloc_jax.opening.open_collaboration` for ordinary
 Python (the JAX training loop), and implements :class:`dedloc_jax.host.CollaborationHost` for
 :func:`dedloc_jax.collaborative`.
 """
@@ -19,8 +19,10 @@ import trio
 from dedloc_jax.config import CollaborationConfig
 from dedloc_jax.history import RoundOutcome
 from dedloc_jax.host import AveragingOutcome
-from dedloc_jax.peer import CollaborationPeer, ProgressSnapshot, open_collaboration
+from dedloc_jax.opening import open_collaboration
+from dedloc_jax.peer import CollaborationPeer
 from dedloc_jax.progress import CollaborationEstimate, PeerProgress
+from dedloc_jax.snapshot import ProgressSnapshot
 from dedloc_jax.state import KeepConfig, StepKeeper
 from p2p.bridge import TrioThread
 from p2p.dht import DHTConfig
@@ -133,7 +135,7 @@ class Collaboration:
         try:
             self.core = self._thread.start_service(self._serve)
             if self._target is not None:
-                self._thread.run_sync(self.core.use_target, self._target)
+                self._thread.run_sync(self.core.tracker.use_target, self._target)
         except BaseException:
             self._thread.stop()
             raise
@@ -194,7 +196,7 @@ class Collaboration:
     @property
     def estimate(self) -> CollaborationEstimate:
         thread, core = self._core()
-        return thread.run_sync(lambda: core.estimate)
+        return thread.run_sync(core.tracker.current_estimate)
 
     @property
     def epoch(self) -> int:
@@ -240,14 +242,14 @@ class Collaboration:
     def target(self) -> int | None:
         """Samples per step this peer trains toward (the run's, for a peer that sets none)."""
         thread, core = self._core()
-        return thread.run_sync(lambda: core.target)
+        return thread.run_sync(lambda: core.tracker.target)
 
     def use_target(self, target: int) -> None:
         """Train toward ``target`` samples per step; ``collaborative`` calls it. ValueError
         when ``config.target_batch_size`` names another."""
         self._target = self.config.agreed_target(target)
         if self._thread is not None and self.core is not None:
-            self._thread.run_sync(self.core.use_target, target)
+            self._thread.run_sync(self.core.tracker.use_target, target)
 
     @property
     def last_outcome(self) -> RoundOutcome | None:
@@ -281,7 +283,7 @@ class Collaboration:
         ``upload_bps`` and ``download_bps`` (bytes/s, None: not measured yet) and
         ``upload_age`` / ``download_age`` (seconds since measured)."""
         thread, core = self._core()
-        return thread.run_sync(lambda: core.links._asdict())
+        return thread.run_sync(lambda: core.link_keeper.figures()._asdict())
 
     def traffic(self) -> tuple[int, int]:
         """Bytes this peer has sent and received so far, all connections and protocols
@@ -363,7 +365,7 @@ class Collaboration:
     # --- state sync ----------------------------------------------------------------------
     def share_state(self, arrays: Sequence[np.ndarray], epoch: int) -> None:
         thread, core = self._core()
-        thread.run(core.share_state, [np.asarray(a) for a in arrays], epoch)
+        thread.run(core.state.share, [np.asarray(a) for a in arrays], epoch)
 
     def load_state(
         self, *, timeout: float = 60.0, min_epoch: int | None = None
@@ -377,20 +379,22 @@ class Collaboration:
         """The epoch of the state a download would bring: the newest on the lineage most
         peers hold (None: nobody announces one). Cheaper than a download: one DHT read."""
         thread, core = self._core()
-        return thread.run(core.newest_state_epoch)
+        return thread.run(core.state.newest_epoch)
 
     def on_minority_fork(self, *, patience: float = 0.0, undecided: bool = False) -> bool:
         """Whether the state this peer serves lost to another lineage of its epoch (more peers
         hold it): then load theirs (:func:`dedloc_jax.sync_state`). See
-        :meth:`CollaborationPeer.on_minority_fork`."""
+        :meth:`~dedloc_jax.state.local.LocalState.on_minority_fork`."""
         thread, core = self._core()
-        check = functools.partial(core.on_minority_fork, patience=patience, undecided=undecided)
+        check = functools.partial(
+            core.state.on_minority_fork, patience=patience, undecided=undecided
+        )
         return thread.run(check)
 
     def fork_verdict(self) -> bool | None:
         """:meth:`on_minority_fork` asked once, without waiting (None: it cannot tell yet)."""
         thread, core = self._core()
-        return thread.run_sync(core.fork_verdict)
+        return thread.run_sync(core.state.fork_verdict)
 
     @property
     def behind(self) -> bool:

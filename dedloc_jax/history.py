@@ -1,13 +1,20 @@
-"""The averaging history: what each averaging round did on this peer.
+"""The record of one averaging round: :class:`RoundOutcome`.
 
-:class:`~dedloc_jax.peer.CollaborationPeer` appends one :class:`RoundOutcome` per
-round; :attr:`dedloc_jax.Collaboration.history` and ``last_outcome`` return them.
+:func:`~dedloc_jax.round.average.average_round` returns one (with the mean it gave and the
+group behind it); :class:`~dedloc_jax.round.stepping.Stepper` completes it and keeps it, without
+the mean, in the peer's history, which :attr:`dedloc_jax.Collaboration.history` and
+``last_outcome`` return.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
-from typing import Any
+from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from dedloc_jax.averaging.group import GroupSpec
 
 
 @dataclass(frozen=True, slots=True)
@@ -20,6 +27,12 @@ class RoundOutcome:
     the collaboration's samples toward ``epoch`` when the round began; ``reason``: why it was
     not complete (empty when it was); ``mode``: how this peer took part ("node", "client",
     "aux").
+
+    While the round hands it on, it also holds what the history leaves out (:meth:`to_dict`
+    omits them, equality ignores them): ``average``, the mean this peer steps with (its own
+    arrays when no group averaged); ``group``, the level-0 group whose all-reduce succeeded
+    (both None once kept); ``error``, that all-reduce's failure; ``across``, whether the
+    epoch's groups were averaged across.
     """
 
     epoch: int
@@ -29,7 +42,14 @@ class RoundOutcome:
     collab_samples: float
     reason: str
     mode: str
+    average: list[np.ndarray] | None = field(default=None, compare=False, repr=False)
+    group: GroupSpec | None = field(default=None, compare=False, repr=False)
+    error: str | None = field(default=None, compare=False)
+    across: bool = field(default=False, compare=False)
 
     def to_dict(self) -> dict[str, Any]:
-        """The fields as a dict (for JSON), in declaration order."""
-        return asdict(self)
+        """The history's fields as a dict (for JSON), in declaration order."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name in _KEPT}
+
+
+_KEPT = ("epoch", "group_size", "complete", "seconds", "collab_samples", "reason", "mode")

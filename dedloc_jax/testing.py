@@ -89,7 +89,7 @@ async def open_sim_collaboration(
     A mode of None in ``modes`` lets that peer's mode follow its reachability. ``configs``:
     one config per peer (a hostile one's, say), instead of ``config`` for all.
     """
-    from dedloc_jax.peer import open_collaboration
+    from dedloc_jax.opening import open_collaboration
 
     async with (
         open_sim_nodes(net, n, config=NodeConfig.testing(), **host_kwargs) as nodes,

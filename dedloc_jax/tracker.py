@@ -27,8 +27,9 @@ from dedloc_jax.progress import (
     estimate_collaboration,
     refresh_delay,
 )
+from dedloc_jax.run_dht import RunDHT
 from dedloc_jax.state import Announcement, fork_choice, losing_peers
-from p2p.dht import DHT, InvalidRecordError, follower_replicas
+from p2p.dht import InvalidRecordError, follower_replicas
 from p2p.dht.records import Record, owner_marker, owner_markers
 from p2p.errors import P2PError
 
@@ -50,7 +51,7 @@ class ProgressTracker:
 
     def __init__(
         self,
-        dht: DHT,
+        dht: RunDHT,
         run_id: str,
         config: CollaborationConfig,
         mode: str,

@@ -1,11 +1,20 @@
 """Bandwidth-proportional butterfly all-reduce of gradient pytrees (DeDLOC's averaging).
 
-Usage: build a :class:`GroupSpec` (matchmaking does it), :func:`install` the handlers on each
-node before the round, then ``await all_reduce(node, spec, grads, weight=samples)``.
+Usage: build a :class:`GroupSpec` (matchmaking does it), one :class:`AveragingService` per node
+before the round (it registers the handlers), then ``await all_reduce(service, spec, grads,
+weight=samples)``.
 """
 
-from .bandwidth import BandwidthMeter, Gauge, LinkFigures, install_probe, measure_links, probe
-from .butterfly import AllReduceResult, AveragingService, ShareResult, all_reduce, install
+from .bandwidth import (
+    BandwidthMeter,
+    Gauge,
+    LinkFigures,
+    LinkLocks,
+    install_probe,
+    measure_links,
+    probe,
+)
+from .butterfly import AllReduceResult, AveragingService, ShareResult, all_reduce
 from .codecs import CODECS, Codec, get_codec
 from .config import AllReduceConfig
 from .errors import (
@@ -38,6 +47,7 @@ __all__ = [
     "GroupSpec",
     "LoadBalancingError",
     "LinkFigures",
+    "LinkLocks",
     "Member",
     "PartitionError",
     "ShareLostError",
@@ -48,7 +58,6 @@ __all__ = [
     "equal_split",
     "flatten",
     "get_codec",
-    "install",
     "install_probe",
     "measure_links",
     "predicted_time",

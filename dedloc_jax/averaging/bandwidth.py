@@ -40,7 +40,6 @@ import logging
 import math
 import os
 import random
-import weakref
 from collections import deque
 from collections.abc import Sequence
 from contextlib import AsyncExitStack
@@ -51,6 +50,7 @@ import trio
 
 from p2p.errors import P2PError
 from p2p.identity import PeerID
+from p2p.node import Node
 from p2p.rpc import CallContext, MessageStream
 
 logger = logging.getLogger(__name__)
@@ -279,12 +279,6 @@ class Gauge:
 # -- the active probe ----------------------------------------------------------------------------
 
 
-# One lock per node and direction of its link. A probe transfer holds the sender's "up" and the
-# receiver's "down" while its bytes flow, so no two probes share a link (each would read the
-# other's traffic as a slow link), while a node sending to one prober can still receive from
-# another. A partner queues a probe for a while before answering busy; every wait is bounded,
-# so probes cannot deadlock, and a prober that did not get its partners retries later.
-_LOCKS: weakref.WeakKeyDictionary[Any, dict[str, trio.Lock]] = weakref.WeakKeyDictionary()
 MAX_QUEUE_WAIT = 30.0
 """Longest a partner queues a probe for its link before answering busy (seconds)."""
 MAX_HOLD = 120.0
@@ -297,11 +291,20 @@ _MIN_SPAN_MESSAGES = 32
 """A download at this fraction of its partners' summed uplinks may be limited by them."""
 
 
-def _link_lock(node: Any, direction: str) -> trio.Lock:
-    locks = _LOCKS.get(node)
-    if locks is None:
-        locks = _LOCKS[node] = {"up": trio.Lock(), "down": trio.Lock()}
-    return locks[direction]
+class LinkLocks:
+    """One lock per direction of a node's link, made once per node and shared by the probes it
+    answers and those it runs. A probe transfer holds the sender's "up" and the receiver's
+    "down" while its bytes flow, so no two probes share a link (each would read the other's
+    traffic as a slow link), while a node sending to one prober can still receive from
+    another. A partner queues a probe for a while before answering busy; every wait is
+    bounded, so probes cannot deadlock, and a prober that did not get its partners retries
+    later."""
+
+    def __init__(self) -> None:
+        self._locks = {"up": trio.Lock(), "down": trio.Lock()}
+
+    def __getitem__(self, direction: str) -> trio.Lock:
+        return self._locks[direction]
 
 
 def _size(msg: Any, key: str) -> int:
@@ -312,7 +315,7 @@ def _size(msg: Any, key: str) -> int:
 
 
 async def _serve_probe(
-    node: Any, meter: BandwidthMeter | None, ctx: CallContext, ms: MessageStream
+    locks: LinkLocks, meter: BandwidthMeter | None, ctx: CallContext, ms: MessageStream
 ) -> None:
     """Other side of a probe: per transfer, a hold of one direction of our link (queued up to
     the prober's ``wait``), then the transfer itself (of nothing when the prober gave up)."""
@@ -325,7 +328,7 @@ async def _serve_probe(
         transfers += 1
         if transfers > _MAX_TRANSFERS:
             raise ValueError("too many probe transfers on one stream")
-        lock = _link_lock(node, direction)
+        lock = locks[direction]
         held = False
         with trio.move_on_after(min(MAX_QUEUE_WAIT, max(0.0, float(wait)))):
             await lock.acquire()
@@ -375,10 +378,10 @@ async def _send_download(ms: MessageStream, down: int) -> None:
         sent += n
 
 
-def install_probe(node: Any, meter: BandwidthMeter | None = None) -> None:
-    """Answer other peers' probes, telling them our published uplink from ``meter`` (idempotent
-    per node is up to the caller)."""
-    node.add_stream_handler(PROBE_PROTOCOL, functools.partial(_serve_probe, node, meter))
+def install_probe(node: Node, locks: LinkLocks, meter: BandwidthMeter | None = None) -> None:
+    """Answer other peers' probes, holding ``locks`` (the node's) and telling them our
+    published uplink from ``meter`` (once per node)."""
+    node.add_stream_handler(PROBE_PROTOCOL, functools.partial(_serve_probe, locks, meter))
 
 
 class _Partner:
@@ -398,7 +401,7 @@ async def _hold(partner: _Partner, direction: str, wait: float) -> dict | None:
 
 
 async def _take(
-    node: Any,
+    locks: LinkLocks,
     own: str,
     partners: Sequence[_Partner],
     theirs: str,
@@ -412,7 +415,7 @@ async def _take(
     busy for ``wait``. Asked one after the other, each partner held waited for the next ones
     and held up other probes meanwhile."""
     mine = contextlib.ExitStack()
-    lock = _link_lock(node, own)
+    lock = locks[own]
     got = False
     with trio.move_on_after(wait):
         await lock.acquire()
@@ -469,10 +472,11 @@ def _rate(x: Any) -> bool:
 
 
 async def measure_links(
-    node: Any,
+    node: Node,
     peers: Sequence[PeerID],
     meter: BandwidthMeter,
     *,
+    locks: LinkLocks,
     nbytes: int = 4 << 20,
     max_peers: int = 3,
     upload_peers: int = 2,
@@ -491,6 +495,7 @@ async def measure_links(
     partners lets go of what it holds and tries again after a random, growing backoff. When
     the download reached the partners' summed uplinks, the figure may be theirs, not ours: it
     is recorded as a lower bound (:meth:`BandwidthMeter.bounded`).
+    ``locks``: the node's (those its probe server holds, :func:`install_probe`).
     Raises :class:`ValueError` when no partner answered. Call it when joining a run, or when
     ``meter.stale()``.
     """
@@ -521,7 +526,7 @@ async def measure_links(
                 for i, partner in enumerate(partners):
                     if len(used) >= uploaders or i in used or partner.failed:
                         continue
-                    held, own = await _take(node, "up", [partner], "down", queue)
+                    held, own = await _take(locks, "up", [partner], "down", queue)
                     with own:
                         if not held:
                             continue
@@ -537,7 +542,9 @@ async def measure_links(
                     break
                 await trio.sleep(rng.uniform(0, backoff))
                 backoff = min(2 * backoff, timeout / 8)
-            await _measure_download(node, partners, meter, nbytes, queue, start + 0.75 * timeout)
+            await _measure_download(
+                node, locks, partners, meter, nbytes, queue, start + 0.75 * timeout
+            )
     figures = meter.figures()
     logger.info(
         "probed %d peers: up %.3g B/s, down %.3g B/s%s",
@@ -550,7 +557,8 @@ async def measure_links(
 
 
 async def _measure_download(
-    node: Any,
+    node: Node,
+    locks: LinkLocks,
     partners: Sequence[_Partner],
     meter: BandwidthMeter,
     nbytes: int,
@@ -572,7 +580,7 @@ async def _measure_download(
     enough = _PARTNER_MARGIN * down if down else None
     while True:
         candidates = [p for p in partners if not p.failed]
-        held, own = await _take(node, "down", candidates, "up", queue, enough)
+        held, own = await _take(locks, "down", candidates, "up", queue, enough)
         for partner, answer in held:
             published[id(partner)] = answer.get("up_bps")
         total = sum(u for _, a in held if _rate(u := a.get("up_bps")))
@@ -715,8 +723,16 @@ def _upload_seconds(reply: dict, size: int, own: float) -> float:
 
 
 async def probe(
-    node: Any, peer: PeerID, meter: BandwidthMeter, *, nbytes: int = 4 << 20, timeout: float = 30.0
+    node: Node,
+    peer: PeerID,
+    meter: BandwidthMeter,
+    *,
+    locks: LinkLocks,
+    nbytes: int = 4 << 20,
+    timeout: float = 30.0,
 ) -> BandwidthMeter:
     """Probe the links against one peer (see :func:`measure_links`)."""
-    await measure_links(node, [peer], meter, nbytes=nbytes, max_peers=1, timeout=timeout)
+    await measure_links(
+        node, [peer], meter, locks=locks, nbytes=nbytes, max_peers=1, timeout=timeout
+    )
     return meter

@@ -23,7 +23,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
-import weakref
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -34,6 +33,7 @@ import trio
 
 from p2p.errors import P2PError
 from p2p.identity import PeerID
+from p2p.node import Node
 from p2p.rpc import CallContext, MessageStream
 
 from . import audit, wire
@@ -97,24 +97,28 @@ class AllReduceResult:
 
 
 class AveragingService:
-    """Per-node registry of rounds and the two stream handlers of the protocol."""
+    """A node's all-reduce: its rounds and the stream handlers of the protocol, registered on
+    construction (once per node, before any round starts: a peer may dial us as soon as it
+    starts its own side of the round). ``config``: the rounds' settings unless a round passes
+    its own; ``admit(peer)``, awaited before serving any stream, raises unless the peer may take
+    part (a private run's :meth:`~dedloc_jax.access.AccessGuard.admit`; None: anyone)."""
 
-    def __init__(self, node: Any, config: AllReduceConfig) -> None:
+    def __init__(
+        self,
+        node: Node,
+        config: AllReduceConfig = AllReduceConfig(),
+        *,
+        admit: Callable[[PeerID], Awaitable[None]] | None = None,
+    ) -> None:
         self.node = node
         self.config = config
         self._rounds: dict[bytes, Round] = {}
         self._started: dict[bytes, trio.Event] = {}
         self._finished: OrderedDict[bytes, tuple[float, Round]] = OrderedDict()
-        self._admit: Callable[[PeerID], Awaitable[None]] | None = None
+        self._admit = admit
         node.add_stream_handler(wire.PROTOCOL, self._handle_exchange)
         node.add_stream_handler(wire.REPAIR_PROTOCOL, self._handle_repair)
         node.add_stream_handler(audit.VERIFY_PROTOCOL, self._handle_verify)
-
-    def guard_with(self, admit: Callable[[PeerID], Awaitable[None]]) -> None:
-        """Await ``admit(peer)`` (it raises unless the peer may take part, e.g. a private run's
-        :meth:`~dedloc_jax.access.AccessGuard.admit`) before serving any stream. A method, not
-        a constructor argument: the service is one per node and may predate the collaboration."""
-        self._admit = admit
 
     def _open(self, rnd: Round) -> None:
         if rnd.round_id in self._rounds:
@@ -186,19 +190,6 @@ class AveragingService:
         if hello.share not in rnd.chunks:
             raise BadContributionError(f"bad share {hello.share} to repair")
         await rnd.serve_repair(hello, ms)
-
-
-_SERVICES: weakref.WeakKeyDictionary[Any, AveragingService] = weakref.WeakKeyDictionary()
-
-
-def install(node: Any, config: AllReduceConfig | None = None) -> AveragingService:
-    """Register the all-reduce handlers on ``node`` (idempotent). Do it before any round starts:
-    a peer may dial us as soon as it starts its own side of the round."""
-    service = _SERVICES.get(node)
-    if service is None:
-        service = AveragingService(node, config or AllReduceConfig())
-        _SERVICES[node] = service
-    return service
 
 
 # ---- one round ------------------------------------------------------------------------------
@@ -603,7 +594,7 @@ class Round:
 
 
 async def all_reduce(
-    node: Any,
+    service: AveragingService,
     group: GroupSpec,
     tree: Any,
     weight: float | None = None,
@@ -615,16 +606,16 @@ async def all_reduce(
     meter: BandwidthMeter | None = None,
 ) -> AllReduceResult:
     """Average ``tree`` (weighted by ``weight``, default the member's weight in ``group``) with
-    the other members of ``group``; returns within ``timeout`` seconds.
+    the other members of ``group``, on ``service``'s node (``config``: None, the service's);
+    returns within ``timeout`` seconds.
 
     Aux members pass a template tree of the right shapes (its values are ignored) and get
     ``average=None``. Raises :class:`ShareLostError` if some share could neither be received nor
     repaired in time, and :class:`AllReduceError` if no contribution at all was averaged.
     ``round_id`` defaults to the group's digest (a new group per round).
     """
-    service = install(node, config)
     cfg = config or service.config
-    me = group.index_of(node.peer_id)
+    me = group.index_of(service.node.peer_id)
     member = group.members[me]
     codec_ = get_codec(codec) if isinstance(codec, str) else codec
     vec, spec = flatten(tree)

@@ -12,13 +12,15 @@
   (:mod:`~dedloc_jax.round.following`, :mod:`~dedloc_jax.round.leading`: the two sides);
 - :mod:`~dedloc_jax.round.across`: the second level, across capped groups;
 - :mod:`~dedloc_jax.round.average`: :func:`average_round`, one round as trainers and aux peers
-  run it, over all of the above.
+  run it, over all of the above;
+- :mod:`~dedloc_jax.round.stepping`: a peer's averaging step around the round (its window, the
+  verdict on the mean, the history).
 
 Re-exported here: the names other modules use.
 """
 
 from dedloc_jax.round.across import AcrossGroups, averaged_weight, broadcast, representative
-from dedloc_jax.round.average import RoundResult, Rounds, average_round
+from dedloc_jax.round.average import Rounds, average_round
 from dedloc_jax.round.context import RoundContext
 from dedloc_jax.round.deadlines import Deadlines, averaging_timeout, matchmaking_window
 from dedloc_jax.round.matchmaking import Matchmaker
@@ -32,7 +34,6 @@ __all__ = [
     "Deadlines",
     "Matchmaker",
     "RoundContext",
-    "RoundResult",
     "Rounds",
     "Slots",
     "average_round",

@@ -29,7 +29,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import trio
@@ -38,6 +38,7 @@ from dedloc_jax.averaging import (
     AllReduceConfig,
     AllReduceError,
     AllReduceResult,
+    AveragingService,
     GroupError,
     all_reduce,
 )
@@ -45,7 +46,12 @@ from dedloc_jax.averaging.group import GroupSpec
 from dedloc_jax.round.slots import Slots
 from p2p.errors import P2PError
 from p2p.identity import PeerID
+from p2p.node import Node
 from p2p.rpc import CallContext
+
+if TYPE_CHECKING:  # the round's machinery runs this module's side of it
+    from dedloc_jax.round.average import Rounds, ThisRound
+    from dedloc_jax.round.deadlines import Deadlines
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +101,7 @@ class AcrossGroups:
 
     def __init__(
         self,
-        node: Any,
+        node: Node,
         slots: Slots,
         *,
         admit: Callable[[PeerID, str | None], Awaitable[None]] | None = None,
@@ -157,7 +163,7 @@ class AcrossGroups:
 
 
 async def broadcast(
-    node: Any,
+    service: AveragingService,
     spec: GroupSpec,
     arrays: Sequence[np.ndarray],
     *,
@@ -175,7 +181,7 @@ async def broadcast(
     no average either way."""
     try:
         result = await all_reduce(
-            node,
+            service,
             broadcast_spec(spec),
             list(arrays),
             1.0 if source else 0.0,
@@ -194,3 +200,87 @@ async def broadcast(
         log.warning("the broadcast of the mean across groups failed: %s", failed)
         return None
     return result
+
+
+async def cross_average(
+    rounds: Rounds,
+    this: ThisRound,
+    spec: GroupSpec | None,
+    mean: list[np.ndarray],
+    weight: float,
+    deadlines: Deadlines,
+) -> tuple[list[np.ndarray], int, bool]:
+    """The mean across this epoch's groups (see above), the size of the level-1 group (1 when
+    this peer did not represent its group there) and whether that is the whole epoch's mean;
+    ``mean`` itself when it failed. ``deadlines``: those of our group ``spec`` (of the round's
+    window alone when we are in none)."""
+    epoch = this.epoch
+    me = str(rounds.node.peer_id)
+    rep = me if spec is None else representative(spec)
+    wait = deadlines.cross_wait  # for the representative's round across groups
+    rounds.across.begin(wait)
+    size = 1
+    if rep == me:
+        ok, whole, found = False, False, None
+        try:
+            found = await represent(rounds, this, mean, weight)
+            ok = found is not None
+            if found is not None:
+                mean, size, whole = found
+        finally:
+            rounds.across.settle(epoch, ok, whole)
+        if found is None:
+            return mean, 1, False
+        if spec is None:
+            return mean, size, whole
+    else:
+        rounds.matchmaker.decline(epoch)
+        ok, whole = (False, False) if rep is None else await rounds.across.ask(rep, epoch, wait)
+        if not ok:
+            return mean, 1, False
+    assert spec is not None  # a peer alone represents itself, and returned above
+    sent = await broadcast(
+        rounds.service,
+        spec,
+        mean,
+        source=rep == me,
+        codec=this.codec,
+        timeout=deadlines.averaging,
+        config=rounds.all_reduce_config(),
+    )
+    if sent is not None:
+        await rounds.convict(sent)
+    out = None if sent is None or sent.average is None else [np.asarray(a) for a in sent.average]
+    if out is None:  # the representative holds the mean across groups all the same
+        return mean, 1, rep == me and whole
+    return out, size, whole
+
+
+async def represent(
+    rounds: Rounds, this: ThisRound, mean: list[np.ndarray], weight: float
+) -> tuple[list[np.ndarray], int, bool] | None:
+    """As its group's representative, average ``mean`` (``weight`` samples) with the other
+    groups' representatives: the result, how many there were and whether every
+    representative our leader's partition named took part (else the mean is partial), or
+    None."""
+    epoch = this.epoch
+    me = rounds.member(weight)
+    others = rounds.matchmaker.representatives(epoch) - {me.peer_id}
+    spec = await rounds.matchmaker.form_group(
+        epoch, me, target=this.target, expected=others, level=1, deadlines=this.deadlines
+    )
+    if spec is None:
+        return None
+    averaged, failure = await rounds.all_reduce(spec, mean, weight, this.codec, this.deadlines)
+    if averaged is None:
+        log.warning("averaging across groups at epoch %d failed: %s", epoch, failure)
+        return None
+    members = {m.peer_id for m in spec.members}
+    whole = others <= members
+    if not whole:
+        log.info(
+            "epoch %d: %d of the groups' representatives missed the round across groups",
+            epoch,
+            len(others - members),
+        )
+    return [np.asarray(a) for a in averaged.average], len(spec.members), whole

@@ -12,7 +12,7 @@ import dataclasses
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import trio
@@ -21,17 +21,20 @@ from dedloc_jax.averaging import (
     AllReduceConfig,
     AllReduceError,
     AllReduceResult,
-    BandwidthMeter,
+    AveragingService,
     GroupError,
     GroupSpec,
     Member,
     all_reduce,
-    install,
 )
+from dedloc_jax.averaging.links import LinkKeeper
 from dedloc_jax.bans import Bans
-from dedloc_jax.round.across import AcrossGroups, averaged_weight, broadcast, representative
+from dedloc_jax.history import RoundOutcome
+from dedloc_jax.round.across import AcrossGroups, averaged_weight, cross_average
 from dedloc_jax.round.deadlines import Deadlines
 from dedloc_jax.round.matchmaking import Matchmaker
+from dedloc_jax.round.wire import member_for
+from p2p.node import Node
 
 log = logging.getLogger(__name__)
 
@@ -43,18 +46,27 @@ def _vector_bytes(arrays: Sequence[np.ndarray]) -> int:
     return sum(int(np.asarray(a).size) * 4 for a in arrays)
 
 
+class PeerTable(Protocol):
+    """What a round reads anew from the peer's progress tracker
+    (:class:`~dedloc_jax.tracker.ProgressTracker`)."""
+
+    mode: str
+    """How this peer takes part now ("node", "client", "aux")."""
+    dht_latency: float
+    """Smoothed seconds per DHT read."""
+
+
 @dataclass(frozen=True)
 class Rounds:
-    """A peer's round machinery, made once with the peer: its node, matchmaker and round
-    across groups, the meter its all-reduces feed, and what it reads anew each round."""
+    """A peer's round machinery, made once with the peer: its node's all-reduce service,
+    matchmaker and round across groups, its links (whose meter its all-reduces feed), and the
+    progress table it reads anew each round."""
 
-    node: Any
+    service: AveragingService
     matchmaker: Matchmaker
     across: AcrossGroups
-    meter: BandwidthMeter
-    member: Callable[[float], Member]
-    """This peer's member entry now (mode, measured links), bringing a weight."""
-    dht_latency: Callable[[], float]
+    links: LinkKeeper
+    table: PeerTable
     averaging_timeout: float | None = None
     """A user-set all-reduce timeout (None: from the group's LP bound)."""
     robust_tau: float | None = None
@@ -66,44 +78,55 @@ class Rounds:
     bans: Bans | None = None
     """Where caught liars go (and are published); None: nobody is banned."""
 
+    @property
+    def node(self) -> Node:
+        return self.service.node
+
+    def member(self, weight: float) -> Member:
+        """This peer's member entry now: its mode and measured links, bringing ``weight``."""
+        up, down = self.links.bandwidth()
+        return member_for(str(self.node.peer_id), self.table.mode, up, down, weight)
+
     def all_reduce_config(self) -> AllReduceConfig | None:
         """The node's all-reduce settings with this run's robust aggregation and checks."""
         robust = self.robust or self.robust_tau is not None
         if not robust and not self.verify:
             return None
-        return install(self.node).config.replace(
+        return self.service.config.replace(
             robust=robust, robust_tau=self.robust_tau, verify=self.verify
         )
 
-    def deadlines(self, spec: GroupSpec, arrays: Sequence[np.ndarray]) -> Deadlines:
-        """The round's deadlines: the matchmaking window's and the group's LP bound's."""
-        return self.matchmaker.deadlines.for_group(
+    def deadlines(
+        self, base: Deadlines, spec: GroupSpec, arrays: Sequence[np.ndarray]
+    ) -> Deadlines:
+        """The round's deadlines: ``base``'s (the matchmaking window's) and the group's LP
+        bound's."""
+        return base.for_group(
             spec.lower_bound(_vector_bytes(arrays)),
-            self.dht_latency(),
+            self.table.dht_latency,
             override=self.averaging_timeout,
         )
 
-    def cross_wait(self, spec: GroupSpec | None, arrays: Sequence[np.ndarray]) -> float:
-        """How long a member waits for its representative's round across groups."""
-        if spec is None:
-            return self.matchmaker.deadlines.cross_wait
-        return self.deadlines(spec, arrays).cross_wait
-
     async def all_reduce(
-        self, spec: GroupSpec, arrays: Sequence[np.ndarray], weight: float, codec: str
+        self,
+        spec: GroupSpec,
+        arrays: Sequence[np.ndarray],
+        weight: float,
+        codec: str,
+        deadlines: Deadlines,
     ) -> tuple[AllReduceResult | None, str]:
         """The all-reduce of ``arrays`` (``weight`` samples) in ``spec``, or None and why it
         failed (an averaging error, also one the round's nursery wrapped); anything else
         propagates."""
         try:
             result = await all_reduce(
-                self.node,
+                self.service,
                 spec,
                 list(arrays),
                 weight,
                 codec=codec,
-                timeout=self.deadlines(spec, arrays).averaging,
-                meter=self.meter,
+                timeout=self.deadlines(deadlines, spec, arrays).averaging,
+                meter=self.links.meter,
                 config=self.all_reduce_config(),
             )
         except (AllReduceError, GroupError) as e:
@@ -118,29 +141,9 @@ class Rounds:
         if self.bans is not None:
             for accusation in result.accusations:
                 self.bans.convict(accusation)
-            with trio.move_on_after(self.dht_latency() * 4 + 5.0):
+            with trio.move_on_after(self.table.dht_latency * 4 + 5.0):
                 await self.bans.publish()
                 await self.bans.refresh()
-
-
-@dataclass(frozen=True)
-class RoundResult:
-    """What one round gave a peer."""
-
-    average: list[np.ndarray]
-    """The mean this peer steps with: its own arrays when no group averaged."""
-    group_size: int
-    """Members of the group behind the mean (1: none)."""
-    complete: bool
-    """Whether the mean is the whole epoch's (every group's, when there were several)."""
-    reason: str
-    """Why the round fell short ("" when complete in a group)."""
-    group: GroupSpec | None = None
-    """The level-0 group whose all-reduce succeeded (None: none formed, or it failed)."""
-    error: str | None = None
-    """The level-0 all-reduce's failure, if it failed."""
-    across: bool = False
-    """Whether the epoch's groups were averaged across (the leader saw several groups)."""
 
 
 def _only_averaging(group: BaseExceptionGroup) -> BaseExceptionGroup:
@@ -158,54 +161,76 @@ async def average_round(
     me: Member,
     arrays: Sequence[np.ndarray],
     *,
+    deadlines: Deadlines,
     codec: str,
     target: float,
     expected: set[str],
     on_averaged: Callable[[GroupSpec], None] | None = None,
-) -> RoundResult:
+) -> RoundOutcome:
     """Average ``arrays`` (``me.weight`` samples; an aux peer's are a template of zeros) with
-    a group for ``epoch``, sent in ``codec``. Registration closes as soon as every
+    a group for ``epoch``, sent in ``codec``, within ``deadlines`` (the round's matchmaking
+    window; the all-reduce's follow from the group). Registration closes as soon as every
     ``expected`` peer is in (or later while the registered samples fall short of
     ``target``). ``on_averaged(spec)`` runs once the group's all-reduce succeeded, before any
-    round across groups. The peer takes no part in the epoch's rounds afterwards."""
+    round across groups. The peer takes no part in the epoch's rounds afterwards. The
+    outcome holds the mean (this peer's own arrays when no group averaged); its
+    ``collab_samples`` is left to the caller."""
     matchmaker = rounds.matchmaker
     started = trio.current_time()
-    spec = await matchmaker.form_group(epoch, me, target=target, expected=expected)
+    spec = await matchmaker.form_group(
+        epoch, me, target=target, expected=expected, deadlines=deadlines
+    )
     own = [np.asarray(a) for a in arrays]
-    result = RoundResult(own, 1, False, NO_GROUP)
+    this = ThisRound(epoch, deadlines, codec, target, me.mode)
+    result = this.outcome(own, 1, False, NO_GROUP)
     if spec is not None:
-        result = await _in_group(
-            rounds, epoch, spec, me, arrays, codec, target, started, on_averaged
-        )
+        result = await _in_group(rounds, this, spec, me, arrays, started, on_averaged)
     elif matchmaker.needs_cross(epoch) and me.sends:  # alone among several groups
-        mean, size, whole = await _across(rounds, epoch, None, own, me.weight, codec, target=target)
+        mean, size, whole = await cross_average(rounds, this, None, own, me.weight, deadlines)
         reason = "alone in our group, and the round across groups failed"
-        result = RoundResult(mean, size, whole, reason, across=True)
+        result = this.outcome(mean, size, whole, reason, across=True)
     matchmaker.decline(epoch)  # no-ops if it took part in the round across groups
     rounds.across.close(epoch)
+    reason = result.reason
     if result.complete:
         reason = "" if result.group_size > 1 else "averaged with no other peer"
-        result = dataclasses.replace(result, reason=reason)
-    return result
+    return dataclasses.replace(result, reason=reason, seconds=trio.current_time() - started)
+
+
+@dataclass(frozen=True)
+class ThisRound:
+    """What every stage of one round shares: the epoch, the window's deadlines, the codec, the
+    target and how this peer takes part."""
+
+    epoch: int
+    deadlines: Deadlines
+    codec: str
+    target: float
+    mode: str
+
+    def outcome(
+        self, mean: list[np.ndarray], size: int, complete: bool, reason: str, **rest: Any
+    ) -> RoundOutcome:
+        """This round's outcome (its time is set once it ends)."""
+        return RoundOutcome(self.epoch, size, complete, 0.0, 0.0, reason, self.mode, mean, **rest)
 
 
 async def _in_group(
     rounds: Rounds,
-    epoch: int,
+    this: ThisRound,
     spec: GroupSpec,
     me: Member,
     arrays: Sequence[np.ndarray],
-    codec: str,
-    target: float,
     started: float,
     on_averaged: Callable[[GroupSpec], None] | None,
-) -> RoundResult:
+) -> RoundOutcome:
     """The level-0 all-reduce in ``spec``, then the round across groups if the leader saw
     several groups. An aux member's template of zeros stands in for the mean it holds none
     of."""
+    epoch = this.epoch
     own = [np.asarray(a) for a in arrays]
     try:
-        deadlines = rounds.deadlines(spec, arrays)
+        deadlines = rounds.deadlines(this.deadlines, spec, arrays)
     except GroupError as e:  # a spec without a share split: as a failed all-reduce
         averaged, failure = None, str(e)
     else:
@@ -217,103 +242,18 @@ async def _in_group(
             deadlines.lp_bound,
             deadlines.averaging,
         )
-        averaged, failure = await rounds.all_reduce(spec, arrays, me.weight, codec)
+        averaged, failure = await rounds.all_reduce(
+            spec, arrays, me.weight, this.codec, this.deadlines
+        )
     if averaged is None:
-        return RoundResult(own, 1, False, f"the all-reduce failed: {failure}", error=failure)
+        return this.outcome(own, 1, False, f"the all-reduce failed: {failure}", error=failure)
     if on_averaged is not None:
         on_averaged(spec)
     mean = [np.asarray(a) for a in averaged.average] if me.sends else own
     size = len(spec.members)
     if not rounds.matchmaker.needs_cross(epoch):
-        return RoundResult(mean, size, True, "", spec)
+        return this.outcome(mean, size, True, "", group=spec)
     weight = averaged_weight(spec, averaged) if me.sends else 0.0
-    mean, _, whole = await _across(rounds, epoch, spec, mean, weight, codec, target=target)
+    mean, _, whole = await cross_average(rounds, this, spec, mean, weight, deadlines)
     missed = "the round across groups missed some of them"
-    return RoundResult(mean, size, whole, missed, spec, None, True)
-
-
-async def _across(
-    rounds: Rounds,
-    epoch: int,
-    spec: GroupSpec | None,
-    mean: list[np.ndarray],
-    weight: float,
-    codec: str,
-    *,
-    target: float,
-) -> tuple[list[np.ndarray], int, bool]:
-    """The mean across this epoch's groups (see :mod:`dedloc_jax.round.across`), the size of
-    the level-1 group (1 when this peer did not represent its group there) and whether
-    that is the whole epoch's mean; ``mean`` itself when it failed."""
-    me = str(rounds.node.peer_id)
-    rep = me if spec is None else representative(spec)
-    wait = rounds.cross_wait(spec, mean)
-    rounds.across.begin(wait)
-    size = 1
-    if rep == me:
-        ok, whole, found = False, False, None
-        try:
-            found = await represent(rounds, epoch, mean, weight, codec, target=target)
-            ok = found is not None
-            if found is not None:
-                mean, size, whole = found
-        finally:
-            rounds.across.settle(epoch, ok, whole)
-        if found is None:
-            return mean, 1, False
-        if spec is None:
-            return mean, size, whole
-    else:
-        rounds.matchmaker.decline(epoch)
-        ok, whole = (False, False) if rep is None else await rounds.across.ask(rep, epoch, wait)
-        if not ok:
-            return mean, 1, False
-    assert spec is not None  # a peer alone represents itself, and returned above
-    sent = await broadcast(
-        rounds.node,
-        spec,
-        mean,
-        source=rep == me,
-        codec=codec,
-        timeout=rounds.deadlines(spec, mean).averaging,
-        config=rounds.all_reduce_config(),
-    )
-    if sent is not None:
-        await rounds.convict(sent)
-    out = None if sent is None or sent.average is None else [np.asarray(a) for a in sent.average]
-    if out is None:  # the representative holds the mean across groups all the same
-        return mean, 1, rep == me and whole
-    return out, size, whole
-
-
-async def represent(
-    rounds: Rounds,
-    epoch: int,
-    mean: list[np.ndarray],
-    weight: float,
-    codec: str,
-    *,
-    target: float,
-) -> tuple[list[np.ndarray], int, bool] | None:
-    """As its group's representative, average ``mean`` (``weight`` samples) with the other
-    groups' representatives: the result, how many there were and whether every
-    representative our leader's partition named took part (else the mean is partial), or
-    None."""
-    me = rounds.member(weight)
-    others = rounds.matchmaker.representatives(epoch) - {me.peer_id}
-    spec = await rounds.matchmaker.form_group(epoch, me, target=target, expected=others, level=1)
-    if spec is None:
-        return None
-    averaged, failure = await rounds.all_reduce(spec, mean, weight, codec)
-    if averaged is None:
-        log.warning("averaging across groups at epoch %d failed: %s", epoch, failure)
-        return None
-    members = {m.peer_id for m in spec.members}
-    whole = others <= members
-    if not whole:
-        log.info(
-            "epoch %d: %d of the groups' representatives missed the round across groups",
-            epoch,
-            len(others - members),
-        )
-    return [np.asarray(a) for a in averaged.average], len(spec.members), whole
+    return this.outcome(mean, size, whole, missed, group=spec, across=True)

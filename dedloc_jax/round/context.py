@@ -3,8 +3,10 @@ the peer's progress table and state through it and never holds the peer itself."
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+import functools
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 from p2p.identity import PeerID
 
@@ -44,3 +46,40 @@ class RoundContext:
     admit: Callable[[PeerID, str | None], Awaitable[None]] | None = None
     """Private runs (:mod:`dedloc_jax.access`): raises unless the caller (in that mode) may
     take part; None in an open run."""
+
+
+class ProgressTable(Protocol):
+    """What a round's context reads of the progress tracker
+    (:class:`~dedloc_jax.tracker.ProgressTracker`)."""
+
+    @property
+    def records(self) -> Mapping[str, Any]: ...
+
+    def current_estimate(self) -> Any: ...
+
+
+def _moved_on(table: ProgressTable, peer: str, epoch: int) -> bool:
+    record = table.records.get(peer)
+    return record is not None and record.epoch > epoch
+
+
+def _epoch_over(table: ProgressTable, epoch: int) -> bool:
+    return table.current_estimate().epoch > epoch
+
+
+def context_of(
+    table: ProgressTable,
+    state_of: Callable[[int], bytes | None],
+    banned: Callable[[str], bool],
+    admit: Callable[[PeerID, str | None], Awaitable[None]] | None,
+) -> RoundContext:
+    """A peer's context: who moved on and whether an epoch is over, from its progress
+    ``table``; ``state_of``: its state server's head (peers average only with peers that step
+    from the same state, or do not say); ``banned``: its bans; ``admit``: its access guard."""
+    return RoundContext(
+        moved_on=functools.partial(_moved_on, table),
+        epoch_over=functools.partial(_epoch_over, table),
+        state_of=state_of,
+        banned=banned,
+        admit=admit,
+    )

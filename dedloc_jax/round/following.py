@@ -14,6 +14,7 @@ from dedloc_jax.round.context import RoundContext
 from dedloc_jax.round.wire import JOIN, LEADER, Slot, member_to_wire
 from p2p.errors import ConnectionClosed, DialError, P2PError, RPCError, RPCTimeout
 from p2p.identity import PeerID
+from p2p.node import Node
 
 log = logging.getLogger(__name__)
 
@@ -33,13 +34,13 @@ def _gone(e: P2PError) -> bool:
     )
 
 
-async def ask_leader(node: Any, slot: Slot, peer: str, timeout: float) -> Any:
+async def ask_leader(node: Node, slot: Slot, peer: str, timeout: float) -> Any:
     """``peer``'s answer to whom it follows at ``slot`` (raises P2PError)."""
     request = {"epoch": slot[0], "level": slot[1]}
     return await node.call(PeerID.from_base58(peer), LEADER, request, timeout=timeout)
 
 
-async def leader_of(node: Any, slot: Slot, peer: str, timeout: float) -> str | None:
+async def leader_of(node: Node, slot: Slot, peer: str, timeout: float) -> str | None:
     """Whom ``peer`` follows at ``slot`` (None: undecided, alone, or unreachable)."""
     try:
         answer = await ask_leader(node, slot, peer, timeout)
@@ -56,7 +57,7 @@ async def leader_of(node: Any, slot: Slot, peer: str, timeout: float) -> str | N
 class Joining:
     """One follower's join of a slot's group: what it sends and what it tells its matchmaker."""
 
-    node: Any
+    node: Node
     slot: Slot
     me: Member
     context: RoundContext

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from dataclasses import dataclass, field
 from typing import Any
 
 import trio
@@ -52,10 +53,12 @@ from dedloc_jax.round.wire import (
 from dedloc_jax.round.wire import member_from_wire as _member_from_wire
 from dedloc_jax.round.wire import member_to_wire as _member_to_wire
 from dedloc_jax.round.wire import slot_of as _slot_of
-from p2p.dht import DHT, KeyFollower
+from dedloc_jax.run_dht import RunDHT
+from p2p.dht import KeyFollower
 from p2p.errors import P2PError
 from p2p.identity import PeerID
 from p2p.multiaddr import Multiaddr
+from p2p.node import Node
 from p2p.rpc import CallContext
 
 log = logging.getLogger(__name__)
@@ -69,18 +72,45 @@ MAX_NO_SHOW_SKIP = 32
 """The most epochs a peer that kept missing its expected registrations goes unwaited for."""
 
 
+@dataclass
+class _Gathering:
+    """One slot's registrations as this peer gathers them."""
+
+    registry: KeyFollower
+    me: Member
+    target: float
+    expected: set[str]
+    deadlines: Deadlines
+    start: float
+    others: dict[str, Member] = field(default_factory=dict)
+    states: dict[str, bytes | None] = field(default_factory=dict)  # each registered peer's
+
+    def short_of_target(self) -> bool:
+        """Whether waiting can still bring the samples the target needs. Registered peers
+        stopped accumulating: more can only come from expected peers not registered yet (with
+        all of them in there is nothing to wait for) or, when the tracker expects nobody, from
+        peers it has not seen yet (worth a short wait only)."""
+        now = trio.current_time()
+        got = self.me.weight + sum(m.weight for m in self.others.values())
+        if got >= self.target or now >= self.start + self.deadlines.max_wait:
+            return False
+        if self.expected:
+            return not self.expected <= set(self.others)
+        return now - self.start < 2 * self.deadlines.window
+
+
 class Matchmaker:
     """Forms averaging groups for one peer; registers the ``collab.join`` handler.
 
     ``context``: what the round reads from its peer (default: a peer that knows nothing);
     ``slots``: the peer's slot records, shared with its :class:`~dedloc_jax.round.across.
-    AcrossGroups`; ``deadlines``: the first round's (each round sets its own,
-    :meth:`use_deadlines`)."""
+    AcrossGroups`; ``deadlines``: those of a round that passes none to :meth:`form_group` (a
+    fixed window)."""
 
     def __init__(
         self,
-        node: Any,
-        dht: DHT,
+        node: Node,
+        dht: RunDHT,
         run_id: str,
         *,
         max_group_size: int,
@@ -103,11 +133,8 @@ class Matchmaker:
         self._no_shows: dict[str, tuple[int, int]] = {}
         self._registered: set[str] = set()
         self.deadlines = deadlines
-
-    def use_deadlines(self, deadlines: Deadlines) -> None:
-        """The deadlines of the round this peer begins now (from its predictions): its own
-        waits and its answers to others' joins follow them until the next round begins."""
-        self.deadlines = deadlines
+        # Answers to others' joins follow the deadlines of the round this peer began last.
+        self._answering = deadlines
 
     def register(self) -> None:
         self.node.add_handler(JOIN, self._handle_join)
@@ -199,8 +226,12 @@ class Matchmaker:
         target: float = 0.0,
         expected: set[str] | frozenset[str] = frozenset(),
         level: int = 0,
+        deadlines: Deadlines | None = None,
     ) -> GroupSpec | None:
         """The group this peer averages with at ``epoch``, or None if it must go alone.
+
+        ``deadlines``: the round's (from its predictions; None: the matchmaker's own); its
+        waits, and its answers to others' joins until it begins another round, follow them.
 
         ``level`` 1 forms the group of representatives that averages the level-0 groups'
         means (uncapped, under its own key); see :meth:`needs_cross`.
@@ -214,24 +245,99 @@ class Matchmaker:
         expected = {p for p in expected if not self.context.banned(p)}  # nobody waits for them
         if level == 0:
             expected = {p for p in expected if self._earned(p, epoch)}
+        deadlines = self.deadlines if deadlines is None else deadlines
+        self._answering = deadlines
         try:
-            return await self._form_group((epoch, level), me, target=target, expected=expected)
+            return await self._form_group((epoch, level), me, target, expected, deadlines)
         finally:
             # This peer's part in the epoch is over: a late join is answered at once.
             self.slots[(epoch, level)].opened.set()
 
     async def _form_group(
-        self, slot: Slot, me: Member, *, target: float, expected: set[str] | frozenset[str]
+        self,
+        slot: Slot,
+        me: Member,
+        target: float,
+        expected: set[str] | frozenset[str],
+        deadlines: Deadlines,
     ) -> GroupSpec | None:
-        deadlines = self.deadlines
-        window = deadlines.window
         epoch, level = slot
-        key = group_key(self.run_id, epoch, level)
-        cap = self.max_group_size if level == 0 else CROSS_CAP
         if level == 0:
             self._remember(epoch, False)
         if self._too_late(slot, set(expected) - {self.peer_id}):
             return None
+        my_state = await self._register(slot, me, target, expected, deadlines)
+        # Who the tracker saw at this epoch, before any is dropped: groups are sized for them.
+        planned = set(expected) | {self.peer_id}
+        expected = set(expected) - {self.peer_id}
+        # Polled several times per epoch by every peer: fetch only new registrations. A
+        # registration lapses on time even when we hear from nobody (no grace): grouping with
+        # a peer whose registration expired costs a failed round.
+        registry = self.dht.follow(
+            group_key(self.run_id, epoch, level),
+            relocate_interval=deadlines.relocate_interval,
+            lapse_grace=0.0,
+        )
+        gathering = _Gathering(registry, me, target, expected, deadlines, trio.current_time())
+        if not await self._gather(slot, gathering):
+            return None
+        if not await self._wait_for_target(slot, gathering):
+            return None
+        others = gathering.others
+        if level == 0:
+            self._note_shows(epoch, expected, set(others))
+        if expected - set(others):
+            log.debug(
+                "%s: going on after %.1f s without expected peers %s",
+                slot,
+                trio.current_time() - gathering.start,
+                sorted(expected - set(others)),
+            )
+        modes = {p: m.mode for p, m in others.items()} | {self.peer_id: me.mode}
+        plan = plan_groups(
+            self.peer_id,
+            my_state,
+            others,
+            gathering.states,
+            modes,
+            planned=planned,
+            expected=expected,
+            seed=group_seed(self.run_id, epoch),
+            cap=self.max_group_size if level == 0 else CROSS_CAP,
+            level=level,
+        )
+        if plan.apart:
+            log.info(
+                "%s: %d of %d registered peers step from another state: not averaging with them",
+                slot,
+                len(plan.apart),
+                len(others),
+            )
+        if level == 0:
+            self._remember(epoch, len(plan.groups) > 1, (plan.groups, modes))
+        if len(plan.mine) == 1 and not plan.late:
+            log.debug(
+                "%s: alone in our group of %d (%d registrations read, %d planned, %d expected)",
+                slot,
+                len(plan.groups),
+                len(others),
+                len(planned),
+                len(expected),
+            )
+            self._choose(slot, None)
+            return None
+        return await self._lead_or_follow(slot, me, plan.mine, set(plan.late), deadlines)
+
+    async def _register(
+        self,
+        slot: Slot,
+        me: Member,
+        target: float,
+        expected: set[str] | frozenset[str],
+        deadlines: Deadlines,
+    ) -> bytes | None:
+        """Register for ``slot`` (with the state we step from, which it returns)."""
+        epoch, level = slot
         record = self.slots[slot]
         record.registered = _member_to_wire(me)
         record.share = target / (1 + len(set(expected) - {self.peer_id}))
@@ -242,133 +348,86 @@ class Matchmaker:
         my_state = self.context.state_of(epoch)
         if my_state is not None:
             registration["state"] = my_state
+        key = group_key(self.run_id, epoch, level)
         await register(self.dht, self.node.peer_id, key, registration, deadlines.registration_ttl)
-        start = trio.current_time()
-        give_up = start + deadlines.max_wait
-        # Who the tracker saw at this epoch, before any is dropped: groups are sized for them.
-        planned = set(expected) | {self.peer_id}
-        expected = set(expected) - {self.peer_id}
-        # Polled several times per epoch by every peer: fetch only new registrations. A
-        # registration lapses on time even when we hear from nobody (no grace): grouping with
-        # a peer whose registration expired costs a failed round.
-        registry = self.dht.follow(
-            key, relocate_interval=deadlines.relocate_interval, lapse_grace=0.0
-        )
-        states: dict[str, bytes | None] = {}  # the state each registered peer steps from
+        return my_state
+
+    async def _gather(self, slot: Slot, g: _Gathering) -> bool:
+        """Read registrations until every expected peer is in or the window ends (two windows
+        while some are expected); False when the others moved past the epoch meanwhile."""
+        window = g.deadlines.window
         while True:
             # Polling only helps to close early once every expected peer registered; with
             # nobody expected, one read at the end of the window does (a read is a lookup).
-            elapsed = trio.current_time() - start
-            await trio.sleep(window / 8 if expected else max(0.0, window - elapsed))
-            others = await self._registrations(registry, states=states)
-            if self._too_late(slot, expected):
-                return None
-            everyone = bool(expected) and expected <= set(others)
+            elapsed = trio.current_time() - g.start
+            await trio.sleep(window / 8 if g.expected else max(0.0, window - elapsed))
+            g.others = await self._registrations(g.registry, states=g.states)
+            if self._too_late(slot, g.expected):
+                return False
+            everyone = bool(g.expected) and g.expected <= set(g.others)
             # A peer the tracker sees at this epoch gets two windows: it is computing and will
             # register, but on a busy machine it may notice the target a window late.
-            limit = 2 * window if expected else window
-            if everyone or trio.current_time() - start >= limit:
+            limit = 2 * window if g.expected else window
+            if everyone or trio.current_time() - g.start >= limit:
                 if not everyone:
                     # Deciding without some: first read every holder of the key. The one a
                     # read asks may lack registrations the others hold (writers store on
                     # the nearest nodes they found, and their views differ).
-                    others = await self._registrations(registry, sweep=True, states=states)
-                    everyone = bool(expected) and expected <= set(others)
+                    g.others = await self._registrations(g.registry, sweep=True, states=g.states)
+                    everyone = bool(g.expected) and g.expected <= set(g.others)
                 break
-        if expected and not everyone:
+        if g.expected and not everyone:
             log.debug(
                 "%s: %d of %d expected peers registered after %.1f s",
                 slot,
-                len(expected & set(others)),
-                len(expected),
-                trio.current_time() - start,
+                len(g.expected & set(g.others)),
+                len(g.expected),
+                trio.current_time() - g.start,
             )
+        return True
 
-        def short_of_target() -> bool:
-            """Whether waiting can still bring the samples the target needs. Registered peers
-            stopped accumulating: more can only come from expected peers not registered yet
-            (with all of them in there is nothing to wait for) or, when the tracker expects
-            nobody, from peers it has not seen yet (worth a short wait only)."""
-            now = trio.current_time()
-            if me.weight + sum(m.weight for m in others.values()) >= target or now >= give_up:
-                return False
-            if expected:
-                return not expected <= set(others)
-            return now - start < 2 * window
-
+    async def _wait_for_target(self, slot: Slot, g: _Gathering) -> bool:
+        """Keep reading while waiting can still bring the samples the target needs (see
+        :meth:`_Gathering.short_of_target`), asking the missing expected peers meanwhile;
+        False when the others moved past the epoch meanwhile."""
+        window = g.deadlines.window
         too_late = False
         probed: dict[str, Member] = {}  # registrations the expected peers told us
         async with trio.open_nursery() as nursery:
-            if short_of_target():
+            if g.short_of_target():
                 # Expected peers that crashed or sit across a partition would hold the group
                 # for max_wait while their stale progress records live: ask the missing ones.
                 ask = functools.partial(self._ask_leader, slot)
                 nursery.start_soon(
-                    drop_gone, ask, expected, lambda: set(others), probed, states, window
+                    drop_gone, ask, g.expected, lambda: set(g.others), probed, g.states, window
                 )
-            while short_of_target():
+            while g.short_of_target():
                 await trio.sleep(window / 2)
-                others = await self._registrations(registry, sweep=True, states=states) | probed
-                if self._too_late(slot, expected):
+                found = await self._registrations(g.registry, sweep=True, states=g.states)
+                g.others = found | probed
+                if self._too_late(slot, g.expected):
                     too_late = True
                     break
             nursery.cancel_scope.cancel()
-        if too_late:
-            return None
-        others = others | probed
-        if level == 0:
-            self._note_shows(epoch, expected, set(others))
-        if expected - set(others):
-            log.debug(
-                "%s: going on after %.1f s without expected peers %s",
-                slot,
-                trio.current_time() - start,
-                sorted(expected - set(others)),
-            )
-        modes = {p: m.mode for p, m in others.items()} | {self.peer_id: me.mode}
-        plan = plan_groups(
-            self.peer_id,
-            my_state,
-            others,
-            states,
-            modes,
-            planned=planned,
-            expected=expected,
-            seed=group_seed(self.run_id, epoch),
-            cap=cap,
-            level=level,
-        )
-        if plan.apart:
-            log.info(
-                "%s: %d of %d registered peers step from another state: not averaging with them",
-                slot,
-                len(plan.apart),
-                len(others),
-            )
-        groups, mine, late = plan.groups, plan.mine, set(plan.late)
-        if level == 0:
-            self._remember(epoch, len(groups) > 1, (groups, modes))
-        if len(mine) == 1 and not late:
-            log.debug(
-                "%s: alone in our group of %d (%d registrations read, %d planned, %d expected)",
-                slot,
-                len(groups),
-                len(others),
-                len(planned),
-                len(expected),
-            )
-            self._choose(slot, None)
-            return None
-        # A leader that died after registering would leave its whole group alone: each of its
-        # followers then tries the next member, the same one on every follower (bounded).
+        g.others = g.others | probed
+        return not too_late
+
+    async def _lead_or_follow(
+        self, slot: Slot, me: Member, mine: list[str], late: set[str], deadlines: Deadlines
+    ) -> GroupSpec | None:
+        """Lead or follow in our planned group ``mine``. A leader that died after registering
+        would leave its whole group alone: each of its followers then tries the next member,
+        the same one on every follower (bounded)."""
+        cap = self.max_group_size if slot[1] == 0 else CROSS_CAP
         for k, leader in enumerate(mine[: 1 + MAX_LEADER_FALLBACKS]):
             self._choose(slot, leader)
             if leader == self.peer_id:
                 if k == 0:
-                    return await self._lead_or_join(slot, me, mine, window, cap, late=late)
-                return await self._lead(slot, me, window, cap, expected=set(mine[k + 1 :]) | late)
+                    return await self._lead_or_join(slot, me, mine, deadlines, cap, late=late)
+                expected = set(mine[k + 1 :]) | late
+                return await self._lead(slot, me, deadlines, cap, expected=expected)
             try:
-                return await self._follow(slot, me, leader)
+                return await self._follow(slot, me, leader, deadlines)
             except LeaderGone:
                 continue
         self._choose(slot, None)
@@ -432,7 +491,7 @@ class Matchmaker:
         slot: Slot,
         me: Member,
         mine: list[str],
-        window: float,
+        deadlines: Deadlines | float,
         cap: int,
         *,
         late: set[str] | frozenset[str] = frozenset(),
@@ -442,21 +501,31 @@ class Matchmaker:
         split the group in two (one round across groups needs one group of
         representatives)."""
         if len(mine) > 1:
+            window, waits = self._window_of(deadlines)
             other = await leader_of(self.node, slot, mine[1], window)
             if other is not None and other != self.peer_id:
                 self._choose(slot, other)
                 try:
-                    return await self._follow(slot, me, other)
+                    return await self._follow(slot, me, other, waits)
                 except LeaderGone:
                     self._choose(slot, None)
                     return None
-        return await self._lead(slot, me, window, cap, expected=set(mine[1:]) | late)
+        return await self._lead(slot, me, deadlines, cap, expected=set(mine[1:]) | late)
+
+    def _window_of(self, deadlines: Deadlines | float) -> tuple[float, Deadlines]:
+        """A round's window and its other waits, from its deadlines or from a bare window (the
+        other waits then the matchmaker's own)."""
+        if isinstance(deadlines, Deadlines):
+            return deadlines.window, deadlines
+        return deadlines, self.deadlines
 
     async def _ask_leader(self, slot: Slot, peer: str, timeout: float) -> Any:
         """``peer``'s answer to whom it follows at ``slot`` (raises P2PError)."""
         return await ask_leader(self.node, slot, peer, timeout)
 
-    async def _follow(self, slot: Slot, me: Member, leader: str) -> GroupSpec | None:
+    async def _follow(
+        self, slot: Slot, me: Member, leader: str, deadlines: Deadlines | None = None
+    ) -> GroupSpec | None:
         """Join ``leader``'s group (see :func:`~dedloc_jax.round.following.follow`)."""
         epoch, level = slot
 
@@ -469,7 +538,7 @@ class Matchmaker:
             slot,
             me,
             self.context,
-            self.deadlines.join_timeout,
+            (deadlines or self.deadlines).join_timeout,
             learn=self._learn_addrs,
             choose=lambda target: self._choose(slot, target),
             cross=cross,
@@ -527,16 +596,24 @@ class Matchmaker:
             state,
             known,
             me=self.peer_id,
-            wait=lambda: self.max_wait + 2 * self.window,
+            wait=lambda: self._answering.max_wait + 2 * self._answering.window,
             learned=self._learned,
         )
 
     async def _lead(
-        self, slot: Slot, me: Member, window: float, cap: int, *, expected: set[str]
+        self,
+        slot: Slot,
+        me: Member,
+        deadlines: Deadlines | float,
+        cap: int,
+        *,
+        expected: set[str],
     ) -> GroupSpec | None:
-        """Lead ``slot``'s group: accept joins for one window, and longer (up to
-        :attr:`member_wait`; level 1: :attr:`max_wait`, as the other groups' means come when
-        their rounds end) while an expected member has not joined yet."""
+        """Lead ``slot``'s group: accept joins for one window, and longer (up to the member
+        wait; level 1: the longest wait, as the other groups' means come when their rounds
+        end) while an expected member has not joined yet. ``deadlines``: the round's, or a
+        bare window (the other waits then the matchmaker's own)."""
+        window, waits = self._window_of(deadlines)
         epoch, level = slot
         rnd = LeaderRound(
             slot,
@@ -553,7 +630,7 @@ class Matchmaker:
         return await lead(
             rnd,
             window=window,
-            wait=self.member_wait if level == 0 else self.max_wait,
+            wait=waits.member_wait if level == 0 else waits.max_wait,
             me=self.peer_id,
             moved_on=self.context.moved_on,
             ask=functools.partial(self._ask_leader, slot),

@@ -13,7 +13,8 @@ import trio
 from dedloc_jax.averaging.errors import GroupError
 from dedloc_jax.averaging.group import Member
 from dedloc_jax.round.wire import member_from_wire, state_from_wire
-from p2p.dht import DHT, InvalidRecordError, KeyFollower, follower_replicas
+from dedloc_jax.run_dht import RunDHT
+from p2p.dht import InvalidRecordError, KeyFollower, follower_replicas
 from p2p.dht.records import owner_marker, owner_markers
 from p2p.errors import P2PError
 from p2p.identity import PeerID
@@ -22,7 +23,7 @@ log = logging.getLogger(__name__)
 
 
 async def register(
-    dht: DHT, peer: PeerID, key: str, registration: dict[str, Any], ttl: float
+    dht: RunDHT, peer: PeerID, key: str, registration: dict[str, Any], ttl: float
 ) -> None:
     """Store our ``registration`` under the slot's ``key`` (our signed subkey) for ``ttl``
     seconds. A failed store is logged, not raised: peers that read the key miss us, and the

@@ -11,18 +11,18 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import replace
-from typing import Any
 
 import numpy as np
 import trio
 
+from dedloc_jax.run_dht import RunDHT
 from dedloc_jax.state.chunks import StateAssembler, StateError, StateManifest, first_non_finite
 from dedloc_jax.state.lineage import Announcement, fork_choice
 from dedloc_jax.state.serving import CHUNK, MANIFEST, read_announcements
 from dedloc_jax.state.vouching import VouchBook
-from p2p.dht import DHT
 from p2p.errors import P2PError
 from p2p.identity import PeerID
+from p2p.node import Node
 
 log = logging.getLogger(__name__)
 
@@ -37,8 +37,8 @@ class StaleStateError(StateSyncError):
 
 
 async def find_donors(
-    node: Any,
-    dht: DHT,
+    node: Node,
+    dht: RunDHT,
     run_id: str,
     extra: Sequence[Announcement] = (),
     book: VouchBook | None = None,
@@ -69,7 +69,7 @@ async def find_donors(
 
 
 async def _offers(
-    node: Any, dht: DHT, run_id: str, *, whole: bool = False
+    node: Node, dht: RunDHT, run_id: str, *, whole: bool = False
 ) -> dict[tuple[int, bytes], list[PeerID]]:
     """Every announced state: (epoch, digest) -> the peers announcing it (not this one)."""
     offers: dict[tuple[int, bytes], list[PeerID]] = {}
@@ -89,7 +89,7 @@ def plan_downloads(missing: Sequence[int], donors: Sequence[str]) -> dict[str, l
 
 
 async def _latest_manifests(
-    node: Any, donors: list[PeerID], min_epoch: int, request_timeout: float
+    node: Node, donors: list[PeerID], min_epoch: int, request_timeout: float
 ) -> tuple[StateManifest | None, list[PeerID]]:
     """Each donor's current manifest; the newest digest held by the most donors."""
     held: dict[bytes, tuple[StateManifest, list[PeerID]]] = {}
@@ -109,8 +109,8 @@ async def _latest_manifests(
 
 
 async def download_state(
-    node: Any,
-    dht: DHT,
+    node: Node,
+    dht: RunDHT,
     run_id: str,
     *,
     timeout: float = 60.0,
@@ -124,8 +124,8 @@ async def download_state(
 
 
 async def download_manifest_state(
-    node: Any,
-    dht: DHT,
+    node: Node,
+    dht: RunDHT,
     run_id: str,
     *,
     timeout: float = 60.0,
@@ -171,7 +171,7 @@ async def download_manifest_state(
 
 
 async def _announced_manifest(
-    node: Any, donors: Sequence[PeerID], digest: bytes, request_timeout: float
+    node: Node, donors: Sequence[PeerID], digest: bytes, request_timeout: float
 ) -> StateManifest | None:
     """The manifest of the announced ``digest`` from the first donor that serves it."""
     for donor in donors:
@@ -188,8 +188,8 @@ async def _announced_manifest(
 
 
 async def _current_manifest(
-    node: Any,
-    dht: DHT,
+    node: Node,
+    dht: RunDHT,
     run_id: str,
     donors: Sequence[PeerID],
     epoch: int,
@@ -212,7 +212,7 @@ async def _current_manifest(
 
 
 async def _fetch_chunks(
-    node: Any, manifest: StateManifest, donors: Sequence[PeerID], request_timeout: float
+    node: Node, manifest: StateManifest, donors: Sequence[PeerID], request_timeout: float
 ) -> tuple[list[np.ndarray], int]:
     """The state's arrays, its chunks spread over ``donors`` and a failed donor's re-planned
     over the others; and how many donors it came from."""

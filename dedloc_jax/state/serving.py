@@ -18,6 +18,7 @@ import numpy as np
 import trio
 
 from dedloc_jax.progress import MAX_DIGEST
+from dedloc_jax.run_dht import RunDHT
 from dedloc_jax.state.chunks import (
     NonFiniteStateError,
     StateAssembler,
@@ -35,11 +36,12 @@ from dedloc_jax.state.vouching import (
     sign_vouch,
     vouched_by_another,
 )
-from p2p.dht import DHT, InvalidRecordError, follower_replicas
+from p2p.dht import InvalidRecordError, follower_replicas
 from p2p.dht.records import owner_marker, owner_markers
 from p2p.errors import P2PError
 from p2p.identity import PeerID
 from p2p.multiaddr import Multiaddr
+from p2p.node import Node
 from p2p.rpc import CallContext
 
 log = logging.getLogger(__name__)
@@ -61,8 +63,8 @@ class StateServer:
 
     def __init__(
         self,
-        node: Any,
-        dht: DHT,
+        node: Node,
+        dht: RunDHT,
         run_id: str,
         *,
         chunk_bytes: int,
@@ -268,8 +270,8 @@ class StateServer:
 
 
 async def read_announcements(
-    node: Any,
-    dht: DHT,
+    node: Node,
+    dht: RunDHT,
     run_id: str,
     *,
     whole: bool = False,
@@ -326,8 +328,8 @@ async def read_announcements(
 
 
 async def state_forked(
-    node: Any,
-    dht: DHT,
+    node: Node,
+    dht: RunDHT,
     run_id: str,
     epoch: int,
     digest: bytes,

@@ -21,7 +21,7 @@ from dedloc_jax.access import (
 from dedloc_jax.averaging import GroupSpec, Member, all_reduce
 from dedloc_jax.averaging.errors import AveragingError
 from dedloc_jax.config import CollaborationConfig
-from dedloc_jax.peer import open_collaboration
+from dedloc_jax.opening import open_collaboration
 from dedloc_jax.progress import PeerProgress
 from dedloc_jax.round.wire import JOIN
 from dedloc_jax.round.wire import member_to_wire as _member_to_wire
@@ -265,7 +265,8 @@ def test_private_run_end_to_end(monkeypatch: pytest.MonkeyPatch) -> None:
             got: dict[int, object] = {}
 
             async def member(i: int) -> None:
-                r = await all_reduce(nodes[i], spec, [vec[i]], 1.0, codec="none", timeout=10)
+                service = cores[i].rounds.service
+                r = await all_reduce(service, spec, [vec[i]], 1.0, codec="none", timeout=10)
                 got[i] = r.average[0]
 
             async with trio.open_nursery() as nursery:

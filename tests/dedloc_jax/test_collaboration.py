@@ -251,9 +251,9 @@ def test_a_group_whose_round_across_groups_failed_knows_its_mean_is_incomplete(
     others' state); every other peer holds the mean across the other groups, and is told it
     is incomplete too: that mean lacks a group's samples (the fork check then finds the most
     peers hold it)."""
-    from dedloc_jax.round import average
+    from dedloc_jax.round import across
 
-    represent = average.represent
+    represent = across.represent
     failed: list[str] = []
 
     async def first_fails(rounds, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
@@ -262,7 +262,7 @@ def test_a_group_whose_round_across_groups_failed_knows_its_mean_is_incomplete(
             return None
         return await represent(rounds, *args, **kwargs)
 
-    monkeypatch.setattr(average, "represent", first_fails)
+    monkeypatch.setattr(across, "represent", first_fails)
     rates = [4.0, 6.0, 8.0, 10.0, 12.0, 14.0, 16.0]
     rows = [log[0] for log in _run(rates, epochs=1, target=280, max_group_size=3)]
     assert len(failed) == 1
@@ -421,7 +421,7 @@ def test_a_progress_snapshot_is_ready_when_every_other_peer_waits_for_us() -> No
     import dataclasses
     import time
 
-    from dedloc_jax.peer import ProgressSnapshot
+    from dedloc_jax.snapshot import ProgressSnapshot
 
     snap = ProgressSnapshot(3, 600.0, 0.0, time.monotonic(), 2.0, others_waiting=True, target=1000)
     assert snap.ready(3, 40)  # 640 of 1000, but the others wait
@@ -479,7 +479,7 @@ def test_a_newcomer_skips_an_epoch_whose_round_began_without_it() -> None:
     step, and their group is complete. (It used to step alone at once, the others' samples
     having reached the target: a lineage of its own, and at 40 peers one epoch in three
     counted incomplete.)"""
-    from dedloc_jax.peer import open_collaboration
+    from dedloc_jax.opening import open_collaboration
     from p2p.dht import DHTClock
     from p2p.node import NodeConfig
     from p2p.testing import open_sim_nodes
@@ -626,12 +626,12 @@ def test_a_patient_fork_check_waits_while_the_progress_table_is_empty() -> None:
             other = bytes(32) if ours != bytes(32) else b"\x01" * 32
             fills_at = trio.current_time() + 3.0
             majority = [Announcement(f"peer{i}", 3, other) for i in range(2)]
-            core._table_states = lambda: majority if trio.current_time() >= fills_at else []
+            core.state.table_states = lambda: majority if trio.current_time() >= fills_at else []
             impatient = await core.on_minority_fork()
             start = trio.current_time()
             patient = await core.on_minority_fork(patience=10.0)
             waited = trio.current_time() - start
-            core._table_states = lambda: []  # never fills
+            core.state.table_states = lambda: []  # never fills
             undecided = (
                 await core.on_minority_fork(patience=2.0),
                 await core.on_minority_fork(patience=2.0, undecided=True),

@@ -29,7 +29,7 @@ import trio
 from dedloc_jax.config import CollaborationConfig
 from dedloc_jax.diloco import DiLoCoState, diloco, outer_params_after_step
 from dedloc_jax.host import AveragingOutcome
-from dedloc_jax.peer import open_collaboration
+from dedloc_jax.opening import open_collaboration
 from dedloc_jax.state.keeping import KeepConfig, StepKeeper, keep_in_step_async
 from dedloc_jax.state.training import share_state, sync_state
 from p2p.dht import DHTClock, DHTConfig

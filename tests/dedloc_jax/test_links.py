@@ -27,7 +27,7 @@ def test_keep_links_measured_probes_once_peers_are_known() -> None:
             async with trio.open_nursery() as nursery:
                 for core in cores:
                     core.report(0, 4, 4)  # a progress record: the others see this peer
-                    nursery.start_soon(core.keep_links_measured)
+                    nursery.start_soon(core.link_keeper.keep_measured)
                 await trio.sleep(120)
                 figures.extend(core.links for core in cores)
                 nursery.cancel_scope.cancel()
@@ -51,18 +51,18 @@ def test_a_stale_figure_is_not_probed_again_while_no_averaging_is_in_sight() -> 
         async with open_sim_collaboration(net, 2, config=config, latency=0.02) as cores:
             for core in cores:
                 core.meter.window = 60.0  # figures expire after a minute (600 s by default)
-                probe = core.probe_links
+                probe = core.link_keeper.probe
 
                 async def timed(*, probe=probe, **kw):
                     probed_at.append(trio.current_time())
                     return await probe(**kw)
 
-                core.probe_links = timed
+                core.link_keeper.probe = timed
             start = trio.current_time()
             async with trio.open_nursery() as nursery:
                 for core in cores:
                     core.report(0, 4, 4)  # one report: no rate, no averaging in sight
-                    nursery.start_soon(core.keep_links_measured)
+                    nursery.start_soon(core.link_keeper.keep_measured)
                 await trio.sleep(4 * cores[0].meter.window)
                 stale.extend(core.meter.stale() for core in cores)
                 nursery.cancel_scope.cancel()
@@ -84,13 +84,13 @@ def test_a_peer_does_not_probe_its_links_while_it_averages() -> None:
         net = SimNetwork(seed=0)
         async with open_sim_collaboration(net, 2, config=config, latency=0.02) as cores:
             core = cores[0]
-            probe = core.probe_links
+            probe = core.link_keeper.probe
 
             async def timed(**kw):
                 probed_at.append(trio.current_time())
                 return await probe(**kw)
 
-            core.probe_links = timed
+            core.link_keeper.probe = timed
             release = trio.Event()
 
             async def fake_round(*args, **kwargs):
@@ -102,7 +102,7 @@ def test_a_peer_does_not_probe_its_links_while_it_averages() -> None:
                     c.report(0, 4, 4)
                 nursery.start_soon(core.average, 0, [], 4)
                 await trio.sleep(0)
-                nursery.start_soon(core.keep_links_measured)
+                nursery.start_soon(core.link_keeper.keep_measured)
                 await trio.sleep(60)
                 round_over.append(trio.current_time())
                 release.set()
@@ -127,13 +127,13 @@ def test_peers_far_from_their_first_round_probe_only_as_it_nears() -> None:
         net = SimNetwork(seed=0)
         async with open_sim_collaboration(net, 2, config=config, latency=0.02) as cores:
             for core in cores:
-                probe = core.probe_links
+                probe = core.link_keeper.probe
 
                 async def timed(*, probe=probe, **kw):
                     probed_at.append(trio.current_time())
                     return await probe(**kw)
 
-                core.probe_links = timed
+                core.link_keeper.probe = timed
 
             async def train(core) -> None:
                 samples = 0
@@ -149,7 +149,7 @@ def test_peers_far_from_their_first_round_probe_only_as_it_nears() -> None:
                 start = trio.current_time()
                 eta_at_start.append(cores[0].tracker.current_estimate().eta)
                 for core in cores:
-                    nursery.start_soon(core.keep_links_measured)
+                    nursery.start_soon(core.link_keeper.keep_measured)
                 await trio.sleep(600)
                 nursery.cancel_scope.cancel()
             return start

@@ -7,7 +7,7 @@ import numpy as np
 import trio
 
 from dedloc_jax.config import CollaborationConfig
-from dedloc_jax.round import average
+from dedloc_jax.round import across
 from p2p.testing import SimNetwork, host_of, run_sim
 from tests.dedloc_jax.simcollab import open_sim_collaboration
 
@@ -22,7 +22,7 @@ def test_a_representative_that_dies_leaves_its_group_with_its_own_mean(monkeypat
     (not the epoch's mean: a group is missing), so that it checks the fork before training."""
     # robust=False: compared with the plain weighted mean (open runs default to CenteredClip)
     config = CollaborationConfig.local_demo(sum(SAMPLES)).replace(max_group_size=3, robust=False)
-    represent = average.represent
+    represent = across.represent
     died: list[str] = []
 
     async def represent_or_die(rounds, *args, **kwargs):
@@ -32,7 +32,7 @@ def test_a_representative_that_dies_leaves_its_group_with_its_own_mean(monkeypat
             return None
         return await represent(rounds, *args, **kwargs)
 
-    monkeypatch.setattr(average, "represent", represent_or_die)
+    monkeypatch.setattr(across, "represent", represent_or_die)
     net = SimNetwork(seed=3)
     sent = [np.random.default_rng(i).normal(size=500).astype(np.float32) for i in range(PEERS)]
     got: list[np.ndarray | None] = [None] * PEERS

@@ -14,7 +14,7 @@ import numpy as np
 import trio
 
 from dedloc_jax.config import CollaborationConfig
-from dedloc_jax.peer import open_collaboration
+from dedloc_jax.opening import open_collaboration
 from dedloc_jax.state.download import download_state
 from p2p.dht import DHTConfig
 from p2p.identity import Identity

@@ -149,7 +149,7 @@ def test_live_node_survives_garbage_and_random_rpcs() -> None:
     from contextlib import AsyncExitStack
 
     from dedloc_jax.config import CollaborationConfig
-    from dedloc_jax.peer import open_collaboration
+    from dedloc_jax.opening import open_collaboration
     from dedloc_jax.state.download import download_state
     from p2p.dht import DHTConfig, open_dht
     from p2p.errors import P2PError

@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 import trio
 
-from dedloc_jax.averaging import AllReduceConfig, GroupSpec, Member, all_reduce, install
+from dedloc_jax.averaging import AllReduceConfig, AveragingService, GroupSpec, Member, all_reduce
 from dedloc_jax.averaging.errors import AveragingError
 from p2p.sim import SimNetwork
 from p2p.testing import host_of, open_sim_nodes, run_sim
@@ -43,8 +43,8 @@ def run_round(
     async def main() -> None:
         net = SimNetwork(seed=seed)
         async with open_sim_nodes(net, len(modes)) as nodes:
+            services = [AveragingService(node, cfg) for node in nodes]
             for i, node in enumerate(nodes):
-                install(node, cfg)
                 if modes[i] == "client":  # behind NAT: it can only dial out
                     host_of(net, node).reachable = False
                 if bandwidth is not None:
@@ -77,7 +77,7 @@ def run_round(
                 with scopes[i]:
                     try:
                         outcome[i] = await all_reduce(
-                            nodes[i],
+                            services[i],
                             spec,
                             trees[i],
                             weights[i],

@@ -3,7 +3,7 @@ import random
 import pytest
 import trio
 
-from dedloc_jax.averaging import BandwidthMeter, install_probe, probe
+from dedloc_jax.averaging import BandwidthMeter, LinkLocks, install_probe, probe
 from p2p.sim import SimNetwork
 from p2p.testing import host_of, open_sim_nodes, run_sim
 
@@ -68,9 +68,9 @@ def test_probe_measures_simulated_links(nbytes):
             open_sim_nodes(net, 1, upload_bps=2e6, download_bps=8e6) as (a,),
             open_sim_nodes(net, 1, upload_bps=50e6, download_bps=50e6) as (b,),
         ):
-            install_probe(b)
+            install_probe(b, LinkLocks())
             a.peerstore.add_addrs(b.peer_id, b.addrs)
-            await probe(a, b.peer_id, meter, nbytes=nbytes)
+            await probe(a, b.peer_id, meter, locks=LinkLocks(), nbytes=nbytes)
 
     run_sim(main)
     # a's uplink (2 MB/s) and downlink (8 MB/s) are the bottlenecks of each direction
@@ -93,7 +93,7 @@ def test_probe_skips_a_partner_it_cannot_reach_and_the_server_rejects_oversized_
             open_sim_nodes(net, 1, upload_bps=2e6, download_bps=8e6) as (a,),
             open_sim_nodes(net, 1, upload_bps=50e6, download_bps=50e6) as (b,),
         ):
-            install_probe(b)
+            install_probe(b, LinkLocks())
             a.peerstore.add_addrs(b.peer_id, b.addrs)
             nobody = Identity.generate().peer_id
             async with a.open_stream(b.peer_id, PROBE_PROTOCOL) as ms:
@@ -102,7 +102,8 @@ def test_probe_skips_a_partner_it_cannot_reach_and_the_server_rejects_oversized_
                     await ms.receive()
                 except Exception as e:  # the server reset the stream
                     refused.append(e)
-            await measure_links(a, [nobody, b.peer_id], meter, nbytes=2 << 20, timeout=30.0)
+            peers = [nobody, b.peer_id]
+            await measure_links(a, peers, meter, locks=LinkLocks(), nbytes=2 << 20, timeout=30.0)
 
     run_sim(main)
     assert refused
@@ -116,7 +117,6 @@ def test_the_upload_goes_to_the_partners_that_accept_when_the_first_ones_are_bus
     those two were busy, the uplink went unmeasured (at the start of a 12-peer run, most peers'
     probes did so, and an unmeasured uplink entered the LP as a placeholder)."""
     from dedloc_jax.averaging import measure_links
-    from dedloc_jax.averaging.bandwidth import _link_lock
 
     meter = BandwidthMeter()
 
@@ -126,12 +126,14 @@ def test_the_upload_goes_to_the_partners_that_accept_when_the_first_ones_are_bus
             open_sim_nodes(net, 1, upload_bps=2e6, download_bps=8e6) as (a,),
             open_sim_nodes(net, 3, upload_bps=50e6, download_bps=50e6) as partners,
         ):
-            for b in partners:
-                install_probe(b)
+            locks = [LinkLocks() for _ in partners]
+            for b, own in zip(partners, locks, strict=True):
+                install_probe(b, own)
                 a.peerstore.add_addrs(b.peer_id, b.addrs)
-            async with _link_lock(partners[0], "down"), _link_lock(partners[1], "down"):
+            async with locks[0]["down"], locks[1]["down"]:
+                peers = [b.peer_id for b in partners]
                 await measure_links(
-                    a, [b.peer_id for b in partners], meter, nbytes=2 << 20, timeout=30.0
+                    a, peers, meter, locks=LinkLocks(), nbytes=2 << 20, timeout=30.0
                 )
 
     run_sim(main)
@@ -145,7 +147,7 @@ def test_twelve_peers_probing_at_once_measure_downlinks_five_times_their_uplinks
     12-peer run found every partner busy; downlinks read 0.05-0.66 of the truth): partners now
     queue probes per direction of their link. A downlink wider than every partner's uplink
     together cannot be filled: its figure is what they sent, marked as a lower bound. Each
-    peer probes twice, as ``keep_links_measured`` does when a peer joins."""
+    peer probes twice, as ``LinkKeeper.keep_measured`` does when a peer joins."""
     from dedloc_jax.averaging import measure_links
 
     mbit = 1e6 / 8
@@ -155,8 +157,9 @@ def test_twelve_peers_probing_at_once_measure_downlinks_five_times_their_uplinks
     async def main() -> None:
         net = SimNetwork(seed=0)
         async with open_sim_nodes(net, len(ups), latency=0.02) as nodes:
-            for node, up, meter in zip(nodes, ups, meters, strict=True):
-                install_probe(node, meter)
+            locks = [LinkLocks() for _ in nodes]
+            for node, up, meter, own in zip(nodes, ups, meters, locks, strict=True):
+                install_probe(node, own, meter)
                 net.set_bandwidth(host_of(net, node), up, 5 * up)
                 for other in nodes:
                     if other is not node:
@@ -165,11 +168,11 @@ def test_twelve_peers_probing_at_once_measure_downlinks_five_times_their_uplinks
                 for i, node in enumerate(nodes):
                     partners = [p.peer_id for p in nodes if p is not node]
                     random.Random(i).shuffle(partners)
-                    nursery.start_soon(twice, node, partners, meters[i])
+                    nursery.start_soon(twice, node, partners, meters[i], locks[i])
 
-    async def twice(node, partners, meter) -> None:  # as a joining peer does
+    async def twice(node, partners, meter, locks) -> None:  # as a joining peer does
         for _ in range(2):
-            await measure_links(node, partners, meter, max_peers=11, timeout=240.0)
+            await measure_links(node, partners, meter, locks=locks, max_peers=11, timeout=240.0)
 
     run_sim(main)
     for i, (meter, up) in enumerate(zip(meters, ups, strict=True)):

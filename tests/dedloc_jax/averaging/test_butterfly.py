@@ -269,7 +269,7 @@ def test_a_sender_sends_no_part_before_its_streams_to_every_reducer_are_open(mon
     need: in bench.collaboration a 14 KB/s sender opened its 8th stream after 21 s, and that
     reducer excluded it as stalled. Here the stream to one reducer takes 3 s to open (a long
     path); the sender's first part leaves only then."""
-    from dedloc_jax.averaging import GroupSpec, all_reduce, install
+    from dedloc_jax.averaging import AveragingService, GroupSpec, all_reduce
     from dedloc_jax.averaging.partition import FRACTION_GRID
     from p2p.node import NodeConfig
     from p2p.sim import SimNetwork
@@ -289,8 +289,7 @@ def test_a_sender_sends_no_part_before_its_streams_to_every_reducer_are_open(mon
     async def main() -> None:
         net = SimNetwork(seed=0)
         async with open_sim_nodes(net, 3, config=NodeConfig.testing(), latency=0.01) as nodes:
-            for node in nodes:
-                install(node, cfg)
+            services = [AveragingService(node, cfg) for node in nodes]
             for a in nodes:
                 for b in nodes:
                     if a is not b:
@@ -309,7 +308,8 @@ def test_a_sender_sends_no_part_before_its_streams_to_every_reducer_are_open(mon
 
             async def one(i: int) -> None:
                 tree = vec if i == 0 else np.zeros_like(vec)
-                results.append(await all_reduce(nodes[i], spec, tree, float(i == 0), config=cfg))
+                weight = float(i == 0)
+                results.append(await all_reduce(services[i], spec, tree, weight, config=cfg))
 
             async with trio.open_nursery() as nursery:
                 for i in range(3):

@@ -8,11 +8,12 @@ import trio
 
 from dedloc_jax.averaging import (
     AllReduceConfig,
+    AveragingService,
     BandwidthMeter,
     GroupSpec,
+    LinkLocks,
     Member,
     all_reduce,
-    install,
     install_probe,
     measure_links,
 )
@@ -33,9 +34,10 @@ def _measure(n: int, size: int, *, probe: bool) -> tuple[list, list, list]:
     async def main() -> None:
         net = SimNetwork(seed=0)
         async with open_sim_nodes(net, n) as nodes:
+            services = [AveragingService(node, AllReduceConfig.internet()) for node in nodes]
+            locks = [LinkLocks() for _ in nodes]
             for i, node in enumerate(nodes):
-                install(node, AllReduceConfig.internet())
-                install_probe(node)
+                install_probe(node, locks[i])
                 net.set_bandwidth(host_of(net, node), ups[i], downs[i])
             for a in nodes:
                 for b in nodes:
@@ -47,7 +49,8 @@ def _measure(n: int, size: int, *, probe: bool) -> tuple[list, list, list]:
                         (j for j in range(n) if j != i),
                         key=lambda j: -(meters[j].upload_bps or 0.0),
                     )
-                    await measure_links(node, [nodes[j].peer_id for j in others], meters[i])
+                    partners = [nodes[j].peer_id for j in others]
+                    await measure_links(node, partners, meters[i], locks=locks[i])
             rng = np.random.default_rng(0)
             for r in range(2):
                 groups = [list(range(0, n, 2)), list(range(1, n, 2)), list(range(n))]
@@ -64,7 +67,7 @@ def _measure(n: int, size: int, *, probe: bool) -> tuple[list, list, list]:
                             vec = rng.standard_normal(size).astype(np.float32)
                             nursery.start_soon(
                                 lambda i=i, spec=spec, vec=vec: all_reduce(
-                                    nodes[i], spec, vec, 1.0, codec="fp16", meter=meters[i]
+                                    services[i], spec, vec, 1.0, codec="fp16", meter=meters[i]
                                 )
                             )
 

@@ -9,7 +9,7 @@ from contextlib import AsyncExitStack
 import numpy as np
 import trio
 
-from dedloc_jax.averaging import AllReduceConfig, GroupSpec, Member, all_reduce, install
+from dedloc_jax.averaging import AllReduceConfig, AveragingService, GroupSpec, Member, all_reduce
 from dedloc_jax.averaging.errors import AveragingError
 from p2p.identity import Identity
 from p2p.node import NodeConfig, open_node
@@ -42,14 +42,13 @@ def test_round_over_tcp_with_a_client_is_exact_and_identical():
     async def main() -> list[str]:
         async with AsyncExitStack() as stack:
             nodes = await _open_nodes(stack, len(modes))
-            for node in nodes:
-                install(node, cfg)
+            services = [AveragingService(node, cfg) for node in nodes]
             members = tuple(Member(str(n.peer_id), m) for n, m in zip(nodes, modes, strict=True))
             spec = GroupSpec(members, b"tcp")
 
             async def one(i: int) -> None:
                 outcome[i] = await all_reduce(
-                    nodes[i], spec, trees[i], weights[i], codec="fp16", timeout=30, config=cfg
+                    services[i], spec, trees[i], weights[i], codec="fp16", timeout=30, config=cfg
                 )
 
             async with trio.open_nursery() as nursery:
@@ -85,10 +84,10 @@ def test_peer_leaving_mid_round_over_tcp_leaves_identical_results():
             )
             spec = GroupSpec(members, b"tcp-leave")
 
-            async def one(node, i: int) -> None:
+            async def one(service: AveragingService, i: int) -> None:
                 try:
                     outcome[i] = await all_reduce(
-                        node, spec, trees[i], weights[i], codec="none", timeout=30, config=cfg
+                        service, spec, trees[i], weights[i], codec="none", timeout=30, config=cfg
                     )
                 except AveragingError as e:
                     outcome[i] = e
@@ -96,21 +95,19 @@ def test_peer_leaving_mid_round_over_tcp_leaves_identical_results():
             async def victim(task_status=trio.TASK_STATUS_IGNORED) -> None:
                 with trio.CancelScope() as scope:
                     async with open_node(victim_identity, config=NodeConfig.testing()) as node:
-                        install(node, cfg)
+                        service = AveragingService(node, cfg)
                         for other in nodes:
                             node.peerstore.add_addrs(other.peer_id, other.addrs)
-                        task_status.started((node, scope))
-                        await one(node, 2)
+                        task_status.started((service, scope))
+                        await one(service, 2)
 
             async with trio.open_nursery() as nursery:
+                services = [AveragingService(node, cfg) for node in nodes]
+                service, victim_scope = await nursery.start(victim)
                 for node in nodes:
-                    install(node, cfg)
-                victim_node, victim_scope = await nursery.start(victim)
-                for node in nodes:
-                    node.peerstore.add_addrs(victim_identity.peer_id, victim_node.addrs)
-                for i, node in enumerate(nodes):
-                    nursery.start_soon(one, node, i)
-                service = install(victim_node)
+                    node.peerstore.add_addrs(victim_identity.peer_id, service.node.addrs)
+                for i, own in enumerate(services):
+                    nursery.start_soon(one, own, i)
                 while not any(sum(r.held.values()) for r in service._rounds.values()):
                     await trio.sleep(0.001)  # until the victim holds some results
                 victim_scope.cancel()  # then its node shuts down, mid-round

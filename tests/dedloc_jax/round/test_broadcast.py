@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import trio
 
-from dedloc_jax.averaging import AllReduceConfig, GroupSpec, Member, install
+from dedloc_jax.averaging import AllReduceConfig, AveragingService, GroupSpec, Member
 from dedloc_jax.averaging.reducer import Reducer
 from dedloc_jax.averaging.verify import direction
 from dedloc_jax.round.across import broadcast
@@ -29,8 +29,7 @@ def _broadcast(config: AllReduceConfig) -> tuple[list, np.ndarray, list[str]]:
 
     async def main() -> None:
         async with open_sim_nodes(SimNetwork(seed=1), N) as nodes:
-            for node in nodes:
-                install(node, config)
+            services = [AveragingService(node, config) for node in nodes]
             spec = GroupSpec(
                 tuple(
                     Member(str(n.peer_id), weight=w) for n, w in zip(nodes, WEIGHTS, strict=True)
@@ -45,7 +44,7 @@ def _broadcast(config: AllReduceConfig) -> tuple[list, np.ndarray, list[str]]:
 
             async def one(i: int) -> None:
                 out[i] = await broadcast(
-                    nodes[i],
+                    services[i],
                     spec,
                     [values[i]],
                     source=i == 0,

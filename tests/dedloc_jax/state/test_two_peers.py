@@ -34,7 +34,7 @@ CHECKPOINT_EVERY = 10  # epochs, as the coordinator's default
 
 
 async def _open_peer(net: SimNetwork, identity: Any, initial: list[str], mode: str, stack: Any):
-    from dedloc_jax.peer import open_collaboration
+    from dedloc_jax.opening import open_collaboration
 
     nodes = await stack.enter_async_context(
         open_sim_nodes(net, 1, identities=[identity], config=NodeConfig.testing(), latency=0.01)

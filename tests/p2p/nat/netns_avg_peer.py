@@ -67,9 +67,9 @@ async def serve(args: argparse.Namespace) -> None:
 
 
 async def run_commands(args, node, nat, dht, receive) -> None:
-    from dedloc_jax.averaging import GroupSpec, all_reduce, install
+    from dedloc_jax.averaging import AveragingService, GroupSpec, all_reduce
 
-    install(node)
+    service = AveragingService(node)
     if args.role == "nated":  # (retried: on a loaded machine a 2 s DHT request may time out)
         with trio.fail_after(60):
             while not await publish_addrs(dht, node):
@@ -92,7 +92,7 @@ async def run_commands(args, node, nat, dht, receive) -> None:
         elif msg["cmd"] == "round":
             spec = GroupSpec.from_bytes(bytes.fromhex(msg["spec"]))
             result = await all_reduce(
-                node,
+                service,
                 spec,
                 {"g": vector(args.index, msg["size"])},
                 codec="none",

@@ -28,7 +28,7 @@ import numpy as np
 import trio
 
 from dedloc_jax.config import CollaborationConfig
-from dedloc_jax.peer import open_collaboration
+from dedloc_jax.opening import open_collaboration
 from p2p.dht import DHTConfig
 from p2p.identity import Identity
 from p2p.nat import AutoNATConfig, NATConfig, PortMapConfig

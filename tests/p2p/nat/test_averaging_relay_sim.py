@@ -27,7 +27,7 @@ def _vector(i: int) -> np.ndarray:
 
 
 def test_nated_peers_average_bit_identically_through_a_renewed_relay():
-    from dedloc_jax.averaging import GroupSpec, Member, all_reduce, install
+    from dedloc_jax.averaging import AveragingService, GroupSpec, Member, all_reduce
     from dedloc_jax.averaging.partition import FRACTION_GRID
 
     digests: list[set[str]] = []
@@ -36,7 +36,7 @@ def test_nated_peers_average_bit_identically_through_a_renewed_relay():
     async def main():
         net = SimNetwork(seed=5)
         async with trio.open_nursery() as nursery, AsyncExitStack() as stack:
-            nodes = []
+            nodes, services = [], []
             for i in range(3):
                 host = net.add_host(f"h{i}", reachable=i == 0, upload_bps=50e6, download_bps=50e6)
                 node = await stack.enter_async_context(
@@ -47,7 +47,7 @@ def test_nated_peers_average_bit_identically_through_a_renewed_relay():
                         config=NodeConfig.testing().replace(call_timeout=60.0),
                     )
                 )
-                install(node)
+                services.append(AveragingService(node))
                 nodes.append(node)
             relay, a, b = nodes
             limits = RelayConfig.testing().replace(
@@ -72,7 +72,7 @@ def test_nated_peers_average_bit_identically_through_a_renewed_relay():
 
                 async def one(i: int, rnd: int = rnd, results: list = results) -> None:
                     res = await all_reduce(
-                        nodes[i],
+                        services[i],
                         spec,
                         {"g": _vector(i)},
                         codec="none",

@@ -1,0 +1,159 @@
+"""One averaging step of a peer and what it leaves behind (:class:`Stepper`): the round's
+deadlines from the peer's predictions, the round, then the bookkeeping (whether the mean is
+the epoch's, the tracker's epoch, the next round's mates, the history)."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from dedloc_jax.averaging import GroupSpec
+from dedloc_jax.config import CollaborationConfig
+from dedloc_jax.history import RoundOutcome
+from dedloc_jax.host import AveragingOutcome
+from dedloc_jax.progress import CollaborationEstimate
+from dedloc_jax.round.average import Rounds, average_round
+from dedloc_jax.round.deadlines import Deadlines, matchmaking_window
+from dedloc_jax.snapshot import others_train
+from dedloc_jax.state.serving import StateServer
+
+if TYPE_CHECKING:
+    from dedloc_jax.tracker import ProgressTracker
+
+log = logging.getLogger(__name__)
+
+
+class Stepper:
+    """A peer's averaging steps: ``rounds`` runs them, ``tracker`` learns where each left the
+    peer, ``server`` tells whether a new state follows; one :class:`RoundOutcome` per step in
+    :attr:`history`."""
+
+    def __init__(
+        self,
+        rounds: Rounds,
+        tracker: ProgressTracker,
+        server: StateServer,
+        config: CollaborationConfig,
+    ) -> None:
+        self.rounds = rounds
+        self.tracker = tracker
+        self.server = server
+        self.config = config
+        self.history: list[RoundOutcome] = []  # one entry per averaging step
+
+    def deadlines(self, est: CollaborationEstimate) -> Deadlines:
+        """This round's deadlines: the configured matchmaking window, else the predicted one."""
+        config = self.config
+        return Deadlines(
+            window=config.matchmaking_time
+            or matchmaking_window(
+                config.min_refresh, self.tracker.dht_latency, est.max_step_interval
+            )
+        )
+
+    async def step(
+        self,
+        epoch: int,
+        arrays: Sequence[np.ndarray],
+        samples: int,
+        *,
+        codec: str | None,
+        expected: set[str],
+    ) -> AveragingOutcome:
+        """Average ``arrays`` (weight ``samples``) with ``epoch``'s group, waiting for the
+        ``expected`` peers, then move the tracker to the next epoch."""
+        tracker = self.tracker
+        est = tracker.current_estimate()
+        deadlines = self.deadlines(est)
+        await tracker.freeze()  # others must not extrapolate our samples any further
+        me = self.rounds.member(float(samples))
+
+        def mates(spec: GroupSpec) -> None:
+            """The next epoch's round expects the peers we averaged with (expected_peers)."""
+            tracker.expect_mates(epoch + 1, (m.peer_id for m in spec.members))
+
+        got = await average_round(
+            self.rounds,
+            epoch,
+            me,
+            arrays,
+            deadlines=deadlines,
+            codec=codec or self.config.codec,
+            target=float(tracker.target or 0),
+            expected=expected,
+            on_averaged=mates,
+        )
+        complete, reason = self._judge(epoch, got)
+        result = got.average
+        if got.group_size == 1 and self.config.on_no_group == "skip":
+            result = [np.zeros_like(np.asarray(a)) for a in arrays]
+        # A peer that serves its state serves the new one next (share_state): one record.
+        tracker.set_epoch(epoch + 1, state_follows=self.server.latest is not None)
+        self.history.append(
+            dataclasses.replace(  # (kept without the mean and the group)
+                got,
+                complete=complete,
+                reason=reason,
+                collab_samples=est.samples,
+                average=None,
+                group=None,
+            )
+        )
+        return AveragingOutcome(result, epoch + 1, got.group_size, complete)
+
+    def _judge(self, epoch: int, got: RoundOutcome) -> tuple[bool, str]:
+        """Whether the round's mean is the whole epoch's, and why not (logged)."""
+        complete, reason = got.complete, got.reason
+        in_group = got.group is not None and not got.across
+        if in_group and complete and self._stepped_without(got.group, epoch):
+            # Peers outside our leader's one group already moved past this epoch: they
+            # averaged apart (we came late), so ours is not the epoch's mean.
+            complete, reason = False, "others stepped without our group"
+        if reason:
+            # A run of one peer steps alone by design: that is no news.
+            level = logging.WARNING if others_train(self.tracker) else logging.INFO
+            log.log(
+                level,
+                "epoch %d: stepped without the whole collaboration (group of %d): %s",
+                epoch,
+                got.group_size,
+                reason,
+            )
+        return complete, reason
+
+    def _stepped_without(self, spec: GroupSpec, epoch: int) -> bool:
+        """Whether a peer that trains, outside ``spec``, averaged into a newer epoch than
+        ``epoch``: a group averaged apart from ours. One that got there alone (a step alone, a
+        newcomer that moved on) does not count: it holds no other mean and loads the
+        collaboration's state, which our group already holds. Nor does a peer on a lineage the
+        collaboration left."""
+        members = {m.peer_id for m in spec.members}
+        return any(
+            r.epoch > epoch and not r.alone and r.mode != "aux" and pid not in members
+            for pid, r in self.tracker.contenders().items()
+        )
+
+    async def lend(
+        self, est: CollaborationEstimate, template: Sequence[np.ndarray], expected: set[str]
+    ) -> RoundOutcome:
+        """An aux peer's round at ``est.epoch``: reduce a share of the others' arrays
+        (``template``: their shapes), then move the tracker to the next epoch."""
+        epoch = est.epoch
+        got = await average_round(
+            self.rounds,
+            epoch,
+            self.rounds.member(0.0),  # (mode "aux")
+            template,
+            deadlines=self.deadlines(est),
+            codec=self.config.codec,
+            target=float(self.tracker.target or 0),
+            expected=expected,
+        )
+        if got.group is None and got.error is not None:
+            log.warning("aux averaging at epoch %d failed: %s", epoch, got.error)
+        self.tracker.set_epoch(epoch + 1)
+        return got

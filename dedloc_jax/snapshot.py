@@ -1,0 +1,88 @@
+"""The others' progress at one instant (:class:`ProgressSnapshot`), taken in the trio thread
+so that the training thread decides without a hop."""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from dedloc_jax.progress import estimate_collaboration
+
+if TYPE_CHECKING:
+    from dedloc_jax.tracker import ProgressTracker
+
+
+@dataclass(frozen=True)
+class ProgressSnapshot:
+    """The others' progress at one instant: lets a training thread decide without a hop."""
+
+    epoch: int
+    others_samples: float
+    others_samples_per_second: float
+    at: float
+    """time.monotonic() of the snapshot: real time on purpose, since the training thread
+    (outside trio, so without trio's or a MockClock's time) reads it; only the host-side
+    Collaboration takes snapshots, never a simulated peer."""
+    max_extrapolation: float
+    others_waiting: bool = False  # see CollaborationEstimate.ready
+    target: float = math.inf  # samples per step (inf: not known yet)
+    fresh: bool = True  # the table was read after this peer's first report
+    behind: bool = False  # the collaboration is at a newer epoch than this peer
+    others_train: bool = False  # the table names another peer that computes gradients
+    newest_served: int | None = None  # the newest epoch another peer serves a state of
+    missed: bool = False  # the round of ``epoch`` began without us (CollaborationPeer.report)
+
+    def ready(self, epoch: int, samples: int) -> bool:
+        if self.missed and epoch == self.epoch:
+            return False
+        return self.fresh and self.reached(epoch, samples)
+
+    def reached(self, epoch: int, samples: int) -> bool:
+        """Whether the target is reached, fresh table or not."""
+        if self.epoch > epoch:
+            return False
+        if self.others_waiting and epoch == self.epoch:
+            return True
+        elapsed = min(max(0.0, time.monotonic() - self.at), self.max_extrapolation)
+        others = self.others_samples + elapsed * self.others_samples_per_second
+        return samples + others >= self.target
+
+
+def others_train(tracker: ProgressTracker) -> bool:
+    """Whether the progress table names another peer that computes gradients."""
+    me = tracker.peer_id
+    return any(pid != me and r.mode != "aux" for pid, r in tracker.records.items())
+
+
+def take_snapshot(
+    tracker: ProgressTracker, now: float, *, max_extrapolation: float, missed: int | None
+) -> ProgressSnapshot:
+    """What the other peers hold now (``now``: DHT time), for deciding outside the trio
+    thread; ``missed``: the epoch whose round began without us (None: none)."""
+    me = tracker.peer_id
+    others = [r for pid, r in tracker.projected().items() if pid != me]
+    target = tracker.target
+    target = math.inf if target is None else target
+    est = estimate_collaboration(
+        [*others, tracker.own_progress()],
+        now=now,
+        target_batch_size=target,
+        max_extrapolation=max_extrapolation,
+        me=me,
+    )
+    return ProgressSnapshot(
+        est.epoch,
+        est.others_samples,
+        est.others_samples_per_second,
+        time.monotonic(),
+        max_extrapolation,
+        est.others_waiting,
+        target,
+        tracker.table_fresh,
+        est.epoch > tracker.epoch,
+        others_train(tracker),
+        tracker.newest_served(),
+        missed is not None and missed == est.epoch,
+    )

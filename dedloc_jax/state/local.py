@@ -1,0 +1,147 @@
+"""This peer's state in the run (:class:`LocalState`): serving it after each step, loading the
+one the fork choice names, and the verdict on whether ours lost a fork."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import numpy as np
+import trio
+
+from dedloc_jax.run_dht import RunDHT
+from dedloc_jax.state.download import download_manifest_state, find_donors
+from dedloc_jax.state.lineage import Announcement, fork_verdict
+from dedloc_jax.state.serving import StateServer
+from dedloc_jax.state.vouching import VouchBook
+from p2p.node import Node
+
+if TYPE_CHECKING:  # the tracker imports this package
+    from dedloc_jax.tracker import ProgressTracker
+
+log = logging.getLogger(__name__)
+
+
+def mates_into(tracker: ProgressTracker, epoch: int) -> frozenset[str]:
+    """The peers that averaged with us into ``epoch`` (named in our vouch of its state)."""
+    into, peers = tracker.mates
+    return peers if into == epoch else frozenset()
+
+
+class LocalState:
+    """The state this peer serves and loads, published through its progress record
+    (``tracker``); ``server`` answers the others' downloads."""
+
+    def __init__(
+        self,
+        node: Node,
+        dht: RunDHT,
+        run_id: str,
+        server: StateServer,
+        tracker: ProgressTracker,
+        book: VouchBook,
+        *,
+        rpc_timeout: float,
+        renew_every: float,
+    ) -> None:
+        self.node = node
+        self.dht = dht
+        self.run_id = run_id
+        self.server = server
+        self.tracker = tracker
+        self.book = book
+        self.rpc_timeout = rpc_timeout
+        self.renew_every = renew_every  # after an announcement that renewed nothing
+
+    async def share(self, arrays: Sequence[np.ndarray], epoch: int) -> None:
+        manifest = self.server.set_state(arrays, epoch)
+        self.tracker.serve(epoch, manifest.digest, self.server.lineage)
+        await self.server.announce()
+
+    async def load(
+        self, *, timeout: float = 60.0, min_epoch: int | None = None
+    ) -> tuple[int, list[np.ndarray]]:
+        """Download the state the fork choice names, train on it from now on (the tracker's
+        epoch becomes its epoch) and serve it (the fork checks, ours and the others', count
+        the state a peer serves). ``min_epoch``: raise :class:`StaleStateError` instead when
+        that state is older; nothing changes then (a caller that keeps its own state must
+        keep its own epoch and lineage too, or its fork check counts it on the others'
+        lineage)."""
+        manifest, arrays, donors = await download_manifest_state(
+            self.node,
+            self.dht,
+            self.run_id,
+            timeout=timeout,
+            request_timeout=self.rpc_timeout,
+            extra=self.table_states(),
+            min_epoch=min_epoch,
+            local=self.server.held,
+            book=self.book,
+        )
+        epoch = manifest.epoch
+        self.server.hold(manifest, arrays)
+        log.info("loaded the state of epoch %d from %d donors", epoch, donors)
+        self.tracker.set_epoch(epoch)
+        self.tracker.serve(epoch, manifest.digest, self.server.lineage)
+        await self.server.announce()
+        return epoch, arrays
+
+    async def newest_epoch(self) -> int | None:
+        """The epoch of the state a download would bring (the newest on the lineage most
+        peers hold, :func:`~dedloc_jax.state.lineage.fork_choice`), or None (nobody announces
+        one): whether a download would bring anything newer, for one DHT read. The tracker's
+        epoch alone cannot tell: after a healed partition, the side that lost may be ahead."""
+        found = await find_donors(self.node, self.dht, self.run_id, self.table_states(), self.book)
+        return None if found is None else found[0]
+
+    def table_states(self) -> list[Announcement]:
+        """The states the progress table names (every other peer's, as last read)."""
+        return self.tracker.announcements()
+
+    async def on_minority_fork(self, *, patience: float = 0.0, undecided: bool = False) -> bool:
+        """Whether the state we serve lost to another lineage (one more peers hold, see
+        :func:`~dedloc_jax.state.lineage.fork_verdict`): then load theirs. Ask once the others
+        announced the epoch's state, e.g. when ready to average; ``patience``: seconds to keep
+        asking (each second) while it cannot tell (also while the table names no state);
+        ``undecided``: the answer when it still cannot tell then. A peer whose round missed
+        part of the epoch passes True: it is most likely the odd one out.
+
+        It counts the states the progress table names (every peer publishes the state it
+        serves with its progress, and follows the table anyway): it reads nothing from the DHT."""
+        deadline = trio.current_time() + patience
+        while True:
+            verdict = self.fork_verdict()
+            left = deadline - trio.current_time()
+            if verdict is not None:
+                return verdict
+            if left <= 0:
+                log.info("the fork check could not tell within %.0f s", patience)
+                return undecided
+            await trio.sleep(min(1.0, left))
+
+    def fork_verdict(self) -> bool | None:
+        """:meth:`on_minority_fork` asked once, without waiting: None while it cannot tell
+        (most peers still average the epoch, or the table names no state)."""
+        latest = self.server.latest
+        if latest is None or self.tracker.mode == "aux":
+            return False  # we serve nothing, or a copy (no vote): nothing to lose
+        table = self.table_states()
+        # An empty table (a read that failed, records that lapsed in a cut) cannot tell.
+        if not table:
+            return None
+        server = self.server
+        return fork_verdict(table, latest.epoch, latest.digest, server.lineage, server.vouched)
+
+    async def keep_announced(self) -> None:
+        """Keep our announcement from expiring: renew it at a third of its lifetime. Each step
+        announces the new state, so only the time since the last announcement counts: with
+        epochs shorter than a third of the TTL, this never stores anything."""
+        server = self.server
+        while True:
+            if trio.current_time() < server.renew_at:
+                await trio.sleep_until(server.renew_at)
+                continue
+            await server.announce()
+            if trio.current_time() >= server.renew_at:
+                await trio.sleep(self.renew_every)  # nothing to announce, or failed
