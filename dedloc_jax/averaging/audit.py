@@ -311,7 +311,7 @@ async def audit(rnd: Round) -> Verdict:
                 break
             a, b = rnd.share_slice(j, k)
             chk = check_chunk(
-                rnd.codec.name,
+                rnd.codec.at(a, b).name,
                 rnd.out[a:b],
                 stated,
                 mask,
@@ -368,8 +368,9 @@ async def _judge(
 
         for i in mask:
             nursery.start_soon(one, i)
+    codec_name = rnd.codec.at(a, b).name  # the chunk's own (segments, when it spans leaves)
     evidence = {
-        "codec": rnd.codec.name,
+        "codec": codec_name,
         "seed": seed,
         "start": a,
         "stop": b,
@@ -397,7 +398,7 @@ async def _judge(
         if data is None:
             silent.append(i)
             continue
-        why = _part_lie(rnd.codec.name, data, stated[i], j, k, z, rnd.out[a:b], rnd.taus[j][k])
+        why = _part_lie(codec_name, data, stated[i], j, k, z, rnd.out[a:b], rnd.taus[j][k])
         if why:
             logger.warning("round %s: sender %s lied: %s", rnd.round_id.hex()[:8], rnd.name(i), why)
             return Accusation(rnd.name(i), "sender", why, rnd.round_id, j, k, evidence)

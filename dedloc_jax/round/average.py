@@ -28,8 +28,16 @@ from dedloc_jax.averaging import (
     all_reduce,
     install,
 )
+from dedloc_jax.averaging.leaf_codecs import LeafCodecs
+from dedloc_jax.averaging.partition import share_bounds
 from dedloc_jax.bans import Bans
-from dedloc_jax.round.across import AcrossGroups, averaged_weight, broadcast, representative
+from dedloc_jax.round.across import (
+    AcrossGroups,
+    averaged_weight,
+    broadcast,
+    broadcast_codec,
+    representative,
+)
 from dedloc_jax.round.deadlines import Deadlines
 from dedloc_jax.round.matchmaking import Matchmaker
 
@@ -38,9 +46,12 @@ log = logging.getLogger(__name__)
 NO_GROUP = "no group formed in time (nobody else registered for this epoch)"
 
 
-def _vector_bytes(arrays: Sequence[np.ndarray]) -> int:
-    """The bytes one member sends: every array as float32."""
-    return sum(int(np.asarray(a).size) * 4 for a in arrays)
+def wire_bytes(arrays: Sequence[np.ndarray], codec: str, spec: GroupSpec, chunk_elems: int) -> int:
+    """The bytes of one member's vector on the wire: the arrays in ``codec`` as ``spec``'s
+    round cuts them into shares and chunks (the encoded parts' sizes, exactly)."""
+    shapes = [tuple(np.shape(a)) for a in arrays]
+    plan = LeafCodecs.of_shapes(codec, shapes)
+    return plan.wire_bytes(share_bounds(plan.size, spec.share_parts()), chunk_elems)
 
 
 @dataclass(frozen=True)
@@ -75,19 +86,22 @@ class Rounds:
             robust=robust, robust_tau=self.robust_tau, verify=self.verify
         )
 
-    def deadlines(self, spec: GroupSpec, arrays: Sequence[np.ndarray]) -> Deadlines:
-        """The round's deadlines: the matchmaking window's and the group's LP bound's."""
+    def deadlines(self, spec: GroupSpec, arrays: Sequence[np.ndarray], codec: str) -> Deadlines:
+        """The round's deadlines: the matchmaking window's and the group's LP bound's for the
+        vector's bytes in ``codec``."""
+        chunk = install(self.node).config.chunk_elems
         return self.matchmaker.deadlines.for_group(
-            spec.lower_bound(_vector_bytes(arrays)),
+            spec.lower_bound(wire_bytes(arrays, codec, spec, chunk)),
             self.dht_latency(),
             override=self.averaging_timeout,
         )
 
-    def cross_wait(self, spec: GroupSpec | None, arrays: Sequence[np.ndarray]) -> float:
-        """How long a member waits for its representative's round across groups."""
+    def cross_wait(self, spec: GroupSpec | None, arrays: Sequence[np.ndarray], codec: str) -> float:
+        """How long a member waits for its representative's round across groups (its rounds
+        timed in the broadcast's codec, which sends no fewer bytes than ``codec``)."""
         if spec is None:
             return self.matchmaker.deadlines.cross_wait
-        return self.deadlines(spec, arrays).cross_wait
+        return self.deadlines(spec, arrays, broadcast_codec(codec)).cross_wait
 
     async def all_reduce(
         self, spec: GroupSpec, arrays: Sequence[np.ndarray], weight: float, codec: str
@@ -102,7 +116,7 @@ class Rounds:
                 list(arrays),
                 weight,
                 codec=codec,
-                timeout=self.deadlines(spec, arrays).averaging,
+                timeout=self.deadlines(spec, arrays, codec).averaging,
                 meter=self.meter,
                 config=self.all_reduce_config(),
             )
@@ -201,7 +215,7 @@ async def _in_group(
     of."""
     own = [np.asarray(a) for a in arrays]
     try:
-        deadlines = rounds.deadlines(spec, arrays)
+        deadlines = rounds.deadlines(spec, arrays, codec)
     except GroupError as e:  # a spec without a share split: as a failed all-reduce
         averaged, failure = None, str(e)
     else:
@@ -243,7 +257,7 @@ async def _across(
     that is the whole epoch's mean; ``mean`` itself when it failed."""
     me = str(rounds.node.peer_id)
     rep = me if spec is None else representative(spec)
-    wait = rounds.cross_wait(spec, mean)
+    wait = rounds.cross_wait(spec, mean, codec)
     rounds.across.begin(wait)
     size = 1
     if rep == me:
@@ -271,7 +285,7 @@ async def _across(
         mean,
         source=rep == me,
         codec=codec,
-        timeout=rounds.deadlines(spec, mean).averaging,
+        timeout=rounds.deadlines(spec, mean, broadcast_codec(codec)).averaging,
     )
     if out is None:  # the representative holds the mean across groups all the same
         return mean, 1, rep == me and whole
