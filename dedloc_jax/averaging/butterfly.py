@@ -617,7 +617,9 @@ async def all_reduce(
     Aux members pass a template tree of the right shapes (its values are ignored) and get
     ``average=None``. Raises :class:`ShareLostError` if some share could neither be received nor
     repaired in time, and :class:`AllReduceError` if no contribution at all was averaged.
-    ``round_id`` defaults to the group's digest (a new group per round).
+    ``round_id`` defaults to the group's digest (a new group per round). ``codec``: a
+    compression's name (a codec for every leaf, or a per-leaf policy such as ``adaptive``:
+    :mod:`.leaf_codecs`), or one :class:`~.codecs.Codec` for the whole vector.
     """
     service = install(node, config)
     cfg = config or service.config
