@@ -48,9 +48,15 @@ peers probe their links on joining, ``LinkKeeper.keep_measured``) and ``epoch_ti
 epoch time / ideal, where ideal = target / summed throughput + the averaging time that is not
 hidden: the LP's bound when blocking, what of it exceeds an epoch's computing with overlap).
 
+``--compression NAME``: what the averaged vectors travel in (default fp16; in ``--mode
+diloco`` it names the DiLoCo run's, default int8, and the DeDLOC run stays fp16). A per-leaf
+policy (``adaptive``) averages leaves shaped like sahajBERT's 32 (first dimensions scaled to
+the vector's size), a codec one vector; ``compute_ceiling`` and ``lp_bound_seconds`` count the
+encoded bytes (``wire_bytes_per_value``).
+
     python -m bench.collaboration [--peers 40] [--params 18000000] [--epochs 3]
         [--payload-scale S] [--mode overlap|blocking|both|diloco] [--inner-steps H]
-        [--dedloc-epochs N]
+        [--dedloc-epochs N] [--compression none|fp16|bf16|int8|adaptive]
 """
 
 from __future__ import annotations
@@ -69,6 +75,7 @@ import trio
 
 from dedloc_jax.averaging import AllReduceConfig, Member, solve_shares
 from dedloc_jax.averaging.bandwidth import UNMEASURED_DOWNLOAD_BPS, UNMEASURED_UPLOAD_BPS
+from dedloc_jax.averaging.leaf_codecs import COMPRESSIONS, POLICIES, LeafCodecs
 from dedloc_jax.config import CollaborationConfig
 from dedloc_jax.opening import open_collaboration
 from dedloc_jax.peer import CollaborationPeer
@@ -78,6 +85,28 @@ from p2p.testing import SimNetwork, run_sim, sim_identity
 
 MBIT = 1e6 / 8  # bytes per second
 PAYLOAD_SCALE = 1
+
+_H, _E, _V, _I = 1024, 128, 32_000, 4096
+SAHAJBERT_SHAPES = (
+    [(_V, _E), (512, _E), (2, _E), (_E,), (_E,), (_E, _H), (_H,)]  # embeddings, mapping in
+    + [(_H, _H), (_H,)] * 4 + [(_H,), (_H,)]  # attention q, k, v, dense; its LayerNorm
+    + [(_H, _I), (_I,), (_I, _H), (_H,), (_H,), (_H,)]  # FFN and its LayerNorm
+    + [(_H, _H), (_H,)]  # pooler
+    + [(_V,), (_H, _E), (_E,), (_E,), (_E,), (_H, 2), (2,)]  # MLM head (tied decoder), SOP
+)  # fmt: skip
+"""sahajBERT's 32 parameter leaves (18,105,474 values; REFERENCE.md's ALBERT-large)."""
+
+
+def model_leaves(params: int, seed: int) -> list[np.ndarray]:
+    """Random leaves shaped like sahajBERT's, each scaled to ``params`` values in all (first
+    dimensions times ``params / 18.1M``, at least 1): what a per-leaf policy sees."""
+    full = sum(int(np.prod(s)) for s in SAHAJBERT_SHAPES)
+    rng = np.random.default_rng(seed)
+    leaves = []
+    for shape in SAHAJBERT_SHAPES:
+        scaled = (max(1, round(shape[0] * params / full)), *shape[1:])
+        leaves.append(rng.normal(size=scaled).astype(np.float32))
+    return leaves
 
 
 @dataclass
@@ -138,7 +167,7 @@ async def _peer(
     index: int,
     first: list[str],
     config: CollaborationConfig,
-    vector: np.ndarray,
+    arrays: list[np.ndarray],
     micro: int,
     epochs: int,
     done: trio.Event,
@@ -182,7 +211,7 @@ async def _peer(
             # The collaboration probes its links itself (config.measure_links), with the
             # config's scaled probe_bytes: a second prober here sent unscaled 4 MB probes
             # beside it, which took 20-50 s on the slowed links and kept partners busy.
-            await _train(core, stats, vector, micro, epochs, done, ending, overlap)
+            await _train(core, stats, arrays, micro, epochs, done, ending, overlap)
         finally:
             stats.links = core.link_keeper.bandwidth()
 
@@ -200,7 +229,7 @@ def _scaled_averaging(scale: int) -> AllReduceConfig:
 async def _train(
     core: CollaborationPeer,
     stats: PeerStats,
-    vector: np.ndarray,
+    arrays: list[np.ndarray],
     micro: int,
     epochs: int,
     done: trio.Event,
@@ -226,7 +255,7 @@ async def _train(
             # Until its round ends the epoch's computing is cut off if the run ends first.
             stats.in_round += computed
             stats.cut_off = 0.0
-            out = await core.average(at, [vector], contributed)
+            out = await core.average(at, arrays, contributed)
             stats.in_round -= computed
             stats.epochs.append(
                 EpochOutcome(
@@ -286,6 +315,7 @@ def simulate(
         unmeasured_upload_bps=UNMEASURED_UPLOAD_BPS / args.payload_scale,
         unmeasured_download_bps=UNMEASURED_DOWNLOAD_BPS / args.payload_scale,
     )
+    codec = config.codec  # a config given names its own
     if getattr(args, "no_defences", False):  # a public run has them on: CenteredClip, checks
         config = config.replace(robust=False, verify=False)
     # A probe as many seconds of a link as at full scale (4 MB), within a 64 KB floor.
@@ -294,8 +324,13 @@ def simulate(
     traffic: Counter[str] = Counter()  # bytes every node wrote, per protocol
     nodes: list[Node] = []
     actual = max(1, args.params // args.payload_scale)
-    vector = np.random.default_rng(args.seed).normal(size=actual).astype(np.float32)
-    vector.setflags(write=False)
+    if codec in POLICIES:  # a codec per leaf: the model's leaves
+        arrays = model_leaves(actual, args.seed)
+        actual = sum(a.size for a in arrays)
+    else:  # one codec for everything: one vector (a view, not a copy, in every round)
+        arrays = [np.random.default_rng(args.seed).normal(size=actual).astype(np.float32)]
+    for a in arrays:
+        a.setflags(write=False)
 
     async def run() -> list[PeerStats]:
         # Socket buffers hold as many seconds of a link as at full scale: unscaled, 512 KB
@@ -318,7 +353,7 @@ def simulate(
                         index,
                         first,
                         config,
-                        vector,
+                        arrays,
                         args.micro,
                         args.epochs,
                         done,
@@ -376,7 +411,14 @@ def simulate(
     for p in everyone:  # epochs past the last, which peers that finished early went on to
         p.cut_off += sum(o.compute for o in p.epochs if o.epoch >= args.epochs)
         p.epochs = [o for o in p.epochs if o.epoch < args.epochs]
-    figures = outcome_figures(everyone, peers, target, 2 * actual, overlap=overlap)
+    # the LP bound of the vector's encoded bytes (in one share: chunked as a round cuts it)
+    chunk = max(16, AllReduceConfig.internet().chunk_elems // args.payload_scale)
+    plan = LeafCodecs.of_shapes(codec, [a.shape for a in arrays])
+    encoded = plan.wire_bytes((0, plan.size), chunk)
+    figures = outcome_figures(everyone, peers, target, encoded, overlap=overlap)
+    figures["compression"] = codec
+    figures["vector_values"] = actual
+    figures["wire_bytes_per_value"] = round(encoded / plan.size, 4)
     processed = sum(p.processed for p in everyone)
     figures["bytes_sent"] = sent[0]
     figures["samples_processed"] = processed
@@ -562,6 +604,14 @@ def main() -> None:
         help="diloco: epochs of the DeDLOC run it is compared with (default: --epochs)",
     )
     parser.add_argument(
+        "--compression",
+        choices=COMPRESSIONS,
+        default=None,
+        help="what the averaged vectors travel in (adaptive: sahajBERT-shaped leaves, 1-D and "
+        "small ones fp16, matrices int8); unset: fp16, and int8 for diloco's DiLoCo run "
+        "(its DeDLOC run stays fp16)",
+    )
+    parser.add_argument(
         "--no-defences",
         action="store_true",
         help="without an open run's defences (CenteredClip, verified rounds), on by default",
@@ -581,7 +631,8 @@ def main() -> None:
         _compare_diloco(args)
         return
     modes = ["overlap", "blocking"] if args.mode == "both" else [args.mode]
-    results = {m: simulate(args, overlap=m == "overlap") for m in modes}
+    codec = args.compression or "fp16"
+    results = {m: simulate(args, overlap=m == "overlap", codec=codec) for m in modes}
     out: dict[str, object] = dict(results[modes[0]])
     out.update(
         mode=modes[0],
@@ -603,8 +654,9 @@ def _compare_diloco(args: argparse.Namespace) -> None:
     dedloc_epochs = args.dedloc_epochs or args.epochs
     dedloc = simulate(argparse.Namespace(**{**vars(args), "epochs": dedloc_epochs}), overlap=True)
     outer_target = args.target * args.inner_steps
-    print(f"--- diloco: an outer step every {outer_target} samples, int8 pseudo-gradients")
-    diloco = simulate(args, overlap=False, target=outer_target, codec="int8")
+    codec = args.compression or "int8"
+    print(f"--- diloco: an outer step every {outer_target} samples, {codec} pseudo-gradients")
+    diloco = simulate(args, overlap=False, target=outer_target, codec=codec)
     ratio = None
     if dedloc["bytes_per_sample"] and diloco["bytes_per_sample"]:
         ratio = round(dedloc["bytes_per_sample"] / diloco["bytes_per_sample"], 1)

@@ -39,6 +39,7 @@ from flax import nnx
 
 import dedloc_jax
 from dedloc_jax.averaging.codecs import get_codec
+from dedloc_jax.averaging.leaf_codecs import leaf_codec_names
 from dedloc_jax.diloco import outer_params_after_step
 from dedloc_jax.host import AveragingOutcome
 from examples.sahajbert import training
@@ -48,7 +49,8 @@ from models.albert import pretraining_batch_loss
 
 class Group:
     """``n`` in-process peers in lockstep: every micro-step all report, and an averaging
-    gives every peer the same weighted mean, passed through the wire codec."""
+    gives every peer the same weighted mean, passed through the wire codec (each leaf through
+    its own under a per-leaf policy)."""
 
     def __init__(self, n: int, target: int, codec: str) -> None:
         self.n, self.target, self.codec = n, target, codec
@@ -78,19 +80,20 @@ class Peer:
         self, epoch: int, gradients: Sequence[np.ndarray], samples: int, *, codec: str | None = None
     ) -> AveragingOutcome:
         g = self.group
-        wire = get_codec(codec or g.codec)
+        names = leaf_codec_names(codec or g.codec, [np.shape(x) for x in gradients])
+        wires = [get_codec(name) for name in names]
 
-        def through(x: np.ndarray) -> np.ndarray:
+        def through(x: np.ndarray, i: int) -> np.ndarray:
             flat = np.ascontiguousarray(x, np.float32).reshape(-1)
-            return wire.decode(wire.encode(flat), flat.size).reshape(x.shape)
+            return wires[i].decode(wires[i].encode(flat), flat.size).reshape(x.shape)
 
-        g.sent[self.index] = ([through(x) for x in gradients], samples)
-        size = sum(int(np.size(x)) for x in gradients)
-        g.bytes_sent[self.index] += int(2 * (g.n - 1) / g.n * wire.encoded_size(size))
+        g.sent[self.index] = ([through(x, i) for i, x in enumerate(gradients)], samples)
+        size = sum(w.encoded_size(int(np.size(x))) for w, x in zip(wires, gradients, strict=True))
+        g.bytes_sent[self.index] += int(2 * (g.n - 1) / g.n * size)
         g.barrier.wait()
         total = sum(w for _, w in g.sent)
         mean = [
-            through(sum(np.float32(w / total) * arrays[i] for arrays, w in g.sent))
+            through(sum(np.float32(w / total) * arrays[i] for arrays, w in g.sent), i)
             for i in range(len(gradients))
         ]
         g.barrier.wait()
@@ -119,14 +122,16 @@ def train(
     vocab: int,
     model: tuple[Any, Any, Any],
     held_out: list[dict],
+    codec: str | None = None,
 ) -> dict[str, Any]:
     """One mode's run: every peer feeds ``args.samples / peers`` samples; held-out loss at
-    every averaging of peer 0 (DiLoCo: its outer parameters)."""
+    every averaging of peer 0 (DiLoCo: its outer parameters). ``codec``: on the wire (None:
+    int8 for DiLoCo, fp16 for DeDLOC)."""
     graphdef, params0, rest = model
     micro = cfg.per_device_batch_size
     per_peer = args.samples // args.peers
     target = cfg.target_batch_size * (args.inner_steps if mode == "diloco" else 1)
-    group = Group(args.peers, target, "int8" if mode == "diloco" else "fp16")
+    group = Group(args.peers, target, codec or ("int8" if mode == "diloco" else "fp16"))
     grad_step = training.make_grad_step(graphdef, rest)
     # As the trainer runs it: the transform eagerly around separately jitted pieces (one jit of
     # the whole step compiles for minutes on a busy CPU), shared by the peers.
@@ -150,7 +155,7 @@ def train(
                     )
                 outer = optax.sgd(outer_lr, momentum=args.outer_momentum, nesterov=True)
                 tx = dedloc_jax.diloco(
-                    inner, peer, target_batch_size=target, outer=outer, codec="int8"
+                    inner, peer, target_batch_size=target, outer=outer, codec=group.codec
                 )
             else:
                 tx = dedloc_jax.collaborative(inner, peer, target_batch_size=target)

@@ -6,6 +6,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Literal
 
+from dedloc_jax.averaging.leaf_codecs import COMPRESSIONS
+
 MAX_RECORD_TTL = 3600.0
 """Seconds a record of the run's keys may live (the schemas refuse longer ones, with a minute
 for clocks): a record stored once by a peer that left lapses within the hour, not in a week."""
@@ -26,7 +28,9 @@ class CollaborationConfig:
     max_group_size: int = 64  # Moshpit-style cap; groups are reshuffled every epoch
     matchmaking_time: float | None = None  # seconds a leader waits for joins
     averaging_timeout: float | None = None  # seconds an all-reduce round may take
-    codec: str = "fp16"  # on the wire: none, fp16, bf16, int8
+    # on the wire: a codec for every leaf (none, fp16, bf16, int8) or a per-leaf policy
+    # (adaptive: small and 1-D leaves fp16, matrices int8; averaging/leaf_codecs.py)
+    codec: str = "fp16"
     mode: Literal["node", "client", "aux"] | None = None  # None: detect (client if unreachable)
     nat: bool = True  # detect reachability, use relays when behind NAT (p2p.nat)
     # With nat: ask the home router (NAT-PMP, PCP, UPnP IGD) to forward our port; a mapped
@@ -80,8 +84,8 @@ class CollaborationConfig:
             raise ValueError("target_batch_size must be positive")
         if self.max_group_size < 1:
             raise ValueError("max_group_size must be at least 1")
-        if self.codec not in ("none", "fp16", "bf16", "int8"):
-            raise ValueError(f"unknown codec {self.codec!r}")
+        if self.codec not in COMPRESSIONS:
+            raise ValueError(f"unknown codec {self.codec!r}; known: {list(COMPRESSIONS)}")
         if not 0 < self.min_refresh <= self.max_refresh <= self.idle_refresh:
             raise ValueError("need 0 < min_refresh <= max_refresh <= idle_refresh")
         if not 0 < self.progress_ttl <= self.idle_ttl <= MAX_RECORD_TTL:

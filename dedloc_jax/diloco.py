@@ -40,6 +40,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from dedloc_jax.averaging.leaf_codecs import COMPRESSIONS
 from dedloc_jax.host import (
     Averaged,
     Branches,
@@ -55,7 +56,7 @@ __all__ = ["DiLoCoState", "diloco", "outer_params_after_step"]
 
 log = logging.getLogger(__name__)
 
-CODECS = ("none", "fp16", "bf16", "int8")
+CODECS = COMPRESSIONS  # a codec for every leaf, or a per-leaf policy
 
 
 def _accepts_codec(method: Any) -> bool:
@@ -88,7 +89,8 @@ def diloco(
       outer: the optimizer of the outer step, fed the averaged pseudo-gradient; default
         ``optax.sgd(0.7, momentum=0.9, nesterov=True)``.
       codec: how pseudo-gradients travel: "int8" (blockwise, per-block scales; the default),
-        "fp16", "bf16" or "none" (exact). Every peer of a run must use the same. None: the
+        "fp16", "bf16", "none" (exact) or "adaptive" (per leaf: small and 1-D leaves fp16,
+        matrices int8). Every peer of a run must use the same. None: the
         collaboration's own ``CollaborationConfig.codec`` (a host whose ``average_gradients``
         takes no ``codec`` needs None). Auxiliary peers average with the configured codec: a
         run with aux peers sets ``CollaborationConfig(codec=...)`` to this one.

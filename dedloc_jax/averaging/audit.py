@@ -223,8 +223,11 @@ async def _swap(rnd: Round, i: int, mine: dict) -> None:
 async def _receive_parts(rnd: Round, ms: MessageStream, j: int) -> list[bytes]:
     """Encoded parts of every chunk of share ``j``, in order, of the codec's sizes."""
     parts = []
-    for k, (a, b) in enumerate(rnd.chunks[j]):
-        parts.append(wire.parse_chunk(await ms.receive(), k, rnd.codec.encoded_size(b - a)))
+    for k in range(len(rnd.chunks[j])):
+        a, b = rnd.share_slice(j, k)
+        parts.append(
+            wire.parse_chunk(await ms.receive(), k, rnd.codec.at(a, b).encoded_size(b - a))
+        )
     return parts
 
 
@@ -401,7 +404,7 @@ async def audit(rnd: Round) -> Verdict:
                 break
             a, b = rnd.share_slice(j, k)
             chk = check_chunk(
-                rnd.codec.name,
+                rnd.codec.at(a, b).name,
                 rnd.out[a:b],
                 stated,
                 mask,
@@ -474,13 +477,14 @@ def _recompute(
     member, :func:`.verify.recompute`), then rounded by the codec as a reducer's result is;
     written into the result with its new masks. Returns why not ("" when done)."""
     assert rnd.out is not None
-    cfg, codec = rnd.config, rnd.codec
+    cfg = rnd.config
     values, masks, taus = [], [], []
     for k, mask in enumerate(rnd.masks[j]):
         keep = sorted(mask - {liar})
         if not keep:
             return f"chunk {k} had no contributor but the liar"
         a, b = rnd.chunks[j][k]
+        codec = rnd.codec.at(*rnd.share_slice(j, k))  # the chunk's own (segments across leaves)
         xs, raw, norms = [], [], []
         for i in keep:
             st, data = stated.get(i), parts.get(i)
@@ -534,8 +538,9 @@ async def _judge(
         for i in sorted(frozenset().union(*rnd.masks[j])):
             nursery.start_soon(one, i)
     revealed = {i: shares[i][k] if i in shares else None for i in mask}
+    codec_name = rnd.codec.at(a, b).name  # the chunk's own (segments, when it spans leaves)
     evidence = {
-        "codec": rnd.codec.name,
+        "codec": codec_name,
         "seed": seed,
         "start": a,
         "stop": b,
@@ -562,7 +567,7 @@ async def _judge(
         if data is None:
             silent.append(i)
             continue
-        why = _part_lie(rnd.codec.name, data, stated[i], j, k, z, rnd.out[a:b], rnd.taus[j][k])
+        why = _part_lie(codec_name, data, stated[i], j, k, z, rnd.out[a:b], rnd.taus[j][k])
         if why:
             logger.warning("round %s: sender %s lied: %s", rnd.round_id.hex()[:8], rnd.name(i), why)
             return Accusation(rnd.name(i), "sender", why, rnd.round_id, j, k, evidence), shares

@@ -40,10 +40,11 @@ from . import audit, wire
 from .audit import Accusation
 from .bandwidth import BandwidthMeter, Gauge
 from .changes import Changes
-from .codecs import Codec, get_codec, is_finite
+from .codecs import Codec, is_finite
 from .config import AllReduceConfig
 from .errors import FAILURES, AllReduceError, BadContributionError, ShareLostError, is_failure
 from .group import GroupSpec
+from .leaf_codecs import LeafCodecs
 from .partition import chunk_bounds, flatten, share_bounds, unflatten
 from .reducer import Reducer
 from .repair import Repair, expect_done, receive_finals, send_finals
@@ -205,7 +206,7 @@ class Round:
         me: int,
         vec: np.ndarray | None,
         weight: float,
-        codec: Codec,
+        codec: LeafCodecs,
         config: AllReduceConfig,
         round_id: bytes,
         timeout: float,
@@ -304,9 +305,11 @@ class Round:
     def commit_part(self, j: int, k: int, part: np.ndarray) -> np.ndarray:
         """Commit to our part of chunk ``k`` of share ``j`` (hash of its encoding); returns
         the values the reducer gets."""
-        data = self.codec.encode(part)
+        a, b = self.share_slice(j, k)
+        codec = self.codec.at(a, b)
+        data = codec.encode(part)
         self._commit(j, k, data)
-        return self.codec.decode(data, part.size)
+        return codec.decode(data, part.size)
 
     def _commit(self, j: int, k: int, data: Any) -> None:
         self.part_hashes[j][k] = hashlib.sha256(data).digest()
@@ -319,7 +322,7 @@ class Round:
         if data is None:  # lossless (the encoding is the values), or never sent
             assert self.vec is not None
             a, b = self.share_slice(j, k)
-            data = self.codec.encode(self.vec[a:b])
+            data = self.codec.at(a, b).encode(self.vec[a:b])
         return data
 
     def sent_values(self, j: int, k: int) -> np.ndarray:
@@ -328,7 +331,7 @@ class Round:
         if self.codec.lossless:
             assert self.vec is not None
             return self.vec[a:b]
-        return self.codec.decode(self.sent_part(j, k), b - a)
+        return self.codec.at(a, b).decode(self.sent_part(j, k), b - a)
 
     def share_slice(self, j: int, k: int) -> tuple[int, int]:
         a, b = self.chunks[j][k]
@@ -431,7 +434,7 @@ class Round:
         try:
             for k in range(len(self.chunks[j])):
                 a, b = self.share_slice(j, k)
-                data = self.codec.encode(self.vec[a:b])
+                data = self.codec.at(a, b).encode(self.vec[a:b])
                 if self.config.verify:
                     self._commit(j, k, data)
                 t = trio.current_time()
@@ -469,11 +472,12 @@ class Round:
                 raise BadContributionError(f"unexpected {kind!r} from reducer {self.name(j)}")
             k = self.held[j]
             a, b = self.share_slice(j, k)
-            data = wire.parse_chunk(msg, k, self.codec.encoded_size(b - a))
+            codec = self.codec.at(a, b)
+            data = wire.parse_chunk(msg, k, codec.encoded_size(b - a))
             mask = wire.parse_contributors(msg, self.senders)
             tau = wire.parse_tau(msg)
             sig = wire.parse_sig(msg)
-            self.codec.decode_into(data, self.out[a:b])
+            codec.decode_into(data, self.out[a:b])
             if not is_finite(self.out[a:b]):
                 raise BadContributionError("non-finite result")
             gauge.received(len(data), trio.current_time())
@@ -530,7 +534,7 @@ class Round:
                     assert self.vec is not None
                     for k in range(*parts_rng):
                         a, b = self.share_slice(j, k)
-                        await ms.send(wire.part(k, self.codec.encode(self.vec[a:b])))
+                        await ms.send(wire.part(k, self.codec.at(a, b).encode(self.vec[a:b])))
                 await ms.send(wire.simple("done"))
                 values, masks = await receive_finals(ms, self, j)
                 a, b = self.bounds[j], self.bounds[j + 1]
@@ -612,13 +616,20 @@ async def all_reduce(
     Aux members pass a template tree of the right shapes (its values are ignored) and get
     ``average=None``. Raises :class:`ShareLostError` if some share could neither be received nor
     repaired in time, and :class:`AllReduceError` if no contribution at all was averaged.
-    ``round_id`` defaults to the group's digest (a new group per round).
+    ``round_id`` defaults to the group's digest (a new group per round). ``codec``: a
+    compression's name (a codec for every leaf, or a per-leaf policy such as ``adaptive``:
+    :mod:`.leaf_codecs`), or one :class:`~.codecs.Codec` for the whole vector.
     """
     cfg = config or service.config
     me = group.index_of(service.node.peer_id)
     member = group.members[me]
-    codec_ = get_codec(codec) if isinstance(codec, str) else codec
     vec, spec = flatten(tree)
+    # str: a compression (a codec or a per-leaf policy), planned from the leaves' shapes
+    plan = (
+        LeafCodecs.plan(codec, spec)
+        if isinstance(codec, str)
+        else LeafCodecs.uniform(codec, spec.size)
+    )
     w = member.weight if weight is None else float(weight)
     if not math.isfinite(w) or w < 0:
         raise ValueError(f"weight must be finite and >= 0, got {weight!r}")
@@ -630,7 +641,7 @@ async def all_reduce(
         me,
         vec,
         w,
-        codec_,
+        plan,
         cfg,
         round_id if round_id is not None else group.digest,
         timeout,

@@ -254,6 +254,87 @@ class BlockwiseInt8Compression:
         return _decode_view(self, data, scratch)
 
 
+ELEMENTWISE = frozenset({"none", "fp16", "bf16"})
+"""Codecs that encode each value on its own: any split of a vector encodes to the same values."""
+
+MAX_SEGMENTS = 4096
+"""Segments one :class:`SegmentedCodec` name may list (a chunk spans at most this many leaves)."""
+
+
+@dataclass(frozen=True)
+class SegmentedCodec:
+    """Consecutive segments of a chunk, each in its own codec (the leaves a chunk spans).
+
+    The encoding is the segments' encodings concatenated, so its size is the sum of theirs and
+    a part of the wrong size is refused before any value is read. Its name lists the segments
+    (``fp16*120+int8*3000``) and :func:`get_codec` parses it back, so evidence that names the
+    codec of a chunk is checked by a peer that never saw the run's leaves.
+    """
+
+    segments: tuple[tuple[Codec, int], ...]
+
+    @property
+    def name(self) -> str:  # type: ignore[override]
+        return "+".join(f"{c.name}*{n}" for c, n in self.segments)
+
+    @property
+    def lossless(self) -> bool:  # type: ignore[override]
+        return all(c.lossless for c, _ in self.segments)
+
+    @property
+    def size(self) -> int:
+        return sum(n for _, n in self.segments)
+
+    def _check_n(self, n: int) -> None:
+        if n != self.size:
+            raise CodecError(f"{self.name}: spans {self.size} values, asked for {n}")
+
+    def encode(self, x: np.ndarray) -> bytes:
+        x = _as_f32(x)
+        self._check_n(x.size)
+        out, at = [], 0
+        for c, n in self.segments:
+            out.append(bytes(c.encode(x[at : at + n])))
+            at += n
+        return b"".join(out)
+
+    def decode(self, data: bytes | bytearray | memoryview, n: int) -> np.ndarray:
+        out = np.empty(n, np.float32)
+        self.decode_into(data, out)
+        return out
+
+    def decode_into(self, data: bytes | bytearray | memoryview, out: np.ndarray) -> None:
+        self._check_n(out.size)
+        _check_size(data, self.encoded_size(out.size), self.name)
+        view = memoryview(data).cast("B") if not isinstance(data, memoryview) else data.cast("B")
+        at, pos = 0, 0
+        for c, n in self.segments:
+            size = c.encoded_size(n)
+            c.decode_into(view[pos : pos + size], out[at : at + n])
+            at, pos = at + n, pos + size
+
+    def decode_view(self, data: bytes | bytearray | memoryview, scratch: np.ndarray) -> np.ndarray:
+        return _decode_view(self, data, scratch)
+
+    def encoded_size(self, n: int) -> int:
+        self._check_n(n)
+        return sum(c.encoded_size(k) for c, k in self.segments)
+
+
+def _parse_segments(name: str) -> SegmentedCodec:
+    """The :class:`SegmentedCodec` a name such as ``fp16*120+int8*3000`` lists."""
+    parts = name.split("+")
+    if len(parts) > MAX_SEGMENTS:
+        raise CodecError(f"a segmented codec of {len(parts)} segments (at most {MAX_SEGMENTS})")
+    segments = []
+    for part in parts:
+        codec, _, count = part.partition("*")
+        if codec not in CODECS or not count.isdigit() or int(count) <= 0 or len(count) > 12:
+            raise CodecError(f"bad codec segment {part[:40]!r}")
+        segments.append((CODECS[codec], int(count)))
+    return SegmentedCodec(tuple(segments))
+
+
 CODECS: dict[str, Codec] = {
     "none": NoCompression(),
     "fp16": Float16Compression(),
@@ -266,6 +347,12 @@ def rounding_bound(codec: Codec, y: np.ndarray, cap: float, norm: float | None =
     """An L2 bound on ``|x - y|`` for ``y = decode(encode(x))`` (the error bounds above), from
     ``y`` alone; ``cap`` bounds ``|x|`` where ``y`` saturated (fp16's +-65504). ``norm``:
     ``|y|`` if the caller has it (fp16 then needs no pass over ``y`` but its extremes)."""
+    if isinstance(codec, SegmentedCodec):  # the segments' bounds are independent
+        y, at, sq = np.asarray(y), 0, 0.0
+        for c, n in codec.segments:
+            sq += rounding_bound(c, y[at : at + n], cap) ** 2
+            at += n
+        return math.sqrt(sq)
     if codec.name == "none" or np.size(y) == 0:
         return 0.0
     if codec.name == "fp16" and norm is not None and not _exceeds(y, _F16_MAX * (1 - 2**-11)):
@@ -304,7 +391,10 @@ def rounding_bound(codec: Codec, y: np.ndarray, cap: float, norm: float | None =
 
 
 def get_codec(name: str) -> Codec:
-    """The codec registered under ``name`` (``none``, ``fp16``, ``bf16``, ``int8``)."""
+    """The codec registered under ``name`` (``none``, ``fp16``, ``bf16``, ``int8``), or the
+    :class:`SegmentedCodec` a segment list names (``fp16*120+int8*3000``)."""
+    if "*" in name:
+        return _parse_segments(name)
     try:
         return CODECS[name]
     except KeyError:

@@ -236,9 +236,10 @@ class Reducer:
         a, b = self.chunks[k]
         avg = self._slot(k)  # averaged in place: the accumulator of this chunk is done
         self._aggregate(k, avg)
-        data = r.codec.encode(avg)
-        if not r.codec.lossless:
-            r.codec.decode_into(data, avg)  # use exactly what the receivers will decode
+        codec = r.codec.at(self.start + a, self.start + b)
+        data = codec.encode(avg)
+        if not codec.lossless:
+            codec.decode_into(data, avg)  # use exactly what the receivers will decode
         mask = frozenset(self.cmask[k])
         self.final_masks.append(mask)
         if r.out is not None:
@@ -247,8 +248,8 @@ class Reducer:
             r.masks[r.me].append(mask)
             r.taus[r.me].append(self.taus[k])
             r.held[r.me] = k + 1
-            if r.codec.lossless:  # a view of the slot, which the next chunk reuses
-                data = r.codec.encode(out)
+            if codec.lossless:  # a view of the slot, which the next chunk reuses
+                data = codec.encode(out)
         elif isinstance(data, memoryview):
             data = bytes(data)
         self.enc[k] = data
@@ -364,11 +365,12 @@ class Reducer:
             raise BadContributionError("part beyond the reducer's window")
         scratch = self.scratch[: b - a]
         try:
-            data = wire.parse_chunk(msg, k, self.r.codec.encoded_size(b - a))
-            if self.robust and not self.r.codec.lossless:  # kept until finalisation
-                values = self.r.codec.decode(data, b - a)
+            codec = self.r.codec.at(self.start + a, self.start + b)
+            data = wire.parse_chunk(msg, k, codec.encoded_size(b - a))
+            if self.robust and not codec.lossless:  # kept until finalisation
+                values = codec.decode(data, b - a)
             else:
-                values = self.r.codec.decode_view(data, scratch)  # no copy when lossless
+                values = codec.decode_view(data, scratch)  # no copy when lossless
         except (BadContributionError, CodecError) as e:
             self.exclude(s, f"malformed chunk {k}: {e}")
             return

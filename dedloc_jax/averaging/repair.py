@@ -128,8 +128,9 @@ class Repair:
                 avg = self.acc[x:y] / total
                 if self.robust and self.parts[k]:
                     avg = self._robust(k)
-                data = r.codec.encode(avg.astype(np.float32, copy=False))
-                values[x:y] = r.codec.decode(data, y - x)
+                codec = r.codec.at(r.bounds[j] + x, r.bounds[j] + y)
+                data = codec.encode(avg.astype(np.float32, copy=False))
+                values[x:y] = codec.decode(data, y - x)
                 masks.append(frozenset(self.cmask[k]))
             self.values, self.masks = values, tuple(masks)
         finally:
@@ -205,8 +206,9 @@ class Repair:
             msg = await ms.receive()
             if wire.kind_of(msg) != "part":
                 raise BadContributionError("expected part")
-            data = wire.parse_chunk(msg, k, r.codec.encoded_size(y - x))
-            values = r.codec.decode(data, y - x)
+            codec = r.codec.at(r.bounds[j] + x, r.bounds[j] + y)
+            data = wire.parse_chunk(msg, k, codec.encoded_size(y - x))
+            values = codec.decode(data, y - x)
             if not is_finite(values):
                 logger.warning("repair: non-finite chunk %d from %s excluded", k, r.name(s))
                 continue

@@ -14,10 +14,10 @@ updates, so their parameters part. Hence a second level:
    member reduces a share, as in the first round.
 
 Every member of every group then holds the same vector. The broadcast uses an element-wise
-codec (int8 becomes fp16): int8 scales depend on each group's chunking, and groups must not
-round the same global mean differently. If anything fails, a group keeps its own mean; the fork
-rule (:func:`dedloc_jax.state.lineage.on_minority_fork`) later puts its peers back on the
-lineage most peers hold.
+codec (int8, and adaptive's int8 leaves, become fp16): int8 scales depend on each group's
+chunking, and groups must not round the same global mean differently. If anything fails, a
+group keeps its own mean; the fork rule (:func:`dedloc_jax.state.lineage.on_minority_fork`)
+later puts its peers back on the lineage most peers hold.
 
 A level-1 group that lacks a representative the leader's partition named (it died, or came
 late and formed a second level-1 group with other late ones) holds the mean of only some groups:
@@ -43,6 +43,7 @@ from dedloc_jax.averaging import (
     all_reduce,
 )
 from dedloc_jax.averaging.group import GroupSpec
+from dedloc_jax.averaging.leaf_codecs import elementwise
 from dedloc_jax.round.slots import Slots
 from p2p.errors import P2PError
 from p2p.identity import PeerID
@@ -73,7 +74,7 @@ def averaged_weight(spec: GroupSpec, result: AllReduceResult) -> float:
 
 def broadcast_codec(codec: str) -> str:
     """An element-wise codec for the broadcast: every group must round the mean alike."""
-    return "fp16" if codec == "int8" else codec
+    return elementwise(codec)
 
 
 def broadcast_spec(spec: GroupSpec) -> GroupSpec:

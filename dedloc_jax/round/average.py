@@ -27,10 +27,12 @@ from dedloc_jax.averaging import (
     Member,
     all_reduce,
 )
+from dedloc_jax.averaging.leaf_codecs import LeafCodecs
 from dedloc_jax.averaging.links import LinkKeeper
+from dedloc_jax.averaging.partition import share_bounds
 from dedloc_jax.bans import Bans
 from dedloc_jax.history import RoundOutcome
-from dedloc_jax.round.across import AcrossGroups, averaged_weight, cross_average
+from dedloc_jax.round.across import AcrossGroups, averaged_weight, broadcast_codec, cross_average
 from dedloc_jax.round.deadlines import Deadlines
 from dedloc_jax.round.matchmaking import Matchmaker
 from dedloc_jax.round.wire import member_for
@@ -41,9 +43,12 @@ log = logging.getLogger(__name__)
 NO_GROUP = "no group formed in time (nobody else registered for this epoch)"
 
 
-def _vector_bytes(arrays: Sequence[np.ndarray]) -> int:
-    """The bytes one member sends: every array as float32."""
-    return sum(int(np.asarray(a).size) * 4 for a in arrays)
+def wire_bytes(arrays: Sequence[np.ndarray], codec: str, spec: GroupSpec, chunk_elems: int) -> int:
+    """The bytes of one member's vector on the wire: the arrays in ``codec`` as ``spec``'s
+    round cuts them into shares and chunks (the encoded parts' sizes, exactly)."""
+    shapes = [tuple(np.shape(a)) for a in arrays]
+    plan = LeafCodecs.of_shapes(codec, shapes)
+    return plan.wire_bytes(share_bounds(plan.size, spec.share_parts()), chunk_elems)
 
 
 class PeerTable(Protocol):
@@ -97,12 +102,13 @@ class Rounds:
         )
 
     def deadlines(
-        self, base: Deadlines, spec: GroupSpec, arrays: Sequence[np.ndarray]
+        self, base: Deadlines, spec: GroupSpec, arrays: Sequence[np.ndarray], codec: str
     ) -> Deadlines:
         """The round's deadlines: ``base``'s (the matchmaking window's) and the group's LP
-        bound's."""
+        bound's for the vector's bytes in ``codec``."""
+        chunk = self.service.config.chunk_elems
         return base.for_group(
-            spec.lower_bound(_vector_bytes(arrays)),
+            spec.lower_bound(wire_bytes(arrays, codec, spec, chunk)),
             self.table.dht_latency,
             override=self.averaging_timeout,
         )
@@ -125,7 +131,7 @@ class Rounds:
                 list(arrays),
                 weight,
                 codec=codec,
-                timeout=self.deadlines(deadlines, spec, arrays).averaging,
+                timeout=self.deadlines(deadlines, spec, arrays, codec).averaging,
                 meter=self.links.meter,
                 config=self.all_reduce_config(),
             )
@@ -230,7 +236,7 @@ async def _in_group(
     epoch = this.epoch
     own = [np.asarray(a) for a in arrays]
     try:
-        deadlines = rounds.deadlines(this.deadlines, spec, arrays)
+        deadlines = rounds.deadlines(this.deadlines, spec, arrays, this.codec)
     except GroupError as e:  # a spec without a share split: as a failed all-reduce
         averaged, failure = None, str(e)
     else:
@@ -254,6 +260,8 @@ async def _in_group(
     if not rounds.matchmaker.needs_cross(epoch):
         return this.outcome(mean, size, True, "", group=spec)
     weight = averaged_weight(spec, averaged) if me.sends else 0.0
-    mean, _, whole = await cross_average(rounds, this, spec, mean, weight, deadlines)
+    # the round across groups is timed in the broadcast's codec (no fewer bytes than ours)
+    across = rounds.deadlines(this.deadlines, spec, arrays, broadcast_codec(this.codec))
+    mean, _, whole = await cross_average(rounds, this, spec, mean, weight, across)
     missed = "the round across groups missed some of them"
     return this.outcome(mean, size, whole, missed, group=spec, across=True)

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from examples.sahajbert.config import (
+    COMPRESSIONS,
     DEFAULT_WORK_DIR,
     DemoConfig,
     FinetuneConfig,
@@ -210,6 +211,16 @@ def _add_model_options(
         type=int,
         default=d.inner_steps,
         help=run("diloco: target batches between outer steps (DiLoCo's H)"),
+    )
+    g.add_argument(
+        "--compression",
+        choices=COMPRESSIONS,
+        default=d.codec,
+        help=run(
+            "what averaged vectors travel in: a codec for every leaf, or adaptive (1-D and "
+            "small leaves fp16, matrices blockwise int8); unset: fp16 (the tiny model: none), "
+            "int8 with --mode diloco"
+        ),
     )
     g = p.add_argument_group("optimizer (sahajBERT's LAMB recipe)")
     g.add_argument("--learning-rate", type=float, default=o.learning_rate, help=run("peak lr"))
@@ -454,6 +465,7 @@ def trainer_config(args: argparse.Namespace, base: TrainerConfig | None = None) 
         wait_for_trainers=getattr(args, "wait_for_trainers", base.wait_for_trainers),
         mode=args.mode,
         inner_steps=args.inner_steps,
+        codec=getattr(args, "compression", base.codec),
     )
 
 

@@ -48,6 +48,12 @@ class OptimizerConfig:
         return cls(learning_rate=0.03, warmup_steps=2, total_steps=1000)
 
 
+COMPRESSIONS = ("none", "fp16", "bf16", "int8", "adaptive")
+"""``--compression``'s choices: dedloc_jax's codecs and per-leaf policies (a test keeps them
+equal to ``dedloc_jax.averaging.leaf_codecs.COMPRESSIONS``; the program imports no jax for
+--help)."""
+
+
 @dataclass(frozen=True)
 class TrainerConfig:
     """One peer's program: model size, batches, data, and how it joins the run."""
@@ -64,7 +70,9 @@ class TrainerConfig:
     data: str | None = None  # --data sources (models.text.sources.parse_data); None: synthetic
     data_mix: str | None = None  # --data-mix weights, one per source (None: the default mix)
     tokenizer: str | None = None  # a saved tokenizer directory; default: work_dir/tokenizer
-    codec: str | None = None  # gradients on the wire (None: the model preset's)
+    # averaged vectors on the wire, one of COMPRESSIONS (--compression; None: the model
+    # preset's in DeDLOC mode, int8 in DiLoCo mode)
+    codec: str | None = None
     masking: tuple[tuple[str, float], ...] = ()  # PretrainingConfig overrides (the manifest's)
     max_epochs: int | None = None  # stop after this collaboration epoch (None: run forever)
     step_delay: float = 0.0  # seconds slept per micro-step: simulates a slower device

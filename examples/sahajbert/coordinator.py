@@ -372,6 +372,8 @@ class Coordinator:
             "manifest_conflicts": dict(sorted(self.manifest_conflicts.items())[:100]),
             "target_batch_size": self.cfg.target_batch_size,
             "target": target,  # samples per averaging (DiLoCo: inner_steps target batches)
+            "mode": self.cfg.mode,
+            "compression": trainer.collaboration_config(self.cfg).codec,  # the manifest's
             "estimate": {
                 "epoch": est.epoch,
                 "samples": est.samples,

@@ -71,6 +71,8 @@ def cli_args(cfg: TrainerConfig) -> list[str]:
         args += ["--bf16"]
     if cfg.mode != "dedloc":
         args += ["--mode", cfg.mode, "--inner-steps", str(cfg.inner_steps)]
+    if cfg.codec is not None:
+        args += ["--compression", cfg.codec]
     return args
 
 

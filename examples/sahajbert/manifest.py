@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from examples.sahajbert.config import OptimizerConfig, TrainerConfig
+from examples.sahajbert.config import COMPRESSIONS, OptimizerConfig, TrainerConfig
 from models.text.sources import MAX_SOURCES, SourceSpec, parse_data
 
 log = logging.getLogger(__name__)
@@ -149,7 +149,7 @@ class RunManifest:
             raise ValueError("run_id must be a short string")
         if value["model"] not in ("tiny", "sahajbert"):
             raise ValueError(f"unknown model {value['model']!r}")
-        if value["codec"] not in ("none", "fp16", "bf16", "int8"):
+        if value["codec"] not in COMPRESSIONS:
             raise ValueError(f"unknown codec {value['codec']!r}")
         if value["mode"] not in ("dedloc", "diloco"):
             raise ValueError(f"unknown mode {value['mode']!r}")
@@ -538,6 +538,7 @@ def check(manifest: RunManifest, cfg: TrainerConfig, explicit: set[str]) -> None
         "--warmup-steps": (o.warmup_steps, manifest.optimizer["warmup_steps"]),
         "--total-steps": (o.total_steps, manifest.optimizer["total_steps"]),
         "--mode": (cfg.mode, manifest.mode),
+        "--compression": (cfg.codec, manifest.codec),
     }
     if manifest.mode == "diloco":
         simple["--inner-steps"] = (cfg.inner_steps, manifest.inner_steps)

@@ -64,3 +64,23 @@ def test_the_time_weighted_compute_fraction_counts_a_peer_gone_before_its_first_
     out = outcome_figures([*stayed, gone], stayed, 4000, 1000, overlap=False)
     assert out["compute_fraction"] == round((0.99 + 0.99 + 0.0) / 3, 4)
     assert out["weighted_compute_fraction"] == round(1980 / 2002, 4)
+
+
+def test_adaptive_sends_sahajberts_leaves_in_int8_but_the_small_ones() -> None:
+    """The benchmark's sahajBERT-shaped leaves: 18,105,474 values at full size, of which
+    adaptive sends 99.7% (the matrices of 65,536 values or more) in int8."""
+    import math
+
+    from bench.collaboration import SAHAJBERT_SHAPES, model_leaves
+    from dedloc_jax.averaging.leaf_codecs import LeafCodecs, leaf_codec_names
+
+    sizes = [math.prod(s) for s in SAHAJBERT_SHAPES]
+    assert sum(sizes) == 18_105_474
+    names = leaf_codec_names("adaptive", SAHAJBERT_SHAPES)
+    in_int8 = sum(n for n, c in zip(sizes, names, strict=True) if c == "int8")
+    assert 0.997 < in_int8 / sum(sizes) < 0.998
+    plan = LeafCodecs.of_shapes("adaptive", SAHAJBERT_SHAPES)
+    assert 1.0 < plan.wire_bytes((0, plan.size), 1 << 16) / plan.size < 1.02
+    small = model_leaves(20_000, seed=0)  # scaled: same leaves, first dimensions shrunk
+    assert [a.shape[1:] for a in small] == [s[1:] for s in SAHAJBERT_SHAPES]
+    assert 0.9 < sum(a.size for a in small) / 20_000 < 1.3

@@ -404,5 +404,6 @@ def test_live_figures_are_the_trainers_throughput_while_they_average(tmp_path) -
     assert status["estimate"]["samples_per_second"] == 130.0
     assert status["estimate"]["eta"] == pytest.approx((96 - 31) / 130)
     assert status["target"] == coord.cfg.collaboration_target == 96
+    assert (status["mode"], status["compression"]) == ("dedloc", "none")  # the tiny preset's
     peer = status["peers"][0]
     assert (peer["sent_bps"], peer["upload_bps"]) == (2.5e5, 3e8)

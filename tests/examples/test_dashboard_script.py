@@ -48,8 +48,10 @@ def test_dashboard_shows_traffic_capacity_throughput_and_ticked_axes() -> None:
             "upload_bps": 300e6, "download_bps": 250e6}  # fmt: skip
     status = {"run_id": "r", "target": 192, "target_batch_size": 96, "peers": [peer],
               "rows": rows, "estimate": {"epoch": 3, "samples": 40, "samples_per_second": 130.0,
-                                         "eta": 1.2}}  # fmt: skip
+                                         "eta": 1.2},
+              "mode": "dedloc", "compression": "adaptive"}  # fmt: skip
     out = _render(status)
+    assert 'dedloc, <span id="compression">adaptive</span> on the wire' in out["summary"]
     cells = re.findall(r"<td>(.*?)</td>", out["#peers tbody"])
     assert cells[6:10] == ["0.50", "0.75", "300.00", "250.00"]  # traffic, then capacity
     assert "130.0 samples/s" in out["summary"] and "ETA 1.2 s" in out["summary"]

@@ -238,3 +238,36 @@ def test_a_diloco_run_makes_every_volunteer_train_in_diloco_mode(tmp_path) -> No
     assert (plain.mode, plain.inner_steps) == ("dedloc", 1)
     assert manifest.apply(plain, applied, tmp_path).mode == "dedloc"
     manifest.check(plain, TrainerConfig().replace(inner_steps=9), {"--inner-steps"})
+
+
+def test_compression_travels_in_the_manifest_and_a_contradicting_flag_is_refused(tmp_path):
+    """``prepare --compression adaptive`` writes it in the manifest; a volunteer with no flag
+    averages in it, and one whose --compression differs is refused, naming both values."""
+    from dedloc_jax.averaging.leaf_codecs import COMPRESSIONS
+    from examples.sahajbert.__main__ import parse_args, trainer_config
+    from examples.sahajbert.config import COMPRESSIONS as CLI_CHOICES
+    from examples.sahajbert.trainer import collaboration_config
+
+    assert CLI_CHOICES == COMPRESSIONS  # every compression the library knows is offered
+    args = parse_args(["prepare", "--config", "tiny", "--compression", "adaptive", "--out", "x"])
+    cfg = trainer_config(args)
+    assert cfg.codec == "adaptive" and collaboration_config(cfg).codec == "adaptive"
+    made = manifest.build(cfg, Path(__file__), 900, collaboration_config(cfg).codec)
+    assert manifest.RunManifest.from_dict(made.to_dict()).codec == "adaptive"
+    applied = manifest.apply(made, TrainerConfig(), tmp_path)  # a volunteer with no flag
+    assert collaboration_config(applied).codec == "adaptive"
+    manifest.check(made, applied, {"--compression"})
+    flagged = trainer_config(parse_args(["trainer", "--compression", "int8"]))
+    with pytest.raises(
+        manifest.ManifestMismatch,
+        match=re.escape("--compression int8 contradicts the run's manifest (--compression "
+                        "adaptive)"),
+    ):  # fmt: skip
+        manifest.check(made, flagged, {"--compression"})
+    manifest.check(made, flagged, set())  # not given: the manifest's is used
+    assert trainer_config(parse_args(["trainer"])).codec is None  # unset: the preset's
+    with pytest.raises(ValueError, match="unknown codec 'gzip'"):
+        manifest.RunManifest.from_dict({**made.to_dict(), "codec": "gzip"})
+    # DiLoCo: the pseudo-gradients travel in the named compression too
+    dil = cfg.replace(mode="diloco", inner_steps=3)
+    assert collaboration_config(dil).codec == "adaptive"
