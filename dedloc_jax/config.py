@@ -20,8 +20,15 @@ def _positive_when_set(group: object, *names: str) -> None:
             raise ValueError(f"{name} must be positive when set")
 
 
+class _Group:
+    """A frozen group of settings; ``config.rounds.replace(codec="none")`` changes one."""
+
+    def replace(self, **changes: Any) -> Any:
+        return dataclasses.replace(self, **changes)  # type: ignore[type-var]
+
+
 @dataclass(frozen=True)
-class ProgressConfig:
+class ProgressConfig(_Group):
     """How often the progress table is read, and how long our record in it lives."""
 
     min_refresh: float = 0.25  # seconds between progress reads near the target
@@ -49,7 +56,7 @@ class ProgressConfig:
 
 
 @dataclass(frozen=True)
-class RoundConfig:
+class RoundConfig(_Group):
     """How averaging groups form and how long a round may take.
 
     Deadlines left as None are derived at run time from what the progress tracker and the
@@ -71,7 +78,7 @@ class RoundConfig:
 
 
 @dataclass(frozen=True)
-class LinkConfig:
+class LinkConfig(_Group):
     """What this peer's links carry (bytes/s), measured or set."""
 
     upload_bps: float | None = None  # override the measured bandwidth (bytes/s)
@@ -94,7 +101,7 @@ class LinkConfig:
 
 
 @dataclass(frozen=True)
-class ReachabilityConfig:
+class ReachabilityConfig(_Group):
     """Whether others can dial us (the node's side is ``p2p.nat.NATConfig``)."""
 
     detect: bool = True  # detect reachability, use relays when behind NAT (p2p.nat)
@@ -104,14 +111,14 @@ class ReachabilityConfig:
 
 
 @dataclass(frozen=True)
-class StateConfig:
+class StateConfig(_Group):
     """How the training state is served to peers that load it."""
 
     chunk_bytes: int = 1 << 20
 
 
 @dataclass(frozen=True)
-class AccessConfig:
+class AccessConfig(_Group):
     """Private runs (dedloc_jax.access): the owner's raw Ed25519 public key, and this peer's
     invitation signed by it (Invitation.to_bytes). None: an open run."""
 
@@ -120,7 +127,7 @@ class AccessConfig:
 
 
 @dataclass(frozen=True)
-class DefenceConfig:
+class DefenceConfig(_Group):
     """Against hostile peers."""
 
     # Reducers aggregate with CenteredClip instead of the plain weighted mean

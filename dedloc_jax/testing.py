@@ -103,7 +103,7 @@ async def open_sim_collaboration(
                     node,
                     run_id,
                     initial_peers=[] if i == 0 else first,
-                    config=(configs[i] if configs else config).replace(nat=nat),
+                    config=_detecting(configs[i] if configs else config, nat),
                     mode=modes[i] if modes else "node",
                     dht_config=dht_config or DHTConfig.fast(),
                     dht_clock=DHTClock(trio.current_time),  # virtual time, like everything
@@ -128,3 +128,8 @@ async def open_sim_attacker(net: SimNetwork, bootstrap: Any) -> AsyncIterator[DH
         ) as dht,
     ):
         yield dht
+
+
+def _detecting(config: CollaborationConfig, nat: bool) -> CollaborationConfig:
+    """``config`` with reachability detection on (``nat``) or off."""
+    return config.replace(reachability=config.reachability.replace(detect=nat))
