@@ -48,7 +48,6 @@ async def open_collaboration(
     *,
     initial_peers: Sequence[str | Multiaddr] = (),
     config: CollaborationConfig = CollaborationConfig(),
-    mode: str | None = None,
     dht_config: DHTConfig = DHTConfig(),
     dht_clock: DHTClock | None = None,
     nat_config: NATConfig | None = None,
@@ -60,13 +59,12 @@ async def open_collaboration(
     (``p2p.nat``, with ``nat_config``; None: the defaults): a peer behind NAT keeps relay
     reservations and advertises relayed addresses, and one with no inbound path at all takes
     part as a client.
-    Unless a mode is forced, the averaging mode follows reachability for the whole run (see
-    :meth:`CollaborationPeer.follow_reachability`), as the DHT's mode does.
+    Unless ``config.mode`` forces one, the averaging mode follows reachability for the whole
+    run (see :meth:`CollaborationPeer.follow_reachability`), as the DHT's mode does.
     ``allreduce_config``: the node's all-reduce settings (the run's robust aggregation and
     checks come from ``config``).
     """
-    forced_mode = mode or config.mode
-    mode = forced_mode
+    forced_mode = mode = config.mode
     # Made here, not by the DHT, so that a private run's policy reads DHT time from the start.
     clock = dht_clock or DHTClock(
         samples=dht_config.clock_samples, max_skew=dht_config.max_clock_skew

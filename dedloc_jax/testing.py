@@ -103,8 +103,9 @@ async def open_sim_collaboration(
                     node,
                     run_id,
                     initial_peers=[] if i == 0 else first,
-                    config=_detecting(configs[i] if configs else config, nat),
-                    mode=modes[i] if modes else "node",
+                    config=_detecting(configs[i] if configs else config, nat).replace(
+                        mode=modes[i] if modes else "node"
+                    ),
                     dht_config=dht_config or DHTConfig.fast(),
                     dht_clock=DHTClock(trio.current_time),  # virtual time, like everything
                     nat_config=nat_config,

@@ -66,8 +66,7 @@ def open_collaboration(cfg: TrainerConfig, net: NetConfig, mode: str | None = No
         listen=list(net.listen),
         announce=list(net.announce),
         identity=identity,
-        client_mode=net.client_mode or None,
-        config=collaboration_config(cfg, mode).replace(
+        config=collaboration_config(cfg, "client" if net.client_mode else mode).replace(
             access=AccessConfig(owner_public_key=net.owner_public_key, invitation=net.invitation),
             defence=DefenceConfig(robust_tau=net.robust_tau),
         ),

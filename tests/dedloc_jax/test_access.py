@@ -197,8 +197,7 @@ def test_private_run_end_to_end(monkeypatch: pytest.MonkeyPatch) -> None:
                             node,
                             RUN,
                             initial_peers=[str(nodes[0].addrs[0])] if i else [],
-                            config=config,
-                            mode="node",
+                            config=config.replace(mode="node"),
                             dht_config=DHTConfig.fast(),
                         )
                     )

@@ -183,3 +183,17 @@ def test_presets_and_validation() -> None:
     ):
         with pytest.raises(ValueError):
             bad()
+
+
+def test_client_mode_is_set_in_one_place() -> None:
+    from dedloc_jax import Collaboration
+
+    client = CollaborationConfig(mode="client")
+    collab = Collaboration("run", config=client)
+    assert collab.config.mode == "client" and collab._listen == []  # dials out only
+    with pytest.raises(ValueError, match="announces nothing"):
+        Collaboration("run", config=client, announce=["/ip4/1.2.3.4/tcp/5"])
+    with pytest.warns(DeprecationWarning, match='config.mode="client"'):
+        old = Collaboration("run", client_mode=True)
+    assert old.config == client and old._listen == []
+    assert Collaboration("run").config.mode is None  # detected at run time, as before

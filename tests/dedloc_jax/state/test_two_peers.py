@@ -44,8 +44,7 @@ async def _open_peer(net: SimNetwork, identity: Any, initial: list[str], mode: s
             nodes[0],
             "run",
             initial_peers=initial,
-            config=CONFIG,
-            mode=mode,
+            config=CONFIG.replace(mode=mode),
             dht_config=DHTConfig.fast(),
             dht_clock=DHTClock(trio.current_time),
         )

@@ -124,8 +124,7 @@ async def serve(args: argparse.Namespace) -> None:
                 node,
                 args.run_id,
                 initial_peers=args.boot,
-                config=config,
-                mode="aux" if args.role == "coordinator" else None,
+                config=config.replace(mode="aux" if args.role == "coordinator" else None),
                 dht_config=DHTConfig.fast(),
                 nat_config=nat_config,
             )
