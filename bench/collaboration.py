@@ -178,7 +178,7 @@ async def _peer(
         stats.joined = trio.current_time()
         stats.started.set()
         try:
-            # The collaboration probes its links itself (config.measure_links), with the
+            # The collaboration probes its links itself (config.links.measure), with the
             # config's scaled probe_bytes: a second prober here sent unscaled 4 MB probes
             # beside it, which took 20-50 s on the slowed links and kept partners busy.
             await _train(core, stats, vector, micro, epochs, done, ending, overlap)

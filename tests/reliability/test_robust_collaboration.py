@@ -1,4 +1,4 @@
-"""Robust aggregation reached from the collaboration: ``CollaborationConfig.robust_tau``.
+"""Robust aggregation reached from the collaboration: ``DefenceConfig.robust_tau``.
 
 The averaging-level bound is shown in ``tests/dedloc_jax/averaging/test_robust.py``; here the
 option travels from the collaboration's config into every all-reduce round (and into the repair
