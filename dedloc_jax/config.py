@@ -200,7 +200,7 @@ class CollaborationConfig:
     # (dials out only, listens for nothing, reduces nothing), "aux" (trains nothing).
     # None: detect (client if unreachable).
     mode: Literal["node", "client", "aux"] | None
-    rpc_timeout: float
+    rpc_timeout: float  # seconds one request to another peer may take (state, probes, reads)
     progress: ProgressConfig
     rounds: RoundConfig
     links: LinkConfig
