@@ -179,4 +179,4 @@ def lying_config(config: CollaborationConfig, bps: float = LIE_BPS) -> Collabora
     measured figures overridden), so the load-balancing LP would give it most of the vector."""
     if not (math.isfinite(bps) and bps > 0):
         raise ValueError("bps must be positive and finite")
-    return config.replace(upload_bps=bps, download_bps=bps)
+    return config.replace(links=config.links.replace(upload_bps=bps, download_bps=bps))

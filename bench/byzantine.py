@@ -49,7 +49,7 @@ import trio
 
 from bench import attacks_progress as ap
 from dedloc_jax.averaging.reducer import Reducer
-from dedloc_jax.config import CollaborationConfig
+from dedloc_jax.config import CollaborationConfig, DefenceConfig
 from dedloc_jax.testing import open_sim_attacker, open_sim_collaboration
 from dedloc_jax.validators import MAX_BPS
 from p2p.dht import DHT
@@ -180,7 +180,9 @@ class Task:
 
 def run(attack: str | None, defended: bool, epochs: int, task: Task, seed: int) -> dict[str, Any]:
     target = PEERS * BATCH * 4
-    config = CollaborationConfig.local_demo(target).replace(robust=defended, verify=defended)
+    config = CollaborationConfig.local_demo(target).replace(
+        defence=DefenceConfig(robust=defended, verify=defended)
+    )
     configs = [config] * PEERS
     if attack == "lying_config":
         configs[HOSTILE] = ap.lying_config(config)

@@ -36,7 +36,13 @@ import numpy as np
 import optax
 
 import dedloc_jax
-from dedloc_jax import Collaboration, CollaborationConfig, KeepConfig, collaborative
+from dedloc_jax import (
+    Collaboration,
+    CollaborationConfig,
+    KeepConfig,
+    ReachabilityConfig,
+    collaborative,
+)
 from p2p.identity import Identity
 
 MICRO = 16
@@ -125,10 +131,12 @@ def run(args: argparse.Namespace) -> int:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     out = Path(args.dir)
     log = EventLog(out / f"peer{args.index}.jsonl", args.index)
-    config = CollaborationConfig.local_demo(args.target).replace(
-        matchmaking_time=args.matchmaking_time,
-        averaging_timeout=args.averaging_timeout,
-        nat=False,
+    config = CollaborationConfig.local_demo(args.target)
+    config = config.replace(
+        rounds=config.rounds.replace(
+            matchmaking_time=args.matchmaking_time, averaging_timeout=args.averaging_timeout
+        ),
+        reachability=ReachabilityConfig(detect=False),
     )
     initial = json.loads((out / "addrs.json").read_text()) if args.index else []
     identity = Identity.load_or_create(out / f"peer{args.index}.key")

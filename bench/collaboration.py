@@ -76,7 +76,7 @@ import trio
 from dedloc_jax.averaging import AllReduceConfig, Member, solve_shares
 from dedloc_jax.averaging.bandwidth import UNMEASURED_DOWNLOAD_BPS, UNMEASURED_UPLOAD_BPS
 from dedloc_jax.averaging.leaf_codecs import COMPRESSIONS, POLICIES, LeafCodecs
-from dedloc_jax.config import CollaborationConfig
+from dedloc_jax.config import CollaborationConfig, LinkConfig, ProgressConfig, RoundConfig
 from dedloc_jax.opening import open_collaboration
 from dedloc_jax.peer import CollaborationPeer
 from p2p.dht import DHTClock, DHTConfig
@@ -195,8 +195,7 @@ async def _peer(
             node,
             "sahajbert-sim",
             initial_peers=first if index else [],
-            config=config,
-            mode=stats.mode,
+            config=config.replace(mode=stats.mode),
             dht_config=DHTConfig.fast(),
             dht_clock=DHTClock(trio.current_time),
             allreduce_config=_scaled_averaging(scale),
@@ -208,7 +207,7 @@ async def _peer(
         stats.joined = trio.current_time()
         stats.started.set()
         try:
-            # The collaboration probes its links itself (config.measure_links), with the
+            # The collaboration probes its links itself (config.links.measure), with the
             # config's scaled probe_bytes: a second prober here sent unscaled 4 MB probes
             # beside it, which took 20-50 s on the slowed links and kept partners busy.
             await _train(core, stats, arrays, micro, epochs, done, ending, overlap)
@@ -310,16 +309,19 @@ def simulate(
     # An unmeasured link counts as a slow home link, slowed like every link by the scale.
     config = config or CollaborationConfig(
         target_batch_size=target,
-        codec=codec,
-        max_refresh=5.0,
-        unmeasured_upload_bps=UNMEASURED_UPLOAD_BPS / args.payload_scale,
-        unmeasured_download_bps=UNMEASURED_DOWNLOAD_BPS / args.payload_scale,
+        rounds=RoundConfig(codec=codec),
+        progress=ProgressConfig(max_refresh=5.0),
+        links=LinkConfig(
+            unmeasured_upload_bps=UNMEASURED_UPLOAD_BPS / args.payload_scale,
+            unmeasured_download_bps=UNMEASURED_DOWNLOAD_BPS / args.payload_scale,
+        ),
     )
-    codec = config.codec  # a config given names its own
+    codec = config.rounds.codec  # a config given names its own
     if getattr(args, "no_defences", False):  # a public run has them on: CenteredClip, checks
-        config = config.replace(robust=False, verify=False)
+        config = config.replace(defence=config.defence.replace(robust=False, verify=False))
     # A probe as many seconds of a link as at full scale (4 MB), within a 64 KB floor.
-    config = config.replace(probe_bytes=max(64 << 10, (4 << 20) // args.payload_scale))
+    probe_bytes = max(64 << 10, (4 << 20) // args.payload_scale)
+    config = config.replace(links=config.links.replace(probe_bytes=probe_bytes))
     sent: list[int] = []
     traffic: Counter[str] = Counter()  # bytes every node wrote, per protocol
     nodes: list[Node] = []

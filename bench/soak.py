@@ -154,8 +154,10 @@ def run_soak(
     reaches each epoch (synchronously, in the simulation: it must not block; ``events`` then
     holds ``virtual_seconds``, the current virtual time). A long run reports with it what it
     showed so far, which a run cut short (a machine that goes away) would otherwise lose."""
-    config = CollaborationConfig.local_demo(40 * plan.peers).replace(
-        max_refresh=1.0, max_group_size=plan.max_group_size
+    config = CollaborationConfig.local_demo(40 * plan.peers)
+    config = config.replace(
+        progress=config.progress.replace(max_refresh=1.0),
+        rounds=config.rounds.replace(max_group_size=plan.max_group_size),
     )
     n_all = plan.peers + plan.joiners
     rng = np.random.default_rng(plan.seed)

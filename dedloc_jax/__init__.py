@@ -18,7 +18,16 @@ from dedloc_jax.averaging import (
 )
 from dedloc_jax.collaboration import Collaboration
 from dedloc_jax.collaborative import CollaborativeState, collaborative
-from dedloc_jax.config import CollaborationConfig
+from dedloc_jax.config import (
+    AccessConfig,
+    CollaborationConfig,
+    DefenceConfig,
+    LinkConfig,
+    ProgressConfig,
+    ReachabilityConfig,
+    RoundConfig,
+    StateConfig,
+)
 from dedloc_jax.diloco import DiLoCoState, diloco
 from dedloc_jax.history import RoundOutcome
 from dedloc_jax.host import AveragingOutcome
@@ -34,6 +43,7 @@ from dedloc_jax.state import (
 )
 
 __all__ = [
+    "AccessConfig",
     "AllReduceConfig",
     "AllReduceError",
     "AveragingError",
@@ -42,11 +52,17 @@ __all__ = [
     "CollaborationConfig",
     "CollaborationEstimate",
     "CollaborativeState",
+    "DefenceConfig",
     "DiLoCoState",
     "KeepConfig",
+    "LinkConfig",
     "PeerProgress",
+    "ProgressConfig",
+    "ReachabilityConfig",
+    "RoundConfig",
     "RoundOutcome",
     "ShareLostError",
+    "StateConfig",
     "StaleStateError",
     "StateSyncError",
     "collaboration_epoch",

@@ -177,7 +177,7 @@ class Invitation:
 def invite(
     owner: Identity, run_id: str, peer_id: PeerID | str, expiry: float, role: str | None = None
 ) -> bytes:
-    """What the owner hands a peer (e.g. as ``CollaborationConfig.invitation``)."""
+    """What the owner hands a peer (e.g. as ``AccessConfig.invitation``)."""
     return Invitation(run_id, str(peer_id), expiry, role).sign(owner).to_bytes()
 
 

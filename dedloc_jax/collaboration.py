@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import logging
 import threading
+import warnings
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -99,22 +100,30 @@ class Collaboration:
         listen: Sequence[str | Multiaddr] = ("/ip4/127.0.0.1/tcp/0",),
         announce: Sequence[str | Multiaddr] = (),
         identity: Identity | None = None,
-        client_mode: bool | None = None,
         config: CollaborationConfig = CollaborationConfig(),
         node_config: NodeConfig | None = None,
         dht_config: DHTConfig | None = None,
         transport: Transport | None = None,
         keep: KeepConfig = KeepConfig(),
+        client_mode: bool | None = None,
     ) -> None:
+        """``client_mode`` is deprecated: ``config=CollaborationConfig(mode="client")``."""
+        if client_mode:
+            warnings.warn(
+                'Collaboration(client_mode=True) is deprecated: use config.mode="client"',
+                DeprecationWarning,
+                stacklevel=2,
+            )
+            config = config.replace(mode="client")
         if not run_id or any(c in run_id for c in "[]"):
             raise ValueError(f"invalid run_id {run_id!r}")
         self.run_id = run_id
         self.config = config
         self._initial_peers = list(initial_peers)
-        self._listen = [] if client_mode else list(listen)
-        if announce and client_mode:
+        client = config.mode == "client"  # dials out only: listens for nothing
+        self._listen = [] if client else list(listen)
+        if announce and client:
             raise ValueError("a client-mode peer accepts no connections: it announces nothing")
-        self._mode = "client" if client_mode else config.mode
         self._identity = identity or Identity.generate()
         # checked here (a clear MultiaddrError); they replace the listen addresses (open_node)
         self._announce = announce_addrs(announce, self._identity.peer_id)
@@ -156,7 +165,6 @@ class Collaboration:
                 self.run_id,
                 initial_peers=self._initial_peers,
                 config=self.config,
-                mode=self._mode,
                 dht_config=self._dht_config,
             ) as core,
         ):

@@ -90,10 +90,10 @@ def diloco(
         ``optax.sgd(0.7, momentum=0.9, nesterov=True)``.
       codec: how pseudo-gradients travel: "int8" (blockwise, per-block scales; the default),
         "fp16", "bf16", "none" (exact) or "adaptive" (per leaf: small and 1-D leaves fp16,
-        matrices int8). Every peer of a run must use the same. None: the
-        collaboration's own ``CollaborationConfig.codec`` (a host whose ``average_gradients``
+        matrices int8). Every peer of a run must use the same. None: the collaboration's own
+        ``CollaborationConfig.rounds.codec`` (a host whose ``average_gradients``
         takes no ``codec`` needs None). Auxiliary peers average with the configured codec: a
-        run with aux peers sets ``CollaborationConfig(codec=...)`` to this one.
+        run with aux peers sets ``RoundConfig(codec=...)`` to this one.
       overlap: average in the background while the next inner steps run. The outer step lands
         when the averaging finished, on the outer parameters; the inner steps taken meanwhile
         are kept on top of it (``local = new_outer + (local_now - local_sent)``) and count

@@ -48,7 +48,6 @@ async def open_collaboration(
     *,
     initial_peers: Sequence[str | Multiaddr] = (),
     config: CollaborationConfig = CollaborationConfig(),
-    mode: str | None = None,
     dht_config: DHTConfig = DHTConfig(),
     dht_clock: DHTClock | None = None,
     nat_config: NATConfig | None = None,
@@ -56,30 +55,30 @@ async def open_collaboration(
 ) -> AsyncIterator[CollaborationPeer]:
     """Join (or start, with no initial peers) the collaboration ``run_id`` on ``node``.
 
-    With ``config.nat`` the node first finds out whether it is reachable (``p2p.nat``, with
-    ``nat_config``; None: the defaults): a peer behind NAT keeps relay reservations and
-    advertises relayed addresses, and one with no inbound path at all takes part as a client.
-    Unless a mode is forced, the averaging mode follows reachability for the whole run (see
-    :meth:`CollaborationPeer.follow_reachability`), as the DHT's mode does.
+    With ``config.reachability.detect`` the node first finds out whether it is reachable
+    (``p2p.nat``, with ``nat_config``; None: the defaults): a peer behind NAT keeps relay
+    reservations and advertises relayed addresses, and one with no inbound path at all takes
+    part as a client.
+    Unless ``config.mode`` forces one, the averaging mode follows reachability for the whole
+    run (see :meth:`CollaborationPeer.follow_reachability`), as the DHT's mode does.
     ``allreduce_config``: the node's all-reduce settings (the run's robust aggregation and
     checks come from ``config``).
     """
-    forced_mode = mode or config.mode
-    mode = forced_mode
+    forced_mode = mode = config.mode
     # Made here, not by the DHT, so that a private run's policy reads DHT time from the start.
     clock = dht_clock or DHTClock(
         samples=dht_config.clock_samples, max_skew=dht_config.max_clock_skew
     )
     private = PrivateRun.for_config(
-        node, run_id, config.owner_public_key, config.invitation, clock.now
+        node, run_id, config.access.owner_public_key, config.access.invitation, clock.now
     )
     async with AsyncExitStack() as stack:
-        if config.nat:
+        if config.reachability.detect:
             forced = {"client": True, "node": False, "aux": False}.get(mode or "")
             nat_config = nat_config or NATConfig()
             if forced is not None:
                 nat_config = nat_config.replace(force_client_mode=forced)
-            if not config.port_mapping:
+            if not config.reachability.port_mapping:
                 nat_config = nat_config.replace(port_mapping=None)
             nat = await stack.enter_async_context(
                 open_nat(node, peers=initial_peers, config=nat_config)
@@ -98,7 +97,7 @@ async def open_collaboration(
                 # who may write first (a stranger is told that), then what a record holds
                 validators=[
                     *(private.validators if private is not None else ()),
-                    *(run_validators(run_id) if config.record_schemas else ()),
+                    *(run_validators(run_id) if config.defence.record_schemas else ()),
                 ],
             )
         )
@@ -117,7 +116,7 @@ async def open_collaboration(
         nursery.start_soon(core.state.keep_announced)
         if nat is not None and forced_mode is None:
             nursery.start_soon(core.follow_reachability)
-        if config.measure_links and (mode != "client" or forced_mode is None):
+        if config.links.measure and (mode != "client" or forced_mode is None):
             nursery.start_soon(core.link_keeper.keep_measured)
         try:
             yield core
@@ -148,7 +147,7 @@ def _assemble(
         node,
         dht,
         run_id,
-        chunk_bytes=config.state_chunk_bytes,
+        chunk_bytes=config.state.chunk_bytes,
         ttl=tracker.record_ttl,
         admit=admit,
         mates=functools.partial(mates_into, tracker),
@@ -162,30 +161,37 @@ def _assemble(
         tracker,
         vouches,
         rpc_timeout=config.rpc_timeout,
-        renew_every=config.progress_ttl / 3,
+        renew_every=config.progress.ttl / 3,
     )
     slots = Slots()
     context = context_of(tracker, server.head_at, bans.is_banned, admit)
-    meter = BandwidthMeter(upload_override=config.upload_bps, download_override=config.download_bps)
+    meter = BandwidthMeter(
+        upload_override=config.links.upload_bps, download_override=config.links.download_bps
+    )
     links = LinkKeeper(
         node,
         meter,
         LinkLocks(),
         tracker,
-        probe_bytes=config.probe_bytes,
+        probe_bytes=config.links.probe_bytes,
         rpc_timeout=config.rpc_timeout,
-        unmeasured=(config.unmeasured_upload_bps, config.unmeasured_download_bps),
+        unmeasured=(config.links.unmeasured_upload_bps, config.links.unmeasured_download_bps),
     )
     rounds = Rounds(
         AveragingService(node, allreduce_config, admit=admit),
         Matchmaker(
-            node, dht, run_id, max_group_size=config.max_group_size, context=context, slots=slots
+            node,
+            dht,
+            run_id,
+            max_group_size=config.rounds.max_group_size,
+            context=context,
+            slots=slots,
         ),
         AcrossGroups(node, slots, admit=admit),
         links,
         tracker,
-        averaging_timeout=config.averaging_timeout,
-        robust_tau=config.robust_tau,
+        averaging_timeout=config.rounds.averaging_timeout,
+        robust_tau=config.defence.robust_tau,
         robust=config.robust_on,
         verify=config.verify_on,
         bans=bans,

@@ -52,7 +52,9 @@ class CollaborationPeer:
         nat: NATManager | None = None,
     ):
         self.node = node
-        self.nat = nat  # reachability and role (p2p.nat); None when config.nat is off
+        self.nat = (
+            nat  # reachability and role (p2p.nat); None when config.reachability.detect is off
+        )
         self.dht = dht
         self.run_id = tracker.run_id
         self.config = config
@@ -136,7 +138,8 @@ class CollaborationPeer:
 
     def snapshot(self) -> ProgressSnapshot:
         """What the other peers hold now, for deciding outside the trio thread."""
-        cap = self.config.max_refresh * 2 if self.config.extrapolate else 0.0
+        progress = self.config.progress
+        cap = progress.max_refresh * 2 if progress.extrapolate else 0.0
         missed = self._first_report_epoch if self._missed else None
         return take_snapshot(self.tracker, self.dht.now(), max_extrapolation=cap, missed=missed)
 
@@ -160,7 +163,9 @@ class CollaborationPeer:
         node that reduces a share. A change applies from the next round."""
         nat = self.nat
         if nat is None:
-            raise RuntimeError("follow_reachability needs a collaboration opened with config.nat")
+            raise RuntimeError(
+                "follow_reachability needs a collaboration opened with config.reachability.detect"
+            )
         while True:
             mode = "client" if nat.client_mode else "node"
             if mode != self.mode:
@@ -173,7 +178,7 @@ class CollaborationPeer:
         self, epoch: int, arrays: Sequence[np.ndarray], samples: int, *, codec: str | None = None
     ) -> AveragingOutcome:
         """Form a group for ``epoch`` and average ``arrays`` (weight ``samples``) with it,
-        sent in ``codec`` (None: ``config.codec``; every member of a round must use one)."""
+        sent in ``codec`` (None: ``config.rounds.codec``; every member of a round must use one)."""
         with self.link_keeper.averaging():
             return await self._average(epoch, arrays, samples, codec)
 
@@ -216,7 +221,7 @@ class CollaborationPeer:
         return rounds
 
     def _refresh_delay(self, est: CollaborationEstimate) -> float:
-        config = self.config
+        config = self.config.progress
         return refresh_delay(
             est,
             min_delay=config.min_refresh,

@@ -103,8 +103,9 @@ async def open_sim_collaboration(
                     node,
                     run_id,
                     initial_peers=[] if i == 0 else first,
-                    config=(configs[i] if configs else config).replace(nat=nat),
-                    mode=modes[i] if modes else "node",
+                    config=_detecting(configs[i] if configs else config, nat).replace(
+                        mode=modes[i] if modes else "node"
+                    ),
                     dht_config=dht_config or DHTConfig.fast(),
                     dht_clock=DHTClock(trio.current_time),  # virtual time, like everything
                     nat_config=nat_config,
@@ -128,3 +129,8 @@ async def open_sim_attacker(net: SimNetwork, bootstrap: Any) -> AsyncIterator[DH
         ) as dht,
     ):
         yield dht
+
+
+def _detecting(config: CollaborationConfig, nat: bool) -> CollaborationConfig:
+    """``config`` with reachability detection on (``nat``) or off."""
+    return config.replace(reachability=config.reachability.replace(detect=nat))

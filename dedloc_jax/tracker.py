@@ -86,7 +86,7 @@ class ProgressTracker:
         self.estimate = estimate_collaboration([], now=0.0, target_batch_size=math.inf)
         self._wake = trio.Event()
         self._published_at = -math.inf
-        self._published_ttl = config.progress_ttl  # how long our last record lives
+        self._published_ttl = config.progress.ttl  # how long our last record lives
         self._published_epoch = -1
         # (epoch, DHT time): when our first record of that epoch was stored (see stored_since)
         self._epoch_stored: tuple[int, float] = (-1, math.inf)
@@ -248,7 +248,9 @@ class ProgressTracker:
             self.meter.pause()
             self._last_report = None
             self._report_time = self.dht.now()
-        self._state_due = trio.current_time() + self.config.min_refresh if state_follows else None
+        self._state_due = (
+            trio.current_time() + self.config.progress.min_refresh if state_follows else None
+        )
         self._wake.set()
 
     def serve(self, epoch: int, digest: bytes, lineage: tuple[bytes, ...]) -> None:
@@ -481,7 +483,8 @@ class ProgressTracker:
     @property
     def max_extrapolation(self) -> float:
         """Seconds a record is extrapolated at most (so a dead peer's claims stay bounded)."""
-        return self.config.max_refresh * 2 if self.config.extrapolate else 0.0
+        progress = self.config.progress
+        return progress.max_refresh * 2 if progress.extrapolate else 0.0
 
     def current_estimate(self) -> CollaborationEstimate:
         """The estimate extrapolated to now, with this peer's own progress exact."""
@@ -504,7 +507,7 @@ class ProgressTracker:
         during our first ``idle_after`` seconds: peers that join with us are not in the table
         yet, and a first peer alone in it would otherwise read every ``idle_refresh``."""
         first = self._first_report_at
-        if first is None or trio.current_time() - first < self.config.idle_after:
+        if first is None or trio.current_time() - first < self.config.progress.idle_after:
             return 0.0
         est = self.current_estimate()
         rates = {**{p: self._rates.get(p, 0.0) for p in self.records}, self.peer_id: self.rate}
@@ -517,9 +520,10 @@ class ProgressTracker:
         from the target up to half the (settled) ETA within ``idle_ttl``, so that a peer that
         vanishes still expires before the step while one that stays renews its record rarely."""
         eta = self.settled_eta()
-        if not self.config.idle_after <= eta < math.inf:
-            return self.config.progress_ttl
-        return max(self.config.progress_ttl, min(eta / 2, self.config.idle_ttl))
+        progress = self.config.progress
+        if not progress.idle_after <= eta < math.inf:
+            return progress.ttl
+        return max(progress.ttl, min(eta / 2, progress.idle_ttl))
 
     def _relocate_interval(self) -> float:
         """How long the table's nearest nodes found by a lookup are followed: the follower's
@@ -527,7 +531,7 @@ class ProgressTracker:
         with churn, and a failed holder or a nearer node relocates the follower at once."""
         eta = self.settled_eta()
         default = self._follower.relocate_interval
-        if not self.config.idle_after <= eta < math.inf:
+        if not self.config.progress.idle_after <= eta < math.inf:
             return default
         return max(default, self.record_ttl())
 
@@ -597,19 +601,19 @@ class ProgressTracker:
             if self._frozen:
                 # Averaging: our record is final (rate zero) and set_epoch wakes us when the
                 # round ends, so a slow pace saves the DHT from every peer polling at once.
-                delay = self.config.max_refresh
+                delay = self.config.progress.max_refresh
             else:
                 est = self.current_estimate()
                 if self._rates_unknown():  # nothing to extrapolate from: read as if near
                     est = dataclasses.replace(est, eta=0.0)
                 delay = refresh_delay(
                     est,
-                    min_delay=self.config.min_refresh,
-                    max_delay=self.config.max_refresh,
+                    min_delay=self.config.progress.min_refresh,
+                    max_delay=self.config.progress.max_refresh,
                     crowd=self.dht.config.replication,  # readers the key's replicas serve
-                    idle_delay=self.config.idle_refresh,
+                    idle_delay=self.config.progress.idle_refresh,
                     idle_eta=self.settled_eta(),
-                    idle_after=self.config.idle_after,
+                    idle_after=self.config.progress.idle_after,
                 )
             with trio.move_on_after(delay):
                 await self._wake.wait()

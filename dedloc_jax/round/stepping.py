@@ -49,9 +49,9 @@ class Stepper:
         """This round's deadlines: the configured matchmaking window, else the predicted one."""
         config = self.config
         return Deadlines(
-            window=config.matchmaking_time
+            window=config.rounds.matchmaking_time
             or matchmaking_window(
-                config.min_refresh, self.tracker.dht_latency, est.max_step_interval
+                config.progress.min_refresh, self.tracker.dht_latency, est.max_step_interval
             )
         )
 
@@ -82,14 +82,14 @@ class Stepper:
             me,
             arrays,
             deadlines=deadlines,
-            codec=codec or self.config.codec,
+            codec=codec or self.config.rounds.codec,
             target=float(tracker.target or 0),
             expected=expected,
             on_averaged=mates,
         )
         complete, reason = self._judge(epoch, got)
         result = got.average
-        if got.group_size == 1 and self.config.on_no_group == "skip":
+        if got.group_size == 1 and self.config.rounds.on_no_group == "skip":
             result = [np.zeros_like(np.asarray(a)) for a in arrays]
         # A peer that serves its state serves the new one next (share_state): one record.
         tracker.set_epoch(epoch + 1, state_follows=self.server.latest is not None)
@@ -149,7 +149,7 @@ class Stepper:
             self.rounds.member(0.0),  # (mode "aux")
             template,
             deadlines=self.deadlines(est),
-            codec=self.config.codec,
+            codec=self.config.rounds.codec,
             target=float(self.tracker.target or 0),
             expected=expected,
         )

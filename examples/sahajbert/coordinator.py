@@ -414,7 +414,7 @@ def prepare(cfg: TrainerConfig, out_dir: Path) -> tuple[Any, Path]:
     from examples.sahajbert import manifest
 
     tokenizer, tok_dir = training.prepare_tokenizer(cfg)
-    codec = trainer.collaboration_config(cfg).codec
+    codec = trainer.collaboration_config(cfg).rounds.codec
     made = manifest.build(cfg, tok_dir / manifest.TOKENIZER_FILE, len(tokenizer), codec)
     manifest.save(made, tok_dir / manifest.TOKENIZER_FILE, out_dir)
     return made, out_dir / "tokenizer"

@@ -43,9 +43,9 @@ def collaboration_config(cfg: TrainerConfig, mode: str | None = None) -> Any:
     else:
         base = CollaborationConfig.sahajbert().replace(target_batch_size=cfg.collaboration_target)
     if cfg.codec is not None:  # the run manifest's
-        base = base.replace(codec=cfg.codec)
+        base = base.replace(rounds=base.rounds.replace(codec=cfg.codec))
     if cfg.mode == "diloco":  # aux peers reduce the pseudo-gradients in diloco's codec too
-        base = base.replace(codec=diloco_of(cfg))
+        base = base.replace(rounds=base.rounds.replace(codec=diloco_of(cfg)))
     return base.replace(mode=mode) if mode else base
 
 
@@ -56,7 +56,7 @@ def diloco_of(cfg: TrainerConfig) -> str | None:
 
 def open_collaboration(cfg: TrainerConfig, net: NetConfig, mode: str | None = None) -> Any:
     """A started :class:`dedloc_jax.Collaboration` for this peer (close it when done)."""
-    from dedloc_jax import Collaboration
+    from dedloc_jax import AccessConfig, Collaboration, DefenceConfig
     from p2p.identity import Identity
 
     identity = Identity.load_or_create(net.identity) if net.identity else None
@@ -66,11 +66,9 @@ def open_collaboration(cfg: TrainerConfig, net: NetConfig, mode: str | None = No
         listen=list(net.listen),
         announce=list(net.announce),
         identity=identity,
-        client_mode=net.client_mode or None,
-        config=collaboration_config(cfg, mode).replace(
-            owner_public_key=net.owner_public_key,
-            invitation=net.invitation,
-            robust_tau=net.robust_tau,
+        config=collaboration_config(cfg, "client" if net.client_mode else mode).replace(
+            access=AccessConfig(owner_public_key=net.owner_public_key, invitation=net.invitation),
+            defence=DefenceConfig(robust_tau=net.robust_tau),
         ),
     )
     collab.start()

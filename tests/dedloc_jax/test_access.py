@@ -20,7 +20,7 @@ from dedloc_jax.access import (
 )
 from dedloc_jax.averaging import GroupSpec, Member, all_reduce
 from dedloc_jax.averaging.errors import AveragingError
-from dedloc_jax.config import CollaborationConfig
+from dedloc_jax.config import AccessConfig, CollaborationConfig
 from dedloc_jax.opening import open_collaboration
 from dedloc_jax.progress import PeerProgress
 from dedloc_jax.round.wire import JOIN
@@ -162,8 +162,9 @@ def test_private_run_end_to_end(monkeypatch: pytest.MonkeyPatch) -> None:
     """Four invited peers train together; a stranger running the same software without an
     invitation cannot write progress, join, poison an average or download state; an invited
     peer whose invitation expires is cut off."""
+    progress = CollaborationConfig.local_demo(32).progress.replace(min_refresh=0.5, max_refresh=2.0)
     base = CollaborationConfig.local_demo(32).replace(
-        owner_public_key=OWNER.public_key, min_refresh=0.5, max_refresh=2.0
+        access=AccessConfig(owner_public_key=OWNER.public_key), progress=progress
     )
     facts: dict[str, object] = {}
     t0 = time.time()
@@ -186,19 +187,17 @@ def test_private_run_end_to_end(monkeypatch: pytest.MonkeyPatch) -> None:
             cores = []
             for i, node in enumerate(nodes):
                 if i < 4:
-                    config = base.replace(invitation=invite(OWNER, RUN, node.peer_id, expiries[i]))
+                    invitation = invite(OWNER, RUN, node.peer_id, expiries[i])
+                    config = base.replace(access=base.access.replace(invitation=invitation))
                 else:  # the stranger: same software, no owner key, no invitation
-                    config = CollaborationConfig.local_demo(32).replace(
-                        min_refresh=0.5, max_refresh=2.0
-                    )
+                    config = CollaborationConfig.local_demo(32).replace(progress=progress)
                 cores.append(
                     await stack.enter_async_context(
                         open_collaboration(
                             node,
                             RUN,
                             initial_peers=[str(nodes[0].addrs[0])] if i else [],
-                            config=config,
-                            mode="node",
+                            config=config.replace(mode="node"),
                             dht_config=DHTConfig.fast(),
                         )
                     )

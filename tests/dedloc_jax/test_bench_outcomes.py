@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from bench.collaboration import simulate
-from dedloc_jax.config import CollaborationConfig
+from dedloc_jax.config import CollaborationConfig, ProgressConfig, RoundConfig
 
 
 def _args() -> argparse.Namespace:
@@ -34,7 +34,9 @@ def test_a_run_whose_rounds_fail_reports_no_complete_round_and_no_useful_compute
     """Every all-reduce times out at once (the timeout forced to a microsecond): every peer
     steps alone. The old figure, all time spent computing, reads 0.97 for this run."""
     config = CollaborationConfig(
-        target_batch_size=128, codec="fp16", max_refresh=5.0, averaging_timeout=1e-6
+        target_batch_size=128,
+        rounds=RoundConfig(codec="fp16", averaging_timeout=1e-6),
+        progress=ProgressConfig(max_refresh=5.0),
     )
     out = simulate(_args(), overlap=True, config=config)
     assert out["epochs"] >= 3

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import trio
 
-from dedloc_jax.config import CollaborationConfig
+from dedloc_jax.config import CollaborationConfig, DefenceConfig
 from p2p.dht import DHTConfig
 from p2p.testing import SimNetwork, host_of, run_sim
 from tests.dedloc_jax.simcollab import open_sim_collaboration
@@ -29,8 +29,11 @@ def _run(
     aux peers (rate ignored) only help average."""
     # robust=False: the tests compare with the plain weighted mean (open runs default to
     # CenteredClip); every round is still verified (an open run's default)
-    config = CollaborationConfig.local_demo(target).replace(
-        max_refresh=1.0, max_group_size=max_group_size, robust=False
+    config = CollaborationConfig.local_demo(target)
+    config = config.replace(
+        progress=config.progress.replace(max_refresh=1.0),
+        rounds=config.rounds.replace(max_group_size=max_group_size),
+        defence=DefenceConfig(robust=False),
     )
 
     async def main() -> list[list[dict]]:
@@ -134,7 +137,8 @@ def test_groups_do_not_wait_for_an_aux_peer_that_only_follows_the_run(caplog) ->
     """An aux-mode peer that follows the run's epoch without averaging (the example's
     coordinator) is not expected in matchmaking: leaders waited for its join (4 s of every
     epoch it followed, in the demo). One that runs ``run_aux`` is expected again."""
-    config = CollaborationConfig.local_demo(64).replace(max_refresh=1.0)
+    config = CollaborationConfig.local_demo(64)
+    config = config.replace(progress=config.progress.replace(max_refresh=1.0))
 
     async def main() -> dict:
         out: dict = {"groups": [], "expected": []}
@@ -169,7 +173,7 @@ def test_groups_do_not_wait_for_an_aux_peer_that_only_follows_the_run(caplog) ->
                 cancel.cancel()
             out["ids"] = [str(c.node.peer_id) for c in cores]
             follower.tracker.join_averaging()
-            await trio.sleep(3 * config.max_refresh)
+            await trio.sleep(3 * config.progress.max_refresh)
             await cores[0].tracker.fetch()
             out["joined"] = cores[0]._peers_at(follower.tracker.epoch)
         return out
@@ -190,7 +194,8 @@ def test_peers_that_averaged_with_us_are_expected_at_the_next_epoch() -> None:
     when it expected nobody). A peer outside our group is not, until its report says so."""
     from dataclasses import replace
 
-    config = CollaborationConfig.local_demo(32).replace(max_refresh=1.0)
+    config = CollaborationConfig.local_demo(32)
+    config = config.replace(progress=config.progress.replace(max_refresh=1.0))
 
     async def main() -> dict:
         async with open_sim_collaboration(
@@ -277,7 +282,8 @@ def test_a_group_whose_round_across_groups_failed_knows_its_mean_is_incomplete(
 def test_a_lagging_peer_is_excluded_then_resyncs_from_the_others() -> None:
     """A peer cut off for a while falls behind: it never brings gradients of an old epoch to
     an average, and after the partition heals it loads the others' state and steps with them."""
-    config = CollaborationConfig.local_demo(96).replace(max_refresh=1.0)
+    config = CollaborationConfig.local_demo(96)
+    config = config.replace(progress=config.progress.replace(max_refresh=1.0))
 
     async def main() -> dict:
         net = SimNetwork(seed=5)
@@ -317,7 +323,7 @@ def test_a_lagging_peer_is_excluded_then_resyncs_from_the_others() -> None:
                 nursery.start_soon(train, 1, 4)
                 nursery.start_soon(train, 2, 2)  # alone: averages with nobody
             net.heal()
-            await trio.sleep(5 * config.max_refresh)  # C reads the others' progress again
+            await trio.sleep(5 * config.progress.max_refresh)  # C reads the others' progress again
             out["c_behind"] = cores[2].behind
             out["c_epoch_before"] = epochs[2]
             out["c_newest"] = await cores[2].newest_state_epoch()  # others', not its own
@@ -389,7 +395,8 @@ def test_the_state_announcement_is_renewed_only_when_no_step_renewed_it() -> Non
 
     async def main() -> tuple[int, int, object]:
         net = SimNetwork(seed=8)
-        config = CollaborationConfig.local_demo().replace(progress_ttl=6.0)  # renew every 2 s
+        config = CollaborationConfig.local_demo()
+        config = config.replace(progress=config.progress.replace(ttl=6.0))  # renew every 2 s
         async with open_sim_collaboration(net, 2, config=config) as cores:
             server = cores[0].state_server
             announce = server.announce
@@ -445,7 +452,8 @@ def test_a_late_group_knows_its_mean_is_incomplete_when_a_group_stepped_without_
     incomplete, so they load the others' state. Peers that stepped alone hold no other mean
     (they load ours): the outcome is complete. (At 40 peers, a newcomer that stepped alone
     made the group of 39 load the state it already held.)"""
-    config = CollaborationConfig.local_demo(16).replace(max_refresh=1.0)
+    config = CollaborationConfig.local_demo(16)
+    config = config.replace(progress=config.progress.replace(max_refresh=1.0))
 
     async def main() -> list:
         net = SimNetwork(seed=4)
@@ -484,7 +492,8 @@ def test_a_newcomer_skips_an_epoch_whose_round_began_without_it() -> None:
     from p2p.node import NodeConfig
     from p2p.testing import open_sim_nodes
 
-    config = CollaborationConfig.local_demo(48).replace(max_refresh=1.0)
+    config = CollaborationConfig.local_demo(48)
+    config = config.replace(progress=config.progress.replace(max_refresh=1.0))
     vector = np.ones(1_000_000, np.float32)  # 4 MB over 2 MB/s links: a round of seconds
     links = {"latency": 0.01, "upload_bps": 2e6, "download_bps": 8e6}
 
@@ -508,8 +517,7 @@ def test_a_newcomer_skips_an_epoch_whose_round_began_without_it() -> None:
                         node,
                         "run",
                         initial_peers=[str(cores[0].node.addrs[0])],
-                        config=config,
-                        mode="node",
+                        config=config.replace(mode="node"),
                         dht_config=DHTConfig.fast(),
                         dht_clock=DHTClock(trio.current_time),
                     ) as core,

@@ -37,7 +37,11 @@ def _params():
 def _config(target: int) -> CollaborationConfig:
     # Each peer brings exactly its shard of the batch, so the estimate must not extrapolate
     # (an idle peer would otherwise be counted as still accumulating).
-    return CollaborationConfig.local_demo(target).replace(matchmaking_time=0.5, extrapolate=False)
+    config = CollaborationConfig.local_demo(target)
+    return config.replace(
+        rounds=config.rounds.replace(matchmaking_time=0.5),
+        progress=config.progress.replace(extrapolate=False),
+    )
 
 
 class Peer:

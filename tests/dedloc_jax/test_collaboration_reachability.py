@@ -31,7 +31,11 @@ def _grad(peer: int, epoch: int, step: int) -> np.ndarray:
 
 def test_averaging_mode_follows_reachability_and_rounds_still_complete() -> None:
     # robust=False: compared with the plain weighted mean (open runs default to CenteredClip)
-    config = CollaborationConfig.local_demo(TARGET).replace(max_refresh=1.0, robust=False)
+    config = CollaborationConfig.local_demo(TARGET)
+    config = config.replace(
+        progress=config.progress.replace(max_refresh=1.0),
+        defence=config.defence.replace(robust=False),
+    )
     nat_config = NATConfig.testing().replace(offer_relay=False)
     n = len(RATES)
     logs: list[list[dict]] = [[] for _ in range(n)]

@@ -19,7 +19,7 @@ import pytest
 from flax import nnx
 
 import dedloc_jax
-from dedloc_jax import Collaboration, CollaborationConfig, DiLoCoState, diloco
+from dedloc_jax import Collaboration, CollaborationConfig, DefenceConfig, DiLoCoState, diloco
 from dedloc_jax.diloco import outer_params_after_step
 from dedloc_jax.host import AveragingOutcome
 from dedloc_jax.state.training import share_state, sync_state
@@ -497,7 +497,11 @@ def test_two_peers_on_loopback_step_to_the_weighted_mean_of_their_local_training
     shares, epochs = [12, 4], 3
     target = sum(shares)
     x, y = _data(target * epochs)
-    config = CollaborationConfig.local_demo(target).replace(matchmaking_time=0.5, extrapolate=False)
+    config = CollaborationConfig.local_demo(target)
+    config = config.replace(
+        rounds=config.rounds.replace(matchmaking_time=0.5),
+        progress=config.progress.replace(extrapolate=False),
+    )
     with (
         Collaboration("diloco", config=config) as a,
         Collaboration("diloco", initial_peers=a.addrs, config=config) as b,
@@ -535,8 +539,11 @@ def test_a_newcomer_loads_the_outer_state_and_steps_in_step() -> None:
     target = 16
     x, y = _data(target * 4)
     # robust=False: the reference is the plain weighted mean (open runs default to CenteredClip)
-    config = CollaborationConfig.local_demo(target).replace(
-        matchmaking_time=0.5, extrapolate=False, robust=False
+    config = CollaborationConfig.local_demo(target)
+    config = config.replace(
+        rounds=config.rounds.replace(matchmaking_time=0.5),
+        progress=config.progress.replace(extrapolate=False),
+        defence=DefenceConfig(robust=False),
     )
 
     def tx(c: Collaboration) -> optax.GradientTransformation:

@@ -26,7 +26,7 @@ import numpy as np
 import optax
 import trio
 
-from dedloc_jax.config import CollaborationConfig
+from dedloc_jax.config import CollaborationConfig, ProgressConfig, ReachabilityConfig
 from dedloc_jax.diloco import DiLoCoState, diloco, outer_params_after_step
 from dedloc_jax.host import AveragingOutcome
 from dedloc_jax.opening import open_collaboration
@@ -41,7 +41,9 @@ DIM, MICRO, PACE = 6, 4, 0.25
 TARGET = 64  # samples per outer step: four micro-steps per peer with four peers
 # progress read often enough that an outer step's computing (about a virtual second) spans
 # several reads, as a real run's does: a newcomer then finds an epoch it can join
-CONFIG = CollaborationConfig(target_batch_size=TARGET, min_refresh=0.1, max_refresh=0.5)
+CONFIG = CollaborationConfig(
+    target_batch_size=TARGET, progress=ProgressConfig(min_refresh=0.1, max_refresh=0.5)
+)
 TRUE_W = np.linspace(-1.0, 1.0, DIM, dtype=np.float32)
 # keep_in_step's timings shortened to outer steps of a few virtual seconds (as bench.soak's)
 KEEP = KeepConfig(fork_check_after=1.0, fork_recheck=5.0, fork_hold=30.0, load_timeout=30.0)
@@ -269,7 +271,7 @@ def test_a_newcomer_loads_the_outer_state_and_joins_the_next_outer_steps() -> No
                         nodes[0],
                         "run",
                         initial_peers=first,
-                        config=config.replace(nat=False),
+                        config=config.replace(reachability=ReachabilityConfig(detect=False)),
                         dht_config=DHTConfig.fast(),
                         dht_clock=DHTClock(trio.current_time),
                     ) as core,

@@ -18,7 +18,11 @@ def test_first_round_of_6_peers_x_6m_parameters_completes_for_every_member() -> 
     what such links need (about 16 s for the 10 Mbit/s peers' traffic), not a bound computed
     from placeholder rates of 1e12 B/s (0 s, hence the 5 s minimum: 4 of 6 stepped alone)."""
     ups = [10, 25, 50, 100, 10, 25]
-    config = CollaborationConfig.local_demo(48).replace(codec="fp16", max_refresh=1.0)
+    config = CollaborationConfig.local_demo(48)
+    config = config.replace(
+        rounds=config.rounds.replace(codec="fp16"),
+        progress=config.progress.replace(max_refresh=1.0),
+    )
     outcomes: list = [None] * len(ups)
 
     async def main() -> None:

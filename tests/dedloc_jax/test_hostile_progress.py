@@ -42,7 +42,8 @@ PHASE = 30.0  # seconds before and after the attack
 
 
 def _run(attack: Callable[[DHT], Awaitable[object]], seed: int = 7, target: int = TARGET) -> dict:
-    config = CollaborationConfig.local_demo(target).replace(max_refresh=1.0)
+    config = CollaborationConfig.local_demo(target)
+    config = config.replace(progress=config.progress.replace(max_refresh=1.0))
 
     async def main() -> dict:
         net = SimNetwork(seed=seed)

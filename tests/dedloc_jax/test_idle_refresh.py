@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import trio
 
-from dedloc_jax.config import CollaborationConfig
+from dedloc_jax.config import CollaborationConfig, LinkConfig
 from dedloc_jax.progress import CollaborationEstimate, refresh_delay
 from dedloc_jax.state import state_key
 from p2p.testing import SimNetwork, run_sim
@@ -52,7 +52,7 @@ def test_a_peer_far_from_the_target_reads_and_publishes_a_few_times_a_minute_at_
     (before: a read every 5 s and a publish every 20 s); in the last minute before the
     target it reads as often as before (at least every 5 s)."""
     target = int(2 * RATE * 2400)
-    config = CollaborationConfig(target_batch_size=target, measure_links=False)
+    config = CollaborationConfig(target_batch_size=target, links=LinkConfig(measure=False))
     reads: list[list[float]] = [[], []]
     publishes: list[list[float]] = [[], []]
     ready_at: list[float] = []
@@ -110,7 +110,7 @@ def test_a_peer_far_from_the_target_renews_its_state_announcement_rarely_and_kee
     12 and 22 each renews its state announcement at most 5 times (before: every 20 s, about
     30), and the other peer finds both announcements live throughout."""
     target = int(2 * RATE * 2400)
-    config = CollaborationConfig(target_batch_size=target, measure_links=False)
+    config = CollaborationConfig(target_batch_size=target, links=LinkConfig(measure=False))
     stores: list[list[float]] = [[], []]
     live: list[int] = []
 
@@ -159,7 +159,7 @@ def test_far_from_the_target_the_table_is_looked_up_about_once_per_record_lifeti
     at most 3 times (before: at every read past 30 s, about 10)."""
     peers = 6
     target = int(peers * RATE * 2400)
-    config = CollaborationConfig(target_batch_size=target, measure_links=False)
+    config = CollaborationConfig(target_batch_size=target, links=LinkConfig(measure=False))
     relocations: list[int] = []
 
     async def main() -> None:

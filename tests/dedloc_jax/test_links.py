@@ -15,7 +15,8 @@ MBIT = 1e6 / 8
 def test_keep_links_measured_probes_once_peers_are_known() -> None:
     """Peers that report no rate yet (nothing predicts their next round) probe on joining."""
     ups = [10, 50, 100, 100]  # every peer's partners together can fill its downlink
-    config = CollaborationConfig.local_demo(10_000).replace(max_refresh=1.0)
+    config = CollaborationConfig.local_demo(10_000)
+    config = config.replace(progress=config.progress.replace(max_refresh=1.0))
     figures: list = []
 
     async def main() -> None:
@@ -118,7 +119,8 @@ def test_peers_far_from_their_first_round_probe_only_as_it_nears() -> None:
     first round (diloco's outer steps are hours apart) probe within the lead before it, not
     on joining (which then cost a probe per peer more for each round, and one per window)."""
     # (the collaboration's own prober off: this one starts once the peers report a rate)
-    config = CollaborationConfig.local_demo(4_000).replace(measure_links=False)
+    config = CollaborationConfig.local_demo(4_000)
+    config = config.replace(links=config.links.replace(measure=False))
     probed_at: list[float] = []
     eta_at_start: list[float] = []
     lead = 150.0  # the default: a quarter of the meter's 600 s window

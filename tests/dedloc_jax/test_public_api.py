@@ -6,8 +6,15 @@ import dedloc_jax
 
 # The names the README and the examples call; each must stay importable from dedloc_jax.
 USER_NAMES = {
+    "AccessConfig",
     "Collaboration",
     "CollaborationConfig",
+    "DefenceConfig",
+    "LinkConfig",
+    "ProgressConfig",
+    "ReachabilityConfig",
+    "RoundConfig",
+    "StateConfig",
     "KeepConfig",
     "RoundOutcome",
     "StaleStateError",

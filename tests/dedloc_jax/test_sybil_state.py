@@ -77,7 +77,8 @@ async def _announce_forged(dhts: list[DHT], run_id: str, honest: Callable[[], in
 
 
 def _run(seed: int = 11) -> dict:
-    config = CollaborationConfig.local_demo(TARGET).replace(max_refresh=1.0)
+    config = CollaborationConfig.local_demo(TARGET)
+    config = config.replace(progress=config.progress.replace(max_refresh=1.0))
 
     async def main() -> dict:
         net = SimNetwork(seed=seed)

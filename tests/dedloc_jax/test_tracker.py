@@ -6,7 +6,7 @@ from contextlib import asynccontextmanager
 import pytest
 import trio
 
-from dedloc_jax.config import CollaborationConfig
+from dedloc_jax.config import CollaborationConfig, ProgressConfig
 from dedloc_jax.tracker import ProgressTracker
 from p2p.testing import SimNetwork, run_sim
 from tests.dedloc_jax.simcollab import open_sim_dhts
@@ -14,7 +14,7 @@ from tests.dedloc_jax.simcollab import open_sim_dhts
 
 def _config(max_refresh: float = 1.0, progress_ttl: float = 10.0) -> CollaborationConfig:
     return CollaborationConfig.local_demo(target_batch_size=500).replace(
-        min_refresh=0.25, max_refresh=max_refresh, progress_ttl=progress_ttl
+        progress=ProgressConfig(min_refresh=0.25, max_refresh=max_refresh, ttl=progress_ttl)
     )
 
 
@@ -42,7 +42,7 @@ def test_peers_see_each_others_progress_and_the_global_epoch() -> None:
                 for tracker in trackers:
                     tracker.report(0, tracker.samples + 10, 10)
                 await trio.sleep(1.0)
-            await trio.sleep(2 * config.max_refresh)
+            await trio.sleep(2 * config.progress.max_refresh)
             for tracker in trackers:
                 est = tracker.current_estimate()
                 assert est.num_peers == 6 and est.num_clients == 1
@@ -53,10 +53,10 @@ def test_peers_see_each_others_progress_and_the_global_epoch() -> None:
             # (one of five alone, with no state, stands for nobody); a client cannot.
             trackers[5].set_epoch(7)
             trackers[1].set_epoch(1)
-            await trio.sleep(3 * config.max_refresh)
+            await trio.sleep(3 * config.progress.max_refresh)
             assert trackers[0].current_estimate().epoch == 0
             trackers[1].serve(1, b"d1", ())
-            await trio.sleep(3 * config.max_refresh)
+            await trio.sleep(3 * config.progress.max_refresh)
             assert trackers[0].current_estimate().epoch == 1
             nursery.cancel_scope.cancel()
 
@@ -66,7 +66,8 @@ def test_peers_see_each_others_progress_and_the_global_epoch() -> None:
 @pytest.mark.parametrize("seed", [3])
 def test_estimate_reaches_target_near_true_sum(seed: int) -> None:
     """Throughputs spread over 10x; the estimate tracks the true sum within a refresh."""
-    config = CollaborationConfig.local_demo(target_batch_size=2_000).replace(max_refresh=1.0)
+    config = CollaborationConfig.local_demo(target_batch_size=2_000)
+    config = config.replace(progress=config.progress.replace(max_refresh=1.0))
 
     async def main() -> None:
         net = SimNetwork(seed=seed)
@@ -82,7 +83,7 @@ def test_estimate_reaches_target_near_true_sum(seed: int) -> None:
                 await trio.sleep(1.0)
                 true_sum = sum(tr.samples for tr in trackers)
                 est = trackers[0].current_estimate()
-                assert abs(est.samples - true_sum) <= 2 * sum(rates) * config.max_refresh
+                assert abs(est.samples - true_sum) <= 2 * sum(rates) * config.progress.max_refresh
                 if est.ready:
                     break
             assert true_sum >= config.target_batch_size - 2 * sum(rates)
@@ -184,7 +185,7 @@ def test_the_served_state_travels_with_progress_and_is_published_at_once() -> No
             a.serve(5, b"d" * 32, (b"c" * 32,))
             b.serve(5, b"e" * 32, ())
             # one read of the others later; a periodic publish would come at ttl / 3 = 20 s
-            await trio.sleep(config.max_refresh + 1.0)
+            await trio.sleep(config.progress.max_refresh + 1.0)
             assert b.states() == [(a.peer_id, 5, b"d" * 32, (b"c" * 32,))]
             assert a.states() == [(b.peer_id, 5, b"e" * 32, ())]  # never our own
             nursery.cancel_scope.cancel()
@@ -212,22 +213,22 @@ def test_a_step_and_the_state_it_serves_go_out_in_one_store() -> None:
             stores.clear()
             # The state comes a moment after the step: one store carries both.
             a.set_epoch(1, state_follows=True)
-            await trio.sleep(config.min_refresh / 2)
+            await trio.sleep(config.progress.min_refresh / 2)
             a.serve(1, b"1" * 32, (b"0" * 32,))
             await trio.sleep(2.0)
             assert stores == [(1, (1, b"1" * 32, (b"0" * 32,)))]
             # Without the hint, the epoch goes out at once and the state after it.
             stores.clear()
             a.set_epoch(2)
-            await trio.sleep(config.min_refresh / 2)
+            await trio.sleep(config.progress.min_refresh / 2)
             a.serve(2, b"2" * 32, (b"1" * 32,))
             await trio.sleep(2.0)
             assert [epoch for epoch, _ in stores] == [2, 2] and stores[0][1][0] == 1
             # A state that never comes holds the new epoch back only min_refresh seconds.
             a.set_epoch(3, state_follows=True)
-            await trio.sleep(config.min_refresh + 0.1)
+            await trio.sleep(config.progress.min_refresh + 0.1)
             assert stores[-1] == (3, (2, b"2" * 32, (b"1" * 32,)))
-            await trio.sleep(config.max_refresh + 1.0)
+            await trio.sleep(config.progress.max_refresh + 1.0)
             assert b.records[a.peer_id].epoch == 3
             nursery.cancel_scope.cancel()
 
@@ -286,7 +287,7 @@ def test_a_failed_read_keeps_the_last_progress_table() -> None:
             for tracker in trackers:
                 await nursery.start(tracker.run)
                 tracker.report(0, 10, 10)
-            await trio.sleep(3 * config.max_refresh)
+            await trio.sleep(3 * config.progress.max_refresh)
             reader = trackers[0]
             assert len(reader.records) == 3
 
@@ -308,7 +309,8 @@ def test_the_target_is_the_transforms_and_peers_that_disagree_are_named(caplog) 
     toward another target, naming both values."""
     import logging
 
-    config = CollaborationConfig.local_demo(target_batch_size=None).replace(max_refresh=1.0)
+    config = CollaborationConfig.local_demo(target_batch_size=None)
+    config = config.replace(progress=config.progress.replace(max_refresh=1.0))
 
     async def main() -> None:
         net = SimNetwork(seed=2)
@@ -321,7 +323,7 @@ def test_the_target_is_the_transforms_and_peers_that_disagree_are_named(caplog) 
                 trackers[0].use_target(96)
             for tracker in trackers[:2]:
                 tracker.report(0, 8, 8)
-            await trio.sleep(3 * config.max_refresh)
+            await trio.sleep(3 * config.progress.max_refresh)
             assert trackers[0].current_estimate().target == 128
             assert trackers[2].target in (96, 128)  # the trainers' (here they disagree)
             nursery.cancel_scope.cancel()
@@ -407,7 +409,7 @@ def test_a_banned_peers_progress_and_state_count_for_nothing() -> None:
                     tracker.report(0, tracker.samples + 10, 10)
                 liar.report(0, liar.samples + 10**6, 10)
                 await trio.sleep(1.0)
-            await trio.sleep(2 * config.max_refresh)
+            await trio.sleep(2 * config.progress.max_refresh)
             # the liar counts as four typical peers: the epoch is all but closed
             assert honest[0].current_estimate().samples >= 500
             banned.add(liar.peer_id)  # between two reads: counts at once
@@ -418,7 +420,7 @@ def test_a_banned_peers_progress_and_state_count_for_nothing() -> None:
             # It jumps ahead and serves a state of that epoch: the blind peer follows it.
             liar.set_epoch(1)
             liar.serve(1, b"x" * 32, ())
-            await trio.sleep(3 * config.max_refresh)
+            await trio.sleep(3 * config.progress.max_refresh)
             assert blind.newest_served() == 1 and blind.current_estimate().epoch == 1
             for tracker in honest:
                 assert tracker.newest_served() is None

@@ -244,7 +244,8 @@ def test_collaborations_install_the_schemas_by_default() -> None:
     from tests.dedloc_jax.simcollab import open_sim_collaboration
 
     async def attempt(record_schemas: bool) -> bool | str | None:
-        config = CollaborationConfig.local_demo(32).replace(record_schemas=record_schemas)
+        config = CollaborationConfig.local_demo(32)
+        config = config.replace(defence=config.defence.replace(record_schemas=record_schemas))
         async with open_sim_collaboration(SimNetwork(4), 2, config=config, run_id=RUN) as cores:
             writer, target = cores[1], cores[0]
             rec = Record(

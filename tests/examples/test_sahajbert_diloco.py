@@ -24,11 +24,11 @@ def test_mode_diloco_sets_the_outer_target_and_the_int8_codec() -> None:
     assert cfg.mode == "diloco" and cfg.inner_steps == 7
     assert cfg.collaboration_target == 7 * cfg.target_batch_size
     collab = collaboration_config(cfg)
-    assert collab.target_batch_size == 7 * cfg.target_batch_size and collab.codec == "int8"
+    assert collab.target_batch_size == 7 * cfg.target_batch_size and collab.rounds.codec == "int8"
     # DeDLOC mode is the default and unchanged
     plain = trainer_config(parse_args(["trainer", "--initial-peers", "/x"]))
     assert plain.mode == "dedloc" and plain.collaboration_target == plain.target_batch_size
-    assert collaboration_config(plain).codec == "fp16"
+    assert collaboration_config(plain).rounds.codec == "fp16"
     # the demo passes the mode on to its trainers
     demo = TrainerConfig.demo().replace(mode="diloco", inner_steps=3)
     again = trainer_config(parse_args(["trainer", *cli_args(demo), "--initial-peers", "/x"]))

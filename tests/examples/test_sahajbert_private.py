@@ -183,5 +183,6 @@ def test_the_coordinator_runs_as_the_owner_and_the_config_reaches_the_collaborat
     monkeypatch.setattr(dedloc_jax, "Collaboration", FakeCollaboration)
     trainer.open_collaboration(trainer_config(args), net, mode="aux")
     config = seen["config"]
-    assert config.owner_public_key == run["owner"].public_key and config.robust_tau == 1.5
+    assert config.access.owner_public_key == run["owner"].public_key
+    assert config.defence.robust_tau == 1.5
     assert seen["identity"].peer_id == run["owner"].peer_id  # the owner's own peer

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from dedloc_jax import Collaboration, CollaborationConfig, access
+from dedloc_jax import AccessConfig, Collaboration, CollaborationConfig, ReachabilityConfig, access
 from examples.sahajbert import manifest, trainer
 from examples.sahajbert.config import TrainerConfig
 from models.text.corpus import write_corpus
@@ -34,8 +34,12 @@ def owner_peer(tmp_path_factory: pytest.TempPathFactory):
     cfg = TrainerConfig().replace(model="tiny", run_id=RUN, seq_length=32)
     made = manifest.build(cfg, tok_file, 200, "none")
     owner = Identity.generate()
-    config = CollaborationConfig.local_demo(32).replace(
-        owner_public_key=owner.public_key, nat=False, measure_links=False, mode="aux"
+    config = CollaborationConfig.local_demo(32)
+    config = config.replace(
+        access=AccessConfig(owner_public_key=owner.public_key),
+        reachability=ReachabilityConfig(detect=False),
+        links=config.links.replace(measure=False),
+        mode="aux",
     )
     collab = Collaboration(RUN, identity=owner, config=config)
     collab.start()

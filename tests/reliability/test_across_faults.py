@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import trio
 
-from dedloc_jax.config import CollaborationConfig
+from dedloc_jax.config import CollaborationConfig, DefenceConfig
 from dedloc_jax.round import across
 from p2p.testing import SimNetwork, host_of, run_sim
 from tests.dedloc_jax.simcollab import open_sim_collaboration
@@ -21,7 +21,10 @@ def test_a_representative_that_dies_leaves_its_group_with_its_own_mean(monkeypat
     not hang; every other peer gets the mean of the remaining groups, and knows it is partial
     (not the epoch's mean: a group is missing), so that it checks the fork before training."""
     # robust=False: compared with the plain weighted mean (open runs default to CenteredClip)
-    config = CollaborationConfig.local_demo(sum(SAMPLES)).replace(max_group_size=3, robust=False)
+    config = CollaborationConfig.local_demo(sum(SAMPLES))
+    config = config.replace(
+        rounds=config.rounds.replace(max_group_size=3), defence=DefenceConfig(robust=False)
+    )
     represent = across.represent
     died: list[str] = []
 

@@ -39,7 +39,8 @@ def _leaks(wire: bytes, secret: np.ndarray) -> list[int]:
 
 
 def test_tensors_are_encrypted_on_the_wire() -> None:
-    config = CollaborationConfig.local_demo(64).replace(max_refresh=0.5)
+    config = CollaborationConfig.local_demo(64)
+    config = config.replace(progress=config.progress.replace(max_refresh=0.5))
     dht_value, state, grad_a, grad_b = (_pattern(t) for t in (1.0, 2.0, 3.0, 4.0))
 
     async def main() -> tuple[bytes, dict]:

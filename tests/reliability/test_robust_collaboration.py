@@ -1,4 +1,4 @@
-"""Robust aggregation reached from the collaboration: ``CollaborationConfig.robust_tau``.
+"""Robust aggregation reached from the collaboration: ``DefenceConfig.robust_tau``.
 
 The averaging-level bound is shown in ``tests/dedloc_jax/averaging/test_robust.py``; here the
 option travels from the collaboration's config into every all-reduce round (and into the repair
@@ -13,7 +13,7 @@ import trio
 
 from dedloc_jax.averaging import AllReduceConfig
 from dedloc_jax.averaging.robust import cap_weights
-from dedloc_jax.config import CollaborationConfig
+from dedloc_jax.config import CollaborationConfig, DefenceConfig
 from p2p.testing import SimNetwork, host_of, run_sim
 from tests.dedloc_jax.averaging.helpers import run_round
 from tests.dedloc_jax.simcollab import open_sim_collaboration
@@ -30,7 +30,7 @@ def _collaboration_round(robust_tau: float | None) -> tuple[list[dict], list[np.
     """Five peers average once; peer 4 sends its gradient scaled by 10^4."""
     # robust_tau None: the plain mean (an open run's default is CenteredClip, derived radius)
     config = CollaborationConfig.local_demo(5 * 8).replace(
-        robust_tau=robust_tau, robust=robust_tau is not None
+        defence=DefenceConfig(robust_tau=robust_tau, robust=robust_tau is not None)
     )
     truth = np.random.default_rng(1).standard_normal(DIM).astype(np.float32)
     sent = []
@@ -68,8 +68,8 @@ def _collaboration_round(robust_tau: float | None) -> tuple[list[dict], list[np.
 def test_config_rejects_a_non_positive_robust_tau() -> None:
     for bad in (0.0, -1.0):
         with pytest.raises(ValueError, match="robust_tau"):
-            CollaborationConfig(robust_tau=bad)
-    assert CollaborationConfig(robust_tau=1.0).robust_tau == 1.0
+            CollaborationConfig(defence=DefenceConfig(robust_tau=bad))
+    assert CollaborationConfig(defence=DefenceConfig(robust_tau=1.0)).defence.robust_tau == 1.0
 
 
 def test_collaboration_with_robust_tau_bounds_a_peer_sending_scaled_gradients() -> None:

@@ -13,10 +13,11 @@ from tests.dedloc_jax.simcollab import matchmakers, open_sim_dhts
 def _form_all(n: int, cap: int, seed: int = 0) -> list:
     async def main() -> list:
         net = SimNetwork(seed=seed)
-        config = CollaborationConfig.local_demo().replace(max_group_size=cap)
+        config = CollaborationConfig.local_demo()
+        config = config.replace(rounds=config.rounds.replace(max_group_size=cap))
         async with open_sim_dhts(net, n, latency=0.01) as peers:
             specs: list = [None] * n
-            makers = matchmakers(peers, max_group_size=config.max_group_size)
+            makers = matchmakers(peers, max_group_size=config.rounds.max_group_size)
 
             async def one(i: int) -> None:
                 me = member_for(str(peers[i][0].peer_id), "node", 1e6, 1e6, 8.0)

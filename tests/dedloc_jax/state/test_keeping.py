@@ -310,7 +310,7 @@ def test_a_loaded_state_is_served_at_once_under_its_donors_digest() -> None:
             ours = np.arange(SIZE, dtype=np.float32)
             for i, core in enumerate(cores):
                 await core.share_state([ours if i < 2 else -ours], 3)
-            await trio.sleep(5 * config.max_refresh)  # every table names every state
+            await trio.sleep(5 * config.progress.max_refresh)  # every table names every state
             winner = cores[0].state_server.latest
             assert cores[2].fork_verdict() is True
             epoch, arrays = await cores[2].load_state(timeout=30.0, min_epoch=3)

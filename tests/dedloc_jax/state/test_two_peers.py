@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import trio
 
-from dedloc_jax.config import CollaborationConfig
+from dedloc_jax.config import CollaborationConfig, ReachabilityConfig
 from dedloc_jax.state.download import StateSyncError
 from dedloc_jax.state.keeping import StepKeeper, keep_in_step_async
 from p2p.dht import DHTClock, DHTConfig
@@ -28,7 +28,7 @@ from p2p.testing import SimNetwork, host_of, open_sim_nodes, run_sim, sim_identi
 
 MICRO, LR, SIZE = 4, 0.05, 8
 TRUE_W = np.linspace(-1.0, 1.0, SIZE, dtype=np.float32)
-CONFIG = CollaborationConfig(target_batch_size=64, nat=False)
+CONFIG = CollaborationConfig(target_batch_size=64, reachability=ReachabilityConfig(detect=False))
 WARM, COMPILE, WATCH = 30.0, 20.0, 50.0  # virtual seconds
 CHECKPOINT_EVERY = 10  # epochs, as the coordinator's default
 
@@ -44,8 +44,7 @@ async def _open_peer(net: SimNetwork, identity: Any, initial: list[str], mode: s
             nodes[0],
             "run",
             initial_peers=initial,
-            config=CONFIG,
-            mode=mode,
+            config=CONFIG.replace(mode=mode),
             dht_config=DHTConfig.fast(),
             dht_clock=DHTClock(trio.current_time),
         )

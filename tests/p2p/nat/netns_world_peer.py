@@ -101,8 +101,10 @@ async def train(core: Any, args: argparse.Namespace) -> None:
 
 async def serve(args: argparse.Namespace) -> None:
     identity = Identity.from_seed(f"netns-world/{args.index}".encode())
-    config = CollaborationConfig.local_demo(args.target).replace(
-        measure_links=False, averaging_timeout=120.0
+    config = CollaborationConfig.local_demo(args.target)
+    config = config.replace(
+        links=config.links.replace(measure=False),
+        rounds=config.rounds.replace(averaging_timeout=120.0),
     )
     nat_config = NATConfig.default().replace(
         autonat=AutoNATConfig.testing(), port_mapping=PortMapConfig.testing()
@@ -122,8 +124,7 @@ async def serve(args: argparse.Namespace) -> None:
                 node,
                 args.run_id,
                 initial_peers=args.boot,
-                config=config,
-                mode="aux" if args.role == "coordinator" else None,
+                config=config.replace(mode="aux" if args.role == "coordinator" else None),
                 dht_config=DHTConfig.fast(),
                 nat_config=nat_config,
             )
