@@ -255,6 +255,7 @@ class CollaborationPeer:
             target_batch_size=target,
             max_extrapolation=cap,
             me=me,
+            proven=self.tracker.proven,
         )
         return ProgressSnapshot(
             est.epoch,

@@ -107,7 +107,10 @@ def test_one_record_ahead_neither_stops_the_run_nor_leads_it(epoch: int | str) -
     assert out["estimate"].epoch < 1000  # the estimate follows the honest peers
 
 
-def test_a_peer_claiming_2_53_samples_at_the_current_epoch_counts_as_a_few_peers() -> None:
+def test_a_peer_claiming_2_53_samples_at_the_current_epoch_counts_as_one_typical_peer() -> None:
+    """The claimer never averaged with the run: its claim counts as the median peer's at most
+    (it counted as CLAIM_CAP = 4 of them, and epochs closed with 3/7 of the target)."""
+
     async def flood(dht: DHT) -> None:
         async def forever() -> None:
             await keep_claiming_samples(dht, "run", samples=HUGE, every=0.5)
@@ -123,9 +126,10 @@ def test_a_peer_claiming_2_53_samples_at_the_current_epoch_counts_as_a_few_peers
     totals = [sum(s[k] for s in out["samples"]) for k in after]
     print(f"honest samples per epoch after the claims: {totals} (target {target})")
     assert totals
-    # The claim counts as CLAIM_CAP median peers at most: the honest three still bring 3/7 of
-    # the target; unbounded, the claim closed each epoch at the first read (~60 samples).
-    assert min(totals) >= 0.4 * target
+    # The claim counts as one median peer at most: the honest three still bring 3/4 of the
+    # target (3/7 when it counted as CLAIM_CAP of them; unbounded, the claim closed each epoch
+    # at the first read, ~60 samples).
+    assert min(totals) >= 0.7 * target
 
 
 def test_a_junk_state_offer_is_refused_and_logged_once(caplog) -> None:
