@@ -472,7 +472,10 @@ class CollaborationPeer:
         """Who should register for ``epoch``, from the progress table and our last group (see
         :func:`~dedloc_jax.round.plan.expected_peers`)."""
         into, mates = self.tracker.mates  # (without us)
-        return expected_peers(self.tracker.records, (into, mates), str(self.node.peer_id), epoch)
+        peers = expected_peers(self.tracker.records, (into, mates), str(self.node.peer_id), epoch)
+        # A fresh identity is not waited for (it registers in time or joins the next round):
+        # one publishing a record at each epoch held every round for its window.
+        return {p for p in peers if self.tracker.proven(p)}
 
     async def run_aux(self, template: Sequence[np.ndarray], *, epochs: int | None = None) -> int:
         """Serve as an auxiliary peer: join every averaging round and reduce a share.
