@@ -5,8 +5,10 @@ The process is ``python -m examples.sahajbert ARGS`` (``trainer ...`` or ``coord
 the patches live here, in this process only (production code has no switch for any of them),
 and take effect once ``GO_FILE`` exists, so that the run is measured clean first:
 
-- ``none``: an honest trainer; ``undefended``: an honest trainer with robust aggregation and
-  verified rounds off (the clean run's baseline for the defences' cost);
+- ``none``: an honest trainer; ``undefended``: an honest trainer (or coordinator) whose
+  rounds from the epoch written in ``GO_FILE`` on run without robust aggregation and
+  verification (every peer of the run patched alike switches at that epoch: the defences'
+  cost measured within one run, under one machine load);
 - ``lying_reducer``: states 1e15 B/s links (so the load balancer gives it a share) and returns
   -1000 x the aggregate of every share it reduces;
 - ``sign_flip``: sends -1000 x its gradients;
@@ -44,16 +46,36 @@ ATTACKS = ("none", "undefended", "lying_reducer", "sign_flip", "lying_config", *
 
 
 class Go:
-    """Whether the attack is on (the driver created the file)."""
+    """Whether the attack is on (the driver created the file), and from which epoch (the
+    number the file holds; 0 when empty)."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
         self._on = False
+        self.epoch = 0
 
     def __call__(self) -> bool:
-        if not self._on:
-            self._on = self.path.exists()
+        if not self._on and self.path.exists():
+            text = self.path.read_text().strip()
+            self.epoch = int(text) if text.isdigit() else 0
+            self._on = True
         return self._on
+
+
+def _undefended_from(go: Go) -> None:
+    """Rounds of an epoch from ``go.epoch`` on run the plain mean, unchecked."""
+    import dataclasses
+
+    from dedloc_jax import peer
+
+    defended = peer.average_round
+
+    async def switched(rounds: Any, epoch: int, *args: Any, **kw: Any) -> Any:
+        if go() and epoch >= go.epoch:
+            rounds = dataclasses.replace(rounds, robust=False, verify=False)
+        return await defended(rounds, epoch, *args, **kw)
+
+    peer.average_round = switched
 
 
 NOTED = ("banning", "ignoring peer", "invalid record", "bounded by the group's medians")
@@ -162,7 +184,7 @@ def main(argv: list[str]) -> int:
     for name in ("dedloc_jax", "p2p"):
         logging.getLogger(name).addHandler(notes)
     if attack == "undefended":
-        _patch_config({"robust": False, "verify": False})
+        _undefended_from(go)
     elif attack in ("lying_reducer", "lying_config"):
         _patch_config({"upload_bps": LIE_BPS, "download_bps": LIE_BPS})
     if attack == "lying_reducer":
