@@ -246,11 +246,11 @@ def run_scenario(attack: str, out: Path, manifest: Path, warm: int, window: floa
     detected_at = [first_ban] if first_ban is not None else []
     report = out / f"trainer{HONEST}.attack.json"
     refused = json.loads(report.read_text())["refused"] if report.exists() else False
-    if attack in DETECTED_BY:
-        for i in range(HONEST):
-            detected_at += [
-                t for t in _noted(out / f"trainer{i}", DETECTED_BY[attack]) if t >= t_go
-            ]
+    needle = DETECTED_BY.get(attack)
+    if attack == "lying_config" and hostile:  # honest peers' links are bounded too, at times
+        needle = f"member {hostile[:8]} claims"
+    for i in range(HONEST) if needle else ():
+        detected_at += [t for t in _noted(out / f"trainer{i}", needle) if t >= t_go]
     return {
         "attack": attack,
         "epoch_at_attack": warm,
