@@ -6,9 +6,9 @@ the patches live here, in this process only (production code has no switch for a
 and take effect once ``GO_FILE`` exists, so that the run is measured clean first:
 
 - ``none``: an honest trainer; ``undefended``: an honest trainer (or coordinator) whose
-  rounds from the epoch written in ``GO_FILE`` on run without robust aggregation and
-  verification (every peer of the run patched alike switches at that epoch: the defences'
-  cost measured within one run, under one machine load);
+  rounds run without robust aggregation and verification in alternate spans of epochs from
+  the one written in ``GO_FILE`` (every peer of the run patched alike switches at the same
+  epochs: the defences' cost measured within one run, its load drift averaged out);
 - ``lying_reducer``: states 1e15 B/s links (so the load balancer gives it a share) and returns
   -1000 x the aggregate of every share it reduces;
 - ``sign_flip``: sends -1000 x its gradients;
@@ -46,20 +46,28 @@ ATTACKS = ("none", "undefended", "lying_reducer", "sign_flip", "lying_config", *
 
 
 class Go:
-    """Whether the attack is on (the driver created the file), and from which epoch (the
-    number the file holds; 0 when empty)."""
+    """Whether the attack is on (the driver created the file), from which epoch and for how
+    many epochs at a time (the file's ``EPOCH PERIOD``: on for ``PERIOD`` epochs, off for as
+    many, and so on; empty: on from now, for good)."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
         self._on = False
         self.epoch = 0
+        self.period = 0
 
     def __call__(self) -> bool:
         if not self._on and self.path.exists():
-            text = self.path.read_text().strip()
-            self.epoch = int(text) if text.isdigit() else 0
+            numbers = [int(w) for w in self.path.read_text().split() if w.isdigit()]
+            self.epoch, self.period = (numbers + [0, 0])[:2]
             self._on = True
         return self._on
+
+    def at(self, epoch: int) -> bool:
+        """Whether the attack holds at ``epoch``."""
+        if not self() or epoch < self.epoch:
+            return False
+        return not self.period or (epoch - self.epoch) // self.period % 2 == 0
 
 
 def _undefended_from(go: Go) -> None:
@@ -71,7 +79,7 @@ def _undefended_from(go: Go) -> None:
     defended = peer.average_round
 
     async def switched(rounds: Any, epoch: int, *args: Any, **kw: Any) -> Any:
-        if go() and epoch >= go.epoch:
+        if go.at(epoch):
             rounds = dataclasses.replace(rounds, robust=False, verify=False)
         return await defended(rounds, epoch, *args, **kw)
 

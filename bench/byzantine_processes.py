@@ -43,6 +43,7 @@ RUN_ID = "chaos-sahajbert"  # bench.chaos's prepared tiny run (and compilation c
 TARGET = 64
 MICRO = 8
 HONEST = 3
+PERIOD = 5  # undefended: epochs with the defences off, then on, and so on
 SCENARIOS = (
     "none",
     "undefended",
@@ -208,9 +209,9 @@ def run_scenario(attack: str, out: Path, manifest: Path, warm: int, window: floa
         end = time.monotonic() + window
         while time.monotonic() < end:
             time.sleep(1.0)
-        if attack == "undefended":  # every peer switches at one epoch, the driver's
+        if attack == "undefended":  # every peer switches at the same epochs, the driver's
             switch = sc.honest_epoch() + 2
-            sc.go.write_text(str(switch))
+            sc.go.write_text(f"{switch} {PERIOD}")
             while sc.honest_epoch() < switch and time.monotonic() < end + 120:
                 time.sleep(0.2)
         else:
@@ -251,7 +252,11 @@ def run_scenario(attack: str, out: Path, manifest: Path, warm: int, window: floa
         needle = f"member {hostile[:8]} claims"
     for i in range(HONEST) if needle else ():
         detected_at += [t for t in _noted(out / f"trainer{i}", needle) if t >= t_go]
+    row: dict[str, Any] = {}
+    if attack == "undefended":
+        row["defences_cost"] = _alternating(steps[0], switch)
     return {
+        **row,
         "attack": attack,
         "epoch_at_attack": warm,
         "epochs_before": round(sum(len(w) for w in before) / HONEST, 2),
@@ -278,6 +283,29 @@ def run_scenario(attack: str, out: Path, manifest: Path, warm: int, window: floa
         else 1 + sum(t_go <= r["t"] < min(detected_at) for r in steps[0]),
         "groups": [r.get("group") for r in steps[0] if t_go <= r["t"] < t_end],
         "wall_s": round(time.monotonic() - t_start, 1),
+    }
+
+
+def _alternating(steps: list[dict], first: int) -> dict:
+    """Mean epoch time with the defences on and off (alternate spans of PERIOD epochs from
+    ``first``, off first): an epoch's time is from the step before it to its own."""
+    at = {r["epoch"]: r["t"] for r in steps}
+    spans: dict[bool, list[float]] = {True: [], False: []}
+    for e, t in at.items():
+        if e > first and e - 1 in at:
+            # the round that stepped to epoch e averaged epoch e - 1's gradients
+            off = (e - 1 - first) // PERIOD % 2 == 0
+            spans[not off].append(t - at[e - 1])
+    on, off = spans[True], spans[False]
+    if not on or not off:
+        return {}
+    mean_on, mean_off = sum(on) / len(on), sum(off) / len(off)
+    return {
+        "epochs_on": len(on),
+        "epochs_off": len(off),
+        "epoch_s_on": round(mean_on, 4),
+        "epoch_s_off": round(mean_off, 4),
+        "time_ratio": round(mean_on / mean_off, 4),
     }
 
 
@@ -326,8 +354,8 @@ def main(args: Any) -> None:
         d, u = results["none"], results["undefended"]
         upto = min(d["last_epoch"], u["last_epoch"])
         overhead = {
-            # defended / undefended epoch rate, within the undefended run (one machine load)
-            "rate_ratio": round(1.0 / max(1e-9, u["rate_vs_before"]), 3),
+            # defended / undefended epoch time, alternating within the undefended run
+            **u.get("defences_cost", {}),
             # the defended run's loss over the undefended one's at the same epochs
             "loss_ratio": round(_mean_loss(d, upto) / _mean_loss(u, upto), 4),
         }
