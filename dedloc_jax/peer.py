@@ -142,6 +142,7 @@ class CollaborationPeer:
             # Peers average only with peers that step from the same state (or do not say).
             state_of=self.state_server.head_at,
             banned=self.bans.is_banned,
+            proven=self.tracker.proven,
             admit=admit,
         )
         slots = Slots()
@@ -472,10 +473,7 @@ class CollaborationPeer:
         """Who should register for ``epoch``, from the progress table and our last group (see
         :func:`~dedloc_jax.round.plan.expected_peers`)."""
         into, mates = self.tracker.mates  # (without us)
-        peers = expected_peers(self.tracker.records, (into, mates), str(self.node.peer_id), epoch)
-        # A fresh identity is not waited for (it registers in time or joins the next round):
-        # one publishing a record at each epoch held every round for its window.
-        return {p for p in peers if self.tracker.proven(p)}
+        return expected_peers(self.tracker.records, (into, mates), str(self.node.peer_id), epoch)
 
     async def run_aux(self, template: Sequence[np.ndarray], *, epochs: int | None = None) -> int:
         """Serve as an auxiliary peer: join every averaging round and reduce a share.

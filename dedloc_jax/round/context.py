@@ -17,6 +17,10 @@ def _never_over(epoch: int) -> bool:
     return False
 
 
+def _always_proven(peer: str) -> bool:
+    return True
+
+
 def _never_banned(peer: str) -> bool:
     return False
 
@@ -41,6 +45,9 @@ class RoundContext:
     served yet): registrations and joins carry it, and peers on other states group apart."""
     banned: Callable[[str], bool] = _never_banned
     """Whether a peer was caught lying (:mod:`dedloc_jax.bans`): left out of our groups."""
+    proven: Callable[[str], bool] = _always_proven
+    """Whether a peer averaged with the run (``ProgressTracker.proven``): one that never did
+    and never registered is not waited for (a fresh identity's record costs nothing)."""
     admit: Callable[[PeerID, str | None], Awaitable[None]] | None = None
     """Private runs (:mod:`dedloc_jax.access`): raises unless the caller (in that mode) may
     take part; None in an open run."""
