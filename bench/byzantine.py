@@ -32,6 +32,9 @@ every node sent).
 The last line is one JSON object.
 
     python -m bench.byzantine [--epochs 12] [--dim 256] [--seed 0]
+
+``--processes``: the same attacks against real processes (a tiny sahajBERT run each), one row
+per attack; see :mod:`bench.byzantine_processes`.
 """
 
 from __future__ import annotations
@@ -327,7 +330,26 @@ def main() -> None:
     parser.add_argument(
         "--attacks", nargs="*", default=[*ATTACKS, *PROGRESS_ATTACKS], help="(default: all)"
     )
+    parser.add_argument(
+        "--processes",
+        action="store_true",
+        help="real processes: a tiny sahajBERT run per scenario (bench.byzantine_processes)",
+    )
+    parser.add_argument("--scenarios", nargs="*", default=None, help="--processes: (default: all)")
+    parser.add_argument(
+        "--warm", type=int, default=3, help="--processes: clean epochs before the attack"
+    )
+    parser.add_argument(
+        "--window", type=float, default=60.0, help="--processes: seconds watched after it"
+    )
+    parser.add_argument("--out", help="--processes: logs and event files (unset: /tmp/...)")
     args = parser.parse_args()
+    if args.processes:
+        from bench import byzantine_processes
+
+        args.scenarios = args.scenarios or list(byzantine_processes.SCENARIOS)
+        byzantine_processes.main(args)
+        return
     logging.basicConfig(level=logging.ERROR)
     task = Task(args.dim, args.seed)
     wall = time.monotonic()

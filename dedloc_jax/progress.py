@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -190,12 +190,16 @@ def estimate_collaboration(
     target_batch_size: int,
     max_extrapolation: float = 60.0,
     me: str | None = None,
+    proven: Callable[[str], bool] | None = None,
 ) -> CollaborationEstimate:
     """Sum the progress of the peers at the global epoch, extrapolated to ``now``.
 
     A report older than ``max_extrapolation`` seconds is extrapolated by that much at most, so
     one stale record cannot claim a whole batch on its own. ``me``: the peer asking, left
     out when telling whether all the others wait (:attr:`CollaborationEstimate.ready`).
+    ``proven``: whether a peer has averaged with the run (None: every peer has); the claims
+    of one that has not count at most as the median peer's (:data:`CLAIM_CAP` times it for
+    the others).
     """
     records = list(records)
     # Only trainers move the epoch: clients may lag or lie about it, aux peers follow.
@@ -204,8 +208,13 @@ def estimate_collaboration(
     at_epoch = [r for r in records if r.epoch == epoch]
     rate_cap = claim_cap(r.samples_per_second for r in at_epoch if r.mode != "aux")
 
+    def unproven(r: PeerProgress) -> bool:
+        return proven is not None and r.peer_id != me and not proven(r.peer_id)
+
     def rate(r: PeerProgress) -> float:
-        return r.samples_per_second if r.peer_id == me else min(r.samples_per_second, rate_cap)
+        if r.peer_id == me:
+            return r.samples_per_second
+        return min(r.samples_per_second, rate_cap / CLAIM_CAP if unproven(r) else rate_cap)
 
     def held(r: PeerProgress) -> float:
         if r.waiting:  # a waiting peer's rate is its pace when it trains, not now
@@ -217,7 +226,8 @@ def estimate_collaboration(
     # the target, so it only grows with time: an estimate must not shrink while peers train.
     counted = [held(r) for r in at_epoch if r.mode != "aux"]
     share = target_batch_size / max(1, len(counted))
-    samples_cap = max(CLAIM_CAP * statistics.median_low(counted), share) if counted else math.inf
+    median = statistics.median_low(counted) if counted else math.inf
+    samples_cap = max(CLAIM_CAP * median, share)
     samples = 0.0
     sps = 0.0
     interval = 0.0
@@ -230,7 +240,11 @@ def estimate_collaboration(
         else:
             own, own_rate = held(r), rate(r)
         # Our own count is exact; every other one is a claim, bounded by the median peer's.
-        samples += held(r) if r.peer_id == me else min(held(r), samples_cap)
+        # A peer that never averaged with the run (a fresh identity: it costs nothing) counts
+        # as one typical peer at most: a record of 2**53 samples counted as four and closed
+        # epochs at half the honest samples (bench.byzantine's claim_samples).
+        cap = min(median, samples_cap) if unproven(r) else samples_cap
+        samples += held(r) if r.peer_id == me else min(held(r), cap)
         if not r.waiting:
             sps += rate(r)
         interval = max(interval, r.step_interval)

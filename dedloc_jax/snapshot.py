@@ -71,6 +71,7 @@ def take_snapshot(
         target_batch_size=target,
         max_extrapolation=max_extrapolation,
         me=me,
+        proven=tracker.proven,
     )
     return ProgressSnapshot(
         est.epoch,

@@ -119,6 +119,9 @@ class ProgressTracker:
         # (epoch, peers): who averaged with us into ``epoch``; and the DHT time of our first
         # report in it (None: none yet), from which their samples are extrapolated
         self.mates: tuple[int, frozenset[str]] = (-1, frozenset())
+        # Every peer that averaged with us (-> the epoch it averaged into), oldest first:
+        # see proven.
+        self._averaged_with: dict[str, int] = {}
         self._mates_began: float | None = None
         self._rates: dict[str, float] = {}  # each peer's last non-zero published rate
 
@@ -375,6 +378,17 @@ class ProgressTracker:
         having started it when we did (see :meth:`projected`)."""
         self.mates = (epoch, frozenset(peers) - {self.peer_id})
         self._mates_began = None
+        for peer in self.mates[1]:
+            self._averaged_with.pop(peer, None)
+            self._averaged_with[peer] = epoch
+        while len(self._averaged_with) > MAX_LOGGED:
+            del self._averaged_with[next(iter(self._averaged_with))]
+
+    def proven(self, peer: str) -> bool:
+        """Whether ``peer``'s claims count in full: it averaged with us, or another peer
+        vouched that it averaged with them, or we have averaged with nobody yet (then nobody
+        is proven and everyone counts, as at a run's start)."""
+        return not self._averaged_with or peer in self._averaged_with or self._vouched(peer)
 
     def projected(self) -> dict[str, PeerProgress]:
         """The contenders' records as the estimate counts them. Two predictions fill the gap
@@ -497,6 +511,7 @@ class ProgressTracker:
             target_batch_size=math.inf if target is None else target,
             max_extrapolation=self.max_extrapolation,
             me=self.peer_id,
+            proven=self.proven,
         )
 
     # --- DHT I/O -----------------------------------------------------------------------

@@ -19,6 +19,10 @@ def _never_over(epoch: int) -> bool:
     return False
 
 
+def _always_proven(peer: str) -> bool:
+    return True
+
+
 def _never_banned(peer: str) -> bool:
     return False
 
@@ -43,6 +47,9 @@ class RoundContext:
     served yet): registrations and joins carry it, and peers on other states group apart."""
     banned: Callable[[str], bool] = _never_banned
     """Whether a peer was caught lying (:mod:`dedloc_jax.bans`): left out of our groups."""
+    proven: Callable[[str], bool] = _always_proven
+    """Whether a peer averaged with the run (``ProgressTracker.proven``): one that never did
+    and never registered is not waited for (a fresh identity's record costs nothing)."""
     admit: Callable[[PeerID, str | None], Awaitable[None]] | None = None
     """Private runs (:mod:`dedloc_jax.access`): raises unless the caller (in that mode) may
     take part; None in an open run."""
@@ -56,6 +63,8 @@ class ProgressTable(Protocol):
     def records(self) -> Mapping[str, Any]: ...
 
     def current_estimate(self) -> Any: ...
+
+    def proven(self, peer: str) -> bool: ...
 
 
 def _moved_on(table: ProgressTable, peer: str, epoch: int) -> bool:
@@ -75,11 +84,13 @@ def context_of(
 ) -> RoundContext:
     """A peer's context: who moved on and whether an epoch is over, from its progress
     ``table``; ``state_of``: its state server's head (peers average only with peers that step
-    from the same state, or do not say); ``banned``: its bans; ``admit``: its access guard."""
+    from the same state, or do not say); ``banned``: its bans; ``admit``: its access guard;
+    whether a peer is proven (averaged with the run), from the table too."""
     return RoundContext(
         moved_on=functools.partial(_moved_on, table),
         epoch_over=functools.partial(_epoch_over, table),
         state_of=state_of,
         banned=banned,
+        proven=table.proven,
         admit=admit,
     )

@@ -441,6 +441,8 @@ class Matchmaker:
         then given another chance; a registration clears it. A peer we never saw register gets
         no second chance until it does. It is still grouped whenever it registers in time, so a
         slow honest peer or newcomer loses only the wait, never its place."""
+        if peer not in self._registered and not self.context.proven(peer):
+            return False  # never registered, never averaged with the run: a fresh identity
         missed = self._no_shows.get(peer)
         if missed is None:
             return True

@@ -10,6 +10,7 @@ written and read here, so its format has one home.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any
@@ -125,6 +126,8 @@ class StateServer:
         self.latest = manifest
         if head != self._head:  # a new state: vouch for it when we averaged into it
             mates = list(self.mates(epoch)) if self.mates is not None and stepped else []
+            if self.book is not None:
+                self.book.anchor(mates)
             self._own_vouch = (
                 sign_vouch(self.node.identity, self.run_id, epoch, manifest.digest, mates)
                 if mates
@@ -289,6 +292,7 @@ async def read_announcements(
     me = str(node.peer_id)
     value = await dht.get(state_key(run_id), quorum=0 if whole else None, repair=not whole)
     found: list[Announcement] = []
+    carried: list[list[Vouch]] = []  # each announcement's vouches
     if not isinstance(value, dict):
         return found
     for subkey, item in value.items():
@@ -318,13 +322,23 @@ async def read_announcements(
             log.debug("ignoring a malformed state offer: %s", e)
             continue
         vouches = [w for w in map(Vouch.from_wire, wire_vouches) if w is not None]
-        vouched = vouched_by_another(run_id, names[0], vouches)
-        if book is not None and vouched:
-            book.record(names[0])
         if offered is not None:
             offered.extend(w for w in vouches if me in w.mates and w.signer == names[0])
-        found.append(Announcement(pid, epoch, digest, tuple(lineage), vouched=vouched))
-    return found
+        found.append(Announcement(pid, epoch, digest, tuple(lineage)))
+        carried.append(vouches)
+    # Vouched: by a trusted signer (with a book: our mates, us, and whom they vouched for,
+    # found until nothing changes; a Sybil's word for another Sybil never starts a chain).
+    trusted = None if book is None else (lambda signer: signer == me or book.trusts(signer))
+    vouched = [False] * len(found)
+    changed = True
+    while changed:
+        changed = False
+        for i, (a, vouches) in enumerate(zip(found, carried, strict=True)):
+            if not vouched[i] and vouched_by_another(run_id, str(a.peer), vouches, trusted):
+                vouched[i] = changed = True
+                if book is not None:
+                    book.record(str(a.peer))
+    return [dataclasses.replace(a, vouched=v) for a, v in zip(found, vouched, strict=True)]
 
 
 async def state_forked(

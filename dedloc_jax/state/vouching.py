@@ -10,15 +10,20 @@ is what a fresh identity cannot get without averaging with the run.
 The fork choice counts only vouched announcements as votes while any exists
 (:func:`dedloc_jax.state.lineage._voters`): Sybil announcers that never averaged with the run
 cannot outvote it, however many. A run of one, or a run's first epoch, has no vouch yet: then
-every stepped state counts as before. Sybils that first average with honest peers, or that
-form groups among themselves from the start, are not caught by this rule (identities cost
+every stepped state counts as before.
+
+A signature costs nothing, so Sybils can vouch for each other: five that did outvoted three
+honest peers. A vouch therefore counts only when its signer is trusted (:class:`VouchBook`):
+we averaged with it ourselves (our anchors), or a trusted signer vouched for it. A peer that
+has averaged with nobody yet (a newcomer) has no anchor and trusts every signer, as before.
+Sybils that first average with honest peers are not caught by this rule (identities cost
 nothing in an open run; a private run's invitations are the cost).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -94,19 +99,33 @@ def sign_vouch(
     return Vouch(epoch, digest, named, identity.public_key, sig)
 
 
-def vouched_by_another(run_id: str, peer: str, vouches: Iterable[Vouch]) -> bool:
+def vouched_by_another(
+    run_id: str,
+    peer: str,
+    vouches: Iterable[Vouch],
+    trusted: Callable[[str], bool] | None = None,
+) -> bool:
     """Whether one of ``vouches`` is another peer's valid word that ``peer`` averaged with it
-    (signed by someone else, naming ``peer``): its averaging history."""
-    return any(peer in v.mates and v.signer != peer and v.valid(run_id) for v in vouches)
+    (signed by someone else, naming ``peer``): its averaging history. ``trusted``: whose
+    signatures count (None: anyone's)."""
+    return any(
+        peer in v.mates
+        and v.signer != peer
+        and (trusted is None or trusted(v.signer))
+        and v.valid(run_id)
+        for v in vouches
+    )
 
 
 class VouchBook:
     """The peers a read announcement proved to have averaged with another (verified once,
     when read); the progress table's states are marked by it (its records carry no
-    vouches)."""
+    vouches). Also whose vouches count: the peers we averaged with (:meth:`anchor`) and,
+    from them on, the peers they vouched for (see the module's note on Sybils)."""
 
     def __init__(self) -> None:
         self._peers: set[str] = set()
+        self._anchors: set[str] = set()
 
     def record(self, peer: str) -> None:
         if len(self._peers) >= MAX_BOOK:
@@ -115,3 +134,16 @@ class VouchBook:
 
     def vouched(self, peer: str) -> bool:
         return peer in self._peers
+
+    def anchor(self, peers: Iterable[str]) -> None:
+        """``peers`` averaged with us: their vouches count, and they are vouched."""
+        for peer in peers:
+            if len(self._anchors) >= MAX_BOOK:
+                self._anchors.clear()
+            self._anchors.add(peer)
+            self.record(peer)
+
+    def trusts(self, signer: str) -> bool:
+        """Whether ``signer``'s vouches count: every signer's until we averaged with someone;
+        then our mates' and the peers they (or theirs) vouched for."""
+        return not self._anchors or signer in self._anchors or signer in self._peers

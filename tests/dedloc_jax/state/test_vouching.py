@@ -51,3 +51,19 @@ def test_unvouched_announcers_vote_only_when_no_state_is_vouched() -> None:
     assert fork_choice([*unvouched, *sybils]) == (12, b"S\x0c")
     # A run of one (no vouch anywhere): its state is the one to load.
     assert fork_choice([replace(honest[0], vouched=False)]) == (9, b"H\x09")
+
+
+def test_a_vouch_counts_only_from_a_signer_traced_to_our_own_mates() -> None:
+    """Sybils signing vouches for each other got vouched; once we averaged with someone, only
+    our mates' vouches and those of peers they vouched for count."""
+    mate, far, s1, s2 = _ids(4, "t")
+    pm, pf, p1, p2 = (str(x.peer_id) for x in (mate, far, s1, s2))
+    digest = b"d" * 32
+    book = VouchBook()
+    by_s1 = sign_vouch(s1, RUN, 5, digest, [p2])
+    assert book.trusts(p1)  # a newcomer (no mate yet) takes every signer, as before
+    assert vouched_by_another(RUN, p2, [by_s1], book.trusts)
+    book.anchor([pm])
+    assert book.vouched(pm) and book.trusts(pm)
+    assert not vouched_by_another(RUN, p2, [by_s1], book.trusts)  # a Sybil's word for a Sybil
+    assert vouched_by_another(RUN, pf, [sign_vouch(mate, RUN, 5, digest, [pf])], book.trusts)

@@ -1,0 +1,368 @@
+"""One hostile peer among four, with real processes (issue 46's "done when"):
+``python -m bench.byzantine --processes``.
+
+Each scenario is one fresh run on loopback: the coordinator of a prepared tiny sahajBERT run
+(``examples.sahajbert coordinator --max-epochs 100000``, checkpointing every 5 epochs), three
+honest ``examples.sahajbert trainer`` processes and a fourth trainer, the real one with an
+attack patched in (:mod:`bench.byzantine_peer`). The run trains clean until every honest
+trainer has stepped ``--warm`` epochs, then for ``--window`` seconds (its clean rate); then
+the driver turns the attack on and watches for ``--window`` seconds more. Scenarios ``none``
+(four honest trainers) and ``undefended`` (the same, whose every peer, the coordinator
+included, turns robust aggregation and verified rounds off from one epoch on: its
+``rate_vs_before`` is the undefended rate over the defended one in one run) are the
+baselines.
+
+One row per scenario: ``epochs`` (the honest trainers' mean number of steps in the window
+after the attack), ``rate_vs_before`` (their epoch rate after it over the same run's before it:
+the machine's load, shared with others, moves between runs) and ``rate_vs_clean`` (over the
+``none`` run's after its go), ``loss`` (the honest trainers' mean training loss
+over the last three epochs every run reached) and ``loss_vs_clean``, ``coordinator_up`` (still
+running at the end, and the epoch its status shows), ``banned`` / ``rounds_to_ban`` (honest
+trainers' epochs from the attack to the first honest trainer's ban of the hostile peer),
+``detected`` (a node refused the attacker's record, an honest trainer logged it as ignored or
+bounded, or banned it), ``finite`` and ``in_step`` (the honest trainers' digests at the last
+epoch they all reached). The last line is one JSON object.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.byzantine_peer import PROGRESS
+
+ROOT = Path(__file__).resolve().parents[1]
+RUN_ID = "chaos-sahajbert"  # bench.chaos's prepared tiny run (and compilation cache)
+TARGET = 64
+MICRO = 8
+HONEST = 3
+PERIOD = 5  # undefended: epochs with the defences off, then on, and so on
+SCENARIOS = (
+    "none",
+    "undefended",
+    "hijack_epoch",
+    "lying_reducer",
+    "sign_flip",
+    "claim_samples",
+    "junk_state_offer",
+    "keep_leading",
+    "lying_config",
+)
+# What an honest trainer logs when it ignores or bounds the attacker's word.
+DETECTED_BY = {
+    "hijack_epoch": "ignoring peer",
+    "keep_leading": "ignoring peer",
+    "claim_samples": "ignoring peer",
+    "junk_state_offer": "invalid record",
+    "lying_config": "bounded by the group's medians",
+}
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
+
+
+def prepared_run() -> Path:
+    """bench.chaos's prepared tiny run (prepared here if missing), and its compilation cache."""
+    from bench.chaos import _shared_cache
+    from models.text.corpus import write_corpus
+
+    prepared = _shared_cache().parent / f"chaos-sahajbert-run-{TARGET}"
+    if not (prepared / "run" / "manifest.json").is_file():
+        prepared.mkdir(parents=True, exist_ok=True)
+        write_corpus(prepared / "text.txt", 300, seed=0)
+        cmd = [sys.executable, "-m", "examples.sahajbert", "prepare", "--run-id", RUN_ID,
+               "--config", "tiny", "--seq-length", "32", "--target-batch-size", str(TARGET),
+               "--learning-rate", "0.01", "--warmup-steps", "1",
+               "--data", str(prepared / "text.txt"), "--out", str(prepared / "run"),
+               "--work-dir", str(prepared / "organiser")]  # fmt: skip
+        subprocess.run(cmd, cwd=ROOT, env=_env(), check=True, capture_output=True)
+    return prepared / "run"
+
+
+class Scenario:
+    """One run: a coordinator, three honest trainers and one patched with ``attack``."""
+
+    def __init__(self, attack: str, out: Path, manifest: Path) -> None:
+        self.attack = attack
+        self.out = out
+        self.manifest = manifest
+        self.go = out / "go"
+        self.procs: dict[str, subprocess.Popen] = {}
+        out.mkdir(parents=True, exist_ok=True)
+
+    def _spawn(self, name: str, role_args: list[str], patch: str | None) -> None:
+        cmd = [sys.executable, "-m"]
+        if patch is None:
+            cmd += ["examples.sahajbert"]
+        else:
+            cmd += ["bench.byzantine_peer", patch, str(self.go), str(self.out / name), "--"]
+        cmd = ["nice", "-n", "10", *cmd, *role_args]
+        with (self.out / f"{name}.log").open("ab") as log:
+            self.procs[name] = subprocess.Popen(
+                cmd, cwd=ROOT, env=_env(), stdout=log, stderr=subprocess.STDOUT
+            )
+
+    def _work(self, name: str) -> Path:
+        from bench.chaos import _shared_cache
+
+        work = self.out / name
+        work.mkdir(parents=True, exist_ok=True)
+        cache = work / "jax-cache"
+        if not cache.exists():
+            cache.symlink_to(_shared_cache(), target_is_directory=True)
+        return work
+
+    def start(self, deadline: float) -> None:
+        undefended = "undefended" if self.attack == "undefended" else None
+        addr_file = self.out / "addrs.json"
+        coord = ["coordinator", "--run-id", RUN_ID, "--manifest", str(self.manifest),
+                 "--out", str(self.out / "coordinator-out"), "--work-dir",
+                 str(self._work("coordinator")), "--addr-file", str(addr_file),
+                 "--checkpoint-every", "5", "--max-epochs", "100000",
+                 "--listen", "/ip4/127.0.0.1/tcp/0"]  # fmt: skip
+        self._spawn("coordinator", coord, undefended)
+        while not addr_file.exists():
+            if time.monotonic() > deadline or self.procs["coordinator"].poll() is not None:
+                raise RuntimeError(f"the coordinator did not start: {self.out}/coordinator.log")
+            time.sleep(0.5)
+        addr = json.loads(addr_file.read_text())[0]
+        for i in range(HONEST + 1):
+            name = f"trainer{i}"
+            args = ["trainer", "--run-id", RUN_ID, "--initial-peers", addr,
+                    "--work-dir", str(self._work(name)),
+                    "--identity", str(self.out / f"{name}.key"),
+                    "--per-device-batch-size", str(MICRO),
+                    "--events", str(self.out / f"{name}.jsonl"),
+                    "--listen", "/ip4/127.0.0.1/tcp/0"]  # fmt: skip
+            honest = undefended or "none"
+            patch = honest if i < HONEST or self.attack == "none" else self.attack
+            self._spawn(name, args, patch)
+
+    def steps(self, i: int) -> list[dict]:
+        path = self.out / f"trainer{i}.jsonl"
+        rows = []
+        if path.exists():
+            for line in path.read_text().splitlines():
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError:
+                    continue
+                if row.get("ev") == "epoch" and row.get("how") == "step":
+                    rows.append(row)
+        return rows
+
+    def honest_epoch(self) -> int:
+        """The epoch every honest trainer has stepped to (0 when one has not stepped)."""
+        return min(max((r["epoch"] for r in self.steps(i)), default=0) for i in range(HONEST))
+
+    def stop(self) -> None:
+        for p in self.procs.values():
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        end = time.monotonic() + 20
+        for p in self.procs.values():
+            try:
+                p.wait(max(0.1, end - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+
+def _peer_id(log: Path) -> str | None:
+    m = re.search(r"peer (\S+) reachable at", log.read_text(errors="replace"))
+    return m.group(1) if m else None
+
+
+def _noted(prefix: Path, needle: str) -> list[float]:
+    """Times of the records holding ``needle`` that a trainer noted (bench.byzantine_peer)."""
+    path = Path(f"{prefix}.notes.jsonl")
+    out = []
+    for line in path.read_text().splitlines() if path.exists() else ():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if needle in row["message"]:
+            out.append(row["t"])
+    return out
+
+
+def run_scenario(attack: str, out: Path, manifest: Path, warm: int, window: float) -> dict:
+    sc = Scenario(attack, out, manifest)
+    t_start = time.monotonic()
+    try:
+        sc.start(t_start + 300)
+        while sc.honest_epoch() < warm:
+            dead = [n for n, p in sc.procs.items() if p.poll() is not None]
+            if dead or time.monotonic() > t_start + 420:
+                raise RuntimeError(f"{attack}: no warm run ({dead or 'timeout'}); see {out}")
+            time.sleep(1.0)
+        t_pre = time.time()  # the run's own clean rate first, over as long a window
+        end = time.monotonic() + window
+        while time.monotonic() < end:
+            time.sleep(1.0)
+        if attack == "undefended":  # every peer switches at the same epochs, the driver's
+            switch = sc.honest_epoch() + 2
+            sc.go.write_text(f"{switch} {PERIOD}")
+            while sc.honest_epoch() < switch and time.monotonic() < end + 120:
+                time.sleep(0.2)
+        else:
+            sc.go.touch()
+        t_go = time.time()
+        end = time.monotonic() + window
+        while time.monotonic() < end:
+            time.sleep(1.0)
+        t_end = time.time()
+        coordinator_up = sc.procs["coordinator"].poll() is None
+        status_path = out / "coordinator-out" / "status.json"
+        status = json.loads(status_path.read_text()) if status_path.exists() else {}
+    finally:
+        sc.stop()
+    steps = [sc.steps(i) for i in range(HONEST)]
+    in_window = [[r for r in s if t_go <= r["t"] < t_end] for s in steps]
+    before = [[r for r in s if t_pre <= r["t"] < t_go] for s in steps]
+    losses: dict[int, list[float]] = {}
+    for s in steps:
+        for r in s:
+            losses.setdefault(r["epoch"], []).append(float(r.get("loss", float("nan"))))
+    common = min(max((r["epoch"] for r in s), default=0) for s in steps)
+    digests = {s_i[-1]["digest"] for s_i in ([r for r in s if r["epoch"] == common] for s in steps)
+               if s_i}  # fmt: skip
+    hostile = _peer_id(out / f"trainer{HONEST}.log")
+    ban_times = []
+    for i in range(HONEST):
+        ban_times += _noted(out / f"trainer{i}", f"banning {hostile}") if hostile else []
+    first_ban = min((t for t in ban_times if t >= t_go), default=None)
+    rounds_to_ban = None
+    if first_ban is not None:
+        rounds_to_ban = 1 + sum(t_go <= r["t"] < first_ban for r in steps[0])
+    detected_at = [first_ban] if first_ban is not None else []
+    report = out / f"trainer{HONEST}.attack.json"
+    refused = json.loads(report.read_text())["refused"] if report.exists() else False
+    needle = DETECTED_BY.get(attack)
+    if attack == "lying_config" and hostile:  # honest peers' links are bounded too, at times
+        needle = f"member {hostile[:8]} claims"
+    for i in range(HONEST) if needle else ():
+        detected_at += [t for t in _noted(out / f"trainer{i}", needle) if t >= t_go]
+    row: dict[str, Any] = {}
+    if attack == "undefended":
+        row["defences_cost"] = _alternating(steps[0], switch)
+    return {
+        **row,
+        "attack": attack,
+        "epoch_at_attack": warm,
+        "epochs_before": round(sum(len(w) for w in before) / HONEST, 2),
+        "epochs": round(sum(len(w) for w in in_window) / HONEST, 2),
+        "rate_vs_before": round(
+            (sum(map(len, in_window)) / (t_end - t_go))
+            / max(1e-9, sum(map(len, before)) / (t_go - t_pre)),
+            3,
+        ),
+        "window_s": round(t_end - t_go, 1),
+        "losses": {e: sum(v) / len(v) for e, v in sorted(losses.items())},
+        "last_epoch": common,
+        "finite": all(r.get("finite", False) for s in steps for r in s),
+        "in_step": len(digests) == 1,
+        "coordinator_up": coordinator_up,
+        "coordinator_epoch": (status.get("estimate") or {}).get("epoch"),
+        "checkpoint_epoch": status.get("checkpoint_epoch"),
+        "banned": first_ban is not None,
+        "rounds_to_ban": rounds_to_ban,
+        "refused_by_nodes": refused,
+        "detected": refused or bool(detected_at),
+        "rounds_to_detection": None
+        if not detected_at
+        else 1 + sum(t_go <= r["t"] < min(detected_at) for r in steps[0]),
+        "groups": [r.get("group") for r in steps[0] if t_go <= r["t"] < t_end],
+        "wall_s": round(time.monotonic() - t_start, 1),
+    }
+
+
+def _alternating(steps: list[dict], first: int) -> dict:
+    """Mean epoch time with the defences on and off (alternate spans of PERIOD epochs from
+    ``first``, off first): an epoch's time is from the step before it to its own."""
+    at = {r["epoch"]: r["t"] for r in steps}
+    spans: dict[bool, list[float]] = {True: [], False: []}
+    for e, t in at.items():
+        if e > first and e - 1 in at:
+            # the round that stepped to epoch e averaged epoch e - 1's gradients
+            off = (e - 1 - first) // PERIOD % 2 == 0
+            spans[not off].append(t - at[e - 1])
+    on, off = spans[True], spans[False]
+    if not on or not off:
+        return {}
+    mean_on, mean_off = sum(on) / len(on), sum(off) / len(off)
+    return {
+        "epochs_on": len(on),
+        "epochs_off": len(off),
+        "epoch_s_on": round(mean_on, 4),
+        "epoch_s_off": round(mean_off, 4),
+        "time_ratio": round(mean_on / mean_off, 4),
+    }
+
+
+def _mean_loss(r: dict, upto: int) -> float:
+    vals = [r["losses"][e] for e in range(upto - 2, upto + 1) if e in r["losses"]]
+    return sum(vals) / len(vals) if vals else float("nan")
+
+
+def rows(results: dict[str, dict]) -> list[dict]:
+    clean = results.get("none")
+    out = []
+    for r in results.values():
+        row = {k: v for k, v in r.items() if k not in ("losses", "groups")}
+        if clean is not None:
+            upto = min(r["last_epoch"], clean["last_epoch"])
+            loss, clean_loss = _mean_loss(r, upto), _mean_loss(clean, upto)
+            row["loss_at_epoch"] = upto
+            row["loss"] = round(loss, 4)
+            row["clean_loss"] = round(clean_loss, 4)
+            row["loss_vs_clean"] = round(loss / clean_loss, 4)
+            row["rate_vs_clean"] = round(
+                (r["epochs"] / r["window_s"]) / (clean["epochs"] / clean["window_s"]), 3
+            )
+        row["group_sizes"] = sorted(set(r["groups"]))
+        out.append(row)
+    return out
+
+
+def main(args: Any) -> None:
+    manifest = prepared_run()
+    base = Path(args.out or f"/tmp/byzantine-processes-{int(time.time())}")
+    wall = time.monotonic()
+    results: dict[str, dict] = {}
+    for attack in args.scenarios:
+        try:
+            results[attack] = run_scenario(attack, base / attack, manifest, args.warm, args.window)
+        except RuntimeError as e:
+            print(f"{attack}: {e}", file=sys.stderr)
+            continue
+        print(f"{attack}: done in {results[attack]['wall_s']} s", file=sys.stderr, flush=True)
+    table = rows(results)
+    for row in table:
+        print(" ".join(f"{k}={v}" for k, v in row.items()))
+    overhead = None
+    if "none" in results and "undefended" in results:
+        d, u = results["none"], results["undefended"]
+        upto = min(d["last_epoch"], u["last_epoch"])
+        overhead = {
+            # defended / undefended epoch time, alternating within the undefended run
+            **u.get("defences_cost", {}),
+            # the defended run's loss over the undefended one's at the same epochs
+            "loss_ratio": round(_mean_loss(d, upto) / _mean_loss(u, upto), 4),
+        }
+        print(f"defences' cost on a clean run (defended / undefended): {overhead}")
+    print(json.dumps({"processes": True, "warm": args.warm, "window_s": args.window,
+                      "rows": table, "overhead": overhead, "out": str(base),
+                      "wall_s": round(time.monotonic() - wall, 1)}))  # fmt: skip
+
+
+__all__ = ["PROGRESS", "SCENARIOS", "main", "run_scenario"]
