@@ -32,6 +32,7 @@ from dedloc_jax.state import (
     share_state,
     sync_state,
 )
+from dedloc_jax.topk import TopK
 
 __all__ = [
     "AllReduceConfig",
@@ -49,6 +50,7 @@ __all__ = [
     "ShareLostError",
     "StaleStateError",
     "StateSyncError",
+    "TopK",
     "collaboration_epoch",
     "collaborative",
     "diloco",

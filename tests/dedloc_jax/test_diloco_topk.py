@@ -1,0 +1,221 @@
+"""``diloco(..., compression=TopK(...))``: SparseLoCo-style sparse, low-bit pseudo-gradients.
+
+In-process peers (``tests.dedloc_jax.lockstep``) exchange the packed payloads as bytes, check
+them with :func:`dedloc_jax.topk.unpack` and sum them with :func:`dedloc_jax.topk.mean_of`,
+as a :class:`dedloc_jax.Collaboration` does; a single-process NumPy replay of the compression
+(error feedback included) must give the same bits.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+from dedloc_jax import TopK, diloco
+from dedloc_jax.diloco import outer_params_after_step
+from dedloc_jax.host import AveragingOutcome
+from dedloc_jax.state.training import share_state, sync_state
+from dedloc_jax.topk import Payload, PayloadError, decode, encode, mean_of, pack, unpack
+from tests.dedloc_jax.lockstep import LockstepGroup, LockstepPeer
+from tests.dedloc_jax.test_diloco import MICRO, _data, _loss, _params, _run_peers, _step_fn
+
+# 5 + 1 parameters in chunks of 4: two chunks, one value sent from each (the last is short)
+CFG = TopK(density=0.25, bits=2, error_feedback=0.95, chunk=4)
+N = 6
+
+
+class SparsePeer(LockstepPeer):
+    """Swaps packed payloads through the lockstep group; every peer unpacks all of them and
+    sums them in peer order."""
+
+    def __init__(self, group: LockstepGroup, index: int) -> None:
+        super().__init__(group, index)
+        self.sent: list[bytes] = []
+
+    def average_gradients(self, epoch, gradients, samples, *, codec=None) -> AveragingOutcome:
+        assert codec == CFG
+        data = pack(CFG, Payload(*gradients), N)
+        self.sent.append(data)
+        g = self.group
+        g._contrib[self.index] = (data, samples)
+        g._barrier.wait()
+        contrib = list(g._contrib)
+        g._barrier.wait()
+        payloads = [unpack(CFG, d, N) for d, _ in contrib]
+        mean = mean_of(CFG, payloads, [w for _, w in contrib], N)
+        return AveragingOutcome([mean], epoch + 1, g.size)
+
+
+def _train(per_peer: list[int], epochs: int, *, jit: bool):
+    k, target = len(per_peer), sum(per_peer)
+    group = LockstepGroup(k, target_batch_size=target)
+    x, y = _data(target * epochs)
+    history: list[list[dict]] = [[] for _ in range(k)]
+    fed: list[list[list]] = [[[] for _ in range(epochs)] for _ in range(k)]
+    final: list = [None] * k
+    peers = [SparsePeer(group, i) for i in range(k)]
+
+    def run(i: int) -> None:
+        tx = diloco(optax.sgd(0.05), peers[i], target_batch_size=target, compression=CFG)
+        step = _step_fn(tx, jit)
+        params = _params()
+        state = tx.init(params)
+        offset = sum(per_peer[:i])
+        for e in range(epochs):
+            lo = e * target + offset
+            for s in range(0, per_peer[i], MICRO):
+                xb, yb = x[lo + s : lo + s + MICRO], y[lo + s : lo + s + MICRO]
+                fed[i][e].append((xb, yb))
+                params, state = step(params, state, xb, yb)
+            while int(state.epoch) == e:
+                params, state = step(params, state, x[:0], y[:0])
+            params = outer_params_after_step(params, state)
+            history[i].append(jax.device_get(params))
+        final[i] = state
+
+    _run_peers([lambda i=i: run(i) for i in range(k)], group)
+    return history, fed, final, peers
+
+
+def _flat(tree: dict) -> np.ndarray:
+    return np.concatenate([np.ravel(np.asarray(v, np.float32)) for v in jax.tree.leaves(tree)])
+
+
+def _replay(fed: list[list[list]], outer: optax.GradientTransformation):
+    """One process, NumPy compression: each peer's pseudo-gradient plus its decayed error
+    feedback, top-k and 2 bits per chunk, the sample-weighted mean of the decoded payloads
+    summed in peer order, then the outer step."""
+    inner = optax.sgd(0.05)
+    outer_params = _params()
+    outer_state = outer.init(outer_params)
+    feedback = [np.zeros(N, np.float32) for _ in fed]
+    history, sent = [], []
+    treedef = jax.tree.structure(outer_params)
+    shapes = [np.shape(v) for v in jax.tree.leaves(outer_params)]
+    for e in range(len(fed[0])):
+        decoded, weights, packed = [], [], []
+        for i in range(len(fed)):
+            local, st = outer_params, inner.init(outer_params)
+            for xb, yb in fed[i][e]:
+                updates, st = inner.update(jax.grad(_loss)(local, xb, yb), st, local)
+                local = optax.apply_updates(local, updates)
+            delta = _flat(outer_params) - _flat(local)
+            acc = np.float32(CFG.error_feedback) * feedback[i] + delta
+            payload = encode(CFG, acc)
+            packed.append(pack(CFG, payload, N))
+            decoded.append(decode(CFG, payload, N))
+            feedback[i] = acc - decoded[-1]
+            weights.append(np.float32(sum(len(xb) for xb, _ in fed[i][e])))
+        total = np.float32(sum(weights))
+        mean = np.zeros(N, np.float32)
+        for d, w in zip(decoded, weights, strict=True):
+            mean += (w / total) * d
+        cuts = np.cumsum([int(np.prod(s)) for s in shapes])[:-1]
+        avg = jax.tree.unflatten(
+            treedef, [a.reshape(s) for a, s in zip(np.split(mean, cuts), shapes, strict=True)]
+        )
+        updates, outer_state = outer.update(avg, outer_state, outer_params)
+        outer_params = optax.apply_updates(outer_params, updates)
+        history.append(jax.device_get(outer_params))
+        sent.append(packed)
+    return history, feedback, sent
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_topk_diloco_equals_a_single_process_numpy_replay(jit: bool) -> None:
+    history, fed, final, peers = _train([12, 4], epochs=3, jit=jit)
+    want, feedback, sent = _replay(fed, optax.sgd(0.7, momentum=0.9, nesterov=True))
+    for i, peer in enumerate(peers):  # the bytes each peer sent, every outer step
+        assert peer.sent == [packed[i] for packed in sent]
+    for got, ref in zip(history[0], want, strict=True):
+        for key in ref:
+            assert np.asarray(got[key]).tobytes() == np.asarray(ref[key]).tobytes()
+    for state, ef in zip(final, feedback, strict=True):
+        assert np.asarray(state.error_feedback).tobytes() == ef.tobytes()
+    assert all(np.any(ef != 0) for ef in feedback)  # something was left unsent
+
+
+def test_two_peers_end_bit_identical_on_the_outer_parameters() -> None:
+    history, _, final, _ = _train([8, 8], epochs=2, jit=True)
+    for mine, theirs in zip(history[1], history[0], strict=True):
+        for key in mine:
+            assert mine[key].tobytes() == theirs[key].tobytes()
+    a, b = final
+    for x, y in zip(jax.tree.leaves(a.outer_state), jax.tree.leaves(b.outer_state), strict=True):
+        assert np.asarray(x).tobytes() == np.asarray(y).tobytes()
+    # the error feedback is each peer's own (they trained on different data)
+    assert np.asarray(a.error_feedback).tobytes() != np.asarray(b.error_feedback).tobytes()
+
+
+def test_error_feedback_is_not_served_and_a_newcomer_starts_at_zero() -> None:
+    _, _, final, _ = _train([8, 8], epochs=1, jit=True)
+    state = final[0]
+    assert np.any(np.asarray(state.error_feedback) != 0)
+
+    class Host:
+        def share_state(self, arrays, epoch):
+            self.got = (arrays, epoch)
+
+    host = Host()
+    share_state(host, state.outer_params, state)
+    arrays, epoch = host.got
+    tx = diloco(optax.sgd(0.05), SparsePeer(LockstepGroup(1, 16), 0), target_batch_size=16,
+                compression=CFG)  # fmt: skip
+    fresh = tx.init(_params())  # a restart: zero error feedback
+    assert np.asarray(fresh.error_feedback).tobytes() == np.zeros(N, np.float32).tobytes()
+
+    class Donor:
+        def load_state(self, *, timeout):
+            return epoch, arrays
+
+    params, loaded, got_epoch = sync_state(Donor(), _params(), fresh)
+    assert got_epoch == 1 and int(loaded.epoch) == 1
+    assert np.asarray(loaded.error_feedback).tobytes() == np.zeros(N, np.float32).tobytes()
+    assert _flat(params).tobytes() == _flat(state.outer_params).tobytes()
+
+
+def _honest() -> tuple[Payload, bytes]:
+    x = np.random.default_rng(0).normal(size=1000).astype(np.float32)
+    cfg = TopK(chunk=256)
+    payload = encode(cfg, x)
+    return payload, pack(cfg, payload, 1000)
+
+
+def _forge(payload: Payload, **change) -> bytes:
+    return pack(TopK(chunk=256), payload._replace(**change), 1000)
+
+
+def test_garbage_payloads_are_rejected() -> None:
+    cfg = TopK(chunk=256)
+    payload, data = _honest()
+    unpack(cfg, data, 1000)  # the honest one passes
+    bad_scales = payload.scales.copy()
+    bad_scales[1, 1] = np.nan
+    reversed_scales = payload.scales[:, ::-1].copy()
+    repeated = payload.offsets.copy()
+    repeated[0, 1] = repeated[0, 0]
+    beyond = payload.offsets.copy()
+    beyond[-1, -1] = 1000 - 3 * 256  # the last chunk holds 232 values: offset 232 is out
+    cases = {
+        "bytes": data[:-1],
+        "expected": data + b"\0",
+        "non-finite": _forge(payload, scales=bad_scales),
+        "order": _forge(payload, scales=reversed_scales),
+        "ascending": _forge(payload, offsets=repeated),
+        "range": _forge(payload, offsets=beyond),
+    }
+    for reason, bad in cases.items():
+        with pytest.raises(PayloadError, match=reason):
+            unpack(cfg, bad, 1000)
+
+
+def test_one_peer_cannot_blow_up_the_mean_with_huge_scales() -> None:
+    cfg = TopK(chunk=256)
+    rng = np.random.default_rng(1)
+    honest = [encode(cfg, rng.normal(size=1000).astype(np.float32)) for _ in range(3)]
+    liar = honest[0]._replace(scales=honest[0].scales * np.float32(1e6))
+    mean = mean_of(cfg, [*honest, liar], [1.0] * 4, 1000)
+    his = np.stack([p.scales[:, 1] for p in honest])
+    assert np.abs(mean).max() <= 4 * his.max()
