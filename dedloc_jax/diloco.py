@@ -365,14 +365,14 @@ class _OuterStep:
         return optax.apply_updates(outer_params, o_updates), outer_state
 
     def _compress(self, leaves: list[jax.Array]) -> tuple[list[jax.Array], jax.Array]:
-        """The TopK payload of (error feedback x decay + the pseudo-gradient), and what it
-        leaves unsent: the new error feedback."""
+        """The TopK payload (offsets, codes, scales, size) of (error feedback x decay + the
+        pseudo-gradient), and what it leaves unsent: the new error feedback."""
         assert self.compression is not None and self.state.error_feedback is not None
         flat = jnp.concatenate([jnp.ravel(x).astype(jnp.float32) for x in leaves])
         decay = jnp.float32(self.compression.error_feedback)
         acc = decay * self.state.error_feedback + flat
         payload, sent = encode_jax(self.compression, acc)
-        return list(payload), acc - sent
+        return [*payload, jnp.asarray(flat.size, jnp.int32)], acc - sent
 
     def _after_outer(self, new_outer: Any, inner_state: Any) -> Any:
         return self.inner.init(new_outer) if self.reset_inner else inner_state

@@ -40,6 +40,7 @@ from dedloc_jax.round.across import AcrossGroups
 from dedloc_jax.round.average import Rounds, average_round
 from dedloc_jax.round.context import RoundContext
 from dedloc_jax.round.deadlines import Deadlines, matchmaking_window
+from dedloc_jax.round.gather import SparseGather
 from dedloc_jax.round.matchmaking import Matchmaker
 from dedloc_jax.round.plan import expected_peers
 from dedloc_jax.round.slots import Slots
@@ -164,6 +165,7 @@ class CollaborationPeer:
             robust=config.robust_on,
             verify=config.verify_on,
             bans=self.bans,
+            gather=SparseGather(node, admit=admit),
         )
         self.epoch = 0
         self.history: list[RoundOutcome] = []  # one entry per averaging step
@@ -450,7 +452,7 @@ class CollaborationPeer:
             )
         result = got.average
         if got.group_size == 1 and self.config.on_no_group == "skip":
-            result = [np.zeros_like(np.asarray(a)) for a in arrays]
+            result = [np.zeros_like(np.asarray(a)) for a in result]
         self.epoch = epoch + 1
         # A peer that serves its state serves the new one next (share_state): one record.
         self.tracker.set_epoch(self.epoch, state_follows=self.state_server.latest is not None)
@@ -703,6 +705,7 @@ async def open_collaboration(
         install_probe(node, core.meter)
         core.matchmaker.register()
         core.across.register()
+        core.rounds.gather.register()
         core.state_server.register()
         nursery = await stack.enter_async_context(trio.open_nursery())
         await nursery.start(core.tracker.run)

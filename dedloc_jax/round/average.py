@@ -31,7 +31,9 @@ from dedloc_jax.averaging import (
 from dedloc_jax.bans import Bans
 from dedloc_jax.round.across import AcrossGroups, averaged_weight, broadcast, representative
 from dedloc_jax.round.deadlines import Deadlines
+from dedloc_jax.round.gather import SparseGather
 from dedloc_jax.round.matchmaking import Matchmaker
+from dedloc_jax.topk import TopK, decode, pack, unpack
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +67,8 @@ class Rounds:
     """Whether every member checks every reducer's result (:mod:`~dedloc_jax.averaging.audit`)."""
     bans: Bans | None = None
     """Where caught liars go (and are published); None: nobody is banned."""
+    gather: SparseGather | None = None
+    """The all-gather of sparse payloads (``codec`` a :class:`~dedloc_jax.TopK`)."""
 
     def all_reduce_config(self) -> AllReduceConfig | None:
         """The node's all-reduce settings with this run's robust aggregation and checks."""
@@ -164,6 +168,8 @@ async def average_round(
     ``expected`` peer is in (or later while the registered samples fall short of
     ``target``). ``on_averaged(spec)`` runs once the group's all-reduce succeeded, before any
     round across groups. The peer takes no part in the epoch's rounds afterwards."""
+    if isinstance(codec, TopK):
+        return await _sparse_round(rounds, epoch, me, arrays, codec, target, expected, on_averaged)
     matchmaker = rounds.matchmaker
     started = trio.current_time()
     spec = await matchmaker.form_group(epoch, me, target=target, expected=expected)
@@ -309,3 +315,43 @@ async def represent(
             len(others - members),
         )
     return [np.asarray(a) for a in averaged.average], len(spec.members), whole
+
+
+async def _sparse_round(
+    rounds: Rounds,
+    epoch: int,
+    me: Member,
+    arrays: Sequence[np.ndarray],
+    cfg: TopK,
+    target: float,
+    expected: set[str],
+    on_averaged: Callable[[GroupSpec], None] | None,
+) -> RoundResult:
+    """A round of sparse payloads: ``arrays`` are (offsets, codes, scales, size) of
+    :func:`dedloc_jax.topk.encode`; the group all-gathers them (no reducers: ARCHITECTURE.md
+    says why) and the result is the dense mean. One group only: an epoch split into several
+    groups steps with its group's mean, incomplete."""
+    if rounds.gather is None:
+        raise ValueError("this peer has no sparse gather: TopK needs a CollaborationPeer")
+    offsets, codes, scales, size = (np.asarray(a) for a in arrays)
+    n = int(size)
+    data = pack(cfg, unpack(cfg, pack(cfg, (offsets, codes, scales), n), n), n)
+    own = [decode(cfg, unpack(cfg, data, n), n)]
+    spec = await rounds.matchmaker.form_group(epoch, me, target=target, expected=expected)
+    result = RoundResult(own, 1, False, NO_GROUP)
+    if spec is not None:
+        timeout = rounds.deadlines(spec, arrays).averaging
+        got = await rounds.gather.gather(
+            spec, cfg, data if me.sends else None, n, me.weight, timeout=timeout
+        )
+        if got.complete and on_averaged is not None:
+            on_averaged(spec)
+        reason = "" if got.complete else "some members' sparse payloads never came"
+        if got.complete and rounds.matchmaker.needs_cross(epoch):
+            reason = "several groups: sparse payloads are gathered within a group only"
+        result = RoundResult([got.mean], len(got.included), not reason, reason, spec)
+    rounds.matchmaker.decline(epoch)
+    rounds.across.close(epoch)
+    if result.complete and result.group_size == 1:
+        result = dataclasses.replace(result, reason="averaged with no other peer")
+    return result

@@ -36,7 +36,8 @@ class SparsePeer(LockstepPeer):
 
     def average_gradients(self, epoch, gradients, samples, *, codec=None) -> AveragingOutcome:
         assert codec == CFG
-        data = pack(CFG, Payload(*gradients), N)
+        assert int(gradients[3]) == N  # the dense size travels with the payload
+        data = pack(CFG, Payload(*gradients[:3]), N)
         self.sent.append(data)
         g = self.group
         g._contrib[self.index] = (data, samples)
