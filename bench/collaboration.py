@@ -73,6 +73,7 @@ from dedloc_jax.averaging import AllReduceConfig, Member, install, solve_shares
 from dedloc_jax.averaging.bandwidth import UNMEASURED_DOWNLOAD_BPS, UNMEASURED_UPLOAD_BPS
 from dedloc_jax.config import CollaborationConfig
 from dedloc_jax.peer import CollaborationPeer, open_collaboration
+from dedloc_jax.topk import TopK, encode
 from p2p.dht import DHTClock, DHTConfig
 from p2p.node import Node, NodeConfig, open_node
 from p2p.testing import SimNetwork, run_sim, sim_identity
@@ -139,7 +140,7 @@ async def _peer(
     index: int,
     first: list[str],
     config: CollaborationConfig,
-    vector: np.ndarray,
+    vector: tuple[list[np.ndarray], TopK | None],
     micro: int,
     epochs: int,
     done: trio.Event,
@@ -203,7 +204,7 @@ async def _scaled_averaging(node: object, scale: int) -> AsyncIterator[None]:
 async def _train(
     core: CollaborationPeer,
     stats: PeerStats,
-    vector: np.ndarray,
+    vector: tuple[list[np.ndarray], TopK | None],
     micro: int,
     epochs: int,
     done: trio.Event,
@@ -229,7 +230,8 @@ async def _train(
             # Until its round ends the epoch's computing is cut off if the run ends first.
             stats.in_round += computed
             stats.cut_off = 0.0
-            out = await core.average(at, [vector], contributed)
+            arrays, sparse = vector  # what each peer sends, and TopK for sparse payloads
+            out = await core.average(at, arrays, contributed, codec=sparse)
             stats.in_round -= computed
             stats.epochs.append(
                 EpochOutcome(
@@ -274,7 +276,7 @@ def simulate(
     overlap: bool,
     config: CollaborationConfig | None = None,
     target: int | None = None,
-    codec: str = "fp16",
+    codec: str | TopK = "fp16",
 ) -> dict[str, float | None]:
     """One run of the collaboration (same peers, links and churn for a given seed); ``target``
     and ``codec``: samples per averaging and the wire codec (DeDLOC's by default)."""
@@ -284,11 +286,13 @@ def simulate(
     # An unmeasured link counts as a slow home link, slowed like every link by the scale.
     config = config or CollaborationConfig(
         target_batch_size=target,
-        codec=codec,
+        codec=codec if isinstance(codec, str) else "int8",
         max_refresh=5.0,
         unmeasured_upload_bps=UNMEASURED_UPLOAD_BPS / args.payload_scale,
         unmeasured_download_bps=UNMEASURED_DOWNLOAD_BPS / args.payload_scale,
     )
+    if isinstance(codec, TopK):  # sparse payloads are all-gathered: no LP split to size
+        config = config.replace(measure_links=False)
     if getattr(args, "no_defences", False):  # a public run has them on: CenteredClip, checks
         config = config.replace(robust=False, verify=False)
     # A probe as many seconds of a link as at full scale (4 MB), within a 64 KB floor.
@@ -299,6 +303,9 @@ def simulate(
     actual = max(1, args.params // args.payload_scale)
     vector = np.random.default_rng(args.seed).normal(size=actual).astype(np.float32)
     vector.setflags(write=False)
+    sent_arrays: tuple[list[np.ndarray], TopK | None] = ([vector], None)
+    if isinstance(codec, TopK):  # every peer sends the payload of the same vector
+        sent_arrays = ([*encode(codec, vector), np.int32(actual)], codec)
 
     async def run() -> list[PeerStats]:
         # Socket buffers hold as many seconds of a link as at full scale: unscaled, 512 KB
@@ -321,7 +328,7 @@ def simulate(
                         index,
                         first,
                         config,
-                        vector,
+                        sent_arrays,
                         args.micro,
                         args.epochs,
                         done,
@@ -565,6 +572,13 @@ def main() -> None:
         help="diloco: epochs of the DeDLOC run it is compared with (default: --epochs)",
     )
     parser.add_argument(
+        "--compression",
+        choices=("int8", "topk"),
+        default="int8",
+        help="diloco: int8 pseudo-gradients (butterfly) or TopK (sparse, 2-bit, all-gather)",
+    )
+    parser.add_argument("--topk-density", type=float, default=1 / 64, help="diloco, topk")
+    parser.add_argument(
         "--no-defences",
         action="store_true",
         help="without an open run's defences (CenteredClip, verified rounds), on by default",
@@ -606,8 +620,11 @@ def _compare_diloco(args: argparse.Namespace) -> None:
     dedloc_epochs = args.dedloc_epochs or args.epochs
     dedloc = simulate(argparse.Namespace(**{**vars(args), "epochs": dedloc_epochs}), overlap=True)
     outer_target = args.target * args.inner_steps
-    print(f"--- diloco: an outer step every {outer_target} samples, int8 pseudo-gradients")
-    diloco = simulate(args, overlap=False, target=outer_target, codec="int8")
+    codec: str | TopK = "int8"
+    if args.compression == "topk":
+        codec = TopK(density=args.topk_density)
+    print(f"--- diloco: an outer step every {outer_target} samples, {codec} pseudo-gradients")
+    diloco = simulate(args, overlap=False, target=outer_target, codec=codec)
     ratio = None
     if dedloc["bytes_per_sample"] and diloco["bytes_per_sample"]:
         ratio = round(dedloc["bytes_per_sample"] / diloco["bytes_per_sample"], 1)
