@@ -211,6 +211,18 @@ def _add_model_options(
         default=d.inner_steps,
         help=run("diloco: target batches between outer steps (DiLoCo's H)"),
     )
+    g.add_argument(
+        "--compression",
+        choices=("topk",),
+        default=d.compression,
+        help="diloco: topk: sparse 2-bit pseudo-gradients with error feedback (SparseLoCo)",
+    )
+    g.add_argument(
+        "--topk-density",
+        type=float,
+        default=d.topk_density,
+        help="topk: fraction of each chunk of 4096 values sent",
+    )
     g = p.add_argument_group("optimizer (sahajBERT's LAMB recipe)")
     g.add_argument("--learning-rate", type=float, default=o.learning_rate, help=run("peak lr"))
     g.add_argument("--warmup-steps", type=int, default=o.warmup_steps, help=run("linear warmup"))
@@ -454,6 +466,8 @@ def trainer_config(args: argparse.Namespace, base: TrainerConfig | None = None) 
         wait_for_trainers=getattr(args, "wait_for_trainers", base.wait_for_trainers),
         mode=args.mode,
         inner_steps=args.inner_steps,
+        compression=args.compression,
+        topk_density=args.topk_density,
     )
 
 
