@@ -340,7 +340,11 @@ async def _sparse_round(
     spec = await rounds.matchmaker.form_group(epoch, me, target=target, expected=expected)
     result = RoundResult(own, 1, False, NO_GROUP)
     if spec is not None:
-        timeout = rounds.deadlines(spec, arrays).averaging
+        # each member downloads every other payload: as a butterfly moving half of that
+        volume = len(spec.members) * cfg.payload_bytes(n) // 2
+        timeout = rounds.matchmaker.deadlines.for_group(
+            spec.lower_bound(volume), rounds.dht_latency(), override=rounds.averaging_timeout
+        ).averaging
         got = await rounds.gather.gather(
             spec, cfg, data if me.sends else None, n, me.weight, timeout=timeout
         )

@@ -144,9 +144,10 @@ class SparseGather:
         self._rounds[round_id] = g
         self._opened_event(round_id).set()
         reachable = [m.peer_id for m in spec.members if m.mode != "client" and m.peer_id != me]
+        pushed_to_me = me in {m.peer_id for m in spec.members if m.mode != "client"}
         try:
             with trio.move_on_after(timeout):
-                await self._collect(g, round_id, own, reachable)
+                await self._collect(g, round_id, own, reachable, pushed_to_me)
         finally:
             del self._rounds[round_id]
             self._opened.pop(round_id, None)
@@ -159,8 +160,15 @@ class SparseGather:
         return Gathered(mean, included, included == senders)
 
     async def _collect(
-        self, g: _Gather, round_id: bytes, own: dict | None, reachable: list[str]
+        self,
+        g: _Gather,
+        round_id: bytes,
+        own: dict | None,
+        reachable: list[str],
+        pushed_to_me: bool,
     ) -> None:
+        """Ask until every sender's entry is held. Clients push their entries to reachable
+        members, so a reachable member asks a relay for a client's only on a second try."""
         pushed: set[str] = set()
         attempt = 0
         while not g.senders <= set(g.held):
@@ -169,7 +177,7 @@ class SparseGather:
             for p in missing:  # a reachable sender is asked itself, a client through a relay
                 if p in reachable:
                     asks.setdefault(p, []).append(p)
-                elif reachable:
+                elif reachable and (attempt or not pushed_to_me):
                     relay = reachable[(attempt + sorted(g.senders).index(p)) % len(reachable)]
                     asks.setdefault(relay, []).append(p)
             for p in reachable:  # everyone reachable gets our entry once
