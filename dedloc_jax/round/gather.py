@@ -47,7 +47,13 @@ class _Gather:
     held: dict[str, Payload] = field(default_factory=dict)
     weights: dict[str, float] = field(default_factory=dict)
     raw: dict[str, dict] = field(default_factory=dict)  # the signed entries, to relay
+    equivocated: set[str] = field(default_factory=set)  # signed two payloads: never counted
     changed: trio.Event = field(default_factory=trio.Event)
+
+    def wake(self) -> None:
+        """Wake the requests waiting for entries: what is held changed."""
+        self.changed.set()
+        self.changed = trio.Event()
 
 
 @dataclass(frozen=True)
@@ -86,12 +92,27 @@ class SparseGather:
         except (PayloadError, ValueError, TypeError, KeyError) as e:
             log.warning("sparse payload rejected in group %s: %s", g.spec.digest.hex()[:8], e)
             return
-        if peer not in g.held:
-            g.held[peer] = payload
-            g.weights[peer] = weight
-            g.raw[peer] = entry
-            g.changed.set()
-            g.changed = trio.Event()
+        if peer in g.equivocated:
+            return
+        if peer in g.held:
+            first = g.raw[peer]
+            if (first["d"], first["w"]) != (entry["d"], entry["w"]):
+                # Members holding different payloads of one sender would step apart: this
+                # one drops the sender (an incomplete round) and logs both signed entries.
+                log.warning(
+                    "sparse gather: %s signed two different payloads for group %s; excluded "
+                    "(signatures %s and %s)",
+                    peer,
+                    g.spec.digest.hex()[:8],
+                    bytes(first["s"]).hex()[:16],
+                    bytes(entry["s"]).hex()[:16],
+                )
+                g.equivocated.add(peer)
+                del g.held[peer], g.weights[peer], g.raw[peer]
+                g.wake()
+            return
+        g.held[peer], g.weights[peer], g.raw[peer] = payload, weight, entry
+        g.wake()
 
     async def _handle(self, ctx: CallContext, request: Any) -> Any:
         if not isinstance(request, dict) or not isinstance(request.get("r"), bytes):
@@ -110,7 +131,7 @@ class SparseGather:
         if "e" in request:
             self._accept(g, round_id, request["e"])
         with trio.move_on_after(HOLD):
-            while not all(p in g.held for p in want if p in g.senders):
+            while not all(p in g.held for p in want if p in g.senders - g.equivocated):
                 await g.changed.wait()
         return {"e": [g.raw[p] for p in want if p in g.raw]}
 
@@ -171,8 +192,8 @@ class SparseGather:
         members, so a reachable member asks a relay for a client's only on a second try."""
         pushed: set[str] = set()
         attempt = 0
-        while not g.senders <= set(g.held):
-            missing = sorted(g.senders - set(g.held))
+        while not g.senders - g.equivocated <= set(g.held):
+            missing = sorted(g.senders - g.equivocated - set(g.held))
             asks: dict[str, list[str]] = {}
             for p in missing:  # a reachable sender is asked itself, a client through a relay
                 if p in reachable:
@@ -190,7 +211,7 @@ class SparseGather:
                 for p, want in asks.items():
                     nursery.start_soon(self._ask, g, round_id, p, want, own, pushed)
             attempt += 1
-            if not g.senders <= set(g.held):
+            if not g.senders - g.equivocated <= set(g.held):
                 await trio.sleep(RETRY)
 
     async def _ask(

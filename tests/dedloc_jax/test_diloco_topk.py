@@ -8,6 +8,8 @@ as a :class:`dedloc_jax.Collaboration` does; a single-process NumPy replay of th
 
 from __future__ import annotations
 
+import logging
+
 import jax
 import numpy as np
 import optax
@@ -220,3 +222,41 @@ def test_one_peer_cannot_blow_up_the_mean_with_huge_scales() -> None:
     mean = mean_of(cfg, [*honest, liar], [1.0] * 4, 1000)
     his = np.stack([p.scales[:, 1] for p in honest])
     assert np.abs(mean).max() <= 4 * his.max()
+
+
+def test_a_sender_that_signs_two_payloads_for_one_round_is_excluded(caplog) -> None:
+    import trio
+
+    from dedloc_jax.averaging import GroupSpec, Member
+    from dedloc_jax.round.gather import SparseGather, _Gather, _signed
+    from p2p.identity import Identity
+
+    cfg = TopK(chunk=256)
+    liar, other = Identity.from_seed(b"liar"), Identity.from_seed(b"other")
+    spec = GroupSpec(
+        (Member(str(liar.peer_id), "node", 1e6, 1e6, 8.0),
+         Member(str(other.peer_id), "node", 1e6, 1e6, 8.0))
+    )  # fmt: skip
+    round_id = spec.digest + b":sparse"
+
+    def entry(seed: int) -> dict:
+        x = np.random.default_rng(seed).normal(size=1000).astype(np.float32)
+        data = pack(cfg, encode(cfg, x), 1000)
+        sig = liar.sign(_signed(round_id, 8.0, data))
+        return {"p": str(liar.peer_id), "k": liar.public_key, "s": sig, "d": data, "w": 8.0}
+
+    async def main() -> _Gather:
+        gather = SparseGather(node=None)
+        g = _Gather(spec, cfg, 1000, frozenset({str(liar.peer_id), str(other.peer_id)}))
+        gather._accept(g, round_id, entry(0))
+        assert str(liar.peer_id) in g.held
+        gather._accept(g, round_id, entry(0))  # the same entry again: no harm
+        assert str(liar.peer_id) in g.held
+        gather._accept(g, round_id, entry(1))  # another payload, validly signed
+        gather._accept(g, round_id, entry(0))  # and never again counted
+        return g
+
+    with caplog.at_level(logging.WARNING, logger="dedloc_jax.round.gather"):
+        g = trio.run(main)
+    assert str(liar.peer_id) not in g.held and g.equivocated == {str(liar.peer_id)}
+    assert any("signed two different payloads" in r.getMessage() for r in caplog.records)
