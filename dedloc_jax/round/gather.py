@@ -164,8 +164,10 @@ class SparseGather:
             self._accept(g, round_id, own)
         self._rounds[round_id] = g
         self._opened_event(round_id).set()
-        reachable = [m.peer_id for m in spec.members if m.mode != "client" and m.peer_id != me]
-        pushed_to_me = me in {m.peer_id for m in spec.members if m.mode != "client"}
+        # trainers that accept connections; aux members (no payload) do not gather
+        nodes = [m.peer_id for m in spec.members if m.mode == "node"]
+        reachable = [p for p in nodes if p != me]
+        pushed_to_me = me in nodes
         try:
             with trio.move_on_after(timeout):
                 await self._collect(g, round_id, own, reachable, pushed_to_me)
