@@ -260,3 +260,43 @@ def test_a_sender_that_signs_two_payloads_for_one_round_is_excluded(caplog) -> N
         g = trio.run(main)
     assert str(liar.peer_id) not in g.held and g.equivocated == {str(liar.peer_id)}
     assert any("signed two different payloads" in r.getMessage() for r in caplog.records)
+
+
+class SparseOverlapPeer(SparsePeer):
+    """Averages in the background; the outcome shows two polls after the start."""
+
+    def start_averaging(self, epoch, gradients, samples, *, codec=None) -> None:
+        self._job = [2, self.average_gradients(epoch, gradients, samples, codec=codec)]
+
+    def poll_averaging(self) -> AveragingOutcome | None:
+        if self._job[0] > 0:
+            self._job[0] -= 1
+            return None
+        outcome, self._job = self._job[1], None
+        return outcome
+
+
+def test_overlap_sends_the_payload_and_lands_one_outer_step_on_both_peers() -> None:
+    group = LockstepGroup(2, target_batch_size=16)
+    x, y = _data(64)
+    results: list = [None, None]
+
+    def run(i: int) -> None:
+        peer = SparseOverlapPeer(group, i)
+        tx = diloco(optax.sgd(0.05), peer, target_batch_size=16, overlap=True, compression=CFG)
+        step = _step_fn(tx, jit=True)
+        params, state = _params(), tx.init(_params())
+        for s in range(0, 32, MICRO):
+            lo = i * 32 + s
+            params, state = step(params, state, x[lo : lo + MICRO], y[lo : lo + MICRO])
+        results[i] = (state, peer.sent)
+
+    _run_peers([lambda i=i: run(i) for i in range(2)], group)
+    (a, sent_a), (b, sent_b) = results
+    # one outer step landed, the second averaging is in flight at the end
+    assert int(a.epoch) == int(b.epoch) == 1 and len(sent_a) == len(sent_b) == 2
+    for u, v in zip(jax.tree.leaves(a.outer_params), jax.tree.leaves(b.outer_params), strict=True):
+        assert np.asarray(u).tobytes() == np.asarray(v).tobytes()
+    assert np.any(np.asarray(a.outer_params["w"]) != 0)  # the outer step moved them
+    # the error feedback was updated when the payload left, and is each peer's own
+    assert np.asarray(a.error_feedback).tobytes() != np.asarray(b.error_feedback).tobytes()
