@@ -120,6 +120,9 @@ class SparseGather:
         want = request.get("w", [])
         if not isinstance(want, list) or len(want) > 1024:
             raise ValueError("a sparse gather request names at most 1024 peers")
+        if not all(isinstance(p, str) for p in want):
+            raise ValueError("a sparse gather request names peers by their IDs")
+        want = list(dict.fromkeys(want))  # each payload at most once per answer
         round_id = request["r"]
         if self.admit is not None:
             await self.admit(ctx.remote_peer, None)

@@ -300,3 +300,30 @@ def test_overlap_sends_the_payload_and_lands_one_outer_step_on_both_peers() -> N
     assert np.any(np.asarray(a.outer_params["w"]) != 0)  # the outer step moved them
     # the error feedback was updated when the payload left, and is each peer's own
     assert np.asarray(a.error_feedback).tobytes() != np.asarray(b.error_feedback).tobytes()
+
+
+def test_a_request_naming_one_sender_many_times_gets_its_payload_once() -> None:
+    import trio
+
+    from dedloc_jax.averaging import GroupSpec, Member
+    from dedloc_jax.round.gather import SparseGather, _Gather, _signed
+    from p2p.identity import Identity
+
+    cfg = TopK(chunk=256)
+    ident = Identity.from_seed(b"sender")
+    spec = GroupSpec((Member(str(ident.peer_id), "node", 1e6, 1e6, 8.0),))
+    round_id = spec.digest + b":sparse"
+    data = pack(cfg, encode(cfg, np.ones(1000, np.float32)), 1000)
+    entry = {"p": str(ident.peer_id), "k": ident.public_key, "d": data, "w": 8.0}
+    entry["s"] = ident.sign(_signed(round_id, 8.0, data))
+
+    async def main() -> dict:
+        gather = SparseGather(node=None)
+        g = _Gather(spec, cfg, 1000, frozenset({str(ident.peer_id)}))
+        gather._accept(g, round_id, entry)
+        gather._rounds[round_id] = g
+        gather._opened_event(round_id).set()
+        return await gather._handle(None, {"r": round_id, "w": [str(ident.peer_id)] * 1000})
+
+    answer = trio.run(main)
+    assert len(answer["e"]) == 1  # not 1000 copies of the payload
