@@ -79,6 +79,7 @@ from dedloc_jax.averaging.leaf_codecs import COMPRESSIONS, POLICIES, LeafCodecs
 from dedloc_jax.config import CollaborationConfig, LinkConfig, ProgressConfig, RoundConfig
 from dedloc_jax.opening import open_collaboration
 from dedloc_jax.peer import CollaborationPeer
+from dedloc_jax.topk import TopK, encode
 from p2p.dht import DHTClock, DHTConfig
 from p2p.node import Node, NodeConfig, open_node
 from p2p.testing import SimNetwork, run_sim, sim_identity
@@ -167,7 +168,7 @@ async def _peer(
     index: int,
     first: list[str],
     config: CollaborationConfig,
-    arrays: list[np.ndarray],
+    vector: tuple[list[np.ndarray], TopK | None],
     micro: int,
     epochs: int,
     done: trio.Event,
@@ -210,7 +211,7 @@ async def _peer(
             # The collaboration probes its links itself (config.links.measure), with the
             # config's scaled probe_bytes: a second prober here sent unscaled 4 MB probes
             # beside it, which took 20-50 s on the slowed links and kept partners busy.
-            await _train(core, stats, arrays, micro, epochs, done, ending, overlap)
+            await _train(core, stats, vector, micro, epochs, done, ending, overlap)
         finally:
             stats.links = core.link_keeper.bandwidth()
 
@@ -228,7 +229,7 @@ def _scaled_averaging(scale: int) -> AllReduceConfig:
 async def _train(
     core: CollaborationPeer,
     stats: PeerStats,
-    arrays: list[np.ndarray],
+    vector: tuple[list[np.ndarray], TopK | None],
     micro: int,
     epochs: int,
     done: trio.Event,
@@ -254,7 +255,8 @@ async def _train(
             # Until its round ends the epoch's computing is cut off if the run ends first.
             stats.in_round += computed
             stats.cut_off = 0.0
-            out = await core.average(at, arrays, contributed)
+            arrays, sparse = vector  # what each peer sends, and TopK for sparse payloads
+            out = await core.average(at, arrays, contributed, codec=sparse)
             stats.in_round -= computed
             stats.epochs.append(
                 EpochOutcome(
@@ -299,7 +301,7 @@ def simulate(
     overlap: bool,
     config: CollaborationConfig | None = None,
     target: int | None = None,
-    codec: str = "fp16",
+    codec: str | TopK = "fp16",
 ) -> dict[str, float | None]:
     """One run of the collaboration (same peers, links and churn for a given seed); ``target``
     and ``codec``: samples per averaging and the wire codec (DeDLOC's by default)."""
@@ -309,14 +311,17 @@ def simulate(
     # An unmeasured link counts as a slow home link, slowed like every link by the scale.
     config = config or CollaborationConfig(
         target_batch_size=target,
-        rounds=RoundConfig(codec=codec),
+        rounds=RoundConfig(codec=codec if isinstance(codec, str) else "int8"),
         progress=ProgressConfig(max_refresh=5.0),
         links=LinkConfig(
             unmeasured_upload_bps=UNMEASURED_UPLOAD_BPS / args.payload_scale,
             unmeasured_download_bps=UNMEASURED_DOWNLOAD_BPS / args.payload_scale,
         ),
     )
-    codec = config.rounds.codec  # a config given names its own
+    if isinstance(codec, TopK):  # sparse payloads are all-gathered: no LP split to size
+        config = config.replace(links=config.links.replace(measure=False))
+    else:
+        codec = config.rounds.codec  # a config given names its own
     if getattr(args, "no_defences", False):  # a public run has them on: CenteredClip, checks
         config = config.replace(defence=config.defence.replace(robust=False, verify=False))
     # A probe as many seconds of a link as at full scale (4 MB), within a 64 KB floor.
@@ -333,6 +338,9 @@ def simulate(
         arrays = [np.random.default_rng(args.seed).normal(size=actual).astype(np.float32)]
     for a in arrays:
         a.setflags(write=False)
+    sent_arrays: tuple[list[np.ndarray], TopK | None] = (arrays, None)
+    if isinstance(codec, TopK):  # every peer sends the payload of the same vector
+        sent_arrays = ([*encode(codec, arrays[0]), np.int32(actual)], codec)
 
     async def run() -> list[PeerStats]:
         # Socket buffers hold as many seconds of a link as at full scale: unscaled, 512 KB
@@ -355,7 +363,7 @@ def simulate(
                         index,
                         first,
                         config,
-                        arrays,
+                        sent_arrays,
                         args.micro,
                         args.epochs,
                         done,
@@ -415,12 +423,15 @@ def simulate(
         p.epochs = [o for o in p.epochs if o.epoch < args.epochs]
     # the LP bound of the vector's encoded bytes (in one share: chunked as a round cuts it)
     chunk = max(16, AllReduceConfig.internet().chunk_elems // args.payload_scale)
-    plan = LeafCodecs.of_shapes(codec, [a.shape for a in arrays])
-    encoded = plan.wire_bytes((0, plan.size), chunk)
+    if isinstance(codec, TopK):  # one payload per peer (all-gathered)
+        encoded, name = codec.payload_bytes(actual), "topk"
+    else:
+        plan = LeafCodecs.of_shapes(codec, [a.shape for a in arrays])
+        encoded, name = plan.wire_bytes((0, plan.size), chunk), codec
     figures = outcome_figures(everyone, peers, target, encoded, overlap=overlap)
-    figures["compression"] = codec
+    figures["compression"] = name
     figures["vector_values"] = actual
-    figures["wire_bytes_per_value"] = round(encoded / plan.size, 4)
+    figures["wire_bytes_per_value"] = round(encoded / actual, 4)
     processed = sum(p.processed for p in everyone)
     figures["bytes_sent"] = sent[0]
     figures["samples_processed"] = processed
@@ -607,12 +618,13 @@ def main() -> None:
     )
     parser.add_argument(
         "--compression",
-        choices=COMPRESSIONS,
+        choices=(*COMPRESSIONS, "topk"),
         default=None,
         help="what the averaged vectors travel in (adaptive: sahajBERT-shaped leaves, 1-D and "
-        "small ones fp16, matrices int8); unset: fp16, and int8 for diloco's DiLoCo run "
-        "(its DeDLOC run stays fp16)",
+        "small ones fp16, matrices int8; topk: diloco only, sparse 2-bit payloads all-gathered); "
+        "unset: fp16, and int8 for diloco's DiLoCo run (its DeDLOC run stays fp16)",
     )
+    parser.add_argument("--topk-density", type=float, default=1 / 64, help="diloco, topk")
     parser.add_argument(
         "--no-defences",
         action="store_true",
@@ -656,7 +668,9 @@ def _compare_diloco(args: argparse.Namespace) -> None:
     dedloc_epochs = args.dedloc_epochs or args.epochs
     dedloc = simulate(argparse.Namespace(**{**vars(args), "epochs": dedloc_epochs}), overlap=True)
     outer_target = args.target * args.inner_steps
-    codec = args.compression or "int8"
+    codec: str | TopK = args.compression or "int8"
+    if args.compression == "topk":
+        codec = TopK(density=args.topk_density)
     print(f"--- diloco: an outer step every {outer_target} samples, {codec} pseudo-gradients")
     diloco = simulate(args, overlap=False, target=outer_target, codec=codec)
     ratio = None

@@ -16,7 +16,9 @@ so the comparison is about the optimisation, not the network.
 Reported (last line, JSON): the final MLM+SOP loss of each mode on held-out batches, their
 ratio (goal: DiLoCo within 5% of DeDLOC), the bytes each peer sends (per averaging, a
 butterfly member sends ``2 (n - 1) / n`` of the encoded vector), the averaging rounds, and a
-PNG of both held-out loss curves against samples.
+PNG of both held-out loss curves against samples. ``--modes diloco,diloco-topk`` compares
+int8 DiLoCo with TopK DiLoCo (:class:`dedloc_jax.TopK`, payloads swapped as the all-gather
+does, each peer sending ``n - 1`` payloads); the ratio is then the last mode's over the first's.
 
     python -m bench.diloco_quality [--samples 5760] [--inner-steps 4] [--peers 3] [--out DIR]
         [--outer-lr 0.7] [--outer-momentum 0.9] [--outer-schedule cosine|constant]
@@ -42,6 +44,7 @@ from dedloc_jax.averaging.codecs import get_codec
 from dedloc_jax.averaging.leaf_codecs import leaf_codec_names
 from dedloc_jax.diloco import outer_params_after_step
 from dedloc_jax.host import AveragingOutcome
+from dedloc_jax.topk import Payload, TopK, mean_of, pack, unpack
 from examples.sahajbert import training
 from examples.sahajbert.config import TrainerConfig
 from models.albert import pretraining_batch_loss
@@ -80,6 +83,8 @@ class Peer:
         self, epoch: int, gradients: Sequence[np.ndarray], samples: int, *, codec: str | None = None
     ) -> AveragingOutcome:
         g = self.group
+        if isinstance(codec, TopK):
+            return self._gather(epoch, gradients, samples, codec)
         names = leaf_codec_names(codec or g.codec, [np.shape(x) for x in gradients])
         wires = [get_codec(name) for name in names]
 
@@ -100,6 +105,21 @@ class Peer:
         if self.index == 0:
             g.rounds += 1
         return AveragingOutcome(mean, epoch + 1, g.n)
+
+    def _gather(self, epoch: int, payload: Sequence[np.ndarray], samples: int, cfg: TopK):
+        """As the sparse all-gather: each peer's packed payload to the n - 1 others, the mean
+        of the decoded payloads in peer order."""
+        g = self.group
+        n = int(payload[3])
+        g.sent[self.index] = (pack(cfg, Payload(*payload[:3]), n), samples)
+        g.bytes_sent[self.index] += (g.n - 1) * cfg.payload_bytes(n)
+        g.barrier.wait()
+        got = [(unpack(cfg, d, n), w) for d, w in g.sent]
+        mean = mean_of(cfg, [p for p, _ in got], [w for _, w in got], n)
+        g.barrier.wait()
+        if self.index == 0:
+            g.rounds += 1
+        return AveragingOutcome([mean], epoch + 1, g.n)
 
 
 apply_updates = jax.jit(optax.apply_updates)
@@ -130,8 +150,9 @@ def train(
     graphdef, params0, rest = model
     micro = cfg.per_device_batch_size
     per_peer = args.samples // args.peers
-    target = cfg.target_batch_size * (args.inner_steps if mode == "diloco" else 1)
-    group = Group(args.peers, target, codec or ("int8" if mode == "diloco" else "fp16"))
+    diloco = mode.startswith("diloco")
+    target = cfg.target_batch_size * (args.inner_steps if diloco else 1)
+    group = Group(args.peers, target, codec or ("int8" if diloco else "fp16"))
     grad_step = training.make_grad_step(graphdef, rest)
     # As the trainer runs it: the transform eagerly around separately jitted pieces (one jit of
     # the whole step compiles for minutes on a busy CPU), shared by the peers.
@@ -147,15 +168,21 @@ def train(
     def run(i: int) -> None:
         try:
             peer = group.peer(i)
-            if mode == "diloco":
+            if diloco:
                 outer_lr: float | optax.Schedule = args.outer_lr
                 if args.outer_schedule == "cosine":  # to 0 at the run's last outer step
                     outer_lr = optax.cosine_decay_schedule(
                         args.outer_lr, per_peer * args.peers // target
                     )
                 outer = optax.sgd(outer_lr, momentum=args.outer_momentum, nesterov=True)
+                sparse = TopK(density=args.topk_density) if mode == "diloco-topk" else None
                 tx = dedloc_jax.diloco(
-                    inner, peer, target_batch_size=target, outer=outer, codec=group.codec
+                    inner,
+                    peer,
+                    target_batch_size=target,
+                    outer=outer,
+                    codec=group.codec,
+                    compression=sparse,
                 )
             else:
                 tx = dedloc_jax.collaborative(inner, peer, target_batch_size=target)
@@ -252,6 +279,12 @@ def main() -> None:
     )
     parser.add_argument("--held-out", type=int, default=8, help="held-out batches of 16")
     parser.add_argument("--out", type=Path, default=Path("diloco_quality"))
+    parser.add_argument(
+        "--modes",
+        default="dedloc,diloco",
+        help="comma-separated, of dedloc, diloco (int8), diloco-topk (TopK, all-gathered)",
+    )
+    parser.add_argument("--topk-density", type=float, default=1 / 64)
     args = parser.parse_args()
     cfg = TrainerConfig.demo()
     if args.samples % (args.peers * cfg.per_device_batch_size):
@@ -268,7 +301,10 @@ def main() -> None:
         b = next(stream)
         held_out.append({k: v[0] for k, v in b.items() if k != training.DROPOUT_SEED})
     results = {}
-    for mode in ("dedloc", "diloco"):
+    modes = args.modes.split(",")
+    if not modes or not set(modes) <= {"dedloc", "diloco", "diloco-topk"}:
+        parser.error("--modes: a comma-separated list of dedloc, diloco, diloco-topk")
+    for mode in modes:
         r = train(mode, args, cfg, corpus, vocab, model, held_out)
         results[mode] = r
         print(
@@ -278,8 +314,9 @@ def main() -> None:
         )
     args.out.mkdir(parents=True, exist_ok=True)
     plot = _plot(results, args.out)
-    ratio = results["diloco"]["final_loss"] / results["dedloc"]["final_loss"]
-    print(f"DiLoCo's final loss / DeDLOC's: {ratio:.4f} (goal <= 1.05); plot {plot}")
+    base, other = modes[0], modes[-1]
+    ratio = results[other]["final_loss"] / results[base]["final_loss"]
+    print(f"{other}'s final loss / {base}'s: {ratio:.4f} (goal <= 1.05); plot {plot}")
     out = {
         "loss_ratio": round(ratio, 4),
         "inner_steps": args.inner_steps,

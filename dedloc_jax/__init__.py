@@ -41,6 +41,7 @@ from dedloc_jax.state import (
     share_state,
     sync_state,
 )
+from dedloc_jax.topk import TopK
 
 __all__ = [
     "AccessConfig",
@@ -65,6 +66,7 @@ __all__ = [
     "StateConfig",
     "StaleStateError",
     "StateSyncError",
+    "TopK",
     "collaboration_epoch",
     "collaborative",
     "diloco",

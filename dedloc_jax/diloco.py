@@ -51,6 +51,7 @@ from dedloc_jax.host import (
     is_traced,
 )
 from dedloc_jax.state.transform_states import DiLoCoState, outer_params_after_step
+from dedloc_jax.topk import TopK, encode_jax
 
 __all__ = ["DiLoCoState", "diloco", "outer_params_after_step"]
 
@@ -77,6 +78,7 @@ def diloco(
     overlap: bool = False,
     reset_inner: bool = False,
     callback: str = "auto",
+    compression: TopK | None = None,
 ) -> optax.GradientTransformationExtraArgs:
     """Local training with ``inner`` and one averaged outer step per collaboration-wide batch.
 
@@ -105,6 +107,10 @@ def diloco(
         moments carry over). Either way it is a pure function of the state, so the policy is
         the same on every peer; a peer that loads a state starts a fresh inner state.
       callback: how jitted code reaches the host (see :func:`dedloc_jax.collaborative`).
+      compression: :class:`dedloc_jax.TopK` for SparseLoCo-style pseudo-gradients: each peer
+        sends the top ``density`` of every chunk of ``outer - local`` plus its error feedback
+        (kept in the state, never served), values in ``bits`` bits; the host gets the compact
+        payload and returns the dense mean (``codec`` is then ignored). None: dense, ``codec``.
 
     ``update(grads, state, params, *, batch_size)``: ``grads`` are the mean gradients of a
     micro-batch of ``batch_size`` samples; ``params`` (required) are the local parameters. A
@@ -120,6 +126,8 @@ def diloco(
             f"{type(collab).__name__}.average_gradients takes no codec: pass codec=None "
             "(the collaboration's own) or use a dedloc_jax.Collaboration"
         )
+    if compression is not None:
+        codec = compression  # type: ignore[assignment]  # the host gathers sparse payloads
     wire = {} if codec is None else {"codec": codec}
     calls = connect(collab, target_batch_size=target_batch_size, overlap=overlap, wire=wire)
     inner = optax.with_extra_args_support(inner)
@@ -127,7 +135,7 @@ def diloco(
         outer = optax.sgd(0.7, momentum=0.9, nesterov=True)
 
     def init(params: optax.Params) -> DiLoCoState:
-        return _init_state(inner, outer, params, overlap)
+        return _init_state(inner, outer, params, overlap, compression)
 
     def update(
         updates: optax.Updates,
@@ -148,7 +156,7 @@ def diloco(
         )
         action = step.decide(state.epoch, samples, batch)
         branches = _OuterStep(
-            inner, outer, reset_inner, step, state, params, samples, inner_updates
+            inner, outer, reset_inner, step, state, params, samples, inner_updates, compression
         )
         return _new_state(step.switch(action, branches.table(), inner_state))
 
@@ -160,7 +168,9 @@ def _init_state(
     outer: optax.GradientTransformation,
     params: optax.Params,
     overlap: bool,
+    compression: TopK | None = None,
 ) -> DiLoCoState:
+    size = sum(int(jnp.size(p)) for p in jax.tree.leaves(params))
     return DiLoCoState(
         inner_state=inner.init(params),
         outer_params=jax.tree.map(jnp.array, params),  # a copy: params may be donated
@@ -174,6 +184,7 @@ def _init_state(
         sent=jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), jnp.float32), params)
         if overlap
         else None,
+        error_feedback=None if compression is None else jnp.zeros((size,), jnp.float32),
     )
 
 
@@ -204,7 +215,7 @@ def _inner_step(
 def _new_state(out: tuple) -> tuple[optax.Updates, DiLoCoState]:
     """The updates and the new state, from a branch's output."""
     (new_updates, inner_state, outer_params, outer_state, epoch, group_size, complete) = out[:7]
-    samples, synced, sent = out[7:]
+    samples, synced, sent, error_feedback = out[7:]
     return new_updates, DiLoCoState(
         inner_state=inner_state,
         outer_params=outer_params,
@@ -216,6 +227,7 @@ def _new_state(out: tuple) -> tuple[optax.Updates, DiLoCoState]:
         synced=jnp.asarray(synced, jnp.bool_),
         fresh=jnp.zeros((), jnp.bool_),
         sent=sent,
+        error_feedback=error_feedback,
     )
 
 
@@ -223,7 +235,7 @@ class _OuterStep:
     """The branches of one micro-step of :func:`diloco`, after its inner step.
 
     Each takes the inner state and returns (updates, inner_state, outer_params, outer_state,
-    epoch, group_size, complete, samples, synced, sent).
+    epoch, group_size, complete, samples, synced, sent, error_feedback).
     """
 
     def __init__(
@@ -236,6 +248,7 @@ class _OuterStep:
         params: optax.Params,
         samples: jax.Array,
         inner_updates: optax.Updates,
+        compression: TopK | None = None,
     ) -> None:
         self.inner = inner
         self.outer = outer
@@ -245,6 +258,7 @@ class _OuterStep:
         self.params = params
         self.samples = samples
         self.inner_updates = inner_updates
+        self.compression = compression
 
     def table(self) -> Branches:
         return Branches(keep=self.keep, average=self.average, start=self.start, apply=self.apply)
@@ -262,11 +276,19 @@ class _OuterStep:
             self.samples,
             jnp.bool_(False),
             state.sent,
+            state.error_feedback,
         )
 
     def average(self, inner_state: Any) -> tuple:
         leaves, treedef = jax.tree.flatten(self._local_delta())
-        got, taken = self.step.average(self.state.epoch, self.samples, leaves)
+        error_feedback = self.state.error_feedback
+        if self.compression is None:
+            got, taken = self.step.average(self.state.epoch, self.samples, leaves)
+        else:
+            payload, error_feedback = self._compress(leaves)
+            like = [jax.ShapeDtypeStruct(error_feedback.shape, jnp.float32)]
+            got, taken = self.step.average(self.state.epoch, self.samples, payload, like)
+            got = got._replace(leaves=_split(got.leaves[0], leaves))
         new_outer, outer_state = self._outer_step(got, treedef)
         return (
             self._moving_to(new_outer),
@@ -279,18 +301,26 @@ class _OuterStep:
             self.samples - taken,
             jnp.bool_(True),
             self.state.sent,
+            error_feedback,
         )
 
     def start(self, inner_state: Any) -> tuple:
         delta = self._local_delta()
-        taken = self.step.start(self.state.epoch, self.samples, jax.tree.leaves(delta))
+        sending, error_feedback = jax.tree.leaves(delta), self.state.error_feedback
+        if self.compression is not None:
+            sending, error_feedback = self._compress(sending)
+        taken = self.step.start(self.state.epoch, self.samples, sending)
         out = self.keep(inner_state)
-        return (*out[:7], self.samples - taken, jnp.bool_(False), delta)
+        return (*out[:7], self.samples - taken, jnp.bool_(False), delta, error_feedback)
 
     def apply(self, inner_state: Any) -> tuple:
         state = self.state
         leaves, treedef = jax.tree.flatten(state.sent)
-        got = self.step.collect(state.epoch, leaves)
+        if self.compression is None:
+            got = self.step.collect(state.epoch, leaves)
+        else:
+            got = self.step.collect(state.epoch, [state.error_feedback])
+            got = got._replace(leaves=_split(got.leaves[0], leaves))
         new_outer, outer_state = self._outer_step(got, treedef)
         # local = new_outer + (local_now - local_sent), local_sent = outer - sent
         local = jax.tree.map(
@@ -316,6 +346,7 @@ class _OuterStep:
             self.samples,
             jnp.bool_(False),
             jax.tree.map(jnp.zeros_like, state.sent),
+            state.error_feedback,
         )
 
     def _local_delta(self) -> Any:
@@ -335,9 +366,28 @@ class _OuterStep:
         o_updates, outer_state = self.outer.update(avg, self.state.outer_state, outer_params)
         return optax.apply_updates(outer_params, o_updates), outer_state
 
+    def _compress(self, leaves: list[jax.Array]) -> tuple[list[jax.Array], jax.Array]:
+        """The TopK payload (offsets, codes, scales, size) of (error feedback x decay + the
+        pseudo-gradient), and what it leaves unsent: the new error feedback."""
+        assert self.compression is not None and self.state.error_feedback is not None
+        flat = jnp.concatenate([jnp.ravel(x).astype(jnp.float32) for x in leaves])
+        decay = jnp.float32(self.compression.error_feedback)
+        acc = decay * self.state.error_feedback + flat
+        payload, sent = encode_jax(self.compression, acc)
+        return [*payload, jnp.asarray(flat.size, jnp.int32)], acc - sent
+
     def _after_outer(self, new_outer: Any, inner_state: Any) -> Any:
         return self.inner.init(new_outer) if self.reset_inner else inner_state
 
     def _moving_to(self, target: Any) -> Any:
         """Updates that move the local parameters onto ``target``."""
         return jax.tree.map(lambda t, p: (t - p).astype(p.dtype), target, self.params)
+
+
+def _split(flat: jax.Array, like: list[jax.Array]) -> list[jax.Array]:
+    """``flat`` cut into arrays shaped like ``like`` (the inverse of concatenating them)."""
+    out, at = [], 0
+    for x in like:
+        out.append(flat[at : at + x.size].reshape(x.shape))
+        at += x.size
+    return out

@@ -25,6 +25,7 @@ branch with Python control flow (no work for the branches not taken).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, Protocol, runtime_checkable
 
@@ -181,13 +182,20 @@ class HostCalls:
         ready = self.collab.report_progress(int(epoch), int(samples), int(batch))
         return (np.int32(STEP if ready else KEEP),)
 
-    def average(self, epoch: np.ndarray, samples: np.ndarray, *arrays: np.ndarray) -> tuple:
-        """Average ``arrays``: the averages, the outcome's epoch, group size and whether it
-        was complete, and the samples consumed (all of them)."""
+    def average(
+        self,
+        epoch: np.ndarray,
+        samples: np.ndarray,
+        *arrays: np.ndarray,
+        like: Sequence[Any] | None = None,
+    ) -> tuple:
+        """Average ``arrays``: the averages (shaped like ``arrays``, or like ``like`` when the
+        arrays are a compressed form), the outcome's epoch, group size and whether it was
+        complete, and the samples consumed (all of them)."""
         # Copies: in the jitted path the inputs are views of XLA buffers that die after the call.
         sent = [np.array(a, copy=True) for a in arrays]
         outcome = self.collab.average_gradients(int(epoch), sent, int(samples), **self.wire)
-        avg = _check_outcome(outcome.gradients, arrays)
+        avg = _check_outcome(outcome.gradients, arrays if like is None else like)
         outcome_of = (np.int32(outcome.epoch), np.int32(outcome.group_size), _done(outcome))
         return (*avg, *outcome_of, np.int32(samples))
 
@@ -302,12 +310,22 @@ class MicroStep:
         return action
 
     def average(
-        self, epoch: jax.Array, samples: jax.Array, leaves: Sequence[jax.Array]
+        self,
+        epoch: jax.Array,
+        samples: jax.Array,
+        leaves: Sequence[jax.Array],
+        like: Sequence[Any] | None = None,
     ) -> tuple[Averaged, jax.Array]:
-        """Average ``leaves`` now: the averaging and the samples it consumed."""
-        shapes = [*_specs(leaves), INT32, INT32, INT32, INT32]
+        """Average ``leaves`` now: the averaging (leaves shaped like ``like`` when given: the
+        leaves sent are then a compressed form) and the samples it consumed."""
+        specs = _specs(leaves if like is None else like)
+        fn = (
+            self.calls.average
+            if like is None
+            else functools.partial(self.calls.average, like=specs)
+        )
         *avg, new_epoch, group_size, complete, taken = self._host(
-            self.calls.average, shapes, epoch, samples, *leaves
+            fn, [*specs, INT32, INT32, INT32, INT32], epoch, samples, *leaves
         )
         return Averaged(avg, new_epoch, group_size, complete.astype(jnp.bool_)), taken
 

@@ -25,6 +25,7 @@ from dedloc_jax.peer import CollaborationPeer
 from dedloc_jax.round.across import AcrossGroups
 from dedloc_jax.round.average import Rounds
 from dedloc_jax.round.context import context_of
+from dedloc_jax.round.gather import SparseGather
 from dedloc_jax.round.matchmaking import Matchmaker
 from dedloc_jax.round.slots import Slots
 from dedloc_jax.round.stepping import Stepper
@@ -110,6 +111,8 @@ async def open_collaboration(
         install_probe(node, core.link_keeper.locks, core.meter)
         core.matchmaker.register()
         core.across.register()
+        if core.rounds.gather is not None:
+            core.rounds.gather.register()
         core.state_server.register()
         nursery = await stack.enter_async_context(trio.open_nursery())
         await nursery.start(core.tracker.run)
@@ -194,6 +197,7 @@ def _assemble(
         robust_tau=config.defence.robust_tau,
         robust=config.robust_on,
         verify=config.verify_on,
+        gather=SparseGather(node, admit=admit),
         bans=bans,
     )
     stepper = Stepper(rounds, tracker, server, config)

@@ -34,8 +34,10 @@ from dedloc_jax.bans import Bans
 from dedloc_jax.history import RoundOutcome
 from dedloc_jax.round.across import AcrossGroups, averaged_weight, broadcast_codec, cross_average
 from dedloc_jax.round.deadlines import Deadlines
+from dedloc_jax.round.gather import SparseGather
 from dedloc_jax.round.matchmaking import Matchmaker
 from dedloc_jax.round.wire import member_for
+from dedloc_jax.topk import TopK, decode, pack, unpack
 from p2p.node import Node
 
 log = logging.getLogger(__name__)
@@ -82,6 +84,8 @@ class Rounds:
     """Whether every member checks every reducer's result (:mod:`~dedloc_jax.averaging.audit`)."""
     bans: Bans | None = None
     """Where caught liars go (and are published); None: nobody is banned."""
+    gather: SparseGather | None = None
+    """The all-gather of sparse payloads (``codec`` a :class:`~dedloc_jax.TopK`)."""
 
     @property
     def node(self) -> Node:
@@ -181,6 +185,10 @@ async def average_round(
     round across groups. The peer takes no part in the epoch's rounds afterwards. The
     outcome holds the mean (this peer's own arrays when no group averaged); its
     ``collab_samples`` is left to the caller."""
+    if isinstance(codec, TopK):
+        return await _sparse_round(
+            rounds, epoch, me, arrays, codec, target, expected, on_averaged, deadlines
+        )
     matchmaker = rounds.matchmaker
     started = trio.current_time()
     spec = await matchmaker.form_group(
@@ -265,3 +273,52 @@ async def _in_group(
     mean, _, whole = await cross_average(rounds, this, spec, mean, weight, across)
     missed = "the round across groups missed some of them"
     return this.outcome(mean, size, whole, missed, group=spec, across=True)
+
+
+async def _sparse_round(
+    rounds: Rounds,
+    epoch: int,
+    me: Member,
+    arrays: Sequence[np.ndarray],
+    cfg: TopK,
+    target: float,
+    expected: set[str],
+    on_averaged: Callable[[GroupSpec], None] | None,
+    deadlines: Deadlines,
+) -> RoundOutcome:
+    """A round of sparse payloads: ``arrays`` are (offsets, codes, scales, size) of
+    :func:`dedloc_jax.topk.encode`; the group all-gathers them (no reducers: ARCHITECTURE.md
+    says why) and the result is the dense mean. One group only: an epoch split into several
+    groups steps with its group's mean, incomplete."""
+    if rounds.gather is None:
+        raise ValueError("this peer has no sparse gather: TopK needs a CollaborationPeer")
+    offsets, codes, scales, size = (np.asarray(a) for a in arrays)
+    n = int(size)
+    data = pack(cfg, unpack(cfg, pack(cfg, (offsets, codes, scales), n), n), n)
+    own = [decode(cfg, unpack(cfg, data, n), n)]
+    started = trio.current_time()
+    spec = await rounds.matchmaker.form_group(
+        epoch, me, target=target, expected=expected, deadlines=deadlines
+    )
+    this = ThisRound(epoch, deadlines, "topk", target, me.mode)
+    result = this.outcome(own, 1, False, NO_GROUP)
+    if spec is not None:
+        # each member downloads every other payload: as a butterfly moving half of that
+        volume = len(spec.members) * cfg.payload_bytes(n) // 2
+        timeout = deadlines.for_group(
+            spec.lower_bound(volume), rounds.table.dht_latency, override=rounds.averaging_timeout
+        ).averaging
+        got = await rounds.gather.gather(
+            spec, cfg, data if me.sends else None, n, me.weight, timeout=timeout
+        )
+        if got.complete and on_averaged is not None:
+            on_averaged(spec)
+        reason = "" if got.complete else "some members' sparse payloads never came"
+        if got.complete and rounds.matchmaker.needs_cross(epoch):
+            reason = "several groups: sparse payloads are gathered within a group only"
+        result = this.outcome([got.mean], len(got.included), not reason, reason, group=spec)
+    rounds.matchmaker.decline(epoch)
+    rounds.across.close(epoch)
+    if result.complete and result.group_size == 1:
+        result = dataclasses.replace(result, reason="averaged with no other peer")
+    return dataclasses.replace(result, seconds=trio.current_time() - started)

@@ -90,7 +90,7 @@ class Stepper:
         complete, reason = self._judge(epoch, got)
         result = got.average
         if got.group_size == 1 and self.config.rounds.on_no_group == "skip":
-            result = [np.zeros_like(np.asarray(a)) for a in arrays]
+            result = [np.zeros_like(np.asarray(a)) for a in result]  # the mean's shapes
         # A peer that serves its state serves the new one next (share_state): one record.
         tracker.set_epoch(epoch + 1, state_follows=self.server.latest is not None)
         self.history.append(

@@ -52,6 +52,9 @@ class DiLoCoState(NamedTuple):
     fresh: jax.Array
     # overlap=True only: the pseudo-gradient handed to the averaging in flight (else None)
     sent: optax.Updates | None
+    # compression=TopK only: what the sparse updates left unsent (float32, the flattened
+    # parameters' size; else None). This peer's own: served as zeros, so a newcomer starts at 0
+    error_feedback: jax.Array | None = None
 
 
 def is_diloco_state(x: Any) -> bool:
@@ -68,6 +71,7 @@ def served_form(state: DiLoCoState) -> DiLoCoState:
         synced=jnp.zeros_like(state.synced),
         fresh=jnp.ones_like(state.fresh),
         sent=None if state.sent is None else zeros(state.sent),
+        error_feedback=None if state.error_feedback is None else zeros(state.error_feedback),
     )
 
 

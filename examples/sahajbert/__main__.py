@@ -214,13 +214,20 @@ def _add_model_options(
     )
     g.add_argument(
         "--compression",
-        choices=COMPRESSIONS,
+        choices=(*COMPRESSIONS, "topk"),
         default=d.codec,
         help=run(
             "what averaged vectors travel in: a codec for every leaf, or adaptive (1-D and "
             "small leaves fp16, matrices blockwise int8); unset: fp16 (the tiny model: none), "
-            "int8 with --mode diloco"
+            "int8 with --mode diloco; topk (--mode diloco): sparse 2-bit pseudo-gradients "
+            "with error feedback (SparseLoCo), all-gathered"
         ),
+    )
+    g.add_argument(
+        "--topk-density",
+        type=float,
+        default=d.topk_density,
+        help="topk: fraction of each chunk of 4096 values sent",
     )
     g = p.add_argument_group("optimizer (sahajBERT's LAMB recipe)")
     g.add_argument("--learning-rate", type=float, default=o.learning_rate, help=run("peak lr"))
@@ -442,6 +449,7 @@ def trainer_config(args: argparse.Namespace, base: TrainerConfig | None = None) 
     """``TrainerConfig`` from a role's parsed options (their defaults are ``base``'s values:
     :class:`TrainerConfig`'s, the demo's for the demo)."""
     base = base or TrainerConfig()
+    sparse = getattr(args, "compression", None) == "topk"  # dedloc_jax.TopK, not a codec
     opt = base.optimizer.replace(
         learning_rate=args.learning_rate,
         warmup_steps=args.warmup_steps,
@@ -465,7 +473,9 @@ def trainer_config(args: argparse.Namespace, base: TrainerConfig | None = None) 
         wait_for_trainers=getattr(args, "wait_for_trainers", base.wait_for_trainers),
         mode=args.mode,
         inner_steps=args.inner_steps,
-        codec=getattr(args, "compression", base.codec),
+        codec=None if sparse else getattr(args, "compression", base.codec),
+        compression="topk" if sparse else None,
+        topk_density=getattr(args, "topk_density", base.topk_density),
     )
 
 

@@ -82,6 +82,9 @@ class TrainerConfig:
     # micro-batch and one averaged outer step per inner_steps target batches (dedloc_jax.diloco)
     mode: str = "dedloc"
     inner_steps: int = 500
+    # "topk" (DiLoCo mode): pseudo-gradients as dedloc_jax.TopK(density=topk_density), 2 bits
+    compression: str | None = None
+    topk_density: float = 1 / 64
 
     def __post_init__(self) -> None:
         if self.model not in ("tiny", "sahajbert"):
@@ -92,6 +95,10 @@ class TrainerConfig:
             raise ValueError("seq_length must be at least 8")
         if self.mode not in ("dedloc", "diloco") or self.inner_steps < 1:
             raise ValueError("mode must be dedloc or diloco, and inner_steps positive")
+        if self.compression == "topk" and self.mode != "diloco":
+            raise ValueError("--compression topk needs --mode diloco")
+        if not 0.0 < self.topk_density <= 1.0:
+            raise ValueError(f"topk_density must be in (0, 1], got {self.topk_density}")
 
     @property
     def collaboration_target(self) -> int:

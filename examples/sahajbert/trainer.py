@@ -44,14 +44,24 @@ def collaboration_config(cfg: TrainerConfig, mode: str | None = None) -> Any:
         base = CollaborationConfig.sahajbert().replace(target_batch_size=cfg.collaboration_target)
     if cfg.codec is not None:  # the run manifest's
         base = base.replace(rounds=base.rounds.replace(codec=cfg.codec))
-    if cfg.mode == "diloco":  # aux peers reduce the pseudo-gradients in diloco's codec too
-        base = base.replace(rounds=base.rounds.replace(codec=diloco_of(cfg)))
+    codec = diloco_of(cfg)
+    if isinstance(codec, str):  # aux peers reduce the pseudo-gradients in diloco's codec too
+        base = base.replace(rounds=base.rounds.replace(codec=codec))
+    elif codec is not None:  # TopK payloads are all-gathered: no share split to measure for
+        base = base.replace(links=base.links.replace(measure=False))
     return base.replace(mode=mode) if mode else base
 
 
-def diloco_of(cfg: TrainerConfig) -> str | None:
-    """The pseudo-gradients' codec in DiLoCo mode (int8 unless the run names one), else None."""
-    return (cfg.codec or "int8") if cfg.mode == "diloco" else None
+def diloco_of(cfg: TrainerConfig) -> Any:
+    """The pseudo-gradients' codec in DiLoCo mode (int8 unless the run names one; a
+    :class:`dedloc_jax.TopK` with ``--compression topk``), else None."""
+    if cfg.mode != "diloco":
+        return None
+    if cfg.compression == "topk":
+        from dedloc_jax import TopK
+
+        return TopK(density=cfg.topk_density)
+    return cfg.codec or "int8"
 
 
 def open_collaboration(cfg: TrainerConfig, net: NetConfig, mode: str | None = None) -> Any:

@@ -289,12 +289,13 @@ def make_optimizer(
     target_batch_size: int,
     *,
     inner: optax.GradientTransformation | None = None,
-    diloco: str | None = None,
+    diloco: Any = None,
     inner_steps: int = 1,
 ) -> Any:
     """``collaborative(clip + LAMB)``; the inner optimizer is jitted on its own. ``diloco``
-    (a wire codec): ``dedloc_jax.diloco`` instead, an outer step every ``inner_steps`` target
-    batches (``target_batch_size`` is then the outer step's samples), clip + LAMB at its peak
+    (a wire codec, or a ``dedloc_jax.TopK``): ``dedloc_jax.diloco`` instead, an outer step
+    every ``inner_steps`` target batches (``target_batch_size`` is then the outer step's
+    samples), clip + LAMB at its peak
     after the warmup as its inner optimizer (a trainer passes :func:`trainer_inner`, at its
     rate per micro-batch) and :func:`outer_optimizer` as its outer one.
 
@@ -309,8 +310,9 @@ def make_optimizer(
     inner = inner if inner is not None else jitted_inner(opt, decay=diloco is None)
     if diloco is not None:
         outer = outer_optimizer(opt, inner_steps)
+        wire = {"codec": diloco} if isinstance(diloco, str) else {"compression": diloco}
         return dedloc_jax.diloco(
-            inner, collab, target_batch_size=target_batch_size, outer=outer, codec=diloco
+            inner, collab, target_batch_size=target_batch_size, outer=outer, **wire
         )
     return dedloc_jax.collaborative(inner, collab, target_batch_size=target_batch_size)
 

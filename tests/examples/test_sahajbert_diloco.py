@@ -225,3 +225,21 @@ def test_the_digested_parameters_are_bit_identical_after_an_outer_step() -> None
     np.testing.assert_allclose(p0["w"], s0.outer_params["w"], atol=1e-6)  # one rounding off
     # DeDLOC mode: the parameters themselves
     assert shared_params(p0, ()) is p0
+
+
+def test_compression_topk_gives_diloco_a_topk_and_no_link_probes() -> None:
+    from dedloc_jax import TopK
+    from examples.sahajbert.trainer import diloco_of
+
+    argv = ["trainer", "--mode", "diloco", "--compression", "topk", "--topk-density", "0.05"]
+    cfg = trainer_config(parse_args([*argv, "--initial-peers", "/x"]))
+    assert diloco_of(cfg) == TopK(density=0.05)
+    collab = collaboration_config(cfg)
+    assert not collab.measure_links  # nothing to split by link rates
+    tx = training.make_optimizer(
+        cfg.optimizer, _CodecHost(), 64, inner=optax.sgd(0.1), diloco=diloco_of(cfg)
+    )
+    state = tx.init({"w": np.zeros(3, np.float32)})
+    assert state.error_feedback.shape == (3,)
+    with pytest.raises(ValueError, match="--mode diloco"):
+        TrainerConfig(compression="topk")
