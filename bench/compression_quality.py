@@ -23,8 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from bench.diloco_quality import train
-from examples.sahajbert import training
+from bench.diloco_quality import prepare, train
 from examples.sahajbert.config import TrainerConfig
 
 ROWS = (
@@ -48,17 +47,7 @@ def main() -> None:
     cfg = TrainerConfig.demo()
     if args.samples % (args.peers * cfg.per_device_batch_size):
         parser.error("--samples must split into the peers' micro-batches")
-    training.enable_compilation_cache(cfg.work_dir / "jax-cache")
-    tokenizer, corpus = training.prepare_data(cfg)
-    vocab = len(tokenizer)
-    model = training.build_model(
-        training.model_config(cfg.model, vocab, cfg.seq_length, cfg.bf16), seed=cfg.seed
-    )
-    stream = training.batches(cfg, corpus, vocab, peer_seed=999)
-    held_out = []
-    for _ in range(args.held_out):
-        b = next(stream)
-        held_out.append({k: v[0] for k, v in b.items() if k != training.DROPOUT_SEED})
+    corpus, vocab, model, held_out = prepare(cfg, args.held_out)
     rows = []
     for name, mode, codec in ROWS:
         if args.only and name not in args.only:

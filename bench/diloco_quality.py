@@ -262,6 +262,23 @@ def _plot(results: dict[str, dict], out: Path) -> Path | None:
     return path
 
 
+def prepare(cfg: TrainerConfig, held_out_batches: int) -> tuple[Any, int, Any, list[dict]]:
+    """The demo's corpus, vocabulary size, initial model and ``held_out_batches`` held-out
+    batches (one stream no peer trains on): what every mode of a comparison starts from."""
+    training.enable_compilation_cache(cfg.work_dir / "jax-cache")
+    tokenizer, corpus = training.prepare_data(cfg)
+    vocab = len(tokenizer)
+    model = training.build_model(
+        training.model_config(cfg.model, vocab, cfg.seq_length, cfg.bf16), seed=cfg.seed
+    )
+    stream = training.batches(cfg, corpus, vocab, peer_seed=999)
+    held_out = []
+    for _ in range(held_out_batches):
+        b = next(stream)
+        held_out.append({k: v[0] for k, v in b.items() if k != training.DROPOUT_SEED})
+    return corpus, vocab, model, held_out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--samples", type=int, default=5760, help="samples, all peers together")
@@ -289,17 +306,7 @@ def main() -> None:
     cfg = TrainerConfig.demo()
     if args.samples % (args.peers * cfg.per_device_batch_size):
         parser.error("--samples must split into the peers' micro-batches")
-    training.enable_compilation_cache(cfg.work_dir / "jax-cache")
-    tokenizer, corpus = training.prepare_data(cfg)
-    vocab = len(tokenizer)
-    model = training.build_model(
-        training.model_config(cfg.model, vocab, cfg.seq_length, cfg.bf16), seed=cfg.seed
-    )
-    stream = training.batches(cfg, corpus, vocab, peer_seed=999)
-    held_out = []
-    for _ in range(args.held_out):
-        b = next(stream)
-        held_out.append({k: v[0] for k, v in b.items() if k != training.DROPOUT_SEED})
+    corpus, vocab, model, held_out = prepare(cfg, args.held_out)
     results = {}
     modes = args.modes.split(",")
     if not modes or not set(modes) <= {"dedloc", "diloco", "diloco-topk"}:
