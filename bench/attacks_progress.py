@@ -27,8 +27,8 @@ from typing import Any
 import trio
 
 from dedloc_jax.config import CollaborationConfig
-from dedloc_jax.round.registration import register
-from dedloc_jax.round.wire import group_key
+from dedloc_jax.rounds.registration import register
+from dedloc_jax.rounds.wire import group_key
 from dedloc_jax.state.serving import state_key
 from dedloc_jax.tracker import progress_key
 from p2p.dht import DHT, InvalidRecordError, StoreResult

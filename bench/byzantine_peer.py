@@ -37,7 +37,7 @@ import numpy as np
 import trio
 
 from bench.attacks_progress import lying_config
-from dedloc_jax.round.wire import MAX_BPS
+from dedloc_jax.rounds.wire import MAX_BPS
 
 log = logging.getLogger("bench.byzantine_peer")
 

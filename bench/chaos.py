@@ -132,7 +132,7 @@ class Tail:
 
 def hang_bound(matchmaking_time: float, averaging_timeout: float, load_timeout: float) -> float:
     """The longest a live peer may stay silent: matchmaking's bounds (see
-    ``dedloc_jax.round.matchmaking``: registration up to ``max_wait``, then a join call of
+    ``dedloc_jax.rounds.matchmaking``: registration up to ``max_wait``, then a join call of
     ``max_wait + 6 window + 10``) plus the averaging timeout, or one state download; + slack."""
     window = matchmaking_time
     max_wait = 10 * window + 5.0

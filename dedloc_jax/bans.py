@@ -9,7 +9,7 @@ limit: a peer reading it bans the accused only if :func:`~dedloc_jax.averaging.a
 check_evidence` convicts them from it, so an accuser cannot ban an honest peer with a record
 alone. A record too large to carry its evidence is listed (``verified: False``) and bans
 nobody but its writer's own rounds. Banned peers are left out of groups
-(:class:`~dedloc_jax.round.context.RoundContext.banned`).
+(:class:`~dedloc_jax.rounds.context.RoundContext.banned`).
 """
 
 from __future__ import annotations

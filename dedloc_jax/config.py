@@ -62,7 +62,7 @@ class RoundConfig(_Group):
     """How averaging groups form and how long a round may take.
 
     Deadlines left as None are derived at run time from what the progress tracker and the
-    measured bandwidths predict (see :mod:`dedloc_jax.round.deadlines`); setting them fixes them.
+    measured bandwidths predict (see :mod:`dedloc_jax.rounds.deadlines`); setting them fixes them.
     """
 
     max_group_size: int = 64  # Moshpit-style cap; groups are reshuffled every epoch

@@ -1,7 +1,7 @@
 """The record of one averaging round: :class:`RoundOutcome`.
 
-:func:`~dedloc_jax.round.average.average_round` returns one (with the mean it gave and the
-group behind it); :class:`~dedloc_jax.round.stepping.Stepper` completes it and keeps it, without
+:func:`~dedloc_jax.rounds.average.average_round` returns one (with the mean it gave and the
+group behind it); :class:`~dedloc_jax.rounds.stepping.Stepper` completes it and keeps it, without
 the mean, in the peer's history, which :attr:`dedloc_jax.Collaboration.history` and
 ``last_outcome`` return.
 """

@@ -22,13 +22,13 @@ from dedloc_jax.averaging.links import LinkKeeper
 from dedloc_jax.bans import Bans
 from dedloc_jax.config import CollaborationConfig
 from dedloc_jax.peer import CollaborationPeer
-from dedloc_jax.round.across import AcrossGroups
-from dedloc_jax.round.average import Rounds
-from dedloc_jax.round.context import context_of
-from dedloc_jax.round.gather import SparseGather
-from dedloc_jax.round.matchmaking import Matchmaker
-from dedloc_jax.round.slots import Slots
-from dedloc_jax.round.stepping import Stepper
+from dedloc_jax.rounds.across import AcrossGroups
+from dedloc_jax.rounds.average import Rounds
+from dedloc_jax.rounds.context import context_of
+from dedloc_jax.rounds.gather import SparseGather
+from dedloc_jax.rounds.matchmaking import Matchmaker
+from dedloc_jax.rounds.slots import Slots
+from dedloc_jax.rounds.stepping import Stepper
 from dedloc_jax.run_dht import RunDHT
 from dedloc_jax.state import StateServer
 from dedloc_jax.state.local import LocalState, mates_into

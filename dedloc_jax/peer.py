@@ -18,8 +18,8 @@ from dedloc_jax.bans import Bans
 from dedloc_jax.config import CollaborationConfig
 from dedloc_jax.host import AveragingOutcome
 from dedloc_jax.progress import CollaborationEstimate, refresh_delay
-from dedloc_jax.round.plan import expected_peers
-from dedloc_jax.round.stepping import Stepper
+from dedloc_jax.rounds.plan import expected_peers
+from dedloc_jax.rounds.stepping import Stepper
 from dedloc_jax.run_dht import RunDHT
 from dedloc_jax.snapshot import ProgressSnapshot, others_train, take_snapshot
 from dedloc_jax.state.local import LocalState
@@ -192,7 +192,7 @@ class CollaborationPeer:
 
     def _peers_at(self, epoch: int) -> set[str]:
         """Who should register for ``epoch``, from the progress table and our last group (see
-        :func:`~dedloc_jax.round.plan.expected_peers`)."""
+        :func:`~dedloc_jax.rounds.plan.expected_peers`)."""
         into, mates = self.tracker.mates  # (without us)
         return expected_peers(self.tracker.records, (into, mates), str(self.node.peer_id), epoch)
 

@@ -48,9 +48,9 @@ def matchmakers(
 ) -> list[Any]:
     """A registered :class:`Matchmaker` with a fixed window for each of ``peers``, each with
     its ``contexts`` entry (a :class:`RoundContext`; default: a peer that knows nothing)."""
-    from dedloc_jax.round.context import RoundContext
-    from dedloc_jax.round.deadlines import Deadlines
-    from dedloc_jax.round.matchmaking import Matchmaker
+    from dedloc_jax.rounds.context import RoundContext
+    from dedloc_jax.rounds.deadlines import Deadlines
+    from dedloc_jax.rounds.matchmaking import Matchmaker
 
     makers = []
     for i, (node, dht) in enumerate(peers):

@@ -2,7 +2,7 @@
 
 A node that stores or forwards a record of ``RUN.progress``, ``RUN.group.E`` (and ``.x``) or
 ``RUN.state`` checks it against the shape its readers expect (:mod:`dedloc_jax.progress`,
-:mod:`dedloc_jax.round.wire`, :mod:`dedloc_jax.state.serving`): each is a signed subkey of
+:mod:`dedloc_jax.rounds.wire`, :mod:`dedloc_jax.state.serving`): each is a signed subkey of
 the peer it describes, fields typed and bounded, numbers finite. A record of another shape is
 refused where it is stored (and where it is read: a node that skips the checks cannot pass it
 on), and the writer gets the reason back (``DHT.store`` raises it,
@@ -23,7 +23,7 @@ from dedloc_jax.bans import MAX_RECORDS as MAX_BANS
 from dedloc_jax.bans import ROLES as BAN_ROLES
 from dedloc_jax.config import MAX_RECORD_TTL
 from dedloc_jax.progress import MAX_DIGEST, MAX_LINEAGE, MAX_TARGET, MODES
-from dedloc_jax.round.wire import MAX_BPS, MAX_STATE_BYTES
+from dedloc_jax.rounds.wire import MAX_BPS, MAX_STATE_BYTES
 from dedloc_jax.state.vouching import MAX_MATES, MAX_VOUCHES
 from p2p.dht import (
     Bool,

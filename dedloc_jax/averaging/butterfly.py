@@ -220,7 +220,7 @@ class Round:
         self.vec = vec
         self.size = int(vec.size) if vec is not None else 0
         # A sender's weight counts for at most its member entry's (which the leader bounded,
-        # round/claims.py): ours as theirs, so every member applies the same rule.
+        # rounds/claims.py): ours as theirs, so every member applies the same rule.
         self.weight = self.bounded_weight(me, float(weight))
         self.abstain = (
             (not self.is_sender) or self.weight <= 0 or (vec is not None and not is_finite(vec))

@@ -37,7 +37,7 @@ class Member:
     download_bps: float = math.inf
     weight: float = math.inf
     """The most this member's contribution counts for (its samples, as the leader bounded
-    its claim: round/claims.py); a larger weight it states in the round counts as this.
+    its claim: rounds/claims.py); a larger weight it states in the round counts as this.
     Infinite: the spec does not bound it (groups made by hand, private tests)."""
 
     def __post_init__(self) -> None:

@@ -72,7 +72,7 @@ class LinkKeeper:
 
     def bandwidth(self) -> tuple[float, float]:
         """Measured (or overridden) link speeds, an unmeasured one as ``unmeasured`` says (see
-        :class:`~dedloc_jax.round.deadlines.Deadlines`)."""
+        :class:`~dedloc_jax.rounds.deadlines.Deadlines`)."""
         f = self.meter.figures()
         return f.upload_bps or self.unmeasured[0], f.download_bps or self.unmeasured[1]
 

@@ -23,8 +23,8 @@ from dedloc_jax.averaging.errors import AveragingError
 from dedloc_jax.config import AccessConfig, CollaborationConfig
 from dedloc_jax.opening import open_collaboration
 from dedloc_jax.progress import PeerProgress
-from dedloc_jax.round.wire import JOIN
-from dedloc_jax.round.wire import member_to_wire as _member_to_wire
+from dedloc_jax.rounds.wire import JOIN
+from dedloc_jax.rounds.wire import member_to_wire as _member_to_wire
 from dedloc_jax.state.serving import MANIFEST
 from dedloc_jax.tracker import progress_key
 from p2p.dht import DHTConfig, InvalidRecordError

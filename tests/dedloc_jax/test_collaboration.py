@@ -178,7 +178,7 @@ def test_groups_do_not_wait_for_an_aux_peer_that_only_follows_the_run(caplog) ->
             out["joined"] = cores[0]._peers_at(follower.tracker.epoch)
         return out
 
-    with caplog.at_level("INFO", logger="dedloc_jax.round.leading"):
+    with caplog.at_level("INFO", logger="dedloc_jax.rounds.leading"):
         out = run_sim(main, seed=3)
     a, b, aux = out["ids"]
     assert out["groups"] == [2] * 6
@@ -256,7 +256,7 @@ def test_a_group_whose_round_across_groups_failed_knows_its_mean_is_incomplete(
     others' state); every other peer holds the mean across the other groups, and is told it
     is incomplete too: that mean lacks a group's samples (the fork check then finds the most
     peers hold it)."""
-    from dedloc_jax.round import across
+    from dedloc_jax.rounds import across
 
     represent = across.represent
     failed: list[str] = []
@@ -350,7 +350,7 @@ def test_a_round_failing_inside_its_nursery_leaves_the_peer_stepping_alone(monke
     """The butterfly's round reports a lost share wrapped in its nursery's ExceptionGroup
     (seen at 40 peers in bench.collaboration); the peer must step alone, not crash."""
     from dedloc_jax.averaging.errors import ShareLostError
-    from dedloc_jax.round import average
+    from dedloc_jax.rounds import average
 
     calls = []
 

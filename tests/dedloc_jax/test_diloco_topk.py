@@ -228,7 +228,7 @@ def test_a_sender_that_signs_two_payloads_for_one_round_is_excluded(caplog) -> N
     import trio
 
     from dedloc_jax.averaging import GroupSpec, Member
-    from dedloc_jax.round.gather import SparseGather, _Gather, _signed
+    from dedloc_jax.rounds.gather import SparseGather, _Gather, _signed
     from p2p.identity import Identity
 
     cfg = TopK(chunk=256)
@@ -256,7 +256,7 @@ def test_a_sender_that_signs_two_payloads_for_one_round_is_excluded(caplog) -> N
         gather._accept(g, round_id, entry(0))  # and never again counted
         return g
 
-    with caplog.at_level(logging.WARNING, logger="dedloc_jax.round.gather"):
+    with caplog.at_level(logging.WARNING, logger="dedloc_jax.rounds.gather"):
         g = trio.run(main)
     assert str(liar.peer_id) not in g.held and g.equivocated == {str(liar.peer_id)}
     assert any("signed two different payloads" in r.getMessage() for r in caplog.records)
@@ -306,7 +306,7 @@ def test_a_request_naming_one_sender_many_times_gets_its_payload_once() -> None:
     import trio
 
     from dedloc_jax.averaging import GroupSpec, Member
-    from dedloc_jax.round.gather import SparseGather, _Gather, _signed
+    from dedloc_jax.rounds.gather import SparseGather, _Gather, _signed
     from p2p.identity import Identity
 
     cfg = TopK(chunk=256)

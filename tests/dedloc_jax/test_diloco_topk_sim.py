@@ -68,7 +68,7 @@ def test_a_malformed_payload_is_rejected_by_every_other_member(caplog) -> None:
 
         gather.gather = lying
 
-    with caplog.at_level(logging.WARNING, logger="dedloc_jax.round.gather"):
+    with caplog.at_level(logging.WARNING, logger="dedloc_jax.rounds.gather"):
         peers = _train(4, 2, corrupt)
     rejected = [r for r in caplog.records if "sparse payload rejected" in r.getMessage()]
     assert rejected and all("non-finite scale" in r.getMessage() for r in rejected)

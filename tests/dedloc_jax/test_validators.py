@@ -12,7 +12,7 @@ import pytest
 import trio
 
 from dedloc_jax.progress import PeerProgress
-from dedloc_jax.round.wire import group_key, member_for, member_to_wire
+from dedloc_jax.rounds.wire import group_key, member_for, member_to_wire
 from dedloc_jax.state.serving import state_key
 from dedloc_jax.tracker import progress_key
 from dedloc_jax.validators import run_validators

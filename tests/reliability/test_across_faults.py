@@ -1,5 +1,5 @@
-"""The round across capped groups when a representative dies before it (dedloc_jax.round.across,
-dedloc_jax.round.average)."""
+"""The round across capped groups when a representative dies before it (dedloc_jax.rounds.across,
+dedloc_jax.rounds.average)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import numpy as np
 import trio
 
 from dedloc_jax.config import CollaborationConfig, DefenceConfig
-from dedloc_jax.round import across
+from dedloc_jax.rounds import across
 from p2p.testing import SimNetwork, host_of, run_sim
 from tests.dedloc_jax.simcollab import open_sim_collaboration
 

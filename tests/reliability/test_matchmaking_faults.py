@@ -11,8 +11,8 @@ from collections.abc import Callable
 
 import trio
 
-from dedloc_jax.round.grouping import assign_groups, group_seed
-from dedloc_jax.round.wire import member_for
+from dedloc_jax.rounds.grouping import assign_groups, group_seed
+from dedloc_jax.rounds.wire import member_for
 from p2p.testing import SimNetwork, host_of, run_sim
 from tests.dedloc_jax.simcollab import matchmakers, open_sim_dhts
 

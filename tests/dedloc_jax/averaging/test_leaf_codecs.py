@@ -151,13 +151,13 @@ def test_a_round_with_mixed_leaves_leaves_every_member_bit_identical(verify):
 
 
 def test_the_deadlines_bytes_are_the_parts_the_members_send(monkeypatch):
-    """The size the round's deadlines are computed from (``round.average.wire_bytes``) is
+    """The size the round's deadlines are computed from (``rounds.average.wire_bytes``) is
     exactly what the senders' parts add up to: each of the n senders sends every share but
     its own, (n - 1) vectors in all (here 3 reducers and a client that reduces nothing)."""
     import jax
 
     from dedloc_jax.averaging import wire
-    from dedloc_jax.round.average import wire_bytes
+    from dedloc_jax.rounds.average import wire_bytes
 
     sent: list[int] = []
     real = wire.part

@@ -1,9 +1,9 @@
-"""The pure parts of averaging across groups (dedloc_jax.round.across)."""
+"""The pure parts of averaging across groups (dedloc_jax.rounds.across)."""
 
 from __future__ import annotations
 
 from dedloc_jax.averaging import AllReduceResult, GroupSpec, Member, ShareResult
-from dedloc_jax.round.across import (
+from dedloc_jax.rounds.across import (
     averaged_weight,
     broadcast_codec,
     broadcast_round,

@@ -1,7 +1,7 @@
 """The leader's side of forming a group: accept joins, wait (bounded) for the members it
 expects, ask a missing one whom it follows, and answer every member with one spec.
 
-:class:`~dedloc_jax.round.matchmaking.Matchmaker` calls these when its peer ranks first in its
+:class:`~dedloc_jax.rounds.matchmaking.Matchmaker` calls these when its peer ranks first in its
 group, and hands in what they read (the slot's record, the waits, the peer's context).
 """
 
@@ -15,10 +15,10 @@ import trio
 
 from dedloc_jax.averaging.errors import GroupError
 from dedloc_jax.averaging.group import GroupSpec, Member
-from dedloc_jax.round.claims import bound_claims
-from dedloc_jax.round.plan import same_state
-from dedloc_jax.round.slots import LeaderRound, Slots
-from dedloc_jax.round.wire import Slot
+from dedloc_jax.rounds.claims import bound_claims
+from dedloc_jax.rounds.plan import same_state
+from dedloc_jax.rounds.slots import LeaderRound, Slots
+from dedloc_jax.rounds.wire import Slot
 from p2p.errors import P2PError
 
 log = logging.getLogger(__name__)

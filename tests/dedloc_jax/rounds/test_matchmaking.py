@@ -4,8 +4,8 @@ import pytest
 import trio
 
 from dedloc_jax.config import CollaborationConfig
-from dedloc_jax.round.context import RoundContext
-from dedloc_jax.round.wire import member_for
+from dedloc_jax.rounds.context import RoundContext
+from dedloc_jax.rounds.wire import member_for
 from p2p.testing import SimNetwork, run_sim
 from tests.dedloc_jax.simcollab import matchmakers, open_sim_dhts
 

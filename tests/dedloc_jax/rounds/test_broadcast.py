@@ -1,4 +1,4 @@
-"""The broadcast of the mean across groups (dedloc_jax.round.across.broadcast), in the
+"""The broadcast of the mean across groups (dedloc_jax.rounds.across.broadcast), in the
 simulator: every member gets the representative's values exactly, also when a reducer of the
 broadcast lies in an open run."""
 
@@ -11,7 +11,7 @@ import trio
 from dedloc_jax.averaging import AllReduceConfig, AveragingService, GroupSpec, Member
 from dedloc_jax.averaging.reducer import Reducer
 from dedloc_jax.averaging.verify import direction
-from dedloc_jax.round.across import broadcast
+from dedloc_jax.rounds.across import broadcast
 from p2p.sim import SimNetwork
 from p2p.testing import open_sim_nodes, run_sim
 

@@ -16,8 +16,8 @@ from dedloc_jax.config import CollaborationConfig
 from dedloc_jax.history import RoundOutcome
 from dedloc_jax.host import AveragingOutcome
 from dedloc_jax.progress import CollaborationEstimate
-from dedloc_jax.round.average import Rounds, average_round
-from dedloc_jax.round.deadlines import Deadlines, matchmaking_window
+from dedloc_jax.rounds.average import Rounds, average_round
+from dedloc_jax.rounds.deadlines import Deadlines, matchmaking_window
 from dedloc_jax.snapshot import others_train
 from dedloc_jax.state.serving import StateServer
 

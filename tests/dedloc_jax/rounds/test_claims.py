@@ -6,7 +6,7 @@ from __future__ import annotations
 from bench.attacks_progress import LIE_BPS
 from dedloc_jax.averaging.group import FRACTION_GRID, GroupSpec, Member
 from dedloc_jax.progress import CLAIM_CAP
-from dedloc_jax.round.claims import bound_claims
+from dedloc_jax.rounds.claims import bound_claims
 
 
 def _share(members: list[Member], peer: str) -> float:

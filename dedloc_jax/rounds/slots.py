@@ -9,7 +9,7 @@ from typing import Any
 import trio
 
 from dedloc_jax.averaging.group import GroupSpec, Member
-from dedloc_jax.round.wire import Slot
+from dedloc_jax.rounds.wire import Slot
 
 KEEP = 4
 """Epochs a record outlives its slot: a late join or question about it still gets the answer."""

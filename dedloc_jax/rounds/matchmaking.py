@@ -5,7 +5,7 @@
    peers who learned of the target a refresh later can register too; while the registered
    samples fall short of the target (a decision made on an extrapolated estimate), it waits a
    little more, within a bound.
-2. It reads the registrations and runs :func:`~dedloc_jax.round.plan.plan_groups` (capped,
+2. It reads the registrations and runs :func:`~dedloc_jax.rounds.plan.plan_groups` (capped,
    reshuffled per epoch). The first member of its group is the group's leader.
 3. Followers send ``collab.join`` to their leader, a call that returns once the leader has
    formed the group. The leader accepts joins for one window (longer, within a bound, while a
@@ -15,7 +15,7 @@
 
 Above ``max_group_size`` peers an epoch has several groups; each group's mean then goes through
 a second round across groups (level 1, one group of representatives, see
-:mod:`dedloc_jax.round.across`), formed the same way under ``<run_id>.group.<e>.x``. The leader
+:mod:`dedloc_jax.rounds.across`), formed the same way under ``<run_id>.group.<e>.x``. The leader
 tells its members whether its view of the epoch held other groups (``cross``).
 
 Only the leader decides, so two peers that saw different registrations cannot form
@@ -34,25 +34,25 @@ import trio
 
 from dedloc_jax.averaging.errors import GroupError
 from dedloc_jax.averaging.group import GroupSpec, Member
-from dedloc_jax.round.context import RoundContext
-from dedloc_jax.round.deadlines import Deadlines
-from dedloc_jax.round.following import Joining, LeaderGone, ask_leader, follow, leader_of
-from dedloc_jax.round.grouping import group_seed
-from dedloc_jax.round.leading import answer_join, lead
-from dedloc_jax.round.plan import plan_groups
-from dedloc_jax.round.plan import representatives as plan_representatives
-from dedloc_jax.round.registration import drop_gone, read_registrations, register
-from dedloc_jax.round.slots import LeaderRound, Slots
-from dedloc_jax.round.wire import (
+from dedloc_jax.rounds.context import RoundContext
+from dedloc_jax.rounds.deadlines import Deadlines
+from dedloc_jax.rounds.following import Joining, LeaderGone, ask_leader, follow, leader_of
+from dedloc_jax.rounds.grouping import group_seed
+from dedloc_jax.rounds.leading import answer_join, lead
+from dedloc_jax.rounds.plan import plan_groups
+from dedloc_jax.rounds.plan import representatives as plan_representatives
+from dedloc_jax.rounds.registration import drop_gone, read_registrations, register
+from dedloc_jax.rounds.slots import LeaderRound, Slots
+from dedloc_jax.rounds.wire import (
     JOIN,
     LEADER,
     Slot,
     group_key,
     state_from_wire,
 )
-from dedloc_jax.round.wire import member_from_wire as _member_from_wire
-from dedloc_jax.round.wire import member_to_wire as _member_to_wire
-from dedloc_jax.round.wire import slot_of as _slot_of
+from dedloc_jax.rounds.wire import member_from_wire as _member_from_wire
+from dedloc_jax.rounds.wire import member_to_wire as _member_to_wire
+from dedloc_jax.rounds.wire import slot_of as _slot_of
 from dedloc_jax.run_dht import RunDHT
 from p2p.dht import KeyFollower
 from p2p.errors import P2PError
@@ -103,7 +103,7 @@ class Matchmaker:
     """Forms averaging groups for one peer; registers the ``collab.join`` handler.
 
     ``context``: what the round reads from its peer (default: a peer that knows nothing);
-    ``slots``: the peer's slot records, shared with its :class:`~dedloc_jax.round.across.
+    ``slots``: the peer's slot records, shared with its :class:`~dedloc_jax.rounds.across.
     AcrossGroups`; ``deadlines``: those of a round that passes none to :meth:`form_group` (a
     fixed window)."""
 
@@ -148,7 +148,7 @@ class Matchmaker:
 
     def needs_cross(self, epoch: int) -> bool:
         """Whether this peer's level-0 group at ``epoch`` was one of several (its leader's
-        view): the group's mean is then averaged across groups (:mod:`dedloc_jax.round.across`)."""
+        view): the group's mean is then averaged across groups (:mod:`dedloc_jax.rounds.across`)."""
         record = self.slots.get((epoch, 0))
         return record is not None and record.cross
 
@@ -528,7 +528,7 @@ class Matchmaker:
     async def _follow(
         self, slot: Slot, me: Member, leader: str, deadlines: Deadlines | None = None
     ) -> GroupSpec | None:
-        """Join ``leader``'s group (see :func:`~dedloc_jax.round.following.follow`)."""
+        """Join ``leader``'s group (see :func:`~dedloc_jax.rounds.following.follow`)."""
         epoch, level = slot
 
         def cross(several: bool) -> None:
@@ -571,7 +571,7 @@ class Matchmaker:
         return f"{self.run_id}:{epoch}:{'x:' if level else ''}{self.peer_id}".encode()
 
     async def _handle_join(self, ctx: CallContext, request: Any) -> Any:
-        """A follower's join of a group we may lead (see :func:`~dedloc_jax.round.leading.
+        """A follower's join of a group we may lead (see :func:`~dedloc_jax.rounds.leading.
         answer_join`)."""
         slot = _slot_of(request)
         peer = str(ctx.remote_peer)

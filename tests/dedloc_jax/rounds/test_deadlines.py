@@ -1,4 +1,4 @@
-"""Every deadline of a round, from the predictions it follows (dedloc_jax.round.deadlines)."""
+"""Every deadline of a round, from the predictions it follows (dedloc_jax.rounds.deadlines)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 
 from dedloc_jax.averaging import GroupSpec, Member
 from dedloc_jax.averaging.bandwidth import UNMEASURED_DOWNLOAD_BPS, UNMEASURED_UPLOAD_BPS
-from dedloc_jax.round.deadlines import Deadlines, averaging_timeout, matchmaking_window
+from dedloc_jax.rounds.deadlines import Deadlines, averaging_timeout, matchmaking_window
 
 
 def test_deadlines_follow_predictions() -> None:

@@ -32,11 +32,11 @@ from dedloc_jax.averaging.links import LinkKeeper
 from dedloc_jax.averaging.partition import share_bounds
 from dedloc_jax.bans import Bans
 from dedloc_jax.history import RoundOutcome
-from dedloc_jax.round.across import AcrossGroups, averaged_weight, broadcast_codec, cross_average
-from dedloc_jax.round.deadlines import Deadlines
-from dedloc_jax.round.gather import SparseGather
-from dedloc_jax.round.matchmaking import Matchmaker
-from dedloc_jax.round.wire import member_for
+from dedloc_jax.rounds.across import AcrossGroups, averaged_weight, broadcast_codec, cross_average
+from dedloc_jax.rounds.deadlines import Deadlines
+from dedloc_jax.rounds.gather import SparseGather
+from dedloc_jax.rounds.matchmaking import Matchmaker
+from dedloc_jax.rounds.wire import member_for
 from dedloc_jax.topk import TopK, decode, pack, unpack
 from p2p.node import Node
 

@@ -44,15 +44,15 @@ from dedloc_jax.averaging import (
 )
 from dedloc_jax.averaging.group import GroupSpec
 from dedloc_jax.averaging.leaf_codecs import elementwise
-from dedloc_jax.round.slots import Slots
+from dedloc_jax.rounds.slots import Slots
 from p2p.errors import P2PError
 from p2p.identity import PeerID
 from p2p.node import Node
 from p2p.rpc import CallContext
 
 if TYPE_CHECKING:  # the round's machinery runs this module's side of it
-    from dedloc_jax.round.average import Rounds, ThisRound
-    from dedloc_jax.round.deadlines import Deadlines
+    from dedloc_jax.rounds.average import Rounds, ThisRound
+    from dedloc_jax.rounds.deadlines import Deadlines
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +98,7 @@ class AcrossGroups:
     """One peer's side of the level-1 round: as a representative, it records in the slot's
     record whether the round across groups produced a mean for its group; as a member, it asks
     its representative. ``slots`` are shared with the peer's matchmaker; ``admit``: as
-    :attr:`~dedloc_jax.round.context.RoundContext.admit`."""
+    :attr:`~dedloc_jax.rounds.context.RoundContext.admit`."""
 
     def __init__(
         self,

@@ -3,7 +3,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from dedloc_jax.round.grouping import assign_groups, group_count, group_of, group_seed
+from dedloc_jax.rounds.grouping import assign_groups, group_count, group_of, group_seed
 
 peer_sets = st.sets(st.text("abcdefgh0123456789", min_size=4, max_size=8), max_size=300)
 

@@ -7,7 +7,7 @@ import pytest
 
 from dedloc_jax.averaging.errors import GroupError
 from dedloc_jax.progress import PeerProgress
-from dedloc_jax.round.plan import (
+from dedloc_jax.rounds.plan import (
     expected_peers,
     leader_order,
     plan_groups,
@@ -15,7 +15,7 @@ from dedloc_jax.round.plan import (
     same_state,
     state_to_follow,
 )
-from dedloc_jax.round.wire import state_from_wire
+from dedloc_jax.rounds.wire import state_from_wire
 
 A, B = b"a" * 32, b"b" * 32
 

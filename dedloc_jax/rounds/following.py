@@ -10,8 +10,8 @@ from typing import Any
 
 from dedloc_jax.averaging.errors import GroupError
 from dedloc_jax.averaging.group import GroupSpec, Member
-from dedloc_jax.round.context import RoundContext
-from dedloc_jax.round.wire import JOIN, LEADER, Slot, member_to_wire
+from dedloc_jax.rounds.context import RoundContext
+from dedloc_jax.rounds.wire import JOIN, LEADER, Slot, member_to_wire
 from p2p.errors import ConnectionClosed, DialError, P2PError, RPCError, RPCTimeout
 from p2p.identity import PeerID
 from p2p.node import Node

@@ -1,8 +1,8 @@
-"""One record per slot, pruned in one place (dedloc_jax.round.slots)."""
+"""One record per slot, pruned in one place (dedloc_jax.rounds.slots)."""
 
 from __future__ import annotations
 
-from dedloc_jax.round.slots import KEEP, MAX_ASKED, Slots
+from dedloc_jax.rounds.slots import KEEP, MAX_ASKED, Slots
 
 
 def test_a_slot_has_one_record_made_on_first_use() -> None:

@@ -8,7 +8,7 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 from dedloc_jax.progress import PeerProgress
-from dedloc_jax.round.grouping import assign_groups, group_of
+from dedloc_jax.rounds.grouping import assign_groups, group_of
 
 
 def expected_peers(

@@ -12,7 +12,7 @@ import trio
 
 from dedloc_jax.averaging.errors import GroupError
 from dedloc_jax.averaging.group import Member
-from dedloc_jax.round.wire import member_from_wire, state_from_wire
+from dedloc_jax.rounds.wire import member_from_wire, state_from_wire
 from dedloc_jax.run_dht import RunDHT
 from p2p.dht import InvalidRecordError, KeyFollower, follower_replicas
 from p2p.dht.records import owner_marker, owner_markers
