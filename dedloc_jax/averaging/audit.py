@@ -360,6 +360,44 @@ def check_chunk(
     return ChunkCheck(True, "", res, tol)
 
 
+async def _check_shares(
+    rnd: Round, stated: dict[int, Statement]
+) -> tuple[set[int], dict[int, tuple[int, ChunkCheck]]]:
+    """Every share's chunks checked against the statements: the shares that could not be
+    (repaired, or a contributor's statement missing) and, per failed share, its first failed
+    chunk and why."""
+    assert rnd.out is not None
+    cfg = rnd.config
+    unverified: set[int] = set()
+    failures: dict[int, tuple[int, ChunkCheck]] = {}
+    for j in rnd.reducers:
+        if j in rnd.repaired:
+            unverified.add(j)
+            continue
+        for k, mask in enumerate(rnd.masks[j]):
+            if not mask <= set(stated):
+                unverified.add(j)
+                break
+            a, b = rnd.share_slice(j, k)
+            chk = check_chunk(
+                rnd.codec.at(a, b).name,
+                rnd.out[a:b],
+                stated,
+                mask,
+                j,
+                k,
+                rnd.taus[j][k],
+                cfg.robust_mode,
+                cfg.robust_tau,
+                [m.weight for m in rnd.members],
+            )
+            await trio.lowlevel.checkpoint()
+            if not chk.ok:
+                failures[j] = (k, chk)
+                break
+    return unverified, failures
+
+
 async def audit(rnd: Round) -> Verdict:
     """Check every share of ``rnd`` with the group (see the module docstring)."""
     assert rnd.out is not None
@@ -390,35 +428,8 @@ async def audit(rnd: Round) -> Verdict:
                     nursery.start_soon(_swap, rnd, i, mine)
         await _wait_for_all(rnd, until)
     dropped: set[int] = set()
-    unverified: set[int] = set()
-    failures: dict[int, tuple[int, ChunkCheck]] = {}
     stated = {i: st for i, st in rnd.statements.items() if st.seed == seed}
-    cfg = rnd.config
-    for j in rnd.reducers:
-        if j in rnd.repaired:
-            unverified.add(j)
-            continue
-        for k, mask in enumerate(rnd.masks[j]):
-            if not mask <= set(stated):
-                unverified.add(j)
-                break
-            a, b = rnd.share_slice(j, k)
-            chk = check_chunk(
-                rnd.codec.at(a, b).name,
-                rnd.out[a:b],
-                stated,
-                mask,
-                j,
-                k,
-                rnd.taus[j][k],
-                cfg.robust_mode,
-                cfg.robust_tau,
-                [m.weight for m in rnd.members],
-            )
-            await trio.lowlevel.checkpoint()
-            if not chk.ok:
-                failures[j] = (k, chk)
-                break
+    unverified, failures = await _check_shares(rnd, stated)
     if unverified:
         logger.warning(
             "round %s: shares of %s not verified (repaired, or statements missing)",

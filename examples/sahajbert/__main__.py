@@ -21,6 +21,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -141,6 +142,27 @@ def _add_private_options(p: argparse.ArgumentParser, *, owner: bool) -> None:
     g.add_argument("--invitation", type=Path, help="this peer's invitation file (from `invite`)")
 
 
+def _add_compression_options(g: Any, d: TrainerConfig, run: Callable[[str], str]) -> None:
+    """``--compression`` and ``--topk-density`` (``run(help)``: the manifest fixes them)."""
+    g.add_argument(
+        "--compression",
+        choices=(*COMPRESSIONS, "topk"),
+        default=d.codec,
+        help=run(
+            "what averaged vectors travel in: a codec for every leaf, or adaptive (1-D and "
+            "small leaves fp16, matrices blockwise int8); unset: fp16 (the tiny model: none), "
+            "int8 with --mode diloco; topk (--mode diloco): sparse 2-bit pseudo-gradients "
+            "with error feedback (SparseLoCo), all-gathered"
+        ),
+    )
+    g.add_argument(
+        "--topk-density",
+        type=float,
+        default=d.topk_density,
+        help="topk: fraction of each chunk of 4096 values sent",
+    )
+
+
 def _add_model_options(
     p: argparse.ArgumentParser, d: TrainerConfig, *, joins: bool = False
 ) -> None:
@@ -212,23 +234,7 @@ def _add_model_options(
         default=d.inner_steps,
         help=run("diloco: target batches between outer steps (DiLoCo's H)"),
     )
-    g.add_argument(
-        "--compression",
-        choices=(*COMPRESSIONS, "topk"),
-        default=d.codec,
-        help=run(
-            "what averaged vectors travel in: a codec for every leaf, or adaptive (1-D and "
-            "small leaves fp16, matrices blockwise int8); unset: fp16 (the tiny model: none), "
-            "int8 with --mode diloco; topk (--mode diloco): sparse 2-bit pseudo-gradients "
-            "with error feedback (SparseLoCo), all-gathered"
-        ),
-    )
-    g.add_argument(
-        "--topk-density",
-        type=float,
-        default=d.topk_density,
-        help="topk: fraction of each chunk of 4096 values sent",
-    )
+    _add_compression_options(g, d, run)
     g = p.add_argument_group("optimizer (sahajBERT's LAMB recipe)")
     g.add_argument("--learning-rate", type=float, default=o.learning_rate, help=run("peak lr"))
     g.add_argument("--warmup-steps", type=int, default=o.warmup_steps, help=run("linear warmup"))
