@@ -159,7 +159,7 @@ def _add_compression_options(g: Any, d: TrainerConfig, run: Callable[[str], str]
         "--topk-density",
         type=float,
         default=d.topk_density,
-        help="topk: fraction of each chunk of 4096 values sent",
+        help="topk: the fraction of each chunk's values sent",
     )
 
 

@@ -578,6 +578,10 @@ def test_a_newcomer_loads_the_outer_state_and_steps_in_step() -> None:
                 strict=True,
             ):
                 assert np.asarray(mine).tobytes() == np.asarray(theirs).tobytes()
+            # compiled before its first epoch (a step of no samples), as a trainer is: a newcomer
+            # that never averaged is not waited for (matchmaking's _earned), so one still
+            # compiling on a loaded machine registered late and stepped apart
+            pc._step(x[:MICRO], y[:MICRO], 0)
             for p in (pa, pb, pc):
                 p.group = 3
             for e in range(2, 4):
