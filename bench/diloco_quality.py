@@ -40,7 +40,7 @@ import optax
 from flax import nnx
 
 import dedloc_jax
-from dedloc_jax.averaging.codecs import get_codec
+from dedloc_jax.averaging.chunk_codecs import get_codec
 from dedloc_jax.averaging.leaf_codecs import leaf_codec_names
 from dedloc_jax.diloco import outer_params_after_step
 from dedloc_jax.host import AveragingOutcome

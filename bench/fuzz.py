@@ -35,7 +35,7 @@ import trio
 
 from bench.fuzz_inputs import InputGenerator
 from dedloc_jax.averaging import wire as ar_wire
-from dedloc_jax.averaging.codecs import CODECS
+from dedloc_jax.averaging.chunk_codecs import CODECS
 from dedloc_jax.averaging.errors import BadContributionError, CodecError, GroupError
 from dedloc_jax.averaging.group import GroupSpec, Member
 from dedloc_jax.progress import PeerProgress

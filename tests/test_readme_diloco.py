@@ -16,7 +16,7 @@ import optax
 import pytest
 
 import dedloc_jax
-from dedloc_jax.averaging.codecs import get_codec
+from dedloc_jax.averaging.chunk_codecs import get_codec
 from tests.readme_peer import loss_fn
 from tests.test_readme import TARGET, _fed, _final, _history, _wait
 

@@ -15,7 +15,7 @@ from .bandwidth import (
     probe,
 )
 from .butterfly import AllReduceResult, AveragingService, ShareResult, all_reduce
-from .codecs import CODECS, Codec, get_codec
+from .chunk_codecs import CODECS, Codec, get_codec
 from .config import AllReduceConfig
 from .errors import (
     AllReduceError,

@@ -38,7 +38,7 @@ from p2p.identity import PeerID, verify_signature
 from p2p.rpc import MessageStream
 
 from . import wire
-from .codecs import get_codec, is_finite, rounding_bound
+from .chunk_codecs import get_codec, is_finite, rounding_bound
 from .errors import FAILURES, BadContributionError, GroupError
 from .group import GroupSpec
 from .verify import (

@@ -40,7 +40,7 @@ from . import audit, wire
 from .audit import Accusation
 from .bandwidth import BandwidthMeter, Gauge
 from .changes import Changes
-from .codecs import Codec, is_finite
+from .chunk_codecs import Codec, is_finite
 from .config import AllReduceConfig
 from .errors import FAILURES, AllReduceError, BadContributionError, ShareLostError, is_failure
 from .group import GroupSpec
@@ -618,7 +618,7 @@ async def all_reduce(
     repaired in time, and :class:`AllReduceError` if no contribution at all was averaged.
     ``round_id`` defaults to the group's digest (a new group per round). ``codec``: a
     compression's name (a codec for every leaf, or a per-leaf policy such as ``adaptive``:
-    :mod:`.leaf_codecs`), or one :class:`~.codecs.Codec` for the whole vector.
+    :mod:`.leaf_codecs`), or one :class:`~.chunk_codecs.Codec` for the whole vector.
     """
     cfg = config or service.config
     me = group.index_of(service.node.peer_id)

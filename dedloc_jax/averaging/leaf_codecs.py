@@ -13,8 +13,8 @@ per-block scales would cost more than they save and their few bytes buy precisio
 value moves a whole feature; the matrices, nearly all the bytes, travel in blockwise int8.
 
 A chunk that spans several leaves encodes each leaf's segment in its leaf's codec
-(:class:`~.codecs.SegmentedCodec`); int8 blocks never straddle leaves, so each leaf has its own
-scales. :meth:`LeafCodecs.wire_bytes` is the exact sum of the encoded parts of a vector as a
+(:class:`~.chunk_codecs.SegmentedCodec`); int8 blocks never straddle leaves, so each leaf has
+its own scales. :meth:`LeafCodecs.wire_bytes` is the exact sum of the encoded parts of a vector as a
 round cuts it, which the round's deadlines use.
 """
 
@@ -25,7 +25,7 @@ import hashlib
 import math
 from collections.abc import Sequence
 
-from .codecs import CODECS, ELEMENTWISE, Codec, SegmentedCodec, get_codec
+from .chunk_codecs import CODECS, ELEMENTWISE, Codec, SegmentedCodec, get_codec
 from .errors import CodecError
 from .partition import TreeSpec, chunk_bounds
 

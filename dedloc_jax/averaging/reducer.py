@@ -19,7 +19,7 @@ from p2p.rpc import MessageStream
 
 from . import wire
 from .changes import Changes
-from .codecs import is_finite
+from .chunk_codecs import is_finite
 from .errors import BadContributionError, CodecError
 from .robust import centered_clip
 from .verify import CLIP_SLACK, clips, derived_tau, part_norm, result_digest, robust_weights

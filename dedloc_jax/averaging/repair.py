@@ -22,7 +22,7 @@ from p2p.rpc import MessageStream
 
 from . import wire
 from .changes import Changes
-from .codecs import is_finite
+from .chunk_codecs import is_finite
 from .errors import BadContributionError, ShareLostError
 from .robust import centered_clip
 from .verify import clips, derived_tau, part_norm, robust_weights

@@ -7,7 +7,7 @@ import pytest
 import trio
 
 from dedloc_jax.averaging import AllReduceConfig, Member, solve_shares, wire
-from dedloc_jax.averaging.codecs import NoCompression
+from dedloc_jax.averaging.chunk_codecs import NoCompression
 from dedloc_jax.averaging.errors import ShareLostError
 from dedloc_jax.averaging.load_balancing import equal_split
 from dedloc_jax.averaging.partition import fractions_to_parts

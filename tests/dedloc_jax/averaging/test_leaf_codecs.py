@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from dedloc_jax.averaging import AllReduceConfig, flatten
-from dedloc_jax.averaging.codecs import SegmentedCodec, get_codec, rounding_bound
+from dedloc_jax.averaging.chunk_codecs import SegmentedCodec, get_codec, rounding_bound
 from dedloc_jax.averaging.errors import CodecError
 from dedloc_jax.averaging.leaf_codecs import (
     ADAPTIVE_MIN_INT8,

@@ -4,7 +4,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
-from dedloc_jax.averaging.codecs import CODECS, get_codec
+from dedloc_jax.averaging.chunk_codecs import CODECS, get_codec
 from dedloc_jax.averaging.errors import CodecError
 
 finite_f32 = arrays(
@@ -92,7 +92,7 @@ def test_int8_bound_holds_for_subnormal_blocks():
 
 
 def test_fp16_rounding_bound_bounds_the_error_and_matches_its_per_value_formula():
-    from dedloc_jax.averaging.codecs import _F16_MAX, rounding_bound
+    from dedloc_jax.averaging.chunk_codecs import _F16_MAX, rounding_bound
 
     rng = np.random.default_rng(7)
     x = (rng.standard_normal(50_000) * np.exp(rng.uniform(-30, 12, 50_000))).astype(np.float32)
@@ -114,7 +114,7 @@ def test_fp16_rounding_bound_from_the_norm_bounds_the_error_like_the_formula():
     """Given ``|y|`` (what a check has already), the fp16 bound takes no pass over the values
     but their extremes: never below the per-value formula, within 1e-6 of it on real chunks,
     and the formula itself where a value saturated."""
-    from dedloc_jax.averaging.codecs import rounding_bound
+    from dedloc_jax.averaging.chunk_codecs import rounding_bound
     from dedloc_jax.averaging.verify import part_norm
 
     rng = np.random.default_rng(8)
