@@ -145,7 +145,7 @@ def lying_reducer(peer_id: list[str]) -> Iterator[None]:
 
     def lying(self: Reducer, k: int, avg: np.ndarray) -> None:
         original(self, k, avg)
-        if peer_id and str(self.r.node.peer_id) == peer_id[0]:
+        if peer_id and self.plan.name(self.plan.me) == peer_id[0]:
             avg *= np.float32(-1000.0)
 
     Reducer._aggregate = lying  # type: ignore[method-assign]

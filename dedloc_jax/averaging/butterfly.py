@@ -45,10 +45,11 @@ from .config import AllReduceConfig
 from .errors import FAILURES, AllReduceError, BadContributionError, ShareLostError, is_failure
 from .group import GroupSpec
 from .leaf_codecs import LeafCodecs
-from .partition import chunk_bounds, flatten, share_bounds, unflatten
+from .partition import flatten, unflatten
 from .reducer import Reducer
 from .repair import Repair, expect_done, receive_finals, send_finals
-from .verify import NO_HASH, Statement, counted_weight
+from .round_plan import Holdings, RoundPlan
+from .verify import NO_HASH, Statement
 
 logger = logging.getLogger(__name__)
 
@@ -212,45 +213,24 @@ class Round:
         timeout: float,
         meter: BandwidthMeter | None,
     ) -> None:
-        self.service, self.node, self.spec, self.me = service, service.node, spec, me
-        self.codec, self.config, self.round_id, self.meter = codec, config, round_id, meter
-        self.members = spec.members
-        self.senders = frozenset(spec.senders)
-        self.is_sender = self.members[me].sends
-        self.vec = vec
-        self.size = int(vec.size) if vec is not None else 0
-        # A sender's weight counts for at most its member entry's (which the leader bounded,
-        # rounds/claims.py): ours as theirs, so every member applies the same rule.
-        self.weight = self.bounded_weight(me, float(weight))
-        self.abstain = (
-            (not self.is_sender) or self.weight <= 0 or (vec is not None and not is_finite(vec))
-        )
-        self.bounds = share_bounds(self.size, spec.share_parts())
-        self.reducers = [j for j in range(len(self.members)) if self.bounds[j + 1] > self.bounds[j]]
-        self.chunks = {
-            j: chunk_bounds(self.bounds[j + 1] - self.bounds[j], config.chunk_elems)
-            for j in self.reducers
-        }
-        # Results land in the vector itself when it is our own copy of the tree (one vector of
-        # memory, not two): a chunk is overwritten only after its part was sent, and the parts
-        # a repair asks for are the chunks we never received.
-        # A verified round keeps the parts until its check is over: results go elsewhere.
-        private = (
-            vec is not None and vec.flags.owndata and vec.flags.writeable and not config.verify
-        )
-        self.out = (vec if private else np.zeros(self.size, np.float32)) if self.is_sender else None
-        self.held = dict.fromkeys(self.reducers, 0)
-        self.masks: dict[int, list[frozenset[int]]] = {j: [] for j in self.reducers}
+        plan = RoundPlan.build(spec, me, vec, weight, codec, config, round_id, timeout)
+        self.plan, self.holdings = plan, Holdings(plan, vec)
+        self.service, self.node, self.meter = service, service.node, meter
+        self.spec, self.me, self.codec, self.config = spec, me, codec, config
+        self.round_id, self.members, self.senders = round_id, plan.members, plan.senders
+        self.is_sender, self.size, self.weight = plan.is_sender, plan.size, plan.weight
+        self.abstain, self.bounds, self.reducers = plan.abstain, plan.bounds, list(plan.reducers)
+        self.chunks = plan.chunks
+        self.deadline, self.exchange_at = plan.deadline, plan.exchange_at
+        held = self.holdings  # the same objects: the roles write them, the audit reads them
+        self.out, self.held, self.masks, self.taus = held.out, held.held, held.masks, held.taus
+        self.result_sigs, self.result_bytes = held.result_sigs, held.result_bytes
         self.settled = {j: trio.Event() for j in self.reducers}
         self.ok = dict.fromkeys(self.reducers, False)
         self.repaired: set[int] = set()
         self.failed_peers: set[int] = set()
         self.repairs: dict[int, Repair] = {}
-        # Verification (config.verify): per share, what the reducer sent with each chunk (its
-        # CenteredClip radius, its signature) and our commitments (hash per encoded part).
-        self.taus: dict[int, list[float | None]] = {j: [] for j in self.reducers}
-        self.result_sigs: dict[int, list[bytes | None]] = {j: [] for j in self.reducers}
-        self.result_bytes: dict[int, list[bytes]] = {j: [] for j in self.reducers}
+        # Verification (config.verify): our commitments (hash per encoded part).
         self.part_hashes = {j: [NO_HASH] * len(self.chunks[j]) for j in self.reducers}
         # The encoded parts we sent (lossy codecs): the statement's figures and a reveal are
         # about exactly these bytes, and encoding them again cost a tenth of a round's CPU.
@@ -266,21 +246,19 @@ class Round:
         self.pushed: dict[tuple[int, int], list[bytes]] = {}
         self.push_changes = Changes()
         self.keep_vec = False  # a check failed: keep our parts for those who ask to see them
-        t0 = trio.current_time()
-        self.deadline = t0 + timeout
-        self.collect_at = t0 + config.collect_fraction * timeout
-        self.exchange_at = t0 + config.exchange_fraction * timeout
-        self.join_at = t0 + config.join_fraction * timeout
-        self.data_at = t0 + config.data_fraction * timeout
-        self.reducer = Reducer(self) if me in self.chunks else None
+        # Busy time per stream feeds the meter; without one, a throwaway meter gets it.
+        self._meter = meter if meter is not None else BandwidthMeter()
+        self.reducer = (
+            Reducer(plan, held, self.commit_part, self.node.identity, self._meter)
+            if me in self.chunks
+            else None
+        )
         self.finished = False
         # Streams to reducers still opening: parts wait until all are open (see _send_parts).
         self._opening = {j for j in self.reducers if j != me} if self.is_sender else set()
         self._all_open = trio.Event()
         if not self._opening:
             self._all_open.set()
-        # Busy time per stream feeds the meter; without one, a throwaway meter gets it.
-        self._meter = meter if meter is not None else BandwidthMeter()
 
     def finish(self) -> None:
         """The round ended here: keep only what a late repair reads (the result and its
@@ -292,15 +270,23 @@ class Round:
             self.part_data = {}
         self.reducer = None
         self.repairs = {}
-        self.result_bytes = {}
+        self.result_bytes.clear()
 
     # -- helpers ------------------------------------------------------------------------------
+    @property
+    def vec(self) -> np.ndarray | None:
+        """Our contribution (None on an aux peer and once the round is over)."""
+        return self.holdings.vec
+
+    @vec.setter
+    def vec(self, value: np.ndarray | None) -> None:
+        self.holdings.vec = value
+
     def name(self, i: int) -> str:
-        return self.members[i].peer_id
+        return self.plan.name(i)
 
     def bounded_weight(self, s: int, stated: float) -> float:
-        """The weight sender ``s`` counts for (:func:`.verify.counted_weight`)."""
-        return counted_weight(stated, float(self.members[s].weight))
+        return self.plan.bounded_weight(s, stated)
 
     def commit_part(self, j: int, k: int, part: np.ndarray) -> np.ndarray:
         """Commit to our part of chunk ``k`` of share ``j`` (hash of its encoding); returns
@@ -334,8 +320,7 @@ class Round:
         return self.codec.at(a, b).decode(self.sent_part(j, k), b - a)
 
     def share_slice(self, j: int, k: int) -> tuple[int, int]:
-        a, b = self.chunks[j][k]
-        return self.bounds[j] + a, self.bounds[j] + b
+        return self.plan.share_slice(j, k)
 
     def gauge(self, direction: str) -> Gauge:
         return self._meter.gauge(direction)
@@ -372,12 +357,17 @@ class Round:
         with trio.move_on_at(self.deadline):
             async with trio.open_nursery() as nursery:
                 if self.reducer is not None:
-                    nursery.start_soon(self.reducer.run)
+                    nursery.start_soon(self._reduce, self.reducer)
                 if self.is_sender:
                     for j in self.reducers:
                         if j != self.me:
                             nursery.start_soon(self._exchange, j)
                         nursery.start_soon(self._settle, j)
+
+    async def _reduce(self, reducer: Reducer) -> None:
+        await reducer.run()
+        self.ok[self.me] = reducer.kept
+        self.settled[self.me].set()
 
     async def _settle(self, j: int) -> None:
         await self.settled[j].wait()
@@ -536,7 +526,7 @@ class Round:
                         a, b = self.share_slice(j, k)
                         await ms.send(wire.part(k, self.codec.at(a, b).encode(self.vec[a:b])))
                 await ms.send(wire.simple("done"))
-                values, masks = await receive_finals(ms, self, j)
+                values, masks = await receive_finals(ms, self.plan, j)
                 a, b = self.bounds[j], self.bounds[j + 1]
                 self.out[a:b] = values
                 self.masks[j] = masks
@@ -563,7 +553,8 @@ class Round:
 
     def repair(self, j: int) -> Repair:
         if j not in self.repairs:
-            self.repairs[j] = Repair(self, j)
+            dead = self.reducer.dead if self.reducer is not None else frozenset()
+            self.repairs[j] = Repair(self.plan, self.holdings, j, dead)
         return self.repairs[j]
 
     # -- repair (coordinator side, serving a participant) -------------------------------------
@@ -582,7 +573,7 @@ class Round:
             await expect_done(ms)
             assert self.out is not None
             a, b = self.bounds[j], self.bounds[j + 1]
-            await send_finals(ms, self, j, self.out[a:b], self.masks[j])
+            await send_finals(ms, self.plan, j, self.out[a:b], self.masks[j])
             return
         rep = self.repair(j)
         async with trio.open_nursery() as nursery:

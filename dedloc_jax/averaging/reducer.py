@@ -9,6 +9,7 @@ receiver acked, and keeps its own copy only if someone else holds it too.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -25,8 +26,10 @@ from .robust import centered_clip
 from .verify import CLIP_SLACK, clips, derived_tau, part_norm, result_digest, robust_weights
 
 if TYPE_CHECKING:
-    from .bandwidth import Gauge
-    from .butterfly import Round
+    from p2p.identity import Identity
+
+    from .bandwidth import BandwidthMeter, Gauge
+    from .round_plan import Holdings, RoundPlan
 
 logger = logging.getLogger(__name__)
 
@@ -36,11 +39,27 @@ the slack a verifier allows (:data:`.verify.CLIP_SLACK`)."""
 
 
 class Reducer:
-    """The reducer role: accumulate parts, finalise chunks in order, stream them back."""
+    """The reducer role: accumulate parts, finalise chunks in order, stream them back.
 
-    def __init__(self, rnd: Round) -> None:
-        self.r = rnd
-        j = rnd.me
+    It reads the round's ``plan``, writes the chunks it finalises into our ``holdings`` (when
+    we are a sender), takes our own parts through ``commit_part`` (share, chunk, values ->
+    the values as the codec carries them, committed to in a verified round), signs its results
+    with ``identity`` and reports its streams' busy time to ``meter``. After :meth:`run`,
+    ``kept`` says whether we may keep our own share's result (someone else holds it too)."""
+
+    def __init__(
+        self,
+        plan: RoundPlan,
+        holdings: Holdings,
+        commit_part: Callable[[int, int, np.ndarray], np.ndarray],
+        identity: Identity,
+        meter: BandwidthMeter,
+    ) -> None:
+        self.plan, self.holdings = plan, holdings
+        self._commit_part, self.identity, self.meter = commit_part, identity, meter
+        self.kept = False
+        rnd = plan
+        j = plan.me
         self.start = rnd.bounds[j]
         self.chunks = rnd.chunks[j]
         n = len(self.chunks)
@@ -87,7 +106,7 @@ class Reducer:
         self.sigs: list[bytes | None] = [None] * n  # our signature of each result chunk
         self.own = rnd.is_sender and not rnd.abstain
         if self.own:
-            assert rnd.vec is not None
+            assert holdings.vec is not None
             self.wsum[:] = rnd.weight
             for m in self.cmask:
                 m.add(j)
@@ -105,19 +124,19 @@ class Reducer:
         """Our own part of chunk ``k``: as is, or, when results are verified, as the codec
         carries everyone else's (so our statement's figures are about what we aggregated)."""
         a, b = self.chunks[k]
-        vec = self.r.vec
+        vec = self.holdings.vec
         assert vec is not None
         part = vec[self.start + a : self.start + b]
-        if self.r.config.verify:
-            return self.r.commit_part(self.r.me, k, part)
+        if self.plan.config.verify:
+            return self._commit_part(self.plan.me, k, part)
         return part
 
     def _open_slot(self, k: int) -> None:
         """Start chunk ``k``'s accumulator: our own contribution, or zeros."""
         slot = self._slot(k)
         if self.own:
-            own = self.parts[k][self.r.me] if self.robust else self._own_part(k)
-            np.multiply(own, np.float32(self.r.weight), out=slot)
+            own = self.parts[k][self.plan.me] if self.robust else self._own_part(k)
+            np.multiply(own, np.float32(self.plan.weight), out=slot)
         else:
             slot[:] = 0.0
 
@@ -126,8 +145,8 @@ class Reducer:
             self.expected.discard(s)
             logger.warning(
                 "round %s: excluding %s from chunk %d on: %s",
-                self.r.round_id.hex()[:8],
-                self.r.name(s),
+                self.plan.round_id.hex()[:8],
+                self.plan.name(s),
                 self.next_k.get(s, 0),
                 why,
             )
@@ -144,7 +163,7 @@ class Reducer:
         self.results.notify()
 
     async def run(self) -> None:
-        r, stall = self.r, self.r.config.stall_timeout
+        r, stall = self.plan, self.plan.config.stall_timeout
         for k in range(len(self.chunks)):
             while True:
                 missing = [s for s in self.expected if self.next_k.get(s, 0) <= k]
@@ -189,15 +208,14 @@ class Reducer:
         self.results.notify()
         # Keeping our own share is safe only if someone else holds it too; otherwise we repair
         # it like any receiver would (and relay our copy if we can).
-        r.ok[r.me] = bool(self.commit) or not self.initial_receivers
-        if not r.ok[r.me]:
+        self.kept = bool(self.commit) or not self.initial_receivers
+        if not self.kept:
             logger.warning("round %s: nobody acked our share; repairing it", r.round_id.hex()[:8])
-        r.settled[r.me].set()
 
     async def _room_for(self, k: int) -> None:
         """Wait until chunk ``k``'s result fits the window: every receiver was sent the result
         ``window`` chunks before it (a receiver that makes no progress is dropped)."""
-        r = self.r
+        r = self.plan
         while self.enc and min(self.enc) <= k - self.window:
             now = trio.current_time()
             behind = [s for s in self.receivers if self.sent.get(s, 0) <= k - self.window]
@@ -226,13 +244,13 @@ class Reducer:
 
     def _progress_due(self, s: int) -> float:
         """When receiver ``s`` counts as stalled: no send to it completed, or no ack after all."""
-        stall = self.r.config.stall_timeout
-        last = self.last_sent.get(s, self.last.get(s, self.r.deadline))
+        stall = self.plan.config.stall_timeout
+        last = self.last_sent.get(s, self.last.get(s, self.plan.deadline))
         done = self.sent_all_at.get(s)
         return min(last + stall, done + stall) if done is not None else last + stall
 
     def _finalise(self, k: int) -> None:
-        r = self.r
+        r = self.plan
         a, b = self.chunks[k]
         avg = self._slot(k)  # averaged in place: the accumulator of this chunk is done
         self._aggregate(k, avg)
@@ -242,23 +260,24 @@ class Reducer:
             codec.decode_into(data, avg)  # use exactly what the receivers will decode
         mask = frozenset(self.cmask[k])
         self.final_masks.append(mask)
-        if r.out is not None:
-            out = r.out[self.start + a : self.start + b]
+        held = self.holdings
+        if held.out is not None:
+            out = held.out[self.start + a : self.start + b]
             out[:] = avg
-            r.masks[r.me].append(mask)
-            r.taus[r.me].append(self.taus[k])
-            r.held[r.me] = k + 1
+            held.masks[r.me].append(mask)
+            held.taus[r.me].append(self.taus[k])
+            held.held[r.me] = k + 1
             if codec.lossless:  # a view of the slot, which the next chunk reuses
                 data = codec.encode(out)
         elif isinstance(data, memoryview):
             data = bytes(data)
         self.enc[k] = data
         if r.config.verify:  # signed, so a conviction can name these bytes as ours
-            self.sigs[k] = r.node.identity.sign(
+            self.sigs[k] = self.identity.sign(
                 result_digest(r.round_id, r.spec.digest, r.me, k, data, mask, self.taus[k])
             )
-            r.result_sigs[r.me].append(self.sigs[k])
-            r.result_bytes[r.me].append(bytes(data))
+            held.result_sigs[r.me].append(self.sigs[k])
+            held.result_bytes[r.me].append(bytes(data))
         self.done = k + 1
         if not self.receivers:
             self._release()
@@ -279,7 +298,7 @@ class Reducer:
         holds their weighted sum: the weighted mean is the answer, without a pass over the
         parts, when the weights stand and every part lies within the radius of the mean
         (``|x_i| + |mean| <= tau`` by the triangle inequality, else measured)."""
-        r = self.r
+        r = self.plan
         parts, norms_of = self.parts[k], self.norms[k]
         self.parts[k], self.norms[k] = {}, {}
         senders = sorted(parts)
@@ -307,10 +326,10 @@ class Reducer:
     async def serve(self, h: wire.Hello, ms: MessageStream) -> None:
         s = h.sender
         if s in self.seen or s not in self.receivers:
-            raise BadContributionError(f"{self.r.name(s)} connected twice or too late")
+            raise BadContributionError(f"{self.plan.name(s)} connected twice or too late")
         self.seen.add(s)
-        self.gauges[s] = self.r.gauge("down")
-        self.weights[s] = self.r.bounded_weight(s, h.weight)  # not what it says, unbounded
+        self.gauges[s] = self.meter.gauge("down")
+        self.weights[s] = self.plan.bounded_weight(s, h.weight)  # not what it says, unbounded
         self.last[s] = trio.current_time()
         if h.abstain or self.weights[s] <= 0:
             self.exclude(s, "abstains (no or non-finite contribution)")
@@ -326,7 +345,7 @@ class Reducer:
                 self._died(s, "stream ended before its ack")
 
     async def _receive_parts(self, s: int, ms: MessageStream) -> None:
-        r = self.r
+        r = self.plan
         try:
             with trio.move_on_at(r.deadline):
                 while True:
@@ -365,7 +384,7 @@ class Reducer:
             raise BadContributionError("part beyond the reducer's window")
         scratch = self.scratch[: b - a]
         try:
-            codec = self.r.codec.at(self.start + a, self.start + b)
+            codec = self.plan.codec.at(self.start + a, self.start + b)
             data = wire.parse_chunk(msg, k, codec.encoded_size(b - a))
             if self.robust and not codec.lossless:  # kept until finalisation
                 values = codec.decode(data, b - a)
@@ -389,7 +408,7 @@ class Reducer:
         self.changes.notify()
 
     async def _send_results(self, s: int, ms: MessageStream) -> None:
-        gauge = self.r.gauge("up")
+        gauge = self.meter.gauge("up")
         try:
             await self._send_results_to(s, ms, gauge)
         except P2PError as e:
@@ -398,7 +417,7 @@ class Reducer:
             gauge.close()
 
     async def _send_results_to(self, s: int, ms: MessageStream, gauge: Gauge) -> None:
-        r = self.r
+        r = self.plan
         heartbeat = r.config.stall_timeout / 3
         k = 0
         while True:

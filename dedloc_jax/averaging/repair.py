@@ -12,7 +12,7 @@ plain mean.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Sequence, Set
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -28,22 +28,25 @@ from .robust import centered_clip
 from .verify import clips, derived_tau, part_norm, robust_weights
 
 if TYPE_CHECKING:
-    from .butterfly import Round
+    from .round_plan import Holdings, RoundPlan
 
 logger = logging.getLogger(__name__)
 F32 = np.dtype("<f4")  # the wire's float32 byte order, whatever the host's
 
 
 class Repair:
-    """Coordinator state for re-reducing one lost share from the survivors."""
+    """Coordinator state for re-reducing share ``j`` of the round (``plan``) from the survivors:
+    our own part comes from ``holdings``, so does the prefix we hold; ``dead``: the senders
+    our reducer saw die (not waited for)."""
 
-    def __init__(self, rnd: Round, j: int) -> None:
-        self.r, self.j = rnd, j
+    def __init__(self, plan: RoundPlan, holdings: Holdings, j: int, dead: Set[int]) -> None:
+        self.plan, self.holdings, self.j, self.dead = plan, holdings, j, dead
+        rnd = plan
         self.n_chunks = len(rnd.chunks[j])
         self.length = rnd.bounds[j + 1] - rnd.bounds[j]
         self.joined: dict[int, wire.Hello] = {}
         self.delivered: set[int] = set()
-        self.plan: tuple[int, int, int] | None = None  # (holder, relay from, prefix H)
+        self.route: tuple[int, int, int] | None = None  # (holder, relay from, prefix H)
         self.acc = np.zeros(self.length, np.float32)
         self.wsum = np.zeros(self.n_chunks, np.float64)
         self.cmask: list[set[int]] = [set() for _ in range(self.n_chunks)]
@@ -66,13 +69,12 @@ class Repair:
         return first
 
     def _own_held(self) -> int:
-        return self.r.held.get(self.j, 0) if self.r.is_sender else 0
+        return self.holdings.held.get(self.j, 0) if self.plan.is_sender else 0
 
     async def drive(self) -> None:
-        r, j = self.r, self.j
+        r, j, held_now = self.plan, self.j, self.holdings
         try:
-            dead = r.reducer.dead if r.reducer is not None else set()
-            expected = set(r.senders) - {j, r.me} - dead
+            expected = set(r.senders) - {j, r.me} - self.dead
             while not expected <= set(self.joined) and trio.current_time() < r.join_at:
                 await self.changes.wait(r.join_at)
             # A majority of the group's senders, or nothing: at most one side of a partition
@@ -97,17 +99,18 @@ class Repair:
                 else r.me
             )
             relay_from = own if holder != r.me else prefix
-            self.plan = (holder, relay_from, prefix)
-            if r.out is not None:
+            self.route = (holder, relay_from, prefix)
+            if held_now.out is not None:
                 a = r.bounds[j]
                 for k in range(min(own, prefix)):
                     x, y = r.chunks[j][k]
-                    self.base[x:y] = r.out[a + x : a + y]
-                    self.base_masks[k] = r.masks[j][k]
-            if r.is_sender and not r.abstain and r.vec is not None:  # None: our round ended
+                    self.base[x:y] = held_now.out[a + x : a + y]
+                    self.base_masks[k] = held_now.masks[j][k]
+            vec = held_now.vec
+            if r.is_sender and not r.abstain and vec is not None:  # None: our round ended
                 for k in range(prefix, self.n_chunks):
                     x, y = r.chunks[j][k]
-                    own = r.vec[r.bounds[j] + x : r.bounds[j] + y]
+                    own = vec[r.bounds[j] + x : r.bounds[j] + y]
                     self.acc[x:y] = own * np.float32(r.weight)
                     self.wsum[k] = r.weight
                     self.cmask[k].add(r.me)
@@ -139,7 +142,7 @@ class Repair:
 
     def _robust(self, k: int) -> np.ndarray:
         """CenteredClip over chunk ``k``'s parts, with weights capped as a reducer does."""
-        r = self.r
+        r = self.plan
         senders = sorted(self.parts[k])
         values = [self.parts[k][s] for s in senders]
         if not clips(True, r.config.robust_tau, len(senders)):
@@ -153,16 +156,16 @@ class Repair:
         return out.astype(np.float32)
 
     async def serve(self, h: wire.Hello, ms: MessageStream) -> None:
-        s, r = h.sender, self.r
-        if self.plan is None and s not in self.joined:
+        s, r = h.sender, self.plan
+        if self.route is None and s not in self.joined:
             self.joined[s] = h
             self.changes.notify()
         await self.planned.wait()
-        if self.plan is None or s not in self.joined:  # failed, or a latecomer: send finals only
+        if self.route is None or s not in self.joined:  # failed, or a latecomer: send finals only
             await ms.send(wire.need((0, 0), (0, 0)))
             await expect_done(ms)
         else:
-            holder, relay_from, prefix = self.plan
+            holder, relay_from, prefix = self.route
             relay = (relay_from, prefix) if s == holder else (0, 0)
             parts = (
                 (prefix, self.n_chunks)
@@ -188,7 +191,7 @@ class Repair:
         relay: tuple[int, int],
         parts: tuple[int, int],
     ) -> None:
-        r, j = self.r, self.j
+        r, j = self.plan, self.j
         for k in range(*relay):
             x, y = r.chunks[j][k]
             msg = await ms.receive()
@@ -230,7 +233,7 @@ async def expect_done(ms: MessageStream) -> None:
 
 
 async def send_finals(
-    ms: MessageStream, r: Round, j: int, values: np.ndarray, masks: Sequence[frozenset[int]]
+    ms: MessageStream, r: RoundPlan, j: int, values: np.ndarray, masks: Sequence[frozenset[int]]
 ) -> None:
     for k, (x, y) in enumerate(r.chunks[j]):
         await ms.send(wire.result(k, values[x:y].astype(F32).tobytes(), masks[k], "final"))
@@ -238,7 +241,7 @@ async def send_finals(
 
 
 async def receive_finals(
-    ms: MessageStream, r: Round, j: int
+    ms: MessageStream, r: RoundPlan, j: int
 ) -> tuple[np.ndarray, list[frozenset[int]]]:
     values = np.zeros(r.bounds[j + 1] - r.bounds[j], np.float32)
     masks = []
