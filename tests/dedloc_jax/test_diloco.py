@@ -169,25 +169,42 @@ def _lockstep_train(
     def run(i: int) -> None:
         peer = CodecPeer(group, i)
         tx = diloco(inner(), peer, target_batch_size=target, outer=outer(), reset_inner=reset_inner)
-        step = _step_fn(tx, jit)
-        params = _params()
-        state = tx.init(params)
-        offset = sum(per_peer[:i])
-        for e in range(epochs):
-            lo = e * target + offset
-            for s in range(0, per_peer[i], MICRO):
-                xb, yb = x[lo + s : lo + s + MICRO], y[lo + s : lo + s + MICRO]
-                fed[i][e].append((xb, yb))
-                params, state = step(params, state, xb, yb)
-            while int(state.epoch) == e:
-                params, state = step(params, state, x[:0], y[:0])
-            params = outer_params_after_step(params, state)
-            history[i].append(jax.device_get(params))
+        final[i] = _train_peer(tx, jit, per_peer, i, (x, y), fed[i], history[i])
         assert peer.codecs == ["int8"] * epochs  # the default codec, asked per call
-        final[i] = state
 
     _run_peers([lambda i=i: run(i) for i in range(k)], group)
     return history, fed, final
+
+
+def _train_peer(
+    tx: optax.GradientTransformation,
+    jit: bool,
+    per_peer: list[int],
+    i: int,
+    data: tuple[np.ndarray, np.ndarray],
+    fed: list[list],
+    history: list[dict],
+) -> optax.OptState:
+    """Peer ``i`` of a lockstep run, one epoch per entry of ``fed``: it feeds its share of the
+    epoch's samples (``per_peer[i]``, after the peers before it) in micro-batches, recorded in
+    ``fed``, steps until the epoch moves and keeps the outer parameters in ``history``;
+    returns its final state."""
+    x, y = data
+    target, offset = sum(per_peer), sum(per_peer[:i])
+    step = _step_fn(tx, jit)
+    params = _params()
+    state = tx.init(params)
+    for e, batches in enumerate(fed):
+        lo = e * target + offset
+        for s in range(0, per_peer[i], MICRO):
+            xb, yb = x[lo + s : lo + s + MICRO], y[lo + s : lo + s + MICRO]
+            batches.append((xb, yb))
+            params, state = step(params, state, xb, yb)
+        while int(state.epoch) == e:
+            params, state = step(params, state, x[:0], y[:0])
+        params = outer_params_after_step(params, state)
+        history.append(jax.device_get(params))
+    return state
 
 
 def _assert_bit_identical(history: list[list[dict]]) -> None:

@@ -16,12 +16,19 @@ import optax
 import pytest
 
 from dedloc_jax import TopK, diloco
-from dedloc_jax.diloco import outer_params_after_step
 from dedloc_jax.host import AveragingOutcome
 from dedloc_jax.state.training import share_state, sync_state
 from dedloc_jax.topk import Payload, PayloadError, decode, encode, mean_of, pack, unpack
 from tests.dedloc_jax.lockstep import LockstepGroup, LockstepPeer
-from tests.dedloc_jax.test_diloco import MICRO, _data, _loss, _params, _run_peers, _step_fn
+from tests.dedloc_jax.test_diloco import (
+    MICRO,
+    _data,
+    _loss,
+    _params,
+    _run_peers,
+    _step_fn,
+    _train_peer,
+)
 
 # 5 + 1 parameters in chunks of 4: two chunks, one value sent from each (the last is short)
 CFG = TopK(density=0.25, bits=2, error_feedback=0.95, chunk=4)
@@ -62,21 +69,7 @@ def _train(per_peer: list[int], epochs: int, *, jit: bool):
 
     def run(i: int) -> None:
         tx = diloco(optax.sgd(0.05), peers[i], target_batch_size=target, compression=CFG)
-        step = _step_fn(tx, jit)
-        params = _params()
-        state = tx.init(params)
-        offset = sum(per_peer[:i])
-        for e in range(epochs):
-            lo = e * target + offset
-            for s in range(0, per_peer[i], MICRO):
-                xb, yb = x[lo + s : lo + s + MICRO], y[lo + s : lo + s + MICRO]
-                fed[i][e].append((xb, yb))
-                params, state = step(params, state, xb, yb)
-            while int(state.epoch) == e:
-                params, state = step(params, state, x[:0], y[:0])
-            params = outer_params_after_step(params, state)
-            history[i].append(jax.device_get(params))
-        final[i] = state
+        final[i] = _train_peer(tx, jit, per_peer, i, (x, y), fed[i], history[i])
 
     _run_peers([lambda i=i: run(i) for i in range(k)], group)
     return history, fed, final, peers
