@@ -203,21 +203,15 @@ class Round:
     def __init__(
         self,
         service: AveragingService,
-        spec: GroupSpec,
-        me: int,
+        plan: RoundPlan,
         vec: np.ndarray | None,
-        weight: float,
-        codec: LeafCodecs,
-        config: AllReduceConfig,
-        round_id: bytes,
-        timeout: float,
         meter: BandwidthMeter | None,
     ) -> None:
-        plan = RoundPlan.build(spec, me, vec, weight, codec, config, round_id, timeout)
         self.plan, self.holdings = plan, Holdings(plan, vec)
         self.service, self.node, self.meter = service, service.node, meter
-        self.spec, self.me, self.codec, self.config = spec, me, codec, config
-        self.round_id, self.members, self.senders = round_id, plan.members, plan.senders
+        me, config = plan.me, plan.config
+        self.spec, self.me, self.codec, self.config = plan.spec, me, plan.codec, config
+        self.round_id, self.members, self.senders = plan.round_id, plan.members, plan.senders
         self.is_sender, self.size, self.weight = plan.is_sender, plan.size, plan.weight
         self.abstain, self.bounds, self.reducers = plan.abstain, plan.bounds, list(plan.reducers)
         self.chunks = plan.chunks
@@ -626,18 +620,8 @@ async def all_reduce(
         raise ValueError(f"weight must be finite and >= 0, got {weight!r}")
     if not is_finite(vec) and member.sends:
         logger.warning("round: local contribution has non-finite values; abstaining")
-    rnd = Round(
-        service,
-        group,
-        me,
-        vec,
-        w,
-        plan,
-        cfg,
-        round_id if round_id is not None else group.digest,
-        timeout,
-        meter,
-    )
+    rid = round_id if round_id is not None else group.digest
+    rnd = Round(service, RoundPlan.build(group, me, vec, w, plan, cfg, rid, timeout), vec, meter)
     if not member.sends:
         rnd.vec = None
     service._open(rnd)
