@@ -121,6 +121,7 @@ class AveragingService:
         node.add_stream_handler(wire.PROTOCOL, self._handle_exchange)
         node.add_stream_handler(wire.REPAIR_PROTOCOL, self._handle_repair)
         node.add_stream_handler(audit.VERIFY_PROTOCOL, self._handle_verify)
+        node.add_handler(audit.STATEMENT_PROTOCOL, self._handle_statement)
 
     def _open(self, rnd: Round) -> None:
         if rnd.round_id in self._rounds:
@@ -186,6 +187,19 @@ class AveragingService:
             await audit.serve(rnd, ms, ctx.remote_peer)
             return
         raise BadContributionError("verify request stalled")
+
+    async def _handle_statement(self, ctx: CallContext, request: Any) -> dict:
+        if self._admit is not None:
+            await self._admit(ctx.remote_peer)
+        round_id = request.get("r") if isinstance(request, dict) else None
+        if not isinstance(round_id, bytes):
+            raise BadContributionError("expected a statement of a round")
+        rnd = None
+        with trio.move_on_after(self.config.stall_timeout):
+            rnd = await self._find(round_id)
+        if rnd is None or not rnd.is_sender:  # (not started in time, or nothing to verify)
+            raise BadContributionError("this member holds no result of that round to verify")
+        return await audit.answer(rnd, request, ctx.remote_peer)
 
     async def _handle_repair(self, ctx: CallContext, ms: MessageStream) -> None:
         rnd, hello = await self._hello(ctx, ms)

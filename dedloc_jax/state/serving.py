@@ -35,7 +35,7 @@ from dedloc_jax.state.vouching import (
     Vouch,
     VouchBook,
     sign_vouch,
-    vouched_by_another,
+    vouched_names,
 )
 from p2p.dht import InvalidRecordError, follower_replicas
 from p2p.dht.records import owner_marker, owner_markers
@@ -326,18 +326,18 @@ async def read_announcements(
             offered.extend(w for w in vouches if me in w.mates and w.signer == names[0])
         found.append(Announcement(pid, epoch, digest, tuple(lineage)))
         carried.append(vouches)
-    # Vouched: by a trusted signer (with a book: our mates, us, and whom they vouched for,
-    # found until nothing changes; a Sybil's word for another Sybil never starts a chain).
+    # Vouched: named by a trusted signer (with a book: our mates, us, and whom they vouched
+    # for, found until nothing changes; a Sybil's word for another Sybil never starts a
+    # chain), in any announcement: a vouch is as good where another peer carries it. Only the
+    # ones each peer carries about itself left a healed partition's minority, whose mates'
+    # vouches name nobody on the other side, trusting none of the majority (issue 46).
     trusted = None if book is None else (lambda signer: signer == me or book.trusts(signer))
-    vouched = [False] * len(found)
-    changed = True
-    while changed:
-        changed = False
-        for i, (a, vouches) in enumerate(zip(found, carried, strict=True)):
-            if not vouched[i] and vouched_by_another(run_id, str(a.peer), vouches, trusted):
-                vouched[i] = changed = True
-                if book is not None:
-                    book.record(str(a.peer))
+    named = vouched_names(run_id, [v for vouches in carried for v in vouches], trusted)
+    vouched = [str(a.peer) in named for a in found]
+    if book is not None:
+        for a, v in zip(found, vouched, strict=True):
+            if v:
+                book.record(str(a.peer))
     return [dataclasses.replace(a, vouched=v) for a, v in zip(found, vouched, strict=True)]
 
 

@@ -117,6 +117,29 @@ def vouched_by_another(
     )
 
 
+def vouched_names(
+    run_id: str, vouches: Iterable[Vouch], trusted: Callable[[str], bool] | None = None
+) -> set[str]:
+    """The peers ``vouches`` prove averaged with another: each mate a valid vouch names,
+    where its signer is ``trusted`` (None: anyone) or named so itself (the chain goes on
+    until nothing changes). Each signature is verified once, and only a trusted signer's."""
+    pending = {(v.key, v.sig): v for v in vouches}
+    named: set[str] = set()
+    changed = True
+    while changed and pending:
+        changed = False
+        for k, v in list(pending.items()):
+            signer = v.signer
+            if not (trusted is None or signer in named or trusted(signer)):
+                continue
+            del pending[k]
+            if v.valid(run_id):
+                fresh = set(v.mates) - {signer} - named
+                changed = changed or bool(fresh)
+                named |= fresh
+    return named
+
+
 class VouchBook:
     """The peers a read announcement proved to have averaged with another (verified once,
     when read); the progress table's states are marked by it (its records carry no

@@ -25,25 +25,21 @@ from p2p.testing import SimNetwork, run_sim
 
 
 @pytest.mark.parametrize(
-    "group",
-    [
-        64,
-        pytest.param(
-            3,
-            marks=pytest.mark.xfail(
-                strict=False,
-                reason="issue 46: since unproven peers count as one median (bbf5c59) this soak "
-                "splits a peer at epoch 5 when the fuzz tests ran first in the process; passes "
-                "alone. Open: find the real-time or import-order dependence",
-            ),
-        ),
-    ],
-    ids=["one-group", "capped"],
+    ("group", "sorted_shuffle"),
+    [(64, False), (3, False), (3, True)],
+    ids=["one-group", "capped", "capped-hypothesis-order"],
 )
-def test_soak_small(group: int) -> None:
+def test_soak_small(group: int, sorted_shuffle: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """Capped: groups of at most 3, whose means are averaged across groups every epoch. The
     figures reported as the run goes are those of the run so far: each report's epochs are
-    the epochs the bootstrap peer reached, and the final figures extend the last report's."""
+    the epochs the bootstrap peer reached, and the final figures extend the last report's.
+
+    Importing hypothesis (any fuzz test in the process) switches trio's scheduler to another
+    order (trio's hypothesis plugin sorts and shuffles each batch), so a run repeats only for
+    its order: both are run, each set explicitly. In hypothesis's order the capped soak split
+    a peer at epoch 5 (a healed partition's minority trusted no vouch of the majority's; see
+    test_a_vouch_counts_wherever_it_is_carried)."""
+    monkeypatch.setattr(trio._core._run, "_ALLOW_DETERMINISTIC_SCHEDULING", sorted_shuffle)
     plan = SoakPlan(
         peers=6,
         joiners=2,

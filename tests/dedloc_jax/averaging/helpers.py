@@ -32,9 +32,11 @@ def run_round(
     parts: tuple[int, ...] | None = None,
     codecs: Sequence[Any] | None = None,
     member_weights: Sequence[float] | None = None,
+    latency: float = 0.0,
 ) -> tuple[list, float, list[str]]:
     """Run one round; returns (per-member result, exception or None if killed; virtual duration;
-    member peer IDs). ``member_weights``: the spec's bounds on the weights (default none)."""
+    member peer IDs). ``member_weights``: the spec's bounds on the weights (default none);
+    ``latency``: each host's one-way access latency (seconds)."""
     cfg = config or AllReduceConfig.testing()
     outcome: list = [None] * len(modes)
     duration = [0.0]
@@ -42,7 +44,7 @@ def run_round(
 
     async def main() -> None:
         net = SimNetwork(seed=seed)
-        async with open_sim_nodes(net, len(modes)) as nodes:
+        async with open_sim_nodes(net, len(modes), latency=latency) as nodes:
             services = [AveragingService(node, cfg) for node in nodes]
             for i, node in enumerate(nodes):
                 if modes[i] == "client":  # behind NAT: it can only dial out

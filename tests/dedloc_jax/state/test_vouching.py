@@ -1,12 +1,21 @@
-"""Vouches (dedloc_jax.state.vouching) and the fork choice's rule for them (pure)."""
+"""Vouches (dedloc_jax.state.vouching) and the fork choice's rule for them (pure), and how
+read_announcements counts them (simulator)."""
 
 from __future__ import annotations
 
+from contextlib import AsyncExitStack
 from dataclasses import replace
 
+import trio
+
 from dedloc_jax.state.lineage import Announcement, fork_choice, fork_verdict, losing_peers
+from dedloc_jax.state.serving import read_announcements, state_key
 from dedloc_jax.state.vouching import Vouch, VouchBook, sign_vouch, vouched_by_another
+from p2p.dht import DHTClock, DHTConfig, open_dht
+from p2p.dht.records import owner_marker
 from p2p.identity import Identity
+from p2p.node import NodeConfig
+from p2p.testing import SimNetwork, open_sim_nodes, run_sim
 
 RUN = "run"
 
@@ -67,3 +76,66 @@ def test_a_vouch_counts_only_from_a_signer_traced_to_our_own_mates() -> None:
     assert book.vouched(pm) and book.trusts(pm)
     assert not vouched_by_another(RUN, p2, [by_s1], book.trusts)  # a Sybil's word for a Sybil
     assert vouched_by_another(RUN, pf, [sign_vouch(mate, RUN, 5, digest, [pf])], book.trusts)
+
+
+def test_a_vouch_counts_wherever_it_is_carried() -> None:
+    """Issue 46: after a partition healed, a peer whose mates were all on its side traced no
+    signer to the majority: each announcement's own vouches name its newest mates, none of
+    ours, so the majority's states counted as unvouched, our side's lineage won our fork
+    choice and we stepped apart on it (test_soak_small[capped], seen under the scheduler
+    order hypothesis's trio plugin sets). A mate's own vouch names the peers it averaged with:
+    that is the same signed word, carried in its announcement instead of theirs."""
+    names = ["reader", "mate", "x", "y", "s1", "s2"]
+    ids = {n: Identity.from_seed(f"carried-{n}".encode()) for n in names}
+    pid = {n: str(i.peer_id) for n, i in ids.items()}
+
+    def vouch(signer: str, epoch: int, *mates: str) -> list:
+        digest = bytes([epoch]) * 32
+        return sign_vouch(ids[signer], RUN, epoch, digest, [pid[m] for m in mates]).to_wire()
+
+    carried = {
+        # our mate moved on with x (its own vouch names x); it serves epoch 4
+        "mate": (4, [vouch("mate", 4, "x"), vouch("reader", 3, "mate")]),
+        # x and y averaged into 5: each carries its own vouch and the other's naming it
+        "x": (5, [vouch("x", 5, "y"), vouch("y", 5, "x")]),
+        "y": (5, [vouch("y", 5, "x"), vouch("x", 5, "y")]),
+        # two Sybils vouch for each other: nobody we trust named either
+        "s1": (9, [vouch("s1", 9, "s2"), vouch("s2", 9, "s1")]),
+        "s2": (9, [vouch("s2", 9, "s1"), vouch("s1", 9, "s2")]),
+    }
+
+    async def main() -> dict[str, bool]:
+        net = SimNetwork(seed=0)
+        async with open_sim_nodes(
+            net, len(names), config=NodeConfig.testing(), names=names, identities=list(ids.values())
+        ) as nodes:
+            dhts = []
+            async with AsyncExitStack() as stack:
+                for node in nodes:
+                    first = [] if not dhts else [str(nodes[0].addrs[0])]
+                    dhts.append(
+                        await stack.enter_async_context(
+                            open_dht(
+                                node,
+                                initial_peers=first,
+                                config=DHTConfig.fast(),
+                                clock=DHTClock(trio.current_time),
+                            )
+                        )
+                    )
+                await trio.sleep(1.0)
+                for name, dht in zip(names, dhts, strict=True):
+                    if name in carried:
+                        epoch, vouches = carried[name]
+                        value = {"epoch": epoch, "digest": bytes([epoch]) * 32, "lineage": [],
+                                 "addrs": [], "vouches": vouches}  # fmt: skip
+                        subkey = owner_marker(nodes[names.index(name)].peer_id)
+                        assert (await dht.store(state_key(RUN), value, dht.now() + 60,
+                                                subkey=subkey)).ok  # fmt: skip
+                book = VouchBook()
+                book.anchor([pid["mate"]])  # the reader averaged with its mate only
+                found = await read_announcements(nodes[0], dhts[0], RUN, whole=True, book=book)
+                return {names[[pid[n] for n in names].index(str(a.peer))]: a.vouched for a in found}
+
+    vouched = run_sim(main)
+    assert vouched == {"mate": True, "x": True, "y": True, "s1": False, "s2": False}
