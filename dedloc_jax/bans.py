@@ -4,12 +4,15 @@ evidence that others check.
 A peer bans whom it convicted itself, at once, and publishes the conviction under
 ``RUN.bans`` (one signed subkey per accuser: ``{"bans": [record, ...]}``, at most
 :data:`MAX_RECORDS`, newest kept). A record carries the accusation's evidence (the signed
-statements, the revealed parts, the reducer's signed result chunk) when it fits the DHT's value
-limit: a peer reading it bans the accused only if :func:`~dedloc_jax.averaging.audit.
-check_evidence` convicts them from it, so an accuser cannot ban an honest peer with a record
-alone. A record too large to carry its evidence is listed (``verified: False``) and bans
-nobody but its writer's own rounds. Banned peers are left out of groups
-(:class:`~dedloc_jax.rounds.context.RoundContext.banned`).
+statements, the revealed parts, the reducer's signed result chunk) when it fits the record;
+larger evidence (a chunk of 65,536 values from four members is ~660 KB, the DHT's values at
+most 256 KiB) goes out in pieces of :data:`PIECE` bytes, each under its own content-addressed
+key ``RUN.evidence.<sha256 of the piece>``, and the record lists the pieces' hashes. A peer
+reading it bans the accused only if :func:`~dedloc_jax.averaging.audit.check_evidence`
+convicts them from the whole evidence (its digest checked), so an accuser cannot ban an honest
+peer with a record alone. A record whose evidence is missing (over :data:`MAX_PIECES`, or its
+pieces lost) is listed (``verified: False``) and bans nobody but its writer's own rounds.
+Banned peers are left out of groups (:class:`~dedloc_jax.rounds.context.RoundContext.banned`).
 """
 
 from __future__ import annotations
@@ -35,7 +38,13 @@ log = logging.getLogger(__name__)
 MAX_RECORDS = 8
 MAX_EVIDENCE = 160 << 10
 """Evidence bytes one record may carry (the DHT refuses values over 256 KiB)."""
+PIECE = 128 << 10
+"""Bytes of evidence under one ``RUN.evidence`` key (well inside the DHT's value limit)."""
+MAX_PIECES = 64
+"""Pieces one ban's evidence may take (8 MiB: a chunk of 262,144 values in fp32 from seven
+members); larger evidence is not published."""
 MAX_REASON = 300
+MAX_CHECKED = 1024
 BAN_TTL = MAX_RECORD_TTL
 """A ban record's lifetime: the run's record limit; its accuser republishes it at half of it."""
 REFRESH = 60.0
@@ -45,6 +54,17 @@ ROLES = ("reducer", "sender")
 
 def bans_key(run_id: str) -> str:
     return f"{run_id}.bans"
+
+
+def evidence_key(run_id: str, piece_hash: bytes) -> str:
+    """Where one piece of a ban's evidence is stored: named by its own hash, so a reader
+    checks it whoever wrote it."""
+    return f"{run_id}.evidence.{piece_hash.hex()}"
+
+
+def split_evidence(evidence: bytes) -> list[bytes]:
+    """``evidence`` in pieces of at most :data:`PIECE` bytes."""
+    return [evidence[i : i + PIECE] for i in range(0, len(evidence), PIECE)]
 
 
 @dataclass(frozen=True)
@@ -59,15 +79,23 @@ class Ban:
     verified: bool
     evidence: bytes = b""
 
-    def to_record(self) -> dict:
-        return {
+    def to_record(self, inline: bool = True) -> dict:
+        """The published record: the evidence in it when ``inline`` and it fits, else the
+        hashes of its pieces (:func:`split_evidence`) when there are few enough."""
+        rec = {
             "peer": self.peer,
             "role": self.role,
             "reason": self.reason[:MAX_REASON],
             "round": self.round_id[:64],
-            "evidence": self.evidence if len(self.evidence) <= MAX_EVIDENCE else b"",
+            "evidence": b"",
             "digest": hashlib.sha256(self.evidence).digest(),
         }
+        pieces = split_evidence(self.evidence)
+        if inline and len(self.evidence) <= MAX_EVIDENCE:
+            rec["evidence"] = self.evidence
+        elif len(pieces) <= MAX_PIECES:
+            rec["pieces"] = [hashlib.sha256(p).digest() for p in pieces]
+        return rec
 
     def to_json(self) -> dict:
         """For status.json and the dashboard."""
@@ -100,6 +128,9 @@ class Bans:
         self._published_at = -float("inf")
         self._read_at = -float("inf")
         self._bare: set[str] = set()  # peers whose evidence we published without, once logged
+        # (accuser, accused, evidence digest) whose evidence convicted nobody: not fetched again
+        self._checked: set[tuple[str, str, Any]] = set()
+        self._budget = MAX_PIECES
 
     def is_banned(self, peer: str) -> bool:
         return peer in self._banned
@@ -136,21 +167,22 @@ class Bans:
             return
         records, size = [], 0
         for ban in reversed(self._mine):
-            rec = ban.to_record()
             size += len(ban.evidence)
-            if size > MAX_EVIDENCE:
-                rec["evidence"] = b""
-                if ban.peer not in self._bare:
-                    self._bare.add(ban.peer)
-                    log.warning(
-                        "the evidence against %s is %d bytes, over the %d bytes our ban record "
-                        "may carry with the others': published without it, so only peers that "
-                        "catch %s themselves will ban it",
-                        ban.peer,
-                        len(ban.evidence),
-                        MAX_EVIDENCE,
-                        ban.peer,
-                    )
+            rec = ban.to_record(inline=size <= MAX_EVIDENCE)
+            if rec.get("pieces"):
+                await self._store_pieces(ban.evidence)
+            elif not rec["evidence"] and ban.peer not in self._bare:
+                self._bare.add(ban.peer)
+                log.warning(
+                    "the evidence against %s is %d bytes, over the %d pieces of %d bytes a "
+                    "ban may take: published without it, so only peers that catch %s "
+                    "themselves will ban it",
+                    ban.peer,
+                    len(ban.evidence),
+                    MAX_PIECES,
+                    PIECE,
+                    ban.peer,
+                )
             records.append(rec)
         try:
             await self.dht.store(
@@ -164,12 +196,49 @@ class Bans:
         except (P2PError, InvalidRecordError) as e:
             log.warning("could not publish bans: %s", e)
 
+    async def _store_pieces(self, evidence: bytes) -> None:
+        for piece in split_evidence(evidence):
+            try:
+                await self.dht.store(
+                    evidence_key(self.run_id, hashlib.sha256(piece).digest()),
+                    piece,
+                    self.dht.now() + BAN_TTL,
+                    subkey=owner_marker(self.node.peer_id),
+                )
+            except (P2PError, InvalidRecordError) as e:
+                log.warning("could not publish a piece of ban evidence: %s", e)
+
+    async def _fetch(self, pieces: list[bytes], digest: bytes) -> bytes:
+        """A ban's evidence from its pieces (b"" when one is missing or the whole does not
+        hash to ``digest``); each piece is checked against its hash, whoever stored it."""
+        out = []
+        for h in pieces:
+            try:
+                value = await self.dht.get(evidence_key(self.run_id, h))
+            except P2PError as e:
+                log.info("could not read a piece of ban evidence: %s", e)
+                return b""
+            items = value.values() if isinstance(value, dict) else ()
+            found = [
+                i.value
+                for i in items
+                if isinstance(i.value, bytes) and hashlib.sha256(i.value).digest() == h
+            ]
+            if not found:
+                return b""
+            out.append(found[0])
+        whole = b"".join(out)
+        return whole if hashlib.sha256(whole).digest() == digest else b""
+
     async def refresh(self, *, force: bool = False) -> None:
         """Read others' records (at most every :data:`REFRESH` s) and adopt proven bans."""
         now = trio.current_time()
         if not force and now < self._read_at + REFRESH:
             return
         self._read_at = now
+        # Pieces fetched per read, at most (accusers minting fresh evidence each minute cost a
+        # reader this much, not a download per record).
+        self._budget = MAX_PIECES
         try:
             value = await self.dht.get(bans_key(self.run_id))
         except P2PError as e:
@@ -183,13 +252,14 @@ class Bans:
             if len(names) != 1 or names[0] == self.me or not isinstance(v, dict):
                 continue
             for rec in v.get("bans", [])[:MAX_RECORDS] if isinstance(v.get("bans"), list) else []:
-                self._consider(names[0], rec)
+                await self._consider(names[0], rec)
 
-    def _consider(self, accuser: str, rec: Any) -> None:
+    async def _consider(self, accuser: str, rec: Any) -> None:
         if not isinstance(rec, dict):
             return
         peer, role, reason = rec.get("peer"), rec.get("role"), rec.get("reason")
         round_id, evidence = rec.get("round"), rec.get("evidence")
+        pieces, digest = rec.get("pieces"), rec.get("digest")
         if not (
             isinstance(peer, str)
             and role in ROLES
@@ -200,6 +270,17 @@ class Bans:
             return
         if peer in self._banned or peer == self.me:
             return
+        if (accuser, peer, digest) in self._checked:
+            return  # its evidence was fetched and checked already: it did not convict
+        if (
+            not evidence
+            and isinstance(pieces, list)
+            and 0 < len(pieces) <= min(MAX_PIECES, self._budget)
+            and all(isinstance(h, bytes) and len(h) == 32 for h in pieces)
+            and isinstance(digest, bytes)
+        ):
+            self._budget -= len(pieces)
+            evidence = await self._fetch(pieces, digest)
         proven = False
         if evidence:
             try:
@@ -209,6 +290,10 @@ class Bans:
             except (ValueError, TypeError, msgpack.UnpackException):
                 proven = False
         ban = Ban(peer, role, reason, round_id, accuser, proven)
+        if evidence and not proven:
+            if len(self._checked) >= MAX_CHECKED:
+                self._checked.clear()
+            self._checked.add((accuser, peer, digest))
         if proven:
             log.warning("banning %s on %s's evidence: %s", peer, accuser, reason)
             self._banned[peer] = ban

@@ -36,6 +36,7 @@ from dedloc_jax.state.vouching import VouchBook
 from dedloc_jax.tracker import ProgressTracker
 from dedloc_jax.validators import run_validators
 from p2p.dht import DHTClock, DHTConfig, open_dht
+from p2p.errors import P2PError
 from p2p.identity import PeerID
 from p2p.multiaddr import Multiaddr
 from p2p.nat import NATConfig, NATManager, open_nat
@@ -107,7 +108,8 @@ async def open_collaboration(
         if private is not None:
             dht = private.attach(dht)
         admit = private.guard.admit if private is not None else None
-        core = _assemble(node, dht, run_id, config, mode, nat, admit, allreduce_config)
+        roots = _peer_ids(initial_peers)
+        core = _assemble(node, dht, run_id, config, mode, nat, admit, allreduce_config, roots)
         install_probe(node, core.link_keeper.locks, core.meter)
         core.matchmaker.register()
         core.across.register()
@@ -136,13 +138,15 @@ def _assemble(
     nat: NATManager | None,
     admit: Callable[[PeerID, str | None], Awaitable[None]] | None,
     allreduce_config: AllReduceConfig,
+    roots: Sequence[str] = (),
 ) -> CollaborationPeer:
     """Build a peer's parts, each handed the finished parts it uses. ``admit``: a private
     run's access guard (:meth:`~dedloc_jax.access.AccessGuard.admit`), which every handler
-    calls first; None in an open run. The all-reduce service registers its handlers here,
-    before any round can start."""
+    calls first; None in an open run. ``roots``: the peers we joined through, whose vouches a
+    newcomer trusts (:class:`~dedloc_jax.state.vouching.VouchBook`). The all-reduce service
+    registers its handlers here, before any round can start."""
     bans = Bans(node, dht, run_id)
-    vouches = VouchBook()
+    vouches = VouchBook(roots)
     tracker = ProgressTracker(
         dht, run_id, config, mode, banned=bans.is_banned, vouched=vouches.vouched
     )
@@ -204,3 +208,16 @@ def _assemble(
     return CollaborationPeer(
         node, dht, config, mode, tracker=tracker, bans=bans, state=state, stepper=stepper, nat=nat
     )
+
+
+def _peer_ids(addrs: Sequence[str | Multiaddr]) -> list[str]:
+    """The peer IDs named in ``addrs`` (those without one, or malformed, are skipped)."""
+    out = []
+    for addr in addrs:
+        try:
+            pid = (addr if isinstance(addr, Multiaddr) else Multiaddr.parse(str(addr))).peer_id
+        except P2PError:
+            continue
+        if pid is not None:
+            out.append(str(pid))
+    return out

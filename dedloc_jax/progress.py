@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -191,6 +191,7 @@ def estimate_collaboration(
     max_extrapolation: float = 60.0,
     me: str | None = None,
     proven: Callable[[str], bool] | None = None,
+    began: Mapping[str, float] | None = None,
 ) -> CollaborationEstimate:
     """Sum the progress of the peers at the global epoch, extrapolated to ``now``.
 
@@ -199,7 +200,9 @@ def estimate_collaboration(
     out when telling whether all the others wait (:attr:`CollaborationEstimate.ready`).
     ``proven``: whether a peer has averaged with the run (None: every peer has); the claims
     of one that has not count at most as the median peer's (:data:`CLAIM_CAP` times it for
-    the others).
+    the others). ``began``: when some peers began the epoch, as we saw it (our mates, who
+    stepped into it with us); their samples count for at most :data:`PLAUSIBLE` times what
+    their counted rate makes in the time since.
     """
     records = list(records)
     # Only trainers move the epoch: clients may lag or lie about it, aux peers follow.
@@ -218,9 +221,20 @@ def estimate_collaboration(
 
     def held(r: PeerProgress) -> float:
         if r.waiting:  # a waiting peer's rate is its pace when it trains, not now
-            return r.samples
+            return plausible(r, r.samples)
         elapsed = min(max(0.0, now - r.time), max_extrapolation)
-        return r.samples + elapsed * rate(r)
+        return plausible(r, r.samples + elapsed * rate(r))
+
+    def plausible(r: PeerProgress, samples: float) -> float:
+        # A mate's samples are bounded by its counted rate and the time since the epoch began
+        # (which we saw: it stepped with us): a peer that averaged with the run claimed its
+        # whole cap (an equal share of the target) at each epoch's first moment.
+        start = began.get(r.peer_id) if began is not None and r.peer_id != me else None
+        # (a mate that states no rate trains at the median peer's)
+        per = rate(r) or (rate_cap / CLAIM_CAP if math.isfinite(rate_cap) else 0.0)
+        if start is None or not per > 0:
+            return samples
+        return min(samples, PLAUSIBLE * per * max(0.0, now - start))
 
     # The samples bound counts peers that have none yet and never falls below an equal share of
     # the target, so it only grows with time: an estimate must not shrink while peers train.
@@ -275,6 +289,11 @@ CLAIM_CAP = 4.0
 """No other peer's rate or samples count for more than this many times the median peer's: one
 record claiming 2**53 samples closed every epoch at once; now it counts as four typical peers
 (honest throughputs 10x apart, 3.3x the median at most, are counted whole)."""
+
+
+PLAUSIBLE = 2.0
+"""A mate's samples count for at most this many times its counted rate times the time since
+its epoch began: a smoothed rate lags a peer that speeds up, and never by 2x."""
 
 
 def claim_cap(values: Iterable[float]) -> float:

@@ -512,7 +512,15 @@ class ProgressTracker:
             max_extrapolation=self.max_extrapolation,
             me=self.peer_id,
             proven=self.proven,
+            began=self._began(),
         )
+
+    def _began(self) -> dict[str, float]:
+        """When our mates began our epoch: when we did (they stepped into it with us)."""
+        into, mates = self.mates
+        if self._mates_began is None or into != self.epoch:
+            return {}
+        return dict.fromkeys(mates, self._mates_began)
 
     # --- DHT I/O -----------------------------------------------------------------------
     def settled_eta(self) -> float:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dedloc_jax.averaging.group import MODES as MEMBER_MODES
-from dedloc_jax.bans import MAX_EVIDENCE, MAX_REASON
+from dedloc_jax.bans import MAX_EVIDENCE, MAX_PIECES, MAX_REASON, PIECE
 from dedloc_jax.bans import MAX_RECORDS as MAX_BANS
 from dedloc_jax.bans import ROLES as BAN_ROLES
 from dedloc_jax.config import MAX_RECORD_TTL
@@ -144,13 +144,19 @@ BAN = Struct(
                     "round": Bytes(64),
                     "evidence": Bytes(MAX_EVIDENCE),
                     "digest": Bytes(32),
-                }
+                    "pieces": ListOf(Bytes(32), max_len=MAX_PIECES),
+                },
+                optional=frozenset({"pieces"}),
             ),
             max_len=MAX_BANS,
         )
     }
 )
 """An accuser's convictions under ``RUN.bans`` (:mod:`dedloc_jax.bans`)."""
+
+EVIDENCE_PIECE = Bytes(PIECE)
+"""One piece of a ban's evidence under ``RUN.evidence.<its sha256>`` (readers check the
+hash)."""
 
 
 def run_validators(run_id: str) -> list[RecordValidator]:
@@ -167,5 +173,6 @@ def run_validators(run_id: str) -> list[RecordValidator]:
         ),
         KeySchema("state announcement", rf"{run}\.state", STATE_ANNOUNCEMENT, max_ttl=ttl),
         KeySchema("ban list", rf"{run}\.bans", BAN, max_ttl=ttl),
+        KeySchema("ban evidence", rf"{run}\.evidence\.[0-9a-f]{{64}}", EVIDENCE_PIECE, max_ttl=ttl),
         *nat_validators(),
     ]

@@ -45,6 +45,7 @@ from .verify import (
     NO_HASH,
     ShareFigures,
     Statement,
+    chunk_terms,
     clips,
     counted_weight,
     derived_tau,
@@ -115,15 +116,32 @@ async def _figures(rnd: Round, seed: bytes) -> dict[int, ShareFigures]:
             continue  # a repaired share is not checked (its reducer's results never all came)
         q = np.full(n, np.nan)
         norms = np.full(n, np.nan)
+        results = []
         for k in range(n):
             a, b = rnd.share_slice(j, k)
             part = rnd.sent_values(j, k)
             z = direction(seed, a, b - a)
             q[k] = projection(z, part, rnd.out[a:b], rnd.taus[j][k])
             norms[k] = part_norm(part)
+            results.append(_received(rnd, j, k))
             await trio.lowlevel.checkpoint()
-        out[j] = ShareFigures(tuple(rnd.part_hashes[j]), q, norms)
+        out[j] = ShareFigures(tuple(rnd.part_hashes[j]), q, norms, tuple(results))
     return out
+
+
+def _terms(rnd: Round, j: int, k: int) -> bytes:
+    a, b = rnd.share_slice(j, k)
+    cfg = rnd.config
+    return chunk_terms(a, b, rnd.codec.at(a, b).name, cfg.robust_mode, cfg.robust_tau)
+
+
+def _received(rnd: Round, j: int, k: int) -> bytes:
+    """The :func:`.verify.result_digest` of result chunk ``k`` of share ``j`` as we received it
+    (what its reducer signed, under the terms we hold)."""
+    held = rnd.result_bytes.get(j, ())
+    data = held[k] if k < len(held) else b""
+    mask, tau = rnd.masks[j][k], rnd.taus[j][k]
+    return result_digest(rnd.round_id, rnd.spec.digest, j, k, data, mask, tau, _terms(rnd, j, k))
 
 
 def _parse(rnd: Round, msg: Any) -> Statement:
@@ -687,9 +705,18 @@ def check_evidence(acc_evidence: dict, accused: str) -> bool:
     if {s.sender for s in stmts} != mask or len(stmts) != len(mask):
         return False
     key, sig = acc_evidence["reducer_key"], acc_evidence["result_sig"]
-    signed = result_digest(
-        stmts[0].round_id, stmts[0].digest, j, k, encoded, mask, acc_evidence["tau"]
+    terms = chunk_terms(
+        a, b, acc_evidence["codec"], bool(acc_evidence["robust"]), acc_evidence["fixed_tau"]
     )
+    signed = result_digest(
+        stmts[0].round_id, stmts[0].digest, j, k, encoded, mask, acc_evidence["tau"], terms
+    )
+    # Only signed facts count: every contributor signed the digest of the result chunk it
+    # received under these terms (codec, place, rule), so none of them is the accuser's word.
+    for st in stmts:
+        fig = st.shares.get(j)
+        if fig is not None and (k >= len(fig.results) or fig.results[k] != signed):
+            return False
     try:
         reducer_signed = PeerID.from_public_key(key) == PeerID.from_base58(
             members[j]

@@ -23,7 +23,15 @@ from .changes import Changes
 from .chunk_codecs import is_finite
 from .errors import BadContributionError, CodecError
 from .robust import centered_clip
-from .verify import CLIP_SLACK, clips, derived_tau, part_norm, result_digest, robust_weights
+from .verify import (
+    CLIP_SLACK,
+    chunk_terms,
+    clips,
+    derived_tau,
+    part_norm,
+    result_digest,
+    robust_weights,
+)
 
 if TYPE_CHECKING:
     from p2p.identity import Identity
@@ -273,8 +281,12 @@ class Reducer:
             data = bytes(data)
         self.enc[k] = data
         if r.config.verify:  # signed, so a conviction can name these bytes as ours
+            cfg = r.config
+            terms = chunk_terms(
+                self.start + a, self.start + b, codec.name, cfg.robust_mode, cfg.robust_tau
+            )
             self.sigs[k] = self.identity.sign(
-                result_digest(r.round_id, r.spec.digest, r.me, k, data, mask, self.taus[k])
+                result_digest(r.round_id, r.spec.digest, r.me, k, data, mask, self.taus[k], terms)
             )
             held.result_sigs[r.me].append(self.sigs[k])
             held.result_bytes[r.me].append(bytes(data))

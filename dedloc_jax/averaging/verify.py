@@ -139,6 +139,18 @@ def seed_of(
     return h.digest()
 
 
+def chunk_terms(
+    start: int, stop: int, codec_name: str, robust: bool, fixed_tau: float | None
+) -> bytes:
+    """The terms a result chunk is checked under: its place in the vector (the check
+    direction's), its codec and the run's aggregation rule. Signed by the reducer and by every
+    member that received the chunk (:func:`result_digest`), so an accuser naming other terms
+    in its evidence (another codec, no CenteredClip) convicts nobody."""
+    body = [int(start), int(stop), str(codec_name), bool(robust)]
+    body.append(float(fixed_tau) if fixed_tau is not None else -1.0)
+    return hashlib.sha256(b"dedloc-terms/1" + msgpack.packb(body)).digest()
+
+
 def result_digest(
     round_id: bytes,
     digest: bytes,
@@ -147,9 +159,12 @@ def result_digest(
     data: bytes,
     mask: frozenset[int],
     tau: float | None,
+    terms: bytes,
 ) -> bytes:
-    """What a reducer signs for result chunk ``k`` of its share ``j`` (its encoded bytes)."""
-    h = hashlib.sha256(b"dedloc-result/1" + round_id + digest)
+    """What a reducer signs for result chunk ``k`` of its share ``j`` (its encoded bytes,
+    under :func:`chunk_terms`); every sender signs the same digest of the chunk it received
+    in its statement (:attr:`ShareFigures.results`)."""
+    h = hashlib.sha256(b"dedloc-result/2" + round_id + digest + terms)
     h.update(msgpack.packb([j, k, sorted(mask), tau if tau is not None else -1.0]))
     h.update(bytes(data))
     return h.digest()
@@ -250,11 +265,13 @@ def counted_weight(stated: float, bound: float) -> float:
 @dataclass(frozen=True)
 class ShareFigures:
     """One sender's figures for one reducer's share: per chunk, the part's hash, ``q`` and
-    ``|x|`` (NaN where it sent nothing)."""
+    ``|x|`` (NaN where it sent nothing), and the :func:`result_digest` of the result chunk it
+    received (the bytes, codec and terms its ``q`` was computed against)."""
 
     hashes: tuple[bytes, ...]
     q: np.ndarray
     norms: np.ndarray
+    results: tuple[bytes, ...]
 
 
 @dataclass(frozen=True)
@@ -293,6 +310,7 @@ def make_statement(
                     b"".join(f.hashes),
                     f.q.astype("<f8").tobytes(),
                     f.norms.astype("<f8").tobytes(),
+                    b"".join(f.results),
                 ]
                 for j, f in shares.items()
             },
@@ -340,20 +358,18 @@ def parse_statement(
         raise BadContributionError("malformed statement")
     shares: dict[int, ShareFigures] = {}
     for j, fig in per.items():
-        if j not in chunks or not isinstance(fig, list) or len(fig) != 3:
+        if j not in chunks or not isinstance(fig, list) or len(fig) != 4:
             raise BadContributionError("statement for a share that does not exist")
-        hashes, q, norms = fig
+        hashes, q, norms, results = fig
         n = chunks[j]
-        if not all(isinstance(v, bytes) for v in fig) or (len(hashes), len(q), len(norms)) != (
-            32 * n,
-            8 * n,
-            8 * n,
-        ):
+        sizes = (32 * n, 8 * n, 8 * n, 32 * n)
+        if not all(isinstance(v, bytes) for v in fig) or tuple(map(len, fig)) != sizes:
             raise BadContributionError("statement figures of the wrong size")
         shares[j] = ShareFigures(
             tuple(hashes[32 * k : 32 * k + 32] for k in range(n)),
             np.frombuffer(q, "<f8").copy(),
             np.frombuffer(norms, "<f8").copy(),
+            tuple(results[32 * k : 32 * k + 32] for k in range(n)),
         )
     return Statement(round_id, digest, s, w, seed, shares, msg)
 

@@ -13,6 +13,11 @@ That bound never falls below ``CLAIM_CAP`` equal shares of the target among the 
 at the slot: a peer that honestly fed most of the target while the other compiled or joined
 (64 samples against 12, two peers) counts whole, and a group of two cannot be defended by
 weights anyway.
+
+The leader bounds its own weight by the same rule, and a follower refuses a spec in which any
+weight breaks it (:func:`excess_weight`): every member counts the spec's weights, and a lying
+leader wrote 2**53 for itself (a plain mean, in a group of two or a private run, was then its
+vector alone).
 """
 
 from __future__ import annotations
@@ -29,16 +34,16 @@ log = logging.getLogger(__name__)
 
 def bound_claims(members: Sequence[Member], me: str, *, share: float = 0.0) -> list[Member]:
     """``members`` with every other member's upload and download lowered to the group's lower
-    median of that figure, and its weight to ``CLAIM_CAP`` times theirs (positive ones; ours
-    counted and kept as it is) or times ``share`` (an equal share of the target), whichever is
-    larger. Logs each member it bounds."""
+    median of that figure (ours kept as they are), and every weight, ours too, to ``CLAIM_CAP``
+    times theirs (positive ones) or times ``share`` (an equal share of the target), whichever
+    is larger. Logs each other member it bounds."""
     up = claim_cap(m.upload_bps for m in members if m.mode != "client") / CLAIM_CAP
     down = claim_cap(m.download_bps for m in members) / CLAIM_CAP
     weight = max(claim_cap(m.weight for m in members if m.sends), CLAIM_CAP * share)
     out = []
     for m in members:
-        if m.peer_id == me:
-            out.append(m)
+        if m.peer_id == me:  # our links are measured by us; our weight follows the rule
+            out.append(dataclasses.replace(m, weight=min(m.weight, weight)))
             continue
         bounded = dataclasses.replace(
             m,
@@ -60,3 +65,18 @@ def bound_claims(members: Sequence[Member], me: str, *, share: float = 0.0) -> l
             )
         out.append(bounded)
     return out
+
+
+SHARE_SLACK = 2.0
+"""How far a follower's equal share of the target may be below the leader's (their views of
+the peers expected at the slot may differ) before a weight over its bound is refused."""
+
+
+def excess_weight(members: Sequence[Member], share: float = 0.0) -> str | None:
+    """Why a spec's weights break :func:`bound_claims`'s rule (None: they keep it), checked by
+    a follower with its own ``share`` (allowed :data:`SHARE_SLACK` below the leader's)."""
+    weight = max(claim_cap(m.weight for m in members if m.sends), CLAIM_CAP * SHARE_SLACK * share)
+    for m in members:
+        if m.sends and m.weight > weight * (1 + 1e-9):
+            return f"member {m.peer_id[:8]} weighs {m.weight:.3g}, over the bound {weight:.3g}"
+    return None

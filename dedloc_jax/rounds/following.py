@@ -10,6 +10,7 @@ from typing import Any
 
 from dedloc_jax.averaging.errors import GroupError
 from dedloc_jax.averaging.group import GroupSpec, Member
+from dedloc_jax.rounds.claims import excess_weight
 from dedloc_jax.rounds.context import RoundContext
 from dedloc_jax.rounds.wire import JOIN, LEADER, Slot, member_to_wire
 from p2p.errors import ConnectionClosed, DialError, P2PError, RPCError, RPCTimeout
@@ -70,6 +71,9 @@ class Joining:
     cross: Callable[[bool], None]
     """The leader's word on whether its view held other groups (the mean then goes across
     groups), told as soon as its spec checks out."""
+    share: float = 0.0
+    """An equal share of the target among the peers we expect at the slot: the spec's weights
+    must keep the claims rule with it (:func:`~dedloc_jax.rounds.claims.excess_weight`)."""
 
 
 async def follow(j: Joining, leader: str, *, hops: int = 0) -> GroupSpec | None:
@@ -115,6 +119,10 @@ async def follow(j: Joining, leader: str, *, hops: int = 0) -> GroupSpec | None:
         spec.index_of(peer_id)
     except (GroupError, KeyError, TypeError) as e:
         log.warning("leader %s sent a bad group spec: %s", leader, e)
+        return None
+    excess = excess_weight(spec.members, j.share)
+    if excess is not None:
+        log.warning("leader %s sent a group spec with an unbounded weight: %s", leader, excess)
         return None
     addrs = answer.get("addrs")
     if isinstance(addrs, dict):

@@ -544,6 +544,7 @@ class Matchmaker:
             learn=self._learn_addrs,
             choose=lambda target: self._choose(slot, target),
             cross=cross,
+            share=self.slots[slot].share,
         )
         return await follow(joining, leader)
 

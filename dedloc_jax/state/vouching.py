@@ -15,9 +15,12 @@ every stepped state counts as before.
 A signature costs nothing, so Sybils can vouch for each other: five that did outvoted three
 honest peers. A vouch therefore counts only when its signer is trusted (:class:`VouchBook`):
 we averaged with it ourselves (our anchors), or a trusted signer vouched for it. A peer that
-has averaged with nobody yet (a newcomer) has no anchor and trusts every signer, as before.
-Sybils that first average with honest peers are not caught by this rule (identities cost
-nothing in an open run; a private run's invitations are the cost).
+has averaged with nobody yet (a newcomer) traces signers to its *roots* instead: the peers it
+joined through (the IDs in its initial peers' addresses, which it chose). Five Sybils minting
+vouches for each other led a newcomer that trusted every signer to their forged state. Only a
+newcomer with no root either (the run's first peer) trusts every signer. Sybils that first
+average with honest peers are not caught by this rule (identities cost nothing in an open run;
+a private run's invitations are the cost), nor are roots that lie.
 """
 
 from __future__ import annotations
@@ -146,9 +149,10 @@ class VouchBook:
     vouches). Also whose vouches count: the peers we averaged with (:meth:`anchor`) and,
     from them on, the peers they vouched for (see the module's note on Sybils)."""
 
-    def __init__(self) -> None:
+    def __init__(self, roots: Iterable[str] = ()) -> None:
         self._peers: set[str] = set()
         self._anchors: set[str] = set()
+        self._roots = frozenset(roots)
 
     def record(self, peer: str) -> None:
         if len(self._peers) >= MAX_BOOK:
@@ -160,6 +164,9 @@ class VouchBook:
 
     def anchor(self, peers: Iterable[str]) -> None:
         """``peers`` averaged with us: their vouches count, and they are vouched."""
+        peers = list(peers)
+        if peers and not self._anchors and not self._roots:
+            self._peers.clear()  # recorded while we trusted every signer: Sybils' among them
         for peer in peers:
             if len(self._anchors) >= MAX_BOOK:
                 self._anchors.clear()
@@ -167,6 +174,11 @@ class VouchBook:
             self.record(peer)
 
     def trusts(self, signer: str) -> bool:
-        """Whether ``signer``'s vouches count: every signer's until we averaged with someone;
-        then our mates' and the peers they (or theirs) vouched for."""
-        return not self._anchors or signer in self._anchors or signer in self._peers
+        """Whether ``signer``'s vouches count: our mates' and the peers they (or theirs)
+        vouched for; until we averaged with someone, our roots' and the peers traced to them;
+        every signer's when we have neither."""
+        if self._anchors:
+            return signer in self._anchors or signer in self._peers
+        if self._roots:
+            return signer in self._roots or signer in self._peers
+        return True

@@ -234,3 +234,49 @@ def test_a_fresh_ghost_identity_at_every_epoch_does_not_stall_rounds() -> None:
     print(f"epochs in {PHASE:.0f} s after the ghosts appeared: {haunted} (clean run: {clean})")
     assert clean >= 5
     assert haunted >= 0.7 * clean
+
+
+def _run_with_proven_liar(seed: int = 5) -> list[int]:
+    """Four peers that train at the same rate and average together; the fourth publishes the
+    whole target as its samples in every record (its rate honest). Returns the three honest
+    peers' samples per epoch (after a warm-up)."""
+    import dataclasses
+
+    target = 480
+    config = CollaborationConfig.local_demo(target)
+    config = config.replace(progress=config.progress.replace(max_refresh=1.0))
+
+    async def main() -> list[int]:
+        net = SimNetwork(seed=seed)
+        samples: list[list[int]] = [[], [], []]
+        async with open_sim_collaboration(net, 4, config=config, latency=0.01) as cores:
+            liar = cores[3].tracker
+            own = liar.own_progress
+            liar.own_progress = lambda: dataclasses.replace(own(), samples=target)
+            params = [np.zeros(100, np.float32) for _ in cores]
+            async with trio.open_nursery() as nursery:
+                for i in range(4):
+                    stepped = samples[i].append if i < 3 else None
+                    nursery.start_soon(
+                        lambda i=i, s=stepped: train_steadily(
+                            cores[i], i, params, micro=MICRO, rate=RATE, on_step=s
+                        )
+                    )
+                await trio.sleep(45.0)
+                nursery.cancel_scope.cancel()
+        n = min(map(len, samples))
+        return [sum(s[k] for s in samples) for k in range(2, n)]
+
+    return run_sim(main, seed=seed)
+
+
+def test_a_peer_that_averages_with_the_run_cannot_claim_its_cap_at_each_epochs_start() -> None:
+    """A proven liar (it averages with the honest peers) claimed the whole target in every
+    record: counted as CLAIM_CAP medians, or an equal share of the target at an epoch's first
+    moment, it closed each epoch with ~3/7 of the target from the honest three. Its samples
+    now count for at most PLAUSIBLE x its rate x the time since the epoch began: the honest
+    three bring ~3/5 (3/4 with no liar)."""
+    totals = _run_with_proven_liar()
+    print(f"honest samples per epoch with a proven liar: {totals} (target 480)")
+    assert len(totals) >= 3
+    assert min(totals) >= 0.55 * 480

@@ -188,3 +188,41 @@ def test_a_waiting_record_keeps_its_rate_but_is_not_extrapolated() -> None:
     est = estimate_collaboration([waiting, training], now=0.1, target_batch_size=100)
     assert est.samples == pytest.approx(40 + 10 + 0.1 * 100.0)
     assert est.samples_per_second == 100.0
+
+
+def test_a_mates_samples_are_bounded_by_its_rate_and_the_time_since_the_epoch_began() -> None:
+    """A peer that averaged with us (proven: its claims counted up to CLAIM_CAP medians, or an
+    equal share of the target) claimed that cap at each epoch's first moment, with an honest
+    rate; it now counts for at most PLAUSIBLE x its rate x the time since the epoch began,
+    which we saw (it stepped into it with us). Honest mates count whole."""
+    began = {"a": 100.0, "b": 100.0, "liar": 100.0}
+    target = 400
+
+    def records(t: float, liar_samples: int):
+        honest = [_p(p, 5, int(10.0 * (t - 100.0)), 10.0, t) for p in ("me", "a", "b")]
+        return [*honest, _p("liar", 5, liar_samples, 10.0, t)]
+
+    at_start = estimate_collaboration(
+        records(100.5, 300), now=100.5, target_batch_size=target, me="me", began=began
+    )
+    unbounded = estimate_collaboration(
+        records(100.5, 300), now=100.5, target_batch_size=target, me="me"
+    )
+    assert unbounded.samples == pytest.approx(3 * 5 + target / 4)  # a share for free
+    assert at_start.samples == pytest.approx(3 * 5 + 2 * 10.0 * 0.5)
+    later = estimate_collaboration(
+        records(110.0, 300), now=110.0, target_batch_size=target, me="me", began=began
+    )
+    assert later.samples == pytest.approx(3 * 100 + 2 * 10.0 * 10.0)  # not 4 x 100
+    honest = estimate_collaboration(
+        records(110.0, 100), now=110.0, target_batch_size=target, me="me", began=began
+    )
+    assert honest.samples == pytest.approx(400)  # an honest mate counts whole
+    waiting = estimate_collaboration(
+        [*records(110.0, 0)[:3], PeerProgress("liar", 5, 300, 10.0, 110.0, "node", waiting=True)],
+        now=110.0,
+        target_batch_size=target,
+        me="me",
+        began=began,
+    )
+    assert waiting.samples == pytest.approx(3 * 100 + 200)  # waiting is no way around it

@@ -22,7 +22,7 @@ from dedloc_jax.config import CollaborationConfig
 from dedloc_jax.progress import MAX_LINEAGE
 from dedloc_jax.state.download import find_donors
 from dedloc_jax.state.serving import read_announcements, state_key
-from dedloc_jax.state.vouching import MAX_VOUCHES, sign_vouch
+from dedloc_jax.state.vouching import MAX_VOUCHES, VouchBook, sign_vouch
 from dedloc_jax.tracker import progress_key
 from p2p.dht import DHT, DHTClock, DHTConfig, open_dht
 from p2p.dht.records import owner_marker
@@ -138,9 +138,16 @@ async def _attack(cores: Any, nodes: Any, dhts: Any, nursery: Any, train: Any, o
     )
     out["announced"] = [(str(a.peer), a.epoch, getattr(a, "vouched", False)) for a in announced]
     out["sybils"] = {str(d.peer_id) for d in dhts}
+    out["first"] = cores[0].node.peer_id
     out["alone"] = await find_donors(newcomer.node, newcomer.dht, "run")
     out["table"] = await find_donors(
         newcomer.node, newcomer.dht, "run", cores[2].tracker.announcements(), newcomer.state.book
+    )
+    # A newcomer that averaged with nobody, with only the peer it joined through as its root
+    # (what open_collaboration gives it: the IDs in its initial peers' addresses).
+    out["roots"] = [sorted(core.state.book._roots) for core in cores]
+    out["rooted"] = await find_donors(
+        newcomer.node, newcomer.dht, "run", book=VouchBook([str(cores[0].node.peer_id)])
     )
     out["chosen"] = [core.tracker.chosen_epoch for core in cores]
     out["served"] = [core.state_server.latest for core in cores]
@@ -173,7 +180,10 @@ def test_sybil_announcers_of_a_forged_state_neither_lead_a_newcomer_nor_the_hone
     # A true newcomer (no book: it averaged with nobody, so no signer is traced to a mate)
     # still takes the minted vouches: the Sybils' clique looks like the run's (see
     # dedloc_jax.state.vouching). A peer of the run, with its book, does not.
-    for found in (out["alone"], out["table"]) if not mint else (out["table"],):
+    # A newcomer that traces signers to the peer it joined through is not led either.
+    assert out["roots"][1:] == [[str(out["first"])]] * 2  # open_collaboration's roots
+    led = (out["table"], out["rooted"]) if mint else (out["alone"], out["table"], out["rooted"])
+    for found in led:
         assert found is not None
         epoch, digest, donors = found
         assert digest != _fake(epoch)

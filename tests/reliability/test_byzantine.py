@@ -191,14 +191,14 @@ def test_a_ban_travels_only_with_evidence_that_convicts(liar_ids):
 
 
 def test_evidence_too_large_for_a_record_is_published_without_it_and_said_so(liar_ids, caplog):
-    """A conviction whose evidence exceeds what a ban record carries goes out bare, with one
+    """A conviction whose evidence exceeds the pieces a ban may take goes out bare, with one
     warning naming the sizes; a reader lists it unverified and bans nobody on it."""
     import dataclasses
 
-    from dedloc_jax.bans import MAX_EVIDENCE
+    from dedloc_jax.bans import MAX_PIECES, PIECE
 
     acc, names = _accusation(liar_ids)
-    big = dataclasses.replace(acc, evidence=dict(acc.evidence, pad=bytes(MAX_EVIDENCE)))
+    big = dataclasses.replace(acc, evidence=dict(acc.evidence, pad=bytes(MAX_PIECES * PIECE)))
     dht = _MemoryDHT()
     accuser, reader = Bans(_node(1), dht, "run"), Bans(_node(2), dht, "run")
     accuser.convict(big)
@@ -212,8 +212,72 @@ def test_evidence_too_large_for_a_record_is_published_without_it_and_said_so(lia
     with caplog.at_level("WARNING", logger="dedloc_jax.bans"):
         trio.run(go)
     said = [r.getMessage() for r in caplog.records if "published without it" in r.getMessage()]
-    assert len(said) == 1 and names[1] in said[0] and str(MAX_EVIDENCE) in said[0]
+    assert len(said) == 1 and names[1] in said[0] and str(PIECE) in said[0]
     rec = dht.values[bans_key("run")][owner_marker(_node(1).peer_id)].value["bans"][0]
     assert rec["evidence"] == b""
     assert not reader.is_banned(names[1])
     assert [(b["peer"], b["verified"]) for b in reader.listing()] == [(names[1], False)]
+
+
+class _ValidatingDHT(_MemoryDHT):
+    """Stores only what the run's schemas and the DHT's value limit let through."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.largest = 0
+
+    async def store(self, key, value, expiration, *, subkey=None, **kw) -> None:
+        from dedloc_jax.validators import run_validators
+        from p2p.dht.config import DHTConfig
+        from p2p.dht.errors import InvalidRecordError
+
+        size = len(msgpack.packb(value, use_bin_type=True))
+        if size > DHTConfig().max_value_bytes:
+            raise InvalidRecordError(f"value of {size} bytes")
+        for schema in run_validators("run"):
+            spec, regex = getattr(schema, "spec", None), getattr(schema, "_regex", None)
+            if spec is not None and regex.fullmatch(key) and spec.check(value, "value"):
+                raise InvalidRecordError(spec.check(value, "value"))
+        self.largest = max(self.largest, size)
+        await super().store(key, value, expiration, subkey=subkey)
+
+
+def test_a_ban_at_the_largest_default_chunk_publishes_evidence_others_verify(liar_ids):
+    """A chunk of 262,144 values (the loopback preset's, the largest default) from four members
+    in fp16 makes ~2.6 MB of evidence, over what one record carries (160 KiB; the DHT takes
+    256 KiB a value): it went out bare and nobody else could ban on it. Its pieces go under
+    their own keys now, and a reader that was not there bans the liar on them."""
+    _, _, names = run_round(["node"] * 4, [{"x": np.zeros(1, np.float32)}] * 4, [1.0] * 4)
+    liar_ids.add(names[1])
+    cfg = AllReduceConfig.loopback().replace(verify=True)
+    n = 4 * cfg.chunk_elems  # one chunk per share
+    rng = np.random.default_rng(4)
+    trees = [{"g": rng.standard_normal(n).astype(np.float32)} for _ in range(4)]
+    outcome, _, _ = run_round(["node"] * 4, trees, [1.0] * 4, config=cfg, codec="fp16")
+    (acc,) = outcome[0].accusations
+    dht = _ValidatingDHT()
+    accuser, reader = Bans(_node(1), dht, "run"), Bans(_node(2), dht, "run")
+    accuser.convict(acc)
+    size = len(accuser._mine[0].evidence)
+    assert size > 2 * cfg.chunk_elems * 4  # parts and result: far over one record
+
+    async def go() -> None:
+        await accuser.publish()
+        await reader.refresh(force=True)
+
+    trio.run(go)
+    print(f"evidence {size} bytes; largest value stored {dht.largest} bytes")
+    assert dht.largest <= 160 << 10
+    assert reader.is_banned(names[1])
+    assert reader.listing()[0]["verified"]
+    # a piece altered by whoever stores it proves nothing
+    third_dht = _MemoryDHT()
+    third_dht.values = {
+        k: {sk: types.SimpleNamespace(value=bytes(len(v.value))) for sk, v in d.items()}
+        if k.startswith("run.evidence.")
+        else d
+        for k, d in dht.values.items()
+    }
+    third = Bans(_node(3), third_dht, "run")
+    trio.run(lambda: third.refresh(force=True))
+    assert not third.is_banned(names[1])

@@ -354,3 +354,56 @@ def test_members_that_cannot_reach_each_other_get_their_statements_relayed(liar,
     assert all(len(r.accusations) == 1 for r in honest)
     assert all(r.accusations[0].peer == liar.name for r in honest)
     assert all(r.vector.tobytes() == honest[0].vector.tobytes() for r in honest)
+
+def _framing_evidence(monkeypatch, codec, robust):
+    """Members that 'fail' the honest reducer names[1]'s share and so gather real signed
+    statements, revealed parts and the reducer's signed result into an accusation: the
+    material an accuser holds to forge evidence from (a member answers reveals only while it
+    keeps its parts, after a failed check of its own, so all of them 'fail' it here)."""
+    import dedloc_jax.averaging.audit as audit
+    from dedloc_jax.averaging.audit import ChunkCheck
+
+    names = _names(4)
+    original = audit._check_shares
+
+    async def framing(rnd, stated):
+        unverified, failures = await original(rnd, stated)
+        j = [m.peer_id for m in rnd.members].index(names[1])
+        failures[j] = (0, ChunkCheck(False, "framed"))
+        return unverified, failures
+
+    monkeypatch.setattr(audit, "_check_shares", framing)
+    rng = np.random.default_rng(11)
+    trees = [make_tree(rng, SHAPES) for _ in range(4)]
+    cfg = VERIFY.replace(robust=robust)
+    outcome, _, got = run_round(["node"] * 4, trees, [1.0] * 4, codec=codec, config=cfg)
+    assert got == names
+    accuser = _results(outcome)[0]
+    (acc,) = accuser.accusations
+    assert acc.peer == names[1] and acc.role == "reducer"
+    return acc.evidence, names
+
+
+@pytest.mark.parametrize("codec,robust", [("fp16", False), ("int8", True)])
+def test_evidence_naming_other_terms_than_the_signed_ones_convicts_nobody(
+    monkeypatch, codec, robust
+):
+    """The codec, the chunk's place and the aggregation rule in a ban's evidence are signed by
+    the reducer and by every contributor (the digest of the result chunk each received): an
+    accuser naming another codec (whose decoding contradicts an honest sender's projection),
+    no CenteredClip (an honest reducer's radius then 'breaks the rule'), a fixed radius, another
+    place or other result bytes convicts neither the honest reducer nor an honest sender."""
+    evidence, names = _framing_evidence(monkeypatch, codec, robust)
+    assert not any(check_evidence(evidence, p) for p in names)  # the unforged check passes
+    other = {"fp16": "bf16", "int8": "fp16"}[codec]
+    forgeries = {
+        "codec": dict(evidence, codec=other),
+        "segments": dict(evidence, codec=f"{codec}*{evidence['stop'] - evidence['start']}"),
+        "robust": dict(evidence, robust=not robust),
+        "fixed_tau": dict(evidence, fixed_tau=1e-9, robust=True),
+        "start": dict(evidence, start=evidence["start"] + 1, stop=evidence["stop"] + 1),
+        "encoded": dict(evidence, encoded=bytes(len(evidence["encoded"]))),
+    }
+    for what, forged in forgeries.items():
+        convicted = [p for p in names if check_evidence(forged, p)]
+        assert convicted == [], (what, convicted)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from bench.attacks_progress import LIE_BPS
 from dedloc_jax.averaging.group import FRACTION_GRID, GroupSpec, Member
 from dedloc_jax.progress import CLAIM_CAP
-from dedloc_jax.rounds.claims import bound_claims
+from dedloc_jax.rounds.claims import bound_claims, excess_weight
 
 
 def _share(members: list[Member], peer: str) -> float:
@@ -31,7 +31,8 @@ def test_a_member_claiming_1e15_bytes_per_second_gets_a_bounded_share() -> None:
     spread.append(Member("c", "node", 3e6, 3e6, 20.0))
     kept = bound_claims(spread, me="b")
     assert kept[0] == spread[0] and kept[1] == spread[1]
-    assert bound_claims([liar, *honest], me="liar")[0] == liar
+    own = bound_claims([liar, *honest], me="liar")[0]  # the leader's links are its own
+    assert (own.upload_bps, own.download_bps, own.weight) == (LIE_BPS, LIE_BPS, 4 * 100.0)
 
 
 def test_an_honest_peer_that_fed_most_of_the_target_counts_whole() -> None:
@@ -44,3 +45,49 @@ def test_an_honest_peer_that_fed_most_of_the_target_counts_whole() -> None:
     liar = Member("liar", "node", 1e7, 1e7, float(1 << 53))
     got = bound_claims([slow, fast, liar], me="slow", share=64 / 3)[2]
     assert got.weight == max(CLAIM_CAP * 64 / 3, CLAIM_CAP * 64.0)  # median 64
+
+
+def test_a_follower_refuses_a_spec_in_which_the_leader_wrote_itself_an_unbounded_weight() -> None:
+    """Members count the spec's weights, and the leader kept its own as it stated: a liar
+    leading wrote 2**53 for itself and its vector was the group's mean. The leader now bounds
+    itself by the rule every member checks; an honest leader's spec passes."""
+    import trio
+
+    from dedloc_jax.rounds.context import RoundContext
+    from dedloc_jax.rounds.following import Joining, follow
+
+    honest = [Member(f"h{i}", "node", 1e7, 1e7, 100.0) for i in range(2)]
+    liar = Member("liar", "node", 1e7, 1e7, float(1 << 53))
+    assert excess_weight([liar, *honest], share=64.0) is not None
+    bounded = bound_claims([liar, *honest], me="liar", share=64.0)
+    assert excess_weight(bounded, share=64.0) is None
+    # the README DiLoCo pair (64 against 12 of a target of 64) keeps the rule as the leader
+    # bounds it, even where the follower expects twice the peers the leader did
+    pair = bound_claims([Member("fast", "node", 1e7, 1e7, 64.0), honest[0]], me="fast", share=32)
+    assert excess_weight(pair, share=16.0) is None
+
+    class Node:
+        addrs: list = []
+
+        def __init__(self, spec: GroupSpec) -> None:
+            self.spec = spec
+
+        async def call(self, *args, **kwargs) -> dict:
+            return {"ok": True, "spec": self.spec.to_bytes()}
+
+    def joined(members: list[Member]) -> GroupSpec | None:
+        j = Joining(
+            Node(GroupSpec(tuple(members))),  # type: ignore[arg-type]
+            (3, 0),
+            honest[0],
+            RoundContext(),
+            1.0,
+            learn=lambda p, r: None,
+            choose=lambda p: None,
+            cross=lambda c: None,
+            share=64.0,
+        )
+        return trio.run(follow, j, "11111111111111111111111111111111")
+
+    assert joined([liar, *honest]) is None
+    assert joined(bounded) is not None

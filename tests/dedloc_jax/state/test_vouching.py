@@ -139,3 +139,23 @@ def test_a_vouch_counts_wherever_it_is_carried() -> None:
 
     vouched = run_sim(main)
     assert vouched == {"mate": True, "x": True, "y": True, "s1": False, "s2": False}
+
+def test_a_newcomer_traces_signers_to_the_peers_it_joined_through() -> None:
+    """A newcomer (no mate yet) trusted every signer, so Sybils vouching for each other led
+    it; with roots (its initial peers) only signers traced to them count, and peers recorded
+    while it trusted everyone are forgotten once it averages."""
+    root, mate, s1, s2 = _ids(4, "r")
+    pr, pm, p1, p2 = (str(x.peer_id) for x in (root, mate, s1, s2))
+    digest = b"d" * 32
+    by_s1 = sign_vouch(s1, RUN, 5, digest, [p2])
+    rooted = VouchBook([pr])
+    assert not rooted.trusts(p1)
+    assert not vouched_by_another(RUN, p2, [by_s1], rooted.trusts)  # a Sybil's word
+    assert vouched_by_another(RUN, pm, [sign_vouch(root, RUN, 5, digest, [pm])], rooted.trusts)
+    rooted.record(pm)
+    assert rooted.trusts(pm)  # traced to the root
+    book = VouchBook()  # the run's first peer: no root, every signer counts
+    assert vouched_by_another(RUN, p2, [by_s1], book.trusts)
+    book.record(p2)
+    book.anchor([pm])
+    assert not book.trusts(p2)  # recorded on a Sybil's word before we had a mate
