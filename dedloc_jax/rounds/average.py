@@ -124,10 +124,13 @@ class Rounds:
         weight: float,
         codec: str,
         deadlines: Deadlines,
+        *,
+        round_id: bytes | None = None,
     ) -> tuple[AllReduceResult | None, str]:
         """The all-reduce of ``arrays`` (``weight`` samples) in ``spec``, or None and why it
         failed (an averaging error, also one the round's nursery wrapped); anything else
-        propagates."""
+        propagates. ``round_id``: None, the group's digest (a second all-reduce in the same
+        group names another)."""
         try:
             result = await all_reduce(
                 self.service,
@@ -138,6 +141,7 @@ class Rounds:
                 timeout=self.deadlines(deadlines, spec, arrays, codec).averaging,
                 meter=self.links.meter,
                 config=self.all_reduce_config(),
+                round_id=round_id,
             )
         except (AllReduceError, GroupError) as e:
             return None, str(e)
