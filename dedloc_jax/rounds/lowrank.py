@@ -56,6 +56,20 @@ def _alone(plan: LowRankPlan, ms: list[np.ndarray], qs: list[np.ndarray]) -> lis
     return [*ms, *qs, *(np.zeros_like(ms[i]) for i in plan.compressed)]
 
 
+def _phase_p_spread(
+    rounds: Rounds, this: ThisRound, spec: GroupSpec, sent_p: Sequence[np.ndarray]
+) -> float:
+    """How far apart members may end phase P, so start phase Q: its all-reduce's timeout, the
+    verification's statements and the convictions' publishing after it. (Without it, phase Q's
+    reducers of a 40-peer run stopped collecting parts half its 5 s timeout after their own
+    start, before members still checking phase P began: most rounds failed.)"""
+    config = rounds.all_reduce_config() or rounds.service.config
+    spread = rounds.deadlines(this.deadlines, spec, sent_p, this.codec).averaging
+    if rounds.verify:
+        spread += config.verify_timeout or config.stall_timeout
+    return spread + rounds.convict_seconds
+
+
 async def powersgd_round(
     rounds: Rounds,
     epoch: int,
@@ -119,8 +133,15 @@ async def _two_phases(
     ps, local_qs = plan.phase_q(ms, mean_p[:c])
     mean_qs: list[np.ndarray] = []
     if c:
+        late = _phase_p_spread(rounds, this, spec, sent_p)
         got_q, failure = await rounds.all_reduce(
-            spec, local_qs, me.weight, codec, this.deadlines, round_id=phase_q_id(spec)
+            spec,
+            local_qs,
+            me.weight,
+            codec,
+            this.deadlines,
+            round_id=phase_q_id(spec),
+            late_start=late,
         )
         if got_q is None:
             reason = f"phase Q failed: {failure}"

@@ -17,7 +17,9 @@ SHAPES = [(16, 12), (12,), (6, 5, 4)]
 CFG = PowerSGD(rank=2, seed=4, codec="none")  # exact factors: the reference's means
 
 
-def test_four_peers_average_both_phases_in_one_group_like_the_reference() -> None:
+def _run_rounds(late_q: float = 0.0) -> tuple[list[list], list[list]]:
+    """Two epochs of PowerSGD rounds of four peers; ``late_q``: peer 3 starts every phase Q
+    that many seconds after its phase P ended (as a member still checking phase P does)."""
     config = CONFIG.replace(defence=CONFIG.defence.replace(robust=False, verify=True))
     plan = CFG.plan(SHAPES)
     rng = np.random.default_rng(0)
@@ -30,6 +32,16 @@ def test_four_peers_average_both_phases_in_one_group_like_the_reference() -> Non
     async def main() -> None:
         net = SimNetwork(seed=11)
         async with open_sim_collaboration(net, 4, config=config, latency=0.01) as cores:
+            if late_q:
+                rounds = cores[3].rounds
+                honest = rounds.all_reduce
+
+                async def late(*args, **kwargs):
+                    if kwargs.get("round_id") is not None:  # phase Q
+                        await trio.sleep(late_q)
+                    return await honest(*args, **kwargs)
+
+                object.__setattr__(rounds, "all_reduce", late)
 
             async def peer(i: int) -> None:
                 q = initial_q(CFG, SHAPES)
@@ -56,6 +68,12 @@ def test_four_peers_average_both_phases_in_one_group_like_the_reference() -> Non
                     nursery.start_soon(peer, i)
 
     _run(main)
+    return grads, got
+
+
+def test_four_peers_average_both_phases_in_one_group_like_the_reference() -> None:
+    grads, got = _run_rounds()
+    plan = CFG.plan(SHAPES)
     q_ref = [a.astype(np.float64) for a in initial_q(CFG, SHAPES)]
     errors_ref = [[np.zeros(SHAPES[j]) for j in plan.compressed] for _ in range(4)]
     for epoch in range(2):
@@ -72,3 +90,14 @@ def test_four_peers_average_both_phases_in_one_group_like_the_reference() -> Non
         for (_, _, o), want in zip(rows, errors_ref, strict=True):
             for a, b in zip(o.gradients[len(SHAPES) + len(q_ref) :], want, strict=True):
                 np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_a_member_that_starts_phase_q_late_is_still_averaged() -> None:
+    """Phase Q starts when each member's phase P ended: 4 s apart here. Before phase Q's
+    reducers waited for that spread, they stopped collecting parts 2.5 s after their own start
+    (half the 5 s timeout of its small vector) and every round failed its phase Q."""
+    _, got = _run_rounds(late_q=4.0)
+    for epoch in range(2):
+        assert all(o.group_size == 4 and o.complete for _, _, o in got[epoch]), [
+            (o.group_size, o.complete) for _, _, o in got[epoch]
+        ]
