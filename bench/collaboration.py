@@ -79,6 +79,8 @@ from dedloc_jax.averaging.leaf_codecs import COMPRESSIONS, POLICIES, LeafCodecs
 from dedloc_jax.config import CollaborationConfig, LinkConfig, ProgressConfig, RoundConfig
 from dedloc_jax.opening import open_collaboration
 from dedloc_jax.peer import CollaborationPeer
+from dedloc_jax.powersgd import PowerSGD, initial_q
+from dedloc_jax.rounds.lowrank import wire_bytes as lowrank_wire_bytes
 from dedloc_jax.topk import TopK, encode
 from p2p.dht import DHTClock, DHTConfig
 from p2p.node import Node, NodeConfig, open_node
@@ -168,7 +170,7 @@ async def _peer(
     index: int,
     first: list[str],
     config: CollaborationConfig,
-    vector: tuple[list[np.ndarray], TopK | None],
+    vector: tuple[list[np.ndarray], TopK | PowerSGD | None],
     micro: int,
     epochs: int,
     done: trio.Event,
@@ -229,7 +231,7 @@ def _scaled_averaging(scale: int) -> AllReduceConfig:
 async def _train(
     core: CollaborationPeer,
     stats: PeerStats,
-    vector: tuple[list[np.ndarray], TopK | None],
+    vector: tuple[list[np.ndarray], TopK | PowerSGD | None],
     micro: int,
     epochs: int,
     done: trio.Event,
@@ -255,7 +257,7 @@ async def _train(
             # Until its round ends the epoch's computing is cut off if the run ends first.
             stats.in_round += computed
             stats.cut_off = 0.0
-            arrays, sparse = vector  # what each peer sends, and TopK for sparse payloads
+            arrays, sparse = vector  # what each peer sends, and its TopK or PowerSGD
             out = await core.average(at, arrays, contributed, codec=sparse)
             stats.in_round -= computed
             stats.epochs.append(
@@ -295,13 +297,20 @@ async def _train(
         nursery.cancel_scope.cancel()
 
 
+def _round_codec(codec: str | TopK | PowerSGD) -> str:
+    """The run's codec: the named one, PowerSGD's factors', int8 beside TopK (aux peers')."""
+    if isinstance(codec, PowerSGD):
+        return codec.codec
+    return codec if isinstance(codec, str) else "int8"
+
+
 def simulate(
     args: argparse.Namespace,
     *,
     overlap: bool,
     config: CollaborationConfig | None = None,
     target: int | None = None,
-    codec: str | TopK = "fp16",
+    codec: str | TopK | PowerSGD = "fp16",
 ) -> dict[str, float | None]:
     """One run of the collaboration (same peers, links and churn for a given seed); ``target``
     and ``codec``: samples per averaging and the wire codec (DeDLOC's by default)."""
@@ -311,7 +320,7 @@ def simulate(
     # An unmeasured link counts as a slow home link, slowed like every link by the scale.
     config = config or CollaborationConfig(
         target_batch_size=target,
-        rounds=RoundConfig(codec=codec if isinstance(codec, str) else "int8"),
+        rounds=RoundConfig(codec=_round_codec(codec)),
         progress=ProgressConfig(max_refresh=5.0),
         links=LinkConfig(
             unmeasured_upload_bps=UNMEASURED_UPLOAD_BPS / args.payload_scale,
@@ -320,7 +329,7 @@ def simulate(
     )
     if isinstance(codec, TopK):  # sparse payloads are all-gathered: no LP split to size
         config = config.replace(links=config.links.replace(measure=False))
-    else:
+    elif not isinstance(codec, PowerSGD):
         codec = config.rounds.codec  # a config given names its own
     if getattr(args, "no_defences", False):  # a public run has them on: CenteredClip, checks
         config = config.replace(defence=config.defence.replace(robust=False, verify=False))
@@ -331,16 +340,19 @@ def simulate(
     traffic: Counter[str] = Counter()  # bytes every node wrote, per protocol
     nodes: list[Node] = []
     actual = max(1, args.params // args.payload_scale)
-    if codec in POLICIES:  # a codec per leaf: the model's leaves
+    if isinstance(codec, PowerSGD) or codec in POLICIES:  # per leaf: the model's leaves
         arrays = model_leaves(actual, args.seed)
         actual = sum(a.size for a in arrays)
     else:  # one codec for everything: one vector (a view, not a copy, in every round)
         arrays = [np.random.default_rng(args.seed).normal(size=actual).astype(np.float32)]
     for a in arrays:
         a.setflags(write=False)
-    sent_arrays: tuple[list[np.ndarray], TopK | None] = (arrays, None)
+    sent_arrays: tuple[list[np.ndarray], TopK | PowerSGD | None] = (arrays, None)
     if isinstance(codec, TopK):  # every peer sends the payload of the same vector
         sent_arrays = ([*encode(codec, arrays[0]), np.int32(actual)], codec)
+    if isinstance(codec, PowerSGD):  # the leaves (M) and the first Q: collaborative's form
+        first_q = initial_q(codec, [a.shape for a in arrays])
+        sent_arrays = ([*arrays, *first_q, np.int32(len(arrays))], codec)
 
     async def run() -> list[PeerStats]:
         # Socket buffers hold as many seconds of a link as at full scale: unscaled, 512 KB
@@ -425,6 +437,9 @@ def simulate(
     chunk = max(16, AllReduceConfig.internet().chunk_elems // args.payload_scale)
     if isinstance(codec, TopK):  # one payload per peer (all-gathered)
         encoded, name = codec.payload_bytes(actual), "topk"
+    elif isinstance(codec, PowerSGD):  # both phases' vectors
+        plan = codec.plan([a.shape for a in arrays])
+        encoded, name = lowrank_wire_bytes(plan, (1,), chunk), f"powersgd-r{codec.rank}"
     else:
         plan = LeafCodecs.of_shapes(codec, [a.shape for a in arrays])
         encoded, name = plan.wire_bytes((0, plan.size), chunk), codec
@@ -618,13 +633,14 @@ def main() -> None:
     )
     parser.add_argument(
         "--compression",
-        choices=(*COMPRESSIONS, "topk"),
+        choices=(*COMPRESSIONS, "topk", "powersgd"),
         default=None,
         help="what the averaged vectors travel in (adaptive: sahajBERT-shaped leaves, 1-D and "
         "small ones fp16, matrices int8; topk: diloco only, sparse 2-bit payloads all-gathered); "
         "unset: fp16, and int8 for diloco's DiLoCo run (its DeDLOC run stays fp16)",
     )
     parser.add_argument("--topk-density", type=float, default=1 / 64, help="diloco, topk")
+    parser.add_argument("--powersgd-rank", type=int, default=4, help="powersgd: the rank")
     parser.add_argument(
         "--no-defences",
         action="store_true",
@@ -645,7 +661,9 @@ def main() -> None:
         _compare_diloco(args)
         return
     modes = ["overlap", "blocking"] if args.mode == "both" else [args.mode]
-    codec = args.compression or "fp16"
+    codec: str | PowerSGD = args.compression or "fp16"
+    if codec == "powersgd":  # the factors and the 1-D leaves in fp16
+        codec = PowerSGD(rank=args.powersgd_rank)
     results = {m: simulate(args, overlap=m == "overlap", codec=codec) for m in modes}
     out: dict[str, object] = dict(results[modes[0]])
     out.update(

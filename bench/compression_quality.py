@@ -7,6 +7,8 @@ through the codec, each leaf through its own under a per-leaf policy):
 * ``dedloc-fp16``: DeDLOC mode as sahajBERT ran it (the baseline);
 * ``dedloc-int8``: every leaf in blockwise int8;
 * ``dedloc-adaptive``: 1-D and small leaves in fp16, matrices in int8;
+* ``dedloc-powersgd-r1``, ``dedloc-powersgd-r4``: ``collaborative(compression=PowerSGD(rank=r))``,
+  rank-r gradients with error feedback, the factors and the uncompressed leaves in fp16;
 * ``diloco-int8``: DiLoCo mode (``--inner-steps`` target batches per outer step), int8.
 
 Reported per row: the held-out MLM+SOP loss at the end, its ratio to the baseline's, and the
@@ -24,6 +26,7 @@ import argparse
 import json
 
 from bench.diloco_quality import prepare, train
+from dedloc_jax.powersgd import PowerSGD
 from examples.sahajbert.config import TrainerConfig
 
 ROWS = (
@@ -31,7 +34,11 @@ ROWS = (
     ("dedloc-int8", "dedloc", "int8"),
     ("dedloc-adaptive", "dedloc", "adaptive"),
     ("diloco-int8", "diloco", "int8"),
+    ("dedloc-powersgd-r1", "dedloc", "fp16"),
+    ("dedloc-powersgd-r4", "dedloc", "fp16"),
 )
+LOW_RANK = {"dedloc-powersgd-r1": 1, "dedloc-powersgd-r4": 4}
+"""The rows that average PowerSGD's factors (in the row's codec), and their rank."""
 
 
 def main() -> None:
@@ -52,7 +59,10 @@ def main() -> None:
     for name, mode, codec in ROWS:
         if args.only and name not in args.only:
             continue
-        r = train(mode, args, cfg, corpus, vocab, model, held_out, codec=codec)
+        low_rank = PowerSGD(rank=LOW_RANK[name], codec=codec) if name in LOW_RANK else None
+        r = train(
+            mode, args, cfg, corpus, vocab, model, held_out, codec=codec, compression=low_rank
+        )
         row = {
             "name": name,
             "loss": r["final_loss"],

@@ -44,6 +44,7 @@ from dedloc_jax.averaging.chunk_codecs import get_codec
 from dedloc_jax.averaging.leaf_codecs import leaf_codec_names
 from dedloc_jax.diloco import outer_params_after_step
 from dedloc_jax.host import AveragingOutcome
+from dedloc_jax.powersgd import PowerSGD
 from dedloc_jax.topk import Payload, TopK, mean_of, pack, unpack
 from examples.sahajbert import training
 from examples.sahajbert.config import TrainerConfig
@@ -85,7 +86,34 @@ class Peer:
         g = self.group
         if isinstance(codec, TopK):
             return self._gather(epoch, gradients, samples, codec)
-        names = leaf_codec_names(codec or g.codec, [np.shape(x) for x in gradients])
+        if isinstance(codec, PowerSGD):
+            return self._low_rank(epoch, gradients, samples, codec)
+        mean = self._mean(gradients, samples, codec or g.codec)
+        if self.index == 0:
+            g.rounds += 1
+        return AveragingOutcome(mean, epoch + 1, g.n)
+
+    def _low_rank(self, epoch: int, sent: Sequence[np.ndarray], samples: int, cfg: PowerSGD):
+        """PowerSGD's two phases (:mod:`dedloc_jax.powersgd`), each a mean through the
+        factors' codec as :meth:`_mean` gives it."""
+        g = self.group
+        count = int(np.asarray(sent[-1]))
+        plan = cfg.plan([np.shape(a) for a in sent[:count]])
+        ms, qs = plan.unpack_sent(sent)
+        c = len(plan.compressed)
+        mean_p = self._mean(plan.phase_p(ms, qs), samples, cfg.codec)
+        ps, local_q = plan.phase_q(ms, mean_p[:c])
+        mean_q = self._mean(local_q, samples, cfg.codec) if c else []
+        mean, errors = plan.finish(ms, ps, mean_q, mean_p[c:])
+        if self.index == 0:
+            g.rounds += 1
+        return AveragingOutcome([*mean, *plan.next_q(mean_q), *errors], epoch + 1, g.n)
+
+    def _mean(self, gradients: Sequence[np.ndarray], samples: int, codec: str) -> list:
+        """Every peer's weighted mean of ``gradients``, each contribution and the mean passed
+        through the codec (the bytes a butterfly member sends counted)."""
+        g = self.group
+        names = leaf_codec_names(codec, [np.shape(x) for x in gradients])
         wires = [get_codec(name) for name in names]
 
         def through(x: np.ndarray, i: int) -> np.ndarray:
@@ -102,9 +130,7 @@ class Peer:
             for i in range(len(gradients))
         ]
         g.barrier.wait()
-        if self.index == 0:
-            g.rounds += 1
-        return AveragingOutcome(mean, epoch + 1, g.n)
+        return mean
 
     def _gather(self, epoch: int, payload: Sequence[np.ndarray], samples: int, cfg: TopK):
         """As the sparse all-gather: each peer's packed payload to the n - 1 others, the mean
@@ -143,10 +169,12 @@ def train(
     model: tuple[Any, Any, Any],
     held_out: list[dict],
     codec: str | None = None,
+    compression: PowerSGD | None = None,
 ) -> dict[str, Any]:
     """One mode's run: every peer feeds ``args.samples / peers`` samples; held-out loss at
     every averaging of peer 0 (DiLoCo: its outer parameters). ``codec``: on the wire (None:
-    int8 for DiLoCo, fp16 for DeDLOC)."""
+    int8 for DiLoCo, fp16 for DeDLOC); ``compression``: DeDLOC's PowerSGD (its factors in
+    ``codec``)."""
     graphdef, params0, rest = model
     micro = cfg.per_device_batch_size
     per_peer = args.samples // args.peers
@@ -185,7 +213,9 @@ def train(
                     compression=sparse,
                 )
             else:
-                tx = dedloc_jax.collaborative(inner, peer, target_batch_size=target)
+                tx = dedloc_jax.collaborative(
+                    inner, peer, target_batch_size=target, compression=compression
+                )
 
             def step(params, state, batch):
                 grads, loss = grad_step(params, batch)

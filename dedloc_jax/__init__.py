@@ -31,6 +31,7 @@ from dedloc_jax.config import (
 from dedloc_jax.diloco import DiLoCoState, diloco
 from dedloc_jax.history import RoundOutcome
 from dedloc_jax.host import AveragingOutcome
+from dedloc_jax.powersgd import PowerSGD
 from dedloc_jax.progress import CollaborationEstimate, PeerProgress
 from dedloc_jax.state import (
     KeepConfig,
@@ -58,6 +59,7 @@ __all__ = [
     "KeepConfig",
     "LinkConfig",
     "PeerProgress",
+    "PowerSGD",
     "ProgressConfig",
     "ReachabilityConfig",
     "RoundConfig",

@@ -19,6 +19,11 @@ orders the write after the read, so XLA can reuse the buffer instead of copying 
 
 ``overlap=True`` gives DeDLOC's delayed updates: the averaging runs in the background while the
 peer computes the next epoch's gradients, and the step is applied once it finished.
+
+``compression=PowerSGD(rank=r)`` averages rank-``r`` approximations (:mod:`dedloc_jax.powersgd`):
+the branch that averages adds this peer's error feedback to its mean gradients and hands them
+with the factors ``Q`` to the host, whose round runs both phases; the host hands back the mean,
+the new ``Q`` and the new error, which stay in the state (fixed shapes).
 """
 
 from __future__ import annotations
@@ -38,7 +43,8 @@ from dedloc_jax.host import (
     connect,
     is_traced,
 )
-from dedloc_jax.state.transform_states import CollaborativeState
+from dedloc_jax.powersgd import PowerSGD, initial_q
+from dedloc_jax.state.transform_states import CollaborativeState, PowerSGDState
 
 __all__ = ["CollaborativeState", "collaborative"]
 
@@ -51,6 +57,7 @@ def collaborative(
     accumulator_dtype: Any = jnp.float32,
     overlap: bool = False,
     callback: str = "auto",
+    compression: PowerSGD | None = None,
 ) -> optax.GradientTransformationExtraArgs:
     """Wrap ``inner`` so that it steps once per collaboration-wide batch.
 
@@ -70,12 +77,18 @@ def collaborative(
         transform: the averaging in flight is remembered on the host side.
       callback: how jitted code reaches the host: "auto" (NumPy views of XLA's buffers on
         CPU, ``jax.pure_callback`` on GPU and TPU), or force "buffer" or "pure".
+      compression: :class:`dedloc_jax.PowerSGD` to average low-rank approximations of the
+        gradients in two phases, with error feedback (None: the run's codec carries them
+        whole). Every peer of a run must use the same settings.
 
     ``update(grads, state, params=None, *, batch_size)``: ``grads`` are the mean gradients of a
     micro-batch of ``batch_size`` samples.
     """
     check_options(target_batch_size, callback)
-    calls = connect(collab, target_batch_size=target_batch_size, overlap=overlap)
+    if compression is not None and not isinstance(compression, PowerSGD):
+        raise TypeError(f"compression must be a dedloc_jax.PowerSGD, got {compression!r}")
+    wire = None if compression is None else {"codec": compression}
+    calls = connect(collab, target_batch_size=target_batch_size, overlap=overlap, wire=wire)
     inner = optax.with_extra_args_support(inner)
 
     def init(params: optax.Params) -> CollaborativeState:
@@ -86,6 +99,7 @@ def collaborative(
             epoch=jnp.zeros((), jnp.int32),
             group_size=jnp.zeros((), jnp.int32),
             complete=jnp.zeros((), jnp.bool_),
+            powersgd=None if compression is None else _initial_powersgd(compression, params),
         )
 
     def update(
@@ -101,7 +115,7 @@ def collaborative(
         step = MicroStep(calls, traced=is_traced(samples, updates), kind=callback, overlap=overlap)
         action = step.decide(state.epoch, samples, batch)
         grad_sum = _accumulated(state.grad_sum, updates, batch)
-        branches = _Accumulation(inner, step, state, samples, params, extra_args)
+        branches = _Accumulation(inner, step, state, samples, params, extra_args, compression)
         out = step.switch(action, branches.table(), updates, grad_sum, state.inner_state)
         return _masked(out, step.traced)
 
@@ -118,7 +132,7 @@ def _accumulated(grad_sum: optax.Updates, updates: optax.Updates, batch: jax.Arr
 
 def _masked(out: tuple, traced: bool) -> tuple[optax.Updates, CollaborativeState]:
     """The updates (zero unless the branch stepped) and the new state, from a branch's output."""
-    step_updates, inner_state, epoch, group_size, complete, grad_sum, samples, stepped = out
+    step_updates, inner_state, epoch, group_size, complete, grad_sum, samples, stepped = out[:8]
     if traced:
         step_updates = jax.tree.map(
             lambda u: jnp.where(stepped, u, jnp.zeros((), u.dtype)), step_updates
@@ -132,6 +146,17 @@ def _masked(out: tuple, traced: bool) -> tuple[optax.Updates, CollaborativeState
         epoch=jnp.asarray(epoch),
         group_size=jnp.asarray(group_size),
         complete=jnp.asarray(complete, jnp.bool_),
+        powersgd=out[8],
+    )
+
+
+def _initial_powersgd(cfg: PowerSGD, params: optax.Params) -> PowerSGDState:
+    """The first ``Q`` (from the seed: the same on every peer) and zero errors."""
+    shapes = [tuple(jnp.shape(p)) for p in jax.tree.leaves(params)]
+    compressed = cfg.plan(shapes).compressed
+    return PowerSGDState(
+        q=tuple(jnp.asarray(q) for q in initial_q(cfg, shapes)),
+        error=tuple(jnp.zeros(shapes[i], jnp.float32) for i in compressed),
     )
 
 
@@ -139,10 +164,10 @@ class _Accumulation:
     """The branches of one micro-step of :func:`collaborative`.
 
     Each takes ``(grads, grad_sum, inner_state)`` and returns (updates, inner_state, epoch,
-    group_size, complete, grad_sum, samples, stepped). A branch that does not step returns the
-    gradients it was given in the updates slot: they are dead after the branch, so XLA reuses
-    their buffers instead of writing a zero tree, and ``stepped`` masks them (fused into the
-    caller's ``apply_updates``).
+    group_size, complete, grad_sum, samples, stepped, powersgd). A branch that does not step
+    returns the gradients it was given in the updates slot: they are dead after the branch, so
+    XLA reuses their buffers instead of writing a zero tree, and ``stepped`` masks them (fused
+    into the caller's ``apply_updates``).
     """
 
     def __init__(
@@ -153,7 +178,9 @@ class _Accumulation:
         samples: jax.Array,
         params: optax.Params | None,
         extra_args: dict[str, Any],
+        compression: PowerSGD | None = None,
     ) -> None:
+        self.compression = compression
         self.inner = inner
         self.step = step
         self.state = state
@@ -165,24 +192,58 @@ class _Accumulation:
         return Branches(keep=self.keep, average=self.average, start=self.start, apply=self.apply)
 
     def keep(self, grads: Any, grad_sum: Any, inner_state: Any) -> tuple:
-        return (*self._kept(grads, inner_state), grad_sum, self.samples, jnp.bool_(False))
+        kept = (grad_sum, self.samples, jnp.bool_(False), self.state.powersgd)
+        return (*self._kept(grads, inner_state), *kept)
 
     def average(self, grads: Any, grad_sum: Any, inner_state: Any) -> tuple:
         means, treedef = self._means(grad_sum)
-        averaged, taken = self.step.average(self.state.epoch, self.samples, means)
+        averaged, taken = self.step.average(
+            self.state.epoch, self.samples, self._sending(means), like=self._like(means)
+        )
+        averaged, powersgd = self._unpacked(averaged, len(means))
         out = self._step_with(grads, inner_state, treedef, averaged)
-        return (*out, *self._consumed(grad_sum, taken), jnp.bool_(True))
+        return (*out, *self._consumed(grad_sum, taken), jnp.bool_(True), powersgd)
 
     def start(self, grads: Any, grad_sum: Any, inner_state: Any) -> tuple:
         means, _ = self._means(grad_sum)
-        taken = self.step.start(self.state.epoch, self.samples, means)
-        return (*self._kept(grads, inner_state), *self._consumed(grad_sum, taken), jnp.bool_(False))
+        taken = self.step.start(self.state.epoch, self.samples, self._sending(means))
+        consumed = self._consumed(grad_sum, taken)
+        return (*self._kept(grads, inner_state), *consumed, jnp.bool_(False), self.state.powersgd)
 
     def apply(self, grads: Any, grad_sum: Any, inner_state: Any) -> tuple:
         leaves, treedef = jax.tree.flatten(grad_sum)
-        averaged = self.step.collect(self.state.epoch, leaves)
+        averaged = self.step.collect(self.state.epoch, self._like(leaves) or leaves)
+        averaged, powersgd = self._unpacked(averaged, len(leaves))
         out = self._step_with(grads, inner_state, treedef, averaged)
-        return (*out, grad_sum, self.samples, jnp.bool_(True))
+        return (*out, grad_sum, self.samples, jnp.bool_(True), powersgd)
+
+    # --- PowerSGD: what the host gets and gives back (see the module docstring) -----------
+    def _compressed(self, leaves: list) -> tuple[int, ...]:
+        assert self.compression is not None
+        return self.compression.plan([tuple(x.shape) for x in leaves]).compressed
+
+    def _sending(self, means: list) -> list:
+        """The means, or PowerSGD's ``[*M, *Q, leaves]`` with ``M = mean + error``."""
+        lowrank = self.state.powersgd
+        if lowrank is None:
+            return means
+        ms = list(means)
+        for j, i in enumerate(self._compressed(means)):
+            ms[i] = ms[i].astype(jnp.float32) + lowrank.error[j]
+        return [*ms, *lowrank.q, jnp.asarray(len(ms), jnp.int32)]
+
+    def _like(self, leaves: list) -> list | None:
+        """What the host hands back under PowerSGD: ``[*mean, *Q, *error]`` (else None)."""
+        lowrank = self.state.powersgd
+        return None if lowrank is None else [*leaves, *lowrank.q, *lowrank.error]
+
+    def _unpacked(self, got: Averaged, count: int) -> tuple[Averaged, PowerSGDState | None]:
+        """The mean leaves and the new PowerSGD state (the host's next ``Q`` and error)."""
+        if self.state.powersgd is None:
+            return got, None
+        c = len(self.state.powersgd.q)
+        qs, errors = got.leaves[count : count + c], got.leaves[count + c :]
+        return got._replace(leaves=got.leaves[:count]), PowerSGDState(tuple(qs), tuple(errors))
 
     def _kept(self, grads: Any, inner_state: Any) -> tuple:
         """The step's slots of a branch that does not step."""

@@ -124,10 +124,20 @@ class Rounds:
         weight: float,
         codec: str,
         deadlines: Deadlines,
+        *,
+        round_id: bytes | None = None,
+        late_start: float = 0.0,
     ) -> tuple[AllReduceResult | None, str]:
         """The all-reduce of ``arrays`` (``weight`` samples) in ``spec``, or None and why it
         failed (an averaging error, also one the round's nursery wrapped); anything else
-        propagates."""
+        propagates. ``round_id``: None, the group's digest (a second all-reduce in the same
+        group names another). ``late_start``: how far apart members may start it (a second
+        all-reduce starts when each member's first ended): reducers wait that much longer
+        for parts (the timeout grows by it over ``collect_fraction``)."""
+        config = self.all_reduce_config()
+        timeout = self.deadlines(deadlines, spec, arrays, codec).averaging
+        if late_start > 0:
+            timeout += late_start / (config or self.service.config).collect_fraction
         try:
             result = await all_reduce(
                 self.service,
@@ -135,9 +145,10 @@ class Rounds:
                 list(arrays),
                 weight,
                 codec=codec,
-                timeout=self.deadlines(deadlines, spec, arrays, codec).averaging,
+                timeout=timeout,
                 meter=self.links.meter,
-                config=self.all_reduce_config(),
+                config=config,
+                round_id=round_id,
             )
         except (AllReduceError, GroupError) as e:
             return None, str(e)
@@ -146,12 +157,17 @@ class Rounds:
         await self.convict(result)
         return result, ""
 
+    @property
+    def convict_seconds(self) -> float:
+        """The longest :meth:`convict` takes after an all-reduce."""
+        return 0.0 if self.bans is None else self.table.dht_latency * 4 + 5.0
+
     async def convict(self, result: AllReduceResult) -> None:
         """Ban the peers a round caught lying, publish it, and adopt others' proven bans."""
         if self.bans is not None:
             for accusation in result.accusations:
                 self.bans.convict(accusation)
-            with trio.move_on_after(self.table.dht_latency * 4 + 5.0):
+            with trio.move_on_after(self.convict_seconds):
                 await self.bans.publish()
                 await self.bans.refresh()
 

@@ -15,9 +15,11 @@ from dedloc_jax.averaging import GroupSpec
 from dedloc_jax.config import CollaborationConfig
 from dedloc_jax.history import RoundOutcome
 from dedloc_jax.host import AveragingOutcome
+from dedloc_jax.powersgd import PowerSGD, unpack_leaf_count
 from dedloc_jax.progress import CollaborationEstimate
 from dedloc_jax.rounds.average import Rounds, average_round
 from dedloc_jax.rounds.deadlines import Deadlines, matchmaking_window
+from dedloc_jax.rounds.lowrank import powersgd_round
 from dedloc_jax.snapshot import others_train
 from dedloc_jax.state.serving import StateServer
 
@@ -61,7 +63,7 @@ class Stepper:
         arrays: Sequence[np.ndarray],
         samples: int,
         *,
-        codec: str | None,
+        codec: str | PowerSGD | None,
         expected: set[str],
     ) -> AveragingOutcome:
         """Average ``arrays`` (weight ``samples``) with ``epoch``'s group, waiting for the
@@ -76,21 +78,37 @@ class Stepper:
             """The next epoch's round expects the peers we averaged with (expected_peers)."""
             tracker.expect_mates(epoch + 1, (m.peer_id for m in spec.members))
 
-        got = await average_round(
-            self.rounds,
-            epoch,
-            me,
-            arrays,
-            deadlines=deadlines,
-            codec=codec or self.config.rounds.codec,
-            target=float(tracker.target or 0),
-            expected=expected,
-            on_averaged=mates,
-        )
+        if isinstance(codec, PowerSGD):  # two phases in one group
+            got = await powersgd_round(
+                self.rounds,
+                epoch,
+                me,
+                arrays,
+                codec,
+                deadlines=deadlines,
+                target=float(tracker.target or 0),
+                expected=expected,
+                on_averaged=mates,
+            )
+        else:
+            got = await average_round(
+                self.rounds,
+                epoch,
+                me,
+                arrays,
+                deadlines=deadlines,
+                codec=codec or self.config.rounds.codec,
+                target=float(tracker.target or 0),
+                expected=expected,
+                on_averaged=mates,
+            )
         complete, reason = self._judge(epoch, got)
         result = got.average
         if got.group_size == 1 and self.config.rounds.on_no_group == "skip":
-            result = [np.zeros_like(np.asarray(a)) for a in result]  # the mean's shapes
+            # the mean's shapes (PowerSGD's [*mean, *Q, *error]: its Q is kept)
+            kept = len(result) if not isinstance(codec, PowerSGD) else unpack_leaf_count(arrays)
+            zeros = [np.zeros_like(np.asarray(a)) for a in result[:kept]]
+            result = [*zeros, *result[kept:]]
         # A peer that serves its state serves the new one next (share_state): one record.
         tracker.set_epoch(epoch + 1, state_follows=self.server.latest is not None)
         self.history.append(

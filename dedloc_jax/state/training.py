@@ -59,9 +59,13 @@ def _reset_accumulators(opt_state: Any) -> Any:
             return served_form(s)
         if not _is_collab_state(s):
             return s
+        lowrank = s.powersgd  # PowerSGD's error feedback is this peer's own work too
+        if lowrank is not None:
+            lowrank = lowrank._replace(error=jax.tree.map(jnp.zeros_like, lowrank.error))
         return s._replace(
             grad_sum=jax.tree.map(jnp.zeros_like, s.grad_sum),
             samples=jnp.zeros_like(s.samples),
+            powersgd=lowrank,
         )
 
     return jax.tree.map(reset, opt_state, is_leaf=_is_collab_state)

@@ -16,7 +16,23 @@ import jax.numpy as jnp
 if TYPE_CHECKING:
     import optax
 
-__all__ = ["CollaborativeState", "DiLoCoState", "outer_params_after_step", "served_form"]
+__all__ = [
+    "CollaborativeState",
+    "DiLoCoState",
+    "PowerSGDState",
+    "outer_params_after_step",
+    "served_form",
+]
+
+
+class PowerSGDState(NamedTuple):
+    """``collaborative(compression=PowerSGD(...))``'s part of the state, one entry per
+    compressed leaf (:mod:`dedloc_jax.powersgd`)."""
+
+    q: tuple  # float32 (m, rank): the last round's mean Q (the same on every peer), warm start
+    # float32, the leaf's shape: what the low-rank means left out of this peer's gradients.
+    # This peer's own: served and loaded as zeros, so a newcomer starts at zero
+    error: tuple
 
 
 class CollaborativeState(NamedTuple):
@@ -32,6 +48,7 @@ class CollaborativeState(NamedTuple):
     # after a step alone or one whose mean missed part of the run: keep_in_step then loads
     # the others' state)
     complete: jax.Array
+    powersgd: PowerSGDState | None = None  # compression=PowerSGD only
 
 
 class DiLoCoState(NamedTuple):

@@ -146,14 +146,21 @@ def _add_compression_options(g: Any, d: TrainerConfig, run: Callable[[str], str]
     """``--compression`` and ``--topk-density`` (``run(help)``: the manifest fixes them)."""
     g.add_argument(
         "--compression",
-        choices=(*COMPRESSIONS, "topk"),
+        choices=(*COMPRESSIONS, "topk", "powersgd"),
         default=d.codec,
         help=run(
             "what averaged vectors travel in: a codec for every leaf, or adaptive (1-D and "
             "small leaves fp16, matrices blockwise int8); unset: fp16 (the tiny model: none), "
             "int8 with --mode diloco; topk (--mode diloco): sparse 2-bit pseudo-gradients "
-            "with error feedback (SparseLoCo), all-gathered"
+            "with error feedback (SparseLoCo), all-gathered; powersgd (--mode dedloc): rank "
+            "--powersgd-rank gradients in two phases, with error feedback"
         ),
+    )
+    g.add_argument(
+        "--powersgd-rank",
+        type=int,
+        default=d.powersgd_rank,
+        help=run("powersgd: the rank of the gradients' approximation (1 to 64)"),
     )
     g.add_argument(
         "--topk-density",
@@ -455,7 +462,8 @@ def trainer_config(args: argparse.Namespace, base: TrainerConfig | None = None) 
     """``TrainerConfig`` from a role's parsed options (their defaults are ``base``'s values:
     :class:`TrainerConfig`'s, the demo's for the demo)."""
     base = base or TrainerConfig()
-    sparse = getattr(args, "compression", None) == "topk"  # dedloc_jax.TopK, not a codec
+    chosen = getattr(args, "compression", None)
+    sparse = chosen in ("topk", "powersgd")  # dedloc_jax.TopK or PowerSGD, not a codec
     opt = base.optimizer.replace(
         learning_rate=args.learning_rate,
         warmup_steps=args.warmup_steps,
@@ -480,7 +488,8 @@ def trainer_config(args: argparse.Namespace, base: TrainerConfig | None = None) 
         mode=args.mode,
         inner_steps=args.inner_steps,
         codec=None if sparse else getattr(args, "compression", base.codec),
-        compression="topk" if sparse else None,
+        compression=chosen if sparse else None,
+        powersgd_rank=getattr(args, "powersgd_rank", base.powersgd_rank),
         topk_density=getattr(args, "topk_density", base.topk_density),
     )
 

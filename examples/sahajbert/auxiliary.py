@@ -34,6 +34,9 @@ async def _one_round(core: Any, *, template: list[np.ndarray]) -> int:
 def run_aux(cfg: TrainerConfig, net: NetConfig) -> int:
     if net.client_mode:
         raise ValueError("an aux peer must be reachable: it cannot run in client mode")
+    if cfg.compression == "powersgd":  # its rounds are two phases of factors only trainers make
+        log.error("an aux peer cannot lend to a PowerSGD run (--compression powersgd); exiting")
+        return 2
     training.enable_compilation_cache(cfg.work_dir / "jax-cache")
     from models.text.tokenizer import load_tokenizer
 

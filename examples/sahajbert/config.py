@@ -85,6 +85,9 @@ class TrainerConfig:
     # "topk" (DiLoCo mode): pseudo-gradients as dedloc_jax.TopK(density=topk_density), 2 bits
     compression: str | None = None
     topk_density: float = 1 / 64
+    # "powersgd" (DeDLOC mode): gradients as dedloc_jax.PowerSGD(rank=powersgd_rank), its
+    # factors in the run's codec
+    powersgd_rank: int = 4
 
     def __post_init__(self) -> None:
         if self.model not in ("tiny", "sahajbert"):
@@ -97,6 +100,10 @@ class TrainerConfig:
             raise ValueError("mode must be dedloc or diloco, and inner_steps positive")
         if self.compression == "topk" and self.mode != "diloco":
             raise ValueError("--compression topk needs --mode diloco")
+        if self.compression == "powersgd" and self.mode != "dedloc":
+            raise ValueError("--compression powersgd needs --mode dedloc")
+        if not 1 <= self.powersgd_rank <= 64:
+            raise ValueError(f"powersgd_rank must be 1 to 64, got {self.powersgd_rank}")
         if not 0.0 < self.topk_density <= 1.0:
             raise ValueError(f"topk_density must be in (0, 1], got {self.topk_density}")
 

@@ -144,6 +144,7 @@ class Coordinator:
                 self.cfg.collaboration_target,
                 diloco=trainer.diloco_of(self.cfg),
                 inner_steps=self.cfg.inner_steps,
+                compression=trainer.powersgd_of(self.cfg),
             )
             self.template = (params, tx.init(params))
             addrs = trainer.dialable(collab)
@@ -374,6 +375,10 @@ class Coordinator:
             "target": target,  # samples per averaging (DiLoCo: inner_steps target batches)
             "mode": self.cfg.mode,
             "compression": trainer.collaboration_config(self.cfg).codec,  # the manifest's
+            # PowerSGD's rank, None when the run does not average low-rank gradients
+            "powersgd": {"rank": self.cfg.powersgd_rank}
+            if self.cfg.compression == "powersgd"
+            else None,
             "estimate": {
                 "epoch": est.epoch,
                 "samples": est.samples,

@@ -73,6 +73,8 @@ def cli_args(cfg: TrainerConfig) -> list[str]:
         args += ["--mode", cfg.mode, "--inner-steps", str(cfg.inner_steps)]
     if cfg.codec is not None:
         args += ["--compression", cfg.codec]
+    if cfg.compression == "powersgd":
+        args += ["--compression", "powersgd", "--powersgd-rank", str(cfg.powersgd_rank)]
     return args
 
 

@@ -33,7 +33,7 @@ from models.text.sources import MAX_SOURCES, SourceSpec, parse_data
 
 log = logging.getLogger(__name__)
 
-VERSION = 2  # 2: the training mode (dedloc or diloco) and DiLoCo's inner steps
+VERSION = 3  # 2: the training mode (dedloc or diloco) and DiLoCo's inner steps; 3: powersgd
 GET_MANIFEST = "sahajbert.manifest"  # RPC: the signed manifest
 GET_TOKENIZER = "sahajbert.tokenizer"  # RPC: the tokenizer.json the manifest names
 MAX_MANIFEST_BYTES = 64 << 10
@@ -124,6 +124,9 @@ class RunManifest:
     tokenizer_sha256: str
     tokenizer_bytes: int
     seed: int = 0  # the shared initialisation
+    # --compression powersgd (dedloc mode): PowerSGD's rank, its factors in ``codec``; None
+    # otherwise
+    powersgd_rank: int | None = None
     version: int = VERSION
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
 
@@ -163,6 +166,11 @@ class RunManifest:
             or set(digest) - set("0123456789abcdef")
         ):
             raise ValueError("tokenizer_sha256 must be 64 hex digits")
+        powersgd_rank = value["powersgd_rank"]
+        if powersgd_rank is not None:
+            powersgd_rank = _int(powersgd_rank, "powersgd_rank", 1, 64)
+            if value["mode"] != "dedloc":
+                raise ValueError("powersgd_rank needs mode dedloc")
         data = value["data"]
         if data is not None:
             if not isinstance(data, list) or not 0 < len(data) <= MAX_SOURCES:
@@ -185,6 +193,7 @@ class RunManifest:
                 value["tokenizer_bytes"], "tokenizer_bytes", 1, MAX_TOKENIZER_BYTES
             ),
             seed=_int(value["seed"], "seed", 0, (1 << 31) - 1),
+            powersgd_rank=powersgd_rank,
         )
 
     def encode(self) -> bytes:
@@ -230,6 +239,7 @@ def build(cfg: TrainerConfig, tokenizer_file: Path, vocab_size: int, codec: str)
         tokenizer_sha256=sha256_file(tokenizer_file),
         tokenizer_bytes=tokenizer_file.stat().st_size,
         seed=cfg.seed,
+        powersgd_rank=cfg.powersgd_rank if cfg.compression == "powersgd" else None,
     )
 
 
@@ -538,10 +548,15 @@ def check(manifest: RunManifest, cfg: TrainerConfig, explicit: set[str]) -> None
         "--warmup-steps": (o.warmup_steps, manifest.optimizer["warmup_steps"]),
         "--total-steps": (o.total_steps, manifest.optimizer["total_steps"]),
         "--mode": (cfg.mode, manifest.mode),
-        "--compression": (cfg.codec, manifest.codec),
+        "--compression": (
+            "powersgd" if cfg.compression == "powersgd" else cfg.codec,
+            "powersgd" if manifest.powersgd_rank else manifest.codec,
+        ),
     }
     if manifest.mode == "diloco":
         simple["--inner-steps"] = (cfg.inner_steps, manifest.inner_steps)
+    if manifest.powersgd_rank:
+        simple["--powersgd-rank"] = (cfg.powersgd_rank, manifest.powersgd_rank)
     for flag, (given, wanted) in simple.items():
         if flag in explicit and given != wanted:
             raise ManifestMismatch(flag, given, wanted)
@@ -600,4 +615,7 @@ def apply(manifest: RunManifest, cfg: TrainerConfig, tok_dir: Path) -> TrainerCo
         inner_steps=manifest.inner_steps if manifest.mode == "diloco" else cfg.inner_steps,
         seed=manifest.seed,
         masking=tuple(sorted(manifest.masking.items())),
+        # the manifest's low-rank setting, whatever this peer chose
+        compression="powersgd" if manifest.powersgd_rank else None,
+        powersgd_rank=manifest.powersgd_rank or cfg.powersgd_rank,
     )

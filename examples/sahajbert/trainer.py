@@ -52,6 +52,16 @@ def collaboration_config(cfg: TrainerConfig, mode: str | None = None) -> Any:
     return base.replace(mode=mode) if mode else base
 
 
+def powersgd_of(cfg: TrainerConfig) -> Any:
+    """A :class:`dedloc_jax.PowerSGD` with ``--compression powersgd`` (its factors in the
+    run's codec), else None."""
+    if cfg.compression != "powersgd":
+        return None
+    from dedloc_jax import PowerSGD
+
+    return PowerSGD(rank=cfg.powersgd_rank, codec=collaboration_config(cfg).rounds.codec)
+
+
 def diloco_of(cfg: TrainerConfig) -> Any:
     """The pseudo-gradients' codec in DiLoCo mode (int8 unless the run names one; a
     :class:`dedloc_jax.TopK` with ``--compression topk``), else None."""
@@ -188,6 +198,7 @@ def run_trainer(
             inner=inner,
             diloco=diloco_of(cfg),
             inner_steps=cfg.inner_steps,
+            compression=powersgd_of(cfg),
         )
         opt_state = tx.init(params)
         # Before anything is compiled: a newcomer loads the run's state, the first peer

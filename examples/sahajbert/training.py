@@ -291,13 +291,15 @@ def make_optimizer(
     inner: optax.GradientTransformation | None = None,
     diloco: Any = None,
     inner_steps: int = 1,
+    compression: Any = None,
 ) -> Any:
     """``collaborative(clip + LAMB)``; the inner optimizer is jitted on its own. ``diloco``
     (a wire codec, or a ``dedloc_jax.TopK``): ``dedloc_jax.diloco`` instead, an outer step
     every ``inner_steps`` target batches (``target_batch_size`` is then the outer step's
     samples), clip + LAMB at its peak
     after the warmup as its inner optimizer (a trainer passes :func:`trainer_inner`, at its
-    rate per micro-batch) and :func:`outer_optimizer` as its outer one.
+    rate per micro-batch) and :func:`outer_optimizer` as its outer one. ``compression``: a
+    ``dedloc_jax.PowerSGD`` for ``collaborative`` (None: the run's codec carries gradients).
 
     The training step runs ``collaborative`` on the host (its documented non-jit path): the
     expensive pieces (gradients, the inner update) are separate jitted functions without host
@@ -314,7 +316,9 @@ def make_optimizer(
         return dedloc_jax.diloco(
             inner, collab, target_batch_size=target_batch_size, outer=outer, **wire
         )
-    return dedloc_jax.collaborative(inner, collab, target_batch_size=target_batch_size)
+    return dedloc_jax.collaborative(
+        inner, collab, target_batch_size=target_batch_size, compression=compression
+    )
 
 
 class WarmUpHost:

@@ -52,6 +52,8 @@ def test_dashboard_shows_traffic_capacity_throughput_and_ticked_axes() -> None:
               "mode": "dedloc", "compression": "adaptive"}  # fmt: skip
     out = _render(status)
     assert 'dedloc, <span id="compression">adaptive</span> on the wire' in out["summary"]
+    out = _render({**status, "compression": "fp16", "powersgd": {"rank": 4}})
+    assert '<span id="compression">fp16 (PowerSGD rank 4)</span> on the wire' in out["summary"]
     cells = re.findall(r"<td>(.*?)</td>", out["#peers tbody"])
     assert cells[6:10] == ["0.50", "0.75", "300.00", "250.00"]  # traffic, then capacity
     assert "130.0 samples/s" in out["summary"] and "ETA 1.2 s" in out["summary"]

@@ -271,3 +271,45 @@ def test_compression_travels_in_the_manifest_and_a_contradicting_flag_is_refused
     # DiLoCo: the pseudo-gradients travel in the named compression too
     dil = cfg.replace(mode="diloco", inner_steps=3)
     assert collaboration_config(dil).codec == "adaptive"
+
+
+def test_powersgd_travels_in_the_manifest_and_a_contradicting_flag_is_refused(tmp_path):
+    """``prepare --compression powersgd --powersgd-rank 2`` writes the rank in the manifest; a
+    volunteer with no flag trains with PowerSGD(rank=2) in the run's codec; one whose
+    --compression or --powersgd-rank differs is refused, naming both values."""
+    from dedloc_jax import PowerSGD
+    from examples.sahajbert.__main__ import parse_args, trainer_config
+    from examples.sahajbert.trainer import collaboration_config, powersgd_of
+
+    args = parse_args(
+        ["prepare", "--config", "tiny", "--compression", "powersgd", "--powersgd-rank", "2",
+         "--out", "x"]
+    )  # fmt: skip
+    cfg = trainer_config(args)
+    assert (cfg.compression, cfg.powersgd_rank, cfg.codec) == ("powersgd", 2, None)
+    made = manifest.build(cfg, Path(__file__), 900, collaboration_config(cfg).codec)
+    assert manifest.RunManifest.from_dict(made.to_dict()).powersgd_rank == 2
+    applied = manifest.apply(made, TrainerConfig(), tmp_path)  # a volunteer with no flag
+    assert powersgd_of(applied) == PowerSGD(rank=2, codec=collaboration_config(cfg).codec)
+    manifest.check(made, applied, {"--compression", "--powersgd-rank"})
+    flagged = trainer_config(parse_args(["trainer", "--powersgd-rank", "8"]))
+    with pytest.raises(
+        manifest.ManifestMismatch,
+        match=re.escape("--powersgd-rank 8 contradicts the run's manifest (--powersgd-rank 2)"),
+    ):
+        manifest.check(made, flagged, {"--powersgd-rank"})
+    flagged = trainer_config(parse_args(["trainer", "--compression", "fp16"]))
+    with pytest.raises(manifest.ManifestMismatch, match=re.escape("(--compression powersgd)")):
+        manifest.check(made, flagged, {"--compression"})
+    # a plain run refuses a volunteer who would average low-rank gradients
+    plain = manifest.build(TrainerConfig(model="tiny"), Path(__file__), 900, "none")
+    assert plain.powersgd_rank is None and powersgd_of(manifest.apply(plain, cfg, tmp_path)) is None
+    with pytest.raises(manifest.ManifestMismatch, match="--compression powersgd contradicts"):
+        manifest.check(plain, cfg, {"--compression"})
+    for bad in (0, 65, "4"):
+        with pytest.raises(ValueError, match="powersgd_rank"):
+            manifest.RunManifest.from_dict({**made.to_dict(), "powersgd_rank": bad})
+    with pytest.raises(ValueError, match="needs mode dedloc"):
+        manifest.RunManifest.from_dict({**made.to_dict(), "mode": "diloco", "inner_steps": 2})
+    with pytest.raises(ValueError, match="needs --mode dedloc"):
+        TrainerConfig(compression="powersgd", mode="diloco")
