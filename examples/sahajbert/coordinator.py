@@ -373,7 +373,17 @@ class Coordinator:
             "target_batch_size": self.cfg.target_batch_size,
             "target": target,  # samples per averaging (DiLoCo: inner_steps target batches)
             "mode": self.cfg.mode,
-            "compression": trainer.collaboration_config(self.cfg).codec,  # the manifest's
+            # the manifest's: a codec, or topk (DiLoCo's sparse payloads) with its settings
+            "compression": "topk"
+            if self.cfg.compression == "topk"
+            else trainer.collaboration_config(self.cfg).codec,
+            "topk": {
+                "density": self.cfg.topk_density,
+                "bits": self.cfg.topk_bits,
+                "error_feedback": self.cfg.topk_error_feedback,
+            }
+            if self.cfg.compression == "topk"
+            else None,
             "estimate": {
                 "epoch": est.epoch,
                 "samples": est.samples,

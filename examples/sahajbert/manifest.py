@@ -33,7 +33,7 @@ from models.text.sources import MAX_SOURCES, SourceSpec, parse_data
 
 log = logging.getLogger(__name__)
 
-VERSION = 2  # 2: the training mode (dedloc or diloco) and DiLoCo's inner steps
+VERSION = 3  # 2: the training mode (dedloc or diloco) and DiLoCo's inner steps; 3: topk
 GET_MANIFEST = "sahajbert.manifest"  # RPC: the signed manifest
 GET_TOKENIZER = "sahajbert.tokenizer"  # RPC: the tokenizer.json the manifest names
 MAX_MANIFEST_BYTES = 64 << 10
@@ -100,6 +100,25 @@ def _optimizer(value: dict[str, Any]) -> dict[str, float | int]:
     return dict(value)
 
 
+def _topk(value: Any) -> dict[str, Any] | None:
+    """TopK's settings, each within TopK's own bounds (None: not a topk run)."""
+    if value is None:
+        return None
+    if not isinstance(value, dict) or set(value) != {"density", "bits", "error_feedback"}:
+        raise ValueError("topk must be null or {density, bits, error_feedback}")
+    density, feedback = value["density"], value["error_feedback"]
+    for name, x, low_open in (("density", density, True), ("error_feedback", feedback, False)):
+        if isinstance(x, bool) or not isinstance(x, int | float) or not math.isfinite(x):
+            raise ValueError(f"topk {name} must be a number")
+        if not (0.0 < x <= 1.0 if low_open else 0.0 <= x <= 1.0):
+            raise ValueError(f"topk {name} {x!r} is out of range")
+    return {
+        "density": float(density),
+        "bits": _int(value["bits"], "topk bits", 1, 8),
+        "error_feedback": float(feedback),
+    }
+
+
 def _int(value: Any, name: str, low: int, high: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
         raise ValueError(f"{name} must be an integer in [{low}, {high}]")
@@ -124,6 +143,9 @@ class RunManifest:
     tokenizer_sha256: str
     tokenizer_bytes: int
     seed: int = 0  # the shared initialisation
+    # --compression topk (diloco mode): TopK's {"density", "bits", "error_feedback"}; None
+    # otherwise (``codec`` is then what the averaged vectors travel in)
+    topk: dict[str, Any] | None = None
     version: int = VERSION
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
 
@@ -163,6 +185,9 @@ class RunManifest:
             or set(digest) - set("0123456789abcdef")
         ):
             raise ValueError("tokenizer_sha256 must be 64 hex digits")
+        topk = _topk(value["topk"])
+        if topk is not None and value["mode"] != "diloco":
+            raise ValueError("topk needs mode diloco")
         data = value["data"]
         if data is not None:
             if not isinstance(data, list) or not 0 < len(data) <= MAX_SOURCES:
@@ -185,6 +210,7 @@ class RunManifest:
                 value["tokenizer_bytes"], "tokenizer_bytes", 1, MAX_TOKENIZER_BYTES
             ),
             seed=_int(value["seed"], "seed", 0, (1 << 31) - 1),
+            topk=topk,
         )
 
     def encode(self) -> bytes:
@@ -230,7 +256,17 @@ def build(cfg: TrainerConfig, tokenizer_file: Path, vocab_size: int, codec: str)
         tokenizer_sha256=sha256_file(tokenizer_file),
         tokenizer_bytes=tokenizer_file.stat().st_size,
         seed=cfg.seed,
+        topk=_topk_settings(cfg) if cfg.compression == "topk" else None,
     )
+
+
+def _topk_settings(cfg: TrainerConfig) -> dict[str, Any]:
+    """``cfg``'s TopK settings as the manifest's ``topk`` holds them."""
+    return {
+        "density": float(cfg.topk_density),
+        "bits": cfg.topk_bits,
+        "error_feedback": float(cfg.topk_error_feedback),
+    }
 
 
 def save(manifest: RunManifest, tokenizer_file: Path, out_dir: Path) -> Path:
@@ -538,10 +574,18 @@ def check(manifest: RunManifest, cfg: TrainerConfig, explicit: set[str]) -> None
         "--warmup-steps": (o.warmup_steps, manifest.optimizer["warmup_steps"]),
         "--total-steps": (o.total_steps, manifest.optimizer["total_steps"]),
         "--mode": (cfg.mode, manifest.mode),
-        "--compression": (cfg.codec, manifest.codec),
+        # a topk run's vectors are TopK payloads: its codec is no choice of the volunteer's
+        "--compression": (
+            "topk" if cfg.compression == "topk" else cfg.codec,
+            "topk" if manifest.topk else manifest.codec,
+        ),
     }
     if manifest.mode == "diloco":
         simple["--inner-steps"] = (cfg.inner_steps, manifest.inner_steps)
+    if manifest.topk:
+        given = _topk_settings(cfg)
+        for key in ("density", "bits", "error_feedback"):
+            simple[f"--topk-{key.replace('_', '-')}"] = (given[key], manifest.topk[key])
     for flag, (given, wanted) in simple.items():
         if flag in explicit and given != wanted:
             raise ManifestMismatch(flag, given, wanted)
@@ -600,4 +644,10 @@ def apply(manifest: RunManifest, cfg: TrainerConfig, tok_dir: Path) -> TrainerCo
         inner_steps=manifest.inner_steps if manifest.mode == "diloco" else cfg.inner_steps,
         seed=manifest.seed,
         masking=tuple(sorted(manifest.masking.items())),
+        compression="topk" if manifest.topk else None,
+        **(
+            {f"topk_{k}": v for k, v in manifest.topk.items()}
+            if manifest.topk
+            else {}  # not a topk run: the topk options mean nothing and stay as given
+        ),
     )
