@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import jax
 import numpy as np
 import optax
 import pytest
@@ -241,5 +242,17 @@ def test_compression_topk_gives_diloco_a_topk_and_no_link_probes() -> None:
     )
     state = tx.init({"w": np.zeros(3, np.float32)})
     assert state.error_feedback.shape == (3,)
+    # SparseLoCo's outer step: no momentum on top of the error feedback
+    traces = jax.tree.leaves(state.outer_state, is_leaf=lambda s: isinstance(s, optax.TraceState))
+    assert not [s for s in traces if isinstance(s, optax.TraceState)]
+    dense = training.make_optimizer(
+        cfg.optimizer, _CodecHost(), 64, inner=optax.sgd(0.1), diloco="int8"
+    ).init({"w": np.zeros(3, np.float32)})
+    assert any(
+        isinstance(s, optax.TraceState)
+        for s in jax.tree.leaves(
+            dense.outer_state, is_leaf=lambda s: isinstance(s, optax.TraceState)
+        )
+    )  # int8 DiLoCo keeps its Nesterov outer step
     with pytest.raises(ValueError, match="--mode diloco"):
         TrainerConfig(compression="topk")
