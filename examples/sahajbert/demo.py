@@ -73,6 +73,13 @@ def cli_args(cfg: TrainerConfig) -> list[str]:
         args += ["--mode", cfg.mode, "--inner-steps", str(cfg.inner_steps)]
     if cfg.codec is not None:
         args += ["--compression", cfg.codec]
+    if cfg.compression == "topk":
+        args += [
+            "--compression", "topk",
+            "--topk-density", repr(cfg.topk_density),
+            "--topk-bits", str(cfg.topk_bits),
+            "--topk-error-feedback", repr(cfg.topk_error_feedback),
+        ]  # fmt: skip
     return args
 
 

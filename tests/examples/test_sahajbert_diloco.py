@@ -34,6 +34,10 @@ def test_mode_diloco_sets_the_outer_target_and_the_int8_codec() -> None:
     demo = TrainerConfig.demo().replace(mode="diloco", inner_steps=3)
     again = trainer_config(parse_args(["trainer", *cli_args(demo), "--initial-peers", "/x"]))
     assert (again.mode, again.inner_steps) == ("diloco", 3)
+    # ... and TopK's settings (the demo's trainers trained int8 DiLoCo before)
+    sparse = demo.replace(compression="topk", topk_density=0.05, topk_bits=3)
+    again = trainer_config(parse_args(["trainer", *cli_args(sparse), "--initial-peers", "/x"]))
+    assert (again.compression, again.topk_density, again.topk_bits) == ("topk", 0.05, 3)
     with pytest.raises(ValueError, match="mode"):
         TrainerConfig(mode="local")
 
