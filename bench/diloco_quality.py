@@ -18,7 +18,8 @@ ratio (goal: DiLoCo within 5% of DeDLOC), the bytes each peer sends (per averagi
 butterfly member sends ``2 (n - 1) / n`` of the encoded vector), the averaging rounds, and a
 PNG of both held-out loss curves against samples. ``--modes diloco,diloco-topk`` compares
 int8 DiLoCo with TopK DiLoCo (:class:`dedloc_jax.TopK`, payloads swapped as the all-gather
-does, each peer sending ``n - 1`` payloads); the ratio is then the last mode's over the first's.
+does, each peer sending ``n - 1`` payloads, ``diloco``'s outer step for TopK: SGD at rate 1;
+the ``--outer-*`` options are int8 DiLoCo's); the ratio is then the last mode's over the first's.
 
     python -m bench.diloco_quality [--samples 5760] [--inner-steps 4] [--peers 3] [--out DIR]
         [--outer-lr 0.7] [--outer-momentum 0.9] [--outer-schedule cosine|constant]
@@ -170,11 +171,16 @@ def train(
     held_out: list[dict],
     codec: str | None = None,
     compression: PowerSGD | None = None,
+    topk: TopK | None = None,
+    outer: optax.GradientTransformation | None = None,
 ) -> dict[str, Any]:
     """One mode's run: every peer feeds ``args.samples / peers`` samples; held-out loss at
     every averaging of peer 0 (DiLoCo: its outer parameters). ``codec``: on the wire (None:
     int8 for DiLoCo, fp16 for DeDLOC); ``compression``: DeDLOC's PowerSGD (its factors in
-    ``codec``)."""
+    ``codec``); ``topk``: diloco-topk's settings (default ``TopK(density=args.topk_density)``);
+    ``outer``: DiLoCo's outer optimizer (default: Nesterov at ``args.outer_lr``,
+    ``args.outer_momentum``, ``args.outer_schedule``; diloco-topk: ``diloco``'s default with a
+    TopK, SGD at rate 1)."""
     graphdef, params0, rest = model
     micro = cfg.per_device_batch_size
     per_peer = args.samples // args.peers
@@ -202,13 +208,16 @@ def train(
                     outer_lr = optax.cosine_decay_schedule(
                         args.outer_lr, per_peer * args.peers // target
                     )
-                outer = optax.sgd(outer_lr, momentum=args.outer_momentum, nesterov=True)
-                sparse = TopK(density=args.topk_density) if mode == "diloco-topk" else None
+                outer_tx = outer or optax.sgd(outer_lr, momentum=args.outer_momentum, nesterov=True)
+                sparse = None
+                if mode == "diloco-topk":  # diloco's default outer for TopK, as a trainer's
+                    sparse = topk or TopK(density=args.topk_density)
+                    outer_tx = outer
                 tx = dedloc_jax.diloco(
                     inner,
                     peer,
                     target_batch_size=target,
-                    outer=outer,
+                    outer=outer_tx,
                     codec=group.codec,
                     compression=sparse,
                 )
@@ -270,7 +279,9 @@ def train(
     }
 
 
-def _plot(results: dict[str, dict], out: Path) -> Path | None:
+def plot_curves(results: dict[str, dict], path: Path) -> Path | None:
+    """A PNG at ``path`` of each run's held-out loss against samples (None without
+    matplotlib)."""
     try:
         import matplotlib
 
@@ -286,7 +297,6 @@ def _plot(results: dict[str, dict], out: Path) -> Path | None:
     ax.set_ylabel("held-out MLM+SOP loss")
     ax.legend()
     fig.tight_layout()
-    path = out / "diloco_quality.png"
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
@@ -350,7 +360,7 @@ def main() -> None:
             f"peer, peers identical {r['peers_identical']}, {r['seconds']} s"
         )
     args.out.mkdir(parents=True, exist_ok=True)
-    plot = _plot(results, args.out)
+    plot = plot_curves(results, args.out / "diloco_quality.png")
     base, other = modes[0], modes[-1]
     ratio = results[other]["final_loss"] / results[base]["final_loss"]
     print(f"{other}'s final loss / {base}'s: {ratio:.4f} (goal <= 1.05); plot {plot}")

@@ -89,7 +89,10 @@ def diloco(
       target_batch_size: samples the whole collaboration feeds between outer steps (the
         DiLoCo H inner steps times the peers' batches).
       outer: the optimizer of the outer step, fed the averaged pseudo-gradient; default
-        ``optax.sgd(0.7, momentum=0.9, nesterov=True)``.
+        ``optax.sgd(0.7, momentum=0.9, nesterov=True)`` (DiLoCo's), and ``optax.sgd(1.0)``
+        with ``compression`` (SparseLoCo's: the error feedback already re-sends what earlier
+        steps left out, and momentum on top of it overshoots; ``bench/README.md`` has the
+        figures).
       codec: how pseudo-gradients travel: "int8" (blockwise, per-block scales; the default),
         "fp16", "bf16", "none" (exact) or "adaptive" (per leaf: small and 1-D leaves fp16,
         matrices int8). Every peer of a run must use the same. None: the collaboration's own
@@ -131,7 +134,9 @@ def diloco(
     wire = {} if codec is None else {"codec": codec}
     calls = connect(collab, target_batch_size=target_batch_size, overlap=overlap, wire=wire)
     inner = optax.with_extra_args_support(inner)
-    if outer is None:
+    if outer is None and compression is not None:
+        outer = optax.sgd(1.0)  # SparseLoCo's: the error feedback stands in for momentum
+    elif outer is None:
         outer = optax.sgd(0.7, momentum=0.9, nesterov=True)
 
     def init(params: optax.Params) -> DiLoCoState:

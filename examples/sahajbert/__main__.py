@@ -143,7 +143,7 @@ def _add_private_options(p: argparse.ArgumentParser, *, owner: bool) -> None:
 
 
 def _add_compression_options(g: Any, d: TrainerConfig, run: Callable[[str], str]) -> None:
-    """``--compression`` and ``--topk-density`` (``run(help)``: the manifest fixes them)."""
+    """``--compression`` and TopK's ``--topk-*`` (``run(help)``: the manifest fixes them)."""
     g.add_argument(
         "--compression",
         choices=(*COMPRESSIONS, "topk", "powersgd"),
@@ -166,7 +166,19 @@ def _add_compression_options(g: Any, d: TrainerConfig, run: Callable[[str], str]
         "--topk-density",
         type=float,
         default=d.topk_density,
-        help="topk: the fraction of each chunk's values sent",
+        help=run("topk: the fraction of each chunk's values sent"),
+    )
+    g.add_argument(
+        "--topk-bits",
+        type=int,
+        default=d.topk_bits,
+        help=run("topk: bits per value sent, sign included (1 to 8)"),
+    )
+    g.add_argument(
+        "--topk-error-feedback",
+        type=float,
+        default=d.topk_error_feedback,
+        help=run("topk: the decay of the unsent remainder kept for the next outer step"),
     )
 
 
@@ -491,6 +503,8 @@ def trainer_config(args: argparse.Namespace, base: TrainerConfig | None = None) 
         compression=chosen if sparse else None,
         powersgd_rank=getattr(args, "powersgd_rank", base.powersgd_rank),
         topk_density=getattr(args, "topk_density", base.topk_density),
+        topk_bits=getattr(args, "topk_bits", base.topk_bits),
+        topk_error_feedback=getattr(args, "topk_error_feedback", base.topk_error_feedback),
     )
 
 

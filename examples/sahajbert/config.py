@@ -82,12 +82,15 @@ class TrainerConfig:
     # micro-batch and one averaged outer step per inner_steps target batches (dedloc_jax.diloco)
     mode: str = "dedloc"
     inner_steps: int = 500
-    # "topk" (DiLoCo mode): pseudo-gradients as dedloc_jax.TopK(density=topk_density), 2 bits
+    # "topk" (DiLoCo mode): pseudo-gradients as dedloc_jax.TopK(density=topk_density,
+    # bits=topk_bits, error_feedback=topk_error_feedback) (TopK's defaults; a test checks)
     compression: str | None = None
     topk_density: float = 1 / 64
     # "powersgd" (DeDLOC mode): gradients as dedloc_jax.PowerSGD(rank=powersgd_rank), its
     # factors in the run's codec
     powersgd_rank: int = 4
+    topk_bits: int = 2
+    topk_error_feedback: float = 0.95
 
     def __post_init__(self) -> None:
         if self.model not in ("tiny", "sahajbert"):
@@ -106,6 +109,10 @@ class TrainerConfig:
             raise ValueError(f"powersgd_rank must be 1 to 64, got {self.powersgd_rank}")
         if not 0.0 < self.topk_density <= 1.0:
             raise ValueError(f"topk_density must be in (0, 1], got {self.topk_density}")
+        if not 1 <= self.topk_bits <= 8:
+            raise ValueError(f"topk_bits must be 1 to 8, got {self.topk_bits}")
+        if not 0.0 <= self.topk_error_feedback <= 1.0:
+            raise ValueError(f"topk_error_feedback must be in [0, 1]: {self.topk_error_feedback}")
 
     @property
     def collaboration_target(self) -> int:

@@ -374,10 +374,20 @@ class Coordinator:
             "target_batch_size": self.cfg.target_batch_size,
             "target": target,  # samples per averaging (DiLoCo: inner_steps target batches)
             "mode": self.cfg.mode,
-            "compression": trainer.collaboration_config(self.cfg).codec,  # the manifest's
+            # the manifest's: a codec, or topk (DiLoCo's sparse payloads) with its settings
+            "compression": "topk"
+            if self.cfg.compression == "topk"
+            else trainer.collaboration_config(self.cfg).codec,
             # PowerSGD's rank, None when the run does not average low-rank gradients
             "powersgd": {"rank": self.cfg.powersgd_rank}
             if self.cfg.compression == "powersgd"
+            else None,
+            "topk": {
+                "density": self.cfg.topk_density,
+                "bits": self.cfg.topk_bits,
+                "error_feedback": self.cfg.topk_error_feedback,
+            }
+            if self.cfg.compression == "topk"
             else None,
             "estimate": {
                 "epoch": est.epoch,

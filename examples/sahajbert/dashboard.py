@@ -93,7 +93,9 @@ async function refresh(){
       `<span>${fmt(e.samples_per_second,1)} samples/s</span><span>ETA ${fmt(e.eta,1)} s</span>`+
       `<span>${(s.peers||[]).length|0} peers</span>`+
       `<span>${esc(s.mode)}, <span id="compression">${esc(s.compression)}${s.powersgd?` (PowerSGD`+
-      ` rank ${esc(s.powersgd.rank)})`:""}</span> on the wire</span>`+
+      ` rank ${esc(s.powersgd.rank)})`:""}${s.topk?` (density `+
+      `${esc(s.topk.density)}, ${esc(s.topk.bits)} bits, error feedback `+
+      `${esc(s.topk.error_feedback)})`:""}</span> on the wire</span>`+
       `<span>last checkpoint: ${esc(s.checkpoint)}</span>`;
     document.querySelector("#peers tbody").innerHTML=(s.peers||[]).map(p=>
       `<tr class="peer"><td><code>${esc(String(p.peer).slice(0,16))}</code></td>`+

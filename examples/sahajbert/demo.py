@@ -75,6 +75,13 @@ def cli_args(cfg: TrainerConfig) -> list[str]:
         args += ["--compression", cfg.codec]
     if cfg.compression == "powersgd":
         args += ["--compression", "powersgd", "--powersgd-rank", str(cfg.powersgd_rank)]
+    if cfg.compression == "topk":
+        args += [
+            "--compression", "topk",
+            "--topk-density", repr(cfg.topk_density),
+            "--topk-bits", str(cfg.topk_bits),
+            "--topk-error-feedback", repr(cfg.topk_error_feedback),
+        ]  # fmt: skip
     return args
 
 

@@ -33,7 +33,7 @@ from models.text.sources import MAX_SOURCES, SourceSpec, parse_data
 
 log = logging.getLogger(__name__)
 
-VERSION = 3  # 2: the training mode (dedloc or diloco) and DiLoCo's inner steps; 3: powersgd
+VERSION = 3  # 2: training mode, DiLoCo's inner steps; 3: powersgd's rank, topk's settings
 GET_MANIFEST = "sahajbert.manifest"  # RPC: the signed manifest
 GET_TOKENIZER = "sahajbert.tokenizer"  # RPC: the tokenizer.json the manifest names
 MAX_MANIFEST_BYTES = 64 << 10
@@ -100,6 +100,25 @@ def _optimizer(value: dict[str, Any]) -> dict[str, float | int]:
     return dict(value)
 
 
+def _topk(value: Any) -> dict[str, Any] | None:
+    """TopK's settings, each within TopK's own bounds (None: not a topk run)."""
+    if value is None:
+        return None
+    if not isinstance(value, dict) or set(value) != {"density", "bits", "error_feedback"}:
+        raise ValueError("topk must be null or {density, bits, error_feedback}")
+    density, feedback = value["density"], value["error_feedback"]
+    for name, x, low_open in (("density", density, True), ("error_feedback", feedback, False)):
+        if isinstance(x, bool) or not isinstance(x, int | float) or not math.isfinite(x):
+            raise ValueError(f"topk {name} must be a number")
+        if not (0.0 < x <= 1.0 if low_open else 0.0 <= x <= 1.0):
+            raise ValueError(f"topk {name} {x!r} is out of range")
+    return {
+        "density": float(density),
+        "bits": _int(value["bits"], "topk bits", 1, 8),
+        "error_feedback": float(feedback),
+    }
+
+
 def _int(value: Any, name: str, low: int, high: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
         raise ValueError(f"{name} must be an integer in [{low}, {high}]")
@@ -127,6 +146,9 @@ class RunManifest:
     # --compression powersgd (dedloc mode): PowerSGD's rank, its factors in ``codec``; None
     # otherwise
     powersgd_rank: int | None = None
+    # --compression topk (diloco mode): TopK's {"density", "bits", "error_feedback"}; None
+    # otherwise (``codec`` is then what the averaged vectors travel in)
+    topk: dict[str, Any] | None = None
     version: int = VERSION
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
 
@@ -171,6 +193,9 @@ class RunManifest:
             powersgd_rank = _int(powersgd_rank, "powersgd_rank", 1, 64)
             if value["mode"] != "dedloc":
                 raise ValueError("powersgd_rank needs mode dedloc")
+        topk = _topk(value["topk"])
+        if topk is not None and value["mode"] != "diloco":
+            raise ValueError("topk needs mode diloco")
         data = value["data"]
         if data is not None:
             if not isinstance(data, list) or not 0 < len(data) <= MAX_SOURCES:
@@ -194,6 +219,7 @@ class RunManifest:
             ),
             seed=_int(value["seed"], "seed", 0, (1 << 31) - 1),
             powersgd_rank=powersgd_rank,
+            topk=topk,
         )
 
     def encode(self) -> bytes:
@@ -240,7 +266,22 @@ def build(cfg: TrainerConfig, tokenizer_file: Path, vocab_size: int, codec: str)
         tokenizer_bytes=tokenizer_file.stat().st_size,
         seed=cfg.seed,
         powersgd_rank=cfg.powersgd_rank if cfg.compression == "powersgd" else None,
+        topk=_topk_settings(cfg) if cfg.compression == "topk" else None,
     )
+
+
+def _topk_settings(cfg: TrainerConfig) -> dict[str, Any]:
+    """``cfg``'s TopK settings as the manifest's ``topk`` holds them."""
+    return {
+        "density": float(cfg.topk_density),
+        "bits": cfg.topk_bits,
+        "error_feedback": float(cfg.topk_error_feedback),
+    }
+
+
+def _compression(compression: str | None, codec: str) -> str:
+    """What ``--compression`` names: a scheme (powersgd, topk) or else the codec."""
+    return compression if compression in ("powersgd", "topk") else codec
 
 
 def save(manifest: RunManifest, tokenizer_file: Path, out_dir: Path) -> Path:
@@ -549,14 +590,18 @@ def check(manifest: RunManifest, cfg: TrainerConfig, explicit: set[str]) -> None
         "--total-steps": (o.total_steps, manifest.optimizer["total_steps"]),
         "--mode": (cfg.mode, manifest.mode),
         "--compression": (
-            "powersgd" if cfg.compression == "powersgd" else cfg.codec,
-            "powersgd" if manifest.powersgd_rank else manifest.codec,
+            _compression(cfg.compression, cfg.codec),
+            "powersgd" if manifest.powersgd_rank else "topk" if manifest.topk else manifest.codec,
         ),
     }
     if manifest.mode == "diloco":
         simple["--inner-steps"] = (cfg.inner_steps, manifest.inner_steps)
     if manifest.powersgd_rank:
         simple["--powersgd-rank"] = (cfg.powersgd_rank, manifest.powersgd_rank)
+    if manifest.topk:
+        given = _topk_settings(cfg)
+        for key in ("density", "bits", "error_feedback"):
+            simple[f"--topk-{key.replace('_', '-')}"] = (given[key], manifest.topk[key])
     for flag, (given, wanted) in simple.items():
         if flag in explicit and given != wanted:
             raise ManifestMismatch(flag, given, wanted)
@@ -615,7 +660,12 @@ def apply(manifest: RunManifest, cfg: TrainerConfig, tok_dir: Path) -> TrainerCo
         inner_steps=manifest.inner_steps if manifest.mode == "diloco" else cfg.inner_steps,
         seed=manifest.seed,
         masking=tuple(sorted(manifest.masking.items())),
-        # the manifest's low-rank setting, whatever this peer chose
-        compression="powersgd" if manifest.powersgd_rank else None,
+        # the manifest's compression, whatever this peer chose
+        compression="powersgd" if manifest.powersgd_rank else "topk" if manifest.topk else None,
         powersgd_rank=manifest.powersgd_rank or cfg.powersgd_rank,
+        **(
+            {f"topk_{k}": v for k, v in manifest.topk.items()}
+            if manifest.topk
+            else {}  # not a topk run: the topk options mean nothing and stay as given
+        ),
     )

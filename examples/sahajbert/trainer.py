@@ -70,7 +70,9 @@ def diloco_of(cfg: TrainerConfig) -> Any:
     if cfg.compression == "topk":
         from dedloc_jax import TopK
 
-        return TopK(density=cfg.topk_density)
+        return TopK(
+            density=cfg.topk_density, bits=cfg.topk_bits, error_feedback=cfg.topk_error_feedback
+        )
     return cfg.codec or "int8"
 
 

@@ -298,8 +298,9 @@ def make_optimizer(
     every ``inner_steps`` target batches (``target_batch_size`` is then the outer step's
     samples), clip + LAMB at its peak
     after the warmup as its inner optimizer (a trainer passes :func:`trainer_inner`, at its
-    rate per micro-batch) and :func:`outer_optimizer` as its outer one. ``compression``: a
-    ``dedloc_jax.PowerSGD`` for ``collaborative`` (None: the run's codec carries gradients).
+    rate per micro-batch) and :func:`outer_optimizer` as its outer one (with a TopK:
+    ``diloco``'s default for it). ``compression``: a ``dedloc_jax.PowerSGD`` for
+    ``collaborative`` (None: the run's codec carries gradients).
 
     The training step runs ``collaborative`` on the host (its documented non-jit path): the
     expensive pieces (gradients, the inner update) are separate jitted functions without host
@@ -311,7 +312,9 @@ def make_optimizer(
 
     inner = inner if inner is not None else jitted_inner(opt, decay=diloco is None)
     if diloco is not None:
-        outer = outer_optimizer(opt, inner_steps)
+        # TopK: diloco's own default outer step (SparseLoCo's constant SGD at rate 1, whose
+        # error feedback a decayed or momentum outer step would fight)
+        outer = outer_optimizer(opt, inner_steps) if isinstance(diloco, str) else None
         wire = {"codec": diloco} if isinstance(diloco, str) else {"compression": diloco}
         return dedloc_jax.diloco(
             inner, collab, target_batch_size=target_batch_size, outer=outer, **wire

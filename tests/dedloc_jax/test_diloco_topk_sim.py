@@ -10,6 +10,7 @@ every other member, which still agree among themselves.
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from typing import Any
 
 import numpy as np
@@ -28,7 +29,11 @@ CFG = TopK(density=0.25, bits=2, error_feedback=0.95, chunk=4)  # 7 values: 2 ch
 class TopKPeer(Peer):
     def __init__(self, core: Any, seed: int) -> None:
         super().__init__(core, seed)
-        self.tx = diloco(optax.adam(0.05), self.host, target_batch_size=TARGET, compression=CFG)
+        # a Nesterov outer step (not TopK's default SGD), so that its state is served too
+        outer = optax.sgd(0.7, momentum=0.9, nesterov=True)
+        self.tx = diloco(
+            optax.adam(0.05), self.host, target_batch_size=TARGET, outer=outer, compression=CFG
+        )
         self.state = self.tx.init(self.params)
 
 
@@ -76,3 +81,25 @@ def test_a_malformed_payload_is_rejected_by_every_other_member(caplog) -> None:
     _assert_one_lineage(honest, 2)
     # the liar's payload never counts: the honest peers' rounds are incomplete without it
     assert all(not h.complete for p in honest for h in p.core.history[:1])
+
+
+def test_each_payload_crosses_each_link_once(monkeypatch) -> None:
+    """Between two reachable members one call moves both payloads (the lower ID asks, carrying
+    its own): no member receives another's entry twice in a round. (Both used to ask each
+    other, so every payload crossed twice: most of a 40-member round's bytes.)"""
+    from dedloc_jax.rounds.gather import SparseGather
+
+    received: Counter[tuple[str, str, bytes]] = Counter()
+    accept = SparseGather._accept
+
+    def counting(self, g, round_id, entry):
+        if isinstance(entry, dict) and entry.get("p") != str(self.node.peer_id):
+            received[(str(self.node.peer_id), entry.get("p"), round_id)] += 1
+        return accept(self, g, round_id, entry)
+
+    monkeypatch.setattr(SparseGather, "_accept", counting)
+    peers = _train(4, 2)
+    _assert_one_lineage(peers, 2)
+    assert all(h.group_size == 4 and h.complete for p in peers for h in p.core.history)
+    assert len(received) == 2 * 4 * 3  # two rounds, every member got every other's entry
+    assert set(received.values()) == {1}, received

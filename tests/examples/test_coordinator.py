@@ -405,5 +405,11 @@ def test_live_figures_are_the_trainers_throughput_while_they_average(tmp_path) -
     assert status["estimate"]["eta"] == pytest.approx((96 - 31) / 130)
     assert status["target"] == coord.cfg.collaboration_target == 96
     assert (status["mode"], status["compression"]) == ("dedloc", "none")  # the tiny preset's
+    assert status["topk"] is None
+    # a TopK DiLoCo run: the status names topk and its settings (not the unused codec)
+    coord.cfg = coord.cfg.replace(mode="diloco", compression="topk", topk_bits=3)
+    status = coord._status(records, est, "http://x/", [])
+    assert status["compression"] == "topk"
+    assert status["topk"] == {"density": 1 / 64, "bits": 3, "error_feedback": 0.95}
     peer = status["peers"][0]
     assert (peer["sent_bps"], peer["upload_bps"]) == (2.5e5, 3e8)

@@ -63,3 +63,17 @@ def test_dashboard_shows_traffic_capacity_throughput_and_ticked_axes() -> None:
     assert out["loss"].count('class="ytick"') == 4 and out["loss"].count('class="xtick"') == 3
     labels = re.findall(r"<text[^>]*>([^<]*)</text>", out["tput"])
     assert {"120", "125", "130", "samples/s"} <= set(labels), labels
+
+
+def test_dashboard_shows_topk_settings() -> None:
+    """A TopK DiLoCo run's summary names its density, bits and error feedback."""
+    status = {"run_id": "r", "target": 192, "peers": [], "rows": [], "estimate": {},
+              "mode": "diloco", "compression": "topk",
+              "topk": {"density": 0.015625, "bits": 2, "error_feedback": 0.95}}  # fmt: skip
+    out = _render(status)
+    assert (
+        'diloco, <span id="compression">topk (density 0.015625, 2 bits, error feedback 0.95)'
+        "</span> on the wire"
+    ) in out["summary"]
+    out = _render({**status, "compression": "int8", "topk": None})
+    assert '<span id="compression">int8</span>' in out["summary"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import jax
 import numpy as np
 import optax
 import pytest
@@ -33,6 +34,10 @@ def test_mode_diloco_sets_the_outer_target_and_the_int8_codec() -> None:
     demo = TrainerConfig.demo().replace(mode="diloco", inner_steps=3)
     again = trainer_config(parse_args(["trainer", *cli_args(demo), "--initial-peers", "/x"]))
     assert (again.mode, again.inner_steps) == ("diloco", 3)
+    # ... and TopK's settings (the demo's trainers trained int8 DiLoCo before)
+    sparse = demo.replace(compression="topk", topk_density=0.05, topk_bits=3)
+    again = trainer_config(parse_args(["trainer", *cli_args(sparse), "--initial-peers", "/x"]))
+    assert (again.compression, again.topk_density, again.topk_bits) == ("topk", 0.05, 3)
     with pytest.raises(ValueError, match="mode"):
         TrainerConfig(mode="local")
 
@@ -241,5 +246,17 @@ def test_compression_topk_gives_diloco_a_topk_and_no_link_probes() -> None:
     )
     state = tx.init({"w": np.zeros(3, np.float32)})
     assert state.error_feedback.shape == (3,)
+    # SparseLoCo's outer step: no momentum on top of the error feedback
+    traces = jax.tree.leaves(state.outer_state, is_leaf=lambda s: isinstance(s, optax.TraceState))
+    assert not [s for s in traces if isinstance(s, optax.TraceState)]
+    dense = training.make_optimizer(
+        cfg.optimizer, _CodecHost(), 64, inner=optax.sgd(0.1), diloco="int8"
+    ).init({"w": np.zeros(3, np.float32)})
+    assert any(
+        isinstance(s, optax.TraceState)
+        for s in jax.tree.leaves(
+            dense.outer_state, is_leaf=lambda s: isinstance(s, optax.TraceState)
+        )
+    )  # int8 DiLoCo keeps its Nesterov outer step
     with pytest.raises(ValueError, match="--mode diloco"):
         TrainerConfig(compression="topk")

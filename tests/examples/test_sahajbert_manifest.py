@@ -313,3 +313,66 @@ def test_powersgd_travels_in_the_manifest_and_a_contradicting_flag_is_refused(tm
         manifest.RunManifest.from_dict({**made.to_dict(), "mode": "diloco", "inner_steps": 2})
     with pytest.raises(ValueError, match="needs --mode dedloc"):
         TrainerConfig(compression="powersgd", mode="diloco")
+
+
+def test_topk_settings_travel_in_the_manifest_and_a_contradicting_flag_is_refused(tmp_path):
+    """``prepare --mode diloco --compression topk --topk-density D --topk-bits B
+    --topk-error-feedback F`` writes all three in the manifest; a volunteer with no flag trains
+    with them (its diloco gets that TopK), and one whose flag differs is refused, naming both
+    values. A manifest whose topk settings are out of TopK's bounds is rejected."""
+    from dedloc_jax import TopK
+    from examples.sahajbert.__main__ import parse_args, trainer_config
+    from examples.sahajbert.trainer import diloco_of
+
+    assert (TrainerConfig.topk_density, TrainerConfig.topk_bits,
+            TrainerConfig.topk_error_feedback) == (TopK.density, TopK.bits,
+                                                  TopK.error_feedback)  # fmt: skip
+    flags = ["--mode", "diloco", "--compression", "topk", "--topk-density", "0.03125",
+             "--topk-bits", "3", "--topk-error-feedback", "0.9"]  # fmt: skip
+    cfg = trainer_config(parse_args(["prepare", "--config", "tiny", *flags, "--out", "x"]))
+    made = manifest.build(cfg, Path(__file__), 900, "int8")
+    assert made.topk == {"density": 0.03125, "bits": 3, "error_feedback": 0.9}
+    assert manifest.RunManifest.from_dict(made.to_dict()) == made
+    applied = manifest.apply(made, TrainerConfig(), tmp_path)  # a volunteer with no flag
+    assert applied.compression == "topk"
+    assert diloco_of(applied) == TopK(density=0.03125, bits=3, error_feedback=0.9)
+    manifest.check(made, applied, {"--compression", "--topk-density", "--topk-bits",
+                                   "--topk-error-feedback"})  # fmt: skip
+    base = ["trainer", "--mode", "diloco", "--compression", "topk"]
+    cases = [
+        (["--topk-density", "0.05"], "--topk-density",
+         "--topk-density 0.05 contradicts the run's manifest (--topk-density 0.03125)"),
+        (["--topk-bits", "2"], "--topk-bits",
+         "--topk-bits 2 contradicts the run's manifest (--topk-bits 3)"),
+        (["--topk-error-feedback", "0.95"], "--topk-error-feedback",
+         "--topk-error-feedback 0.95 contradicts the run's manifest (--topk-error-feedback 0.9)"),
+    ]  # fmt: skip
+    for extra, flag, text in cases:
+        bad = trainer_config(parse_args([*base, *extra]))
+        with pytest.raises(manifest.ManifestMismatch, match=re.escape(text)):
+            manifest.check(made, bad, {flag})
+        manifest.check(made, bad, set())  # not given: the manifest's is used
+    int8 = trainer_config(parse_args(["trainer", "--mode", "diloco", "--compression", "int8"]))
+    with pytest.raises(
+        manifest.ManifestMismatch,
+        match=re.escape("--compression int8 contradicts the run's manifest (--compression topk)"),
+    ):
+        manifest.check(made, int8, {"--compression"})
+    # a run that is not topk: a volunteer asking for topk is refused, and applying it drops topk
+    plain = manifest.build(cfg.replace(compression=None), Path(__file__), 900, "int8")
+    assert plain.topk is None
+    with pytest.raises(manifest.ManifestMismatch, match=re.escape("(--compression int8)")):
+        manifest.check(plain, applied, {"--compression"})
+    assert manifest.apply(plain, applied, tmp_path).compression is None
+    good = made.to_dict()
+    for bad_topk, text in [
+        ({**made.topk, "bits": 9}, "topk bits"),
+        ({**made.topk, "density": 0.0}, "topk density"),
+        ({**made.topk, "error_feedback": float("nan")}, "topk error_feedback"),
+        ({**made.topk, "chunk": 4096}, "topk must be"),
+        ("topk", "topk must be"),
+    ]:
+        with pytest.raises(ValueError, match=text):
+            manifest.RunManifest.from_dict({**good, "topk": bad_topk})
+    with pytest.raises(ValueError, match="topk needs mode diloco"):
+        manifest.RunManifest.from_dict({**good, "mode": "dedloc", "inner_steps": 1})

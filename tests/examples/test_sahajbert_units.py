@@ -218,7 +218,8 @@ def test_each_role_has_its_own_help_page_with_each_default_once(capsys) -> None:
     # a volunteer's run options come from the run's manifest, not sahajBERT's defaults
     trainer = " ".join(pages["trainer"].split())
     assert "4096" not in trainer and "0.00176" not in trainer and "(default: 512)" not in trainer
-    assert trainer.count("(default: from the run's manifest)") == 14  # --powersgd-rank too
+    # --compression, --topk-*, --powersgd-rank
+    assert trainer.count("(default: from the run's manifest)") == 17
     assert "--checkpoint-dir" in pages["coordinator"] and "--step-delay" not in pages["finetune"]
     for page in pages.values():
         assert "default: None" not in page and "default: False" not in page

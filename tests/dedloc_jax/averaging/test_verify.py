@@ -355,6 +355,7 @@ def test_members_that_cannot_reach_each_other_get_their_statements_relayed(liar,
     assert all(r.accusations[0].peer == liar.name for r in honest)
     assert all(r.vector.tobytes() == honest[0].vector.tobytes() for r in honest)
 
+
 def _framing_evidence(monkeypatch, codec, robust):
     """Members that 'fail' the honest reducer names[1]'s share and so gather real signed
     statements, revealed parts and the reducer's signed result into an accusation: the

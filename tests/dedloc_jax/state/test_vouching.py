@@ -140,6 +140,7 @@ def test_a_vouch_counts_wherever_it_is_carried() -> None:
     vouched = run_sim(main)
     assert vouched == {"mate": True, "x": True, "y": True, "s1": False, "s2": False}
 
+
 def test_a_newcomer_traces_signers_to_the_peers_it_joined_through() -> None:
     """A newcomer (no mate yet) trusted every signer, so Sybils vouching for each other led
     it; with roots (its initial peers) only signers traced to them count, and peers recorded
