@@ -131,6 +131,7 @@ class Bans:
         # (accuser, accused, evidence digest) whose evidence convicted nobody: not fetched again
         self._checked: set[tuple[str, str, Any]] = set()
         self._budget = MAX_PIECES
+        self._pieces_out: set[bytes] = set()  # digests whose pieces we stored (renewed when stale)
 
     def is_banned(self, peer: str) -> bool:
         return peer in self._banned
@@ -169,8 +170,9 @@ class Bans:
         for ban in reversed(self._mine):
             size += len(ban.evidence)
             rec = ban.to_record(inline=size <= MAX_EVIDENCE)
-            if rec.get("pieces"):
+            if rec.get("pieces") and (stale or rec["digest"] not in self._pieces_out):
                 await self._store_pieces(ban.evidence)
+                self._pieces_out.add(rec["digest"])
             elif not rec["evidence"] and ban.peer not in self._bare:
                 self._bare.add(ban.peer)
                 log.warning(

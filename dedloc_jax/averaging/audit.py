@@ -588,6 +588,18 @@ async def _judge(
         for i in sorted(frozenset().union(*rnd.masks[j])):
             nursery.start_soon(one, i)
     revealed = {i: shares[i][k] if i in shares else None for i in mask}
+    blank = [i for i in mask if stated[i].shares.get(j) is None]
+    if blank:
+        # The reducer signed that it counted them, they signed no figures for this share (it
+        # was repaired on their side, or they abstained): one of the two lies, and nothing
+        # signed tells which (the parts a sender sends are not signed), so nobody is convicted.
+        logger.warning(
+            "round %s: %s counted in share %s but stated no figures for it: nobody convicted",
+            rnd.round_id.hex()[:8],
+            [rnd.name(i) for i in blank],
+            rnd.name(j),
+        )
+        return None, shares
     codec_name = rnd.codec.at(a, b).name  # the chunk's own (segments, when it spans leaves)
     evidence = {
         "codec": codec_name,
@@ -729,6 +741,8 @@ def check_evidence(acc_evidence: dict, accused: str) -> bool:
     z = direction(seed, a, b - a)
     tau = acc_evidence["tau"]
     stated = {s.sender: s for s in stmts}
+    if any(s.shares.get(j) is None for s in stmts):
+        return False  # counted by the reducer, no figures signed: nothing tells who lied
     for st, data in zip(stmts, acc_evidence["parts"], strict=True):
         why = _part_lie(acc_evidence["codec"], data, st, j, k, z, result, tau)
         if why:

@@ -224,7 +224,7 @@ class _ValidatingDHT(_MemoryDHT):
 
     def __init__(self) -> None:
         super().__init__()
-        self.largest = 0
+        self.largest = self.stores = 0
 
     async def store(self, key, value, expiration, *, subkey=None, **kw) -> None:
         from dedloc_jax.validators import run_validators
@@ -239,6 +239,7 @@ class _ValidatingDHT(_MemoryDHT):
             if spec is not None and regex.fullmatch(key) and spec.check(value, "value"):
                 raise InvalidRecordError(spec.check(value, "value"))
         self.largest = max(self.largest, size)
+        self.stores += 1
         await super().store(key, value, expiration, subkey=subkey)
 
 
@@ -263,6 +264,10 @@ def test_a_ban_at_the_largest_default_chunk_publishes_evidence_others_verify(lia
 
     async def go() -> None:
         await accuser.publish()
+        stores = dht.stores
+        accuser._dirty = True  # another conviction: the record again, not the pieces
+        await accuser.publish()
+        assert dht.stores == stores + 1
         await reader.refresh(force=True)
 
     trio.run(go)

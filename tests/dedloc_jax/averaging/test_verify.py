@@ -408,3 +408,36 @@ def test_evidence_naming_other_terms_than_the_signed_ones_convicts_nobody(
     for what, forged in forgeries.items():
         convicted = [p for p in names if check_evidence(forged, p)]
         assert convicted == [], (what, convicted)
+
+
+def test_a_member_that_states_no_figures_for_a_share_it_was_counted_in_is_not_convicted(
+    monkeypatch,
+):
+    """A member whose share of reducer j was repaired on its side states no figures for it,
+    though j counted its part: it was convicted as a sender ("stated nothing for this share"),
+    and by a third party too, so a reducer that stalled one member's results could have it
+    banned, and a lying reducer that counted an abstainer could frame it. Nothing signed tells
+    which of the two lies: nobody is convicted, and the share is dropped."""
+    import dedloc_jax.averaging.audit as audit
+
+    names = _names(4)
+    original = audit._figures
+
+    async def repaired_here(rnd, seed):
+        figs = await original(rnd, seed)
+        if rnd.name(rnd.me) == names[2]:
+            j = [m.peer_id for m in rnd.members].index(names[1])
+            figs = {jj: f for jj, f in figs.items() if jj != j}
+        return figs
+
+    monkeypatch.setattr(audit, "_figures", repaired_here)
+    rng = np.random.default_rng(13)
+    trees = [make_tree(rng, SHAPES) for _ in range(4)]
+    outcome, _, got = run_round(["node"] * 4, trees, [1.0] * 4, config=VERIFY)
+    assert got == names
+    results = _results(outcome)
+    for r in results:
+        assert r.accusations == ()
+        share = next(s for s in r.shares if s.owner == names[1])
+        assert share.dropped
+        assert r.vector.tobytes() == results[0].vector.tobytes()
