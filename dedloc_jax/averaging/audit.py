@@ -67,7 +67,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-VERIFY_PROTOCOL = "dedloc/allreduce-verify/2"
+VERIFY_PROTOCOL = "dedloc/allreduce-verify/3"  # 3: statements sign chunk terms and received results
 STATEMENT_PROTOCOL = "dedloc/allreduce-statement/1"
 """A unary call: a member's statement in, the statements the callee holds out."""
 
