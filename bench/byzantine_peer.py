@@ -76,16 +76,16 @@ def _undefended_from(go: Go) -> None:
     """Rounds of an epoch from ``go.epoch`` on run the plain mean, unchecked."""
     import dataclasses
 
-    from dedloc_jax import peer
+    from dedloc_jax.rounds import stepping
 
-    defended = peer.average_round
+    defended = stepping.average_round  # the name the trainer's rounds call
 
     async def switched(rounds: Any, epoch: int, *args: Any, **kw: Any) -> Any:
         if go.at(epoch):
             rounds = dataclasses.replace(rounds, robust=False, verify=False)
         return await defended(rounds, epoch, *args, **kw)
 
-    peer.average_round = switched
+    stepping.average_round = switched
 
 
 NOTED = ("banning", "ignoring peer", "invalid record", "bounded by the group's medians")

@@ -2,9 +2,10 @@
 
 After a round's exchange, each member holding the result (every sender) derives the check seed
 from the result (:func:`.verify.seed_of`), signs its :class:`~.verify.Statement` and swaps it
-with every dialable sender (``VERIFY_PROTOCOL``: a member answers with every statement it
-holds once it holds them all or its wait ends, so clients, which nobody can dial, learn them
-too; a relayed statement is checked by its own signature). Then every member checks every
+with every dialable sender (``STATEMENT_PROTOCOL``, one unary call each: a member answers at
+once with the statements it holds, or, to a client, which nobody can dial, and to a member
+asking for a statement it could not get directly, once it holds them all or its wait ends; a
+relayed statement is checked by its own signature). Then every member checks every
 share it can (the figures of each chunk's contributors are in; a repaired share is not
 checked). For a share that fails, the member asks each of its contributors to reveal its
 encoded parts of the whole share: a part that does not match its sender's signed hash or (in
