@@ -124,11 +124,13 @@ async def _two_phases(
         len(plan.shapes),
         plan.cfg.rank,
     )
+    started = trio.current_time()
     sent_p = plan.phase_p(ms, qs)
     got, failure = await rounds.all_reduce(spec, sent_p, me.weight, codec, this.deadlines)
     if got is None:
         reason = f"phase P failed: {failure}"
         return this.outcome(_alone(plan, ms, qs), 1, False, reason, error=failure)
+    phase_p_end = trio.current_time()
     mean_p = [np.asarray(a, np.float32) for a in got.average]
     ps, local_qs = plan.phase_q(ms, mean_p[:c])
     mean_qs: list[np.ndarray] = []
@@ -149,6 +151,12 @@ async def _two_phases(
         mean_qs = [np.asarray(a, np.float32) for a in got_q.average]
     mean, errors = plan.finish(ms, ps, mean_qs, mean_p[c:])
     next_q = plan.next_q(mean_qs)
+    log.info(
+        "epoch %d: PowerSGD phases P and Q took %.1f s and %.1f s",
+        this.epoch,
+        phase_p_end - started,
+        trio.current_time() - phase_p_end,
+    )
     size = len(spec.members)
     if rounds.matchmaker.needs_cross(this.epoch):
         reason = "several groups: a PowerSGD round averages within one group"
