@@ -325,6 +325,9 @@ class DHT:
 
         async def send(contact: Contact, indices: list[int]) -> None:
             answers = await self.protocol.store(contact, [records[i] for i in indices])
+            if answers is None:  # a target is gone: the next store of these keys looks again
+                for i in indices:
+                    self._located.pop(records[i].key, None)
             for j, i in enumerate(indices):
                 res = results[i]
                 if answers is None:
@@ -346,8 +349,8 @@ class DHT:
 
     def _recently_located(self, key: str, count: int) -> list[Contact] | None:
         """The ``count`` (or more) nearest nodes a lookup of ``key`` found within
-        ``locate_ttl``, unless one of them has failed since (then the key is looked up
-        again)."""
+        ``locate_ttl``, unless one of them has failed since (a store to it failed, or it is
+        banned: then the key is looked up again)."""
         entry = self._located.get(key)
         if entry is None:
             return None

@@ -69,3 +69,35 @@ def test_a_whole_read_locates_the_key_for_the_next_store_and_repairs_only_when_a
             assert len([d for d in swarm.dhts if "state" in d.storage]) > len(holders)
 
     run_sim(main)
+
+
+def test_by_default_stores_reuse_the_lookup_and_a_failed_target_drops_it_after_its_ban() -> None:
+    """The default (600 s) outlives a failed target's short ban: the failure itself makes the
+    next store look the key up again, not the ban."""
+    config = TEST_CONFIG  # the fast preset's default locate_ttl
+    assert config.locate_ttl > 10 * config.blacklist_base
+
+    async def main() -> None:
+        async with dht_swarm(26, seed=7, config=config, silent_failures=True) as swarm:
+            writer = swarm.dhts[3]
+            stats = writer.protocol.stats
+
+            async def store(n: int):
+                before = stats["dht.find"]
+                res = await writer.store("progress", {"n": n}, writer.now() + 600)
+                return res, stats["dht.find"] - before
+
+            await store(1)
+            _, looked = await store(2)
+            assert looked == 0
+            target = next(
+                i for i, d in enumerate(swarm.dhts) if d is not writer and "progress" in d.storage
+            )
+            swarm.net.kill(swarm.hosts[target])
+            failed, looked = await store(3)
+            assert looked == 0 and failed.failed == 1
+            await trio.sleep(config.blacklist_base + 1)  # its first ban is over
+            again, looked = await store(4)
+            assert looked > 0 and again.failed == 0
+
+    run_sim(main)
