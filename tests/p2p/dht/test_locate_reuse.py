@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import trio
 
-from p2p.testing import run_sim
+from p2p.dht.ids import key_id, node_id
+from p2p.dht.records import decode_view
+from p2p.testing import run_sim, sim_identity
 
 from .swarm import TEST_CONFIG, dht_swarm
 
@@ -99,5 +101,38 @@ def test_by_default_stores_reuse_the_lookup_and_a_failed_target_drops_it_after_i
             await trio.sleep(config.blacklist_base + 1)  # its first ban is over
             again, looked = await store(4)
             assert looked > 0 and again.failed == 0
+
+    run_sim(main)
+
+
+def test_a_node_heard_from_since_the_lookup_and_nearer_the_key_makes_the_store_look_again() -> None:
+    """A newcomer nearest the key gets the next store directly, not only the stale records
+    of its handoff until the remembered lookup ends."""
+
+    async def main() -> None:
+        async with dht_swarm(26, seed=9) as swarm:
+            writer = swarm.dhts[4]
+            newcomer_id = node_id(sim_identity(swarm.net, 26).peer_id)
+            key = next(
+                f"k{n}"
+                for n in range(10_000)
+                if all(
+                    newcomer_id ^ key_id(f"k{n}") < node_id(d.peer_id) ^ key_id(f"k{n}")
+                    for d in swarm.dhts
+                )
+            )
+            stats = writer.protocol.stats
+            await writer.store(key, 1, writer.now() + 600)
+            newcomer = await swarm.add(26, [str(writer.node.addrs[0])], config=TEST_CONFIG)
+            await trio.sleep(5.0)  # joined, and heard of by the writer
+            assert newcomer.peer_id in writer.routing
+            before = stats["dht.find"]
+            await writer.store(key, 2, writer.now() + 600)
+            assert stats["dht.find"] > before
+            assert decode_view(newcomer.storage.get(key, newcomer.now())).value == 2
+            # and with nothing new heard of, the next store reuses this lookup
+            before = stats["dht.find"]
+            await writer.store(key, 3, writer.now() + 600)
+            assert stats["dht.find"] == before
 
     run_sim(main)
