@@ -41,9 +41,11 @@ class ProgressConfig(_Group):
     # record lives up to half the ETA within idle_ttl (renewed at a third of that): a peer
     # that vanishes still expires before the step, and the table is not re-read every
     # max_refresh for hours. (At a tenth of an 80 s epoch's ETA, DeDLOC rounds failed.)
+    # idle_ttl 1800 (was 600): hours from the step, renewals and the follower's relocations
+    # (once per record lifetime) came every 3 minutes, most of a DiLoCo run's DHT bytes.
     idle_after: float = 600.0
     idle_refresh: float = 60.0
-    idle_ttl: float = 600.0
+    idle_ttl: float = 1800.0
     # Count others' samples since their last report from their rate (DeDLOC): less overshoot,
     # but a peer may stop early and wait in matchmaking for the rest. False: published only.
     extrapolate: bool = True

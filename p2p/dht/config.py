@@ -42,9 +42,10 @@ class DHTConfig:
     stale_failures: int = 5  # consecutive failures after which a peer leaves its bucket
     handoff_concurrency: int = 4
     # A store reuses the nearest nodes its last lookup of the same key found for this many
-    # seconds (0: every store looks them up). Frequent writers of one key (progress reports)
-    # then skip the lookup; newcomers nearer to the key get the records by handoff meanwhile.
-    locate_ttl: float = 0.0
+    # seconds (0: every store looks them up), until a store to one of them fails. Frequent
+    # writers of one key (progress reports, relay adverts, republishes every 300 s in
+    # ``fast``) then skip the lookup; newcomers nearer to the key get the records by handoff.
+    locate_ttl: float = 600.0
     max_pending_evictions: int = 64
 
     def __post_init__(self) -> None:

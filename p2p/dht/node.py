@@ -325,6 +325,9 @@ class DHT:
 
         async def send(contact: Contact, indices: list[int]) -> None:
             answers = await self.protocol.store(contact, [records[i] for i in indices])
+            if answers is None:  # a target is gone: the next store of these keys looks again
+                for i in indices:
+                    self._located.pop(records[i].key, None)
             for j, i in enumerate(indices):
                 res = results[i]
                 if answers is None:
@@ -346,8 +349,9 @@ class DHT:
 
     def _recently_located(self, key: str, count: int) -> list[Contact] | None:
         """The ``count`` (or more) nearest nodes a lookup of ``key`` found within
-        ``locate_ttl``, unless one of them has failed since (then the key is looked up
-        again)."""
+        ``locate_ttl``, unless one of them has failed since (a store to it failed, or it is
+        banned) or a node heard from since is nearer the key than the farthest of them (a
+        newcomer would hold only its handoff's records): then the key is looked up again."""
         entry = self._located.get(key)
         if entry is None:
             return None
@@ -356,8 +360,16 @@ class DHT:
             return None
         now = trio.current_time()
         banned = self.protocol.blacklist
-        if now - at > self.config.locate_ttl or any(
-            banned.is_banned(c.peer.digest, now) for c in nearest
+        kid = key_id(key)
+        farthest = max(node_id(c.peer) ^ kid for c in nearest[:count])
+        known = {c.peer for c in nearest}
+        if (
+            now - at > self.config.locate_ttl
+            or any(banned.is_banned(c.peer.digest, now) for c in nearest)
+            or any(
+                e.last_seen > at and e.id ^ kid < farthest and e.peer not in known
+                for e in self.routing.nearest(kid, count)
+            )
         ):
             del self._located[key]
             return None

@@ -187,3 +187,51 @@ def test_far_from_the_target_the_table_is_looked_up_about_once_per_record_lifeti
 
     run_sim(main, seed=0)
     assert len(relocations) == peers and max(relocations) <= 3, relocations
+
+
+def test_hours_from_the_target_a_peer_renews_its_record_rarely_and_it_stays_live() -> None:
+    """A step two hours away: our record lives up to idle_ttl (30 min, within half the ETA),
+    renewed at a third of that: between minutes 20 and 80 each peer publishes 9 times (with
+    the former 10-minute idle_ttl: 20), and the other's record is live throughout."""
+    target = int(2 * RATE * 7200)
+    config = CollaborationConfig(target_batch_size=target, links=LinkConfig(measure=False))
+    publishes: list[list[float]] = [[], []]
+    live: list[int] = []
+
+    async def main() -> None:
+        net = SimNetwork(seed=1)
+        async with open_sim_collaboration(net, 2, config=config, latency=0.02) as cores:
+            start = trio.current_time()
+            for i, core in enumerate(cores):
+                publish = core.tracker.publish
+
+                async def timed_publish(*, publish=publish, i=i):
+                    publishes[i].append(trio.current_time() - start)
+                    return await publish()
+
+                core.tracker.publish = timed_publish
+
+            async def train(core) -> None:
+                samples = 0
+                while True:
+                    samples += 4
+                    core.report(0, samples, 4)
+                    await trio.sleep(4 / RATE)
+
+            async def watch() -> None:
+                await trio.sleep(1200)
+                while trio.current_time() - start < 4800:
+                    live.append((await cores[0].tracker.fetch()).num_peers)
+                    await trio.sleep(97)
+
+            with trio.move_on_after(4800):
+                async with trio.open_nursery() as nursery:
+                    for core in cores:
+                        nursery.start_soon(train, core)
+                    nursery.start_soon(watch)
+
+    run_sim(main, seed=1)
+    for i in range(2):
+        window = [t for t in publishes[i] if 1200 <= t < 4800]
+        assert 3 <= len(window) <= 10, window
+    assert live and min(live) == 2, live

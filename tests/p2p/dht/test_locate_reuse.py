@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import trio
 
-from p2p.testing import run_sim
+from p2p.dht.ids import key_id, node_id
+from p2p.dht.records import decode_view
+from p2p.testing import run_sim, sim_identity
 
 from .swarm import TEST_CONFIG, dht_swarm
 
@@ -67,5 +69,70 @@ def test_a_whole_read_locates_the_key_for_the_next_store_and_repairs_only_when_a
             await reader.get("state", quorum=0)
             await trio.sleep(1.0)
             assert len([d for d in swarm.dhts if "state" in d.storage]) > len(holders)
+
+    run_sim(main)
+
+
+def test_by_default_stores_reuse_the_lookup_and_a_failed_target_drops_it_after_its_ban() -> None:
+    """The default (600 s) outlives a failed target's short ban: the failure itself makes the
+    next store look the key up again, not the ban."""
+    config = TEST_CONFIG  # the fast preset's default locate_ttl
+    assert config.locate_ttl > 10 * config.blacklist_base
+
+    async def main() -> None:
+        async with dht_swarm(26, seed=7, config=config, silent_failures=True) as swarm:
+            writer = swarm.dhts[3]
+            stats = writer.protocol.stats
+
+            async def store(n: int):
+                before = stats["dht.find"]
+                res = await writer.store("progress", {"n": n}, writer.now() + 600)
+                return res, stats["dht.find"] - before
+
+            await store(1)
+            _, looked = await store(2)
+            assert looked == 0
+            target = next(
+                i for i, d in enumerate(swarm.dhts) if d is not writer and "progress" in d.storage
+            )
+            swarm.net.kill(swarm.hosts[target])
+            failed, looked = await store(3)
+            assert looked == 0 and failed.failed == 1
+            await trio.sleep(config.blacklist_base + 1)  # its first ban is over
+            again, looked = await store(4)
+            assert looked > 0 and again.failed == 0
+
+    run_sim(main)
+
+
+def test_a_node_heard_from_since_the_lookup_and_nearer_the_key_makes_the_store_look_again() -> None:
+    """A newcomer nearest the key gets the next store directly, not only the stale records
+    of its handoff until the remembered lookup ends."""
+
+    async def main() -> None:
+        async with dht_swarm(26, seed=9) as swarm:
+            writer = swarm.dhts[4]
+            newcomer_id = node_id(sim_identity(swarm.net, 26).peer_id)
+            key = next(
+                f"k{n}"
+                for n in range(10_000)
+                if all(
+                    newcomer_id ^ key_id(f"k{n}") < node_id(d.peer_id) ^ key_id(f"k{n}")
+                    for d in swarm.dhts
+                )
+            )
+            stats = writer.protocol.stats
+            await writer.store(key, 1, writer.now() + 600)
+            newcomer = await swarm.add(26, [str(writer.node.addrs[0])], config=TEST_CONFIG)
+            await trio.sleep(5.0)  # joined, and heard of by the writer
+            assert newcomer.peer_id in writer.routing
+            before = stats["dht.find"]
+            await writer.store(key, 2, writer.now() + 600)
+            assert stats["dht.find"] > before
+            assert decode_view(newcomer.storage.get(key, newcomer.now())).value == 2
+            # and with nothing new heard of, the next store reuses this lookup
+            before = stats["dht.find"]
+            await writer.store(key, 3, writer.now() + 600)
+            assert stats["dht.find"] == before
 
     run_sim(main)
