@@ -67,7 +67,7 @@ FLAT_DEFAULTS = {
     "progress_ttl": 60.0,
     "idle_after": 600.0,
     "idle_refresh": 60.0,
-    "idle_ttl": 600.0,
+    "idle_ttl": 1800.0,  # 600 before issue 48 cut the DHT background (decisions.md)
     "extrapolate": True,
     "on_no_group": "local",
     "state_chunk_bytes": 1 << 20,
