@@ -71,10 +71,10 @@ def _env() -> dict[str, str]:
 
 def prepared_run() -> Path:
     """bench.chaos's prepared tiny run (prepared here if missing), and its compilation cache."""
-    from bench.chaos import _shared_cache
+    from bench.chaos import prepared_dir
     from models.text.corpus import write_corpus
 
-    prepared = _shared_cache().parent / f"chaos-sahajbert-run-{TARGET}"
+    prepared = prepared_dir(TARGET)
     if not (prepared / "run" / "manifest.json").is_file():
         prepared.mkdir(parents=True, exist_ok=True)
         write_corpus(prepared / "text.txt", 300, seed=0)

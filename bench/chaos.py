@@ -226,7 +226,7 @@ class Chaos:
         start its coordinator."""
         from models.text.corpus import write_corpus
 
-        prepared = _shared_cache().parent / f"chaos-sahajbert-run-{self.args.target}"
+        prepared = prepared_dir(self.args.target)
         text = prepared / "text.txt"
         run = ["--run-id", "chaos-sahajbert"]
         if not (prepared / "run" / "manifest.json").is_file():
@@ -525,6 +525,14 @@ class Chaos:
 
 def _env() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": str(ROOT)}
+
+
+def prepared_dir(target: int) -> Path:
+    """Where the tiny run prepared for ``target`` is kept between runs. Named by the manifest's
+    version: a run prepared by an older version is refused by today's coordinator."""
+    from examples.sahajbert.manifest import VERSION
+
+    return _shared_cache().parent / f"chaos-sahajbert-run-{target}-v{VERSION}"
 
 
 def _shared_cache() -> Path:
