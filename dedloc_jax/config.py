@@ -41,8 +41,8 @@ class ProgressConfig(_Group):
     # record lives up to half the ETA within idle_ttl (renewed at a third of that): a peer
     # that vanishes still expires before the step, and the table is not re-read every
     # max_refresh for hours. (At a tenth of an 80 s epoch's ETA, DeDLOC rounds failed.)
-    # idle_ttl 1800 (was 600): hours from the step, renewals and the follower's relocations
-    # (once per record lifetime) came every 3 minutes, most of a DiLoCo run's DHT bytes.
+    # idle_ttl is long (30 min) because renewals and the follower's relocations come once per
+    # record lifetime: hours from the step they are most of a DiLoCo run's DHT bytes.
     idle_after: float = 600.0
     idle_refresh: float = 60.0
     idle_ttl: float = 1800.0

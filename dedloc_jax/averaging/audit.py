@@ -453,9 +453,8 @@ async def audit(rnd: Round) -> Verdict:
     )
     _add(rnd, _parse(rnd, mine))
     with trio.move_on_at(until):
-        # One unary call per member, answered at once with what it holds: the check waits one
-        # round trip, not two plus a stream's acceptance (the swap was a clean round's whole
-        # overhead: 81 -> 40 ms of virtual time per round in bench.byzantine). A member that
+        # One unary call per member, answered at once with what it holds: a clean round's
+        # check costs one round trip (decisions.md has the figures). A member that
         # answered pushes its own statement to us when it has it; one we could not reach gets
         # relayed, by members asked to answer once they hold every statement.
         unreached: set[int] = set()
