@@ -379,6 +379,49 @@ class Branches(NamedTuple):
     apply: Callable[..., Any]  # APPLY (overlap only): step with the finished averaging
 
 
+class TransformBranches:
+    """The branches of one micro-step of a transform, over what they all read: the ``inner``
+    optimizer, the way across the boundary (``step``), the ``state`` before the micro-step,
+    the ``samples`` with this micro-batch in, the caller's ``params`` and the ``compression``.
+    A transform writes the four branches (:class:`Branches`)."""
+
+    def __init__(
+        self,
+        inner: Any,
+        step: MicroStep,
+        state: Any,
+        samples: jax.Array,
+        params: Any,
+        compression: Any = None,
+    ) -> None:
+        self.inner = inner
+        self.step = step
+        self.state = state
+        self.samples = samples
+        self.params = params
+        self.compression = compression
+
+    def table(self) -> Branches:
+        return Branches(keep=self.keep, average=self.average, start=self.start, apply=self.apply)
+
+    def chosen(self, action: jax.Array) -> Callable[..., Any]:
+        """The branch the host's answer names, to call with the operands (see
+        :meth:`MicroStep.branch`)."""
+        return self.step.branch(action, self.table())
+
+    def keep(self, *operands: Any) -> Any:
+        raise NotImplementedError
+
+    def average(self, *operands: Any) -> Any:
+        raise NotImplementedError
+
+    def start(self, *operands: Any) -> Any:
+        raise NotImplementedError
+
+    def apply(self, *operands: Any) -> Any:
+        raise NotImplementedError
+
+
 def _specs(leaves: Sequence[Any]) -> list[jax.ShapeDtypeStruct]:
     return [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in leaves]
 
@@ -431,16 +474,17 @@ class MicroStep:
         )
         return Averaged(avg, new_epoch, group_size, complete.astype(jnp.bool_))
 
-    def switch(self, action: jax.Array, branches: Branches, *operands: Any) -> Any:
-        """Run the branch the host's answer names: ``lax.switch`` when traced, Python when
-        eager (no work for the branches not taken)."""
+    def branch(self, action: jax.Array, branches: Branches) -> Callable[..., Any]:
+        """The branch the host's answer names, for the transform to call with its operands:
+        one ``lax.switch`` over them when traced, the branch itself when eager (no work for the
+        branches not taken; the transform runs its branch, not this boundary)."""
         if self.overlap:
             table = [branches.keep, branches.start, branches.apply]
         else:
             table = [branches.keep, branches.average]
         if self.traced:
-            return jax.lax.switch(action, table, *operands)
-        return table[int(action)](*operands)
+            return functools.partial(jax.lax.switch, action, table)
+        return table[int(action)]
 
     def cond(self, pred: Any, if_true: Callable[..., Any], if_false: Callable[..., Any], *ops: Any):
         """``lax.cond`` when traced, Python when eager."""
