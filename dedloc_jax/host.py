@@ -99,17 +99,20 @@ class AveragingOutcome:
         _deprecated("AveragingOutcome.gradients", "read .average")
         return self.record.average  # type: ignore[return-value]
 
-    def _fields(self) -> tuple:
+    _fields = ("gradients", "epoch", "group_size", "complete")  # the old NamedTuple's
+
+    def _values(self) -> tuple:
+        """The old NamedTuple's values, in its order."""
         r = self.record
         return (r.average, r.next_epoch, r.group_size, r.complete)
 
     def __iter__(self) -> Iterator[Any]:
         _deprecated("unpacking an AveragingOutcome", "read its fields by name")
-        return iter(self._fields())
+        return iter(self._values())
 
     def __getitem__(self, i: int) -> Any:
         _deprecated("indexing an AveragingOutcome", "read its fields by name")
-        return self._fields()[i]
+        return self._values()[i]
 
     def __len__(self) -> int:
         return 4

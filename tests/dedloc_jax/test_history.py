@@ -86,6 +86,7 @@ def test_the_old_averaging_outcome_still_works_and_warns() -> None:
     with pytest.warns(DeprecationWarning):
         gradients, epoch, group_size, complete = old
     assert (epoch, group_size, complete, old.record.epoch, old.next_epoch) == (4, 3, True, 3, 4)
+    assert old._fields == ("gradients", "epoch", "group_size", "complete")
     with pytest.warns(DeprecationWarning):
         assert old[1] == 4
     with pytest.warns(DeprecationWarning):
