@@ -240,7 +240,7 @@ def run(attack: str | None, defended: bool, epochs: int, task: Task, seed: int) 
                         g = g * np.float32(-1000.0)
                     outcome = await core.average(epoch, [g], samples)
                     groups[i].append(outcome.group_size)
-                    w[i] = w[i] - LR * np.asarray(outcome.gradients[0], np.float32)
+                    w[i] = w[i] - LR * np.asarray(outcome.average[0], np.float32)
                     if i == 0:
                         steps_at.append(trio.current_time())
                         curve.append(round(task.loss(w[0]), 4))

@@ -44,7 +44,7 @@ import dedloc_jax
 from dedloc_jax.averaging.chunk_codecs import get_codec
 from dedloc_jax.averaging.leaf_codecs import leaf_codec_names
 from dedloc_jax.diloco import outer_params_after_step
-from dedloc_jax.host import AveragingOutcome
+from dedloc_jax.history import RoundOutcome
 from dedloc_jax.powersgd import PowerSGD
 from dedloc_jax.topk import Payload, TopK, mean_of, pack, unpack
 from examples.sahajbert import training
@@ -83,7 +83,7 @@ class Peer:
 
     def average_gradients(
         self, epoch: int, gradients: Sequence[np.ndarray], samples: int, *, codec: str | None = None
-    ) -> AveragingOutcome:
+    ) -> RoundOutcome:
         g = self.group
         if isinstance(codec, TopK):
             return self._gather(epoch, gradients, samples, codec)
@@ -92,7 +92,7 @@ class Peer:
         mean = self._mean(gradients, samples, codec or g.codec)
         if self.index == 0:
             g.rounds += 1
-        return AveragingOutcome(mean, epoch + 1, g.n)
+        return RoundOutcome(epoch, g.n, average=mean)
 
     def _low_rank(self, epoch: int, sent: Sequence[np.ndarray], samples: int, cfg: PowerSGD):
         """PowerSGD's two phases (:mod:`dedloc_jax.powersgd`), each a mean through the
@@ -108,7 +108,7 @@ class Peer:
         mean, errors = plan.finish(ms, ps, mean_q, mean_p[c:])
         if self.index == 0:
             g.rounds += 1
-        return AveragingOutcome([*mean, *plan.next_q(mean_q), *errors], epoch + 1, g.n)
+        return RoundOutcome(epoch, g.n, average=[*mean, *plan.next_q(mean_q), *errors])
 
     def _mean(self, gradients: Sequence[np.ndarray], samples: int, codec: str) -> list:
         """Every peer's weighted mean of ``gradients``, each contribution and the mean passed
@@ -146,7 +146,7 @@ class Peer:
         g.barrier.wait()
         if self.index == 0:
             g.rounds += 1
-        return AveragingOutcome([mean], epoch + 1, g.n)
+        return RoundOutcome(epoch, g.n, average=[mean])
 
 
 apply_updates = jax.jit(optax.apply_updates)

@@ -333,14 +333,14 @@ def run_soak(
             # there, the group of representatives it averaged with across groups.
             formed = dict(specs[n_specs:])
             spec = formed.get(0) or formed.get(1)
-            params = params - np.float32(LR) * np.asarray(outcome.gradients[0], np.float32)
+            params = params - np.float32(LR) * np.asarray(outcome.average[0], np.float32)
             log.rows.append(
                 {
                     "epoch": epoch,
                     "group": outcome.group_size,
                     "complete": outcome.complete,
                     "digest": None if spec is None else spec.digest,
-                    "got": outcome.gradients[0],
+                    "got": outcome.average[0],
                     "sent": mean,
                     "params": hashlib.sha256(params.tobytes()).digest(),
                     "settled": False,

@@ -335,7 +335,9 @@ class Collaboration:
     def average_gradients(
         self, epoch: int, gradients: Sequence[np.ndarray], samples: int, *, codec: str | None = None
     ) -> AveragingOutcome:
-        """Average with this epoch's group; ``codec``: on the wire (None: the config's)."""
+        """Average with this epoch's group; ``codec``: on the wire (None: the config's). The
+        round's record (:class:`RoundOutcome`: the mean in ``average``, ``next_epoch``) as an
+        :class:`~dedloc_jax.host.AveragingOutcome` view."""
         thread, core = self._core()
         try:
             return thread.run(

@@ -36,9 +36,9 @@ import optax
 
 from dedloc_jax.host import (
     Averaged,
-    Branches,
     CollaborationHost,
     MicroStep,
+    TransformBranches,
     check_options,
     connect,
     is_traced,
@@ -116,7 +116,7 @@ def collaborative(
         action = step.decide(state.epoch, samples, batch)
         grad_sum = _accumulated(state.grad_sum, updates, batch)
         branches = _Accumulation(inner, step, state, samples, params, extra_args, compression)
-        out = step.switch(action, branches.table(), updates, grad_sum, state.inner_state)
+        out = branches.chosen(action)(updates, grad_sum, state.inner_state)
         return _masked(out, step.traced)
 
     return optax.GradientTransformationExtraArgs(init, update)
@@ -160,7 +160,7 @@ def _initial_powersgd(cfg: PowerSGD, params: optax.Params) -> PowerSGDState:
     )
 
 
-class _Accumulation:
+class _Accumulation(TransformBranches):
     """The branches of one micro-step of :func:`collaborative`.
 
     Each takes ``(grads, grad_sum, inner_state)`` and returns (updates, inner_state, epoch,
@@ -180,16 +180,8 @@ class _Accumulation:
         extra_args: dict[str, Any],
         compression: PowerSGD | None = None,
     ) -> None:
-        self.compression = compression
-        self.inner = inner
-        self.step = step
-        self.state = state
-        self.samples = samples
-        self.params = params
+        super().__init__(inner, step, state, samples, params, compression)
         self.extra_args = extra_args
-
-    def table(self) -> Branches:
-        return Branches(keep=self.keep, average=self.average, start=self.start, apply=self.apply)
 
     def keep(self, grads: Any, grad_sum: Any, inner_state: Any) -> tuple:
         kept = (grad_sum, self.samples, jnp.bool_(False), self.state.powersgd)

@@ -43,9 +43,9 @@ import optax
 from dedloc_jax.averaging.leaf_codecs import COMPRESSIONS
 from dedloc_jax.host import (
     Averaged,
-    Branches,
     CollaborationHost,
     MicroStep,
+    TransformBranches,
     check_options,
     connect,
     is_traced,
@@ -163,7 +163,7 @@ def diloco(
         branches = _OuterStep(
             inner, outer, reset_inner, step, state, params, samples, inner_updates, compression
         )
-        return _new_state(step.switch(action, branches.table(), inner_state))
+        return _new_state(branches.chosen(action)(inner_state))
 
     return optax.GradientTransformationExtraArgs(init, update)
 
@@ -236,7 +236,7 @@ def _new_state(out: tuple) -> tuple[optax.Updates, DiLoCoState]:
     )
 
 
-class _OuterStep:
+class _OuterStep(TransformBranches):
     """The branches of one micro-step of :func:`diloco`, after its inner step.
 
     Each takes the inner state and returns (updates, inner_state, outer_params, outer_state,
@@ -255,18 +255,10 @@ class _OuterStep:
         inner_updates: optax.Updates,
         compression: TopK | None = None,
     ) -> None:
-        self.inner = inner
+        super().__init__(inner, step, state, samples, params, compression)
         self.outer = outer
         self.reset_inner = reset_inner
-        self.step = step
-        self.state = state
-        self.params = params
-        self.samples = samples
         self.inner_updates = inner_updates
-        self.compression = compression
-
-    def table(self) -> Branches:
-        return Branches(keep=self.keep, average=self.average, start=self.start, apply=self.apply)
 
     def keep(self, inner_state: Any) -> tuple:
         state = self.state
@@ -295,19 +287,8 @@ class _OuterStep:
             got, taken = self.step.average(self.state.epoch, self.samples, payload, like)
             got = got._replace(leaves=_split(got.leaves[0], leaves))
         new_outer, outer_state = self._outer_step(got, treedef)
-        return (
-            self._moving_to(new_outer),
-            self._after_outer(new_outer, inner_state),
-            new_outer,
-            outer_state,
-            got.epoch,
-            got.group_size,
-            got.complete,
-            self.samples - taken,
-            jnp.bool_(True),
-            self.state.sent,
-            error_feedback,
-        )
+        landed = self._landed(got, new_outer, outer_state, inner_state, local=new_outer)
+        return (*landed, self.samples - taken, jnp.bool_(True), self.state.sent, error_feedback)
 
     def start(self, inner_state: Any) -> tuple:
         delta = self._local_delta()
@@ -340,19 +321,9 @@ class _OuterStep:
             state.outer_params,
             state.sent,
         )
-        return (
-            self._moving_to(local),
-            self._after_outer(new_outer, inner_state),
-            new_outer,
-            outer_state,
-            got.epoch,
-            got.group_size,
-            got.complete,
-            self.samples,
-            jnp.bool_(False),
-            jax.tree.map(jnp.zeros_like, state.sent),
-            state.error_feedback,
-        )
+        landed = self._landed(got, new_outer, outer_state, inner_state, local=local)
+        unsent = jax.tree.map(jnp.zeros_like, state.sent)
+        return (*landed, self.samples, jnp.bool_(False), unsent, state.error_feedback)
 
     def _local_delta(self) -> Any:
         """outer - local after this micro-step's inner update, float32 leaves."""
@@ -380,6 +351,16 @@ class _OuterStep:
         acc = decay * self.state.error_feedback + flat
         payload, sent = encode_jax(self.compression, acc)
         return [*payload, jnp.asarray(flat.size, jnp.int32)], acc - sent
+
+    def _landed(
+        self, got: Averaged, new_outer: Any, outer_state: Any, inner_state: Any, *, local: Any
+    ) -> tuple:
+        """The first seven slots of a branch whose outer step landed (``got``: the averaging):
+        updates that move the parameters onto ``local``, the inner state after it, the new
+        outer parameters and state, and the averaging's epoch, group size and completeness."""
+        moved = self._moving_to(local)
+        after = self._after_outer(new_outer, inner_state)
+        return (moved, after, new_outer, outer_state, got.epoch, got.group_size, got.complete)
 
     def _after_outer(self, new_outer: Any, inner_state: Any) -> Any:
         return self.inner.init(new_outer) if self.reset_inner else inner_state

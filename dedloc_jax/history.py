@@ -1,9 +1,11 @@
 """The record of one averaging round: :class:`RoundOutcome`.
 
 :func:`~dedloc_jax.rounds.average.average_round` returns one (with the mean it gave and the
-group behind it); :class:`~dedloc_jax.rounds.stepping.Stepper` completes it and keeps it, without
-the mean, in the peer's history, which :attr:`dedloc_jax.Collaboration.history` and
-``last_outcome`` return.
+group behind it); :class:`~dedloc_jax.rounds.stepping.Stepper` completes it, hands it (with the
+mean) to the transform's host calls and keeps it, without the mean, in the peer's history, which
+:attr:`dedloc_jax.Collaboration.history` and ``last_outcome`` return. A host written by hand
+(:class:`~dedloc_jax.host.CollaborationHost`) returns one too: ``RoundOutcome(epoch, group_size,
+average=mean)``. Inside a round, each all-reduce gives the butterfly's ``AllReduceResult``.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ if TYPE_CHECKING:
 class RoundOutcome:
     """One averaging round of this peer.
 
-    ``epoch``: the epoch it averaged toward (the peer is at ``epoch + 1`` after it);
+    ``epoch``: the epoch it averaged toward (the peer is at :attr:`next_epoch` after it);
     ``group_size``: the peers in its group (1: it stepped alone); ``complete``: the mean covers
     the whole collaboration; ``seconds``: from the round's start to its end; ``collab_samples``:
     the collaboration's samples toward ``epoch`` when the round began; ``reason``: why it was
@@ -37,15 +39,20 @@ class RoundOutcome:
 
     epoch: int
     group_size: int
-    complete: bool
-    seconds: float
-    collab_samples: float
-    reason: str
-    mode: str
+    complete: bool = True
+    seconds: float = 0.0
+    collab_samples: float = 0.0
+    reason: str = ""
+    mode: str = "node"
     average: list[np.ndarray] | None = field(default=None, compare=False, repr=False)
     group: GroupSpec | None = field(default=None, compare=False, repr=False)
     error: str | None = field(default=None, compare=False)
     across: bool = field(default=False, compare=False)
+
+    @property
+    def next_epoch(self) -> int:
+        """The epoch the peer is at after this round's step."""
+        return self.epoch + 1
 
     def to_dict(self) -> dict[str, Any]:
         """The history's fields as a dict (for JSON), in declaration order."""

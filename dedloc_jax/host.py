@@ -26,12 +26,15 @@ branch with Python control flow (no work for the branches not taken).
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
+import warnings
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from dedloc_jax.history import RoundOutcome
 
 try:
     from jax.experimental.buffer_callback import buffer_callback
@@ -39,21 +42,103 @@ except ImportError:  # older JAX: pure_callback, same semantics, slower per call
     buffer_callback = None
 
 
-class AveragingOutcome(NamedTuple):
-    """What one averaging step produced on this peer.
+def _deprecated(old: str, new: str) -> None:
+    warnings.warn(f"{old} is deprecated: {new}", DeprecationWarning, stacklevel=3)
 
-    ``gradients`` are the collaboration's mean gradients (same order, shapes and dtypes as given),
-    ``epoch`` the collaboration epoch after the step, ``group_size`` how many peers contributed
-    (1 when the peer had to proceed alone). ``complete`` is False when the mean leaves out
-    groups it was meant to cover (the peer averaged alone, or its group's round across groups
-    failed): the peer then holds other parameters than the collaboration and should load its
-    state.
+
+class AveragingOutcome:
+    """One averaging step as the collaboration's averaging calls hand it out: a view of the
+    round's :class:`~dedloc_jax.history.RoundOutcome` (:attr:`record`), whose every field it
+    reads through (``average``: the mean, ``next_epoch``, ``group_size``, ``complete``,
+    ``reason``, ...); it holds nothing else.
+
+    Deprecated names, kept for code written when this was a record of its own (a NamedTuple of
+    ``gradients, epoch, group_size, complete``); each warns:
+
+    - building one, ``AveragingOutcome(gradients, epoch, group_size, complete=True)``: a host
+      returns a ``RoundOutcome(epoch - 1, group_size, complete, average=gradients)``;
+    - ``epoch``: the epoch *after* the step, the record's ``next_epoch`` (the record's
+      ``epoch`` is the epoch averaged toward, one less);
+    - ``gradients``: the record's ``average``;
+    - unpacking or indexing: the four old fields, in that order.
     """
 
-    gradients: list[np.ndarray]
-    epoch: int
-    group_size: int
-    complete: bool = True
+    __slots__ = ("record",)
+    record: RoundOutcome
+
+    def __init__(
+        self, gradients: Sequence[Any], epoch: int, group_size: int, complete: bool = True
+    ) -> None:
+        _deprecated(
+            "AveragingOutcome(gradients, epoch, ...)",
+            "return dedloc_jax.RoundOutcome(epoch - 1, group_size, complete, average=gradients)",
+        )
+        self.record = RoundOutcome(
+            int(epoch) - 1, int(group_size), bool(complete), average=list(gradients)
+        )
+
+    @classmethod
+    def of(cls, record: RoundOutcome) -> AveragingOutcome:
+        """The view of ``record`` (no warning)."""
+        view = object.__new__(cls)
+        view.record = record
+        return view
+
+    def __getattr__(self, name: str) -> Any:  # (only names the class does not define)
+        if name == "record":
+            raise AttributeError(name)
+        return getattr(self.record, name)
+
+    @property
+    def epoch(self) -> int:
+        _deprecated("AveragingOutcome.epoch (the epoch after the step)", "read .next_epoch")
+        return self.record.next_epoch
+
+    @property
+    def gradients(self) -> list[np.ndarray]:
+        _deprecated("AveragingOutcome.gradients", "read .average")
+        return self.record.average  # type: ignore[return-value]
+
+    _fields = ("gradients", "epoch", "group_size", "complete")  # the old NamedTuple's
+
+    def _values(self) -> tuple:
+        """The old NamedTuple's values, in its order."""
+        r = self.record
+        return (r.average, r.next_epoch, r.group_size, r.complete)
+
+    def __iter__(self) -> Iterator[Any]:
+        _deprecated("unpacking an AveragingOutcome", "read its fields by name")
+        return iter(self._values())
+
+    def __getitem__(self, i: int) -> Any:
+        _deprecated("indexing an AveragingOutcome", "read its fields by name")
+        return self._values()[i]
+
+    def __len__(self) -> int:
+        return 4
+
+    def __repr__(self) -> str:
+        return f"AveragingOutcome.of({self.record!r})"
+
+
+def round_record(outcome: Any) -> RoundOutcome:
+    """The :class:`RoundOutcome` a host's averaging call returned: a record, a view of one, or
+    (deprecated, warns) any object with the old fields ``gradients`` and ``epoch`` (the epoch
+    after the step), ``group_size`` and optionally ``complete``."""
+    if isinstance(outcome, RoundOutcome):
+        return outcome
+    if isinstance(outcome, AveragingOutcome):
+        return outcome.record
+    _deprecated(
+        f"a host returning {type(outcome).__name__} (gradients, epoch after the step)",
+        "return a dedloc_jax.RoundOutcome",
+    )
+    return RoundOutcome(
+        int(outcome.epoch) - 1,
+        int(outcome.group_size),
+        bool(getattr(outcome, "complete", True)),
+        average=list(outcome.gradients),
+    )
 
 
 class CollaborationHost(Protocol):
@@ -70,8 +155,10 @@ class CollaborationHost(Protocol):
 
     def average_gradients(
         self, epoch: int, gradients: Sequence[np.ndarray], samples: int
-    ) -> AveragingOutcome:
-        """Average this peer's mean ``gradients`` over ``samples`` samples with its group."""
+    ) -> RoundOutcome | AveragingOutcome:
+        """Average this peer's mean ``gradients`` over ``samples`` samples with ``epoch``'s
+        group: the round's record, with the mean (same order, shapes and dtypes as given) in
+        ``average`` (:class:`dedloc_jax.Collaboration` returns a view of it)."""
         ...
 
 
@@ -84,7 +171,7 @@ class OverlappingHost(CollaborationHost, Protocol):
         """Begin what :meth:`average_gradients` does and return at once (one at a time)."""
         ...
 
-    def poll_averaging(self) -> AveragingOutcome | None:
+    def poll_averaging(self) -> RoundOutcome | AveragingOutcome | None:
         """The outcome of the averaging started last once it finished (then forgotten), else
         None. Cheap: called on every micro-step while an averaging is in flight."""
         ...
@@ -137,9 +224,16 @@ def is_traced(*trees: Any) -> bool:
 
 
 # --- the host side: plain Python on NumPy -------------------------------------------------
-def _done(outcome: Any) -> np.int32:
+def _done(outcome: RoundOutcome) -> np.int32:
     """Whether an outcome averaged with the whole collaboration, as the int32 sent back."""
-    return np.int32(bool(getattr(outcome, "complete", True)) and outcome.group_size > 1)
+    return np.int32(bool(outcome.complete) and outcome.group_size > 1)
+
+
+def _handed_back(outcome: RoundOutcome, specs: Sequence[Any]) -> tuple:
+    """What the jitted side gets of an averaging: the mean (arrays of ``specs``), the epoch
+    after the step, the group's size and whether it was complete."""
+    avg = _check_outcome(outcome.average or [], specs)
+    return (*avg, np.int32(outcome.next_epoch), np.int32(outcome.group_size), _done(outcome))
 
 
 def _check_outcome(gradients: Sequence[Any], want: Sequence[Any]) -> list[np.ndarray]:
@@ -194,10 +288,9 @@ class HostCalls:
         complete, and the samples consumed (all of them)."""
         # Copies: in the jitted path the inputs are views of XLA buffers that die after the call.
         sent = [np.array(a, copy=True) for a in arrays]
-        outcome = self.collab.average_gradients(int(epoch), sent, int(samples), **self.wire)
-        avg = _check_outcome(outcome.gradients, arrays if like is None else like)
-        outcome_of = (np.int32(outcome.epoch), np.int32(outcome.group_size), _done(outcome))
-        return (*avg, *outcome_of, np.int32(samples))
+        got = self.collab.average_gradients(int(epoch), sent, int(samples), **self.wire)
+        outcome = round_record(got)
+        return (*_handed_back(outcome, arrays if like is None else like), np.int32(samples))
 
     def start(self, epoch: np.ndarray, samples: np.ndarray, *arrays: np.ndarray) -> tuple:
         """Start averaging ``arrays`` in the background: the samples consumed, as in
@@ -215,8 +308,7 @@ class HostCalls:
             if outcome is None:
                 raise RuntimeError("no finished averaging to apply")
             self.in_flight.update(active=False, outcome=None)
-            avg = _check_outcome(outcome.gradients, specs)
-            return (*avg, np.int32(outcome.epoch), np.int32(outcome.group_size), _done(outcome))
+            return _handed_back(round_record(outcome), specs)
 
         return collect
 
@@ -290,6 +382,49 @@ class Branches(NamedTuple):
     apply: Callable[..., Any]  # APPLY (overlap only): step with the finished averaging
 
 
+class TransformBranches:
+    """The branches of one micro-step of a transform, over what they all read: the ``inner``
+    optimizer, the way across the boundary (``step``), the ``state`` before the micro-step,
+    the ``samples`` with this micro-batch in, the caller's ``params`` and the ``compression``.
+    A transform writes the four branches (:class:`Branches`)."""
+
+    def __init__(
+        self,
+        inner: Any,
+        step: MicroStep,
+        state: Any,
+        samples: jax.Array,
+        params: Any,
+        compression: Any = None,
+    ) -> None:
+        self.inner = inner
+        self.step = step
+        self.state = state
+        self.samples = samples
+        self.params = params
+        self.compression = compression
+
+    def table(self) -> Branches:
+        return Branches(keep=self.keep, average=self.average, start=self.start, apply=self.apply)
+
+    def chosen(self, action: jax.Array) -> Callable[..., Any]:
+        """The branch the host's answer names, to call with the operands (see
+        :meth:`MicroStep.branch`)."""
+        return self.step.branch(action, self.table())
+
+    def keep(self, *operands: Any) -> Any:
+        raise NotImplementedError
+
+    def average(self, *operands: Any) -> Any:
+        raise NotImplementedError
+
+    def start(self, *operands: Any) -> Any:
+        raise NotImplementedError
+
+    def apply(self, *operands: Any) -> Any:
+        raise NotImplementedError
+
+
 def _specs(leaves: Sequence[Any]) -> list[jax.ShapeDtypeStruct]:
     return [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in leaves]
 
@@ -342,16 +477,17 @@ class MicroStep:
         )
         return Averaged(avg, new_epoch, group_size, complete.astype(jnp.bool_))
 
-    def switch(self, action: jax.Array, branches: Branches, *operands: Any) -> Any:
-        """Run the branch the host's answer names: ``lax.switch`` when traced, Python when
-        eager (no work for the branches not taken)."""
+    def branch(self, action: jax.Array, branches: Branches) -> Callable[..., Any]:
+        """The branch the host's answer names, for the transform to call with its operands:
+        one ``lax.switch`` over them when traced, the branch itself when eager (no work for the
+        branches not taken; the transform runs its branch, not this boundary)."""
         if self.overlap:
             table = [branches.keep, branches.start, branches.apply]
         else:
             table = [branches.keep, branches.average]
         if self.traced:
-            return jax.lax.switch(action, table, *operands)
-        return table[int(action)](*operands)
+            return functools.partial(jax.lax.switch, action, table)
+        return table[int(action)]
 
     def cond(self, pred: Any, if_true: Callable[..., Any], if_false: Callable[..., Any], *ops: Any):
         """``lax.cond`` when traced, Python when eager."""

@@ -178,7 +178,9 @@ class CollaborationPeer:
         self, epoch: int, arrays: Sequence[np.ndarray], samples: int, *, codec: str | None = None
     ) -> AveragingOutcome:
         """Form a group for ``epoch`` and average ``arrays`` (weight ``samples``) with it,
-        sent in ``codec`` (None: ``config.rounds.codec``; every member of a round must use one)."""
+        sent in ``codec`` (None: ``config.rounds.codec``; every member of a round must use one):
+        the round's :class:`~dedloc_jax.history.RoundOutcome` (the mean in ``average``), seen
+        through :class:`~dedloc_jax.host.AveragingOutcome`, whose old names keep working."""
         with self.link_keeper.averaging():
             return await self._average(epoch, arrays, samples, codec)
 
@@ -187,8 +189,8 @@ class CollaborationPeer:
     ) -> AveragingOutcome:
         expected = self._peers_at(epoch)
         outcome = await self.stepper.step(epoch, arrays, samples, codec=codec, expected=expected)
-        self.epoch = outcome.epoch
-        return outcome
+        self.epoch = outcome.next_epoch
+        return AveragingOutcome.of(outcome)
 
     def _peers_at(self, epoch: int) -> set[str]:
         """Who should register for ``epoch``, from the progress table and our last group (see

@@ -14,7 +14,6 @@ import numpy as np
 from dedloc_jax.averaging import GroupSpec
 from dedloc_jax.config import CollaborationConfig
 from dedloc_jax.history import RoundOutcome
-from dedloc_jax.host import AveragingOutcome
 from dedloc_jax.powersgd import PowerSGD, unpack_leaf_count
 from dedloc_jax.progress import CollaborationEstimate
 from dedloc_jax.rounds.average import Rounds, average_round
@@ -65,9 +64,10 @@ class Stepper:
         *,
         codec: str | PowerSGD | None,
         expected: set[str],
-    ) -> AveragingOutcome:
+    ) -> RoundOutcome:
         """Average ``arrays`` (weight ``samples``) with ``epoch``'s group, waiting for the
-        ``expected`` peers, then move the tracker to the next epoch."""
+        ``expected`` peers, then move the tracker to the next epoch: the round's record, with
+        the mean to step with in ``average``."""
         tracker = self.tracker
         est = tracker.current_estimate()
         deadlines = self.deadlines(est)
@@ -109,19 +109,13 @@ class Stepper:
             kept = len(result) if not isinstance(codec, PowerSGD) else unpack_leaf_count(arrays)
             zeros = [np.zeros_like(np.asarray(a)) for a in result[:kept]]
             result = [*zeros, *result[kept:]]
-        # A peer that serves its state serves the new one next (share_state): one record.
-        tracker.set_epoch(epoch + 1, state_follows=self.server.latest is not None)
-        self.history.append(
-            dataclasses.replace(  # (kept without the mean and the group)
-                got,
-                complete=complete,
-                reason=reason,
-                collab_samples=est.samples,
-                average=None,
-                group=None,
-            )
+        outcome = dataclasses.replace(
+            got, complete=complete, reason=reason, collab_samples=est.samples, average=result
         )
-        return AveragingOutcome(result, epoch + 1, got.group_size, complete)
+        # A peer that serves its state serves the new one next (share_state): one record.
+        tracker.set_epoch(outcome.next_epoch, state_follows=self.server.latest is not None)
+        self.history.append(dataclasses.replace(outcome, average=None, group=None))  # (kept)
+        return outcome
 
     def _judge(self, epoch: int, got: RoundOutcome) -> tuple[bool, str]:
         """Whether the round's mean is the whole epoch's, and why not (logged)."""

@@ -331,9 +331,9 @@ class WarmUpHost:
         return samples > batch_size
 
     def average_gradients(self, epoch: int, gradients: Any, samples: int) -> Any:
-        from dedloc_jax.host import AveragingOutcome
+        from dedloc_jax.history import RoundOutcome
 
-        return AveragingOutcome([np.asarray(g) for g in gradients], epoch + 1, 2)
+        return RoundOutcome(epoch, 2, average=[np.asarray(g) for g in gradients])
 
 
 def warm_up_step(

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from dedloc_jax.host import AveragingOutcome
+from dedloc_jax.history import RoundOutcome
 
 
 class LockstepGroup:
@@ -47,7 +47,7 @@ class LockstepPeer:
 
     def average_gradients(
         self, epoch: int, gradients: Sequence[np.ndarray], samples: int
-    ) -> AveragingOutcome:
+    ) -> RoundOutcome:
         g = self.group
         g._contrib[self.index] = ([np.asarray(x, np.float32) for x in gradients], samples)
         g._barrier.wait()
@@ -62,4 +62,4 @@ class LockstepPeer:
         if self.index == 0:
             g.epoch = epoch + 1
             g.averagings += 1
-        return AveragingOutcome(out, epoch + 1, g.size)
+        return RoundOutcome(epoch, g.size, average=out)

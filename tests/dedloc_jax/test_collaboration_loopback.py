@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import threading
 import time
 
 import jax
@@ -12,10 +11,10 @@ import optax
 import pytest
 
 import dedloc_jax
-from dedloc_jax import Collaboration, CollaborationConfig, collaborative
+from dedloc_jax import Collaboration, collaborative
+from tests.dedloc_jax.loopback import LoopbackPeer, local_config, run_threads, shards_of
 
 DIM = 5
-MICRO = 4
 PER_PEER = 8
 
 
@@ -34,54 +33,10 @@ def _params():
     return {"w": jnp.zeros((DIM,), jnp.float32), "b": jnp.zeros((), jnp.float32)}
 
 
-def _config(target: int) -> CollaborationConfig:
-    # Each peer brings exactly its shard of the batch, so the estimate must not extrapolate
-    # (an idle peer would otherwise be counted as still accumulating).
-    config = CollaborationConfig.local_demo(target)
-    return config.replace(
-        rounds=config.rounds.replace(matchmaking_time=0.5),
-        progress=config.progress.replace(extrapolate=False),
-    )
-
-
-class Peer:
-    """One trainer: a Collaboration, a jitted step, and its shard of every epoch."""
-
-    def __init__(self, collab: Collaboration, target: int) -> None:
-        self.collab = collab
-        self.tx = collaborative(optax.adam(0.05), collab, target_batch_size=target)
-        self.params = _params()
-        self.state = self.tx.init(self.params)
-        tx = self.tx
-
-        @jax.jit
-        def step(params, state, xb, yb, batch_size):
-            grads = jax.grad(_loss)(params, xb, yb)
-            grads = jax.tree.map(lambda g: g * (batch_size > 0), grads)
-            updates, state = tx.update(grads, state, params, batch_size=batch_size)
-            return optax.apply_updates(params, updates), state
-
-        self.step = step
-        self.history: list[dict] = []
-
-    @property
-    def epoch(self) -> int:
-        return int(self.state.epoch)
-
-    def train_epoch(self, x: np.ndarray, y: np.ndarray, deadline: float) -> None:
-        """Feed this peer's shard, then idle (batch 0) until the collaboration steps."""
-        start = self.epoch
-        for s in range(0, len(x), MICRO):
-            self.params, self.state = self.step(
-                self.params, self.state, x[s : s + MICRO], y[s : s + MICRO], MICRO
-            )
-        while self.epoch == start:
-            if time.monotonic() > deadline:
-                raise TimeoutError("the collaboration did not step")
-            time.sleep(0.02)
-            self.params, self.state = self.step(self.params, self.state, x[:MICRO], y[:MICRO], 0)
-        dedloc_jax.share_state(self.collab, self.params, self.state)
-        self.history.append(jax.device_get(self.params))
+def _peer(collab: Collaboration, target: int) -> LoopbackPeer:
+    """A trainer with ``collaborative(adam)``."""
+    tx = collaborative(optax.adam(0.05), collab, target_batch_size=target)
+    return LoopbackPeer(collab, tx, _params(), _loss)
 
 
 def _single(epochs: int, batch: int) -> dict:
@@ -98,38 +53,20 @@ def _single(epochs: int, batch: int) -> dict:
     return jax.device_get(params)
 
 
-def _run_threads(fns) -> None:
-    errors: list[BaseException] = []
-
-    def wrap(fn):
-        try:
-            fn()
-        except BaseException as e:  # re-raised below, in the test's thread
-            errors.append(e)
-
-    threads = [threading.Thread(target=wrap, args=(fn,)) for fn in fns]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(300)
-    if errors:
-        raise errors[0]
-
-
 @pytest.mark.parametrize("k", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_peers_on_loopback_match_single_process_training(k: int) -> None:
     epochs = 3
     target = k * PER_PEER
     x, y = _data(target * epochs)
-    with Collaboration("equiv", config=_config(target)) as first:
+    with Collaboration("equiv", config=local_config(target)) as first:
         others = [
-            Collaboration("equiv", initial_peers=first.addrs, config=_config(target))
+            Collaboration("equiv", initial_peers=first.addrs, config=local_config(target))
             for _ in range(k - 1)
         ]
         for c in others:
             c.start()
         try:
-            peers = [Peer(c, target) for c in [first, *others]]
+            peers = [_peer(c, target) for c in [first, *others]]
             deadline = time.monotonic() + 60
 
             def run(i: int):
@@ -140,7 +77,7 @@ def test_peers_on_loopback_match_single_process_training(k: int) -> None:
 
                 return go
 
-            _run_threads([run(i) for i in range(k)])
+            run_threads([run(i) for i in range(k)])
         finally:
             for c in others:
                 c.close()
@@ -158,38 +95,28 @@ def test_newcomer_loads_state_and_continues_in_step() -> None:
     target = 24  # two peers bring 12 samples each, later three bring 8
     x, y = _data(target * 6)
     with (
-        Collaboration("join", config=_config(target)) as a,
-        Collaboration("join", initial_peers=a.addrs, config=_config(target)) as b,
+        Collaboration("join", config=local_config(target)) as a,
+        Collaboration("join", initial_peers=a.addrs, config=local_config(target)) as b,
     ):
-        pa, pb = Peer(a, target), Peer(b, target)
+        pa, pb = _peer(a, target), _peer(b, target)
         deadline = time.monotonic() + 240
 
         def epoch_of(peers, e):
-            per = target // len(peers)
-            return [
-                (
-                    lambda p=p, i=i: p.train_epoch(
-                        x[e * target + i * per : e * target + (i + 1) * per],
-                        y[e * target + i * per : e * target + (i + 1) * per],
-                        deadline,
-                    )
-                )
-                for i, p in enumerate(peers)
-            ]
+            return shards_of(x, y, target, deadline, peers, e)
 
         for e in range(3):
-            _run_threads(epoch_of([pa, pb], e))
+            run_threads(epoch_of([pa, pb], e))
         assert pa.epoch == pb.epoch == 3
-        with Collaboration("join", initial_peers=a.addrs, config=_config(target)) as c:
-            pc = Peer(c, target)
+        with Collaboration("join", initial_peers=a.addrs, config=local_config(target)) as c:
+            pc = _peer(c, target)
             pc.params, pc.state, epoch = dedloc_jax.sync_state(c, pc.params, pc.state)
             assert epoch == 3 and pc.epoch == 3 and int(pc.state.samples) == 0
             for key in pc.params:
                 assert np.asarray(pc.params[key]).tobytes() == pa.history[-1][key].tobytes()
             for e in range(3, 5):
-                _run_threads(epoch_of([pa, pb, pc], e))
+                run_threads(epoch_of([pa, pb, pc], e))
             for key in pa.params:
                 assert np.asarray(pc.params[key]).tobytes() == np.asarray(pa.params[key]).tobytes()
         # The newcomer left; the others keep stepping.
-        _run_threads(epoch_of([pa, pb], 5))
+        run_threads(epoch_of([pa, pb], 5))
         assert pa.epoch == pb.epoch == 6

@@ -10,71 +10,21 @@ from __future__ import annotations
 
 import time
 
-import jax
 import numpy as np
 import optax
 
 import dedloc_jax
 from dedloc_jax import Collaboration, PowerSGD
-from tests.dedloc_jax.test_collaboration_loopback import _config, _run_threads
+from tests.dedloc_jax.loopback import LoopbackPeer, local_config, run_threads, shards_of
 from tests.dedloc_jax.test_powersgd import _data, _loss, _params, _replay
 
-MICRO = 4
 
-
-class Peer:
-    """One trainer: a Collaboration, a jitted step with PowerSGD, and its shard per epoch."""
-
-    def __init__(
-        self, collab: Collaboration, target: int, cfg: PowerSGD, overlap: bool = False
-    ) -> None:
-        self.collab = collab
-        tx = dedloc_jax.collaborative(
-            optax.sgd(0.05), collab, target_batch_size=target, compression=cfg, overlap=overlap
-        )
-        self.params = _params()
-        self.state = tx.init(self.params)
-
-        @jax.jit
-        def step(params, state, xb, yb, batch_size):
-            grads = jax.grad(_loss)(params, xb, yb)
-            grads = jax.tree.map(lambda g: g * (batch_size > 0), grads)
-            updates, state = tx.update(grads, state, params, batch_size=batch_size)
-            return optax.apply_updates(params, updates), state
-
-        self.step = step
-        self.history: list[dict] = []
-
-    @property
-    def epoch(self) -> int:
-        return int(self.state.epoch)
-
-    def train_epoch(self, x: np.ndarray, y: np.ndarray, deadline: float) -> None:
-        start = self.epoch
-        for s in range(0, len(x), MICRO):
-            self.params, self.state = self.step(
-                self.params, self.state, x[s : s + MICRO], y[s : s + MICRO], MICRO
-            )
-        while self.epoch == start:
-            if time.monotonic() > deadline:
-                raise TimeoutError("the collaboration did not step")
-            time.sleep(0.02)
-            self.params, self.state = self.step(self.params, self.state, x[:MICRO], y[:MICRO], 0)
-        dedloc_jax.share_state(self.collab, self.params, self.state)
-        self.history.append(jax.device_get(self.params))
-
-
-def _epoch_of(x, y, target, deadline, members, e):
-    per = target // len(members)
-    lo = e * target
-    return [
-        (
-            lambda p=p, i=i: p.train_epoch(
-                x[lo + i * per : lo + (i + 1) * per], y[lo + i * per : lo + (i + 1) * per], deadline
-            )
-        )
-        for i, p in enumerate(members)
-    ]
+def _peer(collab: Collaboration, target: int, cfg: PowerSGD, overlap: bool = False) -> LoopbackPeer:
+    """A trainer with ``collaborative(sgd, compression=cfg)``."""
+    tx = dedloc_jax.collaborative(
+        optax.sgd(0.05), collab, target_batch_size=target, compression=cfg, overlap=overlap
+    )
+    return LoopbackPeer(collab, tx, _params(), _loss)
 
 
 def test_powersgd_with_overlap_on_loopback_is_bit_identical() -> None:
@@ -83,13 +33,13 @@ def test_powersgd_with_overlap_on_loopback_is_bit_identical() -> None:
     target = 16
     x, y = _data(target * 3)
     with (
-        Collaboration("psgd-overlap", config=_config(target)) as a,
-        Collaboration("psgd-overlap", initial_peers=a.addrs, config=_config(target)) as b,
+        Collaboration("psgd-overlap", config=local_config(target)) as a,
+        Collaboration("psgd-overlap", initial_peers=a.addrs, config=local_config(target)) as b,
     ):
-        peers = [Peer(a, target, cfg, overlap=True), Peer(b, target, cfg, overlap=True)]
+        peers = [_peer(a, target, cfg, overlap=True), _peer(b, target, cfg, overlap=True)]
         deadline = time.monotonic() + 240
         for e in range(3):
-            _run_threads(_epoch_of(x, y, target, deadline, peers, e))
+            run_threads(shards_of(x, y, target, deadline, peers, e))
         pa, pb = peers
         assert pa.epoch == pb.epoch == 3
         for e in range(3):
@@ -104,17 +54,17 @@ def test_powersgd_peers_on_loopback_are_bit_identical_and_match_the_reference() 
     target, epochs = 24, 3
     x, y = _data(target * 6)
     with (
-        Collaboration("psgd", config=_config(target)) as a,
-        Collaboration("psgd", initial_peers=a.addrs, config=_config(target)) as b,
+        Collaboration("psgd", config=local_config(target)) as a,
+        Collaboration("psgd", initial_peers=a.addrs, config=local_config(target)) as b,
     ):
-        peers = [Peer(a, target, cfg), Peer(b, target, cfg)]
+        peers = [_peer(a, target, cfg), _peer(b, target, cfg)]
         deadline = time.monotonic() + 240
 
         def epoch_of(members, e):
-            return _epoch_of(x, y, target, deadline, members, e)
+            return shards_of(x, y, target, deadline, members, e)
 
         for e in range(epochs):
-            _run_threads(epoch_of(peers, e))
+            run_threads(epoch_of(peers, e))
         pa, pb = peers
         for e in range(epochs):
             for key in pa.history[e]:
@@ -124,8 +74,8 @@ def test_powersgd_peers_on_loopback_are_bit_identical_and_match_the_reference() 
         for key in want:
             np.testing.assert_allclose(pa.history[-1][key], want[key], rtol=1e-4, atol=1e-6)
         assert np.abs(pa.state.powersgd.error[0]).max() > 0
-        with Collaboration("psgd", initial_peers=a.addrs, config=_config(target)) as c:
-            pc = Peer(c, target, cfg)
+        with Collaboration("psgd", initial_peers=a.addrs, config=local_config(target)) as c:
+            pc = _peer(c, target, cfg)
             pc.params, pc.state, epoch = dedloc_jax.sync_state(c, pc.params, pc.state)
             assert epoch == epochs
             assert not np.asarray(pc.state.powersgd.error[0]).any()  # never served
@@ -133,7 +83,7 @@ def test_powersgd_peers_on_loopback_are_bit_identical_and_match_the_reference() 
                 np.asarray(pa.state.powersgd.q[0]).tobytes()
             )
             for e in range(epochs, epochs + 2):
-                _run_threads(epoch_of([pa, pb, pc], e))
+                run_threads(epoch_of([pa, pb, pc], e))
             for p in (pb, pc):
                 for key in pa.params:
                     assert np.asarray(p.params[key]).tobytes() == (

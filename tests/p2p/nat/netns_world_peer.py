@@ -83,7 +83,7 @@ async def train(core: Any, args: argparse.Namespace) -> None:
                 break
         mean = acc / samples
         out = await core.average(epoch, [mean], samples)
-        got = np.asarray(out.gradients[0])
+        got = np.asarray(out.average[0])
         log.info("epoch %d averaged: %s", epoch, core.history[-1])
         emit(
             "round",
