@@ -74,7 +74,7 @@ class LocalState:
             self.run_id,
             timeout=timeout,
             request_timeout=self.rpc_timeout,
-            extra=self.table_states(),
+            extra=self.counted_states(),
             min_epoch=min_epoch,
             local=self.server.held,
             book=self.book,
@@ -92,12 +92,32 @@ class LocalState:
         peers hold, :func:`~dedloc_jax.state.lineage.fork_choice`), or None (nobody announces
         one): whether a download would bring anything newer, for one DHT read. The tracker's
         epoch alone cannot tell: after a healed partition, the side that lost may be ahead."""
-        found = await find_donors(self.node, self.dht, self.run_id, self.table_states(), self.book)
+        found = await find_donors(
+            self.node, self.dht, self.run_id, self.counted_states(), self.book
+        )
         return None if found is None else found[0]
 
     def table_states(self) -> list[Announcement]:
         """The states the progress table names (every other peer's, as last read)."""
         return self.tracker.announcements()
+
+    def counted_states(self) -> list[Announcement]:
+        """The table's states and ours: the fork choice that names the state to load counts
+        our vote as our fork check does. Without it, after a healed partition, a peer of the
+        majority that fell behind found its side one vote short, lost a 1-1 tie by digest and
+        loaded the minority's state, which its fork check had just beaten."""
+        latest, server = self.server.latest, self.server
+        if latest is None:
+            return self.table_states()
+        ours = Announcement(
+            self.node.peer_id,
+            latest.epoch,
+            latest.digest,
+            server.lineage,
+            votes=self.tracker.mode != "aux",
+            vouched=server.vouched,
+        )
+        return [*self.table_states(), ours]
 
     async def on_minority_fork(self, *, patience: float = 0.0, undecided: bool = False) -> bool:
         """Whether the state we serve lost to another lineage (one more peers hold, see

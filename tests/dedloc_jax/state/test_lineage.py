@@ -189,3 +189,48 @@ def test_of_two_lone_peers_split_at_a_fork_the_loser_is_told_even_when_it_is_ahe
     assert fork_choice([px, py]) == (winner.epoch, winner.digest)
     assert fork_verdict([winner], loser.epoch, loser.digest, loser.lineage) is True
     assert fork_verdict([loser], winner.epoch, winner.digest, winner.lineage) is False
+
+
+def test_the_state_a_peer_behind_loads_counts_its_own_vote() -> None:
+    """Issue 46 (the capped soak at seed 6): after a heal the minority's peer A had stepped to
+    epoch 6, while the majority's B and we, its mate, held epoch 5 (forked from A at 4; the
+    majority's other peers held copies, which do not vote). Our fork check counted us: 2 to 1,
+    we stay. The choice of the state to load counted only the others: 1 to 1, A won the tie by
+    its smaller digest, and we, behind A's epoch, loaded the state our check had just beaten
+    (the bootstrap skipped epochs 5 and 6). It counts our state as the check does."""
+    import trio
+    import trio.testing
+
+    from dedloc_jax.state.local import LocalState
+
+    shared, (a4, a5, a6), (b4, b5) = b"\x09" * 32, _digests(1, 3), _digests(2, 2)
+    assert a4 < b4  # the minority wins a 1-1 tie at the fork
+    minority = Announcement(_pid(), 6, a6, (a5, a4, shared), vouched=True)
+    mate = Announcement(_pid(), 5, b5, (b4, shared), vouched=True)
+    assert fork_choice([minority, mate]) == (6, a6)  # the choice without our vote
+
+    class Latest:
+        epoch, digest = 5, b5
+
+    class Server:
+        latest, lineage, vouched = Latest(), (b4, shared), True
+
+    class Tracker:
+        mode = "node"
+
+        def announcements(self) -> list[Announcement]:
+            return [minority, mate]
+
+    class DHT:
+        async def get(self, key, **kwargs):  # noqa: ANN001, ANN003, ANN202
+            return None  # the state key's read finds nothing more than the table
+
+    class Node:
+        peer_id = _pid()
+
+    state = LocalState(
+        Node(), DHT(), "run", Server(), Tracker(), None, rpc_timeout=1.0, renew_every=1.0
+    )  # type: ignore[arg-type]
+    assert state.fork_verdict() is False  # our check: we hold the majority's lineage
+    newest = trio.run(state.newest_epoch, clock=trio.testing.MockClock(autojump_threshold=0))
+    assert newest == 5  # nothing newer to load on it
