@@ -23,6 +23,17 @@ if TYPE_CHECKING:  # the tracker imports this package
 log = logging.getLogger(__name__)
 
 
+def ancestry_of(announced: Sequence[Announcement], epoch: int, digest: bytes) -> tuple:
+    """The ancestors (newest first) of the state ``digest`` of ``epoch``, as the longest
+    lineage among ``announced`` that names it tells (empty when none does)."""
+    best: tuple[bytes, ...] = ()
+    for a in announced:
+        back = a.epoch - epoch
+        if back >= 0 and a.digest_at(epoch) == digest and len(a.lineage) - back > len(best):
+            best = tuple(a.lineage[back:])
+    return best
+
+
 def mates_into(tracker: ProgressTracker, epoch: int) -> frozenset[str]:
     """The peers that averaged with us into ``epoch`` (named in our vouch of its state)."""
     into, peers = tracker.mates
@@ -80,7 +91,7 @@ class LocalState:
             book=self.book,
         )
         epoch = manifest.epoch
-        self.server.hold(manifest, arrays)
+        self.server.hold(manifest, arrays, ancestry_of(self.table_states(), epoch, manifest.digest))
         log.info("loaded the state of epoch %d from %d donors", epoch, donors)
         self.tracker.set_epoch(epoch)
         self.tracker.serve(epoch, manifest.digest, self.server.lineage)
