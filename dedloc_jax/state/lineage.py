@@ -275,9 +275,10 @@ def fork_verdict(
     lost to another lineage, or None when it cannot tell yet.
 
     Every epoch our lineage names, oldest first, where another peer holds a different state
-    is counted by :func:`on_minority_fork` (the rule of :func:`fork_choice`): after a healed
-    partition the sides forked epochs ago, and counting only at our epoch misses it while the
-    other side is an epoch behind. It cannot tell while fewer peers (us included) hold a
+    is a fork, decided as :func:`fork_choice`'s walk decides it (the side more voters hold,
+    of as many the side more copies hold, then the smaller digest; a side that lost an
+    earlier fork no longer counts): after a healed partition the sides forked epochs ago,
+    and counting only at our epoch misses it while the other side is an epoch behind. It cannot tell while fewer peers (us included) hold a
     state of that epoch, or a descendant, than still announce older epochs: those are still
     averaging, and decide the count (a peer that stepped alone and asks at once sees nobody
     to lose to; one that sees the first of the others loses or wins a 1-1 tie by digest). A
