@@ -274,17 +274,17 @@ def fork_verdict(
     """Whether our state (``digest`` at ``epoch``, descending from ``lineage``, newest first)
     lost to another lineage, or None when it cannot tell yet.
 
-    Every epoch our lineage names, oldest first, where another peer holds a different state
-    is a fork, decided as :func:`fork_choice`'s walk decides it (the side more voters hold,
-    of as many the side more copies hold, then the smaller digest; a side that lost an
-    earlier fork no longer counts): after a healed partition the sides forked epochs ago,
-    and counting only at our epoch misses it while the other side is an epoch behind. It cannot tell while fewer peers (us included) hold a
-    state of that epoch, or a descendant, than still announce older epochs: those are still
-    averaging, and decide the count (a peer that stepped alone and asks at once sees nobody
-    to lose to; one that sees the first of the others loses or wins a 1-1 tie by digest). A
-    state in a cluster of fewer peers than another (or as many, older) loses at once
-    (:func:`_winning_side`). Only votes count (:func:`_voters`); a state of ours that is no
-    vote (a copy, or unvouched while others are) loses with the side it copied
+    Every epoch our lineage names, oldest first, where another peer holds a different state is a
+    fork, decided as :func:`fork_choice`'s walk decides it (the side more voters hold, of as
+    many the side more copies hold, then the smaller digest; a side that lost an earlier fork no
+    longer counts): after a healed partition the sides forked epochs ago, and counting only at
+    our epoch misses it while the other side is an epoch behind. It cannot tell while fewer
+    peers (us included) hold a state of that epoch, or a descendant, than still announce older
+    epochs: those are still averaging, and decide the count (a peer that stepped alone and asks
+    at once sees nobody to lose to; one that sees the first of the others loses or wins a 1-1
+    tie by digest). A state in a cluster of fewer peers than another (or as many, older) loses
+    at once (:func:`_winning_side`). Only votes count (:func:`_voters`); a state of ours that is
+    no vote (a copy, or unvouched while others are) loses with the side it copied
     (:func:`_copy_lost`); ``vouched``: whether ours is (see :class:`Announcement`)."""
     ours = Announcement("us", epoch, digest, tuple(lineage)[:LINEAGE], vouched=vouched)
     everyone = [*announced, ours]
