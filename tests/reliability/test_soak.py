@@ -60,7 +60,10 @@ def test_soak_small_capped_seeds(
     only vouched vote: test_a_peer_alone_in_its_group_names_the_representatives_it_averaged_with)
     and seed 6 ended the bootstrap at epoch 4 (behind the healed minority, it loaded the
     minority's state, its own vote left out of the choice:
-    test_the_state_a_peer_behind_loads_counts_its_own_vote)."""
+    test_the_state_a_peer_behind_loads_counts_its_own_vote); after those, seed 9 (both
+    orders) ended it at epoch 4 the same way, the majority's peers holding copies or
+    lineages that began at their last load (test_copies_break_a_tie_between_sides_as_many_
+    voters_hold and the two tests after it in test_lineage.py)."""
     _soak_small(3, sorted_shuffle, seed, monkeypatch)
 
 
