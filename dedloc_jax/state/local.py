@@ -85,7 +85,9 @@ class LocalState:
             self.run_id,
             timeout=timeout,
             request_timeout=self.rpc_timeout,
-            extra=self.counted_states(),
+            # the keeper's loads (no minimum) follow the choice that counts our vote, as its
+            # checks and newest_epoch do; a minimum asks for a state others serve
+            extra=self.counted_states() if min_epoch is None else self.table_states(),
             min_epoch=min_epoch,
             local=self.server.held,
             book=self.book,
