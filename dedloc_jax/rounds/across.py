@@ -210,11 +210,13 @@ async def cross_average(
     mean: list[np.ndarray],
     weight: float,
     deadlines: Deadlines,
+    on_averaged: Callable[[GroupSpec], None] | None = None,
 ) -> tuple[list[np.ndarray], int, bool]:
     """The mean across this epoch's groups (see above), the size of the level-1 group (1 when
     this peer did not represent its group there) and whether that is the whole epoch's mean;
     ``mean`` itself when it failed. ``deadlines``: those of our group ``spec`` (of the round's
-    window alone when we are in none)."""
+    window alone when we are in none). ``on_averaged(level_1_spec)`` runs when a peer alone in
+    its group (``spec`` None) averaged across groups: those are the peers it averaged with."""
     epoch = this.epoch
     me = str(rounds.node.peer_id)
     rep = me if spec is None else representative(spec)
@@ -224,7 +226,9 @@ async def cross_average(
     if rep == me:
         ok, whole, found = False, False, None
         try:
-            found = await represent(rounds, this, mean, weight)
+            found = await represent(
+                rounds, this, mean, weight, on_averaged if spec is None else None
+            )
             ok = found is not None
             if found is not None:
                 mean, size, whole = found
@@ -258,12 +262,16 @@ async def cross_average(
 
 
 async def represent(
-    rounds: Rounds, this: ThisRound, mean: list[np.ndarray], weight: float
+    rounds: Rounds,
+    this: ThisRound,
+    mean: list[np.ndarray],
+    weight: float,
+    on_averaged: Callable[[GroupSpec], None] | None = None,
 ) -> tuple[list[np.ndarray], int, bool] | None:
     """As its group's representative, average ``mean`` (``weight`` samples) with the other
     groups' representatives: the result, how many there were and whether every
     representative our leader's partition named took part (else the mean is partial), or
-    None."""
+    None. ``on_averaged(spec)`` runs once that all-reduce succeeded."""
     epoch = this.epoch
     me = rounds.member(weight)
     others = rounds.matchmaker.representatives(epoch) - {me.peer_id}
@@ -276,6 +284,8 @@ async def represent(
     if averaged is None:
         log.warning("averaging across groups at epoch %d failed: %s", epoch, failure)
         return None
+    if on_averaged is not None:
+        on_averaged(spec)
     members = {m.peer_id for m in spec.members}
     whole = others <= members
     if not whole:

@@ -216,7 +216,10 @@ async def average_round(
     if spec is not None:
         result = await _in_group(rounds, this, spec, me, arrays, started, on_averaged)
     elif matchmaker.needs_cross(epoch) and me.sends:  # alone among several groups
-        mean, size, whole = await cross_average(rounds, this, None, own, me.weight, deadlines)
+        # the representatives we averaged with are our mates (they vouch for us, we for them)
+        mean, size, whole = await cross_average(
+            rounds, this, None, own, me.weight, deadlines, on_averaged
+        )
         reason = "alone in our group, and the round across groups failed"
         result = this.outcome(mean, size, whole, reason, across=True)
     matchmaker.decline(epoch)  # no-ops if it took part in the round across groups

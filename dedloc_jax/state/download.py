@@ -60,7 +60,7 @@ async def find_donors(
         return None
     donors = []
     for a in newest.values():
-        if (a.epoch, a.digest) == chosen:
+        if (a.epoch, a.digest) == chosen and str(a.peer) != str(node.peer_id):  # (ours: held)
             try:
                 donors.append(a.peer if isinstance(a.peer, PeerID) else PeerID.from_base58(a.peer))
             except P2PError:

@@ -10,6 +10,7 @@ epoch where it happened, not only at the newest one.
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -72,6 +73,39 @@ def _voters(announced: Sequence[Announcement]) -> list[Announcement]:
     return [a for a in voters if a.vouched] or voters
 
 
+def _copies(
+    announced: Sequence[Announcement], voters: Sequence[Announcement]
+) -> list[Announcement]:
+    """The trainers' states that are no votes (copies: loaded, they name no lineage), vouched
+    as the voters are: they break a tie between sides as many voters hold (see
+    :func:`_copy_tally`), never outvote one."""
+    counted = {id(a) for a in voters}
+    vouched = any(a.vouched for a in voters)
+    return [
+        a
+        for a in announced
+        if id(a) not in counted and a.votes and not a.lineage and (a.vouched or not vouched)
+    ]
+
+
+def _copy_tally(
+    alive: Sequence[Announcement], copies: Sequence[Announcement], epoch: int
+) -> Counter:
+    """Digest at ``epoch`` -> how many ``copies`` hold a state of that side (one that a
+    voter holding that digest at ``epoch`` holds or descends from). After a healed partition
+    the majority's peers that stepped without the whole collaboration had loaded the state
+    their fork check named, and held copies: the smaller side then tied on votes, won by
+    digest, and the majority loaded its state (issue 46)."""
+    tally: Counter = Counter()
+    for c in copies:
+        if c.epoch < epoch:
+            continue
+        sides = {a.digest_at(epoch) for a in alive if a.digest_at(c.epoch) == c.digest}
+        for d in sides - {None}:
+            tally[d] += 1
+    return tally
+
+
 def _winning_side(announced: Sequence[Announcement]) -> list[Announcement]:
     """The voters left after following, at every fork, the side more peers hold, then keeping
     the cluster (:func:`_clusters`) more of them are in; of as many, the newest.
@@ -82,7 +116,8 @@ def _winning_side(announced: Sequence[Announcement]) -> list[Announcement]:
     win, and of as many the newest, so that a peer alone and behind moves forward. The peers
     of the cluster that lost load its state, whatever its epoch (never waiting for the others
     to come to them: the others do not, and each side stepped alone forever)."""
-    alive = _fork_walk(_voters(announced))
+    voters = _voters(announced)
+    alive = _fork_walk(voters, _copies(announced, voters))
     if not alive:
         return alive
     return max(_clusters(alive), key=lambda c: (len(c), max(a.epoch for a in c)))
@@ -108,19 +143,28 @@ def _reached(alive: Sequence[Announcement]) -> int | None:
     return None
 
 
-def _fork_walk(announced: Sequence[Announcement]) -> list[Announcement]:
-    """The announcements left after following, at every fork, the side more peers hold."""
+def _fork_walk(
+    announced: Sequence[Announcement],
+    copies: Sequence[Announcement] = (),
+    cut: dict[int, int] | None = None,
+) -> list[Announcement]:
+    """The announcements left after following, at every fork, the side more peers hold (of
+    as many, the side more ``copies`` hold, then the smaller digest); ``cut`` gets, for
+    each one left behind (by ``id``), the epoch of the fork it lost at."""
     alive = list(announced)
     for e in sorted({e for a in alive for e, _ in _chain(a)}):
         counts = lineage_counts(alive, e)
         if len(counts) < 2:
             continue
-        keep = min(counts, key=lambda k: (-counts[k], k[1]))[1]
+        held = _copy_tally(alive, copies, e)
+        keep = min(counts, key=lambda k: (-counts[k], -held[k[1]], k[1]))[1]
         # States of the losing sides, from the fork on: anyone holding one (a peer that
         # loaded it names no lineage) is on a losing side too.
         lost = {
             s for a in alive if a.digest_at(e) not in (None, keep) for s in _chain(a) if s[0] >= e
         }
+        if cut is not None:
+            cut.update((id(a), e) for a in alive if _chain(a) & lost)
         alive = [a for a in alive if not (_chain(a) & lost)]
     return alive
 
@@ -152,7 +196,7 @@ def losing_peers(announced: Sequence[Announcement]) -> set[str]:
     if len({(a.epoch, a.digest) for a in announced}) < 2:
         return set()  # everyone serves one state: no fork (the usual case, and cheap)
     voters = _voters(announced)
-    side = _winning_side(voters)
+    side = _winning_side(announced)
     kept = {id(a) for a in side}
     out = {str(a.peer) for a in voters if id(a) not in kept}
     counted = {id(a) for a in voters}
@@ -179,18 +223,30 @@ def _copy_lost(side: Sequence[Announcement], lost: set, copy: Announcement) -> b
     return any(a.digest_at(e) not in (None, d) for a in side for e, d in chain)
 
 
-def on_minority_fork(others: Mapping[tuple[int, bytes], int], epoch: int, digest: bytes) -> bool:
+def on_minority_fork(
+    others: Mapping[tuple[int, bytes], int],
+    epoch: int,
+    digest: bytes,
+    copies: Mapping[bytes, int] | None = None,
+) -> bool:
     """Whether our state (``digest`` at ``epoch``) lost to another state of the same epoch.
 
     Two lineages of one epoch exist after a partition (each side averaged apart) or a group
     split; they never merge by themselves, since averaging gradients keeps parameters apart.
     The one more peers hold wins; of two held by as many, the smaller digest, so exactly one
     side of a tie moves. ``others`` counts the other peers holding each (epoch, digest),
-    themselves or as an ancestor of their state (:func:`lineage_counts`).
+    themselves or as an ancestor of their state (:func:`lineage_counts`). ``copies``: digest
+    -> the copies on that side (:func:`_copy_tally`), which decide a tie before the digest.
     """
     mine = others.get((epoch, digest), 0) + 1
+    held = copies or {}
+    ours = held.get(digest, 0)
+
+    def wins_tie(d: bytes) -> bool:
+        return held.get(d, 0) > ours or (held.get(d, 0) == ours and d < digest)
+
     return any(
-        e == epoch and d != digest and (n > mine or (n == mine and d < digest))
+        e == epoch and d != digest and (n > mine or (n == mine and wins_tie(d)))
         for (e, d), n in others.items()
     )
 
@@ -218,25 +274,29 @@ def fork_verdict(
     """Whether our state (``digest`` at ``epoch``, descending from ``lineage``, newest first)
     lost to another lineage, or None when it cannot tell yet.
 
-    Every epoch our lineage names, oldest first, where another peer holds a different state
-    is counted by :func:`on_minority_fork` (the rule of :func:`fork_choice`): after a healed
-    partition the sides forked epochs ago, and counting only at our epoch misses it while the
-    other side is an epoch behind. It cannot tell while fewer peers (us included) hold a
-    state of that epoch, or a descendant, than still announce older epochs: those are still
-    averaging, and decide the count (a peer that stepped alone and asks at once sees nobody
-    to lose to; one that sees the first of the others loses or wins a 1-1 tie by digest). A
-    state in a cluster of fewer peers than another (or as many, older) loses at once
-    (:func:`_winning_side`). Only votes count (:func:`_voters`); a state of ours that is no
-    vote (a copy, or unvouched while others are) loses with the side it copied
+    Every epoch our lineage names, oldest first, where another peer holds a different state is a
+    fork, decided as :func:`fork_choice`'s walk decides it (the side more voters hold, of as
+    many the side more copies hold, then the smaller digest; a side that lost an earlier fork no
+    longer counts): after a healed partition the sides forked epochs ago, and counting only at
+    our epoch misses it while the other side is an epoch behind. It cannot tell while fewer
+    peers (us included) hold a state of that epoch, or a descendant, than still announce older
+    epochs: those are still averaging, and decide the count (a peer that stepped alone and asks
+    at once sees nobody to lose to; one that sees the first of the others loses or wins a 1-1
+    tie by digest). A state in a cluster of fewer peers than another (or as many, older) loses
+    at once (:func:`_winning_side`). Only votes count (:func:`_voters`); a state of ours that is
+    no vote (a copy, or unvouched while others are) loses with the side it copied
     (:func:`_copy_lost`); ``vouched``: whether ours is (see :class:`Announcement`)."""
     ours = Announcement("us", epoch, digest, tuple(lineage)[:LINEAGE], vouched=vouched)
-    voters = _voters([*announced, ours])
+    everyone = [*announced, ours]
+    voters = _voters(everyone)
     if not any(a is ours for a in voters):  # a copy: lost with the side it copied
-        side = _winning_side(voters)
+        side = _winning_side(everyone)
         return _copy_lost(side, _lost_states(voters, side), ours)
     others = [a for a in voters if a is not ours]
-    alive = _fork_walk(voters)
-    if any(a is ours for a in alive) and not any(a is ours for a in _winning_side(voters)):
+    copies = _copies(everyone, voters)
+    cut: dict[int, int] = {}
+    alive = _fork_walk(voters, copies, cut)
+    if any(a is ours for a in alive) and not any(a is ours for a in _winning_side(everyone)):
         return True  # too far from most peers to count at a fork, and fewer (or older)
     for e in range(epoch - len(ours.lineage), epoch + 1):
         mine = ours.digest_at(e)
@@ -245,6 +305,10 @@ def fork_verdict(
             continue  # no fork there
         if sum(counts.values()) + 1 < sum(a.epoch < e for a in others):
             return None
-        if on_minority_fork(counts, e, mine):
+        # Lost where the fork choice's walk leaves our side: there, not by a count of every
+        # announcement, which counted a side that had lost an earlier fork (the majority,
+        # kept at the partition's fork by its copies, then lost to the minority's two
+        # states at a later epoch its own groups had split).
+        if cut.get(id(ours), math.inf) <= e:
             return True
-    return False
+    return id(ours) in cut

@@ -23,6 +23,17 @@ if TYPE_CHECKING:  # the tracker imports this package
 log = logging.getLogger(__name__)
 
 
+def ancestry_of(announced: Sequence[Announcement], epoch: int, digest: bytes) -> tuple:
+    """The ancestors (newest first) of the state ``digest`` of ``epoch``, as the longest
+    lineage among ``announced`` that names it tells (empty when none does)."""
+    best: tuple[bytes, ...] = ()
+    for a in announced:
+        back = a.epoch - epoch
+        if back >= 0 and a.digest_at(epoch) == digest and len(a.lineage) - back > len(best):
+            best = tuple(a.lineage[back:])
+    return best
+
+
 def mates_into(tracker: ProgressTracker, epoch: int) -> frozenset[str]:
     """The peers that averaged with us into ``epoch`` (named in our vouch of its state)."""
     into, peers = tracker.mates
@@ -74,13 +85,15 @@ class LocalState:
             self.run_id,
             timeout=timeout,
             request_timeout=self.rpc_timeout,
-            extra=self.table_states(),
+            # the keeper's loads (no minimum) follow the choice that counts our vote, as its
+            # checks and newest_epoch do; a minimum asks for a state others serve
+            extra=self.counted_states() if min_epoch is None else self.table_states(),
             min_epoch=min_epoch,
             local=self.server.held,
             book=self.book,
         )
         epoch = manifest.epoch
-        self.server.hold(manifest, arrays)
+        self.server.hold(manifest, arrays, ancestry_of(self.table_states(), epoch, manifest.digest))
         log.info("loaded the state of epoch %d from %d donors", epoch, donors)
         self.tracker.set_epoch(epoch)
         self.tracker.serve(epoch, manifest.digest, self.server.lineage)
@@ -92,12 +105,32 @@ class LocalState:
         peers hold, :func:`~dedloc_jax.state.lineage.fork_choice`), or None (nobody announces
         one): whether a download would bring anything newer, for one DHT read. The tracker's
         epoch alone cannot tell: after a healed partition, the side that lost may be ahead."""
-        found = await find_donors(self.node, self.dht, self.run_id, self.table_states(), self.book)
+        found = await find_donors(
+            self.node, self.dht, self.run_id, self.counted_states(), self.book
+        )
         return None if found is None else found[0]
 
     def table_states(self) -> list[Announcement]:
         """The states the progress table names (every other peer's, as last read)."""
         return self.tracker.announcements()
+
+    def counted_states(self) -> list[Announcement]:
+        """The table's states and ours: the fork choice that names the state to load counts
+        our vote as our fork check does. Without it, after a healed partition, a peer of the
+        majority that fell behind found its side one vote short, lost a 1-1 tie by digest and
+        loaded the minority's state, which its fork check had just beaten."""
+        latest, server = self.server.latest, self.server
+        if latest is None:
+            return self.table_states()
+        ours = Announcement(
+            self.node.peer_id,
+            latest.epoch,
+            latest.digest,
+            server.lineage,
+            votes=self.tracker.mode != "aux",
+            vouched=server.vouched,
+        )
+        return [*self.table_states(), ours]
 
     async def on_minority_fork(self, *, patience: float = 0.0, undecided: bool = False) -> bool:
         """Whether the state we serve lost to another lineage (one more peers hold, see

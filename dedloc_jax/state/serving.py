@@ -98,6 +98,9 @@ class StateServer:
         self._own_vouch: Vouch | None = None
         self._vouches: dict[tuple[str, int, bytes], Vouch] = {}  # mates' vouches naming us
         self._vouch_tries = 0
+        # The ancestors of a state we downloaded, as the announcements that chose it named
+        # them: not announced while we hold it (a copy is no vote), named after our next step.
+        self._ancestry: tuple[bytes, ...] = ()
 
     def register(self) -> None:
         self.node.add_handler(MANIFEST, self._handle_manifest)
@@ -118,9 +121,13 @@ class StateServer:
             del self._snapshots[next(iter(self._snapshots))]
         head = self._head
         if head is not None and head[0] == epoch - 1:
-            self.lineage = (head[1], *self.lineage)[:LINEAGE]  # a step from it
+            # a step from it (from a downloaded state: its ancestors as the others named them,
+            # or a peer that loaded, then stepped, counted at no fork before its load, and a
+            # healed partition's majority of such peers lost to the minority's two)
+            self.lineage = (head[1], *(self.lineage or self._ancestry))[:LINEAGE]
         elif head != (epoch, manifest.digest):
             self.lineage = ()  # whose descendant it is, we do not know
+        self._ancestry = ()
         stepped = head is not None and head[0] == epoch - 1
         self._head = (epoch, manifest.digest)
         self.latest = manifest
@@ -141,10 +148,16 @@ class StateServer:
         head = self._head
         return head[1] if head is not None and head[0] == epoch else None
 
-    def hold(self, manifest: StateManifest, arrays: Sequence[np.ndarray]) -> None:
+    def hold(
+        self,
+        manifest: StateManifest,
+        arrays: Sequence[np.ndarray],
+        ancestry: Sequence[bytes] = (),
+    ) -> None:
         """Serve a state downloaded from others under its own manifest (its digest, which the
         others' fork checks count and ours asks of, whatever our chunk size); our next step
-        descends from it. NonFiniteStateError (and nothing changes) for a non-finite state."""
+        descends from it, and from ``ancestry`` (its ancestors' digests, newest first, as the
+        others name them). NonFiniteStateError (and nothing changes) for a non-finite state."""
         bad = first_non_finite(arrays)
         if bad is not None:
             raise NonFiniteStateError(
@@ -152,6 +165,7 @@ class StateServer:
                 "not serving it"
             )
         self.adopt(manifest.epoch, manifest.digest)
+        self._ancestry = tuple(ancestry)[:LINEAGE]
         self._snapshots[manifest.digest] = (manifest, b"".join(a.tobytes() for a in arrays))
         while len(self._snapshots) > _KEEP:
             del self._snapshots[next(iter(self._snapshots))]
@@ -163,6 +177,7 @@ class StateServer:
         if self._head != (epoch, digest):
             self._head = (epoch, digest)
             self.lineage = ()
+            self._ancestry = ()
             self._own_vouch = None
 
     @property

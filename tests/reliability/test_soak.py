@@ -14,6 +14,8 @@ nothing hangs (the run has a virtual-time bound).
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import trio
 
@@ -22,6 +24,10 @@ from bench.soak_figures import partial_figures
 from p2p.dht import DHTConfig
 from p2p.node import NodeConfig
 from p2p.testing import SimNetwork, run_sim
+
+SEED = int(os.environ.get("SOAK_SEED", "0"))
+"""The default suite's seed; ``SOAK_SEED=S pytest tests/reliability/test_soak.py`` replays
+another (the slow suite runs seeds 1-9 of the capped plan in both orders)."""
 
 
 @pytest.mark.parametrize(
@@ -39,6 +45,40 @@ def test_soak_small(group: int, sorted_shuffle: bool, monkeypatch: pytest.Monkey
     its order: both are run, each set explicitly. In hypothesis's order the capped soak split
     a peer at epoch 5 (a healed partition's minority trusted no vouch of the majority's; see
     test_a_vouch_counts_wherever_it_is_carried)."""
+    _soak_small(group, sorted_shuffle, SEED, monkeypatch)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sorted_shuffle", [False, True], ids=["default-order", "hypothesis-order"])
+@pytest.mark.parametrize("seed", range(1, 10))
+def test_soak_small_capped_seeds(
+    seed: int, sorted_shuffle: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The capped plan at seeds 1-9, in both scheduling orders (10-30 s each). Before issue
+    46's fixes seed 8 held a peer apart after epoch 5 (alone in its group, it averaged across
+    groups but named no mates, so it trusted no signer left in the run and counted itself the
+    only vouched vote: test_a_peer_alone_in_its_group_names_the_representatives_it_averaged_with)
+    and seed 6 ended the bootstrap at epoch 4 (behind the healed minority, it loaded the
+    minority's state, its own vote left out of the choice:
+    test_the_state_a_peer_behind_loads_counts_its_own_vote); after those, seed 9 (both
+    orders) ended it at epoch 4 the same way, the majority's peers holding copies or
+    lineages that began at their last load (test_copies_break_a_tie_between_sides_as_many_
+    voters_hold and the two tests after it in test_lineage.py)."""
+    _soak_small(3, sorted_shuffle, seed, monkeypatch, reports_checked=False)
+
+
+def _soak_small(
+    group: int,
+    sorted_shuffle: bool,
+    seed: int,
+    monkeypatch: pytest.MonkeyPatch,
+    *,
+    reports_checked: bool = True,
+) -> None:
+    """The plan at ``seed``: the soak's check, the joiners' loads and (``reports_checked``)
+    the figures reported as the run goes. Those hold for seed 0; at other seeds the bootstrap
+    may report an epoch twice (it averaged it again after a step whose lineage lost), and a
+    row that settles after a report may add a version inside the partition's window."""
     monkeypatch.setattr(trio._core._run, "_ALLOW_DETERMINISTIC_SCHEDULING", sorted_shuffle)
     plan = SoakPlan(
         peers=6,
@@ -49,6 +89,7 @@ def test_soak_small(group: int, sorted_shuffle: bool, monkeypatch: pytest.Monkey
         slow=1,
         partition=2,
         max_group_size=group,
+        seed=seed,
     )
     reports: list[tuple[int, dict]] = []
 
@@ -62,6 +103,8 @@ def test_soak_small(group: int, sorted_shuffle: bool, monkeypatch: pytest.Monkey
     joiners = logs[plan.peers :]
     assert all(log.keeper.loads >= 1 and (log.joined_at or 0) > 0 for log in joiners)
     assert final["state_loads"] == sum(log.keeper.loads for log in logs)
+    if not reports_checked:
+        return
     assert [e for e, _ in reports] == list(range(1, plan.epochs + 1))
     times = [r["virtual_seconds"] for _, r in reports]
     assert times == sorted(times) and times[0] > 0

@@ -189,3 +189,118 @@ def test_of_two_lone_peers_split_at_a_fork_the_loser_is_told_even_when_it_is_ahe
     assert fork_choice([px, py]) == (winner.epoch, winner.digest)
     assert fork_verdict([winner], loser.epoch, loser.digest, loser.lineage) is True
     assert fork_verdict([loser], winner.epoch, winner.digest, winner.lineage) is False
+
+
+def test_the_state_a_peer_behind_loads_counts_its_own_vote() -> None:
+    """Issue 46 (the capped soak at seed 6): after a heal the minority's peer A had stepped to
+    epoch 6, while the majority's B and we, its mate, held epoch 5 (forked from A at 4; the
+    majority's other peers held copies, which do not vote). Our fork check counted us: 2 to 1,
+    we stay. The choice of the state to load counted only the others: 1 to 1, A won the tie by
+    its smaller digest, and we, behind A's epoch, loaded the state our check had just beaten
+    (the bootstrap skipped epochs 5 and 6). It counts our state as the check does."""
+    import trio
+    import trio.testing
+
+    from dedloc_jax.state.local import LocalState
+
+    shared, (a4, a5, a6), (b4, b5) = b"\x09" * 32, _digests(1, 3), _digests(2, 2)
+    assert a4 < b4  # the minority wins a 1-1 tie at the fork
+    minority = Announcement(_pid(), 6, a6, (a5, a4, shared), vouched=True)
+    mate = Announcement(_pid(), 5, b5, (b4, shared), vouched=True)
+    assert fork_choice([minority, mate]) == (6, a6)  # the choice without our vote
+
+    class Latest:
+        epoch, digest = 5, b5
+
+    class Server:
+        latest, lineage, vouched = Latest(), (b4, shared), True
+
+    class Tracker:
+        mode = "node"
+
+        def announcements(self) -> list[Announcement]:
+            return [minority, mate]
+
+    class DHT:
+        async def get(self, key, **kwargs):  # noqa: ANN001, ANN003, ANN202
+            return None  # the state key's read finds nothing more than the table
+
+    class Node:
+        peer_id = _pid()
+
+    state = LocalState(
+        Node(), DHT(), "run", Server(), Tracker(), None, rpc_timeout=1.0, renew_every=1.0
+    )  # type: ignore[arg-type]
+    assert state.fork_verdict() is False  # our check: we hold the majority's lineage
+    newest = trio.run(state.newest_epoch, clock=trio.testing.MockClock(autojump_threshold=0))
+    assert newest == 5  # nothing newer to load on it
+
+
+def test_copies_break_a_tie_between_sides_as_many_voters_hold() -> None:
+    """Issue 46 (the capped soak, seeds 6 and 9): after a heal the majority's peers that had
+    stepped without the whole collaboration held copies (loaded states name no lineage, and
+    vote for none), so the majority's voters tied with the minority's and the smaller digest
+    won: every peer of the majority loaded the minority's state. A copy counts, on the side
+    of a voter that holds its state or descends from it, to break such a tie."""
+    shared = b"\x09" * 32
+    (m3, m4), (b3, b4) = _digests(1, 2), _digests(2, 2)
+    assert m3 < b3  # the minority would win the tie by digest
+    minority = Announcement(_pid(), 4, m4, (m3, shared), vouched=True)
+    majority = Announcement(_pid(), 4, b4, (b3, shared), vouched=True)
+    copy = Announcement(_pid(), 4, b4, (), vouched=True)  # loaded the majority's state
+    assert fork_choice([minority, majority, copy]) == (4, b4)
+    assert fork_verdict([majority, copy], 4, m4, (m3, shared), vouched=True) is True
+    assert fork_verdict([minority, copy], 4, b4, (b3, shared), vouched=True) is False
+    # An unvouched copy (a Sybil's, or a newcomer's that never averaged) breaks no tie.
+    sybil = Announcement(_pid(), 4, m4, ())
+    assert fork_choice([minority, majority, copy, sybil, sybil]) == (4, b4)
+    assert fork_choice([minority, majority, Announcement(_pid(), 4, m4, (), vouched=True)]) == (
+        4,
+        m4,
+    )
+
+
+def test_the_fork_check_agrees_with_the_fork_choice_after_an_earlier_fork() -> None:
+    """Issue 46 (the capped soak at seed 9): the sides of a healed partition forked at epoch
+    3, where ours won; at epoch 5 our side's two groups held two states while the minority's
+    two peers held one. The check counted every announcement at epoch 5, the minority's too
+    (its side lost at 3): 2 against our 1, lost; the fork choice named our state. The peer
+    loaded its own state and stepped on, alone, forever. It loses where the choice's walk
+    leaves its side."""
+    shared = b"\x09" * 32
+    (f3, f4, o5, x5), (m3, m4, m5) = _digests(1, 4), _digests(2, 3)
+    assert f3 < m3 and o5 < x5  # ours wins both forks (by digest)
+    ours = (f4, f3, shared)
+    mate = Announcement(_pid(), 5, x5, ours, vouched=True)  # the other group of our side
+    minority = [Announcement(_pid(), 5, m5, (m4, m3, shared), vouched=True) for _ in range(2)]
+    us = Announcement(_pid(), 5, o5, ours, vouched=True)
+    assert fork_choice([mate, *minority, us]) == (5, o5)
+    assert fork_verdict([mate, *minority], 5, o5, ours, vouched=True) is False
+    assert fork_verdict([us, *minority], 5, x5, ours, vouched=True) is True  # the mate's
+
+
+def test_a_state_loaded_then_stepped_from_names_its_ancestors() -> None:
+    """Issue 46 (the capped soak at seed 9): a peer that loaded a state, then stepped, named
+    only the loaded state as its lineage, so it counted at no fork before its load: the
+    healed partition's majority, most of it such peers, lost to the minority's two at the
+    partition's fork. The ancestors the announcements name for the loaded state follow it."""
+    import numpy as np
+
+    from dedloc_jax.state.chunks import pack_state
+    from dedloc_jax.state.local import ancestry_of
+    from dedloc_jax.state.serving import StateServer
+
+    shared, (b3, b4) = b"\x09" * 32, _digests(2, 2)
+    loaded, _ = pack_state([np.ones(4, np.float32)], 5, chunk_bytes=4096)
+    donors = [
+        Announcement(_pid(), 5, loaded.digest, (b4,)),  # knows one ancestor
+        Announcement(_pid(), 6, b"\x07" * 32, (loaded.digest, b4, b3, shared)),  # moved on
+        Announcement(_pid(), 5, b"\x08" * 32, (b4, b3, shared)),  # another state of 5
+    ]
+    ancestry = ancestry_of(donors, 5, loaded.digest)
+    assert ancestry == (b4, b3, shared)
+    server = StateServer(None, None, "run", chunk_bytes=4096, ttl=lambda: 60.0)  # type: ignore[arg-type]
+    server.hold(loaded, [np.ones(4, np.float32)], ancestry)
+    assert server.lineage == ()  # a copy names none (no vote) while it holds it
+    server.set_state([np.full(4, 2.0, np.float32)], 6)
+    assert server.lineage == (loaded.digest, b4, b3, shared)
