@@ -55,6 +55,15 @@ async def find_donors(
         known = newest.get(str(a.peer))
         if known is None or a.epoch > known.epoch:
             newest[str(a.peer)] = replace(a, votes=False) if str(a.peer) in copies else a
+    if book is not None and book.orphaned(newest.values()):
+        (log.debug if book.orphan_warned else log.warning)(
+            "no state announced by the peers we joined through, nor vouched by one they vouch "
+            "for (%d unvouched announcers): not following them; waiting (start again with "
+            "--initial-peers of the run's peers if ours left)",
+            len(newest),
+        )
+        book.orphan_warned = True  # once: the keeper asks again every few seconds
+        return None
     chosen = fork_choice(list(newest.values()))
     if chosen is None:
         return None

@@ -153,6 +153,7 @@ class VouchBook:
         self._peers: set[str] = set()
         self._anchors: set[str] = set()
         self._roots = frozenset(roots)
+        self.orphan_warned = False  # (find_donors says it once)
 
     def record(self, peer: str) -> None:
         if len(self._peers) >= MAX_BOOK:
@@ -172,6 +173,18 @@ class VouchBook:
                 self._anchors.clear()
             self._anchors.add(peer)
             self.record(peer)
+
+    def orphaned(self, announced: Iterable[Any]) -> bool:
+        """Whether we are a newcomer cut off from our roots: we averaged with nobody, joined
+        through roots, and none of the ``announced`` states (announcements) is a root's own or
+        vouched by a signer traced to one (the roots left, or cannot be reached). Then
+        :meth:`trusts` names nobody, and the fork choice would count every unvouched announcer:
+        Sybils minting states for each other led such a newcomer. Wait instead (fail safe)."""
+        if not self._roots or self._anchors:
+            return False
+        return not any(
+            getattr(a, "vouched", False) or str(a.peer) in self._roots for a in announced
+        )
 
     def trusts(self, signer: str) -> bool:
         """Whether ``signer``'s vouches count: our mates' and the peers they (or theirs)
