@@ -51,6 +51,7 @@ from .verify import (
     counted_weight,
     derived_tau,
     direction,
+    hellos_of,
     make_statement,
     parse_signed_hello,
     parse_statement,
@@ -652,9 +653,11 @@ def _judge_blank(
     one, and the member's statement says it abstained: the member signed both. It lists one and
     the member states a weight (its side of the share was repaired): nobody is convicted."""
     rst = stated.get(j)
+    names = [m.peer_id for m in rnd.members]
+    held = hellos_of(rst, names) if rst is not None else {}
     why, liar, evidence = "", -1, {}
     for i in blank:
-        hello = rst.hellos.get(i) if rst is not None else None
+        hello = held.get(i)
         if rst is not None and (hello is None or not hello.weight > 0):
             a, b = rnd.share_slice(j, k)
             why = f"counted {rnd.name(i)}, which signed no contribution to the round"
@@ -737,7 +740,7 @@ def _hello_evidence(ev: dict, accused: str) -> bool:
     key = raw["pk"]  # the reducer's own (its statement's signature was checked with it)
     if not verify_signature(key, ev["result_sig"], signed):
         return False
-    hello = st.hellos.get(i)
+    hello = hellos_of(st, members).get(i)
     return hello is None or not hello.weight > 0
 
 

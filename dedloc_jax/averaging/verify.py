@@ -38,7 +38,7 @@ from __future__ import annotations
 import hashlib
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import msgpack
 import numpy as np
@@ -355,9 +355,25 @@ class Statement:
     shares: Mapping[int, ShareFigures]
     wire: dict
     """The signed form ({"b": body, "pk": key, "sig": signature}), kept as evidence."""
-    hellos: Mapping[int, SignedHello] = field(default_factory=dict)
-    """As a reducer: the signed hellos of the senders that opened an exchange with it (and
-    its own), by member index: what it may count."""
+    hello_wires: tuple[dict, ...] = ()
+    """As a reducer: the signed hellos of the senders that opened an exchange with it (and its
+    own): what it may count. Checked only when a share is disputed (:func:`hellos_of`): a
+    member parsing every reducer's would verify n**2 signatures a round."""
+
+
+def hellos_of(st: Statement, members: Sequence[str]) -> dict[int, SignedHello]:
+    """The hellos a reducer's statement lists, by member, those that verify (a malformed one
+    counts as none: the reducer signed the list). Of two by one member (that member signed
+    both), the contribution."""
+    out: dict[int, SignedHello] = {}
+    for raw in st.hello_wires:
+        try:
+            h = parse_signed_hello(raw, round_id=st.round_id, digest=st.digest, members=members)
+        except BadContributionError:
+            continue
+        if h.sender not in out or h.weight > 0:
+            out[h.sender] = h
+    return out
 
 
 def make_statement(
@@ -434,12 +450,6 @@ def parse_statement(
     listed = d.get("h", [])
     if not isinstance(listed, list) or len(listed) > len(members):
         raise BadContributionError("malformed hello list")
-    hellos: dict[int, SignedHello] = {}
-    for raw in listed:
-        h = parse_signed_hello(raw, round_id=round_id, digest=digest, members=members)
-        if h.sender in hellos:
-            raise BadContributionError("a member's hello listed twice")
-        hellos[h.sender] = h
     shares: dict[int, ShareFigures] = {}
     for j, fig in per.items():
         if j not in chunks or not isinstance(fig, list) or len(fig) != 4:
@@ -455,7 +465,7 @@ def parse_statement(
             np.frombuffer(norms, "<f8").copy(),
             tuple(results[32 * k : 32 * k + 32] for k in range(n)),
         )
-    return Statement(round_id, digest, s, w, seed, shares, msg, hellos)
+    return Statement(round_id, digest, s, w, seed, shares, msg, tuple(listed))
 
 
 NO_HASH = bytes(32)
