@@ -515,6 +515,12 @@ async def audit(rnd: Round) -> Verdict:
         else:
             recomputed.add(j)
     failed = dropped | recomputed
+    caught = {a.peer for a in accusations}
+    for j in rnd.reducers:
+        if j not in rnd.repaired and rnd.name(j) not in caught:
+            readmitted = _readmitted(rnd, stated, j)
+            if readmitted is not None:
+                accusations.append(readmitted)
     return Verdict(
         frozenset(dropped),
         frozenset(recomputed),
@@ -706,6 +712,51 @@ def _judge_blank(
     return Accusation(rnd.name(liar), role, why, rnd.round_id, j, k, evidence)
 
 
+def _readmitted(rnd: Round, stated: dict[int, Statement], j: int) -> Accusation | None:
+    """A member left out of a chunk of share ``j`` and counted again in a later one: an honest
+    reducer excludes a sender from a chunk on (:meth:`.reducer.Reducer.exclude`) and never
+    takes it back, so a reducer that does picks, chunk by chunk, whose part counts. Both
+    masks are its signed word (its statement gives its key; an aux reducer's is unknown)."""
+    rst = stated.get(j)
+    if rst is None:
+        return None
+    left: dict[int, int] = {}  # member -> the first chunk it was left out of
+    for k, mask in enumerate(rnd.masks[j]):
+        back = mask.intersection(left)
+        if back:
+            i, k0 = min(back), left[min(back)]
+            sigs = (rnd.result_sigs[j][k0], rnd.result_sigs[j][k])
+            held = rnd.result_bytes.get(j, [])
+            if None in sigs or len(held) <= k:
+                return None
+            results = []
+            for kk, sig in zip((k0, k), sigs, strict=True):
+                a, b = rnd.share_slice(j, kk)
+                results.append(
+                    [kk, a, b, rnd.codec.at(a, b).name, held[kk], sorted(rnd.masks[j][kk])]
+                    + [rnd.taus[j][kk], sig]
+                )
+            why = f"left {rnd.name(i)} out of chunk {k0}, then counted it in chunk {k}"
+            logger.warning(
+                "round %s: reducer %s lied: %s", rnd.round_id.hex()[:8], rnd.name(j), why
+            )
+            evidence = {
+                "kind": "readmitted",
+                "member": i,
+                "share": j,
+                "results": results,
+                "robust": rnd.config.robust_mode,
+                "fixed_tau": rnd.config.robust_tau,
+                "statements": [rst.wire],
+                "members": [m.peer_id for m in rnd.members],
+                "spec": rnd.spec.to_bytes(),
+            }
+            return Accusation(rnd.name(j), "reducer", why, rnd.round_id, j, k, evidence)
+        for i in rnd.plan.senders - mask:
+            left.setdefault(i, k)
+    return None
+
+
 def _hello_evidence(ev: dict, accused: str) -> bool:
     """Redo a conviction on signed hellos (:func:`_judge_blank`) from its evidence alone."""
     members = [str(m) for m in ev["members"]]
@@ -714,7 +765,7 @@ def _hello_evidence(ev: dict, accused: str) -> bool:
         return False
     (raw,) = ev["statements"]
     rid, digest = parse_round(raw), parse_digest(raw)
-    spec = GroupSpec.from_bytes(ev["spec"]) if ev["kind"] == "hello" else None
+    spec = GroupSpec.from_bytes(ev["spec"]) if ev["kind"] != "equivocation" else None
     if spec is not None and (spec.digest != digest or [m.peer_id for m in spec.members] != members):
         return False
     counts = {jj: len(_fig_count(raw, jj)) for jj in _shares_of(raw)}
@@ -727,6 +778,8 @@ def _hello_evidence(ev: dict, accused: str) -> bool:
             and not st.weight > 0
             and members[i] == accused
         )
+    if ev["kind"] == "readmitted":
+        return _readmitted_evidence(ev, accused, raw, members, counts)
     if ev["kind"] != "hello":
         return False
     j, k = int(ev["share"]), int(ev["chunk"])
@@ -742,6 +795,26 @@ def _hello_evidence(ev: dict, accused: str) -> bool:
         return False
     hello = hellos_of(st, members).get(i)
     return hello is None or not hello.weight > 0
+
+
+def _readmitted_evidence(
+    ev: dict, accused: str, raw: dict, members: list[str], counts: dict[int, int]
+) -> bool:
+    """Redo a conviction for taking back an excluded member (:func:`_readmitted`)."""
+    rid, digest = parse_round(raw), parse_digest(raw)
+    j, i = int(ev["share"]), int(ev["member"])
+    st = parse_statement(raw, round_id=rid, digest=digest, members=members, chunks=counts)
+    if st.sender != j or members[j] != accused:
+        return False
+    (k0, *first), (k1, *second) = ev["results"]
+    masks = []
+    for k, (a, b, codec, encoded, mask, tau, sig) in ((k0, first), (k1, second)):
+        terms = chunk_terms(int(a), int(b), codec, bool(ev["robust"]), ev["fixed_tau"])
+        signed = result_digest(rid, digest, j, int(k), encoded, frozenset(mask), tau, terms)
+        if not verify_signature(raw["pk"], sig, signed):
+            return False
+        masks.append(frozenset(int(m) for m in mask))
+    return int(k0) < int(k1) and i not in masks[0] and i in masks[1]
 
 
 def _part_lie(

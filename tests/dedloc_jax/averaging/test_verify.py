@@ -6,6 +6,7 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
+import trio
 
 from dedloc_jax.averaging import AllReduceConfig, flatten
 from dedloc_jax.averaging.audit import check_evidence
@@ -526,3 +527,44 @@ def test_a_member_that_signed_a_contribution_then_states_it_abstained_is_convict
         assert all(s.recomputed and names[3] not in s.contributors for s in r.shares)
     vecs = [flatten(t)[0] for t in trees]
     np.testing.assert_allclose((vecs[0] + vecs[1] + vecs[2]) / 3, honest[0].vector, atol=2e-6)
+
+
+@pytest.mark.parametrize("lies", [False, True])
+def test_a_reducer_that_leaves_a_member_out_of_one_chunk_only_is_convicted(monkeypatch, lies):
+    """A reducer that ignores member 0's part of chunk 1 alone, and counts it in every other
+    chunk, passes every check (each chunk is the aggregate of its mask), and picks chunk by
+    chunk whose part counts. An honest reducer leaves a sender out from a chunk on and never
+    takes it back: both signed masks convict it, by a third party too; nobody else is
+    accused, and an honest round with the same members convicts nobody."""
+    from dedloc_jax.averaging import wire
+
+    names = _names(4)
+    original = Reducer._accept_part
+
+    def picky(self, s, msg):
+        me = self.plan.name(self.plan.me)
+        if lies and me == names[1] and s == 0 and self.next_k.get(s, 0) == 1:
+            wire.parse_chunk(msg, 1, len(msg["d"]))
+            self.next_k[s] = 2  # read, not counted, not excluded
+            self.last[s] = trio.current_time()
+            return
+        original(self, s, msg)
+
+    monkeypatch.setattr(Reducer, "_accept_part", picky)
+    rng = np.random.default_rng(8)
+    trees = [make_tree(rng, [(200,)]) for _ in range(4)]  # 3 or 4 chunks a share
+    outcome, _, _ = run_round(["node"] * 4, trees, [1.0] * 4, config=VERIFY)
+    results = _results(outcome)
+    for r in results:
+        share = next(s for s in r.shares if s.owner == names[1])
+        if not lies:
+            assert r.accusations == () and share.contributors == set(names)
+            continue
+        assert [names[0] in seg[2] for seg in share.segments] == [True, False, True]
+        assert [(a.peer, a.role) for a in r.accusations] == [(names[1], "reducer")]
+        evidence = r.accusations[0].evidence
+        assert [p for p in names if check_evidence(evidence, p)] == [names[1]]
+        first, second = evidence["results"]
+        swapped = dict(evidence, results=[second, first])
+        assert [p for p in names if check_evidence(swapped, p)] == []
+        assert not any(s.dropped or s.recomputed for s in r.shares)
