@@ -174,12 +174,17 @@ class VouchBook:
             self._anchors.add(peer)
             self.record(peer)
 
+    @property
+    def roots(self) -> frozenset[str]:
+        return self._roots
+
     def orphaned(self, announced: Iterable[Any]) -> bool:
-        """Whether we are a newcomer cut off from our roots: we averaged with nobody, joined
-        through roots, and none of the ``announced`` states (announcements) is a root's own or
-        vouched by a signer traced to one (the roots left, or cannot be reached). Then
-        :meth:`trusts` names nobody, and the fork choice would count every unvouched announcer:
-        Sybils minting states for each other led such a newcomer. Wait instead (fail safe)."""
+        """Whether, as a newcomer, nothing ``announced`` traces to our roots: we averaged with
+        nobody, joined through roots, and none of the announcements is a root's own or vouched
+        by a signer traced to one. Then :meth:`trusts` names nobody, and the fork choice would
+        count every unvouched announcer. Where the roots are gone too (left, or unreachable),
+        Sybils minting states for each other led such a newcomer: it waits instead (fail safe,
+        :func:`~dedloc_jax.state.download.find_donors`)."""
         if not self._roots or self._anchors:
             return False
         return not any(
