@@ -145,8 +145,9 @@ BAN = Struct(
                     "evidence": Bytes(MAX_EVIDENCE),
                     "digest": Bytes(32),
                     "pieces": ListOf(Bytes(32), max_len=MAX_PIECES),
+                    "index": Bytes(32),
                 },
-                optional=frozenset({"pieces"}),
+                optional=frozenset({"pieces", "index"}),
             ),
             max_len=MAX_BANS,
         )

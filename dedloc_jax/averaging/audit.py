@@ -52,7 +52,9 @@ from .verify import (
     counted_weight,
     derived_tau,
     direction,
+    hellos_of,
     make_statement,
+    parse_signed_hello,
     parse_statement,
     part_norm,
     projection,
@@ -69,8 +71,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-VERIFY_PROTOCOL = "dedloc/allreduce-verify/3"  # 3: statements sign chunk terms and received results
-STATEMENT_PROTOCOL = "dedloc/allreduce-statement/1"
+VERIFY_PROTOCOL = "dedloc/allreduce-verify/4"  # 4: reducers' statements list signed hellos
+STATEMENT_PROTOCOL = "dedloc/allreduce-statement/2"
 """A unary call: a member's statement in; the callee's own out (or, asked to wait, those the
 caller lacks)."""
 
@@ -458,6 +460,8 @@ async def audit(rnd: Round) -> Verdict:
         weight,
         seed,
         await _figures(rnd, seed),
+        # as a reducer, the signed hellos we counted on (checked when a share is disputed)
+        list(rnd.holdings.hellos.values()) if rnd.me in rnd.chunks else [],
     )
     _add(rnd, _parse(rnd, mine))
     with trio.move_on_at(until):
@@ -519,6 +523,12 @@ async def audit(rnd: Round) -> Verdict:
         else:
             recomputed.add(j)
     failed = dropped | recomputed
+    caught = {a.peer for a in accusations}
+    for j in rnd.reducers:
+        if j not in rnd.repaired and rnd.name(j) not in caught:
+            readmitted = _readmitted(rnd, stated, j)
+            if readmitted is not None:
+                accusations.append(readmitted)
     return Verdict(
         frozenset(dropped),
         frozenset(recomputed),
@@ -537,8 +547,11 @@ def _recompute(
     assert rnd.out is not None
     cfg = rnd.config
     values, masks, taus = [], [], []
+    # Members that signed, in their statements, that they abstained are left out too (a
+    # reducer convicted of counting one of them: the same on every member).
+    abstained = {i for i, st in stated.items() if not st.weight > 0 and j not in st.shares}
     for k, mask in enumerate(rnd.masks[j]):
-        keep = sorted(mask - {liar})
+        keep = sorted(mask - {liar} - abstained)
         if not keep:
             return f"chunk {k} had no contributor but the liar"
         a, b = rnd.chunks[j][k]
@@ -596,19 +609,10 @@ async def _judge(
         for i in sorted(frozenset().union(*rnd.masks[j])):
             nursery.start_soon(one, i)
     revealed = {i: shares[i][k] if i in shares else None for i in mask}
+    codec_name = rnd.codec.at(a, b).name  # the chunk's own (segments, when it spans leaves)
     blank = [i for i in mask if stated[i].shares.get(j) is None]
     if blank:
-        # The reducer signed that it counted them, they signed no figures for this share (it
-        # was repaired on their side, or they abstained): one of the two lies, and nothing
-        # signed tells which (the parts a sender sends are not signed), so nobody is convicted.
-        logger.warning(
-            "round %s: %s counted in share %s but stated no figures for it: nobody convicted",
-            rnd.round_id.hex()[:8],
-            [rnd.name(i) for i in blank],
-            rnd.name(j),
-        )
-        return None, shares
-    codec_name = rnd.codec.at(a, b).name  # the chunk's own (segments, when it spans leaves)
+        return _judge_blank(rnd, stated, j, k, blank, codec_name), shares
     evidence = {
         "codec": codec_name,
         "seed": seed,
@@ -654,6 +658,173 @@ async def _judge(
     return Accusation(rnd.name(j), "reducer", why, rnd.round_id, j, k, evidence), shares
 
 
+def _judge_blank(
+    rnd: Round, stated: dict[int, Statement], j: int, k: int, blank: list[int], codec_name: str
+) -> Accusation | None:
+    """Members counted in chunk ``k`` of share ``j`` that signed no figures for it: the signed
+    hellos decide. Reducer ``j`` counted one whose signed contribution it does not list in its
+    statement: the reducer lied (an honest one counts a sender only on that hello). It lists
+    one, and the member's statement says it abstained: the member signed both. It lists one and
+    the member states a weight (its side of the share was repaired): nobody is convicted."""
+    rst = stated.get(j)
+    names = [m.peer_id for m in rnd.members]
+    held = hellos_of(rst, names) if rst is not None else {}
+    why, liar, evidence = "", -1, {}
+    for i in blank:
+        hello = held.get(i)
+        if rst is not None and (hello is None or not hello.weight > 0):
+            a, b = rnd.share_slice(j, k)
+            why = f"counted {rnd.name(i)}, which signed no contribution to the round"
+            liar = j
+            evidence = {
+                "kind": "hello",
+                "member": i,
+                "codec": codec_name,
+                "start": a,
+                "stop": b,
+                "share": j,
+                "chunk": k,
+                "tau": rnd.taus[j][k],
+                "robust": rnd.config.robust_mode,
+                "fixed_tau": rnd.config.robust_tau,
+                "mask": sorted(rnd.masks[j][k]),
+                "encoded": rnd.result_bytes[j][k] if k < len(rnd.result_bytes.get(j, ())) else b"",
+                "result_sig": rnd.result_sigs[j][k] or b"",
+                "statements": [rst.wire],
+                "members": [m.peer_id for m in rnd.members],
+                "spec": rnd.spec.to_bytes(),
+            }
+            break
+        if hello is not None and not stated[i].weight > 0:
+            why, liar = "signed a contribution at the round's start, then stated none", i
+            evidence = {
+                "kind": "equivocation",
+                "member": i,
+                "hello": hello.wire,
+                "statements": [stated[i].wire],
+                "members": [m.peer_id for m in rnd.members],
+            }
+            break
+    if liar < 0:
+        # Its side of the share was repaired (or the reducer stated nothing: an aux reducer):
+        # nothing signed tells who lies, so nobody is convicted and the share is dropped.
+        logger.warning(
+            "round %s: %s counted in share %s but stated no figures for it: nobody convicted",
+            rnd.round_id.hex()[:8],
+            [rnd.name(i) for i in blank],
+            rnd.name(j),
+        )
+        return None
+    role = "reducer" if liar == j and evidence["kind"] == "hello" else "sender"
+    logger.warning("round %s: %s %s lied: %s", rnd.round_id.hex()[:8], role, rnd.name(liar), why)
+    return Accusation(rnd.name(liar), role, why, rnd.round_id, j, k, evidence)
+
+
+def _readmitted(rnd: Round, stated: dict[int, Statement], j: int) -> Accusation | None:
+    """A member left out of a chunk of share ``j`` and counted again in a later one: an honest
+    reducer excludes a sender from a chunk on (:meth:`.reducer.Reducer.exclude`) and never
+    takes it back, so a reducer that does picks, chunk by chunk, whose part counts. Both
+    masks are its signed word (its statement gives its key; an aux reducer's is unknown)."""
+    rst = stated.get(j)
+    if rst is None:
+        return None
+    left: dict[int, int] = {}  # member -> the first chunk it was left out of
+    for k, mask in enumerate(rnd.masks[j]):
+        back = mask.intersection(left)
+        if back:
+            i, k0 = min(back), left[min(back)]
+            sigs = (rnd.result_sigs[j][k0], rnd.result_sigs[j][k])
+            held = rnd.result_bytes.get(j, [])
+            if None in sigs or len(held) <= k:
+                return None
+            results = []
+            for kk, sig in zip((k0, k), sigs, strict=True):
+                a, b = rnd.share_slice(j, kk)
+                results.append(
+                    [kk, a, b, rnd.codec.at(a, b).name, held[kk], sorted(rnd.masks[j][kk])]
+                    + [rnd.taus[j][kk], sig]
+                )
+            why = f"left {rnd.name(i)} out of chunk {k0}, then counted it in chunk {k}"
+            logger.warning(
+                "round %s: reducer %s lied: %s", rnd.round_id.hex()[:8], rnd.name(j), why
+            )
+            evidence = {
+                "kind": "readmitted",
+                "member": i,
+                "share": j,
+                "results": results,
+                "robust": rnd.config.robust_mode,
+                "fixed_tau": rnd.config.robust_tau,
+                "statements": [rst.wire],
+                "members": [m.peer_id for m in rnd.members],
+                "spec": rnd.spec.to_bytes(),
+            }
+            return Accusation(rnd.name(j), "reducer", why, rnd.round_id, j, k, evidence)
+        for i in rnd.plan.senders - mask:
+            left.setdefault(i, k)
+    return None
+
+
+def _hello_evidence(ev: dict, accused: str) -> bool:
+    """Redo a conviction on signed hellos (:func:`_judge_blank`) from its evidence alone."""
+    members = [str(m) for m in ev["members"]]
+    i = int(ev["member"])
+    if not 0 <= i < len(members):
+        return False
+    (raw,) = ev["statements"]
+    rid, digest = parse_round(raw), parse_digest(raw)
+    spec = GroupSpec.from_bytes(ev["spec"]) if ev["kind"] != "equivocation" else None
+    if spec is not None and (spec.digest != digest or [m.peer_id for m in spec.members] != members):
+        return False
+    counts = {jj: len(_fig_count(raw, jj)) for jj in _shares_of(raw)}
+    if ev["kind"] == "equivocation":  # the member's own two signatures disagree
+        st = parse_statement(raw, round_id=rid, digest=digest, members=members, chunks=counts)
+        hello = parse_signed_hello(ev["hello"], round_id=rid, digest=digest, members=members)
+        return (
+            st.sender == hello.sender == i
+            and hello.weight > 0
+            and not st.weight > 0
+            and members[i] == accused
+        )
+    if ev["kind"] == "readmitted":
+        return _readmitted_evidence(ev, accused, raw, members, counts)
+    if ev["kind"] != "hello":
+        return False
+    j, k = int(ev["share"]), int(ev["chunk"])
+    a, b = int(ev["start"]), int(ev["stop"])
+    mask = frozenset(int(m) for m in ev["mask"])
+    st = parse_statement(raw, round_id=rid, digest=digest, members=members, chunks=counts)
+    if st.sender != j or i not in mask or members[j] != accused:
+        return False
+    terms = chunk_terms(a, b, ev["codec"], bool(ev["robust"]), ev["fixed_tau"])
+    signed = result_digest(rid, digest, j, k, ev["encoded"], mask, ev["tau"], terms)
+    key = raw["pk"]  # the reducer's own (its statement's signature was checked with it)
+    if not verify_signature(key, ev["result_sig"], signed):
+        return False
+    hello = hellos_of(st, members).get(i)
+    return hello is None or not hello.weight > 0
+
+
+def _readmitted_evidence(
+    ev: dict, accused: str, raw: dict, members: list[str], counts: dict[int, int]
+) -> bool:
+    """Redo a conviction for taking back an excluded member (:func:`_readmitted`)."""
+    rid, digest = parse_round(raw), parse_digest(raw)
+    j, i = int(ev["share"]), int(ev["member"])
+    st = parse_statement(raw, round_id=rid, digest=digest, members=members, chunks=counts)
+    if st.sender != j or members[j] != accused:
+        return False
+    (k0, *first), (k1, *second) = ev["results"]
+    masks = []
+    for k, (a, b, codec, encoded, mask, tau, sig) in ((k0, first), (k1, second)):
+        terms = chunk_terms(int(a), int(b), codec, bool(ev["robust"]), ev["fixed_tau"])
+        signed = result_digest(rid, digest, j, int(k), encoded, frozenset(mask), tau, terms)
+        if not verify_signature(raw["pk"], sig, signed):
+            return False
+        masks.append(frozenset(int(m) for m in mask))
+    return int(k0) < int(k1) and i not in masks[0] and i in masks[1]
+
+
 def _part_lie(
     codec_name: str,
     data: bytes,
@@ -692,6 +863,11 @@ def check_evidence(acc_evidence: dict, accused: str) -> bool:
     A sender is convicted by its own signed statement and the part it revealed; a reducer by
     its signature of the result chunk, the contributors' signed statements and their revealed
     parts (all of them, matching their commitments)."""
+    if acc_evidence.get("kind") is not None:  # a conviction on signed hellos
+        try:
+            return _hello_evidence(acc_evidence, accused)
+        except (KeyError, TypeError, ValueError, BadContributionError, IdentityError, GroupError):
+            return False
     try:
         members = list(acc_evidence["members"])
         spec = GroupSpec.from_bytes(acc_evidence["spec"])

@@ -25,7 +25,7 @@ import logging
 import math
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -49,7 +49,7 @@ from .partition import flatten, unflatten
 from .reducer import Reducer
 from .repair import Repair, expect_done, receive_finals, send_finals
 from .round_plan import Holdings, RoundPlan
-from .verify import NO_HASH, Statement
+from .verify import NO_HASH, Statement, make_hello, parse_signed_hello
 
 logger = logging.getLogger(__name__)
 
@@ -164,8 +164,7 @@ class AveragingService:
         with trio.move_on_after(self.config.stall_timeout):
             hello = wire.parse_hello(await ms.receive())
             rnd = await self._find(hello.round_id)
-            rnd.check_hello(hello, ctx.remote_peer)
-            return rnd, hello
+            return rnd, rnd.check_hello(hello, ctx.remote_peer)
         raise BadContributionError("no hello in time")
 
     async def _handle_exchange(self, ctx: CallContext, ms: MessageStream) -> None:
@@ -246,6 +245,15 @@ class Round:
             j: [None] * len(self.chunks[j]) for j in self.reducers
         }
         self.statements: dict[int, Statement] = {}
+        # What we sign before any part (a verified round): whether we contribute. It opens
+        # each of our exchanges; as a reducer we count ourselves on it.
+        self.signed_hello: dict | None = None
+        if config.verify and self.is_sender:
+            own = 0.0 if self.abstain else self.weight
+            self.signed_hello = make_hello(
+                self.node.identity, self.round_id, self.spec.digest, me, own
+            )
+            self.holdings.hellos[me] = self.signed_hello
         self.statement_changes = Changes()
         self.verify_timeout = config.verify_timeout or config.stall_timeout
         self.reveals: set[tuple[int, ...]] = set()  # (member, [client,] share) we revealed
@@ -344,10 +352,12 @@ class Round:
             self.abstain,
             share,
             self.held.get(share, 0) if share >= 0 else 0,
+            self.signed_hello if share == -1 else None,
         )
 
-    def check_hello(self, h: wire.Hello, remote: PeerID) -> None:
-        """Reject a stream whose opener is not who it claims or disagrees on the round."""
+    def check_hello(self, h: wire.Hello, remote: PeerID) -> wire.Hello:
+        """Reject a stream whose opener is not who it claims or disagrees on the round; the
+        hello to go by (a verified exchange's: weight and abstention as signed)."""
         if h.digest != self.spec.digest:
             raise BadContributionError("group spec digest differs")
         if not 0 <= h.sender < len(self.members) or self.name(h.sender) != str(remote):
@@ -359,6 +369,17 @@ class Round:
                 f"{remote}: vector of {h.size} values in {h.codec}, expected {self.size} in "
                 f"{self.codec.name}"
             )
+        if not self.config.verify or h.share != -1:
+            return h
+        signed = parse_signed_hello(
+            h.signed,
+            round_id=self.round_id,
+            digest=self.spec.digest,
+            members=[m.peer_id for m in self.members],
+        )
+        if signed.sender != h.sender:
+            raise BadContributionError(f"{remote}'s signed hello names another member")
+        return replace(h, weight=signed.weight, abstain=not signed.weight > 0, signed=signed.wire)
 
     # -- the local side -------------------------------------------------------------------------
     async def run(self) -> None:

@@ -340,6 +340,8 @@ class Reducer:
         if s in self.seen or s not in self.receivers:
             raise BadContributionError(f"{self.plan.name(s)} connected twice or too late")
         self.seen.add(s)
+        if h.signed is not None:  # checked by Round.check_hello; h's weight is the signed one
+            self.holdings.hellos[s] = h.signed
         self.gauges[s] = self.meter.gauge("down")
         self.weights[s] = self.plan.bounded_weight(s, h.weight)  # not what it says, unbounded
         self.last[s] = trio.current_time()

@@ -275,6 +275,75 @@ class ShareFigures:
 
 
 @dataclass(frozen=True)
+class SignedHello:
+    """What a sender signed at the start of a round, before any part: whether it contributes
+    (``weight`` > 0) or abstains (0). It opens every exchange stream of a verified round, and
+    a reducer counts a sender only on it; the reducer lists the hellos it holds in its own
+    statement, so counting a member who signed no contribution convicts the reducer, and a
+    member that signed one and then states it abstained convicts itself (:mod:`.audit`)."""
+
+    round_id: bytes
+    digest: bytes
+    sender: int
+    weight: float
+    wire: dict
+    """The signed form ({"b": body, "pk": key, "sig": signature}), kept as evidence."""
+
+
+def make_hello(
+    identity: object, round_id: bytes, digest: bytes, sender: int, weight: float
+) -> dict:
+    """The signed wire form of a sender's hello (``weight`` 0: it abstains)."""
+    body = msgpack.packb(
+        {"t": "hello", "r": round_id, "g": digest, "s": int(sender), "w": float(weight)},
+        use_bin_type=True,
+    )
+    return {"b": body, "pk": identity.public_key, "sig": identity.sign(body)}  # type: ignore[attr-defined]
+
+
+def _signed_body(msg: object, what: str, limit: int) -> tuple[dict, PeerID]:
+    """A signed message's body and signer (signature checked). Raises BadContributionError."""
+    if not isinstance(msg, dict):
+        raise BadContributionError(f"{what} is not a map")
+    body, pk, sig = msg.get("b"), msg.get("pk"), msg.get("sig")
+    if not all(isinstance(v, bytes) for v in (body, pk, sig)) or len(body) > limit:
+        raise BadContributionError(f"malformed {what}")
+    if not verify_signature(pk, sig, body):
+        raise BadContributionError(f"{what} signature does not verify")
+    try:
+        d = msgpack.unpackb(body, raw=False, strict_map_key=False)
+        signer = PeerID.from_public_key(pk)
+    except (ValueError, TypeError, msgpack.UnpackException) as e:
+        raise BadContributionError(f"malformed {what} body: {e!r:.100}") from None
+    if not isinstance(d, dict):
+        raise BadContributionError(f"malformed {what} body")
+    return d, signer
+
+
+MAX_HELLO_BYTES = 512
+
+
+def parse_signed_hello(
+    msg: object, *, round_id: bytes | None, digest: bytes | None, members: Sequence[str]
+) -> SignedHello:
+    """Check a signed hello: signed by the member it names, of this round (``round_id`` and
+    ``digest`` None: of whichever round its body names). Raises BadContributionError."""
+    d, signer = _signed_body(msg, "signed hello", MAX_HELLO_BYTES)
+    r, g, s, w = d.get("r"), d.get("g"), d.get("s"), d.get("w")
+    if d.get("t") != "hello" or not isinstance(r, bytes) or not isinstance(g, bytes):
+        raise BadContributionError("not a signed hello")
+    if (round_id is not None and r != round_id) or (digest is not None and g != digest):
+        raise BadContributionError("signed hello of another round")
+    if not isinstance(s, int) or isinstance(s, bool) or not 0 <= s < len(members):
+        raise BadContributionError("signed hello names no member")
+    if str(signer) != members[s]:
+        raise BadContributionError("hello signed by another peer than the member it names")
+    if not isinstance(w, float) or not math.isfinite(w) or w < 0:
+        raise BadContributionError("bad signed hello weight")
+    return SignedHello(r, g, s, w, msg)  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True)
 class Statement:
     """A sender's signed figures for one round (what a verifier needs from it)."""
 
@@ -286,6 +355,25 @@ class Statement:
     shares: Mapping[int, ShareFigures]
     wire: dict
     """The signed form ({"b": body, "pk": key, "sig": signature}), kept as evidence."""
+    hello_wires: tuple[dict, ...] = ()
+    """As a reducer: the signed hellos of the senders that opened an exchange with it (and its
+    own): what it may count. Checked only when a share is disputed (:func:`hellos_of`): a
+    member parsing every reducer's would verify n**2 signatures a round."""
+
+
+def hellos_of(st: Statement, members: Sequence[str]) -> dict[int, SignedHello]:
+    """The hellos a reducer's statement lists, by member, those that verify (a malformed one
+    counts as none: the reducer signed the list). Of two by one member (that member signed
+    both), the contribution."""
+    out: dict[int, SignedHello] = {}
+    for raw in st.hello_wires:
+        try:
+            h = parse_signed_hello(raw, round_id=st.round_id, digest=st.digest, members=members)
+        except BadContributionError:
+            continue
+        if h.sender not in out or h.weight > 0:
+            out[h.sender] = h
+    return out
 
 
 def make_statement(
@@ -296,10 +384,13 @@ def make_statement(
     weight: float,
     seed: bytes,
     shares: Mapping[int, ShareFigures],
+    hellos: Sequence[dict] = (),
 ) -> dict:
-    """The signed wire form of a statement (``identity`` has ``sign`` and ``public_key``)."""
+    """The signed wire form of a statement (``identity`` has ``sign`` and ``public_key``);
+    ``hellos``: the signed hellos it holds as a reducer (:class:`SignedHello`)."""
     body = msgpack.packb(
         {
+            "h": list(hellos),
             "r": round_id,
             "g": digest,
             "s": sender,
@@ -356,6 +447,9 @@ def parse_statement(
         raise BadContributionError("bad statement weight")
     if not isinstance(seed, bytes) or len(seed) != 32 or not isinstance(per, dict):
         raise BadContributionError("malformed statement")
+    listed = d.get("h", [])
+    if not isinstance(listed, list) or len(listed) > len(members):
+        raise BadContributionError("malformed hello list")
     shares: dict[int, ShareFigures] = {}
     for j, fig in per.items():
         if j not in chunks or not isinstance(fig, list) or len(fig) != 4:
@@ -371,7 +465,7 @@ def parse_statement(
             np.frombuffer(norms, "<f8").copy(),
             tuple(results[32 * k : 32 * k + 32] for k in range(n)),
         )
-    return Statement(round_id, digest, s, w, seed, shares, msg)
+    return Statement(round_id, digest, s, w, seed, shares, msg, tuple(listed))
 
 
 NO_HASH = bytes(32)

@@ -46,10 +46,13 @@ class Hello:
     abstain: bool
     share: int = -1  # repair only: the share being repaired
     held: int = 0  # repair only: how many leading chunks of that share the sender holds
+    signed: dict | None = None
+    """A verified round's exchange: the sender's :class:`~.verify.SignedHello` (wire form),
+    checked by the reducer (:meth:`~.butterfly.Round.check_hello`)."""
 
 
 def hello(h: Hello) -> dict:
-    return {
+    msg = {
         "t": "hello",
         "r": h.round_id,
         "g": h.digest,
@@ -61,6 +64,9 @@ def hello(h: Hello) -> dict:
         "j": h.share,
         "h": h.held,
     }
+    if h.signed is not None:
+        msg["sh"] = h.signed
+    return msg
 
 
 def parse_hello(msg: Any) -> Hello:
@@ -82,6 +88,7 @@ def parse_hello(msg: Any) -> Hello:
         abstain=_get(msg, "a", bool),
         share=_get(msg, "j", int),
         held=_get(msg, "h", int),
+        signed=_get(msg, "sh", dict) if "sh" in msg else None,
     )
 
 

@@ -55,6 +55,15 @@ async def find_donors(
         known = newest.get(str(a.peer))
         if known is None or a.epoch > known.epoch:
             newest[str(a.peer)] = replace(a, votes=False) if str(a.peer) in copies else a
+    if book is not None and book.orphaned(newest.values()) and not await _reach_any(node, book):
+        (log.debug if book.orphan_warned else log.warning)(
+            "the peers we joined through are gone, and no state is vouched by one they vouched "
+            "for (%d unvouched announcers): not following them; waiting (start again with "
+            "--initial-peers of the run's peers)",
+            len(newest),
+        )
+        book.orphan_warned = True  # once: the keeper asks again every few seconds
+        return None
     chosen = fork_choice(list(newest.values()))
     if chosen is None:
         return None
@@ -66,6 +75,32 @@ async def find_donors(
             except P2PError:
                 continue
     return chosen[0], chosen[1], sorted(donors)
+
+
+ROOT_DIAL_TIMEOUT = 10.0
+"""Seconds a newcomer tries to reach the peers it joined through before it counts them gone."""
+
+
+async def _reach_any(node: Node, book: VouchBook) -> bool:
+    """Whether one of ``book``'s roots is connected or can be dialed now. A root that is here
+    but silent (a bootstrap peer, a coordinator that vouches for nobody) leaves the fork
+    choice as it was; only roots that are all gone make a newcomer wait."""
+    roots = []
+    for name in sorted(book.roots):
+        try:
+            roots.append(PeerID.from_base58(name))
+        except (P2PError, ValueError):
+            continue
+    if any(node.connection_to(p) is not None for p in roots):
+        return True
+    for pid in roots:
+        with trio.move_on_after(ROOT_DIAL_TIMEOUT):
+            try:
+                await node.connect(pid)
+                return True
+            except P2PError as e:
+                log.info("the peer we joined through %s is unreachable: %s", str(pid)[:8], e)
+    return False
 
 
 async def _offers(

@@ -153,6 +153,7 @@ class VouchBook:
         self._peers: set[str] = set()
         self._anchors: set[str] = set()
         self._roots = frozenset(roots)
+        self.orphan_warned = False  # (find_donors says it once)
 
     def record(self, peer: str) -> None:
         if len(self._peers) >= MAX_BOOK:
@@ -172,6 +173,23 @@ class VouchBook:
                 self._anchors.clear()
             self._anchors.add(peer)
             self.record(peer)
+
+    @property
+    def roots(self) -> frozenset[str]:
+        return self._roots
+
+    def orphaned(self, announced: Iterable[Any]) -> bool:
+        """Whether, as a newcomer, nothing ``announced`` traces to our roots: we averaged with
+        nobody, joined through roots, and none of the announcements is a root's own or vouched
+        by a signer traced to one. Then :meth:`trusts` names nobody, and the fork choice would
+        count every unvouched announcer. Where the roots are gone too (left, or unreachable),
+        Sybils minting states for each other led such a newcomer: it waits instead (fail safe,
+        :func:`~dedloc_jax.state.download.find_donors`)."""
+        if not self._roots or self._anchors:
+            return False
+        return not any(
+            getattr(a, "vouched", False) or str(a.peer) in self._roots for a in announced
+        )
 
     def trusts(self, signer: str) -> bool:
         """Whether ``signer``'s vouches count: our mates' and the peers they (or theirs)

@@ -27,6 +27,7 @@ from dedloc_jax.tracker import progress_key
 from p2p.dht import DHT, DHTClock, DHTConfig, open_dht
 from p2p.dht.records import owner_marker
 from p2p.errors import P2PError
+from p2p.identity import Identity, PeerID
 from p2p.node import NodeConfig
 from p2p.testing import SimNetwork, open_sim_nodes, run_sim
 from tests.dedloc_jax.simcollab import open_sim_collaboration, train_steadily
@@ -99,9 +100,9 @@ def _run(seed: int = 11, mint: bool = False) -> dict:
             async def train(i: int) -> None:
                 await train_steadily(cores[i], i, params, micro=MICRO, rate=RATE)
 
-            names = [f"sybil{k}" for k in range(SYBILS)]
+            names = [f"sybil{k}" for k in range(SYBILS)] + ["newcomer"]
             async with (
-                open_sim_nodes(net, SYBILS, config=NodeConfig.testing(), names=names) as nodes,
+                open_sim_nodes(net, SYBILS + 1, config=NodeConfig.testing(), names=names) as nodes,
                 AsyncExitStack() as stack,
             ):
                 dhts = [
@@ -115,14 +116,18 @@ def _run(seed: int = 11, mint: bool = False) -> dict:
                     )
                     for node in nodes
                 ]
+                fresh = (nodes[-1], dhts[-1])  # a true newcomer: it averaged with nobody
+                nodes, dhts = nodes[:SYBILS], dhts[:SYBILS]
                 async with trio.open_nursery() as nursery:
-                    await _attack(cores, nodes if mint else None, dhts, nursery, train, out)
+                    await _attack(cores, nodes if mint else None, dhts, nursery, train, out, fresh)
         return out
 
     return run_sim(main, seed=seed)
 
 
-async def _attack(cores: Any, nodes: Any, dhts: Any, nursery: Any, train: Any, out: dict) -> None:
+async def _attack(
+    cores: Any, nodes: Any, dhts: Any, nursery: Any, train: Any, out: dict, fresh: Any
+) -> None:
     for i in range(3):
         nursery.start_soon(train, i)
     await trio.sleep(20.0)
@@ -149,6 +154,12 @@ async def _attack(cores: Any, nodes: Any, dhts: Any, nursery: Any, train: Any, o
     out["rooted"] = await find_donors(
         newcomer.node, newcomer.dht, "run", book=VouchBook([str(cores[0].node.peer_id)])
     )
+    # A true newcomer through the first peer, and one whose root is gone (a peer that left
+    # the run; it reached the DHT through others): no signer traces to that root.
+    gone = str(PeerID.from_public_key(Identity.generate().public_key))
+    first = str(cores[0].node.peer_id)
+    out["fresh"] = await find_donors(*fresh, "run", book=VouchBook([first]))
+    out["orphan"] = await find_donors(*fresh, "run", book=VouchBook([gone]))
     out["chosen"] = [core.tracker.chosen_epoch for core in cores]
     out["served"] = [core.state_server.latest for core in cores]
     out["vouched"] = [getattr(core.state_server, "vouched", None) for core in cores]
@@ -182,12 +193,15 @@ def test_sybil_announcers_of_a_forged_state_neither_lead_a_newcomer_nor_the_hone
     # dedloc_jax.state.vouching). A peer of the run, with its book, does not.
     # A newcomer that traces signers to the peer it joined through is not led either.
     assert out["roots"][1:] == [[str(out["first"])]] * 2  # open_collaboration's roots
-    led = (out["table"], out["rooted"]) if mint else (out["alone"], out["table"], out["rooted"])
+    led = (out["table"], out["rooted"], out["fresh"])
+    led += () if mint else (out["alone"],)
     for found in led:
         assert found is not None
         epoch, digest, donors = found
         assert digest != _fake(epoch)
         assert not {str(d) for d in donors} & out["sybils"]
+    # Its roots gone, a newcomer waits (no state) rather than follow the unvouched majority.
+    assert out["orphan"] is None
     assert all(c is not None and c <= newest for c in out["chosen"])
     # No honest peer was ever told that its lineage lost (it would load the forged state).
     assert not any(v is True for row in out["verdicts"] for v in row)

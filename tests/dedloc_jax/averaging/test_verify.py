@@ -6,6 +6,7 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
+import trio
 
 from dedloc_jax.averaging import AllReduceConfig, flatten
 from dedloc_jax.averaging.audit import check_evidence
@@ -241,9 +242,9 @@ def test_a_sender_stating_no_weight_for_parts_it_sent_is_convicted_not_the_reduc
     names = _names(4)
     original = audit.make_statement
 
-    def disowning(identity, round_id, digest, sender, weight, seed, shares):
+    def disowning(identity, round_id, digest, sender, weight, seed, shares, *rest):
         weight = 0.0 if sender == 3 else weight
-        return original(identity, round_id, digest, sender, weight, seed, shares)
+        return original(identity, round_id, digest, sender, weight, seed, shares, *rest)
 
     monkeypatch.setattr(audit, "make_statement", disowning)
     rng = np.random.default_rng(4)
@@ -467,3 +468,129 @@ def test_a_member_that_states_no_figures_for_a_share_it_was_counted_in_is_not_co
         share = next(s for s in r.shares if s.owner == names[1])
         assert share.dropped
         assert r.vector.tobytes() == results[0].vector.tobytes()
+
+
+@pytest.mark.parametrize("lies", [False, True])
+def test_a_reducer_counting_an_abstainer_is_convicted_on_its_signed_hello(monkeypatch, lies):
+    """Member 2 abstains (weight 0): its signed hello says so. A reducer that counts it in its
+    share anyway was dropped with nobody convicted (parts are not signed); its own statement
+    lists the hellos it counted on, so it is convicted, by a third party too, and the share is
+    recomputed without it and the abstainer. An honest reducer with the same abstainer is
+    never accused."""
+    names = _names(4)
+    original = Reducer._aggregate
+
+    def counting(self, k, avg):
+        original(self, k, avg)
+        if lies and self.plan.name(self.plan.me) == names[1]:
+            self.cmask[k].add(2)
+
+    monkeypatch.setattr(Reducer, "_aggregate", counting)
+    rng = np.random.default_rng(5)
+    trees = [make_tree(rng, SHAPES) for _ in range(4)]
+    weights = [1.0, 1.0, 0.0, 1.0]
+    outcome, _, got = run_round(["node"] * 4, trees, weights, config=VERIFY)
+    assert got == names
+    results = _results(outcome)
+    honest = [r for i, r in enumerate(results) if i != 1 or not lies]
+    for r in honest:
+        assert r.vector.tobytes() == honest[0].vector.tobytes()
+        assert all(names[2] not in s.contributors for s in r.shares)
+        if not lies:
+            assert r.accusations == ()
+            assert not any(s.dropped or s.recomputed for s in r.shares)
+            continue
+        assert [(a.peer, a.role) for a in r.accusations] == [(names[1], "reducer")]
+        evidence = r.accusations[0].evidence
+        assert [p for p in names if check_evidence(evidence, p)] == [names[1]]
+        share = next(s for s in r.shares if s.owner == names[1])
+        assert share.recomputed and share.contributors == {names[0], names[3]}
+        forged = {
+            "mask": dict(evidence, mask=[0, 2, 3]),
+            "member": dict(evidence, member=0),
+            "members": dict(evidence, members=evidence["members"][::-1]),
+        }
+        for what, ev in forged.items():
+            assert [p for p in names if check_evidence(ev, p)] == [], what
+    vecs = [flatten(t)[0] for t in trees]
+    for s in honest[0].shares:  # each share: the plain mean of its contributors
+        want = np.mean([vecs[names.index(p)][s.start : s.stop] for p in s.contributors], axis=0)
+        np.testing.assert_allclose(want, honest[0].vector[s.start : s.stop], atol=2e-6)
+
+
+def test_a_member_that_signed_a_contribution_then_states_it_abstained_is_convicted(
+    monkeypatch,
+):
+    """Member 3 sends its parts (its signed hello: a contribution), then signs a statement of
+    weight 0 with no figures, as an abstainer would, so that every reducer looks as if it
+    counted an abstainer. The reducers' statements list its signed hello: it is convicted on
+    its own two signatures (by a third party too), never a reducer, and every share is
+    recomputed without it."""
+    import dedloc_jax.averaging.audit as audit
+
+    names = _names(4)
+    make, figures = audit.make_statement, audit._figures
+
+    def abstaining(identity, round_id, digest, sender, weight, seed, shares, *rest):
+        if sender == 3:
+            weight, shares = 0.0, {}
+        return make(identity, round_id, digest, sender, weight, seed, shares, *rest)
+
+    async def none_from_3(rnd, seed):
+        return {} if rnd.me == 3 else await figures(rnd, seed)
+
+    monkeypatch.setattr(audit, "make_statement", abstaining)
+    monkeypatch.setattr(audit, "_figures", none_from_3)
+    rng = np.random.default_rng(6)
+    trees = [make_tree(rng, SHAPES) for _ in range(4)]
+    outcome, _, _ = run_round(["node"] * 4, trees, [1.0] * 4, config=VERIFY)
+    honest = _results(outcome)[:3]
+    for r in honest:
+        assert r.vector.tobytes() == honest[0].vector.tobytes()
+        assert {(a.peer, a.role) for a in r.accusations} == {(names[3], "sender")}
+        for a in r.accusations:
+            assert [p for p in names if check_evidence(a.evidence, p)] == [names[3]]
+        assert all(s.recomputed and names[3] not in s.contributors for s in r.shares)
+    vecs = [flatten(t)[0] for t in trees]
+    np.testing.assert_allclose((vecs[0] + vecs[1] + vecs[2]) / 3, honest[0].vector, atol=2e-6)
+
+
+@pytest.mark.parametrize("lies", [False, True])
+def test_a_reducer_that_leaves_a_member_out_of_one_chunk_only_is_convicted(monkeypatch, lies):
+    """A reducer that ignores member 0's part of chunk 1 alone, and counts it in every other
+    chunk, passes every check (each chunk is the aggregate of its mask), and picks chunk by
+    chunk whose part counts. An honest reducer leaves a sender out from a chunk on and never
+    takes it back: both signed masks convict it, by a third party too; nobody else is
+    accused, and an honest round with the same members convicts nobody."""
+    from dedloc_jax.averaging import wire
+
+    names = _names(4)
+    original = Reducer._accept_part
+
+    def picky(self, s, msg):
+        me = self.plan.name(self.plan.me)
+        if lies and me == names[1] and s == 0 and self.next_k.get(s, 0) == 1:
+            wire.parse_chunk(msg, 1, len(msg["d"]))
+            self.next_k[s] = 2  # read, not counted, not excluded
+            self.last[s] = trio.current_time()
+            return
+        original(self, s, msg)
+
+    monkeypatch.setattr(Reducer, "_accept_part", picky)
+    rng = np.random.default_rng(8)
+    trees = [make_tree(rng, [(200,)]) for _ in range(4)]  # 3 or 4 chunks a share
+    outcome, _, _ = run_round(["node"] * 4, trees, [1.0] * 4, config=VERIFY)
+    results = _results(outcome)
+    for r in results:
+        share = next(s for s in r.shares if s.owner == names[1])
+        if not lies:
+            assert r.accusations == () and share.contributors == set(names)
+            continue
+        assert [names[0] in seg[2] for seg in share.segments] == [True, False, True]
+        assert [(a.peer, a.role) for a in r.accusations] == [(names[1], "reducer")]
+        evidence = r.accusations[0].evidence
+        assert [p for p in names if check_evidence(evidence, p)] == [names[1]]
+        first, second = evidence["results"]
+        swapped = dict(evidence, results=[second, first])
+        assert [p for p in names if check_evidence(swapped, p)] == []
+        assert not any(s.dropped or s.recomputed for s in r.shares)
