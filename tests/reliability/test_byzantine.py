@@ -119,9 +119,9 @@ def test_a_sign_flipping_sender_counts_for_nothing_and_the_honest_peers_keep_the
     """One of four sends -1000 x its gradient under the open-run defaults (CenteredClip with a
     derived radius): every round's result is the honest senders' weighted mean, bit-close, so
     the flip costs the run exactly the samples the flipper withheld (bench.byzantine, seed 0:
-    loss 1.1945 x clean, the same to 7 digits as a peer that sends nothing). CenteredClip
-    alone (no part weighing nothing) lets the flipped part pull the centre by its weight times
-    the radius at every iteration, always the same way."""
+    loss 1.4074 x clean, the same to 7 digits as its free_rider, which sends nothing).
+    CenteredClip alone (no part weighing nothing) lets the flipped part pull the centre by its
+    weight times the radius at every iteration, always the same way."""
     config = CollaborationConfig.local_demo(PEERS * 8)
     assert config.robust_on and config.defence.robust_tau is None  # the radius is derived
     rng = np.random.default_rng(3)
