@@ -8,10 +8,12 @@ its own batches) for ``--epochs`` epochs; peer 3 is hostile. Attacks:
 * ``lying_reducer``: as a reducer, returns -1000 x the aggregate of its share;
 * ``sign_flip``: sends -1000 x its gradient;
 * ``free_rider``: reports its samples to progress as usual but sends nothing when averaging
-  (weight 0): the cost of a peer whose samples count toward every epoch while its gradient
-  counts for nothing. The defences make a flipped gradient count for nothing (its part is far
+  (weight 0). The defences make a flipped gradient count for nothing (its part is far
   outside CenteredClip's derived radius, :data:`~dedloc_jax.averaging.verify.OUTLIER`), so
-  ``sign_flip`` costs what this row costs, to float32 rounding (``loss_vs_free_rider``);
+  ``sign_flip`` costs what this row costs, to float32 rounding (``loss_vs_free_rider``): the
+  samples it claimed for the first epoch, after which a verified round has shown that its
+  contribution weighs nothing and progress counts its claims as 0
+  (:func:`dedloc_jax.rounds.claims.weightless`);
 * the progress and claim attacks of :mod:`bench.attacks_progress`, mounted from the hostile
   peer's own DHT node (one without the run's schemas, :func:`~dedloc_jax.testing.
   open_sim_attacker`) while peer 3 trains honestly: ``hijack_epoch`` (one record at epoch
@@ -38,7 +40,7 @@ dominate a run this small and whose number depends on when a probe's poll finds 
 not on the defences (4 or 6 probes in one run: bytes_ratio 1.01 or 1.49).
 The last line is one JSON object.
 
-    python -m bench.byzantine [--epochs 12] [--dim 256] [--seed 0] [--batch 8]
+    python -m bench.byzantine [--epochs 12] [--dim 256] [--seed 0] [--batch 128]
 
 ``--processes``: the same attacks against real processes (a tiny sahajBERT run each), one row
 per attack; see :mod:`bench.byzantine_processes`.
@@ -68,13 +70,13 @@ from p2p.testing import SimNetwork, run_sim
 
 PEERS = 4
 HOSTILE = 3
-BATCH = 8
+BATCH = 128
 """Samples per micro-step (``--batch``). At 8 a peer's epoch gradient (32-40 samples of 256
-dimensions) is mostly noise and the loss at epoch 12 follows the samples each step averaged:
-one draw of batches against another moves it by 8% (sd), and a step with a quarter of the
-samples missing costs 1.47-1.52 x (least squares offline, 6 draws x 3 seeds). At 128 the loss
-follows the steps (sd 4-7%; a missing quarter: 1.03-1.06 x): the defences' cost, not the
-draw's."""
+dimensions) is mostly noise and the loss at epoch 12 follows the batches drawn: two clean runs
+with different draws differ by about 8% (sd), so no defence can show a 10% criterion there,
+and a step with a quarter of the samples missing costs 1.47-1.52 x (least squares offline, 6
+draws x 3 seeds). At 128 the loss follows the steps (sd 4-7%; a missing quarter: 1.03-1.06
+x): the defences' cost, not the draw's."""
 MICRO_S = 0.1  # virtual seconds per micro-step
 LR = 0.2  # E[x x^T] = I: stable, and the gradient noise stays below the signal at dim 256
 ATTACKS = ("lying_reducer", "sign_flip", "free_rider")
