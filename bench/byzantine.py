@@ -7,6 +7,13 @@ its own batches) for ``--epochs`` epochs; peer 3 is hostile. Attacks:
 
 * ``lying_reducer``: as a reducer, returns -1000 x the aggregate of its share;
 * ``sign_flip``: sends -1000 x its gradient;
+* ``free_rider``: reports its samples to progress as usual but sends nothing when averaging
+  (weight 0). The defences make a flipped gradient count for nothing (its part is far
+  outside CenteredClip's derived radius, :data:`~dedloc_jax.averaging.verify.OUTLIER`), so
+  ``sign_flip`` costs what this row costs, to float32 rounding (``loss_vs_free_rider``): the
+  samples it claimed for the first epoch, after which a verified round has shown that its
+  contribution weighs nothing and progress counts its claims as 0
+  (:func:`dedloc_jax.rounds.claims.weightless`);
 * the progress and claim attacks of :mod:`bench.attacks_progress`, mounted from the hostile
   peer's own DHT node (one without the run's schemas, :func:`~dedloc_jax.testing.
   open_sim_attacker`) while peer 3 trains honestly: ``hijack_epoch`` (one record at epoch
@@ -33,7 +40,7 @@ dominate a run this small and whose number depends on when a probe's poll finds 
 not on the defences (4 or 6 probes in one run: bytes_ratio 1.01 or 1.49).
 The last line is one JSON object.
 
-    python -m bench.byzantine [--epochs 12] [--dim 256] [--seed 0]
+    python -m bench.byzantine [--epochs 12] [--dim 256] [--seed 0] [--batch 128]
 
 ``--processes``: the same attacks against real processes (a tiny sahajBERT run each), one row
 per attack; see :mod:`bench.byzantine_processes`.
@@ -63,10 +70,17 @@ from p2p.testing import SimNetwork, run_sim
 
 PEERS = 4
 HOSTILE = 3
-BATCH = 8
+BATCH = 128
+"""Samples per micro-step (``--batch``). At 8 a peer's epoch gradient (32-40 samples of 256
+dimensions) is mostly noise and the loss at epoch 12 follows the batches drawn: two clean runs
+with different draws differ by about 8% (sd), so no defence can show a 10% criterion there,
+and a step with a quarter of the samples missing costs 1.47-1.52 x (least squares offline, 6
+draws x 3 seeds). At 128 the loss follows the steps (sd 4-7%; a missing quarter: 1.03-1.06
+x): the defences' cost, not the draw's."""
 MICRO_S = 0.1  # virtual seconds per micro-step
 LR = 0.2  # E[x x^T] = I: stable, and the gradient noise stays below the signal at dim 256
-ATTACKS = ("lying_reducer", "sign_flip")
+ATTACKS = ("lying_reducer", "sign_flip", "free_rider")
+UNDEFENDED = ("lying_reducer", "sign_flip")  # attacks also run without the defences
 PROGRESS_ATTACKS = (
     "hijack_epoch",
     "keep_leading",
@@ -161,18 +175,22 @@ def lying_reducer(peer_id: list[str]) -> Iterator[None]:
 class Task:
     """The least-squares problem: peers' batches, the evaluation set, loss and gradient."""
 
-    def __init__(self, dim: int, seed: int) -> None:
+    def __init__(self, dim: int, seed: int, batch: int = BATCH) -> None:
         rng = np.random.default_rng(seed)
         self.dim = dim
+        self.batch_size = batch
         self.truth = rng.standard_normal(dim).astype(np.float32) / np.sqrt(dim)
         self.eval_x = rng.standard_normal((256, dim)).astype(np.float32)
         self.eval_y = self.eval_x @ self.truth
         self.seed = seed
 
     def batch(self, peer: int, step: int) -> tuple[np.ndarray, np.ndarray]:
-        rng = np.random.default_rng([self.seed, peer, step])
-        x = rng.standard_normal((BATCH, self.dim)).astype(np.float32)
-        y = x @ self.truth + 0.1 * rng.standard_normal(BATCH).astype(np.float32)
+        # The last entropy word is non-zero: SeedSequence drops trailing zeros, so
+        # [seed, 0, 0] was the task's own stream and peer 0's first batch held 16 x the truth
+        # and seven evaluation rows (every run's loss at seed 0 about half its typical figure).
+        rng = np.random.default_rng([self.seed, peer, step, 1])
+        x = rng.standard_normal((self.batch_size, self.dim)).astype(np.float32)
+        y = x @ self.truth + 0.1 * rng.standard_normal(self.batch_size).astype(np.float32)
         return x, y
 
     @staticmethod
@@ -185,7 +203,8 @@ class Task:
 
 
 def run(attack: str | None, defended: bool, epochs: int, task: Task, seed: int) -> dict[str, Any]:
-    target = PEERS * BATCH * 4
+    batch = task.batch_size
+    target = PEERS * batch * 4
     config = CollaborationConfig.local_demo(target).replace(
         defence=DefenceConfig(robust=defended, verify=defended)
     )
@@ -229,21 +248,22 @@ def run(attack: str | None, defended: bool, epochs: int, task: Task, seed: int) 
                         await trio.sleep(MICRO_S)
                         x, y = task.batch(i, step)
                         step += 1
-                        acc += task.grad(w[i], x, y) * BATCH
-                        samples += BATCH
-                        if core.report(epoch, samples, BATCH):
+                        acc += task.grad(w[i], x, y) * batch
+                        samples += batch
+                        if core.report(epoch, samples, batch):
                             break
                     g = acc / samples
                     if i != HOSTILE:
                         step_samples[epoch].append(samples)
                     if attack == "sign_flip" and i == HOSTILE:
                         g = g * np.float32(-1000.0)
-                    outcome = await core.average(epoch, [g], samples)
+                    free_ride = attack == "free_rider" and i == HOSTILE
+                    outcome = await core.average(epoch, [g], 0 if free_ride else samples)
                     groups[i].append(outcome.group_size)
                     w[i] = w[i] - LR * np.asarray(outcome.average[0], np.float32)
                     if i == 0:
                         steps_at.append(trio.current_time())
-                        curve.append(round(task.loss(w[0]), 4))
+                        curve.append(task.loss(w[0]))
                         fed.append(sum(s for s in step_samples[epoch]))
                     if banned_at[i] is None and core.bans.is_banned(liar[0]):
                         banned_at[i] = epoch + 1
@@ -274,6 +294,7 @@ def run(attack: str | None, defended: bool, epochs: int, task: Task, seed: int) 
             out["honest_rounds"] = len(honest) * epochs
             out["bans"] = cores[0].bans.listing()
             out["curve"] = curve
+            out["loss0"] = task.loss(np.zeros(task.dim, np.float32))
             out["groups"] = groups[0]
             out["honest_samples"] = fed
 
@@ -311,13 +332,18 @@ def _progress_row(attack: str, r: dict[str, Any], clean: dict[str, Any]) -> dict
 
 
 def _loss_at_samples(clean: dict[str, Any], samples: int) -> float:
-    """The clean run's loss after its first step by which its honest peers had fed
-    ``samples`` (its last loss if it never fed that many)."""
-    fed = 0
+    """The clean run's loss when its honest peers had fed ``samples``: interpolated in log
+    loss between the steps around it (its last loss if it never fed that many). Its first
+    step at or past ``samples`` had fed up to an epoch more (one honest micro-step per peer
+    more per epoch, 48 of 1344 samples, made claim_samples look 8% worse than clean at equal
+    samples; its curve, rounded to 4 digits, another 1%)."""
+    fed, before = 0, (0, clean["loss0"])
     for loss, n in zip(clean["curve"], clean["honest_samples"], strict=True):
         fed += n
         if fed >= samples:
-            return loss
+            frac = (samples - before[0]) / (fed - before[0])
+            return float(np.exp(np.log(before[1]) + frac * (np.log(loss) - np.log(before[1]))))
+        before = (fed, loss)
     return clean["curve"][-1]
 
 
@@ -331,6 +357,7 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=12)
     parser.add_argument("--dim", type=int, default=256)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--batch", type=int, default=BATCH, help="samples per micro-step")
     parser.add_argument(
         "--attacks", nargs="*", default=[*ATTACKS, *PROGRESS_ATTACKS], help="(default: all)"
     )
@@ -355,7 +382,7 @@ def main() -> None:
         byzantine_processes.main(args)
         return
     logging.basicConfig(level=logging.ERROR)
-    task = Task(args.dim, args.seed)
+    task = Task(args.dim, args.seed, args.batch)
     wall = time.monotonic()
     clean = {d: run(None, d, args.epochs, task, args.seed) for d in (True, False)}
     rows = []
@@ -382,10 +409,21 @@ def main() -> None:
             4,
         ),
         "loss_ratio": round(clean[True]["honest_loss"] / clean[False]["honest_loss"], 4),
+        # the same at equal honest samples: the runs' timings differ, and an epoch closing one
+        # micro-step earlier in one of them made loss_ratio 1.056 at seed 0 (the aggregates
+        # equal to 5e-8)
+        "loss_ratio_equal_samples": round(
+            clean[True]["honest_loss"]
+            / _loss_at_samples(clean[False], sum(clean[True]["honest_samples"])),
+            4,
+        ),
     }
+    losses: dict[str, float] = {}
     for attack in (a for a in ATTACKS if a in args.attacks):
-        for d in (True, False):
+        for d in (True, False) if attack in UNDEFENDED else (True,):
             r = run(attack, d, args.epochs, task, args.seed)
+            if d:
+                losses[attack] = r["honest_loss"]
             first = min((b for b in r["banned_at"] if b is not None), default=None)
             rows.append(
                 {
@@ -402,6 +440,9 @@ def main() -> None:
                     "bans": [(b["role"], b["reason"][:60]) for b in r["bans"]][:2],
                 }
             )
+    for row in rows:  # the flip's cost against withheld data alone (1.0: nothing got through)
+        if row["attack"] == "sign_flip" and row["defences"] and "free_rider" in losses:
+            row["loss_vs_free_rider"] = round(row["honest_loss"] / losses["free_rider"], 4)
     for attack in (a for a in PROGRESS_ATTACKS if a in args.attacks):
         rows.append(
             _progress_row(attack, run(attack, True, args.epochs, task, args.seed), clean[True])
@@ -414,6 +455,7 @@ def main() -> None:
             {
                 "epochs": args.epochs,
                 "dim": args.dim,
+                "batch": args.batch,
                 "peers": PEERS,
                 "rows": rows,
                 "overhead": overhead,

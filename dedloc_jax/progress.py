@@ -192,6 +192,7 @@ def estimate_collaboration(
     me: str | None = None,
     proven: Callable[[str], bool] | None = None,
     began: Mapping[str, float] | None = None,
+    void: Callable[[str], bool] | None = None,
 ) -> CollaborationEstimate:
     """Sum the progress of the peers at the global epoch, extrapolated to ``now``.
 
@@ -202,7 +203,10 @@ def estimate_collaboration(
     of one that has not count at most as the median peer's (:data:`CLAIM_CAP` times it for
     the others). ``began``: when some peers began the epoch, as we saw it (our mates, who
     stepped into it with us); their samples count for at most :data:`PLAUSIBLE` times what
-    their counted rate makes in the time since.
+    their counted rate makes in the time since. ``void``: whether a peer's samples and rate
+    count for nothing (its contribution to a round weighed nothing:
+    :func:`dedloc_jax.rounds.claims.weightless`); ours always count, so an epoch closes on our
+    own samples if every other peer is void.
     """
     records = list(records)
     # Only trainers move the epoch: clients may lag or lie about it, aux peers follow.
@@ -214,12 +218,19 @@ def estimate_collaboration(
     def unproven(r: PeerProgress) -> bool:
         return proven is not None and r.peer_id != me and not proven(r.peer_id)
 
+    def voided(r: PeerProgress) -> bool:
+        return void is not None and r.peer_id != me and void(r.peer_id)
+
     def rate(r: PeerProgress) -> float:
         if r.peer_id == me:
             return r.samples_per_second
+        if voided(r):
+            return 0.0
         return min(r.samples_per_second, rate_cap / CLAIM_CAP if unproven(r) else rate_cap)
 
     def held(r: PeerProgress) -> float:
+        if voided(r):
+            return 0.0
         if r.waiting:  # a waiting peer's rate is its pace when it trains, not now
             return plausible(r, r.samples)
         elapsed = min(max(0.0, now - r.time), max_extrapolation)
@@ -238,7 +249,7 @@ def estimate_collaboration(
 
     # The samples bound counts peers that have none yet and never falls below an equal share of
     # the target, so it only grows with time: an estimate must not shrink while peers train.
-    counted = [held(r) for r in at_epoch if r.mode != "aux"]
+    counted = [held(r) for r in at_epoch if r.mode != "aux" and not voided(r)]
     share = target_batch_size / max(1, len(counted))
     median = statistics.median_low(counted) if counted else math.inf
     samples_cap = max(CLAIM_CAP * median, share)
@@ -250,7 +261,10 @@ def estimate_collaboration(
     for r in at_epoch:
         if r.peer_id != me:
             waiting += r.waiting
-            computing += not r.waiting and (r.samples > 0 or r.samples_per_second > 0)
+            # (a void peer's samples would not count: nobody waits for them)
+            computing += (
+                not r.waiting and not voided(r) and (r.samples > 0 or r.samples_per_second > 0)
+            )
         else:
             own, own_rate = held(r), rate(r)
         # Our own count is exact; every other one is a claim, bounded by the median peer's.

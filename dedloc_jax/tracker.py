@@ -124,6 +124,8 @@ class ProgressTracker:
         self._averaged_with: dict[str, int] = {}
         self._mates_began: float | None = None
         self._rates: dict[str, float] = {}  # each peer's last non-zero published rate
+        # Peers whose samples count for nothing: see weighed.
+        self.void: set[str] = set()
 
     # --- the target ------------------------------------------------------------------------
     def use_target(self, target: int) -> None:
@@ -384,6 +386,21 @@ class ProgressTracker:
         while len(self._averaged_with) > MAX_LOGGED:
             del self._averaged_with[next(iter(self._averaged_with))]
 
+    def weighed(self, void: set[str], counted: set[str]) -> None:
+        """A verified round we took part in weighed nothing of ``void``'s contributions and
+        something of ``counted``'s: the first count no samples until a round shows them
+        weighing again (:mod:`dedloc_jax.rounds.claims`). One that claims no samples at our
+        epoch (a newcomer averaging with weight 0) lied about nothing and is not marked."""
+        for peer in void - {self.peer_id}:
+            r = self.records.get(peer)
+            if r is None or r.epoch != self.epoch or r.samples > 0:
+                if peer not in self.void:
+                    log.info("peer %s's contribution weighed nothing: its samples count 0", peer)
+                self.void.add(peer)
+        self.void -= counted
+        while len(self.void) > MAX_LOGGED:
+            self.void.pop()
+
     def proven(self, peer: str) -> bool:
         """Whether ``peer``'s claims count in full: it averaged with us, or another peer
         vouched that it averaged with them, or we have averaged with nobody yet (then nobody
@@ -513,6 +530,7 @@ class ProgressTracker:
             me=self.peer_id,
             proven=self.proven,
             began=self._began(),
+            void=self.void.__contains__,
         )
 
     def _began(self) -> dict[str, float]:

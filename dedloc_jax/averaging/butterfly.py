@@ -24,8 +24,8 @@ import hashlib
 import logging
 import math
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, replace
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -50,6 +50,7 @@ from .reducer import Reducer
 from .repair import Repair, expect_done, receive_finals, send_finals
 from .round_plan import Holdings, RoundPlan
 from .verify import NO_HASH, Statement, make_hello, parse_signed_hello
+from .weighing import kept_of
 
 logger = logging.getLogger(__name__)
 
@@ -88,6 +89,9 @@ class AllReduceResult:
     shares: tuple[ShareResult, ...]
     accusations: tuple[Accusation, ...] = ()
     """Peers this member caught lying in the round, with evidence (verified rounds only)."""
+    kept: Mapping[str, float] = field(default_factory=dict)
+    """Per sender, the fraction of its values the aggregate weighed (verified rounds only:
+    :func:`.weighing.kept_fractions`; empty otherwise)."""
 
     @property
     def contributors(self) -> tuple[frozenset[str], ...]:
@@ -701,4 +705,5 @@ async def all_reduce(
         )
     assert rnd.out is not None
     accusations = verdict.accusations if verdict is not None else ()
-    return AllReduceResult(unflatten(rnd.out, spec), rnd.out, tuple(shares), accusations)
+    kept = kept_of(rnd) if verdict is not None else {}
+    return AllReduceResult(unflatten(rnd.out, spec), rnd.out, tuple(shares), accusations, kept)

@@ -33,6 +33,7 @@ from dedloc_jax.averaging.partition import share_bounds
 from dedloc_jax.bans import Bans
 from dedloc_jax.history import RoundOutcome
 from dedloc_jax.rounds.across import AcrossGroups, averaged_weight, broadcast_codec, cross_average
+from dedloc_jax.rounds.claims import weightless
 from dedloc_jax.rounds.deadlines import Deadlines
 from dedloc_jax.rounds.gather import SparseGather
 from dedloc_jax.rounds.matchmaking import Matchmaker
@@ -61,6 +62,11 @@ class PeerTable(Protocol):
     """How this peer takes part now ("node", "client", "aux")."""
     dht_latency: float
     """Smoothed seconds per DHT read."""
+
+    def weighed(self, void: set[str], counted: set[str]) -> None:
+        """A verified round weighed nothing of ``void``'s contributions and something of
+        ``counted``'s: the sample claims of the first stop counting, the others' count again
+        (:func:`~dedloc_jax.rounds.claims.weightless`)."""
 
 
 @dataclass(frozen=True)
@@ -155,6 +161,7 @@ class Rounds:
         except BaseExceptionGroup as group:
             return None, str(_only_averaging(group))
         await self.convict(result)
+        self.table.weighed(*weightless(result.kept))
         return result, ""
 
     @property

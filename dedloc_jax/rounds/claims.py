@@ -18,13 +18,18 @@ The leader bounds its own weight by the same rule, and a follower refuses a spec
 weight breaks it (:func:`excess_weight`): every member counts the spec's weights, and a lying
 leader wrote 2**53 for itself (a plain mean, in a group of two or a private run, was then its
 vector alone).
+
+A peer's sample claims count toward the target only while its contribution weighs
+(:func:`weightless`): one whose gradient the robust aggregation weighed at nothing (a -1000x
+sign flip), or that registered or signed weight 0, still had its samples counted, and the
+honest peers stepped with three quarters of a clean run's samples (bench.byzantine).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from dedloc_jax.averaging.group import Member
 from dedloc_jax.progress import CLAIM_CAP, claim_cap
@@ -80,3 +85,21 @@ def excess_weight(members: Sequence[Member], share: float = 0.0) -> str | None:
         if m.sends and m.weight > weight * (1 + 1e-9):
             return f"member {m.peer_id[:8]} weighs {m.weight:.3g}, over the bound {weight:.3g}"
     return None
+
+
+MIN_KEPT = 0.5
+"""A sender whose part weighed nothing over more than half of the values it sent in a verified
+round counts no samples toward the target (:func:`weightless`). The robust weight of a part is
+either its capped weight, never below ``WEIGHT_CAP`` medians (> 0: CenteredClip's clipping to
+the radius, an honest part's bad luck, scales its pull, not this weight), or zero for a part
+over ``verify.OUTLIER`` radii (ten upper medians of the chunk's norms). No honest gradient is
+ten times its peers' (OUTLIER's premise) but in a chunk or two that its batch alone touched:
+an honest sender keeps nearly all of its values, a -1000x one none; half is far from both."""
+
+
+def weightless(kept: Mapping[str, float]) -> tuple[set[str], set[str]]:
+    """From a verified round's :attr:`~dedloc_jax.averaging.AllReduceResult.kept`: the senders
+    whose sample claims count for nothing from now on (they kept under :data:`MIN_KEPT`),
+    and those that contributed with real weight (their claims count again)."""
+    void = {peer for peer, fraction in kept.items() if fraction < MIN_KEPT}
+    return void, set(kept) - void

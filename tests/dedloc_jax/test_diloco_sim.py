@@ -26,7 +26,12 @@ import numpy as np
 import optax
 import trio
 
-from dedloc_jax.config import CollaborationConfig, ProgressConfig, ReachabilityConfig
+from dedloc_jax.config import (
+    CollaborationConfig,
+    DefenceConfig,
+    ProgressConfig,
+    ReachabilityConfig,
+)
 from dedloc_jax.diloco import DiLoCoState, diloco, outer_params_after_step
 from dedloc_jax.host import AveragingOutcome
 from dedloc_jax.opening import open_collaboration
@@ -331,3 +336,35 @@ def test_a_two_epoch_partition_heals_to_one_lineage() -> None:
     assert (3, split["at"], 2) in apart and (0, split["at"], 3) in apart  # two sides averaged
     assert sum(p.keeper.forks for p in peers[3:]) >= 1  # the minority loaded the majority's
     _assert_one_lineage(peers, outer_steps)
+
+
+def test_a_sign_flipping_peer_counts_no_samples_toward_the_outer_step() -> None:
+    """One of four sends -1000 x its pseudo-gradient under the open-run defences: its part
+    weighs nothing, and from the outer step after the first its samples count 0 toward the
+    target, so the honest peers' steps hold the whole target (72 samples of 64 each; before,
+    48: its quarter counted at every step)."""
+    config = CONFIG.replace(defence=DefenceConfig(robust=True, verify=True))
+    outer_steps = 4
+    fed: dict[int, int] = {}
+
+    async def main() -> None:
+        net = SimNetwork(seed=3)
+        async with open_sim_collaboration(net, 4, config=config, latency=0.01) as cores:
+            peers = [Peer(core, seed=i) for i, core in enumerate(cores)]
+            for i, core in enumerate(cores):
+                average = core.average
+
+                async def hooked(epoch, arrays, samples, _i=i, _average=average, **kw):
+                    if _i == 3:  # the flipper
+                        arrays = [np.float32(-1000.0) * a for a in arrays]
+                    else:
+                        fed[epoch] = fed.get(epoch, 0) + samples
+                    return await _average(epoch, arrays, samples, **kw)
+
+                core.average = hooked
+            async with trio.open_nursery() as nursery:
+                for p in peers:
+                    nursery.start_soon(p.train, outer_steps, peers)
+
+    _run(main)
+    assert min(fed[e] for e in range(1, outer_steps)) >= 0.95 * TARGET, fed

@@ -226,3 +226,26 @@ def test_a_mates_samples_are_bounded_by_its_rate_and_the_time_since_the_epoch_be
         began=began,
     )
     assert waiting.samples == pytest.approx(3 * 100 + 200)  # waiting is no way around it
+
+
+def test_void_peers_count_nothing_and_our_own_samples_still_close_the_target() -> None:
+    """Peers whose contribution weighed nothing (rounds.claims.weightless) add neither samples
+    nor rate, nor keep us from the straggler's shortcut; if every other peer is void, the
+    epoch closes on our own samples alone (no stall)."""
+    records = [_p("me", 3, 40, 10.0, 0.0), _p("b", 3, 40, 10.0, 0.0), _p("c", 3, 40, 10.0, 0.0)]
+    whole = estimate_collaboration(records, now=0.0, target_batch_size=100, me="me")
+    assert whole.samples == pytest.approx(120) and whole.ready
+    some = estimate_collaboration(
+        records, now=0.0, target_batch_size=100, me="me", void={"c"}.__contains__
+    )
+    assert some.samples == pytest.approx(80) and some.samples_per_second == pytest.approx(20)
+    assert not some.ready
+    alone = estimate_collaboration(
+        records, now=3.0, target_batch_size=100, me="me", void={"b", "c"}.__contains__
+    )
+    assert alone.samples == pytest.approx(70) and alone.others_samples == 0.0
+    assert alone.eta == pytest.approx(3.0)  # our own rate closes it
+    later = estimate_collaboration(
+        records, now=6.0, target_batch_size=100, me="me", void=lambda pid: True
+    )
+    assert later.ready  # (void never applies to ourselves)
