@@ -74,6 +74,9 @@ class RoundConfig(_Group):
     # (adaptive: small and 1-D leaves fp16, matrices int8; averaging/leaf_codecs.py)
     codec: str = "fp16"
     on_no_group: Literal["local", "skip"] = "local"  # no group in time: step alone, or skip
+    # Begin matchmaking when the ETA to the target is below what matchmaking takes, computing
+    # on meanwhile; the round still averages only at the target (rounds/early.py).
+    match_early: bool = True
 
     def __post_init__(self) -> None:
         if self.max_group_size < 1:

@@ -96,7 +96,11 @@ class CollaborationPeer:
             return False  # until the others move on (we are then behind)
         # Not before a table read that began after our first report: peers that opened with
         # us may be missing from the one read at opening, and we would step without them.
-        return est.ready and self.tracker.table_fresh
+        if not self.tracker.table_fresh:
+            return False
+        if not est.ready and self.mode != "aux":  # the group forms while we compute
+            self.stepper.match_early(epoch, samples, est, lambda: self._peers_at(epoch))
+        return est.ready
 
     def _round_began_without_us(self, epoch: int, est: CollaborationEstimate) -> bool:
         """At our first report toward ``epoch``: whether every other peer that contributes to

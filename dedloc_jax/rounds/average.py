@@ -34,6 +34,7 @@ from dedloc_jax.bans import Bans
 from dedloc_jax.history import RoundOutcome
 from dedloc_jax.rounds.across import AcrossGroups, averaged_weight, broadcast_codec, cross_average
 from dedloc_jax.rounds.deadlines import Deadlines
+from dedloc_jax.rounds.early import EarlyGroups
 from dedloc_jax.rounds.gather import SparseGather
 from dedloc_jax.rounds.matchmaking import Matchmaker
 from dedloc_jax.rounds.wire import member_for
@@ -86,6 +87,8 @@ class Rounds:
     """Where caught liars go (and are published); None: nobody is banned."""
     gather: SparseGather | None = None
     """The all-gather of sparse payloads (``codec`` a :class:`~dedloc_jax.TopK`)."""
+    early: EarlyGroups | None = None
+    """Groups formed ahead of the target (None: each when its round begins)."""
 
     @property
     def node(self) -> Node:
@@ -95,6 +98,26 @@ class Rounds:
         """This peer's member entry now: its mode and measured links, bringing ``weight``."""
         up, down = self.links.bandwidth()
         return member_for(str(self.node.peer_id), self.table.mode, up, down, weight)
+
+    async def group(
+        self,
+        epoch: int,
+        me: Member,
+        *,
+        target: float,
+        expected: set[str],
+        deadlines: Deadlines,
+    ) -> tuple[GroupSpec | None, float]:
+        """``epoch``'s level-0 group (None: go alone) and how far apart its members may begin
+        averaging (:meth:`EarlyGroups.group`)."""
+        if self.early is None:
+            spec = await self.matchmaker.form_group(
+                epoch, me, target=target, expected=expected, deadlines=deadlines
+            )
+            return spec, 0.0
+        return await self.early.group(
+            epoch, me, target=target, expected=expected, deadlines=deadlines
+        )
 
     def all_reduce_config(self) -> AllReduceConfig | None:
         """The node's all-reduce settings with this run's robust aggregation and checks."""
@@ -207,14 +230,14 @@ async def average_round(
         )
     matchmaker = rounds.matchmaker
     started = trio.current_time()
-    spec = await matchmaker.form_group(
+    spec, late = await rounds.group(
         epoch, me, target=target, expected=expected, deadlines=deadlines
     )
     own = [np.asarray(a) for a in arrays]
     this = ThisRound(epoch, deadlines, codec, target, me.mode)
     result = this.outcome(own, 1, False, NO_GROUP)
     if spec is not None:
-        result = await _in_group(rounds, this, spec, me, arrays, started, on_averaged)
+        result = await _in_group(rounds, this, spec, me, arrays, started, on_averaged, late)
     elif matchmaker.needs_cross(epoch) and me.sends:  # alone among several groups
         mean, size, whole = await cross_average(rounds, this, None, own, me.weight, deadlines)
         reason = "alone in our group, and the round across groups failed"
@@ -253,10 +276,11 @@ async def _in_group(
     arrays: Sequence[np.ndarray],
     started: float,
     on_averaged: Callable[[GroupSpec], None] | None,
+    late: float = 0.0,
 ) -> RoundOutcome:
-    """The level-0 all-reduce in ``spec``, then the round across groups if the leader saw
-    several groups. An aux member's template of zeros stands in for the mean it holds none
-    of."""
+    """The level-0 all-reduce in ``spec`` (members begin it up to ``late`` seconds apart),
+    then the round across groups if the leader saw several groups. An aux member's template
+    of zeros stands in for the mean it holds none of."""
     epoch = this.epoch
     own = [np.asarray(a) for a in arrays]
     try:
@@ -273,7 +297,7 @@ async def _in_group(
             deadlines.averaging,
         )
         averaged, failure = await rounds.all_reduce(
-            spec, arrays, me.weight, this.codec, this.deadlines
+            spec, arrays, me.weight, this.codec, this.deadlines, late_start=late
         )
     if averaged is None:
         return this.outcome(own, 1, False, f"the all-reduce failed: {failure}", error=failure)
@@ -313,7 +337,7 @@ async def _sparse_round(
     data = pack(cfg, unpack(cfg, pack(cfg, (offsets, codes, scales), n), n), n)
     own = [decode(cfg, unpack(cfg, data, n), n)]
     started = trio.current_time()
-    spec = await rounds.matchmaker.form_group(
+    spec, late = await rounds.group(
         epoch, me, target=target, expected=expected, deadlines=deadlines
     )
     this = ThisRound(epoch, deadlines, "topk", target, me.mode)
@@ -324,6 +348,7 @@ async def _sparse_round(
         timeout = deadlines.for_group(
             spec.lower_bound(volume), rounds.table.dht_latency, override=rounds.averaging_timeout
         ).averaging
+        timeout += late  # members begin up to that far apart (a group formed ahead)
         got = await rounds.gather.gather(
             spec, cfg, data if me.sends else None, n, me.weight, timeout=timeout
         )
