@@ -71,10 +71,14 @@ class EarlyGroups:
                 self._nursery = None
 
     def lead(self, deadlines: Deadlines) -> float:
-        """How long before the target to begin: the expected matchmaking time (two windows
-        before any was measured), with a margin, within the longest registration wait."""
-        expected = 2 * deadlines.window if self._seconds is None else self._seconds
-        return min(deadlines.max_wait, LEAD_MARGIN * expected)
+        """How long before the target to begin: one window (how far apart peers notice the
+        ETA, a micro-step and a table read each) plus the expected matchmaking time (a window
+        before any was measured) with a margin, within the longest registration wait. (With
+        the measured time alone, a matchmaking that found everyone at once shrank the lead
+        below a micro-step: the next epoch, a peer went from "not due" to "ready" in one step,
+        and the others waited for its late registration.)"""
+        expected = deadlines.window if self._seconds is None else self._seconds
+        return min(deadlines.max_wait, deadlines.window + LEAD_MARGIN * expected)
 
     def due(self, epoch: int, eta: float, deadlines: Deadlines) -> bool:
         """Whether to begin ``epoch``'s matchmaking now, ``eta`` seconds before its target."""
