@@ -41,7 +41,8 @@ def _run(config: CollaborationConfig) -> dict[str, Any]:
                             break
                     seen["ready"][i, epoch] = trio.current_time()
                     grad = np.full(8, float(i + 1), np.float32)
-                    seen["out"][i, epoch] = (samples, await cores[i].average(epoch, [grad], samples))
+                    out = await cores[i].average(epoch, [grad], samples)
+                    seen["out"][i, epoch] = (samples, out)
 
             async with trio.open_nursery() as nursery:
                 for i in range(PEERS):
