@@ -107,14 +107,13 @@ class Rounds:
         target: float,
         expected: set[str],
         deadlines: Deadlines,
-    ) -> tuple[GroupSpec | None, float]:
-        """``epoch``'s level-0 group (None: go alone) and how far apart its members may begin
-        averaging (:meth:`EarlyGroups.group`)."""
+    ) -> GroupSpec | None:
+        """``epoch``'s level-0 group (None: go alone), planned ahead of the target if that
+        began (:meth:`EarlyGroups.group`); ``me``: what we bring now."""
         if self.early is None:
-            spec = await self.matchmaker.form_group(
+            return await self.matchmaker.form_group(
                 epoch, me, target=target, expected=expected, deadlines=deadlines
             )
-            return spec, 0.0
         return await self.early.group(
             epoch, me, target=target, expected=expected, deadlines=deadlines
         )
@@ -230,14 +229,12 @@ async def average_round(
         )
     matchmaker = rounds.matchmaker
     started = trio.current_time()
-    spec, late = await rounds.group(
-        epoch, me, target=target, expected=expected, deadlines=deadlines
-    )
+    spec = await rounds.group(epoch, me, target=target, expected=expected, deadlines=deadlines)
     own = [np.asarray(a) for a in arrays]
     this = ThisRound(epoch, deadlines, codec, target, me.mode)
     result = this.outcome(own, 1, False, NO_GROUP)
     if spec is not None:
-        result = await _in_group(rounds, this, spec, me, arrays, started, on_averaged, late)
+        result = await _in_group(rounds, this, spec, me, arrays, started, on_averaged)
     elif matchmaker.needs_cross(epoch) and me.sends:  # alone among several groups
         mean, size, whole = await cross_average(rounds, this, None, own, me.weight, deadlines)
         reason = "alone in our group, and the round across groups failed"
@@ -276,11 +273,10 @@ async def _in_group(
     arrays: Sequence[np.ndarray],
     started: float,
     on_averaged: Callable[[GroupSpec], None] | None,
-    late: float = 0.0,
 ) -> RoundOutcome:
-    """The level-0 all-reduce in ``spec`` (members begin it up to ``late`` seconds apart),
-    then the round across groups if the leader saw several groups. An aux member's template
-    of zeros stands in for the mean it holds none of."""
+    """The level-0 all-reduce in ``spec``, then the round across groups if the leader saw
+    several groups. An aux member's template of zeros stands in for the mean it holds none
+    of."""
     epoch = this.epoch
     own = [np.asarray(a) for a in arrays]
     try:
@@ -297,7 +293,7 @@ async def _in_group(
             deadlines.averaging,
         )
         averaged, failure = await rounds.all_reduce(
-            spec, arrays, me.weight, this.codec, this.deadlines, late_start=late
+            spec, arrays, me.weight, this.codec, this.deadlines
         )
     if averaged is None:
         return this.outcome(own, 1, False, f"the all-reduce failed: {failure}", error=failure)
@@ -337,9 +333,7 @@ async def _sparse_round(
     data = pack(cfg, unpack(cfg, pack(cfg, (offsets, codes, scales), n), n), n)
     own = [decode(cfg, unpack(cfg, data, n), n)]
     started = trio.current_time()
-    spec, late = await rounds.group(
-        epoch, me, target=target, expected=expected, deadlines=deadlines
-    )
+    spec = await rounds.group(epoch, me, target=target, expected=expected, deadlines=deadlines)
     this = ThisRound(epoch, deadlines, "topk", target, me.mode)
     result = this.outcome(own, 1, False, NO_GROUP)
     if spec is not None:
@@ -348,7 +342,6 @@ async def _sparse_round(
         timeout = deadlines.for_group(
             spec.lower_bound(volume), rounds.table.dht_latency, override=rounds.averaging_timeout
         ).averaging
-        timeout += late  # members begin up to that far apart (a group formed ahead)
         got = await rounds.gather.gather(
             spec, cfg, data if me.sends else None, n, me.weight, timeout=timeout
         )

@@ -1,20 +1,18 @@
-"""Matchmaking ahead of the target (:class:`EarlyGroups`): the group is formed while the peer
-still computes, and the round averages as soon as the target is reached.
+"""Matchmaking ahead of the target (:class:`EarlyGroups`): the slow part of matchmaking runs
+while the peer still computes, and the round averages as soon as the target is reached.
 
 A blocking peer used to stop at the target, then spend a whole matchmaking (registration,
 waiting for the others' registrations, joins: 7.5 s of a 40-peer run's 28.6 s epochs) before
 its all-reduce. hivemind and DeDLOC begin matchmaking when the progress tracker's ETA falls
 below the expected matchmaking time; so does a peer here (:meth:`EarlyGroups.due`), with the
-time its last matchmakings took. The group then waits for the target: each member begins the
-all-reduce when its own estimate reaches the target, never before, so members begin up to one
-matchmaking window apart (how far apart peers notice the target): the round's reducers wait
-that much longer for parts (``late_start``).
-
-Only when a group forms is there anything new: the group, its leader and its share split come
-from the same :meth:`~dedloc_jax.rounds.matchmaking.Matchmaker.form_group` as before, and a
-member's weight is the samples it expects to hold at the target (its samples plus its rate
-times the ETA), which the leader bounds like any claim. Every member counts the spec's
-weights, so all of them still compute the same mean.
+time its last matchmakings took. What runs ahead is
+:meth:`~dedloc_jax.rounds.matchmaking.Matchmaker.plan_group`: registering (with the samples
+we expect to hold at the target, which only tells others whether to wait for more) and reading
+the others' registrations, until the groups are planned. The join, which carries the samples
+a member holds, waits for the target (:meth:`~dedloc_jax.rounds.matchmaking.Matchmaker.
+join_group`): the leader forms the group once it reached the target itself and every planned
+member joined, and answers all of them at once, so the spec's weights are the samples each
+member averages and the members begin the all-reduce together.
 """
 
 from __future__ import annotations
@@ -27,7 +25,7 @@ import trio
 
 from dedloc_jax.averaging import GroupSpec, Member
 from dedloc_jax.rounds.deadlines import Deadlines
-from dedloc_jax.rounds.matchmaking import Matchmaker
+from dedloc_jax.rounds.matchmaking import Matchmaker, PlannedGroup
 
 log = logging.getLogger(__name__)
 
@@ -44,12 +42,12 @@ class _Early:
     deadlines: Deadlines
     began: float
     done: trio.Event = field(default_factory=trio.Event)
-    spec: GroupSpec | None = None
-    error: BaseException | None = None
+    planned: PlannedGroup | None = None
+    error: Exception | None = None
 
 
 class EarlyGroups:
-    """A peer's groups formed ahead of the target, and how long its matchmakings take.
+    """A peer's groups planned ahead of the target, and how long its matchmakings take.
 
     :meth:`run` must run (a task of the peer) for :meth:`begin` to start anything; without
     it every group forms when the round begins (:meth:`group`), as before."""
@@ -58,7 +56,7 @@ class EarlyGroups:
         self.matchmaker = matchmaker
         self._nursery: trio.Nursery | None = None
         self._epochs: dict[int, _Early] = {}
-        self._seconds: float | None = None  # smoothed seconds from matchmaking to a group
+        self._seconds: float | None = None  # smoothed seconds to plan a group
 
     async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         """Host the matchmakings begun ahead of the target (until cancelled)."""
@@ -72,7 +70,7 @@ class EarlyGroups:
 
     def lead(self, deadlines: Deadlines) -> float:
         """How long before the target to begin: one window (how far apart peers notice the
-        ETA, a micro-step and a table read each) plus the expected matchmaking time (a window
+        ETA, a micro-step and a table read each) plus the expected planning time (a window
         before any was measured) with a margin, within the longest registration wait. (With
         the measured time alone, a matchmaking that found everyone at once shrank the lead
         below a micro-step: the next epoch, a peer went from "not due" to "ready" in one step,
@@ -102,8 +100,8 @@ class EarlyGroups:
         expected: set[str],
         deadlines: Deadlines,
     ) -> None:
-        """Begin ``epoch``'s matchmaking now (``me.weight``: the samples we expect to hold at
-        the target); :meth:`group` hands its group to the round."""
+        """Begin planning ``epoch``'s group now (``me.weight``: the samples we expect to hold
+        at the target); :meth:`group` joins it."""
         if self._nursery is None or epoch in self._epochs:
             return
         for old in [e for e in self._epochs if e < epoch]:
@@ -112,9 +110,9 @@ class EarlyGroups:
         self._epochs[epoch] = early
         log.debug("epoch %d: matchmaking ahead of the target, weight %.0f", epoch, me.weight)
 
-        async def form() -> None:
+        async def plan() -> None:
             try:
-                early.spec = await self.matchmaker.form_group(
+                early.planned = await self.matchmaker.plan_group(
                     epoch, me, target=target, expected=expected, deadlines=deadlines
                 )
                 self._measured(trio.current_time() - early.began)
@@ -123,7 +121,7 @@ class EarlyGroups:
             finally:
                 early.done.set()
 
-        self._nursery.start_soon(form)
+        self._nursery.start_soon(plan)
 
     async def group(
         self,
@@ -133,23 +131,20 @@ class EarlyGroups:
         target: float,
         expected: set[str],
         deadlines: Deadlines,
-    ) -> tuple[GroupSpec | None, float]:
-        """``epoch``'s group, or None to go alone, and how far apart its members may begin
-        the all-reduce: the one begun ahead of the target (members begin at their own
-        target, up to a window apart), else one formed now (0: they begin together)."""
+    ) -> GroupSpec | None:
+        """``epoch``'s group, or None to go alone, with ``me`` (the samples we hold now): the
+        one planned ahead of the target, else one formed now."""
         early = self._epochs.pop(epoch, None)
         if early is None:
-            began = trio.current_time()
-            spec = await self.matchmaker.form_group(
+            return await self.matchmaker.form_group(
                 epoch, me, target=target, expected=expected, deadlines=deadlines
             )
-            if spec is not None:
-                self._measured(trio.current_time() - began)
-            return spec, 0.0
         await early.done.wait()
         if early.error is not None:
             raise early.error
-        return early.spec, early.deadlines.window
+        if early.planned is None:
+            return None
+        return await self.matchmaker.join_group(early.planned, me)
 
     def _measured(self, seconds: float) -> None:
         old = self._seconds
@@ -157,6 +152,5 @@ class EarlyGroups:
 
     def _drop(self, epoch: int) -> None:
         """Forget ``epoch``'s early matchmaking: the peer never stepped at it (it moved on)."""
-        early = self._epochs.pop(epoch)
-        if early.done.is_set():
-            self.matchmaker.decline(epoch)
+        self._epochs.pop(epoch)
+        self.matchmaker.decline(epoch)

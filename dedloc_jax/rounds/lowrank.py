@@ -88,13 +88,11 @@ async def powersgd_round(
     plan = cfg.plan([tuple(np.shape(a)) for a in arrays[:count]])
     ms, qs = plan.unpack_sent(arrays)
     started = trio.current_time()
-    spec, late = await rounds.group(
-        epoch, me, target=target, expected=expected, deadlines=deadlines
-    )
+    spec = await rounds.group(epoch, me, target=target, expected=expected, deadlines=deadlines)
     this = ThisRound(epoch, deadlines, cfg.codec, target, me.mode)
     result = this.outcome(_alone(plan, ms, qs), 1, False, NO_GROUP)
     if spec is not None:
-        result = await _two_phases(rounds, this, spec, me, plan, ms, qs, late)
+        result = await _two_phases(rounds, this, spec, me, plan, ms, qs)
         if result.group is not None and on_averaged is not None:
             on_averaged(spec)
     rounds.matchmaker.decline(epoch)
@@ -112,10 +110,8 @@ async def _two_phases(
     plan: LowRankPlan,
     ms: list[np.ndarray],
     qs: list[np.ndarray],
-    late: float = 0.0,
 ) -> RoundOutcome:
-    """Phases P and Q in ``spec`` (members begin phase P up to ``late`` seconds apart); a
-    failure of either is the round's (own M, as alone)."""
+    """Phases P and Q in ``spec``; a failure of either is the round's (own M, as alone)."""
     c = len(plan.compressed)
     codec = plan.cfg.codec
     log.info(
@@ -128,9 +124,7 @@ async def _two_phases(
     )
     started = trio.current_time()
     sent_p = plan.phase_p(ms, qs)
-    got, failure = await rounds.all_reduce(
-        spec, sent_p, me.weight, codec, this.deadlines, late_start=late
-    )
+    got, failure = await rounds.all_reduce(spec, sent_p, me.weight, codec, this.deadlines)
     if got is None:
         reason = f"phase P failed: {failure}"
         return this.outcome(_alone(plan, ms, qs), 1, False, reason, error=failure)
@@ -139,7 +133,7 @@ async def _two_phases(
     ps, local_qs = plan.phase_q(ms, mean_p[:c])
     mean_qs: list[np.ndarray] = []
     if c:
-        late += _phase_p_spread(rounds, this, spec, sent_p)
+        late = _phase_p_spread(rounds, this, spec, sent_p)
         got_q, failure = await rounds.all_reduce(
             spec,
             local_qs,

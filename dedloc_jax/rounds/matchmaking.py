@@ -99,6 +99,18 @@ class _Gathering:
         return now - self.start < 2 * self.deadlines.window
 
 
+@dataclass(frozen=True)
+class PlannedGroup:
+    """The group a peer planned for ``slot`` from the registrations (:meth:`Matchmaker.
+    plan_group`): its members in rank order (``mine``; the first leads) and the peers it
+    waits for that registered late; ``deadlines``: the round's."""
+
+    slot: Slot
+    mine: tuple[str, ...]
+    late: frozenset[str]
+    deadlines: Deadlines
+
+
 class Matchmaker:
     """Forms averaging groups for one peer; registers the ``collab.join`` handler.
 
@@ -242,25 +254,55 @@ class Matchmaker:
         decided early on an extrapolated estimate), longer while expected peers are missing
         (up to :attr:`max_wait`), or two windows when nobody is expected.
         """
+        try:
+            planned = await self.plan_group(
+                epoch, me, target=target, expected=expected, level=level, deadlines=deadlines
+            )
+            return None if planned is None else await self.join_group(planned, me)
+        finally:
+            # This peer's part in the epoch is over: a late join is answered at once.
+            self.slots[(epoch, level)].opened.set()
+
+    async def plan_group(
+        self,
+        epoch: int,
+        me: Member,
+        *,
+        target: float = 0.0,
+        expected: set[str] | frozenset[str] = frozenset(),
+        level: int = 0,
+        deadlines: Deadlines | None = None,
+    ) -> PlannedGroup | None:
+        """:meth:`form_group`'s first part: register, read the others' registrations and plan
+        the groups; None: this peer goes alone. It can run ahead of the target
+        (:mod:`~dedloc_jax.rounds.early`: ``me.weight`` is then the samples we expect to
+        hold); :meth:`join_group` then leads or joins with the weight we hold."""
         expected = {p for p in expected if not self.context.banned(p)}  # nobody waits for them
         if level == 0:
             expected = {p for p in expected if self._earned(p, epoch)}
         deadlines = self.deadlines if deadlines is None else deadlines
         self._answering = deadlines
-        try:
-            return await self._form_group((epoch, level), me, target, expected, deadlines)
-        finally:
-            # This peer's part in the epoch is over: a late join is answered at once.
-            self.slots[(epoch, level)].opened.set()
+        return await self._plan_group((epoch, level), me, target, expected, deadlines)
 
-    async def _form_group(
+    async def join_group(self, planned: PlannedGroup, me: Member) -> GroupSpec | None:
+        """:meth:`form_group`'s second part: lead ``planned``'s group or join its leader, with
+        ``me`` (its weight, the samples we hold now, goes into the spec)."""
+        self._answering = planned.deadlines
+        try:
+            return await self._lead_or_follow(
+                planned.slot, me, list(planned.mine), set(planned.late), planned.deadlines
+            )
+        finally:
+            self.slots[planned.slot].opened.set()  # our part in the slot is over
+
+    async def _plan_group(
         self,
         slot: Slot,
         me: Member,
         target: float,
         expected: set[str] | frozenset[str],
         deadlines: Deadlines,
-    ) -> GroupSpec | None:
+    ) -> PlannedGroup | None:
         epoch, level = slot
         if level == 0:
             self._remember(epoch, False)
@@ -326,7 +368,7 @@ class Matchmaker:
             )
             self._choose(slot, None)
             return None
-        return await self._lead_or_follow(slot, me, plan.mine, set(plan.late), deadlines)
+        return PlannedGroup(slot, tuple(plan.mine), frozenset(plan.late), deadlines)
 
     async def _register(
         self,

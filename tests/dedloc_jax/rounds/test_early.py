@@ -23,7 +23,7 @@ def _run(config: CollaborationConfig) -> dict[str, Any]:
     """``EPOCHS`` blocking rounds of four peers at unequal paces: per (peer, epoch), when its
     report first said ready, when its matchmaking began and found the group, when its
     all-reduce began, and what it got back."""
-    seen: dict[str, Any] = {"ready": {}, "match": {}, "grouped": {}, "reduce": {}, "out": {}}
+    seen: dict[str, Any] = {"ready": {}, "match": {}, "planned": {}, "reduce": {}, "out": {}}
 
     async def main() -> None:
         net = SimNetwork(seed=3)
@@ -53,15 +53,23 @@ def _run(config: CollaborationConfig) -> dict[str, Any]:
 
 
 def _watch(i: int, core: Any, seen: dict[str, Any]) -> None:
-    """Record when peer ``i`` begins matchmaking, finds its group and begins its all-reduce."""
+    """Record when peer ``i`` begins matchmaking, has planned its group and begins its
+    all-reduce."""
     matchmaker, rounds = core.matchmaker, core.rounds
     form_group, all_reduce = matchmaker.form_group, rounds.all_reduce
+    plan_group = getattr(matchmaker, "plan_group", None)  # (before: form_group did it all)
 
     async def watched_form_group(epoch: int, *args: Any, **kwargs: Any) -> Any:
         seen["match"].setdefault((i, epoch), trio.current_time())
         spec = await form_group(epoch, *args, **kwargs)
-        seen["grouped"][i, epoch] = trio.current_time()
+        seen["planned"].setdefault((i, epoch), trio.current_time())
         return spec
+
+    async def watched_plan_group(epoch: int, *args: Any, **kwargs: Any) -> Any:
+        seen["match"].setdefault((i, epoch), trio.current_time())
+        planned = await plan_group(epoch, *args, **kwargs)
+        seen["planned"][i, epoch] = trio.current_time()
+        return planned
 
     async def watched_all_reduce(spec: Any, *args: Any, **kwargs: Any) -> Any:
         epoch = next(e for (p, e) in seen["match"] if p == i and (p, e) not in seen["reduce"])
@@ -69,13 +77,16 @@ def _watch(i: int, core: Any, seen: dict[str, Any]) -> None:
         return await all_reduce(spec, *args, **kwargs)
 
     matchmaker.form_group = watched_form_group
+    if plan_group is not None:
+        matchmaker.plan_group = watched_plan_group
     object.__setattr__(rounds, "all_reduce", watched_all_reduce)
 
 
 def test_the_group_forms_before_the_target_and_the_round_averages_at_it() -> None:
     """Before: each peer began matchmaking only after its report said ready and averaged a
-    window or more later. Now the group is ready before the target and the all-reduce begins
-    as soon as the target is reached (the step's one record publish), never before it."""
+    window or more later. Now registering and planning the group end before the target; the
+    joins wait for it, so the spec weighs the samples each member holds and the all-reduce
+    begins as soon as the last member reached the target, never before."""
     seen = _run(CONFIG)
     for epoch in range(EPOCHS):
         outs = [seen["out"][i, epoch] for i in range(PEERS)]
@@ -84,12 +95,17 @@ def test_the_group_forms_before_the_target_and_the_round_averages_at_it() -> Non
         ]
         first = outs[0][1].gradients[0]
         assert all(np.asarray(o.gradients[0]).tobytes() == first.tobytes() for _, o in outs)
-        assert sum(s for s, _ in outs) >= TARGET  # averaged once the target was reached
+        samples = [s for s, _ in outs]
+        assert sum(samples) >= TARGET  # averaged once the target was reached
+        # the mean weighs each member's gradient (i + 1) by the samples it held at the step
+        want = sum(s * (i + 1) for i, s in enumerate(samples)) / sum(samples)
+        np.testing.assert_allclose(first, want, rtol=1e-3)
+        last = max(seen["ready"][i, epoch] for i in range(PEERS))
         for i in range(PEERS):
             ready = seen["ready"][i, epoch]
             assert seen["match"][i, epoch] < ready, (i, epoch)  # began while computing
-            assert seen["grouped"][i, epoch] <= ready, (i, epoch)  # the group was ready
-            assert ready <= seen["reduce"][i, epoch] <= ready + 0.5, (i, epoch)
+            assert seen["planned"][i, epoch] <= ready, (i, epoch)  # planned by the target
+            assert ready <= seen["reduce"][i, epoch] <= last + 0.5, (i, epoch)
 
 
 def test_with_match_early_off_matchmaking_begins_at_the_target() -> None:
