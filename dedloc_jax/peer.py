@@ -7,6 +7,7 @@ It keeps what it reports, when it is ready to average, its epoch and its mode; i
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Sequence
 
@@ -216,7 +217,9 @@ class CollaborationPeer:
             est = await self.tracker.fetch()
             if est.epoch > self.tracker.epoch:
                 self.tracker.set_epoch(est.epoch)
-            if not est.ready:
+            if not est.ready:  # trainers plan their groups ahead of the target: so do we
+                peers = functools.partial(self._peers_at, est.epoch)
+                self.stepper.match_early(est.epoch, 0, est, peers)
                 await trio.sleep(self._refresh_delay(est))
                 continue
             got = await self.stepper.lend(est, template, self._peers_at(est.epoch))

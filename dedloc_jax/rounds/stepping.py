@@ -184,12 +184,13 @@ class Stepper:
         """An aux peer's round at ``est.epoch``: reduce a share of the others' arrays
         (``template``: their shapes), then move the tracker to the next epoch."""
         epoch = est.epoch
+        early = self.rounds.early
         got = await average_round(
             self.rounds,
             epoch,
             self.rounds.member(0.0),  # (mode "aux")
             template,
-            deadlines=self.deadlines(est),
+            deadlines=(early and early.began(epoch)) or self.deadlines(est),
             codec=self.config.rounds.codec,
             target=float(self.tracker.target or 0),
             expected=expected,
