@@ -144,7 +144,7 @@ class EarlyGroups:
             raise early.error
         if early.planned is None:
             return None
-        return await self.matchmaker.join_group(early.planned, me)
+        return await self.matchmaker.join_group(early.planned, me, reread=True)
 
     def _measured(self, seconds: float) -> None:
         old = self._seconds

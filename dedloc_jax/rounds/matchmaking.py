@@ -109,6 +109,9 @@ class PlannedGroup:
     mine: tuple[str, ...]
     late: frozenset[str]
     deadlines: Deadlines
+    state: bytes | None  # the state we step from
+    gathering: _Gathering  # the registrations it was planned from
+    planned: frozenset[str]  # whom the groups were sized for
 
 
 class Matchmaker:
@@ -284,11 +287,23 @@ class Matchmaker:
         self._answering = deadlines
         return await self._plan_group((epoch, level), me, target, expected, deadlines)
 
-    async def join_group(self, planned: PlannedGroup, me: Member) -> GroupSpec | None:
+    async def join_group(
+        self, planned: PlannedGroup, me: Member, *, reread: bool = False
+    ) -> GroupSpec | None:
         """:meth:`form_group`'s second part: lead ``planned``'s group or join its leader, with
-        ``me`` (its weight, the samples we hold now, goes into the spec)."""
+        ``me`` (its weight, the samples we hold now, goes into the spec). ``reread``: first
+        read the registrations again and plan anew (planned ahead of the target, a peer that
+        registered since, a newcomer, would otherwise be refused by a leader that closed its
+        group as soon as every peer it planned with had joined)."""
         self._answering = planned.deadlines
         try:
+            if reread:
+                g = planned.gathering
+                g.others |= await self._registrations(g.registry, states=g.states)
+                again = self._planned(planned.slot, me, planned.state, g, planned.planned)
+                if again is None:
+                    return None
+                planned = again
             return await self._lead_or_follow(
                 planned.slot, me, list(planned.mine), set(planned.late), planned.deadlines
             )
@@ -325,16 +340,28 @@ class Matchmaker:
             return None
         if not await self._wait_for_target(slot, gathering):
             return None
-        others = gathering.others
         if level == 0:
-            self._note_shows(epoch, expected, set(others))
-        if expected - set(others):
+            self._note_shows(epoch, expected, set(gathering.others))
+        if expected - set(gathering.others):
             log.debug(
                 "%s: going on after %.1f s without expected peers %s",
                 slot,
                 trio.current_time() - gathering.start,
-                sorted(expected - set(others)),
+                sorted(expected - set(gathering.others)),
             )
+        return self._planned(slot, me, my_state, gathering, frozenset(planned))
+
+    def _planned(
+        self,
+        slot: Slot,
+        me: Member,
+        my_state: bytes | None,
+        gathering: _Gathering,
+        planned: frozenset[str],
+    ) -> PlannedGroup | None:
+        """Our group from the registrations ``gathering`` holds (None: alone)."""
+        epoch, level = slot
+        others = gathering.others
         modes = {p: m.mode for p, m in others.items()} | {self.peer_id: me.mode}
         plan = plan_groups(
             self.peer_id,
@@ -342,8 +369,8 @@ class Matchmaker:
             others,
             gathering.states,
             modes,
-            planned=planned,
-            expected=expected,
+            planned=set(planned),
+            expected=gathering.expected,
             seed=group_seed(self.run_id, epoch),
             cap=self.max_group_size if level == 0 else CROSS_CAP,
             level=level,
@@ -364,11 +391,19 @@ class Matchmaker:
                 len(plan.groups),
                 len(others),
                 len(planned),
-                len(expected),
+                len(gathering.expected),
             )
             self._choose(slot, None)
             return None
-        return PlannedGroup(slot, tuple(plan.mine), frozenset(plan.late), deadlines)
+        return PlannedGroup(
+            slot,
+            tuple(plan.mine),
+            frozenset(plan.late),
+            gathering.deadlines,
+            my_state,
+            gathering,
+            planned,
+        )
 
     async def _register(
         self,
