@@ -207,7 +207,7 @@ def _assemble(
         verify=config.verify_on,
         gather=SparseGather(node, admit=admit),
         bans=bans,
-        early=EarlyGroups(matchmaker),
+        early=EarlyGroups(matchmaker, bans),
     )
     stepper = Stepper(rounds, tracker, server, config)
     return CollaborationPeer(

@@ -149,13 +149,15 @@ class Rounds:
         *,
         round_id: bytes | None = None,
         late_start: float = 0.0,
+        adopt: bool = True,
     ) -> tuple[AllReduceResult | None, str]:
         """The all-reduce of ``arrays`` (``weight`` samples) in ``spec``, or None and why it
         failed (an averaging error, also one the round's nursery wrapped); anything else
         propagates. ``round_id``: None, the group's digest (a second all-reduce in the same
         group names another). ``late_start``: how far apart members may start it (a second
         all-reduce starts when each member's first ended): reducers wait that much longer
-        for parts (the timeout grows by it over ``collect_fraction``)."""
+        for parts (the timeout grows by it over ``collect_fraction``). ``adopt``: read
+        others' bans after it (:meth:`convict`); False between two all-reduces of a round."""
         config = self.all_reduce_config()
         timeout = self.deadlines(deadlines, spec, arrays, codec).averaging
         if late_start > 0:
@@ -176,7 +178,7 @@ class Rounds:
             return None, str(e)
         except BaseExceptionGroup as group:
             return None, str(_only_averaging(group))
-        await self.convict(result)
+        await self.convict(result, adopt=adopt)
         return result, ""
 
     @property
@@ -184,14 +186,17 @@ class Rounds:
         """The longest :meth:`convict` takes after an all-reduce."""
         return 0.0 if self.bans is None else self.table.dht_latency * 4 + 5.0
 
-    async def convict(self, result: AllReduceResult) -> None:
-        """Ban the peers a round caught lying, publish it, and adopt others' proven bans."""
+    async def convict(self, result: AllReduceResult, *, adopt: bool = True) -> None:
+        """Ban the peers a round caught lying, publish it, and (``adopt``) adopt others'
+        proven bans. Between PowerSGD's phases a member reading the bans (a DHT read, up to
+        0.3 s at 40 peers) began phase Q that much later, and every reducer waited for it."""
         if self.bans is not None:
             for accusation in result.accusations:
                 self.bans.convict(accusation)
             with trio.move_on_after(self.convict_seconds):
                 await self.bans.publish()
-                await self.bans.refresh()
+                if adopt:
+                    await self.bans.refresh()
 
 
 def _only_averaging(group: BaseExceptionGroup) -> BaseExceptionGroup:

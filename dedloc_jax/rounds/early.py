@@ -24,6 +24,7 @@ from typing import Any
 import trio
 
 from dedloc_jax.averaging import GroupSpec, Member
+from dedloc_jax.bans import Bans
 from dedloc_jax.rounds.deadlines import Deadlines
 from dedloc_jax.rounds.matchmaking import Matchmaker, PlannedGroup
 
@@ -52,8 +53,9 @@ class EarlyGroups:
     :meth:`run` must run (a task of the peer) for :meth:`begin` to start anything; without
     it every group forms when the round begins (:meth:`group`), as before."""
 
-    def __init__(self, matchmaker: Matchmaker) -> None:
+    def __init__(self, matchmaker: Matchmaker, bans: Bans | None = None) -> None:
         self.matchmaker = matchmaker
+        self.bans = bans  # others' bans are read before planning (left out of our group)
         self._nursery: trio.Nursery | None = None
         self._epochs: dict[int, _Early] = {}
         self._seconds: float | None = None  # smoothed seconds to plan a group
@@ -112,6 +114,11 @@ class EarlyGroups:
 
         async def plan() -> None:
             try:
+                if self.bans is not None:
+                    # Here, not only after the round, where a read held up this peer's
+                    # return to computing (REFRESH bounds how often either reads).
+                    with trio.move_on_after(deadlines.window):
+                        await self.bans.refresh()
                 early.planned = await self.matchmaker.plan_group(
                     epoch, me, target=target, expected=expected, deadlines=deadlines
                 )

@@ -124,7 +124,14 @@ async def _two_phases(
     )
     started = trio.current_time()
     sent_p = plan.phase_p(ms, qs)
-    got, failure = await rounds.all_reduce(spec, sent_p, me.weight, codec, this.deadlines)
+    got, failure = await rounds.all_reduce(
+        spec,
+        sent_p,
+        me.weight,
+        codec,
+        this.deadlines,
+        adopt=False,  # (after phase Q)
+    )
     if got is None:
         reason = f"phase P failed: {failure}"
         return this.outcome(_alone(plan, ms, qs), 1, False, reason, error=failure)
