@@ -57,6 +57,7 @@ encoded bytes (``wire_bytes_per_value``).
     python -m bench.collaboration [--peers 40] [--params 18000000] [--epochs 3]
         [--payload-scale S] [--mode overlap|blocking|both|diloco] [--inner-steps H]
         [--dedloc-epochs N] [--compression none|fp16|bf16|int8|adaptive]
+        [--no-defences] [--match-at-target]
 """
 
 from __future__ import annotations
@@ -333,6 +334,8 @@ def simulate(
         codec = config.rounds.codec  # a config given names its own
     if getattr(args, "no_defences", False):  # a public run has them on: CenteredClip, checks
         config = config.replace(defence=config.defence.replace(robust=False, verify=False))
+    if getattr(args, "match_early", False):  # the group is planned ahead of the target
+        config = config.replace(rounds=config.rounds.replace(match_early=True))
     # A probe as many seconds of a link as at full scale (4 MB), within a 64 KB floor.
     probe_bytes = max(64 << 10, (4 << 20) // args.payload_scale)
     config = config.replace(links=config.links.replace(probe_bytes=probe_bytes))
@@ -645,6 +648,11 @@ def main() -> None:
         "--no-defences",
         action="store_true",
         help="without an open run's defences (CenteredClip, verified rounds), on by default",
+    )
+    parser.add_argument(
+        "--match-early",
+        action="store_true",
+        help="begin matchmaking ahead of the target (RoundConfig.match_early; off by default)",
     )
     args = parser.parse_args()
     if args.payload_scale < 1:

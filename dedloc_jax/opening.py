@@ -25,6 +25,7 @@ from dedloc_jax.peer import CollaborationPeer
 from dedloc_jax.rounds.across import AcrossGroups
 from dedloc_jax.rounds.average import Rounds
 from dedloc_jax.rounds.context import context_of
+from dedloc_jax.rounds.early import EarlyGroups
 from dedloc_jax.rounds.gather import SparseGather
 from dedloc_jax.rounds.matchmaking import Matchmaker
 from dedloc_jax.rounds.slots import Slots
@@ -118,6 +119,8 @@ async def open_collaboration(
         core.state_server.register()
         nursery = await stack.enter_async_context(trio.open_nursery())
         await nursery.start(core.tracker.run)
+        if core.rounds.early is not None:
+            await nursery.start(core.rounds.early.run)
         nursery.start_soon(core.state.keep_announced)
         if nat is not None and forced_mode is None:
             nursery.start_soon(core.follow_reachability)
@@ -184,16 +187,17 @@ def _assemble(
         rpc_timeout=config.rpc_timeout,
         unmeasured=(config.links.unmeasured_upload_bps, config.links.unmeasured_download_bps),
     )
+    matchmaker = Matchmaker(
+        node,
+        dht,
+        run_id,
+        max_group_size=config.rounds.max_group_size,
+        context=context,
+        slots=slots,
+    )
     rounds = Rounds(
         AveragingService(node, allreduce_config, admit=admit),
-        Matchmaker(
-            node,
-            dht,
-            run_id,
-            max_group_size=config.rounds.max_group_size,
-            context=context,
-            slots=slots,
-        ),
+        matchmaker,
         AcrossGroups(node, slots, admit=admit),
         links,
         tracker,
@@ -203,6 +207,7 @@ def _assemble(
         verify=config.verify_on,
         gather=SparseGather(node, admit=admit),
         bans=bans,
+        early=EarlyGroups(matchmaker, bans),
     )
     stepper = Stepper(rounds, tracker, server, config)
     return CollaborationPeer(

@@ -7,6 +7,7 @@ It keeps what it reports, when it is ready to average, its epoch and its mode; i
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Sequence
 
@@ -96,7 +97,11 @@ class CollaborationPeer:
             return False  # until the others move on (we are then behind)
         # Not before a table read that began after our first report: peers that opened with
         # us may be missing from the one read at opening, and we would step without them.
-        return est.ready and self.tracker.table_fresh
+        if not self.tracker.table_fresh:
+            return False
+        if not est.ready and self.mode != "aux":  # the group forms while we compute
+            self.stepper.match_early(epoch, samples, est, lambda: self._peers_at(epoch))
+        return est.ready
 
     def _round_began_without_us(self, epoch: int, est: CollaborationEstimate) -> bool:
         """At our first report toward ``epoch``: whether every other peer that contributes to
@@ -214,7 +219,9 @@ class CollaborationPeer:
             est = await self.tracker.fetch()
             if est.epoch > self.tracker.epoch:
                 self.tracker.set_epoch(est.epoch)
-            if not est.ready:
+            if not est.ready:  # trainers plan their groups ahead of the target: so do we
+                peers = functools.partial(self._peers_at, est.epoch)
+                self.stepper.match_early(est.epoch, 0, est, peers)
                 await trio.sleep(self._refresh_delay(est))
                 continue
             got = await self.stepper.lend(est, template, self._peers_at(est.epoch))

@@ -35,6 +35,7 @@ from dedloc_jax.history import RoundOutcome
 from dedloc_jax.rounds.across import AcrossGroups, averaged_weight, broadcast_codec, cross_average
 from dedloc_jax.rounds.claims import weightless
 from dedloc_jax.rounds.deadlines import Deadlines
+from dedloc_jax.rounds.early import EarlyGroups
 from dedloc_jax.rounds.gather import SparseGather
 from dedloc_jax.rounds.matchmaking import Matchmaker
 from dedloc_jax.rounds.wire import member_for
@@ -92,6 +93,8 @@ class Rounds:
     """Where caught liars go (and are published); None: nobody is banned."""
     gather: SparseGather | None = None
     """The all-gather of sparse payloads (``codec`` a :class:`~dedloc_jax.TopK`)."""
+    early: EarlyGroups | None = None
+    """Groups formed ahead of the target (None: each when its round begins)."""
 
     @property
     def node(self) -> Node:
@@ -101,6 +104,25 @@ class Rounds:
         """This peer's member entry now: its mode and measured links, bringing ``weight``."""
         up, down = self.links.bandwidth()
         return member_for(str(self.node.peer_id), self.table.mode, up, down, weight)
+
+    async def group(
+        self,
+        epoch: int,
+        me: Member,
+        *,
+        target: float,
+        expected: set[str],
+        deadlines: Deadlines,
+    ) -> GroupSpec | None:
+        """``epoch``'s level-0 group (None: go alone), planned ahead of the target if that
+        began (:meth:`EarlyGroups.group`); ``me``: what we bring now."""
+        if self.early is None:
+            return await self.matchmaker.form_group(
+                epoch, me, target=target, expected=expected, deadlines=deadlines
+            )
+        return await self.early.group(
+            epoch, me, target=target, expected=expected, deadlines=deadlines
+        )
 
     def all_reduce_config(self) -> AllReduceConfig | None:
         """The node's all-reduce settings with this run's robust aggregation and checks."""
@@ -133,13 +155,15 @@ class Rounds:
         *,
         round_id: bytes | None = None,
         late_start: float = 0.0,
+        adopt: bool = True,
     ) -> tuple[AllReduceResult | None, str]:
         """The all-reduce of ``arrays`` (``weight`` samples) in ``spec``, or None and why it
         failed (an averaging error, also one the round's nursery wrapped); anything else
         propagates. ``round_id``: None, the group's digest (a second all-reduce in the same
         group names another). ``late_start``: how far apart members may start it (a second
         all-reduce starts when each member's first ended): reducers wait that much longer
-        for parts (the timeout grows by it over ``collect_fraction``)."""
+        for parts (the timeout grows by it over ``collect_fraction``). ``adopt``: read
+        others' bans after it (:meth:`convict`); False between two all-reduces of a round."""
         config = self.all_reduce_config()
         timeout = self.deadlines(deadlines, spec, arrays, codec).averaging
         if late_start > 0:
@@ -160,7 +184,7 @@ class Rounds:
             return None, str(e)
         except BaseExceptionGroup as group:
             return None, str(_only_averaging(group))
-        await self.convict(result)
+        await self.convict(result, adopt=adopt)
         self.table.weighed(*weightless(result.kept))
         return result, ""
 
@@ -169,14 +193,17 @@ class Rounds:
         """The longest :meth:`convict` takes after an all-reduce."""
         return 0.0 if self.bans is None else self.table.dht_latency * 4 + 5.0
 
-    async def convict(self, result: AllReduceResult) -> None:
-        """Ban the peers a round caught lying, publish it, and adopt others' proven bans."""
+    async def convict(self, result: AllReduceResult, *, adopt: bool = True) -> None:
+        """Ban the peers a round caught lying, publish it, and (``adopt``) adopt others'
+        proven bans. Between PowerSGD's phases a member reading the bans (a DHT read, up to
+        0.3 s at 40 peers) began phase Q that much later, and every reducer waited for it."""
         if self.bans is not None:
             for accusation in result.accusations:
                 self.bans.convict(accusation)
             with trio.move_on_after(self.convict_seconds):
                 await self.bans.publish()
-                await self.bans.refresh()
+                if adopt:
+                    await self.bans.refresh()
 
 
 def _only_averaging(group: BaseExceptionGroup) -> BaseExceptionGroup:
@@ -214,9 +241,7 @@ async def average_round(
         )
     matchmaker = rounds.matchmaker
     started = trio.current_time()
-    spec = await matchmaker.form_group(
-        epoch, me, target=target, expected=expected, deadlines=deadlines
-    )
+    spec = await rounds.group(epoch, me, target=target, expected=expected, deadlines=deadlines)
     own = [np.asarray(a) for a in arrays]
     this = ThisRound(epoch, deadlines, codec, target, me.mode)
     result = this.outcome(own, 1, False, NO_GROUP)
@@ -323,9 +348,7 @@ async def _sparse_round(
     data = pack(cfg, unpack(cfg, pack(cfg, (offsets, codes, scales), n), n), n)
     own = [decode(cfg, unpack(cfg, data, n), n)]
     started = trio.current_time()
-    spec = await rounds.matchmaker.form_group(
-        epoch, me, target=target, expected=expected, deadlines=deadlines
-    )
+    spec = await rounds.group(epoch, me, target=target, expected=expected, deadlines=deadlines)
     this = ThisRound(epoch, deadlines, "topk", target, me.mode)
     result = this.outcome(own, 1, False, NO_GROUP)
     if spec is not None:

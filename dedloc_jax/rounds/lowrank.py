@@ -88,9 +88,7 @@ async def powersgd_round(
     plan = cfg.plan([tuple(np.shape(a)) for a in arrays[:count]])
     ms, qs = plan.unpack_sent(arrays)
     started = trio.current_time()
-    spec = await rounds.matchmaker.form_group(
-        epoch, me, target=target, expected=expected, deadlines=deadlines
-    )
+    spec = await rounds.group(epoch, me, target=target, expected=expected, deadlines=deadlines)
     this = ThisRound(epoch, deadlines, cfg.codec, target, me.mode)
     result = this.outcome(_alone(plan, ms, qs), 1, False, NO_GROUP)
     if spec is not None:
@@ -126,7 +124,14 @@ async def _two_phases(
     )
     started = trio.current_time()
     sent_p = plan.phase_p(ms, qs)
-    got, failure = await rounds.all_reduce(spec, sent_p, me.weight, codec, this.deadlines)
+    got, failure = await rounds.all_reduce(
+        spec,
+        sent_p,
+        me.weight,
+        codec,
+        this.deadlines,
+        adopt=False,  # (after phase Q)
+    )
     if got is None:
         reason = f"phase P failed: {failure}"
         return this.outcome(_alone(plan, ms, qs), 1, False, reason, error=failure)

@@ -99,6 +99,21 @@ class _Gathering:
         return now - self.start < 2 * self.deadlines.window
 
 
+@dataclass(frozen=True)
+class PlannedGroup:
+    """The group a peer planned for ``slot`` from the registrations (:meth:`Matchmaker.
+    plan_group`): its members in rank order (``mine``; the first leads) and the peers it
+    waits for that registered late; ``deadlines``: the round's."""
+
+    slot: Slot
+    mine: tuple[str, ...]
+    late: frozenset[str]
+    deadlines: Deadlines
+    state: bytes | None  # the state we step from
+    gathering: _Gathering  # the registrations it was planned from
+    planned: frozenset[str]  # whom the groups were sized for
+
+
 class Matchmaker:
     """Forms averaging groups for one peer; registers the ``collab.join`` handler.
 
@@ -242,25 +257,67 @@ class Matchmaker:
         decided early on an extrapolated estimate), longer while expected peers are missing
         (up to :attr:`max_wait`), or two windows when nobody is expected.
         """
+        try:
+            planned = await self.plan_group(
+                epoch, me, target=target, expected=expected, level=level, deadlines=deadlines
+            )
+            return None if planned is None else await self.join_group(planned, me)
+        finally:
+            # This peer's part in the epoch is over: a late join is answered at once.
+            self.slots[(epoch, level)].opened.set()
+
+    async def plan_group(
+        self,
+        epoch: int,
+        me: Member,
+        *,
+        target: float = 0.0,
+        expected: set[str] | frozenset[str] = frozenset(),
+        level: int = 0,
+        deadlines: Deadlines | None = None,
+    ) -> PlannedGroup | None:
+        """:meth:`form_group`'s first part: register, read the others' registrations and plan
+        the groups; None: this peer goes alone. It can run ahead of the target
+        (:mod:`~dedloc_jax.rounds.early`: ``me.weight`` is then the samples we expect to
+        hold); :meth:`join_group` then leads or joins with the weight we hold."""
         expected = {p for p in expected if not self.context.banned(p)}  # nobody waits for them
         if level == 0:
             expected = {p for p in expected if self._earned(p, epoch)}
         deadlines = self.deadlines if deadlines is None else deadlines
         self._answering = deadlines
-        try:
-            return await self._form_group((epoch, level), me, target, expected, deadlines)
-        finally:
-            # This peer's part in the epoch is over: a late join is answered at once.
-            self.slots[(epoch, level)].opened.set()
+        return await self._plan_group((epoch, level), me, target, expected, deadlines)
 
-    async def _form_group(
+    async def join_group(
+        self, planned: PlannedGroup, me: Member, *, reread: bool = False
+    ) -> GroupSpec | None:
+        """:meth:`form_group`'s second part: lead ``planned``'s group or join its leader, with
+        ``me`` (its weight, the samples we hold now, goes into the spec). ``reread``: first
+        read the registrations again and plan anew (planned ahead of the target, a peer that
+        registered since, a newcomer, would otherwise be refused by a leader that closed its
+        group as soon as every peer it planned with had joined)."""
+        self._answering = planned.deadlines
+        try:
+            if reread:
+                g = planned.gathering
+                g.others |= await self._registrations(g.registry, states=g.states)
+                again = self._planned(planned.slot, me, planned.state, g, planned.planned)
+                if again is None:
+                    return None
+                planned = again
+            return await self._lead_or_follow(
+                planned.slot, me, list(planned.mine), set(planned.late), planned.deadlines
+            )
+        finally:
+            self.slots[planned.slot].opened.set()  # our part in the slot is over
+
+    async def _plan_group(
         self,
         slot: Slot,
         me: Member,
         target: float,
         expected: set[str] | frozenset[str],
         deadlines: Deadlines,
-    ) -> GroupSpec | None:
+    ) -> PlannedGroup | None:
         epoch, level = slot
         if level == 0:
             self._remember(epoch, False)
@@ -283,16 +340,28 @@ class Matchmaker:
             return None
         if not await self._wait_for_target(slot, gathering):
             return None
-        others = gathering.others
         if level == 0:
-            self._note_shows(epoch, expected, set(others))
-        if expected - set(others):
+            self._note_shows(epoch, expected, set(gathering.others))
+        if expected - set(gathering.others):
             log.debug(
                 "%s: going on after %.1f s without expected peers %s",
                 slot,
                 trio.current_time() - gathering.start,
-                sorted(expected - set(others)),
+                sorted(expected - set(gathering.others)),
             )
+        return self._planned(slot, me, my_state, gathering, frozenset(planned))
+
+    def _planned(
+        self,
+        slot: Slot,
+        me: Member,
+        my_state: bytes | None,
+        gathering: _Gathering,
+        planned: frozenset[str],
+    ) -> PlannedGroup | None:
+        """Our group from the registrations ``gathering`` holds (None: alone)."""
+        epoch, level = slot
+        others = gathering.others
         modes = {p: m.mode for p, m in others.items()} | {self.peer_id: me.mode}
         plan = plan_groups(
             self.peer_id,
@@ -300,8 +369,8 @@ class Matchmaker:
             others,
             gathering.states,
             modes,
-            planned=planned,
-            expected=expected,
+            planned=set(planned),
+            expected=gathering.expected,
             seed=group_seed(self.run_id, epoch),
             cap=self.max_group_size if level == 0 else CROSS_CAP,
             level=level,
@@ -322,11 +391,19 @@ class Matchmaker:
                 len(plan.groups),
                 len(others),
                 len(planned),
-                len(expected),
+                len(gathering.expected),
             )
             self._choose(slot, None)
             return None
-        return await self._lead_or_follow(slot, me, plan.mine, set(plan.late), deadlines)
+        return PlannedGroup(
+            slot,
+            tuple(plan.mine),
+            frozenset(plan.late),
+            gathering.deadlines,
+            my_state,
+            gathering,
+            planned,
+        )
 
     async def _register(
         self,

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -56,6 +56,27 @@ class Stepper:
             )
         )
 
+    def match_early(
+        self,
+        epoch: int,
+        samples: int,
+        est: CollaborationEstimate,
+        expected: Callable[[], set[str]],
+    ) -> None:
+        """Begin ``epoch``'s matchmaking now if its target is nearer than a matchmaking takes
+        (:mod:`~dedloc_jax.rounds.early`); we keep computing meanwhile. Our weight in the group
+        is the samples we expect to hold at the target; ``expected()``: whom to wait for."""
+        early = self.rounds.early
+        if early is None or not self.config.rounds.match_early:
+            return
+        deadlines = self.deadlines(est)
+        if not early.due(epoch, est.eta, deadlines):
+            return
+        rate = self.tracker.own_progress().samples_per_second
+        me = self.rounds.member(float(samples) + max(0.0, rate) * est.eta)
+        target = float(self.tracker.target or 0)
+        early.begin(epoch, me, target=target, expected=expected(), deadlines=deadlines)
+
     async def step(
         self,
         epoch: int,
@@ -70,7 +91,9 @@ class Stepper:
         the mean to step with in ``average``."""
         tracker = self.tracker
         est = tracker.current_estimate()
-        deadlines = self.deadlines(est)
+        early = self.rounds.early
+        # a matchmaking begun ahead of the target keeps its deadlines
+        deadlines = (early and early.began(epoch)) or self.deadlines(est)
         await tracker.freeze()  # others must not extrapolate our samples any further
         me = self.rounds.member(float(samples))
 
@@ -155,12 +178,13 @@ class Stepper:
         """An aux peer's round at ``est.epoch``: reduce a share of the others' arrays
         (``template``: their shapes), then move the tracker to the next epoch."""
         epoch = est.epoch
+        early = self.rounds.early
         got = await average_round(
             self.rounds,
             epoch,
             self.rounds.member(0.0),  # (mode "aux")
             template,
-            deadlines=self.deadlines(est),
+            deadlines=(early and early.began(epoch)) or self.deadlines(est),
             codec=self.config.rounds.codec,
             target=float(self.tracker.target or 0),
             expected=expected,

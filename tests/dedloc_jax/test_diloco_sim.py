@@ -216,7 +216,7 @@ def test_a_peer_killed_mid_averaging_leaves_one_lineage() -> None:
         async with open_sim_collaboration(net, 4, config=config, latency=0.01) as cores:
             peers = [Peer(core, seed=i) for i, core in enumerate(cores)]
             core = cores[victim]
-            form_group = core.matchmaker.form_group
+            join_group = core.matchmaker.join_group  # (also of groups planned ahead)
 
             async with trio.open_nursery() as nursery:
                 scope = trio.CancelScope()
@@ -227,14 +227,14 @@ def test_a_peer_killed_mid_averaging_leaves_one_lineage() -> None:
                     net.kill(host_of(net, core.node))
                     scope.cancel()
 
-                async def spy(epoch: int, *args: Any, **kwargs: Any) -> Any:
-                    spec = await form_group(epoch, *args, **kwargs)
-                    if epoch == kill_at and spec is not None and not killed:
+                async def spy(planned: Any, *args: Any, **kwargs: Any) -> Any:
+                    spec = await join_group(planned, *args, **kwargs)
+                    if planned.slot[0] == kill_at and spec is not None and not killed:
                         killed["group"] = len(spec.members)
                         nursery.start_soon(kill_soon)
                     return spec
 
-                core.matchmaker.form_group = spy
+                core.matchmaker.join_group = spy
 
                 async def doomed() -> None:
                     with scope:

@@ -86,6 +86,9 @@ def test_a_peer_alone_in_its_group_names_the_representatives_it_averaged_with() 
         def member(self, weight: float) -> Member:
             return Member("me", "node", weight=weight)
 
+        async def group(self, epoch, me, **kw):  # noqa: ANN001, ANN003, ANN202
+            return await self.matchmaker.form_group(epoch, me, **kw)
+
         async def all_reduce(self, spec, arrays, weight, codec, deadlines, **kw):  # noqa: ANN001, ANN003, ANN202
             assert spec is level1
             return AllReduceResult([np.full(3, 2.0, np.float32)], None, ()), ""
