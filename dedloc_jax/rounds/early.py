@@ -120,7 +120,7 @@ class EarlyGroups:
                     with trio.move_on_after(deadlines.window):
                         await self.bans.refresh()
                 early.planned = await self.matchmaker.plan_group(
-                    epoch, me, target=target, expected=expected, deadlines=deadlines
+                    epoch, me, target=target, expected=expected, deadlines=deadlines, ahead=True
                 )
                 self._measured(trio.current_time() - early.began)
             except Exception as e:  # noqa: BLE001 - the round re-raises it (group())

@@ -275,17 +275,19 @@ class Matchmaker:
         expected: set[str] | frozenset[str] = frozenset(),
         level: int = 0,
         deadlines: Deadlines | None = None,
+        ahead: bool = False,
     ) -> PlannedGroup | None:
         """:meth:`form_group`'s first part: register, read the others' registrations and plan
         the groups; None: this peer goes alone. It can run ahead of the target
         (:mod:`~dedloc_jax.rounds.early`: ``me.weight`` is then the samples we expect to
-        hold); :meth:`join_group` then leads or joins with the weight we hold."""
+        hold); :meth:`join_group` then leads or joins with the weight we hold. ``ahead``: a
+        plan alone is not final (a group of us only, for :meth:`join_group` to plan anew)."""
         expected = {p for p in expected if not self.context.banned(p)}  # nobody waits for them
         if level == 0:
             expected = {p for p in expected if self._earned(p, epoch)}
         deadlines = self.deadlines if deadlines is None else deadlines
         self._answering = deadlines
-        return await self._plan_group((epoch, level), me, target, expected, deadlines)
+        return await self._plan_group((epoch, level), me, target, expected, deadlines, ahead)
 
     async def join_group(
         self, planned: PlannedGroup, me: Member, *, reread: bool = False
@@ -317,6 +319,7 @@ class Matchmaker:
         target: float,
         expected: set[str] | frozenset[str],
         deadlines: Deadlines,
+        ahead: bool = False,
     ) -> PlannedGroup | None:
         epoch, level = slot
         if level == 0:
@@ -349,7 +352,7 @@ class Matchmaker:
                 trio.current_time() - gathering.start,
                 sorted(expected - set(gathering.others)),
             )
-        return self._planned(slot, me, my_state, gathering, frozenset(planned))
+        return self._planned(slot, me, my_state, gathering, frozenset(planned), ahead)
 
     def _planned(
         self,
@@ -358,8 +361,10 @@ class Matchmaker:
         my_state: bytes | None,
         gathering: _Gathering,
         planned: frozenset[str],
+        ahead: bool = False,
     ) -> PlannedGroup | None:
-        """Our group from the registrations ``gathering`` holds (None: alone)."""
+        """Our group from the registrations ``gathering`` holds (None: alone; ``ahead``: a
+        group of us only, not final: a peer that registers by the target may still join)."""
         epoch, level = slot
         others = gathering.others
         modes = {p: m.mode for p, m in others.items()} | {self.peer_id: me.mode}
@@ -393,6 +398,11 @@ class Matchmaker:
                 len(planned),
                 len(gathering.expected),
             )
+            if ahead:  # alone ahead of the target: deciding it then refused a newcomer's join
+                return PlannedGroup(
+                    slot, (self.peer_id,), frozenset(), gathering.deadlines, my_state,
+                    gathering, planned,
+                )  # fmt: skip
             self._choose(slot, None)
             return None
         return PlannedGroup(
