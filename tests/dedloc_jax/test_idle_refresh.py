@@ -3,6 +3,7 @@ rarely; near it as often as before."""
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -237,14 +238,14 @@ def test_hours_from_the_target_a_peer_renews_its_record_rarely_and_it_stays_live
     assert live and min(live) == 2, live
 
 
-def test_hours_from_the_target_a_steady_record_is_not_published_before_its_renewal() -> None:
-    """A step two hours away, two peers at a steady rate: between minutes 20 and 80 nothing
-    about a record changes that matters to the others' ETA, so it is published only when due
-    for renewal (a third of its lifetime after the last). Before, the extrapolation error (a
-    reader extrapolates a record for seconds only) republished it every ~400 s of 600."""
+@functools.cache
+def _two_hours_from_the_step() -> tuple[list[list[tuple[float, float]]], list[list[float]]]:
+    """Two peers at a steady rate toward a step two hours away, for 80 minutes: each one's
+    publishes (time, record lifetime) and progress reads (time)."""
     target = int(2 * RATE * 7200)
     config = CollaborationConfig(target_batch_size=target, links=LinkConfig(measure=False))
-    publishes: list[list[tuple[float, float]]] = [[], []]  # (time, lifetime) of each
+    publishes: list[list[tuple[float, float]]] = [[], []]
+    reads: list[list[float]] = [[], []]
 
     async def main() -> None:
         net = SimNetwork(seed=1)
@@ -252,13 +253,17 @@ def test_hours_from_the_target_a_steady_record_is_not_published_before_its_renew
             start = trio.current_time()
             for i, core in enumerate(cores):
                 tracker = core.tracker
-                publish = tracker.publish
+                publish, fetch = tracker.publish, tracker.fetch
 
                 async def timed_publish(*, publish=publish, i=i, tracker=tracker):
                     await publish()
                     publishes[i].append((trio.current_time() - start, tracker._published_ttl))
 
-                tracker.publish = timed_publish
+                async def timed_fetch(*, fetch=fetch, i=i):
+                    reads[i].append(trio.current_time() - start)
+                    return await fetch()
+
+                tracker.publish, tracker.fetch = timed_publish, timed_fetch
 
             async def train(core) -> None:
                 samples = 0
@@ -273,8 +278,29 @@ def test_hours_from_the_target_a_steady_record_is_not_published_before_its_renew
                         nursery.start_soon(train, core)
 
     run_sim(main, seed=1)
+    return publishes, reads
+
+
+def test_hours_from_the_target_a_steady_record_is_not_published_before_its_renewal() -> None:
+    """Between minutes 20 and 80 nothing about a record changes that matters to the others'
+    ETA, so it is published only when due for renewal (a third of its lifetime after the
+    last). Before, the extrapolation error (a reader extrapolates a record for seconds only)
+    republished it every ~420 s of 600."""
+    publishes, _ = _two_hours_from_the_step()
     for i in range(2):
         window = [(t, ttl) for t, ttl in publishes[i] if 1200 <= t < 4800]
         assert len(window) >= 3, window
         for (t0, ttl), (t1, _) in zip(window, window[1:], strict=False):
             assert t1 - t0 >= 0.95 * ttl / 3, window
+
+
+def test_hours_from_the_target_reads_follow_the_eta_with_no_fixed_interval() -> None:
+    """Between minutes 20 and 80 (a step 100 to 40 minutes away) a peer reads the table every
+    tenth of the ETA: about 10 times (before: every idle_refresh = 60 s, 60 times), and
+    never more often than a tenth of the time left to the step."""
+    _, reads = _two_hours_from_the_step()
+    for i in range(2):
+        window = [t for t in reads[i] if 1200 <= t < 4800]
+        assert 3 <= len(window) <= 15, window
+        for t0, t1 in zip(window, window[1:], strict=False):
+            assert t1 - t0 >= 0.09 * (7200 - t1) - 10, window
