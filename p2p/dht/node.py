@@ -9,6 +9,7 @@ runs in a nursery the DHT owns and ends with the block.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -190,11 +191,17 @@ class DHT:
         return len(answered)
 
     async def _reping_initial_peers(self) -> None:
-        """A small table may mean we were cut off (a partition): greet the initial peers."""
+        """A small table may mean we were cut off (a partition): greet the initial peers we
+        have not heard from for ``refresh_interval`` (a collaboration of fewer than k peers
+        always has a small table: each peer pinged its initial peers every maintenance)."""
 
         async def one(addr: str | Multiaddr) -> None:
             try:
                 ma = Multiaddr.parse(addr)
+                known = None if ma.peer_id is None else self.routing.get(ma.peer_id)
+                heard = -math.inf if known is None else known.last_seen
+                if trio.current_time() - heard < self.config.refresh_interval:
+                    return
                 with trio.move_on_after(self.config.request_timeout):
                     peer = await self.node.connect(ma)
                     await self.protocol.ping(Contact(peer, (str(ma.with_peer(peer)),)))
@@ -531,6 +538,11 @@ class DHT:
             await trio.sleep(self.config.maintenance_interval)
             await self.maintain()
 
+    async def _refresh_empty(self, buckets: list[Any], now: float) -> None:
+        await self.find_nearest(node_id(self.peer_id))
+        for bucket in buckets:
+            bucket.last_updated = max(bucket.last_updated, now)
+
     async def maintain(self) -> None:
         """Purge expired records, refresh stale buckets, republish what was not re-stored."""
         now = self.now()
@@ -538,12 +550,19 @@ class DHT:
         self.cache.purge(now)
         mono = trio.current_time()
         stale = self.routing.stale_buckets(mono, self.config.refresh_interval)
+        # Empty stale buckets share one lookup of our own ID: buckets are empty only near our
+        # ID (farther ranges hold more nodes), so a node in one of them would be among our
+        # nearest, which that lookup finds (one lookup each found nothing new).
+        empty = [b for b in stale if not b.peers]
         with purpose("refresh"):
             async with trio.open_nursery() as nursery:
                 if self.initial_peers and len(self.routing) < self.config.k:
                     nursery.start_soon(self._reping_initial_peers)
                 for bucket in stale:
-                    nursery.start_soon(self.find_nearest, random_id(bucket.lo, bucket.hi))
+                    if bucket.peers:
+                        nursery.start_soon(self.find_nearest, random_id(bucket.lo, bucket.hi))
+                if empty:
+                    nursery.start_soon(self._refresh_empty, empty, mono)
         if self.client_mode:
             return
         due = [

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import trio
+
 from p2p.dht.traffic import key_kind, purpose
 from p2p.testing import run_sim
 
@@ -36,5 +38,60 @@ def test_requests_are_tallied_by_purpose_or_key() -> None:
                 "dht.find/mine",
                 "dht.ping/refresh",
             }
+
+    run_sim(main)
+
+
+def test_empty_stale_buckets_share_one_lookup_of_our_own_id() -> None:
+    """In a 40-node swarm with small buckets, the buckets near a node's ID are empty: once
+    stale, they are refreshed by one lookup of its own ID, not one lookup each; the buckets
+    that hold nodes still get one each, and the table loses nothing."""
+    lookups: list[int] = []
+
+    async def main() -> None:
+        config = TEST_CONFIG.replace(
+            k=4, replication=4, refresh_interval=100.0, maintenance_interval=1e6
+        )
+        async with dht_swarm(40, seed=5, config=config) as swarm:
+            await trio.sleep(101)
+            now = trio.current_time()
+            dht = max(
+                swarm.dhts,
+                key=lambda d: sum(1 for b in d.routing.stale_buckets(now, 100.0) if not b.peers),
+            )
+            stale = dht.routing.stale_buckets(now, config.refresh_interval)
+            empty = sum(1 for b in stale if not b.peers)
+            assert empty >= 2, empty
+            known = len(dht.routing)
+            find_nearest = dht.find_nearest
+
+            async def counted(target, *args, **kwargs):
+                lookups.append(target)
+                return await find_nearest(target, *args, **kwargs)
+
+            dht.find_nearest = counted
+            await dht.maintain()
+            assert len(lookups) == len(stale) - empty + 1, (len(lookups), len(stale), empty)
+            assert len(dht.routing) >= known
+            assert dht.protocol.traffic.requests["dht.find/refresh"] > 0
+            assert not dht.routing.stale_buckets(trio.current_time(), 100.0)
+
+    run_sim(main)
+
+
+def test_a_small_table_greets_only_initial_peers_not_heard_from() -> None:
+    """Twelve nodes: every table is smaller than k, which may mean a node was cut off, so its
+    initial peers are greeted again; but only those not heard from for refresh_interval.
+    Over ten minutes of maintenance every 10 s a node pinged its initial peer 60 times
+    before; now only once it has gone quiet for refresh_interval (120 s): a few times."""
+
+    async def main() -> None:
+        config = TEST_CONFIG.replace(refresh_interval=120.0)
+        async with dht_swarm(12, seed=4, config=config) as swarm:
+            dht = swarm.dhts[7]
+            assert dht.initial_peers and len(dht.routing) < config.k
+            await trio.sleep(600)
+            pings = dht.protocol.traffic.requests["dht.ping/refresh"]
+            assert 1 <= pings <= 8, pings
 
     run_sim(main)
