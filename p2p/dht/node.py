@@ -9,7 +9,6 @@ runs in a nursery the DHT owns and ends with the block.
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -191,17 +190,11 @@ class DHT:
         return len(answered)
 
     async def _reping_initial_peers(self) -> None:
-        """A small table may mean we were cut off (a partition): greet the initial peers we
-        have not heard from for ``refresh_interval`` (a collaboration of fewer than k peers
-        always has a small table: each peer pinged its initial peers every maintenance)."""
+        """A small table may mean we were cut off (a partition): greet the initial peers."""
 
         async def one(addr: str | Multiaddr) -> None:
             try:
                 ma = Multiaddr.parse(addr)
-                known = None if ma.peer_id is None else self.routing.get(ma.peer_id)
-                heard = -math.inf if known is None else known.last_seen
-                if trio.current_time() - heard < self.config.refresh_interval:
-                    return
                 with trio.move_on_after(self.config.request_timeout):
                     peer = await self.node.connect(ma)
                     await self.protocol.ping(Contact(peer, (str(ma.with_peer(peer)),)))

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import math
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, replace
@@ -381,12 +382,16 @@ class NATManager:
     async def _dht_loop(self, dht: Any) -> None:
         base = self.config.advertise_interval
         interval = base
+        expires = -math.inf  # (DHT time) of the last records we stored
         while True:
             # A renewal that nothing changed since waits twice as long as the last (up to
             # STABLE_BACKOFF times advertise_interval); any change renews at once and resets
             # it. The records live twice the wait that follows, so a relay that vanished is
-            # gone within 2 x STABLE_BACKOFF x the interval.
-            ttl = 2 * interval
+            # gone within 2 x STABLE_BACKOFF x the interval; but never less than the last one
+            # (a record with an earlier expiration is refused as outdated: addresses changed
+            # after a long wait stayed unpublished).
+            ttl = max(2 * interval, expires - dht.now() + 1.0)
+            expires = dht.now() + ttl
             try:
                 if self.role is Role.PUBLIC and self.relay.enabled:
                     await advertise_relay(dht, self.node, ttl)

@@ -77,21 +77,3 @@ def test_empty_stale_buckets_share_one_lookup_of_our_own_id() -> None:
             assert not dht.routing.stale_buckets(trio.current_time(), 100.0)
 
     run_sim(main)
-
-
-def test_a_small_table_greets_only_initial_peers_not_heard_from() -> None:
-    """Twelve nodes: every table is smaller than k, which may mean a node was cut off, so its
-    initial peers are greeted again; but only those not heard from for refresh_interval.
-    Over ten minutes of maintenance every 10 s a node pinged its initial peer 60 times
-    before; now only once it has gone quiet for refresh_interval (120 s): a few times."""
-
-    async def main() -> None:
-        config = TEST_CONFIG.replace(refresh_interval=120.0)
-        async with dht_swarm(12, seed=4, config=config) as swarm:
-            dht = swarm.dhts[7]
-            assert dht.initial_peers and len(dht.routing) < config.k
-            await trio.sleep(600)
-            pings = dht.protocol.traffic.requests["dht.ping/refresh"]
-            assert 1 <= pings <= 8, pings
-
-    run_sim(main)
