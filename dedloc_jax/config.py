@@ -4,7 +4,6 @@ presets. Each setting has one place; the flat keyword names of old still work bu
 from __future__ import annotations
 
 import dataclasses
-import math
 import warnings
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -38,16 +37,16 @@ class ProgressConfig(_Group):
     max_refresh: float = 5.0  # ... and far from it (reads at half the ETA in between)
     ttl: float = 60.0  # a vanished peer's progress expires after this
     # Far from the target (an ETA of idle_after or more: diloco's outer steps, hours apart,
-    # never a DeDLOC epoch) reads come at a tenth of the ETA (up to idle_refresh: no cap by
-    # default; a read before a tenth of the ETA has passed changes little, the estimate is
-    # within a fifth of the truth, so it still reads ever more often as the step nears), and our
+    # never a DeDLOC epoch) reads come at a tenth of the ETA up to idle_refresh, and our
     # record lives up to half the ETA within idle_ttl (renewed at a third of that): a peer
     # that vanishes still expires before the step, and the table is not re-read every
     # max_refresh for hours. (At a tenth of an 80 s epoch's ETA, DeDLOC rounds failed.)
     # idle_ttl is long (30 min) because renewals and the follower's relocations come once per
     # record lifetime: hours from the step they are most of a DiLoCo run's DHT bytes.
+    # (idle_refresh uncapped, a newcomer whose first view of the table was partial read it
+    # every tenth of a long ETA and missed the step: issue 48, docs/decisions.md.)
     idle_after: float = 600.0
-    idle_refresh: float = math.inf  # (60 s before issue 48: 40 peers read every minute)
+    idle_refresh: float = 60.0
     idle_ttl: float = 1800.0
     # Count others' samples since their last report from their rate (DeDLOC): less overshoot,
     # but a peer may stop early and wait in matchmaking for the rest. False: published only.

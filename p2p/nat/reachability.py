@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import enum
 import logging
-import math
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, replace
@@ -63,11 +62,6 @@ def decide_role(
             return Role.RELAYED
         return Role.UNKNOWN if force_client is False else Role.CLIENT
     return Role.UNKNOWN
-
-
-STABLE_BACKOFF = 4
-"""Relay adverts and relayed addresses of a node whose reachability, role and reservations
-stay put are renewed at most this many ``advertise_interval`` apart (see _dht_loop)."""
 
 
 @dataclass(frozen=True)
@@ -380,18 +374,8 @@ class NATManager:
         self._nursery.start_soon(self._dht_loop, dht)
 
     async def _dht_loop(self, dht: Any) -> None:
-        base = self.config.advertise_interval
-        interval = base
-        expires = -math.inf  # (DHT time) of the last records we stored
+        ttl = 2 * self.config.advertise_interval
         while True:
-            # A renewal that nothing changed since waits twice as long as the last (up to
-            # STABLE_BACKOFF times advertise_interval); any change renews at once and resets
-            # it. The records live twice the wait that follows, so a relay that vanished is
-            # gone within 2 x STABLE_BACKOFF x the interval; but never less than the last one
-            # (a record with an earlier expiration is refused as outdated: addresses changed
-            # after a long wait stayed unpublished).
-            ttl = max(2 * interval, expires - dht.now() + 1.0)
-            expires = dht.now() + ttl
             try:
                 if self.role is Role.PUBLIC and self.relay.enabled:
                     await advertise_relay(dht, self.node, ttl)
@@ -404,15 +388,8 @@ class NATManager:
                     await publish_addrs(dht, self.node, ttl)
             except P2PError as e:
                 logger.info("DHT upkeep failed: %s", e)
-            with trio.move_on_after(interval) as waited:
+            with trio.move_on_after(self.config.advertise_interval):
                 await self.wait_changed()
-            # (a private node still short of relays looks for them every interval)
-            short = (
-                self.reachability is Reachability.PRIVATE
-                and len(self._relay_tasks) < self.config.max_relays
-            )
-            stable = waited.cancelled_caught and not short
-            interval = min(2 * interval, STABLE_BACKOFF * base) if stable else base
 
     # ---- direct connection upgrade --------------------------------------------------------
 

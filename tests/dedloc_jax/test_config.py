@@ -1,6 +1,5 @@
 from __future__ import annotations
 
-import math
 import warnings
 
 import pytest
@@ -67,7 +66,7 @@ FLAT_DEFAULTS = {
     "max_refresh": 5.0,
     "progress_ttl": 60.0,
     "idle_after": 600.0,
-    "idle_refresh": math.inf,  # 60 before issue 48: far reads now follow the ETA alone
+    "idle_refresh": 60.0,
     "idle_ttl": 1800.0,  # 600 before issue 48 cut the DHT background (decisions.md)
     "extrapolate": True,
     "on_no_group": "local",

@@ -292,15 +292,3 @@ def test_hours_from_the_target_a_steady_record_is_not_published_before_its_renew
         assert len(window) >= 3, window
         for (t0, ttl), (t1, _) in zip(window, window[1:], strict=False):
             assert t1 - t0 >= 0.95 * ttl / 3, window
-
-
-def test_hours_from_the_target_reads_follow_the_eta_with_no_fixed_interval() -> None:
-    """Between minutes 20 and 80 (a step 100 to 40 minutes away) a peer reads the table every
-    tenth of the ETA: about 10 times (before: every idle_refresh = 60 s, 60 times), and
-    never more often than a tenth of the time left to the step."""
-    _, reads = _two_hours_from_the_step()
-    for i in range(2):
-        window = [t for t in reads[i] if 1200 <= t < 4800]
-        assert 3 <= len(window) <= 15, window
-        for t0, t1 in zip(window, window[1:], strict=False):
-            assert t1 - t0 >= 0.09 * (7200 - t1) - 10, window
