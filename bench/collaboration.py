@@ -84,6 +84,7 @@ from dedloc_jax.powersgd import PowerSGD, initial_q
 from dedloc_jax.rounds.lowrank import wire_bytes as lowrank_wire_bytes
 from dedloc_jax.topk import TopK, encode
 from p2p.dht import DHTClock, DHTConfig
+from p2p.dht.traffic import Traffic
 from p2p.node import Node, NodeConfig, open_node
 from p2p.testing import SimNetwork, run_sim, sim_identity
 
@@ -178,7 +179,7 @@ async def _peer(
     ending: trio.Event,
     overlap: bool,
     scale: int,
-    nodes: list[Node],
+    nodes: list[tuple[Node, Traffic]],
 ) -> None:
     host = net.add_host(
         stats.name,
@@ -205,7 +206,8 @@ async def _peer(
             allreduce_config=_scaled_averaging(scale),
         ) as core,
     ):
-        nodes.append(node)  # its bytes_sent are read once the run is over
+        # its bytes_sent and its DHT's requests are read once the run is over
+        nodes.append((node, core.dht.protocol.traffic))
         if index == 0:
             first.append(str(node.addrs[0]))
         stats.joined = trio.current_time()
@@ -341,7 +343,8 @@ def simulate(
     config = config.replace(links=config.links.replace(probe_bytes=probe_bytes))
     sent: list[int] = []
     traffic: Counter[str] = Counter()  # bytes every node wrote, per protocol
-    nodes: list[Node] = []
+    dht_bytes: Counter[str] = Counter()  # the DHT requests' bytes, per message and purpose
+    nodes: list[tuple[Node, Traffic]] = []
     actual = max(1, args.params // args.payload_scale)
     if isinstance(codec, PowerSGD) or codec in POLICIES:  # per leaf: the model's leaves
         arrays = model_leaves(actual, args.seed)
@@ -425,8 +428,9 @@ def simulate(
                     p.left = end
             nursery.cancel_scope.cancel()
         sent.append(net.stats.bytes)
-        for node in nodes:
+        for node, dht in nodes:
             traffic.update(node.bytes_sent)
+            dht_bytes.update(dht.bytes)
         return everyone
 
     wall = time.perf_counter()
@@ -457,6 +461,7 @@ def simulate(
     useful = _complete_samples(everyone)  # samples of the rounds that completed
     figures["bytes_per_complete_sample"] = round(sent[0] / useful, 2) if useful else None
     figures["bytes_by_kind"] = bytes_by_kind(traffic, sent[0])
+    figures["dht_bytes_by_purpose"] = dict(dht_bytes.most_common())
     mode = "overlapped (delayed update)" if overlap else "blocking"
     print(f"--- {mode}: {figures['epochs']} epochs in {wall:.0f} s of wall time")
     print(
@@ -470,6 +475,10 @@ def simulate(
         f"{sent[0]:,} bytes sent for {processed:,} samples: {figures['bytes_per_sample']} B/sample"
     )
     print("bytes by kind:", ", ".join(f"{k} {v:,}" for k, v in figures["bytes_by_kind"].items()))
+    print(
+        "DHT requests' bytes by message/purpose:",
+        ", ".join(f"{k} {v:,}" for k, v in figures["dht_bytes_by_purpose"].items()),
+    )
     print(
         f"epoch {figures['epoch_seconds']} s against an ideal {figures['ideal_epoch_seconds']} s"
         f" (LP bound {figures['lp_bound_seconds']} s)"

@@ -43,6 +43,8 @@ class ProgressConfig(_Group):
     # max_refresh for hours. (At a tenth of an 80 s epoch's ETA, DeDLOC rounds failed.)
     # idle_ttl is long (30 min) because renewals and the follower's relocations come once per
     # record lifetime: hours from the step they are most of a DiLoCo run's DHT bytes.
+    # (idle_refresh uncapped, a newcomer whose first view of the table was partial read it
+    # every tenth of a long ETA and missed the step: issue 48, docs/decisions.md.)
     idle_after: float = 600.0
     idle_refresh: float = 60.0
     idle_ttl: float = 1800.0

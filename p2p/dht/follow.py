@@ -45,6 +45,7 @@ import trio
 
 from p2p.dht.ids import key_id, node_id
 from p2p.dht.records import KeyState, Record, View, decode_view
+from p2p.dht.traffic import default_purpose, key_kind
 from p2p.dht.wire import Contact, Cursor
 from p2p.identity import PeerID
 
@@ -216,7 +217,8 @@ class KeyFollower:
         fresh, self._fresh_lookup = self._fresh_lookup, False
         nearest = None if fresh else self.dht._recently_located(self.key, self.wanted)
         if nearest is None:
-            found = await self.dht.find_nearest(key_id(self.key), count=self.wanted)
+            with default_purpose(f"follow {key_kind(self.key)}"):
+                found = await self.dht.find_nearest(key_id(self.key), count=self.wanted)
             nearest = found.nearest
         target = key_id(self.key)
         merged = {c.peer: c for c in self._holders}

@@ -31,6 +31,7 @@ from p2p.dht.records import (
     pack_value,
     view_records,
 )
+from p2p.dht.traffic import default_purpose, key_kind, purpose
 from p2p.dht.traverse import FindBatcher, LookupResult, lookup
 from p2p.dht.validation import RecordValidator, ValidatorChain, record_owner, sign_record
 from p2p.dht.wire import Contact
@@ -139,14 +140,16 @@ class DHT:
         else:
             self.protocol.register()
             if self.protocol.nursery is not None:
-                self.protocol.nursery.start_soon(self.find_nearest, node_id(self.peer_id))
+                with purpose("join"):
+                    self.protocol.nursery.start_soon(self.find_nearest, node_id(self.peer_id))
 
     async def _hand_off_records(self) -> None:
         records = list(self.storage.records(self.now()))
         if not records:
             return
         try:
-            await self.store_records(records)
+            with purpose("handoff"):
+                await self.store_records(records)
         except (P2PError, InvalidRecordError) as e:
             log.info("handing off %d records failed: %s", len(records), e)
 
@@ -174,14 +177,16 @@ class DHT:
             except (P2PError, trio.TooSlowError) as e:
                 errors.append(f"{addr}: {e or type(e).__name__}")
 
-        async with trio.open_nursery() as nursery:
-            for addr in initial_peers:
-                nursery.start_soon(try_peer, addr)
+        with purpose("bootstrap"):
+            async with trio.open_nursery() as nursery:
+                for addr in initial_peers:
+                    nursery.start_soon(try_peer, addr)
         if not answered:
             raise BootstrapError(
                 f"none of the {len(initial_peers)} initial peers answered: " + "; ".join(errors)
             )
-        await self.find_nearest(node_id(self.peer_id))
+        with purpose("bootstrap"):
+            await self.find_nearest(node_id(self.peer_id))
         return len(answered)
 
     async def _reping_initial_peers(self) -> None:
@@ -296,7 +301,8 @@ class DHT:
             kid = key_id(key)
             nearest = self._recently_located(key, replicas)
             if nearest is None:
-                found = await self.find_nearest(kid, count=replicas)
+                with default_purpose(f"locate {key_kind(key)}"):
+                    found = await self.find_nearest(kid, count=replicas)
                 nearest = found.nearest[:replicas]
                 self._remember_located(key, nearest, replicas)
             nearest = nearest[:replicas]
@@ -496,7 +502,8 @@ class DHT:
             self.protocol.stats["invalid_records_seen"] += bad
         view = merge_views([*good.values(), *self._local_records(key)])
         if repair and view is not None and self.protocol.nursery is not None:  # not closing
-            self._nursery.start_soon(self._repair_and_cache, found, view_records(view))
+            with purpose("repair"):
+                self._nursery.start_soon(self._repair_and_cache, found, view_records(view))
         return view
 
     async def _repair_and_cache(self, found: LookupResult, want: list[Record]) -> None:
@@ -524,6 +531,11 @@ class DHT:
             await trio.sleep(self.config.maintenance_interval)
             await self.maintain()
 
+    async def _refresh_empty(self, buckets: list[Any], now: float) -> None:
+        await self.find_nearest(node_id(self.peer_id))
+        for bucket in buckets:
+            bucket.last_updated = max(bucket.last_updated, now)
+
     async def maintain(self) -> None:
         """Purge expired records, refresh stale buckets, republish what was not re-stored."""
         now = self.now()
@@ -531,11 +543,19 @@ class DHT:
         self.cache.purge(now)
         mono = trio.current_time()
         stale = self.routing.stale_buckets(mono, self.config.refresh_interval)
-        async with trio.open_nursery() as nursery:
-            if self.initial_peers and len(self.routing) < self.config.k:
-                nursery.start_soon(self._reping_initial_peers)
-            for bucket in stale:
-                nursery.start_soon(self.find_nearest, random_id(bucket.lo, bucket.hi))
+        # Empty stale buckets share one lookup of our own ID: buckets are empty only near our
+        # ID (farther ranges hold more nodes), so a node in one of them would be among our
+        # nearest, which that lookup finds (one lookup each found nothing new).
+        empty = [b for b in stale if not b.peers]
+        with purpose("refresh"):
+            async with trio.open_nursery() as nursery:
+                if self.initial_peers and len(self.routing) < self.config.k:
+                    nursery.start_soon(self._reping_initial_peers)
+                for bucket in stale:
+                    if bucket.peers:
+                        nursery.start_soon(self.find_nearest, random_id(bucket.lo, bucket.hi))
+                if empty:
+                    nursery.start_soon(self._refresh_empty, empty, mono)
         if self.client_mode:
             return
         due = [
@@ -548,7 +568,8 @@ class DHT:
             for rec in due:
                 self.storage.store(rec, now)  # marks them received now
             try:
-                await self.store_records(due)
+                with purpose("republish"):
+                    await self.store_records(due)
             except InvalidRecordError as e:  # e.g. validators changed since it was stored
                 log.warning("republishing failed: %s", e)
 

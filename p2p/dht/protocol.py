@@ -24,6 +24,7 @@ from p2p.dht.ids import key_id, node_id
 from p2p.dht.records import Record, merge_views, view_records
 from p2p.dht.routing import PeerEntry, RoutingTable
 from p2p.dht.storage import LocalStorage
+from p2p.dht.traffic import Traffic, current_purpose, encoded_size, key_kind, purpose
 from p2p.dht.traverse import FindAnswer
 from p2p.dht.validation import ValidatorChain
 from p2p.dht.wire import (
@@ -105,6 +106,7 @@ class DHTProtocol:
             max_value_bytes=config.max_value_bytes,
         )
         self.stats: Counter[str] = Counter()
+        self.traffic = Traffic()  # our requests' bytes by message and purpose
         self.nursery: trio.Nursery | None = None  # background work; set while the DHT runs
         self._evicting: set[PeerID] = set()
         self._handoff_limiter = trio.CapacityLimiter(config.handoff_concurrency)
@@ -189,7 +191,8 @@ class DHTProtocol:
     async def _ping_before_evict(self, lrs: PeerEntry) -> None:
         try:
             # an answer refreshes it (peer_seen); a failure removes it (peer_failed)
-            await self.ping(Contact(lrs.peer, lrs.addrs))
+            with purpose("evict"):
+                await self.ping(Contact(lrs.peer, lrs.addrs))
         finally:
             self._evicting.discard(lrs.peer)
 
@@ -220,7 +223,8 @@ class DHTProtocol:
         try:
             async with self._handoff_limiter:
                 self.stats["handoffs"] += 1
-                await self.store(newcomer, records)
+                with purpose("handoff"):
+                    await self.store(newcomer, records)
         finally:
             self._handoffs_pending -= 1
 
@@ -290,32 +294,37 @@ class DHTProtocol:
         return response(self.clock.local_time(), **body)
 
     # --- calls ---------------------------------------------------------------------------
-    async def _call(self, contact: Contact, name: str, **body: Any) -> Any | None:
-        """One request; None (and the peer is banned) when it fails or answers garbage."""
+    async def _call(
+        self, contact: Contact, name: str, label: str | None = None, **body: Any
+    ) -> Any | None:
+        """One request; None (and the peer is banned) when it fails or answers garbage.
+        ``label``: what it is for when the caller named no purpose (see p2p.dht.traffic)."""
         if contact.peer.digest == self.node.peer_id.digest:
             return None
         if contact.addrs and contact.peer not in self.node.peerstore:
             self._remember_addrs(contact.peer, contact.addrs)
         self.stats[name] += 1
         sent = self.clock.local_time()
+        req = request(self.client_mode, self.own_addrs(), **body)
+        resp = None
         try:
             resp = await self.node.call(
-                contact.peer,
-                name,
-                request(self.client_mode, self.own_addrs(), **body),
-                timeout=self.config.request_timeout,
+                contact.peer, name, req, timeout=self.config.request_timeout
             )
             peer_time = parse_time(resp)
         except P2PError as e:  # unreachable, closed, bad answer: all mean "no usable answer"
             log.debug("%s to %s failed: %r", name, contact.peer, e)
             self.peer_failed(contact.peer)
             return None
+        finally:
+            size = encoded_size(req) + (0 if resp is None else encoded_size(resp))
+            self.traffic.add(name, current_purpose() or label, size)
         self.clock.observe(contact.peer.digest, peer_time, sent, self.clock.local_time())
         self.peer_seen(contact.peer, contact.addrs, client=False)
         return resp
 
     async def ping(self, contact: Contact) -> bool:
-        return await self._call(contact, PING) is not None
+        return await self._call(contact, PING, "ping") is not None
 
     async def why_no_ping(self, contact: Contact) -> str:
         """Why ``contact`` did not answer a ping, in words a user can act on: a DHT client
@@ -347,7 +356,10 @@ class DHTProtocol:
         for i in range(0, len(records), step):
             chunk = records[i : i + step]
             resp = await self._call(
-                contact, STORE, records=[record_to_wire(r, cache) for r in chunk]
+                contact,
+                STORE,
+                key_kind(chunk[0].key),
+                records=[record_to_wire(r, cache) for r in chunk],
             )
             if resp is None:
                 return None
@@ -364,7 +376,7 @@ class DHTProtocol:
     ) -> tuple[list[Record], Cursor] | None:
         """What ``contact`` stored under ``key`` since ``since``; None on failure."""
         since_wire = None if since is None else [since.incarnation, since.number]
-        resp = await self._call(contact, CHANGES, key=key, since=since_wire)
+        resp = await self._call(contact, CHANGES, key_kind(key), key=key, since=since_wire)
         if resp is None:
             return None
         try:
@@ -380,7 +392,9 @@ class DHTProtocol:
         step = self.config.max_queries_per_find
         for i in range(0, len(queries), step):
             chunk = queries[i : i + step]
-            resp = await self._call(contact, FIND, queries=[query_to_wire(q) for q in chunk])
+            keys = [q for q in chunk if isinstance(q, str)]
+            label = key_kind(keys[0]) if keys else "lookup"
+            resp = await self._call(contact, FIND, label, queries=[query_to_wire(q) for q in chunk])
             if resp is None:
                 return None
             try:

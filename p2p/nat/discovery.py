@@ -13,7 +13,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from p2p.dht import KeySchema, ListOf, owner_marker
+from p2p.dht import KeySchema, ListOf, follower_replicas, owner_marker
 from p2p.dht.records import owner_markers
 from p2p.errors import IdentityError, MultiaddrError
 from p2p.identity import PeerID
@@ -72,10 +72,23 @@ def _parse_addrs(value: Any, peer: PeerID) -> list[Multiaddr]:
     return out
 
 
+def advert_replicas(dht: Any) -> int:
+    """Nodes an advert is stored on: twice the holders a get stops at (a writer renews it, and
+    a renewal repairs what churn took), not the DHT's full replication: 20 replicas per relay
+    renewal were a fifth of a 12-peer DiLoCo run's stores (issue 48)."""
+    return follower_replicas(dht.config)
+
+
 async def advertise_relay(dht: Any, node: Any, ttl: float = 600.0) -> bool:
     """Announce ``node`` (its direct addresses) as a relay; True if some DHT node stored it."""
     addrs = [str(a) for a in node.addrs if not a.is_relayed][:MAX_ADDRS]
-    result = await dht.store(RELAYS_KEY, addrs, dht.now() + ttl, subkey=owner_marker(node.peer_id))
+    result = await dht.store(
+        RELAYS_KEY,
+        addrs,
+        dht.now() + ttl,
+        subkey=owner_marker(node.peer_id),
+        replicas=advert_replicas(dht),
+    )
     return bool(result.ok)
 
 
@@ -104,7 +117,9 @@ async def find_relays(dht: Any, limit: int = 8) -> list[Multiaddr]:
 async def publish_addrs(dht: Any, node: Any, ttl: float = 600.0) -> bool:
     """Publish ``node``'s current addresses (relayed ones included) for others to find."""
     addrs = [str(a) for a in node.addrs][:MAX_ADDRS]
-    result = await dht.store(addrs_key(node.peer_id), addrs, dht.now() + ttl)
+    result = await dht.store(
+        addrs_key(node.peer_id), addrs, dht.now() + ttl, replicas=advert_replicas(dht)
+    )
     return bool(result.ok)
 
 

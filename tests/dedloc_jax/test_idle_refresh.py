@@ -3,6 +3,7 @@ rarely; near it as often as before."""
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -235,3 +236,59 @@ def test_hours_from_the_target_a_peer_renews_its_record_rarely_and_it_stays_live
         window = [t for t in publishes[i] if 1200 <= t < 4800]
         assert 3 <= len(window) <= 10, window
     assert live and min(live) == 2, live
+
+
+@functools.cache
+def _two_hours_from_the_step() -> tuple[list[list[tuple[float, float]]], list[list[float]]]:
+    """Two peers at a steady rate toward a step two hours away, for 80 minutes: each one's
+    publishes (time, record lifetime) and progress reads (time)."""
+    target = int(2 * RATE * 7200)
+    config = CollaborationConfig(target_batch_size=target, links=LinkConfig(measure=False))
+    publishes: list[list[tuple[float, float]]] = [[], []]
+    reads: list[list[float]] = [[], []]
+
+    async def main() -> None:
+        net = SimNetwork(seed=1)
+        async with open_sim_collaboration(net, 2, config=config, latency=0.02) as cores:
+            start = trio.current_time()
+            for i, core in enumerate(cores):
+                tracker = core.tracker
+                publish, fetch = tracker.publish, tracker.fetch
+
+                async def timed_publish(*, publish=publish, i=i, tracker=tracker):
+                    await publish()
+                    publishes[i].append((trio.current_time() - start, tracker._published_ttl))
+
+                async def timed_fetch(*, fetch=fetch, i=i):
+                    reads[i].append(trio.current_time() - start)
+                    return await fetch()
+
+                tracker.publish, tracker.fetch = timed_publish, timed_fetch
+
+            async def train(core) -> None:
+                samples = 0
+                while True:
+                    samples += 4
+                    core.report(0, samples, 4)
+                    await trio.sleep(4 / RATE)
+
+            with trio.move_on_after(4800):
+                async with trio.open_nursery() as nursery:
+                    for core in cores:
+                        nursery.start_soon(train, core)
+
+    run_sim(main, seed=1)
+    return publishes, reads
+
+
+def test_hours_from_the_target_a_steady_record_is_not_published_before_its_renewal() -> None:
+    """Between minutes 20 and 80 nothing about a record changes that matters to the others'
+    ETA, so it is published only when due for renewal (a third of its lifetime after the
+    last). Before, the extrapolation error (a reader extrapolates a record for seconds only)
+    republished it every ~420 s of 600."""
+    publishes, _ = _two_hours_from_the_step()
+    for i in range(2):
+        window = [(t, ttl) for t, ttl in publishes[i] if 1200 <= t < 4800]
+        assert len(window) >= 3, window
+        for (t0, ttl), (t1, _) in zip(window, window[1:], strict=False):
+            assert t1 - t0 >= 0.95 * ttl / 3, window

@@ -395,3 +395,44 @@ def test_a_check_whose_dial_backs_all_err_keeps_the_verdict():
         assert nat.role is Role.RELAYED and nat.dht_client_mode and not nat.relay.enabled
 
     world_run(body)
+
+
+def test_a_relay_advert_goes_to_a_few_nodes():
+    """A public relay renews its advert every advert_interval (13 renewals in an hour), each
+    on advert_replicas nodes (6; before: the DHT's replication, 20, here all 12 nodes): at
+    most 8 nodes hold it, and a private node still finds it."""
+
+    async def body(w: World):
+        publics = [await w.node(reachable=True) for _ in range(12)]
+        dhts = []
+        for i, node in enumerate(publics):
+            initial = [publics[0].addrs[0]] if i else []
+            dhts.append(
+                await w.stack.enter_async_context(
+                    open_dht(node, initial_peers=initial, config=DHTConfig.fast())
+                )
+            )
+        config = NATConfig.testing().replace(force_reachability="public")
+        relay_nat = await w.nat(publics[5], [], config=config)
+        traffic = dhts[5].protocol.traffic
+        start = trio.current_time()
+        relay_nat.use_dht(dhts[5])
+        await trio.sleep(3600 - 1)
+        assert trio.current_time() - start < 3600
+        stores = traffic.requests["dht.store/nat.relays"]
+        holders = sum(1 for d in dhts if "nat.relays" in d.storage)
+        assert holders <= 8, holders  # replicas and the relay's own, repair, caches
+        assert stores <= 14 * 6, stores  # 13 renewals to 6 replicas (+1 for a slow one)
+
+        hidden = await w.node(reachable=False)
+        dht = await w.stack.enter_async_context(
+            open_dht(
+                hidden,
+                initial_peers=[publics[1].addrs[0]],
+                config=DHTConfig.fast(),
+                client_mode=True,
+            )
+        )
+        assert await find_relays(dht) == [publics[5].addrs[0]]
+
+    world_run(body)

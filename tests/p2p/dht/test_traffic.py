@@ -1,0 +1,79 @@
+"""The DHT's requests are tallied by message and purpose (p2p.dht.traffic)."""
+
+from __future__ import annotations
+
+import trio
+
+from p2p.dht.traffic import key_kind, purpose
+from p2p.testing import run_sim
+
+from .swarm import TEST_CONFIG, dht_swarm
+
+
+def test_key_kinds_blank_numbers_and_owners() -> None:
+    assert key_kind("run.group.17.x") == "run.group.#.x"
+    assert key_kind("nat.addrs.[owner:QmAbc9]") == "nat.addrs.[]"
+
+
+def test_requests_are_tallied_by_purpose_or_key() -> None:
+    async def main() -> None:
+        async with dht_swarm(12, seed=3, config=TEST_CONFIG) as swarm:
+            writer = swarm.dhts[4]
+            traffic = writer.protocol.traffic
+            traffic.bytes.clear()
+            traffic.requests.clear()
+            await writer.store("run.group.3", {"n": 1}, writer.now() + 600)
+            # a store names its key's kind; its lookup says what it located
+            assert traffic.bytes["dht.store/run.group.#"] > 0
+            assert traffic.bytes["dht.find/locate run.group.#"] > 0
+            with purpose("mine"):
+                await writer.store("other", {"n": 2}, writer.now() + 600)
+            assert traffic.bytes["dht.store/mine"] > 0
+            assert "dht.store/other" not in traffic.bytes
+            await writer.maintain()  # nothing stale yet: no refresh lookups, no republish
+            assert set(traffic.requests) <= {
+                "dht.store/run.group.#",
+                "dht.find/locate run.group.#",
+                "dht.store/mine",
+                "dht.find/mine",
+                "dht.ping/refresh",
+            }
+
+    run_sim(main)
+
+
+def test_empty_stale_buckets_share_one_lookup_of_our_own_id() -> None:
+    """In a 40-node swarm with small buckets, the buckets near a node's ID are empty: once
+    stale, they are refreshed by one lookup of its own ID, not one lookup each; the buckets
+    that hold nodes still get one each, and the table loses nothing."""
+    lookups: list[int] = []
+
+    async def main() -> None:
+        config = TEST_CONFIG.replace(
+            k=4, replication=4, refresh_interval=100.0, maintenance_interval=1e6
+        )
+        async with dht_swarm(40, seed=5, config=config) as swarm:
+            await trio.sleep(101)
+            now = trio.current_time()
+            dht = max(
+                swarm.dhts,
+                key=lambda d: sum(1 for b in d.routing.stale_buckets(now, 100.0) if not b.peers),
+            )
+            stale = dht.routing.stale_buckets(now, config.refresh_interval)
+            empty = sum(1 for b in stale if not b.peers)
+            assert empty >= 2, empty
+            known = len(dht.routing)
+            find_nearest = dht.find_nearest
+
+            async def counted(target, *args, **kwargs):
+                lookups.append(target)
+                return await find_nearest(target, *args, **kwargs)
+
+            dht.find_nearest = counted
+            await dht.maintain()
+            assert len(lookups) == len(stale) - empty + 1, (len(lookups), len(stale), empty)
+            assert len(dht.routing) >= known
+            assert dht.protocol.traffic.requests["dht.find/refresh"] > 0
+            assert not dht.routing.stale_buckets(trio.current_time(), 100.0)
+
+    run_sim(main)
