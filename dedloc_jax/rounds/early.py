@@ -151,6 +151,13 @@ class EarlyGroups:
             raise early.error
         if early.planned is None:
             return None
+        if early.planned.mine == (self.matchmaker.peer_id,):
+            # Alone ahead of the target: matchmake now, as at the target, so a peer that was
+            # not there to plan with (a restarted newcomer, not waited for) has the window to
+            # register; deciding at once left two peers stepping apart for 9 epochs.
+            return await self.matchmaker.form_group(
+                epoch, me, target=target, expected=expected, deadlines=deadlines
+            )
         return await self.matchmaker.join_group(early.planned, me, reread=True)
 
     def _measured(self, seconds: float) -> None:

@@ -186,22 +186,13 @@ def test_two_peers_reconverge_within_two_epochs_after_either_restarts(
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    "victim",
-    [
-        0,
-        pytest.param(1, marks=pytest.mark.xfail(strict=True, reason="issue 48: still open")),
-    ],
-    ids=["fast-restarts", "slow-restarts"],
-)
-def test_two_peers_reconverge_with_matchmaking_ahead_of_the_target(
+@pytest.mark.parametrize("victim", [0, 1], ids=["fast-restarts", "slow-restarts"])
+def test_two_peers_reconverge_with_matchmaking_at_the_target(
     monkeypatch: pytest.MonkeyPatch, victim: int
 ) -> None:
-    """With ``match_early`` the restarted (new identity) peer and the survivor stepped alone 9
-    times in a row: the survivor planned alone ahead of the target and refused the newcomer's
-    join at it (fixed: a plan alone ahead is not final); with the slow one restarted they
-    still do, which is why ``RoundConfig.match_early`` is off by default."""
-    early = CONFIG.replace(rounds=CONFIG.rounds.replace(match_early=True))
-    monkeypatch.setattr(sys.modules[__name__], "CONFIG", early)
+    """The same restarts (new identity) with ``match_early`` off: the groups form only at the
+    target, as before matchmaking ahead of it."""
+    late = CONFIG.replace(rounds=CONFIG.rounds.replace(match_early=False))
+    monkeypatch.setattr(sys.modules[__name__], "CONFIG", late)
     steps, since, _ = _restart(victim, False, seed=2)
     assert len([s for s in steps if s[0] >= since and s[3] < 2]) <= 2
