@@ -336,8 +336,8 @@ def simulate(
         codec = config.rounds.codec  # a config given names its own
     if getattr(args, "no_defences", False):  # a public run has them on: CenteredClip, checks
         config = config.replace(defence=config.defence.replace(robust=False, verify=False))
-    if getattr(args, "match_at_target", False):  # the group forms only once the target is hit
-        config = config.replace(rounds=config.rounds.replace(match_early=False))
+    if getattr(args, "match_early", False):  # the group is planned ahead of the target
+        config = config.replace(rounds=config.rounds.replace(match_early=True))
     # A probe as many seconds of a link as at full scale (4 MB), within a 64 KB floor.
     probe_bytes = max(64 << 10, (4 << 20) // args.payload_scale)
     config = config.replace(links=config.links.replace(probe_bytes=probe_bytes))
@@ -659,9 +659,9 @@ def main() -> None:
         help="without an open run's defences (CenteredClip, verified rounds), on by default",
     )
     parser.add_argument(
-        "--match-at-target",
+        "--match-early",
         action="store_true",
-        help="begin matchmaking at the target, not ahead of it (RoundConfig.match_early off)",
+        help="begin matchmaking ahead of the target (RoundConfig.match_early; off by default)",
     )
     args = parser.parse_args()
     if args.payload_scale < 1:

@@ -17,6 +17,7 @@ PEERS, MICRO, TARGET, EPOCHS = 4, 4, 320, 3
 CONFIG = CollaborationConfig(
     target_batch_size=TARGET, progress=ProgressConfig(min_refresh=0.1, max_refresh=0.5)
 )
+CONFIG = CONFIG.replace(rounds=CONFIG.rounds.replace(match_early=True))
 
 
 def _run(config: CollaborationConfig) -> dict[str, Any]:

@@ -187,12 +187,14 @@ def test_two_peers_reconverge_within_two_epochs_after_either_restarts(
 
 @pytest.mark.slow
 @pytest.mark.parametrize("victim", [0, 1], ids=["fast-restarts", "slow-restarts"])
-def test_two_peers_reconverge_with_matchmaking_at_the_target(
+def test_two_peers_reconverge_with_matchmaking_ahead_of_the_target(
     monkeypatch: pytest.MonkeyPatch, victim: int
 ) -> None:
-    """The same restarts (new identity) with ``match_early`` off: the groups form only at the
-    target, as before matchmaking ahead of it."""
-    late = CONFIG.replace(rounds=CONFIG.rounds.replace(match_early=False))
-    monkeypatch.setattr(sys.modules[__name__], "CONFIG", late)
+    """The same restarts (new identity) with ``match_early``: the survivor, holding the whole
+    target alone, planned alone ahead of it and decided at once (or re-read at it and found
+    nobody), and the two stepped alone 9 epochs running; a plan alone ahead now matchmakes
+    at the target as without the early start."""
+    early = CONFIG.replace(rounds=CONFIG.rounds.replace(match_early=True))
+    monkeypatch.setattr(sys.modules[__name__], "CONFIG", early)
     steps, since, _ = _restart(victim, False, seed=2)
     assert len([s for s in steps if s[0] >= since and s[3] < 2]) <= 2
