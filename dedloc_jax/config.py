@@ -78,7 +78,7 @@ class RoundConfig(_Group):
     on_no_group: Literal["local", "skip"] = "local"  # no group in time: step alone, or skip
     # Begin matchmaking when the ETA to the target is below what matchmaking takes, computing
     # on meanwhile; the round still averages only at the target (rounds/early.py). Off by
-    # default: with it the one-group soak held divergent averages at epoch 2 (decisions.md).
+    # default until it passes the one-group soak (docs/decisions.md).
     match_early: bool = False
 
     def __post_init__(self) -> None:

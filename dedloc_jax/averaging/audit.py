@@ -192,8 +192,7 @@ async def answer(rnd: Round, request: Any, remote: PeerID) -> dict:
         held = set(held) if isinstance(held, list) and len(held) <= len(names) else set()
         return {"l": [s.wire for i, s in rnd.statements.items() if i not in held | {who}]}
     # A node that calls us gets every other node's statement from that node's own call: ours
-    # only. (Every answer listing every statement held was O(n^2) bytes: at 40 members, 3.9x
-    # the bytes of the round's all-reduce, and slow uplinks held everyone's check up.)
+    # only, so each statement crosses each link once (O(n) bytes per member).
     own = rnd.statements.get(rnd.me)
     return {"l": [] if own is None else [own.wire]}
 

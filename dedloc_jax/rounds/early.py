@@ -154,7 +154,7 @@ class EarlyGroups:
         if early.planned.mine == (self.matchmaker.peer_id,):
             # Alone ahead of the target: matchmake now, as at the target, so a peer that was
             # not there to plan with (a restarted newcomer, not waited for) has the window to
-            # register; deciding at once left two peers stepping apart for 9 epochs.
+            # register.
             return await self.matchmaker.form_group(
                 epoch, me, target=target, expected=expected, deadlines=deadlines
             )
