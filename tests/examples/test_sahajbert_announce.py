@@ -61,11 +61,20 @@ def test_a_peer_behind_a_port_forward_is_reached_at_its_announced_address(tmp_pa
                     assert epoch == 7
                     assert all(np.array_equal(x, y) for x, y in zip(arrays, state, strict=True))
 
-                    async def remote_of_a(core: Any) -> Multiaddr | None:
-                        conn = core.node.connection_to(PeerID.from_base58(a.peer_id))
-                        return None if conn is None else conn.remote_addr
+                    async def b_dials_a(core: Any) -> Multiaddr | None:
+                        # A may have dialed B first (its DHT work): then B used A's connection
+                        # and dialed nothing, so close it and let B dial A as it knows A
+                        pid = PeerID.from_base58(a.peer_id)
+                        for _ in range(5):
+                            conn = core.node.connection_to(pid)
+                            if conn is not None and conn.outbound:
+                                return conn.remote_addr
+                            if conn is not None:
+                                await core.node.disconnect(pid)
+                            await core.node.connect(pid)
+                        return None
 
-                    remote = b.run_async(remote_of_a)
-                    assert remote is not None  # B got the state from A over its own connection
+                    remote = b.run_async(b_dials_a)
+                    assert remote is not None  # B dialed A itself
                     assert remote.transport_part() == Multiaddr.parse(fwd.addr)  # the forwarder
                     assert fwd.connections >= 1
