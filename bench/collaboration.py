@@ -336,8 +336,9 @@ def simulate(
         codec = config.rounds.codec  # a config given names its own
     if getattr(args, "no_defences", False):  # a public run has them on: CenteredClip, checks
         config = config.replace(defence=config.defence.replace(robust=False, verify=False))
-    if getattr(args, "match_early", False):  # the group is planned ahead of the target
-        config = config.replace(rounds=config.rounds.replace(match_early=True))
+    match_early = getattr(args, "match_early", None)  # None: the config's (on)
+    if match_early is not None:  # whether the group is planned ahead of the target
+        config = config.replace(rounds=config.rounds.replace(match_early=match_early))
     # A probe as many seconds of a link as at full scale (4 MB), within a 64 KB floor.
     probe_bytes = max(64 << 10, (4 << 20) // args.payload_scale)
     config = config.replace(links=config.links.replace(probe_bytes=probe_bytes))
@@ -660,8 +661,9 @@ def main() -> None:
     )
     parser.add_argument(
         "--match-early",
-        action="store_true",
-        help="begin matchmaking ahead of the target (RoundConfig.match_early; off by default)",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="begin matchmaking ahead of the target (RoundConfig.match_early; on by default)",
     )
     args = parser.parse_args()
     if args.payload_scale < 1:
