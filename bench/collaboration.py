@@ -57,7 +57,7 @@ encoded bytes (``wire_bytes_per_value``).
     python -m bench.collaboration [--peers 40] [--params 18000000] [--epochs 3]
         [--payload-scale S] [--mode overlap|blocking|both|diloco] [--inner-steps H]
         [--dedloc-epochs N] [--compression none|fp16|bf16|int8|adaptive]
-        [--no-defences] [--match-at-target]
+        [--no-defences] [--no-match-early]
 """
 
 from __future__ import annotations
