@@ -123,7 +123,8 @@ class ProgressTracker:
         # see proven.
         self._averaged_with: dict[str, int] = {}
         self._mates_began: float | None = None
-        self._stepped_at = -math.inf  # DHT time we moved to our epoch (set_epoch)
+        # DHT time we stepped after a round that our micro-step went on through (else -inf)
+        self._stepped_at = -math.inf
         self._through_round = False  # see compute_through_round
         self._rates: dict[str, float] = {}  # each peer's last non-zero published rate
         # Peers whose samples count for nothing: see weighed.
@@ -227,7 +228,8 @@ class ProgressTracker:
         self.epoch, self.samples = epoch, samples
         if self._mates_began is None and self.mates[0] == epoch:
             # we (and they) began computing one micro-batch before this first report
-            # (not before our step: a micro-step that went on through the round began then)
+            # (not before our step when our micro-step went on through the round: it began
+            # before the step, our blocking mates at it)
             rate = self.rate
             began = self._report_time - (self._batch / rate if rate > 0 else 0.0)
             self._mates_began = max(began, self._stepped_at)
@@ -259,7 +261,7 @@ class ProgressTracker:
         pending, self._pending = self._pending, None
         through, self._through_round = self._through_round, False
         self._frozen = False
-        self._stepped_at = self.dht.now()
+        self._stepped_at = self.dht.now() if through else -math.inf
         if pending is not None and pending[0] == epoch:
             self.epoch, self.samples, self._report_time = pending
         else:
