@@ -277,13 +277,7 @@ async def _train(
     async with trio.open_nursery() as nursery:
         while not done.is_set():
             step = micro / stats.rate
-            end = trio.current_time() + step
-            if not overlap and samples and await _due_before(core, epoch, end):
-                # Blocking, the target landed while this micro-step computes: average what we
-                # hold; the micro-step in flight counts toward the next epoch.
-                await average(epoch, samples, computed, trio.Event())
-                epoch, samples, computed = epoch + 1, 0, 0.0
-            await trio.sleep_until(end)  # (at once when the round outlasted the micro-step)
+            await trio.sleep(step)
             stats.compute += step
             stats.processed += micro
             computed += step
@@ -304,25 +298,6 @@ async def _train(
             ):  # we fell behind (joined late): move on; what it computed is lost
                 epoch, samples, computed = core.estimate.epoch, 0, 0.0
         nursery.cancel_scope.cancel()
-
-
-POLL = 0.25
-"""Seconds between a blocking peer's checks, inside one micro-step, whether to average now."""
-
-
-async def _due_before(core: CollaborationPeer, epoch: int, end: float) -> bool:
-    """Whether this peer should average toward ``epoch`` before ``end``, the end of its micro-step
-    in flight (then at once): asked when the ETA says the target lands before then, every
-    :data:`POLL` seconds at most. A 1 sample/s peer saw the target only at the end of its 4 s
-    micro-step, and every other peer waited for it."""
-    while True:
-        now = trio.current_time()
-        wake = now + max(core.estimate.eta, POLL)
-        if wake >= end:
-            return False
-        await trio.sleep_until(wake)
-        if core.due(epoch):
-            return True
 
 
 def _round_codec(codec: str | TopK | PowerSGD) -> str:

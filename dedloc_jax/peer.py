@@ -85,24 +85,6 @@ class CollaborationPeer:
         round ends, and until then this returns False."""
         self.epoch = max(self.epoch, epoch)
         self.tracker.report(epoch, samples, batch_size)
-        return self._due(epoch, samples)
-
-    def due(self, epoch: int) -> bool:
-        """Between micro-steps: whether this peer should average now toward ``epoch`` with
-        the samples of its last report, the decision :meth:`report` makes, without recording
-        a micro-step. A peer whose micro-step is long asks it when its ETA says the target
-        lands before its micro-step ends: it averages then what it accumulated, and the
-        micro-step in flight counts toward the next epoch (otherwise every other peer waited
-        for it up to a whole micro-step)."""
-        if self.tracker.epoch != epoch or self.tracker.samples <= 0:
-            return False  # (nothing to average yet)
-        due = self._due(epoch, self.tracker.samples)
-        if due:
-            self.tracker.compute_through_round()
-        return due
-
-    def _due(self, epoch: int, samples: int) -> bool:
-        """:meth:`report`'s decision after recording ``samples`` toward ``epoch``."""
         if self.tracker.epoch != epoch:
             return False  # our round of the previous epoch is in flight
         est = self.tracker.current_estimate()

@@ -123,9 +123,6 @@ class ProgressTracker:
         # see proven.
         self._averaged_with: dict[str, int] = {}
         self._mates_began: float | None = None
-        # DHT time we stepped after a round that our micro-step went on through (else -inf)
-        self._stepped_at = -math.inf
-        self._through_round = False  # see compute_through_round
         self._rates: dict[str, float] = {}  # each peer's last non-zero published rate
         # Peers whose samples count for nothing: see weighed.
         self.void: set[str] = set()
@@ -228,21 +225,10 @@ class ProgressTracker:
         self.epoch, self.samples = epoch, samples
         if self._mates_began is None and self.mates[0] == epoch:
             # we (and they) began computing one micro-batch before this first report
-            # (not before our step when our micro-step went on through the round: it began
-            # before the step, our blocking mates at it)
             rate = self.rate
-            began = self._report_time - (self._batch / rate if rate > 0 else 0.0)
-            self._mates_began = max(began, self._stepped_at)
+            self._mates_began = self._report_time - (self._batch / rate if rate > 0 else 0.0)
         if new_epoch:
             self._wake.set()
-
-    def compute_through_round(self) -> None:
-        """The round we begin now runs while our micro-step in flight goes on (we average the
-        samples we held before it; see :meth:`dedloc_jax.peer.CollaborationPeer.due`): its
-        time is training time, so the next report measures that micro-step whole. (Paused,
-        a peer that averaged mid-micro-step every epoch never measured a rate, and the others
-        counted it at theirs: 20-30 samples/s for a 1 sample/s peer.)"""
-        self._through_round = True
 
     def join_averaging(self) -> None:
         """An aux peer starts joining rounds: published at once, so that groups wait for it."""
@@ -259,16 +245,13 @@ class ProgressTracker:
         the publisher then waits for it (up to ``min_refresh`` seconds) and stores both in one
         record, instead of one store for the epoch and another for the state."""
         pending, self._pending = self._pending, None
-        through, self._through_round = self._through_round, False
         self._frozen = False
-        self._stepped_at = self.dht.now() if through else -math.inf
         if pending is not None and pending[0] == epoch:
             self.epoch, self.samples, self._report_time = pending
         else:
             self.epoch, self.samples = epoch, 0
-            if not through:
-                self.meter.pause()
-                self._last_report = None
+            self.meter.pause()
+            self._last_report = None
             self._report_time = self.dht.now()
         self._state_due = (
             trio.current_time() + self.config.progress.min_refresh if state_follows else None
