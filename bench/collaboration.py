@@ -57,7 +57,7 @@ encoded bytes (``wire_bytes_per_value``).
     python -m bench.collaboration [--peers 40] [--params 18000000] [--epochs 3]
         [--payload-scale S] [--mode overlap|blocking|both|diloco] [--inner-steps H]
         [--dedloc-epochs N] [--compression none|fp16|bf16|int8|adaptive]
-        [--no-defences] [--no-match-early]
+        [--no-defences] [--match-early]
 """
 
 from __future__ import annotations
@@ -336,7 +336,7 @@ def simulate(
         codec = config.rounds.codec  # a config given names its own
     if getattr(args, "no_defences", False):  # a public run has them on: CenteredClip, checks
         config = config.replace(defence=config.defence.replace(robust=False, verify=False))
-    match_early = getattr(args, "match_early", None)  # None: the config's (on)
+    match_early = getattr(args, "match_early", None)  # None: the config's (off)
     if match_early is not None:  # whether the group is planned ahead of the target
         config = config.replace(rounds=config.rounds.replace(match_early=match_early))
     # A probe as many seconds of a link as at full scale (4 MB), within a 64 KB floor.
@@ -663,7 +663,7 @@ def main() -> None:
         "--match-early",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help="begin matchmaking ahead of the target (RoundConfig.match_early; on by default)",
+        help="begin matchmaking ahead of the target (RoundConfig.match_early; off by default)",
     )
     args = parser.parse_args()
     if args.payload_scale < 1:

@@ -102,6 +102,7 @@ class SoakPlan:
     max_virtual_time: float = 3600.0
     locate_ttl: float = 10.0  # peers publish often: stores reuse the key's nearest nodes
     max_group_size: int = 64
+    match_early: bool | None = None  # RoundConfig.match_early (None: its default)
 
 
 @dataclass
@@ -159,6 +160,8 @@ def run_soak(
         progress=config.progress.replace(max_refresh=1.0),
         rounds=config.rounds.replace(max_group_size=plan.max_group_size),
     )
+    if plan.match_early is not None:
+        config = config.replace(rounds=config.rounds.replace(match_early=plan.match_early))
     n_all = plan.peers + plan.joiners
     rng = np.random.default_rng(plan.seed)
     rates = rng.uniform(10.0, 40.0, size=n_all)

@@ -116,14 +116,22 @@ def _soak_small(
 
 
 def test_each_grouped_row_names_the_group_it_averaged_in(monkeypatch: pytest.MonkeyPatch) -> None:
-    """With matchmaking ahead of the target (the default) a group forms in ``join_group``, not
+    """With matchmaking ahead of the target a group forms in ``join_group``, not
     ``form_group``, which the soak used to watch for its specs: every grouped row then named no
     group, and at the partition's first epoch the two sides' groups (each holding its own
     average) counted as one group with two averages (``test_soak_small[one-group]``'s
     "divergent averages at epochs [2]"). Each row names the group the round averaged in."""
     monkeypatch.setattr(trio._core._run, "_ALLOW_DETERMINISTIC_SCHEDULING", False)
     plan = SoakPlan(
-        peers=4, joiners=0, epochs=3, graceful_leavers=0, killed=0, slow=0, partition=2, size=64
+        peers=4,
+        joiners=0,
+        epochs=3,
+        graceful_leavers=0,
+        killed=0,
+        slow=0,
+        partition=2,
+        size=64,
+        match_early=True,
     )
     logs, _ = run_soak(plan)
     rows = [(i, r) for i, log in enumerate(logs) for r in log.rows if r["group"] > 1]
