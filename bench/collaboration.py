@@ -57,7 +57,7 @@ encoded bytes (``wire_bytes_per_value``).
     python -m bench.collaboration [--peers 40] [--params 18000000] [--epochs 3]
         [--payload-scale S] [--mode overlap|blocking|both|diloco] [--inner-steps H]
         [--dedloc-epochs N] [--compression none|fp16|bf16|int8|adaptive]
-        [--no-defences] [--match-at-target]
+        [--no-defences] [--match-early]
 """
 
 from __future__ import annotations
@@ -336,8 +336,9 @@ def simulate(
         codec = config.rounds.codec  # a config given names its own
     if getattr(args, "no_defences", False):  # a public run has them on: CenteredClip, checks
         config = config.replace(defence=config.defence.replace(robust=False, verify=False))
-    if getattr(args, "match_early", False):  # the group is planned ahead of the target
-        config = config.replace(rounds=config.rounds.replace(match_early=True))
+    match_early = getattr(args, "match_early", None)  # None: the config's (off)
+    if match_early is not None:  # whether the group is planned ahead of the target
+        config = config.replace(rounds=config.rounds.replace(match_early=match_early))
     # A probe as many seconds of a link as at full scale (4 MB), within a 64 KB floor.
     probe_bytes = max(64 << 10, (4 << 20) // args.payload_scale)
     config = config.replace(links=config.links.replace(probe_bytes=probe_bytes))
@@ -660,7 +661,8 @@ def main() -> None:
     )
     parser.add_argument(
         "--match-early",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=None,
         help="begin matchmaking ahead of the target (RoundConfig.match_early; off by default)",
     )
     args = parser.parse_args()

@@ -102,6 +102,7 @@ class SoakPlan:
     max_virtual_time: float = 3600.0
     locate_ttl: float = 10.0  # peers publish often: stores reuse the key's nearest nodes
     max_group_size: int = 64
+    match_early: bool | None = None  # RoundConfig.match_early (None: its default)
 
 
 @dataclass
@@ -159,6 +160,8 @@ def run_soak(
         progress=config.progress.replace(max_refresh=1.0),
         rounds=config.rounds.replace(max_group_size=plan.max_group_size),
     )
+    if plan.match_early is not None:
+        config = config.replace(rounds=config.rounds.replace(match_early=plan.match_early))
     n_all = plan.peers + plan.joiners
     rng = np.random.default_rng(plan.seed)
     rates = rng.uniform(10.0, 40.0, size=n_all)
@@ -228,12 +231,16 @@ def run_soak(
                     if i == 0:
                         bootstrap.append(str(node.addrs[0]))
                         bootstrap_ready.set()
+                    # The groups of representatives (level 1) this peer averaged with across
+                    # groups; its level-0 group is the round's (outcome.group), however it
+                    # formed (at the target or planned ahead of it: no form_group call).
                     specs: list = []
                     form_group = core.matchmaker.form_group
 
                     async def spy(*args, **kwargs):
                         spec = await form_group(*args, **kwargs)
-                        specs.append((kwargs.get("level", 0), spec))
+                        if kwargs.get("level", 0) == 1:
+                            specs.append(spec)
                         return spec
 
                     core.matchmaker.form_group = spy
@@ -330,9 +337,11 @@ def run_soak(
             n_specs = len(specs)
             outcome = await core.average(epoch, [mean], samples)
             # The group whose average this peer got: its level-0 group; when it was alone
-            # there, the group of representatives it averaged with across groups.
-            formed = dict(specs[n_specs:])
-            spec = formed.get(0) or formed.get(1)
+            # there, the group of representatives it averaged with across groups. (Read from
+            # form_group alone, a group planned ahead of the target went unnamed, and the
+            # two sides of a partition counted as one group holding two averages.)
+            across = specs[n_specs:]
+            spec = outcome.group or (across[-1] if across else None)
             params = params - np.float32(LR) * np.asarray(outcome.average[0], np.float32)
             log.rows.append(
                 {

@@ -81,6 +81,11 @@ def _in_order(rows: list[dict]) -> bool:
     )
 
 
+def _unnamed(row: dict) -> bool:
+    """Whether ``row`` averaged in a group (complete) but names none."""
+    return row["group"] > 1 and row["complete"] and row["digest"] is None
+
+
 def check_soak(plan: SoakPlan, logs: list[Log], events: dict) -> dict:
     """Assert what a soak must show; returns :func:`summarize`'s figures.
 
@@ -94,6 +99,10 @@ def check_soak(plan: SoakPlan, logs: list[Log], events: dict) -> dict:
     from the round in flight when it began to the newest epoch any peer trained when it healed.
     """
     s = summarize(plan, logs, events)
+    # A grouped row names its group: unnamed, every such row of an epoch counted as one group
+    # (the two sides of a partition then showed as a divergence).
+    unnamed = sorted({r["epoch"] for log in logs for r in log.rows if _unnamed(r)})
+    assert not unnamed, f"averaged in a group the soak did not record at epochs {unnamed}"
     done = [r["epoch"] for r in logs[0].rows]
     assert s["averaged_in_order"] and s["epochs"] == plan.epochs, done
     assert s["averaged"] >= plan.epochs - max(1, plan.epochs // 10), done

@@ -78,7 +78,8 @@ class RoundConfig(_Group):
     on_no_group: Literal["local", "skip"] = "local"  # no group in time: step alone, or skip
     # Begin matchmaking when the ETA to the target is below what matchmaking takes, computing
     # on meanwhile; the round still averages only at the target (rounds/early.py). Off by
-    # default until it passes the one-group soak (docs/decisions.md).
+    # default: with it the capped soak's seeds split peers and left a joiner alone
+    # (docs/decisions.md).
     match_early: bool = False
 
     def __post_init__(self) -> None:

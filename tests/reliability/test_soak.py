@@ -115,6 +115,38 @@ def _soak_small(
     assert reports[-1][1]["params_agreed"] >= final["params_agreed"] - 1
 
 
+def test_each_grouped_row_names_the_group_it_averaged_in(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With matchmaking ahead of the target a group forms in ``join_group``, not
+    ``form_group``, which the soak used to watch for its specs: every grouped row then named no
+    group, and at the partition's first epoch the two sides' groups (each holding its own
+    average) counted as one group with two averages (``test_soak_small[one-group]``'s
+    "divergent averages at epochs [2]"). Each row names the group the round averaged in."""
+    monkeypatch.setattr(trio._core._run, "_ALLOW_DETERMINISTIC_SCHEDULING", False)
+    plan = SoakPlan(
+        peers=4,
+        joiners=0,
+        epochs=3,
+        graceful_leavers=0,
+        killed=0,
+        slow=0,
+        partition=2,
+        size=64,
+        match_early=True,
+    )
+    logs, _ = run_soak(plan)
+    rows = [(i, r) for i, log in enumerate(logs) for r in log.rows if r["group"] > 1]
+    assert rows and all(r["digest"] is not None for _, r in rows)
+    members: dict[tuple[int, bytes], set[int]] = {}
+    for i, r in rows:
+        members.setdefault((r["epoch"], r["digest"]), set()).add(i)
+    # every member of a group (nobody leaves here) names it, and a peer is in one group an epoch
+    sizes = {(r["epoch"], r["digest"]): r["group"] for _, r in rows}
+    assert all(len(members[k]) == n for k, n in sizes.items()), (members, sizes)
+    # the partition's sides averaged apart at some epoch: two groups, two averages
+    split = [e for e in {e for e, _ in members} if sum(k[0] == e for k in members) > 1]
+    assert split, members
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(7200)
 def test_soak_200_peers() -> None:
