@@ -430,12 +430,15 @@ class MessageStream:
         """Send one message; ProtocolError when it is too large or not encodable."""
         if isinstance(msg, msgpack.ExtType):
             raise ProtocolError("ext types are reserved for the RPC layer")
-        await self._send_raw(msg)
+        await self.send_raw(msg)
 
-    async def _send_raw(self, msg: Any) -> None:
+    async def send_raw(self, msg: Any) -> None:
+        """Send one message, the RPC layer's control messages (ext types) included."""
         await self.stream.send_parts(encode_parts(msg, self.max_message_size))
 
-    async def _receive_raw(self, *, eof_ok: bool = False) -> Any:
+    async def receive_raw(self, *, eof_ok: bool = False) -> Any:
+        """The next message as sent, control messages included (the RPC layer's reads);
+        EndOfStream at a clean EOF when ``eof_ok``."""
         prefix = await self.stream.receive_exactly(4, eof_ok=eof_ok)
         if prefix is None:
             raise EndOfStream
@@ -455,7 +458,7 @@ class MessageStream:
     async def receive(self) -> Any:
         """The next message; ConnectionClosed when the peer closed its side (or reset)."""
         try:
-            msg = await self._receive_raw(eof_ok=True)
+            msg = await self.receive_raw(eof_ok=True)
         except EndOfStream:
             raise ConnectionClosed("the peer closed the stream") from None
         return check_ext(msg)
@@ -465,7 +468,7 @@ class MessageStream:
 
     async def __anext__(self) -> Any:
         try:
-            msg = await self._receive_raw(eof_ok=True)
+            msg = await self.receive_raw(eof_ok=True)
         except EndOfStream:
             raise StopAsyncIteration from None
         return check_ext(msg)

@@ -646,7 +646,7 @@ async def begin_call(
         parts += encode_parts(request, max_message_size)
     await stream.send_parts(parts, eof=unary)
     try:
-        reply = await ms._receive_raw()
+        reply = await ms.receive_raw()
     except ConnectionClosed as e:
         if stream.unprocessed:
             raise  # the peer never saw the call: the node may retry it

@@ -96,7 +96,7 @@ async def serve_stream(
     try:
         # one deadline covers the header and, for unary calls, the request (slow peers)
         with trio.move_on_after(limits.header_timeout) as scope:
-            header = await ms._receive_raw()
+            header = await ms.receive_raw()
             kind, name = _parse_header(header)
             stream.protocol = name
             entry = registry.handlers.get(name)
@@ -107,7 +107,7 @@ async def serve_stream(
                 return
             if kind == UNARY:
                 scope.deadline += limits.request_timeout
-                request = await ms._receive_raw()
+                request = await ms.receive_raw()
         if scope.cancelled_caught:
             logger.info("stream %s: no complete request in time", stream.stream_id)
             stream.reset("request not received in time")
@@ -150,11 +150,11 @@ async def _serve_unary(
 
 
 async def _serve_streaming(ms: MessageStream, handler: StreamHandler, ctx: CallContext) -> None:
-    await ms._send_raw(msgpack.ExtType(EXT_ACCEPT, b""))
+    await ms.send_raw(msgpack.ExtType(EXT_ACCEPT, b""))
     ok, result = await _run_handler(ctx, handler, ms)
     if not ok:
         try:
-            await ms._send_raw(result)
+            await ms.send_raw(result)
         except (ConnectionClosed, trio.ClosedResourceError):
             return
     await ms.aclose()
