@@ -27,7 +27,7 @@ from typing import Any
 import trio
 
 from dedloc_jax.config import CollaborationConfig
-from dedloc_jax.rounds.registration import register
+from dedloc_jax.rounds.matchmaking import register
 from dedloc_jax.rounds.wire import group_key
 from dedloc_jax.state.serving import state_key
 from dedloc_jax.tracker import progress_key

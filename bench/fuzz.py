@@ -113,7 +113,7 @@ def _arrival(data: bytes) -> list[bytes | memoryview]:
 
 
 async def _message_stream_async(data: bytes) -> None:
-    """Framed messages as production reads them (:class:`p2p.rpc.MessageStream` on a mux
+    """Framed messages as production reads them (:class:`p2p.mux_stream.MessageStream` on a mux
     stream), arriving in pieces; each must equal what msgpack reads from its body."""
     stream = MessageStream(received_stream(_arrival(data)), MESSAGE_LIMIT)
     pos = 0

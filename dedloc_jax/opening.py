@@ -207,7 +207,8 @@ def _assemble(
         verify=config.verify_on,
         gather=SparseGather(node, admit=admit),
         bans=bans,
-        early=EarlyGroups(matchmaker, bans),
+        # planning ahead of the target only when asked: otherwise a round forms its group at it
+        early=EarlyGroups(matchmaker, bans) if config.rounds.match_early else None,
     )
     stepper = Stepper(rounds, tracker, server, config)
     return CollaborationPeer(

@@ -183,6 +183,55 @@ class CollaborationEstimate:
         return self.samples >= self.target or self.others_waiting
 
 
+@dataclass(frozen=True)
+class _Claims:
+    """How much of a peer's progress record :func:`estimate_collaboration` counts (its
+    arguments of the same names); ours counts as stated."""
+
+    now: float
+    max_extrapolation: float
+    rate_cap: float
+    me: str | None
+    proven: Callable[[str], bool] | None
+    began: Mapping[str, float] | None
+    void: Callable[[str], bool] | None
+
+    def unproven(self, r: PeerProgress) -> bool:
+        return self.proven is not None and r.peer_id != self.me and not self.proven(r.peer_id)
+
+    def voided(self, r: PeerProgress) -> bool:
+        return self.void is not None and r.peer_id != self.me and self.void(r.peer_id)
+
+    def rate(self, r: PeerProgress) -> float:
+        if r.peer_id == self.me:
+            return r.samples_per_second
+        if self.voided(r):
+            return 0.0
+        cap = self.rate_cap / CLAIM_CAP if self.unproven(r) else self.rate_cap
+        return min(r.samples_per_second, cap)
+
+    def held(self, r: PeerProgress) -> float:
+        if self.voided(r):
+            return 0.0
+        if r.waiting:  # a waiting peer's rate is its pace when it trains, not now
+            return self.plausible(r, r.samples)
+        elapsed = min(max(0.0, self.now - r.time), self.max_extrapolation)
+        return self.plausible(r, r.samples + elapsed * self.rate(r))
+
+    def plausible(self, r: PeerProgress, samples: float) -> float:
+        # A mate's samples are bounded by its counted rate and the time since the epoch began
+        # (which we saw: it stepped with us): a peer that averaged with the run claimed its
+        # whole cap (an equal share of the target) at each epoch's first moment.
+        began = self.began
+        start = began.get(r.peer_id) if began is not None and r.peer_id != self.me else None
+        # (a mate that states no rate trains at the median peer's)
+        cap = self.rate_cap
+        per = self.rate(r) or (cap / CLAIM_CAP if math.isfinite(cap) else 0.0)
+        if start is None or not per > 0:
+            return samples
+        return min(samples, PLAUSIBLE * per * max(0.0, self.now - start))
+
+
 def estimate_collaboration(
     records: Iterable[PeerProgress],
     *,
@@ -215,37 +264,8 @@ def estimate_collaboration(
     at_epoch = [r for r in records if r.epoch == epoch]
     rate_cap = claim_cap(r.samples_per_second for r in at_epoch if r.mode != "aux")
 
-    def unproven(r: PeerProgress) -> bool:
-        return proven is not None and r.peer_id != me and not proven(r.peer_id)
-
-    def voided(r: PeerProgress) -> bool:
-        return void is not None and r.peer_id != me and void(r.peer_id)
-
-    def rate(r: PeerProgress) -> float:
-        if r.peer_id == me:
-            return r.samples_per_second
-        if voided(r):
-            return 0.0
-        return min(r.samples_per_second, rate_cap / CLAIM_CAP if unproven(r) else rate_cap)
-
-    def held(r: PeerProgress) -> float:
-        if voided(r):
-            return 0.0
-        if r.waiting:  # a waiting peer's rate is its pace when it trains, not now
-            return plausible(r, r.samples)
-        elapsed = min(max(0.0, now - r.time), max_extrapolation)
-        return plausible(r, r.samples + elapsed * rate(r))
-
-    def plausible(r: PeerProgress, samples: float) -> float:
-        # A mate's samples are bounded by its counted rate and the time since the epoch began
-        # (which we saw: it stepped with us): a peer that averaged with the run claimed its
-        # whole cap (an equal share of the target) at each epoch's first moment.
-        start = began.get(r.peer_id) if began is not None and r.peer_id != me else None
-        # (a mate that states no rate trains at the median peer's)
-        per = rate(r) or (rate_cap / CLAIM_CAP if math.isfinite(rate_cap) else 0.0)
-        if start is None or not per > 0:
-            return samples
-        return min(samples, PLAUSIBLE * per * max(0.0, now - start))
+    claims = _Claims(now, max_extrapolation, rate_cap, me, proven, began, void)
+    unproven, voided, rate, held = claims.unproven, claims.voided, claims.rate, claims.held
 
     # The samples bound counts peers that have none yet and never falls below an equal share of
     # the target, so it only grows with time: an estimate must not shrink while peers train.

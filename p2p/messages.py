@@ -4,7 +4,7 @@ Why a length prefix: the reader learns a message's size before reading it, so a 
 above ``max_size`` is rejected without buffering it (a 4 GB prefix costs nothing). msgpack
 carries bytes values natively, so tensor chunks travel without base64 or pickling (pickle
 would let a peer run code). Everything here is pure: no I/O, easy to fuzz;
-:class:`p2p.rpc.MessageStream` reads the bytes and decodes them with :func:`decode_body`.
+:class:`p2p.mux_stream.MessageStream` reads the bytes and decodes them with :func:`decode_body`.
 """
 
 from __future__ import annotations
@@ -125,7 +125,7 @@ def _whole_bytes(view: memoryview) -> bytes | None:
 
 def decode_body(pieces: Sequence[bytes | bytearray | memoryview]) -> Any:
     """The message a body holds, the body given as the pieces it arrived in (what
-    :class:`p2p.rpc.MessageStream` reads off a stream); ProtocolError for anything malformed.
+    :class:`p2p.mux_stream.MessageStream` reads off a stream); ProtocolError for anything malformed.
 
     Why pieces: a body of ``BIG_BYTES`` or more that is one msgpack byte string (a tensor
     chunk) is returned as its payload joined once, or as the very bytes object a BULK frame

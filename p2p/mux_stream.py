@@ -6,6 +6,10 @@ its own; the :class:`~p2p.mux.Mux` only routes frames to it and writes what it b
 
 The two talk through public methods only: a stream sees its mux as a :class:`StreamHost`,
 and the mux drives a stream through the methods under "-- driven by the mux --".
+
+:class:`MessageStream` frames messages (:mod:`p2p.messages`) over one such stream: what the
+RPC layer's handlers and callers hold; here, so a message goes down to the stream's window in
+one module.
 """
 
 from __future__ import annotations
@@ -14,9 +18,11 @@ from collections import deque
 from collections.abc import Iterable
 from typing import Any, Protocol
 
+import msgpack
 import trio
 
-from p2p.errors import ConnectionClosed, ProtocolError
+from p2p.errors import ConnectionClosed, ProtocolError, RPCError
+from p2p.messages import EXT_ERROR, check_length, decode_body, encode_parts
 from p2p.mux_config import MuxConfig
 from p2p.mux_frames import BULK, DATA, DATA_EOF, EOF, MAX_WINDOW
 
@@ -411,3 +417,91 @@ class MuxStream:
 
     def __repr__(self) -> str:
         return f"MuxStream({self.stream_id}, {'out' if self.outbound else 'in'})"
+
+
+class MessageStream:
+    """Messages (any msgpack value; bytes travel as-is) over one multiplexed stream."""
+
+    def __init__(self, stream: MuxStream, max_message_size: int) -> None:
+        self.stream = stream
+        self.max_message_size = max_message_size
+
+    async def send(self, msg: Any) -> None:
+        """Send one message; ProtocolError when it is too large or not encodable."""
+        if isinstance(msg, msgpack.ExtType):
+            raise ProtocolError("ext types are reserved for the RPC layer")
+        await self.send_raw(msg)
+
+    async def send_raw(self, msg: Any) -> None:
+        """Send one message, the RPC layer's control messages (ext types) included."""
+        await self.stream.send_parts(encode_parts(msg, self.max_message_size))
+
+    async def receive_raw(self, *, eof_ok: bool = False) -> Any:
+        """The next message as sent, control messages included (the RPC layer's reads);
+        EndOfStream at a clean EOF when ``eof_ok``."""
+        prefix = await self.stream.receive_exactly(4, eof_ok=eof_ok)
+        if prefix is None:
+            raise EndOfStream
+        try:
+            n = check_length(prefix, self.max_message_size)
+        except ProtocolError:
+            self.stream.reset("message too large")
+            raise
+        body = await self.stream.receive_parts(n)
+        assert body is not None
+        try:
+            return decode_body(body)
+        except ProtocolError:
+            self.stream.reset("malformed message")
+            raise
+
+    async def receive(self) -> Any:
+        """The next message; ConnectionClosed when the peer closed its side (or reset)."""
+        try:
+            msg = await self.receive_raw(eof_ok=True)
+        except EndOfStream:
+            raise ConnectionClosed("the peer closed the stream") from None
+        return check_ext(msg)
+
+    def __aiter__(self) -> MessageStream:
+        return self
+
+    async def __anext__(self) -> Any:
+        try:
+            msg = await self.receive_raw(eof_ok=True)
+        except EndOfStream:
+            raise StopAsyncIteration from None
+        return check_ext(msg)
+
+    async def send_eof(self) -> None:
+        await self.stream.send_eof()
+
+    def reset(self, reason: str = "reset") -> None:
+        """Abort the stream in both directions (also cancels the remote handler)."""
+        self.stream.reset(reason)
+
+    async def aclose(self) -> None:
+        await self.stream.aclose()
+
+    async def __aenter__(self) -> MessageStream:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if exc[0] is not None:
+            self.reset("aborted")
+        else:
+            await self.aclose()
+
+
+class EndOfStream(Exception):
+    """Clean EOF at a message boundary (the RPC layer's, not raised to users)."""
+
+
+def check_ext(msg: Any) -> Any:
+    """``msg``, unless it is one of the RPC layer's control messages: an error raises
+    RPCError (remote), another one ProtocolError."""
+    if isinstance(msg, msgpack.ExtType):
+        if msg.code == EXT_ERROR:
+            raise RPCError(bytes(msg.data).decode("utf-8", "replace"), remote=True)
+        raise ProtocolError(f"unexpected control message (ext type {msg.code})")
+    return msg

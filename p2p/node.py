@@ -21,6 +21,7 @@ from contextlib import asynccontextmanager
 from functools import partial
 from typing import Any
 
+import msgpack
 import trio
 
 from p2p.errors import (
@@ -30,25 +31,19 @@ from p2p.errors import (
     MultiaddrError,
     P2PError,
     PeerIDMismatch,
+    ProtocolError,
+    RPCError,
     RPCTimeout,
 )
 from p2p.identity import Identity, PeerID
 from p2p.local_addrs import local_ipv4_addrs
+from p2p.messages import EXT_ACCEPT, encode_parts
 from p2p.multiaddr import Multiaddr
 from p2p.mux import ByteCount, MemoryBudget, Mux, MuxStream
+from p2p.mux_stream import MessageStream, check_ext
 from p2p.node_config import NodeConfig
 from p2p.peerstore import PeerStore
-from p2p.rpc import (
-    STREAMING,
-    UNARY,
-    CallContext,
-    MessageStream,
-    Registry,
-    ServeLimits,
-    call_on_stream,
-    open_message_stream,
-    serve_stream,
-)
+from p2p.rpc import STREAMING, UNARY, CallContext, Registry, ServeLimits, serve_stream
 from p2p.secure import SecureChannel, secure_inbound, secure_outbound
 from p2p.transport import TcpTransport, Transport
 
@@ -596,7 +591,7 @@ class Node:
         with trio.move_on_after(math.inf if timeout is None else timeout):
             return await self._on_new_stream(
                 peer,
-                partial(call_on_stream, name=name, request=request, max_message_size=limit),
+                partial(begin_call, kind=UNARY, name=name, max_message_size=limit, request=request),
                 keep=False,
             )
         raise RPCTimeout(f"{name} on {peer}: no response within {timeout} s")
@@ -612,7 +607,9 @@ class Node:
         ms: MessageStream | None = None
         with trio.move_on_after(math.inf if timeout is None else timeout):
             ms = await self._on_new_stream(
-                peer, partial(open_message_stream, name=name, max_message_size=limit), keep=True
+                peer,
+                partial(begin_call, kind=STREAMING, name=name, max_message_size=limit),
+                keep=True,
             )
         if ms is None:
             raise RPCTimeout(f"opening {name} on {peer}: no answer within {timeout} s")
@@ -631,6 +628,36 @@ class Node:
             async with trio.open_nursery() as nursery:
                 for conn in list(self._all_conns):
                     nursery.start_soon(conn.mux.aclose, "node shutting down")
+
+
+async def begin_call(
+    stream: MuxStream, kind: str, name: str, max_message_size: int, request: Any = None
+) -> Any:
+    """Open a call of ``kind`` to ``name`` on a fresh stream: a unary call sends the header,
+    ``request`` and EOF in one write and returns the response; a streaming call sends the
+    header and returns its :class:`MessageStream` once the server accepted it. One function
+    for both: the same header, the same first reply, the same failures. The caller resets
+    the stream if this is cancelled."""
+    ms = MessageStream(stream, max_message_size)
+    stream.protocol = name
+    unary = kind == UNARY
+    parts = encode_parts([kind, name], max_message_size)
+    if unary:
+        parts += encode_parts(request, max_message_size)
+    await stream.send_parts(parts, eof=unary)
+    try:
+        reply = await ms.receive_raw()
+    except ConnectionClosed as e:
+        if stream.unprocessed:
+            raise  # the peer never saw the call: the node may retry it
+        awaited = "a response" if unary else "it was accepted"
+        raise RPCError(f"{name}: stream closed before {awaited} ({e})") from e
+    if unary:
+        return check_ext(reply)
+    if isinstance(reply, msgpack.ExtType) and reply.code == EXT_ACCEPT:
+        return ms
+    check_ext(reply)
+    raise ProtocolError(f"{name}: unexpected reply to a stream header")
 
 
 @asynccontextmanager

@@ -10,8 +10,10 @@ Wire conventions on each new stream (all messages length-prefixed msgpack, see
   protocol), then both sides exchange messages freely until each sends EOF.
 
 Cancelling a call resets its stream; the mux cancels the remote handler's scope on reset.
-The server side lives here (:func:`serve_stream`); the node opens streams and calls
-:func:`call_on_stream` / :func:`open_message_stream`.
+The server side lives here (:func:`serve_stream`); the client side is the node's
+(:meth:`~p2p.node.Node.call`, :meth:`~p2p.node.Node.open_stream`: a call goes down from the node
+to the stream without stepping back up); :class:`~p2p.mux_stream.MessageStream` (messages over
+one stream) lives with the stream it frames.
 """
 
 from __future__ import annotations
@@ -24,17 +26,12 @@ from typing import TYPE_CHECKING, Any
 import msgpack
 import trio
 
-from p2p.errors import ConnectionClosed, P2PError, ProtocolError, RPCError
+from p2p.errors import ConnectionClosed, P2PError, ProtocolError
 from p2p.identity import PeerID
-from p2p.messages import (
-    EXT_ACCEPT,
-    EXT_ERROR,
-    check_length,
-    decode_body,
-    encode_parts,
-)
+from p2p.messages import EXT_ACCEPT, EXT_ERROR, encode_parts
 from p2p.multiaddr import Multiaddr
 from p2p.mux import MuxStream
+from p2p.mux_stream import MessageStream
 
 if TYPE_CHECKING:
     from p2p.node import Node
@@ -55,89 +52,6 @@ class CallContext:
     remote_addr: Multiaddr | None
     node: Node
     protocol: str = ""
-
-
-class MessageStream:
-    """Messages (any msgpack value; bytes travel as-is) over one multiplexed stream."""
-
-    def __init__(self, stream: MuxStream, max_message_size: int) -> None:
-        self.stream = stream
-        self.max_message_size = max_message_size
-
-    async def send(self, msg: Any) -> None:
-        """Send one message; ProtocolError when it is too large or not encodable."""
-        if isinstance(msg, msgpack.ExtType):
-            raise ProtocolError("ext types are reserved for the RPC layer")
-        await self._send_raw(msg)
-
-    async def _send_raw(self, msg: Any) -> None:
-        await self.stream.send_parts(encode_parts(msg, self.max_message_size))
-
-    async def _receive_raw(self, *, eof_ok: bool = False) -> Any:
-        prefix = await self.stream.receive_exactly(4, eof_ok=eof_ok)
-        if prefix is None:
-            raise _EndOfStream
-        try:
-            n = check_length(prefix, self.max_message_size)
-        except ProtocolError:
-            self.stream.reset("message too large")
-            raise
-        body = await self.stream.receive_parts(n)
-        assert body is not None
-        try:
-            return decode_body(body)
-        except ProtocolError:
-            self.stream.reset("malformed message")
-            raise
-
-    async def receive(self) -> Any:
-        """The next message; ConnectionClosed when the peer closed its side (or reset)."""
-        try:
-            msg = await self._receive_raw(eof_ok=True)
-        except _EndOfStream:
-            raise ConnectionClosed("the peer closed the stream") from None
-        return _check_ext(msg)
-
-    def __aiter__(self) -> MessageStream:
-        return self
-
-    async def __anext__(self) -> Any:
-        try:
-            msg = await self._receive_raw(eof_ok=True)
-        except _EndOfStream:
-            raise StopAsyncIteration from None
-        return _check_ext(msg)
-
-    async def send_eof(self) -> None:
-        await self.stream.send_eof()
-
-    def reset(self, reason: str = "reset") -> None:
-        """Abort the stream in both directions (also cancels the remote handler)."""
-        self.stream.reset(reason)
-
-    async def aclose(self) -> None:
-        await self.stream.aclose()
-
-    async def __aenter__(self) -> MessageStream:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        if exc[0] is not None:
-            self.reset("aborted")
-        else:
-            await self.aclose()
-
-
-class _EndOfStream(Exception):
-    """Internal: clean EOF at a message boundary."""
-
-
-def _check_ext(msg: Any) -> Any:
-    if isinstance(msg, msgpack.ExtType):
-        if msg.code == EXT_ERROR:
-            raise RPCError(bytes(msg.data).decode("utf-8", "replace"), remote=True)
-        raise ProtocolError(f"unexpected control message (ext type {msg.code})")
-    return msg
 
 
 def error_message(text: str) -> msgpack.ExtType:
@@ -182,7 +96,7 @@ async def serve_stream(
     try:
         # one deadline covers the header and, for unary calls, the request (slow peers)
         with trio.move_on_after(limits.header_timeout) as scope:
-            header = await ms._receive_raw()
+            header = await ms.receive_raw()
             kind, name = _parse_header(header)
             stream.protocol = name
             entry = registry.handlers.get(name)
@@ -193,7 +107,7 @@ async def serve_stream(
                 return
             if kind == UNARY:
                 scope.deadline += limits.request_timeout
-                request = await ms._receive_raw()
+                request = await ms.receive_raw()
         if scope.cancelled_caught:
             logger.info("stream %s: no complete request in time", stream.stream_id)
             stream.reset("request not received in time")
@@ -236,11 +150,11 @@ async def _serve_unary(
 
 
 async def _serve_streaming(ms: MessageStream, handler: StreamHandler, ctx: CallContext) -> None:
-    await ms._send_raw(msgpack.ExtType(EXT_ACCEPT, b""))
+    await ms.send_raw(msgpack.ExtType(EXT_ACCEPT, b""))
     ok, result = await _run_handler(ctx, handler, ms)
     if not ok:
         try:
-            await ms._send_raw(result)
+            await ms.send_raw(result)
         except (ConnectionClosed, trio.ClosedResourceError):
             return
     await ms.aclose()
@@ -260,39 +174,3 @@ async def _run_handler(
     except Exception:  # noqa: BLE001 - the node must outlive a buggy handler; logged in full
         logger.exception("handler %s crashed serving %s", ctx.protocol, ctx.remote_peer)
         return False, error_message(f"internal error in handler {ctx.protocol}")
-
-
-# ---- client side ----------------------------------------------------------------------------
-
-
-async def call_on_stream(stream: MuxStream, name: str, request: Any, max_message_size: int) -> Any:
-    """A unary call on a fresh stream; the caller resets the stream if this is cancelled."""
-    ms = MessageStream(stream, max_message_size)
-    stream.protocol = name
-    parts = encode_parts([UNARY, name], max_message_size)
-    parts += encode_parts(request, max_message_size)
-    await stream.send_parts(parts, eof=True)
-    try:
-        response = await ms._receive_raw()
-    except ConnectionClosed as e:
-        if stream.unprocessed:
-            raise  # the peer never saw the call: the node may retry it
-        raise RPCError(f"{name}: stream closed before a response ({e})") from e
-    return _check_ext(response)
-
-
-async def open_message_stream(stream: MuxStream, name: str, max_message_size: int) -> MessageStream:
-    """Send a streaming header and wait for the server to accept it."""
-    ms = MessageStream(stream, max_message_size)
-    stream.protocol = name
-    await ms._send_raw([STREAMING, name])
-    try:
-        reply = await ms._receive_raw()
-    except ConnectionClosed as e:
-        if stream.unprocessed:
-            raise
-        raise RPCError(f"{name}: stream closed before it was accepted ({e})") from e
-    if isinstance(reply, msgpack.ExtType) and reply.code == EXT_ACCEPT:
-        return ms
-    _check_ext(reply)
-    raise ProtocolError(f"{name}: unexpected reply to a stream header")

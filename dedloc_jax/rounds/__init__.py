@@ -7,8 +7,8 @@
 - :mod:`~dedloc_jax.rounds.context`: what a round needs from its peer, passed in at
   construction;
 - :mod:`~dedloc_jax.rounds.slots`: one record per slot (epoch, level), pruned in one place;
-- :mod:`~dedloc_jax.rounds.registration`: registering for a slot and reading the others;
-- :mod:`~dedloc_jax.rounds.matchmaking`: forming one group per slot, as follower or leader
+- :mod:`~dedloc_jax.rounds.matchmaking`: registering for a slot, reading the others and
+  forming one group per slot, as follower or leader
   (:mod:`~dedloc_jax.rounds.following`, :mod:`~dedloc_jax.rounds.leading`: the two sides);
 - :mod:`~dedloc_jax.rounds.across`: the second level, across capped groups;
 - :mod:`~dedloc_jax.rounds.average`: :func:`average_round`, one round as trainers and aux peers

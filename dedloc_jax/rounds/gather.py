@@ -28,6 +28,7 @@ from dedloc_jax.averaging import GroupSpec
 from dedloc_jax.topk import Payload, PayloadError, TopK, mean_of, unpack
 from p2p.errors import P2PError
 from p2p.identity import PeerID, verify_signature
+from p2p.node import Node
 from p2p.rpc import CallContext
 
 log = logging.getLogger(__name__)
@@ -70,7 +71,7 @@ class SparseGather:
     """One node's side of sparse all-gathers: its rounds in progress and the handler."""
 
     def __init__(
-        self, node: Any, *, admit: Callable[[PeerID, str | None], Awaitable[None]] | None = None
+        self, node: Node, *, admit: Callable[[PeerID, str | None], Awaitable[None]] | None = None
     ) -> None:
         self.node = node
         self.admit = admit  # a private run's check of the caller

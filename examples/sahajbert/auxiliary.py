@@ -47,9 +47,6 @@ def run_aux(cfg: TrainerConfig, net: NetConfig) -> int:
     template = [np.zeros(np.shape(x), np.float32) for x in jax.tree.leaves(params)]
     collab = trainer.open_collaboration(cfg, net, mode="aux")
     try:
-        if not hasattr(collab, "run_aux"):
-            log.error("this dedloc_jax has no aux support (Collaboration.run_aux); exiting")
-            return 2
         rounds, seen_epoch = 0, 0
         while True:
             seen_epoch = max(seen_epoch, collab.epoch, collab.estimate.epoch)
