@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -84,6 +85,8 @@ class _Gathering:
     start: float
     others: dict[str, Member] = field(default_factory=dict)
     states: dict[str, bytes | None] = field(default_factory=dict)  # each registered peer's
+    # Whether a registered peer's contribution weighed nothing lately: its samples count 0.
+    weightless: Callable[[str], bool] = lambda peer: False
 
     def short_of_target(self) -> bool:
         """Whether waiting can still bring the samples the target needs. Registered peers
@@ -91,7 +94,8 @@ class _Gathering:
         all of them in there is nothing to wait for) or, when the tracker expects nobody, from
         peers it has not seen yet (worth a short wait only)."""
         now = trio.current_time()
-        got = self.me.weight + sum(m.weight for m in self.others.values())
+        others = (m.weight for p, m in self.others.items() if not self.weightless(p))
+        got = self.me.weight + sum(others)
         if got >= self.target or now >= self.start + self.deadlines.max_wait:
             return False
         if self.expected:
@@ -338,7 +342,15 @@ class Matchmaker:
             relocate_interval=deadlines.relocate_interval,
             lapse_grace=0.0,
         )
-        gathering = _Gathering(registry, me, target, expected, deadlines, trio.current_time())
+        gathering = _Gathering(
+            registry,
+            me,
+            target,
+            expected,
+            deadlines,
+            trio.current_time(),
+            weightless=self.context.weightless,
+        )
         if not await self._gather(slot, gathering):
             return None
         if not await self._wait_for_target(slot, gathering):
@@ -725,4 +737,6 @@ class Matchmaker:
             moved_on=self.context.moved_on,
             ask=functools.partial(self._ask_leader, slot),
             group_id=self._group_id(slot),
+            # (a representative's weight is its group's samples, weighed there)
+            weightless=self.context.weightless if level == 0 else None,
         )
