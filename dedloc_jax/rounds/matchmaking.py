@@ -37,7 +37,14 @@ from dedloc_jax.averaging.errors import GroupError
 from dedloc_jax.averaging.group import GroupSpec, Member
 from dedloc_jax.rounds.context import RoundContext
 from dedloc_jax.rounds.deadlines import Deadlines
-from dedloc_jax.rounds.following import Joining, LeaderGone, ask_leader, follow, leader_of
+from dedloc_jax.rounds.following import (
+    FollowsGone,
+    Joining,
+    LeaderGone,
+    ask_leader,
+    follow,
+    leader_of,
+)
 from dedloc_jax.rounds.grouping import group_seed
 from dedloc_jax.rounds.leading import answer_join, lead
 from dedloc_jax.rounds.plan import plan_groups
@@ -68,6 +75,9 @@ CROSS_CAP = 4096
 """Representatives in one level-1 group: all of them (n / max_group_size of an epoch's n peers)."""
 MAX_LEADER_FALLBACKS = 2
 """Members after a dead leader that its followers try as leader, in group order."""
+FALLBACK_ASKS = 4
+"""Times a follower asks the member after a dead leader, a quarter window apart, while that
+member still follows the dead leader (it falls back once it finds it gone, as we did)."""
 _MAX_LEARNED = 4096  # peers whose last addresses we remember (then start over)
 MAX_NO_SHOW_SKIP = 32
 """The most epochs a peer that kept missing its expected registrations goes unwaited for."""
@@ -518,6 +528,7 @@ class Matchmaker:
         would leave its whole group alone: each of its followers then tries the next member,
         the same one on every follower (bounded)."""
         cap = self.max_group_size if slot[1] == 0 else CROSS_CAP
+        gone: set[str] = set()
         for k, leader in enumerate(mine[: 1 + MAX_LEADER_FALLBACKS]):
             self._choose(slot, leader)
             if leader == self.peer_id:
@@ -525,10 +536,18 @@ class Matchmaker:
                     return await self._lead_or_join(slot, me, mine, deadlines, cap, late=late)
                 expected = set(mine[k + 1 :]) | late
                 return await self._lead(slot, me, deadlines, cap, expected=expected)
-            try:
-                return await self._follow(slot, me, leader, deadlines)
-            except LeaderGone:
-                continue
+            for ask in range(FALLBACK_ASKS):
+                try:
+                    return await self._follow(slot, me, leader, deadlines, gone=frozenset(gone))
+                except LeaderGone:
+                    gone.add(leader)
+                    break
+                except FollowsGone:
+                    if ask + 1 == FALLBACK_ASKS:
+                        log.info("%s: %s kept following a gone leader", slot, leader[:8])
+                        self._choose(slot, None)
+                        return None
+                    await trio.sleep(deadlines.window / 4)
         self._choose(slot, None)
         return None
 
@@ -625,9 +644,16 @@ class Matchmaker:
         return await ask_leader(self.node, slot, peer, timeout)
 
     async def _follow(
-        self, slot: Slot, me: Member, leader: str, deadlines: Deadlines | None = None
+        self,
+        slot: Slot,
+        me: Member,
+        leader: str,
+        deadlines: Deadlines | None = None,
+        *,
+        gone: frozenset[str] = frozenset(),
     ) -> GroupSpec | None:
-        """Join ``leader``'s group (see :func:`~dedloc_jax.rounds.following.follow`)."""
+        """Join ``leader``'s group (see :func:`~dedloc_jax.rounds.following.follow`);
+        ``gone``: the slot's leaders we found gone."""
         epoch, level = slot
 
         def cross(several: bool) -> None:
@@ -644,6 +670,7 @@ class Matchmaker:
             choose=lambda target: self._choose(slot, target),
             cross=cross,
             share=self.slots[slot].share,
+            gone=gone,
         )
         return await follow(joining, leader)
 
