@@ -449,8 +449,10 @@ class ProgressTracker:
         fresh identity's word costs nothing), or counted in a counting one's outcome (now or
         before: remembered), and not weightless themselves."""
         for pid, r in self.records.items():
+            # (an outcome of an epoch ahead of ours and the reporter's own is no round yet)
             if r.outcome is not None and pid != self.peer_id:
-                self._outcomes[(pid, r.outcome[0])] = r.outcome
+                if r.outcome[0] <= min(r.epoch, self.epoch + 1):
+                    self._outcomes[(pid, r.outcome[0])] = r.outcome
         for key in [k for k in self._outcomes if k[1] < self.epoch - OUTCOME_EPOCHS]:
             del self._outcomes[key]
         while len(self._outcomes) > MAX_LOGGED:
@@ -755,7 +757,7 @@ class ProgressTracker:
             return True
         if self._published.state != self.served or self._published.averages != self.averages:
             return True
-        if self._published.target != self._target or self._published.outcome != self.outcome:
+        if self._published.target != self._target:
             return True
         if trio.current_time() - self._published_at > self._published_ttl / 3:
             return True
