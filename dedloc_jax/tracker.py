@@ -450,9 +450,13 @@ class ProgressTracker:
         before: remembered), and not weightless themselves."""
         for pid, r in self.records.items():
             # (an outcome of an epoch ahead of ours and the reporter's own is no round yet)
-            if r.outcome is not None and pid != self.peer_id:
-                if r.outcome[0] <= min(r.epoch, self.epoch + 1):
-                    self._outcomes[(pid, r.outcome[0])] = r.outcome
+            outcome = r.outcome
+            if (
+                outcome is not None
+                and pid != self.peer_id
+                and outcome[0] <= min(r.epoch, self.epoch + 1)
+            ):
+                self._outcomes[(pid, outcome[0])] = outcome
         for key in [k for k in self._outcomes if k[1] < self.epoch - OUTCOME_EPOCHS]:
             del self._outcomes[key]
         while len(self._outcomes) > MAX_LOGGED:
