@@ -461,8 +461,8 @@ class ProgressTracker:
             del self._outcomes[key]
         while len(self._outcomes) > MAX_LOGGED:
             del self._outcomes[next(iter(self._outcomes))]
-        if not self._outcomes:
-            return
+        if not self._outcomes or not self._averaged_with:
+            return  # (having averaged with nobody, we cannot tell a reporter from a Sybil)
         outcomes = [(reporter, outcome) for (reporter, _), outcome in self._outcomes.items()]
         counting, named = counting_reporters(
             outcomes, lambda r: self.proven(r) or r in self._reporters, self.void
