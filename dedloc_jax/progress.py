@@ -44,6 +44,10 @@ class PeerProgress:
     # peer that moved on without stepping): its record is no sign that a group of the epoch
     # before averaged apart from ours (CollaborationPeer._stepped_without).
     alone: bool = False
+    # Its last verified round's outcome: (epoch, the senders it checked, those of them whose
+    # contribution weighed nothing), so that peers outside its group learn whom to weigh as 0
+    # (a quorum of a group's members must agree: dedloc_jax.rounds.claims.reported_void).
+    outcome: tuple[int, tuple[str, ...], tuple[str, ...]] | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -64,6 +68,8 @@ class PeerProgress:
             and 0 < self.target <= MAX_TARGET
         ):
             raise ValueError(f"target must be an integer in 1..{MAX_TARGET}")
+        if self.outcome is not None:
+            check_outcome(self.outcome)
 
     def to_record(self) -> dict[str, Any]:
         """The msgpack-able value stored in the DHT (the peer ID is the subkey)."""
@@ -79,6 +85,7 @@ class PeerProgress:
             **({} if self.averages else {"averages": False}),
             **({} if self.target is None else {"target": self.target}),
             **({"alone": True} if self.alone else {}),
+            **({} if self.outcome is None else {"outcome": _outcome_record(self.outcome)}),
         }
 
     @classmethod
@@ -117,6 +124,16 @@ class PeerProgress:
         alone = record.get("alone", False)
         if not isinstance(alone, bool):
             raise ValueError("alone must be true or false")
+        outcome = record.get("outcome")
+        if outcome is not None:
+            if not (
+                isinstance(outcome, list)
+                and len(outcome) == 3
+                and isinstance(outcome[1], list)
+                and isinstance(outcome[2], list)
+            ):
+                raise ValueError("outcome must be [epoch, [senders], [weightless senders]]")
+            outcome = (outcome[0], tuple(outcome[1]), tuple(outcome[2]))
         return cls(
             peer_id,
             epoch,
@@ -130,10 +147,13 @@ class PeerProgress:
             averages,
             target,
             alone,
+            outcome,
         )
 
 
 MAX_TARGET = 1 << 53  # samples per step a record may name (exact in a float)
+MAX_OUTCOME = 64  # senders a round's outcome names (a group's; larger groups are cut)
+MAX_PEER_CHARS = 64  # characters of a peer ID as text
 MAX_LINEAGE = 4  # ancestors a state names (dedloc_jax.state.lineage.LINEAGE)
 MAX_DIGEST = 64
 
@@ -148,6 +168,26 @@ def check_state(state: Any) -> None:
     for d in (digest, *lineage):
         if not isinstance(d, bytes) or not 0 < len(d) <= MAX_DIGEST:
             raise ValueError(f"a state digest is 1 to {MAX_DIGEST} bytes")
+
+
+def check_outcome(outcome: Any) -> None:
+    """Raise ValueError unless ``outcome`` is a valid (epoch, senders, weightless senders):
+    at most :data:`MAX_OUTCOME` peer IDs each, the weightless among the senders."""
+    epoch, senders, void = outcome
+    if not isinstance(epoch, int) or isinstance(epoch, bool) or epoch < 0:
+        raise ValueError("the outcome's epoch must be a non-negative integer")
+    for names in (senders, void):
+        if not isinstance(names, tuple) or len(names) > MAX_OUTCOME:
+            raise ValueError(f"an outcome names at most {MAX_OUTCOME} senders")
+        if not all(isinstance(n, str) and 0 < len(n) <= MAX_PEER_CHARS for n in names):
+            raise ValueError("an outcome names peers by their IDs")
+    if not set(void) <= set(senders):
+        raise ValueError("an outcome's weightless senders are among its senders")
+
+
+def _outcome_record(outcome: tuple[int, tuple[str, ...], tuple[str, ...]]) -> list[Any]:
+    epoch, senders, void = outcome
+    return [epoch, list(senders), list(void)]
 
 
 def _state_record(state: tuple[int, bytes, tuple[bytes, ...]]) -> list[Any]:

@@ -19,6 +19,7 @@ import trio
 
 from dedloc_jax.config import CollaborationConfig
 from dedloc_jax.progress import (
+    MAX_OUTCOME,
     CollaborationEstimate,
     PeerProgress,
     ThroughputMeter,
@@ -27,6 +28,7 @@ from dedloc_jax.progress import (
     estimate_collaboration,
     refresh_delay,
 )
+from dedloc_jax.rounds.claims import counting_reporters, reported_void
 from dedloc_jax.run_dht import RunDHT
 from dedloc_jax.state import Announcement, fork_choice, losing_peers
 from p2p.dht import InvalidRecordError, follower_replicas
@@ -36,6 +38,7 @@ from p2p.errors import P2PError
 log = logging.getLogger(__name__)
 
 MAX_LOGGED = 4096  # peers remembered as logged for an unbacked epoch (then forgotten)
+OUTCOME_EPOCHS = 4  # epochs of others' round outcomes kept (a record holds only its last)
 
 
 def progress_key(run_id: str) -> str:
@@ -124,8 +127,15 @@ class ProgressTracker:
         self._averaged_with: dict[str, int] = {}
         self._mates_began: float | None = None
         self._rates: dict[str, float] = {}  # each peer's last non-zero published rate
-        # Peers whose samples count for nothing: see weighed.
+        # Peers whose samples count for nothing: see weighed; the epoch of the newest verdict
+        # on each peer we took (ours or a quorum's, see _take_outcomes); and our last verified
+        # round's outcome (published: others outside our group learn from it).
         self.void: set[str] = set()
+        self._verdicts: dict[str, tuple[int, bool]] = {}  # peer -> (epoch, ours)
+        self.outcome: tuple[int, tuple[str, ...], tuple[str, ...]] | None = None
+        self._reporters: set[str] = set()  # peers a counting outcome counted (see above)
+        # (reporter, epoch) -> its outcome of that epoch, as read (the last OUTCOME_EPOCHS)
+        self._outcomes: dict[tuple[str, int], tuple[int, tuple[str, ...], tuple[str, ...]]] = {}
 
     # --- the target ------------------------------------------------------------------------
     def use_target(self, target: int) -> None:
@@ -390,16 +400,80 @@ class ProgressTracker:
         """A verified round we took part in weighed nothing of ``void``'s contributions and
         something of ``counted``'s: the first count no samples until a round shows them
         weighing again (:mod:`dedloc_jax.rounds.claims`). One that claims no samples at our
-        epoch (a newcomer averaging with weight 0) lied about nothing and is not marked."""
+        epoch (a newcomer averaging with weight 0) lied about nothing and is not marked.
+        The verdicts go into our next record (:attr:`outcome`)."""
+        marked = set()
         for peer in void - {self.peer_id}:
             r = self.records.get(peer)
             if r is None or r.epoch != self.epoch or r.samples > 0:
-                if peer not in self.void:
-                    log.info("peer %s's contribution weighed nothing: its samples count 0", peer)
-                self.void.add(peer)
-        self.void -= counted
-        while len(self.void) > MAX_LOGGED:
-            self.void.pop()
+                marked.add(peer)
+        for peer in marked | (counted - {self.peer_id}):
+            self._verdict(peer, self.epoch, peer in marked, True)
+        senders = sorted(marked) + sorted(counted - marked - {self.peer_id})
+        senders = senders[:MAX_OUTCOME]
+        self.outcome = (self.epoch, tuple(senders), tuple(p for p in senders if p in marked))
+
+    def _verdict(self, peer: str, epoch: int, void: bool, ours: bool) -> None:
+        """Take a verdict on ``peer`` from a round of ``epoch`` (``ours``: one we took part
+        in), unless we hold a newer one, or our own of the same epoch (we checked it)."""
+        held, held_ours = self._verdicts.get(peer, (-1, False))
+        if held > epoch or (held == epoch and held_ours and not ours):
+            return
+        self._verdicts.pop(peer, None)
+        self._verdicts[peer] = (epoch, ours)
+        while len(self._verdicts) > MAX_LOGGED:
+            del self._verdicts[next(iter(self._verdicts))]
+        if void and peer not in self.void:
+            log.info(
+                "peer %s's contribution weighed nothing at epoch %d (%s): its samples count 0 "
+                "and its registrations weigh 0",
+                peer,
+                epoch,
+                "in our round" if ours else "as its group's quorum reported",
+            )
+            self.void.add(peer)
+            while len(self.void) > MAX_LOGGED:
+                self.void.pop()
+        elif not void:
+            self.void.discard(peer)
+
+    def weightless(self, peer: str) -> bool:
+        """Whether ``peer``'s contribution weighed nothing in its newest round we know of (see
+        :meth:`weighed` and :func:`~dedloc_jax.rounds.claims.reported_void`)."""
+        return peer in self.void
+
+    def _take_outcomes(self) -> None:
+        """Take the verdicts a quorum of the table's reporters agree on
+        (:func:`~dedloc_jax.rounds.claims.reported_void`): a peer whose contribution weighed
+        nothing in another group counts for nothing here too. Reporters must be proven (a
+        fresh identity's word costs nothing), or counted in a counting one's outcome (now or
+        before: remembered), and not weightless themselves."""
+        for pid, r in self.records.items():
+            # (an outcome of an epoch ahead of ours and the reporter's own is no round yet)
+            outcome = r.outcome
+            if (
+                outcome is not None
+                and pid != self.peer_id
+                and outcome[0] <= min(r.epoch, self.epoch + 1)
+            ):
+                self._outcomes[(pid, outcome[0])] = outcome
+        for key in [k for k in self._outcomes if k[1] < self.epoch - OUTCOME_EPOCHS]:
+            del self._outcomes[key]
+        while len(self._outcomes) > MAX_LOGGED:
+            del self._outcomes[next(iter(self._outcomes))]
+        if not self._outcomes or not self._averaged_with:
+            return  # (having averaged with nobody, we cannot tell a reporter from a Sybil)
+        outcomes = [(reporter, outcome) for (reporter, _), outcome in self._outcomes.items()]
+        counting, named = counting_reporters(
+            outcomes, lambda r: self.proven(r) or r in self._reporters, self.void
+        )
+        for peer in named - self._reporters:
+            if len(self._reporters) >= MAX_LOGGED:
+                self._reporters.clear()
+            self._reporters.add(peer)
+        for peer, (epoch, void) in reported_void(outcomes, counting).items():
+            if peer != self.peer_id:
+                self._verdict(peer, epoch, void, False)
 
     def proven(self, peer: str) -> bool:
         """Whether ``peer``'s claims count in full: it averaged with us, or another peer
@@ -494,6 +568,7 @@ class ProgressTracker:
             averages=self.averages,
             target=self._target,
             alone=not (self.mates[0] == self.epoch and self.mates[1]),
+            outcome=self.outcome,
         )
 
     def stored_since(self, epoch: int) -> float:
@@ -627,6 +702,7 @@ class ProgressTracker:
         self._read.set()  # wakes those waiting for this read
         self._read = trio.Event()
         self._check_targets()
+        self._take_outcomes()
         self._find_losers()
         self.estimate = self.current_estimate()
         return self.estimate

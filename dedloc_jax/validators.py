@@ -22,7 +22,14 @@ from dedloc_jax.bans import MAX_EVIDENCE, MAX_PIECES, MAX_REASON, PIECE
 from dedloc_jax.bans import MAX_RECORDS as MAX_BANS
 from dedloc_jax.bans import ROLES as BAN_ROLES
 from dedloc_jax.config import MAX_RECORD_TTL
-from dedloc_jax.progress import MAX_DIGEST, MAX_LINEAGE, MAX_TARGET, MODES
+from dedloc_jax.progress import (
+    MAX_DIGEST,
+    MAX_LINEAGE,
+    MAX_OUTCOME,
+    MAX_PEER_CHARS,
+    MAX_TARGET,
+    MODES,
+)
 from dedloc_jax.rounds.wire import MAX_BPS, MAX_STATE_BYTES
 from dedloc_jax.state.vouching import MAX_MATES, MAX_VOUCHES
 from p2p.dht import (
@@ -88,8 +95,15 @@ PROGRESS = Struct(
         "averages": Bool(),
         "target": Int(1, MAX_TARGET),
         "alone": Bool(),
+        "outcome": Tuple(
+            (
+                Int(0, MAX_EPOCH),
+                ListOf(Str(MAX_PEER_CHARS), max_len=MAX_OUTCOME),
+                ListOf(Str(MAX_PEER_CHARS), max_len=MAX_OUTCOME),
+            )
+        ),
     },
-    optional=frozenset({"interval", "waiting", "state", "averages", "target", "alone"}),
+    optional=frozenset({"interval", "waiting", "state", "averages", "target", "alone", "outcome"}),
 )
 """A :class:`~dedloc_jax.progress.PeerProgress` record (``to_record``)."""
 

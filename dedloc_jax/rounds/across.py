@@ -280,7 +280,10 @@ async def represent(
     )
     if spec is None:
         return None
-    averaged, failure = await rounds.all_reduce(spec, mean, weight, this.codec, this.deadlines)
+    # (a representative sends its group's mean: its group weighed its own gradient)
+    averaged, failure = await rounds.all_reduce(
+        spec, mean, weight, this.codec, this.deadlines, weighs=False
+    )
     if averaged is None:
         log.warning("averaging across groups at epoch %d failed: %s", epoch, failure)
         return None

@@ -156,6 +156,7 @@ class Rounds:
         round_id: bytes | None = None,
         late_start: float = 0.0,
         adopt: bool = True,
+        weighs: bool = True,
     ) -> tuple[AllReduceResult | None, str]:
         """The all-reduce of ``arrays`` (``weight`` samples) in ``spec``, or None and why it
         failed (an averaging error, also one the round's nursery wrapped); anything else
@@ -163,7 +164,9 @@ class Rounds:
         group names another). ``late_start``: how far apart members may start it (a second
         all-reduce starts when each member's first ended): reducers wait that much longer
         for parts (the timeout grows by it over ``collect_fraction``). ``adopt``: read
-        others' bans after it (:meth:`convict`); False between two all-reduces of a round."""
+        others' bans after it (:meth:`convict`); False between two all-reduces of a round.
+        ``weighs``: its senders' own contributions are weighed (level 0: the verdicts go to
+        the table; False across groups, where a sender brings its group's mean)."""
         config = self.all_reduce_config()
         timeout = self.deadlines(deadlines, spec, arrays, codec).averaging
         if late_start > 0:
@@ -185,7 +188,8 @@ class Rounds:
         except BaseExceptionGroup as group:
             return None, str(_only_averaging(group))
         await self.convict(result, adopt=adopt)
-        self.table.weighed(*weightless(result.kept))
+        if weighs:
+            self.table.weighed(*weightless(result.kept))
         return result, ""
 
     @property

@@ -23,13 +23,24 @@ A peer's sample claims count toward the target only while its contribution weigh
 (:func:`weightless`): one whose gradient the robust aggregation weighed at nothing (a -1000x
 sign flip), or that registered or signed weight 0, still had its samples counted, and the
 honest peers stepped with three quarters of a clean run's samples (bench.byzantine).
+
+Only the members of that group saw it: each publishes its round's outcome in its progress
+record (the senders it checked, those that weighed nothing), and a peer outside the group
+marks a sender when the reporters of its newest round agree (:func:`reported_void`): at least
+:data:`QUORUM` of them, more than half of those whose outcome names it. One liar's word,
+however often repeated, marks nobody; the honest members of a group compute the same
+weights from the same signed statements, so they agree. (Identities that average with the
+run can outvote a group smaller than their number: the limit of any vote.) A marked peer's
+registration weighs 0 in matchmaking: it counts nothing toward the target and gets weight 0
+in its group's spec (:func:`zero_weightless`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Mapping, Sequence
+from collections import defaultdict
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 
 from dedloc_jax.averaging.group import Member
 from dedloc_jax.progress import CLAIM_CAP, claim_cap
@@ -103,3 +114,76 @@ def weightless(kept: Mapping[str, float]) -> tuple[set[str], set[str]]:
     and those that contributed with real weight (their claims count again)."""
     void = {peer for peer, fraction in kept.items() if fraction < MIN_KEPT}
     return void, set(kept) - void
+
+
+QUORUM = 2
+"""Reporters that must agree (and be more than half of those naming the sender at its newest
+reported round) before a peer outside the group takes their verdict (:func:`reported_void`)."""
+
+Outcome = tuple[int, Sequence[str], Sequence[str]]
+"""A round's outcome as a member publishes it: (epoch, senders it checked, weightless ones)."""
+
+
+def counting_reporters(
+    outcomes: Iterable[tuple[str, Outcome]],
+    trusted: Callable[[str], bool],
+    void: Collection[str] = frozenset(),
+) -> tuple[set[str], set[str]]:
+    """Whose ``outcomes`` ((reporter, outcome) pairs: a reporter's last few rounds) count
+    (:func:`reported_void`): the ``trusted`` reporters, and those a counting reporter's
+    outcome counted (they averaged with it, weighing, as a fresh identity cannot), never
+    those in ``void``; and every peer a counting outcome counted (worth remembering)."""
+    by_reporter: dict[str, list[Outcome]] = defaultdict(list)
+    for reporter, outcome in outcomes:
+        by_reporter[reporter].append(outcome)
+    counting = {r for r in by_reporter if r not in void and trusted(r)}
+    named: set[str] = set()
+    fresh = set(counting)
+    while fresh:
+        for r in fresh:
+            for _, senders, gone in by_reporter[r]:
+                named |= set(senders) - set(gone) - set(void)
+        fresh = {r for r in named if r in by_reporter and r not in counting}
+        counting |= fresh
+    return counting, named
+
+
+def reported_void(
+    outcomes: Iterable[tuple[str, Outcome]], counting: Collection[str]
+) -> dict[str, tuple[int, bool]]:
+    """Per sender the published ``outcomes`` ((reporter, outcome) pairs) of the ``counting``
+    reporters give a verdict on: the newest epoch with one, and whether it weighed nothing
+    there. At an epoch, the verdict is the word of more than half of the counting reporters
+    (other than the sender) whose outcome names it, at least :data:`QUORUM` (a tie, or one
+    reporter, says nothing)."""
+    words: dict[tuple[str, int], dict[str, bool]] = defaultdict(dict)
+    for reporter, (epoch, senders, void) in outcomes:
+        if reporter not in counting:
+            continue
+        gone = set(void)
+        for peer in set(senders) - {reporter}:
+            words[(peer, epoch)][reporter] = peer in gone
+    verdicts: dict[str, tuple[int, bool]] = {}
+    for (peer, epoch), by in words.items():
+        said = list(by.values())
+        accused = sum(said)
+        side = accused if 2 * accused > len(said) else len(said) - accused
+        if side < QUORUM or 2 * side <= len(said):
+            continue
+        if peer not in verdicts or verdicts[peer][0] < epoch:
+            verdicts[peer] = (epoch, 2 * accused > len(said))
+    return verdicts
+
+
+def zero_weightless(
+    members: Sequence[Member], me: str, weightless: Callable[[str], bool]
+) -> list[Member]:
+    """``members`` with every other member that ``weightless`` names at weight 0 (logged):
+    its contribution weighed nothing in a round, ours or one a quorum reported."""
+    out = []
+    for m in members:
+        if m.peer_id != me and m.weight > 0 and weightless(m.peer_id):
+            log.info("member %s weighed nothing in a recent round: weight 0", m.peer_id[:8])
+            m = dataclasses.replace(m, weight=0.0)
+        out.append(m)
+    return out

@@ -27,6 +27,10 @@ def _never_banned(peer: str) -> bool:
     return False
 
 
+def _never_weightless(peer: str) -> bool:
+    return False
+
+
 def _no_state(epoch: int) -> bytes | None:
     return None
 
@@ -50,6 +54,10 @@ class RoundContext:
     proven: Callable[[str], bool] = _always_proven
     """Whether a peer averaged with the run (``ProgressTracker.proven``): one that never did
     and never registered is not waited for (a fresh identity's record costs nothing)."""
+    weightless: Callable[[str], bool] = _never_weightless
+    """Whether a peer's contribution weighed nothing in its newest round we know of
+    (``ProgressTracker.weightless``): its registration weighs 0 (:mod:`~dedloc_jax.rounds.
+    claims`)."""
     admit: Callable[[PeerID, str | None], Awaitable[None]] | None = None
     """Private runs (:mod:`dedloc_jax.access`): raises unless the caller (in that mode) may
     take part; None in an open run."""
@@ -65,6 +73,8 @@ class ProgressTable(Protocol):
     def current_estimate(self) -> Any: ...
 
     def proven(self, peer: str) -> bool: ...
+
+    def weightless(self, peer: str) -> bool: ...
 
 
 def _moved_on(table: ProgressTable, peer: str, epoch: int) -> bool:
@@ -85,12 +95,13 @@ def context_of(
     """A peer's context: who moved on and whether an epoch is over, from its progress
     ``table``; ``state_of``: its state server's head (peers average only with peers that step
     from the same state, or do not say); ``banned``: its bans; ``admit``: its access guard;
-    whether a peer is proven (averaged with the run), from the table too."""
+    whether a peer is proven (averaged with the run) or weightless, from the table too."""
     return RoundContext(
         moved_on=functools.partial(_moved_on, table),
         epoch_over=functools.partial(_epoch_over, table),
         state_of=state_of,
         banned=banned,
         proven=table.proven,
+        weightless=table.weightless,
         admit=admit,
     )

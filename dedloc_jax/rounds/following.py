@@ -28,6 +28,11 @@ class LeaderGone(Exception):
     followers try the next member in group order."""
 
 
+class FollowsGone(Exception):
+    """The member we asked to lead in a gone leader's place still follows that leader (it has
+    not found it gone yet, and will fall back as we did): ask it again a little later."""
+
+
 def _gone(e: P2PError) -> bool:
     """Whether a failed join means the leader is unreachable, rather than slow or refusing."""
     return isinstance(e, DialError | ConnectionClosed) or (
@@ -74,11 +79,14 @@ class Joining:
     share: float = 0.0
     """An equal share of the target among the peers we expect at the slot: the spec's weights
     must keep the claims rule with it (:func:`~dedloc_jax.rounds.claims.excess_weight`)."""
+    gone: frozenset[str] = frozenset()
+    """Leaders of this slot we found gone: a redirect to one raises :class:`FollowsGone`."""
 
 
 async def follow(j: Joining, leader: str, *, hops: int = 0) -> GroupSpec | None:
     """Join ``leader``'s group: its spec, or None (refused, a bad spec, an uninvited member).
-    Raises :class:`LeaderGone` when ``leader`` cannot be reached."""
+    Raises :class:`LeaderGone` when ``leader`` cannot be reached, :class:`FollowsGone` when it
+    redirects us to a leader we found gone."""
     epoch, level = j.slot
     peer_id = j.me.peer_id
     request: dict[str, Any] = {
@@ -101,6 +109,10 @@ async def follow(j: Joining, leader: str, *, hops: int = 0) -> GroupSpec | None:
         reason = answer.get("reason") if isinstance(answer, dict) else "malformed answer"
         log.info("leader %s refused us at epoch %d: %s", leader, epoch, reason)
         target = answer.get("redirect") if isinstance(answer, dict) else None
+        if target in j.gone:
+            # (following it, we stepped alone while the member that sent us there led the
+            # others a moment later: bench.chaos, 12 kills)
+            raise FollowsGone(leader)
         if hops < MAX_REDIRECTS and isinstance(target, str) and target != peer_id:
             j.learn(target, {"addrs": answer.get("redirect_addrs")})
             try:

@@ -15,7 +15,7 @@ import trio
 
 from dedloc_jax.averaging.errors import GroupError
 from dedloc_jax.averaging.group import GroupSpec, Member
-from dedloc_jax.rounds.claims import bound_claims
+from dedloc_jax.rounds.claims import bound_claims, zero_weightless
 from dedloc_jax.rounds.plan import same_state
 from dedloc_jax.rounds.slots import LeaderRound, Slots
 from dedloc_jax.rounds.wire import Slot
@@ -99,10 +99,13 @@ async def lead(
     moved_on: Callable[[str, int], bool],
     ask: Ask,
     group_id: bytes,
+    weightless: Callable[[str], bool] | None = None,
 ) -> GroupSpec | None:
     """Accept joins to ``rnd`` for one ``window``, and longer (up to ``wait``) while an
     expected member (one that registered in our group) has not joined yet; then form the
-    group (None when nobody joined). Every join waiting on ``rnd`` is answered at the end."""
+    group (None when nobody joined). Every join waiting on ``rnd`` is answered at the end.
+    ``weightless``: whether a member's contribution weighed nothing lately (weight 0 in the
+    spec: :func:`~dedloc_jax.rounds.claims.zero_weightless`)."""
     epoch = rnd.slot[0]
     started = trio.current_time()
     try:
@@ -139,6 +142,8 @@ async def lead(
                 rnd.me.peer_id,
                 share=rnd.share,
             )
+            if weightless is not None:
+                members = zero_weightless(members, rnd.me.peer_id, weightless)
             spec = GroupSpec(tuple(members), group_id=group_id)
             rnd.spec = spec.with_parts()
         return rnd.spec

@@ -37,7 +37,14 @@ from dedloc_jax.averaging.errors import GroupError
 from dedloc_jax.averaging.group import GroupSpec, Member
 from dedloc_jax.rounds.context import RoundContext
 from dedloc_jax.rounds.deadlines import Deadlines
-from dedloc_jax.rounds.following import Joining, LeaderGone, ask_leader, follow, leader_of
+from dedloc_jax.rounds.following import (
+    FollowsGone,
+    Joining,
+    LeaderGone,
+    ask_leader,
+    follow,
+    leader_of,
+)
 from dedloc_jax.rounds.grouping import group_seed
 from dedloc_jax.rounds.leading import answer_join, lead
 from dedloc_jax.rounds.plan import plan_groups
@@ -68,6 +75,9 @@ CROSS_CAP = 4096
 """Representatives in one level-1 group: all of them (n / max_group_size of an epoch's n peers)."""
 MAX_LEADER_FALLBACKS = 2
 """Members after a dead leader that its followers try as leader, in group order."""
+FALLBACK_ASKS = 4
+"""Times a follower asks the member after a dead leader, a quarter window apart, while that
+member still follows the dead leader (it falls back once it finds it gone, as we did)."""
 _MAX_LEARNED = 4096  # peers whose last addresses we remember (then start over)
 MAX_NO_SHOW_SKIP = 32
 """The most epochs a peer that kept missing its expected registrations goes unwaited for."""
@@ -190,6 +200,8 @@ class _Gathering:
     start: float
     others: dict[str, Member] = field(default_factory=dict)
     states: dict[str, bytes | None] = field(default_factory=dict)  # each registered peer's
+    # Whether a registered peer's contribution weighed nothing lately: its samples count 0.
+    weightless: Callable[[str], bool] = lambda peer: False
 
     def short_of_target(self) -> bool:
         """Whether waiting can still bring the samples the target needs. Registered peers
@@ -197,7 +209,8 @@ class _Gathering:
         all of them in there is nothing to wait for) or, when the tracker expects nobody, from
         peers it has not seen yet (worth a short wait only)."""
         now = trio.current_time()
-        got = self.me.weight + sum(m.weight for m in self.others.values())
+        others = (m.weight for p, m in self.others.items() if not self.weightless(p))
+        got = self.me.weight + sum(others)
         if got >= self.target or now >= self.start + self.deadlines.max_wait:
             return False
         if self.expected:
@@ -444,7 +457,15 @@ class Matchmaker:
             relocate_interval=deadlines.relocate_interval,
             lapse_grace=0.0,
         )
-        gathering = _Gathering(registry, me, target, expected, deadlines, trio.current_time())
+        gathering = _Gathering(
+            registry,
+            me,
+            target,
+            expected,
+            deadlines,
+            trio.current_time(),
+            weightless=self.context.weightless,
+        )
         if not await self._gather(slot, gathering):
             return None
         if not await self._wait_for_target(slot, gathering):
@@ -612,6 +633,7 @@ class Matchmaker:
         would leave its whole group alone: each of its followers then tries the next member,
         the same one on every follower (bounded)."""
         cap = self.max_group_size if slot[1] == 0 else CROSS_CAP
+        gone: set[str] = set()
         for k, leader in enumerate(mine[: 1 + MAX_LEADER_FALLBACKS]):
             self._choose(slot, leader)
             if leader == self.peer_id:
@@ -619,10 +641,18 @@ class Matchmaker:
                     return await self._lead_or_join(slot, me, mine, deadlines, cap, late=late)
                 expected = set(mine[k + 1 :]) | late
                 return await self._lead(slot, me, deadlines, cap, expected=expected)
-            try:
-                return await self._follow(slot, me, leader, deadlines)
-            except LeaderGone:
-                continue
+            for ask in range(FALLBACK_ASKS):
+                try:
+                    return await self._follow(slot, me, leader, deadlines, gone=frozenset(gone))
+                except LeaderGone:
+                    gone.add(leader)
+                    break
+                except FollowsGone:
+                    if ask + 1 == FALLBACK_ASKS:
+                        log.info("%s: %s kept following a gone leader", slot, leader[:8])
+                        self._choose(slot, None)
+                        return None
+                    await trio.sleep(deadlines.window / 4)
         self._choose(slot, None)
         return None
 
@@ -719,9 +749,16 @@ class Matchmaker:
         return await ask_leader(self.node, slot, peer, timeout)
 
     async def _follow(
-        self, slot: Slot, me: Member, leader: str, deadlines: Deadlines | None = None
+        self,
+        slot: Slot,
+        me: Member,
+        leader: str,
+        deadlines: Deadlines | None = None,
+        *,
+        gone: frozenset[str] = frozenset(),
     ) -> GroupSpec | None:
-        """Join ``leader``'s group (see :func:`~dedloc_jax.rounds.following.follow`)."""
+        """Join ``leader``'s group (see :func:`~dedloc_jax.rounds.following.follow`);
+        ``gone``: the slot's leaders we found gone."""
         epoch, level = slot
 
         def cross(several: bool) -> None:
@@ -738,6 +775,7 @@ class Matchmaker:
             choose=lambda target: self._choose(slot, target),
             cross=cross,
             share=self.slots[slot].share,
+            gone=gone,
         )
         return await follow(joining, leader)
 
@@ -831,4 +869,6 @@ class Matchmaker:
             moved_on=self.context.moved_on,
             ask=functools.partial(self._ask_leader, slot),
             group_id=self._group_id(slot),
+            # (a representative's weight is its group's samples, weighed there)
+            weightless=self.context.weightless if level == 0 else None,
         )

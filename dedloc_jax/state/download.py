@@ -18,8 +18,8 @@ import trio
 from dedloc_jax.run_dht import RunDHT
 from dedloc_jax.state.chunks import StateAssembler, StateError, StateManifest, first_non_finite
 from dedloc_jax.state.lineage import Announcement, fork_choice
-from dedloc_jax.state.serving import CHUNK, MANIFEST, read_announcements
-from dedloc_jax.state.vouching import VouchBook
+from dedloc_jax.state.serving import CHUNK, MANIFEST, TRUSTED, read_announcements
+from dedloc_jax.state.vouching import MAX_TRUSTED, VouchBook
 from p2p.errors import P2PError
 from p2p.identity import PeerID
 from p2p.node import Node
@@ -48,22 +48,29 @@ async def find_donors(
     fork checks count: the state key's reads miss some peers, and a choice from it alone may
     name a lineage the next fork check rejects). Per peer, its newest one counts. ``book``
     keeps the vouches the read proves (the progress table's states are marked by it)."""
-    newest: dict[str, Announcement] = {}
-    # The table says which peers train nothing: their announcements are copies, not votes.
-    copies = {str(a.peer) for a in extra if not a.votes}
-    for a in (*await read_announcements(node, dht, run_id, whole=True, book=book), *extra):
-        known = newest.get(str(a.peer))
-        if known is None or a.epoch > known.epoch:
-            newest[str(a.peer)] = replace(a, votes=False) if str(a.peer) in copies else a
-    if book is not None and book.orphaned(newest.values()) and not await _reach_any(node, book):
-        (log.debug if book.orphan_warned else log.warning)(
-            "the peers we joined through are gone, and no state is vouched by one they vouched "
-            "for (%d unvouched announcers): not following them; waiting (start again with "
-            "--initial-peers of the run's peers)",
-            len(newest),
-        )
-        book.orphan_warned = True  # once: the keeper asks again every few seconds
-        return None
+    newest = await _newest(node, dht, run_id, extra, book)
+    if book is not None and book.orphaned(newest.values()):
+        if not await _reach_any(node, book):
+            (log.debug if book.orphan_warned else log.warning)(
+                "the peers we joined through are gone, and no state is vouched by one they "
+                "vouched for (%d unvouched announcers): not following them; waiting (start "
+                "again with --initial-peers of the run's peers)",
+                len(newest),
+            )
+            book.orphan_warned = True  # once: the keeper asks again every few seconds
+            return None
+        # Our roots are here but announce nothing (a bootstrap, a coordinator): their word
+        # on whom they trust grounds ours.
+        if await _ask_roots(node, book):
+            newest = await _newest(node, dht, run_id, extra, book)
+        if book.orphaned(newest.values()) and await _any_vouch(node, dht, run_id):
+            (log.debug if book.orphan_warned else log.warning)(
+                "the peers we joined through vouch for none of the %d announced states: not "
+                "following unvouched announcers; waiting",
+                len(newest),
+            )
+            book.orphan_warned = True
+            return None
     chosen = fork_choice(list(newest.values()))
     if chosen is None:
         return None
@@ -75,6 +82,54 @@ async def find_donors(
             except P2PError:
                 continue
     return chosen[0], chosen[1], sorted(donors)
+
+
+async def _newest(
+    node: Node,
+    dht: RunDHT,
+    run_id: str,
+    extra: Sequence[Announcement],
+    book: VouchBook | None,
+) -> dict[str, Announcement]:
+    """Per peer, its newest announcement (read, or in ``extra``); the table's copies (peers
+    that train nothing) are no votes."""
+    newest: dict[str, Announcement] = {}
+    copies = {str(a.peer) for a in extra if not a.votes}
+    for a in (*await read_announcements(node, dht, run_id, whole=True, book=book), *extra):
+        known = newest.get(str(a.peer))
+        if known is None or a.epoch > known.epoch:
+            newest[str(a.peer)] = replace(a, votes=False) if str(a.peer) in copies else a
+    return newest
+
+
+async def _any_vouch(node: Node, dht: RunDHT, run_id: str) -> bool:
+    """Whether any announcement is vouched by anyone (the run has an averaging history: a
+    newcomer that traces none of it to its roots must not count unvouched announcers)."""
+    return any(a.vouched for a in await read_announcements(node, dht, run_id, whole=True))
+
+
+async def _ask_roots(node: Node, book: VouchBook) -> bool:
+    """Ask each connected root whom it trusts (:data:`~dedloc_jax.state.serving.TRUSTED`)
+    and adopt its answer; whether anything new was adopted."""
+    new = 0
+    for name in sorted(book.roots):
+        try:
+            pid = PeerID.from_base58(name)
+        except (P2PError, ValueError):
+            continue
+        if node.connection_to(pid) is None:
+            continue
+        try:
+            answer = await node.call(pid, TRUSTED, {}, timeout=ROOT_DIAL_TIMEOUT)
+        except P2PError as e:
+            log.info("the peer we joined through %s did not say whom it trusts: %s", name[:8], e)
+            continue
+        peers = answer.get("peers") if isinstance(answer, dict) else None
+        if not isinstance(peers, list):
+            continue
+        named = [p for p in peers[:MAX_TRUSTED] if isinstance(p, str) and 0 < len(p) <= 64]
+        new += book.adopt(named)
+    return new > 0
 
 
 ROOT_DIAL_TIMEOUT = 10.0

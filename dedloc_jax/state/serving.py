@@ -49,6 +49,8 @@ log = logging.getLogger(__name__)
 
 MANIFEST = "collab.state.manifest"
 CHUNK = "collab.state.chunk"
+TRUSTED = "collab.state.trusted"  # whom this peer trusts (a newcomer joined through it asks)
+TRUST_REFRESH = 5.0  # seconds between the announcement reads answers to TRUSTED make
 _KEEP = 2  # snapshots kept, so a download started before our last step can finish
 _MAX_DIGEST = MAX_DIGEST
 VOUCH_RETRY = 2.0  # seconds between re-announcements while our mates' vouches are missing
@@ -101,10 +103,13 @@ class StateServer:
         # The ancestors of a state we downloaded, as the announcements that chose it named
         # them: not announced while we hold it (a copy is no vote), named after our next step.
         self._ancestry: tuple[bytes, ...] = ()
+        self._trust_read_at = -float("inf")  # trio time of the last read for TRUSTED
+        self._trust_lock = trio.Lock()
 
     def register(self) -> None:
         self.node.add_handler(MANIFEST, self._handle_manifest)
         self.node.add_handler(CHUNK, self._handle_chunk)
+        self.node.add_handler(TRUSTED, self._handle_trusted)
 
     def set_state(self, arrays: Sequence[np.ndarray], epoch: int) -> StateManifest:
         """Serve ``arrays`` as our state of ``epoch`` from now on. NonFiniteStateError (and
@@ -259,6 +264,23 @@ class StateServer:
             assembler.add(i, chunk_of(buffer, manifest, i))
         return manifest, assembler.arrays()
 
+    async def _handle_trusted(self, ctx: CallContext, request: Any) -> Any:
+        """Whom we trust (:meth:`VouchBook.trusted_peers`), read afresh from the announcements
+        at most every :data:`TRUST_REFRESH` seconds (the first read grounds a book that trusted
+        every signer: :meth:`VouchBook.ground`)."""
+        if self.admit is not None:
+            await self.admit(ctx.remote_peer)
+        if self.book is None:
+            return {"peers": []}
+        async with self._trust_lock:
+            if trio.current_time() - self._trust_read_at >= TRUST_REFRESH:
+                self._trust_read_at = trio.current_time()
+                try:
+                    await read_announcements(self.node, self.dht, self.run_id, book=self.book)
+                except (P2PError, InvalidRecordError) as e:
+                    log.debug("could not read the state announcements for a trust query: %s", e)
+        return {"peers": self.book.trusted_peers()}
+
     def _snapshot(self, request: Any) -> tuple[StateManifest, bytes]:
         if isinstance(request, dict) and request.get("latest") is True and self.latest:
             return self._snapshots[self.latest.digest]
@@ -346,6 +368,9 @@ async def read_announcements(
     # chain), in any announcement: a vouch is as good where another peer carries it. Only the
     # ones each peer carries about itself left a healed partition's minority, whose mates'
     # vouches name nobody on the other side, trusting none of the majority (issue 46).
+    if book is not None and not book.grounded:
+        # (the run's first peer: its first vouches read are whom it trusts from now on)
+        book.ground(v.signer for vouches in carried for v in vouches if v.valid(run_id))
     trusted = None if book is None else (lambda signer: signer == me or book.trusts(signer))
     named = vouched_names(run_id, [v for vouches in carried for v in vouches], trusted)
     vouched = [str(a.peer) in named for a in found]

@@ -21,6 +21,15 @@ vouches for each other led a newcomer that trusted every signer to their forged 
 newcomer with no root either (the run's first peer) trusts every signer. Sybils that first
 average with honest peers are not caught by this rule (identities cost nothing in an open run;
 a private run's invitations are the cost), nor are roots that lie.
+
+A root that trains nothing (a bootstrap peer, a coordinator) announces no state and averages
+with nobody: a newcomer joined through it traced no signer, counted every announcer, and five
+Sybils minting vouches led it to their forged state. Such a newcomer asks its roots whom they
+trust (:meth:`VouchBook.trusted_peers`, :meth:`VouchBook.adopt`), and loads no state while
+none traces to them but where no vouch exists at all (the run's first epochs). A root with
+neither roots nor mates (the run's first peer) anchors on the signers of the first vouches it
+reads (trust on first use: it follows the run from its start, before any newcomer; Sybils
+there before its first read are the limit).
 """
 
 from __future__ import annotations
@@ -38,6 +47,7 @@ log = logging.getLogger(__name__)
 MAX_MATES = 64  # peers one vouch names (a group's members; larger groups are cut)
 MAX_VOUCHES = 8  # vouches one announcement carries (its own, then its mates')
 MAX_BOOK = 4096  # vouched peers a VouchBook remembers (then forgotten)
+MAX_TRUSTED = 1024  # peers a root names when a newcomer asks whom it trusts
 _DOMAIN = b"dedloc-jax state vouch v1\0"
 
 
@@ -162,6 +172,46 @@ class VouchBook:
 
     def vouched(self, peer: str) -> bool:
         return peer in self._peers
+
+    @property
+    def grounded(self) -> bool:
+        """Whether our trust starts somewhere (mates or roots): else we trust every signer."""
+        return bool(self._anchors or self._roots)
+
+    def ground(self, signers: Iterable[str]) -> None:
+        """Trust on first use: a book with neither roots nor mates (the run's first peer)
+        takes ``signers`` (of the first valid vouches it read) as its anchors."""
+        if self.grounded:
+            return
+        first = sorted(set(signers))[:MAX_BOOK]
+        if first:
+            log.info(
+                "trusting the %d signers of the first vouches read (trust on first use)", len(first)
+            )
+            self._peers.clear()
+            self._anchors.update(first)
+            self._peers.update(first)
+
+    def trusted_peers(self) -> list[str]:
+        """Whom we trust, as a newcomer joined through us asks (:meth:`adopt`): our anchors,
+        then the peers traced to them (at most :data:`MAX_TRUSTED`); none while we trust every
+        signer (our word would be worth no more than the newcomer's)."""
+        if not self.grounded:
+            return []
+        anchors = sorted(self._anchors)
+        return (anchors + sorted(self._peers - self._anchors))[:MAX_TRUSTED]
+
+    def adopt(self, peers: Iterable[str]) -> int:
+        """A root named ``peers`` as those it trusts: as a newcomer (roots, no mates), we trust
+        their vouches as our roots' own. Returns how many were new."""
+        if self._anchors or not self._roots:
+            return 0
+        new = 0
+        for peer in peers:
+            if peer not in self._peers:
+                self.record(peer)
+                new += 1
+        return new
 
     def anchor(self, peers: Iterable[str]) -> None:
         """``peers`` averaged with us: their vouches count, and they are vouched."""
