@@ -149,6 +149,35 @@ def _received(rnd: Round, j: int, k: int) -> bytes:
     return result_digest(rnd.round_id, rnd.spec.digest, j, k, data, mask, tau, _terms(rnd, j, k))
 
 
+def check_signed(
+    rnd: Round,
+    j: int,
+    k: int,
+    data: bytes,
+    mask: frozenset[int],
+    tau: float | None,
+    sig: bytes | None,
+    key: bytes | None,
+) -> None:
+    """Refuse (BadContributionError) result chunk ``k`` of share ``j`` unless reducer ``j``
+    signed it: a chunk taken unsigned could never convict its reducer before a third party
+    (:func:`check_evidence` redoes this very check). Its key comes with the first chunk and
+    must be the one its peer ID names. The refused exchange fails and the share is repaired
+    without this reducer's result: a bad signature on our own stream proves nothing to others,
+    so nobody is convicted for it."""
+    who = rnd.name(j)
+    if k == 0:
+        if key is None or not PeerID.from_base58(who).matches(key):
+            raise BadContributionError(f"reducer {who} sent no key of its own with its result")
+        rnd.reducer_keys[j] = key
+    held = rnd.reducer_keys.get(j)
+    if sig is None or held is None:
+        raise BadContributionError(f"reducer {who} sent result chunk {k} unsigned")
+    signed = result_digest(rnd.round_id, rnd.spec.digest, j, k, data, mask, tau, _terms(rnd, j, k))
+    if not verify_signature(held, sig, signed):
+        raise BadContributionError(f"reducer {who}'s signature of result chunk {k} does not verify")
+
+
 def _parse(rnd: Round, msg: Any) -> Statement:
     return parse_statement(
         msg,
@@ -632,11 +661,11 @@ async def _judge(
         "members": [m.peer_id for m in rnd.members],
         "spec": rnd.spec.to_bytes(),  # its members' weights bound the stated ones
         "mask": mask,
-        # the reducer's signature of the encoded result chunk, and its key (from its own
-        # statement; an aux reducer states nothing, and its conviction rests on the members)
+        # the reducer's signature of the encoded result chunk (checked on receipt) and its
+        # key (proven against its peer ID then, an aux reducer's too)
         "encoded": rnd.result_bytes[j][k] if k < len(rnd.result_bytes.get(j, ())) else b"",
         "result_sig": rnd.result_sigs[j][k] or b"",
-        "reducer_key": stated[j].wire["pk"] if j in stated else b"",
+        "reducer_key": rnd.reducer_keys.get(j, b""),
     }
     z = direction(seed, a, b - a)
     silent = []

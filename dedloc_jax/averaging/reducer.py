@@ -289,6 +289,7 @@ class Reducer:
                 result_digest(r.round_id, r.spec.digest, r.me, k, data, mask, self.taus[k], terms)
             )
             held.result_sigs[r.me].append(self.sigs[k])
+            held.reducer_keys[r.me] = self.identity.public_key
             held.result_bytes[r.me].append(bytes(data))
         self.done = k + 1
         if not self.receivers:
@@ -440,8 +441,13 @@ class Reducer:
                     return
                 data = self.enc[k]
                 t = trio.current_time()
+                # The first signed chunk carries our key: a member checks every signature on
+                # receipt, and names the key in any conviction of ours.
+                key = self.identity.public_key if k == 0 and self.sigs[k] is not None else None
                 await ms.send(
-                    wire.result(k, data, self.final_masks[k], tau=self.taus[k], sig=self.sigs[k])
+                    wire.result(
+                        k, data, self.final_masks[k], tau=self.taus[k], sig=self.sigs[k], key=key
+                    )
                 )
                 k += 1
                 self.last_sent[s] = trio.current_time()

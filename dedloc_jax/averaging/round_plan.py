@@ -141,6 +141,9 @@ class Holdings:
         self.taus: dict[int, list[float | None]] = {j: [] for j in reducers}
         self.result_sigs: dict[int, list[bytes | None]] = {j: [] for j in reducers}
         self.result_bytes: dict[int, list[bytes]] = {j: [] for j in reducers}
+        # A verified round: each reducer's public key, proven against its peer ID on receipt
+        # of its first result chunk (an aux reducer states nothing else that would name it).
+        self.reducer_keys: dict[int, bytes] = {}
         # A verified round's reducer: the signed hellos of the senders that opened an exchange
         # with it (and its own), by member: listed in its statement as what it may count.
         self.hellos: dict[int, dict] = {}

@@ -114,13 +114,26 @@ def result(
     kind: str = "res",
     tau: float | None = None,
     sig: bytes | None = None,
+    key: bytes | None = None,
 ) -> dict:
     msg: dict = {"t": kind, "k": k, "d": data, "m": sorted(contributors)}
     if tau is not None:
         msg["u"] = float(tau)
     if sig is not None:
         msg["sg"] = sig
+    if key is not None:
+        msg["pk"] = key
     return msg
+
+
+def parse_key(msg: Any) -> bytes | None:
+    """The reducer's public key, sent with its first signed result chunk (None if absent)."""
+    if not isinstance(msg, dict) or "pk" not in msg:
+        return None
+    key = _get(msg, "pk", bytes)
+    if len(key) != 32:
+        raise BadContributionError("malformed reducer key")
+    return key
 
 
 def parse_sig(msg: Any) -> bytes | None:

@@ -624,3 +624,67 @@ def test_a_node_that_calls_for_statements_gets_only_the_callees_own(monkeypatch)
     assert plain and max(plain) <= 1, listed
     # a client gets every statement but its own (and those its request lists as held)
     assert any(n == len(modes) - 1 for mode, _, n in listed if mode == "client"), listed
+
+
+@pytest.mark.parametrize("forgery", ["unsigned", "other_key", "bad_signature", "no_key"])
+@pytest.mark.parametrize("lies", [False, True])
+def test_a_result_its_reducer_did_not_sign_is_refused_on_receipt(monkeypatch, forgery, lies):
+    """Reducer 1 sends its results unsigned, signed by another key, with a signature of other
+    bytes, or without its key. Taken as they came, a lie in them was caught by the audit and
+    convicted before the members only: the evidence named no signature of the reducer, so no
+    third party could re-check it. Each member now refuses such a chunk on receipt and the
+    share is repaired by another reducer from the senders' parts: nobody holds the forged
+    bits, every member the same, and the share is the other members' mean."""
+    from dedloc_jax.averaging import wire
+    from p2p.identity import Identity
+
+    names = _names(4)
+    stranger = Identity.from_seed(b"stranger")
+    original_result = wire.result
+
+    def forged(k, data, contributors, kind="res", tau=None, sig=None, key=None):
+        if kind == "res" and sig is not None and key_of.get(id(sig)) == names[1]:
+            if forgery == "unsigned":
+                sig = key = None
+            elif forgery == "other_key":
+                sig, key = stranger.sign(b"x"), stranger.public_key if k == 0 else None
+            elif forgery == "bad_signature":
+                sig = bytes(64)
+            else:
+                key = None
+        msg = original_result(k, data, contributors, kind, tau, sig)
+        if key is not None:
+            msg["pk"] = key
+        return msg
+
+    key_of: dict[int, str] = {}
+    original_finalise = Reducer._finalise
+
+    def finalise(self, k):
+        original_finalise(self, k)
+        if self.sigs[k] is not None:
+            key_of[id(self.sigs[k])] = self.plan.name(self.plan.me)
+        if lies and self.plan.name(self.plan.me) == names[1]:  # too late to sign other bytes
+            self.enc[k] = (-1000.0 * np.frombuffer(self.enc[k], np.float32)).tobytes()
+
+    monkeypatch.setattr(wire, "result", forged)
+    monkeypatch.setattr(Reducer, "_finalise", finalise)
+    rng = np.random.default_rng(7)
+    trees = [make_tree(rng, SHAPES) for _ in range(4)]
+    outcome, _, got = run_round(["node"] * 4, trees, [1.0] * 4, config=VERIFY)
+    assert got == names
+    results = _results(outcome)
+    honest = [r for i, r in enumerate(results) if i != 1]
+    vecs = [flatten(t)[0] for t in trees]
+    for r in honest:
+        assert r.vector.tobytes() == honest[0].vector.tobytes()
+        for a in r.accusations:  # any conviction stands before a third party
+            assert check_evidence(a.evidence, a.peer)
+        share = next(s for s in r.shares if s.owner == names[1])
+        assert share.repaired and not share.dropped
+        # the refused reducer's part is left out with its result (the repair's failed peer)
+        assert share.contributors == frozenset(names) - {names[1]}
+        want = np.mean([v for i, v in enumerate(vecs) if i != 1], axis=0)
+        np.testing.assert_allclose(
+            r.vector[share.start : share.stop], want[share.start : share.stop], atol=2e-6
+        )
