@@ -395,10 +395,10 @@ def _framing_evidence(monkeypatch, codec, robust):
     original = audit._check_shares
 
     async def framing(rnd, stated):
-        unverified, failures = await original(rnd, stated)
+        unverified, failures, silent = await original(rnd, stated)
         j = [m.peer_id for m in rnd.members].index(names[1])
         failures[j] = (0, ChunkCheck(False, "framed"))
-        return unverified, failures
+        return unverified, failures, silent
 
     monkeypatch.setattr(audit, "_check_shares", framing)
     rng = np.random.default_rng(11)
@@ -685,6 +685,60 @@ def test_a_result_its_reducer_did_not_sign_is_refused_on_receipt(monkeypatch, fo
         # the refused reducer's part is left out with its result (the repair's failed peer)
         assert share.contributors == frozenset(names) - {names[1]}
         want = np.mean([v for i, v in enumerate(vecs) if i != 1], axis=0)
+        np.testing.assert_allclose(
+            r.vector[share.start : share.stop], want[share.start : share.stop], atol=2e-6
+        )
+
+
+@pytest.mark.parametrize("how", ["withheld", "other_seed"])
+def test_a_lying_reducer_that_states_nothing_about_our_results_cannot_pass_unchecked(
+    liar, monkeypatch, how
+):
+    """Reducer 1 returns -1000 x its aggregate and then withholds its statement, or signs one
+    about other results (another seed). Its own part is in its share, so nobody could check
+    the share without its figures: it was taken unchecked, the lie included (974 off the
+    mean, nobody convicted). Every honest member now recomputes the share from the revealed
+    parts: the same bits everywhere, the liar's part left out when it stated nothing."""
+    import dedloc_jax.averaging.audit as audit
+
+    names = _names(4)
+    liar.name = names[1]
+    swap, answer, make = audit._swap, audit.answer, audit.make_statement
+
+    async def no_swap(rnd, i, mine, wait, unreached):
+        if rnd.name(rnd.me) != names[1]:
+            await swap(rnd, i, mine, wait, unreached)
+
+    async def no_answer(rnd, request, remote):
+        if rnd.name(rnd.me) == names[1]:
+            await trio.sleep_forever()
+        return await answer(rnd, request, remote)
+
+    def other_seed(identity, round_id, digest, sender, weight, seed, *rest):
+        if sender == 1:
+            seed = bytes(32)
+        return make(identity, round_id, digest, sender, weight, seed, *rest)
+
+    if how == "withheld":
+        monkeypatch.setattr(audit, "_swap", no_swap)
+        monkeypatch.setattr(audit, "answer", no_answer)
+    else:
+        monkeypatch.setattr(audit, "make_statement", other_seed)
+    rng = np.random.default_rng(5)
+    trees = [make_tree(rng, SHAPES) for _ in range(4)]
+    outcome, _, got = run_round(["node"] * 4, trees, [1.0] * 4, config=VERIFY)
+    assert got == names
+    honest = [o for i, o in enumerate(outcome) if i != 1]
+    honest = _results(honest)
+    vecs = [flatten(t)[0] for t in trees]
+    for r in honest:
+        assert r.vector.tobytes() == honest[0].vector.tobytes()
+        assert r.accusations == ()
+        share = next(s for s in r.shares if s.owner == names[1])
+        assert share.recomputed and not share.dropped
+        left = {names[1]} if how == "withheld" else set()
+        assert share.contributors == frozenset(names) - left
+        want = np.mean([vecs[names.index(p)] for p in share.contributors], axis=0)
         np.testing.assert_allclose(
             r.vector[share.start : share.stop], want[share.start : share.stop], atol=2e-6
         )
