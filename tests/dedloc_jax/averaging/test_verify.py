@@ -742,3 +742,26 @@ def test_a_lying_reducer_that_states_nothing_about_our_results_cannot_pass_unche
         np.testing.assert_allclose(
             r.vector[share.start : share.stop], want[share.start : share.stop], atol=2e-6
         )
+
+
+def test_a_lying_aux_reducer_is_convicted_with_evidence_a_third_party_rechecks(liar):
+    """An aux peer (it reduces, sends nothing, states nothing) returns -1000 x its share's
+    aggregate. Its conviction named no key (it states none): no third party could re-check
+    it, so no ban could travel. Its key now comes with its first result chunk, proven against
+    its peer ID: the evidence convicts it, and only it, anywhere."""
+    modes = ["node", "node", "node", "aux"]
+    _, _, names = run_round(modes, [{"x": np.zeros(1, np.float32)}] * 4, [1.0] * 4)
+    liar.name = names[3]
+    rng = np.random.default_rng(9)
+    trees = [make_tree(rng, SHAPES) for _ in range(4)]
+    outcome, _, got = run_round(modes, trees, [1.0] * 4, config=VERIFY)
+    assert got == names
+    honest = _results(outcome[:3])
+    vecs = [flatten(t)[0] for t in trees[:3]]
+    for r in honest:
+        assert r.vector.tobytes() == honest[0].vector.tobytes()
+        assert [(a.peer, a.role) for a in r.accusations] == [(names[3], "reducer")]
+        assert [p for p in names if check_evidence(r.accusations[0].evidence, p)] == [names[3]]
+        share = next(s for s in r.shares if s.owner == names[3])
+        assert share.recomputed
+        np.testing.assert_allclose(r.vector, np.mean(vecs, axis=0), atol=2e-6)
