@@ -363,6 +363,8 @@ def main(args: Any) -> None:
             print(f"{attack}: {e}", file=sys.stderr)
             continue
         print(f"{attack}: done in {results[attack]['wall_s']} s", file=sys.stderr, flush=True)
+        # each scenario's figures as soon as it ends: a run cut short keeps what it measured
+        (base / "results.json").write_text(json.dumps(results))
     table = rows(results)
     for row in table:
         print(" ".join(f"{k}={v}" for k, v in row.items()))

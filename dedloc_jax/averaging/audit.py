@@ -161,19 +161,27 @@ def check_signed(
     mask: frozenset[int],
     tau: float | None,
     sig: bytes | None,
-    key: bytes | None,
+    msg: dict,
 ) -> None:
-    """Refuse (BadContributionError) result chunk ``k`` of share ``j`` unless reducer ``j``
-    signed it: a chunk taken unsigned could never convict its reducer before a third party
-    (:func:`check_evidence` redoes this very check). Its key comes with the first chunk and
-    must be the one its peer ID names. The refused exchange fails and the share is repaired
-    without this reducer's result: a bad signature on our own stream proves nothing to others,
-    so nobody is convicted for it."""
+    """Refuse (BadContributionError) result chunk ``k`` of share ``j`` (its message ``msg``)
+    unless reducer ``j`` signed it: a chunk taken unsigned could never convict its reducer
+    before a third party (:func:`check_evidence` redoes this very check). Its key comes with
+    the first chunk and must be the one its peer ID names, and an aux reducer's statement too
+    (the hellos it counted on: :func:`_judge_blank`). The refused exchange fails and the share
+    is repaired without this reducer's result: a bad signature on our own stream proves
+    nothing to others, so nobody is convicted for it."""
     who = rnd.name(j)
     if k == 0:
+        key = wire.parse_key(msg)
         if key is None or not PeerID.from_base58(who).matches(key):
             raise BadContributionError(f"reducer {who} sent no key of its own with its result")
         rnd.reducer_keys[j] = key
+        if not rnd.members[j].sends:
+            raw = wire.statement_of(msg)
+            st = _parse(rnd, raw) if raw is not None else None
+            if st is None or st.sender != j or st.weight != 0.0 or st.shares:
+                raise BadContributionError(f"aux reducer {who} sent no statement of its own")
+            rnd.aux_statements[j] = st
     held = rnd.reducer_keys.get(j)
     if sig is None or held is None:
         raise BadContributionError(f"reducer {who} sent result chunk {k} unsigned")
@@ -760,7 +768,7 @@ def _judge_blank(
     statement: the reducer lied (an honest one counts a sender only on that hello). It lists
     one, and the member's statement says it abstained: the member signed both. It lists one and
     the member states a weight (its side of the share was repaired): nobody is convicted."""
-    rst = stated.get(j)
+    rst = stated.get(j) or rnd.aux_statements.get(j)
     names = [m.peer_id for m in rnd.members]
     held = hellos_of(rst, names) if rst is not None else {}
     why, liar, evidence = "", -1, {}
@@ -800,7 +808,7 @@ def _judge_blank(
             }
             break
     if liar < 0:
-        # Its side of the share was repaired (or the reducer stated nothing: an aux reducer):
+        # Its side of the share was repaired (or the reducer stated nothing):
         # nothing signed tells who lies, so nobody is convicted and the share is dropped.
         logger.warning(
             "round %s: %s counted in share %s but stated no figures for it: nobody convicted",
@@ -818,8 +826,9 @@ def _readmitted(rnd: Round, stated: dict[int, Statement], j: int) -> Accusation 
     """A member left out of a chunk of share ``j`` and counted again in a later one: an honest
     reducer excludes a sender from a chunk on (:meth:`.reducer.Reducer.exclude`) and never
     takes it back, so a reducer that does picks, chunk by chunk, whose part counts. Both
-    masks are its signed word (its statement gives its key; an aux reducer's is unknown)."""
-    rst = stated.get(j)
+    masks are its signed word (its statement gives its key; an aux reducer's came with its
+    result)."""
+    rst = stated.get(j) or rnd.aux_statements.get(j)
     if rst is None:
         return None
     left: dict[int, int] = {}  # member -> the first chunk it was left out of

@@ -642,7 +642,7 @@ def test_a_result_its_reducer_did_not_sign_is_refused_on_receipt(monkeypatch, fo
     stranger = Identity.from_seed(b"stranger")
     original_result = wire.result
 
-    def forged(k, data, contributors, kind="res", tau=None, sig=None, key=None):
+    def forged(k, data, contributors, kind="res", tau=None, sig=None, key=None, **rest):
         if kind == "res" and sig is not None and key_of.get(id(sig)) == names[1]:
             if forgery == "unsigned":
                 sig = key = None
@@ -652,7 +652,7 @@ def test_a_result_its_reducer_did_not_sign_is_refused_on_receipt(monkeypatch, fo
                 sig = bytes(64)
             else:
                 key = None
-        msg = original_result(k, data, contributors, kind, tau, sig)
+        msg = original_result(k, data, contributors, kind, tau, sig, **rest)
         if key is not None:
             msg["pk"] = key
         return msg
@@ -765,3 +765,66 @@ def test_a_lying_aux_reducer_is_convicted_with_evidence_a_third_party_rechecks(l
         share = next(s for s in r.shares if s.owner == names[3])
         assert share.recomputed
         np.testing.assert_allclose(r.vector, np.mean(vecs, axis=0), atol=2e-6)
+
+
+@pytest.mark.parametrize("lies", [False, True])
+def test_an_aux_reducer_counting_an_abstainer_is_convicted_on_its_signed_hellos(monkeypatch, lies):
+    """Member 2 abstains; the aux reducer (member 3: it reduces, sends nothing, swaps no
+    statement) counts it anyway. It stated no hellos, so nothing signed told who lied: nobody
+    was convicted and its share was dropped. It now signs a statement of the hellos it counted
+    on and sends it with its first result chunk: it is convicted, by a third party too, and
+    its share recomputed without the abstainer. An honest aux reducer is never accused."""
+    modes = ["node", "node", "node", "aux"]
+    _, _, names = run_round(modes, [{"x": np.zeros(1, np.float32)}] * 4, [1.0] * 4)
+    original = Reducer._aggregate
+
+    def counting(self, k, avg):
+        original(self, k, avg)
+        if lies and self.plan.name(self.plan.me) == names[3]:
+            self.cmask[k].add(2)
+
+    monkeypatch.setattr(Reducer, "_aggregate", counting)
+    rng = np.random.default_rng(4)
+    trees = [make_tree(rng, SHAPES) for _ in range(4)]
+    outcome, _, got = run_round(modes, trees, [1.0, 1.0, 0.0, 1.0], config=VERIFY)
+    assert got == names
+    honest = _results(outcome[:3])
+    vecs = [flatten(t)[0] for t in trees[:2]]
+    for r in honest:
+        assert r.vector.tobytes() == honest[0].vector.tobytes()
+        assert all(names[2] not in s.contributors for s in r.shares)
+        share = next(s for s in r.shares if s.owner == names[3])
+        assert not share.dropped
+        if not lies:
+            assert r.accusations == () and not share.recomputed
+            continue
+        assert [(a.peer, a.role) for a in r.accusations] == [(names[3], "reducer")]
+        assert [p for p in names if check_evidence(r.accusations[0].evidence, p)] == [names[3]]
+        assert share.recomputed and share.contributors == {names[0], names[1]}
+    np.testing.assert_allclose(honest[0].vector, np.mean(vecs, axis=0), atol=2e-6)
+
+
+def test_an_aux_reducer_that_sends_no_statement_is_refused(monkeypatch):
+    """An aux reducer whose first result chunk carries no statement of its own (or one of
+    another member) is refused like an unsigned result: its share is repaired without it."""
+    from dedloc_jax.averaging import wire
+
+    modes = ["node", "node", "node", "aux"]
+    _, _, names = run_round(modes, [{"x": np.zeros(1, np.float32)}] * 4, [1.0] * 4)
+    original = wire.result
+
+    def bare(*args, **kwargs):
+        msg = original(*args, **kwargs)
+        msg.pop("st", None)
+        return msg
+
+    monkeypatch.setattr(wire, "result", bare)
+    rng = np.random.default_rng(4)
+    trees = [make_tree(rng, SHAPES) for _ in range(4)]
+    outcome, _, _ = run_round(modes, trees, [1.0] * 4, config=VERIFY)
+    honest = _results(outcome[:3])
+    vecs = [flatten(t)[0] for t in trees[:3]]
+    for r in honest:
+        assert r.vector.tobytes() == honest[0].vector.tobytes()
+        assert next(s for s in r.shares if s.owner == names[3]).repaired
+    np.testing.assert_allclose(honest[0].vector, np.mean(vecs, axis=0), atol=2e-6)
