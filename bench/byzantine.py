@@ -29,8 +29,15 @@ the hostile one), ``rounds_to_detection`` (epochs until the first ban, 1 = the f
 for the progress attacks, detected = a node refused the record or an honest reader logged it
 as ignored or bounded, counted in peer 0's epochs from the attack's start),
 ``stall_s`` (virtual seconds beyond the clean run's for the same epochs), ``honest_loss`` and
-``clean_loss`` (the honest peers' evaluation loss at the end, against the clean run's at equal
-honest samples: its loss after the first step by which its honest peers had fed as many),
+``clean_loss`` (the honest peers' evaluation loss at the end, against the baseline each row
+names in ``baseline``: ``honest3@epochs`` for the defended ``lying_reducer``, ``sign_flip``
+and ``free_rider`` rows, a clean run of the three honest peers alone (whose data is what is
+left once the defences take the hostile peer's out) at the same epochs (for reference,
+``loss_vs_clean_samples``: that run at the honest samples the attacked run fed, and
+``loss_vs_clean4``: the clean run of four at those samples);
+``clean4@samples`` for the progress attacks, where peer 3 trains honestly: the clean run of four
+at equal honest samples; ``clean4@epochs`` for the undefended rows: the undefended clean run
+of four at the same epochs; "at samples": interpolated between the clean run's steps around it),
 ``min_epoch_samples`` (the fewest honest samples one epoch closed with: an epoch hurried by
 sample claims closes with fewer), ``complete_rounds`` (honest peer-epochs averaged with every
 peer it expected: all four, or the three honest ones once the liar is banned). The clean rows
@@ -88,6 +95,20 @@ PROGRESS_ATTACKS = (
     "junk_state_offer",
     "lying_config",
 )
+BASELINE_ALONE = "honest3@epochs"
+"""A defended attack row's baseline: a clean run of the three honest peers alone (the same
+batches and target), at the same epochs. Once the defences take the hostile peer's data out (a
+ban, a clip, a weight of 0) the honest peers train as three: against the clean run of four
+(the old baseline) the lying reducer banned in round 1 gave 1.10 x at seed 0, the three having
+fed a quarter fewer samples per step. Equal epochs, not samples: here the loss follows the steps
+(see BATCH), and the attacked run's first epoch closed with the hostile peer's samples counted,
+so at equal samples the baseline is read part-way between its steps 11 and 12 (0.89 x at seed
+0, the baseline's interpolation, not the defences; ``loss_vs_clean_samples``)."""
+BASELINE_FOUR = "clean4@epochs"
+"""An undefended row's baseline: the undefended clean run of four, at the same epochs."""
+BASELINE_SAMPLES = "clean4@samples"
+"""A progress attack's baseline (peer 3 trains honestly throughout): the clean run of four,
+at equal honest samples."""
 ATTACK_AT = 2.0  # virtual seconds into the run when a progress attack starts
 # What an honest peer logs when it ignores or bounds the attacker's word (detection).
 DETECTED_BY = {
@@ -202,13 +223,17 @@ class Task:
         return float(0.5 * np.mean(r * r))
 
 
-def run(attack: str | None, defended: bool, epochs: int, task: Task, seed: int) -> dict[str, Any]:
+def run(
+    attack: str | None, defended: bool, epochs: int, task: Task, seed: int, peers: int = PEERS
+) -> dict[str, Any]:
+    """One run of ``peers`` peers (``peers`` = HOSTILE: the honest ones alone, the same
+    batches, the same target: the run they would have had without the hostile peer)."""
     batch = task.batch_size
     target = PEERS * batch * 4
     config = CollaborationConfig.local_demo(target).replace(
         defence=DefenceConfig(robust=defended, verify=defended)
     )
-    configs = [config] * PEERS
+    configs = [config] * peers
     if attack == "lying_config":
         configs[HOSTILE] = ap.lying_config(config)
     liar: list[str] = []
@@ -219,20 +244,21 @@ def run(attack: str | None, defended: bool, epochs: int, task: Task, seed: int) 
         net = SimNetwork(seed=seed)
         async with (
             open_sim_collaboration(
-                net, PEERS, config=config, configs=configs, latency=0.01
+                net, peers, config=config, configs=configs, latency=0.01
             ) as cores,
             open_sim_attacker(net, cores[0].node) as attacker,
         ):
-            liar.append(str(cores[HOSTILE].node.peer_id))
+            if peers > HOSTILE:
+                liar.append(str(cores[HOSTILE].node.peer_id))
             if attack == "lying_reducer":  # claims a huge link: the LP gives it shares
                 cores[HOSTILE].meter.upload_override = MAX_BPS  # the most the schema takes
                 cores[HOSTILE].meter.download_override = MAX_BPS
-            w = [np.zeros(task.dim, np.float32) for _ in range(PEERS)]
-            groups: list[list[int]] = [[] for _ in range(PEERS)]
+            w = [np.zeros(task.dim, np.float32) for _ in range(peers)]
+            groups: list[list[int]] = [[] for _ in range(peers)]
             curve: list[float] = []  # peer 0's evaluation loss after each step
             fed: list[int] = []  # the honest peers' samples in each step
             step_samples: list[list[int]] = [[] for _ in range(epochs)]
-            banned_at: list[int | None] = [None] * PEERS
+            banned_at: list[int | None] = [None] * peers
             t0 = trio.current_time()
             steps_at: list[float] = []  # peer 0's step times
 
@@ -265,14 +291,14 @@ def run(attack: str | None, defended: bool, epochs: int, task: Task, seed: int) 
                         steps_at.append(trio.current_time())
                         curve.append(task.loss(w[0]))
                         fed.append(sum(s for s in step_samples[epoch]))
-                    if banned_at[i] is None and core.bans.is_banned(liar[0]):
+                    if liar and banned_at[i] is None and core.bans.is_banned(liar[0]):
                         banned_at[i] = epoch + 1
 
             async with trio.open_nursery() as outer:
                 if attack in PROGRESS_ATTACKS:
                     outer.start_soon(hostile)
                 async with trio.open_nursery() as nursery:
-                    for i in range(PEERS):
+                    for i in range(peers):
                         nursery.start_soon(peer, i)
                 outer.cancel_scope.cancel()
             out["refused"] = any(refused)
@@ -281,7 +307,7 @@ def run(attack: str | None, defended: bool, epochs: int, task: Task, seed: int) 
             out["virtual_s"] = trio.current_time() - t0
             out["bytes"] = sum(sum(c.node.bytes_sent.values()) for c in cores)
             out["probe_bytes"] = sum(c.node.bytes_sent[PROBE_PROTOCOL] for c in cores)
-            honest = [i for i in range(PEERS) if i != HOSTILE]
+            honest = [i for i in range(peers) if i != HOSTILE]
             out["honest_loss"] = max(task.loss(w[i]) for i in honest)
             out["in_step"] = all(w[i].tobytes() == w[honest[0]].tobytes() for i in honest)
             out["banned_at"] = [banned_at[i] for i in honest]
@@ -289,7 +315,7 @@ def run(attack: str | None, defended: bool, epochs: int, task: Task, seed: int) 
             for i in honest:
                 for e, size in enumerate(groups[i]):
                     banned = banned_at[i] is not None and e + 1 > banned_at[i]
-                    complete += size >= (PEERS - 1 if banned else PEERS)
+                    complete += size >= (peers - 1 if banned else peers)
             out["complete_rounds"] = complete
             out["honest_rounds"] = len(honest) * epochs
             out["bans"] = cores[0].bans.listing()
@@ -321,6 +347,7 @@ def _progress_row(attack: str, r: dict[str, Any], clean: dict[str, Any]) -> dict
         "rounds_to_detection": rounds,
         "stall_s": round(r["virtual_s"] - clean["virtual_s"], 2),
         "honest_loss": round(r["honest_loss"], 5),
+        "baseline": BASELINE_SAMPLES,
         "clean_loss": round(_loss_at_samples(clean, sum(r["honest_samples"])), 5),
         "loss_vs_clean": round(
             r["honest_loss"] / _loss_at_samples(clean, sum(r["honest_samples"])), 4
@@ -419,27 +446,47 @@ def main() -> None:
         ),
     }
     losses: dict[str, float] = {}
+    # The defended rows' baseline: the honest peers alone (the hostile peer's data is what the
+    # defences take out), at equal honest samples; see the module docstring.
+    alone = (
+        run(None, True, args.epochs, task, args.seed, peers=HOSTILE)
+        if any(a in args.attacks for a in ATTACKS)
+        else None
+    )
     for attack in (a for a in ATTACKS if a in args.attacks):
         for d in (True, False) if attack in UNDEFENDED else (True,):
             r = run(attack, d, args.epochs, task, args.seed)
             if d:
                 losses[attack] = r["honest_loss"]
             first = min((b for b in r["banned_at"] if b is not None), default=None)
-            rows.append(
-                {
-                    "attack": attack,
-                    "defences": d,
-                    "detected": first is not None,
-                    "rounds_to_detection": first,
-                    "stall_s": round(r["virtual_s"] - clean[d]["virtual_s"], 2),
-                    "honest_loss": r["honest_loss"],
-                    "clean_loss": round(clean[d]["honest_loss"], 5),
-                    "loss_vs_clean": round(r["honest_loss"] / clean[d]["honest_loss"], 4),
-                    "complete_rounds": f"{r['complete_rounds']}/{r['honest_rounds']}",
-                    "in_step": r["in_step"],
-                    "bans": [(b["role"], b["reason"][:60]) for b in r["bans"]][:2],
-                }
-            )
+            row = {
+                "attack": attack,
+                "defences": d,
+                "detected": first is not None,
+                "rounds_to_detection": first,
+                "stall_s": round(r["virtual_s"] - clean[d]["virtual_s"], 2),
+                "honest_loss": r["honest_loss"],
+            }
+            if d and alone is not None:
+                fed = sum(r["honest_samples"])
+                row["baseline"] = BASELINE_ALONE
+                row["clean_loss"] = round(alone["honest_loss"], 5)
+                row["loss_vs_clean"] = round(r["honest_loss"] / alone["honest_loss"], 4)
+                # for reference: the same run at equal honest samples, and the run of four
+                row["loss_vs_clean_samples"] = round(
+                    r["honest_loss"] / _loss_at_samples(alone, fed), 4
+                )
+                row["loss_vs_clean4"] = round(
+                    r["honest_loss"] / _loss_at_samples(clean[True], fed), 4
+                )
+            else:
+                row["baseline"] = BASELINE_FOUR
+                row["clean_loss"] = round(clean[d]["honest_loss"], 5)
+                row["loss_vs_clean"] = round(r["honest_loss"] / clean[d]["honest_loss"], 4)
+            row["complete_rounds"] = f"{r['complete_rounds']}/{r['honest_rounds']}"
+            row["in_step"] = r["in_step"]
+            row["bans"] = [(b["role"], b["reason"][:60]) for b in r["bans"]][:2]
+            rows.append(row)
     for row in rows:  # the flip's cost against withheld data alone (1.0: nothing got through)
         if row["attack"] == "sign_flip" and row["defences"] and "free_rider" in losses:
             row["loss_vs_free_rider"] = round(row["honest_loss"] / losses["free_rider"], 4)

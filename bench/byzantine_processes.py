@@ -159,6 +159,15 @@ class Scenario:
                     rows.append(row)
         return rows
 
+    def compiled(self) -> bool:
+        """Whether every trainer is past compiling its step (its events say it accumulates)."""
+        for i in range(HONEST + 1):
+            path = self.out / f"trainer{i}.jsonl"
+            text = path.read_text() if path.exists() else ""
+            if '"phase": "accumulating"' not in text:
+                return False
+        return True
+
     def honest_epoch(self) -> int:
         """The epoch every honest trainer has stepped to (0 when one has not stepped)."""
         return min(max((r["epoch"] for r in self.steps(i)), default=0) for i in range(HONEST))
@@ -200,9 +209,17 @@ def run_scenario(attack: str, out: Path, manifest: Path, warm: int, window: floa
     t_start = time.monotonic()
     try:
         sc.start(t_start + 300)
+        # Warm-up is timed from when every trainer has compiled its step: four compiling at
+        # once took 123 s on an idle machine and over 6 min at a load of 14 (on 2 cores), and
+        # a fixed 420 s from the start then failed the undefended scenario with no step made.
+        compiled = None
         while sc.honest_epoch() < warm:
             dead = [n for n, p in sc.procs.items() if p.poll() is not None]
-            if dead or time.monotonic() > t_start + 420:
+            now = time.monotonic()
+            if compiled is None and sc.compiled():
+                compiled = now
+            late = now > t_start + 1200 if compiled is None else now > compiled + 300
+            if dead or late:
                 raise RuntimeError(f"{attack}: no warm run ({dead or 'timeout'}); see {out}")
             time.sleep(1.0)
         t_pre = time.time()  # the run's own clean rate first, over as long a window
@@ -346,6 +363,8 @@ def main(args: Any) -> None:
             print(f"{attack}: {e}", file=sys.stderr)
             continue
         print(f"{attack}: done in {results[attack]['wall_s']} s", file=sys.stderr, flush=True)
+        # each scenario's figures as soon as it ends: a run cut short keeps what it measured
+        (base / "results.json").write_text(json.dumps(results))
     table = rows(results)
     for row in table:
         print(" ".join(f"{k}={v}" for k, v in row.items()))

@@ -18,7 +18,10 @@ party can redo the check from the record alone (:func:`check_evidence`). Every m
 bits and no reducer is trusted). A client, whom nobody can dial, pushes its parts of a failed
 share to the dialable members, who relay them to other clients. If nobody is convicted (a
 contributor revealed nothing: it left, or its push was lost) or a part is missing, the share is
-**dropped** (set to zero on every member whose reveals came to the same). A contributor
+**dropped** (set to zero on every member whose reveals came to the same). A share that cannot
+be checked because a contributor stated nothing about the results we hold (no statement, or
+one of another seed: it withheld it, or its reducer sent others other bits) is recomputed from
+the revealed parts in the same way, those with no statement or no reveal left out. A contributor
 revealing to some members and not to others can still make their shares differ; the fork
 choice then mends it.
 """
@@ -105,7 +108,8 @@ class Verdict:
     """Shares whose check failed and that every member recomputed from the revealed parts,
     without the convicted peer's."""
     unverified: frozenset[int]
-    """Shares not checked (a repaired share, or a contributor's statement missing)."""
+    """Shares not checked (repaired). A share a contributor's missing statement keeps from
+    being checked is recomputed from the revealed parts (or dropped), never taken unchecked."""
     accusations: tuple[Accusation, ...]
 
 
@@ -147,6 +151,43 @@ def _received(rnd: Round, j: int, k: int) -> bytes:
     data = held[k] if k < len(held) else b""
     mask, tau = rnd.masks[j][k], rnd.taus[j][k]
     return result_digest(rnd.round_id, rnd.spec.digest, j, k, data, mask, tau, _terms(rnd, j, k))
+
+
+def check_signed(
+    rnd: Round,
+    j: int,
+    k: int,
+    data: bytes,
+    mask: frozenset[int],
+    tau: float | None,
+    sig: bytes | None,
+    msg: dict,
+) -> None:
+    """Refuse (BadContributionError) result chunk ``k`` of share ``j`` (its message ``msg``)
+    unless reducer ``j`` signed it: a chunk taken unsigned could never convict its reducer
+    before a third party (:func:`check_evidence` redoes this very check). Its key comes with
+    the first chunk and must be the one its peer ID names, and an aux reducer's statement too
+    (the hellos it counted on: :func:`_judge_blank`). The refused exchange fails and the share
+    is repaired without this reducer's result: a bad signature on our own stream proves
+    nothing to others, so nobody is convicted for it."""
+    who = rnd.name(j)
+    if k == 0:
+        key = wire.parse_key(msg)
+        if key is None or not PeerID.from_base58(who).matches(key):
+            raise BadContributionError(f"reducer {who} sent no key of its own with its result")
+        rnd.reducer_keys[j] = key
+        if not rnd.members[j].sends:
+            raw = wire.statement_of(msg)
+            st = _parse(rnd, raw) if raw is not None else None
+            if st is None or st.sender != j or st.weight != 0.0 or st.shares:
+                raise BadContributionError(f"aux reducer {who} sent no statement of its own")
+            rnd.aux_statements[j] = st
+    held = rnd.reducer_keys.get(j)
+    if sig is None or held is None:
+        raise BadContributionError(f"reducer {who} sent result chunk {k} unsigned")
+    signed = result_digest(rnd.round_id, rnd.spec.digest, j, k, data, mask, tau, _terms(rnd, j, k))
+    if not verify_signature(held, sig, signed):
+        raise BadContributionError(f"reducer {who}'s signature of result chunk {k} does not verify")
 
 
 def _parse(rnd: Round, msg: Any) -> Statement:
@@ -403,21 +444,23 @@ def check_chunk(
 
 async def _check_shares(
     rnd: Round, stated: dict[int, Statement]
-) -> tuple[set[int], dict[int, tuple[int, ChunkCheck]]]:
+) -> tuple[set[int], dict[int, tuple[int, ChunkCheck]], dict[int, set[int]]]:
     """Every share's chunks checked against the statements: the shares that could not be
-    (repaired, or a contributor's statement missing) and, per failed share, its first failed
-    chunk and why."""
+    (repaired), per failed share its first failed chunk and why, and per share that a
+    contributor's missing statement (or one about other results: another seed) keeps from
+    being checked, those contributors."""
     assert rnd.out is not None
     cfg = rnd.config
     unverified: set[int] = set()
     failures: dict[int, tuple[int, ChunkCheck]] = {}
+    silent: dict[int, set[int]] = {}
     for j in rnd.reducers:
         if j in rnd.repaired:
             unverified.add(j)
             continue
         for k, mask in enumerate(rnd.masks[j]):
             if not mask <= set(stated):
-                unverified.add(j)
+                silent[j] = set().union(*rnd.masks[j]) - set(stated)
                 break
             a, b = rnd.share_slice(j, k)
             chk = check_chunk(
@@ -436,7 +479,38 @@ async def _check_shares(
             if not chk.ok:
                 failures[j] = (k, chk)
                 break
-    return unverified, failures
+    return unverified, failures, silent
+
+
+async def _unchecked(rnd: Round, j: int, silent: set[int]) -> str:
+    """Share ``j``, which ``silent`` contributors' statements (none, or about other results)
+    keep from being checked, recomputed from the revealed parts of those that stated
+    anything, whichever results it was about (its commitments are seed-free). Unchecked, a
+    reducer that withheld its own statement, or sent other bits to some members, had its
+    result taken as it came: -1000 x the mean went through (the test pins it). Nobody is
+    convicted (nothing signed tells who lies); a contributor with no statement or that
+    reveals nothing is left out. Returns why not ("" when done)."""
+    shares: dict[int, list[bytes]] = {}
+    contributors = set().union(*rnd.masks[j])
+
+    async def one(i: int) -> None:
+        got = await _reveal(rnd, i, j)
+        if got is not None:
+            shares[i] = got
+
+    async with trio.open_nursery() as nursery:
+        for i in sorted(contributors & set(rnd.statements)):  # the others: nothing to ask
+            nursery.start_soon(one, i)
+    left_out = contributors - set(shares)
+    logger.warning(
+        "round %s: share of reducer %s unchecked (%s stated nothing about our results); "
+        "every member recomputes it from the revealed parts%s",
+        rnd.round_id.hex()[:8],
+        rnd.name(j),
+        [rnd.name(i) for i in sorted(silent)],
+        f" without {[rnd.name(i) for i in sorted(left_out)]}" if left_out else "",
+    )
+    return _recompute(rnd, dict(rnd.statements), j, shares, left_out)
 
 
 async def audit(rnd: Round) -> Verdict:
@@ -484,20 +558,20 @@ async def audit(rnd: Round) -> Verdict:
         await _wait_for_all(rnd, until)
     dropped: set[int] = set()
     stated = {i: st for i, st in rnd.statements.items() if st.seed == seed}
-    unverified, failures = await _check_shares(rnd, stated)
+    unverified, failures, silent = await _check_shares(rnd, stated)
     if unverified:
         logger.warning(
-            "round %s: shares of %s not verified (repaired, or statements missing)",
+            "round %s: shares of %s not verified (repaired)",
             rnd.round_id.hex()[:8],
             [rnd.name(j) for j in sorted(unverified)],
         )
     accusations: list[Accusation] = []
     recomputed: set[int] = set()
-    if failures:
+    if failures or silent:
         rnd.keep_vec = True  # the others will ask us to reveal our parts
-    if failures and rnd.members[rnd.me].mode == "client":
+    if (failures or silent) and rnd.members[rnd.me].mode == "client":
         async with trio.open_nursery() as nursery:
-            for j in failures:
+            for j in {*failures, *silent}:
                 nursery.start_soon(_push, rnd, j)
     for j, (k, chk) in failures.items():
         logger.warning(
@@ -512,9 +586,29 @@ async def audit(rnd: Round) -> Verdict:
         if accused is not None:
             accusations.append(accused)
             liar = [m.peer_id for m in rnd.members].index(accused.peer)
-            why = _recompute(rnd, stated, j, parts, liar)
+            why = _recompute(rnd, stated, j, parts, {liar})
         else:
             why = "nobody was convicted"
+        if why:
+            logger.warning(
+                "round %s: share of reducer %s not recomputed (%s); every member drops it",
+                rnd.round_id.hex()[:8],
+                rnd.name(j),
+                why,
+            )
+            dropped.add(j)
+            rnd.out[rnd.bounds[j] : rnd.bounds[j + 1]] = 0.0
+        else:
+            recomputed.add(j)
+    why_not: dict[int, str] = {}
+
+    async def unchecked(j: int) -> None:
+        why_not[j] = await _unchecked(rnd, j, silent[j])
+
+    async with trio.open_nursery() as nursery:  # at once: a silent peer's reveals time out
+        for j in silent:
+            nursery.start_soon(unchecked, j)
+    for j, why in why_not.items():
         if why:
             logger.warning(
                 "round %s: share of reducer %s not recomputed (%s); every member drops it",
@@ -529,7 +623,7 @@ async def audit(rnd: Round) -> Verdict:
     failed = dropped | recomputed
     caught = {a.peer for a in accusations}
     for j in rnd.reducers:
-        if j not in rnd.repaired and rnd.name(j) not in caught:
+        if j not in rnd.repaired and j not in silent and rnd.name(j) not in caught:
             readmitted = _readmitted(rnd, stated, j)
             if readmitted is not None:
                 accusations.append(readmitted)
@@ -542,9 +636,13 @@ async def audit(rnd: Round) -> Verdict:
 
 
 def _recompute(
-    rnd: Round, stated: dict[int, Statement], j: int, parts: dict[int, list[bytes]], liar: int
+    rnd: Round,
+    stated: dict[int, Statement],
+    j: int,
+    parts: dict[int, list[bytes]],
+    left_out: set[int],
 ) -> str:
-    """Share ``j`` aggregated here from its contributors' revealed parts, ``liar``'s left out,
+    """Share ``j`` aggregated here from its contributors' revealed parts, ``left_out``'s not,
     chunk by chunk with the contributors' signed weights and norms (the same inputs on every
     member, :func:`.verify.recompute`), then rounded by the codec as a reducer's result is;
     written into the result with its new masks. Returns why not ("" when done)."""
@@ -555,9 +653,9 @@ def _recompute(
     # reducer convicted of counting one of them: the same on every member).
     abstained = {i for i, st in stated.items() if not st.weight > 0 and j not in st.shares}
     for k, mask in enumerate(rnd.masks[j]):
-        keep = sorted(mask - {liar} - abstained)
+        keep = sorted(mask - left_out - abstained)
         if not keep:
-            return f"chunk {k} had no contributor but the liar"
+            return f"chunk {k} had no contributor left"
         a, b = rnd.chunks[j][k]
         codec = rnd.codec.at(*rnd.share_slice(j, k))  # the chunk's own (segments across leaves)
         xs, raw, norms = [], [], []
@@ -576,7 +674,7 @@ def _recompute(
             raw.append(counted_weight(st.weight, float(rnd.members[i].weight)))
             norms.append(norm)
         if not sum(raw) > 0:
-            return f"chunk {k} had no weight but the liar's"
+            return f"chunk {k} had no weight left"
         agg, tau = recompute(xs, raw, norms, cfg.robust_mode, cfg.robust_tau, cfg.robust_iters)
         values.append(codec.decode(codec.encode(agg), b - a))
         masks.append(frozenset(keep))
@@ -589,7 +687,7 @@ def _recompute(
         "round %s: share of reducer %s recomputed without %s",
         rnd.round_id.hex()[:8],
         rnd.name(j),
-        rnd.name(liar),
+        [rnd.name(i) for i in sorted(left_out)],
     )
     return ""
 
@@ -632,11 +730,11 @@ async def _judge(
         "members": [m.peer_id for m in rnd.members],
         "spec": rnd.spec.to_bytes(),  # its members' weights bound the stated ones
         "mask": mask,
-        # the reducer's signature of the encoded result chunk, and its key (from its own
-        # statement; an aux reducer states nothing, and its conviction rests on the members)
+        # the reducer's signature of the encoded result chunk (checked on receipt) and its
+        # key (proven against its peer ID then, an aux reducer's too)
         "encoded": rnd.result_bytes[j][k] if k < len(rnd.result_bytes.get(j, ())) else b"",
         "result_sig": rnd.result_sigs[j][k] or b"",
-        "reducer_key": stated[j].wire["pk"] if j in stated else b"",
+        "reducer_key": rnd.reducer_keys.get(j, b""),
     }
     z = direction(seed, a, b - a)
     silent = []
@@ -670,7 +768,7 @@ def _judge_blank(
     statement: the reducer lied (an honest one counts a sender only on that hello). It lists
     one, and the member's statement says it abstained: the member signed both. It lists one and
     the member states a weight (its side of the share was repaired): nobody is convicted."""
-    rst = stated.get(j)
+    rst = stated.get(j) or rnd.aux_statements.get(j)
     names = [m.peer_id for m in rnd.members]
     held = hellos_of(rst, names) if rst is not None else {}
     why, liar, evidence = "", -1, {}
@@ -710,7 +808,7 @@ def _judge_blank(
             }
             break
     if liar < 0:
-        # Its side of the share was repaired (or the reducer stated nothing: an aux reducer):
+        # Its side of the share was repaired (or the reducer stated nothing):
         # nothing signed tells who lies, so nobody is convicted and the share is dropped.
         logger.warning(
             "round %s: %s counted in share %s but stated no figures for it: nobody convicted",
@@ -728,8 +826,9 @@ def _readmitted(rnd: Round, stated: dict[int, Statement], j: int) -> Accusation 
     """A member left out of a chunk of share ``j`` and counted again in a later one: an honest
     reducer excludes a sender from a chunk on (:meth:`.reducer.Reducer.exclude`) and never
     takes it back, so a reducer that does picks, chunk by chunk, whose part counts. Both
-    masks are its signed word (its statement gives its key; an aux reducer's is unknown)."""
-    rst = stated.get(j)
+    masks are its signed word (its statement gives its key; an aux reducer's came with its
+    result)."""
+    rst = stated.get(j) or rnd.aux_statements.get(j)
     if rst is None:
         return None
     left: dict[int, int] = {}  # member -> the first chunk it was left out of

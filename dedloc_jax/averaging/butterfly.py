@@ -236,6 +236,7 @@ class Round:
         held = self.holdings  # the same objects: the roles write them, the audit reads them
         self.out, self.held, self.masks, self.taus = held.out, held.held, held.masks, held.taus
         self.result_sigs, self.result_bytes = held.result_sigs, held.result_bytes
+        self.reducer_keys, self.aux_statements = held.reducer_keys, held.aux_statements
         self.settled = {j: trio.Event() for j in self.reducers}
         self.ok = dict.fromkeys(self.reducers, False)
         self.repaired: set[int] = set()
@@ -500,6 +501,8 @@ class Round:
             mask = wire.parse_contributors(msg, self.senders)
             tau = wire.parse_tau(msg)
             sig = wire.parse_sig(msg)
+            if self.config.verify:  # refused unless its reducer signed it (before decoding)
+                audit.check_signed(self, j, k, data, mask, tau, sig, msg)
             codec.decode_into(data, self.out[a:b])
             if not is_finite(self.out[a:b]):
                 raise BadContributionError("non-finite result")

@@ -28,6 +28,7 @@ from .verify import (
     chunk_terms,
     clips,
     derived_tau,
+    make_statement,
     part_norm,
     result_digest,
     robust_weights,
@@ -112,6 +113,8 @@ class Reducer:
         self.norms: list[dict[int, float]] = [{} for _ in range(n)] if self.robust else []
         self.taus: list[float | None] = [None] * n  # CenteredClip's radius per chunk
         self.sigs: list[bytes | None] = [None] * n  # our signature of each result chunk
+        # An aux reducer's statement (it swaps none), sent with its first result chunk.
+        self.statement: dict | None = None
         self.own = rnd.is_sender and not rnd.abstain
         if self.own:
             assert holdings.vec is not None
@@ -289,6 +292,14 @@ class Reducer:
                 result_digest(r.round_id, r.spec.digest, r.me, k, data, mask, self.taus[k], terms)
             )
             held.result_sigs[r.me].append(self.sigs[k])
+            held.reducer_keys[r.me] = self.identity.public_key
+            if k == 0 and not r.is_sender:
+                # As an aux reducer, the signed hellos we counted on, signed by us: who counts
+                # a member that signed none is convicted (chunk 0's senders are all it counts).
+                self.statement = make_statement(
+                    self.identity, r.round_id, r.spec.digest, r.me, 0.0, bytes(32), {},
+                    list(held.hellos.values()),
+                )  # fmt: skip
             held.result_bytes[r.me].append(bytes(data))
         self.done = k + 1
         if not self.receivers:
@@ -440,9 +451,16 @@ class Reducer:
                     return
                 data = self.enc[k]
                 t = trio.current_time()
+                # The first signed chunk carries our key: a member checks every signature on
+                # receipt, and names the key in any conviction of ours.
+                first = k == 0 and self.sigs[k] is not None
+                key = self.identity.public_key if first else None
                 await ms.send(
-                    wire.result(k, data, self.final_masks[k], tau=self.taus[k], sig=self.sigs[k])
-                )
+                    wire.result(
+                        k, data, self.final_masks[k], tau=self.taus[k], sig=self.sigs[k],
+                        key=key, statement=self.statement if first else None,
+                    )
+                )  # fmt: skip
                 k += 1
                 self.last_sent[s] = trio.current_time()
                 gauge.sent(len(data), t, self.last_sent[s])

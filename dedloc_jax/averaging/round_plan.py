@@ -21,7 +21,7 @@ from .config import AllReduceConfig
 from .group import GroupSpec, Member
 from .leaf_codecs import LeafCodecs
 from .partition import chunk_bounds, share_bounds
-from .verify import counted_weight
+from .verify import Statement, counted_weight
 
 
 @dataclass(frozen=True)
@@ -141,6 +141,12 @@ class Holdings:
         self.taus: dict[int, list[float | None]] = {j: [] for j in reducers}
         self.result_sigs: dict[int, list[bytes | None]] = {j: [] for j in reducers}
         self.result_bytes: dict[int, list[bytes]] = {j: [] for j in reducers}
+        # A verified round: each reducer's public key, proven against its peer ID on receipt
+        # of its first result chunk (an aux reducer states nothing else that would name it).
+        self.reducer_keys: dict[int, bytes] = {}
+        # A verified round: each aux reducer's statement (it swaps none: it holds no result),
+        # sent with its first result chunk; it lists the signed hellos it counted on.
+        self.aux_statements: dict[int, Statement] = {}
         # A verified round's reducer: the signed hellos of the senders that opened an exchange
         # with it (and its own), by member: listed in its statement as what it may count.
         self.hellos: dict[int, dict] = {}

@@ -114,13 +114,37 @@ def result(
     kind: str = "res",
     tau: float | None = None,
     sig: bytes | None = None,
+    key: bytes | None = None,
+    statement: dict | None = None,
 ) -> dict:
     msg: dict = {"t": kind, "k": k, "d": data, "m": sorted(contributors)}
     if tau is not None:
         msg["u"] = float(tau)
     if sig is not None:
         msg["sg"] = sig
+    if key is not None:
+        msg["pk"] = key
+    if statement is not None:
+        msg["st"] = statement
     return msg
+
+
+def statement_of(msg: Any) -> dict | None:
+    """An aux reducer's signed statement, sent with its first result chunk (unchecked here:
+    :func:`~.verify.parse_statement` checks it against the round)."""
+    if not isinstance(msg, dict) or "st" not in msg:
+        return None
+    return _get(msg, "st", dict)
+
+
+def parse_key(msg: Any) -> bytes | None:
+    """The reducer's public key, sent with its first signed result chunk (None if absent)."""
+    if not isinstance(msg, dict) or "pk" not in msg:
+        return None
+    key = _get(msg, "pk", bytes)
+    if len(key) != 32:
+        raise BadContributionError("malformed reducer key")
+    return key
 
 
 def parse_sig(msg: Any) -> bytes | None:

@@ -395,10 +395,10 @@ def _framing_evidence(monkeypatch, codec, robust):
     original = audit._check_shares
 
     async def framing(rnd, stated):
-        unverified, failures = await original(rnd, stated)
+        unverified, failures, silent = await original(rnd, stated)
         j = [m.peer_id for m in rnd.members].index(names[1])
         failures[j] = (0, ChunkCheck(False, "framed"))
-        return unverified, failures
+        return unverified, failures, silent
 
     monkeypatch.setattr(audit, "_check_shares", framing)
     rng = np.random.default_rng(11)
@@ -624,3 +624,207 @@ def test_a_node_that_calls_for_statements_gets_only_the_callees_own(monkeypatch)
     assert plain and max(plain) <= 1, listed
     # a client gets every statement but its own (and those its request lists as held)
     assert any(n == len(modes) - 1 for mode, _, n in listed if mode == "client"), listed
+
+
+@pytest.mark.parametrize("forgery", ["unsigned", "other_key", "bad_signature", "no_key"])
+@pytest.mark.parametrize("lies", [False, True])
+def test_a_result_its_reducer_did_not_sign_is_refused_on_receipt(monkeypatch, forgery, lies):
+    """Reducer 1 sends its results unsigned, signed by another key, with a signature of other
+    bytes, or without its key. Taken as they came, a lie in them was caught by the audit and
+    convicted before the members only: the evidence named no signature of the reducer, so no
+    third party could re-check it. Each member now refuses such a chunk on receipt and the
+    share is repaired by another reducer from the senders' parts: nobody holds the forged
+    bits, every member the same, and the share is the other members' mean."""
+    from dedloc_jax.averaging import wire
+    from p2p.identity import Identity
+
+    names = _names(4)
+    stranger = Identity.from_seed(b"stranger")
+    original_result = wire.result
+
+    def forged(k, data, contributors, kind="res", tau=None, sig=None, key=None, **rest):
+        if kind == "res" and sig is not None and key_of.get(id(sig)) == names[1]:
+            if forgery == "unsigned":
+                sig = key = None
+            elif forgery == "other_key":
+                sig, key = stranger.sign(b"x"), stranger.public_key if k == 0 else None
+            elif forgery == "bad_signature":
+                sig = bytes(64)
+            else:
+                key = None
+        msg = original_result(k, data, contributors, kind, tau, sig, **rest)
+        if key is not None:
+            msg["pk"] = key
+        return msg
+
+    key_of: dict[int, str] = {}
+    original_finalise = Reducer._finalise
+
+    def finalise(self, k):
+        original_finalise(self, k)
+        if self.sigs[k] is not None:
+            key_of[id(self.sigs[k])] = self.plan.name(self.plan.me)
+        if lies and self.plan.name(self.plan.me) == names[1]:  # too late to sign other bytes
+            self.enc[k] = (-1000.0 * np.frombuffer(self.enc[k], np.float32)).tobytes()
+
+    monkeypatch.setattr(wire, "result", forged)
+    monkeypatch.setattr(Reducer, "_finalise", finalise)
+    rng = np.random.default_rng(7)
+    trees = [make_tree(rng, SHAPES) for _ in range(4)]
+    outcome, _, got = run_round(["node"] * 4, trees, [1.0] * 4, config=VERIFY)
+    assert got == names
+    results = _results(outcome)
+    honest = [r for i, r in enumerate(results) if i != 1]
+    vecs = [flatten(t)[0] for t in trees]
+    for r in honest:
+        assert r.vector.tobytes() == honest[0].vector.tobytes()
+        for a in r.accusations:  # any conviction stands before a third party
+            assert check_evidence(a.evidence, a.peer)
+        share = next(s for s in r.shares if s.owner == names[1])
+        assert share.repaired and not share.dropped
+        # the refused reducer's part is left out with its result (the repair's failed peer)
+        assert share.contributors == frozenset(names) - {names[1]}
+        want = np.mean([v for i, v in enumerate(vecs) if i != 1], axis=0)
+        np.testing.assert_allclose(
+            r.vector[share.start : share.stop], want[share.start : share.stop], atol=2e-6
+        )
+
+
+@pytest.mark.parametrize("how", ["withheld", "other_seed"])
+def test_a_lying_reducer_that_states_nothing_about_our_results_cannot_pass_unchecked(
+    liar, monkeypatch, how
+):
+    """Reducer 1 returns -1000 x its aggregate and then withholds its statement, or signs one
+    about other results (another seed). Its own part is in its share, so nobody could check
+    the share without its figures: it was taken unchecked, the lie included (974 off the
+    mean, nobody convicted). Every honest member now recomputes the share from the revealed
+    parts: the same bits everywhere, the liar's part left out when it stated nothing."""
+    import dedloc_jax.averaging.audit as audit
+
+    names = _names(4)
+    liar.name = names[1]
+    swap, answer, make = audit._swap, audit.answer, audit.make_statement
+
+    async def no_swap(rnd, i, mine, wait, unreached):
+        if rnd.name(rnd.me) != names[1]:
+            await swap(rnd, i, mine, wait, unreached)
+
+    async def no_answer(rnd, request, remote):
+        if rnd.name(rnd.me) == names[1]:
+            await trio.sleep_forever()
+        return await answer(rnd, request, remote)
+
+    def other_seed(identity, round_id, digest, sender, weight, seed, *rest):
+        if sender == 1:
+            seed = bytes(32)
+        return make(identity, round_id, digest, sender, weight, seed, *rest)
+
+    if how == "withheld":
+        monkeypatch.setattr(audit, "_swap", no_swap)
+        monkeypatch.setattr(audit, "answer", no_answer)
+    else:
+        monkeypatch.setattr(audit, "make_statement", other_seed)
+    rng = np.random.default_rng(5)
+    trees = [make_tree(rng, SHAPES) for _ in range(4)]
+    outcome, _, got = run_round(["node"] * 4, trees, [1.0] * 4, config=VERIFY)
+    assert got == names
+    honest = [o for i, o in enumerate(outcome) if i != 1]
+    honest = _results(honest)
+    vecs = [flatten(t)[0] for t in trees]
+    for r in honest:
+        assert r.vector.tobytes() == honest[0].vector.tobytes()
+        assert r.accusations == ()
+        share = next(s for s in r.shares if s.owner == names[1])
+        assert share.recomputed and not share.dropped
+        left = {names[1]} if how == "withheld" else set()
+        assert share.contributors == frozenset(names) - left
+        want = np.mean([vecs[names.index(p)] for p in share.contributors], axis=0)
+        np.testing.assert_allclose(
+            r.vector[share.start : share.stop], want[share.start : share.stop], atol=2e-6
+        )
+
+
+def test_a_lying_aux_reducer_is_convicted_with_evidence_a_third_party_rechecks(liar):
+    """An aux peer (it reduces, sends nothing, states nothing) returns -1000 x its share's
+    aggregate. Its conviction named no key (it states none): no third party could re-check
+    it, so no ban could travel. Its key now comes with its first result chunk, proven against
+    its peer ID: the evidence convicts it, and only it, anywhere."""
+    modes = ["node", "node", "node", "aux"]
+    _, _, names = run_round(modes, [{"x": np.zeros(1, np.float32)}] * 4, [1.0] * 4)
+    liar.name = names[3]
+    rng = np.random.default_rng(9)
+    trees = [make_tree(rng, SHAPES) for _ in range(4)]
+    outcome, _, got = run_round(modes, trees, [1.0] * 4, config=VERIFY)
+    assert got == names
+    honest = _results(outcome[:3])
+    vecs = [flatten(t)[0] for t in trees[:3]]
+    for r in honest:
+        assert r.vector.tobytes() == honest[0].vector.tobytes()
+        assert [(a.peer, a.role) for a in r.accusations] == [(names[3], "reducer")]
+        assert [p for p in names if check_evidence(r.accusations[0].evidence, p)] == [names[3]]
+        share = next(s for s in r.shares if s.owner == names[3])
+        assert share.recomputed
+        np.testing.assert_allclose(r.vector, np.mean(vecs, axis=0), atol=2e-6)
+
+
+@pytest.mark.parametrize("lies", [False, True])
+def test_an_aux_reducer_counting_an_abstainer_is_convicted_on_its_signed_hellos(monkeypatch, lies):
+    """Member 2 abstains; the aux reducer (member 3: it reduces, sends nothing, swaps no
+    statement) counts it anyway. It stated no hellos, so nothing signed told who lied: nobody
+    was convicted and its share was dropped. It now signs a statement of the hellos it counted
+    on and sends it with its first result chunk: it is convicted, by a third party too, and
+    its share recomputed without the abstainer. An honest aux reducer is never accused."""
+    modes = ["node", "node", "node", "aux"]
+    _, _, names = run_round(modes, [{"x": np.zeros(1, np.float32)}] * 4, [1.0] * 4)
+    original = Reducer._aggregate
+
+    def counting(self, k, avg):
+        original(self, k, avg)
+        if lies and self.plan.name(self.plan.me) == names[3]:
+            self.cmask[k].add(2)
+
+    monkeypatch.setattr(Reducer, "_aggregate", counting)
+    rng = np.random.default_rng(4)
+    trees = [make_tree(rng, SHAPES) for _ in range(4)]
+    outcome, _, got = run_round(modes, trees, [1.0, 1.0, 0.0, 1.0], config=VERIFY)
+    assert got == names
+    honest = _results(outcome[:3])
+    vecs = [flatten(t)[0] for t in trees[:2]]
+    for r in honest:
+        assert r.vector.tobytes() == honest[0].vector.tobytes()
+        assert all(names[2] not in s.contributors for s in r.shares)
+        share = next(s for s in r.shares if s.owner == names[3])
+        assert not share.dropped
+        if not lies:
+            assert r.accusations == () and not share.recomputed
+            continue
+        assert [(a.peer, a.role) for a in r.accusations] == [(names[3], "reducer")]
+        assert [p for p in names if check_evidence(r.accusations[0].evidence, p)] == [names[3]]
+        assert share.recomputed and share.contributors == {names[0], names[1]}
+    np.testing.assert_allclose(honest[0].vector, np.mean(vecs, axis=0), atol=2e-6)
+
+
+def test_an_aux_reducer_that_sends_no_statement_is_refused(monkeypatch):
+    """An aux reducer whose first result chunk carries no statement of its own (or one of
+    another member) is refused like an unsigned result: its share is repaired without it."""
+    from dedloc_jax.averaging import wire
+
+    modes = ["node", "node", "node", "aux"]
+    _, _, names = run_round(modes, [{"x": np.zeros(1, np.float32)}] * 4, [1.0] * 4)
+    original = wire.result
+
+    def bare(*args, **kwargs):
+        msg = original(*args, **kwargs)
+        msg.pop("st", None)
+        return msg
+
+    monkeypatch.setattr(wire, "result", bare)
+    rng = np.random.default_rng(4)
+    trees = [make_tree(rng, SHAPES) for _ in range(4)]
+    outcome, _, _ = run_round(modes, trees, [1.0] * 4, config=VERIFY)
+    honest = _results(outcome[:3])
+    vecs = [flatten(t)[0] for t in trees[:3]]
+    for r in honest:
+        assert r.vector.tobytes() == honest[0].vector.tobytes()
+        assert next(s for s in r.shares if s.owner == names[3]).repaired
+    np.testing.assert_allclose(honest[0].vector, np.mean(vecs, axis=0), atol=2e-6)
