@@ -538,24 +538,7 @@ async def audit(rnd: Round) -> Verdict:
         list(rnd.holdings.hellos.values()) if rnd.me in rnd.chunks else [],
     )
     _add(rnd, _parse(rnd, mine))
-    with trio.move_on_at(until):
-        # One unary call per member, answered at once with its own statement: a clean round's
-        # check costs one round trip (decisions.md has the figures). A member that
-        # answered pushes its own statement to us when it has it; one we could not reach gets
-        # relayed, by members asked to answer once they hold every statement.
-        unreached: set[int] = set()
-        for wait in (False, True):
-            if wait and not unreached & (_expected(rnd) - set(rnd.statements)):
-                # A member we reached pushes its own statement once it has it; one that has
-                # not within half the check's time is asked of the others (relayed) too.
-                await _wait_for_all(rnd, trio.current_time() + rnd.verify_timeout / 2)
-                if _expected(rnd) <= set(rnd.statements):
-                    break
-            async with trio.open_nursery() as nursery:
-                for i, m in enumerate(rnd.members):
-                    if m.sends and m.mode != "client" and i != rnd.me and i not in unreached:
-                        nursery.start_soon(_swap, rnd, i, mine, wait, unreached)
-        await _wait_for_all(rnd, until)
+    await _exchange(rnd, mine, until)
     dropped: set[int] = set()
     stated = {i: st for i, st in rnd.statements.items() if st.seed == seed}
     unverified, failures, silent = await _check_shares(rnd, stated)
@@ -589,17 +572,7 @@ async def audit(rnd: Round) -> Verdict:
             why = _recompute(rnd, stated, j, parts, {liar})
         else:
             why = "nobody was convicted"
-        if why:
-            logger.warning(
-                "round %s: share of reducer %s not recomputed (%s); every member drops it",
-                rnd.round_id.hex()[:8],
-                rnd.name(j),
-                why,
-            )
-            dropped.add(j)
-            rnd.out[rnd.bounds[j] : rnd.bounds[j + 1]] = 0.0
-        else:
-            recomputed.add(j)
+        _settle(rnd, j, why, dropped, recomputed)
     why_not: dict[int, str] = {}
 
     async def unchecked(j: int) -> None:
@@ -609,17 +582,7 @@ async def audit(rnd: Round) -> Verdict:
         for j in silent:
             nursery.start_soon(unchecked, j)
     for j, why in why_not.items():
-        if why:
-            logger.warning(
-                "round %s: share of reducer %s not recomputed (%s); every member drops it",
-                rnd.round_id.hex()[:8],
-                rnd.name(j),
-                why,
-            )
-            dropped.add(j)
-            rnd.out[rnd.bounds[j] : rnd.bounds[j + 1]] = 0.0
-        else:
-            recomputed.add(j)
+        _settle(rnd, j, why, dropped, recomputed)
     failed = dropped | recomputed
     caught = {a.peer for a in accusations}
     for j in rnd.reducers:
@@ -633,6 +596,44 @@ async def audit(rnd: Round) -> Verdict:
         frozenset(unverified - failed),
         tuple(accusations),
     )
+
+
+async def _exchange(rnd: Round, mine: dict, until: float) -> None:
+    """Swap statements with the group until ``until``: one unary call per member, answered
+    at once with its own statement, so a clean round's check costs one round trip
+    (decisions.md has the figures). A member that answered pushes its own statement to us
+    when it has it; one we could not reach gets relayed, by members asked to answer once
+    they hold every statement."""
+    with trio.move_on_at(until):
+        unreached: set[int] = set()
+        for wait in (False, True):
+            if wait and not unreached & (_expected(rnd) - set(rnd.statements)):
+                # A member we reached pushes its own statement once it has it; one that has
+                # not within half the check's time is asked of the others (relayed) too.
+                await _wait_for_all(rnd, trio.current_time() + rnd.verify_timeout / 2)
+                if _expected(rnd) <= set(rnd.statements):
+                    break
+            async with trio.open_nursery() as nursery:
+                for i, m in enumerate(rnd.members):
+                    if m.sends and m.mode != "client" and i != rnd.me and i not in unreached:
+                        nursery.start_soon(_swap, rnd, i, mine, wait, unreached)
+        await _wait_for_all(rnd, until)
+
+
+def _settle(rnd: Round, j: int, why: str, dropped: set[int], recomputed: set[int]) -> None:
+    """Reducer ``j``'s failed share: recomputed (``why`` empty), or dropped by every member
+    (zeroed here) for the reason ``why``."""
+    if not why:
+        recomputed.add(j)
+        return
+    logger.warning(
+        "round %s: share of reducer %s not recomputed (%s); every member drops it",
+        rnd.round_id.hex()[:8],
+        rnd.name(j),
+        why,
+    )
+    dropped.add(j)
+    rnd.out[rnd.bounds[j] : rnd.bounds[j + 1]] = 0.0
 
 
 def _recompute(
