@@ -258,7 +258,10 @@ def _dht_seeds() -> dict[str, tuple[bytes, ...]]:
             _pack(dht_wire.request(False, addrs, records=[dht_wire.record_to_wire(signed)])),
             _pack(dht_wire.request(True, (), records=[dht_wire.record_to_wire(plain, True)])),
         ),
-        "find_request": (_pack(dht_wire.request(False, addrs, queries=["key", b"\x07" * 32])),),
+        "find_request": (
+            _pack(dht_wire.request(False, addrs, queries=["key", b"\x07" * 32])),
+            _pack(dht_wire.request(True, (), queries=["key"], count=6)),
+        ),
         "find_response": (
             _pack(
                 dht_wire.response(

@@ -232,7 +232,7 @@ class DHT:
             target,
             target if query is None else query,
             initial,
-            self._find_one,
+            lambda contact, q: self._batcher.find(contact, q, None if count is None else beam),
             k=beam,
             alpha=self.config.alpha,
             local=self.peer_id,
@@ -243,9 +243,6 @@ class DHT:
         self.lookups.append(result)
         del self.lookups[:-100]
         return result
-
-    async def _find_one(self, contact: Contact, query: int | str) -> Any:
-        return await self._batcher.find(contact, query)
 
     # --- store ---------------------------------------------------------------------------
     def make_record(

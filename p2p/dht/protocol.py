@@ -274,13 +274,14 @@ class DHTProtocol:
 
     async def handle_find(self, ctx: Any, req: Any) -> dict:
         client, addrs = parse_sender(req, ctx.remote_peer, self.limits)
-        queries = parse_find_request(req, self.limits)
+        queries, count = parse_find_request(req, self.limits)
         now = self.clock.now()
         budget = MAX_FIND_RESPONSE_BYTES
         results = []
+        wanted = self.config.k if count is None else min(count, self.config.k)
         for q in queries:
             target = q if isinstance(q, int) else key_id(q)
-            near = self.routing.nearest(target, self.config.k, exclude=(ctx.remote_peer,))
+            near = self.routing.nearest(target, wanted, exclude=(ctx.remote_peer,))
             records = None
             if isinstance(q, str):
                 held = view_records(self.storage.get(q, now)) + view_records(self.cache.get(q, now))
@@ -421,15 +422,21 @@ class DHTProtocol:
             self.peer_failed(contact.peer)
             return None
 
-    async def find(self, contact: Contact, queries: list[int | str]) -> list[FindAnswer] | None:
-        """FIND several targets at once (in chunks); one answer per query, None on failure."""
+    async def find(
+        self, contact: Contact, queries: list[int | str], count: int | None = None
+    ) -> list[FindAnswer] | None:
+        """FIND several targets at once (in chunks); one answer per query, None on failure.
+        ``count``: the nearest contacts wanted per query (None: the responder's k)."""
         out: list[FindAnswer] = []
         step = self.config.max_queries_per_find
+        extra = {} if count is None else {"count": count}
         for i in range(0, len(queries), step):
             chunk = queries[i : i + step]
             keys = [q for q in chunk if isinstance(q, str)]
             label = key_kind(keys[0]) if keys else "lookup"
-            resp = await self._call(contact, FIND, label, queries=[query_to_wire(q) for q in chunk])
+            resp = await self._call(
+                contact, FIND, label, queries=[query_to_wire(q) for q in chunk], **extra
+            )
             if resp is None:
                 return None
             try:

@@ -10,8 +10,10 @@ routing tables) and ``addrs`` (the sender's listen addresses, text multiaddrs):
 - ``dht.ping``:  {} -> {"time"}
 - ``dht.store``: {"records": [[key, subkey|None, value, expiration, proof|None, cache], ...]}
   -> {"time", "results": [True | False | reason, ...]}  (False: a newer record is held)
-- ``dht.find``:  {"queries": [target, ...]}, a target being a 32-byte node ID (FIND_NODE) or
-  a key text (FIND_VALUE: nearest nodes to the key's ID plus the held records)
+- ``dht.find``:  {"queries": [target, ...], "count"?: n}, a target being a 32-byte node ID
+  (FIND_NODE) or a key text (FIND_VALUE: nearest nodes to the key's ID plus the held records);
+  ``count`` (optional, else the responder's k) caps the nearest nodes per answer: a lookup
+  for a few replicas needs no more (a node that predates it answers k)
   -> {"time", "results": [[peers, records|None], ...]}, peers = [[peer_id, [addr, ...]], ...],
   records = [[subkey|None, value, expiration, proof|None], ...]
 - ``dht.changes``: {"key", "since": [incarnation, number] | None, "held"?: bytes} -> {"time",
@@ -215,17 +217,24 @@ def _record(key: Any, subkey: Any, value: Any, exp: Any, proof: Any, limits: Lim
     )
 
 
-def parse_find_request(msg: Any, limits: Limits) -> list[int | str]:
-    """Targets: an int node ID (FIND_NODE) or a key text (FIND_VALUE)."""
+def parse_find_request(msg: Any, limits: Limits) -> tuple[list[int | str], int | None]:
+    """Targets: an int node ID (FIND_NODE) or a key text (FIND_VALUE); and how many nearest
+    contacts the sender wants per target (None: the responder's k)."""
     out: list[int | str] = []
-    for q in _list(_map(msg, "request").get("queries"), "queries", limits.max_queries):
+    body = _map(msg, "request")
+    count = body.get("count")
+    if count is not None and (
+        isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= limits.max_peers
+    ):
+        raise ProtocolError(f"count must be an integer in 1..{limits.max_peers}")
+    for q in _list(body.get("queries"), "queries", limits.max_queries):
         if isinstance(q, bytes) and len(q) == ID_BYTES:
             out.append(int.from_bytes(q, "big"))
         elif isinstance(q, str):
             out.append(_text(q, "key"))
         else:
             raise ProtocolError("a query is a 32-byte ID or a key")
-    return out
+    return out, count
 
 
 def query_to_wire(q: int | str) -> bytes | str:
