@@ -241,7 +241,7 @@ def _changes_request(msg: Any) -> None:
 
 def _changes_response(msg: Any) -> None:
     dht_wire.parse_time(msg)
-    records, _cursor = dht_wire.parse_changes_response(msg, "key", LIMITS)
+    records, _cursor, _same = dht_wire.parse_changes_response(msg, "key", LIMITS, 3)
     for record in records:
         _CHAIN.validate(record)
 
@@ -258,7 +258,10 @@ def _dht_seeds() -> dict[str, tuple[bytes, ...]]:
             _pack(dht_wire.request(False, addrs, records=[dht_wire.record_to_wire(signed)])),
             _pack(dht_wire.request(True, (), records=[dht_wire.record_to_wire(plain, True)])),
         ),
-        "find_request": (_pack(dht_wire.request(False, addrs, queries=["key", b"\x07" * 32])),),
+        "find_request": (
+            _pack(dht_wire.request(False, addrs, queries=["key", b"\x07" * 32])),
+            _pack(dht_wire.request(True, (), queries=["key"], count=6)),
+        ),
         "find_response": (
             _pack(
                 dht_wire.response(
@@ -274,11 +277,24 @@ def _dht_seeds() -> dict[str, tuple[bytes, ...]]:
         "changes_request": (
             _pack(dht_wire.request(False, addrs, key="key", since=None)),
             _pack(dht_wire.request(True, (), key="key", since=[b"\x01" * 8, 42])),
+            _pack(
+                dht_wire.request(
+                    False, addrs, key="key", since=None, held=dht_wire.held_to_wire([plain])
+                )
+            ),
         ),
         "changes_response": (
             _pack(
                 dht_wire.response(
                     5.0, **dht_wire.changes_to_wire([plain], dht_wire.Cursor(b"\x02" * 8, 7))
+                )
+            ),
+            _pack(
+                dht_wire.response(
+                    5.0,
+                    **dht_wire.changes_to_wire(
+                        [plain], dht_wire.Cursor(b"\x02" * 8, 7), [True, False, True]
+                    ),
                 )
             ),
         ),

@@ -10,7 +10,11 @@ nodes (this reader's own pick among them, so that readers spread over the holder
 them every ``sweep_every`` reads or when it fails: a record every holder has arrives at the
 next read, one that reached only some holders (a store that failed on the way) within a sweep.
 Asking one holder matters because each holder's answer carries every change since the reader
-last asked *that* holder: reading three holders in turn fetched each update three times.
+last asked *that* holder: reading three holders in turn fetched each update three times. For
+the same reason a sweep asks the one holder first and tells the others what the reader holds
+(``dht.changes``' ``held``: a digest, expiration and value tag per record): they send only
+records newer than ours, and name those they hold the same. A holder that withholds newer
+records hides them only until a sweep asks another holder; every record is still validated.
 
 A record leaves the view only after a read that asked every holder: between sweeps, a read
 whose one answer leaves a record expired asks them all (the one holder asked may be a far node
@@ -139,9 +143,11 @@ class KeyFollower:
         self._reads += 1
         held = self._state.held()
         if self._holders:
-            one = [self._holders[self._pick % len(self._holders)]]
-            if turn == 0 or not await self._poll(one, drop=False) or self._lapsing():
+            one = self._holders[self._pick % len(self._holders)]
+            if not await self._poll([one], drop=False):
                 await self._poll(self._holders)
+            elif turn == 0 or self._lapsing():
+                await self._poll([c for c in self._holders if c is not one], answered=True)
         self._take_local()
         self._drop_lapsed()
         if held >= 4 and 2 * self._state.held() <= held:
@@ -245,33 +251,48 @@ class KeyFollower:
         self._answered_at = {p: t for p, t in self._answered_at.items() if p in keep}
         self._located_at = trio.current_time()
 
-    async def _poll(self, holders: list[Contact], *, drop: bool = True) -> bool:
+    async def _poll(
+        self, holders: list[Contact], *, drop: bool = True, answered: bool = False
+    ) -> bool:
         """Ask ``holders`` for their changes; False when none answered. ``drop``: stop
-        following those that failed while others answered."""
-        answered = 0
+        following those that failed while others answered (``answered``: another holder
+        answered this read already).
+
+        Every holder but the one we ask at each read is told the records we hold: its
+        cursor is older than our last read, and it would resend what that one sent since
+        (a sweep fetched each update three times); a holder that knows ours sends only
+        newer records, and names those it holds the same (it could have sent them)."""
+        count = 0
         failed: list[PeerID] = []
+        now = self.dht.now()
+        ours = [r for r in self._state.records() if r.expiration > now]
+        picked = self._holders[self._pick % len(self._holders)].peer if self._holders else None
 
         async def one(contact: Contact) -> None:
-            nonlocal answered
+            nonlocal count
             since = self._cursors.get(contact.peer)
-            got = await self.dht.protocol.changes(contact, self.key, since)
+            held = None if contact.peer == picked and since is not None else ours
+            got = await self.dht.protocol.changes(contact, self.key, since, held)
             if got is None:
                 failed.append(contact.peer)
                 self._suspects.add(contact.peer)
                 return
             self._suspects.discard(contact.peer)
-            records, cursor = got
-            answered += 1
+            records, cursor, same = got
+            count += 1
             self.stats["records"] += len(records)
             self._cursors[contact.peer] = cursor
             self._apply(records, contact.peer)
+            for rec, yes in zip(held or (), same, strict=True):
+                if yes:
+                    self._vouched(rec, contact.peer)
             self._answered_at[contact.peer] = self.dht.now()
 
         self.stats["polls"] += 1
         async with trio.open_nursery() as nursery:
             for contact in holders:
                 nursery.start_soon(one, contact)
-        if drop and failed and not answered:
+        if drop and failed and not (count or answered):
             # Most likely our own fault (a congested link, a cut): dropping them all put far
             # nodes in their place. The next relocation replaces those still failing then.
             self.stats["all_failed"] += 1
@@ -282,7 +303,14 @@ class KeyFollower:
             for peer in failed:
                 self._cursors.pop(peer, None)
                 self._suspects.discard(peer)
-        return answered > 0
+        return count > 0
+
+    def _vouched(self, rec: Record, holder: PeerID) -> None:
+        """``holder`` holds ``rec``, which we hold: as if it had sent it (see _drop_lapsed)."""
+        slot = rec.subkey
+        held = self._state.plain if slot is None else self._state.subs.get(slot)
+        if held is not None and held.same_as(rec):
+            self._providers.setdefault(slot, set()).add(holder)
 
     def _apply(self, records: list[Record], holder: PeerID | None = None) -> None:
         """Merge records sent by ``holder`` (None: our own store)."""

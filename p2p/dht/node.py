@@ -8,6 +8,7 @@ runs in a nursery the DHT owns and ends with the block.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from contextlib import asynccontextmanager
@@ -232,7 +233,9 @@ class DHT:
             target,
             target if query is None else query,
             initial,
-            self._batcher.find,  # concurrent lookups' queries to one peer share a request
+            # concurrent lookups' queries to one peer share a request; a partial, not a
+            # lambda: the lookup calls the batcher directly (no frame back in this module)
+            functools.partial(self._batcher.find, count=None if count is None else beam),
             k=beam,
             alpha=self.config.alpha,
             local=self.peer_id,

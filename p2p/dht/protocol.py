@@ -34,9 +34,12 @@ from p2p.dht.wire import (
     STORE,
     Contact,
     Cursor,
+    Held,
     Limits,
     changes_to_wire,
     find_result_to_wire,
+    held_entry,
+    held_to_wire,
     parse_changes_request,
     parse_changes_response,
     parse_find_request,
@@ -62,6 +65,19 @@ MAX_FIND_RESPONSE_BYTES = 16 << 20
 LIVE_FOR = 30.0
 """Seconds a routing entry heard from counts as live: a full bucket keeps it without a ping
 (Kademlia's optimisation), so a busy bucket does not ping on every newcomer."""
+
+
+def _newer_than_held(rec: Record, held: dict[bytes, Held]) -> bool:
+    """Whether a reader holding ``held`` lacks ``rec``: it holds nothing in that slot, an
+    older record, or one of another value with the same expiration (which of the two wins is
+    the reader's merge to make)."""
+    slot, mine = held_entry(rec)
+    theirs = held.get(slot)
+    return (
+        theirs is None
+        or mine.expiration > theirs.expiration
+        or (mine.expiration == theirs.expiration and mine.tag != theirs.tag)
+    )
 
 
 class DHTProtocol:
@@ -258,13 +274,14 @@ class DHTProtocol:
 
     async def handle_find(self, ctx: Any, req: Any) -> dict:
         client, addrs = parse_sender(req, ctx.remote_peer, self.limits)
-        queries = parse_find_request(req, self.limits)
+        queries, count = parse_find_request(req, self.limits)
         now = self.clock.now()
         budget = MAX_FIND_RESPONSE_BYTES
         results = []
+        wanted = self.config.k if count is None else min(count, self.config.k)
         for q in queries:
             target = q if isinstance(q, int) else key_id(q)
-            near = self.routing.nearest(target, self.config.k, exclude=(ctx.remote_peer,))
+            near = self.routing.nearest(target, wanted, exclude=(ctx.remote_peer,))
             records = None
             if isinstance(q, str):
                 held = view_records(self.storage.get(q, now)) + view_records(self.cache.get(q, now))
@@ -282,15 +299,25 @@ class DHTProtocol:
         return response(self.clock.local_time(), results=results)
 
     async def handle_changes(self, ctx: Any, req: Any) -> dict:
-        """The records of one key stored here since the reader's cursor (see wire.py)."""
-        key, since = parse_changes_request(req)
+        """The records of one key stored here since the reader's cursor (see wire.py), less
+        those the reader says it holds already, or newer."""
+        key, since, held = parse_changes_request(req, self.limits.max_subkeys)
         store = self.storage
+        now = self.clock.now()
         start = since.number if since is not None and since.incarnation == store.incarnation else 0
         records, number = store.changes(
-            key, start, self.clock.now(), MAX_FIND_RESPONSE_BYTES, self.limits.max_subkeys
+            key, start, now, MAX_FIND_RESPONSE_BYTES, self.limits.max_subkeys
         )
+        same = None
+        if held is not None:
+            theirs = dict(held)
+            changed = len(records)
+            records = [r for r in records if _newer_than_held(r, theirs)]
+            mine = dict(held_entry(r) for r in store.slot_records(key, now))
+            same = [mine.get(slot) == h for slot, h in held]
+            self.stats["changes_held_skipped"] += changed - len(records)
         self.stats["changes_served"] += 1
-        body = changes_to_wire(records, Cursor(store.incarnation, number))
+        body = changes_to_wire(records, Cursor(store.incarnation, number), same)
         return response(self.clock.local_time(), **body)
 
     # --- calls ---------------------------------------------------------------------------
@@ -372,29 +399,44 @@ class DHTProtocol:
         return out
 
     async def changes(
-        self, contact: Contact, key: str, since: Cursor | None
-    ) -> tuple[list[Record], Cursor] | None:
-        """What ``contact`` stored under ``key`` since ``since``; None on failure."""
+        self,
+        contact: Contact,
+        key: str,
+        since: Cursor | None,
+        held: list[Record] | None = None,
+    ) -> tuple[list[Record], Cursor, list[bool]] | None:
+        """What ``contact`` stored under ``key`` since ``since``, less what ``held`` (our
+        records, one per slot) has already or newer; and for each of ``held``, whether the
+        contact holds that very record. None on failure."""
         since_wire = None if since is None else [since.incarnation, since.number]
-        resp = await self._call(contact, CHANGES, key_kind(key), key=key, since=since_wire)
+        body: dict[str, Any] = {"key": key, "since": since_wire}
+        if held:
+            body["held"] = held_to_wire(held)
+        resp = await self._call(contact, CHANGES, key_kind(key), **body)
         if resp is None:
             return None
         try:
-            return parse_changes_response(resp, key, self.limits)
+            return parse_changes_response(resp, key, self.limits, len(held or ()))
         except ProtocolError as e:
             log.debug("bad changes answer from %s: %s", contact.peer, e)
             self.peer_failed(contact.peer)
             return None
 
-    async def find(self, contact: Contact, queries: list[int | str]) -> list[FindAnswer] | None:
-        """FIND several targets at once (in chunks); one answer per query, None on failure."""
+    async def find(
+        self, contact: Contact, queries: list[int | str], count: int | None = None
+    ) -> list[FindAnswer] | None:
+        """FIND several targets at once (in chunks); one answer per query, None on failure.
+        ``count``: the nearest contacts wanted per query (None: the responder's k)."""
         out: list[FindAnswer] = []
         step = self.config.max_queries_per_find
+        extra = {} if count is None else {"count": count}
         for i in range(0, len(queries), step):
             chunk = queries[i : i + step]
             keys = [q for q in chunk if isinstance(q, str)]
             label = key_kind(keys[0]) if keys else "lookup"
-            resp = await self._call(contact, FIND, label, queries=[query_to_wire(q) for q in chunk])
+            resp = await self._call(
+                contact, FIND, label, queries=[query_to_wire(q) for q in chunk], **extra
+            )
             if resp is None:
                 return None
             try:

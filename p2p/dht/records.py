@@ -214,6 +214,10 @@ class KeyState:
             return True
         return bool(owner_markers(rec.subkey)) and self._shields()
 
+    def records(self) -> list[Record]:
+        """The record of every slot (expired ones included until dropped)."""
+        return [r for r in (self.plain, *self.subs.values()) if r is not None]
+
     def held(self) -> int:
         """How many slots hold a record (expired ones included until dropped)."""
         return len(self.subs) + (self.plain is not None)

@@ -188,6 +188,12 @@ class LocalStorage:
             out.append(rec)
         return out, self.seq
 
+    def slot_records(self, key: str, now: float) -> list[Record]:
+        """The live record of each slot of ``key`` (superseded ones included: what a reader
+        that merges them holds)."""
+        state = self._live(key, now)
+        return [] if state is None else state.records()
+
     def _evict_lru(self, keep: str) -> bool:
         """In a cache, forget the least recently used key (not ``keep``); False otherwise."""
         if not self.lru:

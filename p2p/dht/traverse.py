@@ -163,6 +163,7 @@ T = TypeVar("T")
 @dataclass
 class _Batch(Generic[T]):
     queries: list = field(default_factory=list)
+    count: int | None = None  # contacts wanted per answer (None: the responder's k)
     done: trio.Event = field(default_factory=trio.Event)
     results: list[T] | None = None
     completed: bool = False
@@ -176,24 +177,30 @@ class FindBatcher(Generic[T]):
     query, or None when the request failed.
     """
 
-    def __init__(self, send: Callable[[Contact, list], Awaitable[list[T] | None]]) -> None:
+    def __init__(
+        self, send: Callable[[Contact, list, int | None], Awaitable[list[T] | None]]
+    ) -> None:
         self._send = send
         self._pending: dict[PeerID, _Batch[T]] = {}
 
-    async def find(self, contact: Contact, query: int | str) -> T | None:
+    async def find(self, contact: Contact, query: int | str, count: int | None = None) -> T | None:
+        """``count``: the contacts the caller needs per answer (None: as many as the peer
+        gives); a batch asks for the most any of its queries needs."""
         while True:
             batch = self._pending.get(contact.peer)
             if batch is None:
-                return await self._lead(contact, query)
+                return await self._lead(contact, query, count)
             index = len(batch.queries)
             batch.queries.append(query)
+            if batch.count is not None:
+                batch.count = None if count is None else max(batch.count, count)
             await batch.done.wait()
             if batch.completed:
                 return batch.results[index] if batch.results is not None else None
             # the leader was cancelled before answering: try again ourselves
 
-    async def _lead(self, contact: Contact, query: int | str) -> T | None:
-        batch: _Batch[T] = _Batch([query])
+    async def _lead(self, contact: Contact, query: int | str, count: int | None) -> T | None:
+        batch: _Batch[T] = _Batch([query], count)
         self._pending[contact.peer] = batch
         try:
             try:
@@ -201,7 +208,7 @@ class FindBatcher(Generic[T]):
             finally:
                 if self._pending.get(contact.peer) is batch:
                     del self._pending[contact.peer]
-            batch.results = await self._send(contact, batch.queries)
+            batch.results = await self._send(contact, batch.queries, batch.count)
             batch.completed = True
         finally:
             batch.done.set()

@@ -10,20 +10,30 @@ routing tables) and ``addrs`` (the sender's listen addresses, text multiaddrs):
 - ``dht.ping``:  {} -> {"time"}
 - ``dht.store``: {"records": [[key, subkey|None, value, expiration, proof|None, cache], ...]}
   -> {"time", "results": [True | False | reason, ...]}  (False: a newer record is held)
-- ``dht.find``:  {"queries": [target, ...]}, a target being a 32-byte node ID (FIND_NODE) or
-  a key text (FIND_VALUE: nearest nodes to the key's ID plus the held records)
+- ``dht.find``:  {"queries": [target, ...], "count"?: n}, a target being a 32-byte node ID
+  (FIND_NODE) or a key text (FIND_VALUE: nearest nodes to the key's ID plus the held records);
+  ``count`` (optional, else the responder's k) caps the nearest nodes per answer: a lookup
+  for a few replicas needs no more (a node that predates it answers k)
   -> {"time", "results": [[peers, records|None], ...]}, peers = [[peer_id, [addr, ...]], ...],
   records = [[subkey|None, value, expiration, proof|None], ...]
-- ``dht.changes``: {"key", "since": [incarnation, number] | None} -> {"time", "records",
-  "cursor": [incarnation, number]}: the held records of ``key`` that changed after change
-  ``number`` of the store ``incarnation`` (all of them for None or another incarnation)
+- ``dht.changes``: {"key", "since": [incarnation, number] | None, "held"?: bytes} -> {"time",
+  "records", "cursor": [incarnation, number], "same"?: bytes}: the held records of ``key``
+  that changed after change ``number`` of the store ``incarnation`` (all of them for None or
+  another incarnation). ``held`` (optional) lists the reader's records, one
+  :data:`HELD_ENTRY_BYTES` entry each (see :func:`held_to_wire`): of those changes, only the
+  records newer than the reader's (or of another value) come back, and ``same`` is a bitmap
+  of the entries the responder holds identically (entry i: bit i % 8 of byte i // 8). A node
+  that predates ``held`` ignores it and sends every change; a reader that gets no ``same``
+  takes it as "none".
 
 Every response carries ``time``, the responder's raw local clock (see :mod:`p2p.dht.clock`).
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
+import struct
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -42,6 +52,7 @@ INCARNATION_BYTES = 8
 MAX_ADDR_CHARS = 512
 MAX_KEY_CHARS = 512
 MAX_PROOF_BYTES = 96
+HELD_ENTRY_BYTES = 20  # slot digest (8), expiration (big-endian double, 8), value digest (4)
 
 
 class Cursor(NamedTuple):
@@ -206,17 +217,24 @@ def _record(key: Any, subkey: Any, value: Any, exp: Any, proof: Any, limits: Lim
     )
 
 
-def parse_find_request(msg: Any, limits: Limits) -> list[int | str]:
-    """Targets: an int node ID (FIND_NODE) or a key text (FIND_VALUE)."""
+def parse_find_request(msg: Any, limits: Limits) -> tuple[list[int | str], int | None]:
+    """Targets: an int node ID (FIND_NODE) or a key text (FIND_VALUE); and how many nearest
+    contacts the sender wants per target (None: the responder's k)."""
     out: list[int | str] = []
-    for q in _list(_map(msg, "request").get("queries"), "queries", limits.max_queries):
+    body = _map(msg, "request")
+    count = body.get("count")
+    if count is not None and (
+        isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= limits.max_peers
+    ):
+        raise ProtocolError(f"count must be an integer in 1..{limits.max_peers}")
+    for q in _list(body.get("queries"), "queries", limits.max_queries):
         if isinstance(q, bytes) and len(q) == ID_BYTES:
             out.append(int.from_bytes(q, "big"))
         elif isinstance(q, str):
             out.append(_text(q, "key"))
         else:
             raise ProtocolError("a query is a 32-byte ID or a key")
-    return out
+    return out, count
 
 
 def query_to_wire(q: int | str) -> bytes | str:
@@ -284,11 +302,60 @@ def parse_find_response(
 
 
 # --- dht.changes ---------------------------------------------------------------------------
-def parse_changes_request(msg: Any) -> tuple[str, Cursor | None]:
+class Held(NamedTuple):
+    """One record a reader holds, as it names it in ``dht.changes``."""
+
+    expiration: float
+    tag: bytes  # a digest of the value
+
+
+def slot_digest(subkey: str | None) -> bytes:
+    """8 bytes naming a slot of a key (the plain value's differs from every subkey's)."""
+    raw = b"\x00" if subkey is None else b"\x01" + subkey.encode("utf-8", "surrogatepass")
+    return hashlib.blake2b(raw, digest_size=8).digest()
+
+
+def held_entry(rec: Record) -> tuple[bytes, Held]:
+    return slot_digest(rec.subkey), Held(
+        rec.expiration, hashlib.blake2b(rec.value, digest_size=4).digest()
+    )
+
+
+def held_to_wire(records: list[Record]) -> bytes:
+    """The ``held`` field naming ``records`` (one per slot), in their order."""
+    out = bytearray()
+    for rec in records:
+        slot, held = held_entry(rec)
+        out += slot + struct.pack(">d", held.expiration) + held.tag
+    return bytes(out)
+
+
+def parse_held(value: Any, max_entries: int) -> list[tuple[bytes, Held]]:
+    if not isinstance(value, bytes) or len(value) % HELD_ENTRY_BYTES:
+        raise ProtocolError(f"held must be bytes, {HELD_ENTRY_BYTES} per entry")
+    if len(value) > max_entries * HELD_ENTRY_BYTES:
+        raise ProtocolError(f"held names over {max_entries} records")
+    out = []
+    for i in range(0, len(value), HELD_ENTRY_BYTES):
+        (exp,) = struct.unpack_from(">d", value, i + 8)
+        if not math.isfinite(exp):
+            raise ProtocolError("a held expiration must be finite")
+        out.append((value[i : i + 8], Held(exp, value[i + 16 : i + HELD_ENTRY_BYTES])))
+    return out
+
+
+def parse_changes_request(
+    msg: Any, max_held: int = 10_000
+) -> tuple[str, Cursor | None, list[tuple[bytes, Held]] | None]:
     body = _map(msg, "request")
     key = _text(body.get("key"), "key")
     since = body.get("since")
-    return key, None if since is None else _cursor(since)
+    held = body.get("held")
+    return (
+        key,
+        None if since is None else _cursor(since),
+        None if held is None else parse_held(held, max_held),
+    )
 
 
 def _cursor(value: Any) -> Cursor:
@@ -302,18 +369,36 @@ def _cursor(value: Any) -> Cursor:
     return Cursor(incarnation, number)
 
 
-def changes_to_wire(records: list[Record], cursor: Cursor) -> dict:
-    return {
+def changes_to_wire(records: list[Record], cursor: Cursor, same: list[bool] | None = None) -> dict:
+    body: dict[str, Any] = {
         "records": [[r.subkey, r.value, r.expiration, r.proof] for r in records],
         "cursor": [cursor.incarnation, cursor.number],
     }
+    if same is not None:
+        bits = bytearray((len(same) + 7) // 8)
+        for i, yes in enumerate(same):
+            if yes:
+                bits[i // 8] |= 1 << (i % 8)
+        body["same"] = bytes(bits)
+    return body
 
 
-def parse_changes_response(msg: Any, key: str, limits: Limits) -> tuple[list[Record], Cursor]:
+def parse_changes_response(
+    msg: Any, key: str, limits: Limits, held: int = 0
+) -> tuple[list[Record], Cursor, list[bool]]:
+    """The records, the next cursor, and for each of the ``held`` entries the request named,
+    whether the responder holds that very record (all False from a node that predates it)."""
     body = _map(msg, "response")
     records = []
     for item in _list(body.get("records"), "records", limits.max_subkeys):
         if not isinstance(item, list) or len(item) != 4:
             raise ProtocolError("a record is [subkey, value, expiration, proof]")
         records.append(_record(key, *item, limits))
-    return records, _cursor(body.get("cursor"))
+    bits = body.get("same")
+    if bits is None:
+        same = [False] * held
+    else:
+        if not isinstance(bits, bytes) or len(bits) != (held + 7) // 8:
+            raise ProtocolError(f"same must be a bitmap of {held} entries")
+        same = [bool(bits[i // 8] >> (i % 8) & 1) for i in range(held)]
+    return records, _cursor(body.get("cursor")), same

@@ -168,7 +168,7 @@ def test_remote_garbage_gets_an_error_and_the_node_keeps_serving() -> None:
 def test_find_batcher_merges_concurrent_queries_and_survives_a_cancelled_leader() -> None:
     sent: list[list] = []
 
-    async def send(contact: Contact, queries: list) -> list:
+    async def send(contact: Contact, queries: list, count: int | None = None) -> list:
         sent.append(list(queries))
         await trio.sleep(1)
         return [f"answer-{q}" for q in queries]

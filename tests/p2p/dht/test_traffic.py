@@ -77,3 +77,35 @@ def test_empty_stale_buckets_share_one_lookup_of_our_own_id() -> None:
             assert not dht.routing.stale_buckets(trio.current_time(), 100.0)
 
     run_sim(main)
+
+
+def test_a_lookup_for_a_few_nodes_asks_each_for_no_more() -> None:
+    """A store to 6 replicas (a progress record, a relay advert) looked up the key's nearest
+    with answers of k (20) contacts each, of which it keeps a beam of 6: each answer now
+    carries the beam, and the lookup still finds the key's nearest nodes. A full lookup still
+    gets k per answer."""
+    from p2p.dht.ids import key_id
+
+    async def main() -> None:
+        async with dht_swarm(40, seed=5, config=TEST_CONFIG) as swarm:
+            reader = swarm.dhts[7]
+            sizes: list[int] = []
+            send = reader._batcher._send
+
+            async def counting(contact, queries, *count):
+                answers = await send(contact, queries, *count)
+                sizes.extend(len(contacts) for contacts, _ in answers or ())
+                return answers
+
+            reader._batcher._send = counting
+            for key in ("progress", "nat.relays", "run.group.3"):
+                target = key_id(key)
+                found = await reader.find_nearest(target, key, count=6)
+                expected = [p for p in swarm.brute_force_nearest(target, 7) if p != reader.peer_id]
+                assert [c.peer for c in found.nearest] == expected[:6]
+            assert sizes and max(sizes) <= 6
+            sizes.clear()
+            await reader.find_nearest(key_id("progress"), "progress")
+            assert max(sizes) == TEST_CONFIG.k
+
+    run_sim(main)
