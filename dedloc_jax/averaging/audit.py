@@ -482,14 +482,17 @@ async def _check_shares(
     return unverified, failures, silent
 
 
-async def _unchecked(rnd: Round, j: int, silent: set[int]) -> str:
+async def _unchecked(rnd: Round, j: int, silent: set[int]) -> str | None:
     """Share ``j``, which ``silent`` contributors' statements (none, or about other results)
     keep from being checked, recomputed from the revealed parts of those that stated
     anything, whichever results it was about (its commitments are seed-free). Unchecked, a
     reducer that withheld its own statement, or sent other bits to some members, had its
     result taken as it came: -1000 x the mean went through (the test pins it). Nobody is
     convicted (nothing signed tells who lies); a contributor with no statement or that
-    reveals nothing is left out. Returns why not ("" when done)."""
+    reveals nothing is left out. Returns why not ("" when done), or None when no other
+    member revealed a part: they all checked their results and kept no parts, so ours are
+    the odd ones (our view of the round differs), and the share is taken unchecked as they
+    took it; dropping it on this member alone set it apart from the whole group."""
     shares: dict[int, list[bytes]] = {}
     contributors = set().union(*rnd.masks[j])
 
@@ -501,6 +504,15 @@ async def _unchecked(rnd: Round, j: int, silent: set[int]) -> str:
     async with trio.open_nursery() as nursery:
         for i in sorted(contributors & set(rnd.statements)):  # the others: nothing to ask
             nursery.start_soon(one, i)
+    if not set(shares) - {rnd.me}:
+        logger.warning(
+            "round %s: share of reducer %s unchecked (%s stated nothing about our results) and "
+            "no other member revealed its parts: taken as it came",
+            rnd.round_id.hex()[:8],
+            rnd.name(j),
+            [rnd.name(i) for i in sorted(silent)],
+        )
+        return None
     left_out = contributors - set(shares)
     logger.warning(
         "round %s: share of reducer %s unchecked (%s stated nothing about our results); "
@@ -573,7 +585,7 @@ async def audit(rnd: Round) -> Verdict:
         else:
             why = "nobody was convicted"
         _settle(rnd, j, why, dropped, recomputed)
-    why_not: dict[int, str] = {}
+    why_not: dict[int, str | None] = {}
 
     async def unchecked(j: int) -> None:
         why_not[j] = await _unchecked(rnd, j, silent[j])
@@ -582,7 +594,10 @@ async def audit(rnd: Round) -> Verdict:
         for j in silent:
             nursery.start_soon(unchecked, j)
     for j, why in why_not.items():
-        _settle(rnd, j, why, dropped, recomputed)
+        if why is None:
+            unverified.add(j)
+        else:
+            _settle(rnd, j, why, dropped, recomputed)
     failed = dropped | recomputed
     caught = {a.peer for a in accusations}
     for j in rnd.reducers:
