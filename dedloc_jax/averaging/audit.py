@@ -460,7 +460,16 @@ async def _check_shares(
             continue
         for k, mask in enumerate(rnd.masks[j]):
             if not mask <= set(stated):
-                silent[j] = set().union(*rnd.masks[j]) - set(stated)
+                # A few contributors with no statement of our seed may be hiding a lie (a
+                # reducer in its own share); most of them means our own exchange failed (we
+                # were late, cut off, or hold other results): no sign of a lie, and asking
+                # everyone for reveals then stalled clean rounds.
+                contributors = set().union(*rnd.masks[j])
+                missing = contributors - set(stated)
+                if 2 * len(missing) <= len(contributors):
+                    silent[j] = missing
+                else:
+                    unverified.add(j)
                 break
             a, b = rnd.share_slice(j, k)
             chk = check_chunk(
