@@ -60,10 +60,12 @@ from .verify import (
     parse_signed_hello,
     parse_statement,
     part_norm,
+    parts_root,
     projection,
     recompute,
     residual,
     result_digest,
+    results_root,
     robust_weights,
     seed_of,
     tolerance,
@@ -113,6 +115,41 @@ class Verdict:
     accusations: tuple[Accusation, ...]
 
 
+@dataclass(frozen=True)
+class Reveal:
+    """A contributor's parts of one share as it revealed them: its chunk hashes (which must
+    hash to the root it signed, :func:`.verify.parts_root`) and its encoded parts."""
+
+    hashes: tuple[bytes, ...]
+    parts: tuple[bytes, ...]
+
+    def lie(self, fig: ShareFigures, k: int) -> str:
+        """Why part ``k`` is not the one its sender committed to ("" when it is)."""
+        return _commit_lie(fig, self.hashes, k, self.parts[k])
+
+
+def _commit_lie(fig: ShareFigures, hashes: Sequence[bytes], k: int, data: bytes) -> str:
+    """Why ``data``, revealed as part ``k`` with the chunk hashes ``hashes``, is not what the
+    sender committed to in ``fig`` ("" when it is)."""
+    if parts_root(hashes) != fig.parts:
+        return "revealed chunk hashes do not match its committed root"
+    if hashes[k] == NO_HASH or hashlib.sha256(data).digest() != hashes[k]:
+        return "revealed part does not match its committed hash"
+    return ""
+
+
+def _own(rnd: Round, j: int) -> Reveal:
+    """Our parts of share ``j``, as we committed to them."""
+    n = len(rnd.chunks[j])
+    return Reveal(tuple(rnd.part_hashes[j]), tuple(bytes(rnd.sent_part(j, k)) for k in range(n)))
+
+
+async def _send_reveal(ms: MessageStream, got: Reveal) -> None:
+    await ms.send({"t": "hashes", "d": b"".join(got.hashes)})
+    for k, data in enumerate(got.parts):
+        await ms.send(wire.part(k, data))
+
+
 async def _figures(rnd: Round, seed: bytes) -> dict[int, ShareFigures]:
     """This sender's figures for every share: per chunk, its committed hash, ``q`` and norm
     (a checkpoint after each chunk: the node keeps serving while it computes)."""
@@ -134,7 +171,7 @@ async def _figures(rnd: Round, seed: bytes) -> dict[int, ShareFigures]:
             norms[k] = part_norm(part)
             results.append(_received(rnd, j, k))
             await trio.lowlevel.checkpoint()
-        out[j] = ShareFigures(tuple(rnd.part_hashes[j]), q, norms, tuple(results))
+        out[j] = ShareFigures(parts_root(rnd.part_hashes[j]), q, norms, results_root(results))
     return out
 
 
@@ -254,8 +291,7 @@ async def serve(rnd: Round, ms: MessageStream, remote: PeerID) -> None:
         rnd.reveals.add((who, j))
         if rnd.vec is None or rnd.abstain:
             raise BadContributionError("nothing to reveal")
-        for k in range(len(rnd.chunks[j])):
-            await ms.send(wire.part(k, bytes(rnd.sent_part(j, k))))
+        await _send_reveal(ms, _own(rnd, j))
     elif msg.get("t") == "push":  # a client's parts of a failed share, once per share
         j = msg.get("j")
         if j not in rnd.chunks or (who, j) in rnd.pushed or rnd.members[who].mode != "client":
@@ -269,11 +305,10 @@ async def serve(rnd: Round, ms: MessageStream, remote: PeerID) -> None:
         if (who, i, j) in rnd.reveals:
             raise BadContributionError("relay asked again")
         rnd.reveals.add((who, i, j))
-        parts = await _pushed(rnd, i, j)
-        if parts is None:
+        got = await _pushed(rnd, i, j)
+        if got is None:
             raise BadContributionError("nothing pushed to relay")
-        for k, data in enumerate(parts):
-            await ms.send(wire.part(k, data))
+        await _send_reveal(ms, got)
     else:
         raise BadContributionError("unexpected verify message")
 
@@ -302,18 +337,24 @@ async def _swap(rnd: Round, i: int, mine: dict, wait: bool, unreached: set[int])
         logger.info("statement swap with %s failed: %s", rnd.name(i), e)
 
 
-async def _receive_parts(rnd: Round, ms: MessageStream, j: int) -> list[bytes]:
-    """Encoded parts of every chunk of share ``j``, in order, of the codec's sizes."""
+async def _receive_parts(rnd: Round, ms: MessageStream, j: int) -> Reveal:
+    """A member's chunk hashes of share ``j``, then its encoded parts of every chunk, in
+    order, of the codec's sizes."""
+    n = len(rnd.chunks[j])
+    msg = await ms.receive()
+    hashes = msg.get("d") if isinstance(msg, dict) and msg.get("t") == "hashes" else None
+    if not isinstance(hashes, bytes) or len(hashes) != 32 * n:
+        raise BadContributionError("malformed chunk hashes")
     parts = []
-    for k in range(len(rnd.chunks[j])):
+    for k in range(n):
         a, b = rnd.share_slice(j, k)
         parts.append(
             wire.parse_chunk(await ms.receive(), k, rnd.codec.at(a, b).encoded_size(b - a))
         )
-    return parts
+    return Reveal(tuple(hashes[32 * k : 32 * k + 32] for k in range(n)), tuple(parts))
 
 
-async def _pushed(rnd: Round, i: int, j: int) -> list[bytes] | None:
+async def _pushed(rnd: Round, i: int, j: int) -> Reveal | None:
     """Client ``i``'s parts of share ``j`` as it pushed them to us (waiting a while)."""
     until = trio.current_time() + rnd.verify_timeout
     while (i, j) not in rnd.pushed and trio.current_time() < until:
@@ -321,7 +362,7 @@ async def _pushed(rnd: Round, i: int, j: int) -> list[bytes] | None:
     return rnd.pushed.get((i, j))
 
 
-async def _ask(rnd: Round, peer_index: int, request: dict, j: int) -> list[bytes] | None:
+async def _ask(rnd: Round, peer_index: int, request: dict, j: int) -> Reveal | None:
     try:
         peer = PeerID.from_base58(rnd.name(peer_index))
         with trio.move_on_after(2 * rnd.verify_timeout):
@@ -341,21 +382,20 @@ def _dialable(rnd: Round) -> list[int]:
     return [i for i, m in enumerate(rnd.members) if m.sends and m.mode != "client"]
 
 
-async def _reveal(rnd: Round, i: int, j: int) -> list[bytes] | None:
+async def _reveal(rnd: Round, i: int, j: int) -> Reveal | None:
     """Member ``i``'s encoded parts of every chunk of share ``j`` (None if it revealed
     nothing in time or a malformed part). A client, whom nobody can dial, pushes them to the
     dialable members (:func:`_push`); a client asks one of those to relay another's."""
-    n = len(rnd.chunks[j])
     if i == rnd.me:
-        return [bytes(rnd.sent_part(j, k)) for k in range(n)]
+        return _own(rnd, j)
     if rnd.members[i].mode != "client":
         return await _ask(rnd, i, {"t": "reveal", "j": j}, j)
     if rnd.members[rnd.me].mode != "client":
         return await _pushed(rnd, i, j)
     for relay in _dialable(rnd):  # each relayed part is checked against i's commitments
-        parts = await _ask(rnd, relay, {"t": "relay", "i": i, "j": j}, j)
-        if parts is not None:
-            return parts
+        got = await _ask(rnd, relay, {"t": "relay", "i": i, "j": j}, j)
+        if got is not None:
+            return got
     return None
 
 
@@ -363,7 +403,7 @@ async def _push(rnd: Round, j: int) -> None:
     """As a client, hand our parts of failed share ``j`` to every dialable member."""
     if rnd.vec is None or rnd.abstain:
         return
-    n = len(rnd.chunks[j])
+    own = _own(rnd, j)
 
     async def one(i: int) -> None:
         try:
@@ -374,8 +414,7 @@ async def _push(rnd: Round, j: int) -> None:
                 ) as ms:
                     await ms.send({"t": "vhello", "r": rnd.round_id})
                     await ms.send({"t": "push", "j": j})
-                    for k in range(n):
-                        await ms.send(wire.part(k, bytes(rnd.sent_part(j, k))))
+                    await _send_reveal(ms, own)
         except FAILURES as e:
             logger.info("could not push our parts to %s: %s", rnd.name(i), e)
 
@@ -502,7 +541,7 @@ async def _unchecked(rnd: Round, j: int, silent: set[int]) -> str | None:
     member revealed a part: they all checked their results and kept no parts, so ours are
     the odd ones (our view of the round differs), and the share is taken unchecked as they
     took it; dropping it on this member alone set it apart from the whole group."""
-    shares: dict[int, list[bytes]] = {}
+    shares: dict[int, Reveal] = {}
     contributors = set().union(*rnd.masks[j])
 
     async def one(i: int) -> None:
@@ -664,7 +703,7 @@ def _recompute(
     rnd: Round,
     stated: dict[int, Statement],
     j: int,
-    parts: dict[int, list[bytes]],
+    parts: dict[int, Reveal],
     left_out: set[int],
 ) -> str:
     """Share ``j`` aggregated here from its contributors' revealed parts, ``left_out``'s not,
@@ -689,9 +728,9 @@ def _recompute(
             fig = st.shares.get(j) if st is not None else None
             if fig is None or data is None:
                 return f"{rnd.name(i)} stated or revealed nothing"
-            if fig.hashes[k] == NO_HASH or hashlib.sha256(data[k]).digest() != fig.hashes[k]:
+            if data.lie(fig, k):
                 return f"{rnd.name(i)} revealed a part it did not commit to"
-            x = codec.decode(data[k], b - a)
+            x = codec.decode(data.parts[k], b - a)
             norm = float(fig.norms[k])
             if not is_finite(x) or abs(part_norm(x) - norm) > 1e-6 * norm + 1e-30:
                 return f"{rnd.name(i)} stated a norm its part does not have"
@@ -719,13 +758,13 @@ def _recompute(
 
 async def _judge(
     rnd: Round, seed: bytes, stated: dict[int, Statement], j: int, k: int, chk: ChunkCheck
-) -> tuple[Accusation | None, dict[int, list[bytes]]]:
+) -> tuple[Accusation | None, dict[int, Reveal]]:
     """Who lied about chunk ``k`` of share ``j``, from the parts of the whole share its
     contributors reveal (returned, for the recomputation)."""
     assert rnd.out is not None
     mask = sorted(rnd.masks[j][k])
     a, b = rnd.share_slice(j, k)
-    shares: dict[int, list[bytes]] = {}
+    shares: dict[int, Reveal] = {}
     async with trio.open_nursery() as nursery:
 
         async def one(i: int) -> None:
@@ -735,40 +774,32 @@ async def _judge(
 
         for i in sorted(frozenset().union(*rnd.masks[j])):
             nursery.start_soon(one, i)
-    revealed = {i: shares[i][k] if i in shares else None for i in mask}
+    revealed = {i: shares.get(i) for i in mask}
     codec_name = rnd.codec.at(a, b).name  # the chunk's own (segments, when it spans leaves)
     blank = [i for i in mask if stated[i].shares.get(j) is None]
     if blank:
         return _judge_blank(rnd, stated, j, k, blank, codec_name), shares
-    evidence = {
-        "codec": codec_name,
+    evidence = _chunk_evidence(rnd, j, k, codec_name) | {
         "seed": seed,
-        "start": a,
-        "stop": b,
-        "share": j,
-        "chunk": k,
-        "tau": rnd.taus[j][k],
-        "robust": rnd.config.robust_mode,
-        "fixed_tau": rnd.config.robust_tau,
         "statements": [stated[i].wire for i in mask],
-        "parts": [revealed[i] or b"" for i in mask],
-        "members": [m.peer_id for m in rnd.members],
-        "spec": rnd.spec.to_bytes(),  # its members' weights bound the stated ones
-        "mask": mask,
-        # the reducer's signature of the encoded result chunk (checked on receipt) and its
-        # key (proven against its peer ID then, an aux reducer's too)
-        "encoded": rnd.result_bytes[j][k] if k < len(rnd.result_bytes.get(j, ())) else b"",
-        "result_sig": rnd.result_sigs[j][k] or b"",
+        # each contributor's part of this chunk and its chunk hashes (its signed root's)
+        "parts": [got.parts[k] if got else b"" for got in revealed.values()],
+        "hashes": [b"".join(got.hashes) if got else b"" for got in revealed.values()],
+        # the digests of the share's result chunks we received (the contributors' roots')
+        "results": b"".join(_received(rnd, j, kk) for kk in range(len(rnd.chunks[j]))),
+        # the reducer's key (proven against its peer ID on receipt, an aux reducer's too)
         "reducer_key": rnd.reducer_keys.get(j, b""),
     }
     z = direction(seed, a, b - a)
     silent = []
     for i in mask:
-        data = revealed[i]
-        if data is None:
+        got = revealed[i]
+        if got is None:
             silent.append(i)
             continue
-        why = _part_lie(codec_name, data, stated[i], j, k, z, rnd.out[a:b], rnd.taus[j][k])
+        why = _part_lie(
+            codec_name, got.hashes, got.parts[k], stated[i], j, k, z, rnd.out[a:b], rnd.taus[j][k]
+        )
         if why:
             logger.warning("round %s: sender %s lied: %s", rnd.round_id.hex()[:8], rnd.name(i), why)
             return Accusation(rnd.name(i), "sender", why, rnd.round_id, j, k, evidence), shares
@@ -800,26 +831,12 @@ def _judge_blank(
     for i in blank:
         hello = held.get(i)
         if rst is not None and (hello is None or not hello.weight > 0):
-            a, b = rnd.share_slice(j, k)
             why = f"counted {rnd.name(i)}, which signed no contribution to the round"
             liar = j
-            evidence = {
+            evidence = _chunk_evidence(rnd, j, k, codec_name) | {
                 "kind": "hello",
                 "member": i,
-                "codec": codec_name,
-                "start": a,
-                "stop": b,
-                "share": j,
-                "chunk": k,
-                "tau": rnd.taus[j][k],
-                "robust": rnd.config.robust_mode,
-                "fixed_tau": rnd.config.robust_tau,
-                "mask": sorted(rnd.masks[j][k]),
-                "encoded": rnd.result_bytes[j][k] if k < len(rnd.result_bytes.get(j, ())) else b"",
-                "result_sig": rnd.result_sigs[j][k] or b"",
                 "statements": [rst.wire],
-                "members": [m.peer_id for m in rnd.members],
-                "spec": rnd.spec.to_bytes(),
             }
             break
         if hello is not None and not stated[i].weight > 0:
@@ -845,6 +862,28 @@ def _judge_blank(
     role = "reducer" if liar == j and evidence["kind"] == "hello" else "sender"
     logger.warning("round %s: %s %s lied: %s", rnd.round_id.hex()[:8], role, rnd.name(liar), why)
     return Accusation(rnd.name(liar), role, why, rnd.round_id, j, k, evidence)
+
+
+def _chunk_evidence(rnd: Round, j: int, k: int, codec_name: str) -> dict:
+    """What every conviction about result chunk ``k`` of share ``j`` names: its terms (codec,
+    place, rule), radius and contributors, the reducer's encoded bytes and its signature of
+    them (checked on receipt), and the group (its spec's weights bound the stated ones)."""
+    a, b = rnd.share_slice(j, k)
+    return {
+        "codec": codec_name,
+        "start": a,
+        "stop": b,
+        "share": j,
+        "chunk": k,
+        "tau": rnd.taus[j][k],
+        "robust": rnd.config.robust_mode,
+        "fixed_tau": rnd.config.robust_tau,
+        "mask": sorted(rnd.masks[j][k]),
+        "encoded": rnd.result_bytes[j][k] if k < len(rnd.result_bytes.get(j, ())) else b"",
+        "result_sig": rnd.result_sigs[j][k] or b"",
+        "members": [m.peer_id for m in rnd.members],
+        "spec": rnd.spec.to_bytes(),
+    }
 
 
 def _readmitted(rnd: Round, stated: dict[int, Statement], j: int) -> Accusation | None:
@@ -955,6 +994,7 @@ def _readmitted_evidence(
 
 def _part_lie(
     codec_name: str,
+    hashes: Sequence[bytes],
     data: bytes,
     st: Statement,
     j: int,
@@ -969,8 +1009,11 @@ def _part_lie(
         return "stated nothing for this share"
     if not st.weight > 0:  # it sent a part (its hash below) and says it contributed nothing
         return "stated no weight for a part it sent"
-    if hashlib.sha256(data).digest() != fig.hashes[k] or fig.hashes[k] == NO_HASH:
-        return "revealed part does not match its committed hash"
+    if len(hashes) <= k:
+        return "revealed too few chunk hashes"
+    why = _commit_lie(fig, hashes, k, data)
+    if why:
+        return why
     codec = get_codec(codec_name)
     try:
         part = codec.decode(data, result.size)
@@ -1035,11 +1078,16 @@ def check_evidence(acc_evidence: dict, accused: str) -> bool:
     signed = result_digest(
         stmts[0].round_id, stmts[0].digest, j, k, encoded, mask, acc_evidence["tau"], terms
     )
-    # Only signed facts count: every contributor signed the digest of the result chunk it
-    # received under these terms (codec, place, rule), so none of them is the accuser's word.
+    # Only signed facts count: every contributor signed (in its results root) the digest of
+    # the result chunk it received under these terms (codec, place, rule), so none of them is
+    # the accuser's word.
+    results = acc_evidence["results"]
+    listed = [results[i : i + 32] for i in range(0, len(results), 32)]
+    if k >= len(listed) or listed[k] != signed:
+        return False
     for st in stmts:
         fig = st.shares.get(j)
-        if fig is not None and (k >= len(fig.results) or fig.results[k] != signed):
+        if fig is not None and (len(fig.q) != len(listed) or fig.results != results_root(listed)):
             return False
     try:
         reducer_signed = PeerID.from_public_key(key) == PeerID.from_base58(
@@ -1055,8 +1103,10 @@ def check_evidence(acc_evidence: dict, accused: str) -> bool:
     stated = {s.sender: s for s in stmts}
     if any(s.shares.get(j) is None for s in stmts):
         return False  # counted by the reducer, no figures signed: nothing tells who lied
-    for st, data in zip(stmts, acc_evidence["parts"], strict=True):
-        why = _part_lie(acc_evidence["codec"], data, st, j, k, z, result, tau)
+    revealed = zip(stmts, acc_evidence["hashes"], acc_evidence["parts"], strict=True)
+    for st, hashes, data in revealed:
+        chunk_hashes = [hashes[i : i + 32] for i in range(0, len(hashes), 32)]
+        why = _part_lie(acc_evidence["codec"], chunk_hashes, data, st, j, k, z, result, tau)
         if why:
             return members[st.sender] == accused
     chk = check_chunk(

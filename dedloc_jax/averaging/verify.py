@@ -262,16 +262,31 @@ def counted_weight(stated: float, bound: float) -> float:
     return float(bound) if math.isfinite(bound) else float(stated)
 
 
+def parts_root(hashes: Sequence[bytes]) -> bytes:
+    """A sender's commitment to its parts of one share: the hash of its chunks' hashes
+    (:data:`NO_HASH` where it sent nothing). The chunk hashes themselves are revealed only with
+    the parts, when the share is disputed (:mod:`.audit`)."""
+    return hashlib.sha256(b"dedloc-parts/1" + b"".join(hashes)).digest()
+
+
+def results_root(digests: Sequence[bytes]) -> bytes:
+    """What a sender signs about the result chunks of one share it received: the hash of their
+    :func:`result_digest` s, in order (evidence lists them, :func:`.audit.check_evidence`)."""
+    return hashlib.sha256(b"dedloc-results/1" + b"".join(digests)).digest()
+
+
 @dataclass(frozen=True)
 class ShareFigures:
-    """One sender's figures for one reducer's share: per chunk, the part's hash, ``q`` and
-    ``|x|`` (NaN where it sent nothing), and the :func:`result_digest` of the result chunk it
-    received (the bytes, codec and terms its ``q`` was computed against)."""
+    """One sender's figures for one reducer's share: its commitment to its parts
+    (:func:`parts_root`), per chunk ``q`` and ``|x|`` (NaN where it sent nothing; the check and
+    the derived radius are per chunk), and its :func:`results_root` of the result chunks it
+    received (the bytes, codec and terms its ``q`` were computed against). 80 bytes a chunk
+    were 32 + 8 + 8 + 32: the two hashes per chunk are now 64 bytes a share."""
 
-    hashes: tuple[bytes, ...]
+    parts: bytes
     q: np.ndarray
     norms: np.ndarray
-    results: tuple[bytes, ...]
+    results: bytes
 
 
 @dataclass(frozen=True)
@@ -398,10 +413,10 @@ def make_statement(
             "z": seed,
             "j": {
                 int(j): [
-                    b"".join(f.hashes),
+                    f.parts,
                     f.q.astype("<f8").tobytes(),
                     f.norms.astype("<f8").tobytes(),
-                    b"".join(f.results),
+                    f.results,
                 ]
                 for j, f in shares.items()
             },
@@ -454,16 +469,13 @@ def parse_statement(
     for j, fig in per.items():
         if j not in chunks or not isinstance(fig, list) or len(fig) != 4:
             raise BadContributionError("statement for a share that does not exist")
-        hashes, q, norms, results = fig
+        parts, q, norms, results = fig
         n = chunks[j]
-        sizes = (32 * n, 8 * n, 8 * n, 32 * n)
+        sizes = (32, 8 * n, 8 * n, 32)
         if not all(isinstance(v, bytes) for v in fig) or tuple(map(len, fig)) != sizes:
             raise BadContributionError("statement figures of the wrong size")
         shares[j] = ShareFigures(
-            tuple(hashes[32 * k : 32 * k + 32] for k in range(n)),
-            np.frombuffer(q, "<f8").copy(),
-            np.frombuffer(norms, "<f8").copy(),
-            tuple(results[32 * k : 32 * k + 32] for k in range(n)),
+            parts, np.frombuffer(q, "<f8").copy(), np.frombuffer(norms, "<f8").copy(), results
         )
     return Statement(round_id, digest, s, w, seed, shares, msg, tuple(listed))
 

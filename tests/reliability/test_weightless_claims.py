@@ -85,7 +85,7 @@ def test_honest_peers_count_each_other_whole():
 
 def _statement(sender: int, weight: float, norms: list[float]) -> Statement:
     n = len(norms)
-    figs = ShareFigures((bytes(32),) * n, np.zeros(n), np.asarray(norms, np.float64), ())
+    figs = ShareFigures(bytes(32), np.zeros(n), np.asarray(norms, np.float64), bytes(32))
     return Statement(b"r", b"g", sender, weight, bytes(32), {0: figs}, {})
 
 
