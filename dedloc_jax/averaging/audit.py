@@ -55,7 +55,7 @@ from .verify import (
     counted_weight,
     derived_tau,
     direction,
-    hellos_of,
+    hello_of,
     make_statement,
     parse_signed_hello,
     parse_statement,
@@ -853,16 +853,17 @@ def _judge_blank(
     the member states a weight (its side of the share was repaired): nobody is convicted."""
     rst = stated.get(j) or rnd.aux_statements.get(j)
     names = [m.peer_id for m in rnd.members]
-    held = hellos_of(rst, names) if rst is not None else {}
     why, liar, evidence = "", -1, {}
     for i in blank:
-        hello = held.get(i)
+        key = stated[i].wire["pk"]  # member i's own (its statement's signature is checked)
+        hello = hello_of(rst, names, i, key) if rst is not None else None
         if rst is not None and (hello is None or not hello.weight > 0):
             why = f"counted {rnd.name(i)}, which signed no contribution to the round"
             liar = j
             evidence = _chunk_evidence(rnd, j, k, codec_name) | {
                 "kind": "hello",
                 "member": i,
+                "member_key": key,
                 "statements": [rst.wire],
             }
             break
@@ -995,7 +996,10 @@ def _hello_evidence(ev: dict, accused: str) -> bool:
     key = raw["pk"]  # the reducer's own (its statement's signature was checked with it)
     if not verify_signature(key, ev["result_sig"], signed):
         return False
-    hello = hellos_of(st, members).get(i)
+    key = ev["member_key"]  # the listed hello's signer: checked against its peer ID
+    if not isinstance(key, bytes) or not PeerID.from_base58(members[i]).matches(key):
+        return False
+    hello = hello_of(st, members, i, key)
     return hello is None or not hello.weight > 0
 
 

@@ -305,14 +305,18 @@ class SignedHello:
     """The signed form ({"b": body, "pk": key, "sig": signature}), kept as evidence."""
 
 
+def _hello_body(round_id: bytes, digest: bytes, sender: int, weight: float) -> bytes:
+    """The one encoding of a hello's body: a reducer lists a hello by sender, weight and
+    signature alone (:func:`make_statement`), and anyone rebuilds the body from the round."""
+    body = {"t": "hello", "r": round_id, "g": digest, "s": int(sender), "w": float(weight)}
+    return msgpack.packb(body, use_bin_type=True)
+
+
 def make_hello(
     identity: object, round_id: bytes, digest: bytes, sender: int, weight: float
 ) -> dict:
     """The signed wire form of a sender's hello (``weight`` 0: it abstains)."""
-    body = msgpack.packb(
-        {"t": "hello", "r": round_id, "g": digest, "s": int(sender), "w": float(weight)},
-        use_bin_type=True,
-    )
+    body = _hello_body(round_id, digest, sender, weight)
     return {"b": body, "pk": identity.public_key, "sig": identity.sign(body)}  # type: ignore[attr-defined]
 
 
@@ -355,6 +359,9 @@ def parse_signed_hello(
         raise BadContributionError("hello signed by another peer than the member it names")
     if not isinstance(w, float) or not math.isfinite(w) or w < 0:
         raise BadContributionError("bad signed hello weight")
+    if msg["b"] != _hello_body(r, g, s, w):  # type: ignore[index]
+        # a reducer lists it by its figures: another encoding would not verify from them
+        raise BadContributionError("signed hello not in its one encoding")
     return SignedHello(r, g, s, w, msg)  # type: ignore[arg-type]
 
 
@@ -370,25 +377,39 @@ class Statement:
     shares: Mapping[int, ShareFigures]
     wire: dict
     """The signed form ({"b": body, "pk": key, "sig": signature}), kept as evidence."""
-    hello_wires: tuple[dict, ...] = ()
+    hello_wires: tuple[list, ...] = ()
     """As a reducer: the signed hellos of the senders that opened an exchange with it (and its
-    own): what it may count. Checked only when a share is disputed (:func:`hellos_of`): a
-    member parsing every reducer's would verify n**2 signatures a round."""
+    own): what it may count, each as ``[sender, weight, signature]`` (the body follows from the
+    round, the key from the sender's own statement: 77 bytes, were 210). Checked only when a
+    share is disputed (:func:`hello_of`): a member parsing every reducer's would verify n**2
+    signatures a round."""
 
 
-def hellos_of(st: Statement, members: Sequence[str]) -> dict[int, SignedHello]:
-    """The hellos a reducer's statement lists, by member, those that verify (a malformed one
-    counts as none: the reducer signed the list). Of two by one member (that member signed
-    both), the contribution."""
-    out: dict[int, SignedHello] = {}
-    for raw in st.hello_wires:
+def hello_of(st: Statement, members: Sequence[str], i: int, key: bytes) -> SignedHello | None:
+    """Member ``i``'s hello as a reducer's statement lists it, if one verifies with ``key``
+    (member ``i``'s public key; a malformed entry counts as none: the reducer signed the
+    list). Of two by one member (that member signed both), the contribution."""
+    out = None
+    for entry in st.hello_wires:
+        if not isinstance(entry, list) or len(entry) != 3 or entry[0] != i:
+            continue
+        s, w, sig = entry
+        if not isinstance(w, float) or not isinstance(sig, bytes):
+            continue
+        raw = {"b": _hello_body(st.round_id, st.digest, i, w), "pk": key, "sig": sig}
         try:
             h = parse_signed_hello(raw, round_id=st.round_id, digest=st.digest, members=members)
-        except BadContributionError:
+        except (BadContributionError, ValueError):
             continue
-        if h.sender not in out or h.weight > 0:
-            out[h.sender] = h
+        if out is None or h.weight > 0:
+            out = h
     return out
+
+
+def _listed(hello: dict) -> list:
+    """A signed hello as a reducer's statement lists it (its body was checked on receipt)."""
+    d = msgpack.unpackb(hello["b"], raw=False, strict_map_key=False)
+    return [d["s"], d["w"], hello["sig"]]
 
 
 def make_statement(
@@ -405,7 +426,7 @@ def make_statement(
     ``hellos``: the signed hellos it holds as a reducer (:class:`SignedHello`)."""
     body = msgpack.packb(
         {
-            "h": list(hellos),
+            "h": [_listed(h) for h in hellos],
             "r": round_id,
             "g": digest,
             "s": sender,
