@@ -3,16 +3,18 @@
 After a round's exchange, each member holding the result (every sender) derives the check seed
 from the result (:func:`.verify.seed_of`), signs its :class:`~.verify.Statement` and swaps it
 with every dialable sender (``STATEMENT_PROTOCOL``, one unary call each: a member answers at
-once with its own, or, to a client, which nobody can dial, and to a member asking for a
-statement it could not get directly, with those the caller lacks once it holds them all or its
-wait ends; a
-relayed statement is checked by its own signature). Then every member checks every
-share it can (the figures of each chunk's contributors are in; a repaired share is not
-checked). For a share that fails, the member asks each of its contributors to reveal its
-encoded parts of the whole share: a part that does not match its sender's signed hash or (in
-the first failing chunk) its stated projection convicts the sender; if all match, the reducer
-lied. An :class:`Accusation` carries the signed statements and the revealed bytes, so a third
-party can redo the check from the record alone (:func:`check_evidence`). Every member then
+once with its own; to a member asking for the statements it could not get directly (one it
+could not reach; a client, which nobody can dial, asks :data:`RELAYS` members first, then the
+others), with those the caller lacks once it holds them all or its wait ends; a relayed
+statement is checked by its own signature). Then every member checks every share it can (the
+figures of each chunk's contributors are in; a repaired share is not checked). For a share
+that fails, the member asks each of its contributors to reveal its chunk hashes and its
+encoded parts of the whole share: hashes that do not hash to its signed root
+(:func:`.verify.parts_root`), a part that does not match its hash or (in the first failing
+chunk) its stated projection or norm convict the sender; if all match, the reducer lied. An
+:class:`Accusation` carries the signed statements, the revealed chunk hashes and bytes and the
+share's result digests (the contributors signed their root), so a third party can redo the
+check from the record alone (:func:`check_evidence`). Every member then
 **recomputes the share** from the revealed parts, leaving out the convicted peer's
 (:func:`.verify.recompute`: the parts are the committed bytes, so every member holds the same
 bits and no reducer is trusted). A client, whom nobody can dial, pushes its parts of a failed
@@ -21,9 +23,11 @@ contributor revealed nothing: it left, or its push was lost) or a part is missin
 **dropped** (set to zero on every member whose reveals came to the same). A share that cannot
 be checked because a contributor stated nothing about the results we hold (no statement, or
 one of another seed: it withheld it, or its reducer sent others other bits) is recomputed from
-the revealed parts in the same way, those with no statement or no reveal left out. A contributor
-revealing to some members and not to others can still make their shares differ; the fork
-choice then mends it.
+the revealed parts in the same way, those with no statement or no reveal left out, when at
+most half its contributors lack one (more is our own exchange failing) and another member
+revealed a part (else they all checked it and our view is the odd one): otherwise it is taken
+unchecked. A contributor revealing to some members and not to others can still make their
+shares differ; the fork choice then mends it.
 """
 
 from __future__ import annotations
@@ -76,8 +80,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-VERIFY_PROTOCOL = "dedloc/allreduce-verify/4"  # 4: reducers' statements list signed hellos
-STATEMENT_PROTOCOL = "dedloc/allreduce-statement/2"
+VERIFY_PROTOCOL = "dedloc/allreduce-verify/5"  # 5: a reveal opens with the chunk hashes
+STATEMENT_PROTOCOL = "dedloc/allreduce-statement/3"  # 3: a root per share, compact hellos
 """A unary call: a member's statement in; the callee's own out (or, asked to wait, those the
 caller lacks)."""
 
@@ -110,8 +114,8 @@ class Verdict:
     """Shares whose check failed and that every member recomputed from the revealed parts,
     without the convicted peer's."""
     unverified: frozenset[int]
-    """Shares not checked (repaired). A share a contributor's missing statement keeps from
-    being checked is recomputed from the revealed parts (or dropped), never taken unchecked."""
+    """Shares not checked: repaired, or kept from being checked by missing statements that the
+    module docstring's rule takes for our own exchange failing."""
     accusations: tuple[Accusation, ...]
 
 

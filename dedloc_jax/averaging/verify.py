@@ -2,8 +2,10 @@
 
 Every reducer's result is checked by every member holding it, in the same round:
 
-1. *Commitments.* A sender hashes each encoded part chunk as it sends it; the hashes go in its
-   signed :class:`Statement`, so what it sent is fixed before it learns the check direction.
+1. *Commitments.* A sender hashes each encoded part chunk as it sends it; the root of a
+   share's hashes (:func:`parts_root`) goes in its signed :class:`Statement`, so what it sent
+   is fixed before it learns the check direction. The chunk hashes are revealed with the parts
+   when the share is disputed; a statement grows by a chunk's ``q`` and norm (16 bytes).
 2. *A direction nobody chose.* The seed is the hash of every share's result (values, contributor
    masks, CenteredClip radii): every member holds the same bits, so all derive the same seed, and
    it exists only after every reducer has sent its result. :func:`direction` expands it into a
@@ -27,10 +29,11 @@ codec's rounding (fp16: 1e4 * 2**-10 ~ 10x the result's own norm) is missed with
 below 1e-3 per chunk, and a share of C such chunks below 1e-3**C. Lies within ``~SIGMAS * b``
 (the codec's own noise) may pass; they move the result by no more than that.
 
-A failed check is followed by a *reveal* (:mod:`.audit`): the contributors send their encoded
-part chunk, which must hash to their committed hash and reproduce their stated projection; if
-all do, the reducer lied (proof: the parts, the statements, the result), else the sender whose
-part contradicts its own signed statement lied. Either way, everyone drops that share.
+A failed check is followed by a *reveal* (:mod:`.audit`): the contributors send their chunk
+hashes (which must hash to their committed root) and their encoded parts, each of which must
+match its hash and reproduce their stated projection and norm; if all do, the reducer lied
+(proof: the parts, the statements, the result), else the sender whose part contradicts its own
+signed statement lied. Either way, everyone drops that share.
 """
 
 from __future__ import annotations
