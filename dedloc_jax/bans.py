@@ -51,9 +51,10 @@ MAX_INDEXED = 1024
 published. The bound the defaults keep: a conviction's evidence is one chunk from each of at
 most ``max_group_size`` (64) members, at most 4 bytes a value (no compression) and 262,144
 values a chunk (the loopback preset's, the largest default): 64 MiB of parts and 1 MiB of
-result, plus each member's signed statement (80 bytes per chunk of the whole vector, and a
-reducer's 64 signed hellos): within 128 MiB for vectors of up to ~3.4e9 values at that chunk
-(~8.5e8 at the internet preset's). Pinned by
+result, plus each member's signed statement (16 bytes per chunk of the whole vector, and a
+reducer's 64 listed hellos) and its revealed hashes (32 bytes per chunk of the share, at most
+the whole vector): within 128 MiB for vectors of up to ~5.6e9 values at that chunk (~1.4e9 at
+the internet preset's). Pinned by
 ``test_byzantine.py::test_evidence_of_the_largest_default_group_and_chunk_is_published_and_verified``."""
 MAX_REASON = 300
 MAX_CHECKED = 1024
