@@ -868,3 +868,40 @@ def test_a_statement_grows_by_its_projection_and_norm_per_chunk_not_its_hashes(m
     assert n_many >= 30 * n_few
     per_chunk = (many - few) / (n_many - n_few)
     assert per_chunk <= 16.5, per_chunk  # 80 before
+
+
+def test_a_reducer_lists_hellos_by_their_figures_and_other_encodings_are_refused():
+    """A reducer's statement lists each signed hello as sender, weight and signature (77 bytes,
+    were 210): anyone rebuilds the body from the round and checks it with the sender's key. A
+    hello signed in another encoding of the same fields would then not verify from the list,
+    and a sender could make an honest reducer look as if it counted an unsigned member: it is
+    refused on receipt."""
+    import msgpack
+
+    from dedloc_jax.averaging.errors import BadContributionError
+    from dedloc_jax.averaging.verify import (
+        hello_of,
+        make_hello,
+        make_statement,
+        parse_signed_hello,
+        parse_statement,
+    )
+    from p2p.identity import Identity, PeerID
+
+    ids = [Identity.generate() for _ in range(2)]
+    members = [str(PeerID.from_public_key(i.public_key)) for i in ids]
+    rid, digest = b"round", bytes(range(32))
+    hello = make_hello(ids[1], rid, digest, 1, 3.0)
+    assert parse_signed_hello(hello, round_id=rid, digest=digest, members=members).weight == 3.0
+    fields = {"w": 3.0, "s": 1, "g": digest, "r": rid, "t": "hello"}  # another key order
+    body = msgpack.packb(fields, use_bin_type=True)
+    other = {"b": body, "pk": ids[1].public_key, "sig": ids[1].sign(body)}
+    with pytest.raises(BadContributionError):
+        parse_signed_hello(other, round_id=rid, digest=digest, members=members)
+    signed = make_statement(ids[0], rid, digest, 0, 1.0, bytes(32), {}, [hello])
+    st = parse_statement(signed, round_id=rid, digest=digest, members=members, chunks={})
+    assert len(msgpack.packb(st.hello_wires[0])) < 80
+    listed = hello_of(st, members, 1, ids[1].public_key)
+    assert listed is not None and listed.weight == 3.0 and listed.sender == 1
+    assert hello_of(st, members, 1, ids[0].public_key) is None  # another member's key
+    assert hello_of(st, members, 0, ids[0].public_key) is None  # not listed
