@@ -1064,16 +1064,31 @@ def _part_lie(
 
 def check_evidence(acc_evidence: dict, accused: str) -> bool:
     """Redo an accusation's check from its evidence alone: True when it convicts ``accused``
-    (signatures, commitments and arithmetic all hold). Used by peers that were not there.
+    (signatures, commitments and arithmetic all hold). Used by peers that were not there;
+    malformed evidence convicts nobody.
 
     A sender is convicted by its own signed statement and the part it revealed; a reducer by
     its signature of the result chunk, the contributors' signed statements and their revealed
     parts (all of them, matching their commitments)."""
-    if acc_evidence.get("kind") is not None:  # a conviction on signed hellos
-        try:
+    try:
+        if acc_evidence.get("kind") is not None:  # a conviction on signed hellos
             return _hello_evidence(acc_evidence, accused)
-        except (KeyError, TypeError, ValueError, BadContributionError, IdentityError, GroupError):
-            return False
+        return _chunk_evidence_convicts(acc_evidence, accused)
+    except (
+        AttributeError,
+        IndexError,
+        KeyError,
+        TypeError,
+        ValueError,
+        BadContributionError,
+        IdentityError,
+        GroupError,
+    ):
+        return False
+
+
+def _chunk_evidence_convicts(acc_evidence: dict, accused: str) -> bool:
+    """:func:`check_evidence` of a conviction on a chunk's figures (:func:`_judge`)."""
     try:
         members = list(acc_evidence["members"])
         spec = GroupSpec.from_bytes(acc_evidence["spec"])

@@ -905,3 +905,16 @@ def test_a_reducer_lists_hellos_by_their_figures_and_other_encodings_are_refused
     assert listed is not None and listed.weight == 3.0 and listed.sender == 1
     assert hello_of(st, members, 1, ids[0].public_key) is None  # another member's key
     assert hello_of(st, members, 0, ids[0].public_key) is None  # not listed
+
+
+def test_evidence_missing_a_field_or_of_the_wrong_types_convicts_nobody(monkeypatch):
+    """Evidence comes from the DHT, written by anyone: a missing field (the share's result
+    digests, a reducer's key, ...) or one of another type is no conviction, and no crash (a
+    missing ``seed`` raised KeyError out of check_evidence before)."""
+    evidence, names = _framing_evidence(monkeypatch, "fp16", False)
+    for key in evidence:
+        dropped = {k: v for k, v in evidence.items() if k != key}
+        assert not any(check_evidence(dropped, p) for p in names), key
+        assert not any(check_evidence(dict(evidence, **{key: 7}), p) for p in names), key
+    for junk in ({"kind": "hello"}, {"kind": 3}, {}, []):
+        assert check_evidence(junk, names[1]) is False  # type: ignore[arg-type]
