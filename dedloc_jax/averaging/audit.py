@@ -269,16 +269,17 @@ async def answer(rnd: Round, request: Any, remote: PeerID) -> dict:
     if st.sender != who:
         raise BadContributionError("a member may only push its own statement")
     _add(rnd, st)
+    held = request.get("h")
+    held = set(held) if isinstance(held, list) and len(held) <= len(names) else set()
     if request.get("w") is True:
         await _wait_for_all(rnd, trio.current_time() + rnd.verify_timeout)
-        held = request.get("h")
-        held = set(held) if isinstance(held, list) and len(held) <= len(names) else set()
         return {"l": [s.wire for i, s in rnd.statements.items() if i not in held | {who}]}
     # A node that calls us gets every other node's statement from that node's own call, a
     # client from its own call to that node: ours only, so each statement crosses each link
-    # once (O(n) bytes per member).
+    # once (O(n) bytes per member); not even ours when it already holds it (we called it
+    # first: both directions carried both statements).
     own = rnd.statements.get(rnd.me)
-    return {"l": [] if own is None else [own.wire]}
+    return {"l": [] if own is None or rnd.me in held else [own.wire]}
 
 
 async def serve(rnd: Round, ms: MessageStream, remote: PeerID) -> None:

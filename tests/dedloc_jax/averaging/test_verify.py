@@ -918,3 +918,37 @@ def test_evidence_missing_a_field_or_of_the_wrong_types_convicts_nobody(monkeypa
         assert not any(check_evidence(dict(evidence, **{key: 7}), p) for p in names), key
     for junk in ({"kind": "hello"}, {"kind": 3}, {}, []):
         assert check_evidence(junk, names[1]) is False  # type: ignore[arg-type]
+
+
+def test_a_node_calling_late_is_not_sent_the_statements_it_already_holds(monkeypatch):
+    """Member 0 swaps late: every other node has called it, pushing its statement and taking
+    member 0's. Its own calls then list those as held, and the answers carry nothing; each
+    answer carried the callee's statement again before (each statement crossed each link twice
+    in a round whose members finish at different times)."""
+    from dedloc_jax.averaging import audit
+
+    answer, exchange = audit.answer, audit._exchange
+    to_late: list[int] = []
+
+    async def counted(rnd, request, remote):  # noqa: ANN001, ANN202
+        reply = await answer(rnd, request, remote)
+        if str(remote) == rnd.members[0].peer_id:
+            to_late.append(len(reply["l"]))
+        return reply
+
+    async def late(rnd, mine, until):  # noqa: ANN001, ANN202
+        if rnd.me == 0:
+            await rnd.statement_changes.wait(until)  # until the first push
+            await trio.sleep(0.5)
+        await exchange(rnd, mine, until)
+
+    monkeypatch.setattr(audit, "answer", counted)
+    monkeypatch.setattr(audit, "_exchange", late)
+    n = 5
+    rng = np.random.default_rng(8)
+    trees = [make_tree(rng, SHAPES) for _ in range(n)]
+    outcome, _, _ = run_round(["node"] * n, trees, [1.0] * n, codec="fp16", config=VERIFY)
+    results = _results(outcome)
+    assert not any(r.accusations for r in results)
+    assert all(r.vector.tobytes() == results[0].vector.tobytes() for r in results)
+    assert len(to_late) == n - 1 and sum(to_late) == 0, to_late
