@@ -35,7 +35,7 @@ import trio
 
 from dedloc_jax.averaging.errors import GroupError
 from dedloc_jax.averaging.group import GroupSpec, Member
-from dedloc_jax.rounds.context import RoundContext
+from dedloc_jax.rounds.context import PeerSide
 from dedloc_jax.rounds.deadlines import Deadlines
 from dedloc_jax.rounds.following import (
     FollowsGone,
@@ -49,7 +49,7 @@ from dedloc_jax.rounds.grouping import group_seed
 from dedloc_jax.rounds.leading import answer_join, lead
 from dedloc_jax.rounds.plan import plan_groups
 from dedloc_jax.rounds.plan import representatives as plan_representatives
-from dedloc_jax.rounds.slots import LeaderRound, Slots
+from dedloc_jax.rounds.slots import LedGroup, Slots
 from dedloc_jax.rounds.wire import (
     JOIN,
     LEADER,
@@ -248,7 +248,7 @@ class Matchmaker:
         run_id: str,
         *,
         max_group_size: int,
-        context: RoundContext = RoundContext(),
+        context: PeerSide = PeerSide(),
         slots: Slots | None = None,
         deadlines: Deadlines = Deadlines(window=1.0),
     ) -> None:
@@ -849,7 +849,7 @@ class Matchmaker:
         bare window (the other waits then the matchmaker's own)."""
         window, waits = self._window_of(deadlines)
         epoch, level = slot
-        rnd = LeaderRound(
+        rnd = LedGroup(
             slot,
             me,
             cap,

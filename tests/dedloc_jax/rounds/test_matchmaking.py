@@ -4,7 +4,7 @@ import pytest
 import trio
 
 from dedloc_jax.config import CollaborationConfig
-from dedloc_jax.rounds.context import RoundContext
+from dedloc_jax.rounds.context import PeerSide
 from dedloc_jax.rounds.wire import member_for
 from p2p.testing import SimNetwork, run_sim
 from tests.dedloc_jax.simcollab import matchmakers, open_sim_dhts
@@ -78,7 +78,7 @@ def test_peers_that_step_from_other_states_average_apart() -> None:
         net = SimNetwork(seed=3)
         async with open_sim_dhts(net, len(states), latency=0.01) as peers:
             contexts = [
-                RoundContext(state_of=lambda epoch, state=state: state if epoch == 3 else None)
+                PeerSide(state_of=lambda epoch, state=state: state if epoch == 3 else None)
                 for state in states
             ]
             makers = matchmakers(peers, max_group_size=8, contexts=contexts)
@@ -125,7 +125,7 @@ def test_a_leader_refuses_a_member_that_steps_from_another_state() -> None:
             nursery.start_soon(one, 1)
             nursery.start_soon(one, 2)
 
-    contexts = [RoundContext(state_of=lambda epoch, i=i: state[i]) for i in range(3)]
+    contexts = [PeerSide(state_of=lambda epoch, i=i: state[i]) for i in range(3)]
     out = _two_at_once(3, 7, lambda makers, ids: None, lead, follow, contexts=contexts)
     assert out[1] is None  # refused: another state
     assert out[2] is not None and out[2] == out["leader"]
@@ -150,9 +150,9 @@ def _late_peer(leader_is_late: bool) -> tuple[float, float, object]:
             a, b = (second, first) if leader_is_late else (first, second)
             seen: set[str] = set()  # the peers B's tracker saw at the next epoch
             contexts = [
-                RoundContext(moved_on=lambda peer, epoch: peer in seen and epoch < 4)
+                PeerSide(moved_on=lambda peer, epoch: peer in seen and epoch < 4)
                 if pid == b
-                else RoundContext()
+                else PeerSide()
                 for pid in ids
             ]
             makers = dict(
@@ -302,7 +302,7 @@ def test_a_peer_the_collaboration_left_behind_stops_looking_for_a_group_at_once(
         net = SimNetwork(seed=6)
         async with open_sim_dhts(net, 2, latency=0.01) as peers:
             ids = [str(node.peer_id) for node, _ in peers]
-            contexts = [RoundContext(epoch_over=lambda epoch: epoch < 4), RoundContext()]
+            contexts = [PeerSide(epoch_over=lambda epoch: epoch < 4), PeerSide()]
             makers = matchmakers(peers, max_group_size=8, contexts=contexts)
             late = makers[0]
             me = member_for(ids[0], "node", 1e6, 1e6, 8.0)
