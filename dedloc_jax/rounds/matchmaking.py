@@ -404,7 +404,7 @@ class Matchmaker:
         hold); :meth:`join_group` then leads or joins with the weight we hold. ``ahead``: a
         plan alone is not final (a group of us only, for :meth:`join_group` to plan anew)."""
         expected = {p for p in expected if not self.context.banned(p)}  # nobody waits for them
-        unearned = frozenset()
+        unearned: frozenset[str] = frozenset()
         if level == 0:
             unearned = frozenset(p for p in expected if not self._earned(p, epoch))
             expected -= unearned
