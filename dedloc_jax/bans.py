@@ -15,7 +15,7 @@ read, going on at the next read. A peer reading it bans the accused only if
 digest checked), so an accuser cannot ban an honest peer with a record alone. A record whose
 evidence is missing (over :data:`MAX_INDEXED` pieces, or its pieces lost) is listed
 (``verified: False``) and bans nobody but its writer's own rounds.
-Banned peers are left out of groups (:class:`~dedloc_jax.rounds.context.RoundContext.banned`).
+Banned peers are left out of groups (:class:`~dedloc_jax.rounds.context.PeerSide.banned`).
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ from dedloc_jax.bans import Bans
 from dedloc_jax.config import CollaborationConfig
 from dedloc_jax.peer import CollaborationPeer
 from dedloc_jax.rounds.across import AcrossGroups
-from dedloc_jax.rounds.average import Rounds
+from dedloc_jax.rounds.average import Averager
 from dedloc_jax.rounds.context import context_of
 from dedloc_jax.rounds.early import EarlyGroups
 from dedloc_jax.rounds.gather import SparseGather
@@ -195,7 +195,7 @@ def _assemble(
         context=context,
         slots=slots,
     )
-    rounds = Rounds(
+    rounds = Averager(
         AveragingService(node, allreduce_config, admit=admit),
         matchmaker,
         AcrossGroups(node, slots, admit=admit),

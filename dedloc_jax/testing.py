@@ -47,14 +47,14 @@ def matchmakers(
     contexts: Sequence[Any] | None = None,
 ) -> list[Any]:
     """A registered :class:`Matchmaker` with a fixed window for each of ``peers``, each with
-    its ``contexts`` entry (a :class:`RoundContext`; default: a peer that knows nothing)."""
-    from dedloc_jax.rounds.context import RoundContext
+    its ``contexts`` entry (a :class:`PeerSide`; default: a peer that knows nothing)."""
+    from dedloc_jax.rounds.context import PeerSide
     from dedloc_jax.rounds.deadlines import Deadlines
     from dedloc_jax.rounds.matchmaking import Matchmaker
 
     makers = []
     for i, (node, dht) in enumerate(peers):
-        context = contexts[i] if contexts is not None else RoundContext()
+        context = contexts[i] if contexts is not None else PeerSide()
         mm = Matchmaker(
             node,
             dht,

@@ -76,7 +76,7 @@ from .verify import (
 )
 
 if TYPE_CHECKING:
-    from .butterfly import Round
+    from .butterfly import AllReduceState
 
 logger = logging.getLogger(__name__)
 
@@ -142,7 +142,7 @@ def _commit_lie(fig: ShareFigures, hashes: Sequence[bytes], k: int, data: bytes)
     return ""
 
 
-def _own(rnd: Round, j: int) -> Reveal:
+def _own(rnd: AllReduceState, j: int) -> Reveal:
     """Our parts of share ``j``, as we committed to them."""
     n = len(rnd.chunks[j])
     return Reveal(tuple(rnd.part_hashes[j]), tuple(bytes(rnd.sent_part(j, k)) for k in range(n)))
@@ -154,7 +154,7 @@ async def _send_reveal(ms: MessageStream, got: Reveal) -> None:
         await ms.send(wire.part(k, data))
 
 
-async def _figures(rnd: Round, seed: bytes) -> dict[int, ShareFigures]:
+async def _figures(rnd: AllReduceState, seed: bytes) -> dict[int, ShareFigures]:
     """This sender's figures for every share: per chunk, its committed hash, ``q`` and norm
     (a checkpoint after each chunk: the node keeps serving while it computes)."""
     out: dict[int, ShareFigures] = {}
@@ -179,13 +179,13 @@ async def _figures(rnd: Round, seed: bytes) -> dict[int, ShareFigures]:
     return out
 
 
-def _terms(rnd: Round, j: int, k: int) -> bytes:
+def _terms(rnd: AllReduceState, j: int, k: int) -> bytes:
     a, b = rnd.share_slice(j, k)
     cfg = rnd.config
     return chunk_terms(a, b, rnd.codec.at(a, b).name, cfg.robust_mode, cfg.robust_tau)
 
 
-def _received(rnd: Round, j: int, k: int) -> bytes:
+def _received(rnd: AllReduceState, j: int, k: int) -> bytes:
     """The :func:`.verify.result_digest` of result chunk ``k`` of share ``j`` as we received it
     (what its reducer signed, under the terms we hold)."""
     held = rnd.result_bytes.get(j, ())
@@ -195,7 +195,7 @@ def _received(rnd: Round, j: int, k: int) -> bytes:
 
 
 def check_signed(
-    rnd: Round,
+    rnd: AllReduceState,
     j: int,
     k: int,
     data: bytes,
@@ -231,7 +231,7 @@ def check_signed(
         raise BadContributionError(f"reducer {who}'s signature of result chunk {k} does not verify")
 
 
-def _parse(rnd: Round, msg: Any) -> Statement:
+def _parse(rnd: AllReduceState, msg: Any) -> Statement:
     return parse_statement(
         msg,
         round_id=rnd.round_id,
@@ -241,22 +241,22 @@ def _parse(rnd: Round, msg: Any) -> Statement:
     )
 
 
-def _expected(rnd: Round) -> set[int]:
+def _expected(rnd: AllReduceState) -> set[int]:
     return {i for i, m in enumerate(rnd.members) if m.sends}
 
 
-def _add(rnd: Round, st: Statement) -> None:
+def _add(rnd: AllReduceState, st: Statement) -> None:
     if st.sender not in rnd.statements:
         rnd.statements[st.sender] = st
         rnd.statement_changes.notify()
 
 
-async def _wait_for_all(rnd: Round, until: float) -> None:
+async def _wait_for_all(rnd: AllReduceState, until: float) -> None:
     while not _expected(rnd) <= set(rnd.statements) and trio.current_time() < until:
         await rnd.statement_changes.wait(until)
 
 
-async def answer(rnd: Round, request: Any, remote: PeerID) -> dict:
+async def answer(rnd: AllReduceState, request: Any, remote: PeerID) -> dict:
     """A member's statement (``STATEMENT_PROTOCOL``): our own, at once; or, when it asks to
     wait (a member we could not reach, or a client: nobody dials a client, so it learns the
     others' statements only from answers), once we hold them all (bounded), every one it does
@@ -282,7 +282,7 @@ async def answer(rnd: Round, request: Any, remote: PeerID) -> dict:
     return {"l": [] if own is None or rnd.me in held else [own.wire]}
 
 
-async def serve(rnd: Round, ms: MessageStream, remote: PeerID) -> None:
+async def serve(rnd: AllReduceState, ms: MessageStream, remote: PeerID) -> None:
     """Answer a reveal request, a client's push or a relay request."""
     names = [m.peer_id for m in rnd.members]
     if str(remote) not in names:
@@ -320,7 +320,7 @@ async def serve(rnd: Round, ms: MessageStream, remote: PeerID) -> None:
         raise BadContributionError("unexpected verify message")
 
 
-async def _swap(rnd: Round, i: int, mine: dict, wait: bool, unreached: set[int]) -> None:
+async def _swap(rnd: AllReduceState, i: int, mine: dict, wait: bool, unreached: set[int]) -> None:
     """Push our statement to member ``i`` and take the ones it lists (``unreached`` gets ``i``
     when the call fails)."""
     peer = PeerID.from_base58(rnd.name(i))
@@ -344,7 +344,7 @@ async def _swap(rnd: Round, i: int, mine: dict, wait: bool, unreached: set[int])
         logger.info("statement swap with %s failed: %s", rnd.name(i), e)
 
 
-async def _receive_parts(rnd: Round, ms: MessageStream, j: int) -> Reveal:
+async def _receive_parts(rnd: AllReduceState, ms: MessageStream, j: int) -> Reveal:
     """A member's chunk hashes of share ``j``, then its encoded parts of every chunk, in
     order, of the codec's sizes."""
     n = len(rnd.chunks[j])
@@ -361,7 +361,7 @@ async def _receive_parts(rnd: Round, ms: MessageStream, j: int) -> Reveal:
     return Reveal(tuple(hashes[32 * k : 32 * k + 32] for k in range(n)), tuple(parts))
 
 
-async def _pushed(rnd: Round, i: int, j: int) -> Reveal | None:
+async def _pushed(rnd: AllReduceState, i: int, j: int) -> Reveal | None:
     """Client ``i``'s parts of share ``j`` as it pushed them to us (waiting a while)."""
     until = trio.current_time() + rnd.verify_timeout
     while (i, j) not in rnd.pushed and trio.current_time() < until:
@@ -369,7 +369,7 @@ async def _pushed(rnd: Round, i: int, j: int) -> Reveal | None:
     return rnd.pushed.get((i, j))
 
 
-async def _ask(rnd: Round, peer_index: int, request: dict, j: int) -> Reveal | None:
+async def _ask(rnd: AllReduceState, peer_index: int, request: dict, j: int) -> Reveal | None:
     try:
         peer = PeerID.from_base58(rnd.name(peer_index))
         with trio.move_on_after(2 * rnd.verify_timeout):
@@ -384,12 +384,12 @@ async def _ask(rnd: Round, peer_index: int, request: dict, j: int) -> Reveal | N
     return None
 
 
-def _dialable(rnd: Round) -> list[int]:
+def _dialable(rnd: AllReduceState) -> list[int]:
     """Members that verify and that anyone can dial."""
     return [i for i, m in enumerate(rnd.members) if m.sends and m.mode != "client"]
 
 
-async def _reveal(rnd: Round, i: int, j: int) -> Reveal | None:
+async def _reveal(rnd: AllReduceState, i: int, j: int) -> Reveal | None:
     """Member ``i``'s encoded parts of every chunk of share ``j`` (None if it revealed
     nothing in time or a malformed part). A client, whom nobody can dial, pushes them to the
     dialable members (:func:`_push`); a client asks one of those to relay another's."""
@@ -406,7 +406,7 @@ async def _reveal(rnd: Round, i: int, j: int) -> Reveal | None:
     return None
 
 
-async def _push(rnd: Round, j: int) -> None:
+async def _push(rnd: AllReduceState, j: int) -> None:
     """As a client, hand our parts of failed share ``j`` to every dialable member."""
     if rnd.vec is None or rnd.abstain:
         return
@@ -489,7 +489,7 @@ def check_chunk(
 
 
 async def _check_shares(
-    rnd: Round, stated: dict[int, Statement]
+    rnd: AllReduceState, stated: dict[int, Statement]
 ) -> tuple[set[int], dict[int, tuple[int, ChunkCheck]], dict[int, set[int]]]:
     """Every share's chunks checked against the statements: the shares that could not be
     (repaired), per failed share its first failed chunk and why, and per share that a
@@ -537,7 +537,7 @@ async def _check_shares(
     return unverified, failures, silent
 
 
-async def _unchecked(rnd: Round, j: int, silent: set[int]) -> str | None:
+async def _unchecked(rnd: AllReduceState, j: int, silent: set[int]) -> str | None:
     """Share ``j``, which ``silent`` contributors' statements (none, or about other results)
     keep from being checked, recomputed from the revealed parts of those that stated
     anything, whichever results it was about (its commitments are seed-free). Unchecked, a
@@ -580,7 +580,7 @@ async def _unchecked(rnd: Round, j: int, silent: set[int]) -> str | None:
     return _recompute(rnd, dict(rnd.statements), j, shares, left_out)
 
 
-async def audit(rnd: Round) -> Verdict:
+async def audit(rnd: AllReduceState) -> Verdict:
     """Check every share of ``rnd`` with the group (see the module docstring)."""
     assert rnd.out is not None
     until = trio.current_time() + rnd.verify_timeout
@@ -675,7 +675,7 @@ of the statements' bytes at 40 peers, 10 of them clients); two, so that one with
 member only delays it. The others are asked if some are still missing after them."""
 
 
-async def _exchange(rnd: Round, mine: dict, until: float) -> None:
+async def _exchange(rnd: AllReduceState, mine: dict, until: float) -> None:
     """Swap statements with the group until ``until``: one unary call per member, answered
     at once with its own statement, so a clean round's check costs one round trip
     (decisions.md has the figures). A member that answered pushes its own statement to us
@@ -706,7 +706,7 @@ async def _exchange(rnd: Round, mine: dict, until: float) -> None:
 
 
 async def _swap_all(
-    rnd: Round, mine: dict, wait: bool, unreached: set[int], members: Sequence[int]
+    rnd: AllReduceState, mine: dict, wait: bool, unreached: set[int], members: Sequence[int]
 ) -> None:
     """:func:`_swap` with each of ``members`` (but us) at once."""
     async with trio.open_nursery() as nursery:
@@ -715,7 +715,7 @@ async def _swap_all(
                 nursery.start_soon(_swap, rnd, i, mine, wait, unreached)
 
 
-def _settle(rnd: Round, j: int, why: str, dropped: set[int], recomputed: set[int]) -> None:
+def _settle(rnd: AllReduceState, j: int, why: str, dropped: set[int], recomputed: set[int]) -> None:
     """Reducer ``j``'s failed share: recomputed (``why`` empty), or dropped by every member
     (zeroed here) for the reason ``why``."""
     if not why:
@@ -732,7 +732,7 @@ def _settle(rnd: Round, j: int, why: str, dropped: set[int], recomputed: set[int
 
 
 def _recompute(
-    rnd: Round,
+    rnd: AllReduceState,
     stated: dict[int, Statement],
     j: int,
     parts: dict[int, Reveal],
@@ -789,7 +789,7 @@ def _recompute(
 
 
 async def _judge(
-    rnd: Round, seed: bytes, stated: dict[int, Statement], j: int, k: int, chk: ChunkCheck
+    rnd: AllReduceState, seed: bytes, stated: dict[int, Statement], j: int, k: int, chk: ChunkCheck
 ) -> tuple[Accusation | None, dict[int, Reveal]]:
     """Who lied about chunk ``k`` of share ``j``, from the parts of the whole share its
     contributors reveal (returned, for the recomputation)."""
@@ -849,7 +849,12 @@ async def _judge(
 
 
 def _judge_blank(
-    rnd: Round, stated: dict[int, Statement], j: int, k: int, blank: list[int], codec_name: str
+    rnd: AllReduceState,
+    stated: dict[int, Statement],
+    j: int,
+    k: int,
+    blank: list[int],
+    codec_name: str,
 ) -> Accusation | None:
     """Members counted in chunk ``k`` of share ``j`` that signed no figures for it: the signed
     hellos decide. Reducer ``j`` counted one whose signed contribution it does not list in its
@@ -897,7 +902,7 @@ def _judge_blank(
     return Accusation(rnd.name(liar), role, why, rnd.round_id, j, k, evidence)
 
 
-def _chunk_evidence(rnd: Round, j: int, k: int, codec_name: str) -> dict:
+def _chunk_evidence(rnd: AllReduceState, j: int, k: int, codec_name: str) -> dict:
     """What every conviction about result chunk ``k`` of share ``j`` names: its terms (codec,
     place, rule), radius and contributors, the reducer's encoded bytes and its signature of
     them (checked on receipt), and the group (its spec's weights bound the stated ones)."""
@@ -919,7 +924,7 @@ def _chunk_evidence(rnd: Round, j: int, k: int, codec_name: str) -> dict:
     }
 
 
-def _readmitted(rnd: Round, stated: dict[int, Statement], j: int) -> Accusation | None:
+def _readmitted(rnd: AllReduceState, stated: dict[int, Statement], j: int) -> Accusation | None:
     """A member left out of a chunk of share ``j`` and counted again in a later one: an honest
     reducer excludes a sender from a chunk on (:meth:`.reducer.Reducer.exclude`) and never
     takes it back, so a reducer that does picks, chunk by chunk, whose part counts. Both

@@ -37,6 +37,7 @@ from p2p.node import Node
 from p2p.rpc import CallContext, MessageStream
 
 from . import audit, wire
+from .allreduce_plan import AllReducePlan, Holdings
 from .audit import Accusation
 from .bandwidth import BandwidthMeter, Gauge
 from .changes import Changes
@@ -48,7 +49,6 @@ from .leaf_codecs import LeafCodecs
 from .partition import flatten, unflatten
 from .reducer import Reducer
 from .repair import Repair, expect_done, receive_finals, send_finals
-from .round_plan import Holdings, RoundPlan
 from .verify import NO_HASH, Statement, make_hello, parse_signed_hello
 from .weighing import kept_of
 
@@ -118,22 +118,22 @@ class AveragingService:
     ) -> None:
         self.node = node
         self.config = config
-        self._rounds: dict[bytes, Round] = {}
+        self._rounds: dict[bytes, AllReduceState] = {}
         self._started: dict[bytes, trio.Event] = {}
-        self._finished: OrderedDict[bytes, tuple[float, Round]] = OrderedDict()
+        self._finished: OrderedDict[bytes, tuple[float, AllReduceState]] = OrderedDict()
         self._admit = admit
         node.add_stream_handler(wire.PROTOCOL, self._handle_exchange)
         node.add_stream_handler(wire.REPAIR_PROTOCOL, self._handle_repair)
         node.add_stream_handler(audit.VERIFY_PROTOCOL, self._handle_verify)
         node.add_handler(audit.STATEMENT_PROTOCOL, self._handle_statement)
 
-    def _open(self, rnd: Round) -> None:
+    def _open(self, rnd: AllReduceState) -> None:
         if rnd.round_id in self._rounds:
             raise AllReduceError("a round with this id is already running on this node")
         self._rounds[rnd.round_id] = rnd
         self._started.pop(rnd.round_id, trio.Event()).set()
 
-    def _close(self, rnd: Round) -> None:
+    def _close(self, rnd: AllReduceState) -> None:
         self._rounds.pop(rnd.round_id, None)
         rnd.finish()
         now = trio.current_time()
@@ -143,7 +143,7 @@ class AveragingService:
         ):
             self._finished.popitem(last=False)
 
-    async def _find(self, round_id: bytes) -> Round:
+    async def _find(self, round_id: bytes) -> AllReduceState:
         """The round, waiting (bounded) for it to start here if a peer started it first."""
         if round_id in self._rounds:
             return self._rounds[round_id]
@@ -162,7 +162,9 @@ class AveragingService:
             raise BadContributionError("unknown round")
         return self._rounds[round_id]
 
-    async def _hello(self, ctx: CallContext, ms: MessageStream) -> tuple[Round, wire.Hello]:
+    async def _hello(
+        self, ctx: CallContext, ms: MessageStream
+    ) -> tuple[AllReduceState, wire.Hello]:
         if self._admit is not None:
             await self._admit(ctx.remote_peer)
         with trio.move_on_after(self.config.stall_timeout):
@@ -214,13 +216,13 @@ class AveragingService:
 # ---- one round ------------------------------------------------------------------------------
 
 
-class Round:
+class AllReduceState:
     """State of one all-reduce round on one member (sender, reducer and repair roles)."""
 
     def __init__(
         self,
         service: AveragingService,
-        plan: RoundPlan,
+        plan: AllReducePlan,
         vec: np.ndarray | None,
         meter: BandwidthMeter | None,
     ) -> None:
@@ -663,7 +665,9 @@ async def all_reduce(
     if not is_finite(vec) and member.sends:
         logger.warning("round: local contribution has non-finite values; abstaining")
     rid = round_id if round_id is not None else group.digest
-    rnd = Round(service, RoundPlan.build(group, me, vec, w, plan, cfg, rid, timeout), vec, meter)
+    rnd = AllReduceState(
+        service, AllReducePlan.build(group, me, vec, w, plan, cfg, rid, timeout), vec, meter
+    )
     if not member.sends:
         rnd.vec = None
     service._open(rnd)

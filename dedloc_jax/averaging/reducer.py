@@ -37,8 +37,8 @@ from .verify import (
 if TYPE_CHECKING:
     from p2p.identity import Identity
 
+    from .allreduce_plan import AllReducePlan, Holdings
     from .bandwidth import BandwidthMeter, Gauge
-    from .round_plan import Holdings, RoundPlan
 
 logger = logging.getLogger(__name__)
 
@@ -58,7 +58,7 @@ class Reducer:
 
     def __init__(
         self,
-        plan: RoundPlan,
+        plan: AllReducePlan,
         holdings: Holdings,
         commit_part: Callable[[int, int, np.ndarray], np.ndarray],
         identity: Identity,
@@ -351,7 +351,8 @@ class Reducer:
         if s in self.seen or s not in self.receivers:
             raise BadContributionError(f"{self.plan.name(s)} connected twice or too late")
         self.seen.add(s)
-        if h.signed is not None:  # checked by Round.check_hello; h's weight is the signed one
+        # Checked by AllReduceState.check_hello; h's weight is the signed one.
+        if h.signed is not None:
             self.holdings.hellos[s] = h.signed
         self.gauges[s] = self.meter.gauge("down")
         self.weights[s] = self.plan.bounded_weight(s, h.weight)  # not what it says, unbounded

@@ -28,7 +28,7 @@ from .robust import centered_clip
 from .verify import clips, derived_tau, part_norm, robust_weights
 
 if TYPE_CHECKING:
-    from .round_plan import Holdings, RoundPlan
+    from .allreduce_plan import AllReducePlan, Holdings
 
 logger = logging.getLogger(__name__)
 F32 = np.dtype("<f4")  # the wire's float32 byte order, whatever the host's
@@ -39,7 +39,7 @@ class Repair:
     our own part comes from ``holdings``, so does the prefix we hold; ``dead``: the senders
     our reducer saw die (not waited for)."""
 
-    def __init__(self, plan: RoundPlan, holdings: Holdings, j: int, dead: Set[int]) -> None:
+    def __init__(self, plan: AllReducePlan, holdings: Holdings, j: int, dead: Set[int]) -> None:
         self.plan, self.holdings, self.j, self.dead = plan, holdings, j, dead
         rnd = plan
         self.n_chunks = len(rnd.chunks[j])
@@ -233,7 +233,7 @@ async def expect_done(ms: MessageStream) -> None:
 
 
 async def send_finals(
-    ms: MessageStream, r: RoundPlan, j: int, values: np.ndarray, masks: Sequence[frozenset[int]]
+    ms: MessageStream, r: AllReducePlan, j: int, values: np.ndarray, masks: Sequence[frozenset[int]]
 ) -> None:
     for k, (x, y) in enumerate(r.chunks[j]):
         await ms.send(wire.result(k, values[x:y].astype(F32).tobytes(), masks[k], "final"))
@@ -241,7 +241,7 @@ async def send_finals(
 
 
 async def receive_finals(
-    ms: MessageStream, r: RoundPlan, j: int
+    ms: MessageStream, r: AllReducePlan, j: int
 ) -> tuple[np.ndarray, list[frozenset[int]]]:
     values = np.zeros(r.bounds[j + 1] - r.bounds[j], np.float32)
     masks = []

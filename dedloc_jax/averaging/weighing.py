@@ -57,7 +57,7 @@ def kept_fractions(
 
 
 def kept_of(rnd: Any) -> dict[str, float]:
-    """:func:`kept_fractions` of a finished, audited :class:`~.butterfly.Round`."""
+    """:func:`kept_fractions` of a finished, audited :class:`~.butterfly.AllReduceState`."""
     chunks = []
     for j in rnd.reducers:
         for k, mask in enumerate(rnd.masks[j]):

@@ -48,7 +48,7 @@ class Hello:
     held: int = 0  # repair only: how many leading chunks of that share the sender holds
     signed: dict | None = None
     """A verified round's exchange: the sender's :class:`~.verify.SignedHello` (wire form),
-    checked by the reducer (:meth:`~.butterfly.Round.check_hello`)."""
+    checked by the reducer (:meth:`~.butterfly.AllReduceState.check_hello`)."""
 
 
 def hello(h: Hello) -> dict:

@@ -16,12 +16,16 @@
 - :mod:`~dedloc_jax.rounds.stepping`: a peer's averaging step around the round (its window, the
   verdict on the mean, the history).
 
-Re-exported here: the names other modules use.
+Re-exported here: the names other modules use, and (deprecated) ``Rounds`` and ``RoundContext``,
+the names ``Averager`` and ``PeerSide`` had before issue #47: they import with a warning.
 """
 
+import warnings
+from typing import Any
+
 from dedloc_jax.rounds.across import AcrossGroups, averaged_weight, broadcast, representative
-from dedloc_jax.rounds.average import Rounds, average_round
-from dedloc_jax.rounds.context import RoundContext
+from dedloc_jax.rounds.average import Averager, average_round
+from dedloc_jax.rounds.context import PeerSide
 from dedloc_jax.rounds.deadlines import Deadlines, averaging_timeout, matchmaking_window
 from dedloc_jax.rounds.matchmaking import Matchmaker
 from dedloc_jax.rounds.plan import expected_peers
@@ -31,10 +35,10 @@ from dedloc_jax.rounds.wire import MAX_STATE_BYTES, group_key, member_for
 __all__ = [
     "MAX_STATE_BYTES",
     "AcrossGroups",
+    "Averager",
     "Deadlines",
     "Matchmaker",
-    "RoundContext",
-    "Rounds",
+    "PeerSide",
     "Slots",
     "average_round",
     "averaged_weight",
@@ -46,3 +50,19 @@ __all__ = [
     "member_for",
     "representative",
 ]
+
+_RENAMED = {"Rounds": "Averager", "RoundContext": "PeerSide"}
+"""Old names of this package's classes: each still resolves, and warns, for code written
+before they were renamed to say what they hold."""
+
+
+def __getattr__(name: str) -> Any:
+    new = _RENAMED.get(name)
+    if new is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    warnings.warn(
+        f"dedloc_jax.rounds.{name} is deprecated: use dedloc_jax.rounds.{new}",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    return globals()[new]

@@ -51,7 +51,7 @@ from p2p.node import Node
 from p2p.rpc import CallContext
 
 if TYPE_CHECKING:  # the round's machinery runs this module's side of it
-    from dedloc_jax.rounds.average import Rounds, ThisRound
+    from dedloc_jax.rounds.average import Averager, RoundTerms
     from dedloc_jax.rounds.deadlines import Deadlines
 
 log = logging.getLogger(__name__)
@@ -98,7 +98,7 @@ class AcrossGroups:
     """One peer's side of the level-1 round: as a representative, it records in the slot's
     record whether the round across groups produced a mean for its group; as a member, it asks
     its representative. ``slots`` are shared with the peer's matchmaker; ``admit``: as
-    :attr:`~dedloc_jax.rounds.context.RoundContext.admit`."""
+    :attr:`~dedloc_jax.rounds.context.PeerSide.admit`."""
 
     def __init__(
         self,
@@ -204,8 +204,8 @@ async def broadcast(
 
 
 async def cross_average(
-    rounds: Rounds,
-    this: ThisRound,
+    rounds: Averager,
+    this: RoundTerms,
     spec: GroupSpec | None,
     mean: list[np.ndarray],
     weight: float,
@@ -262,8 +262,8 @@ async def cross_average(
 
 
 async def represent(
-    rounds: Rounds,
-    this: ThisRound,
+    rounds: Averager,
+    this: RoundTerms,
     mean: list[np.ndarray],
     weight: float,
     on_averaged: Callable[[GroupSpec], None] | None = None,

@@ -2,7 +2,7 @@
 and, when the epoch has several groups, average across them.
 
 Every averaging failure (:class:`AllReduceError`, :class:`GroupError`, also wrapped by a
-round's nursery) ends in :meth:`Rounds.all_reduce` as a result that says why; anything else
+round's nursery) ends in :meth:`Averager.all_reduce` as a result that says why; anything else
 propagates.
 """
 
@@ -71,7 +71,7 @@ class PeerTable(Protocol):
 
 
 @dataclass(frozen=True)
-class Rounds:
+class Averager:
     """A peer's round machinery, made once with the peer: its node's all-reduce service,
     matchmaker and round across groups, its links (whose meter its all-reduces feed), and the
     progress table it reads anew each round."""
@@ -220,7 +220,7 @@ def _only_averaging(group: BaseExceptionGroup) -> BaseExceptionGroup:
 
 
 async def average_round(
-    rounds: Rounds,
+    rounds: Averager,
     epoch: int,
     me: Member,
     arrays: Sequence[np.ndarray],
@@ -247,7 +247,7 @@ async def average_round(
     started = trio.current_time()
     spec = await rounds.group(epoch, me, target=target, expected=expected, deadlines=deadlines)
     own = [np.asarray(a) for a in arrays]
-    this = ThisRound(epoch, deadlines, codec, target, me.mode)
+    this = RoundTerms(epoch, deadlines, codec, target, me.mode)
     result = this.outcome(own, 1, False, NO_GROUP)
     if spec is not None:
         result = await _in_group(rounds, this, spec, me, arrays, started, on_averaged)
@@ -267,7 +267,7 @@ async def average_round(
 
 
 @dataclass(frozen=True)
-class ThisRound:
+class RoundTerms:
     """What every stage of one round shares: the epoch, the window's deadlines, the codec, the
     target and how this peer takes part."""
 
@@ -285,8 +285,8 @@ class ThisRound:
 
 
 async def _in_group(
-    rounds: Rounds,
-    this: ThisRound,
+    rounds: Averager,
+    this: RoundTerms,
     spec: GroupSpec,
     me: Member,
     arrays: Sequence[np.ndarray],
@@ -331,7 +331,7 @@ async def _in_group(
 
 
 async def _sparse_round(
-    rounds: Rounds,
+    rounds: Averager,
     epoch: int,
     me: Member,
     arrays: Sequence[np.ndarray],
@@ -353,7 +353,7 @@ async def _sparse_round(
     own = [decode(cfg, unpack(cfg, data, n), n)]
     started = trio.current_time()
     spec = await rounds.group(epoch, me, target=target, expected=expected, deadlines=deadlines)
-    this = ThisRound(epoch, deadlines, "topk", target, me.mode)
+    this = RoundTerms(epoch, deadlines, "topk", target, me.mode)
     result = this.outcome(own, 1, False, NO_GROUP)
     if spec is not None:
         # each member downloads every other payload: as a butterfly moving half of that

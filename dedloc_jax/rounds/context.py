@@ -36,7 +36,7 @@ def _no_state(epoch: int) -> bytes | None:
 
 
 @dataclass(frozen=True)
-class RoundContext:
+class PeerSide:
     """The peer's side of its rounds; the defaults are a peer that knows nothing (an open run
     with no progress table, as in the matchmaking tests)."""
 
@@ -91,12 +91,12 @@ def context_of(
     state_of: Callable[[int], bytes | None],
     banned: Callable[[str], bool],
     admit: Callable[[PeerID, str | None], Awaitable[None]] | None,
-) -> RoundContext:
+) -> PeerSide:
     """A peer's context: who moved on and whether an epoch is over, from its progress
     ``table``; ``state_of``: its state server's head (peers average only with peers that step
     from the same state, or do not say); ``banned``: its bans; ``admit``: its access guard;
     whether a peer is proven (averaged with the run) or weightless, from the table too."""
-    return RoundContext(
+    return PeerSide(
         moved_on=functools.partial(_moved_on, table),
         epoch_over=functools.partial(_epoch_over, table),
         state_of=state_of,

@@ -11,7 +11,7 @@ from typing import Any
 from dedloc_jax.averaging.errors import GroupError
 from dedloc_jax.averaging.group import GroupSpec, Member
 from dedloc_jax.rounds.claims import excess_weight
-from dedloc_jax.rounds.context import RoundContext
+from dedloc_jax.rounds.context import PeerSide
 from dedloc_jax.rounds.wire import JOIN, LEADER, Slot, member_to_wire
 from p2p.errors import ConnectionClosed, DialError, P2PError, RPCError, RPCTimeout
 from p2p.identity import PeerID
@@ -66,7 +66,7 @@ class Joining:
     node: Node
     slot: Slot
     me: Member
-    context: RoundContext
+    context: PeerSide
     timeout: float
     """The join call's: the leader may hold the group up to its longest wait."""
     learn: Callable[[str, Any], None]

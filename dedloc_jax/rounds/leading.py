@@ -17,7 +17,7 @@ from dedloc_jax.averaging.errors import GroupError
 from dedloc_jax.averaging.group import GroupSpec, Member
 from dedloc_jax.rounds.claims import bound_claims, zero_weightless
 from dedloc_jax.rounds.plan import same_state
-from dedloc_jax.rounds.slots import LeaderRound, Slots
+from dedloc_jax.rounds.slots import LedGroup, Slots
 from dedloc_jax.rounds.wire import Slot
 from p2p.errors import P2PError
 
@@ -91,7 +91,7 @@ async def answer_join(
 
 
 async def lead(
-    rnd: LeaderRound,
+    rnd: LedGroup,
     *,
     window: float,
     wait: float,
@@ -155,7 +155,7 @@ async def lead(
         rnd.formed.set()
 
 
-async def ask_missing(rnd: LeaderRound, window: float, ask: Ask, me: str) -> None:
+async def ask_missing(rnd: LedGroup, window: float, ask: Ask, me: str) -> None:
     """A window after opening, ask each expected member that has not joined whom it
     follows; stop waiting for those that follow someone else, average alone, or cannot be
     reached. Views of the registrations differ (a late registration, another count of

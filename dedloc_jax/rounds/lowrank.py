@@ -2,7 +2,7 @@
 
 The group is formed once; phase P all-reduces every compressed leaf's ``M Q`` with the
 uncompressed leaves, phase Q every ``M^T P`` (:mod:`dedloc_jax.powersgd` has the arithmetic).
-Both go through :meth:`Rounds.all_reduce` with the same group and weights, so the LP's split,
+Both go through :meth:`Averager.all_reduce` with the same group and weights, so the LP's split,
 repair, CenteredClip and verification apply to each, and each phase's timeout follows the LP
 bound of its own bytes (:func:`wire_bytes` is both phases' total). Phase Q's round ID is
 derived from the group's digest: the service keeps a finished round's ID for a while.
@@ -29,7 +29,7 @@ from dedloc_jax.averaging.leaf_codecs import LeafCodecs
 from dedloc_jax.averaging.partition import share_bounds
 from dedloc_jax.history import RoundOutcome
 from dedloc_jax.powersgd import LowRankPlan, PowerSGD, unpack_leaf_count
-from dedloc_jax.rounds.average import NO_GROUP, Rounds, ThisRound
+from dedloc_jax.rounds.average import NO_GROUP, Averager, RoundTerms
 from dedloc_jax.rounds.deadlines import Deadlines
 
 log = logging.getLogger(__name__)
@@ -57,7 +57,7 @@ def _alone(plan: LowRankPlan, ms: list[np.ndarray], qs: list[np.ndarray]) -> lis
 
 
 def _phase_p_spread(
-    rounds: Rounds, this: ThisRound, spec: GroupSpec, sent_p: Sequence[np.ndarray]
+    rounds: Averager, this: RoundTerms, spec: GroupSpec, sent_p: Sequence[np.ndarray]
 ) -> float:
     """How far apart members may end phase P, so start phase Q: its all-reduce's timeout, the
     verification's statements and the convictions' publishing after it. (Without it, phase Q's
@@ -71,7 +71,7 @@ def _phase_p_spread(
 
 
 async def powersgd_round(
-    rounds: Rounds,
+    rounds: Averager,
     epoch: int,
     me: Member,
     arrays: Sequence[np.ndarray],
@@ -89,7 +89,7 @@ async def powersgd_round(
     ms, qs = plan.unpack_sent(arrays)
     started = trio.current_time()
     spec = await rounds.group(epoch, me, target=target, expected=expected, deadlines=deadlines)
-    this = ThisRound(epoch, deadlines, cfg.codec, target, me.mode)
+    this = RoundTerms(epoch, deadlines, cfg.codec, target, me.mode)
     result = this.outcome(_alone(plan, ms, qs), 1, False, NO_GROUP)
     if spec is not None:
         result = await _two_phases(rounds, this, spec, me, plan, ms, qs)
@@ -103,8 +103,8 @@ async def powersgd_round(
 
 
 async def _two_phases(
-    rounds: Rounds,
-    this: ThisRound,
+    rounds: Averager,
+    this: RoundTerms,
     spec: GroupSpec,
     me: Member,
     plan: LowRankPlan,

@@ -35,7 +35,7 @@ import trio
 
 from dedloc_jax.averaging.errors import GroupError
 from dedloc_jax.averaging.group import GroupSpec, Member
-from dedloc_jax.rounds.context import RoundContext
+from dedloc_jax.rounds.context import PeerSide
 from dedloc_jax.rounds.deadlines import Deadlines
 from dedloc_jax.rounds.following import (
     FollowsGone,
@@ -49,7 +49,7 @@ from dedloc_jax.rounds.grouping import group_seed
 from dedloc_jax.rounds.leading import answer_join, lead
 from dedloc_jax.rounds.plan import plan_groups
 from dedloc_jax.rounds.plan import representatives as plan_representatives
-from dedloc_jax.rounds.slots import LeaderRound, Slots
+from dedloc_jax.rounds.slots import LedGroup, Slots
 from dedloc_jax.rounds.wire import (
     JOIN,
     LEADER,
@@ -248,7 +248,7 @@ class Matchmaker:
         run_id: str,
         *,
         max_group_size: int,
-        context: RoundContext = RoundContext(),
+        context: PeerSide = PeerSide(),
         slots: Slots | None = None,
         deadlines: Deadlines = Deadlines(window=1.0),
     ) -> None:
@@ -263,9 +263,11 @@ class Matchmaker:
         # again, so parse only what changed.
         self._learned: dict[str, tuple[str, ...]] = {}
         # Expected peers that did not register in time: peer -> (epoch of its last miss,
-        # misses in a row); and the peers we ever read a registration of. See :meth:`_earned`.
+        # misses in a row); the peers we ever read a registration of; and those we read only
+        # after we had planned, that took part in that matchmaking. See :meth:`_earned`.
         self._no_shows: dict[str, tuple[int, int]] = {}
         self._registered: set[str] = set()
+        self._late: set[str] = set()
         self.deadlines = deadlines
         # Answers to others' joins follow the deadlines of the round this peer began last.
         self._answering = deadlines
@@ -402,11 +404,15 @@ class Matchmaker:
         hold); :meth:`join_group` then leads or joins with the weight we hold. ``ahead``: a
         plan alone is not final (a group of us only, for :meth:`join_group` to plan anew)."""
         expected = {p for p in expected if not self.context.banned(p)}  # nobody waits for them
+        unearned: frozenset[str] = frozenset()
         if level == 0:
-            expected = {p for p in expected if self._earned(p, epoch)}
+            unearned = frozenset(p for p in expected if not self._earned(p, epoch))
+            expected -= unearned
         deadlines = self.deadlines if deadlines is None else deadlines
         self._answering = deadlines
-        return await self._plan_group((epoch, level), me, target, expected, deadlines, ahead)
+        return await self._plan_group(
+            (epoch, level), me, target, expected, deadlines, ahead, unearned=unearned
+        )
 
     async def join_group(
         self, planned: PlannedGroup, me: Member, *, reread: bool = False
@@ -439,6 +445,8 @@ class Matchmaker:
         expected: set[str] | frozenset[str],
         deadlines: Deadlines,
         ahead: bool = False,
+        *,
+        unearned: frozenset[str] = frozenset(),
     ) -> PlannedGroup | None:
         epoch, level = slot
         if level == 0:
@@ -472,6 +480,8 @@ class Matchmaker:
             return None
         if level == 0:
             self._note_shows(epoch, expected, set(gathering.others))
+            if unearned - set(gathering.others):
+                self.node.start_soon(self._read_late, slot, gathering, unearned)
         if expected - set(gathering.others):
             log.debug(
                 "%s: going on after %.1f s without expected peers %s",
@@ -656,15 +666,51 @@ class Matchmaker:
         self._choose(slot, None)
         return None
 
+    async def _read_late(self, slot: Slot, g: _Gathering, unearned: frozenset[str]) -> None:
+        """Read ``slot``'s registrations once more, past the longest wait for a peer that we
+        expect (two windows), for the ``unearned`` peers (see :meth:`_earned`) we planned
+        without: others learn that a newcomer registers only from the reads they make before
+        they plan, so one late at its first round was left out of every later one. Each that
+        registered since and took part in the matchmaking (it says whom it followed: it
+        joined, or was refused, or went alone) is waited for from the next round on; a ghost
+        that only stores registrations earns nothing."""
+        window = g.deadlines.window
+        await trio.sleep_until(g.start + 3 * window)  # the registration lives 16 windows + 35 s
+        found = await self._registrations(g.registry, sweep=True, states={})
+        late = sorted((unearned & set(found)) - self._late - self._registered)
+
+        async def took_part(peer: str) -> None:
+            try:
+                answer = await self._ask_leader(slot, peer, window)
+            except P2PError as e:
+                log.debug(
+                    "%s: %s registered late and did not say whom it followed: %s", slot, peer[:8], e
+                )
+                return
+            if isinstance(answer, dict) and answer.get("decided") is True:
+                log.info(
+                    "epoch %d: newcomer %s registered after we planned: waited for from now on",
+                    slot[0],
+                    peer[:8],
+                )
+                self._late.add(peer)
+
+        async with trio.open_nursery() as nursery:
+            for peer in late:
+                nursery.start_soon(took_part, peer)
+
     def _earned(self, peer: str, epoch: int) -> bool:
         """Whether the round at ``epoch`` waits for ``peer``, which progress records say should
         register: a record costs nothing to publish, so a peer that publishes one and never
         registers would stall every round by the registration window. After ``k`` misses in a
         row it is not waited for during ``2**k - 1`` epochs (at most :data:`MAX_NO_SHOW_SKIP`),
         then given another chance; a registration clears it. A peer we never saw register gets
-        no second chance until it does. It is still grouped whenever it registers in time, so a
-        slow honest peer or newcomer loses only the wait, never its place."""
-        if peer not in self._registered and not self.context.proven(peer):
+        no second chance until it does, or until we read that it registered after we planned
+        and it took part in that matchmaking (:meth:`_read_late`; a miss after that forfeits
+        for :data:`MAX_NO_SHOW_SKIP` epochs). It is still grouped whenever it registers in
+        time, so a slow honest peer or newcomer loses only the wait, never its place."""
+        known = peer in self._registered or peer in self._late
+        if not known and not self.context.proven(peer):
             return False  # never registered, never averaged with the run: a fresh identity
         missed = self._no_shows.get(peer)
         if missed is None:
@@ -677,9 +723,10 @@ class Matchmaker:
 
     def _note_shows(self, epoch: int, expected: set[str], registered: set[str]) -> None:
         """Remember which expected peers did not register for ``epoch`` (see :meth:`_earned`)."""
-        if len(self._no_shows) >= _MAX_LEARNED or len(self._registered) >= _MAX_LEARNED:
+        if max(len(self._no_shows), len(self._registered), len(self._late)) >= _MAX_LEARNED:
             self._no_shows.clear()
             self._registered.clear()
+            self._late.clear()
         for p in registered:
             self._no_shows.pop(p, None)
         self._registered |= registered
@@ -849,7 +896,7 @@ class Matchmaker:
         bare window (the other waits then the matchmaker's own)."""
         window, waits = self._window_of(deadlines)
         epoch, level = slot
-        rnd = LeaderRound(
+        rnd = LedGroup(
             slot,
             me,
             cap,

@@ -16,7 +16,7 @@ KEEP = 4
 
 
 @dataclass
-class LeaderRound:
+class LedGroup:
     """One group this peer leads: who joined, and whether it is still open."""
 
     slot: Slot
@@ -48,7 +48,7 @@ class SlotRecord:
     """Our registration's member as sent: told to a peer whose read of the key missed it."""
     share: float = 0.0
     """The target's samples over the peers expected at the slot, us counted (claims.py)."""
-    leading: LeaderRound | None = None
+    leading: LedGroup | None = None
     cross: bool = False
     """Level 0: the leader's view held other groups, so the mean goes across groups."""
     view: tuple[list[list[str]], dict[str, str]] | None = None

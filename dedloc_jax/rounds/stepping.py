@@ -16,7 +16,7 @@ from dedloc_jax.config import CollaborationConfig
 from dedloc_jax.history import RoundOutcome
 from dedloc_jax.powersgd import PowerSGD, unpack_leaf_count
 from dedloc_jax.progress import CollaborationEstimate
-from dedloc_jax.rounds.average import Rounds, average_round
+from dedloc_jax.rounds.average import Averager, average_round
 from dedloc_jax.rounds.deadlines import Deadlines, matchmaking_window
 from dedloc_jax.rounds.lowrank import powersgd_round
 from dedloc_jax.snapshot import others_train
@@ -35,7 +35,7 @@ class Stepper:
 
     def __init__(
         self,
-        rounds: Rounds,
+        rounds: Averager,
         tracker: ProgressTracker,
         server: StateServer,
         config: CollaborationConfig,

@@ -18,7 +18,7 @@ import enum
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import trio
 
@@ -28,6 +28,9 @@ from p2p.multiaddr import Multiaddr
 from p2p.mux_frames import GOAWAY, encode_frame, reason_bytes
 from p2p.rpc import CallContext
 from p2p.secure import secure_outbound
+
+if TYPE_CHECKING:
+    from p2p.node import Node
 
 logger = logging.getLogger(__name__)
 
@@ -138,7 +141,7 @@ def eligible_addrs(requested: Any, observed: Multiaddr | None, limit: int) -> li
 class DialBackServer:
     """Dials peers back on request (the ``nat.dialback`` RPC)."""
 
-    node: Any
+    node: Node
     config: AutoNATConfig = field(default_factory=AutoNATConfig)
     _busy: set[PeerID] = field(default_factory=set)
     _limit: trio.CapacityLimiter | None = None
@@ -228,7 +231,7 @@ class DialBackServer:
 
 
 async def ask_dial_back(
-    node: Any, peer: PeerID, addrs: Sequence[Multiaddr], config: AutoNATConfig
+    node: Node, peer: PeerID, addrs: Sequence[Multiaddr], config: AutoNATConfig
 ) -> DialBackAnswer:
     """One peer's dial-back verdict on ``addrs``; errors become ``status="error"``."""
     try:
@@ -253,7 +256,7 @@ async def ask_dial_back(
 
 
 async def probe(
-    node: Any, peers: Sequence[PeerID], addrs: Sequence[Multiaddr], config: AutoNATConfig
+    node: Node, peers: Sequence[PeerID], addrs: Sequence[Multiaddr], config: AutoNATConfig
 ) -> tuple[Reachability, list[DialBackAnswer]]:
     """Ask ``peers`` (in parallel) to dial back ``addrs``; the verdict and every answer."""
     answers: list[DialBackAnswer] = []

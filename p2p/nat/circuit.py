@@ -18,7 +18,7 @@ import math
 from collections.abc import Callable
 from contextlib import AsyncExitStack
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import trio
 
@@ -30,6 +30,9 @@ from p2p.nat.errors import RelayRefused
 from p2p.nat.relay import HOP, RESERVE, STOP, _peer_field
 from p2p.rpc import CallContext, MessageStream
 from p2p.transport import ConnHandler
+
+if TYPE_CHECKING:
+    from p2p.node import Node
 
 logger = logging.getLogger(__name__)
 
@@ -123,7 +126,7 @@ class CircuitTransport:
 
     def __init__(
         self,
-        node: Any,
+        node: Node,
         *,
         renew_backoff: float = 5.0,
         max_backoff: float = 300.0,
@@ -330,7 +333,7 @@ def _limits(limits: Any) -> tuple[float, float]:
     return out[0], out[1]
 
 
-def attach(node: Any) -> CircuitTransport:
+def attach(node: Node) -> CircuitTransport:
     """Let ``node`` dial relayed addresses and accept circuits (idempotent)."""
     existing = getattr(node, "circuit_transport", None)
     if isinstance(existing, CircuitTransport):

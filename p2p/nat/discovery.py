@@ -11,13 +11,17 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from p2p.dht import KeySchema, ListOf, follower_replicas, owner_marker
 from p2p.dht.records import owner_markers
 from p2p.errors import IdentityError, MultiaddrError
 from p2p.identity import PeerID
 from p2p.multiaddr import Multiaddr
+
+if TYPE_CHECKING:
+    from p2p.dht import DHT
+    from p2p.node import Node
 
 logger = logging.getLogger(__name__)
 
@@ -72,14 +76,14 @@ def _parse_addrs(value: Any, peer: PeerID) -> list[Multiaddr]:
     return out
 
 
-def advert_replicas(dht: Any) -> int:
+def advert_replicas(dht: DHT) -> int:
     """Nodes an advert is stored on: twice the holders a get stops at (a writer renews it, and
     a renewal repairs what churn took), not the DHT's full replication: 20 replicas per relay
     renewal were a fifth of a 12-peer DiLoCo run's stores (issue 48)."""
     return follower_replicas(dht.config)
 
 
-async def advertise_relay(dht: Any, node: Any, ttl: float = 600.0) -> bool:
+async def advertise_relay(dht: DHT, node: Node, ttl: float = 600.0) -> bool:
     """Announce ``node`` (its direct addresses) as a relay; True if some DHT node stored it."""
     addrs = [str(a) for a in node.addrs if not a.is_relayed][:MAX_ADDRS]
     result = await dht.store(
@@ -92,7 +96,7 @@ async def advertise_relay(dht: Any, node: Any, ttl: float = 600.0) -> bool:
     return bool(result.ok)
 
 
-async def find_relays(dht: Any, limit: int = 8) -> list[Multiaddr]:
+async def find_relays(dht: DHT, limit: int = 8) -> list[Multiaddr]:
     """Direct addresses of advertised relays (one per relay, at most ``limit``)."""
     found = await dht.get(RELAYS_KEY)
     out: list[Multiaddr] = []
@@ -114,7 +118,7 @@ async def find_relays(dht: Any, limit: int = 8) -> list[Multiaddr]:
     return out
 
 
-async def publish_addrs(dht: Any, node: Any, ttl: float = 600.0) -> bool:
+async def publish_addrs(dht: DHT, node: Node, ttl: float = 600.0) -> bool:
     """Publish ``node``'s current addresses (relayed ones included) for others to find."""
     addrs = [str(a) for a in node.addrs][:MAX_ADDRS]
     result = await dht.store(
@@ -123,7 +127,7 @@ async def publish_addrs(dht: Any, node: Any, ttl: float = 600.0) -> bool:
     return bool(result.ok)
 
 
-async def lookup_addrs(dht: Any, peer: PeerID) -> list[Multiaddr]:
+async def lookup_addrs(dht: DHT, peer: PeerID) -> list[Multiaddr]:
     """``peer``'s published addresses (also added to the node's peerstore)."""
     found = await dht.get(addrs_key(peer))
     if found is None or isinstance(found, dict):

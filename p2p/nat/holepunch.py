@@ -16,9 +16,9 @@ from __future__ import annotations
 import ipaddress
 import logging
 import socket
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import trio
 
@@ -27,6 +27,9 @@ from p2p.identity import PeerID
 from p2p.multiaddr import Multiaddr
 from p2p.rpc import CallContext, MessageStream
 from p2p.transport import TcpTransport
+
+if TYPE_CHECKING:
+    from p2p.node import Node
 
 logger = logging.getLogger(__name__)
 
@@ -162,7 +165,11 @@ class HolePuncher:
     """Upgrades relayed connections to direct ones (TCP transports only)."""
 
     def __init__(
-        self, node: Any, nursery: trio.Nursery, hosts: Any, config: HolePunchConfig
+        self,
+        node: Node,
+        nursery: trio.Nursery,
+        hosts: Callable[[], set[str]],
+        config: HolePunchConfig,
     ) -> None:
         self.node = node
         self.nursery = nursery

@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from p2p.errors import MultiaddrError, ProtocolError
 from p2p.identity import PeerID
 from p2p.multiaddr import Multiaddr
 from p2p.rpc import CallContext
+
+if TYPE_CHECKING:
+    from p2p.node import Node
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +72,7 @@ def parse_identify(peer: PeerID, reply: Any) -> IdentifyResult:
 
 
 async def identify(
-    node: Any, peer: PeerID | Multiaddr | str, *, timeout: float = 10.0
+    node: Node, peer: PeerID | Multiaddr | str, *, timeout: float = 10.0
 ) -> IdentifyResult:
     """Ask ``peer`` how it sees us; its listen addresses go to the peerstore."""
     pid = await node.connect(peer)

@@ -22,7 +22,7 @@ import random
 import socket
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import trio
 
@@ -32,6 +32,9 @@ from p2p.nat.natpmp import PORT as NATPMP_PORT
 from p2p.nat.natpmp import NATPMPClient, default_gateway
 from p2p.nat.pcp import PCPClient
 from p2p.nat.upnp import UPnPClient, fault_code
+
+if TYPE_CHECKING:
+    from p2p.node import Node
 
 logger = logging.getLogger(__name__)
 
@@ -104,7 +107,7 @@ def local_ip_towards(host: str) -> str:
         s.close()
 
 
-def mappable_port(node: Any) -> int | None:
+def mappable_port(node: Node) -> int | None:
     """The TCP port of the node's first IPv4 listener that a home router could forward to: a
     private address or the wildcard. None for simulated, loopback-only or public listeners
     (a host with a public address needs no mapping)."""

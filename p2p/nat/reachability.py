@@ -18,7 +18,7 @@ import logging
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import trio
 
@@ -32,6 +32,10 @@ from p2p.nat.holepunch import HolePunchConfig, HolePuncher
 from p2p.nat.observed import IDENTIFY, ObservedAddrs, handle_identify, identify
 from p2p.nat.portmap import PortMapConfig, PortMapper, mappable_port
 from p2p.nat.relay import RelayConfig, RelayService
+
+if TYPE_CHECKING:
+    from p2p.dht import DHT
+    from p2p.node import Node
 
 logger = logging.getLogger(__name__)
 
@@ -121,7 +125,7 @@ class NATConfig:
 class NATManager:
     """Reachability and role of one node; create it with :func:`open_nat`."""
 
-    def __init__(self, node: Any, config: NATConfig, nursery: trio.Nursery) -> None:
+    def __init__(self, node: Node, config: NATConfig, nursery: trio.Nursery) -> None:
         self.node = node
         self.config = config
         self._nursery = nursery
@@ -151,7 +155,7 @@ class NATManager:
         self._observe_turn = 0
         self.role = self._decide()
         self._state: tuple[Role, Reachability, tuple[Multiaddr, ...]] | None = None
-        self._dht: Any = None
+        self._dht: DHT | None = None
         self._published = False
         self._unsettled = False  # the last check changed the verdict or met new failures
         self._failed_before = False  # some dial-back of the last check failed
@@ -363,7 +367,7 @@ class NATManager:
 
     # ---- the DHT -----------------------------------------------------------------------------
 
-    def use_dht(self, dht: Any) -> None:
+    def use_dht(self, dht: DHT) -> None:
         """Keep the DHT in step with our reachability, from now on: client mode while private
         (:attr:`dht_client_mode`), server otherwise; a public relay advertises itself; a
         private node short of relays looks for some there; a relayed node publishes its
@@ -373,7 +377,7 @@ class NATManager:
         dht.set_client_mode(self.dht_client_mode)
         self._nursery.start_soon(self._dht_loop, dht)
 
-    async def _dht_loop(self, dht: Any) -> None:
+    async def _dht_loop(self, dht: DHT) -> None:
         ttl = 2 * self.config.advertise_interval
         while True:
             try:
@@ -439,7 +443,7 @@ class NATManager:
 
 @asynccontextmanager
 async def open_nat(
-    node: Any,
+    node: Node,
     *,
     peers: Sequence[str | Multiaddr | PeerID] = (),
     relays: Sequence[str | Multiaddr] = (),

@@ -22,7 +22,7 @@ import logging
 from collections import Counter
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import trio
 
@@ -30,6 +30,9 @@ from p2p.errors import ConnectionClosed, IdentityError, P2PError, ProtocolError
 from p2p.identity import PeerID
 from p2p.mux import MuxStream
 from p2p.rpc import CallContext, MessageStream
+
+if TYPE_CHECKING:
+    from p2p.node import Node
 
 logger = logging.getLogger(__name__)
 
@@ -140,7 +143,7 @@ class RelayService:
     """
 
     def __init__(
-        self, node: Any, config: RelayConfig = RelayConfig(), *, enabled: bool = True
+        self, node: Node, config: RelayConfig = RelayConfig(), *, enabled: bool = True
     ) -> None:
         self.node = node
         self.config = config

@@ -481,8 +481,20 @@ class LoopbackPeer:
         self.params, self.state = self.step(self.params, self.state, xb, yb, batch_size)
         self.params, self.state = dedloc_jax.keep_in_step(self.collab, self.params, self.state)
 
-    def train_epoch(self, x: np.ndarray, y: np.ndarray, deadline: float) -> None:
-        """Feed this peer's shard, then wait (batch 0: no inner step) for the outer step."""
+    def train_epoch(
+        self,
+        x: np.ndarray,
+        y: np.ndarray,
+        deadline: float,
+        after: float = 0.0,
+    ) -> None:
+        """Feed this peer's shard, then wait (batch 0: no inner step) for the outer step.
+        ``after``: first wait until this peer's tracker counts that many of the others'
+        samples toward the epoch (it then completes the target itself)."""
+        while after and self.collab.estimate.others_samples < after:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the others' {after} samples never showed")
+            time.sleep(0.02)
         start = int(self.state.epoch)
         self.fed.append([])
         for s in range(0, len(x), MICRO):
@@ -567,11 +579,17 @@ def test_a_newcomer_loads_the_outer_state_and_steps_in_step() -> None:
         outer = optax.sgd(0.8, momentum=0.5)
         return diloco(optax.sgd(0.05), c, target_batch_size=target, outer=outer, codec="none")
 
-    def epoch_of(peers: list[LoopbackPeer], shares: list[int], e: int) -> list[Callable]:
+    def epoch_of(
+        peers: list[LoopbackPeer], shares: list[int], e: int, last: int | None = None
+    ) -> list[Callable]:
+        """``last``: the peer that feeds once it counts the others' samples."""
         starts = [e * target + sum(shares[:i]) for i in range(len(peers))]
+        afters = [target - n if i == last else 0 for i, n in enumerate(shares)]
         return [
-            lambda p=p, lo=lo, n=n: p.train_epoch(x[lo : lo + n], y[lo : lo + n], deadline)
-            for p, lo, n in zip(peers, starts, shares, strict=True)
+            lambda p=p, lo=lo, n=n, a=a: p.train_epoch(
+                x[lo : lo + n], y[lo : lo + n], deadline, after=a
+            )
+            for p, lo, n, a in zip(peers, starts, shares, afters, strict=True)
         ]
 
     deadline = time.monotonic() + 180
@@ -596,13 +614,17 @@ def test_a_newcomer_loads_the_outer_state_and_steps_in_step() -> None:
             ):
                 assert np.asarray(mine).tobytes() == np.asarray(theirs).tobytes()
             # compiled before its first epoch (a step of no samples), as a trainer is: a newcomer
-            # that never averaged is not waited for (matchmaking's _earned), so one still
-            # compiling on a loaded machine registered late and stepped apart
+            # that never averaged is not waited for (matchmaking's _earned: a fresh identity's
+            # record must not stall a round), so one still compiling on a loaded machine
+            # registered late and stepped apart. For the same reason it feeds last, once it
+            # counts the others' samples: it completes the target and registers before they
+            # read its samples; fed alongside them, it registered after the other two had
+            # grouped in about 1 of 6 runs on a loaded machine.
             pc._step(x[:MICRO], y[:MICRO], 0)
             for p in (pa, pb, pc):
                 p.group = 3
             for e in range(2, 4):
-                _run_peers(epoch_of([pa, pb, pc], [8, 4, 4], e))
+                _run_peers(epoch_of([pa, pb, pc], [8, 4, 4], e, last=2))
     _assert_bit_identical([pa.history[2:], pb.history[2:], pc.history])
     # the replay: momentum carried from the first two steps, so not from zero
     outer = optax.sgd(0.8, momentum=0.5)

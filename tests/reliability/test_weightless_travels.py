@@ -10,7 +10,7 @@ import trio
 from dedloc_jax.config import CollaborationConfig
 from dedloc_jax.progress import PeerProgress
 from dedloc_jax.rounds.claims import counting_reporters, reported_void, zero_weightless
-from dedloc_jax.rounds.context import RoundContext
+from dedloc_jax.rounds.context import PeerSide
 from dedloc_jax.rounds.wire import member_for
 from p2p.testing import SimNetwork, run_sim
 from tests.dedloc_jax.simcollab import matchmakers, open_sim_collaboration, open_sim_dhts
@@ -75,7 +75,7 @@ def test_the_leader_gives_a_weightless_member_weight_0() -> None:
         async with open_sim_dhts(net, 3, latency=0.01) as peers:
             ids = [str(node.peer_id) for node, _ in peers]
             marked = ids[2]
-            context = RoundContext(weightless=lambda peer: peer == marked)
+            context = PeerSide(weightless=lambda peer: peer == marked)
             makers = matchmakers(peers, max_group_size=8, contexts=[context] * 3)
             specs: list = [None] * 3
 

@@ -10,7 +10,7 @@ import trio
 
 from dedloc_jax.averaging import AllReduceConfig, flatten
 from dedloc_jax.averaging.audit import check_evidence
-from dedloc_jax.averaging.butterfly import Round
+from dedloc_jax.averaging.butterfly import AllReduceState
 from dedloc_jax.averaging.reducer import Reducer
 from dedloc_jax.averaging.robust import centered_clip
 from dedloc_jax.averaging.verify import derived_tau
@@ -187,13 +187,13 @@ def test_sign_flipped_gradient_is_bounded_by_default_centered_clip():
 def test_a_huge_hello_weight_counts_for_no_more_than_the_spec_allows(monkeypatch, verify, robust):
     """A sender whose hello states 1e6 samples (the spec, as the leader bounded it, says 1)
     moves the mean as one sample of four would; the verified check still passes."""
-    original = Round.hello
+    original = AllReduceState.hello
 
     def boasting(self, share=-1):
         h = original(self, share)
         return replace(h, weight=1e6) if self.me == 3 else h
 
-    monkeypatch.setattr(Round, "hello", boasting)
+    monkeypatch.setattr(AllReduceState, "hello", boasting)
     n = 4
     trees = [{"x": np.full(40, 2.0 if i == 3 else 1.0, np.float32)} for i in range(n)]
     cfg = AllReduceConfig.testing().replace(verify=verify, robust=robust)
@@ -214,13 +214,13 @@ def test_a_sender_stating_a_smaller_hello_weight_cannot_frame_an_honest_reducer(
     """A sender telling the reducers fewer samples than its signed statement (and the spec)
     says counts for the spec's weight in both: the honest reducers pass their checks, nobody
     is accused or dropped, and every member holds the same honest mean."""
-    original = Round.hello
+    original = AllReduceState.hello
 
     def modest(self, share=-1):
         h = original(self, share)
         return replace(h, weight=hello_weight) if self.me == 3 else h
 
-    monkeypatch.setattr(Round, "hello", modest)
+    monkeypatch.setattr(AllReduceState, "hello", modest)
     n = 4
     trees = [{"x": np.full(40, 2.0 if i == 3 else 1.0, np.float32)} for i in range(n)]
     cfg = VERIFY.replace(robust=robust)

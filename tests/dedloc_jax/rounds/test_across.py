@@ -80,7 +80,7 @@ def test_a_peer_alone_in_its_group_names_the_representatives_it_averaged_with() 
     class Node:
         peer_id = "me"
 
-    class Rounds:
+    class Averager:
         node, matchmaker, across = Node(), Matchmaker(), Across()
 
         def member(self, weight: float) -> Member:
@@ -97,7 +97,7 @@ def test_a_peer_alone_in_its_group_names_the_representatives_it_averaged_with() 
 
     async def main():  # noqa: ANN202
         return await average_round(
-            Rounds(),  # type: ignore[arg-type]
+            Averager(),  # type: ignore[arg-type]
             1,
             Member("me", "node", weight=10.0),
             [np.ones(3, np.float32)],

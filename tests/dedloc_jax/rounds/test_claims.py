@@ -53,7 +53,7 @@ def test_a_follower_refuses_a_spec_in_which_the_leader_wrote_itself_an_unbounded
     itself by the rule every member checks; an honest leader's spec passes."""
     import trio
 
-    from dedloc_jax.rounds.context import RoundContext
+    from dedloc_jax.rounds.context import PeerSide
     from dedloc_jax.rounds.following import Joining, follow
 
     honest = [Member(f"h{i}", "node", 1e7, 1e7, 100.0) for i in range(2)]
@@ -80,7 +80,7 @@ def test_a_follower_refuses_a_spec_in_which_the_leader_wrote_itself_an_unbounded
             Node(GroupSpec(tuple(members))),  # type: ignore[arg-type]
             (3, 0),
             honest[0],
-            RoundContext(),
+            PeerSide(),
             1.0,
             learn=lambda p, r: None,
             choose=lambda p: None,

@@ -4,8 +4,9 @@ import pytest
 import trio
 
 from dedloc_jax.config import CollaborationConfig
-from dedloc_jax.rounds.context import RoundContext
-from dedloc_jax.rounds.wire import member_for
+from dedloc_jax.rounds.context import PeerSide
+from dedloc_jax.rounds.matchmaking import register
+from dedloc_jax.rounds.wire import JOIN, LEADER, group_key, member_for, member_to_wire
 from p2p.testing import SimNetwork, run_sim
 from tests.dedloc_jax.simcollab import matchmakers, open_sim_dhts
 
@@ -78,7 +79,7 @@ def test_peers_that_step_from_other_states_average_apart() -> None:
         net = SimNetwork(seed=3)
         async with open_sim_dhts(net, len(states), latency=0.01) as peers:
             contexts = [
-                RoundContext(state_of=lambda epoch, state=state: state if epoch == 3 else None)
+                PeerSide(state_of=lambda epoch, state=state: state if epoch == 3 else None)
                 for state in states
             ]
             makers = matchmakers(peers, max_group_size=8, contexts=contexts)
@@ -125,7 +126,7 @@ def test_a_leader_refuses_a_member_that_steps_from_another_state() -> None:
             nursery.start_soon(one, 1)
             nursery.start_soon(one, 2)
 
-    contexts = [RoundContext(state_of=lambda epoch, i=i: state[i]) for i in range(3)]
+    contexts = [PeerSide(state_of=lambda epoch, i=i: state[i]) for i in range(3)]
     out = _two_at_once(3, 7, lambda makers, ids: None, lead, follow, contexts=contexts)
     assert out[1] is None  # refused: another state
     assert out[2] is not None and out[2] == out["leader"]
@@ -150,9 +151,9 @@ def _late_peer(leader_is_late: bool) -> tuple[float, float, object]:
             a, b = (second, first) if leader_is_late else (first, second)
             seen: set[str] = set()  # the peers B's tracker saw at the next epoch
             contexts = [
-                RoundContext(moved_on=lambda peer, epoch: peer in seen and epoch < 4)
+                PeerSide(moved_on=lambda peer, epoch: peer in seen and epoch < 4)
                 if pid == b
-                else RoundContext()
+                else PeerSide()
                 for pid in ids
             ]
             makers = dict(
@@ -302,7 +303,7 @@ def test_a_peer_the_collaboration_left_behind_stops_looking_for_a_group_at_once(
         net = SimNetwork(seed=6)
         async with open_sim_dhts(net, 2, latency=0.01) as peers:
             ids = [str(node.peer_id) for node, _ in peers]
-            contexts = [RoundContext(epoch_over=lambda epoch: epoch < 4), RoundContext()]
+            contexts = [PeerSide(epoch_over=lambda epoch: epoch < 4), PeerSide()]
             makers = matchmakers(peers, max_group_size=8, contexts=contexts)
             late = makers[0]
             me = member_for(ids[0], "node", 1e6, 1e6, 8.0)
@@ -412,3 +413,76 @@ def test_a_peer_that_registers_after_its_group_mate_decided_still_joins_it() -> 
     specs = run_sim(main, seed=6)
     assert all(s is not None and len(s.members) == 2 for s in specs), specs
     assert specs[0].digest == specs[1].digest
+
+
+def _newcomer_epochs(delay: float, *, runs_matchmaker: bool) -> list[tuple[list[int], list[float]]]:
+    """Peers 0 and 1 averaged with each other (proven to each other); peer 2 never did, and
+    registers ``delay`` seconds after them at every epoch (``runs_matchmaker``: as a volunteer
+    does, then joining; else it only stores its registration, a ghost). Per epoch: each
+    peer's group size (1: alone) and how long peers 0 and 1 took to form their group."""
+
+    async def main() -> list:
+        net = SimNetwork(seed=7)
+        async with open_sim_dhts(net, 3, latency=0.01) as peers:
+            ids = [str(node.peer_id) for node, _ in peers]
+            new = ids[2]
+            ctx = [PeerSide(proven=lambda p: p != new) for _ in range(2)] + [PeerSide()]
+            makers = matchmakers(peers, max_group_size=8, contexts=ctx)
+            if not runs_matchmaker:
+                peers[2][0].remove_handler(JOIN)
+                peers[2][0].remove_handler(LEADER)
+            out = []
+            for epoch in range(3, 8):
+                sizes, took = [0, 0, 0], [0.0, 0.0]
+
+                async def one(i: int, epoch: int = epoch, sizes=sizes, took=took) -> None:
+                    me = member_for(ids[i], "node", 1e6, 1e6, 8.0)
+                    if i == 2:
+                        await trio.sleep(delay)
+                        if not runs_matchmaker:
+                            ttl = makers[2].deadlines.registration_ttl
+                            key = group_key("run", epoch, 0)
+                            await register(
+                                peers[2][1],
+                                peers[2][0].peer_id,
+                                key,
+                                {"member": member_to_wire(me)},
+                                ttl,
+                            )
+                            return
+                    start = trio.current_time()
+                    others = {p for p in ids if p != ids[i]}
+                    spec = await makers[i].form_group(epoch, me, target=24.0, expected=others)
+                    sizes[i] = 1 if spec is None else len(spec.members)
+                    if i < 2:
+                        took[i] = trio.current_time() - start
+
+                async with trio.open_nursery() as nursery:
+                    for i in range(3):
+                        nursery.start_soon(one, i)
+                out.append((sizes, took))
+                await trio.sleep(5.0)
+            return out
+
+    return run_sim(main, seed=7)
+
+
+def test_a_newcomer_that_registered_late_once_is_grouped_from_the_next_round_on() -> None:
+    """A newcomer is not waited for before it registers or averages (a fresh identity's
+    progress record costs nothing), so one registering 0.3 s after two proven peers missed
+    their group, and, as they read registrations only before they plan, every later one too:
+    alone in 5 of 5 epochs. Now they read the slot once more after the round and wait for a
+    peer that registered late and took part in the matchmaking: it misses the first round only."""
+    epochs = _newcomer_epochs(0.3, runs_matchmaker=True)
+    print([sizes for sizes, _ in epochs])
+    assert all(sizes == [3, 3, 3] for sizes, _ in epochs[1:]), epochs
+
+
+def test_a_ghost_that_registers_late_at_every_epoch_is_never_waited_for() -> None:
+    """A peer that only stores a registration after the others planned, and takes no part in
+    the matchmaking (it answers no question, joins no group), earns no wait: the two proven
+    peers form their group at every epoch without it, in less than a window (a leader that
+    planned with it would wait a window before asking it whom it follows)."""
+    epochs = _newcomer_epochs(0.3, runs_matchmaker=False)
+    print(epochs)
+    assert all(sizes[:2] == [2, 2] and max(took) < 1.0 for sizes, took in epochs), epochs

@@ -1,10 +1,11 @@
 """What one all-reduce round is, fixed when it starts, and what a member holds during it.
 
-:class:`RoundPlan` is built once per round and never changes: the group, our index, the split
-into shares and chunks, the codec, our counted weight and the deadlines. :class:`Holdings` is
-the part of a member's state the roles share while the round runs: its own vector and the
-result values it holds, chunk by chunk. The reducer and the repair read the plan and write the
-holdings; neither reads the round itself (:class:`.butterfly.Round` wires the three together).
+:class:`AllReducePlan` is built once per round and never changes: the group, our index, the
+split into shares and chunks, the codec, our counted weight and the deadlines.
+:class:`Holdings` is the part of a member's state the roles share while the round runs: its own
+vector and the result values it holds, chunk by chunk. The reducer and the repair read the plan
+and write the holdings; neither reads the round's state itself
+(:class:`.butterfly.AllReduceState` wires the three together).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from .verify import Statement, counted_weight
 
 
 @dataclass(frozen=True)
-class RoundPlan:
+class AllReducePlan:
     """One member's fixed view of a round (see :meth:`build`)."""
 
     round_id: bytes
@@ -66,7 +67,7 @@ class RoundPlan:
         config: AllReduceConfig,
         round_id: bytes,
         timeout: float,
-    ) -> RoundPlan:
+    ) -> AllReducePlan:
         """The plan of a round starting now (its deadlines count from the current time)."""
         size = int(vec.size) if vec is not None else 0
         sends = spec.members[me].sends
@@ -125,7 +126,7 @@ class Holdings:
     chunk's contributor mask, CenteredClip radius, the reducer's signature and, in a verified
     round, the encoded bytes as received)."""
 
-    def __init__(self, plan: RoundPlan, vec: np.ndarray | None) -> None:
+    def __init__(self, plan: AllReducePlan, vec: np.ndarray | None) -> None:
         reducers = plan.reducers
         self.vec = vec
         # Results land in the vector itself when it is our own copy of the tree (one vector of
