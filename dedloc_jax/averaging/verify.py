@@ -173,6 +173,16 @@ def result_digest(
     return h.digest()
 
 
+def result_claim(round_id: bytes, digest: bytes, j: int, k: int, rdigest: bytes) -> bytes:
+    """The bytes a reducer signs for result chunk ``k`` of share ``j``: its
+    :func:`result_digest` with the round, the share and the chunk in the clear, so that two of
+    its signatures of one chunk with different digests prove to anyone, without the chunks,
+    that it sent two results (equivocation, :func:`.audit.check_evidence`). An honest reducer
+    signs one result per chunk (the bytes it sends every member)."""
+    body = ["dedloc-claim/1", round_id, digest, int(j), int(k), rdigest]
+    return msgpack.packb(body, use_bin_type=True)
+
+
 def direction(seed: bytes, start: int, n: int) -> np.ndarray:
     """The check direction for the ``n`` values from vector index ``start``: coordinates
     uniform on ``[-sqrt 3, sqrt 3)`` (see the module docstring), a pure function of the seed and
