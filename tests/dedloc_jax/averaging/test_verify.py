@@ -15,7 +15,7 @@ from dedloc_jax.averaging.reducer import Reducer
 from dedloc_jax.averaging.robust import centered_clip
 from dedloc_jax.averaging.verify import derived_tau
 
-from .helpers import check_survivors, make_tree, run_round
+from .helpers import check_survivors, equivocate, make_tree, run_round
 
 SHAPES = [(7, 9), (33,), (5,)]
 VERIFY = AllReduceConfig.testing().replace(verify=True)
@@ -956,45 +956,7 @@ def test_a_node_calling_late_is_not_sent_the_statements_it_already_holds(monkeyp
 
 @pytest.fixture
 def equivocator(monkeypatch):
-    """Make reducer ``equivocator.name`` send ``equivocator.victim`` -1000 x its result, each
-    chunk signed as it signs the one it sends everyone else (so it passes every check on
-    receipt)."""
-    from dedloc_jax.averaging.verify import chunk_terms, result_claim, result_digest
-
-    class Equivocator:
-        name: str | None = None
-        victim: int = 3
-
-    class Twisted:
-        def __init__(self, ms, red):
-            self.ms, self.red = ms, red
-
-        async def send(self, msg):
-            if isinstance(msg, dict) and msg.get("t") == "res":
-                r, k = self.red.plan, msg["k"]
-                a, b = self.red.chunks[k]
-                data = (np.float32(-1000.0) * np.frombuffer(msg["d"], np.float32)).tobytes()
-                cfg = r.config
-                start, stop = self.red.start + a, self.red.start + b
-                terms = chunk_terms(start, stop, "none", cfg.robust_mode, cfg.robust_tau)
-                mask, tau = frozenset(msg["m"]), msg.get("u")
-                rd = result_digest(r.round_id, r.spec.digest, r.me, k, data, mask, tau, terms)
-                claim = result_claim(r.round_id, r.spec.digest, r.me, k, rd)
-                msg = dict(msg, d=data, sg=self.red.identity.sign(claim))
-            await self.ms.send(msg)
-
-        def __getattr__(self, name):
-            return getattr(self.ms, name)
-
-    original = Reducer._send_results_to
-
-    async def send_results_to(self, s, ms, gauge):
-        if self.plan.name(self.plan.me) == Equivocator.name and s == Equivocator.victim:
-            ms = Twisted(ms, self)
-        await original(self, s, ms, gauge)
-
-    monkeypatch.setattr(Reducer, "_send_results_to", send_results_to)
-    return Equivocator
+    return equivocate(monkeypatch)
 
 
 def test_an_equivocating_reducer_is_convicted_on_its_two_signed_results(equivocator):
