@@ -28,6 +28,15 @@ most half its contributors lack one (more is our own exchange failing) and anoth
 revealed a part (else they all checked it and our view is the odd one): otherwise it is taken
 unchecked. A contributor revealing to some members and not to others can still make their
 shares differ; the fork choice then mends it.
+
+A reducer signs each result chunk (:func:`.verify.result_claim`: the round, the share, the
+chunk and its digest in the clear) and sends every member the same one. A member whose
+statement's results root of a share differs from ours is asked for its digests of it and the
+reducer's signatures it holds: a chunk of which the reducer signed two digests convicts it of
+equivocation (the evidence is the two signatures, 200 bytes; :func:`_equivocations`), and the
+share is recomputed without its part as above. Only the reducer's own signatures count: a
+member reporting other digests (a lie, a repair: repaired chunks carry no signature) proves
+nothing.
 """
 
 from __future__ import annotations
@@ -93,8 +102,9 @@ class Accusation:
 
     peer: str
     role: str
-    """"reducer": its result is not the aggregate of the parts; "sender": its revealed part
-    contradicts its own signed statement."""
+    """"reducer": its result is not the aggregate of the parts, or (reason "equivocation") it
+    signed two results of one chunk; "sender": its revealed part contradicts its own signed
+    statement."""
     reason: str
     round_id: bytes
     share: int

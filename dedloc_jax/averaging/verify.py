@@ -34,6 +34,10 @@ hashes (which must hash to their committed root) and their encoded parts, each o
 match its hash and reproduce their stated projection and norm; if all do, the reducer lied
 (proof: the parts, the statements, the result), else the sender whose part contradicts its own
 signed statement lied. Either way, everyone drops that share.
+
+A reducer signs each result chunk's :func:`result_digest` inside a :func:`result_claim`
+(round, share and chunk in the clear): two of its claims of one chunk with different digests
+convict it of equivocation before anyone, without the chunks (:mod:`.audit`).
 """
 
 from __future__ import annotations
