@@ -746,6 +746,16 @@ async def audit(rnd: Round) -> Verdict:
         failures.pop(j, None)
         unverified.discard(j)
         silent.setdefault(j, set())
+    if equivocated:
+        # The statements of other seeds are the equivocator's doing, not our exchange failing:
+        # the members it sent other bits recompute the shares they could not check, as the
+        # others do for want of their statements (else the victim took them as they came and
+        # its bits differed from the others' recomputation: bench.byzantine out of step).
+        for j in sorted(unverified - rnd.repaired):
+            contributors = set().union(*rnd.masks[j])
+            if rnd.me in contributors:
+                unverified.discard(j)
+                silent[j] = contributors - set(stated)
     recomputed: set[int] = set()
     if failures or silent:
         rnd.keep_vec = True  # the others will ask us to reveal our parts
