@@ -90,7 +90,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-VERIFY_PROTOCOL = "dedloc/allreduce-verify/5"  # 5: a reveal opens with the chunk hashes
+VERIFY_PROTOCOL = "dedloc/allreduce-verify/6"  # 6: a member is asked its result digests
 STATEMENT_PROTOCOL = "dedloc/allreduce-statement/3"  # 3: a root per share, compact hellos
 """A unary call: a member's statement in; the callee's own out (or, asked to wait, those the
 caller lacks)."""
