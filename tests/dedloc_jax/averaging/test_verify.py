@@ -1047,9 +1047,9 @@ def test_equivocation_evidence_that_is_forged_or_mixed_convicts_nobody():
 
 def test_a_member_reporting_other_results_cannot_frame_an_honest_reducer(monkeypatch):
     """Member 3 states (and, asked, sends) result digests other than the ones reducer 1 signed,
-    with the reducer's genuine signatures of the real ones: its root differs from the others',
-    so they ask it, but only two of the reducer's own signatures of one chunk convict, and
-    nobody is convicted; the share stays the whole group's."""
+    with the reducer's genuine signatures of the real ones, and another seed (as a member sent
+    other results would): its root differs from the others', so they ask it, but only two of
+    the reducer's own signatures of one chunk convict, and nobody is convicted."""
     import hashlib
 
     from dedloc_jax.averaging import audit
@@ -1069,8 +1069,16 @@ def test_a_member_reporting_other_results_cannot_frame_an_honest_reducer(monkeyp
         asked.append((rnd.me, i, j))
         return await results_of(rnd, i, j)
 
+    make = audit.make_statement
+
+    def other_seed(identity, round_id, digest, sender, weight, seed, *rest):
+        return make(
+            identity, round_id, digest, sender, weight, seed[::-1] if sender == 3 else seed, *rest
+        )
+
     monkeypatch.setattr(audit, "_received", lying_received)
     monkeypatch.setattr(audit, "_results_of", counting)
+    monkeypatch.setattr(audit, "make_statement", other_seed)
     rng = np.random.default_rng(5)
     trees = [make_tree(rng, SHAPES) for _ in range(4)]
     outcome, _, got = run_round(["node"] * 4, trees, [1.0] * 4, config=VERIFY)
@@ -1095,6 +1103,33 @@ def test_an_honest_round_asks_nobody_for_result_digests_and_convicts_nobody(monk
     rng = np.random.default_rng(5)
     trees = [make_tree(rng, SHAPES) for _ in range(4)]
     outcome, _, _ = run_round(["node"] * 3 + ["client"], trees, [1.0] * 4, config=VERIFY)
+    for r in _results(outcome):
+        assert r.accusations == ()
+    assert asked == []
+
+
+def test_a_member_of_our_seed_stating_another_root_is_not_asked(monkeypatch):
+    """Two results of one chunk make the seeds differ: a member stating our seed and another
+    results root lies about its own, and is not asked (waiting on it could only stall us)."""
+    import hashlib
+
+    from dedloc_jax.averaging import audit
+
+    received, results_of, asked = audit._received, audit._results_of, []
+
+    def lying_received(rnd, j, k):
+        got = received(rnd, j, k)
+        return hashlib.sha256(got).digest() if rnd.me == 3 and j == 1 else got
+
+    async def counting(rnd, i, j):
+        asked.append((rnd.me, i, j))
+        return await results_of(rnd, i, j)
+
+    monkeypatch.setattr(audit, "_received", lying_received)
+    monkeypatch.setattr(audit, "_results_of", counting)
+    rng = np.random.default_rng(5)
+    trees = [make_tree(rng, SHAPES) for _ in range(4)]
+    outcome, _, _ = run_round(["node"] * 4, trees, [1.0] * 4, config=VERIFY)
     for r in _results(outcome):
         assert r.accusations == ()
     assert asked == []
