@@ -31,12 +31,14 @@ shares differ; the fork choice then mends it.
 
 A reducer signs each result chunk (:func:`.verify.result_claim`: the round, the share, the
 chunk and its digest in the clear) and sends every member the same one. A member whose
-statement's results root of a share differs from ours is asked for its digests of it and the
-reducer's signatures it holds: a chunk of which the reducer signed two digests convicts it of
-equivocation (the evidence is the two signatures, 200 bytes; :func:`_equivocations`), and the
-share is recomputed without its part as above. Only the reducer's own signatures count: a
-member reporting other digests (a lie, a repair: repaired chunks carry no signature) proves
-nothing.
+statement (of another seed) has another results root of a share than ours is asked for its
+digests of it and the reducer's signatures it holds, and shown ours (a client, whom nobody
+dials, shows the nodes its own when it asks for theirs): a chunk of which the reducer signed
+two digests convicts it of equivocation (the evidence is the two signatures, 200 bytes;
+:func:`_equivocations`), and the share is recomputed without its part as above; so are the
+shares a member it sent other bits could not check, as the others recompute them. Only the
+reducer's own signatures count: a member reporting other digests (a lie, a repair: repaired
+chunks carry no signature) proves nothing.
 """
 
 from __future__ import annotations
@@ -328,20 +330,14 @@ async def serve(rnd: Round, ms: MessageStream, remote: PeerID) -> None:
         if got is None:
             raise BadContributionError("nothing pushed to relay")
         await _send_reveal(ms, got)
-    elif msg.get("t") == "results":  # the result digests we stated, with their signatures
+    elif msg.get("t") == "results":  # ours of one share for theirs, once per member and share
         j = msg.get("j")
         if j not in rnd.received or ("results", who, j) in rnd.reveals:
             raise BadContributionError("results of a share we stated nothing about, or again")
         rnd.reveals.add(("results", who, j))
-        sigs = rnd.result_sigs.get(j, [])
-        n = len(rnd.received[j])
-        await ms.send(
-            {
-                "t": "results",
-                "d": b"".join(rnd.received[j]),
-                "s": [(sigs[k] if k < len(sigs) else None) or b"" for k in range(n)],
-            }
-        )
+        rnd.shown[(who, j)] = _parse_results(msg, len(rnd.chunks[j]))
+        rnd.push_changes.notify()
+        await ms.send(_results_msg(rnd, j))
     else:
         raise BadContributionError("unexpected verify message")
 
@@ -607,10 +603,46 @@ async def _unchecked(rnd: Round, j: int, silent: set[int], liar: int | None = No
     return _recompute(rnd, dict(rnd.statements), j, shares, left_out)
 
 
+def _results_msg(rnd: Round, j: int) -> dict:
+    """Our result digests of share ``j`` (our statement's root's) and the reducer's
+    signatures we hold of them (b"" where none)."""
+    sigs = rnd.result_sigs.get(j, [])
+    n = len(rnd.received[j])
+    return {
+        "t": "results",
+        "j": j,
+        "d": b"".join(rnd.received[j]),
+        "s": [(sigs[k] if k < len(sigs) else None) or b"" for k in range(n)],
+    }
+
+
+def _parse_results(msg: Any, n: int) -> tuple[list[bytes], list[bytes]]:
+    """A member's ``n`` result digests and signatures (BadContributionError if malformed)."""
+    d = msg.get("d") if isinstance(msg, dict) else None
+    sigs = msg.get("s") if isinstance(msg, dict) else None
+    if not isinstance(d, bytes) or len(d) != 32 * n or not isinstance(sigs, list):
+        raise BadContributionError("malformed result digests")
+    if len(sigs) != n or not all(isinstance(x, bytes) and len(x) <= 64 for x in sigs):
+        raise BadContributionError("malformed result signatures")
+    return [d[32 * k : 32 * k + 32] for k in range(n)], sigs
+
+
+async def _shown(rnd: Round, i: int, j: int) -> tuple[list[bytes], list[bytes]] | None:
+    """Client ``i``'s result digests of share ``j`` as it sent them asking for ours (waiting
+    a while: it asks us when its root differs from ours, as ours does from its)."""
+    until = trio.current_time() + rnd.verify_timeout
+    while (i, j) not in rnd.shown and trio.current_time() < until:
+        await rnd.push_changes.wait(until)
+    return rnd.shown.get((i, j))
+
+
 async def _results_of(rnd: Round, i: int, j: int) -> tuple[list[bytes], list[bytes]] | None:
     """Member ``i``'s result digests of share ``j`` (those its statement's root is over) and
-    the reducer's signatures it holds of them (b"" where none), or None."""
+    the reducer's signatures it holds of them (b"" where none), or None. We send ours with
+    the request (a client shows us its own so)."""
     n = len(rnd.chunks[j])
+    if rnd.members[i].mode == "client":
+        return await _shown(rnd, i, j)
     try:
         peer = PeerID.from_base58(rnd.name(i))
         with trio.move_on_after(2 * rnd.verify_timeout):
@@ -618,15 +650,8 @@ async def _results_of(rnd: Round, i: int, j: int) -> tuple[list[bytes], list[byt
                 peer, VERIFY_PROTOCOL, timeout=rnd.config.stall_timeout
             ) as ms:
                 await ms.send({"t": "vhello", "r": rnd.round_id})
-                await ms.send({"t": "results", "j": j})
-                msg = await ms.receive()
-                d = msg.get("d") if isinstance(msg, dict) else None
-                sigs = msg.get("s") if isinstance(msg, dict) else None
-                if not isinstance(d, bytes) or len(d) != 32 * n or not isinstance(sigs, list):
-                    raise BadContributionError("malformed result digests")
-                if len(sigs) != n or not all(isinstance(x, bytes) for x in sigs):
-                    raise BadContributionError("malformed result signatures")
-                return [d[32 * k : 32 * k + 32] for k in range(n)], sigs
+                await ms.send(_results_msg(rnd, j))
+                return _parse_results(await ms.receive(), n)
     except FAILURES as e:
         logger.info("%s sent no result digests: %s", rnd.name(i), e)
     return None
@@ -654,8 +679,9 @@ async def _equivocations(rnd: Round, convicted: set[int]) -> list[Accusation]:
     for i, st in sorted(rnd.statements.items()):
         # Two results of a chunk make the seeds differ (it hashes every result): a member of
         # our seed that states another root lies about its own, and waiting on it would only
-        # let it stall the round. Nobody dials a client.
-        if i == rnd.me or st.seed == own.seed or rnd.members[i].mode == "client":
+        # let it stall the round. Two clients cannot reach each other.
+        client = rnd.members[rnd.me].mode == "client"
+        if i == rnd.me or st.seed == own.seed or (client and rnd.members[i].mode == "client"):
             continue
         for j, fig in st.shares.items():
             mine = own.shares.get(j)

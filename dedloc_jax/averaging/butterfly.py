@@ -253,6 +253,9 @@ class Round:
         # The result digests of each share we stated (its results root's), kept past the
         # round's end: a member whose root differs asks for them to convict an equivocator.
         self.received: dict[int, list[bytes]] = {}
+        # The digests and signatures a member sent with its request for ours, by (member,
+        # share): how a client, whom nobody dials, shows us its results.
+        self.shown: dict[tuple[int, int], tuple[list[bytes], list[bytes]]] = {}
         # What we sign before any part (a verified round): whether we contribute. It opens
         # each of our exchanges; as a reducer we count ourselves on it.
         self.signed_hello: dict | None = None

@@ -959,17 +959,19 @@ def equivocator(monkeypatch):
     return equivocate(monkeypatch)
 
 
-def test_an_equivocating_reducer_is_convicted_on_its_two_signed_results(equivocator):
+@pytest.mark.parametrize("victim", ["node", "client"])
+def test_an_equivocating_reducer_is_convicted_on_its_two_signed_results(equivocator, victim):
     """Reducer 1 sends member 3 -1000 x the result it sends the others, each chunk signed.
     Members' seeds and roots differed and the share was recomputed or taken unchecked, and
     nobody was convicted: two signatures of one chunk over different digests prove the lie.
     Every honest member now convicts it (role "reducer", reason "equivocation") with evidence
-    a third party accepts, and every honest member ends with the same bits."""
+    a third party accepts, and every honest member ends with the same bits. A client victim,
+    whom nobody dials, shows its digests to the nodes it asks for theirs."""
     names = _names(4)
     equivocator.name = names[1]
     rng = np.random.default_rng(11)
     trees = [make_tree(rng, SHAPES) for _ in range(4)]
-    outcome, _, got = run_round(["node"] * 4, trees, [1.0] * 4, config=VERIFY)
+    outcome, _, got = run_round(["node"] * 3 + [victim], trees, [1.0] * 4, config=VERIFY)
     assert got == names
     results = _results(outcome)
     for i in (0, 2, 3):
