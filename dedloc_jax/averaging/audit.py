@@ -666,26 +666,26 @@ def _claimed(rnd: Round, j: int, k: int, rdigest: bytes, sig: bytes) -> bool:
     return verify_signature(key, sig, result_claim(rnd.round_id, rnd.spec.digest, j, k, rdigest))
 
 
-async def _equivocations(rnd: Round, convicted: set[int]) -> list[Accusation]:
+async def _equivocations(rnd: Round) -> list[Accusation]:
     """Reducers that signed two results of one chunk: a member whose statement's results root
     of a share is not ours is asked for its digests of it, and a chunk whose digest differs
     from ours, both signed by the share's reducer, convicts it (:func:`_results_evidence`).
     Only the reducer's own signatures count, so a member reporting other digests (a lie, a
-    repair) convicts nobody. Reducers in ``convicted`` are not asked about again."""
+    repair) convicts nobody."""
     own = rnd.statements.get(rnd.me)
     if own is None:
         return []
     disputes: dict[int, list[int]] = {}  # share -> members whose root differs from ours
+    client = rnd.members[rnd.me].mode == "client"
     for i, st in sorted(rnd.statements.items()):
         # Two results of a chunk make the seeds differ (it hashes every result): a member of
         # our seed that states another root lies about its own, and waiting on it would only
         # let it stall the round. Two clients cannot reach each other.
-        client = rnd.members[rnd.me].mode == "client"
         if i == rnd.me or st.seed == own.seed or (client and rnd.members[i].mode == "client"):
             continue
         for j, fig in st.shares.items():
             mine = own.shares.get(j)
-            if mine is not None and fig.results != mine.results and j not in convicted:
+            if mine is not None and fig.results != mine.results:
                 disputes.setdefault(j, []).append(i)
     found: dict[int, Accusation] = {}
 
@@ -769,7 +769,7 @@ async def audit(rnd: Round) -> Verdict:
         )
     # A reducer that signed two results of one chunk (members' roots differ) is convicted
     # on its signatures; its share is recomputed without its part, like a failed one.
-    accusations: list[Accusation] = await _equivocations(rnd, set())
+    accusations: list[Accusation] = await _equivocations(rnd)
     equivocated = {a.share: int(a.share) for a in accusations}
     for j in equivocated:
         failures.pop(j, None)
