@@ -32,9 +32,10 @@ for the progress attacks, detected = a node refused the record or an honest read
 as ignored or bounded, counted in peer 0's epochs from the attack's start),
 ``stall_s`` (virtual seconds beyond the clean run's for the same epochs), ``honest_loss`` and
 ``clean_loss`` (the honest peers' evaluation loss at the end, against the baseline each row
-names in ``baseline``: ``honest3@epochs`` for the defended ``lying_reducer``, ``sign_flip``
-and ``free_rider`` rows, a clean run of the three honest peers alone (whose data is what is
-left once the defences take the hostile peer's out) at the same epochs (for reference,
+names in ``baseline``: ``honest3@epochs`` for the defended ``lying_reducer``,
+``equivocating_reducer``, ``sign_flip`` and ``free_rider`` rows, a clean run of the three
+honest peers alone (whose data is what is left once the defences take the hostile peer's out)
+at the same epochs (for reference,
 ``loss_vs_clean_samples``: that run at the honest samples the attacked run fed, and
 ``loss_vs_clean4``: the clean run of four at those samples);
 ``clean4@samples`` for the progress attacks, where peer 3 trains honestly: the clean run of four
