@@ -6,6 +6,8 @@ radius and verified rounds) train a least-squares model (``--dim`` weights, each
 its own batches) for ``--epochs`` epochs; peer 3 is hostile. Attacks:
 
 * ``lying_reducer``: as a reducer, returns -1000 x the aggregate of its share;
+* ``equivocating_reducer``: as a reducer, sends one member -1000 x its result and the others
+  the result, each chunk signed (with the defences; :func:`equivocating_reducer`);
 * ``sign_flip``: sends -1000 x its gradient;
 * ``free_rider``: reports its samples to progress as usual but sends nothing when averaging
   (weight 0). The defences make a flipped gradient count for nothing (its part is far
@@ -30,9 +32,10 @@ for the progress attacks, detected = a node refused the record or an honest read
 as ignored or bounded, counted in peer 0's epochs from the attack's start),
 ``stall_s`` (virtual seconds beyond the clean run's for the same epochs), ``honest_loss`` and
 ``clean_loss`` (the honest peers' evaluation loss at the end, against the baseline each row
-names in ``baseline``: ``honest3@epochs`` for the defended ``lying_reducer``, ``sign_flip``
-and ``free_rider`` rows, a clean run of the three honest peers alone (whose data is what is
-left once the defences take the hostile peer's out) at the same epochs (for reference,
+names in ``baseline``: ``honest3@epochs`` for the defended ``lying_reducer``,
+``equivocating_reducer``, ``sign_flip`` and ``free_rider`` rows, a clean run of the three
+honest peers alone (whose data is what is left once the defences take the hostile peer's out)
+at the same epochs (for reference,
 ``loss_vs_clean_samples``: that run at the honest samples the attacked run fed, and
 ``loss_vs_clean4``: the clean run of four at those samples);
 ``clean4@samples`` for the progress attacks, where peer 3 trains honestly: the clean run of four
@@ -69,6 +72,7 @@ import trio
 from bench import attacks_progress as ap
 from dedloc_jax.averaging.bandwidth import PROBE_PROTOCOL
 from dedloc_jax.averaging.reducer import Reducer
+from dedloc_jax.averaging.verify import chunk_terms, result_claim, result_digest
 from dedloc_jax.config import CollaborationConfig, DefenceConfig
 from dedloc_jax.testing import open_sim_attacker, open_sim_collaboration
 from dedloc_jax.validators import MAX_BPS
@@ -86,8 +90,10 @@ draws x 3 seeds). At 128 the loss follows the steps (sd 4-7%; a missing quarter:
 x): the defences' cost, not the draw's."""
 MICRO_S = 0.1  # virtual seconds per micro-step
 LR = 0.2  # E[x x^T] = I: stable, and the gradient noise stays below the signal at dim 256
-ATTACKS = ("lying_reducer", "sign_flip", "free_rider")
-UNDEFENDED = ("lying_reducer", "sign_flip")  # attacks also run without the defences
+ATTACKS = ("lying_reducer", "equivocating_reducer", "sign_flip", "free_rider")
+# attacks also run without the defences
+UNDEFENDED = ("lying_reducer", "equivocating_reducer", "sign_flip")
+REDUCER_ATTACKS = {"lying_reducer", "equivocating_reducer"}
 PROGRESS_ATTACKS = (
     "hijack_epoch",
     "keep_leading",
@@ -193,6 +199,54 @@ def lying_reducer(peer_id: list[str]) -> Iterator[None]:
         Reducer._aggregate = original  # type: ignore[method-assign]
 
 
+class _Twisted:
+    """A reducer's result stream to one member, on which every result chunk is -1000 x the
+    one every other member gets, signed like it when results are signed."""
+
+    def __init__(self, ms: Any, red: Reducer) -> None:
+        self.ms, self.red = ms, red
+
+    async def send(self, msg: Any) -> None:
+        if isinstance(msg, dict) and msg.get("t") == "res":
+            r, k = self.red.plan, msg["k"]
+            a, b = self.red.chunks[k]
+            start, stop = self.red.start + a, self.red.start + b
+            codec = r.codec.at(start, stop)
+            data = bytes(codec.encode(np.float32(-1000.0) * codec.decode(msg["d"], stop - start)))
+            msg = dict(msg, d=data)
+            if "sg" in msg:
+                cfg = r.config
+                terms = chunk_terms(start, stop, codec.name, cfg.robust_mode, cfg.robust_tau)
+                mask, tau = frozenset(msg["m"]), msg.get("u")
+                rd = result_digest(r.round_id, r.spec.digest, r.me, k, data, mask, tau, terms)
+                msg["sg"] = self.red.identity.sign(
+                    result_claim(r.round_id, r.spec.digest, r.me, k, rd)
+                )
+        await self.ms.send(msg)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.ms, name)
+
+
+@contextmanager
+def equivocating_reducer(peer_id: list[str]) -> Iterator[None]:
+    """Every reducer run by ``peer_id[0]`` sends the lowest-indexed other sender of its group
+    -1000 x its result (each chunk signed) and the others its result."""
+    original = Reducer._send_results_to
+
+    async def send_results_to(self: Reducer, s: int, ms: Any, gauge: Any) -> None:
+        r = self.plan
+        if peer_id and r.name(r.me) == peer_id[0] and s == min(set(r.senders) - {r.me}):
+            ms = _Twisted(ms, self)
+        await original(self, s, ms, gauge)
+
+    Reducer._send_results_to = send_results_to  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        Reducer._send_results_to = original  # type: ignore[method-assign]
+
+
 class Task:
     """The least-squares problem: peers' batches, the evaluation set, loss and gradient."""
 
@@ -250,7 +304,7 @@ def run(
         ):
             if peers > HOSTILE:
                 liar.append(str(cores[HOSTILE].node.peer_id))
-            if attack == "lying_reducer":  # claims a huge link: the LP gives it shares
+            if attack in REDUCER_ATTACKS:  # claims a huge link: the LP gives it shares
                 cores[HOSTILE].meter.upload_override = MAX_BPS  # the most the schema takes
                 cores[HOSTILE].meter.download_override = MAX_BPS
             w = [np.zeros(task.dim, np.float32) for _ in range(peers)]
@@ -324,7 +378,9 @@ def run(
             out["groups"] = groups[0]
             out["honest_samples"] = fed
 
-    ctx = lying_reducer(liar) if attack == "lying_reducer" else _nothing()
+    ctx = {"lying_reducer": lying_reducer, "equivocating_reducer": equivocating_reducer}.get(
+        attack or "", lambda _: _nothing()
+    )(liar)
     with ctx, _watch(DETECTED_BY.get(attack or "")) as seen:
         run_sim(main, seed=seed)
     if seen is not None:

@@ -28,6 +28,17 @@ most half its contributors lack one (more is our own exchange failing) and anoth
 revealed a part (else they all checked it and our view is the odd one): otherwise it is taken
 unchecked. A contributor revealing to some members and not to others can still make their
 shares differ; the fork choice then mends it.
+
+A reducer signs each result chunk (:func:`.verify.result_claim`: the round, the share, the
+chunk and its digest in the clear) and sends every member the same one. A member whose
+statement (of another seed) has another results root of a share than ours is asked for its
+digests of it and the reducer's signatures it holds, and shown ours (a client, whom nobody
+dials, shows the nodes its own when it asks for theirs): a chunk of which the reducer signed
+two digests convicts it of equivocation (the evidence is the two signatures, 200 bytes;
+:func:`_equivocations`), and the share is recomputed without its part as above; so are the
+shares a member it sent other bits could not check, as the others recompute them. Only the
+reducer's own signatures count: a member reporting other digests (a lie, a repair: repaired
+chunks carry no signature) proves nothing.
 """
 
 from __future__ import annotations
@@ -68,6 +79,7 @@ from .verify import (
     projection,
     recompute,
     residual,
+    result_claim,
     result_digest,
     results_root,
     robust_weights,
@@ -80,7 +92,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-VERIFY_PROTOCOL = "dedloc/allreduce-verify/5"  # 5: a reveal opens with the chunk hashes
+VERIFY_PROTOCOL = "dedloc/allreduce-verify/6"  # 6: a member is asked its result digests
 STATEMENT_PROTOCOL = "dedloc/allreduce-statement/3"  # 3: a root per share, compact hellos
 """A unary call: a member's statement in; the callee's own out (or, asked to wait, those the
 caller lacks)."""
@@ -92,8 +104,9 @@ class Accusation:
 
     peer: str
     role: str
-    """"reducer": its result is not the aggregate of the parts; "sender": its revealed part
-    contradicts its own signed statement."""
+    """"reducer": its result is not the aggregate of the parts, or (reason "equivocation") it
+    signed two results of one chunk; "sender": its revealed part contradicts its own signed
+    statement."""
     reason: str
     round_id: bytes
     share: int
@@ -176,6 +189,7 @@ async def _figures(rnd: AllReduceState, seed: bytes) -> dict[int, ShareFigures]:
             results.append(_received(rnd, j, k))
             await trio.lowlevel.checkpoint()
         out[j] = ShareFigures(parts_root(rnd.part_hashes[j]), q, norms, results_root(results))
+        rnd.received[j] = results
     return out
 
 
@@ -227,7 +241,7 @@ def check_signed(
     if sig is None or held is None:
         raise BadContributionError(f"reducer {who} sent result chunk {k} unsigned")
     signed = result_digest(rnd.round_id, rnd.spec.digest, j, k, data, mask, tau, _terms(rnd, j, k))
-    if not verify_signature(held, sig, signed):
+    if not verify_signature(held, sig, result_claim(rnd.round_id, rnd.spec.digest, j, k, signed)):
         raise BadContributionError(f"reducer {who}'s signature of result chunk {k} does not verify")
 
 
@@ -316,6 +330,14 @@ async def serve(rnd: AllReduceState, ms: MessageStream, remote: PeerID) -> None:
         if got is None:
             raise BadContributionError("nothing pushed to relay")
         await _send_reveal(ms, got)
+    elif msg.get("t") == "results":  # ours of one share for theirs, once per member and share
+        j = msg.get("j")
+        if j not in rnd.received or ("results", who, j) in rnd.reveals:
+            raise BadContributionError("results of a share we stated nothing about, or again")
+        rnd.reveals.add(("results", who, j))
+        rnd.shown[(who, j)] = _parse_results(msg, len(rnd.chunks[j]))
+        rnd.push_changes.notify()
+        await ms.send(_results_msg(rnd, j))
     else:
         raise BadContributionError("unexpected verify message")
 
@@ -537,7 +559,9 @@ async def _check_shares(
     return unverified, failures, silent
 
 
-async def _unchecked(rnd: AllReduceState, j: int, silent: set[int]) -> str | None:
+async def _unchecked(
+    rnd: AllReduceState, j: int, silent: set[int], liar: int | None = None
+) -> str | None:
     """Share ``j``, which ``silent`` contributors' statements (none, or about other results)
     keep from being checked, recomputed from the revealed parts of those that stated
     anything, whichever results it was about (its commitments are seed-free). Unchecked, a
@@ -547,7 +571,8 @@ async def _unchecked(rnd: AllReduceState, j: int, silent: set[int]) -> str | Non
     reveals nothing is left out. Returns why not ("" when done), or None when no other
     member revealed a part: they all checked their results and kept no parts, so ours are
     the odd ones (our view of the round differs), and the share is taken unchecked as they
-    took it; dropping it on this member alone set it apart from the whole group."""
+    took it; dropping it on this member alone set it apart from the whole group. ``liar``: a
+    reducer convicted of equivocating about this share, whose part is left out too."""
     shares: dict[int, Reveal] = {}
     contributors = set().union(*rnd.masks[j])
 
@@ -568,7 +593,7 @@ async def _unchecked(rnd: AllReduceState, j: int, silent: set[int]) -> str | Non
             [rnd.name(i) for i in sorted(silent)],
         )
         return None
-    left_out = contributors - set(shares)
+    left_out = (contributors - set(shares)) | ({liar} & contributors)
     logger.warning(
         "round %s: share of reducer %s unchecked (%s stated nothing about our results); "
         "every member recomputes it from the revealed parts%s",
@@ -578,6 +603,137 @@ async def _unchecked(rnd: AllReduceState, j: int, silent: set[int]) -> str | Non
         f" without {[rnd.name(i) for i in sorted(left_out)]}" if left_out else "",
     )
     return _recompute(rnd, dict(rnd.statements), j, shares, left_out)
+
+
+def _results_msg(rnd: AllReduceState, j: int) -> dict:
+    """Our result digests of share ``j`` (our statement's root's) and the reducer's
+    signatures we hold of them (b"" where none)."""
+    sigs = rnd.result_sigs.get(j, [])
+    n = len(rnd.received[j])
+    return {
+        "t": "results",
+        "j": j,
+        "d": b"".join(rnd.received[j]),
+        "s": [(sigs[k] if k < len(sigs) else None) or b"" for k in range(n)],
+    }
+
+
+def _parse_results(msg: Any, n: int) -> tuple[list[bytes], list[bytes]]:
+    """A member's ``n`` result digests and signatures (BadContributionError if malformed)."""
+    d = msg.get("d") if isinstance(msg, dict) else None
+    sigs = msg.get("s") if isinstance(msg, dict) else None
+    if not isinstance(d, bytes) or len(d) != 32 * n or not isinstance(sigs, list):
+        raise BadContributionError("malformed result digests")
+    if len(sigs) != n or not all(isinstance(x, bytes) and len(x) <= 64 for x in sigs):
+        raise BadContributionError("malformed result signatures")
+    return [d[32 * k : 32 * k + 32] for k in range(n)], sigs
+
+
+async def _shown(rnd: AllReduceState, i: int, j: int) -> tuple[list[bytes], list[bytes]] | None:
+    """Client ``i``'s result digests of share ``j`` as it sent them asking for ours (waiting
+    a while: it asks us when its root differs from ours, as ours does from its)."""
+    until = trio.current_time() + rnd.verify_timeout
+    while (i, j) not in rnd.shown and trio.current_time() < until:
+        await rnd.push_changes.wait(until)
+    return rnd.shown.get((i, j))
+
+
+async def _results_of(
+    rnd: AllReduceState, i: int, j: int
+) -> tuple[list[bytes], list[bytes]] | None:
+    """Member ``i``'s result digests of share ``j`` (those its statement's root is over) and
+    the reducer's signatures it holds of them (b"" where none), or None. We send ours with
+    the request (a client shows us its own so)."""
+    n = len(rnd.chunks[j])
+    if rnd.members[i].mode == "client":
+        return await _shown(rnd, i, j)
+    try:
+        peer = PeerID.from_base58(rnd.name(i))
+        with trio.move_on_after(2 * rnd.verify_timeout):
+            async with rnd.node.open_stream(
+                peer, VERIFY_PROTOCOL, timeout=rnd.config.stall_timeout
+            ) as ms:
+                await ms.send({"t": "vhello", "r": rnd.round_id})
+                await ms.send(_results_msg(rnd, j))
+                return _parse_results(await ms.receive(), n)
+    except FAILURES as e:
+        logger.info("%s sent no result digests: %s", rnd.name(i), e)
+    return None
+
+
+def _claimed(rnd: AllReduceState, j: int, k: int, rdigest: bytes, sig: bytes) -> bool:
+    """Whether reducer ``j`` signed ``rdigest`` as result chunk ``k`` of its share (its key
+    as proven on receipt; a repaired chunk or an aux path's relay carries no such signature)."""
+    key = rnd.reducer_keys.get(j)
+    if key is None or not sig:
+        return False
+    return verify_signature(key, sig, result_claim(rnd.round_id, rnd.spec.digest, j, k, rdigest))
+
+
+async def _equivocations(rnd: AllReduceState) -> list[Accusation]:
+    """Reducers that signed two results of one chunk: a member whose statement's results root
+    of a share is not ours is asked for its digests of it, and a chunk whose digest differs
+    from ours, both signed by the share's reducer, convicts it (:func:`_results_evidence`).
+    Only the reducer's own signatures count, so a member reporting other digests (a lie, a
+    repair) convicts nobody."""
+    own = rnd.statements.get(rnd.me)
+    if own is None:
+        return []
+    disputes: dict[int, list[int]] = {}  # share -> members whose root differs from ours
+    client = rnd.members[rnd.me].mode == "client"
+    for i, st in sorted(rnd.statements.items()):
+        # Two results of a chunk make the seeds differ (it hashes every result): a member of
+        # our seed that states another root lies about its own, and waiting on it would only
+        # let it stall the round. Two clients cannot reach each other.
+        if i == rnd.me or st.seed == own.seed or (client and rnd.members[i].mode == "client"):
+            continue
+        for j, fig in st.shares.items():
+            mine = own.shares.get(j)
+            if mine is not None and fig.results != mine.results:
+                disputes.setdefault(j, []).append(i)
+    found: dict[int, Accusation] = {}
+
+    async def one(j: int, i: int) -> None:
+        got = await _results_of(rnd, i, j)
+        if got is None or j in found:
+            return
+        digests, sigs = got
+        if results_root(digests) != rnd.statements[i].shares[j].results:
+            return  # not what it signed: its word against ours, proof of nothing
+        for k, (theirs, sig) in enumerate(zip(digests, sigs, strict=True)):
+            held = rnd.result_sigs.get(j, [])
+            ours, our_sig = rnd.received[j][k], (held[k] if k < len(held) else None) or b""
+            if theirs == ours or not _claimed(rnd, j, k, ours, our_sig):
+                continue
+            if not _claimed(rnd, j, k, theirs, sig):
+                continue
+            evidence = {
+                "kind": "results",
+                "round": rnd.round_id,
+                "group": rnd.spec.digest,
+                "share": j,
+                "chunk": k,
+                "reducer_key": rnd.reducer_keys[j],
+                "digests": [ours, theirs],
+                "sigs": [our_sig, sig],
+            }
+            logger.warning(
+                "round %s: reducer %s lied: signed two results of chunk %d (ours and %s's)",
+                rnd.round_id.hex()[:8],
+                rnd.name(j),
+                k,
+                rnd.name(i),
+            )
+            found[j] = Accusation(
+                rnd.name(j), "reducer", "equivocation", rnd.round_id, j, k, evidence
+            )
+            return
+
+    async with trio.open_nursery() as nursery:
+        for j, others in disputes.items():
+            for i in others:
+                nursery.start_soon(one, j, i)
+    return [found[j] for j in sorted(found)]
 
 
 async def audit(rnd: AllReduceState) -> Verdict:
@@ -615,7 +771,24 @@ async def audit(rnd: AllReduceState) -> Verdict:
             rnd.round_id.hex()[:8],
             [rnd.name(j) for j in sorted(unverified)],
         )
-    accusations: list[Accusation] = []
+    # A reducer that signed two results of one chunk (members' roots differ) is convicted
+    # on its signatures; its share is recomputed without its part, like a failed one.
+    accusations: list[Accusation] = await _equivocations(rnd)
+    equivocated = {a.share: int(a.share) for a in accusations}
+    for j in equivocated:
+        failures.pop(j, None)
+        unverified.discard(j)
+        silent.setdefault(j, set())
+    if equivocated:
+        # The statements of other seeds are the equivocator's doing, not our exchange failing:
+        # the members it sent other bits recompute the shares they could not check, as the
+        # others do for want of their statements (else the victim took them as they came and
+        # its bits differed from the others' recomputation: bench.byzantine out of step).
+        for j in sorted(unverified - rnd.repaired):
+            contributors = set().union(*rnd.masks[j])
+            if rnd.me in contributors:
+                unverified.discard(j)
+                silent[j] = contributors - set(stated)
     recomputed: set[int] = set()
     if failures or silent:
         rnd.keep_vec = True  # the others will ask us to reveal our parts
@@ -643,7 +816,7 @@ async def audit(rnd: AllReduceState) -> Verdict:
     why_not: dict[int, str | None] = {}
 
     async def unchecked(j: int) -> None:
-        why_not[j] = await _unchecked(rnd, j, silent[j])
+        why_not[j] = await _unchecked(rnd, j, silent[j], equivocated.get(j))
 
     async with trio.open_nursery() as nursery:  # at once: a silent peer's reveals time out
         for j in silent:
@@ -1004,13 +1177,39 @@ def _hello_evidence(ev: dict, accused: str) -> bool:
     terms = chunk_terms(a, b, ev["codec"], bool(ev["robust"]), ev["fixed_tau"])
     signed = result_digest(rid, digest, j, k, ev["encoded"], mask, ev["tau"], terms)
     key = raw["pk"]  # the reducer's own (its statement's signature was checked with it)
-    if not verify_signature(key, ev["result_sig"], signed):
+    if not verify_signature(key, ev["result_sig"], result_claim(rid, digest, j, k, signed)):
         return False
     key = ev["member_key"]  # the listed hello's signer: checked against its peer ID
     if not isinstance(key, bytes) or not PeerID.from_base58(members[i]).matches(key):
         return False
     hello = hello_of(st, members, i, key)
     return hello is None or not hello.weight > 0
+
+
+def _results_evidence(ev: dict, accused: str) -> bool:
+    """Redo an equivocation conviction (:func:`_equivocations`): two valid signatures by the
+    accused's key of one chunk of one round (same round, group, share and chunk) over
+    different result digests. Anything else convicts nobody."""
+    key, digests, sigs = ev["reducer_key"], ev["digests"], ev["sigs"]
+    rid, group, j, k = ev["round"], ev["group"], ev["share"], ev["chunk"]
+    if not all(isinstance(v, bytes) for v in (key, rid, group)):
+        return False
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in (j, k)):
+        return False
+    if not isinstance(digests, list) or not isinstance(sigs, list):
+        return False
+    if len(digests) != 2 or len(sigs) != 2:
+        return False
+    if not all(isinstance(v, bytes) and len(v) == 32 for v in digests):
+        return False
+    if digests[0] == digests[1] or not all(isinstance(v, bytes) for v in sigs):
+        return False
+    if PeerID.from_public_key(key) != PeerID.from_base58(accused):
+        return False
+    return all(
+        verify_signature(key, sig, result_claim(rid, group, j, k, d))
+        for d, sig in zip(digests, sigs, strict=True)
+    )
 
 
 def _readmitted_evidence(
@@ -1027,7 +1226,7 @@ def _readmitted_evidence(
     for k, (a, b, codec, encoded, mask, tau, sig) in ((k0, first), (k1, second)):
         terms = chunk_terms(int(a), int(b), codec, bool(ev["robust"]), ev["fixed_tau"])
         signed = result_digest(rid, digest, j, int(k), encoded, frozenset(mask), tau, terms)
-        if not verify_signature(raw["pk"], sig, signed):
+        if not verify_signature(raw["pk"], sig, result_claim(rid, digest, j, int(k), signed)):
             return False
         masks.append(frozenset(int(m) for m in mask))
     return int(k0) < int(k1) and i not in masks[0] and i in masks[1]
@@ -1077,6 +1276,8 @@ def check_evidence(acc_evidence: dict, accused: str) -> bool:
     its signature of the result chunk, the contributors' signed statements and their revealed
     parts (all of them, matching their commitments)."""
     try:
+        if acc_evidence.get("kind") == "results":  # two signed results of one chunk
+            return _results_evidence(acc_evidence, accused)
         if acc_evidence.get("kind") is not None:  # a conviction on signed hellos
             return _hello_evidence(acc_evidence, accused)
         return _chunk_evidence_convicts(acc_evidence, accused)
@@ -1148,7 +1349,9 @@ def _chunk_evidence_convicts(acc_evidence: dict, accused: str) -> bool:
     try:
         reducer_signed = PeerID.from_public_key(key) == PeerID.from_base58(
             members[j]
-        ) and verify_signature(key, sig, signed)
+        ) and verify_signature(
+            key, sig, result_claim(stmts[0].round_id, stmts[0].digest, j, k, signed)
+        )
     except (TypeError, ValueError, IdentityError):
         reducer_signed = False
     seed = stmts[0].seed

@@ -252,6 +252,12 @@ class AllReduceState:
             j: [None] * len(self.chunks[j]) for j in self.reducers
         }
         self.statements: dict[int, Statement] = {}
+        # The result digests of each share we stated (its results root's), kept past the
+        # round's end: a member whose root differs asks for them to convict an equivocator.
+        self.received: dict[int, list[bytes]] = {}
+        # The digests and signatures a member sent with its request for ours, by (member,
+        # share): how a client, whom nobody dials, shows us its results.
+        self.shown: dict[tuple[int, int], tuple[list[bytes], list[bytes]]] = {}
         # What we sign before any part (a verified round): whether we contribute. It opens
         # each of our exchanges; as a reducer we count ourselves on it.
         self.signed_hello: dict | None = None
@@ -263,7 +269,8 @@ class AllReduceState:
             self.holdings.hellos[me] = self.signed_hello
         self.statement_changes = Changes()
         self.verify_timeout = config.verify_timeout or config.stall_timeout
-        self.reveals: set[tuple[int, ...]] = set()  # (member, [client,] share) we revealed
+        # (member, [client,] share) we revealed; ("results", member, share): digests we sent
+        self.reveals: set[tuple[object, ...]] = set()
         # Parts of a failed share that clients (whom nobody can dial) pushed to us, by (client,
         # share): we judge with them and relay them to other clients.
         self.pushed: dict[tuple[int, int], list[bytes]] = {}

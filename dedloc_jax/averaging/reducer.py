@@ -30,6 +30,7 @@ from .verify import (
     derived_tau,
     make_statement,
     part_norm,
+    result_claim,
     result_digest,
     robust_weights,
 )
@@ -288,8 +289,11 @@ class Reducer:
             terms = chunk_terms(
                 self.start + a, self.start + b, codec.name, cfg.robust_mode, cfg.robust_tau
             )
+            rdigest = result_digest(
+                r.round_id, r.spec.digest, r.me, k, data, mask, self.taus[k], terms
+            )
             self.sigs[k] = self.identity.sign(
-                result_digest(r.round_id, r.spec.digest, r.me, k, data, mask, self.taus[k], terms)
+                result_claim(r.round_id, r.spec.digest, r.me, k, rdigest)
             )
             held.result_sigs[r.me].append(self.sigs[k])
             held.reducer_keys[r.me] = self.identity.public_key

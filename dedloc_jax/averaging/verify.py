@@ -34,6 +34,10 @@ hashes (which must hash to their committed root) and their encoded parts, each o
 match its hash and reproduce their stated projection and norm; if all do, the reducer lied
 (proof: the parts, the statements, the result), else the sender whose part contradicts its own
 signed statement lied. Either way, everyone drops that share.
+
+A reducer signs each result chunk's :func:`result_digest` inside a :func:`result_claim`
+(round, share and chunk in the clear): two of its claims of one chunk with different digests
+convict it of equivocation before anyone, without the chunks (:mod:`.audit`).
 """
 
 from __future__ import annotations
@@ -171,6 +175,16 @@ def result_digest(
     h.update(msgpack.packb([j, k, sorted(mask), tau if tau is not None else -1.0]))
     h.update(bytes(data))
     return h.digest()
+
+
+def result_claim(round_id: bytes, digest: bytes, j: int, k: int, rdigest: bytes) -> bytes:
+    """The bytes a reducer signs for result chunk ``k`` of share ``j``: its
+    :func:`result_digest` with the round, the share and the chunk in the clear, so that two of
+    its signatures of one chunk with different digests prove to anyone, without the chunks,
+    that it sent two results (equivocation, :func:`.audit.check_evidence`). An honest reducer
+    signs one result per chunk (the bytes it sends every member)."""
+    body = ["dedloc-claim/1", round_id, digest, int(j), int(k), rdigest]
+    return msgpack.packb(body, use_bin_type=True)
 
 
 def direction(seed: bytes, start: int, n: int) -> np.ndarray:

@@ -14,7 +14,7 @@ from typing import Any
 
 from .errors import BadContributionError
 
-PROTOCOL = "dedloc/allreduce/1"
+PROTOCOL = "dedloc/allreduce/2"  # 2: a result signature signs .verify.result_claim
 REPAIR_PROTOCOL = "dedloc/allreduce-repair/1"
 
 

@@ -383,3 +383,43 @@ def test_a_ban_at_the_largest_default_chunk_publishes_evidence_others_verify(lia
     third = Bans(_node(3), third_dht, "run")
     trio.run(lambda: third.refresh(force=True))
     assert not third.is_banned(names[1])
+
+
+def test_an_equivocation_ban_travels_with_its_two_signatures(monkeypatch):
+    """A reducer convicted of signing two results of one chunk is banned by its accuser and,
+    from the published record's evidence alone, by a reader; the same evidence naming another
+    peer bans nobody."""
+    from tests.dedloc_jax.averaging.helpers import equivocate
+
+    _, _, names = run_round(["node"] * 4, [{"x": np.zeros(1, np.float32)}] * 4, [1.0] * 4)
+    eq = equivocate(monkeypatch)
+    eq.name = names[1]
+    rng = np.random.default_rng(2)
+    trees = [{"g": rng.standard_normal(120).astype(np.float32)} for _ in range(4)]
+    cfg = AllReduceConfig.testing().replace(verify=True)
+    outcome, _, _ = run_round(["node"] * 4, trees, [1.0] * 4, config=cfg)
+    (acc,) = outcome[0].accusations
+    assert (acc.peer, acc.reason) == (names[1], "equivocation")
+    dht = _MemoryDHT()
+    accuser, reader = Bans(_node(1), dht, "run"), Bans(_node(2), dht, "run")
+    accuser.convict(acc)
+
+    async def go() -> None:
+        await accuser.publish()
+        await reader.refresh(force=True)
+
+    trio.run(go)
+    assert reader.is_banned(names[1])
+    (listed,) = reader.listing()
+    assert listed["verified"] and listed["role"] == "reducer"
+    assert listed["reason"] == "equivocation"
+    rec = dht.values[bans_key("run")][owner_marker(_node(1).peer_id)].value["bans"][0]
+    framed = _MemoryDHT()
+    framed.values[bans_key("run")] = {
+        owner_marker(_node(1).peer_id): types.SimpleNamespace(
+            value={"bans": [dict(rec, peer=names[0])]}
+        )
+    }
+    third = Bans(_node(3), framed, "run")
+    trio.run(lambda: third.refresh(force=True))
+    assert not third.is_banned(names[0])

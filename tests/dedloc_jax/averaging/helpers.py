@@ -150,3 +150,48 @@ def check_survivors(
             want = sum(vecs[i][a:b] * weights[i] for i in members) / total
             np.testing.assert_allclose(first.vector[a:b], want, rtol=rtol, atol=atol)
     return results
+
+
+def equivocate(monkeypatch: Any) -> Any:
+    """Make the reducer named ``name`` on the returned class send member ``victim`` -1000 x
+    its result, each chunk signed as it signs the one it sends every other member (so both
+    pass every check on receipt)."""
+    from dedloc_jax.averaging.reducer import Reducer
+    from dedloc_jax.averaging.verify import chunk_terms, result_claim, result_digest
+
+    class Equivocator:
+        name: str | None = None
+        victim: int = 3
+
+    class Twisted:
+        def __init__(self, ms, red):
+            self.ms, self.red = ms, red
+
+        async def send(self, msg):
+            if isinstance(msg, dict) and msg.get("t") == "res":
+                r, k = self.red.plan, msg["k"]
+                a, b = self.red.chunks[k]
+                cfg = r.config
+                start, stop = self.red.start + a, self.red.start + b
+                codec = r.codec.at(start, stop)
+                x = codec.decode(msg["d"], stop - start)
+                data = bytes(codec.encode(np.float32(-1000.0) * x))
+                terms = chunk_terms(start, stop, codec.name, cfg.robust_mode, cfg.robust_tau)
+                mask, tau = frozenset(msg["m"]), msg.get("u")
+                rd = result_digest(r.round_id, r.spec.digest, r.me, k, data, mask, tau, terms)
+                claim = result_claim(r.round_id, r.spec.digest, r.me, k, rd)
+                msg = dict(msg, d=data, sg=self.red.identity.sign(claim))
+            await self.ms.send(msg)
+
+        def __getattr__(self, name):
+            return getattr(self.ms, name)
+
+    original = Reducer._send_results_to
+
+    async def send_results_to(self, s, ms, gauge):
+        if self.plan.name(self.plan.me) == Equivocator.name and s == Equivocator.victim:
+            ms = Twisted(ms, self)
+        await original(self, s, ms, gauge)
+
+    monkeypatch.setattr(Reducer, "_send_results_to", send_results_to)
+    return Equivocator

@@ -15,7 +15,7 @@ from dedloc_jax.averaging.reducer import Reducer
 from dedloc_jax.averaging.robust import centered_clip
 from dedloc_jax.averaging.verify import derived_tau
 
-from .helpers import check_survivors, make_tree, run_round
+from .helpers import check_survivors, equivocate, make_tree, run_round
 
 SHAPES = [(7, 9), (33,), (5,)]
 VERIFY = AllReduceConfig.testing().replace(verify=True)
@@ -952,3 +952,186 @@ def test_a_node_calling_late_is_not_sent_the_statements_it_already_holds(monkeyp
     assert not any(r.accusations for r in results)
     assert all(r.vector.tobytes() == results[0].vector.tobytes() for r in results)
     assert len(to_late) == n - 1 and sum(to_late) == 0, to_late
+
+
+@pytest.fixture
+def equivocator(monkeypatch):
+    return equivocate(monkeypatch)
+
+
+@pytest.mark.parametrize("victim", ["node", "client"])
+def test_an_equivocating_reducer_is_convicted_on_its_two_signed_results(equivocator, victim):
+    """Reducer 1 sends member 3 -1000 x the result it sends the others, each chunk signed.
+    Members' seeds and roots differed and the share was recomputed or taken unchecked, and
+    nobody was convicted: two signatures of one chunk over different digests prove the lie.
+    Every honest member now convicts it (role "reducer", reason "equivocation") with evidence
+    a third party accepts, and every honest member ends with the same bits. A client victim,
+    whom nobody dials, shows its digests to the nodes it asks for theirs."""
+    names = _names(4)
+    equivocator.name = names[1]
+    rng = np.random.default_rng(11)
+    trees = [make_tree(rng, SHAPES) for _ in range(4)]
+    outcome, _, got = run_round(["node"] * 3 + [victim], trees, [1.0] * 4, config=VERIFY)
+    assert got == names
+    results = _results(outcome)
+    for i in (0, 2, 3):
+        accs = results[i].accusations
+        assert [(a.peer, a.role, a.reason) for a in accs] == [
+            (names[1], "reducer", "equivocation")
+        ], i
+        ev = accs[0].evidence
+        assert check_evidence(ev, names[1])
+        assert not check_evidence(ev, names[0])  # the evidence names its signer only
+        share = next(s for s in results[i].shares if s.owner == names[1])
+        assert share.recomputed and not share.dropped
+        assert names[1] not in share.contributors  # its part left out, like a convicted one
+    # the victim too: it recomputes the shares it could not check, as the others do (it took
+    # them as they came, 1 ulp off the others' recomputation)
+    for i in (2, 3):
+        assert results[i].vector.tobytes() == results[0].vector.tobytes(), i
+    vecs = [flatten(t)[0] for t in trees]
+    share = next(s for s in results[0].shares if s.owner == names[1])
+    want = np.mean([v for i, v in enumerate(vecs) if i != 1], axis=0)
+    np.testing.assert_allclose(
+        results[0].vector[share.start : share.stop], want[share.start : share.stop], atol=2e-6
+    )
+
+
+def test_equivocation_evidence_that_is_forged_or_mixed_convicts_nobody():
+    """Evidence of equivocation convicts only on two signatures by the accused's own key of
+    the same chunk of the same round over different digests: one signature by another key,
+    the same digest twice, signatures of two different chunks, another round, or malformed
+    fields convict nobody (and raise nothing)."""
+    import hashlib
+
+    from dedloc_jax.averaging.verify import result_claim
+    from p2p.identity import Identity, PeerID
+
+    reducer, stranger = Identity.from_seed(b"reducer"), Identity.from_seed(b"stranger")
+    accused = str(PeerID.from_public_key(reducer.public_key))
+    rid, g, j, k = b"round", b"group digest", 1, 2
+    d0, d1 = hashlib.sha256(b"0").digest(), hashlib.sha256(b"1").digest()
+
+    def sign(who, d, chunk=k, round_id=rid):
+        return who.sign(result_claim(round_id, g, j, chunk, d))
+
+    ev = {
+        "kind": "results",
+        "round": rid,
+        "group": g,
+        "share": j,
+        "chunk": k,
+        "reducer_key": reducer.public_key,
+        "digests": [d0, d1],
+        "sigs": [sign(reducer, d0), sign(reducer, d1)],
+    }
+    assert check_evidence(ev, accused)  # two signed results of one chunk
+    assert not check_evidence(ev, str(PeerID.from_public_key(stranger.public_key)))
+    assert not check_evidence(ev, "not a peer id")
+    forged = [
+        dict(ev, sigs=[sign(reducer, d0), sign(stranger, d1)]),  # one by another key
+        dict(ev, reducer_key=stranger.public_key),  # the reducer's signatures, another key
+        dict(ev, digests=[d0, d0], sigs=[sign(reducer, d0)] * 2),  # the same digest twice
+        dict(ev, sigs=[sign(reducer, d0), sign(reducer, d1, chunk=k + 1)]),  # two chunks
+        dict(ev, chunk=k + 1),  # another chunk than the signed one
+        dict(ev, sigs=[sign(reducer, d0), sign(reducer, d1, round_id=b"other")]),  # two rounds
+        dict(ev, digests=[d0, d1[:31]]),
+        dict(ev, sigs=[ev["sigs"][0], None]),
+        dict(ev, chunk="2"),
+        dict(ev, share=True),
+        dict(ev, digests=d0 + d1),
+        dict(ev, reducer_key=b"short"),
+        {key: v for key, v in ev.items() if key != "sigs"},
+    ]
+    for bad in forged:
+        assert not check_evidence(bad, accused), bad
+
+
+def test_a_member_reporting_other_results_cannot_frame_an_honest_reducer(monkeypatch):
+    """Member 3 states (and, asked, sends) result digests other than the ones reducer 1 signed,
+    with the reducer's genuine signatures of the real ones, and another seed (as a member sent
+    other results would): its root differs from the others', so they ask it, but only two of
+    the reducer's own signatures of one chunk convict, and nobody is convicted."""
+    import hashlib
+
+    from dedloc_jax.averaging import audit
+
+    names = _names(4)
+    received = audit._received
+    asked = []
+    results_of = audit._results_of
+
+    def lying_received(rnd, j, k):
+        got = received(rnd, j, k)
+        if rnd.me == 3 and j == 1:
+            return hashlib.sha256(b"other" + got).digest()
+        return got
+
+    async def counting(rnd, i, j):
+        asked.append((rnd.me, i, j))
+        return await results_of(rnd, i, j)
+
+    make = audit.make_statement
+
+    def other_seed(identity, round_id, digest, sender, weight, seed, *rest):
+        return make(
+            identity, round_id, digest, sender, weight, seed[::-1] if sender == 3 else seed, *rest
+        )
+
+    monkeypatch.setattr(audit, "_received", lying_received)
+    monkeypatch.setattr(audit, "_results_of", counting)
+    monkeypatch.setattr(audit, "make_statement", other_seed)
+    rng = np.random.default_rng(5)
+    trees = [make_tree(rng, SHAPES) for _ in range(4)]
+    outcome, _, got = run_round(["node"] * 4, trees, [1.0] * 4, config=VERIFY)
+    assert got == names
+    assert {(me, j) for me, _, j in asked} >= {(0, 1), (2, 1)}  # the dispute was looked into
+    for r in _results(outcome):
+        assert r.accusations == ()
+
+
+def test_an_honest_round_asks_nobody_for_result_digests_and_convicts_nobody(monkeypatch):
+    """In a clean round every member's roots agree: nobody is asked for its digests."""
+    from dedloc_jax.averaging import audit
+
+    asked = []
+    results_of = audit._results_of
+
+    async def counting(rnd, i, j):
+        asked.append((rnd.me, i, j))
+        return await results_of(rnd, i, j)
+
+    monkeypatch.setattr(audit, "_results_of", counting)
+    rng = np.random.default_rng(5)
+    trees = [make_tree(rng, SHAPES) for _ in range(4)]
+    outcome, _, _ = run_round(["node"] * 3 + ["client"], trees, [1.0] * 4, config=VERIFY)
+    for r in _results(outcome):
+        assert r.accusations == ()
+    assert asked == []
+
+
+def test_a_member_of_our_seed_stating_another_root_is_not_asked(monkeypatch):
+    """Two results of one chunk make the seeds differ: a member stating our seed and another
+    results root lies about its own, and is not asked (waiting on it could only stall us)."""
+    import hashlib
+
+    from dedloc_jax.averaging import audit
+
+    received, results_of, asked = audit._received, audit._results_of, []
+
+    def lying_received(rnd, j, k):
+        got = received(rnd, j, k)
+        return hashlib.sha256(got).digest() if rnd.me == 3 and j == 1 else got
+
+    async def counting(rnd, i, j):
+        asked.append((rnd.me, i, j))
+        return await results_of(rnd, i, j)
+
+    monkeypatch.setattr(audit, "_received", lying_received)
+    monkeypatch.setattr(audit, "_results_of", counting)
+    rng = np.random.default_rng(5)
+    trees = [make_tree(rng, SHAPES) for _ in range(4)]
+    outcome, _, _ = run_round(["node"] * 4, trees, [1.0] * 4, config=VERIFY)
+    for r in _results(outcome):
+        assert r.accusations == ()
+    assert asked == []
