@@ -736,6 +736,34 @@ async def _equivocations(rnd: AllReduceState) -> list[Accusation]:
     return [found[j] for j in sorted(found)]
 
 
+async def _convict_equivocators(
+    rnd: AllReduceState,
+    stated: dict[int, Statement],
+    failures: dict[int, tuple[int, ChunkCheck]],
+    unverified: set[int],
+    silent: dict[int, set[int]],
+) -> list[Accusation]:
+    """A reducer that signed two results of one chunk (members' roots differ) is convicted on
+    its signatures; its share is recomputed without its part, like a failed one (``failures``,
+    ``unverified`` and ``silent`` are updated in place)."""
+    accusations: list[Accusation] = await _equivocations(rnd)
+    for a in accusations:
+        failures.pop(a.share, None)
+        unverified.discard(a.share)
+        silent.setdefault(a.share, set())
+    if accusations:
+        # The statements of other seeds are the equivocator's doing, not our exchange failing:
+        # the members it sent other bits recompute the shares they could not check, as the
+        # others do for want of their statements (else the victim took them as they came and
+        # its bits differed from the others' recomputation: bench.byzantine out of step).
+        for j in sorted(unverified - rnd.repaired):
+            contributors = set().union(*rnd.masks[j])
+            if rnd.me in contributors:
+                unverified.discard(j)
+                silent[j] = contributors - set(stated)
+    return accusations
+
+
 async def audit(rnd: AllReduceState) -> Verdict:
     """Check every share of ``rnd`` with the group (see the module docstring)."""
     assert rnd.out is not None
@@ -771,24 +799,8 @@ async def audit(rnd: AllReduceState) -> Verdict:
             rnd.round_id.hex()[:8],
             [rnd.name(j) for j in sorted(unverified)],
         )
-    # A reducer that signed two results of one chunk (members' roots differ) is convicted
-    # on its signatures; its share is recomputed without its part, like a failed one.
-    accusations: list[Accusation] = await _equivocations(rnd)
+    accusations = await _convict_equivocators(rnd, stated, failures, unverified, silent)
     equivocated = {a.share: int(a.share) for a in accusations}
-    for j in equivocated:
-        failures.pop(j, None)
-        unverified.discard(j)
-        silent.setdefault(j, set())
-    if equivocated:
-        # The statements of other seeds are the equivocator's doing, not our exchange failing:
-        # the members it sent other bits recompute the shares they could not check, as the
-        # others do for want of their statements (else the victim took them as they came and
-        # its bits differed from the others' recomputation: bench.byzantine out of step).
-        for j in sorted(unverified - rnd.repaired):
-            contributors = set().union(*rnd.masks[j])
-            if rnd.me in contributors:
-                unverified.discard(j)
-                silent[j] = contributors - set(stated)
     recomputed: set[int] = set()
     if failures or silent:
         rnd.keep_vec = True  # the others will ask us to reveal our parts
