@@ -519,3 +519,45 @@ def test_a_ghost_that_registers_in_time_and_serves_no_join_never_leaves_the_othe
     # waited for); a join held until the timeout (31 s) happens once, then it is not tried.
     slow = [t for t in took if t >= 2.0]
     assert len(slow) == (1 if join is _hang else 0), took
+
+
+@pytest.mark.parametrize(
+    "answer, gone",
+    [
+        ({"ok": False, "reason": "group already formed", "closed": True}, False),
+        ({"ok": False, "reason": "group full", "closed": True}, False),
+        ({"ok": False, "reason": "not leading epoch 3 at level 0 (alone)"}, True),
+        ({"ok": False}, True),
+        ("junk", True),
+        ({"ok": True, "spec": b"junk"}, True),
+    ],
+)
+def test_only_a_closed_group_sends_a_follower_home_without_a_fallback(answer, gone) -> None:
+    """A leader whose group closed without us (an honest race) sends us home alone, as ever,
+    so followers do not split into more groups; any other answer that is not a group (it
+    leads nothing, a malformed answer or spec) counts as a gone leader: the follower tries
+    the next member in rank."""
+    from dedloc_jax.rounds.following import Joining, LeaderGone, follow
+
+    class Node:
+        addrs: list = []
+
+        async def call(self, *args, **kwargs):
+            return answer
+
+    me = member_for("22222222222222222222222222222222", "node", 1e6, 1e6, 8.0)
+    j = Joining(
+        Node(),  # type: ignore[arg-type]
+        (3, 0),
+        me,
+        PeerSide(),
+        1.0,
+        learn=lambda p, r: None,
+        choose=lambda p: None,
+        cross=lambda c: None,
+    )
+    if gone:
+        with pytest.raises(LeaderGone):
+            trio.run(follow, j, "11111111111111111111111111111111")
+    else:
+        assert trio.run(follow, j, "11111111111111111111111111111111") is None
