@@ -13,7 +13,7 @@ from dedloc_jax.averaging.group import GroupSpec, Member
 from dedloc_jax.rounds.claims import excess_weight
 from dedloc_jax.rounds.context import PeerSide
 from dedloc_jax.rounds.wire import JOIN, LEADER, Slot, member_to_wire
-from p2p.errors import ConnectionClosed, DialError, P2PError, RPCError, RPCTimeout
+from p2p.errors import P2PError, RPCTimeout
 from p2p.identity import PeerID
 from p2p.node import Node
 
@@ -24,20 +24,19 @@ MAX_REDIRECTS = 2
 
 
 class LeaderGone(Exception):
-    """The leader could not be reached or dropped the connection (not a refusal): its
-    followers try the next member in group order."""
+    """The leader did not serve our join: unreachable, no ``collab.join`` or an error, a
+    malformed answer or spec, a refusal other than a closed group, or no answer in time
+    (``hung``). Its followers try the next member in group order, as they do for a dead one: a
+    registered peer that serves no join and ranks first left its whole group alone."""
+
+    def __init__(self, leader: str, *, hung: bool = False) -> None:
+        super().__init__(leader)
+        self.hung = hung
 
 
 class FollowsGone(Exception):
     """The member we asked to lead in a gone leader's place still follows that leader (it has
     not found it gone yet, and will fall back as we did): ask it again a little later."""
-
-
-def _gone(e: P2PError) -> bool:
-    """Whether a failed join means the leader is unreachable, rather than slow or refusing."""
-    return isinstance(e, DialError | ConnectionClosed) or (
-        isinstance(e, RPCError) and not e.remote and not isinstance(e, RPCTimeout)
-    )
 
 
 async def ask_leader(node: Node, slot: Slot, peer: str, timeout: float) -> Any:
@@ -84,9 +83,9 @@ class Joining:
 
 
 async def follow(j: Joining, leader: str, *, hops: int = 0) -> GroupSpec | None:
-    """Join ``leader``'s group: its spec, or None (refused, a bad spec, an uninvited member).
-    Raises :class:`LeaderGone` when ``leader`` cannot be reached, :class:`FollowsGone` when it
-    redirects us to a leader we found gone."""
+    """Join ``leader``'s group: its spec, or None (refused as its group closed: formed, full,
+    another state; or a redirect that led nowhere). Raises :class:`LeaderGone` when ``leader``
+    did not serve the join, :class:`FollowsGone` when it redirects us to a leader we found gone."""
     epoch, level = j.slot
     peer_id = j.me.peer_id
     request: dict[str, Any] = {
@@ -102,13 +101,13 @@ async def follow(j: Joining, leader: str, *, hops: int = 0) -> GroupSpec | None:
         answer = await j.node.call(PeerID.from_base58(leader), JOIN, request, timeout=j.timeout)
     except P2PError as e:
         log.info("leader %s of epoch %d did not take us: %s", leader, epoch, e)
-        if _gone(e):
-            raise LeaderGone(leader) from e
-        return None
-    if not isinstance(answer, dict) or not answer.get("ok"):
-        reason = answer.get("reason") if isinstance(answer, dict) else "malformed answer"
-        log.info("leader %s refused us at epoch %d: %s", leader, epoch, reason)
-        target = answer.get("redirect") if isinstance(answer, dict) else None
+        raise LeaderGone(leader, hung=isinstance(e, RPCTimeout)) from e
+    if not isinstance(answer, dict):
+        log.warning("leader %s sent a malformed answer to our join", leader)
+        raise LeaderGone(leader)
+    if not answer.get("ok"):
+        log.info("leader %s refused us at epoch %d: %.200s", leader, epoch, answer.get("reason"))
+        target = answer.get("redirect")
         if target in j.gone:
             # (following it, we stepped alone while the member that sent us there led the
             # others a moment later: bench.chaos, 12 kills)
@@ -125,17 +124,19 @@ async def follow(j: Joining, leader: str, *, hops: int = 0) -> GroupSpec | None:
                 return await follow(j, target, hops=hops + 1)
             except LeaderGone:
                 return None
-        return None
+        if answer.get("closed") is True or isinstance(target, str):
+            return None  # its group closed without us (an honest race): as before, alone
+        raise LeaderGone(leader)  # it leads nothing: "not leading", or no reason at all
     try:
         spec = GroupSpec.from_bytes(answer["spec"])
         spec.index_of(peer_id)
     except (GroupError, KeyError, TypeError) as e:
         log.warning("leader %s sent a bad group spec: %s", leader, e)
-        return None
+        raise LeaderGone(leader) from e
     excess = excess_weight(spec.members, j.share)
     if excess is not None:
         log.warning("leader %s sent a group spec with an unbounded weight: %s", leader, excess)
-        return None
+        raise LeaderGone(leader)
     addrs = answer.get("addrs")
     if isinstance(addrs, dict):
         members = {m.peer_id for m in spec.members}
@@ -149,5 +150,5 @@ async def follow(j: Joining, leader: str, *, hops: int = 0) -> GroupSpec | None:
                 await j.context.admit(PeerID.from_base58(m.peer_id), m.mode)
         except (ValueError, P2PError) as e:
             log.warning("leader %s formed a group with an uninvited peer: %s", leader, e)
-            return None
+            raise LeaderGone(leader) from e
     return spec

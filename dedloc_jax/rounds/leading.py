@@ -62,15 +62,17 @@ async def answer_join(
             answer["redirect"] = chosen
             answer["redirect_addrs"] = list(learned.get(str(chosen), ()))
         return answer
+    # "closed": an honest race (the follower goes alone, as ever); any other refusal says we
+    # lead nothing, and the follower falls back to the next member in rank.
     if not rnd.open:
-        return {"ok": False, "reason": "group already formed"}
+        return {"ok": False, "reason": "group already formed", "closed": True}
     if not same_state(rnd.state, state):
         # Its view of the registrations missed that we are on another lineage.
-        return {"ok": False, "reason": "it steps from another state than the group"}
+        return {"ok": False, "reason": "it steps from another state than the group", "closed": True}
     if rnd.state is None:  # we hold no state (aux): the first member's is the group's
         rnd.state = state
     if len(rnd.joined) + 1 >= rnd.max_size:
-        return {"ok": False, "reason": "group full"}
+        return {"ok": False, "reason": "group full", "closed": True}
     rnd.joined[peer] = member
     rnd.addrs[peer] = addrs
     rnd.changed.set()
@@ -83,7 +85,7 @@ async def answer_join(
         if not rnd.formed.is_set():  # told no (or gone): must not be in a later spec
             rnd.joined.pop(peer, None)
     if rnd.spec is None or peer not in {m.peer_id for m in rnd.spec.members}:
-        return {"ok": False, "reason": "group was not formed"}
+        return {"ok": False, "reason": "group was not formed", "closed": True}
     # The members' addresses, so that members that never read each other's registration
     # (a reader polls some of the key's holders) can still dial each other.
     known = {p: rnd.addrs[p] for p in rnd.joined if p != peer and rnd.addrs.get(p)}

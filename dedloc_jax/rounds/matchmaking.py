@@ -268,6 +268,11 @@ class Matchmaker:
         self._no_shows: dict[str, tuple[int, int]] = {}
         self._registered: set[str] = set()
         self._late: set[str] = set()
+        # Peers that served nothing we asked (a join as our leader, a question as a member):
+        # peer -> (epoch of the last failure, failures in a row); and those that held our join
+        # until the timeout -> that epoch. See :meth:`_serves` and :meth:`_hung`.
+        self._unserved: dict[str, tuple[int, int]] = {}
+        self._hung_at: dict[str, int] = {}
         self.deadlines = deadlines
         # Answers to others' joins follow the deadlines of the round this peer began last.
         self._answering = deadlines
@@ -431,9 +436,13 @@ class Matchmaker:
                 if again is None:
                     return None
                 planned = again
-            return await self._lead_or_follow(
+            spec = await self._lead_or_follow(
                 planned.slot, me, list(planned.mine), set(planned.late), planned.deadlines
             )
+            for m in spec.members if spec is not None else ():
+                self._unserved.pop(m.peer_id, None)  # it served this round
+                self._hung_at.pop(m.peer_id, None)
+            return spec
         finally:
             self.slots[planned.slot].opened.set()  # our part in the slot is over
 
@@ -645,6 +654,11 @@ class Matchmaker:
         cap = self.max_group_size if slot[1] == 0 else CROSS_CAP
         gone: set[str] = set()
         for k, leader in enumerate(mine[: 1 + MAX_LEADER_FALLBACKS]):
+            if leader != self.peer_id and self._hung(leader, slot[0]):
+                # It held our last join until the timeout: the others fall back to the same
+                # member once they find it gone, so skip the wait.
+                gone.add(leader)
+                continue
             self._choose(slot, leader)
             if leader == self.peer_id:
                 if k == 0:
@@ -654,7 +668,8 @@ class Matchmaker:
             for ask in range(FALLBACK_ASKS):
                 try:
                     return await self._follow(slot, me, leader, deadlines, gone=frozenset(gone))
-                except LeaderGone:
+                except LeaderGone as e:
+                    self._note_unserved(leader, slot[0], hung=e.hung)
                     gone.add(leader)
                     break
                 except FollowsGone:
@@ -720,6 +735,37 @@ class Matchmaker:
             return True
         skip = min(2**k - 1, MAX_NO_SHOW_SKIP) if peer in self._registered else MAX_NO_SHOW_SKIP
         return epoch > last + skip
+
+    def _note_unserved(self, peer: str, epoch: int, *, hung: bool = False) -> None:
+        """``peer`` served nothing we asked at ``epoch`` (see :meth:`_serves`)."""
+        if max(len(self._unserved), len(self._hung_at)) >= _MAX_LEARNED:
+            self._unserved.clear()
+            self._hung_at.clear()
+        last, k = self._unserved.get(peer, (epoch, 0))
+        if last < epoch or k == 0:
+            self._unserved[peer] = (epoch, k + 1)
+        if hung:
+            self._hung_at[peer] = epoch
+
+    def _serves(self, peer: str, epoch: int) -> bool:
+        """Whether a group we lead at ``epoch`` waits for ``peer``: after ``k`` rounds in a row
+        in which it served nothing we asked (no join as our leader, no answer as a member),
+        not during ``2**k - 1`` epochs (at most :data:`MAX_NO_SHOW_SKIP`): a registered peer
+        that never joins held each group it was planned in by a window. It is still taken
+        when it joins; taking part in a group clears it."""
+        failed = self._unserved.get(peer)
+        if failed is None:
+            return True
+        last, k = failed
+        return epoch < last or epoch > last + min(2**k - 1, MAX_NO_SHOW_SKIP)
+
+    def _hung(self, peer: str, epoch: int) -> bool:
+        """Whether ``peer`` held our join until the timeout during the last
+        :data:`MAX_NO_SHOW_SKIP` epochs: an honest leader answers every join before it (its
+        group forms within the member wait), and each such join stalled the group by the
+        timeout (31 s for a 1 s window), so it is not tried as leader again meanwhile."""
+        at = self._hung_at.get(peer)
+        return at is not None and at <= epoch <= at + MAX_NO_SHOW_SKIP
 
     def _note_shows(self, epoch: int, expected: set[str], registered: set[str]) -> None:
         """Remember which expected peers did not register for ``epoch`` (see :meth:`_earned`)."""
@@ -793,7 +839,11 @@ class Matchmaker:
 
     async def _ask_leader(self, slot: Slot, peer: str, timeout: float) -> Any:
         """``peer``'s answer to whom it follows at ``slot`` (raises P2PError)."""
-        return await ask_leader(self.node, slot, peer, timeout)
+        try:
+            return await ask_leader(self.node, slot, peer, timeout)
+        except P2PError:
+            self._note_unserved(peer, slot[0])
+            raise
 
     async def _follow(
         self,
@@ -900,7 +950,7 @@ class Matchmaker:
             slot,
             me,
             cap,
-            expected=expected,
+            expected={p for p in expected if self._serves(p, epoch)},
             cross=self.needs_cross(epoch) if level == 0 else False,
             state=self.context.state_of(epoch),
             share=self.slots[slot].share,

@@ -50,11 +50,13 @@ def test_an_honest_peer_that_fed_most_of_the_target_counts_whole() -> None:
 def test_a_follower_refuses_a_spec_in_which_the_leader_wrote_itself_an_unbounded_weight() -> None:
     """Members count the spec's weights, and the leader kept its own as it stated: a liar
     leading wrote 2**53 for itself and its vector was the group's mean. The leader now bounds
-    itself by the rule every member checks; an honest leader's spec passes."""
+    itself by the rule every member checks; an honest leader's spec passes. A member that
+    refuses the spec counts the leader as gone (it falls back to the next member in rank)."""
+    import pytest
     import trio
 
     from dedloc_jax.rounds.context import PeerSide
-    from dedloc_jax.rounds.following import Joining, follow
+    from dedloc_jax.rounds.following import Joining, LeaderGone, follow
 
     honest = [Member(f"h{i}", "node", 1e7, 1e7, 100.0) for i in range(2)]
     liar = Member("liar", "node", 1e7, 1e7, float(1 << 53))
@@ -89,5 +91,6 @@ def test_a_follower_refuses_a_spec_in_which_the_leader_wrote_itself_an_unbounded
         )
         return trio.run(follow, j, "11111111111111111111111111111111")
 
-    assert joined([liar, *honest]) is None
+    with pytest.raises(LeaderGone):
+        joined([liar, *honest])
     assert joined(bounded) is not None
