@@ -109,3 +109,37 @@ def test_a_lookup_for_a_few_nodes_asks_each_for_no_more() -> None:
             assert max(sizes) == TEST_CONFIG.k
 
     run_sim(main)
+
+
+def test_a_bucket_refresh_is_a_small_lookup_and_keeps_the_table() -> None:
+    """A stale bucket's refresh looks up a random ID of its range for alpha nodes: each
+    answer carries 2 * alpha contacts, not k (a full lookup per bucket every refresh was most
+    of an idle node's bytes). The buckets are fresh afterwards and the table lost nothing;
+    dead nodes the refresh met left it."""
+
+    async def main() -> None:
+        config = TEST_CONFIG.replace(refresh_interval=100.0, maintenance_interval=1e6)
+        async with dht_swarm(40, seed=5, config=config) as swarm:
+            for host in swarm.hosts[30:]:
+                swarm.net.kill(host)
+            await trio.sleep(101)
+            dht = swarm.dhts[3]
+            dead = {d.peer_id for d in swarm.dhts[30:]}
+            sizes: list[int] = []
+            send = dht._batcher._send
+
+            async def counting(contact, queries, *count):
+                answers = await send(contact, queries, *count)
+                sizes.extend(len(contacts) for contacts, _ in answers or ())
+                return answers
+
+            dht._batcher._send = counting
+            live_before = {e.peer for e in dht.routing.peers()} - dead
+            assert dht.routing.stale_buckets(trio.current_time(), config.refresh_interval)
+            await dht.maintain()
+            assert sizes and max(sizes) <= 2 * config.alpha, sizes
+            assert not dht.routing.stale_buckets(trio.current_time(), config.refresh_interval)
+            assert live_before <= {e.peer for e in dht.routing.peers()}
+            assert dht.protocol.stats["failures"] > 0  # it met dead nodes, and banned them
+
+    run_sim(main)
