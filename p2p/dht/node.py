@@ -564,10 +564,16 @@ class DHT:
                     nursery.start_soon(self._refresh_empty, empty, mono)
         if self.client_mode:
             return
+        # Kademlia's republish, less what needs none: a key some STORE brought within the
+        # interval (its writer or another holder re-sent it to the nearest nodes), and a
+        # record that expires before the next republish would come (its writer renews it or
+        # lets it go: relay adverts, progress reports, group keys live minutes).
+        interval = self.config.republish_interval
         due = [
             r
             for r in self.storage.records(now)
-            if now - (self.storage.last_received(r.key) or now) >= self.config.republish_interval
+            if now - (self.storage.last_received(r.key) or now) >= interval
+            and r.expiration - now > interval
         ]
         if due:
             self.protocol.stats["republished"] += len(due)
