@@ -49,8 +49,10 @@ class DHTConfig:
     # A store reuses the nearest nodes its last lookup of the same key found for this many
     # seconds (0: every store looks them up), until a store to one of them fails. Frequent
     # writers of one key (progress reports, relay adverts) then skip the lookup; newcomers
-    # nearer to the key get the records by handoff.
-    locate_ttl: float = 600.0
+    # nearer to the key get the records by handoff. Half an hour: a key's nearest nodes
+    # change only by churn, which a failed store or a nearer node heard from shows at once
+    # (at 10 minutes, a DiLoCo peer's progress renewal, due every 10, looked up every time).
+    locate_ttl: float = 1800.0
     max_pending_evictions: int = 64
 
     def __post_init__(self) -> None:
