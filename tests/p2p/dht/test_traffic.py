@@ -5,6 +5,7 @@ from __future__ import annotations
 import trio
 
 from p2p.dht import DHTConfig
+from p2p.dht.ids import node_id
 from p2p.dht.traffic import key_kind, purpose
 from p2p.testing import run_sim
 
@@ -192,5 +193,34 @@ def test_an_idle_swarm_under_the_fast_preset_costs_little_upkeep() -> None:
             assert per_node < 40, per_node
             for i in range(5):  # still there
                 assert (await swarm.dhts[-1 - i].get(f"kept{i}")).value == "v"
+
+    run_sim(main)
+
+
+def test_a_small_network_greets_its_initial_peers_once_per_refresh_interval() -> None:
+    """A table short of k may mean a node is being cut off, so maintenance greets the
+    initial peers: in a network smaller than k + 1 nodes it always is, and greeting at every
+    maintenance pinged them every 10 s. Now once per refresh interval, and at once when the
+    table shrinks."""
+    config = DHTConfig.fast()
+
+    async def main() -> None:
+        async with dht_swarm(8, seed=3, config=config) as swarm:
+            dht = swarm.dhts[5]
+            pings = dht.protocol.traffic.requests
+            await trio.sleep(30)
+            before = pings["dht.ping/refresh"]
+            await trio.sleep(config.refresh_interval)
+            assert pings["dht.ping/refresh"] - before <= 2 * len(dht.initial_peers)
+            before = pings["dht.ping/refresh"]
+            swarm.net.kill(swarm.hosts[6])
+            swarm.net.kill(swarm.hosts[7])
+            with trio.move_on_after(120):  # a lookup meets the dead ones: they leave the table
+                while len(dht.routing) > 5:
+                    await dht.find_nearest(node_id(swarm.dhts[6].peer_id))
+                    await trio.sleep(5)
+            assert len(dht.routing) <= 5
+            await trio.sleep(2 * config.maintenance_interval)
+            assert pings["dht.ping/refresh"] > before
 
     run_sim(main)
