@@ -39,9 +39,10 @@ class NodeConfig:
     """A unary request must arrive completely within this."""
     idle_timeout: float = 120.0
     """A connection with no streams for this long is closed."""
-    keepalive_interval: float | None = 15.0
+    keepalive_interval: float | None = 60.0
     """A connection on which nothing arrived for this long is pinged (a mux PING, no stream),
-    so that the NAT mappings and firewall states on its path stay open; None: never."""
+    so that the NAT mappings and firewall states on its path stay open; None: never. A minute:
+    home routers keep an idle TCP mapping for minutes (RFC 5382 asks for two hours)."""
     keepalive_timeout: float = 60.0
     """A pinged connection on which nothing at all arrives for this long more is closed as
     dead (a NAT that dropped its mapping black-holes it silently): calls fail over to a new

@@ -94,6 +94,7 @@ class DHT:
         self._located: dict[str, tuple[float, list[Contact]]] = {}  # key -> (when, nearest)
         self.lookups: list[LookupResult] = []  # the last few lookups (rounds/messages figures)
         self.initial_peers: list[str | Multiaddr] = []
+        self._greeted: tuple[float, int] | None = None  # last re-greeting: (when, table size)
         self._noted: set[tuple] = set()  # invalid records already logged (see note_invalid)
 
     def note_invalid(self, record: Record, reason: str) -> None:
@@ -532,9 +533,28 @@ class DHT:
             await self.maintain()
 
     async def _refresh_empty(self, buckets: list[Any], now: float) -> None:
-        await self.find_nearest(node_id(self.peer_id))
+        await self.find_nearest(node_id(self.peer_id), count=self.config.alpha)
         for bucket in buckets:
             bucket.last_updated = max(bucket.last_updated, now)
+
+    async def _refresh_bucket(self, bucket: Any) -> None:
+        # A refresh only has to meet a few live nodes of the range (its answers refresh the
+        # bucket, a dead member fails and leaves): a lookup for alpha nodes, whose answers
+        # carry 2 * alpha contacts, not a full lookup's k each (3x fewer bytes at k=20).
+        await self.find_nearest(random_id(bucket.lo, bucket.hi), count=self.config.alpha)
+
+    def _should_greet(self, now: float) -> bool:
+        """Greet the initial peers when the table is short of ``k`` and it shrank since the
+        last greeting (we may be getting cut off), or a refresh interval went by: a network
+        of fewer than k + 1 nodes is always short, and greeting at every maintenance pinged
+        the initial peers every 10 s for the whole run."""
+        size = len(self.routing)
+        if not self.initial_peers or size >= self.config.k:
+            return False
+        if self._greeted is None:
+            return True
+        at, then = self._greeted
+        return size < then or now - at >= self.config.refresh_interval
 
     async def maintain(self) -> None:
         """Purge expired records, refresh stale buckets, republish what was not re-stored."""
@@ -549,19 +569,26 @@ class DHT:
         empty = [b for b in stale if not b.peers]
         with purpose("refresh"):
             async with trio.open_nursery() as nursery:
-                if self.initial_peers and len(self.routing) < self.config.k:
+                if self._should_greet(mono):
+                    self._greeted = (mono, len(self.routing))
                     nursery.start_soon(self._reping_initial_peers)
                 for bucket in stale:
                     if bucket.peers:
-                        nursery.start_soon(self.find_nearest, random_id(bucket.lo, bucket.hi))
+                        nursery.start_soon(self._refresh_bucket, bucket)
                 if empty:
                     nursery.start_soon(self._refresh_empty, empty, mono)
         if self.client_mode:
             return
+        # Kademlia's republish, less what needs none: a key some STORE brought within the
+        # interval (its writer or another holder re-sent it to the nearest nodes), and a
+        # record that expires before the next republish would come (its writer renews it or
+        # lets it go: relay adverts, progress reports, group keys live minutes).
+        interval = self.config.republish_interval
         due = [
             r
             for r in self.storage.records(now)
-            if now - (self.storage.last_received(r.key) or now) >= self.config.republish_interval
+            if now - (self.storage.last_received(r.key) or now) >= interval
+            and r.expiration - now > interval
         ]
         if due:
             self.protocol.stats["republished"] += len(due)

@@ -248,17 +248,62 @@ def test_each_observation_round_asks_a_few_connected_peers_in_turn():
         node.call = spy
         config = NATConfig.testing().replace(observers=4, force_reachability="public")
         nat = await w.nat(node, [], config=config, background=False)
-        rounds = []
+        rounds = [list(asked)]  # the first check's
         for _ in range(3):
             asked.clear()
             await nat._identify_all(nat._observers())
-            rounds.append(set(asked))
-        assert [len(r) for r in rounds] == [4, 4, 4]
-        assert len(rounds[0] | rounds[1] | rounds[2]) >= 10  # in turn: everyone asked by now
+            rounds.append(list(asked))
+        # in turn: everyone asked by the third round, each once (a peer asked over the
+        # connection it still has is not asked again: see the next test)
+        assert [len(r) for r in rounds] == [4, 4, 2, 0]
+        assert len({p for r in rounds for p in r}) == 10
         assert (
             len(nat.observed.addrs()) == 1
             and len(nat.observed._seen[nat.observed.addrs()[0]]) == 10
         )
+
+    world_run(body)
+
+
+def test_a_peer_is_identified_once_per_connection_and_its_report_kept():
+    """The address a connection was seen from cannot change while it is open: each
+    observation round renews the report of a peer already asked over the connection it still
+    has (no RPC), past the reports' lifetime; a new connection is asked again."""
+
+    async def body(w: World):
+        node = await w.node(reachable=True)
+        others = [await w.node(reachable=True) for _ in range(3)]
+        for o in others:
+            o.add_handler(IDENTIFY, handle_identify)
+            await o.call(node.addrs[0], "echo", "hi")
+        asked: list[str] = []
+        call = node.call
+
+        async def spy(peer, name, request, **kwargs):
+            if name == "nat.identify":
+                asked.append(str(peer))
+            return await call(peer, name, request, **kwargs)
+
+        node.call = spy
+        config = NATConfig.testing().replace(observers=4, force_reachability="public")
+        nat = await w.nat(node, [], config=config, background=False)
+        for _ in range(8):  # past the reports' lifetime (1800 s)
+            await nat._identify_all(nat._observers())
+            for _ in range(50):
+                await trio.sleep(5)
+                for o in others:  # the connections stay busy (not closed as idle)
+                    await o.call(node.addrs[0], "echo", "hi")
+        assert sorted(asked) == sorted(str(o.peer_id) for o in others), asked
+        await nat._identify_all(nat._observers())
+        [addr] = nat.observed.addrs()
+        assert len(nat.observed._seen[addr]) == 3  # still reported by all three
+        asked.clear()
+        await node.disconnect(others[0].peer_id)
+        await trio.sleep(1)  # the close reached the other end
+        await others[0].call(node.addrs[0], "echo", "again")
+        assert node.connection_to(others[0].peer_id) is not None
+        await nat._identify_all(nat._observers())
+        assert asked == [str(others[0].peer_id)], (asked, [str(o.peer_id) for o in others])
 
     world_run(body)
 
