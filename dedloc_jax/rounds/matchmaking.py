@@ -635,10 +635,10 @@ class Matchmaker:
         cap = self.max_group_size if slot[1] == 0 else CROSS_CAP
         gone: set[str] = set()
         for k, leader in enumerate(mine[: 1 + MAX_LEADER_FALLBACKS]):
+            if leader == self.peer_id and k == 0:  # undecided until it asked the others
+                return await self._lead_or_join(slot, me, mine, deadlines, cap, late=late)
             self._choose(slot, leader)
             if leader == self.peer_id:
-                if k == 0:
-                    return await self._lead_or_join(slot, me, mine, deadlines, cap, late=late)
                 expected = set(mine[k + 1 :]) | late
                 return await self._lead(slot, me, deadlines, cap, expected=expected)
             for ask in range(FALLBACK_ASKS):
@@ -721,21 +721,39 @@ class Matchmaker:
         *,
         late: set[str] | frozenset[str] = frozenset(),
     ) -> GroupSpec | None:
-        """Lead ``mine`` (we rank first in it), unless we registered late: the next in rank
-        may already follow a leader that did not see us. Then join that leader rather than
-        split the group in two (one round across groups needs one group of
-        representatives)."""
+        """Lead ``mine`` (we rank first in it), unless we registered late: a member that
+        registered before us may already follow a leader that did not see us. Then join that
+        leader rather than split the group in two (one round across groups needs one group of
+        representatives; two groups of one state fork it). Every member is asked, not only the
+        next in rank: two peers that finished compiling late ranked first and second in their
+        view, the second undecided, so the first led them apart from the two that had begun
+        (a 2+2 split at epoch 0 that never joined). We answer "undecided" while asking, so
+        that the others' leader keeps waiting for us."""
         if len(mine) > 1:
             window, waits = self._window_of(deadlines)
-            other = await leader_of(self.node, slot, mine[1], window)
-            if other is not None and other != self.peer_id:
+            other = await self._followed(slot, mine[1:], window)
+            if other is not None:
                 self._choose(slot, other)
                 try:
                     return await self._follow(slot, me, other, waits)
                 except LeaderGone:
                     self._choose(slot, None)
                     return None
+        self._choose(slot, self.peer_id)
         return await self._lead(slot, me, deadlines, cap, expected=set(mine[1:]) | late)
+
+    async def _followed(self, slot: Slot, members: list[str], window: float) -> str | None:
+        """The leader the first of ``members`` (in rank order) that follows another peer
+        than us follows; None when none does (undecided, alone, or unreachable)."""
+        leaders: list[str | None] = [None] * len(members)
+
+        async def ask(i: int) -> None:
+            leaders[i] = await leader_of(self.node, slot, members[i], window)
+
+        async with trio.open_nursery() as nursery:
+            for i in range(len(members)):
+                nursery.start_soon(ask, i)
+        return next((x for x in leaders if x is not None and x != self.peer_id), None)
 
     def _window_of(self, deadlines: Deadlines | float) -> tuple[float, Deadlines]:
         """A round's window and its other waits, from its deadlines or from a bare window (the
