@@ -43,7 +43,6 @@ from dedloc_jax.rounds.following import (
     LeaderGone,
     ask_leader,
     follow,
-    leader_of,
 )
 from dedloc_jax.rounds.grouping import group_seed
 from dedloc_jax.rounds.leading import answer_join, lead
@@ -743,12 +742,25 @@ class Matchmaker:
         return await self._lead(slot, me, deadlines, cap, expected=set(mine[1:]) | late)
 
     async def _followed(self, slot: Slot, members: list[str], window: float) -> str | None:
-        """The leader the first of ``members`` (in rank order) that follows another peer
-        than us follows; None when none does (undecided, alone, or unreachable)."""
+        """The leader the first of ``members`` (in rank order) that steps from our state
+        follows, when it is another peer than us; None when none does (undecided, alone, or
+        unreachable). A member that states no state (an aux peer) may follow a leader of
+        another lineage, whose group would refuse us: not counted, unless we state none."""
+        ours = self.context.state_of(slot[0])
         leaders: list[str | None] = [None] * len(members)
 
         async def ask(i: int) -> None:
-            leaders[i] = await leader_of(self.node, slot, members[i], window)
+            try:
+                answer = await self._ask_leader(slot, members[i], window)
+            except P2PError as e:
+                log.debug("%s did not say whom it follows at %s: %s", members[i], slot, e)
+                return
+            if not isinstance(answer, dict) or answer.get("decided") is not True:
+                return
+            leader = answer.get("leader")
+            if ours is not None and answer.get("state") != ours:
+                return
+            leaders[i] = leader if isinstance(leader, str) else None
 
         async with trio.open_nursery() as nursery:
             for i in range(len(members)):
