@@ -56,8 +56,8 @@ def test_two_trainers_that_compile_late_join_the_first_round_of_four() -> None:
     second in their view of the registrations: the first must join the leader the others
     follow, not lead the late pair apart. Before, the run split 2+2 at epoch 0 and the pairs
     never joined (each pair's vouches name only itself, so each counted only its own side in
-    the fork choice): 21 epochs later still two states (bench.byzantine --processes,
-    undefended and sign_flip at dfe3a9e)."""
+    the fork choice): here, 21 epochs later still two states. Seen first in bench.byzantine
+    --processes (undefended and sign_flip at dfe3a9e)."""
     from contextlib import AsyncExitStack
 
     from dedloc_jax.state.keeping import StepKeeper, keep_in_step_async
