@@ -742,10 +742,13 @@ class Matchmaker:
         return await self._lead(slot, me, deadlines, cap, expected=set(mine[1:]) | late)
 
     async def _followed(self, slot: Slot, members: list[str], window: float) -> str | None:
-        """The leader the first of ``members`` (in rank order) that steps from our state
-        follows, when it is another peer than us; None when none does (undecided, alone, or
-        unreachable). A member that states no state (an aux peer) may follow a leader of
-        another lineage, whose group would refuse us: not counted, unless we state none."""
+        """The leader to join instead of leading our group ``members`` (after us, in rank
+        order): the one the next in rank follows (it may have decided on a leader that did not
+        see us); else a member that says it leads while another member follows it. An answer
+        is a member's word: one member alone, saying that it leads or naming a peer that does
+        not, cannot take us from our group (a hostile one would lead, or strand, every group it
+        ranks in). Only members that step from our state count (an aux peer, stating none, may
+        follow another lineage's leader, whose group refuses us), unless we state none."""
         ours = self.context.state_of(slot[0])
         leaders: list[str | None] = [None] * len(members)
 
@@ -757,15 +760,22 @@ class Matchmaker:
                 return
             if not isinstance(answer, dict) or answer.get("decided") is not True:
                 return
-            leader = answer.get("leader")
             if ours is not None and answer.get("state") != ours:
                 return
-            leaders[i] = leader if isinstance(leader, str) else None
+            leader = answer.get("leader")
+            leaders[i] = leader if isinstance(leader, str) and leader != self.peer_id else None
 
         async with trio.open_nursery() as nursery:
             for i in range(len(members)):
                 nursery.start_soon(ask, i)
-        return next((x for x in leaders if x is not None and x != self.peer_id), None)
+        if leaders[0] is not None:
+            return leaders[0]
+        says = dict(zip(members, leaders, strict=True))
+        for leader in members:
+            followed = any(x == leader for m, x in says.items() if m != leader)
+            if says[leader] == leader and followed:
+                return leader
+        return None
 
     def _window_of(self, deadlines: Deadlines | float) -> tuple[float, Deadlines]:
         """A round's window and its other waits, from its deadlines or from a bare window (the
