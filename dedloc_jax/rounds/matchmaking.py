@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -425,7 +425,12 @@ class Matchmaker:
                     return None
                 planned = again
             return await self._lead_or_follow(
-                planned.slot, me, list(planned.mine), set(planned.late), planned.deadlines
+                planned.slot,
+                me,
+                list(planned.mine),
+                set(planned.late),
+                planned.deadlines,
+                states=planned.gathering.states,
             )
         finally:
             self.slots[planned.slot].opened.set()  # our part in the slot is over
@@ -626,16 +631,26 @@ class Matchmaker:
         return not too_late
 
     async def _lead_or_follow(
-        self, slot: Slot, me: Member, mine: list[str], late: set[str], deadlines: Deadlines
+        self,
+        slot: Slot,
+        me: Member,
+        mine: list[str],
+        late: set[str],
+        deadlines: Deadlines,
+        *,
+        states: Mapping[str, bytes | None] | None = None,
     ) -> GroupSpec | None:
-        """Lead or follow in our planned group ``mine``. A leader that died after registering
-        would leave its whole group alone: each of its followers then tries the next member,
-        the same one on every follower (bounded)."""
+        """Lead or follow in our planned group ``mine`` (``states``: the state each member
+        registered with). A leader that died after registering would leave its whole group
+        alone: each of its followers then tries the next member, the same one on every
+        follower (bounded)."""
         cap = self.max_group_size if slot[1] == 0 else CROSS_CAP
         gone: set[str] = set()
         for k, leader in enumerate(mine[: 1 + MAX_LEADER_FALLBACKS]):
             if leader == self.peer_id and k == 0:  # undecided until it asked the others
-                return await self._lead_or_join(slot, me, mine, deadlines, cap, late=late)
+                return await self._lead_or_join(
+                    slot, me, mine, deadlines, cap, late=late, states=states
+                )
             self._choose(slot, leader)
             if leader == self.peer_id:
                 expected = set(mine[k + 1 :]) | late
@@ -719,6 +734,7 @@ class Matchmaker:
         cap: int,
         *,
         late: set[str] | frozenset[str] = frozenset(),
+        states: Mapping[str, bytes | None] | None = None,
     ) -> GroupSpec | None:
         """Lead ``mine`` (we rank first in it), unless we registered late: a member that
         registered before us may already follow a leader that did not see us. Then join that
@@ -730,7 +746,7 @@ class Matchmaker:
         that the others' leader keeps waiting for us."""
         if len(mine) > 1:
             window, waits = self._window_of(deadlines)
-            other = await self._followed(slot, mine[1:], window)
+            other = await self._followed(slot, mine[1:], window, states or {})
             if other is not None:
                 self._choose(slot, other)
                 try:
@@ -741,14 +757,18 @@ class Matchmaker:
         self._choose(slot, self.peer_id)
         return await self._lead(slot, me, deadlines, cap, expected=set(mine[1:]) | late)
 
-    async def _followed(self, slot: Slot, members: list[str], window: float) -> str | None:
+    async def _followed(
+        self, slot: Slot, members: list[str], window: float, states: Mapping[str, bytes | None]
+    ) -> str | None:
         """The leader to join instead of leading our group ``members`` (after us, in rank
         order): the one the next in rank follows (it may have decided on a leader that did not
         see us); else a member that says it leads while another member follows it. An answer
         is a member's word: one member alone, saying that it leads or naming a peer that does
         not, cannot take us from our group (a hostile one would lead, or strand, every group it
-        ranks in). Only members that step from our state count (an aux peer, stating none, may
-        follow another lineage's leader, whose group refuses us), unless we state none."""
+        ranks in). Only members that registered with our state count (``states``; an aux peer,
+        stating none, may follow another lineage's leader, whose group refuses us), unless we
+        state none. A member that has stepped past the epoch answers with no state: it counts
+        (its group formed without us; leading the late ones apart would fork the run)."""
         ours = self.context.state_of(slot[0])
         leaders: list[str | None] = [None] * len(members)
 
@@ -760,7 +780,8 @@ class Matchmaker:
                 return
             if not isinstance(answer, dict) or answer.get("decided") is not True:
                 return
-            if ours is not None and answer.get("state") != ours:
+            stated = states.get(members[i], answer.get("state"))
+            if ours is not None and (stated != ours or answer.get("state") not in (None, ours)):
                 return
             leader = answer.get("leader")
             leaders[i] = leader if isinstance(leader, str) and leader != self.peer_id else None
