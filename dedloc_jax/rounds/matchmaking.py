@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,7 +43,6 @@ from dedloc_jax.rounds.following import (
     LeaderGone,
     ask_leader,
     follow,
-    leader_of,
 )
 from dedloc_jax.rounds.grouping import group_seed
 from dedloc_jax.rounds.leading import answer_join, lead
@@ -437,7 +436,12 @@ class Matchmaker:
                     return None
                 planned = again
             spec = await self._lead_or_follow(
-                planned.slot, me, list(planned.mine), set(planned.late), planned.deadlines
+                planned.slot,
+                me,
+                list(planned.mine),
+                set(planned.late),
+                planned.deadlines,
+                states=planned.gathering.states,
             )
             for m in spec.members if spec is not None else ():
                 self._unserved.pop(m.peer_id, None)  # it served this round
@@ -646,11 +650,19 @@ class Matchmaker:
         return not too_late
 
     async def _lead_or_follow(
-        self, slot: Slot, me: Member, mine: list[str], late: set[str], deadlines: Deadlines
+        self,
+        slot: Slot,
+        me: Member,
+        mine: list[str],
+        late: set[str],
+        deadlines: Deadlines,
+        *,
+        states: Mapping[str, bytes | None] | None = None,
     ) -> GroupSpec | None:
-        """Lead or follow in our planned group ``mine``. A leader that died after registering
-        would leave its whole group alone: each of its followers then tries the next member,
-        the same one on every follower (bounded)."""
+        """Lead or follow in our planned group ``mine`` (``states``: the state each member
+        registered with). A leader that died after registering would leave its whole group
+        alone: each of its followers then tries the next member, the same one on every
+        follower (bounded)."""
         cap = self.max_group_size if slot[1] == 0 else CROSS_CAP
         gone: set[str] = set()
         for k, leader in enumerate(mine[: 1 + MAX_LEADER_FALLBACKS]):
@@ -659,10 +671,12 @@ class Matchmaker:
                 # member once they find it gone, so skip the wait.
                 gone.add(leader)
                 continue
+            if leader == self.peer_id and k == 0:  # undecided until it asked the others
+                return await self._lead_or_join(
+                    slot, me, mine, deadlines, cap, late=late, states=states
+                )
             self._choose(slot, leader)
             if leader == self.peer_id:
-                if k == 0:
-                    return await self._lead_or_join(slot, me, mine, deadlines, cap, late=late)
                 expected = set(mine[k + 1 :]) | late
                 return await self._lead(slot, me, deadlines, cap, expected=expected)
             for ask in range(FALLBACK_ASKS):
@@ -813,22 +827,69 @@ class Matchmaker:
         cap: int,
         *,
         late: set[str] | frozenset[str] = frozenset(),
+        states: Mapping[str, bytes | None] | None = None,
     ) -> GroupSpec | None:
-        """Lead ``mine`` (we rank first in it), unless we registered late: the next in rank
-        may already follow a leader that did not see us. Then join that leader rather than
-        split the group in two (one round across groups needs one group of
-        representatives)."""
+        """Lead ``mine`` (we rank first in it), unless we registered late: a member that
+        registered before us may already follow a leader that did not see us. Then join that
+        leader rather than split the group in two (one round across groups needs one group of
+        representatives; two groups of one state fork it). Every member is asked, not only the
+        next in rank: two peers that finished compiling late ranked first and second in their
+        view, the second undecided, so the first led them apart from the two that had begun
+        (a 2+2 split at epoch 0 that never joined). We answer "undecided" while asking, so
+        that the others' leader keeps waiting for us."""
         if len(mine) > 1:
             window, waits = self._window_of(deadlines)
-            other = await leader_of(self.node, slot, mine[1], window)
-            if other is not None and other != self.peer_id:
+            other = await self._followed(slot, mine[1:], window, states or {})
+            if other is not None:
                 self._choose(slot, other)
                 try:
                     return await self._follow(slot, me, other, waits)
                 except LeaderGone:
                     self._choose(slot, None)
                     return None
+        self._choose(slot, self.peer_id)
         return await self._lead(slot, me, deadlines, cap, expected=set(mine[1:]) | late)
+
+    async def _followed(
+        self, slot: Slot, members: list[str], window: float, states: Mapping[str, bytes | None]
+    ) -> str | None:
+        """The leader to join instead of leading our group ``members`` (after us, in rank
+        order): the one the next in rank follows (it may have decided on a leader that did not
+        see us); else a member that says it leads while another member follows it. An answer
+        is a member's word: one member alone, saying that it leads or naming a peer that does
+        not, cannot take us from our group (a hostile one would lead, or strand, every group it
+        ranks in). Only members that registered with our state count (``states``; an aux peer,
+        stating none, may follow another lineage's leader, whose group refuses us), unless we
+        state none. A member that has stepped past the epoch answers with no state: it counts
+        (its group formed without us; leading the late ones apart would fork the run)."""
+        ours = self.context.state_of(slot[0])
+        leaders: list[str | None] = [None] * len(members)
+
+        async def ask(i: int) -> None:
+            try:
+                answer = await self._ask_leader(slot, members[i], window)
+            except P2PError as e:
+                log.debug("%s did not say whom it follows at %s: %s", members[i], slot, e)
+                return
+            if not isinstance(answer, dict) or answer.get("decided") is not True:
+                return
+            stated = states.get(members[i], answer.get("state"))
+            if ours is not None and (stated != ours or answer.get("state") not in (None, ours)):
+                return
+            leader = answer.get("leader")
+            leaders[i] = leader if isinstance(leader, str) and leader != self.peer_id else None
+
+        async with trio.open_nursery() as nursery:
+            for i in range(len(members)):
+                nursery.start_soon(ask, i)
+        if leaders[0] is not None:
+            return leaders[0]
+        says = dict(zip(members, leaders, strict=True))
+        for leader in members:
+            followed = any(x == leader for m, x in says.items() if m != leader)
+            if says[leader] == leader and followed:
+                return leader
+        return None
 
     def _window_of(self, deadlines: Deadlines | float) -> tuple[float, Deadlines]:
         """A round's window and its other waits, from its deadlines or from a bare window (the

@@ -387,6 +387,54 @@ def test_a_peer_that_registered_late_joins_the_leader_the_others_follow() -> Non
     assert len(out["late"].members) == 2  # peers 1 and 0
 
 
+def test_a_late_peer_joins_the_leader_a_member_behind_an_undecided_one_follows() -> None:
+    """Two peers finished compiling after the other two had begun the epoch's round: peer 0
+    ranks first in its view, peer 3 (next in rank) registered late as well and is undecided,
+    and peer 2 (third) already follows peer 1, whose group waits for peer 3. Peer 0 joins
+    peer 1's group. Before, it asked only the next in rank (undecided) and led a second group
+    of the late peers: the real-process runs of bench.byzantine split 2+2 at epoch 0 so, and
+    the two pairs, each vouching only for itself, never joined (here: peer 0 alone)."""
+
+    async def lead(makers, ids, out) -> None:  # peer 1 waits for peer 3, which never comes
+        me = member_for(ids[1], "node", 1e6, 1e6, 8.0)
+        out["leader"] = await makers[1]._lead((5, 0), me, 1.0, 8, expected={ids[3]})
+
+    async def late(makers, ids, out) -> None:
+        await trio.sleep(0.5)
+        me = member_for(ids[0], "node", 1e6, 1e6, 8.0)
+        mine = [ids[0], ids[3], ids[2], ids[1]]
+        out["late"] = await makers[0]._lead_or_join((5, 0), me, mine, 1.0, 8)
+
+    def setup(makers, ids) -> None:
+        makers[1]._choose((5, 0), ids[1])  # peer 1 leads
+        makers[2]._choose((5, 0), ids[1])  # peer 2 follows peer 1
+
+    out = _two_at_once(4, 6, setup, lead, late)
+    assert out["late"] is not None and out["late"] == out["leader"]
+    assert len(out["late"].members) == 2  # peers 1 and 0
+
+
+def test_one_members_word_alone_does_not_take_a_peer_from_its_group() -> None:
+    """Peer 2, third in rank, says it leads, but nobody follows it (a hostile member would
+    say so in every round, to lead or strand every group it ranks in; it does not lead
+    here). Peer 0, first in rank, leads its group instead of following peer 2."""
+
+    async def late(makers, ids, out) -> None:
+        me = member_for(ids[0], "node", 1e6, 1e6, 8.0)
+        mine = [ids[0], ids[3], ids[2]]
+        await makers[0]._lead_or_join((5, 0), me, mine, 0.5, 8)
+        out["leader"], out["me"] = makers[0].slots[(5, 0)].leader, ids[0]
+
+    async def idle(makers, ids, out) -> None:
+        pass
+
+    def setup(makers, ids) -> None:
+        makers[2]._choose((5, 0), ids[2])  # peer 2 says it leads (and never does)
+
+    out = _two_at_once(4, 6, setup, late, idle)
+    assert out["leader"] == out["me"]  # it led (nobody came: its group was the others')
+
+
 def test_a_peer_that_registers_after_its_group_mate_decided_still_joins_it() -> None:
     """A decides after two windows without having read B's registration (B is still
     computing). B is expected and hashes into A's group, so A leads and waits for it (bounded)
