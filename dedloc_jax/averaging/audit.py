@@ -46,7 +46,8 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -391,14 +392,20 @@ async def _pushed(rnd: AllReduceState, i: int, j: int) -> Reveal | None:
     return rnd.pushed.get((i, j))
 
 
+@asynccontextmanager
+async def _verify_call(rnd: AllReduceState, i: int) -> AsyncIterator[MessageStream]:
+    """A ``VERIFY_PROTOCOL`` stream to member ``i``, opened with the round's hello (the
+    caller bounds it in time)."""
+    peer = PeerID.from_base58(rnd.name(i))
+    async with rnd.node.open_stream(peer, VERIFY_PROTOCOL, timeout=rnd.config.stall_timeout) as ms:
+        await ms.send({"t": "vhello", "r": rnd.round_id})
+        yield ms
+
+
 async def _ask(rnd: AllReduceState, peer_index: int, request: dict, j: int) -> Reveal | None:
     try:
-        peer = PeerID.from_base58(rnd.name(peer_index))
         with trio.move_on_after(2 * rnd.verify_timeout):
-            async with rnd.node.open_stream(
-                peer, VERIFY_PROTOCOL, timeout=rnd.config.stall_timeout
-            ) as ms:
-                await ms.send({"t": "vhello", "r": rnd.round_id})
+            async with _verify_call(rnd, peer_index) as ms:
                 await ms.send(request)
                 return await _receive_parts(rnd, ms, j)
     except FAILURES as e:
@@ -436,12 +443,8 @@ async def _push(rnd: AllReduceState, j: int) -> None:
 
     async def one(i: int) -> None:
         try:
-            peer = PeerID.from_base58(rnd.name(i))
             with trio.move_on_after(rnd.verify_timeout):
-                async with rnd.node.open_stream(
-                    peer, VERIFY_PROTOCOL, timeout=rnd.config.stall_timeout
-                ) as ms:
-                    await ms.send({"t": "vhello", "r": rnd.round_id})
+                async with _verify_call(rnd, i) as ms:
                     await ms.send({"t": "push", "j": j})
                     await _send_reveal(ms, own)
         except FAILURES as e:
@@ -648,12 +651,8 @@ async def _results_of(
     if rnd.members[i].mode == "client":
         return await _shown(rnd, i, j)
     try:
-        peer = PeerID.from_base58(rnd.name(i))
         with trio.move_on_after(2 * rnd.verify_timeout):
-            async with rnd.node.open_stream(
-                peer, VERIFY_PROTOCOL, timeout=rnd.config.stall_timeout
-            ) as ms:
-                await ms.send({"t": "vhello", "r": rnd.round_id})
+            async with _verify_call(rnd, i) as ms:
                 await ms.send(_results_msg(rnd, j))
                 return _parse_results(await ms.receive(), n)
     except FAILURES as e:
@@ -754,8 +753,7 @@ async def _convict_equivocators(
     if accusations:
         # The statements of other seeds are the equivocator's doing, not our exchange failing:
         # the members it sent other bits recompute the shares they could not check, as the
-        # others do for want of their statements (else the victim took them as they came and
-        # its bits differed from the others' recomputation: bench.byzantine out of step).
+        # others do for want of their statements, so every member ends with the same bits.
         for j in sorted(unverified - rnd.repaired):
             contributors = set().union(*rnd.masks[j])
             if rnd.me in contributors:
@@ -855,8 +853,7 @@ async def audit(rnd: AllReduceState) -> Verdict:
 
 RELAYS = 2
 """Members a client first asks to relay the statements it lacks (each lists all it lacks):
-every dialable member used to answer a client with every statement, n**3 bytes a round (93%
-of the statements' bytes at 40 peers, 10 of them clients); two, so that one withholding
+few, so that relays to clients do not grow as n**3 a round; two, so that one withholding
 member only delays it. The others are asked if some are still missing after them."""
 
 

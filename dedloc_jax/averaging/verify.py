@@ -297,8 +297,8 @@ class ShareFigures:
     """One sender's figures for one reducer's share: its commitment to its parts
     (:func:`parts_root`), per chunk ``q`` and ``|x|`` (NaN where it sent nothing; the check and
     the derived radius are per chunk), and its :func:`results_root` of the result chunks it
-    received (the bytes, codec and terms its ``q`` were computed against). 80 bytes a chunk
-    were 32 + 8 + 8 + 32: the two hashes per chunk are now 64 bytes a share."""
+    received (the bytes, codec and terms its ``q`` were computed against): two hashes a share,
+    16 bytes a chunk."""
 
     parts: bytes
     q: np.ndarray
@@ -397,7 +397,7 @@ class Statement:
     hello_wires: tuple[list, ...] = ()
     """As a reducer: the signed hellos of the senders that opened an exchange with it (and its
     own): what it may count, each as ``[sender, weight, signature]`` (the body follows from the
-    round, the key from the sender's own statement: 77 bytes, were 210). Checked only when a
+    round, the key from the sender's own statement). Checked only when a
     share is disputed (:func:`hello_of`): a member parsing every reducer's would verify n**2
     signatures a round."""
 

@@ -266,8 +266,7 @@ class NATManager:
     async def _identify_all(self, peers: Sequence[Multiaddr | PeerID]) -> None:
         """Ask each peer how it sees us; a peer already asked over the connection we still
         hold to it is not asked again (the same connection shows the same address: libp2p
-        identifies once per connection too), its report is renewed: repeating the RPC every
-        ``observe_interval`` was 6% of a long DiLoCo run's bytes."""
+        identifies once per connection too), its report is renewed without the RPC."""
         now = trio.current_time()
         for pid, (conn, _) in list(self._identified.items()):
             if self.node.connection_to(pid) is not conn:
