@@ -443,9 +443,7 @@ class Matchmaker:
                 planned.deadlines,
                 states=planned.gathering.states,
             )
-            for m in spec.members if spec is not None else ():
-                self._unserved.pop(m.peer_id, None)  # it served this round
-                self._hung_at.pop(m.peer_id, None)
+            self._took_part({m.peer_id for m in spec.members} if spec is not None else set())
             return spec
         finally:
             self.slots[planned.slot].opened.set()  # our part in the slot is over
@@ -493,8 +491,9 @@ class Matchmaker:
             return None
         if level == 0:
             self._note_shows(epoch, expected, set(gathering.others))
-            if unearned - set(gathering.others):
-                self.node.start_soon(self._read_late, slot, gathering, unearned)
+            unseen = (unearned | expected) - set(gathering.others)
+            if unseen:
+                self.node.start_soon(self._read_late, slot, gathering, frozenset(unseen))
         if expected - set(gathering.others):
             log.debug(
                 "%s: going on after %.1f s without expected peers %s",
@@ -695,18 +694,20 @@ class Matchmaker:
         self._choose(slot, None)
         return None
 
-    async def _read_late(self, slot: Slot, g: _Gathering, unearned: frozenset[str]) -> None:
+    async def _read_late(self, slot: Slot, g: _Gathering, unseen: frozenset[str]) -> None:
         """Read ``slot``'s registrations once more, past the longest wait for a peer that we
-        expect (two windows), for the ``unearned`` peers (see :meth:`_earned`) we planned
-        without: others learn that a newcomer registers only from the reads they make before
-        they plan, so one late at its first round was left out of every later one. Each that
-        registered since and took part in the matchmaking (it says whom it followed: it
-        joined, or was refused, or went alone) is waited for from the next round on; a ghost
-        that only stores registrations earns nothing."""
+        expect (two windows), for the ``unseen`` peers we planned without (unearned, see
+        :meth:`_earned`, or expected and missing): others learn that a newcomer registers only
+        from the reads they make before they plan, so one late at its first round was left
+        out of every later one. Each that registered since, was never seen registering in
+        time, and took part in the matchmaking (it says whom it followed: it joined, or was
+        refused, or went alone) is waited for from the next round on, once (then it is in
+        ``_late``: a miss forfeits :data:`MAX_NO_SHOW_SKIP` epochs); a ghost that only stores
+        registrations earns nothing."""
         window = g.deadlines.window
         await trio.sleep_until(g.start + 3 * window)  # the registration lives 16 windows + 35 s
         found = await self._registrations(g.registry, sweep=True, states={})
-        late = sorted((unearned & set(found)) - self._late - self._registered)
+        late = sorted((unseen & set(found)) - self._late - self._registered)
 
         async def took_part(peer: str) -> None:
             try:
@@ -723,6 +724,7 @@ class Matchmaker:
                     peer[:8],
                 )
                 self._late.add(peer)
+                self._no_shows.pop(peer, None)  # (marked when it missed the window we planned in)
 
         async with trio.open_nursery() as nursery:
             for peer in late:
@@ -749,6 +751,17 @@ class Matchmaker:
             return True
         skip = min(2**k - 1, MAX_NO_SHOW_SKIP) if peer in self._registered else MAX_NO_SHOW_SKIP
         return epoch > last + skip
+
+    def _took_part(self, members: set[str]) -> None:
+        """``members`` are in a group with us: each registered and served this round, so
+        marks of past misses go (a peer that compiled late at epoch 0 and joined its group
+        late was still not waited for in the next 32 epochs, and averaged apart at each)."""
+        for peer in members - {self.peer_id}:
+            self._unserved.pop(peer, None)
+            self._hung_at.pop(peer, None)
+            self._no_shows.pop(peer, None)
+        if len(self._registered) < _MAX_LEARNED:
+            self._registered |= members - {self.peer_id}
 
     def _note_unserved(self, peer: str, epoch: int, *, hung: bool = False) -> None:
         """``peer`` served nothing we asked at ``epoch`` (see :meth:`_serves`)."""

@@ -609,3 +609,54 @@ def test_only_a_closed_group_sends_a_follower_home_without_a_fallback(answer, go
             trio.run(follow, j, "11111111111111111111111111111111")
     else:
         assert trio.run(follow, j, "11111111111111111111111111111111") is None
+
+
+def _late_then_in_step(first: float, then: float, epochs: int = 5) -> list[list[int]]:
+    """Four peers; peers 2 and 3 finish compiling ``first`` seconds after peers 0 and 1 began
+    epoch 0 (whose samples fill the target alone), then register ``then`` seconds after them
+    at every later epoch (within the two windows an expected peer gets). Each peer expects the
+    three others. Per epoch: each peer's group size (1: alone)."""
+
+    async def main() -> list[list[int]]:
+        net = SimNetwork(seed=8)
+        async with open_sim_dhts(net, 4, latency=0.01) as peers:
+            ids = [str(node.peer_id) for node, _ in peers]
+            makers = matchmakers(peers, max_group_size=8)
+            out = []
+            for epoch in range(epochs):
+                sizes = [0] * 4
+
+                async def one(i: int, epoch: int = epoch, sizes=sizes) -> None:
+                    if i >= 2:
+                        await trio.sleep(first if epoch == 0 else then)
+                    me = member_for(ids[i], "node", 1e6, 1e6, 8.0)
+                    others = set(ids) - {ids[i]}
+                    spec = await makers[i].form_group(epoch, me, target=16.0, expected=others)
+                    sizes[i] = 1 if spec is None else len(spec.members)
+
+                async with trio.open_nursery() as nursery:
+                    for i in range(4):
+                        nursery.start_soon(one, i)
+                out.append(sizes)
+                await trio.sleep(5.0)
+            return out
+
+    return run_sim(main, seed=8)
+
+
+@pytest.mark.parametrize("first", [3.0, 9.0], ids=["joined-while-waited", "after-it-formed"])
+def test_peers_that_compiled_late_at_epoch_0_are_waited_for_once_they_take_part(
+    first: float,
+) -> None:
+    """Two of four peers miss the first registration window (compiling): the others mark them
+    no-shows and stop waiting for them. At 3 s the leader still waits for them and they join
+    the first group; at 9 s they join after it formed, are refused and step alone. Either way
+    they took part, then register 1.5 s after the others at every epoch (an expected peer
+    gets two windows): they must be grouped with the others from epoch 2 on. Before, the
+    no-show mark of a peer never seen registered lasted 32 epochs although it joined: they
+    averaged apart at every epoch ([2, 2, 1, 1] or [2, 2, 2, 2] in two groups)."""
+    epochs = _late_then_in_step(first, 1.5)
+    print(epochs)
+    if first < 5.0:
+        assert epochs[0] == [4, 4, 4, 4], epochs
+    assert all(sizes == [4, 4, 4, 4] for sizes in epochs[2:]), epochs
