@@ -31,7 +31,30 @@ class LeaderGone(Exception):
 
     def __init__(self, leader: str, *, hung: bool = False) -> None:
         super().__init__(leader)
+        self.leader = leader
         self.hung = hung
+
+
+class Misled(LeaderGone):
+    """The leader redirected us to a peer that did not serve our join (``target``: gone, or
+    a redirect again past :data:`MAX_REDIRECTS`, or not a peer ID; ``target_hung``: it held
+    the join until the timeout). The leader counts as gone: a hostile one that redirects every
+    join to a ghost sent every follower home alone."""
+
+    def __init__(self, leader: str, target: str | None, *, target_hung: bool = False) -> None:
+        super().__init__(leader)
+        self.target = target
+        self.target_hung = target_hung
+
+
+class LeaderClosed(Exception):
+    """``leader`` (the one we joined, or its redirect's target) refused us as its group closed:
+    formed, full, or on another state. An honest race sends us home alone; whether it was one
+    is for the caller to check (:meth:`~dedloc_jax.rounds.matchmaking.Matchmaker._follow`)."""
+
+    def __init__(self, leader: str) -> None:
+        super().__init__(leader)
+        self.leader = leader
 
 
 class FollowsGone(Exception):
@@ -82,10 +105,11 @@ class Joining:
     """Leaders of this slot we found gone: a redirect to one raises :class:`FollowsGone`."""
 
 
-async def follow(j: Joining, leader: str, *, hops: int = 0) -> GroupSpec | None:
-    """Join ``leader``'s group: its spec, or None (refused as its group closed: formed, full,
-    another state; or a redirect that led nowhere). Raises :class:`LeaderGone` when ``leader``
-    did not serve the join, :class:`FollowsGone` when it redirects us to a leader we found gone."""
+async def follow(j: Joining, leader: str, *, hops: int = 0) -> GroupSpec:
+    """Join ``leader``'s group: its spec. Raises :class:`LeaderClosed` when it (or the leader
+    it sent us to) refused us as its group closed, :class:`LeaderGone` when ``leader`` did not
+    serve the join (:class:`Misled`: the peer it sent us to did not), :class:`FollowsGone` when
+    it redirects us to a leader we found gone."""
     epoch, level = j.slot
     peer_id = j.me.peer_id
     request: dict[str, Any] = {
@@ -112,20 +136,22 @@ async def follow(j: Joining, leader: str, *, hops: int = 0) -> GroupSpec | None:
             # (following it, we stepped alone while the member that sent us there led the
             # others a moment later: bench.chaos, 12 kills)
             raise FollowsGone(leader)
-        if hops < MAX_REDIRECTS and isinstance(target, str) and target != peer_id:
+        if isinstance(target, str) and target != peer_id:
+            if hops >= MAX_REDIRECTS:
+                raise Misled(leader, target)
             j.learn(target, {"addrs": answer.get("redirect_addrs")})
             try:
                 PeerID.from_base58(target)
             except P2PError as e:
                 log.info("leader %s redirected us to a bad peer ID: %s", leader, e)
-                return None
+                raise Misled(leader, None) from e
             j.choose(target)
             try:
                 return await follow(j, target, hops=hops + 1)
-            except LeaderGone:
-                return None
-        if answer.get("closed") is True or isinstance(target, str):
-            return None  # its group closed without us (an honest race): as before, alone
+            except LeaderGone as e:
+                raise Misled(leader, target, target_hung=e.hung) from e
+        if answer.get("closed") is True:
+            raise LeaderClosed(leader)
         raise LeaderGone(leader)  # it leads nothing: "not leading", or no reason at all
     try:
         spec = GroupSpec.from_bytes(answer["spec"])

@@ -40,7 +40,9 @@ from dedloc_jax.rounds.deadlines import Deadlines
 from dedloc_jax.rounds.following import (
     FollowsGone,
     Joining,
+    LeaderClosed,
     LeaderGone,
+    Misled,
     ask_leader,
     follow,
 )
@@ -268,10 +270,12 @@ class Matchmaker:
         self._registered: set[str] = set()
         self._late: set[str] = set()
         # Peers that served nothing we asked (a join as our leader, a question as a member):
-        # peer -> (epoch of the last failure, failures in a row); and those that held our join
-        # until the timeout -> that epoch. See :meth:`_serves` and :meth:`_hung`.
+        # peer -> (epoch of the last failure, failures in a row); those that held our join
+        # until the timeout -> that epoch; and leaders whose refusals led nowhere -> (epoch,
+        # in a row). See :meth:`_serves`, :meth:`_shunned` and :meth:`_note_misled`.
         self._unserved: dict[str, tuple[int, int]] = {}
         self._hung_at: dict[str, int] = {}
+        self._misled: dict[str, tuple[int, int]] = {}
         self.deadlines = deadlines
         # Answers to others' joins follow the deadlines of the round this peer began last.
         self._answering = deadlines
@@ -325,7 +329,7 @@ class Matchmaker:
             return {"decided": False}
         answer: dict[str, Any] = {"decided": record.decided}
         if record.decided:
-            answer["leader"] = record.leader
+            answer["leader"], answer["grouped"] = record.leader, record.grouped
         if record.registered is not None:  # the asker's read of the key may miss ours
             answer["member"] = record.registered
             state = self.context.state_of(slot[0])  # ours stays until we step, after this round
@@ -663,12 +667,12 @@ class Matchmaker:
         alone: each of its followers then tries the next member, the same one on every
         follower (bounded)."""
         cap = self.max_group_size if slot[1] == 0 else CROSS_CAP
-        gone: set[str] = set()
+        # Leaders we skip count as found gone: a redirect to one is asked again, then left.
+        gone = {p for p in (*self._hung_at, *self._misled) if self._shunned(p, slot[0])}
         for k, leader in enumerate(mine[: 1 + MAX_LEADER_FALLBACKS]):
-            if leader != self.peer_id and self._hung(leader, slot[0]):
-                # It held our last join until the timeout: the others fall back to the same
-                # member once they find it gone, so skip the wait.
-                gone.add(leader)
+            if leader != self.peer_id and leader in gone:
+                # It held our last join until the timeout, or its refusals led nowhere: the
+                # others fall back to the same member once they find it gone, so skip the wait.
                 continue
             if leader == self.peer_id and k == 0:  # undecided until it asked the others
                 return await self._lead_or_join(
@@ -680,19 +684,33 @@ class Matchmaker:
                 return await self._lead(slot, me, deadlines, cap, expected=expected)
             for ask in range(FALLBACK_ASKS):
                 try:
-                    return await self._follow(slot, me, leader, deadlines, gone=frozenset(gone))
+                    return await self._follow(
+                        slot, me, leader, deadlines, gone=frozenset(gone), members=mine
+                    )
                 except LeaderGone as e:
-                    self._note_unserved(leader, slot[0], hung=e.hung)
+                    self._gone(slot[0], e)
                     gone.add(leader)
                     break
                 except FollowsGone:
                     if ask + 1 == FALLBACK_ASKS:
+                        # (a hostile member sends every join to a leader we found gone)
                         log.info("%s: %s kept following a gone leader", slot, leader[:8])
-                        self._choose(slot, None)
-                        return None
+                        self._note_misled(leader, slot[0])
+                        gone.add(leader)
+                        break
                     await trio.sleep(deadlines.window / 4)
         self._choose(slot, None)
         return None
+
+    def _gone(self, epoch: int, e: LeaderGone) -> None:
+        """Remember a leader that did not serve our join at ``epoch`` (and, when it sent us to
+        another that did not, both)."""
+        if isinstance(e, Misled):
+            self._note_misled(e.leader, epoch)
+            if e.target is not None:  # (it may be the leader itself: a redirect loop)
+                self._note_unserved(e.target, epoch, hung=e.target_hung)
+        else:
+            self._note_unserved(e.leader, epoch, hung=e.hung)
 
     async def _read_late(self, slot: Slot, g: _Gathering, unseen: frozenset[str]) -> None:
         """Read ``slot``'s registrations once more, past the longest wait for a peer that we
@@ -759,15 +777,17 @@ class Matchmaker:
         for peer in members - {self.peer_id}:
             self._unserved.pop(peer, None)
             self._hung_at.pop(peer, None)
+            self._misled.pop(peer, None)
             self._no_shows.pop(peer, None)
         if len(self._registered) < _MAX_LEARNED:
             self._registered |= members - {self.peer_id}
 
     def _note_unserved(self, peer: str, epoch: int, *, hung: bool = False) -> None:
         """``peer`` served nothing we asked at ``epoch`` (see :meth:`_serves`)."""
-        if max(len(self._unserved), len(self._hung_at)) >= _MAX_LEARNED:
+        if max(len(self._unserved), len(self._hung_at), len(self._misled)) >= _MAX_LEARNED:
             self._unserved.clear()
             self._hung_at.clear()
+            self._misled.clear()
         last, k = self._unserved.get(peer, (epoch, 0))
         if last < epoch or k == 0:
             self._unserved[peer] = (epoch, k + 1)
@@ -786,13 +806,29 @@ class Matchmaker:
         last, k = failed
         return epoch < last or epoch > last + min(2**k - 1, MAX_NO_SHOW_SKIP)
 
-    def _hung(self, peer: str, epoch: int) -> bool:
-        """Whether ``peer`` held our join until the timeout during the last
+    def _note_misled(self, leader: str, epoch: int) -> None:
+        """``leader``'s refusal of our join at ``epoch`` led nowhere: a closed group that no
+        member of ours is in, or a redirect to a peer that served no join (see :meth:`_shunned`)."""
+        self._note_unserved(leader, epoch)
+        last, k = self._misled.get(leader, (epoch, 0))
+        if last < epoch or k == 0:
+            self._misled[leader] = (epoch, k + 1)
+
+    def _shunned(self, peer: str, epoch: int) -> bool:
+        """Whether we skip ``peer`` as leader at ``epoch`` (its followers fall back to the
+        next in rank at once). One that held our join until the timeout, during the last
         :data:`MAX_NO_SHOW_SKIP` epochs: an honest leader answers every join before it (its
         group forms within the member wait), and each such join stalled the group by the
-        timeout (31 s for a 1 s window), so it is not tried as leader again meanwhile."""
+        timeout (31 s for a 1 s window). One whose refusals led nowhere in ``k >= 2`` epochs
+        in a row, during ``2**k - 1`` epochs (at most :data:`MAX_NO_SHOW_SKIP`): an honest
+        leader's closed group or redirect fails us once in a while (a crash, a race), a
+        hostile one's every time, and each try costs its followers a fallback (or the
+        redirect target's timeout). Averaging with it clears both."""
         at = self._hung_at.get(peer)
-        return at is not None and at <= epoch <= at + MAX_NO_SHOW_SKIP
+        if at is not None and at <= epoch <= at + MAX_NO_SHOW_SKIP:
+            return True
+        last, k = self._misled.get(peer, (epoch, 0))
+        return k >= 2 and last <= epoch <= last + min(2**k - 1, MAX_NO_SHOW_SKIP)
 
     def _note_shows(self, epoch: int, expected: set[str], registered: set[str]) -> None:
         """Remember which expected peers did not register for ``epoch`` (see :meth:`_earned`)."""
@@ -856,7 +892,7 @@ class Matchmaker:
             if other is not None:
                 self._choose(slot, other)
                 try:
-                    return await self._follow(slot, me, other, waits)
+                    return await self._follow(slot, me, other, waits, members=mine)
                 except LeaderGone:
                     self._choose(slot, None)
                     return None
@@ -927,10 +963,15 @@ class Matchmaker:
         deadlines: Deadlines | None = None,
         *,
         gone: frozenset[str] = frozenset(),
+        members: list[str] | tuple[str, ...] = (),
     ) -> GroupSpec | None:
         """Join ``leader``'s group (see :func:`~dedloc_jax.rounds.following.follow`);
-        ``gone``: the slot's leaders we found gone."""
+        ``gone``: the slot's leaders we found gone; ``members``: our planned group. None:
+        refused as the group closed without us, which a member of ours confirms (see
+        :meth:`_closed_group`); else the refusal counts as a gone leader (raises
+        :class:`LeaderGone`)."""
         epoch, level = slot
+        deadlines = deadlines or self.deadlines
 
         def cross(several: bool) -> None:
             if level == 0:
@@ -941,14 +982,54 @@ class Matchmaker:
             slot,
             me,
             self.context,
-            (deadlines or self.deadlines).join_timeout,
+            deadlines.join_timeout,
             learn=self._learn_addrs,
             choose=lambda target: self._choose(slot, target),
             cross=cross,
             share=self.slots[slot].share,
             gone=gone,
         )
-        return await follow(joining, leader)
+        try:
+            spec = await follow(joining, leader)
+        except LeaderClosed as e:
+            if await self._closed_group(slot, e.leader, members, deadlines.window):
+                return None  # its group closed without us (an honest race): as ever, alone
+            log.warning(
+                "%s: %s refused us as its group closed, but no member of ours is in it",
+                slot,
+                e.leader[:8],
+            )
+            raise Misled(leader, e.leader) from e  # (e.leader: we or a redirect went there)
+        self.slots[slot].grouped = True
+        return spec
+
+    async def _closed_group(
+        self, slot: Slot, leader: str, members: list[str] | tuple[str, ...], window: float
+    ) -> bool:
+        """Whether ``leader``'s group at ``slot`` formed: a member of our planned group says
+        that it is in it. A closed group sends its refused follower home alone, without a
+        fallback, so that the late ones do not form a second group of the same state (which
+        forks the run); but a hostile leader that ranks first and answers every join so kept
+        all its followers alone. Its own word is not enough: the members it refused say that
+        they are not grouped. (One that takes some and refuses the others still averages, and
+        its round's checks apply.) Asked a quarter window later: the members it took are told
+        when the group forms, as we are refused."""
+        others = [p for p in members if p not in (leader, self.peer_id)]
+        grouped: list[bool] = []
+
+        async def ask(peer: str) -> None:
+            try:
+                answer = await self._ask_leader(slot, peer, window)
+            except P2PError:
+                return
+            if isinstance(answer, dict) and answer.get("leader") == leader:
+                grouped.append(answer.get("grouped") is True)
+
+        await trio.sleep(window / 4)
+        async with trio.open_nursery() as nursery:
+            for peer in others:
+                nursery.start_soon(ask, peer)
+        return any(grouped)
 
     def _learn_addrs(self, peer: str, registration: Any) -> None:
         """Remember a registered peer's addresses, so that we can dial it if it leads."""
@@ -1032,7 +1113,7 @@ class Matchmaker:
         record = self.slots[slot]
         record.leading = rnd
         record.opened.set()
-        return await lead(
+        spec = await lead(
             rnd,
             window=window,
             wait=waits.member_wait if level == 0 else waits.max_wait,
@@ -1043,3 +1124,5 @@ class Matchmaker:
             # (a representative's weight is its group's samples, weighed there)
             weightless=self.context.weightless if level == 0 else None,
         )
+        record.grouped = spec is not None
+        return spec

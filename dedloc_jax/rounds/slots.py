@@ -49,6 +49,9 @@ class SlotRecord:
     share: float = 0.0
     """The target's samples over the peers expected at the slot, us counted (claims.py)."""
     leading: LedGroup | None = None
+    grouped: bool = False
+    """This peer holds the spec of a group of 2+ (led or joined): told to members that its
+    leader refused with a closed group, which believe the refusal only then."""
     cross: bool = False
     """Level 0: the leader's view held other groups, so the mean goes across groups."""
     view: tuple[list[list[str]], dict[str, str]] | None = None

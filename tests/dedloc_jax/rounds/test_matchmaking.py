@@ -107,7 +107,9 @@ def test_peers_that_step_from_other_states_average_apart() -> None:
 
 def test_a_leader_refuses_a_member_that_steps_from_another_state() -> None:
     """The leader's check, for a follower whose view missed that the leader is on another
-    lineage: it is refused (and averages alone) while one on the leader's state joins."""
+    lineage: it is refused while one on the leader's state joins. No member of its group is in
+    the leader's group when it asks (the leader waits for it), so the refusal counts as a gone
+    leader: it falls back to the next member in rank, one of its lineage."""
     state = {0: b"A" * 32, 1: b"B" * 32, 2: b"A" * 32}
 
     async def lead(makers, ids, out) -> None:
@@ -120,15 +122,21 @@ def test_a_leader_refuses_a_member_that_steps_from_another_state() -> None:
 
         async def one(i: int) -> None:
             me = member_for(ids[i], "node", 1e6, 1e6, 8.0)
-            out[i] = await makers[i]._follow((5, 0), me, ids[0])
+            makers[i]._choose((5, 0), ids[0])
+            try:
+                out[i] = await makers[i]._follow((5, 0), me, ids[0], members=ids[:3])
+            except LeaderGone:
+                out[i] = "gone"
 
         async with trio.open_nursery() as nursery:
             nursery.start_soon(one, 1)
             nursery.start_soon(one, 2)
 
+    from dedloc_jax.rounds.following import LeaderGone
+
     contexts = [PeerSide(state_of=lambda epoch, i=i: state[i]) for i in range(3)]
     out = _two_at_once(3, 7, lambda makers, ids: None, lead, follow, contexts=contexts)
-    assert out[1] is None  # refused: another state
+    assert out[1] == "gone"  # refused: another state, and nobody of ours is in that group
     assert out[2] is not None and out[2] == out["leader"]
     assert {m.peer_id for m in out[2].members} == {out["ids"][0], out["ids"][2]}
 
@@ -582,10 +590,11 @@ def test_a_ghost_that_registers_in_time_and_serves_no_join_never_leaves_the_othe
 )
 def test_only_a_closed_group_sends_a_follower_home_without_a_fallback(answer, gone) -> None:
     """A leader whose group closed without us (an honest race) sends us home alone, as ever,
-    so followers do not split into more groups; any other answer that is not a group (it
-    leads nothing, a malformed answer or spec) counts as a gone leader: the follower tries
-    the next member in rank."""
-    from dedloc_jax.rounds.following import Joining, LeaderGone, follow
+    so followers do not split into more groups (once a member of ours confirms that the group
+    formed, see the hostile leader's test); any other answer that is not a group (it leads
+    nothing, a malformed answer or spec) counts as a gone leader: the follower tries the next
+    member in rank."""
+    from dedloc_jax.rounds.following import Joining, LeaderClosed, LeaderGone, follow
 
     class Node:
         addrs: list = []
@@ -608,7 +617,8 @@ def test_only_a_closed_group_sends_a_follower_home_without_a_fallback(answer, go
         with pytest.raises(LeaderGone):
             trio.run(follow, j, "11111111111111111111111111111111")
     else:
-        assert trio.run(follow, j, "11111111111111111111111111111111") is None
+        with pytest.raises(LeaderClosed):
+            trio.run(follow, j, "11111111111111111111111111111111")
 
 
 def _late_then_in_step(first: float, then: float, epochs: int = 5) -> list[list[int]]:
@@ -660,3 +670,54 @@ def test_peers_that_compiled_late_at_epoch_0_are_waited_for_once_they_take_part(
     if first < 5.0:
         assert epochs[0] == [4, 4, 4, 4], epochs
     assert all(sizes == [4, 4, 4, 4] for sizes in epochs[2:]), epochs
+
+
+async def _closed(ctx, request) -> dict:
+    return {"ok": False, "reason": "group already formed", "closed": True}
+
+
+async def _to_stranger(ctx, request) -> dict:
+    from p2p.identity import Identity
+
+    ghost = str(Identity.from_seed(b"a ghost nobody can dial").peer_id)
+    return {"ok": False, "reason": "not leading (following)", "redirect": ghost}
+
+
+async def _to_itself(ctx, request) -> dict:  # a loop: it ends at the hop limit
+    return {"ok": False, "reason": "not leading (following)", "redirect": str(ctx.node.peer_id)}
+
+
+def _to_itself_then_hang():
+    asked: set = set()
+
+    async def join(ctx, request) -> dict:
+        key = (str(ctx.remote_peer), request.get("epoch"))
+        if key in asked:  # the redirect's target holds the join until the timeout
+            await trio.sleep_forever()
+        asked.add(key)
+        return await _to_itself(ctx, request)
+
+    return join
+
+
+@pytest.mark.parametrize(
+    "join, slow",
+    [(_closed, 0), (_to_stranger, 0), (_to_itself, 0), (_to_itself_then_hang(), 1)],
+    ids=["closed", "to-a-stranger", "to-itself", "to-itself-then-hangs"],
+)
+def test_a_hostile_leader_whose_refusals_lead_nowhere_never_leaves_the_others_alone(
+    join, slow: int
+) -> None:
+    """A registered peer that ranks first and answers every join with a closed group that
+    nobody is in, or with a redirect to a peer that serves no join (a stranger, a loop, a
+    peer that holds the join), sent its whole group home alone in every epoch it led (groups
+    of 1 + 1 in 3 of 8 epochs here). Now a closed refusal counts only when another member of
+    our group says it is in that leader's group, a redirect whose target fails counts as a
+    gone leader, and the followers fall back to the next member in rank; a leader whose
+    refusals led nowhere in two epochs in a row is not tried again for a while, and a join
+    held until the timeout happens once."""
+    epochs = _newcomer_epochs(0.0, runs_matchmaker=False, join=join, epochs=8)
+    print(epochs)
+    assert all(sizes[:2] == [2, 2] for sizes, _ in epochs), epochs
+    took = [max(t) for _, t in epochs]
+    assert len([t for t in took if t >= 2.0]) == slow, took
