@@ -58,8 +58,13 @@ class LeaderClosed(Exception):
 
 
 class FollowsGone(Exception):
-    """The member we asked to lead in a gone leader's place still follows that leader (it has
-    not found it gone yet, and will fall back as we did): ask it again a little later."""
+    """The member we asked to lead in a gone leader's place still follows that leader
+    (``target``; it has not found it gone yet, and will fall back as we did): ask it again a
+    little later."""
+
+    def __init__(self, leader: str, target: str) -> None:
+        super().__init__(leader)
+        self.target = target
 
 
 async def ask_leader(node: Node, slot: Slot, peer: str, timeout: float) -> Any:
@@ -135,7 +140,7 @@ async def follow(j: Joining, leader: str, *, hops: int = 0) -> GroupSpec:
         if target in j.gone:
             # (following it, we stepped alone while the member that sent us there led the
             # others a moment later: bench.chaos, 12 kills)
-            raise FollowsGone(leader)
+            raise FollowsGone(leader, target)
         if isinstance(target, str) and target != peer_id:
             if hops >= MAX_REDIRECTS:
                 raise Misled(leader, target)

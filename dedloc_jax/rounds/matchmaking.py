@@ -668,7 +668,8 @@ class Matchmaker:
         follower (bounded)."""
         cap = self.max_group_size if slot[1] == 0 else CROSS_CAP
         # Leaders we skip count as found gone: a redirect to one is asked again, then left.
-        gone = {p for p in (*self._hung_at, *self._misled) if self._shunned(p, slot[0])}
+        shunned = {p for p in (*self._hung_at, *self._misled) if self._shunned(p, slot[0])}
+        gone = set(shunned)
         for k, leader in enumerate(mine[: 1 + MAX_LEADER_FALLBACKS]):
             if leader != self.peer_id and leader in gone:
                 # It held our last join until the timeout, or its refusals led nowhere: the
@@ -691,14 +692,18 @@ class Matchmaker:
                     self._gone(slot[0], e)
                     gone.add(leader)
                     break
-                except FollowsGone:
-                    if ask + 1 == FALLBACK_ASKS:
-                        # (a hostile member sends every join to a leader we found gone)
-                        log.info("%s: %s kept following a gone leader", slot, leader[:8])
-                        self._note_misled(leader, slot[0])
-                        gone.add(leader)
-                        break
-                    await trio.sleep(deadlines.window / 4)
+                except FollowsGone as e:
+                    if ask + 1 < FALLBACK_ASKS:
+                        await trio.sleep(deadlines.window / 4)
+                        continue
+                    log.info("%s: %s kept following a gone leader", slot, leader[:8])
+                    if e.target not in shunned:  # (found gone in this slot: it may be late)
+                        self._choose(slot, None)
+                        return None
+                    # One we shun since an earlier round: a hostile member sends every join
+                    # there (its first try cost the timeout), so it counts as gone.
+                    self._note_misled(leader, slot[0])
+                    gone.add(leader)
         self._choose(slot, None)
         return None
 

@@ -472,26 +472,31 @@ def test_a_peer_that_registers_after_its_group_mate_decided_still_joins_it() -> 
 
 
 def _newcomer_epochs(
-    delay: float, *, runs_matchmaker: bool, join=None, epochs: int = 5
+    delay: float, *, runs_matchmaker: bool, join=None, epochs: int = 5, hanger: bool = False
 ) -> list[tuple[list[int], list[float]]]:
     """Peers 0 and 1 averaged with each other (proven to each other); peer 2 never did, and
     registers ``delay`` seconds after them at every epoch (``runs_matchmaker``: as a volunteer
     does, then joining; else it only stores its registration, a ghost, that answers joins
-    with ``join``, if given). Per epoch: each peer's group size (1: alone) and how long peers
-    0 and 1 took to form their group."""
+    with ``join``, if given; ``hanger``: with ``join(id, addrs)``'s handler, given a fourth
+    peer that holds every join and registers nothing). Per epoch: each peer's group size (1:
+    alone) and how long peers 0 and 1 took to form their group."""
 
     async def main() -> list:
         net = SimNetwork(seed=7)
-        async with open_sim_dhts(net, 3, latency=0.01) as peers:
+        async with open_sim_dhts(net, 4 if hanger else 3, latency=0.01) as peers:
             ids = [str(node.peer_id) for node, _ in peers]
             new = ids[2]
             ctx = [PeerSide(proven=lambda p: p != new) for _ in range(2)] + [PeerSide()]
-            makers = matchmakers(peers, max_group_size=8, contexts=ctx)
+            makers = matchmakers(peers[:3], max_group_size=8, contexts=ctx)
+            handler = join
+            if hanger:
+                peers[3][0].add_handler(JOIN, _hang)
+                handler = join(ids[3], [str(a) for a in peers[3][0].addrs])
             if not runs_matchmaker:
                 peers[2][0].remove_handler(JOIN)
                 peers[2][0].remove_handler(LEADER)
-                if join is not None:
-                    peers[2][0].add_handler(JOIN, join)
+                if handler is not None:
+                    peers[2][0].add_handler(JOIN, handler)
             out = []
             for epoch in range(3, 3 + epochs):
                 sizes, took = [0, 0, 0], [0.0, 0.0]
@@ -721,3 +726,26 @@ def test_a_hostile_leader_whose_refusals_lead_nowhere_never_leaves_the_others_al
     assert all(sizes[:2] == [2, 2] for sizes, _ in epochs), epochs
     took = [max(t) for _, t in epochs]
     assert len([t for t in took if t >= 2.0]) == slow, took
+
+
+def test_a_hostile_leader_that_redirects_to_a_peer_that_holds_joins_stalls_one_round() -> None:
+    """The hostile leader sends every join to a fourth peer that holds it until the timeout:
+    the first time costs the timeout (31 s) and marks that peer; after that the redirect goes
+    to a peer found gone, which the followers asked the redirector about again (it would
+    fall back too, if honest) and then went home alone, in every epoch it led. Now a
+    redirector that keeps sending us to a peer we shun counts as gone: its followers fall
+    back to the next in rank, and skip it while its refusals keep leading nowhere."""
+
+    def join(target: str, addrs: list[str]):
+        async def redirect(ctx, request) -> dict:
+            return {"ok": False, "redirect": target, "redirect_addrs": addrs}
+
+        return redirect
+
+    epochs = _newcomer_epochs(0.0, runs_matchmaker=False, join=join, epochs=8, hanger=True)
+    print(epochs)
+    assert all(sizes[:2] == [2, 2] for sizes, _ in epochs), epochs
+    took = [max(t) for _, t in epochs]
+    assert len([t for t in took if t >= 30.0]) == 1, took  # one join timeout (31 s)
+    assert max(t for t in took if t < 30.0) < 5.0, took  # (asking again: a window; the ghost
+    # was expected at the first epoch, missed and was not waited for after two windows)
