@@ -318,7 +318,8 @@ class Matchmaker:
 
     async def _handle_leader(self, ctx: CallContext, request: Any) -> Any:
         """Whom this peer follows at an epoch: ``{"decided": False}`` while it is still
-        gathering registrations, else ``{"decided": True, "leader": ID or None}``; with its
+        gathering registrations, else ``{"decided": True, "leader": ID or None, "grouped":
+        whether it holds that leader's spec}`` (:meth:`_closed_group`); with its
         registration (``"member"``) once it registered, which the asker's read of the key
         may have missed."""
         slot = _slot_of(request)
@@ -665,7 +666,9 @@ class Matchmaker:
         """Lead or follow in our planned group ``mine`` (``states``: the state each member
         registered with). A leader that died after registering would leave its whole group
         alone: each of its followers then tries the next member, the same one on every
-        follower (bounded)."""
+        follower (bounded). So does a leader whose refusal leads nowhere (a closed group no
+        member of ours is in, a redirect to a peer that serves no join): a hostile one that
+        ranks first sent its whole group home alone."""
         cap = self.max_group_size if slot[1] == 0 else CROSS_CAP
         # Leaders we skip count as found gone: a redirect to one is asked again, then left.
         shunned = {p for p in (*self._hung_at, *self._misled) if self._shunned(p, slot[0])}
