@@ -79,6 +79,9 @@ MAX_LEADER_FALLBACKS = 2
 FALLBACK_ASKS = 4
 """Times a follower asks the member after a dead leader, a quarter window apart, while that
 member still follows the dead leader (it falls back once it finds it gone, as we did)."""
+CLOSED_ASKS = 8
+"""Members of our group (the first in rank) asked whether a leader that refused us as its
+group closed holds them: one says yes in an honest race (level 1 plans thousands)."""
 _MAX_LEARNED = 4096  # peers whose last addresses we remember (then start over)
 MAX_NO_SHOW_SKIP = 32
 """The most epochs a peer that kept missing its expected registrations goes unwaited for."""
@@ -1022,7 +1025,7 @@ class Matchmaker:
         they are not grouped. (One that takes some and refuses the others still averages, and
         its round's checks apply.) Asked a quarter window later: the members it took are told
         when the group forms, as we are refused."""
-        others = [p for p in members if p not in (leader, self.peer_id)]
+        others = [p for p in members if p not in (leader, self.peer_id)][:CLOSED_ASKS]
         grouped: list[bool] = []
 
         async def ask(peer: str) -> None:

@@ -749,3 +749,40 @@ def test_a_hostile_leader_that_redirects_to_a_peer_that_holds_joins_stalls_one_r
     assert len([t for t in took if t >= 30.0]) == 1, took  # one join timeout (31 s)
     assert max(t for t in took if t < 30.0) < 5.0, took  # (asking again: a window; the ghost
     # was expected at the first epoch, missed and was not waited for after two windows)
+
+
+def test_peers_refused_by_a_group_that_formed_without_them_go_home_alone() -> None:
+    """The honest race that keeps "alone" after a closed refusal: peers 0 and 1 formed their
+    group, and peers 2 and 3, late, plan the same group and are refused. Peer 1 says it holds
+    peer 0's spec, so both believe the refusal. Falling back to the next in rank would have
+    made a group of the late two (a second group of one state forks the run)."""
+    from dedloc_jax.rounds.deadlines import Deadlines
+
+    async def formed(makers, ids, out) -> None:
+        async def follower() -> None:
+            await trio.sleep(0.1)
+            makers[1]._choose((5, 0), ids[0])
+            out[1] = await makers[1]._follow(
+                (5, 0), member_for(ids[1], "node", 1e6, 1e6, 8.0), ids[0]
+            )
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(follower)
+            me = member_for(ids[0], "node", 1e6, 1e6, 8.0)
+            out[0] = await makers[0]._lead((5, 0), me, 1.0, 8, expected={ids[1]})
+
+    async def late(makers, ids, out) -> None:
+        await trio.sleep(1.5)
+
+        async def one(i: int) -> None:
+            me = member_for(ids[i], "node", 1e6, 1e6, 8.0)
+            mine = [ids[0], ids[2], ids[3], ids[1]]  # the late two next in rank
+            out[i] = await makers[i]._lead_or_follow((5, 0), me, mine, set(), Deadlines(window=1.0))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(one, 2)
+            nursery.start_soon(one, 3)
+
+    out = _two_at_once(4, 6, lambda makers, ids: None, formed, late)
+    assert out[0] is not None and out[1] == out[0] and len(out[0].members) == 2
+    assert out[2] is None and out[3] is None, out
