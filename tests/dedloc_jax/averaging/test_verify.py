@@ -1135,3 +1135,49 @@ def test_a_member_of_our_seed_stating_another_root_is_not_asked(monkeypatch):
     for r in _results(outcome):
         assert r.accusations == ()
     assert asked == []
+
+
+@pytest.mark.parametrize("leaver", [1, 4])
+def test_a_member_that_leaves_before_its_statement_costs_only_its_own_share(monkeypatch, leaver):
+    """A member (a reducer: node 1; a sender only: client 4) leaves right after the exchange,
+    its statement never sent (churn: the 12-peer bench lost one so). Every share it sent a
+    part to lacked its figures on every member: all of them were recomputed from reveals
+    (0.7x the payload asked of everyone, the asks of the slow ones timed out) and members
+    ended with other bits. A lone liar hides a lie only in its own share by withholding its
+    statement: that share alone is recomputed (none when the leaver reduces nothing), the
+    others are taken as they came on every member; all survivors hold the same bits."""
+    from dedloc_jax.averaging import audit
+    from p2p.testing import host_of
+
+    modes = ["node"] * 4 + ["client"] * 3
+    world: dict = {}
+
+    async def capture(net, nodes, scopes):
+        world.update(net=net, nodes=nodes, scopes=scopes)
+
+    original, reveal, asked = audit.audit, audit._reveal, []
+
+    async def leaving(rnd):
+        if rnd.me == leaver:  # gone once its own exchange is over: no statement goes out
+            world["net"].kill(host_of(world["net"], world["nodes"][leaver]))
+            world["scopes"][leaver].cancel()
+            await trio.sleep_forever()
+        return await original(rnd)
+
+    async def counting(rnd, i, j):
+        asked.append((rnd.me, i, j))
+        return await reveal(rnd, i, j)
+
+    monkeypatch.setattr(audit, "audit", leaving)
+    monkeypatch.setattr(audit, "_reveal", counting)
+    rng = np.random.default_rng(13)
+    trees = [make_tree(rng, SHAPES) for _ in modes]
+    outcome, _, names = run_round(modes, trees, [1.0] * len(modes), config=VERIFY, fault=capture)
+    assert outcome[leaver] is None
+    results = _results([o for i, o in enumerate(outcome) if i != leaver])
+    own = {names[leaver]} if leaver < 4 else set()  # a client reduces nothing
+    for r in results:
+        assert r.accusations == ()
+        assert r.vector.tobytes() == results[0].vector.tobytes()
+        assert {s.owner for s in r.shares if s.recomputed or s.dropped} == own
+    assert {names[j] for _, _, j in asked} == own
