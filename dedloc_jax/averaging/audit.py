@@ -808,7 +808,8 @@ async def audit(rnd: AllReduceState) -> Verdict:
     unverified, failures, silent = await _check_shares(rnd, stated)
     if unverified:
         logger.warning(
-            "round %s: shares of %s not verified (repaired)",
+            "round %s: shares of %s not verified (repaired, or a contributor's statement of our "
+            "results missing)",
             rnd.round_id.hex()[:8],
             [rnd.name(j) for j in sorted(unverified)],
         )
