@@ -355,9 +355,11 @@ async def serve(rnd: AllReduceState, ms: MessageStream, remote: PeerID) -> None:
 
 async def _swap(rnd: AllReduceState, i: int, mine: dict, wait: bool, unreached: set[int]) -> bool:
     """Push our statement to member ``i`` and take the ones it lists (``unreached`` gets ``i``
-    when the call fails); whether it listed any."""
+    when the call fails); whether it brought one we lacked (a relay listing only junk or
+    repeats is not asked again)."""
     peer = PeerID.from_base58(rnd.name(i))
     request = {"r": rnd.round_id, "s": mine, "w": wait, "h": sorted(rnd.statements)}
+    before = len(rnd.statements)
     try:
         timeout = rnd.config.stall_timeout + (rnd.verify_timeout if wait else 0.0)
         reply = await rnd.node.call(peer, STATEMENT_PROTOCOL, request, timeout=timeout)
@@ -372,7 +374,7 @@ async def _swap(rnd: AllReduceState, i: int, mine: dict, wait: bool, unreached: 
                 _add(rnd, _parse(rnd, raw))
             except BadContributionError as e:
                 logger.warning("statement relayed by %s refused: %s", rnd.name(i), e)
-        return bool(listed)
+        return len(rnd.statements) > before
     except FAILURES as e:
         unreached.add(i)
         logger.info("statement swap with %s failed: %s", rnd.name(i), e)
