@@ -22,13 +22,15 @@ members, who relay them to other clients. If nobody is convicted (a contributor 
 nothing: it left, or its push was lost) or a part is missing, the share is **dropped** (set to
 zero on every member whose reveals came to the same). A share that cannot be checked because
 its reducer stated nothing about the results we hold (no statement, or one of another seed: it
-withheld it to hide a lie in its own share, or it left) is recomputed from the revealed parts
-in the same way, those with no statement or no reveal left out, when at most half its
-contributors lack one (more is our own exchange failing) and another member revealed a part
-(else they all checked it and our view is the odd one): otherwise it is taken unchecked, as is
-a share that another contributor's missing statement keeps from being checked (a member that
-left: no sign of a lie by the reducer, whose figures are in). A contributor revealing to some
-members and not to others can still make their shares differ; the fork choice then mends it.
+withheld it to hide a lie in its own share, or it left), or because another contributor stated
+about other results (a reducer can make a member repair its share), is recomputed from the
+revealed parts in the same way, those with no statement or no reveal left out, when at most
+half its contributors lack one (more is our own exchange failing) and another member revealed
+a part (else they all checked it and our view is the odd one): otherwise it is taken
+unchecked, as is a share that a contributor with no statement at all keeps from being checked
+(a member that left; a liar delaying a member's statement past our check is the gap). A
+contributor revealing to some members and not to others can still make their shares differ;
+the fork choice then mends it.
 
 A reducer signs each result chunk (:func:`.verify.result_claim`: the round, the share, the
 chunk and its digest in the clear) and sends every member the same one. A member whose
@@ -545,15 +547,17 @@ async def _check_shares(
             continue
         for k, mask in enumerate(rnd.masks[j]):
             if not mask <= set(stated):
-                # A contributor with no statement of our seed hides a lie only in its own
-                # share (a reducer withholding its figures of its own part): that share is
-                # recomputed, unless most are missing (our own exchange failed: late, cut
-                # off, other results). In another reducer's share it is a member that left
-                # (churn) or a late one, no sign of a lie: taken as it came on every member
-                # (recomputing every share it sent to cost 0.7x the payload in reveals).
+                # Recomputed, unless most contributors lack a statement of our seed (our own
+                # exchange failed: late, cut off, other results), when the missing one hides
+                # a lie: the reducer's own (withheld to hide one in its share), or one of
+                # other results (a reducer can make a member repair its share). A member with
+                # no statement at all in another reducer's share left (churn): taken as it
+                # came on every member (recomputing every share it sent to cost 0.7x the
+                # payload in reveals; a liar delaying a member past our check is the gap).
                 contributors = set().union(*rnd.masks[j])
                 missing = contributors - set(stated)
-                if j in missing and 2 * len(missing) <= len(contributors):
+                hiding = {j} | set(rnd.statements)
+                if missing & hiding and 2 * len(missing) <= len(contributors):
                     silent[j] = missing
                 else:
                     unverified.add(j)
@@ -768,14 +772,13 @@ async def _convict_equivocators(
         silent.setdefault(a.share, set())
     if accusations:
         # The statements of other seeds are the equivocator's doing, not our exchange failing:
-        # the member it sent other bits recomputes what the others recompute for want of its
-        # statement, so every member ends with the same bits.
-        # When most statements are of another seed, we are the one it sent other bits: the
-        # others lack only our statement (of their seed) and recompute our own share alone.
-        odd = 2 * len(stated) < len(rnd.statements)
-        if odd and rnd.me in unverified - rnd.repaired:
-            unverified.discard(rnd.me)
-            silent[rnd.me] = set().union(*rnd.masks[rnd.me]) - set(stated)
+        # the members it sent other bits recompute the shares they could not check, as the
+        # others do for want of their statements, so every member ends with the same bits.
+        for j in sorted(unverified - rnd.repaired):
+            contributors = set().union(*rnd.masks[j])
+            if rnd.me in contributors:
+                unverified.discard(j)
+                silent[j] = contributors - set(stated)
     return accusations
 
 

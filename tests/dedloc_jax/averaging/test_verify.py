@@ -1181,3 +1181,37 @@ def test_a_member_that_leaves_before_its_statement_costs_only_its_own_share(monk
         assert r.vector.tobytes() == results[0].vector.tobytes()
         assert {s.owner for s in r.shares if s.recomputed or s.dropped} == own
     assert {names[j] for _, _, j in asked} == own
+
+
+def test_a_lying_reducer_is_not_let_through_by_a_member_stating_other_results(liar, monkeypatch):
+    """Reducer 1 returns -1000 x its aggregate; member 3 (a contributor, not the liar) states
+    about other results (another seed: a reducer can make a member repair its share, so its
+    results differ). Without member 3's figures nobody can check share 1; taking it as it
+    came (as a share a member that left keeps unchecked) let the lie through. It is
+    recomputed from the revealed parts on every member: the same bits, no lie."""
+    import dedloc_jax.averaging.audit as audit
+
+    names = _names(4)
+    liar.name = names[1]
+    make = audit.make_statement
+
+    def other_seed(identity, round_id, digest, sender, weight, seed, *rest):
+        if sender == 3:
+            seed = bytes(32)
+        return make(identity, round_id, digest, sender, weight, seed, *rest)
+
+    monkeypatch.setattr(audit, "make_statement", other_seed)
+    rng = np.random.default_rng(5)
+    trees = [make_tree(rng, SHAPES) for _ in range(4)]
+    outcome, _, got = run_round(["node"] * 4, trees, [1.0] * 4, config=VERIFY)
+    assert got == names
+    honest = _results([outcome[0], outcome[2]])
+    vecs = [flatten(t)[0] for t in trees]
+    for r in honest:
+        assert r.vector.tobytes() == honest[0].vector.tobytes()
+        share = next(s for s in r.shares if s.owner == names[1])
+        assert share.recomputed and not share.dropped
+        want = np.mean([vecs[names.index(p)] for p in share.contributors], axis=0)
+        np.testing.assert_allclose(
+            r.vector[share.start : share.stop], want[share.start : share.stop], atol=2e-6
+        )
