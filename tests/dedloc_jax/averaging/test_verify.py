@@ -1215,3 +1215,42 @@ def test_a_lying_reducer_is_not_let_through_by_a_member_stating_other_results(li
         np.testing.assert_allclose(
             r.vector[share.start : share.stop], want[share.start : share.stop], atol=2e-6
         )
+
+
+def test_a_reducer_dying_mid_exchange_leaves_every_survivor_the_same_bits_and_no_reveals(
+    monkeypatch,
+):
+    """Reducer 1 dies in mid-exchange (5 nodes, 2 clients, slow links): its share is repaired,
+    the others lack its part from some chunk on and its statement. Every share it sent a part
+    to was recomputed from reveals on every survivor; now they are taken as they came (it left:
+    no sign of a lie by their reducers), with no reveal asked and the same bits everywhere."""
+    from dedloc_jax.averaging import audit
+    from p2p.testing import host_of
+
+    reveal, asked = audit._reveal, []
+
+    async def counting(rnd, i, j):
+        asked.append((rnd.me, i, j))
+        return await reveal(rnd, i, j)
+
+    async def kill(net, nodes, scopes):
+        await trio.sleep(0.6)
+        net.kill(host_of(net, nodes[1]))
+        scopes[1].cancel()
+
+    monkeypatch.setattr(audit, "_reveal", counting)
+    rng = np.random.default_rng(1)
+    modes = ["node"] * 5 + ["client"] * 2
+    trees = [make_tree(rng, [(30, 50), (700,)]) for _ in modes]
+    outcome, _, names = run_round(
+        modes, trees, [1.0] * 7, bandwidth=[(4e4, 4e4)] * 7, fault=kill, config=VERIFY
+    )
+    assert outcome[1] is None
+    results = _results([o for i, o in enumerate(outcome) if i != 1])
+    assert len(results) == 6
+    for r in results:
+        assert r.accusations == ()
+        assert not any(s.recomputed or s.dropped for s in r.shares)
+        assert next(s for s in r.shares if s.owner == names[1]).repaired
+        assert r.vector.tobytes() == results[0].vector.tobytes()
+    assert asked == []
