@@ -57,7 +57,7 @@ encoded bytes (``wire_bytes_per_value``).
     python -m bench.collaboration [--peers 40] [--params 18000000] [--epochs 3]
         [--payload-scale S] [--mode overlap|blocking|both|diloco] [--inner-steps H]
         [--dedloc-epochs N] [--compression none|fp16|bf16|int8|adaptive]
-        [--no-defences] [--match-early]
+        [--no-defences] [--match-early] [--log-level WARNING]
 """
 
 from __future__ import annotations
@@ -665,10 +665,16 @@ def main() -> None:
         default=None,
         help="begin matchmaking ahead of the target (RoundConfig.match_early; off by default)",
     )
+    parser.add_argument(
+        "--log-level",
+        default="ERROR",
+        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+        help="the stack's logging (WARNING shows every round's audit findings)",
+    )
     args = parser.parse_args()
     if args.payload_scale < 1:
         parser.error("--payload-scale must be at least 1")
-    logging.basicConfig(level=logging.ERROR)
+    logging.basicConfig(level=args.log_level)
     print(
         f"{args.peers} peers ({sum(i % 4 == 3 for i in range(args.peers))} clients), "
         f"{args.params:,} params simulated as {max(1, args.params // args.payload_scale):,} "

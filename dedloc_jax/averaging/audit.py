@@ -5,29 +5,32 @@ from the result (:func:`.verify.seed_of`), signs its :class:`~.verify.Statement`
 with every dialable sender (``STATEMENT_PROTOCOL``, one unary call each: a member answers at
 once with its own; to a member asking for the statements it could not get directly (one it
 could not reach; a client, which nobody can dial, asks :data:`RELAYS` members first, then the
-others), with those the caller lacks once it holds them all or its wait ends; a relayed
-statement is checked by its own signature). Then every member checks every share it can (the
-figures of each chunk's contributors are in; a repaired share is not checked). For a share
-that fails, the member asks each of its contributors to reveal its chunk hashes and its
-encoded parts of the whole share: hashes that do not hash to its signed root
-(:func:`.verify.parts_root`), a part that does not match its hash or (in the first failing
+others), with those the caller lacks as soon as it holds one (the caller asks again for the
+rest) or its wait ends; a relayed statement is checked by its own signature). Then every member
+checks every share it can (the figures of each chunk's contributors are in; a repaired share is
+not checked). For a share that fails, the member asks each of its contributors to reveal its
+chunk hashes and its encoded parts of the whole share: hashes that do not hash to its signed
+root (:func:`.verify.parts_root`), a part that does not match its hash or (in the first failing
 chunk) its stated projection or norm convict the sender; if all match, the reducer lied. An
 :class:`Accusation` carries the signed statements, the revealed chunk hashes and bytes and the
 share's result digests (the contributors signed their root), so a third party can redo the
-check from the record alone (:func:`check_evidence`). Every member then
-**recomputes the share** from the revealed parts, leaving out the convicted peer's
-(:func:`.verify.recompute`: the parts are the committed bytes, so every member holds the same
-bits and no reducer is trusted). A client, whom nobody can dial, pushes its parts of a failed
-share to the dialable members, who relay them to other clients. If nobody is convicted (a
-contributor revealed nothing: it left, or its push was lost) or a part is missing, the share is
-**dropped** (set to zero on every member whose reveals came to the same). A share that cannot
-be checked because a contributor stated nothing about the results we hold (no statement, or
-one of another seed: it withheld it, or its reducer sent others other bits) is recomputed from
-the revealed parts in the same way, those with no statement or no reveal left out, when at
-most half its contributors lack one (more is our own exchange failing) and another member
-revealed a part (else they all checked it and our view is the odd one): otherwise it is taken
-unchecked. A contributor revealing to some members and not to others can still make their
-shares differ; the fork choice then mends it.
+check from the record alone (:func:`check_evidence`). Every member then **recomputes the
+share** from the revealed parts, leaving out the convicted peer's (:func:`.verify.recompute`:
+the parts are the committed bytes, so every member holds the same bits and no reducer is
+trusted). A client, whom nobody can dial, pushes its parts of a failed share to the dialable
+members, who relay them to other clients. If nobody is convicted (a contributor revealed
+nothing: it left, or its push was lost) or a part is missing, the share is **dropped** (set to
+zero on every member whose reveals came to the same). A share that cannot be checked because
+its reducer stated nothing about the results we hold (no statement, or one of another seed: it
+withheld it to hide a lie in its own share, or it left), or because another contributor stated
+about other results (a reducer can make a member repair its share), is recomputed from the
+revealed parts in the same way, those with no statement or no reveal left out, when at most
+half its contributors lack one (more is our own exchange failing) and another member revealed
+a part (else they all checked it and our view is the odd one): otherwise it is taken
+unchecked, as is a share that a contributor with no statement at all keeps from being checked
+(a member that left; a liar delaying a member's statement past our check is the gap). A
+contributor revealing to some members and not to others can still make their shares differ;
+the fork choice then mends it.
 
 A reducer signs each result chunk (:func:`.verify.result_claim`: the round, the share, the
 chunk and its digest in the clear) and sends every member the same one. A member whose
@@ -271,11 +274,19 @@ async def _wait_for_all(rnd: AllReduceState, until: float) -> None:
         await rnd.statement_changes.wait(until)
 
 
+async def _wait_for_any(rnd: AllReduceState, wanted: set[int], until: float) -> None:
+    """Until we hold one of ``wanted``'s statements (or none is wanted)."""
+    while wanted and not wanted & set(rnd.statements) and trio.current_time() < until:
+        await rnd.statement_changes.wait(until)
+
+
 async def answer(rnd: AllReduceState, request: Any, remote: PeerID) -> dict:
     """A member's statement (``STATEMENT_PROTOCOL``): our own, at once; or, when it asks to
     wait (a member we could not reach, or a client: nobody dials a client, so it learns the
-    others' statements only from answers), once we hold them all (bounded), every one it does
-    not list as held."""
+    others' statements only from answers), as soon as we hold one it does not list as held
+    (bounded), every such one; it asks again for the rest. (Waiting for them all kept a
+    client from every statement when one member left after the exchange: its own check ended
+    before the answer.)"""
     names = [m.peer_id for m in rnd.members]
     if str(remote) not in names or not isinstance(request, dict):
         raise BadContributionError(f"{remote} is no member of this round, or no statement")
@@ -287,7 +298,8 @@ async def answer(rnd: AllReduceState, request: Any, remote: PeerID) -> dict:
     held = request.get("h")
     held = set(held) if isinstance(held, list) and len(held) <= len(names) else set()
     if request.get("w") is True:
-        await _wait_for_all(rnd, trio.current_time() + rnd.verify_timeout)
+        lacks = _expected(rnd) - held - {who}
+        await _wait_for_any(rnd, lacks, trio.current_time() + rnd.verify_timeout)
         return {"l": [s.wire for i, s in rnd.statements.items() if i not in held | {who}]}
     # A node that calls us gets every other node's statement from that node's own call, a
     # client from its own call to that node: ours only, so each statement crosses each link
@@ -343,11 +355,13 @@ async def serve(rnd: AllReduceState, ms: MessageStream, remote: PeerID) -> None:
         raise BadContributionError("unexpected verify message")
 
 
-async def _swap(rnd: AllReduceState, i: int, mine: dict, wait: bool, unreached: set[int]) -> None:
+async def _swap(rnd: AllReduceState, i: int, mine: dict, wait: bool, unreached: set[int]) -> bool:
     """Push our statement to member ``i`` and take the ones it lists (``unreached`` gets ``i``
-    when the call fails)."""
+    when the call fails); whether it brought one we lacked (a relay listing only junk or
+    repeats is not asked again)."""
     peer = PeerID.from_base58(rnd.name(i))
     request = {"r": rnd.round_id, "s": mine, "w": wait, "h": sorted(rnd.statements)}
+    before = len(rnd.statements)
     try:
         timeout = rnd.config.stall_timeout + (rnd.verify_timeout if wait else 0.0)
         reply = await rnd.node.call(peer, STATEMENT_PROTOCOL, request, timeout=timeout)
@@ -362,9 +376,11 @@ async def _swap(rnd: AllReduceState, i: int, mine: dict, wait: bool, unreached: 
                 _add(rnd, _parse(rnd, raw))
             except BadContributionError as e:
                 logger.warning("statement relayed by %s refused: %s", rnd.name(i), e)
+        return len(rnd.statements) > before
     except FAILURES as e:
         unreached.add(i)
         logger.info("statement swap with %s failed: %s", rnd.name(i), e)
+    return False
 
 
 async def _receive_parts(rnd: AllReduceState, ms: MessageStream, j: int) -> Reveal:
@@ -531,13 +547,17 @@ async def _check_shares(
             continue
         for k, mask in enumerate(rnd.masks[j]):
             if not mask <= set(stated):
-                # A few contributors with no statement of our seed may be hiding a lie (a
-                # reducer in its own share); most of them means our own exchange failed (we
-                # were late, cut off, or hold other results): no sign of a lie, and asking
-                # everyone for reveals then stalled clean rounds.
+                # Recomputed, unless most contributors lack a statement of our seed (our own
+                # exchange failed: late, cut off, other results), when the missing one hides
+                # a lie: the reducer's own (withheld to hide one in its share), or one of
+                # other results (a reducer can make a member repair its share). A member with
+                # no statement at all in another reducer's share left (churn): taken as it
+                # came on every member (recomputing every share it sent to cost 0.7x the
+                # payload in reveals; a liar delaying a member past our check is the gap).
                 contributors = set().union(*rnd.masks[j])
                 missing = contributors - set(stated)
-                if 2 * len(missing) <= len(contributors):
+                hiding = {j} | set(rnd.statements)
+                if missing & hiding and 2 * len(missing) <= len(contributors):
                     silent[j] = missing
                 else:
                     unverified.add(j)
@@ -793,7 +813,8 @@ async def audit(rnd: AllReduceState) -> Verdict:
     unverified, failures, silent = await _check_shares(rnd, stated)
     if unverified:
         logger.warning(
-            "round %s: shares of %s not verified (repaired)",
+            "round %s: shares of %s not verified (repaired, or a contributor's statement of our "
+            "results missing)",
             rnd.round_id.hex()[:8],
             [rnd.name(j) for j in sorted(unverified)],
         )
@@ -858,12 +879,12 @@ member only delays it. The others are asked if some are still missing after them
 
 
 async def _exchange(rnd: AllReduceState, mine: dict, until: float) -> None:
-    """Swap statements with the group until ``until``: one unary call per member, answered
-    at once with its own statement, so a clean round's check costs one round trip
-    (decisions.md has the figures). A member that answered pushes its own statement to us
-    when it has it; one we could not reach gets relayed, by members asked to answer once
-    they hold every statement. Nobody pushes to a client: it asks :data:`RELAYS` members
-    at once, then the others."""
+    """Swap statements with the group until ``until``: one unary call per member, answered at
+    once with its own statement, so a clean round's check costs one round trip (decisions.md has
+    the figures). A member that answered pushes its own statement to us when it has it; one we
+    could not reach gets relayed, by members asked to answer once they hold one we lack
+    (:func:`_relayed`). Nobody pushes to a client: it asks :data:`RELAYS` members at once, then
+    the others."""
     client = rnd.members[rnd.me].mode == "client"
 
     def missing() -> set[int]:
@@ -880,11 +901,37 @@ async def _exchange(rnd: AllReduceState, mine: dict, until: float) -> None:
         if missing() and client:
             at = rnd.me % len(reached) if reached else 0  # clients spread over the members
             first = (reached[at:] + reached[:at])[:RELAYS]
-            await _swap_all(rnd, mine, True, unreached, first)
+            await _relayed(rnd, mine, unreached, first)
             reached = [i for i in reached if i not in first]
         if missing():
-            await _swap_all(rnd, mine, True, unreached, reached)
+            await _relayed(rnd, mine, unreached, reached)
         await _wait_for_all(rnd, until)
+
+
+async def _relayed(
+    rnd: AllReduceState, mine: dict, unreached: set[int], members: Sequence[int]
+) -> None:
+    """Ask each of ``members`` (but us) to relay the statements we lack, again after each
+    answer that brought some, until we hold them all or none has more to give."""
+
+    async def ask(i: int) -> None:
+        while _expected(rnd) - set(rnd.statements) and i not in unreached:
+            if not await _swap(rnd, i, mine, True, unreached):
+                return
+
+    with trio.CancelScope() as scope:
+        async with trio.open_nursery() as nursery:
+
+            async def until_all() -> None:
+                await _wait_for_all(rnd, math.inf)
+                scope.cancel()
+
+            nursery.start_soon(until_all)
+            async with trio.open_nursery() as asks:
+                for i in members:
+                    if i != rnd.me:
+                        asks.start_soon(ask, i)
+            scope.cancel()
 
 
 async def _swap_all(

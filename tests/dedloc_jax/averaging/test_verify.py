@@ -1135,3 +1135,122 @@ def test_a_member_of_our_seed_stating_another_root_is_not_asked(monkeypatch):
     for r in _results(outcome):
         assert r.accusations == ()
     assert asked == []
+
+
+@pytest.mark.parametrize("leaver", [1, 4])
+def test_a_member_that_leaves_before_its_statement_costs_only_its_own_share(monkeypatch, leaver):
+    """A member (a reducer: node 1; a sender only: client 4) leaves right after the exchange,
+    its statement never sent (churn: the 12-peer bench lost one so). Every share it sent a
+    part to lacked its figures on every member: all of them were recomputed from reveals
+    (0.7x the payload asked of everyone, the asks of the slow ones timed out) and members
+    ended with other bits. A lone liar hides a lie only in its own share by withholding its
+    statement: that share alone is recomputed (none when the leaver reduces nothing), the
+    others are taken as they came on every member; all survivors hold the same bits."""
+    from dedloc_jax.averaging import audit
+    from p2p.testing import host_of
+
+    modes = ["node"] * 4 + ["client"] * 3
+    world: dict = {}
+
+    async def capture(net, nodes, scopes):
+        world.update(net=net, nodes=nodes, scopes=scopes)
+
+    original, reveal, asked = audit.audit, audit._reveal, []
+
+    async def leaving(rnd):
+        if rnd.me == leaver:  # gone once its own exchange is over: no statement goes out
+            world["net"].kill(host_of(world["net"], world["nodes"][leaver]))
+            world["scopes"][leaver].cancel()
+            await trio.sleep_forever()
+        return await original(rnd)
+
+    async def counting(rnd, i, j):
+        asked.append((rnd.me, i, j))
+        return await reveal(rnd, i, j)
+
+    monkeypatch.setattr(audit, "audit", leaving)
+    monkeypatch.setattr(audit, "_reveal", counting)
+    rng = np.random.default_rng(13)
+    trees = [make_tree(rng, SHAPES) for _ in modes]
+    outcome, _, names = run_round(modes, trees, [1.0] * len(modes), config=VERIFY, fault=capture)
+    assert outcome[leaver] is None
+    results = _results([o for i, o in enumerate(outcome) if i != leaver])
+    own = {names[leaver]} if leaver < 4 else set()  # a client reduces nothing
+    for r in results:
+        assert r.accusations == ()
+        assert r.vector.tobytes() == results[0].vector.tobytes()
+        assert {s.owner for s in r.shares if s.recomputed or s.dropped} == own
+    assert {names[j] for _, _, j in asked} == own
+
+
+def test_a_lying_reducer_is_not_let_through_by_a_member_stating_other_results(liar, monkeypatch):
+    """Reducer 1 returns -1000 x its aggregate; member 3 (a contributor, not the liar) states
+    about other results (another seed: a reducer can make a member repair its share, so its
+    results differ). Without member 3's figures nobody can check share 1; taking it as it
+    came (as a share a member that left keeps unchecked) let the lie through. It is
+    recomputed from the revealed parts on every member: the same bits, no lie."""
+    import dedloc_jax.averaging.audit as audit
+
+    names = _names(4)
+    liar.name = names[1]
+    make = audit.make_statement
+
+    def other_seed(identity, round_id, digest, sender, weight, seed, *rest):
+        if sender == 3:
+            seed = bytes(32)
+        return make(identity, round_id, digest, sender, weight, seed, *rest)
+
+    monkeypatch.setattr(audit, "make_statement", other_seed)
+    rng = np.random.default_rng(5)
+    trees = [make_tree(rng, SHAPES) for _ in range(4)]
+    outcome, _, got = run_round(["node"] * 4, trees, [1.0] * 4, config=VERIFY)
+    assert got == names
+    honest = _results([outcome[0], outcome[2]])
+    vecs = [flatten(t)[0] for t in trees]
+    for r in honest:
+        assert r.vector.tobytes() == honest[0].vector.tobytes()
+        share = next(s for s in r.shares if s.owner == names[1])
+        assert share.recomputed and not share.dropped
+        want = np.mean([vecs[names.index(p)] for p in share.contributors], axis=0)
+        np.testing.assert_allclose(
+            r.vector[share.start : share.stop], want[share.start : share.stop], atol=2e-6
+        )
+
+
+def test_a_reducer_dying_mid_exchange_leaves_every_survivor_the_same_bits_and_no_reveals(
+    monkeypatch,
+):
+    """Reducer 1 dies in mid-exchange (5 nodes, 2 clients, slow links): its share is repaired,
+    the others lack its part from some chunk on and its statement. Every share it sent a part
+    to was recomputed from reveals on every survivor; now they are taken as they came (it left:
+    no sign of a lie by their reducers), with no reveal asked and the same bits everywhere."""
+    from dedloc_jax.averaging import audit
+    from p2p.testing import host_of
+
+    reveal, asked = audit._reveal, []
+
+    async def counting(rnd, i, j):
+        asked.append((rnd.me, i, j))
+        return await reveal(rnd, i, j)
+
+    async def kill(net, nodes, scopes):
+        await trio.sleep(0.6)
+        net.kill(host_of(net, nodes[1]))
+        scopes[1].cancel()
+
+    monkeypatch.setattr(audit, "_reveal", counting)
+    rng = np.random.default_rng(1)
+    modes = ["node"] * 5 + ["client"] * 2
+    trees = [make_tree(rng, [(30, 50), (700,)]) for _ in modes]
+    outcome, _, names = run_round(
+        modes, trees, [1.0] * 7, bandwidth=[(4e4, 4e4)] * 7, fault=kill, config=VERIFY
+    )
+    assert outcome[1] is None
+    results = _results([o for i, o in enumerate(outcome) if i != 1])
+    assert len(results) == 6
+    for r in results:
+        assert r.accusations == ()
+        assert not any(s.recomputed or s.dropped for s in r.shares)
+        assert next(s for s in r.shares if s.owner == names[1]).repaired
+        assert r.vector.tobytes() == results[0].vector.tobytes()
+    assert asked == []
