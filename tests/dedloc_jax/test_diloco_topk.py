@@ -253,7 +253,7 @@ def test_a_sender_that_signs_two_payloads_for_one_round_is_excluded(caplog) -> N
 
     with caplog.at_level(logging.WARNING, logger="dedloc_jax.rounds.gather"):
         g = trio.run(main)
-    assert str(liar.peer_id) not in g.held and g.equivocated == {str(liar.peer_id)}
+    assert str(liar.peer_id) not in g.held and g.excluded == {str(liar.peer_id)}
     assert any("signed two different payloads" in r.getMessage() for r in caplog.records)
 
 
