@@ -12,21 +12,26 @@ keep one lineage.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import jax
 import numpy as np
+import optax
 import pytest
 import trio
 
-from dedloc_jax import PowerSGD
+from dedloc_jax import PowerSGD, TopK
 from dedloc_jax.averaging.reducer import Reducer
 from dedloc_jax.config import CollaborationConfig
+from dedloc_jax.diloco import diloco
 from dedloc_jax.powersgd import initial_q, reference_round
+from dedloc_jax.topk import Payload, pack, unpack
 from dedloc_jax.validators import MAX_BPS
 from p2p.testing import SimNetwork, run_sim
 from tests.dedloc_jax.simcollab import open_sim_collaboration
 from tests.dedloc_jax.test_diloco_sim import CONFIG, MICRO, TARGET, Peer, _assert_one_lineage
+from tests.dedloc_jax.test_diloco_topk_sim import TopKPeer
 
 PEERS, LIAR = 4, 3
 HONEST = [i for i in range(PEERS) if i != LIAR]
@@ -321,3 +326,124 @@ def test_a_sign_flipping_sender_counts_for_nothing_in_diloco_outer_rounds() -> N
             got = np.asarray(rows[0][3].average[k], np.float64)
             assert np.abs(got - want).max() <= 0.02 * np.abs(want).max() + 1e-7, (epoch, k)
         assert all(r[3].group_size == 4 for r in rows)
+
+
+# --- TopK's all-gather (DiLoCo, no reducers) -------------------------------------------------
+SPARSE = TopK(density=0.5, bits=2, error_feedback=0.95, chunk=4)  # 7 values: 2 chunks, 2 each
+
+
+class _SparsePeer(TopKPeer):
+    def __init__(self, core: Any, seed: int) -> None:
+        Peer.__init__(self, core, seed)
+        outer = optax.sgd(0.7, momentum=0.9, nesterov=True)
+        self.tx = diloco(
+            optax.adam(0.05), self.host, target_batch_size=TARGET, outer=outer, compression=SPARSE
+        )
+        self.state = self.tx.init(self.params)
+
+
+def _duplicate(p: Payload) -> Payload:
+    offsets = p.offsets.copy()
+    offsets[:, 1] = offsets[:, 0]
+    return Payload(offsets, p.codes, p.scales)
+
+
+def _out_of_range(p: Payload) -> Payload:
+    offsets = p.offsets.copy()
+    offsets[-1] = [1, 3]  # the last chunk holds 3 values: offset 3 is past its end
+    return Payload(offsets, p.codes, p.scales)
+
+
+def _huge(p: Payload) -> Payload:
+    return Payload(p.offsets, p.codes, np.full_like(p.scales, 1e30))  # finite, in order
+
+
+def _flipped(p: Payload) -> Payload:  # -1000 x what it would have sent
+    sign = np.uint8(1 << (SPARSE.bits - 1))
+    return Payload(p.offsets, p.codes ^ sign, p.scales * np.float32(1000.0))
+
+
+def _wrong_indices(p: Payload) -> Payload:  # well formed, not its top values
+    return Payload(np.tile(np.arange(2, dtype=np.int32), (len(p.offsets), 1)), p.codes, p.scales)
+
+
+FORGERIES = {
+    "duplicate": _duplicate,
+    "out_of_range": _out_of_range,
+    "huge": _huge,
+    "flipped": _flipped,
+    "wrong_indices": _wrong_indices,
+}
+
+
+def _sparse_run(forgery: str | None, *, free_ride: bool = False) -> list[_SparsePeer]:
+    """Two outer steps of four TopK peers; peer LIAR signs and sends its payload as
+    ``forgery`` rewrites it, or (``free_ride``) its own with a weight of 0."""
+
+    def forge(peers: list[_SparsePeer]) -> None:
+        gather = peers[LIAR].core.rounds.gather
+        honest = gather.gather
+
+        async def forged(spec, cfg, data, n, weight, **kw):
+            if forgery is not None:
+                data = pack(cfg, FORGERIES[forgery](unpack(cfg, data, n)), n)
+            return await honest(spec, cfg, data, n, 0.0 if free_ride else weight, **kw)
+
+        gather.gather = forged
+
+    async def main() -> list[_SparsePeer]:
+        async with open_sim_collaboration(
+            SimNetwork(seed=3), PEERS, config=CONFIG, latency=0.01
+        ) as cores:
+            assert cores[0].config.robust_on  # an open run
+            peers = [_SparsePeer(core, seed=i) for i, core in enumerate(cores)]
+            forge(peers)
+            async with trio.open_nursery() as nursery:
+                for p in peers:
+                    nursery.start_soon(p.train, 2, peers)
+            return peers
+
+    return run_sim(main, seed=0, timeout=600.0)
+
+
+def _outer(peers: list[_SparsePeer]) -> list[np.ndarray]:
+    return [np.asarray(x) for x in jax.tree.leaves(peers[HONEST[0]].state.outer_params)]
+
+
+@pytest.mark.parametrize("forgery", ["duplicate", "out_of_range"])
+def test_a_malformed_sparse_payload_is_rejected_and_its_signer_excluded(
+    forgery: str, caplog
+) -> None:
+    with caplog.at_level(logging.WARNING, logger="dedloc_jax.rounds.gather"):
+        peers = _sparse_run(forgery)
+    rejected = [r.getMessage() for r in caplog.records if "payload rejected" in r.getMessage()]
+    assert rejected and all("excluded from the round" in m for m in rejected)
+    honest = [peers[i] for i in HONEST]
+    _assert_one_lineage(honest, 2)
+    assert all(np.isfinite(x).all() for x in _outer(peers))
+    # the first round: the three honest payloads (an incomplete round makes keep_in_step
+    # check the lineage, and a peer that loads the state may miss the next round)
+    assert all(p.core.history[0].group_size == 3 for p in honest)
+
+
+@pytest.mark.parametrize("forgery", ["huge", "flipped"])
+def test_a_huge_or_flipped_sparse_payload_counts_for_nothing(forgery: str) -> None:
+    """Its chunks lie far outside the others' (OUTLIER derived radii): the honest peers end
+    where they end when the same peer sends its payload with a weight of 0. (Capped only, a
+    flipped payload pulled every value it held by SCALE_CAP x the others' magnitudes the wrong
+    way.)"""
+    attacked = _sparse_run(forgery)
+    _assert_one_lineage([attacked[i] for i in HONEST], 2)
+    reference = _sparse_run(None, free_ride=True)
+    for got, want in zip(_outer(attacked), _outer(reference), strict=True):
+        assert np.isfinite(got).all()
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_a_well_formed_payload_of_other_indices_is_taken_and_bounded() -> None:
+    """Offsets that are not the sender's top values are indistinguishable from an honest
+    payload's: taken, with its magnitudes bounded like everyone's (SCALE_CAP)."""
+    peers = _sparse_run("wrong_indices")
+    _assert_one_lineage([peers[i] for i in HONEST], 2)
+    assert all(h.group_size == 4 for i in HONEST for h in peers[i].core.history)
+    assert all(np.isfinite(x).all() and np.abs(x).max() < 10 for x in _outer(peers))
