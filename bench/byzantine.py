@@ -434,16 +434,28 @@ def malformed(data: bytes, n: int) -> bytes:
 
 
 def forge_gathers(core: Any) -> None:
-    """Make ``core`` sign and send :func:`malformed` payloads in its sparse gathers."""
+    """Make ``core`` sign, send and serve :func:`malformed` payloads in its sparse gathers
+    (its own checks would refuse to hold, so serve, its own: an attacker skips them)."""
     gather = core.rounds.gather
-    honest = gather.gather
+    honest, accept = gather.gather, gather._accept
+    me = str(core.node.peer_id)
+    own: list[Payload] = []  # what it really computed, for its own mean
 
     async def forged(spec: Any, cfg: TopK, data: Any, n: int, weight: float, **kw: Any) -> Any:
-        return await honest(
-            spec, cfg, None if data is None else malformed(data, n), n, weight, **kw
-        )
+        if data is None:
+            return await honest(spec, cfg, data, n, weight, **kw)
+        own[:] = [unpack(cfg, data, n)]
+        return await honest(spec, cfg, malformed(data, n), n, weight, **kw)
+
+    def accept_own(g: Any, round_id: bytes, entry: Any) -> None:
+        if isinstance(entry, dict) and entry.get("p") == me and own:
+            g.held[me], g.weights[me], g.raw[me] = own[0], entry["w"], entry
+            g.wake()
+            return
+        accept(g, round_id, entry)
 
     gather.gather = forged
+    gather._accept = accept_own
 
 
 def run(
