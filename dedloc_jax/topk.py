@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dedloc_jax.averaging.verify import MIN_CLIPPED, OUTLIER, derived_tau
+from dedloc_jax.averaging.verify import MIN_CLIPPED, OUTLIER, RADIUS
 
 __all__ = [
     "Payload",
@@ -255,25 +255,26 @@ one peer cannot blow up the mean with huge (finite) values."""
 
 def outlier_weights(
     cfg: TopK, payloads: Sequence[Payload], weights: Sequence[float], n: int
-) -> np.ndarray:
+) -> np.ndarray | None:
     """Each payload's weight per chunk (payloads x chunks, float32), zero where the chunk at
     its own scales is longer than :data:`~dedloc_jax.averaging.verify.OUTLIER` derived radii
     of the payloads' norms there (the rule of the reducers' CenteredClip, with at least
     ``MIN_CLIPPED`` payloads): a -1000 x or 1e30 payload counts for nothing instead of for
     ``SCALE_CAP`` x the others' magnitudes in its own direction (one flipped sender of four,
-    capped only, multiplied bench.byzantine's topk loss by 23)."""
-    chunks, size, _ = cfg.layout(n)
-    w = np.repeat(np.asarray(weights, np.float32)[:, None], chunks, axis=1)
+    capped only, multiplied bench.byzantine's topk loss by 23). None: nothing excluded."""
     if len(payloads) < MIN_CLIPPED:
-        return w
-    norms = np.zeros((len(payloads), chunks), np.float64)
-    for i, p in enumerate(payloads):
-        dense = _chunks_np(decode(cfg, p, n), chunks, size).astype(np.float64)
-        norms[i] = np.sqrt(np.einsum("ij,ij->i", dense, dense))
-    for c in range(chunks):
-        far = norms[:, c] > OUTLIER * derived_tau(norms[:, c].tolist())
-        if w[~far, c].sum() > 0:  # never every payload of a chunk
-            w[far, c] = 0.0
+        return None
+    # a chunk's norm from its k values (float64: the same figure on every member)
+    values = np.stack([_dequantise_np(cfg, p.codes, p.scales) for p in payloads])
+    norms = np.sqrt(np.einsum("pck,pck->pc", values, values, dtype=np.float64))
+    upper = np.sort(norms, axis=0)[len(payloads) // 2]
+    tau = np.maximum(RADIUS * upper, 1e-30)  # verify.derived_tau, for every chunk at once
+    far = norms > OUTLIER * tau[None, :]
+    w = np.repeat(np.asarray(weights, np.float32)[:, None], norms.shape[1], axis=1)
+    far &= w > 0
+    if not far.any():
+        return None
+    w[far] = 0.0  # (never every payload of a chunk: the upper median's is within)
     return w
 
 
@@ -295,9 +296,8 @@ def mean_of(
         raise ValueError("need one weight per payload, and at least one payload")
     his = np.stack([p.scales[:, 1] for p in payloads])
     cap = np.float32(SCALE_CAP) * np.sort(his, axis=0)[len(payloads) // 2]
+    # nothing excluded (or no rule): the same bits as without it
     per_chunk = outlier_weights(cfg, payloads, weights, n) if outliers else None
-    if per_chunk is not None and not (per_chunk == 0).any():
-        per_chunk = None  # nothing excluded: the same bits as without the rule
     out = np.zeros(n, np.float32)
     if per_chunk is None:
         total = np.float32(sum(np.float32(w) for w in weights))
