@@ -650,8 +650,9 @@ def main() -> None:
     parser.add_argument(
         "--attacks",
         nargs="*",
-        default=[*ATTACKS, *SPARSE_ATTACKS, *PROGRESS_ATTACKS],
-        help="(default: all that apply to the mode and compression)",
+        default=None,
+        help="(default: all that apply to the mode and compression; one named that does not "
+        "apply gets a row saying why)",
     )
     parser.add_argument("--mode", choices=list(MODES), default="dedloc")
     parser.add_argument(
@@ -686,12 +687,17 @@ def main() -> None:
     scheme = {"mode": args.mode, "compression": compression}
     sparse = compression == "topk"
     # TopK rounds have no reducers; the sparse attacks forge TopK payloads
+    named = (
+        args.attacks if args.attacks is not None else [*ATTACKS, *SPARSE_ATTACKS, *PROGRESS_ATTACKS]
+    )
     skipped = [
         a
-        for a in args.attacks
+        for a in named
         if (a in REDUCER_ATTACKS and sparse) or (a in SPARSE_ATTACKS and not sparse)
     ]
-    attacks = [a for a in args.attacks if a not in skipped]
+    attacks = [a for a in named if a not in skipped]
+    if args.attacks is None:
+        skipped = []
     task = Task(args.dim, args.seed, args.batch)
     wall = time.monotonic()
 
