@@ -50,7 +50,25 @@ dominate a run this small and whose number depends on when a probe's poll finds 
 not on the defences (4 or 6 probes in one run: bytes_ratio 1.01 or 1.49).
 The last line is one JSON object.
 
+``--mode`` and ``--compression`` pick how the peers train and what crosses the wire (the
+baseline rows are then the clean runs of that mode and compression):
+
+* ``dedloc`` (the default): one averaged gradient per epoch, in ``none`` (the default),
+  ``fp16``, ``bf16``, ``int8`` or ``adaptive`` (at ``--dim`` 256 every leaf is fp16: a
+  1-D leaf), or ``powersgd`` (the weights seen as a matrix, :data:`POWERSGD`: two all-reduces
+  a round, error feedback kept by each peer);
+* ``diloco``: each peer takes an inner SGD step (``LR``) per micro-batch on its own copy and
+  the epoch's round averages the pseudo-gradients ``outer - local`` (what
+  :func:`dedloc_jax.diloco.diloco` sends, in NumPy here), applied by DiLoCo's outer step
+  (SGD, Nesterov momentum 0.9, learning rate 0.7), in ``int8`` (the default), ``none``,
+  ``fp16``, ``bf16``, ``adaptive``, or ``topk`` (:data:`TOPK` payloads with error feedback,
+  all-gathered and signed, outer SGD at 1.0, as the transform's defaults). TopK rounds have
+  no reducers: its reducer rows are skipped, and two attacks of its own run instead:
+  ``huge_payload`` (the hostile payload's scales 1e30, finite) and ``malformed_payload``
+  (duplicate offsets in every chunk); detected = an honest peer rejected a payload.
+
     python -m bench.byzantine [--epochs 12] [--dim 256] [--seed 0] [--batch 128]
+        [--mode dedloc|diloco] [--compression none|fp16|bf16|int8|adaptive|powersgd|topk]
 
 ``--processes``: the same attacks against real processes (a tiny sahajBERT run each), one row
 per attack; see :mod:`bench.byzantine_processes`.
@@ -74,7 +92,9 @@ from dedloc_jax.averaging.bandwidth import PROBE_PROTOCOL
 from dedloc_jax.averaging.reducer import Reducer
 from dedloc_jax.averaging.verify import chunk_terms, result_claim, result_digest
 from dedloc_jax.config import CollaborationConfig, DefenceConfig
+from dedloc_jax.powersgd import PowerSGD, initial_q
 from dedloc_jax.testing import open_sim_attacker, open_sim_collaboration
+from dedloc_jax.topk import Payload, TopK, decode, encode, pack, unpack
 from dedloc_jax.validators import MAX_BPS
 from p2p.dht import DHT
 from p2p.testing import SimNetwork, run_sim
@@ -91,9 +111,22 @@ x): the defences' cost, not the draw's."""
 MICRO_S = 0.1  # virtual seconds per micro-step
 LR = 0.2  # E[x x^T] = I: stable, and the gradient noise stays below the signal at dim 256
 ATTACKS = ("lying_reducer", "equivocating_reducer", "sign_flip", "free_rider")
+SPARSE_ATTACKS = ("huge_payload", "malformed_payload")
+"""Attacks on TopK's all-gather (``--compression topk`` only): its rounds have no reducers."""
 # attacks also run without the defences
 UNDEFENDED = ("lying_reducer", "equivocating_reducer", "sign_flip")
 REDUCER_ATTACKS = {"lying_reducer", "equivocating_reducer"}
+MODES = {
+    "dedloc": ("none", "fp16", "bf16", "int8", "adaptive", "powersgd"),
+    "diloco": ("int8", "none", "fp16", "bf16", "adaptive", "topk"),
+}
+"""What each ``--mode`` may send (``--compression``); the first is its default."""
+POWERSGD = PowerSGD(rank=4)
+"""``--compression powersgd``: rank 4, factors in fp16 (the library's defaults)."""
+TOPK = TopK(density=0.25, chunk=64)
+"""``--compression topk``: a quarter of each 64-value chunk, 2 bits a value, error feedback
+0.95 (a vector of 256 values has no 4096-value chunk of the library's default)."""
+OUTER_LR, OUTER_MOMENTUM = 0.7, 0.9  # DiLoCo's outer Nesterov SGD (diloco's default)
 PROGRESS_ATTACKS = (
     "hijack_epoch",
     "keep_leading",
@@ -123,6 +156,7 @@ DETECTED_BY = {
     "claim_samples": "ignoring peer",
     "junk_state_offer": "invalid record",
     "lying_config": "bounded by the group's medians",
+    "malformed_payload": "sparse payload rejected",
 }
 
 
@@ -277,16 +311,173 @@ class Task:
         return float(0.5 * np.mean(r * r))
 
 
+def _matrix(dim: int) -> tuple[int, int]:
+    """The weights as a matrix for PowerSGD: the most nearly square factorisation of ``dim``."""
+    rows = max(d for d in range(1, int(np.sqrt(dim)) + 1) if dim % d == 0)
+    return rows, dim // rows
+
+
+class Learner:
+    """One peer's training in ``--mode dedloc`` with a codec: the epoch's gradients
+    accumulate, their mean is averaged and applied with ``LR``. ``weights``: what is evaluated
+    and compared across peers."""
+
+    def __init__(self, task: Task, compression: str) -> None:
+        self.task, self.compression = task, compression
+        self.weights = np.zeros(task.dim, np.float32)
+        self.acc = np.zeros(task.dim, np.float32)
+
+    def micro(self, x: np.ndarray, y: np.ndarray) -> None:
+        self.acc += self.task.grad(self.weights, x, y) * len(y)
+
+    def sent(self, samples: int, scale: float) -> tuple[list[np.ndarray], Any]:
+        """What goes to the round (the update times ``scale``: -1000 for a sign flip) and
+        the codec argument of ``average`` (None: the config's)."""
+        g = self.acc / samples
+        self.acc = np.zeros(self.task.dim, np.float32)
+        return [g * np.float32(scale) if scale != 1 else g], None
+
+    def land(self, average: list[np.ndarray]) -> None:
+        self.weights = self.weights - LR * np.asarray(average[0], np.float32)
+
+
+class PowerSGDLearner(Learner):
+    """``--mode dedloc --compression powersgd``: the mean gradient of the epoch (a matrix,
+    :func:`_matrix`) plus this peer's error feedback goes through both phases."""
+
+    def __init__(self, task: Task, compression: str) -> None:
+        super().__init__(task, compression)
+        self.shape = _matrix(task.dim)
+        self.q = initial_q(POWERSGD, [self.shape])
+        self.errors = [np.zeros(self.shape, np.float32) for _ in self.q]
+
+    def sent(self, samples: int, scale: float) -> tuple[list[np.ndarray], Any]:
+        (g,), _ = super().sent(samples, scale)
+        m = g.reshape(self.shape) + (self.errors[0] if self.errors else 0)
+        return [m.astype(np.float32), *self.q, np.int32(1)], POWERSGD
+
+    def land(self, average: list[np.ndarray]) -> None:
+        c = len(self.q)
+        self.q, self.errors = list(average[1 : 1 + c]), list(average[1 + c :])
+        super().land([np.asarray(average[0], np.float32).reshape(-1)])
+
+
+class DiLoCoLearner(Learner):
+    """``--mode diloco``: an inner SGD step per micro-batch on this peer's local copy; the
+    round averages ``outer - local`` (the transform's pseudo-gradient) and the outer
+    Nesterov step lands on every peer alike; ``weights`` are the outer ones."""
+
+    def __init__(self, task: Task, compression: str) -> None:
+        super().__init__(task, compression)
+        self.local = self.weights.copy()
+        self.momentum = np.zeros(task.dim, np.float32)
+
+    def micro(self, x: np.ndarray, y: np.ndarray) -> None:
+        self.local = self.local - LR * self.task.grad(self.local, x, y)
+
+    def sent(self, samples: int, scale: float) -> tuple[list[np.ndarray], Any]:
+        delta = (self.weights - self.local).astype(np.float32)
+        return [delta * np.float32(scale) if scale != 1 else delta], self.compression
+
+    def land(self, average: list[np.ndarray]) -> None:
+        g = np.asarray(average[0], np.float32)
+        self.momentum = np.float32(OUTER_MOMENTUM) * self.momentum + g
+        step = g + np.float32(OUTER_MOMENTUM) * self.momentum
+        self.weights = self.weights - np.float32(OUTER_LR) * step
+        self.local = self.weights.copy()
+
+
+class TopKLearner(DiLoCoLearner):
+    """``--mode diloco --compression topk``: the pseudo-gradient plus this peer's decayed
+    error feedback goes as a :data:`TOPK` payload (offsets, codes, scales, size); what it
+    leaves out stays in the feedback; outer SGD at 1.0. ``forge`` rewrites the payload (the
+    hostile peer's ``huge_payload``)."""
+
+    def __init__(self, task: Task, compression: str) -> None:
+        super().__init__(task, compression)
+        self.feedback = np.zeros(task.dim, np.float32)
+        self.forge: Any = None
+
+    def sent(self, samples: int, scale: float) -> tuple[list[np.ndarray], Any]:
+        (delta,), _ = super().sent(samples, scale)
+        acc = np.float32(TOPK.error_feedback) * self.feedback + delta
+        payload = encode(TOPK, acc)
+        self.feedback = acc - decode(TOPK, payload, acc.size)
+        if self.forge is not None:
+            payload = self.forge(payload)
+        return [*payload, np.int32(acc.size)], TOPK
+
+    def land(self, average: list[np.ndarray]) -> None:
+        self.weights = self.weights - np.asarray(average[0], np.float32)
+        self.local = self.weights.copy()
+
+
+def learner(task: Task, mode: str, compression: str) -> Learner:
+    if compression not in MODES[mode]:
+        raise ValueError(f"--mode {mode} takes --compression {'|'.join(MODES[mode])}")
+    if mode == "dedloc":
+        return (PowerSGDLearner if compression == "powersgd" else Learner)(task, compression)
+    return (TopKLearner if compression == "topk" else DiLoCoLearner)(task, compression)
+
+
+def huge(payload: Payload) -> Payload:
+    """``huge_payload``: every chunk's scales 1e30 (finite, in order: :func:`unpack` takes it)."""
+    return Payload(payload.offsets, payload.codes, np.full_like(payload.scales, 1e30))
+
+
+def malformed(data: bytes, n: int) -> bytes:
+    """``malformed_payload``: ``data`` with each chunk's second offset equal to its first."""
+    p = unpack(TOPK, data, n)
+    offsets = p.offsets.copy()
+    offsets[:, 1] = offsets[:, 0]
+    return pack(TOPK, Payload(offsets, p.codes, p.scales), n)
+
+
+def forge_gathers(core: Any) -> None:
+    """Make ``core`` sign, send and serve :func:`malformed` payloads in its sparse gathers
+    (its own checks would refuse to hold, so serve, its own: an attacker skips them)."""
+    gather = core.rounds.gather
+    honest, accept = gather.gather, gather._accept
+    me = str(core.node.peer_id)
+    own: list[Payload] = []  # what it really computed, for its own mean
+
+    async def forged(spec: Any, cfg: TopK, data: Any, n: int, weight: float, **kw: Any) -> Any:
+        if data is None:
+            return await honest(spec, cfg, data, n, weight, **kw)
+        own[:] = [unpack(cfg, data, n)]
+        return await honest(spec, cfg, malformed(data, n), n, weight, **kw)
+
+    def accept_own(g: Any, round_id: bytes, entry: Any) -> None:
+        if isinstance(entry, dict) and entry.get("p") == me and own:
+            g.held[me], g.weights[me], g.raw[me] = own[0], entry["w"], entry
+            g.wake()
+            return
+        accept(g, round_id, entry)
+
+    gather.gather = forged
+    gather._accept = accept_own
+
+
 def run(
-    attack: str | None, defended: bool, epochs: int, task: Task, seed: int, peers: int = PEERS
+    attack: str | None,
+    defended: bool,
+    epochs: int,
+    task: Task,
+    seed: int,
+    peers: int = PEERS,
+    mode: str = "dedloc",
+    compression: str = "none",
 ) -> dict[str, Any]:
     """One run of ``peers`` peers (``peers`` = HOSTILE: the honest ones alone, the same
-    batches, the same target: the run they would have had without the hostile peer)."""
+    batches, the same target: the run they would have had without the hostile peer), training
+    in ``mode`` and sending in ``compression`` (see the module docstring)."""
     batch = task.batch_size
     target = PEERS * batch * 4
     config = CollaborationConfig.local_demo(target).replace(
         defence=DefenceConfig(robust=defended, verify=defended)
     )
+    if compression in MODES["dedloc"][:-1]:  # a codec for every leaf, or adaptive
+        config = config.replace(rounds=config.rounds.replace(codec=compression))
     configs = [config] * peers
     if attack == "lying_config":
         configs[HOSTILE] = ap.lying_config(config)
@@ -307,7 +498,12 @@ def run(
             if attack in REDUCER_ATTACKS:  # claims a huge link: the LP gives it shares
                 cores[HOSTILE].meter.upload_override = MAX_BPS  # the most the schema takes
                 cores[HOSTILE].meter.download_override = MAX_BPS
-            w = [np.zeros(task.dim, np.float32) for _ in range(peers)]
+            learners = [learner(task, mode, compression) for _ in range(peers)]
+            if peers > HOSTILE and attack == "huge_payload":
+                assert isinstance(learners[HOSTILE], TopKLearner)
+                learners[HOSTILE].forge = huge
+            if peers > HOSTILE and attack == "malformed_payload":
+                forge_gathers(cores[HOSTILE])
             groups: list[list[int]] = [[] for _ in range(peers)]
             curve: list[float] = []  # peer 0's evaluation loss after each step
             fed: list[int] = []  # the honest peers' samples in each step
@@ -322,28 +518,29 @@ def run(
 
             async def peer(i: int) -> None:
                 core, step = cores[i], 0
+                me = learners[i]
                 for epoch in range(epochs):
-                    acc, samples = np.zeros(task.dim, np.float32), 0
+                    samples = 0
                     while True:
                         await trio.sleep(MICRO_S)
                         x, y = task.batch(i, step)
                         step += 1
-                        acc += task.grad(w[i], x, y) * batch
+                        me.micro(x, y)
                         samples += batch
                         if core.report(epoch, samples, batch):
                             break
-                    g = acc / samples
                     if i != HOSTILE:
                         step_samples[epoch].append(samples)
-                    if attack == "sign_flip" and i == HOSTILE:
-                        g = g * np.float32(-1000.0)
+                    flip = attack == "sign_flip" and i == HOSTILE
+                    arrays, codec = me.sent(samples, -1000.0 if flip else 1.0)
                     free_ride = attack == "free_rider" and i == HOSTILE
-                    outcome = await core.average(epoch, [g], 0 if free_ride else samples)
+                    weight = 0 if free_ride else samples
+                    outcome = await core.average(epoch, arrays, weight, codec=codec)
                     groups[i].append(outcome.group_size)
-                    w[i] = w[i] - LR * np.asarray(outcome.average[0], np.float32)
+                    me.land(list(outcome.average))
                     if i == 0:
                         steps_at.append(trio.current_time())
-                        curve.append(task.loss(w[0]))
+                        curve.append(task.loss(me.weights))
                         fed.append(sum(s for s in step_samples[epoch]))
                     if liar and banned_at[i] is None and core.bans.is_banned(liar[0]):
                         banned_at[i] = epoch + 1
@@ -362,7 +559,9 @@ def run(
             out["bytes"] = sum(sum(c.node.bytes_sent.values()) for c in cores)
             out["probe_bytes"] = sum(c.node.bytes_sent[PROBE_PROTOCOL] for c in cores)
             honest = [i for i in range(peers) if i != HOSTILE]
+            w = [lr.weights for lr in learners]
             out["honest_loss"] = max(task.loss(w[i]) for i in honest)
+            out["finite"] = all(bool(np.isfinite(w[i]).all()) for i in honest)
             out["in_step"] = all(w[i].tobytes() == w[honest[0]].tobytes() for i in honest)
             out["banned_at"] = [banned_at[i] for i in honest]
             complete = 0
@@ -414,6 +613,13 @@ def _progress_row(attack: str, r: dict[str, Any], clean: dict[str, Any]) -> dict
     }
 
 
+def _epochs_until(r: dict[str, Any], at: float | None) -> int | None:
+    """Peer 0's epoch (1 = the first) in which virtual time ``at`` fell (None: never)."""
+    if at is None:
+        return None
+    return 1 + sum(t < at for t in r["steps_at"])
+
+
 def _loss_at_samples(clean: dict[str, Any], samples: int) -> float:
     """The clean run's loss when its honest peers had fed ``samples``: interpolated in log
     loss between the steps around it (its last loss if it never fed that many). Its first
@@ -442,7 +648,17 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--batch", type=int, default=BATCH, help="samples per micro-step")
     parser.add_argument(
-        "--attacks", nargs="*", default=[*ATTACKS, *PROGRESS_ATTACKS], help="(default: all)"
+        "--attacks",
+        nargs="*",
+        default=None,
+        help="(default: all that apply to the mode and compression; one named that does not "
+        "apply gets a row saying why)",
+    )
+    parser.add_argument("--mode", choices=list(MODES), default="dedloc")
+    parser.add_argument(
+        "--compression",
+        choices=sorted({c for cs in MODES.values() for c in cs}),
+        help="what crosses the wire (default: dedloc none, diloco int8; see MODES)",
     )
     parser.add_argument(
         "--processes",
@@ -465,9 +681,30 @@ def main() -> None:
         byzantine_processes.main(args)
         return
     logging.basicConfig(level=logging.ERROR)
+    compression = args.compression or MODES[args.mode][0]
+    if compression not in MODES[args.mode]:
+        parser.error(f"--mode {args.mode} takes --compression {'|'.join(MODES[args.mode])}")
+    scheme = {"mode": args.mode, "compression": compression}
+    sparse = compression == "topk"
+    # TopK rounds have no reducers; the sparse attacks forge TopK payloads
+    named = (
+        args.attacks if args.attacks is not None else [*ATTACKS, *SPARSE_ATTACKS, *PROGRESS_ATTACKS]
+    )
+    skipped = [
+        a
+        for a in named
+        if (a in REDUCER_ATTACKS and sparse) or (a in SPARSE_ATTACKS and not sparse)
+    ]
+    attacks = [a for a in named if a not in skipped]
+    if args.attacks is None:
+        skipped = []
     task = Task(args.dim, args.seed, args.batch)
     wall = time.monotonic()
-    clean = {d: run(None, d, args.epochs, task, args.seed) for d in (True, False)}
+
+    def go(attack: str | None, defended: bool, peers: int = PEERS) -> dict[str, Any]:
+        return run(attack, defended, args.epochs, task, args.seed, peers, **scheme)
+
+    clean = {d: go(None, d) for d in (True, False)}
     rows = []
     for d in (True, False):
         c = clean[d]
@@ -481,6 +718,16 @@ def main() -> None:
                 "probe_bytes": c["probe_bytes"],
                 "complete_rounds": f"{c['complete_rounds']}/{c['honest_rounds']}",
                 "in_step": c["in_step"],
+                "finite": c["finite"],
+            }
+        )
+    for attack in skipped:
+        rows.append(
+            {
+                "attack": attack,
+                "skipped": "TopK rounds have no reducers"
+                if sparse
+                else "TopK payloads only (--mode diloco --compression topk)",
             }
         )
     overhead = {
@@ -505,16 +752,18 @@ def main() -> None:
     # The defended rows' baseline: the honest peers alone (the hostile peer's data is what the
     # defences take out), at equal honest samples; see the module docstring.
     alone = (
-        run(None, True, args.epochs, task, args.seed, peers=HOSTILE)
-        if any(a in args.attacks for a in ATTACKS)
+        go(None, True, peers=HOSTILE)
+        if any(a in attacks for a in (*ATTACKS, *SPARSE_ATTACKS))
         else None
     )
-    for attack in (a for a in ATTACKS if a in args.attacks):
+    for attack in (a for a in (*ATTACKS, *SPARSE_ATTACKS) if a in attacks):
         for d in (True, False) if attack in UNDEFENDED else (True,):
-            r = run(attack, d, args.epochs, task, args.seed)
+            r = go(attack, d)
             if d:
                 losses[attack] = r["honest_loss"]
             first = min((b for b in r["banned_at"] if b is not None), default=None)
+            if attack in SPARSE_ATTACKS:  # no bans: detected = a payload rejected
+                first = _epochs_until(r, r.get("seen_at"))
             row = {
                 "attack": attack,
                 "defences": d,
@@ -541,21 +790,21 @@ def main() -> None:
                 row["loss_vs_clean"] = round(r["honest_loss"] / clean[d]["honest_loss"], 4)
             row["complete_rounds"] = f"{r['complete_rounds']}/{r['honest_rounds']}"
             row["in_step"] = r["in_step"]
+            row["finite"] = r["finite"]
             row["bans"] = [(b["role"], b["reason"][:60]) for b in r["bans"]][:2]
             rows.append(row)
     for row in rows:  # the flip's cost against withheld data alone (1.0: nothing got through)
         if row["attack"] == "sign_flip" and row["defences"] and "free_rider" in losses:
             row["loss_vs_free_rider"] = round(row["honest_loss"] / losses["free_rider"], 4)
-    for attack in (a for a in PROGRESS_ATTACKS if a in args.attacks):
-        rows.append(
-            _progress_row(attack, run(attack, True, args.epochs, task, args.seed), clean[True])
-        )
+    for attack in (a for a in PROGRESS_ATTACKS if a in attacks):
+        rows.append(_progress_row(attack, go(attack, True), clean[True]))
     for row in rows:
         print(" ".join(f"{k}={v}" for k, v in row.items()))
     print(f"defences' overhead on a clean run: {overhead}")
     print(
         json.dumps(
             {
+                **scheme,
                 "epochs": args.epochs,
                 "dim": args.dim,
                 "batch": args.batch,

@@ -28,6 +28,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dedloc_jax.averaging.verify import MIN_CLIPPED, OUTLIER, RADIUS
+
 __all__ = [
     "Payload",
     "PayloadError",
@@ -251,21 +253,68 @@ SCALE_CAP = 4.0
 one peer cannot blow up the mean with huge (finite) values."""
 
 
-def mean_of(cfg: TopK, payloads: Sequence[Payload], weights: Sequence[float], n: int) -> np.ndarray:
+def outlier_weights(
+    cfg: TopK, payloads: Sequence[Payload], weights: Sequence[float], n: int
+) -> np.ndarray | None:
+    """Each payload's weight per chunk (payloads x chunks, float32), zero where the chunk at
+    its own scales is longer than :data:`~dedloc_jax.averaging.verify.OUTLIER` derived radii
+    of the payloads' norms there (the rule of the reducers' CenteredClip, with at least
+    ``MIN_CLIPPED`` payloads): a -1000 x or 1e30 payload counts for nothing instead of for
+    ``SCALE_CAP`` x the others' magnitudes in its own direction (one flipped sender of four,
+    capped only, multiplied bench.byzantine's topk loss by 23). None: nothing excluded."""
+    if len(payloads) < MIN_CLIPPED:
+        return None
+    # a chunk's norm from its k values (float64: the same figure on every member)
+    values = np.stack([_dequantise_np(cfg, p.codes, p.scales) for p in payloads])
+    norms = np.sqrt(np.einsum("pck,pck->pc", values, values, dtype=np.float64))
+    upper = np.sort(norms, axis=0)[len(payloads) // 2]
+    tau = np.maximum(RADIUS * upper, 1e-30)  # verify.derived_tau, for every chunk at once
+    far = norms > OUTLIER * tau[None, :]
+    w = np.repeat(np.asarray(weights, np.float32)[:, None], norms.shape[1], axis=1)
+    far &= w > 0
+    if not far.any():
+        return None
+    w[far] = 0.0  # (never every payload of a chunk: the upper median's is within)
+    return w
+
+
+def mean_of(
+    cfg: TopK,
+    payloads: Sequence[Payload],
+    weights: Sequence[float],
+    n: int,
+    *,
+    outliers: bool = False,
+) -> np.ndarray:
     """The weighted mean of the payloads' dense forms, summed in the order given (so every
     peer that sums the same payloads in the same order holds the same bits). Each payload's
     scales are first capped per chunk at ``SCALE_CAP`` times the upper median of the
-    payloads' largest scales (element-wise minimum: exact, the same everywhere)."""
+    payloads' largest scales (element-wise minimum: exact, the same everywhere). ``outliers``
+    (robust aggregation, on in open runs): a payload's chunk far outside the others' counts
+    for nothing (:func:`outlier_weights`)."""
     if not payloads or len(payloads) != len(weights):
         raise ValueError("need one weight per payload, and at least one payload")
     his = np.stack([p.scales[:, 1] for p in payloads])
     cap = np.float32(SCALE_CAP) * np.sort(his, axis=0)[len(payloads) // 2]
-    total = np.float32(sum(np.float32(w) for w in weights))
+    # nothing excluded (or no rule): the same bits as without it
+    per_chunk = outlier_weights(cfg, payloads, weights, n) if outliers else None
     out = np.zeros(n, np.float32)
-    if total <= 0:
+    if per_chunk is None:
+        total = np.float32(sum(np.float32(w) for w in weights))
+        if total <= 0:
+            return out
+        for p, w in zip(payloads, weights, strict=True):
+            scales = np.minimum(p.scales, cap[:, None])
+            dense = decode(cfg, Payload(p.offsets, p.codes, scales), n)
+            out += (np.float32(w) / total) * dense
         return out
-    for p, w in zip(payloads, weights, strict=True):
+    chunks, size, _ = cfg.layout(n)
+    totals = np.zeros(chunks, np.float32)
+    for row in per_chunk:  # in the order given, as above
+        totals += row
+    safe = np.where(totals > 0, totals, np.float32(1.0))
+    for p, row in zip(payloads, per_chunk, strict=True):
         scales = np.minimum(p.scales, cap[:, None])
         dense = decode(cfg, Payload(p.offsets, p.codes, scales), n)
-        out += (np.float32(w) / total) * dense
+        out += np.repeat(row / safe, size)[:n] * dense
     return out

@@ -361,8 +361,9 @@ async def _sparse_round(
         timeout = deadlines.for_group(
             spec.lower_bound(volume), rounds.table.dht_latency, override=rounds.averaging_timeout
         ).averaging
+        robust = rounds.robust or rounds.robust_tau is not None
         got = await rounds.gather.gather(
-            spec, cfg, data if me.sends else None, n, me.weight, timeout=timeout
+            spec, cfg, data if me.sends else None, n, me.weight, timeout=timeout, robust=robust
         )
         if got.complete and on_averaged is not None:
             on_averaged(spec)

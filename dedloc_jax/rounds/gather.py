@@ -6,10 +6,12 @@ request carries the asker's own entry, so reachable members receive everyone's);
 (no inbound connections) from a reachable member it pushed to, the signature proving that
 the relay did not change it. Every entry is untrusted: one from a non-member, with a bad
 signature, the wrong size or a payload :func:`dedloc_jax.topk.unpack` rejects is logged and
-dropped. The mean (:func:`dedloc_jax.topk.mean_of`) sums the held payloads in the spec's
-member order with the spec's weights, so members that hold the same senders hold the same
-bits; a member missing some sender by the deadline steps with the others' mean and reports
-the round incomplete (``keep_in_step`` then loads the run's state).
+dropped; a payload its sender signed that :func:`~dedloc_jax.topk.unpack` rejects excludes
+that sender from the round (it signed junk: nobody waits for another payload of it). The mean
+(:func:`dedloc_jax.topk.mean_of`, with its outlier rule in robust runs) sums the held payloads
+in the spec's member order with the spec's weights, so members that hold the same senders hold
+the same bits; a member missing some sender by the deadline steps with the others' mean and
+reports the round incomplete (``keep_in_step`` then loads the run's state).
 """
 
 from __future__ import annotations
@@ -48,7 +50,8 @@ class _Gather:
     held: dict[str, Payload] = field(default_factory=dict)
     weights: dict[str, float] = field(default_factory=dict)
     raw: dict[str, dict] = field(default_factory=dict)  # the signed entries, to relay
-    equivocated: set[str] = field(default_factory=set)  # signed two payloads: never counted
+    # signed two payloads, or one that is junk: never counted, never waited for
+    excluded: set[str] = field(default_factory=set)
     pushed: set[str] = field(default_factory=set)  # members known to hold our own entry
     changed: trio.Event = field(default_factory=trio.Event)
 
@@ -91,10 +94,22 @@ class SparseGather:
         """Check one signed entry and hold it; a bad one is logged and dropped."""
         try:
             peer, weight, payload = _check(g, round_id, entry)
+        except _Junk as e:
+            log.warning(
+                "sparse payload rejected in group %s: %s; signed by it: excluded from the round",
+                g.spec.digest.hex()[:8],
+                e,
+            )
+            if e.peer not in g.excluded:
+                g.excluded.add(e.peer)
+                for held in (g.held, g.weights, g.raw):
+                    held.pop(e.peer, None)
+                g.wake()
+            return
         except (PayloadError, ValueError, TypeError, KeyError) as e:
             log.warning("sparse payload rejected in group %s: %s", g.spec.digest.hex()[:8], e)
             return
-        if peer in g.equivocated:
+        if peer in g.excluded:
             return
         if peer in g.held:
             first = g.raw[peer]
@@ -109,7 +124,7 @@ class SparseGather:
                     bytes(first["s"]).hex()[:16],
                     bytes(entry["s"]).hex()[:16],
                 )
-                g.equivocated.add(peer)
+                g.excluded.add(peer)
                 del g.held[peer], g.weights[peer], g.raw[peer]
                 g.wake()
             return
@@ -136,7 +151,7 @@ class SparseGather:
         if "e" in request:
             self._accept(g, round_id, request["e"])
         with trio.move_on_after(HOLD):
-            while not all(p in g.held for p in want if p in g.senders - g.equivocated):
+            while not all(p in g.held for p in want if p in g.senders - g.excluded):
                 await g.changed.wait()
         me = str(self.node.peer_id)
         if me in want and me in g.raw:  # the asker gets ours in this answer: no push needed
@@ -152,10 +167,12 @@ class SparseGather:
         weight: float,
         *,
         timeout: float,
+        robust: bool = False,
     ) -> Gathered:
         """Swap ``data`` (this peer's packed payload of ``weight`` samples; None for a member
         that sends nothing) with the group until every sender's is held or ``timeout``
-        passes. A sender's weight is the one it signed, at most its spec entry's."""
+        passes. A sender's weight is the one it signed, at most its spec entry's.
+        ``robust``: the mean drops outlying payloads (:func:`~dedloc_jax.topk.mean_of`)."""
         me = str(self.node.peer_id)
         round_id = spec.digest + b":sparse"
         senders = frozenset(m.peer_id for m in spec.members if m.sends)
@@ -186,7 +203,7 @@ class SparseGather:
         if not order:
             raise ValueError("no payload held, not even our own")
         weights = [g.weights[m.peer_id] for m in order]
-        mean = mean_of(cfg, [g.held[m.peer_id] for m in order], weights, n)
+        mean = mean_of(cfg, [g.held[m.peer_id] for m in order], weights, n, outliers=robust)
         included = frozenset(g.held)
         return Gathered(mean, included, included == senders)
 
@@ -209,8 +226,8 @@ class SparseGather:
         me = str(self.node.peer_id)
         started = trio.current_time()
         attempt = 0
-        while not g.senders - g.equivocated <= set(g.held):
-            missing = sorted(g.senders - g.equivocated - set(g.held))
+        while not g.senders - g.excluded <= set(g.held):
+            missing = sorted(g.senders - g.excluded - set(g.held))
             # a client or a member with nothing to send is asked by no one: it asks everyone
             first = {p for p in reachable if me < p or own is None or not pushed_to_me}
             if trio.current_time() - started >= HOLD:
@@ -233,7 +250,7 @@ class SparseGather:
                 for p, want in asks.items():
                     nursery.start_soon(self._ask, g, round_id, p, want, own, pushed)
             attempt += 1
-            if not g.senders - g.equivocated <= set(g.held):
+            if not g.senders - g.excluded <= set(g.held):
                 await trio.sleep(RETRY)
 
     async def _ask(
@@ -268,6 +285,15 @@ def _signed(round_id: bytes, weight: float, data: bytes) -> bytes:
     return round_id + struct.pack("<d", weight) + data
 
 
+class _Junk(PayloadError):
+    """A payload whose sender's signature holds, which TopK with the run's settings never
+    produces: proof that the sender sent junk."""
+
+    def __init__(self, peer: str, reason: str) -> None:
+        super().__init__(f"entry of {peer}: {reason}")
+        self.peer = peer
+
+
 def _check(g: _Gather, round_id: bytes, entry: Any) -> tuple[str, float, Payload]:
     if not isinstance(entry, dict):
         raise TypeError("an entry is a map")
@@ -280,14 +306,14 @@ def _check(g: _Gather, round_id: bytes, entry: Any) -> tuple[str, float, Payload
         raise ValueError(f"entry of {peer}: key does not match the peer ID")
     if not isinstance(sig, bytes) or not isinstance(data, bytes):
         raise TypeError(f"entry of {peer}: signature and payload must be bytes")
-    if len(data) != g.cfg.payload_bytes(g.n):
+    if len(data) > g.cfg.payload_bytes(g.n):  # (before hashing it for the signature)
         raise PayloadError(f"entry of {peer}: {len(data)} bytes, expected "
                            f"{g.cfg.payload_bytes(g.n)}")  # fmt: skip
     if not verify_signature(key, sig, _signed(round_id, weight, data)):
         raise ValueError(f"entry of {peer}: bad signature")
-    try:
+    try:  # signed by the sender: its own junk
         payload = unpack(g.cfg, data, g.n)
     except PayloadError as e:
-        raise PayloadError(f"entry of {peer}: {e}") from None
+        raise _Junk(peer, str(e)) from None
     bound = next(m.weight for m in g.spec.members if m.peer_id == peer)
     return peer, min(weight, bound), payload

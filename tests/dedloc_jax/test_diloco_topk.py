@@ -219,6 +219,30 @@ def test_one_peer_cannot_blow_up_the_mean_with_huge_scales() -> None:
     assert np.abs(mean).max() <= 4 * his.max()
 
 
+def test_an_outlying_payload_counts_for_nothing_only_where_robust_and_far() -> None:
+    """With ``outliers`` (open runs) a payload chunk far outside the others' (here a -1000 x
+    flip of one of four) weighs nothing in that chunk: the mean is the other three's. Without
+    it (private runs), or with nothing that far, the mean is the same bits as before the rule:
+    the capped weighted mean."""
+    cfg = TopK(chunk=256)
+    rng = np.random.default_rng(2)
+    honest = [encode(cfg, rng.normal(size=1000).astype(np.float32)) for _ in range(3)]
+    weights = [3.0, 2.0, 4.0]
+    sign = np.uint8(1 << (cfg.bits - 1))
+    flipped = honest[0]._replace(
+        codes=honest[0].codes ^ sign, scales=honest[0].scales * np.float32(1000)
+    )
+    got = mean_of(cfg, [*honest, flipped], [*weights, 3.0], 1000, outliers=True)
+    want = mean_of(cfg, honest, weights, 1000)
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
+    capped = mean_of(cfg, [*honest, flipped], [*weights, 3.0], 1000)
+    assert np.abs(capped - want).max() > 0.5  # capped only: the flip pulls every value it holds
+    # nothing far: the rule changes no bit
+    fourth = encode(cfg, rng.normal(size=1000).astype(np.float32))
+    both = [mean_of(cfg, [*honest, fourth], [*weights, 1.0], 1000, outliers=o) for o in (0, 1)]
+    assert both[0].tobytes() == both[1].tobytes()
+
+
 def test_a_sender_that_signs_two_payloads_for_one_round_is_excluded(caplog) -> None:
     import trio
 
@@ -253,7 +277,7 @@ def test_a_sender_that_signs_two_payloads_for_one_round_is_excluded(caplog) -> N
 
     with caplog.at_level(logging.WARNING, logger="dedloc_jax.rounds.gather"):
         g = trio.run(main)
-    assert str(liar.peer_id) not in g.held and g.equivocated == {str(liar.peer_id)}
+    assert str(liar.peer_id) not in g.held and g.excluded == {str(liar.peer_id)}
     assert any("signed two different payloads" in r.getMessage() for r in caplog.records)
 
 

@@ -67,9 +67,9 @@ def test_a_malformed_payload_is_rejected_by_every_other_member(caplog) -> None:
         gather = peers[liar].core.rounds.gather
         honest = gather.gather
 
-        async def lying(spec, cfg, data, n, weight, *, timeout):
+        async def lying(spec, cfg, data, n, weight, **kw):
             bad = b"\x00\x00\xc0\x7f" + bytes(data)[4:]  # a NaN scale, signed by the liar
-            return await honest(spec, cfg, bad, n, weight, timeout=timeout)
+            return await honest(spec, cfg, bad, n, weight, **kw)
 
         gather.gather = lying
 
