@@ -61,7 +61,7 @@ async def find_donors(
             return None
         # Our roots are here but announce nothing (a bootstrap, a coordinator): their word
         # on whom they trust grounds ours.
-        if await _ask_roots(node, book):
+        if await ask_roots(node, book):
             newest = await _newest(node, dht, run_id, extra, book)
         if book.orphaned(newest.values()) and await _any_vouch(node, dht, run_id):
             (log.debug if book.orphan_warned else log.warning)(
@@ -108,9 +108,10 @@ async def _any_vouch(node: Node, dht: RunDHT, run_id: str) -> bool:
     return any(a.vouched for a in await read_announcements(node, dht, run_id, whole=True))
 
 
-async def _ask_roots(node: Node, book: VouchBook) -> bool:
+async def ask_roots(node: Node, book: VouchBook, *, endorse: bool = False) -> bool:
     """Ask each connected root whom it trusts (:data:`~dedloc_jax.state.serving.TRUSTED`)
-    and adopt its answer; whether anything new was adopted."""
+    and adopt its answer (a newcomer's trust), or with ``endorse`` endorse it (a peer that
+    sees a group it does not count: :meth:`VouchBook.endorse`); whether anything was new."""
     new = 0
     for name in sorted(book.roots):
         try:
@@ -128,7 +129,7 @@ async def _ask_roots(node: Node, book: VouchBook) -> bool:
         if not isinstance(peers, list):
             continue
         named = [p for p in peers[:MAX_TRUSTED] if isinstance(p, str) and 0 < len(p) <= 64]
-        new += book.adopt(named)
+        new += book.endorse(named) if endorse else book.adopt(named)
     return new > 0
 
 
