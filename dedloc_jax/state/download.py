@@ -111,19 +111,24 @@ async def _any_vouch(node: Node, dht: RunDHT, run_id: str) -> bool:
 async def ask_roots(node: Node, book: VouchBook, *, endorse: bool = False) -> bool:
     """Ask each connected root whom it trusts (:data:`~dedloc_jax.state.serving.TRUSTED`)
     and adopt its answer (a newcomer's trust), or with ``endorse`` endorse it (a peer that
-    sees a group it does not count: :meth:`VouchBook.endorse`); whether anything was new."""
+    sees a group it does not count: :meth:`VouchBook.endorse`); whether anything was new.
+    Endorsing, it dials a root it is not connected to (a partition broke the connection, and
+    the other group's states are what the roots' answer is for)."""
     new = 0
     for name in sorted(book.roots):
         try:
             pid = PeerID.from_base58(name)
         except (P2PError, ValueError):
             continue
-        if node.connection_to(pid) is None:
+        if node.connection_to(pid) is None and not endorse:
             continue
         try:
             answer = await node.call(pid, TRUSTED, {}, timeout=ROOT_DIAL_TIMEOUT)
         except P2PError as e:
-            log.info("the peer we joined through %s did not say whom it trusts: %s", name[:8], e)
+            # (asked again every few seconds while endorsing: said once per newcomer's ask)
+            (log.debug if endorse else log.info)(
+                "the peer we joined through %s did not say whom it trusts: %s", name[:8], e
+            )
             continue
         peers = answer.get("peers") if isinstance(answer, dict) else None
         if not isinstance(peers, list):
