@@ -231,7 +231,7 @@ def test_a_node_cut_off_from_everyone_greets_again_until_it_is_back() -> None:
     shrinks no more once empty, so it greeted its initial peers again only a refresh interval
     later, and after the heal it stayed a DHT of its own that long (two pairs of trainers
     that averaged apart never read each other's records: issue 46). A greeting that reached
-    nobody is now tried again at a doubling interval."""
+    nobody is now tried again at every maintenance."""
     config = DHTConfig.fast()
 
     async def main() -> None:
