@@ -543,7 +543,7 @@ class ProgressTracker:
     def _find_losers(self) -> None:
         """Recount :attr:`losers` when the served states changed (most reads change none)."""
         announced = self.announcements()
-        key = (announced, self.served)  # (the ranks too: an answer of our roots moves them)
+        key = (tuple(announced), self.served)  # (ranks too: an answer of our roots moves them)
         if key == self._fork_input:
             return
         self._fork_input = key
