@@ -166,8 +166,12 @@ def _run(root_side: bool, sybils: bool, seed: int = 0) -> dict:
 
 @pytest.mark.parametrize(
     "root_side,sybils",
-    [(False, False), (True, False), (False, True)],
-    ids=["root-reaches-both", "root-on-one-side", "sybil-clique"],
+    [
+        # (about 12 s of CPU each: the simplest case runs with the slow tests)
+        pytest.param(False, False, id="root-reaches-both", marks=pytest.mark.slow),
+        pytest.param(True, False, id="root-on-one-side"),
+        pytest.param(False, True, id="sybil-clique"),
+    ],
 )
 def test_pairs_that_averaged_apart_from_the_start_merge_after_the_heal(
     root_side: bool, sybils: bool
