@@ -33,6 +33,7 @@ from dedloc_jax.rounds.stepping import Stepper
 from dedloc_jax.run_dht import RunDHT
 from dedloc_jax.state import StateServer
 from dedloc_jax.state.local import LocalState, mates_into
+from dedloc_jax.state.serving import TRUST_REFRESH
 from dedloc_jax.state.vouching import VouchBook
 from dedloc_jax.tracker import ProgressTracker
 from dedloc_jax.validators import run_validators
@@ -122,6 +123,7 @@ async def open_collaboration(
         if core.rounds.early is not None:
             await nursery.start(core.rounds.early.run)
         nursery.start_soon(core.state.keep_announced)
+        nursery.start_soon(core.state.keep_referred, TRUST_REFRESH)
         if nat is not None and forced_mode is None:
             nursery.start_soon(core.follow_reachability)
         if config.links.measure and (mode != "client" or forced_mode is None):
@@ -151,7 +153,13 @@ def _assemble(
     bans = Bans(node, dht, run_id)
     vouches = VouchBook(roots)
     tracker = ProgressTracker(
-        dht, run_id, config, mode, banned=bans.is_banned, vouched=vouches.vouched
+        dht,
+        run_id,
+        config,
+        mode,
+        banned=bans.is_banned,
+        vouched=vouches.vouched,
+        endorsed=vouches.endorsed,
     )
     server = StateServer(
         node,

@@ -61,12 +61,15 @@ class ProgressTracker:
         *,
         banned: Callable[[str], bool] | None = None,
         vouched: Callable[[str], bool] | None = None,
+        endorsed: Callable[[str], bool] | None = None,
     ) -> None:
         self.dht = dht
         self._banned = banned
         # Whether another peer vouched it averaged with a peer (a VouchBook's; the records
-        # carry no vouches): the fork choice counts only vouched states while any is.
+        # carry no vouches): the fork choice counts only vouched states while any is; and
+        # whether our roots trust it (endorsed ones outrank those: state.vouching).
         self.vouched = vouched
+        self.endorsed = endorsed
         self.run_id = run_id
         self.config = config
         self.mode = mode
@@ -290,7 +293,13 @@ class ProgressTracker:
         """:meth:`states` as the fork choice counts them: an aux peer's state (a coordinator's
         checkpoint) is a copy it serves, not a vote (:attr:`Announcement.votes`)."""
         return [
-            Announcement(pid, *r.state, votes=r.mode != "aux", vouched=self._vouched(pid))
+            Announcement(
+                pid,
+                *r.state,
+                votes=r.mode != "aux",
+                vouched=self._vouched(pid),
+                endorsed=self.endorsed is not None and self.endorsed(pid),
+            )
             for pid, r in self.records.items()
             if r.state and pid != self.peer_id and not self._is_banned(pid)
         ]
@@ -533,12 +542,11 @@ class ProgressTracker:
 
     def _find_losers(self) -> None:
         """Recount :attr:`losers` when the served states changed (most reads change none)."""
-        states = self.states()
-        key = (states, self.served)
+        announced = self.announcements()
+        key = (tuple(announced), self.served)  # (ranks too: an answer of our roots moves them)
         if key == self._fork_input:
             return
         self._fork_input = key
-        announced = self.announcements()
         if self.served is not None:
             announced.append(Announcement(self.peer_id, *self.served, votes=self.mode != "aux"))
         self.losers = frozenset(losing_peers(announced) - {self.peer_id})

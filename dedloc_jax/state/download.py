@@ -61,7 +61,7 @@ async def find_donors(
             return None
         # Our roots are here but announce nothing (a bootstrap, a coordinator): their word
         # on whom they trust grounds ours.
-        if await _ask_roots(node, book):
+        if await ask_roots(node, book):
             newest = await _newest(node, dht, run_id, extra, book)
         if book.orphaned(newest.values()) and await _any_vouch(node, dht, run_id):
             (log.debug if book.orphan_warned else log.warning)(
@@ -108,27 +108,33 @@ async def _any_vouch(node: Node, dht: RunDHT, run_id: str) -> bool:
     return any(a.vouched for a in await read_announcements(node, dht, run_id, whole=True))
 
 
-async def _ask_roots(node: Node, book: VouchBook) -> bool:
+async def ask_roots(node: Node, book: VouchBook, *, endorse: bool = False) -> bool:
     """Ask each connected root whom it trusts (:data:`~dedloc_jax.state.serving.TRUSTED`)
-    and adopt its answer; whether anything new was adopted."""
+    and adopt its answer (a newcomer's trust), or with ``endorse`` endorse it (a peer that
+    sees a group it does not count: :meth:`VouchBook.endorse`); whether anything was new.
+    Endorsing, it dials a root it is not connected to (a partition broke the connection, and
+    the other group's states are what the roots' answer is for)."""
     new = 0
     for name in sorted(book.roots):
         try:
             pid = PeerID.from_base58(name)
         except (P2PError, ValueError):
             continue
-        if node.connection_to(pid) is None:
+        if node.connection_to(pid) is None and not endorse:
             continue
         try:
             answer = await node.call(pid, TRUSTED, {}, timeout=ROOT_DIAL_TIMEOUT)
         except P2PError as e:
-            log.info("the peer we joined through %s did not say whom it trusts: %s", name[:8], e)
+            # (asked again every few seconds while endorsing: said once per newcomer's ask)
+            (log.debug if endorse else log.info)(
+                "the peer we joined through %s did not say whom it trusts: %s", name[:8], e
+            )
             continue
         peers = answer.get("peers") if isinstance(answer, dict) else None
         if not isinstance(peers, list):
             continue
         named = [p for p in peers[:MAX_TRUSTED] if isinstance(p, str) and 0 < len(p) <= 64]
-        new += book.adopt(named)
+        new += book.endorse(named) if endorse else book.adopt(named)
     return new > 0
 
 

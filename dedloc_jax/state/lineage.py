@@ -39,6 +39,9 @@ class Announcement:
     vouched: bool = False
     """Another peer signed that it averaged with this peer (its averaging history,
     :mod:`dedloc_jax.state.vouching`): while any announcement is, only those vote."""
+    endorsed: bool = False
+    """The peers we joined through trust this peer (:meth:`VouchBook.endorse`): while any
+    announcement is, only those vote, above the ones our own mates vouch for."""
 
     def digest_at(self, epoch: int) -> bytes | None:
         """The digest of this lineage's state at ``epoch`` (an ancestor's), if known."""
@@ -64,13 +67,22 @@ def _voters(announced: Sequence[Announcement]) -> list[Announcement]:
     either (a newcomer whose download failed serves its own). With no such state (a run's
     first epoch, or only copies left), every announcement counts.
 
-    Of those, while any is vouched (another peer signed that it averaged with its peer),
-    only the vouched vote: announcers that never averaged with the run (Sybil
-    identities) cannot outvote it. Unvouched states vote only when none is vouched (a run of
-    one, a run's first epoch)."""
+    Of those, only the ones of the highest :func:`_rank` vote: while any is vouched (another
+    peer signed that it averaged with its peer), only the vouched: announcers that never
+    averaged with the run (Sybil identities) cannot outvote it; and while any is endorsed (our
+    roots trust its peer), only the endorsed: two groups that averaged apart, each vouching
+    only for itself, then count the same voters (see :mod:`dedloc_jax.state.vouching`).
+    Unvouched states vote only when none is vouched (a run of one, a run's first epoch)."""
     votes = [a for a in announced if a.votes]
     voters = [a for a in votes if a.lineage] or votes or list(announced)
-    return [a for a in voters if a.vouched] or voters
+    top = max(map(_rank, voters), default=0)
+    return [a for a in voters if _rank(a) == top]
+
+
+def _rank(a: Announcement) -> int:
+    """How far a state's vote is proven: 2 our roots trust its peer, 1 a signer traced to our
+    own mates vouched for it, 0 neither."""
+    return 2 if a.endorsed else 1 if a.vouched else 0
 
 
 def _copies(
@@ -80,11 +92,11 @@ def _copies(
     as the voters are: they break a tie between sides as many voters hold (see
     :func:`_copy_tally`), never outvote one."""
     counted = {id(a) for a in voters}
-    vouched = any(a.vouched for a in voters)
+    top = max(map(_rank, voters), default=0)
     return [
         a
         for a in announced
-        if id(a) not in counted and a.votes and not a.lineage and (a.vouched or not vouched)
+        if id(a) not in counted and a.votes and not a.lineage and _rank(a) >= top
     ]
 
 
@@ -270,6 +282,7 @@ def fork_verdict(
     digest: bytes,
     lineage: Sequence[bytes] = (),
     vouched: bool = False,
+    endorsed: bool = False,
 ) -> bool | None:
     """Whether our state (``digest`` at ``epoch``, descending from ``lineage``, newest first)
     lost to another lineage, or None when it cannot tell yet.
@@ -285,8 +298,11 @@ def fork_verdict(
     tie by digest). A state in a cluster of fewer peers than another (or as many, older) loses
     at once (:func:`_winning_side`). Only votes count (:func:`_voters`); a state of ours that is
     no vote (a copy, or unvouched while others are) loses with the side it copied
-    (:func:`_copy_lost`); ``vouched``: whether ours is (see :class:`Announcement`)."""
-    ours = Announcement("us", epoch, digest, tuple(lineage)[:LINEAGE], vouched=vouched)
+    (:func:`_copy_lost`); ``vouched``, ``endorsed``: whether ours is (see
+    :class:`Announcement`)."""
+    ours = Announcement(
+        "us", epoch, digest, tuple(lineage)[:LINEAGE], vouched=vouched, endorsed=endorsed
+    )
     everyone = [*announced, ours]
     voters = _voters(everyone)
     if not any(a is ours for a in voters):  # a copy: lost with the side it copied

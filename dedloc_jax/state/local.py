@@ -11,7 +11,7 @@ import numpy as np
 import trio
 
 from dedloc_jax.run_dht import RunDHT
-from dedloc_jax.state.download import download_manifest_state, find_donors
+from dedloc_jax.state.download import ask_roots, download_manifest_state, find_donors
 from dedloc_jax.state.lineage import Announcement, fork_verdict
 from dedloc_jax.state.serving import StateServer
 from dedloc_jax.state.vouching import VouchBook
@@ -129,8 +129,14 @@ class LocalState:
             server.lineage,
             votes=self.tracker.mode != "aux",
             vouched=server.vouched,
+            endorsed=self.endorsed,
         )
         return [*self.table_states(), ours]
+
+    @property
+    def endorsed(self) -> bool:
+        """Whether our roots trust us (:meth:`~dedloc_jax.state.vouching.VouchBook.endorse`)."""
+        return self.book.endorsed(str(self.node.peer_id))
 
     async def on_minority_fork(self, *, patience: float = 0.0, undecided: bool = False) -> bool:
         """Whether the state we serve lost to another lineage (one more peers hold, see
@@ -164,7 +170,34 @@ class LocalState:
         if not table:
             return None
         server = self.server
-        return fork_verdict(table, latest.epoch, latest.digest, server.lineage, server.vouched)
+        return fork_verdict(
+            table, latest.epoch, latest.digest, server.lineage, server.vouched, self.endorsed
+        )
+
+    def uncounted(self) -> bool:
+        """Whether the table names a trainer's state off our lineage that our fork choice
+        counts at no rank (neither vouched nor endorsed): another group's, which our roots
+        may trust (or a Sybil's)."""
+        latest = self.server.latest
+        if latest is None:
+            return False
+        ours = Announcement(self.node.peer_id, latest.epoch, latest.digest, self.server.lineage)
+        return any(
+            a.votes and not (a.vouched or a.endorsed) and ours.digest_at(a.epoch) != a.digest
+            for a in self.table_states()
+        )
+
+    async def keep_referred(self, every: float) -> None:
+        """While :meth:`uncounted`, ask our roots whom they trust every ``every`` seconds
+        (see :mod:`dedloc_jax.state.vouching` on groups that averaged apart): the peers they
+        name are endorsed, and outrank the ones our own mates vouch for in the fork choice.
+        A peer without roots (the run's first) has nobody to ask."""
+        if not self.book.roots:
+            return
+        while True:
+            await trio.sleep(every)
+            if self.uncounted() and await ask_roots(self.node, self.book, endorse=True):
+                log.info("our roots named peers they trust: their states outrank our mates'")
 
     async def keep_announced(self) -> None:
         """Keep our announcement from expiring: renew it at a third of its lifetime. Each step

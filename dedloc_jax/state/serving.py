@@ -372,13 +372,20 @@ async def read_announcements(
         # (the run's first peer: its first vouches read are whom it trusts from now on)
         book.ground(v.signer for vouches in carried for v in vouches if v.valid(run_id))
     trusted = None if book is None else (lambda signer: signer == me or book.trusts(signer))
-    named = vouched_names(run_id, [v for vouches in carried for v in vouches], trusted)
+    every = [v for vouches in carried for v in vouches]
+    named = vouched_names(run_id, every, trusted)
     vouched = [str(a.peer) in named for a in found]
-    if book is not None:
-        for a, v in zip(found, vouched, strict=True):
-            if v:
-                book.record(str(a.peer))
-    return [dataclasses.replace(a, vouched=v) for a, v in zip(found, vouched, strict=True)]
+    if book is None:
+        return [dataclasses.replace(a, vouched=v) for a, v in zip(found, vouched, strict=True)]
+    for a, v in zip(found, vouched, strict=True):
+        if v:
+            book.record(str(a.peer))
+    if book.referred:  # the peers those our roots trust vouched for are endorsed too
+        book.endorse(vouched_names(run_id, every, book.endorses))
+    return [
+        dataclasses.replace(a, vouched=v, endorsed=book.endorsed(str(a.peer)))
+        for a, v in zip(found, vouched, strict=True)
+    ]
 
 
 async def state_forked(

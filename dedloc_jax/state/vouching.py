@@ -30,6 +30,21 @@ none traces to them but where no vouch exists at all (the run's first epochs). A
 neither roots nor mates (the run's first peer) anchors on the signers of the first vouches it
 reads (trust on first use: it follows the run from its start, before any newcomer; Sybils
 there before its first read are the limit).
+
+Trust traced to one's own mates is a view of one's own clique: two groups of honest peers that
+averaged apart from the run's start (a partition, two pairs of late trainers) each vouch only
+for themselves, each counted only its own side in the fork choice and won, and the run trained
+two models for good. Signatures cannot tell such a group from Sybils minting vouches for each
+other (both cost nothing), so the peers a run's members share decide: their roots. While the
+fork choice sees a state it does not count, a peer with roots asks them whom they trust
+(:meth:`VouchBook.endorse`); the peers they name, the roots themselves, and the peers those
+vouched for are *endorsed*, and while any announcement is, only endorsed ones vote
+(:func:`dedloc_jax.state.lineage._voters`). Every peer that joined through the same roots then
+counts the same voters: the side with fewer of them (of as many, the one the tie rules leave)
+loses, loads the other's state and averages with it. A group the roots trust none of loses to
+one they trust, whatever its size. Sybils gain nothing: the roots trust them no more than
+before (their trust on first use is still the limit), and an endorsement only ever names peers
+that averaged with a trusted one.
 """
 
 from __future__ import annotations
@@ -163,6 +178,9 @@ class VouchBook:
         self._peers: set[str] = set()
         self._anchors: set[str] = set()
         self._roots = frozenset(roots)
+        # Whom our roots trust (their word, our roots once they gave it, and the peers those
+        # vouched for): empty until a root answered (see the module's note on groups apart).
+        self._endorsed: set[str] = set()
         self.orphan_warned = False  # (find_donors says it once)
 
     def record(self, peer: str) -> None:
@@ -223,6 +241,36 @@ class VouchBook:
                 self._anchors.clear()
             self._anchors.add(peer)
             self.record(peer)
+
+    def endorse(self, peers: Iterable[str]) -> int:
+        """Our roots named ``peers`` as those they trust: they (and the roots) are endorsed,
+        and so are the peers their vouches name (:meth:`endorses`). Returns how many were
+        new. A book without roots, or an empty answer (a root that trusts every signer, or
+        none yet), endorses nobody."""
+        peers = list(peers)
+        if not self._roots or not peers:
+            return 0
+        new = 0
+        for peer in (*sorted(self._roots), *peers):
+            if peer not in self._endorsed:
+                if len(self._endorsed) >= MAX_BOOK:
+                    self._endorsed.clear()
+                self._endorsed.add(peer)
+                new += 1
+        return new
+
+    def endorsed(self, peer: str) -> bool:
+        """Whether our roots trust ``peer`` (themselves included, once they answered)."""
+        return peer in self._endorsed
+
+    def endorses(self, signer: str) -> bool:
+        """Whether ``signer``'s vouches make the peers they name endorsed: an endorsed one's."""
+        return signer in self._endorsed
+
+    @property
+    def referred(self) -> bool:
+        """Whether a root has answered whom it trusts (then endorsed peers outrank our own)."""
+        return bool(self._endorsed)
 
     @property
     def roots(self) -> frozenset[str]:

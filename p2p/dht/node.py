@@ -95,6 +95,7 @@ class DHT:
         self.lookups: list[LookupResult] = []  # the last few lookups (rounds/messages figures)
         self.initial_peers: list[str | Multiaddr] = []
         self._greeted: tuple[float, int] | None = None  # last re-greeting: (when, table size)
+        self._greet_misses = 0  # re-greetings in a row that reached no initial peer
         self._noted: set[tuple] = set()  # invalid records already logged (see note_invalid)
 
     def note_invalid(self, record: Record, reason: str) -> None:
@@ -193,19 +194,25 @@ class DHT:
 
     async def _reping_initial_peers(self) -> None:
         """A small table may mean we were cut off (a partition): greet the initial peers."""
+        answered = []
 
         async def one(addr: str | Multiaddr) -> None:
             try:
                 ma = Multiaddr.parse(addr)
                 with trio.move_on_after(self.config.request_timeout):
                     peer = await self.node.connect(ma)
-                    await self.protocol.ping(Contact(peer, (str(ma.with_peer(peer)),)))
+                    if await self.protocol.ping(Contact(peer, (str(ma.with_peer(peer)),))):
+                        answered.append(peer)
             except P2PError as e:
                 log.debug("initial peer %s still unreachable: %s", addr, e)
 
         async with trio.open_nursery() as nursery:
             for addr in self.initial_peers:
                 nursery.start_soon(one, addr)
+        if answered and self._greet_misses:
+            # back from a cut: meet the others through them, as a bootstrap does
+            await self.find_nearest(node_id(self.peer_id))
+        self._greet_misses = 0 if answered else self._greet_misses + 1
 
     # --- lookups -------------------------------------------------------------------------
     async def find_nearest(
@@ -554,7 +561,14 @@ class DHT:
         if self._greeted is None:
             return True
         at, then = self._greeted
-        return size < then or now - at >= self.config.refresh_interval
+        # A greeting that reached nobody (we are cut off) is tried again at every maintenance
+        # (a dial that fails; nothing else is sent): a partition's side that evicted everyone
+        # else stayed a DHT of its own for a whole refresh interval after the network healed
+        # (10 min fast, 1 h default), and backing off left it 35 s after a 25 s cut.
+        again = (
+            self.config.maintenance_interval if self._greet_misses else self.config.refresh_interval
+        )
+        return size < then or now - at >= again
 
     async def maintain(self) -> None:
         """Purge expired records, refresh stale buckets, republish what was not re-stored."""

@@ -202,6 +202,7 @@ def test_the_state_a_peer_behind_loads_counts_its_own_vote() -> None:
     import trio.testing
 
     from dedloc_jax.state.local import LocalState
+    from dedloc_jax.state.vouching import VouchBook
 
     shared, (a4, a5, a6), (b4, b5) = b"\x09" * 32, _digests(1, 3), _digests(2, 2)
     assert a4 < b4  # the minority wins a 1-1 tie at the fork
@@ -229,7 +230,7 @@ def test_the_state_a_peer_behind_loads_counts_its_own_vote() -> None:
         peer_id = _pid()
 
     state = LocalState(
-        Node(), DHT(), "run", Server(), Tracker(), None, rpc_timeout=1.0, renew_every=1.0
+        Node(), DHT(), "run", Server(), Tracker(), VouchBook(), rpc_timeout=1.0, renew_every=1.0
     )  # type: ignore[arg-type]
     assert state.fork_verdict() is False  # our check: we hold the majority's lineage
     newest = trio.run(state.newest_epoch, clock=trio.testing.MockClock(autojump_threshold=0))

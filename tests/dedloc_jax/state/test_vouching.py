@@ -160,3 +160,96 @@ def test_a_newcomer_traces_signers_to_the_peers_it_joined_through() -> None:
     book.record(p2)
     book.anchor([pm])
     assert not book.trusts(p2)  # recorded on a Sybil's word before we had a mate
+
+
+def test_two_groups_apart_count_the_same_voters_once_their_roots_endorse() -> None:
+    """Pairs A and B averaged apart: each vouches only for itself, so in A's view B is
+    unvouched and A wins, in B's view the reverse (the run trained two models for good).
+    Endorsed by their common root, both pairs count the same voters and agree; a pair the
+    root trusts none of loses to one it trusts, and Sybils that mint vouches for each other
+    (more of them, ahead) never vote."""
+    la, lb = _lineage(b"A", 9), _lineage(b"B", 9)
+    a = [Announcement(f"a{i}", 9, b"A\x09", la) for i in range(2)]
+    b = [Announcement(f"b{i}", 9, b"B\x09", lb) for i in range(2)]
+    sybils = [Announcement(f"s{i}", 11, b"S\x0b", _lineage(b"S", 11)) for i in range(5)]
+    own = lambda side: [replace(x, vouched=True) for x in side]  # noqa: E731
+    # Before: each pair wins in its own view.
+    assert fork_choice([*own(a), *b, *sybils]) == (9, b"A\x09")
+    assert fork_choice([*a, *own(b), *sybils]) == (9, b"B\x09")
+    assert fork_verdict([a[1], *b], 9, b"A\x09", la, vouched=True) is False
+    assert fork_verdict([*a, b[1]], 9, b"B\x09", lb, vouched=True) is False
+    # The root trusts both: one choice in both views, and exactly one pair lost.
+    both = [replace(x, endorsed=True) for x in (*a, *b)]
+    view_a = [*own(both[:2]), *both[2:], *sybils]
+    view_b = [*both[:2], *own(both[2:]), *sybils]
+    assert fork_choice(view_a) == fork_choice(view_b) == (9, b"A\x09")  # (the smaller digest)
+    assert fork_verdict([both[1], *both[2:]], 9, b"A\x09", la, True, True) is False
+    assert fork_verdict([*both[:2], both[3]], 9, b"B\x09", lb, True, True) is True
+    # The root trusts only B (it read B's vouches first): B wins, the larger A side loses.
+    a3 = [*a, Announcement("a2", 9, b"A\x09", la)]
+    rooted_b = [replace(x, endorsed=True, vouched=True) for x in b]
+    assert fork_choice([*own(a3), *rooted_b, *sybils]) == (9, b"B\x09")
+    assert fork_verdict([*own(a3[1:]), *rooted_b], 9, b"A\x09", la, vouched=True) is True
+    # Sybils vouched in some view (their own clique) still never vote against endorsed ones.
+    assert fork_choice([*both, *own(sybils)]) == (9, b"A\x09")
+
+
+def test_a_book_endorses_whom_its_roots_trust_and_the_peers_they_vouch_for() -> None:
+    root, peer, mate, sybil = _ids(4, "e")
+    pr, pp, pm, ps = (str(x.peer_id) for x in (root, peer, mate, sybil))
+    book = VouchBook([pr])
+    assert not book.referred and not book.endorsed(pr)
+    assert book.endorse([]) == 0 and not book.referred  # a root that trusts nobody yet
+    assert VouchBook().endorse([pp]) == 0  # no root: nobody to take the word of
+    assert book.endorse([pp]) == 2  # the root itself, and whom it named
+    assert book.endorsed(pr) and book.endorsed(pp) and not book.endorsed(pm)
+    assert book.endorses(pp) and not book.endorses(ps)
+    assert book.endorse([pp]) == 0  # nothing new
+    # Endorsement does not widen whose vouches our own trust counts.
+    book.anchor([pm])
+    assert not book.trusts(pp)
+
+    async def main() -> dict[str, tuple[bool, bool]]:
+        net = SimNetwork(seed=3)
+        async with (
+            open_sim_nodes(
+                net, 3, config=NodeConfig.testing(), identities=[root, peer, sybil]
+            ) as nodes,
+            AsyncExitStack() as stack,
+        ):
+            dhts = [
+                await stack.enter_async_context(
+                    open_dht(
+                        n,
+                        initial_peers=[str(nodes[0].addrs[0])] if i else [],
+                        config=DHTConfig.fast(),
+                        clock=DHTClock(trio.current_time),
+                    )
+                )
+                for i, n in enumerate(nodes)
+            ]
+            await trio.sleep(1.0)
+            digest = b"d" * 32
+            # peer (endorsed) vouches for mate; the Sybil vouches for itself and the mate
+            for dht, who, mates in (
+                (dhts[1], peer, [pm]),
+                (dhts[2], sybil, [ps, pm]),
+            ):
+                vouch = sign_vouch(who, RUN, 5, digest, mates)
+                value = {"epoch": 5, "digest": digest, "lineage": [], "addrs": []}
+                value["vouches"] = [vouch.to_wire()]
+                await dht.store(
+                    state_key(RUN), value, dht.now() + 60, subkey=owner_marker(dht.peer_id)
+                )
+            await trio.sleep(1.0)
+            reader = VouchBook([pr])
+            reader.anchor([pm])  # (our own trust: the mate only)
+            reader.endorse([pp])
+            found = await read_announcements(nodes[0], dhts[0], RUN, whole=True, book=reader)
+            names = {pp: "p", ps: "s"}
+            out = {names[str(x.peer)]: (x.vouched, x.endorsed) for x in found}
+            out["mate"] = (reader.vouched(pm), reader.endorsed(pm))
+            return out
+
+    seen = run_sim(main)
+    assert seen == {"p": (False, True), "s": (False, False), "mate": (True, True)}

@@ -224,3 +224,32 @@ def test_a_small_network_greets_its_initial_peers_once_per_refresh_interval() ->
             assert pings["dht.ping/refresh"] > before
 
     run_sim(main)
+
+
+def test_a_node_cut_off_from_everyone_greets_again_until_it_is_back() -> None:
+    """A node partitioned from the rest drops every contact that keeps failing; its table
+    shrinks no more once empty, so it greeted its initial peers again only a refresh interval
+    later, and after the heal it stayed a DHT of its own that long (two pairs of trainers
+    that averaged apart never read each other's records: issue 46). A greeting that reached
+    nobody is now tried again at every maintenance."""
+    config = DHTConfig.fast()
+
+    async def main() -> None:
+        async with dht_swarm(6, seed=2, config=config) as swarm:
+            cut, dht = swarm.hosts[5], swarm.dhts[5]
+            assert len(dht.routing) >= 3
+            swarm.net.partition([cut], swarm.hosts[:5])
+            for _ in range(30):  # lookups meet failures: the contacts leave the table
+                await dht.find_nearest(node_id(swarm.dhts[0].peer_id))
+                await trio.sleep(2.0)
+            assert len(dht.routing) == 0
+            swarm.net.heal()
+            healed = trio.current_time()
+            while len(dht.routing) < 3 and trio.current_time() - healed < 300.0:
+                await trio.sleep(5.0)
+            back = trio.current_time() - healed
+            print(f"back in the DHT {back:.0f} s after the heal")
+            assert len(dht.routing) >= 3
+            assert back < config.refresh_interval / 2
+
+    run_sim(main)
