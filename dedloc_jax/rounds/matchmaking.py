@@ -199,7 +199,6 @@ class _Gathering:
     start: float
     others: dict[str, Member] = field(default_factory=dict)
     states: dict[str, bytes | None] = field(default_factory=dict)  # each registered peer's
-    probed: dict[str, Member] = field(default_factory=dict)  # told us by expected peers
     # Whether a registered peer's contribution weighed nothing lately: its samples count 0.
     weightless: Callable[[str], bool] = lambda peer: False
 
@@ -592,41 +591,28 @@ class Matchmaker:
 
     async def _gather(self, slot: Slot, g: _Gathering) -> bool:
         """Read registrations until every expected peer is in or the window ends (two windows
-        while some are expected); False when the others moved past the epoch meanwhile.
-        Expected peers still missing after one window are asked what they do
-        (:func:`drop_gone`): one that left the run, whose progress record outlives it, is
-        not waited for a second window (a 40-peer run's churned peer held every member
-        6.3 s more)."""
+        while some are expected); False when the others moved past the epoch meanwhile."""
         window = g.deadlines.window
-        too_late = everyone = False
-        async with trio.open_nursery() as nursery:
-            if g.expected:
-                nursery.start_soon(self._drop_gone_after, slot, g, window)
-            while True:
-                # Polling only helps to close early once every expected peer registered; with
-                # nobody expected, one read at the end of the window does (a read is a lookup).
-                elapsed = trio.current_time() - g.start
-                await trio.sleep(window / 8 if g.expected else max(0.0, window - elapsed))
-                g.others = await self._registrations(g.registry, states=g.states) | g.probed
-                if self._too_late(slot, g.expected):
-                    too_late = True
-                    break
-                everyone = bool(g.expected) and g.expected <= set(g.others)
-                # A peer the tracker sees at this epoch gets two windows: it is computing and
-                # will register, but on a busy machine it may notice the target a window late.
-                limit = 2 * window if g.expected else window
-                if everyone or trio.current_time() - g.start >= limit:
-                    if not everyone:
-                        # Deciding without some: first read every holder of the key. The one
-                        # a read asks may lack registrations the others hold (writers store on
-                        # the nearest nodes they found, and their views differ).
-                        found = await self._registrations(g.registry, sweep=True, states=g.states)
-                        g.others = found | g.probed
-                        everyone = bool(g.expected) and g.expected <= set(g.others)
-                    break
-            nursery.cancel_scope.cancel()
-        if too_late:
-            return False
+        while True:
+            # Polling only helps to close early once every expected peer registered; with
+            # nobody expected, one read at the end of the window does (a read is a lookup).
+            elapsed = trio.current_time() - g.start
+            await trio.sleep(window / 8 if g.expected else max(0.0, window - elapsed))
+            g.others = await self._registrations(g.registry, states=g.states)
+            if self._too_late(slot, g.expected):
+                return False
+            everyone = bool(g.expected) and g.expected <= set(g.others)
+            # A peer the tracker sees at this epoch gets two windows: it is computing and will
+            # register, but on a busy machine it may notice the target a window late.
+            limit = 2 * window if g.expected else window
+            if everyone or trio.current_time() - g.start >= limit:
+                if not everyone:
+                    # Deciding without some: first read every holder of the key. The one a
+                    # read asks may lack registrations the others hold (writers store on
+                    # the nearest nodes they found, and their views differ).
+                    g.others = await self._registrations(g.registry, sweep=True, states=g.states)
+                    everyone = bool(g.expected) and g.expected <= set(g.others)
+                break
         if g.expected and not everyone:
             log.debug(
                 "%s: %d of %d expected peers registered after %.1f s",
@@ -637,21 +623,13 @@ class Matchmaker:
             )
         return True
 
-    async def _drop_gone_after(self, slot: Slot, g: _Gathering, delay: float) -> None:
-        """After ``delay``, :func:`drop_gone` for ``g``'s expected peers (until cancelled)."""
-        await trio.sleep(delay)
-        ask = functools.partial(self._ask_leader, slot)
-        await drop_gone(
-            ask, g.expected, lambda: set(g.others), g.probed, g.states, g.deadlines.window
-        )
-
     async def _wait_for_target(self, slot: Slot, g: _Gathering) -> bool:
         """Keep reading while waiting can still bring the samples the target needs (see
         :meth:`_Gathering.short_of_target`), asking the missing expected peers meanwhile;
         False when the others moved past the epoch meanwhile."""
         window = g.deadlines.window
         too_late = False
-        probed = g.probed  # registrations the expected peers told us
+        probed: dict[str, Member] = {}  # registrations the expected peers told us
         async with trio.open_nursery() as nursery:
             if g.short_of_target():
                 # Expected peers that crashed or sit across a partition would hold the group

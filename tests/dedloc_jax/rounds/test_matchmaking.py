@@ -641,34 +641,3 @@ def test_the_leader_asks_an_expected_peer_that_never_registered_at_once() -> Non
     assert all(s is not None and len(s.members) == 3 for s in specs)
     assert len({s.digest for s in specs}) == 1
     assert waited < 2.5 * window, waited  # (three windows and more before)
-
-
-def test_peers_ask_an_expected_peer_missing_a_window_into_the_gathering() -> None:
-    """The gathering waits two windows for an expected peer (it may notice the target a window
-    late), but one still missing after a window is asked what it does: a peer that left the
-    run cannot be reached and is not waited for a second window, so the three that remain
-    form their group within a window and a half (two windows and more before)."""
-
-    async def main() -> tuple[list, float, float]:
-        net = SimNetwork(seed=3)
-        async with open_sim_dhts(net, 4, latency=0.01) as peers:
-            makers = matchmakers(peers, max_group_size=8, window=4.0)
-            ids = [str(node.peer_id) for node, _ in peers]
-            net.kill(host_of(net, peers[3][0]))  # left: its record still names it
-            specs: list = [None] * 3
-
-            async def one(i: int) -> None:
-                me = member_for(ids[i], "node", 1e6, 1e6, 8.0)
-                expected = set(ids) - {ids[i]}
-                specs[i] = await makers[i].form_group(2, me, target=24.0, expected=expected)
-
-            start = trio.current_time()
-            async with trio.open_nursery() as nursery:
-                for i in range(3):
-                    nursery.start_soon(one, i)
-            return specs, trio.current_time() - start, makers[0].window
-
-    specs, waited, window = run_sim(main, seed=3)
-    assert all(s is not None and len(s.members) == 3 for s in specs)
-    assert len({s.digest for s in specs}) == 1
-    assert waited < 1.5 * window, waited
