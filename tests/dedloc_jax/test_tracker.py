@@ -429,3 +429,44 @@ def test_a_banned_peers_progress_and_state_count_for_nothing() -> None:
             nursery.cancel_scope.cancel()
 
     run_sim(main)
+
+
+def test_a_reader_whose_holder_lacks_newer_records_sweeps_once_its_view_is_stale() -> None:
+    """A read asks one holder of the table; the others only every 8th read. When that holder
+    lacks newer records (writers store on the nearest nodes they found), the reader's view of
+    a peer still computing grows older than any live record (a live peer renews its record
+    once the others' extrapolation of it is off). A 40-peer run's slow peer read such a view,
+    26-35 s old, until the follower's own sweep and saw the target 15 s after the others.
+    Here the holder keeps handing out the view of one moment: the reader sweeps once the
+    writer's record there is older than twice the extrapolation, and sees its progress."""
+    config = _config(max_refresh=1.0)
+
+    async def main() -> None:
+        net = SimNetwork(seed=1)
+        async with open_sim_dhts(net, 3, latency=0.005) as peers, trio.open_nursery() as nursery:
+            trackers = await _start_trackers(nursery, peers, config, ["node"] * 3)
+            for tracker in trackers:
+                tracker.report(0, 10, 10)
+            await trio.sleep(3 * config.progress.max_refresh)
+            reader, writer = trackers[0], trackers[1]
+            assert reader.records[writer.peer_id].samples == 10
+            real = reader._follower.read
+            held = [await real()]  # the one holder asked gets no newer records from now on
+            sweeps: list[bool] = []
+
+            async def one_holder(*, sweep: bool = False, **kwargs: object) -> object:
+                sweeps.append(sweep)
+                if sweep:  # the other holders have them
+                    held[0] = await real(sweep=True, **kwargs)
+                return held[0]
+
+            reader._follower.read = one_holder
+            for _ in range(12):  # the writer keeps computing, 10 samples a second
+                writer.report(0, writer.samples + 10, 10)
+                await trio.sleep(1.0)
+            assert reader.records[writer.peer_id].samples > 10
+            limit = max(reader.max_extrapolation, config.progress.max_refresh)
+            assert 1 <= sum(sweeps) <= 12 / limit + 1, sweeps  # (one per span at most)
+            nursery.cancel_scope.cancel()
+
+    run_sim(main)
