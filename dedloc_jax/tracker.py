@@ -105,7 +105,6 @@ class ProgressTracker:
         # peer reads the table about once a second, and each read of the whole table grows
         # with the number of peers.
         self._follower = dht.follow(progress_key(run_id))
-        self._stale_sweep_at = -math.inf  # trio time of the last read swept for a stale view
         self._parsed: dict[str, tuple[Record, PeerProgress | None]] = {}  # subkey -> last read
         self.served: tuple[int, bytes, tuple[bytes, ...]] | None = None  # see serve()
         self._state_due: float | None = None  # see set_epoch(state_follows=True)
@@ -675,9 +674,7 @@ class ProgressTracker:
     async def fetch(self) -> CollaborationEstimate:
         started = trio.current_time()
         try:
-            view = await self._follower.read(
-                sweep=self._stale_view(), relocate_interval=self._relocate_interval()
-            )
+            view = await self._follower.read(relocate_interval=self._relocate_interval())
         except P2PError as e:
             # Keep the last table: an empty one says nobody else trains, and a peer whose
             # round failed would then keep its own parameters instead of loading the others'.
@@ -709,29 +706,6 @@ class ProgressTracker:
         self._find_losers()
         self.estimate = self.current_estimate()
         return self.estimate
-
-    def _stale_view(self) -> bool:
-        """Whether this read should ask every holder because our view looks stale: a peer
-        computing toward our epoch has a record older than twice the extrapolation (a live
-        one renews within it, once our count of it is off). The one holder a read asks may
-        lack the newer records; a 40-peer run's slow peer read a table 26-35 s old, every
-        4-5 s (its estimate, stuck at the extrapolation cap, put the target 10 s away),
-        until the follower's own sweep 8 reads later: it saw the target 15 s after the
-        others, who waited for it. At most once per ``max_extrapolation`` (a departed peer's
-        record stays stale until it expires)."""
-        now = trio.current_time()
-        limit = max(self.max_extrapolation, self.config.progress.max_refresh)
-        if now - self._stale_sweep_at < limit:
-            return False
-        dht_now = self.dht.now()
-        stale = any(
-            dht_now - r.time > 2 * limit + r.step_interval
-            for pid, r in self.records.items()
-            if pid != self.peer_id and r.epoch == self.epoch and r.averages and not r.waiting
-        )
-        if stale:
-            self._stale_sweep_at = now
-        return stale
 
     async def refresh(self) -> CollaborationEstimate:
         await self.publish()
