@@ -57,12 +57,17 @@ encoded bytes (``wire_bytes_per_value``).
     python -m bench.collaboration [--peers 40] [--params 18000000] [--epochs 3]
         [--payload-scale S] [--mode overlap|blocking|both|diloco] [--inner-steps H]
         [--dedloc-epochs N] [--compression none|fp16|bf16|int8|adaptive]
-        [--no-defences] [--match-early] [--log-level WARNING]
+        [--no-defences] [--match-early] [--log-level WARNING] [--timeline]
+
+``--timeline`` prints, per epoch, when peers stopped to average (first, median, last), when
+their group formed (the round's "group of" log line) and when their round ended: where the
+time that is not computing goes.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextvars
 import json
 import logging
 import random
@@ -143,6 +148,7 @@ class EpochOutcome:
     compute: float  # seconds this peer computed toward the epoch
     group_size: int
     complete: bool  # it holds the mean of every member its round expected
+    began: float = 0.0  # virtual time it stopped computing to average (blocking) or began
 
 
 # sahajBERT's run (/work/shared/REFERENCE.md): 19,519 steps of 4,096 samples in 234
@@ -181,6 +187,7 @@ async def _peer(
     scale: int,
     nodes: list[tuple[Node, Traffic]],
 ) -> None:
+    _PEER.set(stats.name)  # (the --timeline's log lines name the peer they come from)
     host = net.add_host(
         stats.name,
         upload_bps=stats.up,
@@ -256,6 +263,7 @@ async def _train(
     in_flight: list[trio.Event] = []  # the round of the previous epoch, while it runs
 
     async def average(at: int, contributed: int, computed: float, finished: trio.Event) -> None:
+        began = trio.current_time()
         try:
             # Until its round ends the epoch's computing is cut off if the run ends first.
             stats.in_round += computed
@@ -265,7 +273,13 @@ async def _train(
             stats.in_round -= computed
             stats.epochs.append(
                 EpochOutcome(
-                    at, trio.current_time(), contributed, computed, out.group_size, out.complete
+                    at,
+                    trio.current_time(),
+                    contributed,
+                    computed,
+                    out.group_size,
+                    out.complete,
+                    began,
                 )
             )
             if at + 1 >= epochs:
@@ -434,8 +448,18 @@ def simulate(
             dht_bytes.update(dht.bytes)
         return everyone
 
+    times = GroupTimes()
+    timeline = getattr(args, "timeline", False)
+    if timeline:
+        for name in GROUP_LOGGERS:
+            logging.getLogger(name).setLevel(logging.INFO)
+            logging.getLogger(name).addHandler(times)
     wall = time.perf_counter()
-    everyone = run_sim(run, seed=args.seed)
+    try:
+        everyone = run_sim(run, seed=args.seed)
+    finally:
+        for name in GROUP_LOGGERS if timeline else ():
+            logging.getLogger(name).removeHandler(times)
     wall = time.perf_counter() - wall
 
     for p in everyone:  # epochs past the last, which peers that finished early went on to
@@ -497,8 +521,55 @@ def simulate(
             f"epoch {e}: {len(got)} peers, {sum(o.complete for o in got)} complete, "
             f"{len(alone)} alone {alone}, commonest group size {sizes}"
         )
+    if timeline:
+        print_timeline(everyone, times.formed)
     figures["wall_seconds"] = round(wall, 1)
     return figures
+
+
+_PEER: contextvars.ContextVar[str | None] = contextvars.ContextVar("peer", default=None)
+"""The simulated peer a task belongs to (its tasks inherit it): names ``--timeline``'s lines."""
+
+GROUP_LOGGERS = ("dedloc_jax.rounds.average", "dedloc_jax.rounds.lowrank")
+"""Where a round logs that its group formed ("epoch %d: [PowerSGD ]group of %d ...")."""
+
+
+class GroupTimes(logging.Handler):
+    """``--timeline``: when each peer's group formed, per epoch, from the rounds' log lines."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.formed: dict[tuple[str, int], float] = {}
+
+    def emit(self, record: logging.LogRecord) -> None:
+        peer, msg = _PEER.get(), str(record.msg)
+        if peer is not None and "group of" in msg and record.args:
+            self.formed.setdefault((peer, int(record.args[0])), trio.current_time())
+
+
+def print_timeline(everyone: list[PeerStats], formed: dict[tuple[str, int], float]) -> None:
+    """Per epoch (virtual seconds): peers stopping to average (first, median, last), their
+    groups forming and their rounds ending (median, last), and the median peer's wait from
+    stopping to its group and from its group to the round's end."""
+    by_epoch: dict[int, list[tuple[str, EpochOutcome]]] = {}
+    for p in everyone:
+        for o in p.epochs:
+            by_epoch.setdefault(o.epoch, []).append((p.name, o))
+    for e in sorted(by_epoch):
+        rows = by_epoch[e]
+        began = sorted(o.began for _, o in rows)
+        ended = sorted(o.ended for _, o in rows)
+        grouped = sorted(formed[(n, e)] for n, _ in rows if (n, e) in formed)
+        waits = [formed[(n, e)] - o.began for n, o in rows if (n, e) in formed]
+        rounds = [o.ended - formed[(n, e)] for n, o in rows if (n, e) in formed]
+        med = statistics.median
+        line = f"timeline epoch {e}: stopped {began[0]:.1f} / {med(began):.1f} / {began[-1]:.1f} s"
+        if grouped:
+            line += f", grouped {med(grouped):.1f} / {grouped[-1]:.1f} s"
+        line += f", ended {med(ended):.1f} / {ended[-1]:.1f} s"
+        if waits:
+            line += f"; median wait for the group {med(waits):.2f} s, round {med(rounds):.2f} s"
+        print(line)
 
 
 def bytes_by_kind(traffic: Counter[str], wire: int) -> dict[str, int]:
@@ -660,6 +731,11 @@ def main() -> None:
         help="without an open run's defences (CenteredClip, verified rounds), on by default",
     )
     parser.add_argument(
+        "--timeline",
+        action="store_true",
+        help="print when peers stopped to average, grouped and ended, per epoch",
+    )
+    parser.add_argument(
         "--match-early",
         action=argparse.BooleanOptionalAction,
         default=None,
@@ -675,6 +751,8 @@ def main() -> None:
     if args.payload_scale < 1:
         parser.error("--payload-scale must be at least 1")
     logging.basicConfig(level=args.log_level)
+    for handler in logging.getLogger().handlers:  # (--timeline reads INFO lines, not shown)
+        handler.setLevel(args.log_level)
     print(
         f"{args.peers} peers ({sum(i % 4 == 3 for i in range(args.peers))} clients), "
         f"{args.params:,} params simulated as {max(1, args.params // args.payload_scale):,} "

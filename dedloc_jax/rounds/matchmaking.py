@@ -688,7 +688,7 @@ class Matchmaker:
             self._choose(slot, leader)
             if leader == self.peer_id:
                 expected = set(mine[k + 1 :]) | late
-                return await self._lead(slot, me, deadlines, cap, expected=expected)
+                return await self._lead(slot, me, deadlines, cap, expected=expected, late=late)
             for ask in range(FALLBACK_ASKS):
                 try:
                     return await self._follow(
@@ -908,7 +908,8 @@ class Matchmaker:
                     self._choose(slot, None)
                     return None
         self._choose(slot, self.peer_id)
-        return await self._lead(slot, me, deadlines, cap, expected=set(mine[1:]) | late)
+        expected = set(mine[1:]) | late
+        return await self._lead(slot, me, deadlines, cap, expected=expected, late=late)
 
     async def _followed(
         self, slot: Slot, members: list[str], window: float, states: Mapping[str, bytes | None]
@@ -1105,11 +1106,13 @@ class Matchmaker:
         cap: int,
         *,
         expected: set[str],
+        late: set[str] | frozenset[str] = frozenset(),
     ) -> GroupSpec | None:
         """Lead ``slot``'s group: accept joins for one window, and longer (up to the member
         wait; level 1: the longest wait, as the other groups' means come when their rounds
-        end) while an expected member has not joined yet. ``deadlines``: the round's, or a
-        bare window (the other waits then the matchmaker's own)."""
+        end) while an expected member has not joined yet (``late``: those of them that never
+        registered, asked at once). ``deadlines``: the round's, or a bare window (the other
+        waits then the matchmaker's own)."""
         window, waits = self._window_of(deadlines)
         epoch, level = slot
         rnd = LedGroup(
@@ -1117,6 +1120,7 @@ class Matchmaker:
             me,
             cap,
             expected={p for p in expected if self._serves(p, epoch)},
+            late=frozenset(late),
             cross=self.needs_cross(epoch) if level == 0 else False,
             state=self.context.state_of(epoch),
             share=self.slots[slot].share,

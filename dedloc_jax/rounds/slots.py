@@ -27,6 +27,8 @@ class LedGroup:
     formed: trio.Event = field(default_factory=trio.Event)
     changed: trio.Event = field(default_factory=trio.Event)  # set when someone joins
     expected: set[str] = field(default_factory=set)
+    # Of ``expected``, those no read of the registrations found: missing since the gathering.
+    late: frozenset[str] = frozenset()
     spec: GroupSpec | None = None
     addrs: dict[str, list[str]] = field(default_factory=dict)  # what each joiner sent
     cross: bool = False  # the leader's view held other groups: members average across them

@@ -7,7 +7,7 @@ from dedloc_jax.config import CollaborationConfig
 from dedloc_jax.rounds.context import PeerSide
 from dedloc_jax.rounds.matchmaking import register
 from dedloc_jax.rounds.wire import JOIN, LEADER, group_key, member_for, member_to_wire
-from p2p.testing import SimNetwork, run_sim
+from p2p.testing import SimNetwork, host_of, run_sim
 from tests.dedloc_jax.simcollab import matchmakers, open_sim_dhts
 
 
@@ -786,3 +786,35 @@ def test_peers_refused_by_a_group_that_formed_without_them_go_home_alone() -> No
     out = _two_at_once(4, 6, lambda makers, ids: None, formed, late)
     assert out[0] is not None and out[1] == out[0] and len(out[0].members) == 2
     assert out[2] is None and out[3] is None, out
+
+
+def test_the_leader_asks_an_expected_peer_that_never_registered_at_once() -> None:
+    """A peer that left the run leaves its progress record behind, so the others still expect
+    it: each waits two windows for its registration (it may have noticed the target late),
+    and then the leader waited a third before asking it (19 s of a 40-peer epoch, blocking
+    PowerSGD). Having never registered, it is asked as the leader opens: unreachable, it is
+    not waited for, and the three that remain average within the gathering's two windows."""
+
+    async def main() -> tuple[list, float, float]:
+        net = SimNetwork(seed=3)
+        async with open_sim_dhts(net, 4, latency=0.01) as peers:
+            makers = matchmakers(peers, max_group_size=8, window=4.0)
+            ids = [str(node.peer_id) for node, _ in peers]
+            net.kill(host_of(net, peers[3][0]))  # left: its record still names it
+            specs: list = [None] * 3
+
+            async def one(i: int) -> None:
+                me = member_for(ids[i], "node", 1e6, 1e6, 8.0)
+                expected = set(ids) - {ids[i]}
+                specs[i] = await makers[i].form_group(2, me, target=24.0, expected=expected)
+
+            start = trio.current_time()
+            async with trio.open_nursery() as nursery:
+                for i in range(3):
+                    nursery.start_soon(one, i)
+            return specs, trio.current_time() - start, makers[0].window
+
+    specs, waited, window = run_sim(main, seed=3)
+    assert all(s is not None and len(s.members) == 3 for s in specs)
+    assert len({s.digest for s in specs}) == 1
+    assert waited < 2.5 * window, waited  # (three windows and more before)
