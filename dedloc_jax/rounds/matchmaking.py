@@ -278,8 +278,10 @@ class Matchmaker:
         # until the timeout -> that epoch. See :meth:`_serves` and :meth:`_hung`.
         self._unserved: dict[str, tuple[int, int]] = {}
         self._hung_at: dict[str, int] = {}
-        # (epoch, time) of our last level-0 gathering: how long this run's epochs take.
+        # (epoch, time) of our first level-0 gathering at the newest epoch and at the one
+        # before (a plan made ahead of the target gathers again): how long epochs take.
         self._gathered: tuple[int, float] | None = None
+        self._gathered_before: tuple[int, float] | None = None
         self.deadlines = deadlines
         # Answers to others' joins follow the deadlines of the round this peer began last.
         self._answering = deadlines
@@ -489,7 +491,8 @@ class Matchmaker:
         newcomers = frozenset()
         if level == 0:
             newcomers = unearned if self._long_epochs(epoch, deadlines.window) else frozenset()
-            self._gathered = (epoch, trio.current_time())
+            if self._gathered is None or epoch > self._gathered[0]:
+                self._gathered_before, self._gathered = self._gathered, (epoch, trio.current_time())
         gathering = _Gathering(
             registry,
             me,
@@ -768,9 +771,10 @@ class Matchmaker:
     def _long_epochs(self, epoch: int, window: float) -> bool:
         """Whether a window is at most :data:`NEWCOMER_WAIT_SHARE` of an epoch, as measured
         between our own gatherings (unknown before our second: no)."""
-        if self._gathered is None or epoch <= self._gathered[0]:
+        known = [g for g in (self._gathered, self._gathered_before) if g and g[0] < epoch]
+        if not known:
             return False
-        last, at = self._gathered
+        last, at = known[0]
         return window <= NEWCOMER_WAIT_SHARE * (trio.current_time() - at) / (epoch - last)
 
     def _note_unserved(self, peer: str, epoch: int, *, hung: bool = False) -> None:
