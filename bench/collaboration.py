@@ -24,7 +24,9 @@ On the network DiLoCo is DeDLOC with that target: peers report per micro-step an
 vector per outer step. Reported: ``bytes_per_sample`` (every byte the simulated network
 carried, DHT and matchmaking included, over the samples the peers computed) for both and
 ``bytes_ratio`` (DeDLOC's over DiLoCo's); ``bytes_per_complete_sample`` and
-``complete_bytes_ratio`` count only the samples of rounds that completed. With
+``complete_bytes_ratio`` count only the samples of rounds that completed
+(``left_out_peer_epochs`` and ``left_out_samples``: work toward an epoch whose round went on
+without its peer, which noticed the target after the others had moved on). With
 ``--payload-scale S`` the averaged vector's bytes count 1/S and the DHT's do not, so the
 ratio is then understated.
 
@@ -135,7 +137,10 @@ class PeerStats:
     links: tuple[float, float] | None = None  # what the LP got from this peer, at its end
     cut_off: float = 0.0  # seconds computed toward an epoch the run's end (or leaving) cut off
     in_round: float = 0.0  # seconds computed toward epochs whose round has not ended yet
-    finished: bool = False  # its round of the last epoch ended
+    finished: bool = False  # its round of the last epoch ended (or it moved past that epoch)
+    # (epoch, samples) it computed toward an epoch that the others averaged without it (it
+    # noticed the target after they had moved on): it then moves on, with no outcome
+    left_out: list[tuple[int, int]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -310,7 +315,11 @@ async def _train(
             elif (
                 not in_flight and core.estimate.epoch > epoch
             ):  # we fell behind (joined late): move on; what it computed is lost
+                if samples:
+                    stats.left_out.append((epoch, samples))
                 epoch, samples, computed = core.estimate.epoch, 0, 0.0
+                # past the last epoch it has no round left to wait for
+                stats.finished = stats.finished or epoch >= epochs
         nursery.cancel_scope.cancel()
 
 
@@ -485,6 +494,10 @@ def simulate(
     figures["bytes_per_sample"] = round(sent[0] / processed, 2) if processed else None
     useful = _complete_samples(everyone)  # samples of the rounds that completed
     figures["bytes_per_complete_sample"] = round(sent[0] / useful, 2) if useful else None
+    # peer-epochs computed toward but averaged without them (no outcome: not counted above)
+    left_out = [(e, n) for p in everyone for e, n in p.left_out if e < args.epochs]
+    figures["left_out_peer_epochs"] = len(left_out)
+    figures["left_out_samples"] = sum(n for _, n in left_out)
     figures["bytes_by_kind"] = bytes_by_kind(traffic, sent[0])
     figures["dht_bytes_by_purpose"] = dict(dht_bytes.most_common())
     mode = "overlapped (delayed update)" if overlap else "blocking"
@@ -517,9 +530,11 @@ def simulate(
             for o in p.epochs
             if o.epoch == e and o.group_size == 1
         ]
+        out = [(p.name, n) for p in everyone for x, n in p.left_out if x == e]
         print(
             f"epoch {e}: {len(got)} peers, {sum(o.complete for o in got)} complete, "
-            f"{len(alone)} alone {alone}, commonest group size {sizes}"
+            f"{len(alone)} alone {alone}, commonest group size {sizes}, "
+            f"{len(out)} left out (peer, samples) {out}"
         )
     if timeline:
         print_timeline(everyone, times.formed)

@@ -2,8 +2,9 @@
 
 The pseudo-gradient (plus this peer's error-feedback accumulator) is flattened into one float32
 vector and cut into chunks of ``chunk`` values. Each chunk sends its ``k = density x chunk``
-values of largest magnitude: their offsets within the chunk (ascending, ``ceil(log2 chunk)``
-bits each) and their values in ``bits`` bits: one sign bit and ``bits - 1`` bits of magnitude,
+values of largest magnitude: their offsets within the chunk (ascending, Elias-Fano coded:
+about ``2 + log2(chunk / k)`` bits each, 8 at SparseLoCo's 1/64, not ``log2 chunk`` = 12) and
+their values in ``bits`` bits: one sign bit and ``bits - 1`` bits of magnitude,
 uniform between the smallest and the largest selected magnitude of the chunk (two float32
 scales per chunk), each value decoded to the middle of its bin. What a chunk does not send
 stays in the accumulator: ``e <- error_feedback x e + delta``, ``e <- e - decode(encode(e))``.
@@ -86,9 +87,11 @@ class TopK:
     def payload_bytes(self, n: int) -> int:
         """The exact size of one peer's payload for ``n`` values (:func:`pack`)."""
         chunks, size, k = self.layout(n)
+        low, high = _ef_layout(size, k)
         return (
             8 * chunks
-            + _packed_len(chunks * k, _offset_bits(size))
+            + _packed_len(chunks * k, low)
+            + _packed_len(chunks * high, 1)
             + _packed_len(chunks * k, self.bits)
         )
 
@@ -103,8 +106,12 @@ class Payload(NamedTuple):
     scales: np.ndarray
 
 
-def _offset_bits(size: int) -> int:
-    return max(1, math.ceil(math.log2(size)))
+def _ef_layout(size: int, k: int) -> tuple[int, int]:
+    """Elias-Fano for ``k`` ascending offsets below ``size``: the low bits of each offset
+    (``low``, plain), and the high parts as one bit per offset set at ``high part + rank`` in
+    a row of ``high`` bits (their gaps in unary): (low, high)."""
+    low = int(math.floor(math.log2(size / k))) if size > k else 0
+    return low, k + ((size - 1) >> low) + 1
 
 
 def _packed_len(count: int, width: int) -> int:
@@ -214,9 +221,17 @@ def pack(cfg: TopK, payload: Payload, n: int) -> bytes:
     offsets, codes, scales = (np.asarray(a) for a in payload)
     if offsets.shape != (chunks, k) or codes.shape != (chunks, k) or scales.shape != (chunks, 2):
         raise PayloadError(f"payload shapes do not fit {n} values with {cfg}")
+    low, high = _ef_layout(size, k)
+    offsets = offsets.astype(np.int64)
+    if (offsets < 0).any() or (offsets >= size).any():  # (each high part must fit its row)
+        raise PayloadError("offset out of range")
+    # Offsets not ascending (encode's are) pack into bytes that unpack refuses.
+    row = np.zeros((chunks, high), np.uint8)
+    np.put_along_axis(row, (offsets >> low) + np.arange(k), 1, axis=1)
     return (
         scales.astype("<f4").tobytes()
-        + _pack_bits(offsets, _offset_bits(size))
+        + (_pack_bits(offsets & ((1 << low) - 1), low) if low else b"")
+        + np.packbits(row.reshape(-1), bitorder="little").tobytes()
         + _pack_bits(codes, cfg.bits)
     )
 
@@ -234,10 +249,19 @@ def unpack(cfg: TopK, data: bytes | bytearray | memoryview, n: int) -> Payload:
     if (scales[:, 0] < 0).any() or (scales[:, 0] > scales[:, 1]).any():
         raise PayloadError("scales out of order (need 0 <= lo <= hi)")
     at = 8 * chunks
-    width = _offset_bits(size)
-    off_len = _packed_len(chunks * k, width)
-    offsets = _unpack_bits(data[at : at + off_len], chunks * k, width).reshape(chunks, k)
-    codes = _unpack_bits(data[at + off_len :], chunks * k, cfg.bits).reshape(chunks, k)
+    low, high = _ef_layout(size, k)
+    low_len, high_len = _packed_len(chunks * k, low), _packed_len(chunks * high, 1)
+    lows = np.zeros((chunks, k), np.int64)
+    if low:
+        lows[:] = _unpack_bits(data[at : at + low_len], chunks * k, low).reshape(chunks, k)
+    at += low_len
+    raw = np.frombuffer(data[at : at + high_len], np.uint8)
+    row = np.unpackbits(raw, bitorder="little", count=chunks * high).reshape(chunks, high)
+    if (row.sum(axis=1, dtype=np.int64) != k).any():
+        raise PayloadError("a chunk does not hold k offsets")
+    _, cols = np.nonzero(row)  # row-major: each chunk's set bits in ascending order
+    offsets = ((cols.reshape(chunks, k).astype(np.int64) - np.arange(k)) << low) | lows
+    codes = _unpack_bits(data[at + high_len :], chunks * k, cfg.bits).reshape(chunks, k)
     limits = np.full(chunks, size)
     limits[-1] = n - (chunks - 1) * size
     if (offsets >= limits[:, None]).any():

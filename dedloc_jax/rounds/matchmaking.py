@@ -85,6 +85,11 @@ group closed holds them: one says yes in an honest race (level 1 plans thousands
 _MAX_LEARNED = 4096  # peers whose last addresses we remember (then start over)
 MAX_NO_SHOW_SKIP = 32
 """The most epochs a peer that kept missing its expected registrations goes unwaited for."""
+NEWCOMER_WAIT_SHARE = 0.01
+"""A newcomer (a peer not yet waited for, see :meth:`Matchmaker._earned`) is waited for one
+window when that window is at most this share of an epoch: a fresh identity then costs a round
+at most 1% of its time, while a DiLoCo newcomer, whose first outer round carries hours of its
+computing, is not left out for noticing the target a second late."""
 
 
 # -- registration: a peer ready for a slot stores what it brings under the slot's key, reads
@@ -206,6 +211,7 @@ class _Gathering:
     states: dict[str, bytes | None] = field(default_factory=dict)  # each registered peer's
     # Whether a registered peer's contribution weighed nothing lately: its samples count 0.
     weightless: Callable[[str], bool] = lambda peer: False
+    newcomers: frozenset[str] = frozenset()  # unearned peers waited for one window
 
     def short_of_target(self) -> bool:
         """Whether waiting can still bring the samples the target needs. Registered peers
@@ -279,6 +285,10 @@ class Matchmaker:
         self._unserved: dict[str, tuple[int, int]] = {}
         self._hung_at: dict[str, int] = {}
         self._misled: dict[str, tuple[int, int]] = {}
+        # (epoch, time) of our first level-0 gathering at the newest epoch and at the one
+        # before (a plan made ahead of the target gathers again): how long epochs take.
+        self._gathered: tuple[int, float] | None = None
+        self._gathered_before: tuple[int, float] | None = None
         self.deadlines = deadlines
         # Answers to others' joins follow the deadlines of the round this peer began last.
         self._answering = deadlines
@@ -484,6 +494,11 @@ class Matchmaker:
             relocate_interval=deadlines.relocate_interval,
             lapse_grace=0.0,
         )
+        newcomers = frozenset()
+        if level == 0:
+            newcomers = unearned if self._long_epochs(epoch, deadlines.window) else frozenset()
+            if self._gathered is None or epoch > self._gathered[0]:
+                self._gathered_before, self._gathered = self._gathered, (epoch, trio.current_time())
         gathering = _Gathering(
             registry,
             me,
@@ -492,6 +507,7 @@ class Matchmaker:
             deadlines,
             trio.current_time(),
             weightless=self.context.weightless,
+            newcomers=newcomers - {self.peer_id},
         )
         if not await self._gather(slot, gathering):
             return None
@@ -612,7 +628,9 @@ class Matchmaker:
             # A peer the tracker sees at this epoch gets two windows: it is computing and will
             # register, but on a busy machine it may notice the target a window late.
             limit = 2 * window if g.expected else window
-            if everyone or trio.current_time() - g.start >= limit:
+            # Newcomers (long epochs only) get one window.
+            waiting = not g.newcomers <= set(g.others) and trio.current_time() - g.start < window
+            if (everyone and not waiting) or trio.current_time() - g.start >= limit:
                 if not everyone:
                     # Deciding without some: first read every holder of the key. The one a
                     # read asks may lack registrations the others hold (writers store on
@@ -792,6 +810,15 @@ class Matchmaker:
             self._no_shows.pop(peer, None)
         if len(self._registered) < _MAX_LEARNED:
             self._registered |= members - {self.peer_id}
+
+    def _long_epochs(self, epoch: int, window: float) -> bool:
+        """Whether a window is at most :data:`NEWCOMER_WAIT_SHARE` of an epoch, as measured
+        between our own gatherings (unknown before our second: no)."""
+        known = [g for g in (self._gathered, self._gathered_before) if g and g[0] < epoch]
+        if not known:
+            return False
+        last, at = known[0]
+        return window <= NEWCOMER_WAIT_SHARE * (trio.current_time() - at) / (epoch - last)
 
     def _note_unserved(self, peer: str, epoch: int, *, hung: bool = False) -> None:
         """``peer`` served nothing we asked at ``epoch`` (see :meth:`_serves`)."""

@@ -209,6 +209,48 @@ def test_garbage_payloads_are_rejected() -> None:
             unpack(cfg, bad, 1000)
 
 
+def test_offsets_travel_elias_fano_coded_in_8_bits_at_sparselocos_density() -> None:
+    """At 1/64 of chunks of 4096 an offset costs 8 bits (6 low, 2 of unary high part), not
+    12: a payload of a million values is 21,560 bytes (29,400 with 12-bit offsets)."""
+    cfg, n = TopK(density=1 / 64), 1_000_000
+    payload = encode(cfg, np.random.default_rng(2).normal(size=n).astype(np.float32))
+    data = pack(cfg, payload, n)
+    assert len(data) == cfg.payload_bytes(n) == 21_560
+    back = unpack(cfg, data, n)
+    for got, sent in zip(back, payload, strict=True):
+        assert np.array_equal(got, sent)
+
+
+@pytest.mark.parametrize("k", [1, 2, 5, 16])
+def test_any_ascending_offsets_round_trip(k: int) -> None:
+    """Edges included: the first and last offset of a chunk, neighbours, one per chunk."""
+    cfg = TopK(density=k / 16, chunk=16)
+    rng = np.random.default_rng(k)
+    for _ in range(50):
+        offsets = np.sort(np.stack([rng.choice(16, k, replace=False) for _ in range(3)]))
+        if k > 1:
+            offsets[0, :2] = [0, 1]
+            offsets[1, -2:] = [14, 15]
+        codes = rng.integers(0, 4, size=(3, k)).astype(np.uint8)
+        scales = np.tile(np.float32([0.5, 1.0]), (3, 1))
+        payload = Payload(offsets.astype(np.int32), codes, scales)
+        back = unpack(cfg, pack(cfg, payload, 48), 48)
+        assert np.array_equal(back.offsets, payload.offsets)
+        assert np.array_equal(back.codes, codes)
+
+
+def test_a_chunk_whose_high_parts_do_not_count_k_is_rejected() -> None:
+    cfg = TopK(chunk=256)
+    _, data = _honest()
+    chunks, size, k = cfg.layout(1000)
+    low = 6  # log2(256 / 4); each chunk's row of high parts: 4 + 256 / 2**6 = 8 bits
+    at = 8 * chunks + chunks * k * low // 8  # the first high-part byte: chunk 0's row
+    forged = bytearray(data)
+    forged[at] = 0xFF  # eight ones in chunk 0's row: more than its k = 4
+    with pytest.raises(PayloadError, match="k offsets"):
+        unpack(cfg, bytes(forged), 1000)
+
+
 def test_one_peer_cannot_blow_up_the_mean_with_huge_scales() -> None:
     cfg = TopK(chunk=256)
     rng = np.random.default_rng(1)
