@@ -35,7 +35,9 @@ from p2p.rpc import CallContext
 
 log = logging.getLogger(__name__)
 
-GATHER = "collab.sparse"
+GATHER = "collab.sparse/2"
+"""The version names the payload format (/2: Elias-Fano offsets): a peer on another format is
+an unknown protocol to us, not the signer of a malformed payload (excluded as hostile)."""
 HOLD = 5.0
 """How long a request waits for the entries it asks for before answering with what is held."""
 RETRY = 1.0
