@@ -284,9 +284,8 @@ async def answer(rnd: AllReduceState, request: Any, remote: PeerID) -> dict:
     """A member's statement (``STATEMENT_PROTOCOL``): our own, at once; or, when it asks to
     wait (a member we could not reach, or a client: nobody dials a client, so it learns the
     others' statements only from answers), as soon as we hold one it does not list as held
-    (bounded), every such one; it asks again for the rest. (Waiting for them all kept a
-    client from every statement when one member left after the exchange: its own check ended
-    before the answer.)"""
+    (bounded), every such one; it asks again for the rest (a member that left never sends
+    its own, so waiting for them all would answer after the caller's check ended)."""
     names = [m.peer_id for m in rnd.members]
     if str(remote) not in names or not isinstance(request, dict):
         raise BadContributionError(f"{remote} is no member of this round, or no statement")
@@ -552,8 +551,8 @@ async def _check_shares(
                 # a lie: the reducer's own (withheld to hide one in its share), or one of
                 # other results (a reducer can make a member repair its share). A member with
                 # no statement at all in another reducer's share left (churn): taken as it
-                # came on every member (recomputing every share it sent to cost 0.7x the
-                # payload in reveals; a liar delaying a member past our check is the gap).
+                # came on every member, so one leaver costs no reveals (a liar delaying a
+                # member past our check is the known gap).
                 contributors = set().union(*rnd.masks[j])
                 missing = contributors - set(stated)
                 hiding = {j} | set(rnd.statements)

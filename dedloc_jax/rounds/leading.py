@@ -163,8 +163,8 @@ async def ask_missing(rnd: LedGroup, window: float, ask: Ask, me: str) -> None:
     reached. Views of the registrations differ (a late registration, another count of
     groups), and without this the leader waited ``member_wait`` for each such member.
     The ``late`` ones (expected, never registered: the gathering already waited two windows
-    for them) are asked at once: a peer that left the run, whose progress record outlives
-    it, held every 40-peer group a third window (6.3 s) before it was found unreachable."""
+    for them) are asked at once: a peer that left the run has a progress record that
+    outlives it, and asking at once finds it unreachable without a third window."""
     asked: set[str] = set()
     if rnd.late:
         async with trio.open_nursery() as nursery:

@@ -801,8 +801,8 @@ class Matchmaker:
 
     def _took_part(self, members: set[str]) -> None:
         """``members`` are in a group with us: each registered and served this round, so
-        marks of past misses go (a peer that compiled late at epoch 0 and joined its group
-        late was still not waited for in the next 32 epochs, and averaged apart at each)."""
+        marks of past misses go: taking part proves a peer, so one late once (compiling at
+        epoch 0) is waited for again from the next round."""
         for peer in members - {self.peer_id}:
             self._unserved.pop(peer, None)
             self._hung_at.pop(peer, None)

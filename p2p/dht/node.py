@@ -562,9 +562,8 @@ class DHT:
             return True
         at, then = self._greeted
         # A greeting that reached nobody (we are cut off) is tried again at every maintenance
-        # (a dial that fails; nothing else is sent): a partition's side that evicted everyone
-        # else stayed a DHT of its own for a whole refresh interval after the network healed
-        # (10 min fast, 1 h default), and backing off left it 35 s after a 25 s cut.
+        # (a dial that fails; nothing else is sent), so a partition's side that evicted
+        # everyone else rejoins within one maintenance of the heal, not a refresh interval.
         again = (
             self.config.maintenance_interval if self._greet_misses else self.config.refresh_interval
         )
