@@ -332,7 +332,8 @@ class Matchmaker:
     async def _handle_leader(self, ctx: CallContext, request: Any) -> Any:
         """Whom this peer follows at an epoch: ``{"decided": False}`` while it is still
         gathering registrations, else ``{"decided": True, "leader": ID or None, "grouped":
-        whether it holds that leader's spec}`` (:meth:`_closed_group`); with its
+        whether it holds that leader's spec}`` (:meth:`_closed_group`), and ``"refused"``:
+        the leader that refused it as its group closed, if one did (:meth:`_split`); with its
         registration (``"member"``) once it registered, which the asker's read of the key
         may have missed."""
         slot = _slot_of(request)
@@ -344,6 +345,8 @@ class Matchmaker:
         answer: dict[str, Any] = {"decided": record.decided}
         if record.decided:
             answer["leader"], answer["grouped"] = record.leader, record.grouped
+        if record.refused is not None:
+            answer["refused"] = record.refused
         if record.registered is not None:  # the asker's read of the key may miss ours
             answer["member"] = record.registered
             state = self.context.state_of(slot[0])  # ours stays until we step, after this round
@@ -1031,6 +1034,7 @@ class Matchmaker:
         try:
             spec = await follow(joining, leader)
         except LeaderClosed as e:
+            self.slots[slot].refused = e.leader
             if await self._closed_group(slot, e.leader, members, deadlines.window):
                 return None  # its group closed without us (an honest race): as ever, alone
             log.warning(
@@ -1039,8 +1043,59 @@ class Matchmaker:
                 e.leader[:8],
             )
             raise Misled(leader, e.leader) from e  # (e.leader: we or a redirect went there)
+        took = self.slots[slot].leader or leader  # (a redirect's target, if it sent us there)
+        if await self._split(slot, spec, took, members, deadlines.window):
+            log.warning(
+                "%s: %s formed a group without more of ours than it took, who say it "
+                "refused them: leaving it",
+                slot,
+                took[:8],
+            )
+            raise Misled(leader, None if took == leader else took)
         self.slots[slot].grouped = True
         return spec
+
+    async def _split(
+        self,
+        slot: Slot,
+        spec: GroupSpec,
+        leader: str,
+        members: list[str] | tuple[str, ...],
+        window: float,
+    ) -> bool:
+        """Whether ``leader``'s ``spec`` splits our planned group ``members``: more of them
+        are left out while they say they follow it, or that it refused them as its group
+        closed (and they still look for a group), than it holds (we counted). An honest
+        leader refuses only those that came after its group formed (it waits for every
+        member it saw registered), whom our view then also missed; a hostile one that took
+        one of three and refused the others kept them apart in every epoch it led, as the
+        one it took confirmed its `closed`. Leaving it, we answer that we do not follow it,
+        so those it refused fall back to the next in rank, with us. A strict majority: a
+        member alone, lying that it was refused, does not take us from an honest pair."""
+        inside = {m.peer_id for m in spec.members}
+        held = sum(1 for p in members if p in inside and p != leader) or 1  # (us)
+        out = [p for p in members if p not in inside and p != leader][: 2 * CLOSED_ASKS]
+        if len(out) <= held:
+            return False
+        said: list[str] = []
+
+        async def ask(peer: str) -> None:
+            try:
+                # (done before a member it refused asks us, a quarter window after its refusal)
+                answer = await self._ask_leader(slot, peer, window / 8)
+            except P2PError:
+                return
+            if not isinstance(answer, dict):
+                return
+            joining = answer.get("leader") == leader and answer.get("grouped") is not True
+            looking = answer.get("refused") == leader and answer.get("leader") is not None
+            if joining or looking:
+                said.append(peer)
+
+        async with trio.open_nursery() as nursery:
+            for peer in out:
+                nursery.start_soon(ask, peer)
+        return len(said) > held
 
     async def _closed_group(
         self, slot: Slot, leader: str, members: list[str] | tuple[str, ...], window: float
@@ -1050,9 +1105,9 @@ class Matchmaker:
         fallback, so that the late ones do not form a second group of the same state (which
         forks the run); but a hostile leader that ranks first and answers every join so kept
         all its followers alone. Its own word is not enough: the members it refused say that
-        they are not grouped. (One that takes some and refuses the others still averages, and
-        its round's checks apply.) Asked a quarter window later: the members it took are told
-        when the group forms, as we are refused."""
+        they are not grouped. (One that takes a few and refuses more of our group is left by
+        those it took, see :meth:`_split`.) Asked a quarter window later: the members it took
+        are told when the group forms, as we are refused."""
         others = [p for p in members if p not in (leader, self.peer_id)][:CLOSED_ASKS]
         grouped: list[bool] = []
 

@@ -54,6 +54,9 @@ class SlotRecord:
     grouped: bool = False
     """This peer holds the spec of a group of 2+ (led or joined): told to members that its
     leader refused with a closed group, which believe the refusal only then."""
+    refused: str | None = None
+    """The leader that refused our join as its group closed (believed or not): told to the
+    members it took, which leave a leader that refused more of their group than it took."""
     cross: bool = False
     """Level 0: the leader's view held other groups, so the mean goes across groups."""
     view: tuple[list[list[str]], dict[str, str]] | None = None

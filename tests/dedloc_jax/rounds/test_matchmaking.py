@@ -818,3 +818,101 @@ def test_the_leader_asks_an_expected_peer_that_never_registered_at_once() -> Non
     assert all(s is not None and len(s.members) == 3 for s in specs)
     assert len({s.digest for s in specs}) == 1
     assert waited < 2.5 * window, waited  # (three windows and more before)
+
+
+def _partial_leader(maker, accept: set[str], *, at_once: bool, waits: bool = False):
+    """Make ``maker`` a hostile leader that takes only the ``accept`` peers: it forms its group
+    as soon as they joined (``waits``: as an honest leader, when every peer it expects joined
+    or a wait ran out) and refuses every other join as "group already formed", once its group
+    formed (as an honest leader refuses a join that came after it), or ``at_once``."""
+    real_lead = maker._lead
+
+    async def lead(slot, me, deadlines, cap, *, expected, late=frozenset()):
+        return await real_lead(
+            slot, me, deadlines, cap, expected=expected & accept, late=frozenset(late) & accept
+        )
+
+    async def join(ctx, request) -> dict:
+        slot = (request.get("epoch"), request.get("level"))
+        record = maker.slots.asked(slot)
+        with trio.move_on_after(30.0):
+            await record.opened.wait()
+        if record.leading is None or str(ctx.remote_peer) in accept:
+            return await maker._handle_join(ctx, request)  # as an honest peer would
+        if not at_once:
+            await record.leading.formed.wait()
+        return {"ok": False, "reason": "group already formed", "closed": True}
+
+    if not waits:
+        maker._lead = lead
+    maker.node.remove_handler(JOIN)
+    maker.node.add_handler(JOIN, join)
+
+
+def _partial_leader_epochs(
+    n: int, seed: int, *, at_once: bool, waits: bool = False, epochs: int = 8
+) -> list[tuple[bool, list[int], bool, float]]:
+    """``n`` peers; peer 0 is a hostile leader (:func:`_partial_leader`) that takes only peer 1
+    and refuses the others. Each epoch every peer expects the others. Per epoch: whether peer 0
+    ranked first (led), each honest peer's group size (1: alone), whether the honest peers
+    were all in one group, and the longest an honest peer took to form its group."""
+    from dedloc_jax.rounds.grouping import _rank, group_seed
+
+    async def main() -> list:
+        net = SimNetwork(seed=seed)
+        async with open_sim_dhts(net, n, latency=0.01) as peers:
+            ids = [str(node.peer_id) for node, _ in peers]
+            makers = matchmakers(peers, max_group_size=8)
+            _partial_leader(makers[0], {ids[1]}, at_once=at_once, waits=waits)
+            out = []
+            for epoch in range(3, 3 + epochs):
+                specs: list = [None] * n
+                took = [0.0] * n
+
+                async def one(i: int, epoch: int = epoch, specs=specs, took=took) -> None:
+                    me = member_for(ids[i], "node", 1e6, 1e6, 8.0)
+                    others = set(ids) - {ids[i]}
+                    start = trio.current_time()
+                    specs[i] = await makers[i].form_group(
+                        epoch, me, target=8.0 * n, expected=others
+                    )
+                    took[i] = trio.current_time() - start
+
+                async with trio.open_nursery() as nursery:
+                    for i in range(n):
+                        nursery.start_soon(one, i)
+                honest = set(ids[1:])
+                held = [specs[i] for i in range(1, n)]
+                together = (
+                    all(s is not None and honest <= {m.peer_id for m in s.members} for s in held)
+                    and len({s.digest for s in held}) == 1
+                )
+                seed_ = group_seed("run", epoch)
+                led = min(ids, key=lambda p: (_rank(seed_, p), p)) == ids[0]
+                sizes = [1 if s is None else len(s.members) for s in held]
+                out.append((led, sizes, together, round(max(took[1:]), 2)))
+                await trio.sleep(5.0)
+            return out
+
+    return run_sim(main, seed=seed)
+
+
+@pytest.mark.parametrize(
+    "n, at_once, waits",
+    [(4, False, False), (5, False, False), (4, True, False), (4, True, True)],
+    ids=["after-it-formed", "after-it-formed-of-5", "at-once", "at-once-then-waits"],
+)
+def test_a_leader_that_takes_one_peer_and_refuses_the_others_does_not_split_them(
+    n: int, at_once: bool, waits: bool
+) -> None:
+    """A hostile peer that ranks first takes one honest follower and refuses the others as
+    "group already formed". The one it took said it held the leader's spec, so the refusal
+    looked like an honest race: in every epoch it led (3 of 8 here), the honest peers split
+    into the pair it took and peers that went home alone ([2, 1, 1]), or, when it formed
+    late, a second group of the refused ones ([2, 2, 2]: two lineages). Now the peer it took
+    asks the planned members its spec left out: more of them say it refused them than it
+    took, so it leaves, and the honest peers form one group without the hostile leader."""
+    epochs = _partial_leader_epochs(n, 11, at_once=at_once, waits=waits)
+    print(epochs)
+    assert any(led for led, *_ in epochs), epochs  # (else the test shows nothing)
+    assert all(together for _, _, together, _ in epochs), epochs
