@@ -339,6 +339,7 @@ class Matchmaker:
         slot = _slot_of(request)
         if self.context.admit is not None:
             await self.context.admit(ctx.remote_peer, None)
+        self._showed_up(str(ctx.remote_peer), slot)
         record = self.slots.get(slot)
         if record is None:
             return {"decided": False}
@@ -780,6 +781,20 @@ class Matchmaker:
             for peer in late:
                 nursery.start_soon(took_part, peer)
 
+    def _showed_up(self, peer: str, slot: Slot) -> None:
+        """``peer``, which we planned ``slot`` without (it had not registered), joins or asks
+        whom we follow there: it takes part, late. It is waited for from the next round on,
+        once (as :meth:`_read_late` does): a peer refused by a group that formed before it
+        came went home alone at the next epoch too, as nobody waited for it, and was grouped
+        only from the one after (the refusal reached it after our late read)."""
+        epoch, level = slot
+        missed = self._no_shows.get(peer)
+        if level != 0 or missed is None or missed[0] != epoch or peer in self._late:
+            return
+        log.info("epoch %d: %s came after we planned: waited for from now on", epoch, peer[:8])
+        self._late.add(peer)
+        del self._no_shows[peer]
+
     def _earned(self, peer: str, epoch: int) -> bool:
         """Whether the round at ``epoch`` waits for ``peer``, which progress records say should
         register: a record costs nothing to publish, so a peer that publishes one and never
@@ -1159,6 +1174,7 @@ class Matchmaker:
             await self.context.admit(ctx.remote_peer, member.mode)
         if self.context.banned(peer):
             raise GroupError(f"{peer} is banned (caught lying in a round)")
+        self._showed_up(peer, slot)
         addrs = request.get("addrs", [])
         known: list[str] = []
         if isinstance(addrs, list):
