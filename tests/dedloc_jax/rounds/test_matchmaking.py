@@ -918,3 +918,42 @@ def test_a_leader_that_takes_one_peer_and_refuses_the_others_does_not_split_them
     print(epochs)
     assert any(led for led, *_ in epochs), epochs  # (else the test shows nothing)
     assert all(together for _, _, together, _ in epochs), epochs
+
+
+@pytest.mark.parametrize(
+    "spec_holds, answers, leaves",
+    [
+        # the leader took us and refused two of our group that still look for one: a split
+        (1, {"B": "refused", "C": "refused"}, True),
+        (1, {"B": "joining", "C": "refused"}, True),
+        # one of them went home alone, or follows another leader: not a split of ours
+        (1, {"B": "refused", "C": "alone"}, False),
+        (1, {"B": "refused", "C": "elsewhere"}, False),
+        # it took two of us: a lone member saying it was refused does not take us away
+        (2, {"C": "refused"}, False),
+    ],
+)
+def test_a_follower_leaves_a_leader_only_when_more_of_its_group_say_it_refused_them_than_it_took(
+    spec_holds: int, answers: dict, leaves: bool
+) -> None:
+    """The rule of :meth:`Matchmaker._split`, on the answers of the planned members that the
+    leader's spec left out."""
+    from dedloc_jax.averaging.group import GroupSpec
+    from dedloc_jax.rounds.matchmaking import Matchmaker
+
+    said = {
+        "refused": {"decided": True, "leader": "Y", "grouped": False, "refused": "H"},
+        "joining": {"decided": True, "leader": "H", "grouped": False},
+        "alone": {"decided": True, "leader": None, "grouped": False, "refused": "H"},
+        "elsewhere": {"decided": True, "leader": "X", "grouped": True},
+    }
+    mm = object.__new__(Matchmaker)
+
+    async def ask(slot, peer, timeout):
+        return said[answers[peer]]
+
+    mm._ask_leader = ask
+    inside = ["H", "me", "A"][: 1 + spec_holds]  # the leader, us, and whom else it took
+    members = inside + sorted(answers)  # our planned group
+    spec = GroupSpec(tuple(member_for(p, "node", 1e6, 1e6, 8.0) for p in inside))
+    assert trio.run(mm._split, (3, 0), spec, "H", members, 1.0) is leaves
