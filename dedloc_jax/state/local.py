@@ -28,6 +28,8 @@ if TYPE_CHECKING:  # the tracker imports this package
 
 log = logging.getLogger(__name__)
 
+INTRODUCTIONS = 12  # tries to introduce our roots to each other (see keep_referred)
+
 
 def ancestry_of(announced: Sequence[Announcement], epoch: int, digest: bytes) -> tuple:
     """The ancestors (newest first) of the state ``digest`` of ``epoch``, as the longest
@@ -200,10 +202,12 @@ class LocalState:
         Joined through several roots, we first introduce them to each other; a first peer
         with co-founders asks them whom they trust (groups with different roots)."""
         book = self.book
-        introduced = len(book.roots) < 2
+        # (only first peers that trust nobody yet take an introduction: a run's first minutes)
+        introductions = INTRODUCTIONS if len(book.roots) > 1 else 0
         while True:
-            if not introduced:
-                introduced = await introduce_roots(self.node, book)
+            if introductions > 0:
+                told = await introduce_roots(self.node, book)
+                introductions = 0 if told else introductions - 1
             if book.cofounders and await ask_cofounders(self.node, book):
                 log.info("our co-founders named peers they trust: trusting them as our own")
             if book.roots and self.uncounted() and await ask_roots(self.node, book, endorse=True):

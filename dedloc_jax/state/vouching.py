@@ -45,6 +45,16 @@ loses, loads the other's state and averages with it. A group the roots trust non
 one they trust, whatever its size. Sybils gain nothing: the roots trust them no more than
 before (their trust on first use is still the limit), and an endorsement only ever names peers
 that averaged with a trusted one.
+
+Groups whose roots share nothing either: two first peers (no roots), each trusting on first use
+its own group, linked only by a peer that joined through both. Each group's roots trusted only
+it, so each won in its own view, for good; and no signature tells the other first peer from a
+Sybil's. The link is the answer: a peer joined through several roots introduces them to each
+other at its start (:func:`~dedloc_jax.state.download.introduce_roots`), and a first peer
+introduced while it trusts nobody yet takes the others as *co-founders* (:meth:`VouchBook.cofound`),
+whose trust it takes as its own (:meth:`VouchBook.join`): both groups are then endorsed in every
+view, and the fork choice's counts pick one side for all. An introduction after our trust on
+first use changes nothing, so a Sybil root costs what a Sybil present at that first use does.
 """
 
 from __future__ import annotations
