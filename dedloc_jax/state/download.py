@@ -138,6 +138,48 @@ async def ask_roots(node: Node, book: VouchBook, *, endorse: bool = False) -> bo
     return new > 0
 
 
+async def introduce_roots(node: Node, book: VouchBook) -> bool:
+    """We joined through several roots: tell each of them all of them (their addresses), so
+    that first peers that trust nobody yet take each other as co-founders
+    (:meth:`VouchBook.cofound`); whether every root heard it (else: try again later)."""
+    addrs = []
+    for name in sorted(book.roots):
+        try:
+            pid = PeerID.from_base58(name)
+        except (P2PError, ValueError):
+            continue
+        addrs.extend(str(a.with_peer(pid)) for a in node.peerstore.addrs_of(pid)[:1])
+    told = 0
+    for name in sorted(book.roots):
+        try:
+            await node.call(
+                PeerID.from_base58(name), TRUSTED, {"roots": addrs}, timeout=ROOT_DIAL_TIMEOUT
+            )
+            told += 1
+        except (P2PError, ValueError) as e:
+            log.debug("could not introduce our roots to %s: %s", name[:8], e)
+    return told == len(book.roots)
+
+
+async def ask_cofounders(node: Node, book: VouchBook) -> bool:
+    """Ask each of our co-founders whom it trusts, and trust them as our own first signers
+    (:meth:`VouchBook.join`); whether anyone was new."""
+    new = 0
+    for name in sorted(book.cofounders):
+        try:
+            answer = await node.call(
+                PeerID.from_base58(name), TRUSTED, {}, timeout=ROOT_DIAL_TIMEOUT
+            )
+        except (P2PError, ValueError) as e:
+            log.debug("our co-founder %s did not say whom it trusts: %s", name[:8], e)
+            continue
+        peers = answer.get("peers") if isinstance(answer, dict) else None
+        if isinstance(peers, list):
+            named = [p for p in peers[:MAX_TRUSTED] if isinstance(p, str) and 0 < len(p) <= 64]
+            new += book.join(named)
+    return new > 0
+
+
 ROOT_DIAL_TIMEOUT = 10.0
 """Seconds a newcomer tries to reach the peers it joined through before it counts them gone."""
 

@@ -11,7 +11,13 @@ import numpy as np
 import trio
 
 from dedloc_jax.run_dht import RunDHT
-from dedloc_jax.state.download import ask_roots, download_manifest_state, find_donors
+from dedloc_jax.state.download import (
+    ask_cofounders,
+    ask_roots,
+    download_manifest_state,
+    find_donors,
+    introduce_roots,
+)
 from dedloc_jax.state.lineage import Announcement, fork_verdict
 from dedloc_jax.state.serving import StateServer
 from dedloc_jax.state.vouching import VouchBook
@@ -21,6 +27,8 @@ if TYPE_CHECKING:  # the tracker imports this package
     from dedloc_jax.tracker import ProgressTracker
 
 log = logging.getLogger(__name__)
+
+INTRODUCTIONS = 12  # tries to introduce our roots to each other (see keep_referred)
 
 
 def ancestry_of(announced: Sequence[Announcement], epoch: int, digest: bytes) -> tuple:
@@ -191,13 +199,20 @@ class LocalState:
         """While :meth:`uncounted`, ask our roots whom they trust every ``every`` seconds
         (see :mod:`dedloc_jax.state.vouching` on groups that averaged apart): the peers they
         name are endorsed, and outrank the ones our own mates vouch for in the fork choice.
-        A peer without roots (the run's first) has nobody to ask."""
-        if not self.book.roots:
-            return
+        Joined through several roots, we first introduce them to each other; a first peer
+        with co-founders asks them whom they trust (groups with different roots)."""
+        book = self.book
+        # (only first peers that trust nobody yet take an introduction: a run's first minutes)
+        introductions = INTRODUCTIONS if len(book.roots) > 1 else 0
         while True:
-            await trio.sleep(every)
-            if self.uncounted() and await ask_roots(self.node, self.book, endorse=True):
+            if introductions > 0:
+                told = await introduce_roots(self.node, book)
+                introductions = 0 if told else introductions - 1
+            if book.cofounders and await ask_cofounders(self.node, book):
+                log.info("our co-founders named peers they trust: trusting them as our own")
+            if book.roots and self.uncounted() and await ask_roots(self.node, book, endorse=True):
                 log.info("our roots named peers they trust: their states outrank our mates'")
+            await trio.sleep(every)
 
     async def keep_announced(self) -> None:
         """Keep our announcement from expiring: renew it at a third of its lifetime. Each step

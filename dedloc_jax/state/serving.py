@@ -31,6 +31,7 @@ from dedloc_jax.state.chunks import (
 )
 from dedloc_jax.state.lineage import LINEAGE, Announcement, fork_verdict
 from dedloc_jax.state.vouching import (
+    MAX_COFOUNDERS,
     MAX_VOUCHES,
     Vouch,
     VouchBook,
@@ -272,6 +273,7 @@ class StateServer:
             await self.admit(ctx.remote_peer)
         if self.book is None:
             return {"peers": []}
+        self._introduced(request)
         async with self._trust_lock:
             if trio.current_time() - self._trust_read_at >= TRUST_REFRESH:
                 self._trust_read_at = trio.current_time()
@@ -280,6 +282,27 @@ class StateServer:
                 except (P2PError, InvalidRecordError) as e:
                     log.debug("could not read the state announcements for a trust query: %s", e)
         return {"peers": self.book.trusted_peers()}
+
+    def _introduced(self, request: Any) -> None:
+        """A peer joined through us and other roots names them all (``roots``: their
+        addresses): before we trust anyone, they are our co-founders (:meth:`VouchBook.cofound`),
+        whom we ask whom they trust (:meth:`LocalState.keep_referred`)."""
+        named = request.get("roots") if isinstance(request, dict) else None
+        if not isinstance(named, list) or self.book is None or self.book.grounded:
+            return
+        me, roots = str(self.node.peer_id), []
+        for text in named[: MAX_COFOUNDERS + 1]:
+            try:
+                addr = Multiaddr.parse(text) if isinstance(text, str) else None
+            except P2PError:
+                continue
+            if addr is None or addr.peer_id is None:
+                continue
+            roots.append(str(addr.peer_id))
+            if str(addr.peer_id) != me:
+                self.node.peerstore.add_addrs(addr.peer_id, [addr])
+        if me in roots and self.book.cofound(roots, me):
+            log.info("a peer joined through us and %d other roots: our co-founders", len(roots) - 1)
 
     def _snapshot(self, request: Any) -> tuple[StateManifest, bytes]:
         if isinstance(request, dict) and request.get("latest") is True and self.latest:

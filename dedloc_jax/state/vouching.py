@@ -45,6 +45,16 @@ loses, loads the other's state and averages with it. A group the roots trust non
 one they trust, whatever its size. Sybils gain nothing: the roots trust them no more than
 before (their trust on first use is still the limit), and an endorsement only ever names peers
 that averaged with a trusted one.
+
+Groups whose roots share nothing either: two first peers (no roots), each trusting on first use
+its own group, linked only by a peer that joined through both. Each group's roots trusted only
+it, so each won in its own view, for good; and no signature tells the other first peer from a
+Sybil's. The link is the answer: a peer joined through several roots introduces them to each
+other at its start (:func:`~dedloc_jax.state.download.introduce_roots`), and a first peer
+introduced while it trusts nobody yet takes the others as *co-founders* (:meth:`VouchBook.cofound`),
+whose trust it takes as its own (:meth:`VouchBook.join`): both groups are then endorsed in every
+view, and the fork choice's counts pick one side for all. An introduction after our trust on
+first use changes nothing, so a Sybil root costs what a Sybil present at that first use does.
 """
 
 from __future__ import annotations
@@ -63,6 +73,7 @@ MAX_MATES = 64  # peers one vouch names (a group's members; larger groups are cu
 MAX_VOUCHES = 8  # vouches one announcement carries (its own, then its mates')
 MAX_BOOK = 4096  # vouched peers a VouchBook remembers (then forgotten)
 MAX_TRUSTED = 1024  # peers a root names when a newcomer asks whom it trusts
+MAX_COFOUNDERS = 8  # other roots a root takes as the run's co-founders (see VouchBook.cofound)
 _DOMAIN = b"dedloc-jax state vouch v1\0"
 
 
@@ -181,6 +192,10 @@ class VouchBook:
         # Whom our roots trust (their word, our roots once they gave it, and the peers those
         # vouched for): empty until a root answered (see the module's note on groups apart).
         self._endorsed: set[str] = set()
+        # Other first peers of the run, introduced before our trust on first use, and whom
+        # they trust (see the module's note on groups with different roots).
+        self._cofounders: set[str] = set()
+        self._cofounded: set[str] = set()
         self.orphan_warned = False  # (find_donors says it once)
 
     def record(self, peer: str) -> None:
@@ -217,7 +232,40 @@ class VouchBook:
         if not self.grounded:
             return []
         anchors = sorted(self._anchors)
-        return (anchors + sorted(self._peers - self._anchors))[:MAX_TRUSTED]
+        return (anchors + sorted((self._peers | self._cofounded) - self._anchors))[:MAX_TRUSTED]
+
+    def cofound(self, roots: Iterable[str], me: str) -> int:
+        """A peer joined through us and through ``roots`` besides (it named them all): while we
+        are a first peer that trusts nobody yet (no roots, no mates, before our trust on first
+        use), those roots are our co-founders, whose trust we take as our own (:meth:`join`).
+        Later introductions change nothing: a Sybil root is then no co-founder. Returns how
+        many were new."""
+        if self.grounded:
+            return 0
+        new = 0
+        for root in roots:
+            if root != me and root not in self._cofounders:
+                if len(self._cofounders) >= MAX_COFOUNDERS:
+                    break
+                self._cofounders.add(root)
+                new += 1
+        return new
+
+    @property
+    def cofounders(self) -> frozenset[str]:
+        return frozenset(self._cofounders)
+
+    def join(self, peers: Iterable[str]) -> int:
+        """A co-founder named ``peers`` as those it trusts: we trust them, and their vouches,
+        as our own first signers (our newcomers are told them). Returns how many were new."""
+        if not self._cofounders:
+            return 0
+        new = 0
+        for peer in peers:
+            if peer not in self._cofounded and len(self._cofounded) < MAX_BOOK:
+                self._cofounded.add(peer)
+                new += 1
+        return new
 
     def adopt(self, peers: Iterable[str]) -> int:
         """A root named ``peers`` as those it trusts: as a newcomer (roots, no mates), we trust
@@ -294,7 +342,7 @@ class VouchBook:
         vouched for; until we averaged with someone, our roots' and the peers traced to them;
         every signer's when we have neither."""
         if self._anchors:
-            return signer in self._anchors or signer in self._peers
+            return signer in self._anchors or signer in self._peers or signer in self._cofounded
         if self._roots:
             return signer in self._roots or signer in self._peers
         return True

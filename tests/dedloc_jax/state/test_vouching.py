@@ -253,3 +253,23 @@ def test_a_book_endorses_whom_its_roots_trust_and_the_peers_they_vouch_for() -> 
 
     seen = run_sim(main)
     assert seen == {"p": (False, True), "s": (False, False), "mate": (True, True)}
+
+
+def test_a_first_peer_takes_co_founders_only_before_it_trusts_anyone() -> None:
+    top, other, late, mate, b_mate, sybil = (str(x.peer_id) for x in _ids(6, "c"))
+    book = VouchBook()  # a first peer: no roots, no mates
+    assert book.join([b_mate]) == 0  # no co-founder: nobody's word to take
+    # A peer joined through us and another first peer introduces it: a co-founder.
+    assert book.cofound([top, other], top) == 1 and book.cofounders == {other}
+    assert book.cofound([top, other], top) == 0
+    book.ground([mate])  # trust on first use: the first vouches we read were our pair's
+    assert book.cofound([top, late], top) == 0  # introduced after that: no co-founder
+    assert book.cofounders == {other}
+    # Whom the co-founder trusts, we trust as our own first signers, and tell our newcomers.
+    assert not book.trusts(b_mate) and b_mate not in book.trusted_peers()
+    assert book.join([b_mate]) == 1 and book.join([b_mate]) == 0
+    assert book.trusts(b_mate) and book.trusted_peers() == [mate, b_mate]
+    assert not book.trusts(sybil)
+    # A peer with roots has its roots' word: it takes no co-founders.
+    rooted = VouchBook([top])
+    assert rooted.cofound([top, other], other) == 0 and not rooted.cofounders
