@@ -788,6 +788,8 @@ def _run_peer(args: argparse.Namespace, argv: list[str] | None) -> int:
             )
             return 3
         print(f"stopped at epoch {result.epoch} after {result.samples} samples")
+        if result.saved is not None:
+            print(f"the coordinator saved epoch {result.saved[0]} to {result.saved[1]}")
         return 0
     if role == "coordinator":
         from examples.sahajbert.coordinator import (
