@@ -27,6 +27,7 @@ from dedloc_jax.snapshot import ProgressSnapshot
 from dedloc_jax.state import KeepConfig, StepKeeper
 from p2p.bridge import TrioThread
 from p2p.dht import DHTConfig
+from p2p.errors import MultiaddrError
 from p2p.identity import Identity
 from p2p.multiaddr import Multiaddr
 from p2p.node import NodeConfig, announce_addrs, open_node
@@ -120,6 +121,12 @@ class Collaboration:
         self.run_id = run_id
         self.config = config
         self._initial_peers = list(initial_peers)
+        for addr in self._initial_peers:  # checked here: one clear error, not a task group's
+            if isinstance(addr, str):
+                try:
+                    Multiaddr.parse(addr)
+                except MultiaddrError as e:
+                    raise MultiaddrError(f"initial peer {addr!r:.200}: {e}") from None
         client = config.mode == "client"  # dials out only: listens for nothing
         self._listen = [] if client else list(listen)
         if announce and client:

@@ -165,3 +165,16 @@ def test_a_late_joiner_and_a_restarted_peer_catch_up(tmp_path: Path, bootstrap: 
     assert restarted and min(f["epoch"] for f in restarted) >= killed_at
     for out in (b, c):
         assert any(h["group_size"] >= 2 and h["complete"] for h in _history(out)), out
+
+
+def test_the_readmes_placeholder_address_is_one_clear_error() -> None:
+    """A user who runs the block before replacing its placeholder got an 81-line trio
+    ExceptionGroup from start(); the constructor now raises one ValueError naming the address
+    and what is wrong with it, before any task starts."""
+    from tests.readme_peer import PLACEHOLDER
+
+    (address,) = json.loads(PLACEHOLDER)
+    with pytest.raises(ValueError, match=r"initial peer '/ip4/1\.2\.3\.4/.*/p2p/\.\.\.'.*peer ID"):
+        dedloc_jax.Collaboration("my-run", initial_peers=[address])
+    with pytest.raises(ValueError, match="initial peer 'localhost:31337'"):
+        dedloc_jax.Collaboration("my-run", initial_peers=["localhost:31337"])

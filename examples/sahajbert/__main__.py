@@ -735,6 +735,36 @@ class _Signals:
             sys.unraisablehook = self._old_hook
 
 
+# A short run of the tiny model on CPUs (the demo's recipe): the README's one-machine try.
+TINY_RECIPE = (
+    "--target-batch-size 96 --seq-length 64 --learning-rate 0.03 --warmup-steps 2 "
+    "--total-steps 1000"
+)
+
+
+def _recipe(cfg: TrainerConfig, made: Any) -> list[str]:
+    """What ``prepare`` wrote that decides how the run learns: the data, the target batch and
+    the optimizer; with the tiny model, a note when that optimizer is sahajBERT's (5000
+    warmup steps of 4096 samples: a try of a few dozen steps would not move the loss)."""
+    from examples.sahajbert.config import OptimizerConfig
+
+    o = made.optimizer
+    data = cfg.data or "the synthetic Bengali corpus (no --data)"
+    per = f"DiLoCo: an outer step every {made.inner_steps}" if made.mode == "diloco" else "a step"
+    lines = [
+        f"data: {data}; sequence {made.seq_length}, target batch {made.target_batch_size} "
+        f"samples ({per})",
+        f"optimizer: LAMB, lr {o['learning_rate']:g}, warmup {o['warmup_steps']} steps, linear "
+        f"decay to 0 at step {o['total_steps']}",
+    ]
+    if cfg.model == "tiny" and cfg.optimizer == OptimizerConfig():
+        lines.append(
+            "note: that is sahajBERT's recipe, for thousands of steps; for a short run of the "
+            f"tiny model on CPUs prepare with {TINY_RECIPE}"
+        )
+    return lines
+
+
 def _run_peer(args: argparse.Namespace, argv: list[str] | None) -> int:
     """The prepare, trainer, coordinator and aux roles."""
     from examples.sahajbert.private import PrivateRunError
@@ -754,6 +784,8 @@ def _run_peer(args: argparse.Namespace, argv: list[str] | None) -> int:
             f"wrote {args.out}: run {made.run_id!r}, manifest {made.digest[:16]}, "
             f"tokenizer sha256 {made.tokenizer_sha256[:16]} ({made.vocab_size} pieces)"
         )
+        for line in _recipe(cfg, made):
+            print(line)
         print(f"start it with: python -m examples.sahajbert coordinator --manifest {args.out}")
         return 0
     explicit = explicit_flags(argv)
@@ -788,6 +820,8 @@ def _run_peer(args: argparse.Namespace, argv: list[str] | None) -> int:
             )
             return 3
         print(f"stopped at epoch {result.epoch} after {result.samples} samples")
+        if result.saved is not None:
+            print(f"the coordinator saved epoch {result.saved[0]} to {result.saved[1]}")
         return 0
     if role == "coordinator":
         from examples.sahajbert.coordinator import (

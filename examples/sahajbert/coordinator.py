@@ -5,9 +5,10 @@ peer that trains nothing, then polls: every peer's signed metrics from the DHT b
 per collaboration epoch (median loss, samples/s, peers, how many of them stepped alone and
 on how many lineages they went on) appended to ``metrics.jsonl``
 and ``metrics.csv``; the live status goes to the dashboard and to ``status.json``. Every
-``checkpoint_every`` epochs it downloads the collaboration's state (verified, from the
-trainers), saves an orbax checkpoint, announces it in the DHT, and serves that state to
-newcomers itself, so a run whose trainers all left can still be resumed.
+``checkpoint_every`` epochs, and when most trainers say they stopped (``--max-epochs``), it
+downloads the collaboration's state (verified, from the trainers), saves an orbax checkpoint,
+announces it in the DHT, and serves that state to newcomers itself, so a run whose trainers
+all left can still be resumed.
 """
 
 from __future__ import annotations
@@ -106,6 +107,7 @@ class Coordinator:
         self.diverged: dict[str, int] = {}
         self._bans: list[dict] = []  # peers banned for lying (status.json, dashboard)
         self._bans_read = -math.inf
+        self._stop_saved: int | None = None  # the trainers' stop epoch last logged
 
     def run(self) -> dict[str, Any]:
         from examples.sahajbert import manifest
@@ -177,7 +179,11 @@ class Coordinator:
             # Once the trainers leave, the estimate falls back to our own epoch; the newest
             # epoch seen is what still has to be checkpointed.
             self.newest_epoch = max(self.newest_epoch, est.epoch)
-            if self._checkpoint_due(self.newest_epoch):
+            stopped = self._stopped(records)
+            if self._checkpoint_due(self.newest_epoch, stopped):
+                if stopped is not None and stopped != self._stop_saved:
+                    log.info("most trainers stopped at epoch %d: saving the run's state", stopped)
+                    self._stop_saved = stopped
                 self._checkpoint(collab)
             self._read_bans(collab)
             status = self._status(records, est, dash.url, addrs)
@@ -294,8 +300,23 @@ class Coordinator:
                 f"{self.opts.final_wait:.0f} s; the newest checkpoint is of epoch {got}"
             )
 
-    def _checkpoint_due(self, epoch: int) -> bool:
+    def _stopped(self, records: dict[str, metrics.PeerMetrics]) -> int | None:
+        """The epoch at which more than half of the trainers say they stopped (their
+        ``--max-epochs``), or None. They serve that state only until we saved it, so it is
+        saved then, off the ``checkpoint_every`` cadence; a minority's claim (one liar, or a
+        volunteer leaving a run that goes on) saves nothing."""
+        trainers = [r for r in records.values() if r.mode != "aux"]
+        claims = sorted((r.stopped for r in trainers if r.stopped is not None), reverse=True)
+        if len(claims) * 2 <= len(trainers):
+            return None
+        return claims[len(trainers) // 2]  # more than half stopped at this epoch or later
+
+    def _checkpoint_due(self, epoch: int, stopped: int | None = None) -> bool:
+        """Every ``checkpoint_every`` epochs, at ``exit_after_epoch``, and when most trainers
+        stopped (at an epoch the run reached: a claim ahead of it waits for the run)."""
         done = self.last_checkpoint[0] if self.last_checkpoint else 0
+        if stopped is not None and min(stopped, epoch) > done:
+            return True
         final = self.opts.exit_after_epoch
         if epoch <= done:
             return False

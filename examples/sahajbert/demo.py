@@ -385,7 +385,8 @@ def run_demo(demo: DemoConfig, cfg: TrainerConfig, out: Path) -> int:
     console.print(
         f"[b]dedloc-jax sahajBERT demo[/b]: a coordinator and {demo.trainers} trainers "
         f"({demo.client_trainers} in client mode, one slower) train a tiny ALBERT for "
-        f"{demo.epochs} collaborative steps of {cfg.collaboration_target} samples on loopback"
+        f"{demo.epochs} collaborative steps, each toward a target of "
+        f"{cfg.collaboration_target} samples from all trainers, on loopback"
         f"{' (DiLoCo: local steps, averaged outer steps)' if cfg.mode == 'diloco' else ''}.\n"
         f"Preparing data and compiling (cached in {cfg.work_dir}); logs in {out / 'logs'}"
     )

@@ -109,6 +109,10 @@ class PeerMetrics:
     # The epoch after which this peer found the run diverged (a non-finite loss or state) and
     # stopped; None while it trains. A claim like any other: it names the peer that made it.
     diverged: int | None = None
+    # The epoch at which this peer stopped training (its --max-epochs) and serves its state
+    # until the coordinator saved it; None while it trains. A claim: the coordinator acts on
+    # it only when most trainers make it.
+    stopped: int | None = None
     sent_bps: float = 0.0  # traffic: bytes/s it sent and received over the last half minute
     received_bps: float = 0.0
 
@@ -116,8 +120,9 @@ class PeerMetrics:
         out = asdict(self)
         del out["peer"]  # the subkey names the peer, and the signature proves it
         out["history"] = [[h.epoch, h.loss, h.samples, h.seconds] for h in self.history]
-        if self.diverged is None:
-            del out["diverged"]
+        for optional in ("diverged", "stopped"):
+            if out[optional] is None:
+                del out[optional]
         # apart from the history, so that a coordinator that does not know them still parses
         out["stepped"] = [[h.epoch, h.group, h.state] for h in self.history if h.group]
         return out
@@ -152,6 +157,9 @@ class PeerMetrics:
                 diverged=None
                 if value.get("diverged") is None
                 else _integer(value["diverged"], "diverged", 0, MAX_EPOCH),
+                stopped=None
+                if value.get("stopped") is None
+                else _integer(value["stopped"], "stopped", 0, MAX_EPOCH),
             )
         except KeyError as e:
             raise ValueError(f"metrics record lacks {e}") from None

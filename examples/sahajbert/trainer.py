@@ -123,6 +123,7 @@ class TrainerResult:
     history: list[metrics.EpochFigures] = field(default_factory=list)
     final_params: Path | None = None
     diverged: int | None = None  # the epoch whose loss or state was not finite (then it stopped)
+    saved: tuple[int, str] | None = None  # the coordinator's checkpoint of our last epoch
 
 
 class _Traffic:
@@ -226,6 +227,7 @@ def run_trainer(
         log_events.phase("accumulating", epoch=int(opt_state.epoch))
         result = _loop(cfg, collab, step, data, params, opt_state, devices, host, log_events)
         params, opt_state = result.pop("params"), result.pop("opt_state")
+        tally = result.pop("tally")
         out = TrainerResult(**result)
         if out.diverged is not None:
             return out  # nothing finite to save or to serve on
@@ -234,7 +236,7 @@ def run_trainer(
             flat = training.flat_params(params)
             np.savez(final_params, __epoch__=np.int64(out.epoch), **flat)
             out.final_params = final_params
-        _linger(collab, out.epoch, linger)
+        out.saved = _linger(collab, out.epoch, linger, tally)
         return out
     finally:
         collab.close()
@@ -356,8 +358,11 @@ def _loop(
             tally.publish(now)
         if cfg.step_delay:
             time.sleep(cfg.step_delay)
+    if tally.diverged is None:
+        tally.stopped = tally.epoch  # the coordinator saves the state when most trainers stop
     tally.publish(tally.last_publish)
     return {
+        "tally": tally,
         "diverged": tally.diverged,
         "epoch": tally.epoch,
         "micro_steps": tally.micro_steps,
@@ -384,6 +389,7 @@ class _Tally:
         self.epoch_started = self.last_publish = now
         self.last_loss = math.nan
         self.diverged: int | None = None
+        self.stopped: int | None = None  # the epoch this peer stopped at (its --max-epochs)
 
     def count(self, micro: int, loss: float, now: float) -> None:
         """One micro-step of ``micro`` samples."""
@@ -406,7 +412,7 @@ class _Tally:
             peer=collab.peer_id,
             epoch=self.epoch,
             loss=metrics.reportable_loss(self.last_loss),
-            samples_per_second=self.meter.rate,
+            samples_per_second=0.0 if self.stopped is not None else self.meter.rate,
             micro_steps=self.micro_steps,
             samples=self.samples,
             mode=collab.mode,
@@ -418,6 +424,7 @@ class _Tally:
             devices=self.devices,
             history=tuple(self.history[-metrics.HISTORY :]),
             diverged=self.diverged,
+            stopped=self.stopped,
         )
         try:
             collab.run_async(lambda c: metrics.publish(c, record, METRICS_TTL))
@@ -467,19 +474,40 @@ def _served_state(collab: Any, epoch: int) -> str:
     return got[1].hex()[: metrics.STATE_HEX]
 
 
-def _linger(collab: Any, epoch: int, seconds: float) -> None:
-    """Keep serving the final state until the coordinator has checkpointed it (or time is up).
-    The coordinator downloads it from the trainers, so once they are all gone it never can."""
+def _linger(collab: Any, epoch: int, seconds: float, tally: _Tally) -> tuple[int, str] | None:
+    """Keep serving the final state until the coordinator has checkpointed it (or time is up),
+    republishing our record, which says we stopped: the coordinator saves the state once most
+    trainers stopped. It downloads the state from the trainers, so once they are all gone it
+    never can. The coordinator's checkpoint (epoch, path), or None when it did not come."""
+    if seconds <= 0:
+        return None
     log.info("serving epoch %d until the coordinator saved it (at most %.0f s)", epoch, seconds)
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
+    start = time.monotonic()
+    saved = None
+    while time.monotonic() - start < seconds:
+        if time.monotonic() - tally.last_publish > METRICS_TTL / 3:
+            tally.publish(time.monotonic())  # the record says we stopped; it must not lapse
         try:
             found = collab.run_async(lambda c: c.dht.get(metrics.checkpoint_key(c.run_id)))
         except RuntimeError as e:
             log.info("could not read the checkpoint announcement: %s", e)
             found = None
-        saved = metrics.parse_checkpoint(found)  # None for a forged or garbled value
+        saved = metrics.parse_checkpoint(found) or saved  # None: forged, garbled, or none
         if saved is not None and saved[0] >= epoch:
             log.info("the coordinator saved epoch %d to %s", *saved)
-            return
+            return saved
+        # The others trained on (the estimate: bounded by what most peers claim): they serve
+        # newer states, and ours is no run's last copy.
+        went_on = collab.estimate.epoch
+        if went_on > epoch:
+            log.info("the run went on past epoch %d (it is at %d): leaving it", epoch, went_on)
+            return None
         time.sleep(0.5)
+    newest = f"epoch {saved[0]} ({saved[1]})" if saved else "none announced"
+    log.warning(
+        "the coordinator did not save epoch %d within %.0f s (its newest checkpoint: %s); "
+        "leaving without it. A coordinator saves every --checkpoint-every epochs, at its own "
+        "--max-epochs, and once most trainers stopped: is it running, and in this run?",
+        epoch, seconds, newest,
+    )  # fmt: skip
+    return None

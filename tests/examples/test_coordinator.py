@@ -108,9 +108,8 @@ def saved(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, float]]:
 
 
 def _coordinator(tmp_path: Path, **opts: Any) -> Coordinator:
-    options = CoordinatorOptions(
-        out_dir=tmp_path, checkpoint_every=2, poll_interval=0.0, exit_after_epoch=4, **opts
-    )
+    defaults = {"checkpoint_every": 2, "poll_interval": 0.0, "exit_after_epoch": 4}
+    options = CoordinatorOptions(out_dir=tmp_path, **{**defaults, **opts})
     coord = Coordinator(TrainerConfig.demo(tmp_path), NetConfig(), options)
     coord.template = ({"w": jnp.zeros(3, jnp.float32)}, ())
     coord.model_cfg = None
@@ -413,3 +412,63 @@ def test_live_figures_are_the_trainers_throughput_while_they_average(tmp_path) -
     assert status["topk"] == {"density": 1 / 64, "bits": 3, "error_feedback": 0.95}
     peer = status["peers"][0]
     assert (peer["sent_bps"], peer["upload_bps"]) == (2.5e5, 3e8)
+
+
+# ---- trainers that stop (--max-epochs) ------------------------------------------------------
+class _Polled(Exception):
+    """Ends a poll loop that has no last epoch after a few polls."""
+
+
+class StoppingCollab(MetricsCollab):
+    """A run at epoch 5 whose trainers serve its state; ``stopped`` says which of them say
+    they stopped there. The loop ends after ``polls`` polls."""
+
+    def __init__(self, stopped: list[bool], polls: int = 5) -> None:
+        from examples.sahajbert.metrics import PeerMetrics
+
+        value = {}
+        for i, stop in enumerate(stopped):
+            peer = Identity.from_seed(b"stopping-%d" % i).peer_id
+            rec = PeerMetrics(str(peer), 5, 6.5, 10.0, 40, 640, "node", stopped=5 if stop else None)
+            value[owner_marker(peer)] = rec.to_record()
+        super().__init__(value)
+        self._estimates = _repeat_last([5])
+        self._served = _repeat_last([5])
+        self.polls = polls
+
+    @property
+    def estimate(self) -> CollaborationEstimate:
+        self.polls -= 1
+        if self.polls < 0:
+            raise _Polled
+        return super().estimate
+
+
+@pytest.mark.parametrize(
+    ("stopped", "expected"),
+    [([True, True], [5]), ([True, True, False], [5]), ([True, False, False], [])],
+    ids=["all", "most", "one of three"],
+)
+def test_the_state_is_saved_when_most_trainers_stop(tmp_path, saved, stopped, expected) -> None:
+    """Trainers given ``--max-epochs 5`` stop there and serve their state until it is saved;
+    a coordinator that checkpoints every 10 epochs and has no --max-epochs of its own saved
+    nothing, and the trainers waited two minutes for it in silence. Now it saves the state
+    once more than half of the trainers say they stopped; one peer of three (a liar, or a
+    volunteer leaving a run that goes on) makes it save nothing."""
+    coord = _coordinator(tmp_path, exit_after_epoch=None, checkpoint_every=10)
+    with pytest.raises(_Polled):
+        coord._poll(StoppingCollab(stopped), _Dash(), [])
+    assert [epoch for epoch, _ in saved] == expected
+
+
+def test_a_stop_claim_ahead_of_the_run_waits_for_it(tmp_path, saved) -> None:
+    """Trainers that claim to have stopped at an epoch the run has not reached (epoch 10**9)
+    make the coordinator save nothing until the run is there."""
+    collab = StoppingCollab([True, True])
+    for key, value in collab.core.dht.value.items():
+        collab.core.dht.value[key] = {**value, "stopped": 10**9}
+    coord = _coordinator(tmp_path, exit_after_epoch=None, checkpoint_every=10)
+    coord.last_checkpoint = (5, tmp_path / "epoch_5")
+    with pytest.raises(_Polled):
+        coord._poll(collab, _Dash(), [])
+    assert saved == [] and collab.newest is None  # not even asked for the newest state

@@ -12,12 +12,14 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+from dedloc_jax import CollaborationEstimate
 from examples.sahajbert import metrics
 from examples.sahajbert.__main__ import build_parser, main, parse_args, trainer_config
 from examples.sahajbert.config import OptimizerConfig, TrainerConfig
 from examples.sahajbert.dashboard import Dashboard, clean_json
 from examples.sahajbert.finetune import entity_spans, f1_score
 from examples.sahajbert.training import schedule, weight_decay_mask
+from p2p.identity import Identity
 
 
 def _record(peer: str, epoch: int, history: list[tuple[int, float, int]]) -> metrics.PeerMetrics:
@@ -94,6 +96,7 @@ def test_metrics_record_fields_are_typed_and_bounded() -> None:
         ("history", [[e, 7.0, 1, 1.0] for e in range(metrics.HISTORY + 1)]),
         ("history", [[1, math.inf, 32, 2.0]]), ("history", [[1, 7.0, 32, -1.0]]),
         ("history", "[]"), ("diverged", -1), ("diverged", 2.5), ("diverged", "3"),
+        ("stopped", -1), ("stopped", 10**12), ("stopped", "3"),
     ]:  # fmt: skip
         with pytest.raises(ValueError, match=field.split("_")[0]):
             metrics.PeerMetrics.from_record("peerA", {**wire, field: bad})
@@ -106,6 +109,82 @@ def test_metrics_record_fields_are_typed_and_bounded() -> None:
     again = metrics.PeerMetrics.from_record("peerA", parsed.to_record())
     assert again.diverged == 2 and math.isnan(again.history[0].loss)
     assert "diverged" not in _record("peerA", 3, []).to_record()  # absent while training
+    assert "stopped" not in _record("peerA", 3, []).to_record()
+    stopped = replace(_record("peerA", 3, []), stopped=3)
+    assert metrics.PeerMetrics.from_record("peerA", stopped.to_record()).stopped == 3
+
+
+_PEER = Identity.generate().peer_id
+
+
+class _StoppedCollab:
+    """What a stopped trainer's ``_linger`` touches: a DHT with no checkpoint announced, whose
+    stores of our metrics record are kept."""
+
+    peer_id, mode, links = "peerA", "node", {"upload_bps": None, "download_bps": None}
+
+    def __init__(self, run_epoch: int) -> None:
+        self.stored: list[dict] = []
+        self.estimate = CollaborationEstimate(
+            epoch=run_epoch, samples=0.0, samples_per_second=0.0, eta=0.0, num_peers=2,
+            num_clients=0, target=96,
+        )  # fmt: skip
+
+    def traffic(self) -> tuple[int, int]:
+        return 0, 0
+
+    def now(self) -> float:
+        return 0.0
+
+    def run_async(self, fn, *args):
+        import trio
+
+        outer = self
+
+        class DHT:
+            peer_id = _PEER
+
+            async def get(self, key: str):
+                return None
+
+            async def store(self, key, value, expiry, subkey=None):
+                outer.stored.append(value)
+
+            def now(self) -> float:
+                return 0.0
+
+        class Core:
+            run_id, dht = "run", DHT()
+
+        return trio.run(fn, Core(), *args)
+
+
+def test_a_stopped_trainer_says_what_it_waited_for_and_why_it_left(caplog) -> None:
+    """A trainer past its --max-epochs serves its state until the coordinator saved it. It left
+    after two minutes without a word when no save came; now its record says it stopped (so
+    that the coordinator saves that epoch), and giving up is one WARNING naming the epoch and
+    when a coordinator saves."""
+    import time
+
+    from examples.sahajbert import trainer
+
+    collab = _StoppedCollab(run_epoch=3)
+    tally = trainer._Tally(collab, 1, 3, time.monotonic() - 60)
+    tally.meter.rate = 50.0
+    tally.stopped = 3
+    with caplog.at_level("INFO", logger="examples.sahajbert.trainer"):
+        assert trainer._linger(collab, 3, 0.2, tally) is None
+    (warning,) = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert "did not save epoch 3" in warning and "--checkpoint-every" in warning, warning
+    assert collab.stored, "the record saying it stopped was not republished"
+    record = metrics.PeerMetrics.from_record("peerA", collab.stored[-1])
+    assert (record.stopped, record.samples_per_second) == (3, 0.0)  # stopped: computes nothing
+    # a volunteer leaving a run that goes on: its state is no run's last copy, it just leaves
+    caplog.clear()
+    with caplog.at_level("INFO", logger="examples.sahajbert.trainer"):
+        assert trainer._linger(_StoppedCollab(run_epoch=4), 3, 60.0, tally) is None
+    assert not [r for r in caplog.records if r.levelname == "WARNING"]
+    assert any("went on past epoch 3" in r.getMessage() for r in caplog.records)
 
 
 def test_epoch_table_waits_for_a_silent_peer_only_a_few_epochs() -> None:
@@ -352,3 +431,31 @@ def test_traffic_rates_are_bytes_over_the_last_window() -> None:
     # an averaging burst, then quiet: the rate falls once the burst leaves the window
     t.update(20.0, 3_000_000, 2_500_000)
     assert t.update(60.0, 3_000_000, 2_500_000) == (0.0, 0.0)
+
+
+def test_prepare_says_which_recipe_it_wrote(tmp_path) -> None:
+    """`prepare --config tiny` keeps sahajBERT's optimizer (lr 0.00176, 5000 warmup steps of
+    4096 samples), under which a short CPU run's loss stayed at 7.55: prepare now prints the
+    data, target batch and optimizer it wrote, and with the tiny model on that recipe, the
+    flags of one that learns in a few dozen steps."""
+    from pathlib import Path
+
+    from examples.sahajbert import manifest
+    from examples.sahajbert.__main__ import TINY_RECIPE, _recipe
+
+    def lines(argv: list[str]) -> str:
+        cfg = trainer_config(parse_args(["prepare", *argv, "--out", str(tmp_path)]))
+        made = manifest.build(cfg, Path(__file__), 900, "none")
+        return "\n".join(_recipe(cfg, made))
+
+    tiny = lines(["--config", "tiny"])
+    assert "data: the synthetic Bengali corpus (no --data)" in tiny
+    assert "target batch 4096 samples (a step)" in tiny
+    assert "optimizer: LAMB, lr 0.00176, warmup 5000 steps" in tiny
+    assert f"prepare with {TINY_RECIPE}" in tiny
+    short = lines(["--config", "tiny", *TINY_RECIPE.split()])
+    assert "lr 0.03, warmup 2 steps, linear decay to 0 at step 1000" in short
+    assert "note" not in short
+    assert "note" not in lines([])  # sahajBERT's own recipe, for sahajBERT
+    diloco = lines(["--mode", "diloco", "--inner-steps", "8"])
+    assert "(DiLoCo: an outer step every 8)" in diloco
