@@ -274,6 +274,7 @@ async def probe(
     logger.info(
         "reachability %s from %s",
         verdict.value,
-        ", ".join(f"{str(a.peer)[:8]}:{a.status}" for a in answers),
+        # a run's first peer has nobody to ask yet: say so rather than end on "from "
+        ", ".join(f"{str(a.peer)[:8]}:{a.status}" for a in answers) or "no peer (none to ask yet)",
     )
     return verdict, answers

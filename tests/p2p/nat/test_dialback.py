@@ -7,6 +7,7 @@ ping that way: sent on the probe connection just as the prober closed it.
 
 from __future__ import annotations
 
+import logging
 from functools import partial
 
 import trio
@@ -14,7 +15,7 @@ import trio
 from p2p.identity import Identity
 from p2p.multiaddr import Multiaddr
 from p2p.mux_frames import GOAWAY, decode_frame
-from p2p.nat.autonat import AutoNATConfig, DialBackServer, ask_dial_back
+from p2p.nat.autonat import AutoNATConfig, DialBackServer, ask_dial_back, probe
 from p2p.node import open_node
 from p2p.secure import secure_inbound
 
@@ -70,3 +71,13 @@ def test_after_ok_the_probed_node_talks_on_its_own_connection() -> None:
                     assert await probed.call(prober.peer_id, "echo", [round_, i]) == [round_, i]
 
     trio.run(main)
+
+
+def test_a_probe_with_nobody_to_ask_says_so(caplog) -> None:
+    """A run's first peer logged "reachability unknown from " (the list of answers, empty):
+    a new user read it as a truncated line. It names the empty list now."""
+    addrs = [Multiaddr.parse("/ip4/127.0.0.1/tcp/1")]
+    with caplog.at_level(logging.INFO, logger="p2p.nat.autonat"):
+        verdict, answers = trio.run(probe, None, [], addrs, AutoNATConfig())
+    assert answers == [] and verdict.value == "unknown"
+    assert "reachability unknown from no peer (none to ask yet)" in caplog.text
