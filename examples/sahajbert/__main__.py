@@ -93,7 +93,7 @@ def _add_net_options(p: argparse.ArgumentParser) -> None:
         nargs="*",
         default=[],
         metavar="MULTIADDR",
-        help="addresses of peers already in the run, e.g. /ip4/1.2.3.4/tcp/5000/p2p/12D3...; "
+        help="addresses of peers already in the run, e.g. /ip4/1.2.3.4/tcp/5000/p2p/PEER_ID; "
         "the coordinator prints one",
     )
     g.add_argument(
@@ -124,7 +124,8 @@ def _add_net_options(p: argparse.ArgumentParser) -> None:
         "--robust-tau",
         type=float,
         help="average with CenteredClip at this L2 radius (bounds what one peer's scaled "
-        "gradients can do); unset: the plain weighted mean",
+        "gradients can do); unset: CenteredClip at a radius derived from the parts in an "
+        "open run, the plain weighted mean in a private one (--owner)",
     )
 
 

@@ -157,7 +157,7 @@ class NetConfig:
     # Private runs (examples.sahajbert.private): the owner's public key and our invitation.
     owner_public_key: bytes | None = None
     invitation: bytes | None = None
-    robust_tau: float | None = None  # CenteredClip radius for every average (None: plain mean)
+    robust_tau: float | None = None  # CenteredClip radius (None: derived in open runs)
 
     def replace(self, **changes: object) -> NetConfig:
         return dataclasses.replace(self, **changes)

@@ -231,3 +231,14 @@ def test_a_stop_raised_in_a_gc_callback_is_asked_again_at_once() -> None:
         except KeyboardInterrupt:
             stopped = True
     assert hit and stopped
+
+
+def test_help_says_what_an_unset_robust_tau_does(capsys) -> None:
+    """--help said "unset: the plain weighted mean" while an open run averages with a derived
+    CenteredClip radius (CollaborationConfig.robust_on): a new user read the wrong default. The
+    example address also showed a libp2p-style "12D3..." ID, which this project's IDs are not."""
+    with pytest.raises(SystemExit):
+        main(["trainer", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "unset: the plain weighted mean" not in text
+    assert "derived from the parts in an open run" in text and "12D3" not in text
