@@ -178,3 +178,19 @@ def test_the_readmes_placeholder_address_is_one_clear_error() -> None:
         dedloc_jax.Collaboration("my-run", initial_peers=[address])
     with pytest.raises(ValueError, match="initial peer 'localhost:31337'"):
         dedloc_jax.Collaboration("my-run", initial_peers=["localhost:31337"])
+
+
+def test_the_readmes_first_peer_prints_the_address_others_join_with(capsys) -> None:
+    """The block told a new user to pass "one a peer of the run printed", but nothing printed
+    one: the run's first peer (initial_peers=[]) ran silently. The block prints
+    ``collab.addrs``; each printed address is a multiaddr with this peer's ID."""
+    from p2p.multiaddr import Multiaddr
+    from tests.readme_peer import PLACEHOLDER, example
+
+    namespace = {"params": {"w": jnp.zeros(5)}, "loss_fn": loss_fn, "batches": []}
+    exec(compile(example("own").replace(PLACEHOLDER, "[]"), "README.md", "exec"), namespace)
+    lines = [x for x in capsys.readouterr().out.splitlines() if x.startswith("others join with:")]
+    assert len(lines) == 1, lines
+    printed = lines[0].split()[3:]
+    me = str(namespace["collab"].core.node.peer_id)
+    assert printed and all(str(Multiaddr.parse(a)).endswith(f"/p2p/{me}") for a in printed)
