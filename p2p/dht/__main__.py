@@ -50,14 +50,35 @@ def _parser() -> argparse.ArgumentParser:
 
     def common(sp: argparse.ArgumentParser, peers_required: bool) -> None:
         sp.add_argument(
-            "--initial-peers", nargs="+", default=[], required=peers_required, metavar="MADDR"
+            "--initial-peers",
+            nargs="+",
+            default=[],
+            required=peers_required,
+            metavar="MADDR",
+            help="full addresses of running nodes (/ip4/IP/tcp/PORT/p2p/PEER_ID: the lines "
+            "`serve` prints)",
         )
         sp.add_argument("--identity", metavar="FILE", help="key file (created if missing)")
-        sp.add_argument("--config", choices=sorted(PRESETS), default="default")
-        sp.add_argument("-v", "--verbose", action="count", default=0)
+        sp.add_argument(
+            "--config",
+            choices=sorted(PRESETS),
+            default="default",
+            help="timeouts and bucket sizes: default (the Internet), fast (loopback, tests), "
+            "small (a few dozen nodes)",
+        )
+        sp.add_argument(
+            "-v", "--verbose", action="count", default=0, help="-v: INFO logs, -vv: DEBUG"
+        )
 
     serve = sub.add_parser("serve", help="run a DHT node until SIGINT/SIGTERM")
-    serve.add_argument("--listen", nargs="+", default=None, metavar="MADDR")
+    serve.add_argument(
+        "--listen",
+        nargs="+",
+        default=None,
+        metavar="MADDR",
+        help=f"addresses to listen on (unset: {DEFAULT_LISTEN}, this machine only; "
+        "/ip4/0.0.0.0/tcp/PORT: every interface)",
+    )
     serve.add_argument(
         "--announce",
         nargs="+",
@@ -84,17 +105,19 @@ def _parser() -> argparse.ArgumentParser:
     common(serve, False)
 
     store = sub.add_parser("store", help="store one value and exit")
-    store.add_argument("key")
+    store.add_argument("key", help="the key to store VALUE under")
     store.add_argument("value", help='strict JSON (bytes as {"$bytes": BASE64})')
     store.add_argument("--string", action="store_true", help="store VALUE as text, not JSON")
-    store.add_argument("--ttl", type=float, required=True, metavar="SECONDS")
+    store.add_argument(
+        "--ttl", type=float, required=True, metavar="SECONDS", help="how long the value lives"
+    )
     group = store.add_mutually_exclusive_group()
-    group.add_argument("--subkey")
+    group.add_argument("--subkey", help="store VALUE as this subkey's entry of KEY's dictionary")
     group.add_argument("--owned", action="store_true", help="subkey = this identity's owner marker")
     common(store, True)
 
     get = sub.add_parser("get", help="print a value as JSON and exit (1 if not found)")
-    get.add_argument("key")
+    get.add_argument("key", help="the key to look up")
     common(get, True)
     return p
 

@@ -181,3 +181,14 @@ def test_cli_store_refuses_malformed_json_before_any_network() -> None:
         res = _run("store", "k", bad, "--ttl", "5", "--initial-peers", "/ip4/127.0.0.1/tcp/1")
         assert res.returncode == 2, (bad, res.stderr)
         assert "Traceback" not in res.stderr and "none of the" not in res.stderr
+
+
+def test_every_option_says_what_it_takes() -> None:
+    """A new user's `serve --help` listed --listen, --initial-peers, --config and -v with no
+    word on what they take (nor that serve listens on loopback unless told)."""
+    from p2p.dht.__main__ import _parser
+
+    sub = next(a for a in _parser()._actions if a.dest == "command")
+    for name, parser in sub.choices.items():
+        for action in parser._actions:
+            assert action.help, f"{name} {action.option_strings or action.dest} has no help"
