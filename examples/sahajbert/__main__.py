@@ -384,6 +384,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo.add_argument("--out", type=Path, help="logs and metrics (unset: WORK_DIR/demo)")
     _add_model_options(demo, TrainerConfig.demo())
+    # The demo's length is --demo-epochs; a --max-epochs given here means the same (it was
+    # silently replaced by --demo-epochs: `demo --max-epochs 5` ran 30 epochs).
+    demo.set_defaults(max_epochs=None)
+    next(a for a in demo._actions if a.dest == "max_epochs").help = "the same as --demo-epochs"
     prep = role(
         "prepare",
         "the organiser's, once: train the tokenizer and write the run manifest (model, "
@@ -637,7 +641,8 @@ def main(argv: list[str] | None = None) -> int:
     if role == "demo":
         from examples.sahajbert.demo import run_demo
 
-        demo = DemoConfig(epochs=args.demo_epochs, trainers=args.demo_trainers)
+        epochs = args.demo_epochs if args.max_epochs is None else args.max_epochs
+        demo = DemoConfig(epochs=epochs, trainers=args.demo_trainers)
         demo = demo.replace(client_trainers=min(demo.client_trainers, demo.trainers - 1))
         out = args.out or args.work_dir / "demo"
         return run_demo(demo, trainer_config(args, TrainerConfig.demo(args.work_dir)), out)

@@ -242,3 +242,16 @@ def test_help_says_what_an_unset_robust_tau_does(capsys) -> None:
     text = " ".join(capsys.readouterr().out.split())
     assert "unset: the plain weighted mean" not in text
     assert "derived from the parts in an open run" in text and "12D3" not in text
+
+
+def test_the_demos_max_epochs_sets_its_length(monkeypatch, tmp_path) -> None:
+    """`demo --max-epochs 5` (the trainers' option, listed by `demo --help` with "default: 30")
+    ran 30 epochs: the demo replaced it by --demo-epochs. It is the demo's length now."""
+    from examples.sahajbert import demo
+
+    lengths: list[int] = []
+    monkeypatch.setattr(demo, "run_demo", lambda d, cfg, out: lengths.append(d.epochs) or 0)
+    common = ["demo", "--work-dir", str(tmp_path)]
+    for extra, epochs in (([], 30), (["--max-epochs", "5"], 5), (["--demo-epochs", "7"], 7)):
+        main(common + extra)
+        assert lengths[-1] == epochs, extra
