@@ -276,7 +276,10 @@ def test_config_tiny_chooses_the_model_only() -> None:
     cfg = trainer_config(parse_args(["trainer", "--config", "tiny", "--initial-peers", "/x"]))
     assert cfg == TrainerConfig(model="tiny", work_dir=cfg.work_dir)
     demo = trainer_config(parse_args(["demo"]), TrainerConfig.demo())
-    assert demo == TrainerConfig.demo(demo.work_dir)  # the demo's settings are the demo's
+    # the demo's settings are the demo's; its length is --demo-epochs (or --max-epochs), which
+    # run_demo gives its trainers
+    assert demo.max_epochs is None
+    assert demo.replace(max_epochs=30) == TrainerConfig.demo(demo.work_dir)
 
 
 def _help(*argv: str, capsys: pytest.CaptureFixture) -> str:
