@@ -266,6 +266,8 @@ async def _train(
     computed = 0.0  # seconds computed toward ``epoch``
     stats.cut_off = 0.0
     in_flight: list[trio.Event] = []  # the round of the previous epoch, while it runs
+    # blocking peers may check inside a micro-step whether to average (RoundConfig)
+    poll = None if overlap else core.config.rounds.mid_step_poll
 
     async def average(at: int, contributed: int, computed: float, finished: trio.Event) -> None:
         began = trio.current_time()
@@ -297,7 +299,7 @@ async def _train(
         while not done.is_set():
             step = micro / stats.rate
             end = trio.current_time() + step
-            if not overlap and samples and await _due_before(core, epoch, end):
+            if poll and samples and await _due_before(core, epoch, end, poll):
                 # Blocking, the target landed while this micro-step computes: average what we
                 # hold; the micro-step in flight counts toward the next epoch.
                 await average(epoch, samples, computed, trio.Event())
@@ -311,7 +313,7 @@ async def _train(
             if in_flight and in_flight[0].is_set():
                 in_flight.clear()
             # (blocking peers also average mid-step: they decide on whole micro-steps)
-            if core.report(epoch, samples, micro, whole_steps=not overlap):
+            if core.report(epoch, samples, micro, whole_steps=bool(poll)):
                 finished = trio.Event()
                 if overlap:
                     in_flight.append(finished)
@@ -331,19 +333,20 @@ async def _train(
 
 
 POLL = 0.25
-"""Seconds between a blocking peer's checks, inside one micro-step, whether to average now."""
+"""Seconds between a blocking peer's checks, inside one micro-step, whether to average now
+(``RoundConfig.mid_step_poll`` of DeDLOC's blocking runs)."""
 
 
-async def _due_before(core: CollaborationPeer, epoch: int, end: float) -> bool:
+async def _due_before(core: CollaborationPeer, epoch: int, end: float, poll: float) -> bool:
     """Whether this peer should average toward ``epoch`` before ``end``, the end of its micro-step
     in flight (then at once): asked when the ETA says the target lands before then, every
-    :data:`POLL` seconds at most. A 1 sample/s peer saw the target only at the end of its 4 s
+    ``poll`` seconds at most. A 1 sample/s peer saw the target only at the end of its 4 s
     micro-step, and every other peer waited for it (2.7-3.4 s of a 40-peer epoch). The
     micro-step goes on through the round (the device keeps computing it) and its gradient
     counts toward the next epoch: its time is training time, none of it is thrown away."""
     while True:
         now = trio.current_time()
-        wake = now + max(core.estimate.eta, POLL)
+        wake = now + max(core.estimate.eta, poll)
         if wake >= end:
             return False
         await trio.sleep_until(wake)
@@ -370,6 +373,9 @@ def simulate(
     and ``codec``: samples per averaging and the wire codec (DeDLOC's by default)."""
     rng = random.Random(args.seed)
     peers = _draw_peers(args.peers, rng, args.payload_scale)
+    # DeDLOC's blocking peers average mid-step when the target lands (DiLoCo's outer steps,
+    # hours apart, and a config given keep theirs)
+    mid_step = not overlap and target is None and config is None
     target = target or args.target
     # An unmeasured link counts as a slow home link, slowed like every link by the scale.
     config = config or CollaborationConfig(
@@ -390,6 +396,8 @@ def simulate(
     match_early = getattr(args, "match_early", None)  # None: the config's (off)
     if match_early is not None:  # whether the group is planned ahead of the target
         config = config.replace(rounds=config.rounds.replace(match_early=match_early))
+    if mid_step:
+        config = config.replace(rounds=config.rounds.replace(mid_step_poll=POLL))
     # A probe as many seconds of a link as at full scale (4 MB), within a 64 KB floor.
     probe_bytes = max(64 << 10, (4 << 20) // args.payload_scale)
     config = config.replace(links=config.links.replace(probe_bytes=probe_bytes))
