@@ -606,15 +606,20 @@ def print_timeline(everyone: list[PeerStats], formed: dict[tuple[str, int], floa
     for p in everyone:
         for o in p.epochs:
             by_epoch.setdefault(o.epoch, []).append((p.name, o))
+    who = {p.name: p for p in everyone}
     for e in sorted(by_epoch):
         rows = by_epoch[e]
         began = sorted(o.began for _, o in rows)
+        last = max(rows, key=lambda row: row[1].began)[0]  # who stopped last
         ended = sorted(o.ended for _, o in rows)
         grouped = sorted(formed[(n, e)] for n, _ in rows if (n, e) in formed)
         waits = [formed[(n, e)] - o.began for n, o in rows if (n, e) in formed]
         rounds = [o.ended - formed[(n, e)] for n, o in rows if (n, e) in formed]
         med = statistics.median
-        line = f"timeline epoch {e}: stopped {began[0]:.1f} / {med(began):.1f} / {began[-1]:.1f} s"
+        line = (
+            f"timeline epoch {e}: stopped {began[0]:.1f} / {med(began):.1f} / {began[-1]:.1f} s"
+            f" (last {last}: {who[last].rate:.1f} samples/s, joined {who[last].joined:.0f} s)"
+        )
         if grouped:
             line += f", grouped {med(grouped):.1f} / {grouped[-1]:.1f} s"
         line += f", ended {med(ended):.1f} / {ended[-1]:.1f} s"
