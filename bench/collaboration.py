@@ -14,7 +14,10 @@ to the run's epoch without a download.)
 By default peers use DeDLOC's delayed parameter update (``--mode overlap``): the round of
 epoch t runs in the background while the peer computes toward t + 1, and its result is applied
 one step late; ``--mode blocking`` stops computing while matchmaking and averaging, and
-``--mode both`` runs both on the same peers, links and churn, one after the other.
+``--mode both`` runs both on the same peers, links and churn, one after the other. Blocking
+peers check every 0.25 s inside a micro-step whether to average (``RoundConfig.mid_step_poll``,
+``CollaborationPeer.due``): they then average what they hold, deciding on whole micro-steps,
+and the micro-step in flight goes on through the round and counts toward the next epoch.
 
 ``--mode diloco`` compares traffic with low-communication training (:func:`dedloc_jax.diloco`):
 the same peers, links and churn run DeDLOC mode (overlap, fp16), then DiLoCo mode: an outer
