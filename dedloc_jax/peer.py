@@ -127,7 +127,19 @@ class CollaborationPeer:
             return False
         if not est.ready and self.mode != "aux":  # the group forms while we compute
             self.stepper.match_early(epoch, samples, est, lambda: self._peers_at(epoch))
+        if whole_steps and not est.ready and self._others_wait_at(epoch):
+            # Others stopped and we are not ready: our table may be stale (the one holder a
+            # read asks lacked newer records; a 40-peer run's peer stopped 16 s late).
+            tracker.sweep_next_read()
         return est.ready
+
+    def _others_wait_at(self, epoch: int) -> bool:
+        """Whether another peer at ``epoch`` waits for its round in our table."""
+        me = self.tracker.peer_id
+        return any(
+            r.epoch == epoch and r.waiting and pid != me
+            for pid, r in self.tracker.contenders().items()
+        )
 
     def _round_began_without_us(self, epoch: int, est: CollaborationEstimate) -> bool:
         """At our first report toward ``epoch``: whether every other peer that contributes to

@@ -132,6 +132,7 @@ class ProgressTracker:
         # DHT time we stepped after a round that our micro-step went on through (else -inf)
         self._stepped_at = -math.inf
         self._through_round = False  # see compute_through_round
+        self._sweep = False  # see sweep_next_read
         self._rates: dict[str, float] = {}  # each peer's last non-zero published rate
         # Peers whose samples count for nothing: see weighed; the epoch of the newest verdict
         # on each peer we took (ours or a quorum's, see _take_outcomes); and our last verified
@@ -727,10 +728,18 @@ class ProgressTracker:
         except (P2PError, InvalidRecordError) as e:
             log.warning("could not publish progress: %s", e)
 
+    def sweep_next_read(self) -> None:
+        """Have the next table read ask every holder of the table, not one (for a peer that
+        sees the epoch's round forming and is not ready: see ``CollaborationPeer.due``)."""
+        self._sweep = True
+
     async def fetch(self) -> CollaborationEstimate:
         started = trio.current_time()
+        sweep, self._sweep = self._sweep, False
         try:
-            view = await self._follower.read(relocate_interval=self._relocate_interval())
+            view = await self._follower.read(
+                sweep=sweep, relocate_interval=self._relocate_interval()
+            )
         except P2PError as e:
             # Keep the last table: an empty one says nobody else trains, and a peer whose
             # round failed would then keep its own parameters instead of loading the others'.
