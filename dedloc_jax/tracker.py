@@ -729,9 +729,12 @@ class ProgressTracker:
             log.warning("could not publish progress: %s", e)
 
     def sweep_next_read(self) -> None:
-        """Have the next table read ask every holder of the table, not one (for a peer that
-        sees the epoch's round forming and is not ready: see ``CollaborationPeer.due``)."""
-        self._sweep = True
+        """Read the table now, asking every holder, not one (for a peer that sees the epoch's
+        round forming and is not ready: see ``CollaborationPeer.due``; asked again only once
+        that read began, so at most one read per call)."""
+        if not self._sweep:
+            self._sweep = True
+            self._wake.set()
 
     async def fetch(self) -> CollaborationEstimate:
         started = trio.current_time()
