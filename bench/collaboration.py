@@ -342,14 +342,15 @@ POLL = 0.25
 
 async def _due_before(core: CollaborationPeer, epoch: int, end: float, poll: float) -> bool:
     """Whether this peer should average toward ``epoch`` before ``end``, the end of its micro-step
-    in flight (then at once): asked when the ETA says the target lands before then, every
-    ``poll`` seconds at most. A 1 sample/s peer saw the target only at the end of its 4 s
+    in flight (then at once): asked when half the ETA falls before then, every ``poll``
+    seconds at most. A 1 sample/s peer saw the target only at the end of its 4 s
     micro-step, and every other peer waited for it (2.7-3.4 s of a 40-peer epoch). The
     micro-step goes on through the round (the device keeps computing it) and its gradient
     counts toward the next epoch: its time is training time, none of it is thrown away."""
     while True:
         now = trio.current_time()
-        wake = now + max(core.estimate.eta, poll)
+        # (at half the ETA: frozen records below the extrapolation stretch it as it runs out)
+        wake = now + max(core.estimate.eta / 2, poll)
         if wake >= end:
             return False
         await trio.sleep_until(wake)
