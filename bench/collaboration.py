@@ -14,7 +14,12 @@ to the run's epoch without a download.)
 By default peers use DeDLOC's delayed parameter update (``--mode overlap``): the round of
 epoch t runs in the background while the peer computes toward t + 1, and its result is applied
 one step late; ``--mode blocking`` stops computing while matchmaking and averaging, and
-``--mode both`` runs both on the same peers, links and churn, one after the other.
+``--mode both`` runs both on the same peers, links and churn, one after the other. With
+``--mid-step``, blocking peers check every 0.25 s inside a micro-step whether to average
+(``RoundConfig.mid_step_poll``, ``CollaborationPeer.due``): they then average what they hold,
+deciding on whole micro-steps, and the micro-step in flight goes on through the round and
+counts toward the next epoch. Off by default: ``dedloc_jax.collaborative`` does not average
+mid-step yet (its host call waits for the micro-step), and the default peers do what it does.
 
 ``--mode diloco`` compares traffic with low-communication training (:func:`dedloc_jax.diloco`):
 the same peers, links and churn run DeDLOC mode (overlap, fp16), then DiLoCo mode: an outer
@@ -59,7 +64,7 @@ encoded bytes (``wire_bytes_per_value``).
     python -m bench.collaboration [--peers 40] [--params 18000000] [--epochs 3]
         [--payload-scale S] [--mode overlap|blocking|both|diloco] [--inner-steps H]
         [--dedloc-epochs N] [--compression none|fp16|bf16|int8|adaptive]
-        [--no-defences] [--match-early] [--log-level WARNING] [--timeline]
+        [--no-defences] [--match-early] [--mid-step] [--log-level WARNING] [--timeline]
 
 ``--timeline`` prints, per epoch, when peers stopped to average (first, median, last), when
 their group formed (the round's "group of" log line) and when their round ended: where the
@@ -266,6 +271,8 @@ async def _train(
     computed = 0.0  # seconds computed toward ``epoch``
     stats.cut_off = 0.0
     in_flight: list[trio.Event] = []  # the round of the previous epoch, while it runs
+    # blocking peers may check inside a micro-step whether to average (RoundConfig)
+    poll = None if overlap else core.config.rounds.mid_step_poll
 
     async def average(at: int, contributed: int, computed: float, finished: trio.Event) -> None:
         began = trio.current_time()
@@ -296,7 +303,13 @@ async def _train(
     async with trio.open_nursery() as nursery:
         while not done.is_set():
             step = micro / stats.rate
-            await trio.sleep(step)
+            end = trio.current_time() + step
+            if poll and samples and await _due_before(core, epoch, end, poll):
+                # Blocking, the target landed while this micro-step computes: average what we
+                # hold; the micro-step in flight counts toward the next epoch.
+                await average(epoch, samples, computed, trio.Event())
+                epoch, samples, computed = epoch + 1, 0, 0.0
+            await trio.sleep_until(end)  # (at once when the round outlasted the micro-step)
             stats.compute += step
             stats.processed += micro
             computed += step
@@ -304,7 +317,8 @@ async def _train(
             samples += micro
             if in_flight and in_flight[0].is_set():
                 in_flight.clear()
-            if core.report(epoch, samples, micro):
+            # (blocking peers also average mid-step: they decide on whole micro-steps)
+            if core.report(epoch, samples, micro, whole_steps=bool(poll)):
                 finished = trio.Event()
                 if overlap:
                     in_flight.append(finished)
@@ -321,6 +335,29 @@ async def _train(
                 # past the last epoch it has no round left to wait for
                 stats.finished = stats.finished or epoch >= epochs
         nursery.cancel_scope.cancel()
+
+
+POLL = 0.25
+"""Seconds between a blocking peer's checks, inside one micro-step, whether to average now
+(``RoundConfig.mid_step_poll`` of DeDLOC's blocking runs)."""
+
+
+async def _due_before(core: CollaborationPeer, epoch: int, end: float, poll: float) -> bool:
+    """Whether this peer should average toward ``epoch`` before ``end``, the end of its micro-step
+    in flight (then at once): asked when half the ETA falls before then, every ``poll``
+    seconds at most. A 1 sample/s peer saw the target only at the end of its 4 s
+    micro-step, and every other peer waited for it (2.7-3.4 s of a 40-peer epoch). The
+    micro-step goes on through the round (the device keeps computing it) and its gradient
+    counts toward the next epoch: its time is training time, none of it is thrown away."""
+    while True:
+        now = trio.current_time()
+        # (at half the ETA: frozen records below the extrapolation stretch it as it runs out)
+        wake = now + max(core.estimate.eta / 2, poll)
+        if wake >= end:
+            return False
+        await trio.sleep_until(wake)
+        if core.due(epoch):
+            return True
 
 
 def _round_codec(codec: str | TopK | PowerSGD) -> str:
@@ -342,6 +379,10 @@ def simulate(
     and ``codec``: samples per averaging and the wire codec (DeDLOC's by default)."""
     rng = random.Random(args.seed)
     peers = _draw_peers(args.peers, rng, args.payload_scale)
+    # --mid-step: DeDLOC's blocking peers average mid-step when the target lands (DiLoCo's
+    # outer steps, hours apart, and a config given keep theirs)
+    mid_step = bool(getattr(args, "mid_step", False)) and not overlap
+    mid_step = mid_step and target is None and config is None
     target = target or args.target
     # An unmeasured link counts as a slow home link, slowed like every link by the scale.
     config = config or CollaborationConfig(
@@ -362,6 +403,8 @@ def simulate(
     match_early = getattr(args, "match_early", None)  # None: the config's (off)
     if match_early is not None:  # whether the group is planned ahead of the target
         config = config.replace(rounds=config.rounds.replace(match_early=match_early))
+    if mid_step:
+        config = config.replace(rounds=config.rounds.replace(mid_step_poll=POLL))
     # A probe as many seconds of a link as at full scale (4 MB), within a 64 KB floor.
     probe_bytes = max(64 << 10, (4 << 20) // args.payload_scale)
     config = config.replace(links=config.links.replace(probe_bytes=probe_bytes))
@@ -570,15 +613,20 @@ def print_timeline(everyone: list[PeerStats], formed: dict[tuple[str, int], floa
     for p in everyone:
         for o in p.epochs:
             by_epoch.setdefault(o.epoch, []).append((p.name, o))
+    who = {p.name: p for p in everyone}
     for e in sorted(by_epoch):
         rows = by_epoch[e]
         began = sorted(o.began for _, o in rows)
+        last = max(rows, key=lambda row: row[1].began)[0]  # who stopped last
         ended = sorted(o.ended for _, o in rows)
         grouped = sorted(formed[(n, e)] for n, _ in rows if (n, e) in formed)
         waits = [formed[(n, e)] - o.began for n, o in rows if (n, e) in formed]
         rounds = [o.ended - formed[(n, e)] for n, o in rows if (n, e) in formed]
         med = statistics.median
-        line = f"timeline epoch {e}: stopped {began[0]:.1f} / {med(began):.1f} / {began[-1]:.1f} s"
+        line = (
+            f"timeline epoch {e}: stopped {began[0]:.1f} / {med(began):.1f} / {began[-1]:.1f} s"
+            f" (last {last}: {who[last].rate:.1f} samples/s, joined {who[last].joined:.0f} s)"
+        )
         if grouped:
             line += f", grouped {med(grouped):.1f} / {grouped[-1]:.1f} s"
         line += f", ended {med(ended):.1f} / {ended[-1]:.1f} s"
@@ -749,6 +797,12 @@ def main() -> None:
         "--timeline",
         action="store_true",
         help="print when peers stopped to average, grouped and ended, per epoch",
+    )
+    parser.add_argument(
+        "--mid-step",
+        action="store_true",
+        help="blocking peers average mid-micro-step when the target lands (RoundConfig."
+        "mid_step_poll; not yet what dedloc_jax.collaborative does)",
     )
     parser.add_argument(
         "--match-early",

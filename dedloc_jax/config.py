@@ -81,13 +81,18 @@ class RoundConfig(_Group):
     # default: with it the capped soak's seeds split peers and left a joiner alone
     # (docs/decisions.md).
     match_early: bool = False
+    # Seconds between a peer's checks, inside a micro-step, whether to average now
+    # (CollaborationPeer.due); set when every peer of the run asks it. Peers then notice the
+    # target this far apart, not a whole micro-step: the matchmaking window counts it instead
+    # of the slowest peer's micro-step (rounds/deadlines.py).
+    mid_step_poll: float | None = None
 
     def __post_init__(self) -> None:
         if self.max_group_size < 1:
             raise ValueError("max_group_size must be at least 1")
         if self.codec not in COMPRESSIONS:
             raise ValueError(f"unknown codec {self.codec!r}; known: {list(COMPRESSIONS)}")
-        _positive_when_set(self, "matchmaking_time", "averaging_timeout")
+        _positive_when_set(self, "matchmaking_time", "averaging_timeout", "mid_step_poll")
 
 
 @dataclass(frozen=True)

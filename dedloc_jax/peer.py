@@ -77,17 +77,43 @@ class CollaborationPeer:
         self._missed = False
 
     # --- progress ------------------------------------------------------------------------
-    def report(self, epoch: int, samples: int, batch_size: int) -> bool:
+    def report(
+        self, epoch: int, samples: int, batch_size: int, *, whole_steps: bool = False
+    ) -> bool:
         """Record a micro-step; True when this peer should average now.
 
         With delayed updates a peer reports toward ``epoch`` + 1 while the round of ``epoch``
         is in flight (:meth:`average` in a background task); those samples count once the
-        round ends, and until then this returns False."""
+        round ends, and until then this returns False. ``whole_steps``: decide as :meth:`due`
+        does, for a peer that also asks it inside its micro-steps (its mates too may average
+        mid-step, without their micro-steps in flight)."""
         self.epoch = max(self.epoch, epoch)
         self.tracker.report(epoch, samples, batch_size)
+        return self._due(epoch, samples, whole_steps=whole_steps)
+
+    def due(self, epoch: int) -> bool:
+        """Between micro-steps: whether this peer should average now toward ``epoch`` with
+        the samples of its last report, the decision :meth:`report` makes, without recording
+        a micro-step. A peer whose micro-step is long asks it when its ETA says the target
+        lands before its micro-step ends: it averages then what it accumulated, and the
+        micro-step in flight counts toward the next epoch (otherwise every other peer waited
+        for it up to a whole micro-step)."""
+        if self.tracker.epoch != epoch or self.tracker.samples <= 0:
+            return False  # (nothing to average yet)
+        due = self._due(epoch, self.tracker.samples, whole_steps=True)
+        if due:
+            self.tracker.compute_through_round()
+        return due
+
+    def _due(self, epoch: int, samples: int, *, whole_steps: bool = False) -> bool:
+        """:meth:`report`'s decision after recording ``samples`` toward ``epoch``; with
+        ``whole_steps`` (:meth:`due`) on the samples every peer holds in whole micro-steps
+        (:meth:`~dedloc_jax.tracker.ProgressTracker.committed_estimate`), what the round
+        then averages if the others, too, average their micro-steps in flight next epoch."""
         if self.tracker.epoch != epoch:
             return False  # our round of the previous epoch is in flight
-        est = self.tracker.current_estimate()
+        tracker = self.tracker
+        est = tracker.committed_estimate() if whole_steps else tracker.current_estimate()
         if est.epoch > epoch:
             return False  # behind: never contribute gradients of an old epoch
         if epoch != self._first_report_epoch:
@@ -101,7 +127,19 @@ class CollaborationPeer:
             return False
         if not est.ready and self.mode != "aux":  # the group forms while we compute
             self.stepper.match_early(epoch, samples, est, lambda: self._peers_at(epoch))
+        if whole_steps and not est.ready and self._others_wait_at(epoch):
+            # Others stopped and we are not ready: our table may be stale (the one holder a
+            # read asks lacked newer records; a 40-peer run's peer stopped 16 s late).
+            tracker.sweep_next_read()
         return est.ready
+
+    def _others_wait_at(self, epoch: int) -> bool:
+        """Whether another peer at ``epoch`` waits for its round in our table."""
+        me = self.tracker.peer_id
+        return any(
+            r.epoch == epoch and r.waiting and pid != me
+            for pid, r in self.tracker.contenders().items()
+        )
 
     def _round_began_without_us(self, epoch: int, est: CollaborationEstimate) -> bool:
         """At our first report toward ``epoch``: whether every other peer that contributes to

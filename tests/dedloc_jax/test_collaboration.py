@@ -24,9 +24,12 @@ def _run(
     modes: list[str] | None = None,
     dht_config: DHTConfig | None = None,
     max_group_size: int = 64,
+    poll: float | None = None,
 ) -> list[list[dict]]:
     """Peers with throughputs ``rates`` (samples/s) train until ``epochs`` steps are done;
-    aux peers (rate ignored) only help average."""
+    aux peers (rate ignored) only help average. ``poll``: inside a micro-step a peer asks
+    every ``poll`` seconds whether to average now (``core.due``), and the micro-step in
+    flight then counts toward the next epoch."""
     # robust=False: the tests compare with the plain weighted mean (open runs default to
     # CenteredClip); every round is still verified (an open run's default)
     config = CollaborationConfig.local_demo(target)
@@ -49,22 +52,30 @@ def _run(
                     rounds = await core.run_aux([np.zeros(1000, np.float32)], epochs=epochs)
                     logs[i].append({"aux_rounds": rounds})
                     return
+                end = None  # when the micro-step in flight ends
                 for epoch in range(epochs):
                     acc = np.zeros(1000, np.float32)
                     samples = 0
                     step = 0
                     while True:
-                        await trio.sleep(MICRO / rate)
+                        if end is None:
+                            end = trio.current_time() + MICRO / rate
+                        if poll and samples and await _due_within(core, epoch, end, poll):
+                            break
+                        await trio.sleep_until(end)
+                        end = None
                         acc += _grad(i, epoch, step) * MICRO
                         samples += MICRO
                         step += 1
-                        if core.report(epoch, samples, MICRO):
+                        if core.report(epoch, samples, MICRO, whole_steps=bool(poll)):
                             break
                     mean = acc / samples
+                    began = trio.current_time()
                     outcome = await core.average(epoch, [mean], samples)
                     logs[i].append(
                         {
                             "epoch": epoch,
+                            "began": began,
                             "samples": samples,
                             "sent": mean,
                             "got": outcome.gradients[0],
@@ -79,6 +90,16 @@ def _run(
         return logs
 
     return run_sim(main, seed=seed)
+
+
+async def _due_within(core, epoch: int, end: float, poll: float) -> bool:
+    """Whether ``core`` says to average toward ``epoch`` before ``end`` (asked every ``poll``
+    seconds)."""
+    while trio.current_time() + poll < end:
+        await trio.sleep(poll)
+        if core.due(epoch):
+            return True
+    return False
 
 
 def _check_steps_on_the_target(logs: list[list[dict]], target: int, epochs: int) -> list[int]:
@@ -104,6 +125,34 @@ def test_peers_with_10x_spread_step_together_on_the_target() -> None:
     logs = _run(rates, epochs=3, target=400)
     overshoots = _check_steps_on_the_target(logs, 400, 3)
     print(f"overshoot per epoch (micro-batches per peer): {[o / MICRO / 5 for o in overshoots]}")
+
+
+def test_a_slow_peer_averages_when_the_target_lands_inside_its_micro_step() -> None:
+    """A 1 sample/s peer (4 s micro-steps) noticed the target only at the end of its
+    micro-step, and the others, ready, waited for it up to 4 s (20 peers: their readiness
+    spanned 2.8-2.9 s). Asking ``core.due`` while it computes, it averages what it holds when
+    the target lands; the micro-step in flight counts toward the next epoch. Every epoch still
+    groups everyone, with the samples each held and bit-identical means."""
+    rates = [1.0, 20.0, 30.0]
+    epochs, target = 4, 240
+    logs = _run(rates, epochs=epochs, target=target, poll=0.25)
+    spans = []
+    for epoch in range(epochs):
+        rows = [log[epoch] for log in logs]
+        assert all(r["group"] == len(logs) and r["complete"] for r in rows), rows
+        total = sum(r["samples"] for r in rows)
+        # the micro-steps in flight are not in it (the next epoch's), and it still reaches the
+        # target: decided mid-step on the linear estimate, which counts fractions of
+        # micro-steps in flight, peers froze below it and the slowest filled the gap
+        assert target <= total <= target + MICRO * len(logs), (epoch, total)
+        expected = sum(r["sent"] * r["samples"] for r in rows) / total
+        for r in rows:
+            assert r["got"].tobytes() == rows[0]["got"].tobytes()
+            np.testing.assert_allclose(r["got"], expected, rtol=1e-5, atol=1e-6)
+        spans.append(max(r["began"] for r in rows) - min(r["began"] for r in rows))
+    # the slow peer began each round within about a table read of the others, not up to a
+    # whole micro-step later
+    assert max(spans) < 2.0, spans
 
 
 @pytest.mark.slow

@@ -429,3 +429,41 @@ def test_a_banned_peers_progress_and_state_count_for_nothing() -> None:
             nursery.cancel_scope.cancel()
 
     run_sim(main)
+
+
+def test_a_sweep_asked_for_goes_to_the_next_read_only() -> None:
+    """A peer that sees others waiting at its epoch while it is not ready has its next read
+    ask every holder (``sweep_next_read``): at 40 peers one peer's holder lacked 11 peers'
+    newer records for 12 s, and the peer stopped 16 s after the others."""
+    config = _config()
+
+    async def main() -> None:
+        net = SimNetwork(seed=1)
+        async with open_sim_dhts(net, 3, latency=0.005) as peers, trio.open_nursery() as nursery:
+            trackers = [ProgressTracker(dht, "run", config, "node") for _, dht in peers]
+            for tracker in trackers:
+                await nursery.start(tracker.run)
+                tracker.report(0, 10, 10)
+            await trio.sleep(3 * config.progress.max_refresh)
+            reader = trackers[0]
+            read = reader._follower.read
+            sweeps: list[bool] = []
+
+            async def spy(**kwargs: object) -> object:
+                sweeps.append(bool(kwargs.get("sweep")))
+                return await read(**kwargs)
+
+            reader._follower.read = spy
+            await reader.fetch()
+            assert sweeps and not any(sweeps)
+            before = len(sweeps)
+            reader.sweep_next_read()
+            await reader.fetch()
+            await reader.fetch()
+            # (the tracker's own reads run too: the first read after the call sweeps, once)
+            assert sweeps[before:] == [True] + [False] * (len(sweeps) - before - 1)
+            assert len(sweeps) - before >= 2
+            assert len(reader.records) == 3
+            nursery.cancel_scope.cancel()
+
+    run_sim(main)

@@ -35,3 +35,31 @@ def test_one_deadlines_object_follows_the_window_and_the_group_links() -> None:
     assert d.lp_bound == bound > 30.0 and d.averaging > 3 * bound
     assert d.cross_wait >= 2 * d.averaging + 2 * d.max_wait
     assert base.for_group(bound, 0.05, override=7.0).averaging == 7.0
+
+
+def test_peers_that_check_mid_step_get_a_window_of_their_poll_not_the_slowest_step() -> None:
+    """A 1 sample/s peer's 4 s micro-step made a 6.35 s window at 40 peers, and the group
+    waited two of them for a peer the churn had killed. Peers that ask, inside a micro-step,
+    whether to average (``RoundConfig.mid_step_poll``) notice the target a poll apart: the
+    window counts the poll instead."""
+    from types import SimpleNamespace
+
+    from dedloc_jax.config import CollaborationConfig, RoundConfig
+    from dedloc_jax.rounds.stepping import Stepper
+
+    tracker = SimpleNamespace(dht_latency=0.05)
+    est = SimpleNamespace(max_step_interval=4.0)
+
+    def window(config: CollaborationConfig) -> float:
+        return Stepper(None, tracker, None, config).deadlines(est).window  # type: ignore[arg-type]
+
+    config = CollaborationConfig(target_batch_size=4096)
+    refresh = config.progress.min_refresh
+    assert window(config) == matchmaking_window(refresh, 0.05, 4.0)
+    polled = config.replace(rounds=RoundConfig(mid_step_poll=0.25))
+    assert window(polled) == matchmaking_window(refresh, 0.05, 0.25) < window(config) / 2
+    # a run whose micro-steps are shorter than the poll keeps their spread
+    est.max_step_interval = 0.1
+    assert window(polled) == matchmaking_window(refresh, 0.05, 0.1)
+    with pytest.raises(ValueError):
+        RoundConfig(mid_step_poll=0.0)
