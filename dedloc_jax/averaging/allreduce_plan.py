@@ -142,6 +142,12 @@ class Holdings:
         self.taus: dict[int, list[float | None]] = {j: [] for j in reducers}
         self.result_sigs: dict[int, list[bytes | None]] = {j: [] for j in reducers}
         self.result_bytes: dict[int, list[bytes]] = {j: [] for j in reducers}
+        # A verified round: each held chunk's result digest (what its reducer signed) with the
+        # mask and radius it covers, hashed once on receipt (or when we reduced it), not again
+        # for our statement.
+        self.result_digests: dict[int, list[tuple[frozenset[int], float | None, bytes]]] = {
+            j: [] for j in reducers
+        }
         # A verified round: each reducer's public key, proven against its peer ID on receipt
         # of its first result chunk (an aux reducer states nothing else that would name it).
         self.reducer_keys: dict[int, bytes] = {}

@@ -205,10 +205,14 @@ def _terms(rnd: AllReduceState, j: int, k: int) -> bytes:
 
 def _received(rnd: AllReduceState, j: int, k: int) -> bytes:
     """The :func:`.verify.result_digest` of result chunk ``k`` of share ``j`` as we received it
-    (what its reducer signed, under the terms we hold)."""
+    (what its reducer signed, under the terms we hold): the one checked on receipt while we
+    hold its bytes, mask and radius, else hashed here."""
     held = rnd.result_bytes.get(j, ())
     data = held[k] if k < len(held) else b""
     mask, tau = rnd.masks[j][k], rnd.taus[j][k]
+    cached = rnd.result_digests.get(j, ())
+    if k < len(held) and k < len(cached) and cached[k][:2] == (mask, tau):
+        return cached[k][2]
     return result_digest(rnd.round_id, rnd.spec.digest, j, k, data, mask, tau, _terms(rnd, j, k))
 
 
@@ -221,14 +225,15 @@ def check_signed(
     tau: float | None,
     sig: bytes | None,
     msg: dict,
-) -> None:
+) -> bytes:
     """Refuse (BadContributionError) result chunk ``k`` of share ``j`` (its message ``msg``)
     unless reducer ``j`` signed it: a chunk taken unsigned could never convict its reducer
     before a third party (:func:`check_evidence` redoes this very check). Its key comes with
     the first chunk and must be the one its peer ID names, and an aux reducer's statement too
     (the hellos it counted on: :func:`_judge_blank`). The refused exchange fails and the share
     is repaired without this reducer's result: a bad signature on our own stream proves
-    nothing to others, so nobody is convicted for it."""
+    nothing to others, so nobody is convicted for it. Returns the signed
+    :func:`.verify.result_digest` (our statement's, not hashed again)."""
     who = rnd.name(j)
     if k == 0:
         key = wire.parse_key(msg)
@@ -247,15 +252,17 @@ def check_signed(
     signed = result_digest(rnd.round_id, rnd.spec.digest, j, k, data, mask, tau, _terms(rnd, j, k))
     if not verify_signature(held, sig, result_claim(rnd.round_id, rnd.spec.digest, j, k, signed)):
         raise BadContributionError(f"reducer {who}'s signature of result chunk {k} does not verify")
+    return signed
 
 
-def _parse(rnd: AllReduceState, msg: Any) -> Statement:
+def _parse(rnd: AllReduceState, msg: Any, ours: bool = False) -> Statement:
     return parse_statement(
         msg,
         round_id=rnd.round_id,
         digest=rnd.spec.digest,
         members=[m.peer_id for m in rnd.members],
         chunks={j: len(c) for j, c in rnd.chunks.items()},
+        ours=ours,
     )
 
 
@@ -805,7 +812,7 @@ async def audit(rnd: AllReduceState) -> Verdict:
         # as a reducer, the signed hellos we counted on (checked when a share is disputed)
         list(rnd.holdings.hellos.values()) if rnd.me in rnd.chunks else [],
     )
-    _add(rnd, _parse(rnd, mine))
+    _add(rnd, _parse(rnd, mine, ours=True))
     await _exchange(rnd, mine, until)
     dropped: set[int] = set()
     stated = {i: st for i, st in rnd.statements.items() if st.seed == seed}

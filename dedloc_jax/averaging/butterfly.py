@@ -238,6 +238,7 @@ class AllReduceState:
         held = self.holdings  # the same objects: the roles write them, the audit reads them
         self.out, self.held, self.masks, self.taus = held.out, held.held, held.masks, held.taus
         self.result_sigs, self.result_bytes = held.result_sigs, held.result_bytes
+        self.result_digests = held.result_digests
         self.reducer_keys, self.aux_statements = held.reducer_keys, held.aux_statements
         self.settled = {j: trio.Event() for j in self.reducers}
         self.ok = dict.fromkeys(self.reducers, False)
@@ -301,6 +302,7 @@ class AllReduceState:
         self.reducer = None
         self.repairs = {}
         self.result_bytes.clear()
+        self.result_digests.clear()
 
     # -- helpers ------------------------------------------------------------------------------
     @property
@@ -510,8 +512,9 @@ class AllReduceState:
             mask = wire.parse_contributors(msg, self.senders)
             tau = wire.parse_tau(msg)
             sig = wire.parse_sig(msg)
+            signed = b""
             if self.config.verify:  # refused unless its reducer signed it (before decoding)
-                audit.check_signed(self, j, k, data, mask, tau, sig, msg)
+                signed = audit.check_signed(self, j, k, data, mask, tau, sig, msg)
             codec.decode_into(data, self.out[a:b])
             if not is_finite(self.out[a:b]):
                 raise BadContributionError("non-finite result")
@@ -521,6 +524,7 @@ class AllReduceState:
             self.result_sigs[j].append(sig)
             if self.config.verify:  # evidence, should this reducer be caught
                 self.result_bytes[j].append(bytes(data))
+                self.result_digests[j].append((mask, tau, signed))
             self.held[j] = k + 1
             if k + 1 == n_chunks:
                 await sent.wait()

@@ -305,6 +305,7 @@ class Reducer:
                     list(held.hellos.values()),
                 )  # fmt: skip
             held.result_bytes[r.me].append(bytes(data))
+            held.result_digests[r.me].append((mask, self.taus[k], rdigest))
         self.done = k + 1
         if not self.receivers:
             self._release()

@@ -97,3 +97,17 @@ def test_end_to_end_one_peer_scaling_its_gradient_is_bounded_only_with_centered_
     plain, honest2, _ = _scaled_round(None)
     np.testing.assert_array_equal(honest, honest2)
     assert np.abs(plain - honest).max() > 100 * tau  # without the option: poisoned
+
+
+def test_cap_weights_caps_at_twice_numpys_median_to_the_bit():
+    """The cap's median is taken without np.median (a tenth of a verified round's CPU went to
+    it): every member and every checker must still get the same float64 figure."""
+    from dedloc_jax.averaging.robust import WEIGHT_CAP
+
+    rng = np.random.default_rng(0)
+    for n in range(1, 12):
+        for scale in (1.0, 3.0, 1e-300, 1e300):
+            w = rng.random(n) * scale
+            want = np.minimum(w, WEIGHT_CAP * float(np.median(w)))
+            assert cap_weights(list(w)).tobytes() == want.tobytes()
+    assert np.isnan(cap_weights([1.0, float("nan"), 2.0])).all()  # as np.median: NaN

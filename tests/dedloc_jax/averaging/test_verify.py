@@ -1254,3 +1254,41 @@ def test_a_reducer_dying_mid_exchange_leaves_every_survivor_the_same_bits_and_no
         assert next(s for s in r.shares if s.owner == names[1]).repaired
         assert r.vector.tobytes() == results[0].vector.tobytes()
     assert asked == []
+
+
+def test_a_clean_round_hashes_each_result_chunk_and_verifies_each_signature_once(monkeypatch):
+    """A verified round's fixed CPU: each member hashed every result chunk on receipt (to check
+    its signature) and again for its statement, and verified the statement it had just signed
+    itself. A clean round now hashes each chunk once per member (its reducer to sign it, the
+    others to check it) and verifies only others' signatures: per member n - 1 statements,
+    as a reducer n - 1 hellos, and the signature of each chunk the n - 1 other reducers sent."""
+    from collections import Counter
+
+    from dedloc_jax.averaging import audit, reducer, verify
+
+    digests: Counter = Counter()
+    verified: list[bytes] = []
+    original_digest, original_verify = verify.result_digest, verify.verify_signature
+
+    def counting_digest(*args, **kw):  # noqa: ANN002, ANN003, ANN202
+        digests[args[2], args[3]] += 1  # (share, chunk)
+        return original_digest(*args, **kw)
+
+    def counting_verify(key, sig, data):  # noqa: ANN001, ANN202
+        verified.append(key)
+        return original_verify(key, sig, data)
+
+    for module in (audit, reducer):
+        monkeypatch.setattr(module, "result_digest", counting_digest)
+    for module in (audit, verify):
+        monkeypatch.setattr(module, "verify_signature", counting_verify)
+    n = 4
+    rng = np.random.default_rng(11)
+    trees = [make_tree(rng, SHAPES) for _ in range(n)]
+    cfg = VERIFY.replace(robust=True)
+    outcome, _, _ = run_round(["node"] * n, trees, [1.0] * n, codec="fp16", config=cfg)
+    results = _results(outcome)
+    assert not any(r.accusations for r in results)
+    assert len(digests) >= n and set(digests.values()) == {n}, digests  # 2n before
+    chunks = len(digests)
+    assert len(verified) == 2 * n * (n - 1) + (n - 1) * chunks  # + n before
