@@ -182,6 +182,11 @@ class Collaboration:
         if self._thread is None:
             return
         if self._stop is not None and self._thread.running:
+            if self.core is not None:  # others stop expecting us before our record expires
+                try:
+                    self._thread.run(self.core.leave)
+                except Exception as e:  # (a loop that failed: nothing to tell then)
+                    log.debug("could not tell the run we leave: %s", e)
             self._thread.run_sync(self._stop.set)
         self._thread.stop()
         self._thread = None

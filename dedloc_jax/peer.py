@@ -30,6 +30,9 @@ from p2p.node import Node
 
 log = logging.getLogger(__name__)
 
+LEAVE_TIMEOUT = 5.0
+"""Seconds a leaving peer tries to store its last progress record (the DHT may be gone)."""
+
 
 class CollaborationPeer:
     """The trio side of a collaboration; use :func:`~dedloc_jax.opening.open_collaboration`.
@@ -279,6 +282,12 @@ class CollaborationPeer:
         )
 
     # --- state (LocalState; loading also moves this peer's epoch) ---------------------------
+    async def leave(self) -> None:
+        """Tell the run that this peer leaves (its progress record says it averages no more),
+        within :data:`LEAVE_TIMEOUT` seconds; the peer still serves until it closes."""
+        with trio.move_on_after(LEAVE_TIMEOUT):
+            await self.tracker.leave()
+
     async def share_state(self, arrays: Sequence[np.ndarray], epoch: int) -> None:
         await self.state.share(arrays, epoch)
 

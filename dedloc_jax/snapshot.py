@@ -51,9 +51,10 @@ class ProgressSnapshot:
 
 
 def others_train(tracker: ProgressTracker) -> bool:
-    """Whether the progress table names another peer that computes gradients."""
+    """Whether the progress table names another peer that computes gradients (one that left
+    the run, its record no longer averaging, does not)."""
     me = tracker.peer_id
-    return any(pid != me and r.mode != "aux" for pid, r in tracker.records.items())
+    return any(pid != me and r.mode != "aux" and r.averages for pid, r in tracker.records.items())
 
 
 def take_snapshot(

@@ -578,6 +578,17 @@ class ProgressTracker:
         self._frozen = True
         await self.publish()
 
+    async def leave(self) -> None:
+        """Publish that this peer leaves the run: it joins no more rounds and brings no
+        samples, so that nobody waits for it in matchmaking, counts samples it will never
+        send, or warns that the run steps without it while its record lives on."""
+        self.averages = False
+        self.samples = 0
+        self.meter = ThroughputMeter(half_life=10.0)
+        self.step_interval = 0.0
+        self._frozen = False
+        await self.publish()
+
     def own_progress(self) -> PeerProgress:
         """Our record, stamped with the time our samples were counted (not the time we
         publish), so that others extrapolate from the right instant."""

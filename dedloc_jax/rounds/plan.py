@@ -19,14 +19,17 @@ def expected_peers(
     report we read may still be of the epoch before. Without the mates, a peer that fills the
     target alone reads its mate's old report, expects nobody and steps alone.
 
-    A peer that only follows the run (an aux peer that checkpoints, ``averages`` False) is not
-    expected: a leader would wait for a peer that never joins. Nor is a mate whose report we
-    lack: a table that lost records would hold every group for its mates."""
+    A peer that only follows the run (an aux peer that checkpoints, ``averages`` False) or
+    left it (:meth:`~dedloc_jax.tracker.ProgressTracker.leave`) is not expected: a leader
+    would wait for a peer that never joins. Nor is a mate whose report we lack: a table that
+    lost records would hold every group for its mates."""
     peers = {pid for pid, r in records.items() if r.epoch == epoch and r.averages}
     into, averaged_with = mates
     if into == epoch:
         peers |= {
-            p for p in averaged_with if p != me and p in records and records[p].epoch == into - 1
+            p
+            for p in averaged_with
+            if p != me and p in records and records[p].epoch == into - 1 and records[p].averages
         }
     return peers
 

@@ -765,3 +765,55 @@ def test_a_peer_that_holds_the_chosen_state_loads_it_without_a_download() -> Non
     assert out["loaded"] == (3, [3.0] * 10)
     assert out["served"] == 0
     assert out["lineage"][0] and out["lineage"][0] == out["lineage"][1]
+
+
+@pytest.mark.parametrize("stay", [1, 2])
+def test_a_peer_that_leaves_is_not_waited_for_nor_warned_about(stay: int, caplog) -> None:
+    """A peer that leaves the run (``leave``, as ``Collaboration.close`` does) says so in its
+    progress record: the ones that stay neither expect it at the next epoch nor, when one
+    trains alone, warn at every step that it stepped without the whole collaboration (the
+    leaver's record lived on for its TTL: 94 warnings in 37 s after a README peer left)."""
+    config = CollaborationConfig.local_demo(32)
+    config = config.replace(progress=config.progress.replace(max_refresh=1.0))
+
+    async def main() -> dict:
+        out: dict = {"outcomes": [], "expected": []}
+        async with open_sim_collaboration(
+            SimNetwork(seed=5), stay + 1, config=config, latency=0.01
+        ) as cores:
+            left = trio.Event()
+
+            async def train(i: int, epochs: range) -> None:
+                for epoch in epochs:
+                    samples = 0
+                    while not cores[i].report(epoch, samples := samples + MICRO, MICRO):
+                        await trio.sleep(MICRO / 16.0)
+                    if epoch >= 2 and i == 0:
+                        out["expected"].append(cores[0]._peers_at(epoch))
+                    outcome = await cores[i].average(epoch, [_grad(i, epoch, 0)], samples)
+                    if epoch >= 2:
+                        out["outcomes"].append((outcome.group_size, outcome.complete))
+                    if epoch == 1 and i < stay:  # (the leaver leaves meanwhile)
+                        await left.wait()
+
+            async def leaver() -> None:
+                await train(stay, range(2))
+                await cores[stay].leave()
+                await trio.sleep(2 * config.progress.max_refresh)  # (others read it)
+                left.set()
+
+            async with trio.open_nursery() as nursery:
+                for i in range(stay):
+                    nursery.start_soon(train, i, range(5))
+                nursery.start_soon(leaver)
+            out["leaver"] = str(cores[stay].node.peer_id)
+        return out
+
+    with caplog.at_level("INFO"):
+        out = run_sim(main, seed=5)
+    assert all(out["leaver"] not in seen for seen in out["expected"]), out["expected"]
+    if stay == 1:  # alone now: no news, and no lineage check after every step
+        warned = [r for r in caplog.records if "without the whole collaboration" in r.message]
+        assert all(r.levelname == "INFO" for r in warned), [r.message for r in warned]
+    else:
+        assert out["outcomes"] == [(2, True)] * 6, out["outcomes"]
