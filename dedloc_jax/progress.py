@@ -309,9 +309,14 @@ def estimate_collaboration(
 
     # The samples bound counts peers that have none yet and never falls below an equal share of
     # the target, so it only grows with time: an estimate must not shrink while peers train.
-    counted = [held(r) for r in at_epoch if r.mode != "aux" and not voided(r)]
+    counted = [(held(r), r.alone) for r in at_epoch if r.mode != "aux" and not voided(r)]
     share = target_batch_size / max(1, len(counted))
-    median = statistics.median_low(counted) if counted else math.inf
+    # The typical peer is one that trained since the epoch began: the median of those that
+    # entered it with a group (records not ``alone``), when any did. Newcomers (alone) hold
+    # only what they computed since they joined: counted in, they pulled the median down and
+    # capped honest peers that trained the whole epoch, so views of the target disagreed.
+    typical = [h for h, alone in counted if not alone] or [h for h, _ in counted]
+    median = statistics.median_low(typical) if typical else math.inf
     samples_cap = max(CLAIM_CAP * median, share)
     samples = 0.0
     sps = 0.0
