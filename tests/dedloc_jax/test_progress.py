@@ -284,3 +284,28 @@ def test_newcomers_few_samples_do_not_cap_a_peer_that_trained_the_whole_epoch() 
         [*records, liar], now=100.0, target_batch_size=10**9, me="o1", proven=olds.__contains__
     )
     assert est.samples == pytest.approx(613_700 + 59_000)
+
+
+def test_a_newcomer_counts_itself_and_other_newcomers_as_the_runs_members_count_them() -> None:
+    """A fast newcomer that joined early in a long epoch holds twice a typical peer's
+    samples. The run's members count it as one typical peer (it never averaged with them);
+    it counted itself whole, and so did every other newcomer (having averaged with nobody,
+    they count everyone whole): newcomers saw the target first and waited or stepped without
+    the rest. A record that entered the epoch alone while others entered it with a group now
+    counts as one typical peer in every view, its own included."""
+    olds = dict.fromkeys(["o1", "o2", "o3", "o4", "o5"], 50_000)
+    news = {"fast": 100_000, "n1": 20_000, "n2": 10_000}
+    records = [PeerProgress(p, 1, s, 3.0, 100.0, alone=p in news) for p, s in (olds | news).items()]
+    views = {}
+    for me in [*olds, *news]:
+        proven = olds.__contains__ if me in olds else None
+        est = estimate_collaboration(
+            records, now=100.0, target_batch_size=10**6, me=me, proven=proven
+        )
+        views[me] = est.samples
+    print(f"views of the samples: {sorted(set(views.values()))}")
+    assert all(v == pytest.approx(5 * 50_000 + 50_000 + 30_000) for v in views.values())
+    # With no group at the epoch (a run's first), every record counts whole.
+    first = [PeerProgress(r.peer_id, 0, r.samples, 3.0, 100.0, alone=True) for r in records]
+    est = estimate_collaboration(first, now=100.0, target_batch_size=10**6, me="fast")
+    assert est.samples == pytest.approx(5 * 50_000 + 130_000)
