@@ -290,14 +290,14 @@ def estimate_collaboration(
     out when telling whether all the others wait (:attr:`CollaborationEstimate.ready`).
     ``proven``: whether a peer has averaged with the run (None: every peer has); the claims
     of one that has not, and of one that entered the epoch alone while others entered it with
-    a group, count at most as the median peer's (:data:`CLAIM_CAP` times it for the others,
-    ours included: we count ourselves as they count us); the median is of the peers that
-    entered the epoch with a group, when any did. ``began``: when some peers began the epoch,
-    as we saw it (our mates, who stepped into it with us); their samples count for at most
-    :data:`PLAUSIBLE` times what their counted rate makes in the time since. ``void``: whether
-    a peer's samples and rate count for nothing (its contribution to a round weighed nothing:
-    :func:`dedloc_jax.rounds.claims.weightless`); ours always count, so an epoch closes on our
-    own samples if every other peer is void.
+    a group, count at most as the median peer's (:data:`CLAIM_CAP` times it for the others;
+    ours counts whole, but as a newcomer's when we are one: the others count it so); the
+    median is of the peers that entered the epoch with a group, when any did. ``began``: when
+    some peers began the epoch, as we saw it (our mates, who stepped into it with us); their
+    samples count for at most :data:`PLAUSIBLE` times what their counted rate makes in the
+    time since. ``void``: whether a peer's samples and rate count for nothing (its
+    contribution to a round weighed nothing: :func:`dedloc_jax.rounds.claims.weightless`);
+    ours always count, so an epoch closes on our own samples if every other peer is void.
     """
     records = list(records)
     # Only trainers move the epoch: clients may lag or lie about it, aux peers follow.
@@ -333,15 +333,16 @@ def estimate_collaboration(
             computing += (
                 not r.waiting and not voided(r) and (r.samples > 0 or r.samples_per_second > 0)
             )
-        # Every claim is bounded by the median peer's. A peer that never averaged with the run
-        # (a fresh identity: it costs nothing) counts as one typical peer at most: a record of
-        # 2**53 samples counted as four and closed epochs at half the honest samples
-        # (bench.byzantine's claim_samples). So does a record that entered the epoch alone
-        # while others entered it with a group (a newcomer: unproven to the run's members),
-        # in every view, and ours is counted as the others count it: a peer that counted
-        # itself (or other newcomers) whole saw the target before the rest and stepped alone.
-        cap = min(median, samples_cap) if unproven(r) or (grouped and r.alone) else samples_cap
-        counts = min(held(r), cap)
+        # Our own count is exact; every other one is a claim, bounded by the median peer's.
+        # A peer that never averaged with the run (a fresh identity: it costs nothing) counts
+        # as one typical peer at most: a record of 2**53 samples counted as four and closed
+        # epochs at half the honest samples (bench.byzantine's claim_samples). So does a
+        # record that entered the epoch alone while others entered it with a group (a
+        # newcomer, unproven to the run's members) in every view, ours included: a newcomer
+        # that counted itself and other newcomers whole saw the target before the rest.
+        newcomer = grouped and r.alone
+        cap = min(median, samples_cap) if unproven(r) or newcomer else samples_cap
+        counts = min(held(r), cap) if r.peer_id != me or newcomer else held(r)
         if r.peer_id == me:
             own, own_rate = counts, rate(r)
         samples += counts
