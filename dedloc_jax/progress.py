@@ -289,13 +289,15 @@ def estimate_collaboration(
     one stale record cannot claim a whole batch on its own. ``me``: the peer asking, left
     out when telling whether all the others wait (:attr:`CollaborationEstimate.ready`).
     ``proven``: whether a peer has averaged with the run (None: every peer has); the claims
-    of one that has not count at most as the median peer's (:data:`CLAIM_CAP` times it for
-    the others). ``began``: when some peers began the epoch, as we saw it (our mates, who
-    stepped into it with us); their samples count for at most :data:`PLAUSIBLE` times what
-    their counted rate makes in the time since. ``void``: whether a peer's samples and rate
-    count for nothing (its contribution to a round weighed nothing:
-    :func:`dedloc_jax.rounds.claims.weightless`); ours always count, so an epoch closes on our
-    own samples if every other peer is void.
+    of one that has not, and of one that entered the epoch alone while others entered it with
+    a group, count at most as the median peer's (:data:`CLAIM_CAP` times it for the others;
+    ours counts whole, but as a newcomer's when we are one: the others count it so); the
+    median is of the peers that entered the epoch with a group, when any did. ``began``: when
+    some peers began the epoch, as we saw it (our mates, who stepped into it with us); their
+    samples count for at most :data:`PLAUSIBLE` times what their counted rate makes in the
+    time since. ``void``: whether a peer's samples and rate count for nothing (its
+    contribution to a round weighed nothing: :func:`dedloc_jax.rounds.claims.weightless`);
+    ours always count, so an epoch closes on our own samples if every other peer is void.
     """
     records = list(records)
     # Only trainers move the epoch: clients may lag or lie about it, aux peers follow.
@@ -309,9 +311,15 @@ def estimate_collaboration(
 
     # The samples bound counts peers that have none yet and never falls below an equal share of
     # the target, so it only grows with time: an estimate must not shrink while peers train.
-    counted = [held(r) for r in at_epoch if r.mode != "aux" and not voided(r)]
+    counted = [(held(r), r.alone) for r in at_epoch if r.mode != "aux" and not voided(r)]
     share = target_batch_size / max(1, len(counted))
-    median = statistics.median_low(counted) if counted else math.inf
+    # The typical peer is one that trained since the epoch began: the median of those that
+    # entered it with a group (records not ``alone``), when any did. Newcomers (alone) hold
+    # only what they computed since they joined: counted in, they pulled the median down and
+    # capped honest peers that trained the whole epoch, so views of the target disagreed.
+    grouped = [h for h, alone in counted if not alone]
+    typical = grouped or [h for h, _ in counted]
+    median = statistics.median_low(typical) if typical else math.inf
     samples_cap = max(CLAIM_CAP * median, share)
     samples = 0.0
     sps = 0.0
@@ -325,14 +333,19 @@ def estimate_collaboration(
             computing += (
                 not r.waiting and not voided(r) and (r.samples > 0 or r.samples_per_second > 0)
             )
-        else:
-            own, own_rate = held(r), rate(r)
         # Our own count is exact; every other one is a claim, bounded by the median peer's.
         # A peer that never averaged with the run (a fresh identity: it costs nothing) counts
         # as one typical peer at most: a record of 2**53 samples counted as four and closed
-        # epochs at half the honest samples (bench.byzantine's claim_samples).
-        cap = min(median, samples_cap) if unproven(r) else samples_cap
-        samples += held(r) if r.peer_id == me else min(held(r), cap)
+        # epochs at half the honest samples (bench.byzantine's claim_samples). So does a
+        # record that entered the epoch alone while others entered it with a group (a
+        # newcomer, unproven to the run's members) in every view, ours included: a newcomer
+        # that counted itself and other newcomers whole saw the target before the rest.
+        newcomer = grouped and r.alone
+        cap = min(median, samples_cap) if unproven(r) or newcomer else samples_cap
+        counts = min(held(r), cap) if r.peer_id != me or newcomer else held(r)
+        if r.peer_id == me:
+            own, own_rate = counts, rate(r)
+        samples += counts
         if not r.waiting:
             sps += rate(r)
         interval = max(interval, r.step_interval)

@@ -249,3 +249,63 @@ def test_void_peers_count_nothing_and_our_own_samples_still_close_the_target() -
         records, now=6.0, target_batch_size=100, me="me", void=lambda pid: True
     )
     assert later.ready  # (void never applies to ourselves)
+
+
+def test_newcomers_few_samples_do_not_cap_a_peer_that_trained_the_whole_epoch() -> None:
+    """A long epoch with churn (bench.collaboration's 12-peer DiLoCo stand-in, seed 1, at
+    35,089 s): six peers stepped into the epoch together, one of them fast (180k samples);
+    seven newcomers joined late and hold little. Every peer's samples were capped at
+    CLAIM_CAP x the median of all thirteen (30k, a newcomer's): the fast peer counted 120k in
+    every view but its own, saw the target alone, stepped alone, and the others (its samples
+    gone from their table) never reached it. The typical peer is now one that entered the
+    epoch with a group: every view counts the same samples and agrees on the target."""
+    olds = {"fast": 180_000, "o1": 95_000, "o2": 65_000, "o3": 59_000, "o4": 58_000}
+    olds["o5"] = 57_000
+    news = {"n1": 30_000, "n2": 29_000, "n3": 15_000, "n4": 11_000, "n5": 10_000}
+    news |= {"n6": 4_000, "n7": 700}
+    rates = {"fast": 10.0} | dict.fromkeys([*olds, *news][1:], 3.0)
+    records = [
+        PeerProgress(p, 1, s, rates[p], 100.0, alone=p in news) for p, s in (olds | news).items()
+    ]
+    target = 600_000  # the records hold 613,700
+    views = {}
+    for me in [*olds, *news]:
+        # an old peer averaged with the old ones; a newcomer with nobody (all count whole)
+        proven = olds.__contains__ if me in olds else None
+        est = estimate_collaboration(
+            records, now=100.0, target_batch_size=target, me=me, proven=proven
+        )
+        views[me] = est.samples
+    print(f"views of the samples: {sorted(set(views.values()))}")
+    assert all(v == pytest.approx(613_700) for v in views.values())  # each counts it whole
+    # A newcomer's claim still counts as one typical peer at most in an old peer's view.
+    liar = PeerProgress("liar", 1, 2**53, 3.0, 100.0, alone=True)
+    est = estimate_collaboration(
+        [*records, liar], now=100.0, target_batch_size=10**9, me="o1", proven=olds.__contains__
+    )
+    assert est.samples == pytest.approx(613_700 + 59_000)
+
+
+def test_a_newcomer_counts_itself_and_other_newcomers_as_the_runs_members_count_them() -> None:
+    """A fast newcomer that joined early in a long epoch holds twice a typical peer's
+    samples. The run's members count it as one typical peer (it never averaged with them);
+    it counted itself whole, and so did every other newcomer (having averaged with nobody,
+    they count everyone whole): newcomers saw the target first and waited or stepped without
+    the rest. A record that entered the epoch alone while others entered it with a group now
+    counts as one typical peer in every view, its own included."""
+    olds = dict.fromkeys(["o1", "o2", "o3", "o4", "o5"], 50_000)
+    news = {"fast": 100_000, "n1": 20_000, "n2": 10_000}
+    records = [PeerProgress(p, 1, s, 3.0, 100.0, alone=p in news) for p, s in (olds | news).items()]
+    views = {}
+    for me in [*olds, *news]:
+        proven = olds.__contains__ if me in olds else None
+        est = estimate_collaboration(
+            records, now=100.0, target_batch_size=10**6, me=me, proven=proven
+        )
+        views[me] = est.samples
+    print(f"views of the samples: {sorted(set(views.values()))}")
+    assert all(v == pytest.approx(5 * 50_000 + 50_000 + 30_000) for v in views.values())
+    # With no group at the epoch (a run's first), every record counts whole.
+    first = [PeerProgress(r.peer_id, 0, r.samples, 3.0, 100.0, alone=True) for r in records]
+    est = estimate_collaboration(first, now=100.0, target_batch_size=10**6, me="fast")
+    assert est.samples == pytest.approx(5 * 50_000 + 130_000)
