@@ -633,26 +633,15 @@ class ProgressTracker:
         """The estimate extrapolated to now, with this peer's own progress exact."""
         records = self.projected()
         records[self.peer_id] = self.own_progress()
-        target = self.target
-        return estimate_collaboration(
-            records.values(),
-            now=self.dht.now(),
-            target_batch_size=math.inf if target is None else target,
-            max_extrapolation=self.max_extrapolation,
-            me=self.peer_id,
-            proven=self.proven,
-            began=self._began(),
-            void=self.void.__contains__,
-        )
+        return self._estimate(records, self.dht.now())
 
     def committed_estimate(self) -> CollaborationEstimate:
         """The estimate counting whole micro-steps only: each other computing peer's record
         extrapolated by the micro-steps it completed since (at its step interval and rate),
         ours as reported. It is what the peers hold if each averaged now what it accumulated,
-        leaving its micro-step in flight to the next epoch (``CollaborationPeer.due``).
-        Deciding mid-step on :meth:`current_estimate`, which also counts the fractions of
-        micro-steps in flight, peers froze below it and the epoch fell short of the target:
-        the slowest peers then filled the gap (readiness spread 2.8 -> 8.4 s at 20 peers)."""
+        leaving its micro-step in flight to the next epoch (``CollaborationPeer.due``). A
+        mid-step decision takes this one, not :meth:`current_estimate`, which also counts the
+        fractions of micro-steps in flight: the epoch must still reach the target."""
         now = self.dht.now()
         records = self.projected()
         records[self.peer_id] = dataclasses.replace(self.own_progress(), time=now)
@@ -664,6 +653,11 @@ class ProgressTracker:
             steps = math.floor(elapsed / r.step_interval) if r.step_interval > 0 else 0
             done = round(steps * r.step_interval * r.samples_per_second)  # (whole batches)
             records[pid] = dataclasses.replace(r, samples=r.samples + done, time=now)
+        return self._estimate(records, now)
+
+    def _estimate(self, records: dict[str, PeerProgress], now: float) -> CollaborationEstimate:
+        """The collaboration's estimate from ``records`` (ours among them) at DHT time ``now``,
+        under this peer's bounds on the others' claims."""
         target = self.target
         return estimate_collaboration(
             records.values(),
