@@ -139,6 +139,7 @@ def _wait_for(out: Path, until: Callable[[list[dict]], bool], what: str) -> None
     pytest.fail(what)
 
 
+@pytest.mark.slow
 def test_a_late_joiner_and_a_restarted_peer_catch_up(tmp_path: Path, bootstrap: list) -> None:
     """A third peer starts after epoch 3; then another is SIGKILLed and restarted: each
     loads the run's state at its first keep_in_step, averages with the others afterwards, and

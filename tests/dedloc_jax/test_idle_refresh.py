@@ -104,6 +104,7 @@ def test_a_peer_far_from_the_target_reads_and_publishes_a_few_times_a_minute_at_
     assert max(ready_at) <= 2400 + 30
 
 
+@pytest.mark.slow
 def test_a_peer_far_from_the_target_renews_its_state_announcement_rarely_and_keeps_it_live() -> (
     None
 ):
@@ -154,6 +155,7 @@ def test_a_peer_far_from_the_target_renews_its_state_announcement_rarely_and_kee
     assert live == [2] * 20, live
 
 
+@pytest.mark.slow
 def test_far_from_the_target_the_table_is_looked_up_about_once_per_record_lifetime() -> None:
     """Six peers (enough that the table has its full set of holders) train toward a step
     about 40 minutes away: between minutes 12 and 22 each looks the table's nearest nodes up

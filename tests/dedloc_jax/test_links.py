@@ -12,6 +12,7 @@ from tests.dedloc_jax.simcollab import open_sim_collaboration
 MBIT = 1e6 / 8
 
 
+@pytest.mark.slow
 def test_keep_links_measured_probes_once_peers_are_known() -> None:
     """Peers that report no rate yet (nothing predicts their next round) probe on joining."""
     ups = [10, 50, 100, 100]  # every peer's partners together can fill its downlink
@@ -40,6 +41,7 @@ def test_keep_links_measured_probes_once_peers_are_known() -> None:
         assert f.upload_age < 120
 
 
+@pytest.mark.slow
 def test_a_stale_figure_is_not_probed_again_while_no_averaging_is_in_sight() -> None:
     """With rare averaging (diloco's outer steps) probing every meter window would send more
     than the averaging: a stale figure waits until the next averaging is near."""

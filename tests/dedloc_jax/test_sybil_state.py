@@ -166,7 +166,9 @@ async def _attack(
     nursery.cancel_scope.cancel()
 
 
-@pytest.mark.parametrize("mint", [False, True], ids=["replayed", "minted"])
+@pytest.mark.parametrize(
+    "mint", [pytest.param(False, marks=pytest.mark.slow), True], ids=["replayed", "minted"]
+)
 def test_sybil_announcers_of_a_forged_state_neither_lead_a_newcomer_nor_the_honest(
     mint: bool,
 ) -> None:

@@ -61,6 +61,7 @@ def _busy_port() -> socket.socket:
     return s
 
 
+@pytest.mark.slow
 def test_a_listen_or_dashboard_port_in_use_is_one_line_naming_it(run_dir, tmp_path) -> None:
     with _busy_port() as busy:
         port = busy.getsockname()[1]
@@ -78,7 +79,9 @@ def test_a_listen_or_dashboard_port_in_use_is_one_line_naming_it(run_dir, tmp_pa
             assert "Traceback" not in got.stderr and "ExceptionGroup" not in got.stderr
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+@pytest.mark.parametrize(
+    "sig", [signal.SIGINT, pytest.param(signal.SIGTERM, marks=pytest.mark.slow)]
+)
 def test_sigint_and_sigterm_end_a_peer_cleanly_with_one_line(run_dir, tmp_path, sig) -> None:
     """It leaves the run (port mappings removed, connections closed) and says so once; it
     listens on every interface by default and advertises only dialable addresses."""
@@ -106,6 +109,7 @@ def test_sigint_and_sigterm_end_a_peer_cleanly_with_one_line(run_dir, tmp_path, 
     assert "Traceback" not in text, text[-3000:]
 
 
+@pytest.mark.slow
 def test_unreachable_initial_peers_fail_fast_with_the_reason(run_dir, tmp_path) -> None:
     """A closed port, or a peer whose key is not the address's /p2p/ ID: the reason is known at
     once, so the volunteer hears it after a brief retry, not after two minutes."""

@@ -69,6 +69,7 @@ def small_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root / "ckpt"
 
 
+@pytest.mark.slow
 def test_finetune_from_the_cli_at_the_recipes_settings(small_checkpoint, tmp_path, capsys) -> None:
     """``finetune`` as the README runs it, from local .jsonl files, at sahajBERT's recipe (lr
     1e-5, sequences of 128, batches of 128, patience 3), for two epochs of generated data."""

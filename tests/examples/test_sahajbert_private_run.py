@@ -99,6 +99,7 @@ def run(tmp_path_factory: pytest.TempPathFactory):
     coord.wait(timeout=30)
 
 
+@pytest.mark.slow
 def test_the_running_coordinator_refuses_a_trainer_without_an_invitation(run) -> None:
     work, log = run["tmp"] / "stranger", run["tmp"] / "stranger.log"
     key = run["tmp"] / "stranger.key"

@@ -357,6 +357,7 @@ def test_clean_json_replaces_non_finite_numbers() -> None:
     }
 
 
+@pytest.mark.slow
 def test_pretraining_applies_the_sop_heads_dropout_with_a_fresh_mask_per_seed() -> None:
     """sahajBERT pretrains with classifier dropout 0.1: the trainer's step draws the SOP head's
     mask from the batch's seed (the same seed, the same loss; another seed, another loss)."""

@@ -188,6 +188,7 @@ def test_bfloat16_gradients_agree_with_float32_within_bfloat16_tolerance():
             assert cos > 0.99
 
 
+@pytest.mark.slow
 def test_remat_gives_the_same_loss_and_gradients():
     cfg = AlbertConfig.tiny(num_hidden_layers=2)
     batch = make_batch(cfg)
@@ -254,6 +255,7 @@ def test_losses_skip_ignored_labels():
     np.testing.assert_allclose(total, expected + sop_expected, rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_tiny_model_overfits_a_fixed_batch():
     model = AlbertForPreTraining(TINY, rngs=nnx.Rngs(0))
     optimizer = nnx.Optimizer(model, optax.adam(3e-3), wrt=nnx.Param)

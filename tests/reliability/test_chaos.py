@@ -20,6 +20,7 @@ import pytest
 pytestmark = pytest.mark.timeout(1800)
 
 
+@pytest.mark.slow
 def test_trainers_killed_and_restarted_stay_in_step(tmp_path: Path) -> None:
     cmd = [
         sys.executable, "-m", "bench.chaos", "--peers", "3", "--kills", "3", "--target", "192",

@@ -32,7 +32,7 @@ another (the slow suite runs seeds 1-9 of the capped plan in both orders)."""
 
 @pytest.mark.parametrize(
     ("group", "sorted_shuffle"),
-    [(64, False), (3, False), (3, True)],
+    [(64, False), (3, False), pytest.param(3, True, marks=pytest.mark.slow)],
     ids=["one-group", "capped", "capped-hypothesis-order"],
 )
 def test_soak_small(group: int, sorted_shuffle: bool, monkeypatch: pytest.MonkeyPatch) -> None:
