@@ -24,6 +24,10 @@ its own batches) for ``--epochs`` epochs; peer 3 is hostile. Attacks:
   (epoch 10**6, markup for addresses), and ``lying_config`` (peer 3 states 1e15 B/s links in
   every registration; its reductions are honest). These defences cannot be switched off: one
   row each, with them.
+* the matchmaking attacks of :mod:`bench.hostile_leader` (``leader_takes_half``,
+  ``leader_takes_one_holds``, ``leader_takes_all_but_one``, ``sybil_refusals``): their own
+  five peers, matchmaking only; ``grouped_epochs`` counts the epochs with every honest peer
+  in one group, ``clean_max_form_s`` the clean run's longest formation.
 
 Each attack runs with the defences (the open-run defaults) and without them (``robust`` and
 ``verify`` off: the plain mean, unchecked). One row each: ``detected`` (an honest peer banned
@@ -88,6 +92,7 @@ import numpy as np
 import trio
 
 from bench import attacks_progress as ap
+from bench import hostile_leader
 from dedloc_jax.averaging.bandwidth import PROBE_PROTOCOL
 from dedloc_jax.averaging.reducer import Reducer
 from dedloc_jax.averaging.verify import chunk_terms, result_claim, result_digest
@@ -134,6 +139,9 @@ PROGRESS_ATTACKS = (
     "junk_state_offer",
     "lying_config",
 )
+LEADER_ATTACKS = tuple(a for a in hostile_leader.SCENARIOS if a != "clean")
+"""A hostile matchmaking leader or Sybil refusal claims (:mod:`bench.hostile_leader`: five
+peers, matchmaking only, at ``--seed``): epochs with every honest peer in one group."""
 BASELINE_ALONE = "honest3@epochs"
 """A defended attack row's baseline: a clean run of the three honest peers alone (the same
 batches and target), at the same epochs. Once the defences take the hostile peer's data out (a
@@ -688,7 +696,9 @@ def main() -> None:
     sparse = compression == "topk"
     # TopK rounds have no reducers; the sparse attacks forge TopK payloads
     named = (
-        args.attacks if args.attacks is not None else [*ATTACKS, *SPARSE_ATTACKS, *PROGRESS_ATTACKS]
+        args.attacks
+        if args.attacks is not None
+        else [*ATTACKS, *SPARSE_ATTACKS, *PROGRESS_ATTACKS, *LEADER_ATTACKS]
     )
     skipped = [
         a
@@ -798,6 +808,11 @@ def main() -> None:
             row["loss_vs_free_rider"] = round(row["honest_loss"] / losses["free_rider"], 4)
     for attack in (a for a in PROGRESS_ATTACKS if a in attacks):
         rows.append(_progress_row(attack, go(attack, True), clean[True]))
+    leading = [a for a in LEADER_ATTACKS if a in attacks]  # (the scheme plays no part)
+    clean_form = hostile_leader.row("clean", [args.seed], args.epochs) if leading else {}
+    for attack in leading:
+        row = hostile_leader.row(attack, [args.seed], args.epochs)
+        rows.append({**row, "defences": True, "clean_max_form_s": clean_form["max_form_s"]})
     for row in rows:
         print(" ".join(f"{k}={v}" for k, v in row.items()))
     print(f"defences' overhead on a clean run: {overhead}")

@@ -67,9 +67,14 @@ class FollowsGone(Exception):
         self.target = target
 
 
-async def ask_leader(node: Node, slot: Slot, peer: str, timeout: float) -> Any:
-    """``peer``'s answer to whom it follows at ``slot`` (raises P2PError)."""
-    request = {"epoch": slot[0], "level": slot[1]}
+async def ask_leader(
+    node: Node, slot: Slot, peer: str, timeout: float, *, refused: str | None = None
+) -> Any:
+    """``peer``'s answer to whom it follows at ``slot`` (raises P2PError); ``refused``: the
+    leader that refused us as its group closed, told to the member we ask."""
+    request: dict[str, Any] = {"epoch": slot[0], "level": slot[1]}
+    if refused is not None:
+        request["refused"] = refused
     return await node.call(PeerID.from_base58(peer), LEADER, request, timeout=timeout)
 
 

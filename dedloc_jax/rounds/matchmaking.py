@@ -82,6 +82,10 @@ member still follows the dead leader (it falls back once it finds it gone, as we
 CLOSED_ASKS = 8
 """Members of our group (the first in rank) asked whether a leader that refused us as its
 group closed holds them: one says yes in an honest race (level 1 plans thousands)."""
+MIN_WITNESSES = 2
+"""Members of our planned group that must say a leader refused them before we leave it: one
+member's word against the leader's is a draw (a lone liar would strand every honest leader of
+its groups), two independent ones outweigh it."""
 _MAX_LEARNED = 4096  # peers whose last addresses we remember (then start over)
 MAX_NO_SHOW_SKIP = 32
 """The most epochs a peer that kept missing its expected registrations goes unwaited for."""
@@ -90,6 +94,18 @@ NEWCOMER_WAIT_SHARE = 0.01
 window when that window is at most this share of an epoch: a fresh identity then costs a round
 at most 1% of its time, while a DiLoCo newcomer, whose first outer round carries hours of its
 computing, is not left out for noticing the target a second late."""
+
+
+def _outweighs(said: int, held: int | None, group: int) -> bool:
+    """Whether ``said`` witnesses that a leader refused them (each a member of our planned
+    group of ``group`` peers without the leader, us counted) outweigh its spec, which holds
+    ``held`` of that group (None: unknown, no spec yet). At least :data:`MIN_WITNESSES`, and
+    more than it took or more than a third of the group: an honest leader refuses a member
+    only when views differ, and a leader that took half of four and refused the other half
+    was believed. A lone claimant (one member, or a leader's single refusal) is not enough."""
+    if said < MIN_WITNESSES:
+        return False
+    return (held is not None and said > held) or 3 * said > group
 
 
 # -- registration: a peer ready for a slot stores what it brings under the slot's key, reads
@@ -343,6 +359,9 @@ class Matchmaker:
         record = self.slots.get(slot)
         if record is None:
             return {"decided": False}
+        refused = request.get("refused")
+        if isinstance(refused, str):
+            self._complained(slot, str(ctx.remote_peer), refused)
         answer: dict[str, Any] = {"decided": record.decided}
         if record.decided:
             answer["leader"], answer["grouped"] = record.leader, record.grouped
@@ -967,11 +986,14 @@ class Matchmaker:
         ranks in). Only members that registered with our state count (``states``; an aux peer,
         stating none, may follow another lineage's leader, whose group refuses us), unless we
         state none. A member that has stepped past the epoch answers with no state: it counts
-        (its group formed without us; leading the late ones apart would fork the run)."""
+        (its group formed without us; leading the late ones apart would fork the run). Only
+        witnesses (:meth:`_witness`) are asked: a fresh identity's word counts for nothing."""
         ours = self.context.state_of(slot[0])
         leaders: list[str | None] = [None] * len(members)
 
         async def ask(i: int) -> None:
+            if not self._witness(members[i]):  # a Sybil next in rank sent us to its ghost
+                return
             try:
                 answer = await self._ask_leader(slot, members[i], window)
             except P2PError as e:
@@ -1004,10 +1026,13 @@ class Matchmaker:
             return deadlines.window, deadlines
         return deadlines, self.deadlines
 
-    async def _ask_leader(self, slot: Slot, peer: str, timeout: float) -> Any:
-        """``peer``'s answer to whom it follows at ``slot`` (raises P2PError)."""
+    async def _ask_leader(
+        self, slot: Slot, peer: str, timeout: float, *, refused: str | None = None
+    ) -> Any:
+        """``peer``'s answer to whom it follows at ``slot`` (raises P2PError); ``refused``:
+        the leader that refused us, told to ``peer`` (see :meth:`_complained`)."""
         try:
-            return await ask_leader(self.node, slot, peer, timeout)
+            return await ask_leader(self.node, slot, peer, timeout, refused=refused)
         except P2PError:
             self._note_unserved(peer, slot[0])
             raise
@@ -1026,7 +1051,8 @@ class Matchmaker:
         ``gone``: the slot's leaders we found gone; ``members``: our planned group. None:
         refused as the group closed without us, which a member of ours confirms (see
         :meth:`_closed_group`); else the refusal counts as a gone leader (raises
-        :class:`LeaderGone`)."""
+        :class:`LeaderGone`), as does a leader that refused members of ours while our join
+        waited (:meth:`_complained`) or whose spec left them out (:meth:`_split`)."""
         epoch, level = slot
         deadlines = deadlines or self.deadlines
 
@@ -1046,8 +1072,11 @@ class Matchmaker:
             share=self.slots[slot].share,
             gone=gone,
         )
+        record = self.slots[slot]
         try:
-            spec = await follow(joining, leader)
+            with trio.CancelScope() as scope:
+                record.waiting = (scope, tuple(members))
+                spec = await follow(joining, leader)
         except LeaderClosed as e:
             self.slots[slot].refused = e.leader
             if await self._closed_group(slot, e.leader, members, deadlines.window):
@@ -1058,11 +1087,20 @@ class Matchmaker:
                 e.leader[:8],
             )
             raise Misled(leader, e.leader) from e  # (e.leader: we or a redirect went there)
+        finally:
+            record.waiting = None
         took = self.slots[slot].leader or leader  # (a redirect's target, if it sent us there)
+        if scope.cancelled_caught:
+            log.warning(
+                "%s: %s refused members of our group before it formed: leaving it",
+                slot,
+                took[:8],
+            )
+            raise Misled(leader, None if took == leader else took)
         if await self._split(slot, spec, took, members, deadlines.window):
             log.warning(
-                "%s: %s formed a group without more of ours than it took, who say it "
-                "refused them: leaving it",
+                "%s: %s formed a group without members of ours that say it refused them: "
+                "leaving it",
                 slot,
                 took[:8],
             )
@@ -1078,19 +1116,23 @@ class Matchmaker:
         members: list[str] | tuple[str, ...],
         window: float,
     ) -> bool:
-        """Whether ``leader``'s ``spec`` splits our planned group ``members``: more of them
+        """Whether ``leader``'s ``spec`` splits our planned group ``members``: enough of them
         are left out while they say they follow it, or that it refused them as its group
-        closed (and they still look for a group), than it holds (we counted). An honest
-        leader refuses only those that came after its group formed (it waits for every
-        member it saw registered), whom our view then also missed; a hostile one that took
+        closed (and they still look for a group). An honest leader refuses only those that
+        came after its group formed (it waits for every member it saw registered), whom our
+        view then also missed; a hostile one that took
         one of three and refused the others kept them apart in every epoch it led, as the
         one it took confirmed its `closed`. Leaving it, we answer that we do not follow it,
-        so those it refused fall back to the next in rank, with us. A strict majority: a
-        member alone, lying that it was refused, does not take us from an honest pair."""
+        so those it refused fall back to the next in rank, with us. The claims must outweigh
+        the leader's word (:func:`_outweighs`), and only witnesses count (:meth:`_witness`):
+        a leader that took two of four and refused two split the run in every epoch it led,
+        and Sybils with no history, more than it took, pulled its members from an honest one."""
         inside = {m.peer_id for m in spec.members}
         held = sum(1 for p in members if p in inside and p != leader) or 1  # (us)
-        out = [p for p in members if p not in inside and p != leader][: 2 * CLOSED_ASKS]
-        if len(out) <= held:
+        out = [p for p in members if p not in inside and p != leader and self._witness(p)]
+        out = out[: 2 * CLOSED_ASKS]
+        group = sum(1 for p in members if p != leader)
+        if not _outweighs(len(out), held, group):
             return False
         said: list[str] = []
 
@@ -1110,7 +1152,34 @@ class Matchmaker:
         async with trio.open_nursery() as nursery:
             for peer in out:
                 nursery.start_soon(ask, peer)
-        return len(said) > held
+        return _outweighs(len(said), held, group)
+
+    def _witness(self, peer: str) -> bool:
+        """Whether ``peer``'s word that a leader refused it counts: it averaged with the run
+        (a Sybil with no history counts for nothing) and is not banned. It is a member of our
+        own plan (its registration came in time in our view), and it says so itself (each
+        identity once: we ask it, or it asks us)."""
+        return self.context.proven(peer) and not self.context.banned(peer)
+
+    def _complained(self, slot: Slot, peer: str, leader: str) -> None:
+        """``peer`` asks us whom we follow at ``slot``, saying ``leader`` refused it as its
+        group closed. While our own join of that leader still waits, the group has not
+        formed, so an honest leader refused nobody of it (a refusal for another state comes
+        to a peer planned apart; a full group, to one a capped plan did not count): once
+        such witnesses outweigh it (:func:`_outweighs`, how many it took is unknown) we
+        leave it. A hostile leader that refused the others at once and held the one it took
+        for more than a window made the others give up first, each alone."""
+        record = self.slots.get(slot)
+        if record is None or record.waiting is None:
+            return
+        scope, members = record.waiting
+        if peer not in members or not self._witness(peer) or peer in record.complaints:
+            return
+        record.complaints[peer] = leader
+        target = record.leader or leader
+        said = sum(1 for p, x in record.complaints.items() if x == target)
+        if _outweighs(said, None, sum(1 for p in members if p != target)):
+            scope.cancel()
 
     async def _closed_group(
         self, slot: Slot, leader: str, members: list[str] | tuple[str, ...], window: float
@@ -1128,7 +1197,7 @@ class Matchmaker:
 
         async def ask(peer: str) -> None:
             try:
-                answer = await self._ask_leader(slot, peer, window)
+                answer = await self._ask_leader(slot, peer, window, refused=leader)
             except P2PError:
                 return
             if isinstance(answer, dict) and answer.get("leader") == leader:

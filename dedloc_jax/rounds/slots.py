@@ -57,6 +57,12 @@ class SlotRecord:
     refused: str | None = None
     """The leader that refused our join as its group closed (believed or not): told to the
     members it took, which leave a leader that refused more of their group than it took."""
+    waiting: tuple[trio.CancelScope, tuple[str, ...]] | None = None
+    """Our join that waits for a leader's spec, and our planned group: cancelled once enough
+    of the group say that leader refused them (``Matchmaker._complained``)."""
+    complaints: dict[str, str] = field(default_factory=dict)
+    """Members of our group that, asking us whom we follow, said a leader refused them as
+    its group closed: member -> that leader."""
     cross: bool = False
     """Level 0: the leader's view held other groups, so the mean goes across groups."""
     view: tuple[list[list[str]], dict[str, str]] | None = None

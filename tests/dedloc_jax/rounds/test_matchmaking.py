@@ -931,13 +931,23 @@ def test_a_leader_that_takes_one_peer_and_refuses_the_others_does_not_split_them
         (1, {"B": "refused", "C": "elsewhere"}, False),
         # it took two of us: a lone member saying it was refused does not take us away
         (2, {"C": "refused"}, False),
+        (3, {"D": "refused"}, False),
+        # it took half of us and refused the other half: two witnesses outweigh its word
+        (2, {"C": "refused", "D": "refused"}, True),
+        (3, {"D": "refused", "E": "refused"}, True),
+        # not more than it took, nor more than a third of our group
+        (4, {"E": "refused", "F": "refused"}, False),
+        # claimants that never averaged with the run (Sybils) count for nothing
+        (1, {"S1": "refused", "S2": "refused", "S3": "refused"}, False),
     ],
 )
 def test_a_follower_leaves_a_leader_only_when_more_of_its_group_say_it_refused_them_than_it_took(
     spec_holds: int, answers: dict, leaves: bool
 ) -> None:
     """The rule of :meth:`Matchmaker._split`, on the answers of the planned members that the
-    leader's spec left out."""
+    leader's spec left out: at least two proven members, more than it took or more than a
+    third of our group. On main, a leader that took two and refused two was believed, and
+    three Sybils outweighed one member taken."""
     from dedloc_jax.averaging.group import GroupSpec
     from dedloc_jax.rounds.matchmaking import Matchmaker
 
@@ -948,12 +958,41 @@ def test_a_follower_leaves_a_leader_only_when_more_of_its_group_say_it_refused_t
         "elsewhere": {"decided": True, "leader": "X", "grouped": True},
     }
     mm = object.__new__(Matchmaker)
+    mm.context = PeerSide(proven=lambda peer: not peer.startswith("S"))
 
     async def ask(slot, peer, timeout):
         return said[answers[peer]]
 
     mm._ask_leader = ask
-    inside = ["H", "me", "A"][: 1 + spec_holds]  # the leader, us, and whom else it took
+    inside = ["H", "me", "A", "B", "C"][: 1 + spec_holds]  # the leader, us, whom else it took
     members = inside + sorted(answers)  # our planned group
     spec = GroupSpec(tuple(member_for(p, "node", 1e6, 1e6, 8.0) for p in inside))
     assert trio.run(mm._split, (3, 0), spec, "H", members, 1.0) is leaves
+
+
+@pytest.mark.parametrize(
+    "scenario",
+    ["leader_takes_half", "leader_takes_one_holds", "sybil_refusals"],
+)
+def test_a_hostile_leader_or_sybil_claims_do_not_split_the_honest_peers(scenario: str) -> None:
+    """:mod:`bench.hostile_leader`'s scenarios, 8 epochs at seed 11. On main the honest peers
+    split in every epoch the hostile leader led:
+
+    - ``leader_takes_half``: of four honest peers it took two and refused two; the two it
+      took were not more than it held, so nobody asked, and the refused went home alone;
+    - ``leader_takes_one_holds``: it took one of three, refused the others at once and held
+      the one it took for 3 windows: the refused gave up (one alone, or a second group)
+      before that one had a spec to check;
+    - ``sybil_refusals``: four Sybils, registered in time and never averaged with the run,
+      told the three members an honest leader took that it refused them: more than it took,
+      so every member left the honest leader (0 of 8 epochs grouped).
+
+    Now the refused are believed when two proven members of our group say so, and are more
+    than the leader took or than a third of the group (also while our join still waits);
+    Sybils' words count for nothing."""
+    from bench.hostile_leader import epochs
+
+    runs = epochs(scenario, 11)
+    print(runs)
+    assert any(e["led"] for e in runs), runs  # (else the test shows nothing)
+    assert all(e["together"] for e in runs if e["led"]), runs
