@@ -202,3 +202,12 @@ def test_every_option_says_what_it_takes() -> None:
     for name, parser in sub.choices.items():
         for action in parser._actions:
             assert action.help, f"{name} {action.option_strings or action.dest} has no help"
+
+
+def test_the_readme_names_the_exit_codes_the_cli_returns() -> None:
+    from p2p.dht.__main__ import EXIT_NO, EXIT_UNREACHABLE
+
+    readme = (ROOT / "README.md").read_text()
+    section = " ".join(readme.split("## The DHT on its own")[1].split("\n## ")[0].split())
+    assert f"{EXIT_NO} when the DHT answered no" in section
+    assert f"{EXIT_UNREACHABLE} when no node answered" in section
