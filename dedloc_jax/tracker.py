@@ -581,8 +581,11 @@ class ProgressTracker:
     async def leave(self) -> None:
         """Publish that this peer leaves the run: it joins no more rounds and brings no
         samples, so that nobody waits for it in matchmaking, counts samples it will never
-        send, or warns that the run steps without it while its record lives on."""
+        send, or warns that the run steps without it while its record lives on; nor tries to
+        download the state it served (its node closes next: a newcomer retried it each second
+        until the record lapsed, a minute and a half later)."""
         self.averages = False
+        self.served = None
         self.samples = 0
         self.meter = ThroughputMeter(half_life=10.0)
         self.step_interval = 0.0
