@@ -362,6 +362,19 @@ python -m examples.sahajbert ROLE --help           # that role's options and def
 """
 
 
+# What a trainer's command line carries that the coordinator, which computes no gradients
+# and never averages, has no use for: accepted (one argument list can start both, as the demo
+# does) but not listed, since --help listed them as if they did something. --client-mode is
+# refused: nobody could join through a coordinator that accepts no connections.
+COORDINATOR_UNUSED = ("per_device_batch_size", "grad_accumulation", "bf16", "robust_tau")
+
+
+def _unlist(p: argparse.ArgumentParser, dests: tuple[str, ...]) -> None:
+    for action in p._actions:
+        if action.dest in dests:
+            action.help = argparse.SUPPRESS
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m examples.sahajbert",
@@ -412,6 +425,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_private_options(coord, owner=True)
     _add_model_options(coord, TrainerConfig())
     _add_coordinator_options(coord)
+    _unlist(coord, (*COORDINATOR_UNUSED, "client_mode"))
+    next(a for a in coord._actions if a.dest == "max_epochs").help = (
+        "exit 0 once the run's state of this epoch is saved (unset: run until stopped)"
+    )
     aux = role("aux", "an averaging helper without an accelerator")
     _add_common(aux)
     _add_net_options(aux)
@@ -835,6 +852,14 @@ def _run_peer(args: argparse.Namespace, argv: list[str] | None) -> int:
             FinalStateMissing,
             run_coordinator,
         )
+
+        if args.client_mode:
+            print(
+                "coordinator: --client-mode accepts no connections, and every peer joins "
+                "through the coordinator: start it without (--listen picks the address)",
+                file=sys.stderr,
+            )
+            return 2
 
         opts = CoordinatorOptions(
             out_dir=args.out,
