@@ -426,9 +426,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_options(coord, TrainerConfig())
     _add_coordinator_options(coord)
     _unlist(coord, (*COORDINATOR_UNUSED, "client_mode"))
-    next(a for a in coord._actions if a.dest == "max_epochs").help = (
-        "exit 0 once the run's state of this epoch is saved (unset: run until stopped)"
-    )
+    saved = "exit 0 once the run's state of this epoch is saved (unset: run until stopped)"
+    next(a for a in coord._actions if a.dest == "max_epochs").help = saved
     aux = role("aux", "an averaging helper without an accelerator")
     _add_common(aux)
     _add_net_options(aux)
