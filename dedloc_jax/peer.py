@@ -123,12 +123,12 @@ class CollaborationPeer:
             self._first_report_epoch = epoch
             self._missed = self._round_began_without_us(epoch, est)
         if self._missed and not self._others_at(epoch):
-            # The round we skipped ended and nobody went on past our epoch: its peers left
-            # (a toy loop's first peer ends in seconds). Waiting for them to move on would
-            # wait forever: this peer goes on at the epoch, and steps when it reaches the target.
+            # The round we skipped is over and no trainer's record is left at our epoch or
+            # later: its peers are gone (a toy loop's first peer ends in seconds). Waiting for
+            # them to move on waited forever: go on at the epoch, step at the target.
             log.warning(
-                "epoch %d: the round we skipped ended and no peer went on to a later epoch "
-                "(they left); going on at this epoch",
+                "epoch %d: the round we skipped ended and its peers are gone (no record at "
+                "this epoch or later); going on at this epoch",
                 epoch,
             )
             self._missed = False
@@ -147,11 +147,12 @@ class CollaborationPeer:
         return est.ready
 
     def _others_at(self, epoch: int) -> bool:
-        """Whether another peer that averages is at ``epoch`` in our table."""
+        """Whether another trainer's record, of one that left included, is at ``epoch`` or
+        later: one that went on and left serves the state to go on from until it closes."""
         me = self.tracker.peer_id
         return any(
-            r.epoch == epoch and r.averages and pid != me
-            for pid, r in self.tracker.contenders().items()
+            r.epoch >= epoch and r.mode != "aux" and pid != me
+            for pid, r in self.tracker.records.items()
         )
 
     def _others_wait_at(self, epoch: int) -> bool:

@@ -122,6 +122,7 @@ class ProgressTracker:
         self._unbacked_input: tuple = ()
         self._unbacked_table: dict[str, PeerProgress] | None = None
         self._unbacked_logged: set[str] = set()
+        self._unbacked_since: dict[str, float] = {}  # one epoch ahead: since when (not logged)
         # (epoch, peers): who averaged with us into ``epoch``; and the DHT time of our first
         # report in it (None: none yet), from which their samples are extrapolated
         self.mates: tuple[int, frozenset[str]] = (-1, frozenset())
@@ -397,7 +398,18 @@ class ProgressTracker:
             for pid, r in self.records.items()
             if pid != self.peer_id and r.epoch > ceiling
         }
+        now = trio.current_time()
+        self._unbacked_since = {
+            pid: self._unbacked_since.get(pid, now)
+            for pid, epoch in unbacked.items()
+            if epoch == ceiling + 1
+        }
         for pid, epoch in sorted(unbacked.items()):
+            # One epoch ahead is also a round's member whose record landed before its mates'
+            # (a coordinator warned of each trainer in healthy runs): said once it lasts.
+            since = self._unbacked_since.get(pid)
+            if since is not None and now - since < self.config.progress.ttl:
+                continue
             if pid not in self._unbacked_logged:
                 if len(self._unbacked_logged) >= MAX_LOGGED:
                     self._unbacked_logged.clear()
@@ -581,11 +593,8 @@ class ProgressTracker:
     async def leave(self) -> None:
         """Publish that this peer leaves the run: it joins no more rounds and brings no
         samples, so that nobody waits for it in matchmaking, counts samples it will never
-        send, or warns that the run steps without it while its record lives on; nor tries to
-        download the state it served (its node closes next: a newcomer retried it each second
-        until the record lapsed, a minute and a half later)."""
+        send, or warns that the run steps without it while its record lives on."""
         self.averages = False
-        self.served = None
         self.samples = 0
         self.meter = ThroughputMeter(half_life=10.0)
         self.step_interval = 0.0
