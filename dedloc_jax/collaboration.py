@@ -27,7 +27,7 @@ from dedloc_jax.snapshot import ProgressSnapshot
 from dedloc_jax.state import KeepConfig, StepKeeper
 from p2p.bridge import TrioThread
 from p2p.dht import DHTConfig
-from p2p.errors import MultiaddrError
+from p2p.errors import MultiaddrError, P2PError
 from p2p.identity import Identity
 from p2p.multiaddr import Multiaddr
 from p2p.node import NodeConfig, announce_addrs, open_node
@@ -152,8 +152,15 @@ class Collaboration:
             self.core = self._thread.start_service(self._serve)
             if self._target is not None:
                 self._thread.run_sync(self.core.tracker.use_target, self._target)
-        except BaseException:
+        except BaseException as e:
             self._thread.stop()
+            leaf = e
+            while isinstance(leaf, BaseExceptionGroup) and len(leaf.exceptions) == 1:
+                leaf = leaf.exceptions[0]
+            if leaf is not e and isinstance(leaf, P2PError):
+                # The one error a user acts on ("none of the 1 initial peers answered: ..."),
+                # not the nurseries' nested groups around it (a 60-line traceback).
+                raise leaf from None
             raise
         return self
 
@@ -183,6 +190,8 @@ class Collaboration:
             return
         if self._stop is not None and self._thread.running:
             if self.core is not None:  # others stop expecting us before our record expires
+                if note := self._thread.run_sync(self.core.leaving_note):
+                    log.warning("%s", note)
                 try:
                     self._thread.run(self.core.leave)
                 except Exception as e:  # (a loop that failed: nothing to tell then)

@@ -122,6 +122,16 @@ class CollaborationPeer:
         if epoch != self._first_report_epoch:
             self._first_report_epoch = epoch
             self._missed = self._round_began_without_us(epoch, est)
+        if self._missed and not self._others_at(epoch):
+            # The round we skipped is over and no trainer's record is left at our epoch or
+            # later: its peers are gone (a toy loop's first peer ends in seconds). Waiting for
+            # them to move on waited forever: go on at the epoch, step at the target.
+            log.warning(
+                "epoch %d: the round we skipped ended and its peers are gone (no record at "
+                "this epoch or later); going on at this epoch",
+                epoch,
+            )
+            self._missed = False
         if self._missed:
             return False  # until the others move on (we are then behind)
         # Not before a table read that began after our first report: peers that opened with
@@ -135,6 +145,15 @@ class CollaborationPeer:
             # read asks lacked newer records; a 40-peer run's peer stopped 16 s late).
             tracker.sweep_next_read()
         return est.ready
+
+    def _others_at(self, epoch: int) -> bool:
+        """Whether another trainer's record, of one that left included, is at ``epoch`` or
+        later: one that went on and left serves the state to go on from until it closes."""
+        me = self.tracker.peer_id
+        return any(
+            r.epoch >= epoch and r.mode != "aux" and pid != me
+            for pid, r in self.tracker.records.items()
+        )
 
     def _others_wait_at(self, epoch: int) -> bool:
         """Whether another peer at ``epoch`` waits for its round in our table."""
@@ -192,6 +211,23 @@ class CollaborationPeer:
     @property
     def behind(self) -> bool:
         return self.tracker.current_estimate().epoch > self.tracker.epoch
+
+    def leaving_note(self) -> str | None:
+        """What a peer that leaves before it ever averaged says: its samples are in no step
+        (a toy loop can end within the round it skipped), and what it waited for."""
+        if self.history or self.tracker.samples <= 0 or self.mode == "aux":
+            return None
+        epoch, est = self.tracker.epoch, self.tracker.current_estimate()
+        if self._missed:
+            why = f"epoch {epoch}'s round began before our first micro-step: we waited for it"
+        elif est.epoch > epoch:
+            why = f"the collaboration is at epoch {est.epoch}: we waited to load its state"
+        else:
+            why = f"the collaboration had {est.samples:.0f} of its {est.target} samples"
+        return (
+            f"leaving before this peer averaged once: its {self.tracker.samples} samples of "
+            f"epoch {epoch} are in no step ({why})"
+        )
 
     def others_train(self) -> bool:
         """Whether the progress table names another peer that computes gradients."""

@@ -122,6 +122,7 @@ class ProgressTracker:
         self._unbacked_input: tuple = ()
         self._unbacked_table: dict[str, PeerProgress] | None = None
         self._unbacked_logged: set[str] = set()
+        self._unbacked_since: dict[str, float] = {}  # one epoch ahead: since when (not logged)
         # (epoch, peers): who averaged with us into ``epoch``; and the DHT time of our first
         # report in it (None: none yet), from which their samples are extrapolated
         self.mates: tuple[int, frozenset[str]] = (-1, frozenset())
@@ -397,7 +398,18 @@ class ProgressTracker:
             for pid, r in self.records.items()
             if pid != self.peer_id and r.epoch > ceiling
         }
+        now = trio.current_time()
+        self._unbacked_since = {
+            pid: self._unbacked_since.get(pid, now)
+            for pid, epoch in unbacked.items()
+            if epoch == ceiling + 1
+        }
         for pid, epoch in sorted(unbacked.items()):
+            # One epoch ahead is also a round's member whose record landed before its mates'
+            # (a coordinator warned of each trainer in healthy runs): said once it lasts.
+            since = self._unbacked_since.get(pid)
+            if since is not None and now - since < self.config.progress.ttl:
+                continue
             if pid not in self._unbacked_logged:
                 if len(self._unbacked_logged) >= MAX_LOGGED:
                     self._unbacked_logged.clear()

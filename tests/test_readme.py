@@ -195,3 +195,15 @@ def test_the_readmes_first_peer_prints_the_address_others_join_with(capsys) -> N
     printed = lines[0].split()[3:]
     me = str(namespace["collab"].core.node.peer_id)
     assert printed and all(str(Multiaddr.parse(a)).endswith(f"/p2p/{me}") for a in printed)
+
+
+def test_an_initial_peer_that_is_gone_is_one_clear_error() -> None:
+    """The block's second process started after the first had finished (a toy loop ends in
+    seconds): start() raised a 60-line trio ExceptionGroup around the one error that says
+    what happened. It raises that error, a BootstrapError naming the address."""
+    from p2p.dht import BootstrapError
+    from p2p.identity import Identity
+
+    gone = f"/ip4/127.0.0.1/tcp/1/p2p/{Identity.generate().peer_id}"
+    with pytest.raises(BootstrapError, match=r"none of the 1 initial peers answered: /ip4/127"):
+        dedloc_jax.Collaboration("my-run", initial_peers=[gone]).start()

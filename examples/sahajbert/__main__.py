@@ -362,6 +362,26 @@ python -m examples.sahajbert ROLE --help           # that role's options and def
 """
 
 
+# What a trainer's command line carries that the coordinator and an aux peer, which compute
+# no gradients, have no use for (nor --robust-tau the coordinator, which never averages):
+# accepted (one argument list can start them all, as the demo does) but not listed, since
+# --help listed them as if they did something. --client-mode is refused (CLIENT_MODE_REFUSED).
+UNUSED_WITHOUT_GRADIENTS = ("per_device_batch_size", "grad_accumulation", "bf16", "client_mode")
+COORDINATOR_UNUSED = (*UNUSED_WITHOUT_GRADIENTS, "robust_tau")
+CLIENT_MODE_REFUSED = {
+    "coordinator": "--client-mode accepts no connections, and every peer joins through the "
+    "coordinator: start it without (--listen picks the address)",
+    "aux": "--client-mode accepts no connections, and an aux peer reduces shares the others "
+    "send it: start it without (--listen picks the address)",
+}
+
+
+def _unlist(p: argparse.ArgumentParser, dests: tuple[str, ...]) -> None:
+    for action in p._actions:
+        if action.dest in dests:
+            action.help = argparse.SUPPRESS
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m examples.sahajbert",
@@ -412,11 +432,15 @@ def build_parser() -> argparse.ArgumentParser:
     _add_private_options(coord, owner=True)
     _add_model_options(coord, TrainerConfig())
     _add_coordinator_options(coord)
+    _unlist(coord, COORDINATOR_UNUSED)
+    saved = "exit 0 once the run's state of this epoch is saved (unset: run until stopped)"
+    next(a for a in coord._actions if a.dest == "max_epochs").help = saved
     aux = role("aux", "an averaging helper without an accelerator")
     _add_common(aux)
     _add_net_options(aux)
     _add_private_options(aux, owner=False)
     _add_model_options(aux, TrainerConfig(), joins=True)
+    _unlist(aux, UNUSED_WITHOUT_GRADIENTS)
     ft = role(
         "finetune", "NER (WikiANN bn) or news classification (sna.bn) of a checkpoint",
         epilog=FINETUNE_FORMAT,
@@ -794,6 +818,9 @@ def _run_peer(args: argparse.Namespace, argv: list[str] | None) -> int:
             print(line)
         print(f"start it with: python -m examples.sahajbert coordinator --manifest {args.out}")
         return 0
+    if role in CLIENT_MODE_REFUSED and args.client_mode:
+        print(f"{role}: {CLIENT_MODE_REFUSED[role]}", file=sys.stderr)
+        return 2
     explicit = explicit_flags(argv)
     if role in ("trainer", "aux"):
         args.run_id = invited_run_id(args, explicit)

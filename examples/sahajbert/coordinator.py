@@ -315,7 +315,9 @@ class Coordinator:
         """Every ``checkpoint_every`` epochs, at ``exit_after_epoch``, and when most trainers
         stopped (at an epoch the run reached: a claim ahead of it waits for the run)."""
         done = self.last_checkpoint[0] if self.last_checkpoint else 0
-        if stopped is not None and min(stopped, epoch) > done:
+        # the stop epoch itself: the claims may land a poll before our view reaches it, and
+        # saving what we saw then wrote one checkpoint too many (epoch_000029 beside _000030)
+        if stopped is not None and epoch >= stopped > done:
             return True
         final = self.opts.exit_after_epoch
         if epoch <= done:

@@ -12,8 +12,13 @@ private; never ``0.0.0.0``), one per line, then serves until SIGINT/SIGTERM.
 
 ``store`` parses VALUE as strict JSON (``--string`` stores it as text instead; malformed JSON
 exits 2) and prints on how many nodes it was stored.
-``get`` prints the value as strict JSON (a dictionary value as an object of subkeys) or exits
-1 when not found. Values JSON cannot hold travel as one-key objects, both ways: bytes as
+``get`` prints the value as strict JSON (a dictionary value as an object of subkeys).
+Exit codes of ``store`` and ``get``: 0 done; 1 the DHT answered no (``get``: nodes answered
+and none holds a live value; ``store``: refused, or a newer value held); 2 a usage error;
+3 no node answered (none of the initial peers; for ``store`` also none of the nodes it
+stored to), so nothing is known about the key.
+
+Values JSON cannot hold travel as one-key objects, both ways: bytes as
 ``{"$bytes": "<base64>"}``, non-finite floats as ``{"$float": "nan" | "inf" | "-inf"}``; a map
 key that starts with ``$`` gets one more ``$`` in front, so no value is mistaken for another.
 """
@@ -33,7 +38,7 @@ from typing import Any
 import trio
 
 from p2p.dht.config import PRESETS
-from p2p.dht.errors import InvalidRecordError
+from p2p.dht.errors import BootstrapError, InvalidRecordError
 from p2p.dht.node import open_dht
 from p2p.dht.records import ValueWithExpiration, owner_marker, pack_value
 from p2p.errors import P2PError
@@ -42,10 +47,19 @@ from p2p.nat import NATConfig, nat_validators, open_nat
 from p2p.node import open_node
 
 DEFAULT_LISTEN = "/ip4/127.0.0.1/tcp/0"
+# A script must tell "the key is absent" from "the DHT could not be asked" (both were exit 1).
+EXIT_NO = 1  # get: not found; store: refused or outdated
+EXIT_UNREACHABLE = 3  # no node answered: nothing is known about the key
+EXIT_CODES = (
+    "exit codes: 0 done; 1 get: not found (nodes answered, none holds a live value), store: "
+    "refused or a newer value held; 2 usage error; 3 no node answered (unreachable)"
+)
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m p2p.dht", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m p2p.dht", description=__doc__.split("\n\n")[0], epilog=EXIT_CODES
+    )
     sub = p.add_subparsers(dest="command", required=True)
 
     def common(sp: argparse.ArgumentParser, peers_required: bool) -> None:
@@ -104,7 +118,7 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--client-mode", action="store_true", help="query only, accept nothing")
     common(serve, False)
 
-    store = sub.add_parser("store", help="store one value and exit")
+    store = sub.add_parser("store", help="store one value and exit", epilog=EXIT_CODES)
     store.add_argument("key", help="the key to store VALUE under")
     store.add_argument("value", help='strict JSON (bytes as {"$bytes": BASE64})')
     store.add_argument("--string", action="store_true", help="store VALUE as text, not JSON")
@@ -116,7 +130,11 @@ def _parser() -> argparse.ArgumentParser:
     group.add_argument("--owned", action="store_true", help="subkey = this identity's owner marker")
     common(store, True)
 
-    get = sub.add_parser("get", help="print a value as JSON and exit (1 if not found)")
+    get = sub.add_parser(
+        "get",
+        help="print a value as JSON and exit (1 if not found, 3 if no node answered)",
+        epilog=EXIT_CODES,
+    )
     get.add_argument("key", help="the key to look up")
     common(get, True)
     return p
@@ -263,6 +281,12 @@ async def _store(args: argparse.Namespace) -> int:
         ) as dht,
     ):
         result = await dht.store(args.key, value, dht.now() + args.ttl, subkey=subkey)
+    if not result.ok and not result.outdated and not result.refused:
+        print(
+            f"unreachable: none of the {result.failed} nodes asked answered; not stored",
+            file=sys.stderr,
+        )
+        return EXIT_UNREACHABLE
     if not result.ok:
         refused = ""
         if result.refused:
@@ -273,7 +297,7 @@ async def _store(args: argparse.Namespace) -> int:
             f"{result.failed} did not answer{refused}",
             file=sys.stderr,
         )
-        return 1
+        return EXIT_NO
     print(f"stored on {result.stored} nodes", flush=True)
     return 0
 
@@ -290,8 +314,8 @@ async def _get(args: argparse.Namespace) -> int:
     ):
         found = await dht.get(args.key)
     if found is None:
-        print(f"not found: {args.key}", file=sys.stderr)
-        return 1
+        print(f"not found: {args.key} (the nodes asked hold no live value)", file=sys.stderr)
+        return EXIT_NO
     if isinstance(found, ValueWithExpiration):
         out = _to_json(found.value)
     else:
@@ -319,11 +343,14 @@ def main(argv: list[str] | None = None) -> int:
         err = _leaf(e)
         if isinstance(err, InvalidRecordError):
             print(f"refused: {err.reason}", file=sys.stderr)
-        elif isinstance(err, P2PError):  # BootstrapError, DialError, ...
+            return EXIT_NO
+        if isinstance(err, BootstrapError):
+            print(f"unreachable: {err}; nothing was asked", file=sys.stderr)
+            return EXIT_UNREACHABLE
+        if isinstance(err, P2PError):  # DialError, ...
             print(f"error: {err}", file=sys.stderr)
-        else:
-            raise
-        return 1
+            return EXIT_UNREACHABLE
+        raise
 
 
 def _leaf(exc: BaseException) -> BaseException:

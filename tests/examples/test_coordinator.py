@@ -472,3 +472,33 @@ def test_a_stop_claim_ahead_of_the_run_waits_for_it(tmp_path, saved) -> None:
     with pytest.raises(_Polled):
         coord._poll(collab, _Dash(), [])
     assert saved == [] and collab.newest is None  # not even asked for the newest state
+
+
+class _LaggingCollab(StoppingCollab):
+    """Both trainers stopped at 5; the coordinator's view (and the newest state served)
+    reaches 5 one poll after their stop claims."""
+
+    def __init__(self) -> None:
+        super().__init__([True, True], polls=3)
+        self._estimates = _repeat_last([4, 5])
+        self._seen = 0
+
+    @property
+    def estimate(self) -> CollaborationEstimate:
+        est = super().estimate
+        self._seen = est.epoch
+        return est
+
+    def newest_state_epoch(self) -> int | None:
+        self.newest = self._seen
+        return self.newest
+
+
+def test_a_stop_claim_one_poll_ahead_of_the_view_saves_only_the_stop_epoch(tmp_path, saved) -> None:
+    """The README's one-machine try saved epoch_000029 beside _000030: the trainers' stop
+    claims (30) came while the coordinator still saw epoch 29, and it saved what it saw. It
+    waits for the epoch they stopped at."""
+    coord = _coordinator(tmp_path, exit_after_epoch=None, checkpoint_every=10)
+    with pytest.raises(_Polled):
+        coord._poll(_LaggingCollab(), _Dash(), [])
+    assert [epoch for epoch, _ in saved] == [5]

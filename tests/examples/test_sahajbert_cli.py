@@ -259,3 +259,34 @@ def test_the_demos_max_epochs_sets_its_length(monkeypatch, tmp_path) -> None:
     for extra, epochs in (([], 30), (["--max-epochs", "5"], 5), (["--demo-epochs", "7"], 7)):
         main(common + extra)
         assert lengths[-1] == epochs, extra
+
+
+def test_the_coordinators_help_lists_only_options_it_uses(capsys, tmp_path) -> None:
+    """`coordinator --help` listed a trainer's machine options (--per-device-batch-size,
+    --grad-accumulation, --bf16), --robust-tau (it never averages) and --client-mode (which
+    left it unreachable: nobody could join). The first four are accepted, for argument lists
+    shared with trainers (the demo's), and not listed; --client-mode is refused. So for an aux
+    peer (it averages: --robust-tau stays), whose --client-mode raised a traceback after it
+    joined."""
+    with pytest.raises(SystemExit):
+        main(["coordinator", "--help"])
+    text = capsys.readouterr().out
+    for unused in ("--per-device-batch-size", "--grad-accumulation", "--bf16", "--robust-tau",
+                   "--client-mode"):  # fmt: skip
+        assert unused not in text, unused
+    assert "exit 0 once the run's state of this epoch is saved" in " ".join(text.split())
+    args = parse_args(["coordinator", "--bf16", "--per-device-batch-size", "8"])
+    assert args.bf16 and args.per_device_batch_size == 8  # (still parsed)
+    refused = main(["coordinator", "--client-mode", "--out", str(tmp_path / "out")])
+    assert refused == 2 and "--client-mode accepts no connections" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["aux", "--help"])  # an aux peer computes no gradient either, and must be reached
+    text = capsys.readouterr().out
+    for unused in ("--per-device-batch-size", "--grad-accumulation", "--bf16", "--client-mode"):
+        assert unused not in text, unused
+    assert "--robust-tau" in text  # (it averages)
+    refused = main(["aux", "--client-mode", "--initial-peers", "/ip4/1.2.3.4/tcp/1/p2p/x"])
+    assert refused == 2 and "an aux peer reduces shares" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["trainer", "--help"])
+    assert "--client-mode" in capsys.readouterr().out  # (a trainer's option)

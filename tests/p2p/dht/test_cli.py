@@ -104,7 +104,7 @@ def test_serve_store_get_kill_get(servers) -> None:
     assert list(subkeys.values()) == ["me"] and list(subkeys)[0].startswith("[owner:")
 
     missing = _run("get", "run/none", "--initial-peers", addrs[0])
-    assert missing.returncode == 1
+    assert missing.returncode == 1  # nodes answered: absent (3 would say nobody answered)
     assert "not found: run/none" in missing.stderr
 
     for i in (0, 2, 3):  # SIGINT / SIGTERM: clean shutdown, exit 0
@@ -113,10 +113,20 @@ def test_serve_store_get_kill_get(servers) -> None:
 
 
 def test_cli_errors_are_messages_not_tracebacks() -> None:
-    dead = _run("get", "k", "--initial-peers", "/ip4/127.0.0.1/tcp/1")
-    assert dead.returncode == 1
-    assert "none of the 1 initial peers answered" in dead.stderr
-    assert "Traceback" not in dead.stderr
+    """No node answered: exit 3, which a script tells from "absent" (exit 1; both were 1)."""
+    for command in (["get", "k"], ["store", "k", "1", "--ttl", "60"]):
+        dead = _run(*command, "--initial-peers", "/ip4/127.0.0.1/tcp/1")
+        assert dead.returncode == 3, (command, dead.stderr)
+        assert "unreachable: none of the 1 initial peers answered" in dead.stderr
+        assert "Traceback" not in dead.stderr
+
+
+def test_get_help_names_each_exit_code() -> None:
+    helped = subprocess.run(
+        [*CMD, "get", "--help"], capture_output=True, text=True, cwd=ROOT, env=_env(), timeout=60
+    )
+    text = " ".join(helped.stdout.split())
+    assert "1 get: not found" in text and "3 no node answered" in text
 
 
 def test_dht_needs_no_jax() -> None:
@@ -192,3 +202,12 @@ def test_every_option_says_what_it_takes() -> None:
     for name, parser in sub.choices.items():
         for action in parser._actions:
             assert action.help, f"{name} {action.option_strings or action.dest} has no help"
+
+
+def test_the_readme_names_the_exit_codes_the_cli_returns() -> None:
+    from p2p.dht.__main__ import EXIT_NO, EXIT_UNREACHABLE
+
+    readme = (ROOT / "README.md").read_text()
+    section = " ".join(readme.split("## The DHT on its own")[1].split("\n## ")[0].split())
+    assert f"{EXIT_NO} when the DHT answered no" in section
+    assert f"{EXIT_UNREACHABLE} when no node answered" in section

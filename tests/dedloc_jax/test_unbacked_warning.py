@@ -1,0 +1,60 @@
+"""A trainer one epoch ahead of its round's mates for a moment is no news; a claim far ahead is."""
+
+from __future__ import annotations
+
+import logging
+
+import trio
+
+from dedloc_jax.config import CollaborationConfig, ProgressConfig
+from dedloc_jax.tracker import ProgressTracker
+from p2p.dht.records import owner_marker
+from p2p.testing import SimNetwork, run_sim
+from tests.dedloc_jax.simcollab import open_sim_dhts
+
+
+def test_a_round_member_whose_record_lands_first_is_not_warned_about(caplog) -> None:
+    """The README's one-machine try: the coordinator (aux) read one trainer's record of epoch
+    1 before its mate's, and logged "ignoring peer P's progress at epoch 1: most trainers are
+    at 0 or before" once per trainer in a healthy run. The record is still left out while
+    nobody backs it, but a claim one epoch ahead is named only when it lasts a record's
+    lifetime; one further ahead (a made-up epoch) at once."""
+    config = CollaborationConfig.local_demo(target_batch_size=500).replace(
+        progress=ProgressConfig(min_refresh=0.25, max_refresh=1.0, ttl=60.0)
+    )
+
+    async def main() -> dict:
+        out: dict = {}
+        net = SimNetwork(seed=3)
+        async with open_sim_dhts(net, 4, latency=0.005) as peers, trio.open_nursery() as nursery:
+            modes = ["node", "node", "aux"]  # two trainers and the coordinator
+            trackers = [ProgressTracker(peers[i][1], "run", config, m) for i, m in enumerate(modes)]
+            for tracker in trackers:
+                await nursery.start(tracker.run)
+            a, b, coordinator = trackers
+            for tracker in (a, b):
+                tracker.report(0, 10, 10)
+            await trio.sleep(3.0)
+            a.set_epoch(1)  # a stepped; b's step lands 5 s later (a slow machine)
+            a.report(1, 10, 10)
+            await trio.sleep(5.0)
+            out["left_out"] = str(a.peer_id) in coordinator.unbacked  # (still, meanwhile)
+            b.set_epoch(1)
+            b.report(1, 10, 10)
+            await trio.sleep(3.0)
+            out["backed"] = not coordinator.unbacked
+            liar = peers[3][1]
+            claim = {"epoch": 9, "samples": 0, "sps": 0.0, "time": liar.now(), "mode": "node"}
+            await liar.store(
+                "run.progress", claim, liar.now() + 60.0, subkey=owner_marker(liar.peer_id)
+            )
+            await trio.sleep(3.0)
+            out["liar"] = str(liar.peer_id)
+            nursery.cancel_scope.cancel()
+        return out
+
+    with caplog.at_level(logging.WARNING, logger="dedloc_jax.tracker"):
+        out = run_sim(main, seed=3)
+    assert out["left_out"] and out["backed"]
+    warned = [r.getMessage() for r in caplog.records if "ignoring peer" in r.getMessage()]
+    assert warned and all(out["liar"] in m and "epoch 9" in m for m in warned), warned
