@@ -20,6 +20,14 @@ orders the write after the read, so XLA can reuse the buffer instead of copying 
 ``overlap=True`` gives DeDLOC's delayed updates: the averaging runs in the background while the
 peer computes the next epoch's gradients, and the step is applied once it finished.
 
+Blocking (the default), a peer averages mid-micro-step (``mid_step``): when the target will
+likely land within the next micro-step, the branch ``hand`` hands the accumulator over and
+keeps it; the host averages it once the round is due, while the device computes that
+micro-step (JAX dispatches it asynchronously). At its end ``take`` steps with that averaging,
+and the micro-step's gradients start the next epoch's accumulator; if the round never began,
+nothing changed. Under PowerSGD what is handed over is the mean plus the error feedback, and
+the new error comes back with the averaging.
+
 ``compression=PowerSGD(rank=r)`` averages rank-``r`` approximations (:mod:`dedloc_jax.powersgd`):
 the branch that averages adds this peer's error feedback to its mean gradients and hands them
 with the factors ``Q`` to the host, whose round runs both phases; the host hands back the mean,
@@ -87,8 +95,8 @@ def collaborative(
         averages it as soon as the round is due, while the next micro-step computes, and that
         micro-step's gradients start the next epoch (none is thrown away). A peer whose
         micro-steps are long then averages when the target lands, not up to a micro-step
-        later while every other peer waits for it. False: the host call of the micro-step
-        that reaches the target averages, as with ``overlap``'s absence before.
+        later while every other peer waits for it. False: only the host call of a micro-step
+        that reaches the target averages (its micro-step done).
 
     ``update(grads, state, params=None, *, batch_size)``: ``grads`` are the mean gradients of a
     micro-batch of ``batch_size`` samples.

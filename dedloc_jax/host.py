@@ -590,13 +590,26 @@ class MicroStep:
         branches not taken; the transform runs its branch, not this boundary)."""
         if self.overlap:
             table = [branches.keep, branches.start, branches.apply]
-        elif self.mid_step:  # (APPLY never comes: its slot keeps)
-            table = [branches.keep, branches.average, branches.keep, branches.hand, branches.take]
+        elif self.mid_step:
+            # KEEP against the rest, then which of the rest (APPLY never comes): a switch of
+            # more than two branches makes XLA copy the state on every micro-step (28
+            # parameter-sized copies in test_collaborative's donated step), two do not.
+            rest = [branches.average, branches.average, branches.hand, branches.take]
+            if not self.traced:
+                return ([branches.keep, *rest])[int(action)]
+            acting = functools.partial(self._switch, action - 1, rest)
+            return functools.partial(
+                jax.lax.switch, jnp.minimum(action, 1), [branches.keep, acting]
+            )
         else:
             table = [branches.keep, branches.average]
         if self.traced:
             return functools.partial(jax.lax.switch, action, table)
         return table[int(action)]
+
+    @staticmethod
+    def _switch(index: jax.Array, table: list, *operands: Any) -> Any:
+        return jax.lax.switch(index, table, *operands)
 
     def cond(self, pred: Any, if_true: Callable[..., Any], if_false: Callable[..., Any], *ops: Any):
         """``lax.cond`` when traced, Python when eager."""

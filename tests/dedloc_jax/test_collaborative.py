@@ -314,6 +314,70 @@ def test_donated_step_that_does_not_average_copies_no_parameter_sized_array() ->
     assert int(state.samples) == 8 and float(jnp.abs(state.grad_sum["w"]).sum()) > 0
 
 
+class _NeverDue:
+    """A collaboration that averages mid-step (``host.MidStepHost``) whose target never lands."""
+
+    def report_progress(self, epoch: int, samples: int, batch_size: int) -> bool:
+        return False
+
+    def report_whole_steps(self, epoch: int, samples: int, batch_size: int) -> bool:
+        return False
+
+    def average_gradients(self, epoch: int, gradients: list, samples: int) -> None:
+        raise AssertionError("never due")
+
+    def lands_within(self, seconds: float) -> bool:
+        return False
+
+    def hand_over(self, epoch: int, gradients: list, samples: int) -> None:
+        raise AssertionError("never due")
+
+    def take_over(self) -> None:
+        return None
+
+
+def _copies_by_computation(hlo: str, shape: str) -> dict[str, int]:
+    """How many ``copy`` of ``shape`` each computation of a compiled HLO text holds."""
+    counts: dict[str, int] = {}
+    name = ""
+    for line in hlo.splitlines():
+        if line and not line[0].isspace() and line.rstrip().endswith("{"):
+            name = "ENTRY" if line.startswith("ENTRY") else line.split()[0].lstrip("%")
+        if f"{shape} copy(" in line:
+            counts[name] = counts.get(name, 0) + 1
+    return counts
+
+
+def test_a_mid_step_peers_micro_step_that_does_not_average_copies_no_parameter_sized_array() -> (
+    None
+):
+    """Averaging mid-step adds two branches (hand the accumulator over; step with its
+    averaging). One ``lax.switch`` of five branches made XLA copy the state around it on every
+    micro-step (36 parameter-sized copies); KEEP against the rest, then which of the rest,
+    leaves the micro-step that keeps without any (those that act, once an epoch, copy)."""
+    tx = collaborative(optax.adam(1e-3), _NeverDue(), target_batch_size=10**9)
+    params = {"w": jnp.zeros((48, 40), jnp.float32), "v": jnp.ones((48, 40), jnp.float32)}
+
+    def step(params, state, x):
+        grads = jax.grad(lambda p: jnp.sum(jnp.tanh(x @ p["w"]) * (x @ p["v"])))(params)
+        updates, state = tx.update(grads, state, params, batch_size=x.shape[0])
+        return optax.apply_updates(params, updates), state
+
+    x = jnp.ones((8, 48), jnp.float32)
+    state = tx.init(params)
+    jitted = jax.jit(step, donate_argnums=(0, 1))
+    hlo = jitted.lower(params, state, x).compile().as_text()
+    entry = hlo[hlo.index("\nENTRY") :]
+    (outer,) = [line for line in entry.splitlines() if " conditional(" in line]
+    keep = outer.split("branch_computations={")[1].split(",")[0].lstrip("%")
+    copies = _copies_by_computation(hlo, "f32[48,40]{1,0}")
+    assert copies.get("ENTRY", 0) == 0 and copies.get(keep, 0) == 0, copies
+    new_params, state = jitted(jax.tree.map(jnp.copy, params), state, x)
+    for k in params:
+        np.testing.assert_array_equal(new_params[k], params[k])
+    assert int(state.samples) == 8
+
+
 def test_the_portable_host_callback_steps_like_the_cpu_buffer_views() -> None:
     """On GPU and TPU the jitted step reaches the host with ``jax.pure_callback`` (XLA's GPU
     buffers are no NumPy views, and TPUs cannot lower ``buffer_callback``); forced here on the
