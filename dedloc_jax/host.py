@@ -592,8 +592,7 @@ class MicroStep:
             table = [branches.keep, branches.start, branches.apply]
         elif self.mid_step:
             # KEEP against the rest, then which of the rest (APPLY never comes): a switch of
-            # more than two branches makes XLA copy the state on every micro-step (28
-            # parameter-sized copies in test_collaborative's donated step), two do not.
+            # more than two branches makes XLA copy the state on every micro-step; two do not.
             rest = [branches.average, branches.average, branches.hand, branches.take]
             if not self.traced:
                 return ([branches.keep, *rest])[int(action)]

@@ -353,8 +353,9 @@ def test_a_mid_step_peers_micro_step_that_does_not_average_copies_no_parameter_s
 ):
     """Averaging mid-step adds two branches (hand the accumulator over; step with its
     averaging). One ``lax.switch`` of five branches made XLA copy the state around it on every
-    micro-step (36 parameter-sized copies); KEEP against the rest, then which of the rest,
-    leaves the micro-step that keeps without any (those that act, once an epoch, copy)."""
+    micro-step (4 parameter-sized copies on the step's top level, 28 in all); KEEP against the
+    rest, then which of the rest, leaves the micro-step that keeps without any (the branches
+    that act, near the target, copy: 16)."""
     tx = collaborative(optax.adam(1e-3), _NeverDue(), target_batch_size=10**9)
     params = {"w": jnp.zeros((48, 40), jnp.float32), "v": jnp.ones((48, 40), jnp.float32)}
 

@@ -52,11 +52,53 @@ def _micro(peer: LoopbackPeer, x: np.ndarray, y: np.ndarray) -> None:
     peer.params, peer.state = peer.step(peer.params, peer.state, x, y, len(x))
 
 
-def _a_slow_peer_round(cfg: PowerSGD | None) -> None:
-    """Epoch 0: a trains 16 samples; b 8, then a micro-step (x[24:28]) that lasts until a's
-    round ended. Epoch 1: a 16 more, b 4 more beside the 4 it carried over."""
-    x, y = _data(TARGET * 3)
+def _reference(cfg: PowerSGD | None, params: dict, sent: list, lowrank: tuple) -> tuple:
+    """The parameters after SGD on the round of ``sent`` (a's 16 samples, b's 8), and PowerSGD's
+    new ``(errors, q)`` (the NumPy reference of both phases, with error feedback)."""
+    if cfg is None:
+        mean = [(16 * ga + 8 * gb) / TARGET for ga, gb in zip(*sent, strict=True)]
+    else:
+        mean, errors, q = reference_round(cfg, sent, *lowrank, [16, 8])
+        lowrank = (errors, q)
+    mean = jax.tree.unflatten(jax.tree.structure(params), mean)
+    return jax.tree.map(lambda p, g: p - LR * g, params, mean), lowrank
+
+
+def _epoch(
+    pa: LoopbackPeer, pb: LoopbackPeer, x: np.ndarray, y: np.ndarray, a: int, at: int
+) -> None:
+    """b's micro-step ``x[at:at+4]`` hands its accumulator over (8 samples); its next one,
+    ``x[at+4:at+8]``, computes while a trains ``x[a:a+16]`` and its round runs, and ends
+    after that."""
+    _micro(pb, x[at : at + MICRO], y[at : at + MICRO])
+    assert int(pb.state.samples) == 8
     deadline = time.monotonic() + 240
+    trainer = threading.Thread(target=pa.train_epoch, args=(x[a : a + 16], y[a : a + 16], deadline))
+    trainer.start()
+    trainer.join(240)
+    _micro(pb, x[at + MICRO : at + 2 * MICRO], y[at + MICRO : at + 2 * MICRO])
+
+
+def _check_round(
+    pa: LoopbackPeer, pb: LoopbackPeer, cfg: PowerSGD | None, want: dict, lowrank
+) -> None:
+    """Both peers stepped together to ``want`` (a round of both: bit-identical), each keeping
+    its own new PowerSGD error."""
+    for c in (pa.collab, pb.collab):  # one round of both, not a round late, not alone
+        assert [(o.group_size, o.complete) for o in c.history][-1] == (2, True)
+    for key in pa.params:
+        assert np.asarray(pa.params[key]).tobytes() == np.asarray(pb.params[key]).tobytes()
+        np.testing.assert_allclose(pb.params[key], want[key], rtol=1e-4, atol=1e-6)
+    if cfg is not None:
+        for peer, errors in zip((pa, pb), lowrank[0], strict=True):
+            for got, e in zip(peer.state.powersgd.error, errors, strict=True):
+                np.testing.assert_allclose(got, e, rtol=1e-4, atol=1e-6)
+
+
+def _a_slow_peer_round(cfg: PowerSGD | None) -> None:
+    """Two epochs; in each, a trains 16 samples and b 8, handed over at the end of b's second
+    micro-step of the epoch, then a micro-step that lasts until a's round ended."""
+    x, y = _data(TARGET * 3)
     config = local_config(TARGET)
     with (
         Collaboration("midstep", config=config) as a,
@@ -64,64 +106,36 @@ def _a_slow_peer_round(cfg: PowerSGD | None) -> None:
     ):
         pa, pb = _peer(a, cfg, mid_step=False), _peer(b, cfg)
         params0 = jax.device_get(pb.params)
-        for s in (16, 20):  # b's micro-steps 1 and 2: the second hands its 8 samples over
-            _micro(pb, x[s : s + MICRO], y[s : s + MICRO])
-        assert int(pb.state.samples) == 8 and pb.epoch == 0
-        # b's micro-step 3 computes while a trains and its round runs: it ends after that
-        trainer = threading.Thread(target=pa.train_epoch, args=(x[:16], y[:16], deadline))
-        trainer.start()
-        trainer.join(240)
-        _micro(pb, x[24:28], y[24:28])
-        assert pa.epoch == pb.epoch == 1
-        for c in (a, b):  # one round of both, not a round late, not alone
-            assert [(o.epoch, o.group_size, o.complete) for o in c.history] == [(0, 2, True)]
-        for key in pa.params:
-            assert np.asarray(pa.params[key]).tobytes() == np.asarray(pb.params[key]).tobytes()
-        # the averaged gradient: the mean of a's 16 samples and b's 8 (through micro-step 2)
-        sent = [_grad(params0, x[:16], y[:16]), _grad(params0, x[16:24], y[16:24])]
-        treedef = jax.tree.structure(params0)
-        if cfg is None:
-            mean = [(16 * ga + 8 * gb) / TARGET for ga, gb in zip(*sent, strict=True)]
-        else:
+        lowrank = None
+        if cfg is not None:
             shapes = [np.shape(p) for p in jax.tree.leaves(params0)]
-            q = [v.astype(np.float64) for v in initial_q(cfg, shapes)]
-            zero = [[np.zeros(shapes[i]) for i in cfg.plan(shapes).compressed] for _ in sent]
-            mean, errors, _ = reference_round(cfg, sent, zero, q, [16, 8])
-            for peer, want in zip((pa, pb), errors, strict=True):  # the new error, kept
-                for got, e in zip(peer.state.powersgd.error, want, strict=True):
-                    np.testing.assert_allclose(got, e, rtol=1e-4, atol=1e-6)
-        want = jax.tree.map(lambda p, g: p - LR * g, params0, jax.tree.unflatten(treedef, mean))
-        for key in want:
-            np.testing.assert_allclose(pb.params[key], want[key], rtol=1e-4, atol=1e-6)
-        # micro-step 3's gradient (on the parameters it was computed with) starts epoch 1
+            zero = [[np.zeros(shapes[i]) for i in cfg.plan(shapes).compressed] for _ in "ab"]
+            lowrank = (zero, [v.astype(np.float64) for v in initial_q(cfg, shapes)])
+        _micro(pb, x[16:20], y[16:20])  # (its first micro-step: no step length known yet)
+        _epoch(pa, pb, x, y, 0, 20)
+        assert pa.epoch == pb.epoch == 1
+        # the averaged gradient: the mean of a's 16 samples and b's 8 (through its micro-step 2)
+        sent = [_grad(params0, x[:16], y[:16]), _grad(params0, x[16:24], y[16:24])]
+        want, lowrank = _reference(cfg, params0, sent, lowrank)
+        _check_round(pa, pb, cfg, want, lowrank)
+        # b's micro-step 3 (on the parameters it was computed with) starts epoch 1
         assert int(pb.state.samples) == MICRO
         carried = _grad(params0, x[24:28], y[24:28])
         for got, g in zip(jax.tree.leaves(pb.state.grad_sum), carried, strict=True):
             np.testing.assert_allclose(got, g * MICRO, rtol=1e-5, atol=1e-7)
-        # epoch 1 averages it: nothing was lost
+        # epoch 1 averages it (nothing was lost), handed over with the error of epoch 0
         params1 = jax.device_get(pb.params)
-        pb.history.append(params1)
-        runs = [
-            threading.Thread(target=pa.train_epoch, args=(x[28:44], y[28:44], deadline)),
-            threading.Thread(target=pb.train_epoch, args=(x[44:48], y[44:48], deadline)),
-        ]
-        for t in runs:
-            t.start()
-        for t in runs:
-            t.join(240)
+        _epoch(pa, pb, x, y, 28, 44)
         assert pa.epoch == pb.epoch == 2
-        assert [o.group_size for o in b.history] == [2, 2]
-        for key in pa.params:
-            assert np.asarray(pa.params[key]).tobytes() == np.asarray(pb.params[key]).tobytes()
-        if cfg is None:
-            ga, g4 = _grad(params1, x[28:44], y[28:44]), _grad(params1, x[44:48], y[44:48])
-            mean = [
-                (16 * u + MICRO * c + MICRO * v) / TARGET
-                for u, c, v in zip(ga, carried, g4, strict=True)
-            ]
-            want = jax.tree.map(lambda p, g: p - LR * g, params1, jax.tree.unflatten(treedef, mean))
-            for key in want:
-                np.testing.assert_allclose(pb.params[key], want[key], rtol=1e-4, atol=1e-6)
+        mine = [
+            (c + g) / 2 for c, g in zip(carried, _grad(params1, x[44:48], y[44:48]), strict=True)
+        ]
+        want, lowrank = _reference(
+            cfg, params1, [_grad(params1, x[28:44], y[28:44]), mine], lowrank
+        )
+        _check_round(pa, pb, cfg, want, lowrank)
+        assert [o.epoch for o in b.history] == [0, 1]
+        assert int(pb.state.samples) == MICRO
     assert pb.step._cache_size() == 1  # the hand-over's branches compile with the rest
 
 
