@@ -14,12 +14,13 @@ to the run's epoch without a download.)
 By default peers use DeDLOC's delayed parameter update (``--mode overlap``): the round of
 epoch t runs in the background while the peer computes toward t + 1, and its result is applied
 one step late; ``--mode blocking`` stops computing while matchmaking and averaging, and
-``--mode both`` runs both on the same peers, links and churn, one after the other. With
-``--mid-step``, blocking peers check every 0.25 s inside a micro-step whether to average
-(``RoundConfig.mid_step_poll``, ``CollaborationPeer.due``): they then average what they hold,
-deciding on whole micro-steps, and the micro-step in flight goes on through the round and
-counts toward the next epoch. Off by default: ``dedloc_jax.collaborative`` does not average
-mid-step yet (its host call waits for the micro-step), and the default peers do what it does.
+``--mode both`` runs both on the same peers, links and churn, one after the other. Blocking
+peers average mid-micro-step, as :func:`dedloc_jax.collaborative` does (its hand-over,
+:mod:`dedloc_jax.handover`): once half the ETA falls inside a micro-step they check every
+0.25 s whether to average (``RoundConfig.mid_step_poll``, ``CollaborationPeer.due``), deciding
+on whole micro-steps; when due, they average what they hold, and the micro-step in flight goes
+on through the round and counts toward the next epoch. ``--no-mid-step``: they average only at
+the end of a micro-step (``collaborative(..., mid_step=False)``).
 
 ``--mode diloco`` compares traffic with low-communication training (:func:`dedloc_jax.diloco`):
 the same peers, links and churn run DeDLOC mode (overlap, fp16), then DiLoCo mode: an outer
@@ -64,7 +65,7 @@ encoded bytes (``wire_bytes_per_value``).
     python -m bench.collaboration [--peers 40] [--params 18000000] [--epochs 3]
         [--payload-scale S] [--mode overlap|blocking|both|diloco] [--inner-steps H]
         [--dedloc-epochs N] [--compression none|fp16|bf16|int8|adaptive]
-        [--no-defences] [--match-early] [--mid-step] [--log-level WARNING] [--timeline]
+        [--no-defences] [--match-early] [--no-mid-step] [--log-level WARNING] [--timeline]
 
 ``--timeline`` prints, per epoch, when peers stopped to average (first, median, last), when
 their group formed (the round's "group of" log line) and when their round ended: where the
@@ -379,9 +380,9 @@ def simulate(
     and ``codec``: samples per averaging and the wire codec (DeDLOC's by default)."""
     rng = random.Random(args.seed)
     peers = _draw_peers(args.peers, rng, args.payload_scale)
-    # --mid-step: DeDLOC's blocking peers average mid-step when the target lands (DiLoCo's
-    # outer steps, hours apart, and a config given keep theirs)
-    mid_step = bool(getattr(args, "mid_step", False)) and not overlap
+    # DeDLOC's blocking peers average mid-step when the target lands, as collaborative does
+    # (--no-mid-step: not; DiLoCo's outer steps, hours apart, and a config given keep theirs)
+    mid_step = bool(getattr(args, "mid_step", True)) and not overlap
     mid_step = mid_step and target is None and config is None
     target = target or args.target
     # An unmeasured link counts as a slow home link, slowed like every link by the scale.
@@ -800,9 +801,10 @@ def main() -> None:
     )
     parser.add_argument(
         "--mid-step",
-        action="store_true",
-        help="blocking peers average mid-micro-step when the target lands (RoundConfig."
-        "mid_step_poll; not yet what dedloc_jax.collaborative does)",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="blocking peers average mid-micro-step when the target lands, as "
+        "dedloc_jax.collaborative does (RoundConfig.mid_step_poll; on by default)",
     )
     parser.add_argument(
         "--match-early",

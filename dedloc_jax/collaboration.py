@@ -18,6 +18,7 @@ import numpy as np
 import trio
 
 from dedloc_jax.config import CollaborationConfig
+from dedloc_jax.handover import HandOver
 from dedloc_jax.history import RoundOutcome
 from dedloc_jax.host import AveragingOutcome
 from dedloc_jax.opening import open_collaboration
@@ -34,6 +35,11 @@ from p2p.node import NodeConfig, announce_addrs, open_node
 from p2p.transport import Transport
 
 log = logging.getLogger(__name__)
+
+
+MID_STEP_POLL = 0.25
+"""Seconds between a handed-over accumulator's checks whether its round is due, when
+``RoundConfig.mid_step_poll`` does not say."""
 
 
 class StepView(NamedTuple):
@@ -140,6 +146,7 @@ class Collaboration:
         self._thread: TrioThread | None = None
         self._snapshot: ProgressSnapshot | None = None
         self._background: BackgroundAveraging | None = None  # collaborative(overlap=True)
+        self._handed: HandOver | None = None  # collaborative's accumulator, averaged mid-step
         self._stop: trio.Event | None = None
         self._target: int | None = None  # from collaborative(), applied when started
         self.core: CollaborationPeer | None = None
@@ -334,6 +341,16 @@ class Collaboration:
     def report_progress(self, epoch: int, samples: int, batch_size: int) -> bool:
         """Called on every micro-step: posts the numbers to the trio thread without waiting,
         and decides from the last snapshot of the others' progress plus our exact samples."""
+        return self._report(epoch, samples, batch_size, whole_steps=False)
+
+    def report_whole_steps(self, epoch: int, samples: int, batch_size: int) -> bool:
+        """:meth:`report_progress` for a peer that averages mid-step (:meth:`hand_over`): it
+        decides on the samples every peer holds in whole micro-steps, as
+        :meth:`CollaborationPeer.due` does (what the round averages when each peer leaves its
+        micro-step in flight to the next epoch)."""
+        return self._report(epoch, samples, batch_size, whole_steps=True)
+
+    def _report(self, epoch: int, samples: int, batch_size: int, *, whole_steps: bool) -> bool:
         thread, core = self._core()
         snap = self._snapshot
         if snap is not None and not snap.fresh and snap.reached(epoch, samples):
@@ -341,17 +358,55 @@ class Collaboration:
             # (bounded) for that read rather than step alone or keep accumulating.
             thread.run(core.read_fresh_table)
             snap = None
+        report = functools.partial(self._apply_report, whole_steps=whole_steps)
         if snap is None or snap.epoch != epoch:  # no usable snapshot: one blocking hop
-            return thread.run_sync(self._apply_report, core, epoch, samples, batch_size)
-        thread.post(self._apply_report, core, epoch, samples, batch_size)
-        return snap.ready(epoch, samples)
+            return thread.run_sync(report, core, epoch, samples, batch_size)
+        thread.post(report, core, epoch, samples, batch_size)
+        return snap.ready(epoch, samples, whole_steps=whole_steps)
 
     def _apply_report(
-        self, core: CollaborationPeer, epoch: int, samples: int, batch_size: int
+        self, core: CollaborationPeer, epoch: int, samples: int, batch_size: int, *, whole_steps
     ) -> bool:
-        ready = core.report(epoch, samples, batch_size)
-        self._snapshot = core.snapshot()
+        ready = core.report(epoch, samples, batch_size, whole_steps=whole_steps)
+        self._snapshot = core.snapshot(whole_steps=whole_steps)
         return ready
+
+    def lands_within(self, seconds: float) -> bool:
+        """Whether the target will likely land within ``seconds`` (half the ETA of the last
+        snapshot falls inside them); False without a snapshot."""
+        snap = self._snapshot
+        return snap is not None and snap.lands_within(seconds)
+
+    def hand_over(
+        self, epoch: int, gradients: Sequence[np.ndarray], samples: int, *, codec: str | None = None
+    ) -> None:
+        """Hand over what this peer accumulated toward ``epoch`` while its next micro-step
+        computes: the trio loop asks :meth:`CollaborationPeer.due` every
+        ``config.rounds.mid_step_poll`` (0.25 s when unset) and begins the round at once when
+        it is due (:mod:`dedloc_jax.handover`). :meth:`take_over` ends it."""
+        thread, core = self._core()
+        if self._handed is not None:
+            raise RuntimeError("an accumulator is already handed over")
+        poll = self.config.rounds.mid_step_poll or MID_STEP_POLL
+        job = HandOver(
+            functools.partial(core.due, epoch),
+            functools.partial(core.average, epoch, list(gradients), samples, codec=codec),
+            poll,
+        )
+        self._handed = job
+        thread.start_service(job.run)
+
+    def take_over(self) -> AveragingOutcome | None:
+        """At the end of the micro-step after :meth:`hand_over`: the round's outcome if it
+        began (waits for it to end), else None (it never will: nothing was averaged)."""
+        thread, _ = self._core()
+        job, self._handed = self._handed, None
+        if job is None or not thread.run_sync(job.claim):
+            return None
+        try:
+            return job.result()
+        finally:
+            self._snapshot = None
 
     def average_gradients(
         self, epoch: int, gradients: Sequence[np.ndarray], samples: int, *, codec: str | None = None

@@ -20,6 +20,14 @@ orders the write after the read, so XLA can reuse the buffer instead of copying 
 ``overlap=True`` gives DeDLOC's delayed updates: the averaging runs in the background while the
 peer computes the next epoch's gradients, and the step is applied once it finished.
 
+Blocking (the default), a peer averages mid-micro-step (``mid_step``): when the target will
+likely land within the next micro-step, the branch ``hand`` hands the accumulator over and
+keeps it; the host averages it once the round is due, while the device computes that
+micro-step (JAX dispatches it asynchronously). At its end ``take`` steps with that averaging,
+and the micro-step's gradients start the next epoch's accumulator; if the round never began,
+nothing changed. Under PowerSGD what is handed over is the mean plus the error feedback, and
+the new error comes back with the averaging.
+
 ``compression=PowerSGD(rank=r)`` averages rank-``r`` approximations (:mod:`dedloc_jax.powersgd`):
 the branch that averages adds this peer's error feedback to its mean gradients and hands them
 with the factors ``Q`` to the host, whose round runs both phases; the host hands back the mean,
@@ -58,6 +66,7 @@ def collaborative(
     overlap: bool = False,
     callback: str = "auto",
     compression: PowerSGD | None = None,
+    mid_step: bool = True,
 ) -> optax.GradientTransformationExtraArgs:
     """Wrap ``inner`` so that it steps once per collaboration-wide batch.
 
@@ -80,6 +89,14 @@ def collaborative(
       compression: :class:`dedloc_jax.PowerSGD` to average low-rank approximations of the
         gradients in two phases, with error feedback (None: the run's codec carries them
         whole). Every peer of a run must use the same settings.
+      mid_step: without overlap, on a collaboration that can (:class:`dedloc_jax.host.MidStepHost`,
+        as :class:`dedloc_jax.Collaboration`): when the target will likely land within the next
+        micro-step, hand the accumulator over at the end of this one; the collaboration
+        averages it as soon as the round is due, while the next micro-step computes, and that
+        micro-step's gradients start the next epoch (none is thrown away). A peer whose
+        micro-steps are long then averages when the target lands, not up to a micro-step
+        later while every other peer waits for it. False: only the host call of a micro-step
+        that reaches the target averages (its micro-step done).
 
     ``update(grads, state, params=None, *, batch_size)``: ``grads`` are the mean gradients of a
     micro-batch of ``batch_size`` samples.
@@ -88,7 +105,9 @@ def collaborative(
     if compression is not None and not isinstance(compression, PowerSGD):
         raise TypeError(f"compression must be a dedloc_jax.PowerSGD, got {compression!r}")
     wire = None if compression is None else {"codec": compression}
-    calls = connect(collab, target_batch_size=target_batch_size, overlap=overlap, wire=wire)
+    calls = connect(
+        collab, target_batch_size=target_batch_size, overlap=overlap, wire=wire, mid_step=mid_step
+    )
     inner = optax.with_extra_args_support(inner)
 
     def init(params: optax.Params) -> CollaborativeState:
@@ -208,6 +227,29 @@ class _Accumulation(TransformBranches):
         averaged, powersgd = self._unpacked(averaged, len(leaves))
         out = self._step_with(grads, inner_state, treedef, averaged)
         return (*out, grad_sum, self.samples, jnp.bool_(True), powersgd)
+
+    def hand(self, grads: Any, grad_sum: Any, inner_state: Any) -> tuple:
+        """Hand the accumulator (this micro-step in) over; keep it until the round is taken."""
+        means, _ = self._means(grad_sum)
+        held = self.step.hand(self.state.epoch, self.samples, self._sending(means))
+        return (
+            *self._kept(grads, inner_state),
+            grad_sum,
+            held,
+            jnp.bool_(False),
+            self.state.powersgd,
+        )
+
+    def take(self, grads: Any, grad_sum: Any, inner_state: Any) -> tuple:
+        """Step with the averaging of what was handed over (the accumulator before this
+        micro-step); this micro-step's gradients begin the next epoch's accumulator."""
+        leaves, treedef = jax.tree.flatten(grad_sum)
+        averaged = self.step.take(self.state.epoch, self._like(leaves) or leaves)
+        averaged, powersgd = self._unpacked(averaged, len(leaves))
+        out = self._step_with(grads, inner_state, treedef, averaged)
+        batch = self.samples - self.state.samples
+        fresh = _accumulated(jax.tree.map(jnp.zeros_like, grad_sum), grads, batch)
+        return (*out, fresh, batch, jnp.bool_(True), powersgd)
 
     # --- PowerSGD: what the host gets and gives back (see the module docstring) -----------
     def _compressed(self, leaves: list) -> tuple[int, ...]:

@@ -26,6 +26,7 @@ branch with Python control flow (no work for the branches not taken).
 from __future__ import annotations
 
 import functools
+import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple, Protocol, runtime_checkable
@@ -178,6 +179,31 @@ class OverlappingHost(CollaborationHost, Protocol):
 
 
 @runtime_checkable
+class MidStepHost(CollaborationHost, Protocol):
+    """A collaboration that averages a blocking peer's accumulator while its next micro-step
+    computes (:mod:`dedloc_jax.handover`), so that a peer with long micro-steps averages when
+    the target lands, not when its micro-step ends."""
+
+    def report_whole_steps(self, epoch: int, samples: int, batch_size: int) -> bool:
+        """:meth:`report_progress`, deciding on the samples peers hold in whole micro-steps."""
+        ...
+
+    def lands_within(self, seconds: float) -> bool:
+        """Whether the target will likely land within ``seconds``. Cheap (every micro-step)."""
+        ...
+
+    def hand_over(self, epoch: int, gradients: Sequence[np.ndarray], samples: int) -> None:
+        """Average ``gradients`` (as :meth:`average_gradients`) once the round is due, in the
+        background, while the next micro-step computes; return at once."""
+        ...
+
+    def take_over(self) -> RoundOutcome | AveragingOutcome | None:
+        """At the end of that micro-step: the outcome if the round began (waits for it), else
+        None (it never will)."""
+        ...
+
+
+@runtime_checkable
 class TargetedHost(Protocol):
     """A collaboration that trains toward (and publishes) the target a transform names."""
 
@@ -189,6 +215,7 @@ class TargetedHost(Protocol):
 # --- the options both transforms share ---------------------------------------------------
 CALLBACKS = ("auto", "buffer", "pure")
 KEEP, STEP, APPLY = 0, 1, 2  # what a micro-step does (the host's answer to every report)
+HAND, TAKE = 3, 4  # blocking, mid-step: hand the accumulator over; step with its averaging
 INT32 = jax.ShapeDtypeStruct((), jnp.int32)
 
 
@@ -205,9 +232,12 @@ def connect(
     target_batch_size: int,
     overlap: bool,
     wire: dict[str, Any] | None = None,
+    mid_step: bool = False,
 ) -> HostCalls:
     """The host calls of one transform on ``collab``: tells it the target (a collaboration
-    configured with another raises a ValueError naming both) and checks it can overlap."""
+    configured with another raises a ValueError naming both) and checks it can overlap.
+    ``mid_step``: a blocking transform that averages mid-step where ``collab`` can
+    (:class:`MidStepHost`)."""
     if isinstance(collab, TargetedHost):
         collab.use_target(int(target_batch_size))
     if overlap and not isinstance(collab, OverlappingHost):
@@ -215,7 +245,8 @@ def connect(
             "overlap=True needs a collaboration with start_averaging and poll_averaging "
             f"(dedloc_jax.host.OverlappingHost); {type(collab).__name__} has not"
         )
-    return HostCalls(collab, wire)
+    mid_step = mid_step and not overlap and isinstance(collab, MidStepHost)
+    return HostCalls(collab, wire, mid_step=mid_step)
 
 
 def is_traced(*trees: Any) -> bool:
@@ -253,15 +284,25 @@ class HostCalls:
     """The host side of a transform: plain Python on NumPy, shared by the jitted and the
     eager paths and by both transforms. ``wire``: keyword arguments every averaging call passes
     on (diloco's codec). One training loop per instance: with overlap, the averaging in flight
-    is remembered here."""
+    is remembered here; so is, with ``mid_step`` (a :class:`MidStepHost`), the accumulator
+    handed over at the end of the last micro-step (``handed``: its epoch) and the outcome
+    of its round (``taken``)."""
 
-    def __init__(self, collab: CollaborationHost, wire: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self, collab: CollaborationHost, wire: dict[str, Any] | None = None, *, mid_step=False
+    ) -> None:
         self.collab = collab
         self.wire = dict(wire or {})
         self.in_flight: dict[str, Any] = {"active": False, "outcome": None}
+        self.mid_step = mid_step
+        self.handed: int | None = None
+        self.taken: RoundOutcome | None = None
+        self._last: float | None = None  # time.monotonic() of the last micro-step's end
 
     def decide(self, epoch: np.ndarray, samples: np.ndarray, batch: np.ndarray) -> tuple:
-        """KEEP, STEP or APPLY for this micro-step."""
+        """KEEP, STEP or APPLY for this micro-step (HAND or TAKE with ``mid_step``)."""
+        if self.mid_step:
+            return (self._decide_mid_step(int(epoch), int(samples), int(batch)),)
         in_flight = self.in_flight
         if in_flight["active"]:
             # Not reported while averaging: others must not see this peer in the next epoch
@@ -275,6 +316,28 @@ class HostCalls:
             return (np.int32(KEEP if in_flight["outcome"] is None else APPLY),)
         ready = self.collab.report_progress(int(epoch), int(samples), int(batch))
         return (np.int32(STEP if ready else KEEP),)
+
+    def _decide_mid_step(self, epoch: int, samples: int, batch: int) -> np.int32:
+        """TAKE when the accumulator handed over at the last micro-step was averaged (this
+        micro-step's gradients start the next epoch); else STEP or KEEP as ever, or HAND when
+        the target will likely land within the next micro-step (as long as this one)."""
+        collab: Any = self.collab
+        now = time.monotonic()
+        step, self._last = (None if self._last is None else now - self._last), now
+        if self.handed is not None:
+            handed, self.handed = self.handed, None
+            outcome = collab.take_over()
+            if outcome is not None and handed == epoch:
+                self.taken = round_record(outcome)
+                # (this micro-step counts toward the next epoch: nothing is thrown away)
+                collab.report_whole_steps(self.taken.next_epoch, batch, batch)
+                return np.int32(TAKE)
+            # (not begun: nothing changed; another epoch: the state was replaced meanwhile)
+        if collab.report_whole_steps(epoch, samples, batch):
+            return np.int32(STEP)
+        if step is not None and samples > 0 and collab.lands_within(step):
+            return np.int32(HAND)
+        return np.int32(KEEP)
 
     def average(
         self,
@@ -290,7 +353,28 @@ class HostCalls:
         sent = [np.array(a, copy=True) for a in arrays]
         got = self.collab.average_gradients(int(epoch), sent, int(samples), **self.wire)
         outcome = round_record(got)
+        self._last = time.monotonic()  # (the next micro-step is measured from here)
         return (*_handed_back(outcome, arrays if like is None else like), np.int32(samples))
+
+    def hand(self, epoch: np.ndarray, samples: np.ndarray, *arrays: np.ndarray) -> tuple:
+        """Hand ``arrays`` over to be averaged once due, while the next micro-step computes:
+        the samples held (they stay in the accumulator until the round is taken)."""
+        sent = [np.array(a, copy=True) for a in arrays]
+        self.collab.hand_over(int(epoch), sent, int(samples), **self.wire)  # type: ignore[attr-defined]
+        self.handed = int(epoch)
+        return (np.int32(samples),)
+
+    def take(self, specs: Sequence[jax.ShapeDtypeStruct]) -> Callable[..., tuple]:
+        """The host function that hands over the averaging of the handed-over accumulator."""
+
+        def take(epoch: np.ndarray) -> tuple:
+            outcome, self.taken = self.taken, None
+            if outcome is None:
+                raise RuntimeError("no handed-over averaging to apply")
+            self._last = time.monotonic()
+            return _handed_back(outcome, specs)
+
+        return take
 
     def start(self, epoch: np.ndarray, samples: np.ndarray, *arrays: np.ndarray) -> tuple:
         """Start averaging ``arrays`` in the background: the samples consumed, as in
@@ -380,6 +464,8 @@ class Branches(NamedTuple):
     average: Callable[..., Any]  # STEP without overlap: average now and step
     start: Callable[..., Any]  # STEP with overlap: start averaging in the background
     apply: Callable[..., Any]  # APPLY (overlap only): step with the finished averaging
+    hand: Callable[..., Any] | None = None  # HAND (blocking, mid-step): hand the sum over
+    take: Callable[..., Any] | None = None  # TAKE: step with its averaging, restart the sum
 
 
 class TransformBranches:
@@ -405,7 +491,7 @@ class TransformBranches:
         self.compression = compression
 
     def table(self) -> Branches:
-        return Branches(keep=self.keep, average=self.average, start=self.start, apply=self.apply)
+        return Branches(self.keep, self.average, self.start, self.apply, self.hand, self.take)
 
     def chosen(self, action: jax.Array) -> Callable[..., Any]:
         """The branch the host's answer names, to call with the operands (see
@@ -424,6 +510,12 @@ class TransformBranches:
     def apply(self, *operands: Any) -> Any:
         raise NotImplementedError
 
+    def hand(self, *operands: Any) -> Any:
+        raise NotImplementedError
+
+    def take(self, *operands: Any) -> Any:
+        raise NotImplementedError
+
 
 def _specs(leaves: Sequence[Any]) -> list[jax.ShapeDtypeStruct]:
     return [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in leaves]
@@ -437,6 +529,7 @@ class MicroStep:
         self.calls = calls
         self.traced = traced
         self.overlap = overlap
+        self.mid_step = calls.mid_step
         self._host = host_caller(traced, kind)
 
     def decide(self, epoch: jax.Array, samples: jax.Array, batch: jax.Array) -> jax.Array:
@@ -477,17 +570,45 @@ class MicroStep:
         )
         return Averaged(avg, new_epoch, group_size, complete.astype(jnp.bool_))
 
+    def hand(self, epoch: jax.Array, samples: jax.Array, leaves: Sequence[jax.Array]) -> jax.Array:
+        """Hand ``leaves`` over to be averaged while the next micro-step computes: the samples
+        held (the host's answer, so that the call is kept)."""
+        (held,) = self._host(self.calls.hand, [INT32], epoch, samples, *leaves)
+        return held
+
+    def take(self, epoch: jax.Array, like: Sequence[jax.Array]) -> Averaged:
+        """The averaging of the handed-over leaves, as leaves shaped like ``like``."""
+        specs = _specs(like)
+        *avg, new_epoch, group_size, complete = self._host(
+            self.calls.take(specs), [*specs, INT32, INT32, INT32], epoch
+        )
+        return Averaged(avg, new_epoch, group_size, complete.astype(jnp.bool_))
+
     def branch(self, action: jax.Array, branches: Branches) -> Callable[..., Any]:
         """The branch the host's answer names, for the transform to call with its operands:
         one ``lax.switch`` over them when traced, the branch itself when eager (no work for the
         branches not taken; the transform runs its branch, not this boundary)."""
         if self.overlap:
             table = [branches.keep, branches.start, branches.apply]
+        elif self.mid_step:
+            # KEEP against the rest, then which of the rest (APPLY never comes): a switch of
+            # more than two branches makes XLA copy the state on every micro-step; two do not.
+            rest = [branches.average, branches.average, branches.hand, branches.take]
+            if not self.traced:
+                return ([branches.keep, *rest])[int(action)]
+            acting = functools.partial(self._switch, action - 1, rest)
+            return functools.partial(
+                jax.lax.switch, jnp.minimum(action, 1), [branches.keep, acting]
+            )
         else:
             table = [branches.keep, branches.average]
         if self.traced:
             return functools.partial(jax.lax.switch, action, table)
         return table[int(action)]
+
+    @staticmethod
+    def _switch(index: jax.Array, table: list, *operands: Any) -> Any:
+        return jax.lax.switch(index, table, *operands)
 
     def cond(self, pred: Any, if_true: Callable[..., Any], if_false: Callable[..., Any], *ops: Any):
         """``lax.cond`` when traced, Python when eager."""

@@ -201,12 +201,19 @@ class CollaborationPeer:
     def estimate(self) -> CollaborationEstimate:
         return self.tracker.current_estimate()
 
-    def snapshot(self) -> ProgressSnapshot:
-        """What the other peers hold now, for deciding outside the trio thread."""
+    def snapshot(self, *, whole_steps: bool = False) -> ProgressSnapshot:
+        """What the other peers hold now, for deciding outside the trio thread (``whole_steps``:
+        with the committed estimate's figures, for a peer that averages mid-step)."""
         progress = self.config.progress
         cap = progress.max_refresh * 2 if progress.extrapolate else 0.0
         missed = self._first_report_epoch if self._missed else None
-        return take_snapshot(self.tracker, self.dht.now(), max_extrapolation=cap, missed=missed)
+        return take_snapshot(
+            self.tracker,
+            self.dht.now(),
+            max_extrapolation=cap,
+            missed=missed,
+            whole_steps=whole_steps,
+        )
 
     @property
     def behind(self) -> bool:

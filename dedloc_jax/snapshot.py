@@ -33,11 +33,27 @@ class ProgressSnapshot:
     others_train: bool = False  # the table names another peer that computes gradients
     newest_served: int | None = None  # the newest epoch another peer serves a state of
     missed: bool = False  # the round of ``epoch`` began without us (CollaborationPeer.report)
+    eta: float = math.inf  # seconds from ``at`` until the target, extrapolated
+    committed_others: float = 0.0  # the others' samples in whole micro-steps (committed)
+    committed_waiting: bool = False  # others_waiting, of the committed estimate
 
-    def ready(self, epoch: int, samples: int) -> bool:
+    def ready(self, epoch: int, samples: int, *, whole_steps: bool = False) -> bool:
+        """Whether to average now; ``whole_steps``: on the others' whole micro-steps as of the
+        snapshot (``ProgressTracker.committed_estimate``, not extrapolated: they count only
+        once a micro-step ends), the decision a peer that averages mid-step makes."""
         if self.missed and epoch == self.epoch:
             return False
+        if whole_steps:
+            if not self.fresh or self.epoch > epoch:
+                return False
+            waiting = self.committed_waiting and epoch == self.epoch
+            return waiting or samples + self.committed_others >= self.target
         return self.fresh and self.reached(epoch, samples)
+
+    def lands_within(self, seconds: float) -> bool:
+        """Whether half the ETA falls within ``seconds`` from now (the ETA runs long as it
+        runs out: records that stopped below the extrapolation stretch it)."""
+        return (self.eta - max(0.0, time.monotonic() - self.at)) / 2 <= seconds
 
     def reached(self, epoch: int, samples: int) -> bool:
         """Whether the target is reached, fresh table or not."""
@@ -58,10 +74,16 @@ def others_train(tracker: ProgressTracker) -> bool:
 
 
 def take_snapshot(
-    tracker: ProgressTracker, now: float, *, max_extrapolation: float, missed: int | None
+    tracker: ProgressTracker,
+    now: float,
+    *,
+    max_extrapolation: float,
+    missed: int | None,
+    whole_steps: bool = False,
 ) -> ProgressSnapshot:
     """What the other peers hold now (``now``: DHT time), for deciding outside the trio
-    thread; ``missed``: the epoch whose round began without us (None: none)."""
+    thread; ``missed``: the epoch whose round began without us (None: none); ``whole_steps``:
+    with the committed estimate's figures too (a peer that averages mid-step)."""
     me = tracker.peer_id
     others = [r for pid, r in tracker.projected().items() if pid != me]
     target = tracker.target
@@ -87,4 +109,15 @@ def take_snapshot(
         others_train(tracker),
         tracker.newest_served(),
         missed is not None and missed == est.epoch,
+        est.eta,
+        *_committed(tracker, whole_steps),
     )
+
+
+def _committed(tracker: ProgressTracker, whole_steps: bool) -> tuple[float, bool]:
+    """The committed estimate's others' samples and whether they all wait (none asked for:
+    nothing committed, nobody waiting)."""
+    if not whole_steps:
+        return 0.0, False
+    est = tracker.committed_estimate()
+    return est.others_samples, est.others_waiting

@@ -6,10 +6,12 @@ replaced by ``ADDRS`` (a JSON list) and the target by ``TARGET``, and
 supplies the three names it leaves to the user: ``params`` (a linear model's weights, zeros),
 ``loss_fn`` (mean squared error) and ``batches`` (micro-batches of 4 until the collaboration
 reached ``EPOCHS``, each taking ``$README_PEER_PACE`` seconds of "compute"). Every micro-batch
-it feeds is appended to ``OUT_DIR/fed.jsonl`` with the epoch of the state it was fed to,
-flushed at once (a killed peer leaves what it fed); at the end ``OUT_DIR/final.npz`` holds the
-parameters and the epoch, and ``history.json`` the averaging steps (group size, complete)
-this process took; ``peer.json`` its peer id and the peers it banned (``dedloc_jax.bans``).
+it feeds is appended to ``OUT_DIR/fed.jsonl`` with the epoch of the state it was fed to
+(followed by ``{"carried": true}`` when a round that began during its micro-step carried it
+over to the next epoch: ``collaborative``'s hand-over), flushed at once (a killed peer
+leaves what it fed); at the end ``OUT_DIR/final.npz`` holds the parameters and the epoch,
+and ``history.json`` the averaging steps (group size, complete) this process took;
+``peer.json`` its peer id and the peers it banned (``dedloc_jax.bans``).
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import dedloc_jax
+from dedloc_jax import CollaborativeState
+from dedloc_jax.state.training import collaboration_state
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 PLACEHOLDER = '["/ip4/1.2.3.4/tcp/31337/p2p/..."]'
@@ -57,6 +61,13 @@ def loss_fn(params: dict, batch: dict) -> jnp.ndarray:
     return jnp.mean((batch["x"] @ params["w"] - batch["y"]) ** 2)
 
 
+def _carried(opt_state: Any, fed_to: int) -> bool:
+    """Whether the micro-batch fed at epoch ``fed_to`` went into the next epoch's accumulator:
+    the round of ``fed_to`` began during its micro-step, and the state moved on holding it."""
+    s = collaboration_state(opt_state)
+    return isinstance(s, CollaborativeState) and int(s.epoch) > fed_to and int(s.samples) > 0
+
+
 def main(
     out: Path, addrs: list[str], target: int, epochs: int, seed: int, block: str = "own"
 ) -> None:
@@ -66,9 +77,12 @@ def main(
 
     def batches():
         deadline = time.monotonic() + 240
+        last = None  # the epoch the last micro-batch was fed to
         while time.monotonic() < deadline:
             state = namespace.get("opt_state")
             epoch = dedloc_jax.collaboration_epoch(state) if state is not None else 0
+            if last is not None and _carried(state, last):
+                fed.write(json.dumps({"carried": True}) + "\n")
             if epoch >= epochs:
                 return
             x = rng.normal(size=(MICRO, TRUE_W.size)).astype(np.float32)
@@ -78,6 +92,7 @@ def main(
                 + "\n"
             )
             fed.flush()
+            last = epoch
             time.sleep(PACE)  # a micro-step of a small real model
             yield {"x": x, "y": y}
 

@@ -55,7 +55,17 @@ def _wait(proc: subprocess.Popen, out: Path, timeout: float = 240) -> None:
 
 
 def _fed(out: Path) -> list[dict]:
-    return [json.loads(line) for line in (out / "fed.jsonl").read_text().splitlines()]
+    """The micro-batches a peer fed, each with ``epoch`` (of the state it was fed to) and
+    ``toward`` (the epoch whose step it went into: the next one for a micro-batch that a
+    round begun during its micro-step carried over, ``collaborative``'s hand-over)."""
+    fed: list[dict] = []
+    for line in (out / "fed.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        if record.get("carried"):
+            fed[-1]["toward"] = fed[-1]["epoch"] + 1
+        else:
+            fed.append({**record, "toward": record["epoch"]})
+    return fed
 
 
 def _final(out: Path) -> tuple[np.ndarray, int]:
@@ -69,17 +79,20 @@ def _history(out: Path) -> list[dict]:
 
 def _single_process(fed: list[dict], epochs: int) -> np.ndarray:
     """The README's optimizer in one process, stepping on the union of the micro-batches the
-    peers fed at each epoch (each clipped as its micro-step clipped it, weighted by size)."""
+    peers fed toward each epoch (each clipped as its micro-step clipped it, weighted by size;
+    one carried over to the next epoch has the gradient of the parameters it was fed to)."""
     clip = optax.clip_by_global_norm(1.0)
     inner = optax.lamb(1e-3)
     params = {"w": jnp.zeros(5, jnp.float32)}
     state = inner.init(params)
     grad = jax.jit(jax.grad(loss_fn))
+    at = []  # the parameters of each epoch
     for epoch in range(epochs):
+        at.append(params)
         parts = []
-        for b in (b for b in fed if b["epoch"] == epoch):
+        for b in (b for b in fed if b["toward"] == epoch):
             batch = {"x": jnp.asarray(b["x"], jnp.float32), "y": jnp.asarray(b["y"], jnp.float32)}
-            g, _ = clip.update(grad(params, batch), clip.init(params))
+            g, _ = clip.update(grad(at[b["epoch"]], batch), clip.init(params))
             parts.append((g["w"], len(b["x"])))
         count = sum(n for _, n in parts)
         mean = {"w": sum(g * n for g, n in parts) / count}
@@ -120,9 +133,9 @@ def test_readme_example_two_processes_step_together(tmp_path: Path, bootstrap: l
     # trains keeps accumulating rather than step alone (192 samples seen there under load).
     for epoch in range(1, epochs):
         for out in outs:
-            mine = sum(len(b["x"]) for b in _fed(out) if b["epoch"] == epoch)
+            mine = sum(len(b["x"]) for b in _fed(out) if b["toward"] == epoch)
             assert mine <= TARGET, (epoch, out.name, mine)
-    later = sum(len(b["x"]) for b in fed if b["epoch"] > 0)
+    later = sum(len(b["x"]) for b in fed if b["toward"] > 0)
     assert (epochs - 1) * TARGET <= samples and later <= len(outs) * (epochs - 1) * TARGET
     for out in outs:  # every step averaged with the other peer
         assert [(h["group_size"], h["complete"]) for h in _history(out)] == [(2, True)] * epochs

@@ -491,6 +491,23 @@ def test_a_progress_snapshot_is_ready_when_every_other_peer_waits_for_us() -> No
     assert not dataclasses.replace(snap, missed=True).ready(3, 4000)
 
 
+def test_a_mid_step_snapshot_decides_on_whole_micro_steps_and_says_when_the_target_lands() -> None:
+    """``collaborative``'s hand-over asks the snapshot: its regular report decides on the
+    others' samples in whole micro-steps (not extrapolated), and it hands over when half the
+    ETA falls within its next micro-step."""
+    import time
+
+    from dedloc_jax.snapshot import ProgressSnapshot
+
+    snap = ProgressSnapshot(
+        3, 900.0, 50.0, time.monotonic(), 2.0, target=1000, eta=30.0, committed_others=560.0
+    )
+    assert snap.ready(3, 100)  # 100 + 900 extrapolated
+    assert not snap.ready(3, 100, whole_steps=True)  # 100 + 560 in whole micro-steps
+    assert snap.ready(3, 440, whole_steps=True) and not snap.ready(2, 440, whole_steps=True)
+    assert snap.lands_within(16.0) and not snap.lands_within(10.0)  # half the ETA: 15 s
+
+
 @pytest.mark.parametrize("apart", [True, False])
 def test_a_late_group_knows_its_mean_is_incomplete_when_a_group_stepped_without_it(
     apart: bool,

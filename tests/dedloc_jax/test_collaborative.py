@@ -11,6 +11,7 @@ import pytest
 from flax import nnx
 
 from dedloc_jax.collaborative import CollaborativeState, collaborative
+from dedloc_jax.history import RoundOutcome
 from dedloc_jax.host import AveragingOutcome
 from tests.dedloc_jax.lockstep import LockstepGroup, LockstepPeer
 
@@ -312,6 +313,134 @@ def test_donated_step_that_does_not_average_copies_no_parameter_sized_array() ->
     for k in params:
         np.testing.assert_array_equal(new_params[k], params[k])
     assert int(state.samples) == 8 and float(jnp.abs(state.grad_sum["w"]).sum()) > 0
+
+
+class _NeverDue:
+    """A collaboration that averages mid-step (``host.MidStepHost``) whose target never lands."""
+
+    def report_progress(self, epoch: int, samples: int, batch_size: int) -> bool:
+        return False
+
+    def report_whole_steps(self, epoch: int, samples: int, batch_size: int) -> bool:
+        return False
+
+    def average_gradients(self, epoch: int, gradients: list, samples: int) -> None:
+        raise AssertionError("never due")
+
+    def lands_within(self, seconds: float) -> bool:
+        return False
+
+    def hand_over(self, epoch: int, gradients: list, samples: int) -> None:
+        raise AssertionError("never due")
+
+    def take_over(self) -> None:
+        return None
+
+
+class _HandsOverAt:
+    """One peer on its own (``host.MidStepHost``): after the report of ``samples``, says the
+    target lands within the next micro-step; the round of what it was handed then begins at
+    once and gives back what it was handed."""
+
+    def __init__(self, samples: int) -> None:
+        self.at = samples
+        self.reports: list[tuple[int, int, int]] = []
+        self.handed: tuple[int, list, int] | None = None
+
+    def report_progress(self, epoch: int, samples: int, batch_size: int) -> bool:
+        raise AssertionError("a mid-step peer decides on whole micro-steps")
+
+    def report_whole_steps(self, epoch: int, samples: int, batch_size: int) -> bool:
+        self.reports.append((epoch, samples, batch_size))
+        return False
+
+    def average_gradients(self, epoch: int, gradients: list, samples: int) -> None:
+        raise AssertionError("never reached at the end of a micro-step")
+
+    def lands_within(self, seconds: float) -> bool:
+        return self.reports[-1][:2] == (0, self.at)
+
+    def hand_over(self, epoch: int, gradients: list, samples: int) -> None:
+        self.handed = (epoch, [np.array(g) for g in gradients], samples)
+
+    def take_over(self) -> RoundOutcome | None:
+        if self.handed is None:
+            return None
+        epoch, gradients, _ = self.handed
+        return RoundOutcome(epoch, 1, True, average=gradients)
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_a_handed_over_accumulator_steps_and_the_next_micro_step_starts_the_next_epoch(
+    jit: bool,
+) -> None:
+    """The hand-over, eager and jitted: the step applies the mean through micro-step k-1
+    (handed over at its end); micro-step k's gradients are the next epoch's accumulator."""
+    host = _HandsOverAt(8)
+    tx = collaborative(optax.sgd(0.1), host, target_batch_size=10**9)
+    params = {"w": jnp.linspace(-1.0, 1.0, 6, dtype=jnp.float32).reshape(3, 2)}
+    loss = jax.grad(lambda p, x: jnp.sum(jnp.tanh(x @ p["w"]) ** 2))
+
+    def step(params, state, x):
+        updates, state = tx.update(loss(params, x), state, params, batch_size=x.shape[0])
+        return optax.apply_updates(params, updates), state
+
+    step = jax.jit(step) if jit else step
+    xs = [np.random.default_rng(i).normal(size=(4, 3)).astype(np.float32) for i in range(3)]
+    p, state = params, tx.init(params)
+    for x in xs[:2]:
+        p, state = step(p, state, x)
+    assert int(state.epoch) == 0 and int(state.samples) == 8  # handed over, and kept
+    assert host.handed is not None and host.handed[2] == 8
+    p, state = step(p, state, xs[2])
+    assert int(state.epoch) == 1 and int(state.samples) == 4
+    mean = (loss(params, xs[0])["w"] + loss(params, xs[1])["w"]) / 2
+    np.testing.assert_allclose(p["w"], params["w"] - 0.1 * mean, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(state.grad_sum["w"], 4 * loss(params, xs[2])["w"], rtol=1e-5)
+    assert host.reports[-1] == (1, 4, 4)  # counted toward the next epoch
+
+
+def _copies_by_computation(hlo: str, shape: str) -> dict[str, int]:
+    """How many ``copy`` of ``shape`` each computation of a compiled HLO text holds."""
+    counts: dict[str, int] = {}
+    name = ""
+    for line in hlo.splitlines():
+        if line and not line[0].isspace() and line.rstrip().endswith("{"):
+            name = "ENTRY" if line.startswith("ENTRY") else line.split()[0].lstrip("%")
+        if f"{shape} copy(" in line:
+            counts[name] = counts.get(name, 0) + 1
+    return counts
+
+
+def test_a_mid_step_peers_micro_step_that_does_not_average_copies_no_parameter_sized_array() -> (
+    None
+):
+    """Averaging mid-step adds two branches (hand the accumulator over; step with its
+    averaging). One ``lax.switch`` of five branches made XLA copy the state around it on every
+    micro-step (4 parameter-sized copies on the step's top level, 28 in all); KEEP against the
+    rest, then which of the rest, leaves the micro-step that keeps without any (the branches
+    that act, near the target, copy: 16)."""
+    tx = collaborative(optax.adam(1e-3), _NeverDue(), target_batch_size=10**9)
+    params = {"w": jnp.zeros((48, 40), jnp.float32), "v": jnp.ones((48, 40), jnp.float32)}
+
+    def step(params, state, x):
+        grads = jax.grad(lambda p: jnp.sum(jnp.tanh(x @ p["w"]) * (x @ p["v"])))(params)
+        updates, state = tx.update(grads, state, params, batch_size=x.shape[0])
+        return optax.apply_updates(params, updates), state
+
+    x = jnp.ones((8, 48), jnp.float32)
+    state = tx.init(params)
+    jitted = jax.jit(step, donate_argnums=(0, 1))
+    hlo = jitted.lower(params, state, x).compile().as_text()
+    entry = hlo[hlo.index("\nENTRY") :]
+    (outer,) = [line for line in entry.splitlines() if " conditional(" in line]
+    keep = outer.split("branch_computations={")[1].split(",")[0].lstrip("%")
+    copies = _copies_by_computation(hlo, "f32[48,40]{1,0}")
+    assert copies.get("ENTRY", 0) == 0 and copies.get(keep, 0) == 0, copies
+    new_params, state = jitted(jax.tree.map(jnp.copy, params), state, x)
+    for k in params:
+        np.testing.assert_array_equal(new_params[k], params[k])
+    assert int(state.samples) == 8
 
 
 def test_the_portable_host_callback_steps_like_the_cpu_buffer_views() -> None:
