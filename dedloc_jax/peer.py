@@ -127,9 +127,7 @@ class CollaborationPeer:
             # later: its peers are gone (a toy loop's first peer ends in seconds). Waiting for
             # them to move on waited forever: go on at the epoch, step at the target.
             log.warning(
-                "epoch %d: the round we skipped ended and its peers are gone (no record at "
-                "this epoch or later); going on at this epoch",
-                epoch,
+                "epoch %d: the round we skipped ended, no peer is left at it: going on", epoch
             )
             self._missed = False
         if self._missed:
