@@ -30,6 +30,7 @@ import json
 import os
 import re
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -304,25 +305,43 @@ def run_scenario(attack: str, out: Path, manifest: Path, warm: int, window: floa
 
 
 def _alternating(steps: list[dict], first: int) -> dict:
-    """Mean epoch time with the defences on and off (alternate spans of PERIOD epochs from
-    ``first``, off first): an epoch's time is from the step before it to its own."""
-    at = {r["epoch"]: r["t"] for r in steps}
-    spans: dict[bool, list[float]] = {True: [], False: []}
-    for e, t in at.items():
+    """The defences' cost side by side: spans of PERIOD epochs from ``first`` alternate off
+    (first) and on; an epoch's time is from the step before it to its own, and only epochs
+    averaged by the whole group count (a round missing a member is another round's cost).
+    Each on span against the median of its off neighbours (before and after, which cancels a
+    drift of the machine's load) gives one ratio: ``time_ratio`` is their median,
+    ``time_ratio_spread`` their min and max, ``time_ratio_pairs`` how many;
+    ``time_ratio_of_means`` is the mean on over the mean off, the figure before."""
+    at = {r["epoch"]: (r["t"], r.get("group")) for r in steps}
+    spans: dict[int, list[float]] = {}
+    incomplete = 0
+    for e, (t, group) in at.items():
         if e > first and e - 1 in at:
+            if group != HONEST + 1:
+                incomplete += 1
+                continue
             # the round that stepped to epoch e averaged epoch e - 1's gradients
-            off = (e - 1 - first) // PERIOD % 2 == 0
-            spans[not off].append(t - at[e - 1])
-    on, off = spans[True], spans[False]
+            spans.setdefault((e - 1 - first) // PERIOD, []).append(t - at[e - 1][0])
+    on = [x for s, v in spans.items() if s % 2 for x in v]
+    off = [x for s, v in spans.items() if not s % 2 for x in v]
     if not on or not off:
         return {}
-    mean_on, mean_off = sum(on) / len(on), sum(off) / len(off)
+    med = {s: statistics.median(v) for s, v in spans.items()}
+    ratios = []
+    for s in sorted(med):
+        near = [med[n] for n in (s - 1, s + 1) if n in med]
+        if s % 2 and near:
+            ratios.append(med[s] / statistics.median(near))
     return {
         "epochs_on": len(on),
         "epochs_off": len(off),
-        "epoch_s_on": round(mean_on, 4),
-        "epoch_s_off": round(mean_off, 4),
-        "time_ratio": round(mean_on / mean_off, 4),
+        "epochs_incomplete": incomplete,
+        "epoch_s_on": round(statistics.median(on), 4),
+        "epoch_s_off": round(statistics.median(off), 4),
+        "time_ratio": round(statistics.median(ratios), 4),
+        "time_ratio_spread": [round(min(ratios), 4), round(max(ratios), 4)],
+        "time_ratio_pairs": len(ratios),
+        "time_ratio_of_means": round((sum(on) / len(on)) / (sum(off) / len(off)), 4),
     }
 
 
@@ -355,6 +374,7 @@ def main(args: Any) -> None:
     manifest = prepared_run()
     base = Path(args.out or f"/tmp/byzantine-processes-{int(time.time())}")
     wall = time.monotonic()
+    load = os.getloadavg()  # the machine's, shared: the 1/5/15-minute loads at start and end
     results: dict[str, dict] = {}
     for attack in args.scenarios:
         try:
@@ -381,6 +401,7 @@ def main(args: Any) -> None:
         print(f"defences' cost on a clean run (defended / undefended): {overhead}")
     print(json.dumps({"processes": True, "warm": args.warm, "window_s": args.window,
                       "rows": table, "overhead": overhead, "out": str(base),
+                      "load": [round(x, 2) for x in (*load, *os.getloadavg())],
                       "wall_s": round(time.monotonic() - wall, 1)}))  # fmt: skip
 
 

@@ -51,7 +51,7 @@ import logging
 import math
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -88,6 +88,7 @@ from .verify import (
     results_root,
     robust_weights,
     seed_of,
+    statement_holds,
     tolerance,
 )
 
@@ -255,7 +256,9 @@ def check_signed(
     return signed
 
 
-def _parse(rnd: AllReduceState, msg: Any, ours: bool = False) -> Statement:
+def _parse(
+    rnd: AllReduceState, msg: Any, ours: bool = False, direct: int | None = None
+) -> Statement:
     return parse_statement(
         msg,
         round_id=rnd.round_id,
@@ -263,7 +266,26 @@ def _parse(rnd: AllReduceState, msg: Any, ours: bool = False) -> Statement:
         members=[m.peer_id for m in rnd.members],
         chunks={j: len(c) for j, c in rnd.chunks.items()},
         ours=ours,
+        direct=direct,
     )
+
+
+def _verify_held(rnd: AllReduceState) -> bool:
+    """Verify the signatures of the statements taken on their member's channel's word, before
+    any is used as evidence; drop those that fail (their member sent us junk: it counts as
+    having stated nothing, as when its statement was refused on receipt). Whether any was
+    dropped."""
+    dropped = False
+    for i, st in list(rnd.statements.items()):
+        if st.checked:
+            continue
+        if statement_holds(st):
+            rnd.statements[i] = replace(st, checked=True)
+        else:
+            logger.warning("statement of %s refused: its signature does not verify", rnd.name(i))
+            del rnd.statements[i]
+            dropped = True
+    return dropped
 
 
 def _expected(rnd: AllReduceState) -> set[int]:
@@ -297,7 +319,7 @@ async def answer(rnd: AllReduceState, request: Any, remote: PeerID) -> dict:
     if str(remote) not in names or not isinstance(request, dict):
         raise BadContributionError(f"{remote} is no member of this round, or no statement")
     who = names.index(str(remote))
-    st = _parse(rnd, request.get("s"))
+    st = _parse(rnd, request.get("s"), direct=who)
     if st.sender != who:
         raise BadContributionError("a member may only push its own statement")
     _add(rnd, st)
@@ -377,9 +399,9 @@ async def _swap(rnd: AllReduceState, i: int, mine: dict, wait: bool, unreached: 
         known = {st.wire["b"] for st in rnd.statements.values()}
         for raw in listed:
             if isinstance(raw, dict) and raw.get("b") in known:
-                continue  # the same signed bytes as one we checked (each comes ~n times)
+                continue  # the same bytes as one we hold (each comes ~n times)
             try:
-                _add(rnd, _parse(rnd, raw))
+                _add(rnd, _parse(rnd, raw, direct=i))
             except BadContributionError as e:
                 logger.warning("statement relayed by %s refused: %s", rnd.name(i), e)
         return len(rnd.statements) > before
@@ -817,6 +839,11 @@ async def audit(rnd: AllReduceState) -> Verdict:
     dropped: set[int] = set()
     stated = {i: st for i, st in rnd.statements.items() if st.seed == seed}
     unverified, failures, silent = await _check_shares(rnd, stated)
+    other_seed = any(st.seed != seed for st in rnd.statements.values())
+    if (failures or silent or other_seed) and _verify_held(rnd):
+        # a statement that would be evidence was junk: judge as if it never came
+        stated = {i: st for i, st in rnd.statements.items() if st.seed == seed}
+        unverified, failures, silent = await _check_shares(rnd, stated)
     if unverified:
         logger.warning(
             "round %s: shares of %s not verified (repaired, or a contributor's statement of our "
@@ -1184,6 +1211,8 @@ def _readmitted(rnd: AllReduceState, stated: dict[int, Statement], j: int) -> Ac
                     [kk, a, b, rnd.codec.at(a, b).name, held[kk], sorted(rnd.masks[j][kk])]
                     + [rnd.taus[j][kk], sig]
                 )
+            if not statement_holds(rst):
+                return None  # its key's word only to us: no evidence for anyone else
             why = f"left {rnd.name(i)} out of chunk {k0}, then counted it in chunk {k}"
             logger.warning(
                 "round %s: reducer %s lied: %s", rnd.round_id.hex()[:8], rnd.name(j), why
