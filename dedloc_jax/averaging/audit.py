@@ -329,10 +329,12 @@ async def answer(rnd: AllReduceState, request: Any, remote: PeerID) -> dict:
         lacks = _expected(rnd) - held - {who}
         await _wait_for_any(rnd, lacks, trio.current_time() + rnd.verify_timeout)
         return {"l": [s.wire for i, s in rnd.statements.items() if i not in held | {who}]}
-    # A node that calls us gets every other node's statement from that node's own call, a
-    # client from its own call to that node: ours only, so each statement crosses each link
-    # once (O(n) bytes per member); not even ours when it already holds it (we called it
-    # first: both directions carried both statements).
+    # One call per pair of nodes (the lower calls the higher: :func:`_callees`), so the answer
+    # waits for our own statement. A node that calls us gets every other node's statement
+    # from that node's call, a client from its own call to that node: ours only, so each
+    # statement crosses each link once (O(n) bytes per member); not even ours when it holds it.
+    if rnd.me not in held:
+        await _wait_for_any(rnd, {rnd.me}, trio.current_time() + rnd.verify_timeout)
     own = rnd.statements.get(rnd.me)
     return {"l": [] if own is None or rnd.me in held else [own.wire]}
 
@@ -455,6 +457,14 @@ async def _ask(rnd: AllReduceState, peer_index: int, request: dict, j: int) -> R
     except FAILURES as e:
         logger.info("%s revealed nothing: %s", rnd.name(peer_index), e)
     return None
+
+
+def _callees(rnd: AllReduceState) -> list[int]:
+    """Whom we call with our statement: of each pair of nodes the lower one calls (the answer
+    brings the callee's: one call a pair, each end's CPU per call is that of a round's
+    hashing of a chunk); a client, whom nobody dials, calls every node."""
+    client = rnd.members[rnd.me].mode == "client"
+    return [i for i in _dialable(rnd) if client or i > rnd.me]
 
 
 def _dialable(rnd: AllReduceState) -> list[int]:
@@ -912,12 +922,12 @@ member only delays it. The others are asked if some are still missing after them
 
 
 async def _exchange(rnd: AllReduceState, mine: dict, until: float) -> None:
-    """Swap statements with the group until ``until``: one unary call per member, answered at
-    once with its own statement, so a clean round's check costs one round trip (decisions.md has
-    the figures). A member that answered pushes its own statement to us when it has it; one we
-    could not reach gets relayed, by members asked to answer once they hold one we lack
-    (:func:`_relayed`). Nobody pushes to a client: it asks :data:`RELAYS` members at once, then
-    the others."""
+    """Swap statements with the group until ``until``: one unary call per pair of nodes (the
+    lower calls, :func:`_callees`), answered with the callee's statement as soon as it has it,
+    so a clean round's check costs one round trip (decisions.md has the figures). A member
+    that has not called us within half the check's time, or one we could not reach, gets
+    relayed, by members asked to answer once they hold one we lack (:func:`_relayed`). Nobody
+    calls a client: it asks :data:`RELAYS` members at once, then the others."""
     client = rnd.members[rnd.me].mode == "client"
 
     def missing() -> set[int]:
@@ -925,10 +935,10 @@ async def _exchange(rnd: AllReduceState, mine: dict, until: float) -> None:
 
     with trio.move_on_at(until):
         unreached: set[int] = set()
-        await _swap_all(rnd, mine, False, unreached, _dialable(rnd))
+        await _swap_all(rnd, mine, False, unreached, _callees(rnd))
         if missing() and not client and not unreached & missing():
-            # A member we reached pushes its own statement once it has it; one that has
-            # not within half the check's time is asked of the others (relayed) too.
+            # A lower member calls us with its statement once it has it; one that has not
+            # within half the check's time is asked of the others (relayed) too.
             await _wait_for_all(rnd, trio.current_time() + rnd.verify_timeout / 2)
         reached = [i for i in _dialable(rnd) if i not in unreached]
         if missing() and client:
