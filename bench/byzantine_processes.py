@@ -44,7 +44,8 @@ RUN_ID = "chaos-sahajbert"  # bench.chaos's prepared tiny run (and compilation c
 TARGET = 64
 MICRO = 8
 HONEST = 3
-PERIOD = 5  # undefended: epochs with the defences off, then on, and so on
+PERIOD = 2  # undefended: epochs with the defences off, then on, and so on (short spans: the
+# machine's load moves within seconds, and each on span is set against its neighbours)
 SCENARIOS = (
     "none",
     "undefended",
@@ -272,7 +273,8 @@ def run_scenario(attack: str, out: Path, manifest: Path, warm: int, window: floa
         detected_at += [t for t in _noted(out / f"trainer{i}", needle) if t >= t_go]
     row: dict[str, Any] = {}
     if attack == "undefended":
-        row["defences_cost"] = _alternating(steps[0], switch)
+        more = [sc.steps(i) for i in range(1, HONEST + 1)]  # every trainer is honest here
+        row["defences_cost"] = _alternating(steps[0], switch, more)
     return {
         **row,
         "attack": attack,
@@ -304,16 +306,21 @@ def run_scenario(attack: str, out: Path, manifest: Path, warm: int, window: floa
     }
 
 
-def _alternating(steps: list[dict], first: int) -> dict:
+def _alternating(steps: list[dict], first: int, others: list[list[dict]] = ()) -> dict:
     """The defences' cost side by side: spans of PERIOD epochs from ``first`` alternate off
     (first) and on; an epoch's time is from the step before it to its own, and only epochs
     averaged by the whole group count (a round missing a member is another round's cost).
     Each on span against the median of its off neighbours (before and after, which cancels a
     drift of the machine's load) gives one ratio: ``time_ratio`` is their median,
-    ``time_ratio_spread`` their min and max, ``time_ratio_pairs`` how many;
-    ``time_ratio_of_means`` is the mean on over the mean off, the figure before."""
+    ``time_ratio_spread`` their min and max, ``time_ratio_iqr`` their quartiles,
+    ``time_ratio_pairs`` how many; ``time_ratio_of_means`` is the mean on over the mean off,
+    the figure before. ``cpu_ratio`` (and its ``_spread``, ``_iqr``) is the same of the CPU
+    an epoch costs ``steps``' trainer and ``others`` together (their events' ``cpu``): the
+    load moves wall time by tens of percent from epoch to epoch, CPU time far less."""
     at = {r["epoch"]: (r["t"], r.get("group")) for r in steps}
+    cpus = [{r["epoch"]: r["cpu"] for r in s if "cpu" in r} for s in [steps, *others]]
     spans: dict[int, list[float]] = {}
+    cpu_spans: dict[int, list[float]] = {}
     incomplete = 0
     for e, (t, group) in at.items():
         if e > first and e - 1 in at:
@@ -321,28 +328,51 @@ def _alternating(steps: list[dict], first: int) -> dict:
                 incomplete += 1
                 continue
             # the round that stepped to epoch e averaged epoch e - 1's gradients
-            spans.setdefault((e - 1 - first) // PERIOD, []).append(t - at[e - 1][0])
+            span = (e - 1 - first) // PERIOD
+            spans.setdefault(span, []).append(t - at[e - 1][0])
+            if all(e in c and e - 1 in c for c in cpus):
+                cpu_spans.setdefault(span, []).append(sum(c[e] - c[e - 1] for c in cpus))
     on = [x for s, v in spans.items() if s % 2 for x in v]
     off = [x for s, v in spans.items() if not s % 2 for x in v]
     if not on or not off:
         return {}
-    med = {s: statistics.median(v) for s, v in spans.items()}
-    ratios = []
-    for s in sorted(med):
-        near = [med[n] for n in (s - 1, s + 1) if n in med]
-        if s % 2 and near:
-            ratios.append(med[s] / statistics.median(near))
-    return {
+    out = {
         "epochs_on": len(on),
         "epochs_off": len(off),
         "epochs_incomplete": incomplete,
         "epoch_s_on": round(statistics.median(on), 4),
         "epoch_s_off": round(statistics.median(off), 4),
-        "time_ratio": round(statistics.median(ratios), 4),
-        "time_ratio_spread": [round(min(ratios), 4), round(max(ratios), 4)],
-        "time_ratio_pairs": len(ratios),
+        **_pair_ratios("time_ratio", spans),
         "time_ratio_of_means": round((sum(on) / len(on)) / (sum(off) / len(off)), 4),
     }
+    return {**out, **_pair_ratios("cpu_ratio", cpu_spans)}
+
+
+def _pair_ratios(name: str, spans: dict[int, list[float]]) -> dict:
+    """Each on span's (odd) median over the median of its off neighbours' medians: the
+    median of these ratios as ``name``, with its spread, quartiles and count."""
+    med = {s: statistics.median(v) for s, v in spans.items()}
+    ratios = []
+    for s in sorted(med):
+        near = [med[n] for n in (s - 1, s + 1) if n in med]
+        if s % 2 and near and statistics.median(near) > 0:
+            ratios.append(med[s] / statistics.median(near))
+    if not ratios:
+        return {}
+    return {
+        name: round(statistics.median(ratios), 4),
+        f"{name}_spread": [round(min(ratios), 4), round(max(ratios), 4)],
+        f"{name}_iqr": [round(q, 4) for q in _quartiles(ratios)],
+        f"{name}_pairs": len(ratios),
+    }
+
+
+def _quartiles(xs: list[float]) -> list[float]:
+    """The first and third quartiles (both the value itself for one)."""
+    if len(xs) < 2:
+        return [xs[0], xs[0]]
+    q = statistics.quantiles(xs, n=4)
+    return [q[0], q[2]]
 
 
 def _mean_loss(r: dict, upto: int) -> float:

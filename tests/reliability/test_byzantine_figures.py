@@ -32,3 +32,21 @@ def test_one_stalled_round_and_a_partial_group_do_not_move_it():
     assert got["time_ratio"] == pytest.approx(1.03, abs=2e-2)
     assert got["time_ratio_of_means"] > 1.15  # the figure before
     assert got["epochs_incomplete"] == 1
+
+
+def test_the_cpu_an_epoch_costs_is_summed_over_the_trainers_side_by_side():
+    """Wall time swings with the machine's load; the CPU each trainer spent an epoch (its
+    events' ``cpu``) far less: ``cpu_ratio`` sets it on against off, all trainers summed."""
+    trainers = []
+    for i in range(HONEST + 1):
+        rows = _steps(10, 9, 1.5 if i == 0 else 1.0, stall=None, partial=None)  # wall: noise
+        cpu = 0.0
+        for r in rows:
+            on = (r["epoch"] - 1 - 10) // PERIOD % 2 == 1 and r["epoch"] > 10
+            cpu += (0.2 + 0.01 * i) * (1.04 if on else 1.0) if r["epoch"] > 10 else 0.0
+            r["cpu"] = cpu
+        trainers.append(rows)
+    got = _alternating(trainers[0], 10, trainers[1:])
+    assert got["cpu_ratio"] == pytest.approx(1.04, abs=1e-3)
+    assert got["cpu_ratio_pairs"] == got["time_ratio_pairs"] == 4
+    assert got["time_ratio"] == pytest.approx(1.5, abs=0.05)  # trainer 0's wall clock
