@@ -185,6 +185,21 @@ def _progress_attack(attack: str, go: Go, report: Path) -> None:
     Collaboration.start = start  # type: ignore[method-assign]
 
 
+def _cpu_in_epoch_events() -> None:
+    """Each epoch event also carries this process's CPU seconds so far (``cpu``): the driver
+    sets the CPU an epoch costs with the defences against without them."""
+    import time
+
+    from examples.sahajbert.events import EventLog
+
+    plain = EventLog.epoch
+
+    def with_cpu(self: Any, epoch: int, how: str, params: Any, **fields: Any) -> None:
+        plain(self, epoch, how, params, cpu=round(time.process_time(), 4), **fields)
+
+    EventLog.epoch = with_cpu
+
+
 def main(argv: list[str]) -> int:
     attack, go_file, prefix = argv[0], Path(argv[1]), argv[2]
     if attack not in ATTACKS or argv[3] != "--":
@@ -193,6 +208,7 @@ def main(argv: list[str]) -> int:
     notes = _Notes(Path(prefix + ".notes.jsonl"))
     for name in ("dedloc_jax", "p2p"):
         logging.getLogger(name).addHandler(notes)
+    _cpu_in_epoch_events()
     if attack == "undefended":
         _undefended_from(go)
     elif attack in ("lying_reducer", "lying_config"):

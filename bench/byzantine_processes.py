@@ -30,6 +30,7 @@ import json
 import os
 import re
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -43,7 +44,8 @@ RUN_ID = "chaos-sahajbert"  # bench.chaos's prepared tiny run (and compilation c
 TARGET = 64
 MICRO = 8
 HONEST = 3
-PERIOD = 5  # undefended: epochs with the defences off, then on, and so on
+PERIOD = 2  # undefended: epochs with the defences off, then on, and so on (short spans: the
+# machine's load moves within seconds, and each on span is set against its neighbours)
 SCENARIOS = (
     "none",
     "undefended",
@@ -271,7 +273,8 @@ def run_scenario(attack: str, out: Path, manifest: Path, warm: int, window: floa
         detected_at += [t for t in _noted(out / f"trainer{i}", needle) if t >= t_go]
     row: dict[str, Any] = {}
     if attack == "undefended":
-        row["defences_cost"] = _alternating(steps[0], switch)
+        more = [sc.steps(i) for i in range(1, HONEST + 1)]  # every trainer is honest here
+        row["defences_cost"] = _alternating(steps[0], switch, more)
     return {
         **row,
         "attack": attack,
@@ -303,27 +306,73 @@ def run_scenario(attack: str, out: Path, manifest: Path, warm: int, window: floa
     }
 
 
-def _alternating(steps: list[dict], first: int) -> dict:
-    """Mean epoch time with the defences on and off (alternate spans of PERIOD epochs from
-    ``first``, off first): an epoch's time is from the step before it to its own."""
-    at = {r["epoch"]: r["t"] for r in steps}
-    spans: dict[bool, list[float]] = {True: [], False: []}
-    for e, t in at.items():
+def _alternating(steps: list[dict], first: int, others: list[list[dict]] = ()) -> dict:
+    """The defences' cost side by side: spans of PERIOD epochs from ``first`` alternate off
+    (first) and on; an epoch's time is from the step before it to its own, and only epochs
+    averaged by the whole group count (a round missing a member is another round's cost).
+    Each on span against the median of its off neighbours (before and after, which cancels a
+    drift of the machine's load) gives one ratio: ``time_ratio`` is their median,
+    ``time_ratio_spread`` their min and max, ``time_ratio_iqr`` their quartiles,
+    ``time_ratio_pairs`` how many; ``time_ratio_of_means`` is the mean on over the mean off,
+    the figure before. ``cpu_ratio`` (and its ``_spread``, ``_iqr``) is the same of the CPU
+    an epoch costs ``steps``' trainer and ``others`` together (their events' ``cpu``): the
+    load moves wall time by tens of percent from epoch to epoch, CPU time far less."""
+    at = {r["epoch"]: (r["t"], r.get("group")) for r in steps}
+    cpus = [{r["epoch"]: r["cpu"] for r in s if "cpu" in r} for s in [steps, *others]]
+    spans: dict[int, list[float]] = {}
+    cpu_spans: dict[int, list[float]] = {}
+    incomplete = 0
+    for e, (t, group) in at.items():
         if e > first and e - 1 in at:
+            if group != HONEST + 1:
+                incomplete += 1
+                continue
             # the round that stepped to epoch e averaged epoch e - 1's gradients
-            off = (e - 1 - first) // PERIOD % 2 == 0
-            spans[not off].append(t - at[e - 1])
-    on, off = spans[True], spans[False]
+            span = (e - 1 - first) // PERIOD
+            spans.setdefault(span, []).append(t - at[e - 1][0])
+            if all(e in c and e - 1 in c for c in cpus):
+                cpu_spans.setdefault(span, []).append(sum(c[e] - c[e - 1] for c in cpus))
+    on = [x for s, v in spans.items() if s % 2 for x in v]
+    off = [x for s, v in spans.items() if not s % 2 for x in v]
     if not on or not off:
         return {}
-    mean_on, mean_off = sum(on) / len(on), sum(off) / len(off)
-    return {
+    out = {
         "epochs_on": len(on),
         "epochs_off": len(off),
-        "epoch_s_on": round(mean_on, 4),
-        "epoch_s_off": round(mean_off, 4),
-        "time_ratio": round(mean_on / mean_off, 4),
+        "epochs_incomplete": incomplete,
+        "epoch_s_on": round(statistics.median(on), 4),
+        "epoch_s_off": round(statistics.median(off), 4),
+        **_pair_ratios("time_ratio", spans),
+        "time_ratio_of_means": round((sum(on) / len(on)) / (sum(off) / len(off)), 4),
     }
+    return {**out, **_pair_ratios("cpu_ratio", cpu_spans)}
+
+
+def _pair_ratios(name: str, spans: dict[int, list[float]]) -> dict:
+    """Each on span's (odd) median over the median of its off neighbours' medians: the
+    median of these ratios as ``name``, with its spread, quartiles and count."""
+    med = {s: statistics.median(v) for s, v in spans.items()}
+    ratios = []
+    for s in sorted(med):
+        near = [med[n] for n in (s - 1, s + 1) if n in med]
+        if s % 2 and near and statistics.median(near) > 0:
+            ratios.append(med[s] / statistics.median(near))
+    if not ratios:
+        return {}
+    return {
+        name: round(statistics.median(ratios), 4),
+        f"{name}_spread": [round(min(ratios), 4), round(max(ratios), 4)],
+        f"{name}_iqr": [round(q, 4) for q in _quartiles(ratios)],
+        f"{name}_pairs": len(ratios),
+    }
+
+
+def _quartiles(xs: list[float]) -> list[float]:
+    """The first and third quartiles (both the value itself for one)."""
+    if len(xs) < 2:
+        return [xs[0], xs[0]]
+    q = statistics.quantiles(xs, n=4)
+    return [q[0], q[2]]
 
 
 def _mean_loss(r: dict, upto: int) -> float:
@@ -355,6 +404,7 @@ def main(args: Any) -> None:
     manifest = prepared_run()
     base = Path(args.out or f"/tmp/byzantine-processes-{int(time.time())}")
     wall = time.monotonic()
+    load = os.getloadavg()  # the machine's, shared: the 1/5/15-minute loads at start and end
     results: dict[str, dict] = {}
     for attack in args.scenarios:
         try:
@@ -381,6 +431,7 @@ def main(args: Any) -> None:
         print(f"defences' cost on a clean run (defended / undefended): {overhead}")
     print(json.dumps({"processes": True, "warm": args.warm, "window_s": args.window,
                       "rows": table, "overhead": overhead, "out": str(base),
+                      "load": [round(x, 2) for x in (*load, *os.getloadavg())],
                       "wall_s": round(time.monotonic() - wall, 1)}))  # fmt: skip
 
 

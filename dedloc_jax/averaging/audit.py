@@ -51,7 +51,7 @@ import logging
 import math
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -88,6 +88,7 @@ from .verify import (
     results_root,
     robust_weights,
     seed_of,
+    statement_holds,
     tolerance,
 )
 
@@ -255,7 +256,9 @@ def check_signed(
     return signed
 
 
-def _parse(rnd: AllReduceState, msg: Any, ours: bool = False) -> Statement:
+def _parse(
+    rnd: AllReduceState, msg: Any, ours: bool = False, direct: int | None = None
+) -> Statement:
     return parse_statement(
         msg,
         round_id=rnd.round_id,
@@ -263,7 +266,26 @@ def _parse(rnd: AllReduceState, msg: Any, ours: bool = False) -> Statement:
         members=[m.peer_id for m in rnd.members],
         chunks={j: len(c) for j, c in rnd.chunks.items()},
         ours=ours,
+        direct=direct,
     )
+
+
+def _verify_held(rnd: AllReduceState) -> bool:
+    """Verify the signatures of the statements taken on their member's channel's word, before
+    any is used as evidence; drop those that fail (their member sent us junk: it counts as
+    having stated nothing, as when its statement was refused on receipt). Whether any was
+    dropped."""
+    dropped = False
+    for i, st in list(rnd.statements.items()):
+        if st.checked:
+            continue
+        if statement_holds(st):
+            rnd.statements[i] = replace(st, checked=True)
+        else:
+            logger.warning("statement of %s refused: its signature does not verify", rnd.name(i))
+            del rnd.statements[i]
+            dropped = True
+    return dropped
 
 
 def _expected(rnd: AllReduceState) -> set[int]:
@@ -297,7 +319,7 @@ async def answer(rnd: AllReduceState, request: Any, remote: PeerID) -> dict:
     if str(remote) not in names or not isinstance(request, dict):
         raise BadContributionError(f"{remote} is no member of this round, or no statement")
     who = names.index(str(remote))
-    st = _parse(rnd, request.get("s"))
+    st = _parse(rnd, request.get("s"), direct=who)
     if st.sender != who:
         raise BadContributionError("a member may only push its own statement")
     _add(rnd, st)
@@ -307,10 +329,12 @@ async def answer(rnd: AllReduceState, request: Any, remote: PeerID) -> dict:
         lacks = _expected(rnd) - held - {who}
         await _wait_for_any(rnd, lacks, trio.current_time() + rnd.verify_timeout)
         return {"l": [s.wire for i, s in rnd.statements.items() if i not in held | {who}]}
-    # A node that calls us gets every other node's statement from that node's own call, a
-    # client from its own call to that node: ours only, so each statement crosses each link
-    # once (O(n) bytes per member); not even ours when it already holds it (we called it
-    # first: both directions carried both statements).
+    # One call per pair of nodes (the lower calls the higher: :func:`_callees`), so the answer
+    # waits for our own statement. A node that calls us gets every other node's statement
+    # from that node's call, a client from its own call to that node: ours only, so each
+    # statement crosses each link once (O(n) bytes per member); not even ours when it holds it.
+    if rnd.me not in held:
+        await _wait_for_any(rnd, {rnd.me}, trio.current_time() + rnd.verify_timeout)
     own = rnd.statements.get(rnd.me)
     return {"l": [] if own is None or rnd.me in held else [own.wire]}
 
@@ -377,9 +401,9 @@ async def _swap(rnd: AllReduceState, i: int, mine: dict, wait: bool, unreached: 
         known = {st.wire["b"] for st in rnd.statements.values()}
         for raw in listed:
             if isinstance(raw, dict) and raw.get("b") in known:
-                continue  # the same signed bytes as one we checked (each comes ~n times)
+                continue  # the same bytes as one we hold (each comes ~n times)
             try:
-                _add(rnd, _parse(rnd, raw))
+                _add(rnd, _parse(rnd, raw, direct=i))
             except BadContributionError as e:
                 logger.warning("statement relayed by %s refused: %s", rnd.name(i), e)
         return len(rnd.statements) > before
@@ -433,6 +457,14 @@ async def _ask(rnd: AllReduceState, peer_index: int, request: dict, j: int) -> R
     except FAILURES as e:
         logger.info("%s revealed nothing: %s", rnd.name(peer_index), e)
     return None
+
+
+def _callees(rnd: AllReduceState) -> list[int]:
+    """Whom we call with our statement: of each pair of nodes the lower one calls (the answer
+    brings the callee's: one call a pair, each end's CPU per call is that of a round's
+    hashing of a chunk); a client, whom nobody dials, calls every node."""
+    client = rnd.members[rnd.me].mode == "client"
+    return [i for i in _dialable(rnd) if client or i > rnd.me]
 
 
 def _dialable(rnd: AllReduceState) -> list[int]:
@@ -817,6 +849,11 @@ async def audit(rnd: AllReduceState) -> Verdict:
     dropped: set[int] = set()
     stated = {i: st for i, st in rnd.statements.items() if st.seed == seed}
     unverified, failures, silent = await _check_shares(rnd, stated)
+    other_seed = any(st.seed != seed for st in rnd.statements.values())
+    if (failures or silent or other_seed) and _verify_held(rnd):
+        # a statement that would be evidence was junk: judge as if it never came
+        stated = {i: st for i, st in rnd.statements.items() if st.seed == seed}
+        unverified, failures, silent = await _check_shares(rnd, stated)
     if unverified:
         logger.warning(
             "round %s: shares of %s not verified (repaired, or a contributor's statement of our "
@@ -885,12 +922,12 @@ member only delays it. The others are asked if some are still missing after them
 
 
 async def _exchange(rnd: AllReduceState, mine: dict, until: float) -> None:
-    """Swap statements with the group until ``until``: one unary call per member, answered at
-    once with its own statement, so a clean round's check costs one round trip (decisions.md has
-    the figures). A member that answered pushes its own statement to us when it has it; one we
-    could not reach gets relayed, by members asked to answer once they hold one we lack
-    (:func:`_relayed`). Nobody pushes to a client: it asks :data:`RELAYS` members at once, then
-    the others."""
+    """Swap statements with the group until ``until``: one unary call per pair of nodes (the
+    lower calls, :func:`_callees`), answered with the callee's statement as soon as it has it,
+    so a clean round's check costs one round trip (decisions.md has the figures). A member
+    that has not called us within half the check's time, or one we could not reach, gets
+    relayed, by members asked to answer once they hold one we lack (:func:`_relayed`). Nobody
+    calls a client: it asks :data:`RELAYS` members at once, then the others."""
     client = rnd.members[rnd.me].mode == "client"
 
     def missing() -> set[int]:
@@ -898,10 +935,10 @@ async def _exchange(rnd: AllReduceState, mine: dict, until: float) -> None:
 
     with trio.move_on_at(until):
         unreached: set[int] = set()
-        await _swap_all(rnd, mine, False, unreached, _dialable(rnd))
+        await _swap_all(rnd, mine, False, unreached, _callees(rnd))
         if missing() and not client and not unreached & missing():
-            # A member we reached pushes its own statement once it has it; one that has
-            # not within half the check's time is asked of the others (relayed) too.
+            # A lower member calls us with its statement once it has it; one that has not
+            # within half the check's time is asked of the others (relayed) too.
             await _wait_for_all(rnd, trio.current_time() + rnd.verify_timeout / 2)
         reached = [i for i in _dialable(rnd) if i not in unreached]
         if missing() and client:
@@ -1184,6 +1221,8 @@ def _readmitted(rnd: AllReduceState, stated: dict[int, Statement], j: int) -> Ac
                     [kk, a, b, rnd.codec.at(a, b).name, held[kk], sorted(rnd.masks[j][kk])]
                     + [rnd.taus[j][kk], sig]
                 )
+            if not statement_holds(rst):
+                return None  # its key's word only to us: no evidence for anyone else
             why = f"left {rnd.name(i)} out of chunk {k0}, then counted it in chunk {k}"
             logger.warning(
                 "round %s: reducer %s lied: %s", rnd.round_id.hex()[:8], rnd.name(j), why

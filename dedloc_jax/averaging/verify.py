@@ -400,6 +400,17 @@ class Statement:
     round, the key from the sender's own statement). Checked only when a
     share is disputed (:func:`hello_of`): a member parsing every reducer's would verify n**2
     signatures a round."""
+    checked: bool = True
+    """Whether its signature was verified. One that came straight from its member over our
+    authenticated channel is taken on the channel's word (``parse_statement(direct=...)``):
+    the signature matters only to third parties, so it is verified when the statement becomes
+    evidence (:func:`statement_holds`)."""
+
+
+def statement_holds(st: Statement) -> bool:
+    """Whether ``st``'s signature verifies (its key is the member's: checked on parsing)."""
+    wire = st.wire
+    return st.checked or verify_signature(wire["pk"], wire["sig"], wire["b"])
 
 
 def hello_of(st: Statement, members: Sequence[str], i: int, key: bytes) -> SignedHello | None:
@@ -472,17 +483,19 @@ def parse_statement(
     members: Sequence[str],
     chunks: Mapping[int, int],
     ours: bool = False,
+    direct: int | None = None,
 ) -> Statement:
     """Check a signed statement against the round: signature by the member it names, sizes per
     share (``chunks``: reducer -> chunk count). Raises BadContributionError. ``ours``: the one
-    we just signed, whose signature is not verified again (the rest is checked alike)."""
+    we just signed, whose signature is not verified again (the rest is checked alike).
+    ``direct``: the member whose authenticated channel brought it; its own statement's
+    signature is left for when it is used as evidence (``Statement.checked``), a relayed one's
+    is verified here (a relay could forge it)."""
     if not isinstance(msg, dict):
         raise BadContributionError("statement is not a map")
     body, pk, sig = msg.get("b"), msg.get("pk"), msg.get("sig")
     if not all(isinstance(v, bytes) for v in (body, pk, sig)) or len(body) > MAX_STATEMENT_BYTES:
         raise BadContributionError("malformed statement")
-    if not ours and not verify_signature(pk, sig, body):
-        raise BadContributionError("statement signature does not verify")
     try:
         d = msgpack.unpackb(body, raw=False, strict_map_key=False)
     except (ValueError, TypeError, msgpack.UnpackException) as e:
@@ -498,6 +511,9 @@ def parse_statement(
         raise BadContributionError("bad statement key") from None
     if str(signer) != members[s]:
         raise BadContributionError("statement signed by another peer than the member it names")
+    checked = not ours and s != direct
+    if checked and not verify_signature(pk, sig, body):
+        raise BadContributionError("statement signature does not verify")
     if not isinstance(w, float) or not math.isfinite(w) or w < 0:
         raise BadContributionError("bad statement weight")
     if not isinstance(seed, bytes) or len(seed) != 32 or not isinstance(per, dict):
@@ -517,7 +533,7 @@ def parse_statement(
         shares[j] = ShareFigures(
             parts, np.frombuffer(q, "<f8").copy(), np.frombuffer(norms, "<f8").copy(), results
         )
-    return Statement(round_id, digest, s, w, seed, shares, msg, tuple(listed))
+    return Statement(round_id, digest, s, w, seed, shares, msg, tuple(listed), checked or ours)
 
 
 NO_HASH = bytes(32)
