@@ -197,6 +197,35 @@ async def drop_gone(
         await trio.sleep(window)
 
 
+async def drop_unreachable(
+    ask_leader: Callable[[str, float], Awaitable[Any]],
+    expected: set[str],
+    registered: Callable[[], set[str]],
+    window: float,
+) -> None:
+    """While the gathering waits, ask each expected peer that has not registered, half a
+    window in and then every window, whom it follows; drop from ``expected`` only those that
+    cannot be reached. A peer that left the run keeps its "computing" progress record for up
+    to its lifetime (a live peer's may be as old: it renews it only when others' extrapolation
+    drifts), and the gathering waited its two windows for it, then more for the samples its
+    record claimed. Any answer keeps a peer waited for: a slow or hostile one gains nothing,
+    and one that drops itself only loses its place. Runs until cancelled."""
+
+    async def ask(peer: str) -> None:
+        try:
+            await ask_leader(peer, window)
+        except P2PError as e:
+            log.debug("expected peer %s cannot be reached: %s", peer[:8], e)
+            expected.discard(peer)
+
+    await trio.sleep(window / 2)
+    while True:
+        async with trio.open_nursery() as nursery:
+            for peer in sorted(expected - registered()):
+                nursery.start_soon(ask, peer)
+        await trio.sleep(window)
+
+
 @dataclass
 class _Gathering:
     """One slot's registrations as this peer gathers them."""
@@ -618,7 +647,18 @@ class Matchmaker:
 
     async def _gather(self, slot: Slot, g: _Gathering) -> bool:
         """Read registrations until every expected peer is in or the window ends (two windows
-        while some are expected); False when the others moved past the epoch meanwhile."""
+        while some are expected), not waiting for those that cannot be reached
+        (:func:`drop_unreachable`); False when the others moved past the epoch meanwhile."""
+        async with trio.open_nursery() as nursery:
+            if g.expected:
+                ask = functools.partial(self._ask_leader, slot)
+                others = lambda: set(g.others)  # noqa: E731
+                nursery.start_soon(drop_unreachable, ask, g.expected, others, g.deadlines.window)
+            gathered = await self._read_until_gathered(slot, g)
+            nursery.cancel_scope.cancel()
+        return gathered
+
+    async def _read_until_gathered(self, slot: Slot, g: _Gathering) -> bool:
         window = g.deadlines.window
         while True:
             # Polling only helps to close early once every expected peer registered; with
