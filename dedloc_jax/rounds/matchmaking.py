@@ -461,6 +461,7 @@ class Matchmaker:
         expected = {p for p in expected if not self.context.banned(p)}  # nobody waits for them
         unearned: frozenset[str] = frozenset()
         if level == 0:
+            self.node.start_soon(self._locate, group_key(self.run_id, epoch + 1, level))
             unearned = frozenset(p for p in expected if not self._earned(p, epoch))
             expected -= unearned
         deadlines = self.deadlines if deadlines is None else deadlines
@@ -621,6 +622,15 @@ class Matchmaker:
             planned,
         )
 
+    async def _locate(self, key: str) -> None:
+        """Look up the nodes that will hold ``key``, the next epoch's registrations, while this
+        peer computes toward it: registering at the target is then one round trip, not a
+        lookup first (0.24 s of each 40-peer round, the last peer's on every peer's path)."""
+        try:
+            await self.dht.locate(key, replicas=follower_replicas(self.dht.config))
+        except P2PError as e:
+            log.debug("could not look up %s ahead: %s", key, e)
+
     async def _register(
         self,
         slot: Slot,
@@ -660,11 +670,13 @@ class Matchmaker:
 
     async def _read_until_gathered(self, slot: Slot, g: _Gathering) -> bool:
         window = g.deadlines.window
+        poll = 0.0  # the first read at once: the last peer to stop finds the others in
         while True:
             # Polling only helps to close early once every expected peer registered; with
             # nobody expected, one read at the end of the window does (a read is a lookup).
             elapsed = trio.current_time() - g.start
-            await trio.sleep(window / 8 if g.expected else max(0.0, window - elapsed))
+            await trio.sleep(poll if g.expected else max(0.0, window - elapsed))
+            poll = window / 8
             g.others = await self._registrations(g.registry, states=g.states)
             if self._too_late(slot, g.expected):
                 return False
