@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -85,6 +86,10 @@ group closed holds them: one says yes in an honest race (level 1 plans thousands
 _MAX_LEARNED = 4096  # peers whose last addresses we remember (then start over)
 MAX_NO_SHOW_SKIP = 32
 """The most epochs a peer that kept missing its expected registrations goes unwaited for."""
+FEW_MISSING = 4
+"""Expected peers still to register that a gathering asks at once whether they can be
+reached (more are asked half a window in): the last few are most often the slowest, or one
+that left the run; asking a whole epoch's peers as the first one gathers would be n**2 calls."""
 NEWCOMER_WAIT_SHARE = 0.01
 """A newcomer (a peer not yet waited for, see :meth:`Matchmaker._earned`) is waited for one
 window when that window is at most this share of an epoch: a fresh identity then costs a round
@@ -203,13 +208,14 @@ async def drop_unreachable(
     registered: Callable[[], set[str]],
     window: float,
 ) -> None:
-    """While the gathering waits, ask each expected peer that has not registered, half a
-    window in and then every window, whom it follows; drop from ``expected`` only those that
-    cannot be reached. A peer that left the run keeps its "computing" progress record for up
-    to its lifetime (a live peer's may be as old: it renews it only when others' extrapolation
-    drifts), and the gathering waited its two windows for it, then more for the samples its
-    record claimed. Any answer keeps a peer waited for: a slow or hostile one gains nothing,
-    and one that drops itself only loses its place. Runs until cancelled."""
+    """While the gathering waits, ask each expected peer that has not registered whom it
+    follows, once at most :data:`FEW_MISSING` are missing or half a window in, then every
+    window; drop from ``expected`` only those that cannot be reached. A peer that left the run
+    keeps its "computing" progress record for up to its lifetime (a live peer's may be as
+    old: it renews it only when others' extrapolation drifts), and the gathering waited its
+    two windows for it, then more for the samples its record claimed. Any answer keeps a peer
+    waited for: a slow or hostile one gains nothing, and one that drops itself only loses its
+    place. Runs until cancelled."""
 
     async def ask(peer: str) -> None:
         try:
@@ -218,12 +224,18 @@ async def drop_unreachable(
             log.debug("expected peer %s cannot be reached: %s", peer[:8], e)
             expected.discard(peer)
 
-    await trio.sleep(window / 2)
-    while True:
-        async with trio.open_nursery() as nursery:
-            for peer in sorted(expected - registered()):
-                nursery.start_soon(ask, peer)
-        await trio.sleep(window)
+    start = trio.current_time()
+    asked: dict[str, float] = {}  # peer -> when we last asked it
+    async with trio.open_nursery() as nursery:
+        while True:
+            now = trio.current_time()
+            missing = expected - registered()
+            if len(missing) <= FEW_MISSING or now - start >= window / 2:
+                for peer in sorted(missing):
+                    if now - asked.get(peer, -math.inf) >= window:
+                        asked[peer] = now
+                        nursery.start_soon(ask, peer)
+            await trio.sleep(window / 8)  # (the gathering's reads: what registered() sees)
 
 
 @dataclass
