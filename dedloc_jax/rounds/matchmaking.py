@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import math
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -185,13 +184,8 @@ async def drop_gone(
             return
         if not isinstance(answer, dict) or answer.get("decided") is not False:
             expected.discard(peer)  # it decided on a group that our view missed
-        elif "member" in answer:  # it gathers registrations: ours missed its own
-            try:
-                probed[peer] = member_from_wire(peer, answer["member"])
-                states[peer] = state_from_wire(answer.get("state"))
-            except GroupError as e:
-                log.info("ignoring the malformed registration %s sent: %s", peer[:8], e)
-                expected.discard(peer)
+        elif not _take_registration(peer, answer, probed, states):
+            expected.discard(peer)
 
     while True:
         missing = expected - registered() - set(probed)
@@ -202,39 +196,60 @@ async def drop_gone(
         await trio.sleep(window)
 
 
+def _take_registration(
+    peer: str, answer: dict, probed: dict[str, Member], states: dict[str, bytes | None]
+) -> bool:
+    """Take the registration ``peer`` sent with its answer (it gathers registrations: our read
+    of the key missed its own) into ``probed`` and ``states``; False when it is malformed."""
+    if "member" not in answer:
+        return True
+    try:
+        probed[peer] = member_from_wire(peer, answer["member"])
+        states[peer] = state_from_wire(answer.get("state"))
+    except GroupError as e:
+        log.info("ignoring the malformed registration %s sent: %s", peer[:8], e)
+        return False
+    return True
+
+
 async def drop_unreachable(
     ask_leader: Callable[[str, float], Awaitable[Any]],
     expected: set[str],
     registered: Callable[[], set[str]],
     window: float,
+    probed: dict[str, Member],
+    states: dict[str, bytes | None],
 ) -> None:
     """While the gathering waits, ask each expected peer that has not registered whom it
-    follows, once at most :data:`FEW_MISSING` are missing or half a window in, then every
-    window; drop from ``expected`` only those that cannot be reached. A peer that left the run
-    keeps its "computing" progress record for up to its lifetime (a live peer's may be as
-    old: it renews it only when others' extrapolation drifts), and the gathering waited its
-    two windows for it, then more for the samples its record claimed. Any answer keeps a peer
-    waited for: a slow or hostile one gains nothing, and one that drops itself only loses its
-    place. Runs until cancelled."""
+    follows, once at most :data:`FEW_MISSING` are missing or half a window in (once: a peer
+    that answers is there); drop from ``expected`` only those that cannot be reached. A peer
+    that left the run keeps its "computing" progress record for up to its lifetime (a live
+    peer's may be as old: it renews it only when others' extrapolation drifts), and the
+    gathering waited its two windows for it, then more for the samples its record claimed.
+    Any answer keeps a peer waited for: a slow or hostile one gains nothing, and one that
+    drops itself only loses its place. One that sends its registration (our read missed it)
+    goes into ``probed`` (its state into ``states``), as :func:`drop_gone` takes it. Runs
+    until cancelled."""
 
     async def ask(peer: str) -> None:
         try:
-            await ask_leader(peer, window)
+            answer = await ask_leader(peer, window)
         except P2PError as e:
             log.debug("expected peer %s cannot be reached: %s", peer[:8], e)
             expected.discard(peer)
+            return
+        if isinstance(answer, dict) and answer.get("decided") is False:
+            _take_registration(peer, answer, probed, states)
 
     start = trio.current_time()
-    asked: dict[str, float] = {}  # peer -> when we last asked it
+    asked: set[str] = set()
     async with trio.open_nursery() as nursery:
         while True:
-            now = trio.current_time()
-            missing = expected - registered()
-            if len(missing) <= FEW_MISSING or now - start >= window / 2:
+            missing = expected - registered() - asked
+            if len(missing) <= FEW_MISSING or trio.current_time() - start >= window / 2:
                 for peer in sorted(missing):
-                    if now - asked.get(peer, -math.inf) >= window:
-                        asked[peer] = now
-                        nursery.start_soon(ask, peer)
+                    asked.add(peer)
+                    nursery.start_soon(ask, peer)
             await trio.sleep(window / 8)  # (the gathering's reads: what registered() sees)
 
 
@@ -253,6 +268,8 @@ class _Gathering:
     # Whether a registered peer's contribution weighed nothing lately: its samples count 0.
     weightless: Callable[[str], bool] = lambda peer: False
     newcomers: frozenset[str] = frozenset()  # unearned peers waited for one window
+    # Registrations the expected peers sent with their answers (our reads missed them).
+    probed: dict[str, Member] = field(default_factory=dict)
 
     def short_of_target(self) -> bool:
         """Whether waiting can still bring the samples the target needs. Registered peers
@@ -675,7 +692,15 @@ class Matchmaker:
             if g.expected:
                 ask = functools.partial(self._ask_leader, slot)
                 others = lambda: set(g.others)  # noqa: E731
-                nursery.start_soon(drop_unreachable, ask, g.expected, others, g.deadlines.window)
+                nursery.start_soon(
+                    drop_unreachable,
+                    ask,
+                    g.expected,
+                    others,
+                    g.deadlines.window,
+                    g.probed,
+                    g.states,
+                )
             gathered = await self._read_until_gathered(slot, g)
             nursery.cancel_scope.cancel()
         return gathered
@@ -689,7 +714,7 @@ class Matchmaker:
             elapsed = trio.current_time() - g.start
             await trio.sleep(poll if g.expected else max(0.0, window - elapsed))
             poll = window / 8
-            g.others = await self._registrations(g.registry, states=g.states)
+            g.others = await self._registrations(g.registry, states=g.states) | g.probed
             if self._too_late(slot, g.expected):
                 return False
             everyone = bool(g.expected) and g.expected <= set(g.others)
@@ -703,7 +728,8 @@ class Matchmaker:
                     # Deciding without some: first read every holder of the key. The one a
                     # read asks may lack registrations the others hold (writers store on
                     # the nearest nodes they found, and their views differ).
-                    g.others = await self._registrations(g.registry, sweep=True, states=g.states)
+                    found = await self._registrations(g.registry, sweep=True, states=g.states)
+                    g.others = found | g.probed
                     everyone = bool(g.expected) and g.expected <= set(g.others)
                 break
         if g.expected and not everyone:
@@ -722,7 +748,7 @@ class Matchmaker:
         False when the others moved past the epoch meanwhile."""
         window = g.deadlines.window
         too_late = False
-        probed: dict[str, Member] = {}  # registrations the expected peers told us
+        probed = g.probed  # registrations the expected peers told us
         async with trio.open_nursery() as nursery:
             if g.short_of_target():
                 # Expected peers that crashed or sit across a partition would hold the group
