@@ -958,6 +958,51 @@ def test_the_last_peer_to_register_reads_the_others_at_once() -> None:
     assert reads[0] == began, (reads, began)
 
 
+def test_a_computing_peer_asked_about_its_round_reads_its_table_anew() -> None:
+    """A 40-peer run's slowest peer computed on 3.7 s after the median one stopped: its
+    progress table still showed the others computing. The gathering peers ask it whom it
+    follows (it is one of the few missing); that question now tells it that its round forms
+    (its context's ``forming``: a sweep of the table), until it registers itself."""
+    from dedloc_jax.rounds.context import PeerSide, context_of
+    from dedloc_jax.rounds.following import ask_leader
+
+    told: list[int] = []
+
+    async def main() -> None:
+        net = SimNetwork(seed=7)
+        async with open_sim_dhts(net, 2, latency=0.01) as peers:
+            contexts = [PeerSide(), PeerSide(forming=told.append)]
+            makers = matchmakers(peers, max_group_size=8, window=1.0, contexts=contexts)
+            other = str(peers[1][0].peer_id)
+            await ask_leader(peers[0][0], (3, 0), other, 1.0)
+            await ask_leader(peers[0][0], (3, 1), other, 1.0)  # (not a level-0 round)
+            makers[1].slots[(4, 0)].registered = {"weight": 1.0}  # registered at epoch 4
+            await ask_leader(peers[0][0], (4, 0), other, 1.0)
+
+    run_sim(main, seed=7)
+    assert told == [3]
+
+    swept: list[str] = []
+    table = type(
+        "Table",
+        (),
+        {
+            "epoch": 3,
+            "records": {},
+            "proven": lambda self, p: True,
+            "weightless": lambda self, p: False,
+            "sweep_next_read": lambda self: swept.append("sweep"),
+        },
+    )()
+    side = context_of(table, lambda e: None, lambda p: False, None, sweeps=True)  # type: ignore[arg-type]
+    side.forming(2)  # (past our epoch: nothing to read anew)
+    side.forming(3)
+    assert swept == ["sweep"]
+    quiet = context_of(table, lambda e: None, lambda p: False, None)  # type: ignore[arg-type]
+    quiet.forming(3)
+    assert swept == ["sweep"]
+
+
 def _partial_leader(maker, accept: set[str], *, at_once: bool, waits: bool = False):
     """Make ``maker`` a hostile leader that takes only the ``accept`` peers: it forms its group
     as soon as they joined (``waits``: as an honest leader, when every peer it expects joined
