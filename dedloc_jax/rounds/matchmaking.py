@@ -307,7 +307,10 @@ class Matchmaker:
     ``context``: what the round reads from its peer (default: a peer that knows nothing);
     ``slots``: the peer's slot records, shared with its :class:`~dedloc_jax.rounds.across.
     AcrossGroups`; ``deadlines``: those of a round that passes none to :meth:`form_group` (a
-    fixed window)."""
+    fixed window); ``asks_missing``: the gathering asks the expected peers still missing
+    whether they can be reached (:func:`drop_unreachable`; peers that decide on whole
+    micro-steps, ``RoundConfig.mid_step_poll``: with it on every path, the capped soak's
+    seeds 1, 8 and 9 failed)."""
 
     def __init__(
         self,
@@ -319,6 +322,7 @@ class Matchmaker:
         context: PeerSide = PeerSide(),
         slots: Slots | None = None,
         deadlines: Deadlines = Deadlines(window=1.0),
+        asks_missing: bool = False,
     ) -> None:
         self.node = node
         self.dht = dht
@@ -326,6 +330,7 @@ class Matchmaker:
         self.max_group_size = max_group_size
         self.peer_id = str(node.peer_id)
         self.context = context
+        self.asks_missing = asks_missing
         self.slots = Slots() if slots is None else slots
         # The addresses last learned per peer: every poll of the registrations reads them all
         # again, so parse only what changed.
@@ -693,7 +698,7 @@ class Matchmaker:
         while some are expected), not waiting for those that cannot be reached
         (:func:`drop_unreachable`); False when the others moved past the epoch meanwhile."""
         async with trio.open_nursery() as nursery:
-            if g.expected:
+            if g.expected and self.asks_missing:
                 ask = functools.partial(self._ask_leader, slot)
                 others = lambda: set(g.others)  # noqa: E731
                 nursery.start_soon(
