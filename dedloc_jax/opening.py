@@ -203,7 +203,7 @@ def _assemble(
         max_group_size=config.rounds.max_group_size,
         context=context,
         slots=slots,
-        asks_missing=sweeps,
+        eager=sweeps,
     )
     rounds = Averager(
         AveragingService(node, allreduce_config, admit=admit),

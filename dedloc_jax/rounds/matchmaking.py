@@ -307,10 +307,11 @@ class Matchmaker:
     ``context``: what the round reads from its peer (default: a peer that knows nothing);
     ``slots``: the peer's slot records, shared with its :class:`~dedloc_jax.rounds.across.
     AcrossGroups`; ``deadlines``: those of a round that passes none to :meth:`form_group` (a
-    fixed window); ``asks_missing``: the gathering asks the expected peers still missing
-    whether they can be reached (:func:`drop_unreachable`; peers that decide on whole
-    micro-steps, ``RoundConfig.mid_step_poll``: with it on every path, the capped soak's
-    seeds 1, 8 and 9 failed)."""
+    fixed window); ``eager``: the matchmaking of peers that decide on whole micro-steps
+    (``RoundConfig.mid_step_poll``): the gathering asks the expected peers still missing
+    whether they can be reached (:func:`drop_unreachable`) and reads the registrations as it
+    begins, and the next epoch's key is looked up ahead. Off elsewhere: on every path the
+    capped soak's seeds 1, 8 and 9 failed, then 6 and 7 (its seeds 2 fail on main)."""
 
     def __init__(
         self,
@@ -322,7 +323,7 @@ class Matchmaker:
         context: PeerSide = PeerSide(),
         slots: Slots | None = None,
         deadlines: Deadlines = Deadlines(window=1.0),
-        asks_missing: bool = False,
+        eager: bool = False,
     ) -> None:
         self.node = node
         self.dht = dht
@@ -330,7 +331,7 @@ class Matchmaker:
         self.max_group_size = max_group_size
         self.peer_id = str(node.peer_id)
         self.context = context
-        self.asks_missing = asks_missing
+        self.eager = eager
         self.slots = Slots() if slots is None else slots
         # The addresses last learned per peer: every poll of the registrations reads them all
         # again, so parse only what changed.
@@ -499,7 +500,8 @@ class Matchmaker:
         expected = {p for p in expected if not self.context.banned(p)}  # nobody waits for them
         unearned: frozenset[str] = frozenset()
         if level == 0:
-            self.node.start_soon(self._locate, group_key(self.run_id, epoch + 1, level))
+            if self.eager:
+                self.node.start_soon(self._locate, group_key(self.run_id, epoch + 1, level))
             unearned = frozenset(p for p in expected if not self._earned(p, epoch))
             expected -= unearned
         deadlines = self.deadlines if deadlines is None else deadlines
@@ -698,7 +700,7 @@ class Matchmaker:
         while some are expected), not waiting for those that cannot be reached
         (:func:`drop_unreachable`); False when the others moved past the epoch meanwhile."""
         async with trio.open_nursery() as nursery:
-            if g.expected and self.asks_missing:
+            if g.expected and self.eager:
                 ask = functools.partial(self._ask_leader, slot)
                 others = lambda: set(g.others)  # noqa: E731
                 nursery.start_soon(
@@ -716,7 +718,8 @@ class Matchmaker:
 
     async def _read_until_gathered(self, slot: Slot, g: _Gathering) -> bool:
         window = g.deadlines.window
-        poll = 0.0  # the first read at once: the last peer to stop finds the others in
+        # (eager: the first read at once: the last peer to stop finds the others in)
+        poll = 0.0 if self.eager else window / 8
         while True:
             # Polling only helps to close early once every expected peer registered; with
             # nobody expected, one read at the end of the window does (a read is a lookup).

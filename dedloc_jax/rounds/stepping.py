@@ -100,9 +100,13 @@ class Stepper:
         # a matchmaking begun ahead of the target keeps its deadlines
         deadlines = (early and early.began(epoch)) or self.deadlines(est)
         async with trio.open_nursery() as nursery:
-            # Others must not extrapolate our samples any further; our registration need not
-            # wait for that store (0.08 s on the path of every round, the last peer's).
-            nursery.start_soon(tracker.freeze)
+            # Others must not extrapolate our samples any further. Peers that decide on whole
+            # micro-steps register meanwhile (0.08 s on the path of every round, the last
+            # peer's); elsewhere the capped soak's seeds failed with it (decisions.md).
+            if self.config.rounds.mid_step_poll is None:
+                await tracker.freeze()
+            else:
+                nursery.start_soon(tracker.freeze)
             got = await self._round(epoch, arrays, samples, codec, deadlines, expected)
         complete, reason = self._judge(epoch, got)
         result = got.average

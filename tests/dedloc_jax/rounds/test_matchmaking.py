@@ -833,7 +833,7 @@ def test_the_gathering_does_not_wait_for_an_expected_peer_it_cannot_reach() -> N
     async def main() -> tuple[list, float, float]:
         net = SimNetwork(seed=3)
         async with open_sim_dhts(net, 4, latency=0.01) as peers:
-            makers = matchmakers(peers, max_group_size=8, window=4.0, asks_missing=True)
+            makers = matchmakers(peers, max_group_size=8, window=4.0, eager=True)
             ids = [str(node.peer_id) for node, _ in peers]
             net.kill(host_of(net, peers[3][0]))  # left: its record still names it
             specs: list = [None] * 3
@@ -864,7 +864,7 @@ def test_the_gathering_waits_for_an_expected_peer_that_answers() -> None:
     async def main() -> list:
         net = SimNetwork(seed=4)
         async with open_sim_dhts(net, 3, latency=0.01) as peers:
-            makers = matchmakers(peers, max_group_size=8, window=4.0, asks_missing=True)
+            makers = matchmakers(peers, max_group_size=8, window=4.0, eager=True)
             ids = [str(node.peer_id) for node, _ in peers]
             specs: list = [None] * 3
 
@@ -895,7 +895,7 @@ def test_the_next_epochs_registration_key_is_looked_up_while_peers_compute() -> 
     async def main() -> list[bool]:
         net = SimNetwork(seed=5)
         async with open_sim_dhts(net, 12, latency=0.01) as peers:
-            makers = matchmakers(peers, max_group_size=8, window=1.0)
+            makers = matchmakers(peers, max_group_size=8, window=1.0, eager=True)
             ids = [str(node.peer_id) for node, _ in peers]
 
             async def one(i: int) -> None:
@@ -923,7 +923,7 @@ def test_the_last_peer_to_register_reads_the_others_at_once() -> None:
     async def main() -> tuple[list, float, list[float]]:
         net = SimNetwork(seed=6)
         async with open_sim_dhts(net, 3, latency=0.01) as peers:
-            makers = matchmakers(peers, max_group_size=8, window=4.0)
+            makers = matchmakers(peers, max_group_size=8, window=4.0, eager=True)
             ids = [str(node.peer_id) for node, _ in peers]
             last = makers[2]
             reads: list[float] = []

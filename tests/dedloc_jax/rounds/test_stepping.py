@@ -8,14 +8,15 @@ import numpy as np
 import trio
 import trio.testing
 
-from dedloc_jax.config import CollaborationConfig
+from dedloc_jax.config import CollaborationConfig, RoundConfig
 from dedloc_jax.rounds.stepping import Stepper
 
 
 def test_the_round_begins_while_the_waiting_record_is_stored() -> None:
     """A peer at the target stored its "waiting" progress record, then registered for the
     round: the store (0.08 s at 40 simulated peers) was on the path of every round, through
-    the last peer to stop. Both go at once now, and the epoch moves on only after both."""
+    the last peer to stop. For peers that decide on whole micro-steps both go at once now,
+    and the epoch moves on only after both."""
     events: list[str] = []
 
     class Tracker:
@@ -53,7 +54,7 @@ def test_the_round_begins_while_the_waiting_record_is_stored() -> None:
         Rounds(),  # type: ignore[arg-type]
         Tracker(),  # type: ignore[arg-type]
         SimpleNamespace(latest=None),  # type: ignore[arg-type]
-        CollaborationConfig(target_batch_size=8),
+        CollaborationConfig(target_batch_size=8, rounds=RoundConfig(mid_step_poll=0.25)),
     )
 
     async def main() -> None:
