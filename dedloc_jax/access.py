@@ -281,6 +281,7 @@ class InvitingDHT:
         self.now = dht.now
         self.get = dht.get
         self.follow = dht.follow
+        self.locate = dht.locate
 
     async def store(
         self,

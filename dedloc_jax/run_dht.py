@@ -39,6 +39,8 @@ class RunDHT(Protocol):
         replicas: int | None = None,
     ) -> Any: ...
 
+    async def locate(self, key: str, *, replicas: int | None = None) -> None: ...
+
     def follow(
         self,
         key: str,

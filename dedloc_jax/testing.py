@@ -45,9 +45,11 @@ def matchmakers(
     max_group_size: int,
     window: float = 1.0,
     contexts: Sequence[Any] | None = None,
+    eager: bool = False,
 ) -> list[Any]:
     """A registered :class:`Matchmaker` with a fixed window for each of ``peers``, each with
-    its ``contexts`` entry (a :class:`PeerSide`; default: a peer that knows nothing)."""
+    its ``contexts`` entry (a :class:`PeerSide`; default: a peer that knows nothing);
+    ``eager``: as :class:`Matchmaker`'s."""
     from dedloc_jax.rounds.context import PeerSide
     from dedloc_jax.rounds.deadlines import Deadlines
     from dedloc_jax.rounds.matchmaking import Matchmaker
@@ -62,6 +64,7 @@ def matchmakers(
             max_group_size=max_group_size,
             context=context,
             deadlines=Deadlines(window=window),
+            eager=eager,
         )
         mm.register()
         makers.append(mm)

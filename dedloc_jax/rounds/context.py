@@ -35,6 +35,10 @@ def _no_state(epoch: int) -> bytes | None:
     return None
 
 
+def _ignore(epoch: int) -> None:
+    return None
+
+
 @dataclass(frozen=True)
 class PeerSide:
     """The peer's side of its rounds; the defaults are a peer that knows nothing (an open run
@@ -58,6 +62,10 @@ class PeerSide:
     """Whether a peer's contribution weighed nothing in its newest round we know of
     (``ProgressTracker.weightless``): its registration weighs 0 (:mod:`~dedloc_jax.rounds.
     claims`)."""
+    forming: Callable[[int], None] = _ignore
+    """A peer of the run asked us whom we follow at an epoch whose round we have not joined:
+    its round forms, and our progress table may be stale (``ProgressTracker.sweep_next_read``
+    when we are at that epoch, for peers that decide on whole micro-steps)."""
     admit: Callable[[PeerID, str | None], Awaitable[None]] | None = None
     """Private runs (:mod:`dedloc_jax.access`): raises unless the caller (in that mode) may
     take part; None in an open run."""
@@ -76,6 +84,11 @@ class ProgressTable(Protocol):
 
     def weightless(self, peer: str) -> bool: ...
 
+    @property
+    def epoch(self) -> int: ...
+
+    def sweep_next_read(self) -> None: ...
+
 
 def _moved_on(table: ProgressTable, peer: str, epoch: int) -> bool:
     record = table.records.get(peer)
@@ -86,16 +99,26 @@ def _epoch_over(table: ProgressTable, epoch: int) -> bool:
     return table.current_estimate().epoch > epoch
 
 
+def _sweep_at(table: ProgressTable, epoch: int) -> None:
+    if table.epoch == epoch:
+        table.sweep_next_read()
+
+
 def context_of(
     table: ProgressTable,
     state_of: Callable[[int], bytes | None],
     banned: Callable[[str], bool],
     admit: Callable[[PeerID, str | None], Awaitable[None]] | None,
+    *,
+    sweeps: bool = False,
 ) -> PeerSide:
     """A peer's context: who moved on and whether an epoch is over, from its progress
     ``table``; ``state_of``: its state server's head (peers average only with peers that step
     from the same state, or do not say); ``banned``: its bans; ``admit``: its access guard;
-    whether a peer is proven (averaged with the run) or weightless, from the table too."""
+    whether a peer is proven (averaged with the run) or weightless, from the table too;
+    ``sweeps``: a question about a round we have not joined sweeps the table (peers that
+    decide on whole micro-steps, ``RoundConfig.mid_step_poll``: the library's other paths,
+    which the capped soak covers, keep their reads)."""
     return PeerSide(
         moved_on=functools.partial(_moved_on, table),
         epoch_over=functools.partial(_epoch_over, table),
@@ -103,5 +126,6 @@ def context_of(
         banned=banned,
         proven=table.proven,
         weightless=table.weightless,
+        forming=functools.partial(_sweep_at, table) if sweeps else _ignore,
         admit=admit,
     )

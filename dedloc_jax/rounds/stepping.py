@@ -10,6 +10,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
+import trio
 
 from dedloc_jax.averaging import GroupSpec
 from dedloc_jax.config import CollaborationConfig
@@ -98,7 +99,40 @@ class Stepper:
         early = self.rounds.early
         # a matchmaking begun ahead of the target keeps its deadlines
         deadlines = (early and early.began(epoch)) or self.deadlines(est)
-        await tracker.freeze()  # others must not extrapolate our samples any further
+        async with trio.open_nursery() as nursery:
+            # Others must not extrapolate our samples any further. Peers that decide on whole
+            # micro-steps register meanwhile (0.08 s on the path of every round, the last
+            # peer's); elsewhere the capped soak's seeds failed with it (decisions.md).
+            if self.config.rounds.mid_step_poll is None:
+                await tracker.freeze()
+            else:
+                nursery.start_soon(tracker.freeze)
+            got = await self._round(epoch, arrays, samples, codec, deadlines, expected)
+        complete, reason = self._judge(epoch, got)
+        result = got.average
+        if got.group_size == 1 and self.config.rounds.on_no_group == "skip":
+            # the mean's shapes (PowerSGD's [*mean, *Q, *error]: its Q is kept)
+            kept = len(result) if not isinstance(codec, PowerSGD) else unpack_leaf_count(arrays)
+            zeros = [np.zeros_like(np.asarray(a)) for a in result[:kept]]
+            result = [*zeros, *result[kept:]]
+        outcome = dataclasses.replace(
+            got, complete=complete, reason=reason, collab_samples=est.samples, average=result
+        )
+        # A peer that serves its state serves the new one next (share_state): one record.
+        tracker.set_epoch(outcome.next_epoch, state_follows=self.server.latest is not None)
+        self.history.append(dataclasses.replace(outcome, average=None, group=None))  # (kept)
+        return outcome
+
+    async def _round(
+        self,
+        epoch: int,
+        arrays: Sequence[np.ndarray],
+        samples: int,
+        codec: str | PowerSGD | None,
+        deadlines: Deadlines,
+        expected: set[str],
+    ) -> RoundOutcome:
+        tracker = self.tracker
         me = self.rounds.member(float(samples))
 
         def mates(spec: GroupSpec) -> None:
@@ -129,20 +163,7 @@ class Stepper:
                 expected=expected,
                 on_averaged=mates,
             )
-        complete, reason = self._judge(epoch, got)
-        result = got.average
-        if got.group_size == 1 and self.config.rounds.on_no_group == "skip":
-            # the mean's shapes (PowerSGD's [*mean, *Q, *error]: its Q is kept)
-            kept = len(result) if not isinstance(codec, PowerSGD) else unpack_leaf_count(arrays)
-            zeros = [np.zeros_like(np.asarray(a)) for a in result[:kept]]
-            result = [*zeros, *result[kept:]]
-        outcome = dataclasses.replace(
-            got, complete=complete, reason=reason, collab_samples=est.samples, average=result
-        )
-        # A peer that serves its state serves the new one next (share_state): one record.
-        tracker.set_epoch(outcome.next_epoch, state_follows=self.server.latest is not None)
-        self.history.append(dataclasses.replace(outcome, average=None, group=None))  # (kept)
-        return outcome
+        return got
 
     def _judge(self, epoch: int, got: RoundOutcome) -> tuple[bool, str]:
         """Whether the round's mean is the whole epoch's, and why not (logged)."""

@@ -361,6 +361,18 @@ class DHT:
                 raise InvalidRecordError("refused: " + next(iter(res.refused.values())))
         return results
 
+    async def locate(self, key: str, *, replicas: int | None = None) -> None:
+        """Look up ``key``'s ``replicas`` nearest nodes now (default: ``replication``), for the
+        next store or follower of it (:meth:`_recently_located`): a record that must be
+        stored the moment it is due (a matchmaking's registration) then takes one round trip,
+        not a lookup first (0.16 s of a 0.24 s registration at 40 simulated peers)."""
+        count = self.config.replication if replicas is None else replicas
+        if self._recently_located(key, count) is not None:
+            return
+        with default_purpose(f"locate {key_kind(key)}"):
+            found = await self.find_nearest(key_id(key), count=count)
+        self._remember_located(key, found.nearest[:count], count)
+
     def _recently_located(self, key: str, count: int) -> list[Contact] | None:
         """The ``count`` (or more) nearest nodes a lookup of ``key`` found within
         ``locate_ttl``, unless one of them has failed since (a store to it failed, or it is
