@@ -79,6 +79,7 @@ class PhaseHost:
     def __init__(self, collab: Any, events: EventLog) -> None:
         self._collab = collab
         self._events = events
+        self._handed: int | None = None  # the epoch of the accumulator handed over
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._collab, name)
@@ -103,6 +104,26 @@ class PhaseHost:
             return self._collab.average_gradients(epoch, gradients, samples, **kw)
         finally:
             self._events.phase("accumulating", epoch=epoch + 1)
+
+    # A blocking trainer averages mid-micro-step (dedloc_jax.host.MidStepHost): its
+    # accumulator is in the averaging from the hand-over until the take-over's outcome.
+    def report_whole_steps(self, epoch: int, samples: int, batch_size: int) -> bool:
+        return self._collab.report_whole_steps(epoch, samples, batch_size)
+
+    def lands_within(self, seconds: float) -> bool:
+        return self._collab.lands_within(seconds)
+
+    def hand_over(self, epoch: int, gradients: Any, samples: int, **kw: Any) -> None:
+        self._collab.hand_over(epoch, gradients, samples, **kw)
+        self._handed = epoch
+        self._events.phase("averaging", epoch=epoch)
+
+    def take_over(self) -> Any:
+        epoch, self._handed = self._handed, None
+        outcome = self._collab.take_over()
+        if epoch is not None:  # (the micro-step in flight counts toward the next epoch)
+            self._events.phase("accumulating", epoch=epoch if outcome is None else epoch + 1)
+        return outcome
 
     def load_state(self, **kw: Any) -> Any:
         self._events.phase("loading")

@@ -43,6 +43,41 @@ def test_phases_and_epochs_are_written_as_they_happen(tmp_path: Path) -> None:
     EventLog(None).epoch(1, "step", params)  # no file: nothing written, nothing raised
 
 
+class _MidStep(_Collab):
+    def __init__(self, began: bool) -> None:
+        self.began, self.handed = began, None
+
+    def report_whole_steps(self, epoch: int, samples: int, batch_size: int) -> bool:
+        return False
+
+    def lands_within(self, seconds: float) -> bool:
+        return True
+
+    def hand_over(self, epoch: int, gradients: Any, samples: int, **kw: Any) -> None:
+        self.handed = (epoch, samples)
+
+    def take_over(self) -> str | None:
+        return f"averaged {self.handed[0]}" if self.began else None
+
+
+def test_a_trainer_with_events_averages_mid_step_and_marks_the_hand_over(tmp_path: Path) -> None:
+    """The trainer's --events host must stay a MidStepHost (collaborative checks the class):
+    without it, the peers bench.chaos runs would wait for their micro-steps to end."""
+    from dedloc_jax.host import MidStepHost
+
+    path = tmp_path / "events.jsonl"
+    for began in (True, False):
+        host = PhaseHost(_MidStep(began), EventLog(path))
+        assert isinstance(host, MidStepHost)
+        assert host.lands_within(1.0) and not host.report_whole_steps(3, 8, 4)
+        host.hand_over(3, [], 8)
+        assert host.take_over() == ("averaged 3" if began else None)
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [(r["phase"], r["epoch"]) for r in rows] == [
+        ("averaging", 3), ("accumulating", 4), ("averaging", 3), ("accumulating", 3)
+    ]  # fmt: skip
+
+
 def test_the_final_comparison_takes_the_last_epoch_all_peers_held_in_step() -> None:
     in_step = {
         5: {"aa": [0, 1, 2]},
