@@ -163,7 +163,9 @@ def _restart(victim: int, same_identity: bool, seed: int) -> tuple[list, float, 
 
 
 @pytest.mark.parametrize("same_identity", [False, True], ids=["new-identity", "same-identity"])
-@pytest.mark.parametrize("victim", [0, 1], ids=["fast-restarts", "slow-restarts"])
+@pytest.mark.parametrize(
+    "victim", [0, pytest.param(1, marks=pytest.mark.slow)], ids=["fast-restarts", "slow-restarts"]
+)
 def test_two_peers_reconverge_within_two_epochs_after_either_restarts(
     victim: int, same_identity: bool
 ) -> None:
@@ -186,7 +188,9 @@ def test_two_peers_reconverge_within_two_epochs_after_either_restarts(
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("victim", [0, 1], ids=["fast-restarts", "slow-restarts"])
+@pytest.mark.parametrize(
+    "victim", [0, pytest.param(1, marks=pytest.mark.slow)], ids=["fast-restarts", "slow-restarts"]
+)
 def test_two_peers_reconverge_with_matchmaking_ahead_of_the_target(
     monkeypatch: pytest.MonkeyPatch, victim: int
 ) -> None:

@@ -73,6 +73,7 @@ def test_text_streams_cover_every_document_in_a_different_order_per_peer(tmp_pat
         assert firsts[0] != firsts[1] != firsts[2]
 
 
+@pytest.mark.slow
 def test_a_local_parquet_dataset_streams_mixed_with_text_by_weight(tmp_path):
     pa = pytest.importorskip("pyarrow")
     pq = pytest.importorskip("pyarrow.parquet")
