@@ -166,7 +166,7 @@ class Collaboration:
                 leaf = leaf.exceptions[0]
             if leaf is not e and isinstance(leaf, P2PError):
                 # The one error a user acts on ("none of the 1 initial peers answered: ..."),
-                # not the nurseries' nested groups around it (a 60-line traceback).
+                # not the nurseries' nested groups around it.
                 raise leaf from None
             raise
         return self

@@ -124,8 +124,8 @@ class CollaborationPeer:
             self._missed = self._round_began_without_us(epoch, est)
         if self._missed and not self._others_at(epoch):
             # The round we skipped is over and no trainer's record is left at our epoch or
-            # later: its peers are gone (a toy loop's first peer ends in seconds). Waiting for
-            # them to move on waited forever: go on at the epoch, step at the target.
+            # later: its peers are gone and will not move on. Go on at the epoch, step at the
+            # target.
             log.warning(
                 "epoch %d: the round we skipped ended, no peer is left at it: going on", epoch
             )
@@ -140,7 +140,7 @@ class CollaborationPeer:
             self.stepper.match_early(epoch, samples, est, lambda: self._peers_at(epoch))
         if whole_steps and not est.ready and self._others_wait_at(epoch):
             # Others stopped and we are not ready: our table may be stale (the one holder a
-            # read asks lacked newer records; a 40-peer run's peer stopped 16 s late).
+            # read asks may lack newer records), so the next read asks every holder.
             tracker.sweep_next_read()
         return est.ready
 

@@ -326,8 +326,8 @@ class Matchmaker:
     fixed window); ``eager``: the matchmaking of peers that decide on whole micro-steps
     (``RoundConfig.mid_step_poll``): the gathering asks the expected peers still missing
     whether they can be reached (:func:`drop_unreachable`) and reads the registrations as it
-    begins, and the next epoch's key is looked up ahead. Off elsewhere: on every path the
-    capped soak's seeds 1, 8 and 9 failed, then 6 and 7 (its seeds 2 fail on main)."""
+    begins, and the next epoch's key is looked up ahead. Off elsewhere: the capped soak's
+    joiners are sensitive to these timings (docs/decisions.md)."""
 
     def __init__(
         self,
@@ -422,8 +422,8 @@ class Matchmaker:
         self._showed_up(str(ctx.remote_peer), slot)
         record = self.slots.get(slot)
         if slot[1] == 0 and (record is None or record.registered is None):
-            # Its round forms while we compute: a stale table kept a 40-peer run's slowest
-            # peer computing 3.7 s after the median one stopped (at most a read per read).
+            # Its round forms while we compute: our table may be stale, so read it anew from
+            # every holder (at most one such read per regular read).
             self.context.forming(slot[0])
         if record is None:
             return {"decided": False}
@@ -684,7 +684,7 @@ class Matchmaker:
     async def _locate(self, key: str) -> None:
         """Look up the nodes that will hold ``key``, the next epoch's registrations, while this
         peer computes toward it: registering at the target is then one round trip, not a
-        lookup first (0.24 s of each 40-peer round, the last peer's on every peer's path)."""
+        lookup first (it is on every peer's path through the last peer to stop)."""
         try:
             await self.dht.locate(key, replicas=follower_replicas(self.dht.config))
         except P2PError as e:

@@ -50,8 +50,8 @@ class Stepper:
     def deadlines(self, est: CollaborationEstimate) -> Deadlines:
         """This round's deadlines: the configured matchmaking window, else the predicted one.
         Peers that check mid-step whether to average (``RoundConfig.mid_step_poll``) notice
-        the target a poll apart, not the slowest peer's micro-step: at 40 peers its 4 s step
-        made a 6.35 s window, and the group waited two of them for a peer that had left."""
+        the target a poll apart, not the slowest peer's micro-step: the window counts the
+        poll, not that micro-step."""
         config = self.config
         step = est.max_step_interval
         if config.rounds.mid_step_poll is not None:
@@ -101,8 +101,8 @@ class Stepper:
         deadlines = (early and early.began(epoch)) or self.deadlines(est)
         async with trio.open_nursery() as nursery:
             # Others must not extrapolate our samples any further. Peers that decide on whole
-            # micro-steps register meanwhile (0.08 s on the path of every round, the last
-            # peer's); elsewhere the capped soak's seeds failed with it (decisions.md).
+            # micro-steps register meanwhile (the store is on the last peer's path); elsewhere
+            # the store comes first, as the capped soak needs (decisions.md).
             if self.config.rounds.mid_step_poll is None:
                 await tracker.freeze()
             else:

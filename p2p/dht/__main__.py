@@ -47,7 +47,7 @@ from p2p.nat import NATConfig, nat_validators, open_nat
 from p2p.node import open_node
 
 DEFAULT_LISTEN = "/ip4/127.0.0.1/tcp/0"
-# A script must tell "the key is absent" from "the DHT could not be asked" (both were exit 1).
+# A script must tell "the key is absent" from "the DHT could not be asked": distinct codes.
 EXIT_NO = 1  # get: not found; store: refused or outdated
 EXIT_UNREACHABLE = 3  # no node answered: nothing is known about the key
 EXIT_CODES = (

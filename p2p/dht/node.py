@@ -365,7 +365,7 @@ class DHT:
         """Look up ``key``'s ``replicas`` nearest nodes now (default: ``replication``), for the
         next store or follower of it (:meth:`_recently_located`): a record that must be
         stored the moment it is due (a matchmaking's registration) then takes one round trip,
-        not a lookup first (0.16 s of a 0.24 s registration at 40 simulated peers)."""
+        not a lookup first."""
         count = self.config.replication if replicas is None else replicas
         if self._recently_located(key, count) is not None:
             return
