@@ -28,9 +28,13 @@ revealed parts in the same way, those with no statement or no reveal left out, w
 half its contributors lack one (more is our own exchange failing) and another member revealed
 a part (else they all checked it and our view is the odd one): otherwise it is taken
 unchecked, as is a share that a contributor with no statement at all keeps from being checked
-(a member that left; a liar delaying a member's statement past our check is the gap). A
-contributor revealing to some members and not to others can still make their shares differ;
-the fork choice then mends it.
+(a member that left). At its check a member asks each member whose statement it lacks for it
+once more; one still waiting for a reducer's results (which a liar can hold back until the
+others' check is over) answers with the shares it waits for and its own, fixed on its first
+such answer and listed in its statement (:func:`_declare`): every member, the namer too,
+recomputes those from the revealed parts without the namer's (the namer still checks them
+when it can, and convicts). A contributor revealing to some members and not to others can
+still make their shares differ; the fork choice then mends it.
 
 A reducer signs each result chunk (:func:`.verify.result_claim`: the round, the share, the
 chunk and its digest in the clear) and sends every member the same one. A member whose
@@ -323,6 +327,8 @@ async def answer(rnd: AllReduceState, request: Any, remote: PeerID) -> dict:
     if st.sender != who:
         raise BadContributionError("a member may only push its own statement")
     _add(rnd, st)
+    if request.get("p") is True:  # asked at the caller's check (:func:`_ask_at_check`)
+        return await _own_or_pending(rnd)
     held = request.get("h")
     held = set(held) if isinstance(held, list) and len(held) <= len(names) else set()
     if request.get("w") is True:
@@ -337,6 +343,111 @@ async def answer(rnd: AllReduceState, request: Any, remote: PeerID) -> dict:
         await _wait_for_any(rnd, {rnd.me}, trio.current_time() + rnd.verify_timeout)
     own = rnd.statements.get(rnd.me)
     return {"l": [] if own is None or rnd.me in held else [own.wire]}
+
+
+async def _own_or_pending(rnd: AllReduceState) -> dict:
+    """Our statement, or the shares whose results we still wait for (:func:`_declare`). Once
+    every result is in, our statement is being made: it is waited for (bounded)."""
+    if rnd.me not in rnd.statements and rnd.declared is None and all(rnd.ok.values()):
+        await _wait_for_any(rnd, {rnd.me}, trio.current_time() + rnd.verify_timeout / 2)
+    own = rnd.statements.get(rnd.me)
+    if own is not None:
+        return {"l": [own.wire]}
+    return {"l": [], "p": sorted(_declare(rnd))}
+
+
+def _declare(rnd: AllReduceState) -> frozenset[int]:
+    """The shares we name, asked at a member's check before we could state: those whose
+    exchange is still open (a reducer holding our results past the others' check), and our
+    own (the others lack our figures of it, and recompute it as a withheld statement's).
+    Fixed on the first answer (it only shrinks with time, and every member must hear the
+    same); our statement lists them. Every member, us included, recomputes those shares from
+    the revealed parts without ours, so none applies a share one of its members could not
+    check."""
+    if rnd.declared is None:
+        waiting = {j for j in rnd.reducers if not rnd.settled[j].is_set()}
+        rnd.declared = frozenset(waiting | ({rnd.me} & set(rnd.chunks)))
+    return rnd.declared
+
+
+def _named(rnd: AllReduceState, reply: Any) -> frozenset[int] | None:
+    """The shares a member named in its answer (:func:`_own_or_pending`), if well formed."""
+    named = reply.get("p") if isinstance(reply, dict) else None
+    if not isinstance(named, list) or len(named) > len(rnd.members):
+        return None
+    if not all(isinstance(j, int) and not isinstance(j, bool) for j in named):
+        return None
+    return frozenset(j for j in named if j in rnd.chunks)
+
+
+def _declarations(rnd: AllReduceState) -> dict[int, set[int]]:
+    """Per share, the members that named it as one whose results they still waited for at a
+    check: in their answer to us, in their statement, or us."""
+    named: dict[int, frozenset[int]] = dict(rnd.notices)
+    for i, st in rnd.statements.items():
+        named[i] = named.get(i, frozenset()) | st.pending
+    if rnd.declared:
+        named[rnd.me] = rnd.declared
+    out: dict[int, set[int]] = {}
+    for i, shares in named.items():
+        for j in shares & set(rnd.chunks):
+            out.setdefault(j, set()).add(i)
+    return out
+
+
+async def _ask_at_check(rnd: AllReduceState, mine: dict) -> None:
+    """At our check, ask each dialable member whose statement we still lack for it, or for the
+    shares it still waits for (a reducer can hold one member's results until the others'
+    check is over; taken as it came, as a leaver's would be, its share's lie went through).
+    A member that does not answer left: its shares are taken as they came."""
+
+    async def one(i: int) -> None:
+        peer = PeerID.from_base58(rnd.name(i))
+        request = {"r": rnd.round_id, "s": mine, "p": True, "h": sorted(rnd.statements)}
+        try:
+            reply = await rnd.node.call(
+                peer, STATEMENT_PROTOCOL, request, timeout=rnd.verify_timeout
+            )
+            _take_listed(rnd, reply, i)
+        except FAILURES as e:
+            logger.info("%s answered nothing at our check: %s", rnd.name(i), e)
+            return
+        named = _named(rnd, reply)
+        if named is not None and i not in rnd.statements:
+            rnd.notices[i] = named
+
+    lacking = [
+        i
+        for i, m in enumerate(rnd.members)
+        if m.sends and i != rnd.me and i not in rnd.statements and _reachable(rnd, i)
+    ]
+    with trio.move_on_after(rnd.verify_timeout):
+        async with trio.open_nursery() as nursery:
+            for i in lacking:
+                nursery.start_soon(one, i)
+
+
+def _reachable(rnd: AllReduceState, i: int) -> bool:
+    """Whether we can call member ``i``: a node, or a client over the connection it opened to
+    us (it sends its parts to every reducer)."""
+    if rnd.members[i].mode != "client":
+        return True
+    return rnd.node.connection_to(PeerID.from_base58(rnd.name(i))) is not None
+
+
+def _take_listed(rnd: AllReduceState, reply: Any, i: int) -> None:
+    """The statements member ``i`` listed in its answer (each refused alone if malformed)."""
+    listed = reply.get("l") if isinstance(reply, dict) else None
+    if not isinstance(listed, list) or len(listed) > len(rnd.members):
+        raise BadContributionError("malformed statement list")
+    known = {st.wire["b"] for st in rnd.statements.values()}
+    for raw in listed:
+        if isinstance(raw, dict) and raw.get("b") in known:
+            continue  # the same bytes as one we hold (each comes ~n times)
+        try:
+            _add(rnd, _parse(rnd, raw, direct=i))
+        except BadContributionError as e:
+            logger.warning("statement relayed by %s refused: %s", rnd.name(i), e)
 
 
 async def serve(rnd: AllReduceState, ms: MessageStream, remote: PeerID) -> None:
@@ -395,17 +506,7 @@ async def _swap(rnd: AllReduceState, i: int, mine: dict, wait: bool, unreached: 
     try:
         timeout = rnd.config.stall_timeout + (rnd.verify_timeout if wait else 0.0)
         reply = await rnd.node.call(peer, STATEMENT_PROTOCOL, request, timeout=timeout)
-        listed = reply.get("l") if isinstance(reply, dict) else None
-        if not isinstance(listed, list) or len(listed) > len(rnd.members):
-            raise BadContributionError("malformed statement list")
-        known = {st.wire["b"] for st in rnd.statements.values()}
-        for raw in listed:
-            if isinstance(raw, dict) and raw.get("b") in known:
-                continue  # the same bytes as one we hold (each comes ~n times)
-            try:
-                _add(rnd, _parse(rnd, raw, direct=i))
-            except BadContributionError as e:
-                logger.warning("statement relayed by %s refused: %s", rnd.name(i), e)
+        _take_listed(rnd, reply, i)
         return len(rnd.statements) > before
     except FAILURES as e:
         unreached.add(i)
@@ -568,30 +669,38 @@ def check_chunk(
 
 
 async def _check_shares(
-    rnd: AllReduceState, stated: dict[int, Statement]
+    rnd: AllReduceState, stated: dict[int, Statement], declared: dict[int, set[int]]
 ) -> tuple[set[int], dict[int, tuple[int, ChunkCheck]], dict[int, set[int]]]:
     """Every share's chunks checked against the statements: the shares that could not be
     (repaired), per failed share its first failed chunk and why, and per share that a
     contributor's missing statement (or one about other results: another seed) keeps from
-    being checked, those contributors."""
+    being checked, those contributors. A share a member named as still awaited
+    (``declared``, :func:`_declare`) is recomputed without the namers on every member,
+    repaired or not (the namer checks it too when it can: a failure convicts)."""
     assert rnd.out is not None
-    cfg = rnd.config
     unverified: set[int] = set()
     failures: dict[int, tuple[int, ChunkCheck]] = {}
     silent: dict[int, set[int]] = {}
     for j in rnd.reducers:
+        if j in declared:
+            silent[j] = (set().union(*rnd.masks[j]) - set(stated)) | declared[j]
+            if j not in rnd.repaired and all(mask <= set(stated) for mask in rnd.masks[j]):
+                failed = await _first_failure(rnd, stated, j)
+                if failed is not None:
+                    failures[j] = failed
+            continue
         if j in rnd.repaired:
             unverified.add(j)
             continue
-        for k, mask in enumerate(rnd.masks[j]):
+        for mask in rnd.masks[j]:
             if not mask <= set(stated):
                 # Recomputed, unless most contributors lack a statement of our seed (our own
                 # exchange failed: late, cut off, other results), when the missing one hides
                 # a lie: the reducer's own (withheld to hide one in its share), or one of
                 # other results (a reducer can make a member repair its share). A member with
                 # no statement at all in another reducer's share left (churn): taken as it
-                # came on every member, so one leaver costs no reveals (a liar delaying a
-                # member past our check is the known gap).
+                # came on every member, so one leaver costs no reveals (a member still waiting
+                # for a reducer names it when asked at our check: ``declared``).
                 contributors = set().union(*rnd.masks[j])
                 missing = contributors - set(stated)
                 hiding = {j} | set(rnd.statements)
@@ -600,28 +709,45 @@ async def _check_shares(
                 else:
                     unverified.add(j)
                 break
-            a, b = rnd.share_slice(j, k)
-            chk = check_chunk(
-                rnd.codec.at(a, b).name,
-                rnd.out[a:b],
-                stated,
-                mask,
-                j,
-                k,
-                rnd.taus[j][k],
-                cfg.robust_mode,
-                cfg.robust_tau,
-                [m.weight for m in rnd.members],
-            )
-            await trio.lowlevel.checkpoint()
-            if not chk.ok:
-                failures[j] = (k, chk)
-                break
+        else:
+            failed = await _first_failure(rnd, stated, j)
+            if failed is not None:
+                failures[j] = failed
     return unverified, failures, silent
 
 
+async def _first_failure(
+    rnd: AllReduceState, stated: dict[int, Statement], j: int
+) -> tuple[int, ChunkCheck] | None:
+    """Share ``j``'s first chunk that fails its check, and why (None: every chunk passes)."""
+    assert rnd.out is not None
+    cfg = rnd.config
+    for k, mask in enumerate(rnd.masks[j]):
+        a, b = rnd.share_slice(j, k)
+        chk = check_chunk(
+            rnd.codec.at(a, b).name,
+            rnd.out[a:b],
+            stated,
+            mask,
+            j,
+            k,
+            rnd.taus[j][k],
+            cfg.robust_mode,
+            cfg.robust_tau,
+            [m.weight for m in rnd.members],
+        )
+        await trio.lowlevel.checkpoint()
+        if not chk.ok:
+            return k, chk
+    return None
+
+
 async def _unchecked(
-    rnd: AllReduceState, j: int, silent: set[int], liar: int | None = None
+    rnd: AllReduceState,
+    j: int,
+    silent: set[int],
+    liar: int | None = None,
+    namers: set[int] = frozenset(),  # type: ignore[assignment]
 ) -> str | None:
     """Share ``j``, which ``silent`` contributors' statements (none, or about other results)
     keep from being checked, recomputed from the revealed parts of those that stated
@@ -633,7 +759,10 @@ async def _unchecked(
     member revealed a part: they all checked their results and kept no parts, so ours are
     the odd ones (our view of the round differs), and the share is taken unchecked as they
     took it; dropping it on this member alone set it apart from the whole group. ``liar``: a
-    reducer convicted of equivocating about this share, whose part is left out too."""
+    reducer convicted of equivocating about this share, whose part is left out too;
+    ``namers``: members that named it as still awaited (:func:`_declare`), left out too (a
+    share one of them could not check is never taken as it came: dropped if nobody
+    reveals)."""
     shares: dict[int, Reveal] = {}
     contributors = set().union(*rnd.masks[j])
 
@@ -645,6 +774,8 @@ async def _unchecked(
     async with trio.open_nursery() as nursery:
         for i in sorted(contributors & set(rnd.statements)):  # the others: nothing to ask
             nursery.start_soon(one, i)
+    if not set(shares) - {rnd.me} and namers:
+        return "no other member revealed its parts"
     if not set(shares) - {rnd.me}:
         logger.warning(
             "round %s: share of reducer %s unchecked (%s stated nothing about our results) and "
@@ -654,7 +785,7 @@ async def _unchecked(
             [rnd.name(i) for i in sorted(silent)],
         )
         return None
-    left_out = (contributors - set(shares)) | ({liar} & contributors)
+    left_out = (contributors - set(shares)) | ({liar} & contributors) | set(namers)
     logger.warning(
         "round %s: share of reducer %s unchecked (%s stated nothing about our results); "
         "every member recomputes it from the revealed parts%s",
@@ -843,17 +974,20 @@ async def audit(rnd: AllReduceState) -> Verdict:
         await _figures(rnd, seed),
         # as a reducer, the signed hellos we counted on (checked when a share is disputed)
         list(rnd.holdings.hellos.values()) if rnd.me in rnd.chunks else [],
+        sorted(rnd.declared or ()),  # read once the figures are done: a later ask sees ours
     )
     _add(rnd, _parse(rnd, mine, ours=True))
     await _exchange(rnd, mine, until)
+    await _ask_at_check(rnd, mine)
     dropped: set[int] = set()
+    declared = _declarations(rnd)
     stated = {i: st for i, st in rnd.statements.items() if st.seed == seed}
-    unverified, failures, silent = await _check_shares(rnd, stated)
+    unverified, failures, silent = await _check_shares(rnd, stated, declared)
     other_seed = any(st.seed != seed for st in rnd.statements.values())
     if (failures or silent or other_seed) and _verify_held(rnd):
         # a statement that would be evidence was junk: judge as if it never came
         stated = {i: st for i, st in rnd.statements.items() if st.seed == seed}
-        unverified, failures, silent = await _check_shares(rnd, stated)
+        unverified, failures, silent = await _check_shares(rnd, stated, declared)
     if unverified:
         logger.warning(
             "round %s: shares of %s not verified (repaired, or a contributor's statement of our "
@@ -882,19 +1016,17 @@ async def audit(rnd: AllReduceState) -> Verdict:
         accused, parts = await _judge(rnd, seed, stated, j, k, chk)
         if accused is not None:
             accusations.append(accused)
-            liar = [m.peer_id for m in rnd.members].index(accused.peer)
-            why = _recompute(rnd, stated, j, parts, {liar})
-        else:
-            why = "nobody was convicted"
+        why = _after_judging(rnd, stated, j, parts, accused, declared.get(j))
         _settle(rnd, j, why, dropped, recomputed)
     why_not: dict[int, str | None] = {}
 
     async def unchecked(j: int) -> None:
-        why_not[j] = await _unchecked(rnd, j, silent[j], equivocated.get(j))
+        why_not[j] = await _unchecked(rnd, j, silent[j], equivocated.get(j), declared.get(j, set()))
 
     async with trio.open_nursery() as nursery:  # at once: a silent peer's reveals time out
         for j in silent:
-            nursery.start_soon(unchecked, j)
+            if j not in failures:
+                nursery.start_soon(unchecked, j)
     for j, why in why_not.items():
         if why is None:
             unverified.add(j)
@@ -913,6 +1045,26 @@ async def audit(rnd: AllReduceState) -> Verdict:
         frozenset(unverified - failed),
         tuple(accusations),
     )
+
+
+def _after_judging(
+    rnd: AllReduceState,
+    stated: dict[int, Statement],
+    j: int,
+    parts: dict[int, Reveal],
+    accused: Accusation | None,
+    namers: set[int] | None,
+) -> str:
+    """Failed share ``j`` recomputed from the revealed ``parts`` (why not: "" when done):
+    without its convicted liar, or, when members named it as still awaited (``namers``), as
+    the members that could not check it recompute it: without the namers."""
+    if namers:
+        left_out = namers | (set().union(*rnd.masks[j]) - set(parts))
+        return _recompute(rnd, dict(rnd.statements), j, parts, left_out)
+    if accused is None:
+        return "nobody was convicted"
+    liar = [m.peer_id for m in rnd.members].index(accused.peer)
+    return _recompute(rnd, stated, j, parts, {liar})
 
 
 RELAYS = 2

@@ -253,6 +253,11 @@ class AllReduceState:
             j: [None] * len(self.chunks[j]) for j in self.reducers
         }
         self.statements: dict[int, Statement] = {}
+        # The shares whose results we still waited for when a member asked for our statement
+        # at its check (fixed on the first such answer; our statement lists them), and those
+        # other members named so to us: every member recomputes them without the namer's part.
+        self.declared: frozenset[int] | None = None
+        self.notices: dict[int, frozenset[int]] = {}
         # The result digests of each share we stated (its results root's), kept past the
         # round's end: a member whose root differs asks for them to convict an equivocator.
         self.received: dict[int, list[bytes]] = {}

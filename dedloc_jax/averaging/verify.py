@@ -400,6 +400,9 @@ class Statement:
     round, the key from the sender's own statement). Checked only when a
     share is disputed (:func:`hello_of`): a member parsing every reducer's would verify n**2
     signatures a round."""
+    pending: frozenset[int] = frozenset()
+    """Shares (reducer indices) whose results its member still waited for when a member asked
+    at its check (:func:`.audit.answer`): every member recomputes them without its part."""
     checked: bool = True
     """Whether its signature was verified. One that came straight from its member over our
     authenticated channel is taken on the channel's word (``parse_statement(direct=...)``):
@@ -449,11 +452,16 @@ def make_statement(
     seed: bytes,
     shares: Mapping[int, ShareFigures],
     hellos: Sequence[dict] = (),
+    pending: Sequence[int] = (),
 ) -> dict:
     """The signed wire form of a statement (``identity`` has ``sign`` and ``public_key``);
-    ``hellos``: the signed hellos it holds as a reducer (:class:`SignedHello`)."""
+    ``hellos``: the signed hellos it holds as a reducer (:class:`SignedHello`); ``pending``:
+    the shares it said it still waited for (listed only when there are some, so a clean
+    round's statement keeps its bytes)."""
+    extra = {"p": sorted(int(j) for j in pending)} if pending else {}
     body = msgpack.packb(
-        {
+        extra
+        | {
             "h": [_listed(h) for h in hellos],
             "r": round_id,
             "g": digest,
@@ -533,7 +541,16 @@ def parse_statement(
         shares[j] = ShareFigures(
             parts, np.frombuffer(q, "<f8").copy(), np.frombuffer(norms, "<f8").copy(), results
         )
-    return Statement(round_id, digest, s, w, seed, shares, msg, tuple(listed), checked or ours)
+    pending = d.get("p", [])
+    # reducers are members (a third party re-checking evidence knows only the members)
+    if not isinstance(pending, list) or len(pending) > len(members):
+        raise BadContributionError("malformed pending shares")
+    if not all(isinstance(j, int) and not isinstance(j, bool) for j in pending):
+        raise BadContributionError("malformed pending shares")
+    if not all(0 <= j < len(members) for j in pending):
+        raise BadContributionError("malformed pending shares")
+    listed, pending = tuple(listed), frozenset(pending)
+    return Statement(round_id, digest, s, w, seed, shares, msg, listed, pending, checked or ours)
 
 
 NO_HASH = bytes(32)

@@ -396,8 +396,8 @@ def _framing_evidence(monkeypatch, codec, robust):
     names = _names(4)
     original = audit._check_shares
 
-    async def framing(rnd, stated):
-        unverified, failures, silent = await original(rnd, stated)
+    async def framing(rnd, stated, *rest):
+        unverified, failures, silent = await original(rnd, stated, *rest)
         j = [m.peer_id for m in rnd.members].index(names[1])
         failures[j] = (0, ChunkCheck(False, "framed"))
         return unverified, failures, silent
@@ -618,9 +618,9 @@ def test_a_node_that_calls_for_statements_gets_only_the_callees_own(monkeypatch)
         listed.append((who, request.get("w") is True, len(reply["l"])))
         return reply
 
-    async def holding(rnd, stated):  # noqa: ANN001, ANN202
+    async def holding(rnd, stated, *rest):  # noqa: ANN001, ANN002, ANN202
         held.append(len(stated))
-        return await check(rnd, stated)
+        return await check(rnd, stated, *rest)
 
     monkeypatch.setattr(audit, "answer", counted)
     monkeypatch.setattr(audit, "_check_shares", holding)
@@ -715,7 +715,7 @@ def test_a_lying_reducer_that_states_nothing_about_our_results_cannot_pass_unche
 
     names = _names(4)
     liar.name = names[1]
-    swap, answer, make = audit._swap, audit.answer, audit.make_statement
+    swap, answer, make, ask = audit._swap, audit.answer, audit.make_statement, audit._ask_at_check
 
     async def no_swap(rnd, i, mine, wait, unreached):
         if rnd.name(rnd.me) != names[1]:
@@ -726,6 +726,10 @@ def test_a_lying_reducer_that_states_nothing_about_our_results_cannot_pass_unche
             await trio.sleep_forever()
         return await answer(rnd, request, remote)
 
+    async def no_ask(rnd, mine):  # its asks at its check would carry its statement
+        if rnd.name(rnd.me) != names[1]:
+            await ask(rnd, mine)
+
     def other_seed(identity, round_id, digest, sender, weight, seed, *rest):
         if sender == 1:
             seed = bytes(32)
@@ -734,6 +738,7 @@ def test_a_lying_reducer_that_states_nothing_about_our_results_cannot_pass_unche
     if how == "withheld":
         monkeypatch.setattr(audit, "_swap", no_swap)
         monkeypatch.setattr(audit, "answer", no_answer)
+        monkeypatch.setattr(audit, "_ask_at_check", no_ask)
     else:
         monkeypatch.setattr(audit, "make_statement", other_seed)
     rng = np.random.default_rng(5)
@@ -853,11 +858,11 @@ def test_a_statement_grows_by_its_projection_and_norm_per_chunk_not_its_hashes(m
     make = audit.make_statement
     sizes: dict[int, list[tuple[int, int]]] = {}
 
-    def measured(identity, round_id, digest, sender, weight, seed, shares, hellos=()):
-        signed = make(identity, round_id, digest, sender, weight, seed, shares, ())
+    def measured(identity, round_id, digest, sender, weight, seed, shares, hellos=(), *rest):
+        signed = make(identity, round_id, digest, sender, weight, seed, shares, (), *rest)
         chunks = sum(len(f.q) for f in shares.values())
         sizes.setdefault(chunk, []).append((len(signed["b"]), chunks))
-        return make(identity, round_id, digest, sender, weight, seed, shares, hellos)
+        return make(identity, round_id, digest, sender, weight, seed, shares, hellos, *rest)
 
     monkeypatch.setattr(audit, "make_statement", measured)
     rng = np.random.default_rng(9)
@@ -1363,3 +1368,71 @@ def test_a_junk_signed_statement_is_verified_before_it_is_evidence(liar, junk_si
             share = next(s for s in r.shares if s.owner == liar.name)
             assert share.recomputed and liar.name not in share.contributors
         assert np.abs(honest[0].vector).max() < 100  # the -1000x lie did not go through
+
+
+@pytest.fixture
+def delayer(monkeypatch):
+    """Make the reducer named ``delayer.name`` commit its share to every other member at once
+    and hold member ``delayer.victim``'s results (heartbeats only) for ``delayer.delay``
+    seconds: the victim's statement comes after the others' check."""
+    from dedloc_jax.averaging import wire
+
+    class Delayer:
+        name: str | None = None
+        victim = 3
+        delay = 6.0
+
+    original = Reducer._send_results_to
+
+    async def delaying(self, s, ms, gauge):
+        if self.plan.name(self.plan.me) == Delayer.name and s == Delayer.victim:
+            self.acked.add(s)  # counted as acked: the others get the commit at once
+            self.changes.notify()
+            while self.done < len(self.chunks):
+                await trio.sleep(0.01)
+            # its own bytes, as signed (a lossless chunk is a view of the result, which this
+            # member's own check rewrites when it recomputes the share)
+            self.enc = {k: bytes(v) for k, v in self.enc.items()}
+            until = trio.current_time() + Delayer.delay
+            while trio.current_time() < until:
+                await ms.send(wire.simple("hb"))
+                await trio.sleep(self.plan.config.stall_timeout / 3)
+        await original(self, s, ms, gauge)
+
+    monkeypatch.setattr(Reducer, "_send_results_to", delaying)
+    return Delayer
+
+
+@pytest.mark.parametrize("victim", ["node", "client"])
+def test_a_lying_reducer_that_delays_one_member_past_the_check_poisons_nobody(
+    liar, delayer, victim
+):
+    """Reducer 1 returns -1000 x its aggregate and holds member 3's results until after the
+    others' check (4 nodes). Without member 3's statement nobody else could check share 1,
+    and a member with no statement at all counts as gone: the others took the lie as it came
+    (-1000 x the mean). Asked at the check, member 3 names the reducer it still waits on;
+    every member (member 3 too, once its results come) recomputes that share from the revealed
+    parts without member 3's: the same bits everywhere, no lie; member 3, which can check it,
+    convicts the liar with evidence a third party re-checks. A client, which nobody dials, is
+    asked over the connection it opened to each reducer."""
+    names = _names(4)
+    liar.name = delayer.name = names[1]
+    rng = np.random.default_rng(5)
+    trees = [make_tree(rng, SHAPES) for _ in range(4)]
+    modes = ["node"] * 3 + [victim]
+    outcome, _, got = run_round(modes, trees, [1.0] * 4, config=VERIFY)
+    assert got == names
+    honest = _results([outcome[0], outcome[2], outcome[3]])
+    vecs = [flatten(t)[0] for t in trees]
+    for r in honest:
+        assert r.vector.tobytes() == honest[0].vector.tobytes()
+        share = next(s for s in r.shares if s.owner == names[1])
+        assert share.recomputed and not share.dropped
+        assert share.contributors == frozenset(names) - {names[3]}
+        want = np.mean([vecs[names.index(p)] for p in share.contributors], axis=0)
+        np.testing.assert_allclose(
+            r.vector[share.start : share.stop], want[share.start : share.stop], atol=2e-6
+        )
+    victim = honest[2]
+    assert [a.peer for a in victim.accusations] == [names[1]]
+    assert check_evidence(victim.accusations[0].evidence, names[1])
