@@ -1436,3 +1436,82 @@ def test_a_lying_reducer_that_delays_one_member_past_the_check_poisons_nobody(
     victim = honest[2]
     assert [a.peer for a in victim.accusations] == [names[1]]
     assert check_evidence(victim.accusations[0].evidence, names[1])
+
+
+def test_a_member_whose_statement_is_late_is_asked_for_it_at_the_check(monkeypatch):
+    """Member 3 takes 1.2 x the check's time to sign its statement (a slow CPU): the others'
+    swap ended without it, so they took every share it sent to as it came and recomputed its
+    own share from reveals (its missing statement could hide a lie there). Asked at the check,
+    a member holding all its results waits for its own statement (up to half the check's
+    time): every share is checked, none recomputed, no reveal asked."""
+    from dedloc_jax.averaging import audit
+
+    figures, reveal, asked = audit._figures, audit._reveal, []
+
+    async def slow(rnd, seed):
+        if rnd.me == 3:
+            await trio.sleep(1.2 * rnd.verify_timeout)
+        return await figures(rnd, seed)
+
+    async def counting(rnd, i, j):
+        asked.append((rnd.me, i, j))
+        return await reveal(rnd, i, j)
+
+    monkeypatch.setattr(audit, "_figures", slow)
+    monkeypatch.setattr(audit, "_reveal", counting)
+    rng = np.random.default_rng(5)
+    trees = [make_tree(rng, SHAPES) for _ in range(4)]
+    outcome, _, _ = run_round(["node"] * 4, trees, [1.0] * 4, config=VERIFY)
+    results = _results(outcome)
+    for r in results:
+        assert r.vector.tobytes() == results[0].vector.tobytes()
+        assert not any(s.recomputed or s.dropped for s in r.shares)
+        assert r.accusations == ()
+    assert asked == []
+
+
+def test_a_member_naming_an_honest_reducers_share_costs_that_share_only(monkeypatch):
+    """A hostile member withholds its statement and, asked at the check, names an honest
+    reducer's share as still awaited: every honest member recomputes that share (and the
+    namer's own, as a withheld statement's) from the committed parts without the namer's,
+    the same bits everywhere, and takes the others as they came; nobody is convicted."""
+    from dedloc_jax.averaging import audit
+
+    names = _names(4)
+    swap, answer, ask = audit._swap, audit.answer, audit._ask_at_check
+
+    async def no_swap(rnd, i, mine, wait, unreached):
+        if rnd.me != 3:
+            await swap(rnd, i, mine, wait, unreached)
+
+    async def naming(rnd, request, remote):
+        if rnd.me != 3:
+            return await answer(rnd, request, remote)
+        if request.get("p") is True:
+            return {"l": [], "p": [0]}
+        await trio.sleep_forever()
+
+    async def no_ask(rnd, mine):
+        if rnd.me != 3:
+            await ask(rnd, mine)
+
+    monkeypatch.setattr(audit, "_swap", no_swap)
+    monkeypatch.setattr(audit, "answer", naming)
+    monkeypatch.setattr(audit, "_ask_at_check", no_ask)
+    rng = np.random.default_rng(5)
+    trees = [make_tree(rng, SHAPES) for _ in range(4)]
+    outcome, _, got = run_round(["node"] * 4, trees, [1.0] * 4, config=VERIFY)
+    assert got == names
+    honest = _results(outcome[:3])
+    vecs = [flatten(t)[0] for t in trees]
+    for r in honest:
+        assert r.vector.tobytes() == honest[0].vector.tobytes()
+        assert r.accusations == ()
+        assert {s.owner for s in r.shares if s.recomputed} == {names[0], names[3]}
+        for s in r.shares:
+            if s.recomputed:
+                assert s.contributors == frozenset(names[:3])
+                want = np.mean(vecs[:3], axis=0)
+                np.testing.assert_allclose(
+                    r.vector[s.start : s.stop], want[s.start : s.stop], atol=2e-6
+                )
