@@ -396,10 +396,11 @@ def _declarations(rnd: AllReduceState) -> dict[int, set[int]]:
 
 
 async def _ask_at_check(rnd: AllReduceState, mine: dict) -> None:
-    """At our check, ask each dialable member whose statement we still lack for it, or for the
-    shares it still waits for (a reducer can hold one member's results until the others'
-    check is over; taken as it came, as a leaver's would be, its share's lie went through).
-    A member that does not answer left: its shares are taken as they came."""
+    """At our check, ask each member whose statement we still lack (and that we still reach,
+    :func:`_reachable`) for it, or for the shares it still waits for (a reducer can hold one
+    member's results until the others' check is over; taken as it came, as a leaver's would
+    be, its share's lie went through). A member that does not answer left: its shares are
+    taken as they came."""
 
     async def one(i: int) -> None:
         peer = PeerID.from_base58(rnd.name(i))
@@ -428,10 +429,10 @@ async def _ask_at_check(rnd: AllReduceState, mine: dict) -> None:
 
 
 def _reachable(rnd: AllReduceState, i: int) -> bool:
-    """Whether we can call member ``i``: a node, or a client over the connection it opened to
-    us (it sends its parts to every reducer)."""
-    if rnd.members[i].mode != "client":
-        return True
+    """Whether we can ask member ``i`` at our check: we hold a usable connection to it (a
+    client opened one to each reducer; the statement swap dialed every node). A member whose
+    connection is gone left, and is not dialed again: a crashed host's dial would hold the
+    check up for its whole timeout."""
     return rnd.node.connection_to(PeerID.from_base58(rnd.name(i))) is not None
 
 
