@@ -33,8 +33,11 @@ once more; one still waiting for a reducer's results (which a liar can hold back
 others' check is over) answers with the shares it waits for and its own, fixed on its first
 such answer and listed in its statement (:func:`_declare`): every member, the namer too,
 recomputes those from the revealed parts without the namer's (the namer still checks them
-when it can, and convicts). A contributor revealing to some members and not to others can
-still make their shares differ; the fork choice then mends it.
+when it can, and convicts). A share we repaired while another member states figures for it
+(its reducer committed it to them and failed our exchange) is recomputed the same way without
+the reducer's part: the copy we repaired from is unchecked here. A contributor revealing to
+some members and not to others can still make their shares differ; the fork choice then
+mends it.
 
 A reducer signs each result chunk (:func:`.verify.result_claim`: the round, the share, the
 chunk and its digest in the clear) and sends every member the same one. A member whose
@@ -691,7 +694,14 @@ async def _check_shares(
                     failures[j] = failed
             continue
         if j in rnd.repaired:
-            unverified.add(j)
+            # Another member states figures for it: its reducer committed it to them and
+            # failed our exchange, and the copy we repaired from is theirs, which nothing
+            # checked here (a liar that reset our stream had its lie relayed to us as is).
+            others = [st for i, st in rnd.statements.items() if i != rnd.me]
+            if any(j in st.shares for st in others):
+                silent[j] = {rnd.me}
+            else:
+                unverified.add(j)
             continue
         for mask in rnd.masks[j]:
             if not mask <= set(stated):
@@ -772,8 +782,11 @@ async def _unchecked(
         if got is not None:
             shares[i] = got
 
+    # Only those that stated figures for it: another's part matches no commitment (it
+    # repaired the share, or states none), and is left out.
+    figured = {i for i, st in rnd.statements.items() if j in st.shares}
     async with trio.open_nursery() as nursery:
-        for i in sorted(contributors & set(rnd.statements)):  # the others: nothing to ask
+        for i in sorted(contributors & figured):  # the others: nothing to ask
             nursery.start_soon(one, i)
     if not set(shares) - {rnd.me} and namers:
         return "no other member revealed its parts"
@@ -1022,7 +1035,9 @@ async def audit(rnd: AllReduceState) -> Verdict:
     why_not: dict[int, str | None] = {}
 
     async def unchecked(j: int) -> None:
-        why_not[j] = await _unchecked(rnd, j, silent[j], equivocated.get(j), declared.get(j, set()))
+        # (a share we repaired while others hold it from its reducer: without the reducer)
+        liar = j if j in rnd.repaired and j not in declared else equivocated.get(j)
+        why_not[j] = await _unchecked(rnd, j, silent[j], liar, declared.get(j, set()))
 
     async with trio.open_nursery() as nursery:  # at once: a silent peer's reveals time out
         for j in silent:

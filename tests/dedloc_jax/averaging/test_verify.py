@@ -1515,3 +1515,47 @@ def test_a_member_naming_an_honest_reducers_share_costs_that_share_only(monkeypa
                 np.testing.assert_allclose(
                     r.vector[s.start : s.stop], want[s.start : s.stop], atol=2e-6
                 )
+
+
+def test_a_lying_reducer_that_resets_one_members_stream_does_not_poison_its_repair(
+    liar, monkeypatch
+):
+    """Reducer 1 returns -1000 x its aggregate, commits it to members 0 and 2, and resets
+    member 3's stream. Member 3 repaired the share from a member's copy (the lie) and took it
+    unchecked (a repaired share is not checked): 1318 off the mean, while the others convicted
+    the liar and recomputed it. A share another member states figures for (its reducer
+    committed it to them) is recomputed from the revealed parts without the reducer's on the
+    member that repaired it: no honest member holds the lie. (Member 3's results differ from
+    the others', so they recompute every share without its part and it keeps the rest as it
+    came: the bits of the other shares differ, as for any member made to repair.)"""
+    names = _names(4)
+    liar.name = names[1]
+    original = Reducer._send_results_to
+
+    async def resetting(self, s, ms, gauge):
+        if self.plan.name(self.plan.me) == liar.name and s == 3:
+            self.receivers.discard(s)  # committed to the others without its ack
+            self.results.notify()
+            self.changes.notify()
+            ms.reset("dropped")
+            return
+        await original(self, s, ms, gauge)
+
+    monkeypatch.setattr(Reducer, "_send_results_to", resetting)
+    rng = np.random.default_rng(5)
+    trees = [make_tree(rng, SHAPES) for _ in range(4)]
+    outcome, _, got = run_round(["node"] * 4, trees, [1.0] * 4, config=VERIFY)
+    assert got == names
+    honest = _results([outcome[0], outcome[2], outcome[3]])
+    assert honest[1].vector.tobytes() == honest[0].vector.tobytes()
+    vecs = [flatten(t)[0] for t in trees]
+    for r in honest:
+        share = next(s for s in r.shares if s.owner == names[1])
+        assert share.recomputed and not share.dropped
+        want = np.mean([vecs[names.index(p)] for p in share.contributors], axis=0)
+        np.testing.assert_allclose(
+            r.vector[share.start : share.stop], want[share.start : share.stop], atol=2e-6
+        )
+    assert next(s for s in honest[2].shares if s.owner == names[1]).repaired
+    bits = {r.vector[share.start : share.stop].tobytes() for r in honest}
+    assert len(bits) == 1  # share 1: the same bits on every honest member
