@@ -52,7 +52,8 @@ def bound_claims(members: Sequence[Member], me: str, *, share: float = 0.0) -> l
     """``members`` with every other member's upload and download lowered to the group's lower
     median of that figure (ours kept as they are), and every weight, ours too, to ``CLAIM_CAP``
     times theirs (positive ones) or times ``share`` (an equal share of the target), whichever
-    is larger. Logs each other member it bounds."""
+    is larger. Logs each other member it bounds (at INFO one claiming over ``CLAIM_CAP``
+    times a bound)."""
     up = claim_cap(m.upload_bps for m in members if m.mode != "client") / CLAIM_CAP
     down = claim_cap(m.download_bps for m in members) / CLAIM_CAP
     weight = max(claim_cap(m.weight for m in members if m.sends), CLAIM_CAP * share)
@@ -68,7 +69,13 @@ def bound_claims(members: Sequence[Member], me: str, *, share: float = 0.0) -> l
             weight=min(m.weight, weight),
         )
         if bounded != m:
-            log.info(
+            # A member faster than the median is bounded in every ordinary round (DEBUG);
+            # a claim beyond CLAIM_CAP typical members' is a liar's or a broken peer's (INFO).
+            far = bounded.weight != m.weight or any(
+                was > CLAIM_CAP * now
+                for was, now in ((m.upload_bps, up), (m.download_bps, down))
+            )  # fmt: skip
+            (log.info if far else log.debug)(
                 "member %s claims %.3g B/s up, %.3g B/s down and weight %.3g: counted as "
                 "%.3g, %.3g and %.3g (bounded by the group's medians)",
                 m.peer_id[:8],

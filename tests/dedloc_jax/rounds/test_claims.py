@@ -3,6 +3,8 @@ members' share (the leader bounds them before the load-balancing LP)."""
 
 from __future__ import annotations
 
+import logging
+
 from bench.attacks_progress import LIE_BPS
 from dedloc_jax.averaging.group import FRACTION_GRID, GroupSpec, Member
 from dedloc_jax.progress import CLAIM_CAP
@@ -94,3 +96,22 @@ def test_a_follower_refuses_a_spec_in_which_the_leader_wrote_itself_an_unbounded
     with pytest.raises(LeaderGone):
         joined([liar, *honest])
     assert joined(bounded) is not None
+
+
+def test_an_honest_member_faster_than_the_median_is_bounded_quietly(caplog) -> None:
+    """The demo's trainers on loopback: a mate measured at 7.9e7 B/s up against the median's
+    2.15e7 is bounded in every round, and each round logged it at INFO (15 lines in a 30-epoch
+    run). Only a claim beyond CLAIM_CAP typical members' (a liar's) is INFO."""
+    me = Member("me", "node", 2.15e7, 3.55e7, 48.0)
+    fast = Member("fast", "node", 7.9e7, 7.92e7, 48.0)
+    client = Member("client", "client", 1e7, 5e7, 48.0)
+    with caplog.at_level(logging.DEBUG, logger="dedloc_jax.rounds.claims"):
+        bounded = bound_claims([me, fast, client], me="me")
+    assert bounded[1].upload_bps == 2.15e7  # still bounded
+    assert [r.levelno for r in caplog.records] == [logging.DEBUG]
+    caplog.clear()
+    liar = Member("liar", "node", LIE_BPS, LIE_BPS, 48.0)
+    with caplog.at_level(logging.DEBUG, logger="dedloc_jax.rounds.claims"):
+        bound_claims([me, liar, client], me="me")
+    assert [r.levelno for r in caplog.records] == [logging.INFO]
+    assert "liar" in caplog.records[0].getMessage()
