@@ -48,10 +48,11 @@ class GoneDonors:
         self.hold = hold
         self._gone: dict[str, tuple[int, bytes, float]] = {}
 
-    def drop(self, peer: PeerID | str, epoch: int, digest: bytes) -> None:
-        if str(peer) not in self._gone:
-            log.info("donor %s is unreachable: not asking it again until it announces anew",
-                     str(peer)[:8])  # fmt: skip
+    def drop(self, peer: PeerID | str, epoch: int, digest: bytes, why: str = "failed") -> None:
+        """Drop ``peer``'s offer of (``epoch``, ``digest``); said once (INFO) per peer."""
+        (log.debug if str(peer) in self._gone else log.info)(
+            "donor %s %s; not asked again until it announces another state", str(peer)[:8], why
+        )
         self._gone[str(peer)] = (epoch, digest, trio.current_time() + self.hold())
 
     def offers(self, announced: Iterable[Announcement]) -> list[Announcement]:
@@ -63,6 +64,16 @@ class GoneDonors:
             for a in announced
             if self._gone.get(str(a.peer), (None, None))[:2] != (a.epoch, a.digest)
         ]
+
+
+def _failed(
+    gone: GoneDonors | None, donor: PeerID | str, offer: tuple[int, bytes], why: str
+) -> None:
+    """A donor's network failure: dropped into ``gone`` (which says so), or logged."""
+    if gone is None:
+        log.info("donor %s %s", donor, why)
+    else:
+        gone.drop(donor, *offer, why)
 
 
 async def find_donors(
@@ -273,9 +284,7 @@ async def _latest_manifests(
             wire = await node.call(donor, MANIFEST, {"latest": True}, timeout=request_timeout)
             manifest = StateManifest.from_wire(wire)
         except P2PError as e:
-            log.debug("donor %s gave no current manifest: %s", donor, e)
-            if gone is not None:
-                gone.drop(donor, *offer)
+            _failed(gone, donor, offer, f"gave no current manifest: {e}")
             continue
         except StateError as e:
             log.info("donor %s gave no current manifest: %s", donor, e)
@@ -367,9 +376,7 @@ async def _announced_manifest(
             wire = await node.call(donor, MANIFEST, {"digest": digest}, timeout=request_timeout)
             candidate = StateManifest.from_wire(wire)
         except P2PError as e:
-            log.debug("donor %s gave no manifest: %s", donor, e)
-            if gone is not None:
-                gone.drop(donor, epoch, digest)
+            _failed(gone, donor, (epoch, digest), f"gave no manifest: {e}")
             continue
         except StateError as e:
             log.info("donor %s gave no manifest: %s", donor, e)
@@ -417,6 +424,7 @@ async def _fetch_chunks(
     """The state's arrays, its chunks spread over ``donors`` and a failed donor's re-planned
     over the others; and how many donors it came from."""
     request = {"digest": manifest.digest}
+    offer = (manifest.epoch, manifest.digest)
     assembler = StateAssembler(manifest)
     live = list(donors)
     used: set[PeerID] = set()
@@ -435,11 +443,13 @@ async def _fetch_chunks(
                     )
                     assembler.add(i, data)
                     used.add(pid)
-                except (P2PError, StateError) as e:
+                except P2PError as e:
+                    _failed(gone, donor, offer, f"failed on chunk {i}: {e}")
+                    failed.add(donor)
+                    return
+                except StateError as e:
                     log.info("donor %s failed on chunk %d: %s", donor, i, e)
                     failed.add(donor)
-                    if gone is not None and isinstance(e, P2PError):
-                        gone.drop(donor, manifest.epoch, manifest.digest)
                     return
 
         async with trio.open_nursery() as nursery:
