@@ -48,11 +48,17 @@ from dedloc_jax.progress import CLAIM_CAP, claim_cap
 log = logging.getLogger(__name__)
 
 
+IMPLAUSIBLE_LINKS = 1000.0
+"""A link claim this many times the group's lower median is no honest spread (fibre against a
+1 Mbit/s line is 1000x; measured loopback figures differ up to 8x): logged at INFO."""
+
+
 def bound_claims(members: Sequence[Member], me: str, *, share: float = 0.0) -> list[Member]:
     """``members`` with every other member's upload and download lowered to the group's lower
     median of that figure (ours kept as they are), and every weight, ours too, to ``CLAIM_CAP``
     times theirs (positive ones) or times ``share`` (an equal share of the target), whichever
-    is larger. Logs each other member it bounds."""
+    is larger. Logs each other member it bounds (at INFO a bounded weight or a link claim over
+    :data:`IMPLAUSIBLE_LINKS` times its bound)."""
     up = claim_cap(m.upload_bps for m in members if m.mode != "client") / CLAIM_CAP
     down = claim_cap(m.download_bps for m in members) / CLAIM_CAP
     weight = max(claim_cap(m.weight for m in members if m.sends), CLAIM_CAP * share)
@@ -68,7 +74,13 @@ def bound_claims(members: Sequence[Member], me: str, *, share: float = 0.0) -> l
             weight=min(m.weight, weight),
         )
         if bounded != m:
-            log.info(
+            # A member faster than the median is bounded in every ordinary round (DEBUG); a
+            # bounded weight or an implausible link claim is a liar's or a broken peer's (INFO).
+            far = bounded.weight != m.weight or any(
+                was > IMPLAUSIBLE_LINKS * now
+                for was, now in ((m.upload_bps, up), (m.download_bps, down))
+            )  # fmt: skip
+            (log.info if far else log.debug)(
                 "member %s claims %.3g B/s up, %.3g B/s down and weight %.3g: counted as "
                 "%.3g, %.3g and %.3g (bounded by the group's medians)",
                 m.peer_id[:8],

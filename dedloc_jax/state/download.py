@@ -9,7 +9,7 @@ lies, re-plans its chunks over the remaining donors.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace
 
 import numpy as np
@@ -36,18 +36,60 @@ class StaleStateError(StateSyncError):
     downloaded, and the peer's own state and epoch stand)."""
 
 
+class GoneDonors:
+    """Offers whose donor failed a download (unreachable, or broke off): such an offer is no
+    offer, nor a vote in the choice of the state to download, until its peer announces another
+    state or ``hold`` seconds pass (an announcement's lifetime: a peer gone for good has its
+    offer lapse meanwhile, one that failed once is asked again then). A leaver's offer lives
+    in the DHT and the progress table until it lapses: a newcomer behind it must not dial it
+    again each time it looks for a newer state."""
+
+    def __init__(self, hold: Callable[[], float]) -> None:
+        self.hold = hold
+        self._gone: dict[str, tuple[int, bytes, float]] = {}
+
+    def drop(self, peer: PeerID | str, epoch: int, digest: bytes, why: str = "failed") -> None:
+        """Drop ``peer``'s offer of (``epoch``, ``digest``); said once (INFO) per peer."""
+        (log.debug if str(peer) in self._gone else log.info)(
+            "donor %s %s; not asked again until it announces another state", str(peer)[:8], why
+        )
+        self._gone[str(peer)] = (epoch, digest, trio.current_time() + self.hold())
+
+    def offers(self, announced: Iterable[Announcement]) -> list[Announcement]:
+        """``announced`` less the offers dropped."""
+        now = trio.current_time()
+        self._gone = {p: g for p, g in self._gone.items() if g[2] > now}
+        return [
+            a
+            for a in announced
+            if self._gone.get(str(a.peer), (None, None))[:2] != (a.epoch, a.digest)
+        ]
+
+
+def _failed(
+    gone: GoneDonors | None, donor: PeerID | str, offer: tuple[int, bytes], why: str
+) -> None:
+    """A donor's network failure: dropped into ``gone`` (which says so), or logged."""
+    if gone is None:
+        log.info("donor %s %s", donor, why)
+    else:
+        gone.drop(donor, *offer, why)
+
+
 async def find_donors(
     node: Node,
     dht: RunDHT,
     run_id: str,
     extra: Sequence[Announcement] = (),
     book: VouchBook | None = None,
+    gone: GoneDonors | None = None,
 ) -> tuple[int, bytes, list[PeerID]] | None:
     """The state to download: (epoch, digest, donors), or None. :func:`fork_choice` over
     every announcement, and over ``extra`` (the states the progress table names, which the
     fork checks count: the state key's reads miss some peers, and a choice from it alone may
     name a lineage the next fork check rejects). Per peer, its newest one counts. ``book``
-    keeps the vouches the read proves (the progress table's states are marked by it)."""
+    keeps the vouches the read proves (the progress table's states are marked by it);
+    ``gone``: the offers of donors that failed us, left out."""
     newest = await _newest(node, dht, run_id, extra, book)
     if book is not None and book.orphaned(newest.values()):
         if not await _reach_any(node, book):
@@ -71,11 +113,12 @@ async def find_donors(
             )
             book.orphan_warned = True
             return None
-    chosen = fork_choice(list(newest.values()))
+    offers = list(newest.values()) if gone is None else gone.offers(newest.values())
+    chosen = fork_choice(offers)
     if chosen is None:
         return None
     donors = []
-    for a in newest.values():
+    for a in offers:
         if (a.epoch, a.digest) == chosen and str(a.peer) != str(node.peer_id):  # (ours: held)
             try:
                 donors.append(a.peer if isinstance(a.peer, PeerID) else PeerID.from_base58(a.peer))
@@ -207,13 +250,13 @@ async def _reach_any(node: Node, book: VouchBook) -> bool:
 
 
 async def _offers(
-    node: Node, dht: RunDHT, run_id: str, *, whole: bool = False
-) -> dict[tuple[int, bytes], list[PeerID]]:
-    """Every announced state: (epoch, digest) -> the peers announcing it (not this one)."""
-    offers: dict[tuple[int, bytes], list[PeerID]] = {}
-    for a in await read_announcements(node, dht, run_id, whole=whole):
-        offers.setdefault((a.epoch, a.digest), []).append(a.peer)
-    return offers
+    node: Node, dht: RunDHT, run_id: str, gone: GoneDonors | None
+) -> dict[PeerID, tuple[int, bytes]]:
+    """Every announced state (not this peer's, nor one dropped in ``gone``): peer -> its
+    (epoch, digest)."""
+    announced = await read_announcements(node, dht, run_id)
+    offers = announced if gone is None else gone.offers(announced)
+    return {a.peer: (a.epoch, a.digest) for a in offers if isinstance(a.peer, PeerID)}
 
 
 def plan_downloads(missing: Sequence[int], donors: Sequence[str]) -> dict[str, list[int]]:
@@ -227,15 +270,23 @@ def plan_downloads(missing: Sequence[int], donors: Sequence[str]) -> dict[str, l
 
 
 async def _latest_manifests(
-    node: Node, donors: list[PeerID], min_epoch: int, request_timeout: float
+    node: Node,
+    donors: dict[PeerID, tuple[int, bytes]],
+    min_epoch: int,
+    request_timeout: float,
+    gone: GoneDonors | None,
 ) -> tuple[StateManifest | None, list[PeerID]]:
-    """Each donor's current manifest; the newest digest held by the most donors."""
+    """Each donor's current manifest (``donors``: each one's offer); the newest digest held
+    by the most donors."""
     held: dict[bytes, tuple[StateManifest, list[PeerID]]] = {}
-    for donor in donors:
+    for donor, offer in donors.items():
         try:
             wire = await node.call(donor, MANIFEST, {"latest": True}, timeout=request_timeout)
             manifest = StateManifest.from_wire(wire)
-        except (P2PError, StateError) as e:
+        except P2PError as e:
+            _failed(gone, donor, offer, f"gave no current manifest: {e}")
+            continue
+        except StateError as e:
             log.info("donor %s gave no current manifest: %s", donor, e)
             continue
         if manifest.epoch >= min_epoch:
@@ -272,13 +323,15 @@ async def download_manifest_state(
     book: VouchBook | None = None,
     min_epoch: int | None = None,
     local: Callable[[bytes], tuple[StateManifest, list[np.ndarray]] | None] | None = None,
+    gone: GoneDonors | None = None,
 ) -> tuple[StateManifest, list[np.ndarray], int]:
     """:func:`download_state`, with the downloaded state's manifest instead of its epoch;
     ``extra``, ``book``: more announcements to choose from (see :func:`find_donors`); ``min_epoch``:
     raise :class:`StaleStateError` instead of downloading an older state; ``local``: the
     state of a digest if we hold it (:meth:`StateServer.held`), which then comes from no donor
     (0 donors used): a peer whose round missed part of the epoch asks for the state most
-    peers hold, and that is often its own."""
+    peers hold, and that is often its own; ``gone``: the offers of donors that failed us,
+    which this download leaves out and adds to."""
 
     def check_new_enough(epoch: int) -> None:
         if min_epoch is not None and epoch < min_epoch:
@@ -287,7 +340,7 @@ async def download_manifest_state(
             )
 
     with trio.move_on_after(timeout) as scope:
-        found = await find_donors(node, dht, run_id, extra, book)
+        found = await find_donors(node, dht, run_id, extra, book, gone)
         if found is None:
             raise StateSyncError("no peer announces a state")
         epoch, digest, donors = found
@@ -295,13 +348,13 @@ async def download_manifest_state(
         held = local(digest) if local is not None else None
         if held is not None:
             return held[0], held[1], 0
-        manifest = await _announced_manifest(node, donors, digest, request_timeout)
+        manifest = await _announced_manifest(node, donors, epoch, digest, request_timeout, gone)
         if manifest is None:
             manifest, donors = await _current_manifest(
-                node, dht, run_id, donors, epoch, request_timeout
+                node, dht, run_id, donors, epoch, digest, request_timeout, gone
             )
             check_new_enough(manifest.epoch)
-        arrays, used = await _fetch_chunks(node, manifest, donors, request_timeout)
+        arrays, used = await _fetch_chunks(node, manifest, donors, request_timeout, gone)
         _check_finite(manifest, arrays, used)
         return manifest, arrays, used
     assert scope.cancelled_caught
@@ -309,14 +362,23 @@ async def download_manifest_state(
 
 
 async def _announced_manifest(
-    node: Node, donors: Sequence[PeerID], digest: bytes, request_timeout: float
+    node: Node,
+    donors: Sequence[PeerID],
+    epoch: int,
+    digest: bytes,
+    request_timeout: float,
+    gone: GoneDonors | None,
 ) -> StateManifest | None:
-    """The manifest of the announced ``digest`` from the first donor that serves it."""
+    """The manifest of the announced ``digest`` (of ``epoch``) from the first donor that
+    serves it."""
     for donor in donors:
         try:
             wire = await node.call(donor, MANIFEST, {"digest": digest}, timeout=request_timeout)
             candidate = StateManifest.from_wire(wire)
-        except (P2PError, StateError) as e:
+        except P2PError as e:
+            _failed(gone, donor, (epoch, digest), f"gave no manifest: {e}")
+            continue
+        except StateError as e:
             log.info("donor %s gave no manifest: %s", donor, e)
             continue
         if candidate.digest == digest:
@@ -331,30 +393,38 @@ async def _current_manifest(
     run_id: str,
     donors: Sequence[PeerID],
     epoch: int,
+    digest: bytes,
     request_timeout: float,
+    gone: GoneDonors | None,
 ) -> tuple[StateManifest, list[PeerID]]:
     """When no donor serves the state it announced, the newest state the peers hold now and
     who serves it."""
     # The announcements we read were stale (e.g. from a cache after a partition): ask
     # the donors what they hold now and take the newest state most of them agree on.
-    manifest, serving = await _latest_manifests(node, donors, epoch, request_timeout)
+    offered = {d: (epoch, digest) for d in donors}
+    manifest, serving = await _latest_manifests(node, offered, epoch, request_timeout, gone)
     if manifest is None:
         # The newest state's donors are gone (e.g. killed before their announcement
         # expired): take the newest state that any other announcing peer holds now.
-        others = await _offers(node, dht, run_id)
-        rest = sorted({d for ds in others.values() for d in ds} - set(donors))
-        manifest, serving = await _latest_manifests(node, rest, 0, request_timeout)
+        others = await _offers(node, dht, run_id, gone)
+        rest = {d: others[d] for d in sorted(others, key=str) if d not in offered}
+        manifest, serving = await _latest_manifests(node, rest, 0, request_timeout, gone)
     if manifest is None:
         raise StateSyncError("no donor served a manifest matching its announcement")
     return manifest, serving
 
 
 async def _fetch_chunks(
-    node: Node, manifest: StateManifest, donors: Sequence[PeerID], request_timeout: float
+    node: Node,
+    manifest: StateManifest,
+    donors: Sequence[PeerID],
+    request_timeout: float,
+    gone: GoneDonors | None,
 ) -> tuple[list[np.ndarray], int]:
     """The state's arrays, its chunks spread over ``donors`` and a failed donor's re-planned
     over the others; and how many donors it came from."""
     request = {"digest": manifest.digest}
+    offer = (manifest.epoch, manifest.digest)
     assembler = StateAssembler(manifest)
     live = list(donors)
     used: set[PeerID] = set()
@@ -373,7 +443,11 @@ async def _fetch_chunks(
                     )
                     assembler.add(i, data)
                     used.add(pid)
-                except (P2PError, StateError) as e:
+                except P2PError as e:
+                    _failed(gone, donor, offer, f"failed on chunk {i}: {e}")
+                    failed.add(donor)
+                    return
+                except StateError as e:
                     log.info("donor %s failed on chunk %d: %s", donor, i, e)
                     failed.add(donor)
                     return

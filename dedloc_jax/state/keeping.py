@@ -172,7 +172,8 @@ class StepKeeper:
             yield Serve()
             self._suspect = not obs.complete and obs.others_train
             if self._suspect:
-                log.warning(
+                # (the round already warned, naming why: one event, one WARNING)
+                log.info(
                     "epoch %d: stepped without the whole collaboration; checking our lineage",
                     obs.epoch,
                 )

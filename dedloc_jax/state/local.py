@@ -12,6 +12,7 @@ import trio
 
 from dedloc_jax.run_dht import RunDHT
 from dedloc_jax.state.download import (
+    GoneDonors,
     ask_cofounders,
     ask_roots,
     download_manifest_state,
@@ -72,6 +73,7 @@ class LocalState:
         self.book = book
         self.rpc_timeout = rpc_timeout
         self.renew_every = renew_every  # after an announcement that renewed nothing
+        self.gone = GoneDonors(lambda: server.ttl())  # offers of donors that failed us
 
     async def share(self, arrays: Sequence[np.ndarray], epoch: int) -> None:
         manifest = self.server.set_state(arrays, epoch)
@@ -99,6 +101,7 @@ class LocalState:
             min_epoch=min_epoch,
             local=self.server.held,
             book=self.book,
+            gone=self.gone,
         )
         epoch = manifest.epoch
         self.server.hold(manifest, arrays, ancestry_of(self.table_states(), epoch, manifest.digest))
@@ -114,7 +117,7 @@ class LocalState:
         one): whether a download would bring anything newer, for one DHT read. The tracker's
         epoch alone cannot tell: after a healed partition, the side that lost may be ahead."""
         found = await find_donors(
-            self.node, self.dht, self.run_id, self.counted_states(), self.book
+            self.node, self.dht, self.run_id, self.counted_states(), self.book, self.gone
         )
         return None if found is None else found[0]
 

@@ -877,7 +877,7 @@ def _run_peer(args: argparse.Namespace, argv: list[str] | None) -> int:
 
             try:
                 prepared, _ = manifest.load(args.manifest)
-                manifest.check(prepared, cfg, explicit - {"--tokenizer"})
+                manifest.check(prepared, cfg, explicit)
             except manifest.ManifestError as e:
                 print(f"coordinator: {e}", file=sys.stderr)
                 return 2

@@ -606,7 +606,8 @@ def check(manifest: RunManifest, cfg: TrainerConfig, explicit: set[str]) -> None
         if flag in explicit and given != wanted:
             raise ManifestMismatch(flag, given, wanted)
     if "--tokenizer" in explicit and cfg.tokenizer:
-        path = Path(cfg.tokenizer) / TOKENIZER_FILE
+        given = Path(cfg.tokenizer)  # a saved tokenizer's directory, or its tokenizer.json
+        path = given if given.is_file() else given / TOKENIZER_FILE
         got = sha256_file(path) if path.is_file() else "(none)"
         if got != manifest.tokenizer_sha256:
             raise ManifestMismatch(

@@ -481,6 +481,12 @@ def _linger(collab: Any, epoch: int, seconds: float, tally: _Tally) -> tuple[int
     never can. The coordinator's checkpoint (epoch, path), or None when it did not come."""
     if seconds <= 0:
         return None
+    # We average no more: our progress record says so at once (the state stays served), or
+    # the peers that train on expect us in their next round and step without us, warning.
+    try:
+        collab.run_async(lambda core: core.leave())
+    except RuntimeError as e:
+        log.debug("could not tell the run we average no more: %s", e)
     log.info("serving epoch %d until the coordinator saved it (at most %.0f s)", epoch, seconds)
     start = time.monotonic()
     saved = None

@@ -126,6 +126,38 @@ def test_the_manifest_names_the_run_for_every_role(run) -> None:
     )
 
 
+def test_the_coordinator_refuses_a_tokenizer_the_manifest_does_not_name(
+    run, monkeypatch, capsys
+) -> None:
+    """`coordinator --manifest RUN --tokenizer X` trained and published RUN's tokenizer and
+    never looked at X: one that is not the manifest's is refused naming both digests, the
+    manifest's own (its directory or its file) is taken."""
+    from examples.sahajbert import __main__ as cli
+    from examples.sahajbert import coordinator
+    from models.text.sources import read_local_documents
+    from models.text.tokenizer import train_tokenizer
+
+    other_tok = run["tmp"] / "coord-other-tok"
+    other = run["tmp"] / "coord-other.txt"
+    write_corpus(other, 50, seed=6)
+    train_tokenizer(read_local_documents(other), 400, other_tok)
+    started: list = []
+    monkeypatch.setattr(coordinator, "run_coordinator", lambda cfg, net, opts: started.append(1))
+    base = ["coordinator", "--manifest", str(run["run_dir"]), "--out", str(run["tmp"] / "o-tok"),
+            "--work-dir", str(run["tmp"] / "organiser")]  # fmt: skip
+    assert cli.main([*base, "--tokenizer", str(other_tok)]) == 2
+    err = capsys.readouterr().err
+    prepared, _ = manifest.load(run["run_dir"])
+    assert "--tokenizer" in err and "contradicts the run's manifest" in err, err
+    assert _sha(other_tok / "tokenizer.json")[:16] in err, err
+    assert prepared.tokenizer_sha256[:16] in err, err
+    assert started == []
+    own = run["run_dir"] / "tokenizer"
+    assert cli.main([*base, "--tokenizer", str(own)]) == 0
+    assert cli.main([*base, "--tokenizer", str(own / "tokenizer.json")]) == 0
+    assert started == [1, 1]
+
+
 @pytest.mark.slow
 def test_a_trainer_with_no_data_flags_trains_on_the_manifests_data_and_vocabulary(run) -> None:
     _volunteers_train_on_the_manifest(run, 1, "one")

@@ -125,6 +125,7 @@ class _StoppedCollab:
 
     def __init__(self, run_epoch: int) -> None:
         self.stored: list[dict] = []
+        self.left = False  # told the run it averages no more
         self.estimate = CollaborationEstimate(
             epoch=run_epoch, samples=0.0, samples_per_second=0.0, eta=0.0, num_peers=2,
             num_clients=0, target=96,
@@ -156,6 +157,9 @@ class _StoppedCollab:
         class Core:
             run_id, dht = "run", DHT()
 
+            async def leave(self) -> None:
+                outer.left = True
+
         return trio.run(fn, Core(), *args)
 
 
@@ -179,6 +183,9 @@ def test_a_stopped_trainer_says_what_it_waited_for_and_why_it_left(caplog) -> No
     assert collab.stored, "the record saying it stopped was not republished"
     record = metrics.PeerMetrics.from_record("peerA", collab.stored[-1])
     assert (record.stopped, record.samples_per_second) == (3, 0.0)  # stopped: computes nothing
+    # A peer that trains on expected it in its next round, waited 10 s and warned that it
+    # "stepped without the whole collaboration": its progress record says it left.
+    assert collab.left
     # a volunteer leaving a run that goes on: its state is no run's last copy, it just leaves
     caplog.clear()
     with caplog.at_level("INFO", logger="examples.sahajbert.trainer"):

@@ -3,6 +3,8 @@ members' share (the leader bounds them before the load-balancing LP)."""
 
 from __future__ import annotations
 
+import logging
+
 from bench.attacks_progress import LIE_BPS
 from dedloc_jax.averaging.group import FRACTION_GRID, GroupSpec, Member
 from dedloc_jax.progress import CLAIM_CAP
@@ -94,3 +96,28 @@ def test_a_follower_refuses_a_spec_in_which_the_leader_wrote_itself_an_unbounded
     with pytest.raises(LeaderGone):
         joined([liar, *honest])
     assert joined(bounded) is not None
+
+
+def test_an_honest_member_faster_than_the_median_is_bounded_quietly(caplog) -> None:
+    """Trainers on loopback: a mate measured at 7.9e7 B/s up against the median's 2.15e7, or
+    1.54e8 down against 2.02e7, is bounded in every round, and each round logged it at INFO
+    (15 and 18 lines in 30-epoch runs). Only a bounded weight or an implausible link claim
+    (a liar's) is INFO."""
+    me = Member("me", "node", 2.15e7, 2.02e7, 48.0)
+    fast = Member("fast", "node", 7.9e7, 1.54e8, 48.0)
+    client = Member("client", "client", 1e7, 5e7, 48.0)
+    with caplog.at_level(logging.DEBUG, logger="dedloc_jax.rounds.claims"):
+        bounded = bound_claims([me, fast], me="me")
+    assert bounded[1].upload_bps == 2.15e7  # still bounded
+    assert [r.levelno for r in caplog.records] == [logging.DEBUG]
+    caplog.clear()
+    liar = Member("liar", "node", LIE_BPS, LIE_BPS, 48.0)
+    with caplog.at_level(logging.DEBUG, logger="dedloc_jax.rounds.claims"):
+        bound_claims([me, liar, client], me="me")
+    assert [r.levelno for r in caplog.records] == [logging.INFO]
+    assert "liar" in caplog.records[0].getMessage()
+    caplog.clear()
+    heavy = Member("heavy", "node", 2e7, 2e7, 48.0 * 100)  # weighs 100 typical members
+    with caplog.at_level(logging.DEBUG, logger="dedloc_jax.rounds.claims"):
+        bound_claims([me, heavy, client], me="me")
+    assert [r.levelno for r in caplog.records if "heavy" in r.getMessage()] == [logging.INFO]

@@ -77,6 +77,21 @@ def test_after_a_step_it_serves_then_checks_an_epoch_too_short_to_have_been_chec
     assert not keeper.checked and keeper.loads == 0
 
 
+def test_a_lone_step_is_one_warning_the_rounds_not_the_keepers_too(caplog) -> None:
+    """A mate killed -9: its record lives on (60-90 s), and each epoch the round warns that it
+    stepped without the whole collaboration, naming why. The keeper repeated it, a second
+    WARNING per epoch (32 in 30 s of a README volunteer run); what it does next is INFO."""
+    import logging
+
+    keeper = StepKeeper()
+    _requests(keeper, _obs(now=0.0), [])
+    with caplog.at_level(logging.INFO, logger="dedloc_jax.state.keeping"):
+        _requests(keeper, _obs(now=2.0, epoch=1, complete=False), [None, None])
+    said = [(r.levelno, r.getMessage()) for r in caplog.records]
+    assert said == [(logging.INFO, "epoch 1: stepped without the whole collaboration; "
+                                   "checking our lineage")]  # fmt: skip
+
+
 def test_after_a_lone_step_it_waits_for_a_verdict_without_blocking_then_loads() -> None:
     """A step without the whole collaboration while others train: serve ours, and ask the
     fork check at once and every fork_poll seconds while it cannot tell (the others still
