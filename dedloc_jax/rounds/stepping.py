@@ -51,18 +51,15 @@ class Stepper:
         """The longest poll that we and each ``expected`` peer announce (seconds between
         checks inside a micro-step whether to average: :attr:`PeerProgress.poll`), None when
         one of us announces none or has no record (aux peers compute no micro-steps: they
-        do not count), or has not averaged with the run yet (a newcomer is not waited for,
-        and an eager gathering that closes at its first read plans without one that
-        registers a moment later: the newcomer's own plan then disagrees with the others').
-        The claim is untrusted: a peer that announces a poll and checks only between long
-        micro-steps notices the target late and loses its own place, nobody else's; a
-        record that announces none costs the rounds that expect it their speed only."""
+        do not count). The claim is untrusted: a peer that announces a poll and checks only
+        between long micro-steps notices the target late and loses its own place in the
+        round, nobody else's."""
         tracker = self.tracker
         polls = [tracker.poll]
         for peer in expected:
             record = tracker.records.get(peer) if peer != tracker.peer_id else None
             if peer != tracker.peer_id and (record is None or record.mode != "aux"):
-                polls.append(None if record is None or not tracker.proven(peer) else record.poll)
+                polls.append(None if record is None else record.poll)
         return None if None in polls else max(p for p in polls if p is not None)
 
     def deadlines(self, est: CollaborationEstimate, expected: Iterable[str] = ()) -> Deadlines:

@@ -45,8 +45,7 @@ def test_peers_that_check_mid_step_get_a_window_of_their_poll_not_the_slowest_st
     whether to average announce their poll (``PeerProgress.poll``); when we and every peer
     the round expects do, all notice the target a poll apart: the window counts the longest
     poll, and the matchmaking is eager. A peer that does not announce one (it looks between
-    micro-steps only) keeps the old window: it would register up to a micro-step late; so
-    does a newcomer until it averaged with the run."""
+    micro-steps only) keeps the old window: it would register up to a micro-step late."""
     from dedloc_jax.config import CollaborationConfig, RoundConfig
     from dedloc_jax.progress import PeerProgress
     from dedloc_jax.rounds.stepping import Stepper
@@ -54,10 +53,7 @@ def test_peers_that_check_mid_step_get_a_window_of_their_poll_not_the_slowest_st
     def record(poll: float | None, mode: str = "node") -> PeerProgress:
         return PeerProgress("x", 3, 8, 1.0, 0.0, mode, poll=poll)
 
-    newcomers = {"n"}  # never averaged with the run
-    tracker = SimpleNamespace(
-        dht_latency=0.05, poll=None, peer_id="me", records={}, proven=lambda p: p not in newcomers
-    )
+    tracker = SimpleNamespace(dht_latency=0.05, poll=None, peer_id="me", records={})
     est = SimpleNamespace(max_step_interval=4.0)
     config = CollaborationConfig(target_batch_size=4096)
     refresh = config.progress.min_refresh
@@ -76,10 +72,6 @@ def test_peers_that_check_mid_step_get_a_window_of_their_poll_not_the_slowest_st
     assert quick.eager and quick.window == matchmaking_window(refresh, 0.05, 0.5) < old / 2
     tracker.records["c"] = record(None, mode="aux")  # computes no micro-steps: not counted
     assert deadlines(("a", "b", "c")) == quick
-    tracker.records["n"] = record(0.25)  # a newcomer: not waited for, so not hurried either
-    assert deadlines(("a", "b", "n")).window == old and not deadlines(("a", "b", "n")).eager
-    newcomers.clear()  # it averaged with the run
-    assert deadlines(("a", "b", "n")) == quick
     tracker.poll = None  # we ourselves look between micro-steps only
     assert deadlines().window == old and not deadlines().eager
     # a run whose micro-steps are shorter than the poll keeps their spread

@@ -30,9 +30,6 @@ def test_the_round_begins_while_the_waiting_record_is_stored(others_poll: float 
         peer_id = "me"
         poll = 0.25  # we check mid-step (the default poll)
 
-        def proven(self, peer: str) -> bool:  # (p1 averaged with the run)
-            return True
-
         def current_estimate(self) -> SimpleNamespace:
             return SimpleNamespace(max_step_interval=0.25, samples=8.0)
 
