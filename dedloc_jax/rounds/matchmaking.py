@@ -329,8 +329,7 @@ class Matchmaker:
     be reached (:func:`drop_unreachable`) and reads the registrations as it begins, and the
     next epoch's key is looked up ahead. Not otherwise: a peer that looks only between
     micro-steps registers up to a micro-step after the others, and a gathering that closes
-    at its first read, once every expected peer is in, leaves out a newcomer a little later
-    (docs/decisions.md)."""
+    at its first read would plan without it."""
 
     def __init__(
         self,
