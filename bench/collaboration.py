@@ -17,9 +17,10 @@ one step late; ``--mode blocking`` stops computing while matchmaking and averagi
 ``--mode both`` runs both on the same peers, links and churn, one after the other. Blocking
 peers average mid-micro-step, as :func:`dedloc_jax.collaborative` does (its hand-over,
 :mod:`dedloc_jax.handover`): once half the ETA falls inside a micro-step they check every
-0.25 s whether to average (``RoundConfig.mid_step_poll``, ``CollaborationPeer.due``), deciding
-on whole micro-steps; when due, they average what they hold, and the micro-step in flight goes
-on through the round and counts toward the next epoch. ``--no-mid-step``: they average only at
+0.25 s whether to average (``RoundConfig.poll``, the default; ``CollaborationPeer.due``),
+deciding on whole micro-steps, and announce it in their progress records, so that their rounds
+matchmake eagerly; when due, they average what they hold, and the micro-step in flight goes on
+through the round and counts toward the next epoch. ``--no-mid-step``: they average only at
 the end of a micro-step (``collaborative(..., mid_step=False)``).
 
 ``--mode diloco`` compares traffic with low-communication training (:func:`dedloc_jax.diloco`):
@@ -90,7 +91,13 @@ import trio
 from dedloc_jax.averaging import AllReduceConfig, Member, solve_shares
 from dedloc_jax.averaging.bandwidth import UNMEASURED_DOWNLOAD_BPS, UNMEASURED_UPLOAD_BPS
 from dedloc_jax.averaging.leaf_codecs import COMPRESSIONS, POLICIES, LeafCodecs
-from dedloc_jax.config import CollaborationConfig, LinkConfig, ProgressConfig, RoundConfig
+from dedloc_jax.config import (
+    MID_STEP_POLL,
+    CollaborationConfig,
+    LinkConfig,
+    ProgressConfig,
+    RoundConfig,
+)
 from dedloc_jax.opening import open_collaboration
 from dedloc_jax.peer import CollaborationPeer
 from dedloc_jax.powersgd import PowerSGD, initial_q
@@ -195,6 +202,7 @@ async def _peer(
     done: trio.Event,
     ending: trio.Event,
     overlap: bool,
+    poll: float | None,
     scale: int,
     nodes: list[tuple[Node, Traffic]],
 ) -> None:
@@ -234,7 +242,7 @@ async def _peer(
             # The collaboration probes its links itself (config.links.measure), with the
             # config's scaled probe_bytes: a second prober here sent unscaled 4 MB probes
             # beside it, which took 20-50 s on the slowed links and kept partners busy.
-            await _train(core, stats, vector, micro, epochs, done, ending, overlap)
+            await _train(core, stats, vector, micro, epochs, done, ending, overlap, poll)
         finally:
             stats.links = core.link_keeper.bandwidth()
 
@@ -258,6 +266,7 @@ async def _train(
     done: trio.Event,
     ending: trio.Event,
     overlap: bool,
+    poll: float | None,
 ) -> None:
     """Accumulate micro-batches until the collaboration reaches the target, then average.
 
@@ -272,8 +281,7 @@ async def _train(
     computed = 0.0  # seconds computed toward ``epoch``
     stats.cut_off = 0.0
     in_flight: list[trio.Event] = []  # the round of the previous epoch, while it runs
-    # blocking peers may check inside a micro-step whether to average (RoundConfig)
-    poll = None if overlap else core.config.rounds.mid_step_poll
+    # ``poll``: a blocking peer checks this often inside a micro-step whether to average
 
     async def average(at: int, contributed: int, computed: float, finished: trio.Event) -> None:
         began = trio.current_time()
@@ -338,9 +346,10 @@ async def _train(
         nursery.cancel_scope.cancel()
 
 
-POLL = 0.25
-"""Seconds between a blocking peer's checks, inside one micro-step, whether to average now
-(``RoundConfig.mid_step_poll`` of DeDLOC's blocking runs)."""
+POLL = MID_STEP_POLL
+"""Seconds between a blocking peer's checks, inside one micro-step, whether to average now:
+the library's default (``RoundConfig.poll``: ``mid_step_poll`` is left unset, as a default
+:func:`dedloc_jax.collaborative` peer leaves it)."""
 
 
 async def _due_before(core: CollaborationPeer, epoch: int, end: float, poll: float) -> bool:
@@ -404,8 +413,8 @@ def simulate(
     match_early = getattr(args, "match_early", None)  # None: the config's (off)
     if match_early is not None:  # whether the group is planned ahead of the target
         config = config.replace(rounds=config.rounds.replace(match_early=match_early))
-    if mid_step:
-        config = config.replace(rounds=config.rounds.replace(mid_step_poll=POLL))
+    # (mid-step peers poll at the library's default, RoundConfig.mid_step_poll unset, as a
+    # default collaborative(mid_step=True) peer does; their records announce it)
     # A probe as many seconds of a link as at full scale (4 MB), within a 64 KB floor.
     probe_bytes = max(64 << 10, (4 << 20) // args.payload_scale)
     config = config.replace(links=config.links.replace(probe_bytes=probe_bytes))
@@ -455,6 +464,7 @@ def simulate(
                         done,
                         ending,
                         overlap,
+                        config.rounds.poll if mid_step else None,
                         args.payload_scale,
                         nodes,
                     )
@@ -804,7 +814,7 @@ def main() -> None:
         action=argparse.BooleanOptionalAction,
         default=True,
         help="blocking peers average mid-micro-step when the target lands, as "
-        "dedloc_jax.collaborative does (RoundConfig.mid_step_poll; on by default)",
+        "dedloc_jax.collaborative does (its default poll, announced; on by default)",
     )
     parser.add_argument(
         "--match-early",

@@ -17,6 +17,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import trio
 
+from dedloc_jax.config import MID_STEP_POLL as MID_STEP_POLL  # (its public home was here)
 from dedloc_jax.config import CollaborationConfig
 from dedloc_jax.handover import HandOver
 from dedloc_jax.history import RoundOutcome
@@ -35,11 +36,6 @@ from p2p.node import NodeConfig, announce_addrs, open_node
 from p2p.transport import Transport
 
 log = logging.getLogger(__name__)
-
-
-MID_STEP_POLL = 0.25
-"""Seconds between a handed-over accumulator's checks whether its round is due, when
-``RoundConfig.mid_step_poll`` does not say."""
 
 
 class StepView(NamedTuple):
@@ -387,7 +383,7 @@ class Collaboration:
         thread, core = self._core()
         if self._handed is not None:
             raise RuntimeError("an accumulator is already handed over")
-        poll = self.config.rounds.mid_step_poll or MID_STEP_POLL
+        poll = self.config.rounds.poll
         job = HandOver(
             functools.partial(core.due, epoch),
             functools.partial(core.average, epoch, list(gradients), samples, codec=codec),

@@ -61,6 +61,11 @@ class ProgressConfig(_Group):
             raise ValueError("idle_after must be positive")
 
 
+MID_STEP_POLL = 0.25
+"""Seconds between a peer's checks inside a micro-step whether to average, when
+``RoundConfig.mid_step_poll`` does not say."""
+
+
 @dataclass(frozen=True)
 class RoundConfig(_Group):
     """How averaging groups form and how long a round may take.
@@ -82,10 +87,15 @@ class RoundConfig(_Group):
     # (docs/decisions.md).
     match_early: bool = False
     # Seconds between a peer's checks, inside a micro-step, whether to average now
-    # (CollaborationPeer.due); set when every peer of the run asks it. Peers then notice the
-    # target this far apart, not a whole micro-step: the matchmaking window counts it instead
-    # of the slowest peer's micro-step (rounds/deadlines.py).
+    # (CollaborationPeer.due; MID_STEP_POLL when unset). A peer that checks announces it in
+    # its progress record; when every peer a round expects announces it, they notice the
+    # target a poll apart, not a micro-step, and the round matchmakes quickly (rounds/stepping.py).
     mid_step_poll: float | None = None
+
+    @property
+    def poll(self) -> float:
+        """The seconds between checks inside a micro-step of a peer that makes them."""
+        return self.mid_step_poll or MID_STEP_POLL
 
     def __post_init__(self) -> None:
         if self.max_group_size < 1:

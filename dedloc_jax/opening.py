@@ -182,8 +182,7 @@ def _assemble(
         renew_every=config.progress.ttl / 3,
     )
     slots = Slots()
-    sweeps = config.rounds.mid_step_poll is not None
-    context = context_of(tracker, server.head_at, bans.is_banned, admit, sweeps=sweeps)
+    context = context_of(tracker, server.head_at, bans.is_banned, admit)
     meter = BandwidthMeter(
         upload_override=config.links.upload_bps, download_override=config.links.download_bps
     )
@@ -203,7 +202,6 @@ def _assemble(
         max_group_size=config.rounds.max_group_size,
         context=context,
         slots=slots,
-        eager=sweeps,
     )
     rounds = Averager(
         AveragingService(node, allreduce_config, admit=admit),

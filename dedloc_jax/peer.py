@@ -1,8 +1,7 @@
 """A peer's membership in a collaboration: :class:`CollaborationPeer`, the async (trio) side.
 
 It keeps what it reports, when it is ready to average, its epoch and its mode; its parts
-(progress, state, rounds, links) are built and handed to it by
-:func:`dedloc_jax.opening.open_collaboration`.
+are built and handed to it by :func:`dedloc_jax.opening.open_collaboration`.
 """
 
 from __future__ import annotations
@@ -89,9 +88,10 @@ class CollaborationPeer:
         is in flight (:meth:`average` in a background task); those samples count once the
         round ends, and until then this returns False. ``whole_steps``: decide as :meth:`due`
         does, for a peer that also asks it inside its micro-steps (its mates too may average
-        mid-step, without their micro-steps in flight)."""
+        mid-step, without their micro-steps in flight); its record announces the poll."""
         self.epoch = max(self.epoch, epoch)
-        self.tracker.report(epoch, samples, batch_size)
+        poll = self.config.rounds.poll if whole_steps else None
+        self.tracker.report(epoch, samples, batch_size, poll=poll)
         return self._due(epoch, samples, whole_steps=whole_steps)
 
     def due(self, epoch: int) -> bool:

@@ -48,6 +48,10 @@ class PeerProgress:
     # contribution weighed nothing), so that peers outside its group learn whom to weigh as 0
     # (a quorum of a group's members must agree: dedloc_jax.rounds.claims.reported_void).
     outcome: tuple[int, tuple[str, ...], tuple[str, ...]] | None = None
+    # Seconds between its checks inside a micro-step whether to average (None: it checks
+    # between micro-steps only). An untrusted claim: it only shortens the rounds that expect
+    # it (rounds/stepping.py), so a liar that notices the target late loses its own place.
+    poll: float | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -70,6 +74,10 @@ class PeerProgress:
             raise ValueError(f"target must be an integer in 1..{MAX_TARGET}")
         if self.outcome is not None:
             check_outcome(self.outcome)
+        if self.poll is not None and not (
+            isinstance(self.poll, float) and MIN_POLL <= self.poll <= MAX_POLL
+        ):
+            raise ValueError(f"poll must be a number of seconds in [{MIN_POLL}, {MAX_POLL}]")
 
     def to_record(self) -> dict[str, Any]:
         """The msgpack-able value stored in the DHT (the peer ID is the subkey)."""
@@ -86,6 +94,7 @@ class PeerProgress:
             **({} if self.target is None else {"target": self.target}),
             **({"alone": True} if self.alone else {}),
             **({} if self.outcome is None else {"outcome": _outcome_record(self.outcome)}),
+            **({} if self.poll is None else {"poll": self.poll}),
         }
 
     @classmethod
@@ -134,6 +143,9 @@ class PeerProgress:
             ):
                 raise ValueError("outcome must be [epoch, [senders], [weightless senders]]")
             outcome = (outcome[0], tuple(outcome[1]), tuple(outcome[2]))
+        poll = record.get("poll")
+        if poll is not None and (not isinstance(poll, int | float) or isinstance(poll, bool)):
+            raise ValueError("poll must be a number")
         return cls(
             peer_id,
             epoch,
@@ -148,9 +160,11 @@ class PeerProgress:
             target,
             alone,
             outcome,
+            None if poll is None else float(poll),
         )
 
 
+MIN_POLL, MAX_POLL = 1e-3, 60.0  # seconds between checks inside a micro-step a record names
 MAX_TARGET = 1 << 53  # samples per step a record may name (exact in a float)
 MAX_OUTCOME = 64  # senders a round's outcome names (a group's; larger groups are cut)
 MAX_PEER_CHARS = 64  # characters of a peer ID as text

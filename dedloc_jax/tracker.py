@@ -20,6 +20,8 @@ import trio
 from dedloc_jax.config import CollaborationConfig
 from dedloc_jax.progress import (
     MAX_OUTCOME,
+    MAX_POLL,
+    MIN_POLL,
     CollaborationEstimate,
     PeerProgress,
     ThroughputMeter,
@@ -134,6 +136,7 @@ class ProgressTracker:
         self._stepped_at = -math.inf
         self._through_round = False  # see compute_through_round
         self._sweep = False  # see sweep_next_read
+        self.poll: float | None = None  # announced: see report
         self._rates: dict[str, float] = {}  # each peer's last non-zero published rate
         # Peers whose samples count for nothing: see weighed; the epoch of the newest verdict
         # on each peer we took (ours or a quorum's, see _take_outcomes); and our last verified
@@ -218,10 +221,19 @@ class ProgressTracker:
         )
 
     # --- called by the collaboration (inside the trio loop) -------------------------------
-    def report(self, epoch: int, samples: int, batch_size: int) -> None:
+    def report(
+        self, epoch: int, samples: int, batch_size: int, *, poll: float | None = None
+    ) -> None:
         """Record local progress; wakes the publisher when the peer moves to a new epoch
-        (and on its first report, so that it reads the table at once)."""
+        (and on its first report, so that it reads the table at once). ``poll``: the seconds
+        between this peer's checks inside its micro-steps whether to average (None: it checks
+        between micro-steps only), announced in our record (:attr:`PeerProgress.poll`)."""
         now = trio.current_time()
+        if poll is not None and not MIN_POLL <= poll <= MAX_POLL:
+            poll = None  # (a record cannot name it: announce none)
+        if poll != self.poll:
+            self.poll = poll
+            self._wake.set()
         if self._first_report_at is None:
             self._first_report_at = now
             self._wake.set()
@@ -618,6 +630,7 @@ class ProgressTracker:
             target=self._target,
             alone=not (self.mates[0] == self.epoch and self.mates[1]),
             outcome=self.outcome,
+            poll=self.poll,
         )
 
     def stored_since(self, epoch: int) -> float:

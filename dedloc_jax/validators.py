@@ -27,7 +27,9 @@ from dedloc_jax.progress import (
     MAX_LINEAGE,
     MAX_OUTCOME,
     MAX_PEER_CHARS,
+    MAX_POLL,
     MAX_TARGET,
+    MIN_POLL,
     MODES,
 )
 from dedloc_jax.rounds.wire import MAX_BPS, MAX_STATE_BYTES
@@ -102,8 +104,11 @@ PROGRESS = Struct(
                 ListOf(Str(MAX_PEER_CHARS), max_len=MAX_OUTCOME),
             )
         ),
+        "poll": Float(MIN_POLL, MAX_POLL),
     },
-    optional=frozenset({"interval", "waiting", "state", "averages", "target", "alone", "outcome"}),
+    optional=frozenset(
+        {"interval", "waiting", "state", "averages", "target", "alone", "outcome", "poll"}
+    ),
 )
 """A :class:`~dedloc_jax.progress.PeerProgress` record (``to_record``)."""
 

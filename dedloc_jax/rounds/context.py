@@ -65,7 +65,7 @@ class PeerSide:
     forming: Callable[[int], None] = _ignore
     """A peer of the run asked us whom we follow at an epoch whose round we have not joined:
     its round forms, and our progress table may be stale (``ProgressTracker.sweep_next_read``
-    when we are at that epoch, for peers that decide on whole micro-steps)."""
+    when we are at that epoch and check mid-step whether to average)."""
     admit: Callable[[PeerID, str | None], Awaitable[None]] | None = None
     """Private runs (:mod:`dedloc_jax.access`): raises unless the caller (in that mode) may
     take part; None in an open run."""
@@ -89,6 +89,9 @@ class ProgressTable(Protocol):
 
     def sweep_next_read(self) -> None: ...
 
+    @property
+    def poll(self) -> float | None: ...
+
 
 def _moved_on(table: ProgressTable, peer: str, epoch: int) -> bool:
     record = table.records.get(peer)
@@ -100,7 +103,9 @@ def _epoch_over(table: ProgressTable, epoch: int) -> bool:
 
 
 def _sweep_at(table: ProgressTable, epoch: int) -> None:
-    if table.epoch == epoch:
+    # Only a peer that checks mid-step reads again before its micro-step ends; elsewhere the
+    # sweep only shifts the timings of reads that come at micro-step ends anyway.
+    if table.epoch == epoch and table.poll is not None:
         table.sweep_next_read()
 
 
@@ -109,16 +114,12 @@ def context_of(
     state_of: Callable[[int], bytes | None],
     banned: Callable[[str], bool],
     admit: Callable[[PeerID, str | None], Awaitable[None]] | None,
-    *,
-    sweeps: bool = False,
 ) -> PeerSide:
     """A peer's context: who moved on and whether an epoch is over, from its progress
     ``table``; ``state_of``: its state server's head (peers average only with peers that step
     from the same state, or do not say); ``banned``: its bans; ``admit``: its access guard;
-    whether a peer is proven (averaged with the run) or weightless, from the table too;
-    ``sweeps``: a question about a round we have not joined sweeps the table (peers that
-    decide on whole micro-steps, ``RoundConfig.mid_step_poll``: the library's other paths,
-    which the capped soak covers, keep their reads)."""
+    whether a peer is proven (averaged with the run) or weightless, and whether a question
+    about a round we have not joined sweeps it (when we check mid-step), from the table too."""
     return PeerSide(
         moved_on=functools.partial(_moved_on, table),
         epoch_over=functools.partial(_epoch_over, table),
@@ -126,6 +127,6 @@ def context_of(
         banned=banned,
         proven=table.proven,
         weightless=table.weightless,
-        forming=functools.partial(_sweep_at, table) if sweeps else _ignore,
+        forming=functools.partial(_sweep_at, table),
         admit=admit,
     )

@@ -58,6 +58,11 @@ class Deadlines:
     """The LP's optimal round time for the group (0 before the group is known)."""
     averaging: float = 0.0
     """How long the all-reduce round may take (0 before the group is known)."""
+    eager: bool = False
+    """Every peer the round expects checks mid-step whether to average (each announces it:
+    :meth:`~dedloc_jax.rounds.stepping.Stepper.poll`), so all notice the target a poll apart:
+    the matchmaking asks the missing ones at once and reads without a first poll
+    (:class:`~dedloc_jax.rounds.matchmaking.Matchmaker`)."""
 
     @property
     def max_wait(self) -> float:

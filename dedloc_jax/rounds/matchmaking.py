@@ -323,11 +323,13 @@ class Matchmaker:
     ``context``: what the round reads from its peer (default: a peer that knows nothing);
     ``slots``: the peer's slot records, shared with its :class:`~dedloc_jax.rounds.across.
     AcrossGroups`; ``deadlines``: those of a round that passes none to :meth:`form_group` (a
-    fixed window); ``eager``: the matchmaking of peers that decide on whole micro-steps
-    (``RoundConfig.mid_step_poll``): the gathering asks the expected peers still missing
-    whether they can be reached (:func:`drop_unreachable`) and reads the registrations as it
-    begins, and the next epoch's key is looked up ahead. Off elsewhere: the capped soak's
-    joiners are sensitive to these timings (docs/decisions.md)."""
+    fixed window); ``eager``: every round matchmakes eagerly, not only those whose deadlines
+    say so (``Deadlines.eager``: every peer the round expects checks mid-step whether to
+    average). Eagerly, the gathering asks the expected peers still missing whether they can
+    be reached (:func:`drop_unreachable`) and reads the registrations as it begins, and the
+    next epoch's key is looked up ahead. Not otherwise: a peer that looks only between
+    micro-steps registers up to a micro-step after the others, and a gathering that closes
+    at its first read would plan without it."""
 
     def __init__(
         self,
@@ -372,6 +374,10 @@ class Matchmaker:
         self.deadlines = deadlines
         # Answers to others' joins follow the deadlines of the round this peer began last.
         self._answering = deadlines
+
+    def _eager(self, deadlines: Deadlines) -> bool:
+        """Whether a round with ``deadlines`` matchmakes eagerly (see the class)."""
+        return self.eager or deadlines.eager
 
     def register(self) -> None:
         self.node.add_handler(JOIN, self._handle_join)
@@ -518,12 +524,12 @@ class Matchmaker:
         plan alone is not final (a group of us only, for :meth:`join_group` to plan anew)."""
         expected = {p for p in expected if not self.context.banned(p)}  # nobody waits for them
         unearned: frozenset[str] = frozenset()
+        deadlines = self.deadlines if deadlines is None else deadlines
         if level == 0:
-            if self.eager:
+            if self._eager(deadlines):
                 self.node.start_soon(self._locate, group_key(self.run_id, epoch + 1, level))
             unearned = frozenset(p for p in expected if not self._earned(p, epoch))
             expected -= unearned
-        deadlines = self.deadlines if deadlines is None else deadlines
         self._answering = deadlines
         return await self._plan_group(
             (epoch, level), me, target, expected, deadlines, ahead, unearned=unearned
@@ -719,7 +725,7 @@ class Matchmaker:
         while some are expected), not waiting for those that cannot be reached
         (:func:`drop_unreachable`); False when the others moved past the epoch meanwhile."""
         async with trio.open_nursery() as nursery:
-            if g.expected and self.eager:
+            if g.expected and self._eager(g.deadlines):
                 ask = functools.partial(self._ask_leader, slot)
                 others = lambda: set(g.others)  # noqa: E731
                 nursery.start_soon(
@@ -738,7 +744,7 @@ class Matchmaker:
     async def _read_until_gathered(self, slot: Slot, g: _Gathering) -> bool:
         window = g.deadlines.window
         # (eager: the first read at once: the last peer to stop finds the others in)
-        poll = 0.0 if self.eager else window / 8
+        poll = 0.0 if self._eager(g.deadlines) else window / 8
         while True:
             # Polling only helps to close early once every expected peer registered; with
             # nobody expected, one read at the end of the window does (a read is a lookup).

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -47,18 +47,36 @@ class Stepper:
         self.config = config
         self.history: list[RoundOutcome] = []  # one entry per averaging step
 
-    def deadlines(self, est: CollaborationEstimate) -> Deadlines:
+    def poll(self, expected: Iterable[str]) -> float | None:
+        """The longest poll that we and each ``expected`` peer announce (seconds between
+        checks inside a micro-step whether to average: :attr:`PeerProgress.poll`), None when
+        one of us announces none or has no record (aux peers compute no micro-steps: they
+        do not count). The claim is untrusted: a peer that announces a poll and checks only
+        between long micro-steps notices the target late and loses its own place in the
+        round, nobody else's."""
+        tracker = self.tracker
+        polls = [tracker.poll]
+        for peer in expected:
+            record = tracker.records.get(peer) if peer != tracker.peer_id else None
+            if peer != tracker.peer_id and (record is None or record.mode != "aux"):
+                polls.append(None if record is None else record.poll)
+        return None if None in polls else max(p for p in polls if p is not None)
+
+    def deadlines(self, est: CollaborationEstimate, expected: Iterable[str] = ()) -> Deadlines:
         """This round's deadlines: the configured matchmaking window, else the predicted one.
-        Peers that check mid-step whether to average (``RoundConfig.mid_step_poll``) notice
-        the target a poll apart, not the slowest peer's micro-step: the window counts the
-        poll, not that micro-step."""
+        When we and every ``expected`` peer check mid-step (:meth:`poll`), we notice the
+        target a poll apart, not the slowest peer's micro-step: the window counts the poll,
+        and the matchmaking is eager (:class:`~dedloc_jax.rounds.matchmaking.Matchmaker`).
+        Otherwise a peer that looks only between micro-steps would miss the short window."""
         config = self.config
         step = est.max_step_interval
-        if config.rounds.mid_step_poll is not None:
-            step = min(step, config.rounds.mid_step_poll)
+        poll = self.poll(expected)
+        if poll is not None:
+            step = min(step, poll)
         return Deadlines(
             window=config.rounds.matchmaking_time
-            or matchmaking_window(config.progress.min_refresh, self.tracker.dht_latency, step)
+            or matchmaking_window(config.progress.min_refresh, self.tracker.dht_latency, step),
+            eager=poll is not None,
         )
 
     def match_early(
@@ -74,7 +92,7 @@ class Stepper:
         early = self.rounds.early
         if early is None or not self.config.rounds.match_early:
             return
-        deadlines = self.deadlines(est)
+        deadlines = self.deadlines(est, expected())
         if not early.due(epoch, est.eta, deadlines):
             return
         rate = self.tracker.own_progress().samples_per_second
@@ -98,12 +116,12 @@ class Stepper:
         est = tracker.current_estimate()
         early = self.rounds.early
         # a matchmaking begun ahead of the target keeps its deadlines
-        deadlines = (early and early.began(epoch)) or self.deadlines(est)
+        deadlines = (early and early.began(epoch)) or self.deadlines(est, expected)
         async with trio.open_nursery() as nursery:
-            # Others must not extrapolate our samples any further. Peers that decide on whole
-            # micro-steps register meanwhile (the store is on the last peer's path); elsewhere
-            # the store comes first, as the capped soak needs (decisions.md).
-            if self.config.rounds.mid_step_poll is None:
+            # Others must not extrapolate our samples any further. In an eager round (every
+            # peer checks mid-step) we register meanwhile: the store is on the last peer's
+            # path; elsewhere the store comes first.
+            if not deadlines.eager:
                 await tracker.freeze()
             else:
                 nursery.start_soon(tracker.freeze)
@@ -209,7 +227,7 @@ class Stepper:
             epoch,
             self.rounds.member(0.0),  # (mode "aux")
             template,
-            deadlines=(early and early.began(epoch)) or self.deadlines(est),
+            deadlines=(early and early.began(epoch)) or self.deadlines(est, expected),
             codec=self.config.rounds.codec,
             target=float(self.tracker.target or 0),
             expected=expected,

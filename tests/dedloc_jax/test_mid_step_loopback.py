@@ -22,6 +22,7 @@ import optax
 
 import dedloc_jax
 from dedloc_jax import Collaboration, PowerSGD
+from dedloc_jax.config import MID_STEP_POLL
 from dedloc_jax.powersgd import initial_q, reference_round
 from tests.dedloc_jax.loopback import MICRO, LoopbackPeer, local_config
 from tests.dedloc_jax.test_powersgd import _data, _loss, _params
@@ -136,6 +137,9 @@ def _a_slow_peer_round(cfg: PowerSGD | None) -> None:
         _check_round(pa, pb, cfg, want, lowrank)
         assert [o.epoch for o in b.history] == [0, 1]
         assert int(pb.state.samples) == MICRO
+        # with default settings b announces that it checks mid-step (rounds that expect only
+        # such peers matchmake eagerly); a, deciding between micro-steps, announces nothing
+        assert b._core()[1].tracker.poll == MID_STEP_POLL and a._core()[1].tracker.poll is None
     assert pb.step._cache_size() == 1  # the hand-over's branches compile with the rest
 
 

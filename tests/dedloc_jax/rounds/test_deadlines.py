@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
 from dedloc_jax.averaging import GroupSpec, Member
@@ -40,26 +42,40 @@ def test_one_deadlines_object_follows_the_window_and_the_group_links() -> None:
 def test_peers_that_check_mid_step_get_a_window_of_their_poll_not_the_slowest_step() -> None:
     """A 1 sample/s peer's 4 s micro-step made a 6.35 s window at 40 peers, and the group
     waited two of them for a peer the churn had killed. Peers that ask, inside a micro-step,
-    whether to average (``RoundConfig.mid_step_poll``) notice the target a poll apart: the
-    window counts the poll instead."""
-    from types import SimpleNamespace
-
+    whether to average announce their poll (``PeerProgress.poll``); when we and every peer
+    the round expects do, all notice the target a poll apart: the window counts the longest
+    poll, and the matchmaking is eager. A peer that does not announce one (it looks between
+    micro-steps only) keeps the old window: it would register up to a micro-step late."""
     from dedloc_jax.config import CollaborationConfig, RoundConfig
+    from dedloc_jax.progress import PeerProgress
     from dedloc_jax.rounds.stepping import Stepper
 
-    tracker = SimpleNamespace(dht_latency=0.05)
+    def record(poll: float | None, mode: str = "node") -> PeerProgress:
+        return PeerProgress("x", 3, 8, 1.0, 0.0, mode, poll=poll)
+
+    tracker = SimpleNamespace(dht_latency=0.05, poll=None, peer_id="me", records={})
     est = SimpleNamespace(max_step_interval=4.0)
-
-    def window(config: CollaborationConfig) -> float:
-        return Stepper(None, tracker, None, config).deadlines(est).window  # type: ignore[arg-type]
-
     config = CollaborationConfig(target_batch_size=4096)
     refresh = config.progress.min_refresh
-    assert window(config) == matchmaking_window(refresh, 0.05, 4.0)
-    polled = config.replace(rounds=RoundConfig(mid_step_poll=0.25))
-    assert window(polled) == matchmaking_window(refresh, 0.05, 0.25) < window(config) / 2
+
+    def deadlines(expected=("me", "a", "b")) -> Deadlines:
+        return Stepper(None, tracker, None, config).deadlines(est, expected)  # type: ignore[arg-type]
+
+    old = matchmaking_window(refresh, 0.05, 4.0)
+    assert deadlines().window == old and not deadlines().eager
+    tracker.poll = 0.25  # we check mid-step; b does not say, c has no record
+    tracker.records = {"a": record(0.25), "b": record(None)}
+    assert deadlines().window == old and not deadlines().eager
+    assert deadlines(("a", "c")).window == old
+    tracker.records["b"] = record(0.5)
+    quick = deadlines()
+    assert quick.eager and quick.window == matchmaking_window(refresh, 0.05, 0.5) < old / 2
+    tracker.records["c"] = record(None, mode="aux")  # computes no micro-steps: not counted
+    assert deadlines(("a", "b", "c")) == quick
+    tracker.poll = None  # we ourselves look between micro-steps only
+    assert deadlines().window == old and not deadlines().eager
     # a run whose micro-steps are shorter than the poll keeps their spread
-    est.max_step_interval = 0.1
-    assert window(polled) == matchmaking_window(refresh, 0.05, 0.1)
+    tracker.poll, est.max_step_interval = 0.25, 0.1
+    assert deadlines().window == matchmaking_window(refresh, 0.05, 0.1)
     with pytest.raises(ValueError):
         RoundConfig(mid_step_poll=0.0)

@@ -983,22 +983,26 @@ def test_a_computing_peer_asked_about_its_round_reads_its_table_anew() -> None:
     assert told == [3]
 
     swept: list[str] = []
-    table = type(
-        "Table",
-        (),
-        {
-            "epoch": 3,
-            "records": {},
-            "proven": lambda self, p: True,
-            "weightless": lambda self, p: False,
-            "sweep_next_read": lambda self: swept.append("sweep"),
-        },
-    )()
-    side = context_of(table, lambda e: None, lambda p: False, None, sweeps=True)  # type: ignore[arg-type]
+
+    def table(poll: float | None):
+        return type(
+            "Table",
+            (),
+            {
+                "epoch": 3,
+                "records": {},
+                "poll": poll,  # we check mid-step (announced): a read comes before the step ends
+                "proven": lambda self, p: True,
+                "weightless": lambda self, p: False,
+                "sweep_next_read": lambda self: swept.append("sweep"),
+            },
+        )()
+
+    side = context_of(table(0.25), lambda e: None, lambda p: False, None)  # type: ignore[arg-type]
     side.forming(2)  # (past our epoch: nothing to read anew)
     side.forming(3)
     assert swept == ["sweep"]
-    quiet = context_of(table, lambda e: None, lambda p: False, None)  # type: ignore[arg-type]
+    quiet = context_of(table(None), lambda e: None, lambda p: False, None)  # type: ignore[arg-type]
     quiet.forming(3)
     assert swept == ["sweep"]
 

@@ -5,25 +5,30 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import numpy as np
+import pytest
 import trio
 import trio.testing
 
-from dedloc_jax.config import CollaborationConfig, RoundConfig
+from dedloc_jax.config import CollaborationConfig
+from dedloc_jax.progress import PeerProgress
 from dedloc_jax.rounds.stepping import Stepper
 
 
-def test_the_round_begins_while_the_waiting_record_is_stored() -> None:
+@pytest.mark.parametrize("others_poll", [0.25, None], ids=["all-check-mid-step", "one-does-not"])
+def test_the_round_begins_while_the_waiting_record_is_stored(others_poll: float | None) -> None:
     """A peer at the target stored its "waiting" progress record, then registered for the
     round: the store (0.08 s at 40 simulated peers) was on the path of every round, through
-    the last peer to stop. For peers that decide on whole micro-steps both go at once now,
-    and the epoch moves on only after both."""
+    the last peer to stop. When we and every expected peer check mid-step (each announces
+    its poll) both go at once now, and the epoch moves on only after both; otherwise the
+    store still comes first."""
     events: list[str] = []
 
     class Tracker:
         dht_latency = 0.05
         target = 8
-        records: dict = {}
+        records = {"p1": PeerProgress("p1", 3, 8, 1.0, 0.0, poll=others_poll)}
         peer_id = "me"
+        poll = 0.25  # we check mid-step (the default poll)
 
         def current_estimate(self) -> SimpleNamespace:
             return SimpleNamespace(max_step_interval=0.25, samples=8.0)
@@ -54,11 +59,14 @@ def test_the_round_begins_while_the_waiting_record_is_stored() -> None:
         Rounds(),  # type: ignore[arg-type]
         Tracker(),  # type: ignore[arg-type]
         SimpleNamespace(latest=None),  # type: ignore[arg-type]
-        CollaborationConfig(target_batch_size=8, rounds=RoundConfig(mid_step_poll=0.25)),
+        CollaborationConfig(target_batch_size=8),
     )
 
     async def main() -> None:
-        await stepper.step(3, [np.ones(2, np.float32)], 8, codec="none", expected=set())
+        await stepper.step(3, [np.ones(2, np.float32)], 8, codec="none", expected={"p1"})
 
     trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
-    assert events == ["registered", "frozen", "epoch 4"], events
+    if others_poll is not None:
+        assert events == ["registered", "frozen", "epoch 4"], events
+    else:
+        assert events == ["frozen", "registered", "epoch 4"], events
