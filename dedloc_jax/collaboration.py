@@ -147,9 +147,11 @@ class Collaboration:
         self._target: int | None = None  # from collaborative(), applied when started
         self.core: CollaborationPeer | None = None
         self.keeper = StepKeeper(keep)  # keep_in_step's policy and memory for this peer
+        self._closed: list[RoundOutcome] | None = None  # the history, once closed
 
     # --- lifecycle -----------------------------------------------------------------------
     def start(self) -> Collaboration:
+        self._closed = None
         self._thread = TrioThread(name=f"dedloc-{self.run_id}").start()
         try:
             self.core = self._thread.start_service(self._serve)
@@ -192,7 +194,10 @@ class Collaboration:
         if self._thread is None:
             return
         if self._stop is not None and self._thread.running:
-            if self.core is not None:  # others stop expecting us before our record expires
+            if self.core is not None:
+                # What this peer averaged stays readable after it left (``history``); others
+                # stop expecting us before our record expires.
+                self._closed = self._thread.run_sync(lambda: list(self.core.history))
                 if note := self._thread.run_sync(self.core.leaving_note):
                     log.warning("%s", note)
                 try:
@@ -210,6 +215,8 @@ class Collaboration:
         self.close()
 
     def _core(self) -> tuple[TrioThread, CollaborationPeer]:
+        if self._closed is not None:
+            raise RuntimeError("the collaboration is closed (its history stays readable)")
         if self._thread is None or self.core is None:
             raise RuntimeError("the collaboration is not started (use it as a context manager)")
         return self._thread, self.core
@@ -288,12 +295,17 @@ class Collaboration:
         """The last averaging step (:class:`~dedloc_jax.history.RoundOutcome`): epoch,
         group_size, complete (with every peer), seconds, reason (why it was not complete; empty
         when it was). None before the first."""
+        if self._closed is not None:
+            return self._closed[-1] if self._closed else None
         thread, core = self._core()
         return thread.run_sync(lambda: core.history[-1] if core.history else None)
 
     @property
     def history(self) -> list[RoundOutcome]:
-        """Every averaging step this peer took, as :attr:`last_outcome` describes one."""
+        """Every averaging step this peer took, as :attr:`last_outcome` describes one (still
+        readable after the collaboration closed)."""
+        if self._closed is not None:
+            return list(self._closed)
         thread, core = self._core()
         return thread.run_sync(lambda: list(core.history))
 

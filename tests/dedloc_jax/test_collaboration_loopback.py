@@ -81,6 +81,11 @@ def test_peers_on_loopback_match_single_process_training(k: int) -> None:
         finally:
             for c in others:
                 c.close()
+    # What a peer averaged stays readable after it closed; the rest says it closed.
+    assert [o.complete for o in first.history] == [True] * epochs
+    assert first.last_outcome == first.history[-1]
+    with pytest.raises(RuntimeError, match="closed"):
+        _ = first.epoch
     reference = _single(epochs, target)
     for e in range(epochs):
         for p in peers[1:]:
