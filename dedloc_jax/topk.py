@@ -7,10 +7,9 @@ about ``2 + log2(chunk / k)`` bits each, 8 at SparseLoCo's 1/64, not ``log2 chun
 their values in ``bits`` bits: one sign bit and ``bits - 1`` bits of magnitude,
 uniform between the smallest and the largest selected magnitude of the chunk (two float32
 scales per chunk), each value decoded to the lower edge of its bin: a sent value never exceeds,
-in magnitude, the value it stands for (the middle of the bin blew a chunk's small selected
-values up to a quarter of its largest, an overshoot the outer step applied at once; what falls
-short is re-sent by the error feedback). What a chunk does not send stays in the accumulator:
-``e <- error_feedback x e + delta``, ``e <- e - decode(encode(e))``.
+in magnitude, the value it stands for (the outer step applies an overshoot at once; what falls
+short stays in the error feedback and goes out later). What a chunk does not send stays in the
+accumulator: ``e <- error_feedback x e + delta``, ``e <- e - decode(encode(e))``.
 
 The same arithmetic runs in two places, which must agree bit for bit: :func:`encode_jax` inside
 :func:`dedloc_jax.diloco` (jitted) and :func:`encode` (NumPy), the reference that tests replay.

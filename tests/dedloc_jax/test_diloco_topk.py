@@ -233,8 +233,8 @@ def test_offsets_travel_elias_fano_coded_in_8_bits_at_sparselocos_density() -> N
 @pytest.mark.parametrize("bits", [2, 3, 8])
 def test_a_sent_value_never_exceeds_what_it_stands_for(bits: int) -> None:
     """Each sent value keeps its sign and is at most its magnitude (within rounding), so the
-    error feedback never grows: in a chunk whose selected magnitudes span 50x, the middle of
-    the 2-bit bin sent the smallest ones ~12x too large and the outer step applied it."""
+    error feedback never grows, even in a chunk whose selected magnitudes span 50x (the
+    middle of the 2-bit bin sent its smallest ones ~12x too large: docs/decisions.md)."""
     cfg = TopK(density=1 / 64, bits=bits)
     rng = np.random.default_rng(bits)
     x = rng.normal(size=3 * 4096 + 100).astype(np.float32)
