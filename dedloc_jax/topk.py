@@ -6,8 +6,10 @@ values of largest magnitude: their offsets within the chunk (ascending, Elias-Fa
 about ``2 + log2(chunk / k)`` bits each, 8 at SparseLoCo's 1/64, not ``log2 chunk`` = 12) and
 their values in ``bits`` bits: one sign bit and ``bits - 1`` bits of magnitude,
 uniform between the smallest and the largest selected magnitude of the chunk (two float32
-scales per chunk), each value decoded to the middle of its bin. What a chunk does not send
-stays in the accumulator: ``e <- error_feedback x e + delta``, ``e <- e - decode(encode(e))``.
+scales per chunk), each value decoded to the lower edge of its bin: a sent value never exceeds,
+in magnitude, the value it stands for (the outer step applies an overshoot at once; what falls
+short stays in the error feedback and goes out later). What a chunk does not send stays in the
+accumulator: ``e <- error_feedback x e + delta``, ``e <- e - decode(encode(e))``.
 
 The same arithmetic runs in two places, which must agree bit for bit: :func:`encode_jax` inside
 :func:`dedloc_jax.diloco` (jitted) and :func:`encode` (NumPy), the reference that tests replay.
@@ -168,7 +170,7 @@ def _dequantise_np(cfg: TopK, codes: np.ndarray, scales: np.ndarray) -> np.ndarr
     lo, hi = scales[:, 0:1], scales[:, 1:2]
     step = (hi - lo) / levels
     mag_code = (codes & np.uint8((1 << (cfg.bits - 1)) - 1)).astype(np.float32)
-    mag = lo + (mag_code + np.float32(0.5)) * step
+    mag = lo + mag_code * step  # the bin's lower edge: never more than was held
     negative = (codes >> np.uint8(cfg.bits - 1)) & np.uint8(1)
     return np.where(negative == 1, -mag, mag).astype(np.float32)
 
@@ -194,7 +196,7 @@ def encode_jax(cfg: TopK, x: jax.Array) -> tuple[tuple[jax.Array, jax.Array, jax
     q = jnp.clip(jnp.where(step[:, None] > 0, q, 0), 0, levels - 1)
     codes = q.astype(jnp.uint8) | ((values < 0).astype(jnp.uint8) << (cfg.bits - 1))
     scales = jnp.stack([lo, hi], axis=1)
-    mag_out = lo[:, None] + (q + jnp.float32(0.5)) * step[:, None]
+    mag_out = lo[:, None] + q * step[:, None]
     dec = jnp.where(values < 0, -mag_out, mag_out)
     rows = jnp.arange(chunks)[:, None]
     dense = jnp.zeros((chunks, size), jnp.float32).at[rows, offsets].set(dec)

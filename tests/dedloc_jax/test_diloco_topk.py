@@ -19,7 +19,16 @@ import pytest
 from dedloc_jax import TopK, diloco
 from dedloc_jax.host import AveragingOutcome
 from dedloc_jax.state.training import share_state, sync_state
-from dedloc_jax.topk import Payload, PayloadError, decode, encode, mean_of, pack, unpack
+from dedloc_jax.topk import (
+    Payload,
+    PayloadError,
+    decode,
+    encode,
+    encode_jax,
+    mean_of,
+    pack,
+    unpack,
+)
 from tests.dedloc_jax.lockstep import LockstepGroup, LockstepPeer
 from tests.dedloc_jax.test_diloco import (
     MICRO,
@@ -219,6 +228,30 @@ def test_offsets_travel_elias_fano_coded_in_8_bits_at_sparselocos_density() -> N
     back = unpack(cfg, data, n)
     for got, sent in zip(back, payload, strict=True):
         assert np.array_equal(got, sent)
+
+
+@pytest.mark.parametrize("bits", [2, 3, 8])
+def test_a_sent_value_never_exceeds_what_it_stands_for(bits: int) -> None:
+    """Each sent value keeps its sign and is at most its magnitude (within rounding), so the
+    error feedback never grows, even in a chunk whose selected magnitudes span 50x (the
+    middle of the 2-bit bin sent its smallest ones ~12x too large: docs/decisions.md)."""
+    cfg = TopK(density=1 / 64, bits=bits)
+    rng = np.random.default_rng(bits)
+    x = rng.normal(size=3 * 4096 + 100).astype(np.float32)
+    x *= np.where(rng.random(x.size) < 0.005, np.float32(50), np.float32(1))  # a few huge
+    payload = encode(cfg, x)
+    dense = decode(cfg, payload, x.size)
+    _, jax_dense = jax.jit(lambda v: encode_jax(cfg, v))(x)
+    assert np.array_equal(np.asarray(jax_dense), dense)
+    held = np.take_along_axis(_chunked(x, 4096), payload.offsets, axis=1)
+    sent = np.take_along_axis(_chunked(dense, 4096), payload.offsets, axis=1)
+    assert np.all(np.sign(sent) == np.sign(held))
+    assert np.all(np.abs(sent) <= np.abs(held) * np.float32(1 + 1e-6))
+    assert np.all(np.abs(x - dense) <= np.abs(x) * np.float32(1 + 1e-6))  # e never grows
+
+
+def _chunked(x: np.ndarray, size: int) -> np.ndarray:
+    return np.concatenate([x, np.zeros(-x.size % size, np.float32)]).reshape(-1, size)
 
 
 @pytest.mark.parametrize("k", [1, 2, 5, 16])
