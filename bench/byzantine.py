@@ -503,6 +503,8 @@ def run(
         ):
             if peers > HOSTILE:
                 liar.append(str(cores[HOSTILE].node.peer_id))
+            if seen is not None and seen.needle == "ignoring peer":  # the attacker's records,
+                seen.needle = f"ignoring peer {attacker.peer_id}"  # not a mate's landing first
             if attack in REDUCER_ATTACKS:  # claims a huge link: the LP gives it shares
                 cores[HOSTILE].meter.upload_override = MAX_BPS  # the most the schema takes
                 cores[HOSTILE].meter.download_override = MAX_BPS

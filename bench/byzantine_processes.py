@@ -265,10 +265,15 @@ def run_scenario(attack: str, out: Path, manifest: Path, warm: int, window: floa
         rounds_to_ban = 1 + sum(t_go <= r["t"] < first_ban for r in steps[0])
     detected_at = [first_ban] if first_ban is not None else []
     report = out / f"trainer{HONEST}.attack.json"
-    refused = json.loads(report.read_text())["refused"] if report.exists() else False
+    mounted = json.loads(report.read_text()) if report.exists() else {}
+    refused = bool(mounted.get("refused"))
+    if refused:  # a node refused the record as it was stored
+        detected_at.append(mounted.get("mounted_at", mounted["at"]))
     needle = DETECTED_BY.get(attack)
     if attack == "lying_config" and hostile:  # honest peers' links are bounded too, at times
         needle = f"member {hostile[:8]} claims"
+    if needle == "ignoring peer" and mounted.get("peer"):  # the attacker's records, not a
+        needle = f"ignoring peer {mounted['peer']}"  # mate's whose record landed first
     for i in range(HONEST) if needle else ():
         detected_at += [t for t in _noted(out / f"trainer{i}", needle) if t >= t_go]
     row: dict[str, Any] = {}
