@@ -683,6 +683,13 @@ def main() -> None:
         "--window", type=float, default=60.0, help="--processes: seconds watched after it"
     )
     parser.add_argument("--out", help="--processes: logs and event files (unset: /tmp/...)")
+    parser.add_argument(
+        "--lockstep-epochs",
+        type=int,
+        default=150,
+        help="--processes: epochs of bench.byzantine_lockstep's run after the scenarios "
+        "(loss_ratio_equal_samples; 0: none)",
+    )
     args = parser.parse_args()
     if args.processes:
         from bench import byzantine_processes
