@@ -503,6 +503,8 @@ def run(
         ):
             if peers > HOSTILE:
                 liar.append(str(cores[HOSTILE].node.peer_id))
+            if seen is not None and seen.needle == "ignoring peer":  # the attacker's records,
+                seen.needle = f"ignoring peer {attacker.peer_id}"  # not a mate's landing first
             if attack in REDUCER_ATTACKS:  # claims a huge link: the LP gives it shares
                 cores[HOSTILE].meter.upload_override = MAX_BPS  # the most the schema takes
                 cores[HOSTILE].meter.download_override = MAX_BPS
@@ -681,6 +683,13 @@ def main() -> None:
         "--window", type=float, default=60.0, help="--processes: seconds watched after it"
     )
     parser.add_argument("--out", help="--processes: logs and event files (unset: /tmp/...)")
+    parser.add_argument(
+        "--lockstep-epochs",
+        type=int,
+        default=150,
+        help="--processes: epochs of bench.byzantine_lockstep's run after the scenarios "
+        "(loss_ratio_equal_samples; 0: none)",
+    )
     args = parser.parse_args()
     if args.processes:
         from bench import byzantine_processes

@@ -20,7 +20,8 @@ and take effect once ``GO_FILE`` exists, so that the run is measured clean first
 ``PREFIX.notes.jsonl`` gets one line per log record that tells of an attack seen (a ban, a
 progress record ignored, an invalid record dropped, a claim bounded) with its exact time, for
 the driver to count rounds; ``PREFIX.attack.json`` one object when a progress attack was
-mounted: ``refused`` (whether an honest node refused one of its records) and ``at``.
+mounted: ``refused`` (whether an honest node refused one of its records), ``at``,
+``mounted_at`` and ``peer`` (the attacker's node, whose records the honest peers' logs name).
 """
 
 from __future__ import annotations
@@ -165,9 +166,12 @@ def _progress_attack(attack: str, go: Go, report: Path) -> None:
             while not go():
                 await trio.sleep(0.2)
             refused: list[bool] = []
+            mounted = time.time()
 
             def write() -> None:
-                report.write_text(json.dumps({"refused": any(refused), "at": time.time()}))
+                row = {"refused": any(refused), "at": time.time(), "peer": str(node.peer_id),
+                       "mounted_at": mounted}  # fmt: skip
+                report.write_text(json.dumps(row))
 
             log.warning("mounting %s", attack)
             async with trio.open_nursery() as nursery:

@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.byzantine_peer import PROGRESS
+from dedloc_jax.averaging.config import AllReduceConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 RUN_ID = "chaos-sahajbert"  # bench.chaos's prepared tiny run (and compilation cache)
@@ -46,6 +47,8 @@ MICRO = 8
 HONEST = 3
 PERIOD = 2  # undefended: epochs with the defences off, then on, and so on (short spans: the
 # machine's load moves within seconds, and each on span is set against its neighbours)
+COST_WINDOW = 120.0  # s the undefended run watches at least (its pairs: the clean cost)
+FIT_FROM = 20  # the first epoch of a loss curve's fit (the first ones fall steeply)
 SCENARIOS = (
     "none",
     "undefended",
@@ -265,10 +268,15 @@ def run_scenario(attack: str, out: Path, manifest: Path, warm: int, window: floa
         rounds_to_ban = 1 + sum(t_go <= r["t"] < first_ban for r in steps[0])
     detected_at = [first_ban] if first_ban is not None else []
     report = out / f"trainer{HONEST}.attack.json"
-    refused = json.loads(report.read_text())["refused"] if report.exists() else False
+    mounted = json.loads(report.read_text()) if report.exists() else {}
+    refused = bool(mounted.get("refused"))
+    if refused:  # a node refused the record as it was stored
+        detected_at.append(mounted.get("mounted_at", mounted["at"]))
     needle = DETECTED_BY.get(attack)
     if attack == "lying_config" and hostile:  # honest peers' links are bounded too, at times
         needle = f"member {hostile[:8]} claims"
+    if needle == "ignoring peer" and mounted.get("peer"):  # the attacker's records, not a
+        needle = f"ignoring peer {mounted['peer']}"  # mate's whose record landed first
     for i in range(HONEST) if needle else ():
         detected_at += [t for t in _noted(out / f"trainer{i}", needle) if t >= t_go]
     row: dict[str, Any] = {}
@@ -363,7 +371,48 @@ def _pair_ratios(name: str, spans: dict[int, list[float]]) -> dict:
         name: round(statistics.median(ratios), 4),
         f"{name}_spread": [round(min(ratios), 4), round(max(ratios), 4)],
         f"{name}_iqr": [round(q, 4) for q in _quartiles(ratios)],
+        f"{name}_ci95": [round(q, 4) for q in _median_ci(ratios)],
         f"{name}_pairs": len(ratios),
+    }
+
+
+def _median_ci(xs: list[float], draws: int = 2000) -> list[float]:
+    """A 95% interval of the median of ``xs`` (bootstrap, fixed seed): how far the figure
+    itself may be off, where the quartiles show how far one pair is."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    meds = np.median(rng.choice(np.asarray(xs), (draws, len(xs))), axis=1)
+    return [float(np.quantile(meds, 0.025)), float(np.quantile(meds, 0.975))]
+
+
+def _fitted_loss(r: dict, upto: int, first: int = FIT_FROM) -> tuple[float, float]:
+    """The run's mean honest loss at epoch ``upto`` read off a cubic in log epoch fitted to
+    every epoch from ``first`` on (one epoch's loss is a micro-batch's: 1% sd), and that
+    reading's standard error."""
+    import numpy as np
+
+    es = [e for e in sorted(r["losses"]) if first <= e <= upto]
+    if len(es) < 8:
+        return float("nan"), float("nan")
+    x = np.log(np.asarray(es, np.float64))
+    y = np.asarray([r["losses"][e] for e in es], np.float64)
+    coef, cov = np.polyfit(x, y, 3, cov=True)
+    at = np.log(upto) ** np.arange(3, -1, -1)
+    return float(np.polyval(coef, np.log(upto))), float(np.sqrt(at @ cov @ at))
+
+
+def loss_cost(defended: dict, undefended: dict) -> dict:
+    """The defended run's loss over the alternating one's at their last common epoch:
+    ``loss_ratio`` (three epochs' mean each, as every row's) and ``loss_ratio_fit`` (each
+    curve's fit, :func:`_fitted_loss`) with its ``loss_ratio_fit_sd``. The two runs drew
+    other data (each trainer's order follows its fresh identity): what is left is the draw."""
+    upto = min(defended["last_epoch"], undefended["last_epoch"])
+    (d, d_sd), (u, u_sd) = _fitted_loss(defended, upto), _fitted_loss(undefended, upto)
+    return {
+        "loss_ratio": round(_mean_loss(defended, upto) / _mean_loss(undefended, upto), 4),
+        "loss_ratio_fit": round(d / u, 4),
+        "loss_ratio_fit_sd": round(d / u * ((d_sd / d) ** 2 + (u_sd / u) ** 2) ** 0.5, 4),
     }
 
 
@@ -407,8 +456,10 @@ def main(args: Any) -> None:
     load = os.getloadavg()  # the machine's, shared: the 1/5/15-minute loads at start and end
     results: dict[str, dict] = {}
     for attack in args.scenarios:
+        # the clean cost's pairs are the undefended run's epochs: it watches longer
+        window = max(args.window, COST_WINDOW) if attack == "undefended" else args.window
         try:
-            results[attack] = run_scenario(attack, base / attack, manifest, args.warm, args.window)
+            results[attack] = run_scenario(attack, base / attack, manifest, args.warm, window)
         except RuntimeError as e:
             print(f"{attack}: {e}", file=sys.stderr)
             continue
@@ -421,13 +472,20 @@ def main(args: Any) -> None:
     overhead = None
     if "none" in results and "undefended" in results:
         d, u = results["none"], results["undefended"]
-        upto = min(d["last_epoch"], u["last_epoch"])
         overhead = {
             # defended / undefended epoch time, alternating within the undefended run
             **u.get("defences_cost", {}),
             # the defended run's loss over the undefended one's at the same epochs
-            "loss_ratio": round(_mean_loss(d, upto) / _mean_loss(u, upto), 4),
+            **loss_cost(d, u),
         }
+    if "undefended" in args.scenarios and args.lockstep_epochs > 0:
+        # the loss cost with nothing but the defences different (bench.byzantine_lockstep)
+        from bench.byzantine_lockstep import measure
+
+        lock = measure(args.lockstep_epochs, [0], 16, AllReduceConfig().chunk_elems)
+        overhead = {**(overhead or {}), "loss_ratio_equal_samples": lock["loss_ratio"],
+                    "lockstep": lock["rows"][0]}  # fmt: skip
+    if overhead is not None:
         print(f"defences' cost on a clean run (defended / undefended): {overhead}")
     print(json.dumps({"processes": True, "warm": args.warm, "window_s": args.window,
                       "rows": table, "overhead": overhead, "out": str(base),

@@ -125,6 +125,7 @@ class ProgressTracker:
         self._unbacked_table: dict[str, PeerProgress] | None = None
         self._unbacked_logged: set[str] = set()
         self._unbacked_since: dict[str, float] = {}  # one epoch ahead: since when (not logged)
+        self._unbacked_noted: set[str] = set()  # one epoch ahead: said at INFO
         # (epoch, peers): who averaged with us into ``epoch``; and the DHT time of our first
         # report in it (None: none yet), from which their samples are extrapolated
         self.mates: tuple[int, frozenset[str]] = (-1, frozenset())
@@ -411,11 +412,25 @@ class ProgressTracker:
             if pid != self.peer_id and r.epoch > ceiling
         }
         now = trio.current_time()
-        self._unbacked_since = {
+        ahead = {
             pid: self._unbacked_since.get(pid, now)
             for pid, epoch in unbacked.items()
             if epoch == ceiling + 1
         }
+        for pid in sorted(ahead.keys() - self._unbacked_since.keys() - self._unbacked_noted):
+            # Said at INFO when first left out: a claim that keeps one epoch ahead moves with
+            # the run, its wait restarting at every step, so the WARNING below may never come.
+            if len(self._unbacked_noted) >= MAX_LOGGED:
+                self._unbacked_noted.clear()
+            self._unbacked_noted.add(pid)
+            log.info(
+                "ignoring peer %s's progress at epoch %d for now: most trainers are at %d or "
+                "before and no state of it is served (said once per peer)",
+                pid,
+                unbacked[pid],
+                ceiling,
+            )
+        self._unbacked_since = ahead
         for pid, epoch in sorted(unbacked.items()):
             # One epoch ahead is also a round's member whose record landed before its mates'
             # (a coordinator warned of each trainer in healthy runs): said once it lasts.
