@@ -114,7 +114,7 @@ async def _two_phases(
     """Phases P and Q in ``spec``; a failure of either is the round's (own M, as alone)."""
     c = len(plan.compressed)
     codec = plan.cfg.codec
-    log.info(
+    log.debug(  # every round: a user reads the trainer's epoch line, not these
         "epoch %d: PowerSGD group of %d, %d of %d leaves at rank %d",
         this.epoch,
         len(spec.members),
@@ -156,7 +156,7 @@ async def _two_phases(
         mean_qs = [np.asarray(a, np.float32) for a in got_q.average]
     mean, errors = plan.finish(ms, ps, mean_qs, mean_p[c:])
     next_q = plan.next_q(mean_qs)
-    log.info(
+    log.debug(
         "epoch %d: PowerSGD phases P and Q took %.1f s and %.1f s",
         this.epoch,
         phase_p_end - started,
