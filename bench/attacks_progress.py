@@ -102,16 +102,26 @@ async def current_epoch(dht: DHT, run_id: str) -> int:
 
 
 async def keep_leading(
-    dht: DHT, run_id: str, *, lead: int = 1, every: float = 0.5, state: bool = True
+    dht: DHT,
+    run_id: str,
+    *,
+    lead: int = 1,
+    every: float = 0.5,
+    state: bool = True,
+    ttl: float = 60.0,
 ) -> None:
     """Claim the run's current epoch + ``lead`` (serving a made-up state of it with
-    ``state``) every ``every`` seconds, so that the honest peers always look behind."""
+    ``state``) every ``every`` seconds, so that the honest peers always look behind.
+
+    Pass the ``ttl`` of the attacker's first record (:func:`hijack_epoch`'s): a node keeps
+    whichever record of a subkey expires last, so republishes of a shorter life are dropped
+    as outdated and the attack would be that one record, soon behind the run."""
     while True:
         epoch = await current_epoch(dht, run_id) + lead
         value = _progress(epoch, 0, 0.0, dht.now())
         if state:
             value["state"] = [epoch, FAKE_DIGEST, []]
-        await _store(dht, progress_key(run_id), value, 60.0)
+        await _store(dht, progress_key(run_id), value, ttl)
         await trio.sleep(every)
 
 

@@ -172,13 +172,15 @@ async def mount(attack: str, dht: DHT, run_id: str, refused: list[bool]) -> None
     """Run one of :mod:`bench.attacks_progress`'s attacks from ``dht`` (forever, for the
     republishing ones); ``refused`` gets True when a node refused one of its records."""
     if attack == "hijack_epoch":
-        result, _ = await ap.hijack_epoch(dht, run_id)
-        refused.append(bool(result.refused))
-    elif attack == "keep_leading":
+        # (it answers its fallback store: a TTL below the week asked says nodes refused that)
+        result, ttl = await ap.hijack_epoch(dht, run_id)
+        refused.append(bool(result.refused) or ttl < ap.WEEK)
+    elif attack == "keep_leading":  # detected when a reader leaves its claim out (the TTL
+        # refused is hijack_epoch's lifetime, not this attack's claim)
         epoch = await ap.current_epoch(dht, run_id) + 1
-        result, _ = await ap.hijack_epoch(dht, run_id, epoch=epoch, state=True)
+        result, ttl = await ap.hijack_epoch(dht, run_id, epoch=epoch, state=True)
         refused.append(bool(result.refused))
-        await ap.keep_leading(dht, run_id)
+        await ap.keep_leading(dht, run_id, ttl=ttl)  # the same lifetime: republishes land
     elif attack == "claim_samples":
         epoch = await ap.current_epoch(dht, run_id)
         refused.append(bool((await ap.claim_samples(dht, run_id, epoch=epoch)).refused))

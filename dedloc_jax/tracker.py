@@ -119,6 +119,8 @@ class ProgressTracker:
         # The epoch of the state the fork choice names in the table (None: none served): a
         # claim of an epoch up to it is backed by a state a download would bring.
         self.chosen_epoch: int | None = None
+        self._chosen_holders: frozenset[str] = frozenset()  # the peers that announce it
+        self._trained: dict[str, int] = {}  # peer -> the first epoch it was read training at
         # Peers whose epoch nobody backs (see contenders), and those already logged.
         self.unbacked: frozenset[str] = frozenset()
         self._unbacked_input: tuple = ()
@@ -397,11 +399,36 @@ class ProgressTracker:
         if self.served is not None and self.mode == "node":
             counted.append(self.epoch)
         quorum = backed_epoch(counted)
-        return max(self.epoch, -1 if quorum is None else quorum, self.chosen_epoch or -1)
+        return max(self.epoch, -1 if quorum is None else quorum, self._chosen_backed() or -1)
+
+    def _chosen_backed(self) -> int | None:
+        """:attr:`chosen_epoch` when a peer whose word counts holds that state: ours, or an
+        averaged-with, vouched-for or endorsed peer's; before we averaged with anyone, one we
+        saw train at it or before. A state only strangers announce is no backing:
+        bench.byzantine's keep_leading (a made-up state one epoch ahead, the only one
+        announced where trainers serve none) was chosen, lifted the ceiling, and every honest
+        peer waited, "behind", at epoch 3 for good."""
+        if self.chosen_epoch is None:
+            return None
+        backers, epoch = self._chosen_holders, self.chosen_epoch
+        endorsed = self.endorsed
+        if (
+            self.peer_id in backers
+            or any(p in self._averaged_with or self._vouched(p) for p in backers)
+            or (endorsed is not None and any(map(endorsed, backers)))
+        ):
+            return epoch
+        # Having averaged with nobody (a run's start, a newcomer), a peer we saw train (claim
+        # samples) at it or before backs it; keep_leading's claimer claims none.
+        if not self._averaged_with and any(
+            self._trained.get(p, epoch + 1) <= epoch for p in backers
+        ):
+            return epoch
+        return None
 
     def _find_unbacked(self) -> None:
         """Recount :attr:`unbacked` when the table, our epoch or the states changed."""
-        key = (self.epoch, self.served is not None, self.chosen_epoch, self.losers)
+        key = (self.epoch, self.served is not None, self._chosen_backed(), self.losers)
         if key == self._unbacked_input and self._unbacked_table is self.records:
             return
         self._unbacked_input, self._unbacked_table = key, self.records
@@ -609,6 +636,9 @@ class ProgressTracker:
         self.losers = frozenset(losing_peers(announced) - {self.peer_id})
         chosen = fork_choice(announced) if announced else None
         self.chosen_epoch = None if chosen is None else chosen[0]
+        self._chosen_holders = frozenset(
+            str(a.peer) for a in announced if chosen == (a.epoch, a.digest)
+        )
 
     async def freeze(self) -> None:
         """Publish that this peer stopped accumulating (it is averaging): ``waiting``, with
@@ -808,6 +838,11 @@ class ProgressTracker:
                     records[progress.peer_id] = progress
         self._parsed = parsed
         self.records = records
+        for pid, r in records.items():  # who trains, since which epoch (_chosen_backed)
+            if r.mode == "node" and r.samples > 0 and pid not in self._trained:
+                self._trained[pid] = r.epoch
+        while len(self._trained) > MAX_LOGGED:
+            del self._trained[next(iter(self._trained))]
         self._rates = {
             pid: r.samples_per_second or self._rates.get(pid, 0.0) for pid, r in records.items()
         }

@@ -42,14 +42,32 @@ TARGET = 96
 PHASE = 30.0  # seconds before and after the attack
 
 
+async def _train_serving_nothing(
+    core: object, i: int, params: list, *, micro: int, rate: float, on_step: Callable
+) -> None:
+    """:func:`train_steadily` without serving a state (as bench.byzantine's peers train)."""
+    epoch = 0
+    while True:
+        samples = 0
+        while True:
+            await trio.sleep(micro / rate)
+            samples += micro
+            if core.report(epoch, samples, micro):  # type: ignore[attr-defined]
+                break
+        outcome = await core.average(epoch, [np.ones(100, np.float32)], samples)  # type: ignore[attr-defined]
+        epoch = outcome.epoch
+        on_step(samples)
+
+
 def _run(
     attack: Callable[..., Awaitable[object]],
     seed: int = 7,
     target: int = TARGET,
     with_net: bool = False,
+    serve: bool = True,
 ) -> dict:
     """``attack(attacker_dht)``, or with ``with_net`` ``attack(attacker_dht, net, bootstrap)``
-    (to open more hostile nodes)."""
+    (to open more hostile nodes); ``serve``: the trainers serve their states."""
     config = CollaborationConfig.local_demo(target)
     config = config.replace(progress=config.progress.replace(max_refresh=1.0))
 
@@ -64,7 +82,8 @@ def _run(
                     out["steps"][i].append(trio.current_time())
                     out["samples"][i].append(samples)
 
-                await train_steadily(cores[i], i, params, micro=MICRO, rate=RATE, on_step=stepped)
+                train = train_steadily if serve else _train_serving_nothing
+                await train(cores[i], i, params, micro=MICRO, rate=RATE, on_step=stepped)
 
             async with (
                 open_sim_attacker(net, cores[0].node) as attacker,
@@ -93,20 +112,28 @@ def _epochs(out: dict) -> tuple[int, int]:
     return sum(t < at for t in steps), sum(t >= at for t in steps)
 
 
-@pytest.mark.parametrize("epoch", [HUGE, MAX_EPOCH, "next"])
+@pytest.mark.parametrize("epoch", [HUGE, MAX_EPOCH, "next", "next-unserved"])
 def test_one_record_ahead_neither_stops_the_run_nor_leads_it(epoch: int | str) -> None:
     """The issue's record (epoch 2**53 - 1, a week's TTL) stopped every trainer: now the nodes
     refuse it, and one the schema takes (epoch 10**9; or the next epoch, claiming a state of
-    it) is ignored by its readers."""
+    it) is ignored by its readers. ``next-unserved``: trainers that serve no state (as
+    bench.byzantine's): the made-up state was the only one announced, the fork choice named
+    it, and the run stopped at once (0 epochs after the attack) until only the states of
+    peers that averaged with us (or are vouched for) could back an epoch."""
 
     async def attack(dht: DHT) -> tuple:
-        if epoch == "next":  # one epoch ahead of the run, always, claiming a state of it
-            trio.lowlevel.spawn_system_task(keep_leading, dht, "run")
+        if str(epoch).startswith("next"):  # one epoch ahead of the run, always, with a state
             epoch_now = await current_epoch(dht, "run")
-            return await hijack_epoch(dht, "run", epoch=epoch_now + 1, state=True)
+            result, ttl = await hijack_epoch(dht, "run", epoch=epoch_now + 1, state=True)
+
+            async def lead() -> None:  # republished at the first record's TTL, so they land
+                await keep_leading(dht, "run", ttl=ttl)
+
+            trio.lowlevel.spawn_system_task(lead)
+            return result, ttl
         return await hijack_epoch(dht, "run", epoch=epoch)
 
-    out = _run(attack)
+    out = _run(attack, serve=epoch != "next-unserved")
     result, ttl = out["attack"]
     before, after = _epochs(out)
     print(f"epoch {epoch}: {before} / {after} epochs in {PHASE:.0f} s before / after; ttl {ttl}")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 
+import pytest
 import trio
 
 from dedloc_jax.config import CollaborationConfig, ProgressConfig
@@ -93,3 +94,46 @@ def test_a_claim_one_epoch_ahead_is_said_at_info_when_first_left_out(caplog) -> 
         liar = run_sim(main, seed=4)
     said = [r for r in caplog.records if f"ignoring peer {liar}" in r.getMessage()]
     assert [r.levelno for r in said] == [logging.INFO, logging.INFO], said  # one per reader
+
+
+@pytest.mark.parametrize(
+    ("history", "trained", "followed"),
+    [("mate", True, True), ("others", True, False), ("none", True, True), ("none", False, False)],
+)
+def test_a_state_one_epoch_ahead_backs_its_epoch_only_from_a_peer_whose_word_counts(
+    history: str, trained: bool, followed: bool
+) -> None:
+    """Trainers that serve no state (bench.byzantine's): the one state announced, one epoch
+    ahead, is what the fork choice names. From a peer that averaged with us (it just stepped)
+    it backs its epoch and is followed; from a stranger (keep_leading's made-up state) it
+    backed it too, and every honest peer waited, "behind", for good. Now a stranger's backs
+    nothing; a peer that averaged with nobody yet (``history`` none) follows one it saw train
+    (an honest step, a donor), not one that never claimed a sample."""
+    config = CollaborationConfig.local_demo(target_batch_size=500).replace(
+        progress=ProgressConfig(min_refresh=0.25, max_refresh=1.0, ttl=60.0)
+    )
+
+    async def main() -> tuple[bool, int]:
+        net = SimNetwork(seed=5)
+        async with open_sim_dhts(net, 4, latency=0.005) as peers, trio.open_nursery() as nursery:
+            trackers = [ProgressTracker(peers[i][1], "run", config, "node") for i in range(4)]
+            a, ahead = trackers[0], trackers[3]
+            for tracker in trackers:
+                await nursery.start(tracker.run)
+                if tracker is not ahead or trained:
+                    tracker.report(0, 10, 10)
+            if history != "none":
+                mates = [t.peer_id for t in trackers[1:3]]
+                a.expect_mates(0, mates + [ahead.peer_id] * (history == "mate"))
+            await trio.sleep(3.0)
+            ahead.set_epoch(1)  # it stepped (alone, so far) and serves its new state
+            ahead.serve(1, bytes([7]) * 32, (bytes(32),))
+            ahead.report(1, 10 if trained else 0, 10)  # (untrained: keep_leading's record)
+            await trio.sleep(5.0)
+            out = ahead.peer_id in a.unbacked, a.current_estimate().epoch
+            nursery.cancel_scope.cancel()
+        return out
+
+    left_out, epoch = run_sim(main, seed=5)
+    assert left_out == (not followed)
+    assert epoch == (1 if followed else 0)
