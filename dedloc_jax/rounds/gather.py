@@ -246,14 +246,14 @@ class SparseGather:
                 if own is not None and p not in pushed and p in first:
                     asks.setdefault(p, [])
             if not asks:
-                await _changed_or_retry(g)
+                await trio.sleep(RETRY)
                 continue
             async with trio.open_nursery() as nursery:
                 for p, want in asks.items():
                     nursery.start_soon(self._ask, g, round_id, p, want, own, pushed)
             attempt += 1
             if not g.senders - g.excluded <= set(g.held):
-                await _changed_or_retry(g)
+                await trio.sleep(RETRY)
 
     async def _ask(
         self,
@@ -281,14 +281,6 @@ class SparseGather:
             return
         for entry in entries:
             self._accept(g, round_id, entry)
-
-
-async def _changed_or_retry(g: _Gather) -> None:
-    """Wait until what ``g`` holds changes, ``RETRY`` seconds at most. Woken by an entry that
-    came in a request, the higher ID of two senders leaves with the lower one; it slept a whole
-    RETRY first (1 s behind its mate after every TopK DiLoCo round: docs/decisions.md)."""
-    with trio.move_on_after(RETRY):
-        await g.changed.wait()
 
 
 def _signed(round_id: bytes, weight: float, data: bytes) -> bytes:
