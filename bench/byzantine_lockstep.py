@@ -137,26 +137,15 @@ class Peer:
 def setup(held_out_batches: int) -> dict[str, Any]:
     """The prepared run's config, corpus, initial model and held-out batches."""
     from bench.byzantine_processes import prepared_run
-    from bench.chaos import _shared_cache
+    from bench.diloco_quality import prepare
     from examples.sahajbert import manifest as run_manifest
-    from examples.sahajbert import training
     from examples.sahajbert.config import TrainerConfig
 
     man, tok_dir = run_manifest.load(prepared_run())
     work = Path("/tmp/byzantine-lockstep")
     base = TrainerConfig(per_device_batch_size=8, work_dir=work)
     cfg = run_manifest.apply(man, base, tok_dir)
-    training.enable_compilation_cache(_shared_cache())
-    tokenizer, corpus = training.prepare_data(cfg)
-    vocab = len(tokenizer)
-    model = training.build_model(
-        training.model_config(cfg.model, vocab, cfg.seq_length, cfg.bf16), seed=cfg.seed
-    )
-    stream = training.batches(cfg, corpus, vocab, peer_seed=999)
-    held = []
-    for _ in range(held_out_batches):
-        b = next(stream)
-        held.append({k: v[0] for k, v in b.items() if k != training.DROPOUT_SEED})
+    corpus, vocab, model, held = prepare(cfg, held_out_batches)
     return {"cfg": cfg, "corpus": corpus, "vocab": vocab, "model": model, "held_out": held}
 
 
