@@ -82,6 +82,9 @@ class Addr:
 
 
 _addrs = ListOf(Addr(), max_len=MAX_ADDRS)
+# Fields a newer version adds to the records every peer publishes (progress, registration,
+# state): stored and passed on, never read. The strict schema refused "poll" on older nodes.
+NEWER_FIELDS = 4
 _digest = Bytes(MAX_DIGEST)
 
 PROGRESS = Struct(
@@ -109,6 +112,7 @@ PROGRESS = Struct(
     optional=frozenset(
         {"interval", "waiting", "state", "averages", "target", "alone", "outcome", "poll"}
     ),
+    newer=NEWER_FIELDS,
 )
 """A :class:`~dedloc_jax.progress.PeerProgress` record (``to_record``)."""
 
@@ -118,12 +122,14 @@ MEMBER = Struct(
         "up": Float(1e-9, MAX_BPS),
         "down": Float(1e-9, MAX_BPS),
         "weight": Float(0.0, MAX_SAMPLES),
-    }
+    },
+    newer=NEWER_FIELDS,
 )
 
 REGISTRATION = Struct(
     {"member": MEMBER, "addrs": _addrs, "state": Bytes(MAX_STATE_BYTES)},
     optional=frozenset({"state"}),
+    newer=NEWER_FIELDS,
 )
 """A matchmaking registration under ``RUN.group.E`` (or ``RUN.group.E.x``)."""
 
@@ -147,6 +153,7 @@ STATE_ANNOUNCEMENT = Struct(
         ),
     },
     optional=frozenset({"vouches"}),
+    newer=NEWER_FIELDS,
 )
 """A state donor's announcement under ``RUN.state`` (``vouches``: :mod:`dedloc_jax.state.
 vouching`, each ``[epoch, digest, mates, key, signature]``)."""

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 from p2p.dht.errors import InvalidRecordError
-from p2p.dht.records import Record, owner_markers, signing_payload, unpack_value
+from p2p.dht.records import Record, owner_markers, pack_value, signing_payload, unpack_value
 from p2p.errors import IdentityError
 from p2p.identity import PUBLIC_KEY_BYTES, SIGNATURE_BYTES, Identity, PeerID, verify_signature
 
@@ -278,19 +278,30 @@ class Tuple:
         return None
 
 
+_FIELD_NAME = re.compile(r"[a-z][a-z0-9_]{0,31}")
+
+
 @dataclass(frozen=True)
 class Struct:
-    """A map with named fields; ``optional`` fields may be missing, others are refused."""
+    """A map with named fields; ``optional`` fields may be missing.
+
+    Fields it does not name are refused, except, with ``newer`` > 0, up to that many whose
+    names are short lower-case identifiers and whose values pack to ``newer_bytes`` at most in
+    all: fields a newer version of the record added. A node of this version then stores and
+    passes on a newer peer's record (readers ignore what they do not know) where a strict
+    schema kept it off every older node; the bounds keep it from carrying bulk or markup."""
 
     fields: Mapping[str, Spec]
     optional: frozenset[str] = field(default_factory=frozenset)
+    newer: int = 0
+    newer_bytes: int = 512
 
     def check(self, value: Any, path: str) -> str | None:
         if not isinstance(value, dict):
             return f"{path} must be a map"
         extra = [k for k in value if k not in self.fields]
-        if extra:
-            return f"{path} has unknown field {str(extra[0])[:64]!r}"
+        if extra and (reason := self._newer(value, extra, path)) is not None:
+            return reason
         for name, spec in self.fields.items():
             if name not in value:
                 if name in self.optional:
@@ -298,6 +309,18 @@ class Struct:
                 return f"{path}.{name} is missing"
             if (reason := spec.check(value[name], f"{path}.{name}")) is not None:
                 return reason
+        return None
+
+    def _newer(self, value: dict, extra: list[Any], path: str) -> str | None:
+        unknown = f"{path} has unknown field {str(extra[0])[:64]!r}"
+        if len(extra) > self.newer:
+            return unknown if self.newer == 0 else f"{unknown} (over {self.newer} unknown)"
+        for k in extra:
+            if not isinstance(k, str) or _FIELD_NAME.fullmatch(k) is None:
+                return f"{path} has a field named {str(k)[:64]!r}, not a lower-case identifier"
+        size = sum(len(pack_value(value[k])) for k in extra)
+        if size > self.newer_bytes:
+            return f"{path}'s unknown fields take {size} bytes (over {self.newer_bytes})"
         return None
 
 

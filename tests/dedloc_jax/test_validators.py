@@ -12,7 +12,7 @@ import pytest
 import trio
 
 from dedloc_jax.progress import PeerProgress
-from dedloc_jax.rounds.wire import group_key, member_for, member_to_wire
+from dedloc_jax.rounds.wire import group_key, member_for, member_from_wire, member_to_wire
 from dedloc_jax.state.serving import state_key
 from dedloc_jax.tracker import progress_key
 from dedloc_jax.validators import run_validators
@@ -79,7 +79,12 @@ def test_the_real_records_pass() -> None:
         ("progress", {"time": math.inf}, "value.time must be finite"),
         ("progress", {"mode": "<script>alert(1)</script>"}, "value.mode must be one of"),
         ("progress", {"waiting": 1}, "value.waiting must be a boolean"),
-        ("progress", {"extra": 1}, "unknown field 'extra'"),
+        ("progress", {f"x{i}": 1 for i in range(5)}, "unknown field 'x0' (over 4 unknown)"),
+        ("progress", {"<b>x</b>": 1}, "field named '<b>x</b>', not a lower-case identifier"),
+        ("progress", {"Poll": 1}, "not a lower-case identifier"),
+        ("progress", {"note": "x" * 600}, "unknown fields take 60"),
+        ("group", {"later": [1] * 600}, "unknown fields take"),
+        ("state", {"a": b"x" * 300, "b": b"y" * 300}, "unknown fields take"),
         ("progress", {"state": [7, b"d", [b"x"] * 5]}, "value.state[2] has more than 4"),
         ("progress", {"target": 0}, "value.target below 1"),
         ("group", {"addrs": ["<b>x</b>" * 100]}, "value.addrs[0] must be a multiaddr of at most"),
@@ -108,6 +113,28 @@ def test_records_of_another_shape_are_refused_with_the_reason(key, change, why) 
     }[key]
     reason = _reason(_signed(k, {**base, **change}))
     assert reason is not None and why in reason and k in reason
+
+
+def test_a_newer_versions_records_are_stored_and_read_without_its_fields() -> None:
+    """A record with fields a newer version added (as ``poll`` once was) passes every node of
+    this one, and readers take what they know: the strict schema kept a mid-step peer's records
+    off every older node of a mixed-version run."""
+    newer = {"later": 0.5, "hint": [1, 2], "flag": True}
+    progress = {**_progress(), **newer}
+    assert _reason(_signed(progress_key(RUN), progress)) is None
+    assert PeerProgress.from_record(str(ME.peer_id), progress) == PeerProgress.from_record(
+        str(ME.peer_id), _progress()
+    )
+    registration = {**_registration(), **newer}
+    registration["member"] = {**registration["member"], "later": 1}
+    assert _reason(_signed(group_key(RUN, 3), registration)) is None
+    assert member_from_wire("p", registration["member"]) == member_from_wire(
+        "p", _registration()["member"]
+    )
+    assert _reason(_signed(state_key(RUN), {**_state(), **newer})) is None
+    # a known field is still checked as strictly, whatever comes beside it
+    bad = {**progress, "epoch": -1}
+    assert "value.epoch below 0" in (_reason(_signed(progress_key(RUN), bad)) or "")
 
 
 def test_records_that_would_live_longer_than_the_run_allows_are_refused() -> None:
