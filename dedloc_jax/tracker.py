@@ -412,7 +412,8 @@ class ProgressTracker:
     def _chosen_backed(self) -> int | None:
         """:attr:`chosen_epoch` when a peer whose word counts holds that state: ours, or an
         averaged-with, vouched-for or endorsed peer's; before we averaged with anyone, one we
-        saw train at it or before. A state only strangers announce is no backing:
+        saw train at it or before, until a download refutes it (:meth:`_stranger_backs`).
+        A state only strangers announce is no backing otherwise:
         bench.byzantine's keep_leading (a made-up state one epoch ahead, the only one
         announced where trainers serve none) was chosen, lifted the ceiling, and every honest
         peer waited, "behind", at epoch 3 for good."""
