@@ -127,8 +127,9 @@ class ProgressTracker:
         self._chosen_holders: frozenset[str] = frozenset()  # the peers that announce it
         self._trained: dict[str, int] = {}  # peer -> the first epoch it was read training at
         self._renewed: dict[str, float] = {}  # peer -> when we last read a new record of it
-        # (peer, epoch, digest) -> when its state first backed its epoch unconfirmed
-        self._unconfirmed: dict[tuple[str, int, bytes], float] = {}
+        # peer -> (the epoch of the state it first backed unconfirmed, since when): see
+        # _stranger_backs
+        self._unconfirmed: dict[str, tuple[int, float]] = {}
         # Peers whose epoch nobody backs (see contenders), and those already logged.
         self.unbacked: frozenset[str] = frozenset()
         self._unbacked_input: tuple = ()
@@ -449,11 +450,16 @@ class ProgressTracker:
         failed = None if self._failed is None else self._failed(holder, epoch, digest)
         if failed is not None:
             return self._renewed.get(holder, -math.inf) <= failed
+        # The clock runs per holder, not per state: one that names another digest or epoch at
+        # each republish starts none anew. It starts anew once we reached the epoch it backed
+        # (we loaded that state, or the run got there): a donor's next state is news again.
         now = trio.current_time()
-        first = self._unconfirmed.setdefault((holder, epoch, digest), now)
-        while len(self._unconfirmed) > MAX_LOGGED:
-            del self._unconfirmed[next(iter(self._unconfirmed))]
-        return now - first < self.config.progress.ttl
+        held = self._unconfirmed.get(holder)
+        if held is None or self.epoch >= held[0]:
+            held = self._unconfirmed[holder] = (epoch, now)
+            while len(self._unconfirmed) > MAX_LOGGED:
+                del self._unconfirmed[next(iter(self._unconfirmed))]
+        return now - held[1] < self.config.progress.ttl
 
     def _find_unbacked(self) -> None:
         """Recount :attr:`unbacked` when the table, our epoch or the states changed."""

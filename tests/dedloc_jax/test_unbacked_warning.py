@@ -140,7 +140,7 @@ def test_a_state_one_epoch_ahead_backs_its_epoch_only_from_a_peer_whose_word_cou
     assert epoch == (1 if followed else 0)
 
 
-@pytest.mark.parametrize("case", ["unconfirmed", "refused", "left"])
+@pytest.mark.parametrize("case", ["unconfirmed", "redigested", "refused", "left"])
 def test_a_strangers_state_backs_a_peer_with_no_history_until_its_download_fails(
     case: str,
 ) -> None:
@@ -151,7 +151,9 @@ def test_a_strangers_state_backs_a_peer_with_no_history_until_its_download_fails
     publishes (``refused``: it is here and served nothing), or for a record's lifetime when
     no download confirms it (``unconfirmed``); a donor that failed because it left (no
     record of it read since, ``left``) is still followed until its record lapses, and the
-    newcomer waits for the run's state instead of training alone from scratch."""
+    newcomer waits for the run's state instead of training alone from scratch. A holder
+    that names another made-up digest every few seconds (``redigested``) gets one record's
+    lifetime in all, not one per digest."""
     config = CollaborationConfig.local_demo(target_batch_size=500).replace(
         progress=ProgressConfig(min_refresh=0.25, max_refresh=1.0, ttl=60.0)
     )
@@ -189,7 +191,12 @@ def test_a_strangers_state_backs_a_peer_with_no_history_until_its_download_fails
                 await trio.sleep(1.0)
                 ahead.report(1, 20, 10)
                 await ahead.publish()  # still here, publishing
-            await trio.sleep(5.0 if case != "unconfirmed" else config.progress.ttl)
+            if case == "redigested":  # (read as the last digest's first 5 s)
+                for k in range(int(config.progress.ttl // 5)):
+                    ahead.serve(1, bytes([8 + k]) * 32, (bytes(32),))
+                    await trio.sleep(5.0)
+            else:
+                await trio.sleep(5.0 if case != "unconfirmed" else config.progress.ttl)
             later = ahead.peer_id not in a.unbacked and a.current_estimate().epoch == 1
             nursery.cancel_scope.cancel()
         return followed, later
