@@ -52,7 +52,10 @@ class ProgressTracker:
 
     ``banned``: whether a peer is banned (:meth:`dedloc_jax.bans.Bans.is_banned`); a banned
     peer's record is dropped from the table, so it neither counts toward the batch nor moves
-    the epoch, the fork choice or the newest served state (None: nobody is banned)."""
+    the epoch, the fork choice or the newest served state (None: nobody is banned).
+    ``failed``: when our download of a peer's offer (epoch, digest) failed, while that offer
+    is dropped (:meth:`~dedloc_jax.state.download.GoneDonors.failed_at`; see
+    :meth:`_stranger_backs`)."""
 
     def __init__(
         self,
@@ -67,10 +70,7 @@ class ProgressTracker:
         failed: Callable[[str, int, bytes], float | None] | None = None,
     ) -> None:
         self.dht = dht
-        self._banned = banned
-        # When our download of a peer's offered state (epoch, digest) failed, while that
-        # offer is dropped (GoneDonors.failed_at): see _stranger_backs.
-        self._failed = failed
+        self._banned, self._failed = banned, failed
         # Whether another peer vouched it averaged with a peer (a VouchBook's; the records
         # carry no vouches): the fork choice counts only vouched states while any is; and
         # whether our roots trust it (endorsed ones outrank those: state.vouching).
@@ -123,13 +123,11 @@ class ProgressTracker:
         # The epoch of the state the fork choice names in the table (None: none served): a
         # claim of an epoch up to it is backed by a state a download would bring.
         self.chosen_epoch: int | None = None
-        self._chosen: tuple[int, bytes] | None = None  # that state (epoch, digest)
-        self._chosen_holders: frozenset[str] = frozenset()  # the peers that announce it
+        self._chosen: tuple[int, bytes] | None = None  # that state (epoch, digest), held by:
+        self._chosen_holders: frozenset[str] = frozenset()
         self._trained: dict[str, int] = {}  # peer -> the first epoch it was read training at
         self._renewed: dict[str, float] = {}  # peer -> when we last read a new record of it
-        # peer -> (the epoch of the state it first backed unconfirmed, since when): see
-        # _stranger_backs
-        self._unconfirmed: dict[str, tuple[int, float]] = {}
+        self._unconfirmed: dict[str, tuple[int, float]] = {}  # see _stranger_backs
         # Peers whose epoch nobody backs (see contenders), and those already logged.
         self.unbacked: frozenset[str] = frozenset()
         self._unbacked_input: tuple = ()
@@ -450,9 +448,10 @@ class ProgressTracker:
         failed = None if self._failed is None else self._failed(holder, epoch, digest)
         if failed is not None:
             return self._renewed.get(holder, -math.inf) <= failed
-        # The clock runs per holder, not per state: one that names another digest or epoch at
-        # each republish starts none anew. It starts anew once we reached the epoch it backed
-        # (we loaded that state, or the run got there): a donor's next state is news again.
+        # The clock (holder -> the epoch it first backed unconfirmed, since when) runs per
+        # holder, not per state: one that names another digest or epoch at each republish
+        # starts none anew. It starts anew once we reached the epoch it backed (we loaded
+        # that state, or the run got there): a donor's next state is news again.
         now = trio.current_time()
         held = self._unconfirmed.get(holder)
         if held is None or self.epoch >= held[0]:

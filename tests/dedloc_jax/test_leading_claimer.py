@@ -167,8 +167,9 @@ def test_a_leading_claimer_holds_neither_keeping_peers_nor_a_newcomer():
     print(
         f"epochs after the attack {steps} (clean {base}); first step at {first:.1f} s; "
         f"newcomer joined at {out['joined']:.1f} s, loads {out['newcomer_loads']}, "
-        f"first step {held} s later (clean: {clean['newcomer_steps'][:1]}, "
-        f"{clean['newcomer_loads']}), {len(out['newcomer_steps'])} steps"
+        f"first step {held} s later, {len(out['newcomer_steps'])} steps (clean: "
+        f"{clean['newcomer_loads']}, {clean['newcomer_steps'][:1]}, "
+        f"{len(clean['newcomer_steps'])} steps)"
     )
     assert min(base) >= 8
     assert min(steps) >= 0.7 * min(base)
