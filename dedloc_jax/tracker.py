@@ -865,10 +865,12 @@ class ProgressTracker:
             for subkey, rec in sorted(view.items()):
                 # Most records did not change since the last read: parse only the new ones.
                 known = self._parsed.get(subkey)
-                new = known is None or known[0] is not rec
-                progress = _parse(subkey, rec) if new else known[1]  # type: ignore[index]
+                progress = (
+                    known[1] if known is not None and known[0] is rec else _parse(subkey, rec)
+                )
                 parsed[subkey] = (rec, progress)
-                if new and progress is not None:  # (its peer publishes: see _stranger_backs)
+                newer = known is None or rec.newer_than(known[0])  # (not another replica's)
+                if newer and progress is not None:  # its peer publishes: see _stranger_backs
                     self._renewed.pop(progress.peer_id, None)
                     self._renewed[progress.peer_id] = started
                 if progress is not None and not self._is_banned(progress.peer_id):
