@@ -109,16 +109,19 @@ async def keep_leading(
     every: float = 0.5,
     state: bool = True,
     ttl: float = 60.0,
+    samples: int = 0,
 ) -> None:
     """Claim the run's current epoch + ``lead`` (serving a made-up state of it with
-    ``state``) every ``every`` seconds, so that the honest peers always look behind.
+    ``state``) every ``every`` seconds, so that the honest peers always look behind;
+    ``samples``: claimed at that epoch too, so that a reader with no history of its own sees
+    the attacker train there, as it sees a donor (keep_leading and claim_samples in one).
 
     Pass the ``ttl`` of the attacker's first record (:func:`hijack_epoch`'s): a node keeps
     whichever record of a subkey expires last, so republishes of a shorter life are dropped
     as outdated and the attack would be that one record, soon behind the run."""
     while True:
         epoch = await current_epoch(dht, run_id) + lead
-        value = _progress(epoch, 0, 0.0, dht.now())
+        value = _progress(epoch, samples, 0.0, dht.now())
         if state:
             value["state"] = [epoch, FAKE_DIGEST, []]
         await _store(dht, progress_key(run_id), value, ttl)

@@ -21,9 +21,11 @@ its own batches) for ``--epochs`` epochs; peer 3 is hostile. Attacks:
   open_sim_attacker`) while peer 3 trains honestly: ``hijack_epoch`` (one record at epoch
   2**53 - 1 for a week), ``keep_leading`` (one epoch ahead, claiming a state of it),
   ``claim_samples`` (2**53 samples at the current epoch, republished), ``junk_state_offer``
-  (epoch 10**6, markup for addresses), and ``lying_config`` (peer 3 states 1e15 B/s links in
-  every registration; its reductions are honest). These defences cannot be switched off: one
-  row each, with them.
+  (epoch 10**6, markup for addresses), ``lying_config`` (peer 3 states 1e15 B/s links in
+  every registration; its reductions are honest), and ``leading_claimer`` (keep_leading
+  claiming 2**53 samples at its epoch, mounted before the first round, when no peer has a
+  history to tell it from a donor). These defences cannot be switched off: one row each,
+  with them.
 * the matchmaking attacks of :mod:`bench.hostile_leader` (``leader_takes_half``,
   ``leader_takes_one_holds``, ``leader_takes_all_but_one``, ``sybil_refusals``): their own
   five peers, matchmaking only; ``grouped_epochs`` counts the epochs with every honest peer
@@ -138,6 +140,7 @@ PROGRESS_ATTACKS = (
     "claim_samples",
     "junk_state_offer",
     "lying_config",
+    "leading_claimer",
 )
 LEADER_ATTACKS = tuple(a for a in hostile_leader.SCENARIOS if a != "clean")
 """A hostile matchmaking leader or Sybil refusal claims (:mod:`bench.hostile_leader`: five
@@ -157,11 +160,15 @@ BASELINE_SAMPLES = "clean4@samples"
 """A progress attack's baseline (peer 3 trains honestly throughout): the clean run of four,
 at equal honest samples."""
 ATTACK_AT = 2.0  # virtual seconds into the run when a progress attack starts
+# ... but leading_claimer at once: before the first round, no peer has averaged with anyone
+# and a stranger that claims samples looks like a donor (issue 46; test_leading_claimer.py)
+ATTACK_AT_START = ("leading_claimer",)
 # What an honest peer logs when it ignores or bounds the attacker's word (detection).
 DETECTED_BY = {
     "hijack_epoch": "ignoring peer",
     "keep_leading": "ignoring peer",
     "claim_samples": "ignoring peer",
+    "leading_claimer": "ignoring peer",
     "junk_state_offer": "invalid record",
     "lying_config": "bounded by the group's medians",
     "malformed_payload": "sparse payload rejected",
@@ -181,6 +188,9 @@ async def mount(attack: str, dht: DHT, run_id: str, refused: list[bool]) -> None
         result, ttl = await ap.hijack_epoch(dht, run_id, epoch=epoch, state=True)
         refused.append(bool(result.refused))
         await ap.keep_leading(dht, run_id, ttl=ttl)  # the same lifetime: republishes land
+    elif attack == "leading_claimer":  # keep_leading, claiming samples at its epoch too
+        refused.append(False)
+        await ap.keep_leading(dht, run_id, samples=ap.HUGE)
     elif attack == "claim_samples":
         epoch = await ap.current_epoch(dht, run_id)
         refused.append(bool((await ap.claim_samples(dht, run_id, epoch=epoch)).refused))
@@ -524,8 +534,10 @@ def run(
             t0 = trio.current_time()
             steps_at: list[float] = []  # peer 0's step times
 
+            attack_at = 0.0 if attack in ATTACK_AT_START else ATTACK_AT
+
             async def hostile() -> None:
-                await trio.sleep(ATTACK_AT)
+                await trio.sleep(attack_at)
                 await mount(attack or "", attacker, "run", refused)
 
             async def peer(i: int) -> None:
@@ -565,7 +577,7 @@ def run(
                         nursery.start_soon(peer, i)
                 outer.cancel_scope.cancel()
             out["refused"] = any(refused)
-            out["attack_at"] = t0 + ATTACK_AT
+            out["attack_at"] = t0 + attack_at
             out["steps_at"] = steps_at
             out["virtual_s"] = trio.current_time() - t0
             out["bytes"] = sum(sum(c.node.bytes_sent.values()) for c in cores)

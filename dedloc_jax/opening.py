@@ -32,6 +32,7 @@ from dedloc_jax.rounds.slots import Slots
 from dedloc_jax.rounds.stepping import Stepper
 from dedloc_jax.run_dht import RunDHT
 from dedloc_jax.state import StateServer
+from dedloc_jax.state.download import GoneDonors
 from dedloc_jax.state.local import LocalState, mates_into
 from dedloc_jax.state.serving import TRUST_REFRESH
 from dedloc_jax.state.vouching import VouchBook
@@ -152,6 +153,9 @@ def _assemble(
     registers its handlers here, before any round can start."""
     bans = Bans(node, dht, run_id)
     vouches = VouchBook(roots)
+    # Offers of donors that failed our downloads, held for an announcement's lifetime (the
+    # tracker's record TTL, as the state server's): the tracker reads them too.
+    gone = GoneDonors(lambda: tracker.record_ttl())
     tracker = ProgressTracker(
         dht,
         run_id,
@@ -160,6 +164,7 @@ def _assemble(
         banned=bans.is_banned,
         vouched=vouches.vouched,
         endorsed=vouches.endorsed,
+        failed=gone.failed_at,
     )
     server = StateServer(
         node,
@@ -180,6 +185,7 @@ def _assemble(
         vouches,
         rpc_timeout=config.rpc_timeout,
         renew_every=config.progress.ttl / 3,
+        gone=gone,
     )
     slots = Slots()
     context = context_of(tracker, server.head_at, bans.is_banned, admit)

@@ -52,7 +52,10 @@ class ProgressTracker:
 
     ``banned``: whether a peer is banned (:meth:`dedloc_jax.bans.Bans.is_banned`); a banned
     peer's record is dropped from the table, so it neither counts toward the batch nor moves
-    the epoch, the fork choice or the newest served state (None: nobody is banned)."""
+    the epoch, the fork choice or the newest served state (None: nobody is banned).
+    ``failed``: when our download of a peer's offer (epoch, digest) failed, while that offer
+    is dropped (:meth:`~dedloc_jax.state.download.GoneDonors.failed_at`; see
+    :meth:`_stranger_backs`)."""
 
     def __init__(
         self,
@@ -64,9 +67,10 @@ class ProgressTracker:
         banned: Callable[[str], bool] | None = None,
         vouched: Callable[[str], bool] | None = None,
         endorsed: Callable[[str], bool] | None = None,
+        failed: Callable[[str, int, bytes], float | None] | None = None,
     ) -> None:
         self.dht = dht
-        self._banned = banned
+        self._banned, self._failed = banned, failed
         # Whether another peer vouched it averaged with a peer (a VouchBook's; the records
         # carry no vouches): the fork choice counts only vouched states while any is; and
         # whether our roots trust it (endorsed ones outrank those: state.vouching).
@@ -119,8 +123,11 @@ class ProgressTracker:
         # The epoch of the state the fork choice names in the table (None: none served): a
         # claim of an epoch up to it is backed by a state a download would bring.
         self.chosen_epoch: int | None = None
-        self._chosen_holders: frozenset[str] = frozenset()  # the peers that announce it
+        self._chosen: tuple[int, bytes] | None = None  # that state (epoch, digest), held by:
+        self._chosen_holders: frozenset[str] = frozenset()
         self._trained: dict[str, int] = {}  # peer -> the first epoch it was read training at
+        self._renewed: dict[str, float] = {}  # peer -> when we last read a new record of it
+        self._unconfirmed: dict[str, tuple[int, float]] = {}  # see _stranger_backs
         # Peers whose epoch nobody backs (see contenders), and those already logged.
         self.unbacked: frozenset[str] = frozenset()
         self._unbacked_input: tuple = ()
@@ -404,7 +411,8 @@ class ProgressTracker:
     def _chosen_backed(self) -> int | None:
         """:attr:`chosen_epoch` when a peer whose word counts holds that state: ours, or an
         averaged-with, vouched-for or endorsed peer's; before we averaged with anyone, one we
-        saw train at it or before. A state only strangers announce is no backing:
+        saw train at it or before, until a download refutes it (:meth:`_stranger_backs`).
+        A state only strangers announce is no backing otherwise:
         bench.byzantine's keep_leading (a made-up state one epoch ahead, the only one
         announced where trainers serve none) was chosen, lifted the ceiling, and every honest
         peer waited, "behind", at epoch 3 for good."""
@@ -419,12 +427,38 @@ class ProgressTracker:
         ):
             return epoch
         # Having averaged with nobody (a run's start, a newcomer), a peer we saw train (claim
-        # samples) at it or before backs it; keep_leading's claimer claims none.
-        if not self._averaged_with and any(
-            self._trained.get(p, epoch + 1) <= epoch for p in backers
-        ):
+        # samples) at it or before backs it, for a while; keep_leading's claimer claims none.
+        if not self._averaged_with and any(map(self._stranger_backs, sorted(backers))):
             return epoch
         return None
+
+    def _stranger_backs(self, holder: str) -> bool:
+        """Whether ``holder`` of the chosen state, a peer we have no word on, backs its epoch
+        for us, who averaged with nobody yet: one we saw train at it or before (a donor, an
+        honest step) does, until a download of it fails while it still publishes (it is here
+        and did not serve what it claims), or for a record's lifetime when no download
+        confirms it. A donor that left (failed, and no record of it read since) backs it
+        until its record lapses. One attacker that kept one epoch ahead with a made-up state
+        and claimed samples there held every peer at a run's start, "behind", for good
+        (tests/dedloc_jax/test_leading_claimer.py)."""
+        assert self._chosen is not None
+        epoch, digest = self._chosen
+        if self._trained.get(holder, epoch + 1) > epoch:
+            return False
+        failed = None if self._failed is None else self._failed(holder, epoch, digest)
+        if failed is not None:
+            return self._renewed.get(holder, -math.inf) <= failed
+        # The clock (holder -> the epoch it first backed unconfirmed, since when) runs per
+        # holder, not per state: one that names another digest or epoch at each republish
+        # starts none anew. It starts anew once we reached the epoch it backed (we loaded
+        # that state, or the run got there): a donor's next state is news again.
+        now = trio.current_time()
+        held = self._unconfirmed.get(holder)
+        if held is None or self.epoch >= held[0]:
+            held = self._unconfirmed[holder] = (epoch, now)
+            while len(self._unconfirmed) > MAX_LOGGED:
+                del self._unconfirmed[next(iter(self._unconfirmed))]
+        return now - held[1] < self.config.progress.ttl
 
     def _find_unbacked(self) -> None:
         """Recount :attr:`unbacked` when the table, our epoch or the states changed."""
@@ -636,6 +670,7 @@ class ProgressTracker:
         self.losers = frozenset(losing_peers(announced) - {self.peer_id})
         chosen = fork_choice(announced) if announced else None
         self.chosen_epoch = None if chosen is None else chosen[0]
+        self._chosen = chosen
         self._chosen_holders = frozenset(
             str(a.peer) for a in announced if chosen == (a.epoch, a.digest)
         )
@@ -834,6 +869,10 @@ class ProgressTracker:
                     known[1] if known is not None and known[0] is rec else _parse(subkey, rec)
                 )
                 parsed[subkey] = (rec, progress)
+                newer = known is None or rec.newer_than(known[0])  # (not another replica's)
+                if newer and progress is not None:  # its peer publishes: see _stranger_backs
+                    self._renewed.pop(progress.peer_id, None)
+                    self._renewed[progress.peer_id] = started
                 if progress is not None and not self._is_banned(progress.peer_id):
                     records[progress.peer_id] = progress
         self._parsed = parsed
@@ -843,6 +882,8 @@ class ProgressTracker:
                 self._trained[pid] = r.epoch
         while len(self._trained) > MAX_LOGGED:
             del self._trained[next(iter(self._trained))]
+        while len(self._renewed) > MAX_LOGGED:
+            del self._renewed[next(iter(self._renewed))]
         self._rates = {
             pid: r.samples_per_second or self._rates.get(pid, 0.0) for pid, r in records.items()
         }

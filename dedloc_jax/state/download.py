@@ -46,14 +46,25 @@ class GoneDonors:
 
     def __init__(self, hold: Callable[[], float]) -> None:
         self.hold = hold
-        self._gone: dict[str, tuple[int, bytes, float]] = {}
+        self._gone: dict[str, tuple[int, bytes, float, float]] = {}  # (..., until, failed at)
 
     def drop(self, peer: PeerID | str, epoch: int, digest: bytes, why: str = "failed") -> None:
         """Drop ``peer``'s offer of (``epoch``, ``digest``); said once (INFO) per peer."""
         (log.debug if str(peer) in self._gone else log.info)(
             "donor %s %s; not asked again until it announces another state", str(peer)[:8], why
         )
-        self._gone[str(peer)] = (epoch, digest, trio.current_time() + self.hold())
+        now = trio.current_time()
+        self._gone[str(peer)] = (epoch, digest, now + self.hold(), now)
+
+    def failed_at(self, peer: str, epoch: int, digest: bytes) -> float | None:
+        """When a download of ``peer``'s offer of (``epoch``, ``digest``) last failed, while
+        that offer is dropped (None: it is not). The progress tracker reads it: a state only
+        strangers hold backs its epoch for a peer with no history of its own until a download
+        of it fails (:meth:`~dedloc_jax.tracker.ProgressTracker.backed_ceiling`)."""
+        g = self._gone.get(peer)
+        if g is None or g[:2] != (epoch, digest) or g[2] <= trio.current_time():
+            return None
+        return g[3]
 
     def offers(self, announced: Iterable[Announcement]) -> list[Announcement]:
         """``announced`` less the offers dropped."""
@@ -286,8 +297,8 @@ async def _latest_manifests(
         except P2PError as e:
             _failed(gone, donor, offer, f"gave no current manifest: {e}")
             continue
-        except StateError as e:
-            log.info("donor %s gave no current manifest: %s", donor, e)
+        except StateError as e:  # (it answered: not the state it offered)
+            _failed(gone, donor, offer, f"gave a malformed manifest: {e}")
             continue
         if manifest.epoch >= min_epoch:
             held.setdefault(manifest.digest, (manifest, []))[1].append(donor)
@@ -378,12 +389,13 @@ async def _announced_manifest(
         except P2PError as e:
             _failed(gone, donor, (epoch, digest), f"gave no manifest: {e}")
             continue
-        except StateError as e:
-            log.info("donor %s gave no manifest: %s", donor, e)
+        except StateError as e:  # (it answered: not the state it announced)
+            _failed(gone, donor, (epoch, digest), f"gave a malformed manifest: {e}")
             continue
         if candidate.digest == digest:
             return candidate
         log.warning("donor %s sent a manifest that does not match its announcement", donor)
+        _failed(gone, donor, (epoch, digest), "sent another state's manifest")
     return None
 
 
@@ -447,8 +459,8 @@ async def _fetch_chunks(
                     _failed(gone, donor, offer, f"failed on chunk {i}: {e}")
                     failed.add(donor)
                     return
-                except StateError as e:
-                    log.info("donor %s failed on chunk %d: %s", donor, i, e)
+                except StateError as e:  # (a chunk that is not the manifest's)
+                    _failed(gone, donor, offer, f"sent a bad chunk {i}: {e}")
                     failed.add(donor)
                     return
 

@@ -64,6 +64,7 @@ class LocalState:
         *,
         rpc_timeout: float,
         renew_every: float,
+        gone: GoneDonors | None = None,
     ) -> None:
         self.node = node
         self.dht = dht
@@ -73,7 +74,8 @@ class LocalState:
         self.book = book
         self.rpc_timeout = rpc_timeout
         self.renew_every = renew_every  # after an announcement that renewed nothing
-        self.gone = GoneDonors(lambda: server.ttl())  # offers of donors that failed us
+        # offers of donors that failed us (shared with the tracker: see opening)
+        self.gone = gone if gone is not None else GoneDonors(lambda: server.ttl())
 
     async def share(self, arrays: Sequence[np.ndarray], epoch: int) -> None:
         manifest = self.server.set_state(arrays, epoch)

@@ -8,6 +8,7 @@ import pytest
 import trio
 
 from dedloc_jax.config import CollaborationConfig, ProgressConfig
+from dedloc_jax.state.download import GoneDonors
 from dedloc_jax.tracker import ProgressTracker
 from p2p.dht.records import owner_marker
 from p2p.testing import SimNetwork, run_sim
@@ -137,3 +138,69 @@ def test_a_state_one_epoch_ahead_backs_its_epoch_only_from_a_peer_whose_word_cou
     left_out, epoch = run_sim(main, seed=5)
     assert left_out == (not followed)
     assert epoch == (1 if followed else 0)
+
+
+@pytest.mark.parametrize("case", ["unconfirmed", "redigested", "refused", "left"])
+def test_a_strangers_state_backs_a_peer_with_no_history_until_its_download_fails(
+    case: str,
+) -> None:
+    """A peer that averaged with nobody follows a state one epoch ahead whose holder it saw
+    train (a donor), as above. One attacker that keeps one epoch ahead with a made-up state
+    and claims samples there looks the same, and held such peers, "behind", for good. Now
+    the state backs its epoch until our download of it fails while its holder still
+    publishes (``refused``: it is here and served nothing), or for a record's lifetime when
+    no download confirms it (``unconfirmed``); a donor that failed because it left (no
+    record of it read since, ``left``) is still followed until its record lapses, and the
+    newcomer waits for the run's state instead of training alone from scratch. A holder
+    that names another made-up digest every few seconds (``redigested``) gets one record's
+    lifetime in all, not one per digest."""
+    config = CollaborationConfig.local_demo(target_batch_size=500).replace(
+        progress=ProgressConfig(min_refresh=0.25, max_refresh=1.0, ttl=60.0)
+    )
+    digest = bytes([7]) * 32
+
+    async def main() -> tuple[bool, bool]:
+        net = SimNetwork(seed=6)
+        gone = GoneDonors(lambda: 60.0)
+        async with open_sim_dhts(net, 3, latency=0.005) as peers, trio.open_nursery() as nursery:
+            a = ProgressTracker(peers[0][1], "run", config, "node", failed=gone.failed_at)
+            b = ProgressTracker(peers[1][1], "run", config, "node")
+            ahead = ProgressTracker(peers[2][1], "run", config, "node")
+            await nursery.start(a.run)
+            await nursery.start(b.run)
+            ahead_scope = trio.CancelScope()
+
+            async def run_ahead() -> None:
+                with ahead_scope:
+                    await ahead.run()
+
+            nursery.start_soon(run_ahead)
+            for tracker in (a, b, ahead):
+                tracker.report(0, 10, 10)
+            await trio.sleep(3.0)
+            ahead.set_epoch(1)
+            ahead.serve(1, digest, (bytes(32),))
+            ahead.report(1, 10, 10)
+            await trio.sleep(5.0)
+            followed = ahead.peer_id not in a.unbacked and a.current_estimate().epoch == 1
+            if case == "left":
+                ahead_scope.cancel()  # gone: its record stays until it lapses
+            if case != "unconfirmed":
+                gone.drop(ahead.peer_id, 1, digest, "failed")  # our download of it
+            if case == "refused":
+                await trio.sleep(1.0)
+                ahead.report(1, 20, 10)
+                await ahead.publish()  # still here, publishing
+            if case == "redigested":  # (read as the last digest's first 5 s)
+                for k in range(int(config.progress.ttl // 5)):
+                    ahead.serve(1, bytes([8 + k]) * 32, (bytes(32),))
+                    await trio.sleep(5.0)
+            else:
+                await trio.sleep(5.0 if case != "unconfirmed" else config.progress.ttl)
+            later = ahead.peer_id not in a.unbacked and a.current_estimate().epoch == 1
+            nursery.cancel_scope.cancel()
+        return followed, later
+
+    followed, later = run_sim(main, seed=6)
+    assert followed
+    assert later == (case == "left")
