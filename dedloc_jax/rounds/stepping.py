@@ -195,11 +195,11 @@ class Stepper:
         members = set() if got.group is None else {m.peer_id for m in got.group.members}
         self.absences.settle(epoch, members)
         if reason:
-            # A run of one peer steps alone by design: that is no news.
-            level, without = logging.INFO, ""
             if others_train(self.tracker):
                 cause = "alone" if got.group_size == 1 else reason
                 level, without = self.absences.judge(members, cause)
+            else:  # a run of one peer steps alone by design: that is no news (said once)
+                level, without = self.absences.alone(), ""
             log.log(
                 level,
                 "epoch %d: stepped without the whole collaboration (group of %d): %s%s",
@@ -259,6 +259,14 @@ class Absences:
         # peer -> (the cause warned of, its record's epoch then, whether it moved on since);
         # bounded by the progress table (settle forgets the peers it no longer holds)
         self._warned: dict[str, tuple[str, int, bool]] = {}
+        self._alone = False  # the last step was a lone peer's, said at INFO already
+
+    def alone(self) -> int:
+        """The level of a step while no other peer trains: INFO the first time, DEBUG while
+        it stays alone (a trainer whose mates stopped logged it every epoch)."""
+        level = logging.DEBUG if self._alone else logging.INFO
+        self._alone = True
+        return level
 
     def missing(self, members: set[str]) -> dict[str, int]:
         """The other training peers outside ``members``, each with its record's epoch."""
@@ -274,6 +282,7 @@ class Absences:
         whom it went without; remembers them as warned of for ``cause``. A missing peer's
         record that moved on since the first warning (it trains apart, not stopped) is news
         once more."""
+        self._alone = False
         missing = self.missing(members)
         fresh = not missing
         for p, e in missing.items():
@@ -296,6 +305,8 @@ class Absences:
         """Forget, with one INFO line each, the peers warned of that are back in our group
         (``members``) or whose records are gone (it left, or its record lapsed)."""
         records = self.tracker.records
+        if len(members) > 1:
+            self._alone = False
         for p in list(self._warned):
             back = p in members
             gone = p not in records or not records[p].averages

@@ -118,3 +118,16 @@ def test_a_missing_peer_is_warned_of_once_and_a_new_problem_still_warns(caplog) 
         ("INFO", "epoch 10: peer Bbbbbbbb is back in our group"),
         ("INFO", "epoch 14: peer Bbbbbbbb left the progress table: not missed"),
     ], lines
+
+
+def test_a_peer_left_alone_says_so_once() -> None:
+    """A trainer whose mates stopped (--max-epochs) steps alone by design: it logged "stepped
+    without the whole collaboration" at INFO every epoch to the end. Now INFO once, DEBUG
+    while it stays alone, INFO again after it averaged with others."""
+    from dedloc_jax.rounds.stepping import Absences
+
+    absences = Absences(SimpleNamespace(peer_id="me", records={}))  # type: ignore[arg-type]
+    levels = [absences.alone() for _ in range(3)]
+    absences.settle(9, {"me", "other"})  # a group of two
+    levels.append(absences.alone())
+    assert levels == [logging.INFO, logging.DEBUG, logging.DEBUG, logging.INFO]
