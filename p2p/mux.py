@@ -41,6 +41,7 @@ from p2p.mux_frames import (
     PING,
     PONG,
     RESET,
+    ROUTINE_CLOSES,
     WINDOW,
     WINDOW_PAYLOAD,
     decode_frame,
@@ -425,7 +426,8 @@ class Mux:
             return
         if kind == GOAWAY:
             reason = bytes(payload).decode("utf-8", "replace")
-            logger.info("%s: peer is closing the connection: %s", self.label, reason)
+            level = logging.DEBUG if reason in ROUTINE_CLOSES else logging.INFO
+            logger.log(level, "%s: peer is closing the connection: %s", self.label, reason)
             for stream in self._streams.values():
                 if stream.outbound and stream.stream_id is not None and stream.stream_id > sid:
                     stream.unprocessed = True

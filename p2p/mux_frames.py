@@ -95,5 +95,17 @@ def decode_frame(frame: bytes | bytearray | memoryview) -> tuple[int, int, memor
     return kind, stream_id, payload
 
 
+# The reasons a peer gives for closing a connection in the ordinary course of a run (its
+# node stops, the connection idled or duplicated another, a NAT dial-back proved an address).
+# Their GOAWAY is logged at DEBUG on receipt: every temporary node of a coordinator's manifest
+# fetch printed an INFO line. Any other reason (a protocol violation, a failure) stays INFO.
+SHUTTING_DOWN = "node shutting down"
+IDLE = "idle"
+DUPLICATE = "duplicate connection"
+DIAL_BACK_PROBE = "dial-back probe"
+DISCONNECT = "disconnect"
+ROUTINE_CLOSES = frozenset({SHUTTING_DOWN, IDLE, DUPLICATE, DIAL_BACK_PROBE, DISCONNECT})
+
+
 def reason_bytes(reason: str) -> bytes:
     return reason.encode("utf-8", "replace")[:MAX_REASON_BYTES]

@@ -40,6 +40,7 @@ from p2p.local_addrs import local_ipv4_addrs
 from p2p.messages import EXT_ACCEPT, encode_parts
 from p2p.multiaddr import Multiaddr
 from p2p.mux import ByteCount, MemoryBudget, Mux, MuxStream
+from p2p.mux_frames import DISCONNECT, DUPLICATE, IDLE, SHUTTING_DOWN
 from p2p.mux_stream import MessageStream, check_ext
 from p2p.node_config import NodeConfig
 from p2p.peerstore import PeerStore
@@ -219,7 +220,7 @@ class Node:
         if not self._closing:
             self._nursery.start_soon(fn, *args)
 
-    async def disconnect(self, peer: PeerID, reason: str = "disconnect") -> None:
+    async def disconnect(self, peer: PeerID, reason: str = DISCONNECT) -> None:
         for conn in [c for c in self._all_conns if c.peer == peer]:
             await conn.mux.aclose(reason)
 
@@ -502,7 +503,7 @@ class Node:
                 seen = mux.activity
                 idle_since = now
             elif now - idle_since >= timeout:
-                why = "duplicate connection" if conn.draining else "idle"
+                why = DUPLICATE if conn.draining else IDLE
                 logger.debug("closing %s: %s", conn, why)
                 await mux.aclose(why)
                 await trio.sleep_forever()  # until run_mux ends and cancels us
@@ -638,7 +639,7 @@ class Node:
             scope.shield = True
             async with trio.open_nursery() as nursery:
                 for conn in list(self._all_conns):
-                    nursery.start_soon(conn.mux.aclose, "node shutting down")
+                    nursery.start_soon(conn.mux.aclose, SHUTTING_DOWN)
 
 
 async def begin_call(

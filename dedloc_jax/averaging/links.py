@@ -91,11 +91,17 @@ class LinkKeeper:
 
     async def probe(self, *, nbytes: int = 4 << 20, max_peers: int = 8) -> LinkFigures:
         """Measure this peer's links against a few peers of the run whose progress we read
-        (reachable ones, in a per-peer random order): on joining, or when ``meter.stale()``."""
+        (reachable ones, in a per-peer random order): on joining, or when ``meter.stale()``.
+        Not a trainer whose record says it left (averages no more): it is gone or about to
+        go, and each probe after a clean leave logged the partner unreachable."""
         me = str(self.node.peer_id)
         rng = random.Random(me)
         records = self.table.records
-        peers = sorted(pid for pid, r in records.items() if pid != me and r.mode != "client")
+        peers = sorted(
+            pid
+            for pid, r in records.items()
+            if pid != me and r.mode != "client" and (r.averages or r.mode == "aux")
+        )
         rng.shuffle(peers)
         if not peers:
             return self.meter.figures()

@@ -748,8 +748,12 @@ class Matchmaker:
         while True:
             # Polling only helps to close early once every expected peer registered; with
             # nobody expected, one read at the end of the window does (a read is a lookup).
-            elapsed = trio.current_time() - g.start
-            await trio.sleep(poll if g.expected else max(0.0, window - elapsed))
+            # (Deadlines as instants: sleeping ``window - elapsed`` could wake one ulp short
+            # of ``start + window``, and the loop then slept 0 s forever in virtual time.)
+            if g.expected:
+                await trio.sleep(poll)
+            else:
+                await trio.sleep_until(g.start + window)
             poll = window / 8
             g.others = await self._registrations(g.registry, states=g.states) | g.probed
             if self._too_late(slot, g.expected):
@@ -759,8 +763,9 @@ class Matchmaker:
             # register, but on a busy machine it may notice the target a window late.
             limit = 2 * window if g.expected else window
             # Newcomers (long epochs only) get one window.
-            waiting = not g.newcomers <= set(g.others) and trio.current_time() - g.start < window
-            if (everyone and not waiting) or trio.current_time() - g.start >= limit:
+            now = trio.current_time()
+            waiting = not g.newcomers <= set(g.others) and now < g.start + window
+            if (everyone and not waiting) or now >= g.start + limit:
                 if not everyone:
                     # Deciding without some: first read every holder of the key. The one a
                     # read asks may lack registrations the others hold (writers store on

@@ -46,6 +46,7 @@ class Stepper:
         self.server = server
         self.config = config
         self.history: list[RoundOutcome] = []  # one entry per averaging step
+        self.absences = Absences(tracker)
 
     def poll(self, expected: Iterable[str]) -> float | None:
         """The longest poll that we and each ``expected`` peer announce (seconds between
@@ -191,15 +192,21 @@ class Stepper:
             # Peers outside our leader's one group already moved past this epoch: they
             # averaged apart (we came late), so ours is not the epoch's mean.
             complete, reason = False, "others stepped without our group"
+        members = set() if got.group is None else {m.peer_id for m in got.group.members}
+        self.absences.settle(epoch, members)
         if reason:
-            # A run of one peer steps alone by design: that is no news.
-            level = logging.WARNING if others_train(self.tracker) else logging.INFO
+            if others_train(self.tracker):
+                cause = "alone" if got.group_size == 1 else reason
+                level, without = self.absences.judge(members, cause)
+            else:  # a run of one peer steps alone by design: that is no news (said once)
+                level, without = self.absences.alone(), ""
             log.log(
                 level,
-                "epoch %d: stepped without the whole collaboration (group of %d): %s",
+                "epoch %d: stepped without the whole collaboration (group of %d): %s%s",
                 epoch,
                 got.group_size,
                 reason,
+                without,
             )
         return complete, reason
 
@@ -236,3 +243,78 @@ class Stepper:
             log.warning("aux averaging at epoch %d failed: %s", epoch, got.error)
         self.tracker.set_epoch(epoch + 1)
         return got
+
+
+class Absences:
+    """The training peers our steps went without, each warned of once. A mate killed -9
+    keeps a record that says it trains until the record lapses (20-90 s), and the one that
+    trains on stepped alone every epoch meanwhile with a WARNING each time (16 in one
+    README run). Now: one WARNING naming the peers missing, DEBUG while the same peers are
+    missing for the same cause, one INFO line when one is back in our group or its record is
+    gone. A new cause, a newly missing peer, or a step short with nobody missing (a failure
+    among the members) still warns."""
+
+    def __init__(self, tracker: ProgressTracker) -> None:
+        self.tracker = tracker
+        # peer -> (the cause warned of, its record's epoch then, whether it moved on since);
+        # bounded by the progress table (settle forgets the peers it no longer holds)
+        self._warned: dict[str, tuple[str, int, bool]] = {}
+        self._alone = False  # the last step was a lone peer's, said at INFO already
+
+    def alone(self) -> int:
+        """The level of a step while no other peer trains: INFO the first time, DEBUG while
+        it stays alone (a trainer whose mates stopped logged it every epoch)."""
+        level = logging.DEBUG if self._alone else logging.INFO
+        self._alone = True
+        return level
+
+    def missing(self, members: set[str]) -> dict[str, int]:
+        """The other training peers outside ``members``, each with its record's epoch."""
+        me = self.tracker.peer_id
+        return {
+            pid: r.epoch
+            for pid, r in self.tracker.records.items()
+            if pid != me and pid not in members and r.mode != "aux" and r.averages
+        }
+
+    def judge(self, members: set[str], cause: str) -> tuple[int, str]:
+        """The level of a step short of the whole collaboration, and the line's tail naming
+        whom it went without; remembers them as warned of for ``cause``. A missing peer's
+        record that moved on since the first warning (it trains apart, not stopped) is news
+        once more."""
+        self._alone = False
+        missing = self.missing(members)
+        fresh = not missing
+        for p, e in missing.items():
+            was = self._warned.get(p)
+            first = e if was is None or was[0] != cause else was[1]
+            now = (cause, first, e > first)
+            fresh = fresh or was != now
+            self._warned[p] = now
+        if not missing:
+            return logging.WARNING, ""
+        names = ", ".join(f"{p[:8]} (its record at epoch {e})" for p, e in sorted(missing.items()))
+        if not fresh:
+            return logging.DEBUG, f"; without {names}"
+        return logging.WARNING, (
+            f"; without {names}: not repeated while it stays missing (until it is back or"
+            " its record lapses)"
+        )
+
+    def settle(self, epoch: int, members: set[str]) -> None:
+        """Forget, with one INFO line each, the peers warned of that are back in our group
+        (``members``) or whose records are gone (it left, or its record lapsed)."""
+        records = self.tracker.records
+        if len(members) > 1:
+            self._alone = False
+        for p in list(self._warned):
+            back = p in members
+            gone = p not in records or not records[p].averages
+            if back or gone:
+                del self._warned[p]
+                log.info(
+                    "epoch %d: peer %s %s",
+                    epoch,
+                    p[:8],
+                    "is back in our group" if back else "left the progress table: not missed",
+                )

@@ -132,6 +132,7 @@ class StepKeeper:
         self._next_check = math.inf  # when the fork check is due next
         self._patient_until = -math.inf  # this epoch's check waits for an answer until
         self._suspect = False  # the epoch began with a step without the whole collaboration
+        self._said_suspect = False  # the last step was one too (its line said at INFO)
         self._behind_checked = -math.inf
         # figures for tests and benchmarks
         self.loads = 0  # states loaded
@@ -172,11 +173,15 @@ class StepKeeper:
             yield Serve()
             self._suspect = not obs.complete and obs.others_train
             if self._suspect:
-                # (the round already warned, naming why: one event, one WARNING)
-                log.info(
+                # (the round already warned, naming why: one event, one WARNING). Said at
+                # INFO once per run of such steps: after a mate's kill -9 it came every
+                # epoch until its record lapsed (12 lines in one README run).
+                log.log(
+                    logging.DEBUG if self._said_suspect else logging.INFO,
                     "epoch %d: stepped without the whole collaboration; checking our lineage",
                     obs.epoch,
                 )
+            self._said_suspect = self._suspect
             # An epoch shorter than fork_check_after had no check: ask now (the verdict on
             # the new state covers the lineage it descends from), or a lost lineage outlives
             # several epochs.

@@ -25,7 +25,7 @@ import trio
 from p2p.errors import MultiaddrError, P2PError, ProtocolError
 from p2p.identity import PeerID
 from p2p.multiaddr import Multiaddr
-from p2p.mux_frames import GOAWAY, encode_frame, reason_bytes
+from p2p.mux_frames import DIAL_BACK_PROBE, GOAWAY, encode_frame, reason_bytes
 from p2p.rpc import CallContext
 from p2p.secure import secure_outbound
 
@@ -36,7 +36,7 @@ logger = logging.getLogger(__name__)
 
 DIAL_BACK = "nat.dialback"
 
-PROBE_GOAWAY = encode_frame(GOAWAY, 0, reason_bytes("dial-back probe"))
+PROBE_GOAWAY = encode_frame(GOAWAY, 0, reason_bytes(DIAL_BACK_PROBE))
 """What a dial-back sends once its handshake proved the address: a mux GOAWAY that processed
 no stream. The dialed node runs a mux on every inbound connection and may already be using
 this one (it can win the duplicate-connection tie-break against the node's own connection to

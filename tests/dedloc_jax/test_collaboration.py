@@ -834,3 +834,44 @@ def test_a_peer_that_leaves_is_not_waited_for_nor_warned_about(stay: int, caplog
         assert all(r.levelname == "INFO" for r in warned), [r.message for r in warned]
     else:
         assert out["outcomes"] == [(2, True)] * 6, out["outcomes"]
+
+
+def test_a_mate_killed_is_warned_of_once_by_name(caplog) -> None:
+    """A mate killed -9 says nothing: its progress record says it trains until the record
+    lapses (20-90 s), and the peer that trains on alone warned at every step that it
+    "stepped without the whole collaboration" (16 WARNINGs in one README run). Now one
+    WARNING names it and the next steps say it at DEBUG."""
+    config = CollaborationConfig.local_demo(32)
+    config = config.replace(progress=config.progress.replace(max_refresh=1.0))
+
+    async def main() -> dict:
+        out: dict = {"alone": 0}
+        net = SimNetwork(seed=6)
+        async with open_sim_collaboration(net, 2, config=config, latency=0.01) as cores:
+            out["victim"] = str(cores[1].node.peer_id)
+            both = trio.Event()  # both averaged epoch 1
+
+            async def train(i: int, epochs: int) -> None:
+                for epoch in range(epochs):
+                    samples = 0
+                    while not cores[i].report(epoch, samples := samples + MICRO, MICRO):
+                        await trio.sleep(MICRO / 16.0)
+                    outcome = await cores[i].average(epoch, [_grad(i, epoch, 0)], samples)
+                    out["alone"] += outcome.group_size == 1
+                    if epoch == 1 and i == 0:
+                        both.set()
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(train, 0, 7)
+                await train(1, 2)
+                await both.wait()
+                net.kill(host_of(net, cores[1].node))
+        return out
+
+    with caplog.at_level("DEBUG", logger="dedloc_jax.rounds.stepping"):
+        out = run_sim(main, seed=6, timeout=300.0)
+    said = [r for r in caplog.records if "without the whole collaboration" in r.message]
+    assert out["alone"] == 5 and len(said) == 5, (out, [r.message for r in said])
+    warned = [r.message for r in said if r.levelname == "WARNING"]
+    assert len(warned) == 1 and out["victim"][:8] in warned[0], warned
+    assert all(r.levelname == "DEBUG" for r in said if r.message not in warned)

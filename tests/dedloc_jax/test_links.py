@@ -164,3 +164,39 @@ def test_peers_far_from_their_first_round_probe_only_as_it_nears() -> None:
     # (without the rule both peers probe within 20 s of starting)
     assert min(probed_at) - start > eta_at_start[0] - lead - 60
     assert min(probed_at) - start < eta_at_start[0]  # ... and before the round
+
+
+def test_a_probe_asks_no_peer_whose_record_says_it_left(monkeypatch) -> None:
+    """A trainer that left cleanly publishes a last record that averages no more, which lives
+    on for its TTL: probes kept choosing it and logged "probe partner ... unreachable" after
+    every clean leave. It is no partner now; an aux peer (which never averages) still is."""
+    from types import SimpleNamespace
+
+    from dedloc_jax.averaging import links
+    from dedloc_jax.progress import PeerProgress
+    from p2p import Identity
+
+    me, stays, left, aux = (str(Identity.generate().peer_id) for _ in range(4))
+    records = {
+        me: PeerProgress(me, 3, 0, 1.0, 0.0),
+        stays: PeerProgress(stays, 3, 0, 1.0, 0.0),
+        left: PeerProgress(left, 3, 0, 0.0, 0.0, averages=False),
+        aux: PeerProgress(aux, 3, 0, 0.0, 0.0, mode="aux", averages=False),
+    }
+    asked: list[str] = []
+
+    async def measure(node, peers, meter, **kw):
+        asked.extend(str(p) for p in peers)
+        return meter.figures()
+
+    monkeypatch.setattr(links, "measure_links", measure)
+    keeper = links.LinkKeeper(
+        SimpleNamespace(peer_id=me),  # type: ignore[arg-type]
+        links.BandwidthMeter(),
+        links.LinkLocks(),
+        SimpleNamespace(records=records, mode="node"),  # type: ignore[arg-type]
+        probe_bytes=1,
+        rpc_timeout=1.0,
+    )
+    trio.run(keeper.probe)
+    assert sorted(asked) == sorted([stays, aux])

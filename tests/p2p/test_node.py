@@ -166,6 +166,33 @@ def test_closing_a_node_closes_its_connections() -> None:
     trio.run(main)
 
 
+def test_a_peer_that_shuts_down_is_news_at_debug_only_and_a_failure_stays_info(caplog) -> None:
+    """A node that stops closes its connections with "node shutting down": the other side
+    logged it at INFO (every temporary node of a coordinator's manifest fetch left a line,
+    as did each NAT dial-back and duplicate connection). Ordinary closes are DEBUG now; a
+    reason outside them (a failure) stays INFO."""
+
+    async def main() -> None:
+        async with open_sim_nodes(SimNetwork(seed=1), 3, config=NodeConfig.testing()) as nodes:
+            b, a, c = nodes
+            a.add_handler("echo", echo)
+            await b.call(a.addrs[0], "echo", 1)
+            await c.call(a.addrs[0], "echo", 1)
+            await a.disconnect(c.peer_id, "protocol violation: a test")
+            await trio.sleep(1.0)
+
+    with caplog.at_level("DEBUG", logger="p2p.mux"):
+        run_sim(main)
+    said = [
+        (r.levelname, r.getMessage().split(": ", 1)[1])
+        for r in caplog.records
+        if "peer is closing the connection" in r.getMessage()
+    ]
+    assert ("INFO", "peer is closing the connection: protocol violation: a test") in said, said
+    assert ("DEBUG", "peer is closing the connection: node shutting down") in said, said
+    assert all(lv == "DEBUG" for lv, why in said if "protocol violation" not in why), said
+
+
 def test_ipv6_loopback() -> None:
     if not socket.has_ipv6:
         pytest.skip("no IPv6")

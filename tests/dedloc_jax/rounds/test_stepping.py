@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from types import SimpleNamespace
 
 import numpy as np
@@ -70,3 +71,63 @@ def test_the_round_begins_while_the_waiting_record_is_stored(others_poll: float 
         assert events == ["registered", "frozen", "epoch 4"], events
     else:
         assert events == ["frozen", "registered", "epoch 4"], events
+
+
+def test_a_missing_peer_is_warned_of_once_and_a_new_problem_still_warns(caplog) -> None:
+    """The policy behind "stepped without the whole collaboration" (:class:`Absences`): one
+    WARNING naming a missing peer, DEBUG while the same peer is missing for the same cause;
+    a newly missing peer, a new cause, a step short with nobody missing, and a missing peer
+    whose record moves on (it trains apart, not stopped) warn again; one INFO line when a
+    peer is back in our group or its record is gone."""
+    from dedloc_jax.rounds.stepping import Absences
+
+    b, c = "Bbbbbbbbbbbb", "Cccccccccccc"
+    tracker = SimpleNamespace(peer_id="me", records={b: PeerProgress(b, 4, 8, 1.0, 0.0)})
+    absences = Absences(tracker)  # type: ignore[arg-type]
+    said: list[tuple[int, str]] = []
+
+    def step(epoch: int, members: set[str], cause: str = "alone") -> None:
+        absences.settle(epoch, members)
+        level, tail = absences.judge(members, cause)
+        said.append((level, tail))
+
+    with caplog.at_level(logging.INFO, logger="dedloc_jax.rounds.stepping"):
+        step(5, {"me"})
+        step(6, {"me"})
+        step(7, {"me"})
+        assert [lv for lv, _ in said] == [logging.WARNING, logging.DEBUG, logging.DEBUG]
+        assert "Bbbbbbbb (its record at epoch 4)" in said[0][1]
+        tracker.records[c] = PeerProgress(c, 8, 8, 1.0, 0.0)  # a new peer, missing too
+        step(8, {"me"})
+        assert said[-1][0] == logging.WARNING and "Cccccccc" in said[-1][1]
+        step(9, {"me", c}, "some members' sparse payloads never came")  # a new cause
+        assert said[-1][0] == logging.WARNING and "Bbbbbbbb" in said[-1][1]
+        step(10, {"me", b, c}, "phase P failed")  # nobody missing: the members' failure
+        assert said[-1] == (logging.WARNING, "")
+        step(11, {"me", c})
+        tracker.records[b] = PeerProgress(b, 11, 8, 1.0, 0.0)  # it moved on: trains apart
+        step(12, {"me", c})
+        step(13, {"me", c})
+        assert [lv for lv, _ in said[-3:]] == [logging.WARNING, logging.WARNING, logging.DEBUG]
+        del tracker.records[b]  # its record lapsed
+        step(14, {"me", c})
+        step(15, {"me", c})
+    lines = [(r.levelname, r.getMessage()) for r in caplog.records]
+    assert lines == [
+        ("INFO", "epoch 9: peer Cccccccc is back in our group"),
+        ("INFO", "epoch 10: peer Bbbbbbbb is back in our group"),
+        ("INFO", "epoch 14: peer Bbbbbbbb left the progress table: not missed"),
+    ], lines
+
+
+def test_a_peer_left_alone_says_so_once() -> None:
+    """A trainer whose mates stopped (--max-epochs) steps alone by design: it logged "stepped
+    without the whole collaboration" at INFO every epoch to the end. Now INFO once, DEBUG
+    while it stays alone, INFO again after it averaged with others."""
+    from dedloc_jax.rounds.stepping import Absences
+
+    absences = Absences(SimpleNamespace(peer_id="me", records={}))  # type: ignore[arg-type]
+    levels = [absences.alone() for _ in range(3)]
+    absences.settle(9, {"me", "other"})  # a group of two
+    levels.append(absences.alone())
+    assert levels == [logging.INFO, logging.DEBUG, logging.DEBUG, logging.INFO]

@@ -92,6 +92,30 @@ def test_a_lone_step_is_one_warning_the_rounds_not_the_keepers_too(caplog) -> No
                                    "checking our lineage")]  # fmt: skip
 
 
+def test_lone_steps_in_a_row_say_checking_our_lineage_once(caplog) -> None:
+    """After a mate's kill -9 the peer steps alone every epoch until the mate's record lapses:
+    the keeper said "checking our lineage" at INFO at each (12 lines in one README run, next
+    to the round's one WARNING). Now at INFO for the first of a run of such steps, DEBUG for
+    the next, INFO again after a whole step; each still checks."""
+    import logging
+
+    keeper = StepKeeper()
+    _requests(keeper, _obs(now=0.0), [])
+    with caplog.at_level(logging.DEBUG, logger="dedloc_jax.state.keeping"):
+        for epoch in (1, 2, 3):
+            _requests(keeper, _obs(now=2.0 * epoch, epoch=epoch, complete=False), [None, None])
+        _requests(keeper, _obs(now=8.0, epoch=4), [None, None])
+        _requests(keeper, _obs(now=10.0, epoch=5, complete=False), [None, None])
+    said = [(r.levelno, r.getMessage()) for r in caplog.records if "lineage" in r.getMessage()]
+    line = "stepped without the whole collaboration; checking our lineage"
+    assert said == [
+        (logging.INFO, f"epoch 1: {line}"),
+        (logging.DEBUG, f"epoch 2: {line}"),
+        (logging.DEBUG, f"epoch 3: {line}"),
+        (logging.INFO, f"epoch 5: {line}"),
+    ], said
+
+
 def test_after_a_lone_step_it_waits_for_a_verdict_without_blocking_then_loads() -> None:
     """A step without the whole collaboration while others train: serve ours, and ask the
     fork check at once and every fork_poll seconds while it cannot tell (the others still
