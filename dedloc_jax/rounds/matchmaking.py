@@ -48,7 +48,7 @@ from dedloc_jax.rounds.following import (
 )
 from dedloc_jax.rounds.grouping import group_seed
 from dedloc_jax.rounds.leading import answer_join, lead
-from dedloc_jax.rounds.plan import plan_groups
+from dedloc_jax.rounds.plan import plan_groups, same_state
 from dedloc_jax.rounds.plan import representatives as plan_representatives
 from dedloc_jax.rounds.slots import LedGroup, Slots
 from dedloc_jax.rounds.wire import (
@@ -661,7 +661,7 @@ class Matchmaker:
             )
         if level == 0:
             self._remember(epoch, len(plan.groups) > 1, (plan.groups, modes))
-        knocking = self._knocking(slot) if level == 0 and not ahead else frozenset()
+        knocking = self._knocking(slot, my_state, gathering) if not ahead else frozenset()
         if len(plan.mine) == 1 and not plan.late and knocking:
             # Others planned us as their leader and their joins wait for us: our view (a
             # registration they do not count, another number of groups) left us alone, and
@@ -923,13 +923,18 @@ class Matchmaker:
             for peer in late:
                 nursery.start_soon(took_part, peer)
 
-    def _knocking(self, slot: Slot) -> frozenset[str]:
-        """The peers whose join of ``slot`` waits for us to decide (at most a group's worth;
-        a banned one is refused as it joins)."""
+    def _knocking(self, slot: Slot, state: bytes | None, g: _Gathering) -> frozenset[str]:
+        """The peers whose join of level-0 ``slot`` waits for us to decide, at most a group's
+        worth: not banned, and not registered with another state than ours (``state``; their
+        join would be refused, and we would wait for them)."""
         record = self.slots.get(slot)
-        if record is None:
+        if slot[1] != 0 or record is None:
             return frozenset()
-        peers = sorted(p for p in record.knocking if not self.context.banned(p))
+        peers = sorted(
+            p
+            for p in record.knocking
+            if not self.context.banned(p) and same_state(state, g.states.get(p))
+        )
         return frozenset(peers[: self.max_group_size - 1])
 
     def _showed_up(self, peer: str, slot: Slot) -> None:
