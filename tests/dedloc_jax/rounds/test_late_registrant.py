@@ -1,5 +1,5 @@
 """A late registrant gets into a round within a bounded number of epochs (the capped soak's
-joiners, seeds 6: see docs/decisions.md, "The capped soak's late registrant").
+joiners, seed 6: see docs/decisions.md, "The capped soak's late registrant").
 
 A newcomer that loaded the state after the others' gathering began is not in the peers they
 expect, and its registration landed after their plan: it stepped alone, loaded the state, and
@@ -68,8 +68,8 @@ def test_a_newcomer_that_joined_late_once_is_waited_for_at_the_next_round() -> N
     """Its late join (refused: the group had formed) tells the leader, and its question to
     the other member tells that one, that it takes part: both wait for it from the next round
     on. Before, only the late read of a round that expected it did, so it missed two rounds
-    (alone at the first two epochs), and in the soak, loading the state between them, it was
-    never at a third in time."""
+    ([2, 2, 1] twice, then [3, 3, 3]), and in the soak, loading the state between them, it
+    was never at a third in time."""
     rounds = _newcomer_late_at_its_first_round()
     assert rounds[0] == [2, 2, 1], rounds
     assert all(sizes == [3, 3, 3] for sizes in rounds[1:]), rounds
