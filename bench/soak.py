@@ -133,12 +133,14 @@ def settle(log: Log, params: np.ndarray, *, at_round: bool = False) -> None:
     """Record what the peer's last epoch left it training on: the parameters it holds once
     the next epoch's fork check answered (after loading the winning lineage's, if ours
     lost), or ``at_round`` (the check had not answered yet) those it averages with; None
-    when it left that lineage for a newer state (it fell behind). The first that applies
-    counts."""
+    when it left that lineage for a state of another epoch: a newer one (it fell behind), or
+    an older one (its side of a healed partition stepped ahead and lost: it trains that epoch
+    again, so the parameters it holds are not those of the epoch after the row's, which its
+    row was compared with). The first that applies counts."""
     if not log.rows or log.rows[-1]["settled"]:
         return
     row, keeper = log.rows[-1], log.keeper
-    if keeper.epoch is not None and keeper.epoch > row["epoch"] + 1:
+    if keeper.epoch is not None and keeper.epoch != row["epoch"] + 1:
         row["settled"], row["params"] = True, None
     elif keeper.checked or at_round:
         row["settled"], row["params"] = True, hashlib.sha256(params.tobytes()).digest()

@@ -45,8 +45,13 @@ async def answer_join(
     how long a join may wait for us to decide, then for the group to form; ``learned``: the
     addresses we know per peer, sent with a redirect."""
     # The follower may come before we decided to lead this epoch: wait a bounded time.
-    with trio.move_on_after(wait()):
-        await slots.asked(slot).opened.wait()
+    asked = slots.asked(slot)
+    asked.knocking.add(peer)
+    try:
+        with trio.move_on_after(wait()):
+            await asked.opened.wait()
+    finally:
+        asked.knocking.discard(peer)
     record = slots.get(slot)
     rnd = record.leading if record is not None else None
     if rnd is None:

@@ -48,7 +48,7 @@ from dedloc_jax.rounds.following import (
 )
 from dedloc_jax.rounds.grouping import group_seed
 from dedloc_jax.rounds.leading import answer_join, lead
-from dedloc_jax.rounds.plan import plan_groups
+from dedloc_jax.rounds.plan import plan_groups, same_state
 from dedloc_jax.rounds.plan import representatives as plan_representatives
 from dedloc_jax.rounds.slots import LedGroup, Slots
 from dedloc_jax.rounds.wire import (
@@ -661,6 +661,21 @@ class Matchmaker:
             )
         if level == 0:
             self._remember(epoch, len(plan.groups) > 1, (plan.groups, modes))
+        knocking = self._knocking(slot, my_state, gathering) if not ahead else frozenset()
+        if len(plan.mine) == 1 and not plan.late and knocking:
+            # Others planned us as their leader and their joins wait for us: our view (a
+            # registration they do not count, another number of groups) left us alone, and
+            # going alone sent them to the next in rank, without us. Lead them instead.
+            groups = [[p for p in g if p not in knocking] for g in plan.groups]
+            groups = [[self.peer_id, *sorted(knocking)]] + [
+                g for g in groups if g and self.peer_id not in g
+            ]
+            self._remember(epoch, len(groups) > 1, (groups, modes))
+            log.info("%s: alone in our plan, but %d peer(s) join us: leading", slot, len(knocking))
+            return PlannedGroup(
+                slot, (self.peer_id,), knocking, gathering.deadlines, my_state, gathering,
+                planned,
+            )  # fmt: skip
         if len(plan.mine) == 1 and not plan.late:
             log.debug(
                 "%s: alone in our group of %d (%d registrations read, %d planned, %d expected)",
@@ -913,19 +928,45 @@ class Matchmaker:
             for peer in late:
                 nursery.start_soon(took_part, peer)
 
+    def _knocking(self, slot: Slot, state: bytes | None, g: _Gathering) -> frozenset[str]:
+        """The peers whose join of level-0 ``slot`` waits for us to decide, at most a group's
+        worth: not banned, and not registered with another state than ours (``state``; their
+        join would be refused, and we would wait for them)."""
+        record = self.slots.get(slot)
+        if slot[1] != 0 or record is None:
+            return frozenset()
+        peers = sorted(
+            p
+            for p in record.knocking
+            if not self.context.banned(p) and same_state(state, g.states.get(p))
+        )
+        return frozenset(peers[: self.max_group_size - 1])
+
     def _showed_up(self, peer: str, slot: Slot) -> None:
         """``peer``, which we planned ``slot`` without (it had not registered), joins or asks
         whom we follow there: it takes part, late. It is waited for from the next round on,
         once (as :meth:`_read_late` does): a peer refused by a group that formed before it
         came went home alone at the next epoch too, as nobody waited for it, and was grouped
-        only from the one after (the refusal reached it after our late read)."""
+        only from the one after (the refusal reached it after our late read). So is a peer we
+        did not expect there at all, once we took part in the slot: a newcomer that loaded
+        the state after our gathering began. A fresh identity that joins or asks costs the
+        next round one wait (2 windows), then it is a no-show for ``MAX_NO_SHOW_SKIP`` epochs,
+        as one that registers late and says whom it followed (:meth:`_read_late`)."""
         epoch, level = slot
         missed = self._no_shows.get(peer)
-        if level != 0 or missed is None or missed[0] != epoch or peer in self._late:
+        if level != 0 or peer in self._late:
+            return
+        if missed is None:
+            # (never expected there: unearned, it was left out of our next plan too, while
+            # others, whose reads it made in time, planned with it)
+            record = self.slots.get(slot)
+            if peer in self._registered or record is None or record.registered is None:
+                return
+        elif missed[0] != epoch:
             return
         log.info("epoch %d: %s came after we planned: waited for from now on", epoch, peer[:8])
         self._late.add(peer)
-        del self._no_shows[peer]
+        self._no_shows.pop(peer, None)
 
     def _earned(self, peer: str, epoch: int) -> bool:
         """Whether the round at ``epoch`` waits for ``peer``, which progress records say should

@@ -111,30 +111,37 @@ def plan_groups(
     others. ``expected`` (ourselves excluded) gives :attr:`Plan.late`: at level 1, every
     representative not registered yet (its group may still be averaging); at level 0, those
     that hash into our group (closing without them refused their joins and left them
-    alone)."""
+    alone). At level 0 the groups are those of every planned and registered peer, each
+    holding only its registered ones: a view that misses a registration plans every other
+    peer into the group the full view does."""
     others = set(registered)
     follow = state_to_follow(my_state, states)
     apart = frozenset(p for p in others if not same_state(follow, states.get(p)))
     population = len(set(planned) | others)
     if apart:  # groups sized for our lineage's share of the peers
         population = -(-population * (len(others) + 1 - len(apart)) // (len(others) + 1))
-    groups = assign_groups(
-        sorted(({me} | others) - apart), max_group_size=cap, seed=seed, population=population
-    )
-    known = {p: states.get(p) for p in others} | {me: my_state}
-    ours = group_of(me, groups)
-    assert ours is not None  # we are among the peers grouped
-    mine = leader_order(ours, known, modes)
     missing = set(expected) - others
-    if level == 1:
-        late = frozenset(missing)
-    else:
+    here = ({me} | others) - apart
+    if level == 0 and missing:
+        # Expected peers not registered yet keep their seats: each registered peer's group is
+        # the one it has once they register. A group over the cap passes its highest ranks on
+        # (assign_groups), so a view without a late peer kept one the late peer's view passed
+        # on: the leader took it, and refused the late peer as full, which stepped alone
+        # (capped soak seed 2, epoch 0: parameters apart).
         full = assign_groups(
-            sorted((set(planned) | others) - apart),
+            sorted((set(planned) | here) - apart),
             max_group_size=cap,
             seed=seed,
             population=population,
         )
-        mates = group_of(me, full) or []
-        late = frozenset(set(mates) & missing)
+        groups = [[p for p in g if p in here] for g in full]
+        groups = [g for g in groups if g]
+        late = frozenset(set(group_of(me, full) or []) & missing)
+    else:
+        groups = assign_groups(sorted(here), max_group_size=cap, seed=seed, population=population)
+        late = frozenset(missing) if level == 1 else frozenset()
+    known = {p: states.get(p) for p in others} | {me: my_state}
+    ours = group_of(me, groups)
+    assert ours is not None  # we are among the peers grouped
+    mine = leader_order(ours, known, modes)
     return Plan(groups, mine, late, apart)

@@ -60,6 +60,9 @@ class SlotRecord:
     waiting: tuple[trio.CancelScope, tuple[str, ...]] | None = None
     """Our join that waits for a leader's spec, and our planned group: cancelled once enough
     of the group say that leader refused them (``Matchmaker._complained``)."""
+    knocking: set[str] = field(default_factory=set)
+    """Peers whose join waits for us to decide (they planned us as their leader): a plan that
+    leaves us alone leads them instead (``Matchmaker._planned``)."""
     complaints: dict[str, str] = field(default_factory=dict)
     """Members of our group that, asking us whom we follow, said a leader refused them as
     its group closed: member -> that leader."""

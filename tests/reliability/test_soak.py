@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import pytest
 import trio
 
@@ -163,6 +164,22 @@ def test_soak_200_peers() -> None:
     plan = plan_for(200, 20, group=16, size=1000, seed=0)
     logs, events = run_soak(plan)
     check_soak(plan, logs, events)
+
+
+def test_a_row_whose_peer_went_back_an_epoch_names_no_parameters() -> None:
+    """A row of epoch ``e`` names the parameters its peer trains ``e + 1`` on. A peer of a
+    healed partition's minority that stepped ``e`` apart, lost and loaded the majority's state
+    of ``e`` trains ``e`` again: its row named that state, which no other row of ``e`` holds
+    (capped seed 6, both orders: "parameters apart after epochs [5]", masked on main by the
+    joiners' check before it). Like a peer that fell behind, it names none."""
+    from bench.soak import Log, settle
+
+    for keeper_epoch, named in [(6, True), (5, False), (7, False)]:
+        log = Log()
+        log.rows.append({"epoch": 5, "settled": False, "params": None})
+        log.keeper.epoch, log.keeper.checked = keeper_epoch, True
+        settle(log, np.zeros(3, np.float32))
+        assert log.rows[-1]["settled"] and (log.rows[-1]["params"] is not None) == named
 
 
 def test_dht_closing_during_a_value_lookup_does_not_crash() -> None:

@@ -96,3 +96,37 @@ def test_the_plan_groups_one_lineage_and_waits_for_expected_mates() -> None:
 def test_a_group_is_represented_by_its_first_member_that_sends() -> None:
     modes = {"x": "aux", "y": "node", "z": "aux"}
     assert representatives([["x", "y"], ["z"], ["w"]], modes) == {"y", "w"}
+
+
+def test_a_late_registration_moves_no_other_peer_to_another_group() -> None:
+    """Six planned peers, groups of at most 3, one registering after the others planned:
+    every other peer's group is the one it has once that peer registers, without it. The
+    plan used to group the registered peers alone, and a group over the cap passes its
+    highest ranks on: at epoch 3, with peer0 late, peer4 took the seat in peer5's group that
+    peer0's view gave peer0, the leader waited for four (peer0 late), took the first two to
+    join and refused peer0 as full (capped soak seed 2: a peer alone at epoch 0)."""
+    from dedloc_jax.rounds.grouping import group_seed
+
+    ids = [f"peer{i}" for i in range(6)]
+
+    def mine(me: str, registered: set[str], epoch: int) -> set[str]:
+        return set(
+            plan_groups(
+                me,
+                None,
+                registered - {me},
+                {},
+                {},
+                planned=set(ids),
+                expected=set(ids) - {me},
+                seed=group_seed("run", epoch),
+                cap=3,
+                level=0,
+            ).mine
+        )
+
+    for epoch in range(40):
+        for late in ids:
+            for me in set(ids) - {late}:
+                before = mine(me, set(ids) - {late}, epoch)
+                assert before == mine(me, set(ids), epoch) - {late}, (epoch, late, me)
