@@ -45,6 +45,7 @@ class StepView(NamedTuple):
     behind: bool
     others_train: bool
     newest_served: int | None  # the newest epoch another peer serves a state of
+    newest_announced: int | None = None  # the same, backed or not (a newcomer asks of it)
 
 
 class BackgroundAveraging:
@@ -343,7 +344,9 @@ class Collaboration:
         snap = self._snapshot
         if snap is None:
             snap = thread.run_sync(core.snapshot)
-        return StepView(core.epoch, snap.behind, snap.others_train, snap.newest_served)
+        return StepView(
+            core.epoch, snap.behind, snap.others_train, snap.newest_served, snap.newest_announced
+        )
 
     # --- CollaborationHost ---------------------------------------------------------------
     def report_progress(self, epoch: int, samples: int, batch_size: int) -> bool:

@@ -36,6 +36,9 @@ class ProgressSnapshot:
     eta: float = math.inf  # seconds from ``at`` until the target, extrapolated
     committed_others: float = 0.0  # the others' samples in whole micro-steps (committed)
     committed_waiting: bool = False  # others_waiting, of the committed estimate
+    # the newest epoch another peer serves a state of, backed or not (see
+    # ProgressTracker.newest_announced: a newcomer asks the download's choice about it)
+    newest_announced: int | None = None
 
     def ready(self, epoch: int, samples: int, *, whole_steps: bool = False) -> bool:
         """Whether to average now; ``whole_steps``: on the others' whole micro-steps as of the
@@ -111,6 +114,7 @@ def take_snapshot(
         missed is not None and missed == est.epoch,
         est.eta,
         *_committed(tracker, whole_steps),
+        tracker.newest_announced(),
     )
 
 

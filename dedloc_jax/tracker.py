@@ -363,6 +363,15 @@ class ProgressTracker:
             default=None,
         )
 
+    def newest_announced(self) -> int | None:
+        """The newest epoch another peer serves a state of, backed or not: a newcomer asks
+        the download's choice about it (a coordinator's copy backs no epoch here)."""
+        self._drop_banned()
+        return max(
+            (r.state[0] for pid, r in self.records.items() if r.state and pid != self.peer_id),
+            default=None,
+        )
+
     def _is_banned(self, peer: str) -> bool:
         return self._banned is not None and peer != self.peer_id and self._banned(peer)
 

@@ -94,9 +94,11 @@ class ForkLost:
 
 @dataclass(frozen=True)
 class NewerServed:
-    """Whether a download would bring a state newer than ``epoch``. Answer: bool."""
+    """Whether a download would bring a state newer than ``epoch``. Answer: bool; with
+    ``strict``, False also when no state can be chosen (else True: try the download)."""
 
     epoch: int
+    strict: bool = False
 
 
 @dataclass(frozen=True)
@@ -119,6 +121,7 @@ class Observation(NamedTuple):
     others_train: bool  # the progress table names another peer that computes gradients
     newest_served: int | None  # the newest epoch another peer serves a state of
     behind: bool  # the collaboration is at a newer epoch than ours
+    newest_announced: int | None = None  # newest_served, backed or not
 
 
 class StepKeeper:
@@ -163,6 +166,11 @@ class StepKeeper:
         if self.epoch is None:  # the first call: a newcomer takes the run's state
             self._enter(obs.epoch, obs.now)
             newer = obs.newest_served is not None and obs.newest_served > obs.epoch
+            if not newer and (obs.newest_announced or -1) > obs.epoch:
+                # A state ahead that the table does not back: a coordinator's copy once every
+                # trainer left (an aux peer claims no samples; newcomers restarted at epoch 0).
+                # The download's choice, defended by our roots' trust, decides on it.
+                newer = yield NewerServed(obs.epoch, strict=True)
             if newer and isinstance((yield from self._load(None, obs.now)), int):
                 return
             yield Serve()
@@ -264,6 +272,13 @@ def run_plan(plan: Generator[Request, Any, None], answer: Callable[[Request], An
         pass
 
 
+def _newer(newest: int | None, request: NewerServed) -> bool:
+    """The answer to ``request`` when a download would bring ``newest`` (None: none chosen)."""
+    if newest is None:
+        return not request.strict
+    return newest > request.epoch
+
+
 # --- the synchronous driver: a Collaboration and JAX pytrees ------------------------------
 def keep_in_step(collab: Any, params: Any, opt_state: Any) -> tuple[Any, Any]:
     """Keep this peer in step with the collaboration; call once per micro-step, after the
@@ -289,7 +304,15 @@ def keep_in_step(collab: Any, params: Any, opt_state: Any) -> tuple[Any, Any]:
         # The transform reported the step, its result is not applied yet (delayed updates):
         # act once the state holds it.
         epoch = keeper.epoch
-    obs = Observation(now, epoch, complete, view.others_train, view.newest_served, view.behind)
+    obs = Observation(
+        now,
+        epoch,
+        complete,
+        view.others_train,
+        view.newest_served,
+        view.behind,
+        view.newest_announced,
+    )
     held = {"params": params, "opt_state": opt_state}
 
     def answer(request: Request) -> Any:
@@ -316,8 +339,7 @@ def keep_in_step(collab: Any, params: Any, opt_state: Any) -> tuple[Any, Any]:
         if isinstance(request, ForkLost):
             return collab.fork_verdict()
         if isinstance(request, NewerServed):
-            newest = collab.newest_state_epoch()
-            return newest is None or newest > request.epoch
+            return _newer(collab.newest_state_epoch(), request)
         time.sleep(request.seconds)
         return time.monotonic()
 
@@ -342,8 +364,10 @@ async def keep_in_step_async(
     held = {"arrays": list(arrays), "epoch": epoch}
     if not keeper.due(now, epoch, behind):
         return held["arrays"], epoch
-    newest = core.tracker.newest_served()
-    obs = Observation(now, epoch, complete, core.others_train(), newest, behind)
+    tracker = core.tracker
+    newest = tracker.newest_served()
+    announced = tracker.newest_announced()
+    obs = Observation(now, epoch, complete, core.others_train(), newest, behind, announced)
     plan = keeper.plan(obs)
     reply: Any = None
     try:
@@ -367,8 +391,7 @@ async def keep_in_step_async(
             elif isinstance(request, ForkLost):
                 reply = core.fork_verdict()
             elif isinstance(request, NewerServed):
-                newest = await core.newest_state_epoch()
-                reply = newest is None or newest > request.epoch
+                reply = _newer(await core.newest_state_epoch(), request)
             else:
                 await trio.sleep(request.seconds)
                 reply = trio.current_time()

@@ -63,6 +63,24 @@ def test_a_newcomer_loads_a_newer_state_and_a_first_peer_serves_its_own() -> Non
     assert failed.load_failures == 1 and failed.loads == 0 and failed.epoch == 0
 
 
+def test_a_newcomer_asks_the_downloads_choice_of_a_state_ahead_that_no_record_backs() -> None:
+    """Only a coordinator's copy is left once every trainer left: the table backs no epoch
+    of it (an aux peer claims no samples), and newcomers served their own epoch 0 for good.
+    The first call asks the download's choice (defended by our roots' trust) instead."""
+
+    def obs(announced: int | None) -> Observation:
+        return Observation(0.0, 0, True, False, None, False, announced)
+
+    resumed = StepKeeper()
+    assert _requests(resumed, obs(60), [True, 60]) == [NewerServed(0, strict=True), Load(None)]
+    assert resumed.epoch == 60 and resumed.loads == 1
+    refused = StepKeeper()  # the choice names nothing newer (a stranger's made-up state)
+    assert _requests(refused, obs(60), [False]) == [NewerServed(0, strict=True), Serve()]
+    assert refused.epoch == 0
+    first = StepKeeper()  # nothing announced: nothing asked
+    assert _requests(first, obs(None), []) == [Serve()]
+
+
 def test_after_a_step_it_serves_then_checks_an_epoch_too_short_to_have_been_checked() -> None:
     config = KeepConfig()
     keeper = StepKeeper(config)
