@@ -24,12 +24,6 @@ CFG = TopK(density=0.25, bits=2, error_feedback=0.95, chunk=4)
 N = 16
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="open: the higher-ID sender sleeps RETRY; waking it on every change (7ebcd13) left "
-    "one of 40 peers incomplete in bench.collaboration --mode diloco --compression topk "
-    "(docs/decisions.md), so that fix was reverted",
-)
 def test_both_members_leave_the_gather_when_the_entries_are_swapped() -> None:
     async def main() -> dict[str, float]:
         net = SimNetwork(seed=0)
@@ -59,3 +53,49 @@ def test_both_members_leave_the_gather_when_the_entries_are_swapped() -> None:
     left = run_sim(main, timeout=60.0)
     # (virtual time: the network's latency only; before the fix the higher ID left 1 s later)
     assert max(left.values()) - min(left.values()) < gather_mod.RETRY / 4, left
+
+
+@pytest.mark.parametrize("late_rank", [0, 1, 2])
+def test_a_member_that_opens_late_still_gets_every_entry(late_rank: int) -> None:
+    """Three nodes and a client; one node opens its gather 6 s (more than ``HOLD``) after the
+    others, with a 5 s deadline. The others' first asks to it came back empty after ``HOLD``.
+    It must still hold every entry: the client's through a relay that already finished its
+    round, the lower nodes' from their next asks. Before, the asks that met its closed round
+    counted it as holding their entries, a relay whose round had ended kept an ask ``HOLD``
+    seconds (as a round never opened), and the highest node never asked a relay: at every
+    rank it left incomplete."""
+
+    async def main() -> dict[str, bool]:
+        net = SimNetwork(seed=0)
+        async with open_sim_nodes(net, 4, latency=0.01) as nodes:
+            gathers = [SparseGather(node) for node in nodes]
+            for g in gathers:
+                g.register()
+            for a in nodes:
+                for b in nodes:
+                    if a is not b:
+                        a.peerstore.add_addrs(b.peer_id, b.addrs)
+            ids = sorted(str(node.peer_id) for node in nodes)
+            by_id = {str(node.peer_id): i for i, node in enumerate(nodes)}
+            client = ids[1]
+            late = [p for p in ids if p != client][late_rank]
+            modes = {p: "client" if p == client else "node" for p in ids}
+            spec = GroupSpec(tuple(Member(p, modes[p]) for p in ids), group_id=b"g")
+            complete: dict[str, bool] = {}
+
+            async def run(peer: str) -> None:
+                if peer == late:
+                    await trio.sleep(gather_mod.HOLD + 1.0)
+                rng = np.random.default_rng(by_id[peer])
+                data = pack(CFG, encode(CFG, rng.standard_normal(N).astype(np.float32)), N)
+                timeout = 5.0 if peer == late else 30.0
+                got = await gathers[by_id[peer]].gather(spec, CFG, data, N, 4.0, timeout=timeout)
+                complete[peer] = got.complete
+
+            async with trio.open_nursery() as nursery:
+                for peer in ids:
+                    nursery.start_soon(run, peer)
+            return {("late " if p == late else modes[p]) + p[:6]: c for p, c in complete.items()}
+
+    complete = run_sim(main, timeout=120.0)
+    assert all(complete.values()), complete
