@@ -18,7 +18,7 @@ from dedloc_jax.averaging import GroupSpec, Member
 from dedloc_jax.rounds import gather as gather_mod
 from dedloc_jax.rounds.gather import SparseGather
 from dedloc_jax.topk import TopK, encode, pack
-from p2p.testing import SimNetwork, open_sim_nodes, run_sim
+from p2p.testing import SimNetwork, host_of, open_sim_nodes, run_sim
 
 CFG = TopK(density=0.25, bits=2, error_feedback=0.95, chunk=4)
 N = 16
@@ -99,3 +99,75 @@ def test_a_member_that_opens_late_still_gets_every_entry(late_rank: int) -> None
 
     complete = run_sim(main, timeout=120.0)
     assert all(complete.values()), complete
+
+
+def test_a_round_that_ended_answers_a_late_ask_at_once() -> None:
+    """A member asked after its round ended (a relay asked for a client's entry by a slower
+    member) answers at once with what it held. It waited ``HOLD`` for the round to open
+    again, and answered nothing: the asker's pass, and often its whole deadline, went by."""
+
+    async def main() -> tuple[float, int]:
+        net = SimNetwork(seed=0)
+        async with open_sim_nodes(net, 2, latency=0.01) as nodes:
+            gathers = [SparseGather(node) for node in nodes]
+            for g in gathers:
+                g.register()
+            await nodes[0].connect(nodes[1].addrs[0])
+            ids = [str(node.peer_id) for node in nodes]
+            spec = GroupSpec(tuple(Member(p) for p in sorted(ids)), group_id=b"g")
+
+            async def run(i: int) -> None:
+                rng = np.random.default_rng(i)
+                data = pack(CFG, encode(CFG, rng.standard_normal(N).astype(np.float32)), N)
+                assert (await gathers[i].gather(spec, CFG, data, N, 4.0, timeout=30.0)).complete
+
+            async with trio.open_nursery() as nursery:
+                for i in range(2):
+                    nursery.start_soon(run, i)
+            asked = trio.current_time()
+            request = {"r": spec.digest + b":sparse", "w": [ids[0]]}
+            answer = await nodes[1].call(nodes[0].peer_id, gather_mod.GATHER, request)
+            return trio.current_time() - asked, len(answer["e"])
+
+    took, entries = run_sim(main, timeout=60.0)
+    assert entries == 1
+    assert took < gather_mod.HOLD / 4, took  # (virtual time: the link's round trip)
+
+
+def test_the_highest_node_gets_a_client_it_cannot_hear_from_through_a_relay() -> None:
+    """A client that cannot reach the highest node (a partition): that node, asked by every
+    other node and with no one to ask, gets the client's entry through a relay ``RETRY``
+    into the round. It never asked a relay (only a second pass of asks did), and left
+    incomplete."""
+
+    async def main() -> bool:
+        net = SimNetwork(seed=0)
+        async with open_sim_nodes(net, 4, latency=0.01) as nodes:
+            gathers = [SparseGather(node) for node in nodes]
+            for g in gathers:
+                g.register()
+            for a in nodes:
+                for b in nodes:
+                    if a is not b:
+                        a.peerstore.add_addrs(b.peer_id, b.addrs)
+            ids = sorted(str(node.peer_id) for node in nodes)
+            by_id = {str(node.peer_id): i for i, node in enumerate(nodes)}
+            client, top = ids[0], ids[-1]
+            net.partition([host_of(net, nodes[by_id[client]])], [host_of(net, nodes[by_id[top]])])
+            spec = GroupSpec(
+                tuple(Member(p, "client" if p == client else "node") for p in ids), group_id=b"g"
+            )
+            complete: dict[str, bool] = {}
+
+            async def run(peer: str) -> None:
+                rng = np.random.default_rng(by_id[peer])
+                data = pack(CFG, encode(CFG, rng.standard_normal(N).astype(np.float32)), N)
+                got = await gathers[by_id[peer]].gather(spec, CFG, data, N, 4.0, timeout=8.0)
+                complete[peer] = got.complete
+
+            async with trio.open_nursery() as nursery:
+                for peer in ids:
+                    nursery.start_soon(run, peer)
+            return complete[top]
+
+    assert run_sim(main, timeout=120.0)
