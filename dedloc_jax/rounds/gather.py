@@ -240,16 +240,24 @@ class SparseGather:
         me = str(self.node.peer_id)
         started = trio.current_time()
         attempt = 0
+        ask_at = started
         while not g.senders - g.excluded <= set(g.held):
-            missing = sorted(g.senders - g.excluded - set(g.held))
+            if trio.current_time() < ask_at:
+                # Between passes an entry brought to us only ends the round (it creates no
+                # ask: missing shrinks, pushed grows); RETRY paces the asks. Asking again on
+                # every entry (7ebcd13) re-asked relays for clients whose pushes were on
+                # their way, relays that had left kept each ask HOLD: 1 of 40 incomplete.
+                with trio.move_on_at(ask_at):
+                    await g.changed.wait()
+                continue
             waited = trio.current_time() - started
             # a client or a member with nothing to send is asked by no one: it asks everyone
             first = {p for p in reachable if me < p or own is None or not pushed_to_me}
             if waited >= HOLD:
                 first = set(reachable)
             asks: dict[str, list[str]] = {}
-            for p in missing:  # a reachable sender is asked itself, a client through a relay
-                if p in reachable:
+            for p in sorted(g.senders - g.excluded - set(g.held)):
+                if p in reachable:  # a reachable sender is asked itself, a client via a relay
                     if p in first:  # else p asks us, and its request carries its entry
                         asks.setdefault(p, []).append(p)
                 elif reachable and (attempt or not pushed_to_me or waited >= RETRY):
@@ -258,21 +266,12 @@ class SparseGather:
             for p in reachable:  # everyone reachable gets our entry once
                 if own is not None and p not in pushed and p in first:
                     asks.setdefault(p, [])
-            if not asks:
-                # Nothing to ask: only an entry brought to us can complete the round, and no
-                # entry creates an ask (missing shrinks, pushed grows; the rest follows time,
-                # within RETRY). Wake on it: the higher of two senders slept a whole RETRY.
-                with trio.move_on_after(RETRY):
-                    await g.changed.wait()
-                continue
-            async with trio.open_nursery() as nursery:
-                for p, want in asks.items():
-                    nursery.start_soon(self._ask, g, round_id, p, want, own, pushed)
-            attempt += 1
-            if not g.senders - g.excluded <= set(g.held):
-                # After asks, RETRY paces the next ones (never an entry's arrival: each pass
-                # re-asks the relays for every missing client, a different relay each time).
-                await trio.sleep(RETRY)
+            if asks:
+                async with trio.open_nursery() as nursery:
+                    for p, want in asks.items():
+                        nursery.start_soon(self._ask, g, round_id, p, want, own, pushed)
+                attempt += 1
+            ask_at = trio.current_time() + RETRY
 
     async def _ask(
         self,

@@ -10,6 +10,8 @@ contributed one micro-step (4 samples) per epoch, the other 160-176.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 import trio
@@ -53,6 +55,100 @@ def test_both_members_leave_the_gather_when_the_entries_are_swapped() -> None:
     left = run_sim(main, timeout=60.0)
     # (virtual time: the network's latency only; before the fix the higher ID left 1 s later)
     assert max(left.values()) - min(left.values()) < gather_mod.RETRY / 4, left
+
+
+def test_a_member_that_asked_leaves_when_the_last_entry_comes() -> None:
+    """Three nodes; the lowest opens its gather half a second after the others. The middle
+    one asked the highest, then waits for the lowest's request (which carries its entry):
+    it leaves when that comes, not ``RETRY`` after its asks (its next pass). Its asks stay
+    ``RETRY`` apart: waking on every entry to ask again is what 7ebcd13 did."""
+
+    async def main() -> dict[str, float]:
+        net = SimNetwork(seed=0)
+        async with open_sim_nodes(net, 3, latency=0.01) as nodes:
+            gathers = [SparseGather(node) for node in nodes]
+            for g in gathers:
+                g.register()
+            for a in nodes:
+                for b in nodes:
+                    if a is not b:
+                        a.peerstore.add_addrs(b.peer_id, b.addrs)
+            ids = sorted(str(node.peer_id) for node in nodes)
+            by_id = {str(node.peer_id): i for i, node in enumerate(nodes)}
+            spec = GroupSpec(tuple(Member(p) for p in ids), group_id=b"g")
+            left: dict[str, float] = {}
+            start = trio.current_time()
+
+            async def run(peer: str) -> None:
+                if peer == ids[0]:
+                    await trio.sleep(0.5)
+                rng = np.random.default_rng(by_id[peer])
+                data = pack(CFG, encode(CFG, rng.standard_normal(N).astype(np.float32)), N)
+                got = await gathers[by_id[peer]].gather(spec, CFG, data, N, 4.0, timeout=30.0)
+                assert got.complete
+                left[peer[:6]] = trio.current_time() - start
+
+            async with trio.open_nursery() as nursery:
+                for peer in ids:
+                    nursery.start_soon(run, peer)
+            return left
+
+    left = run_sim(main, timeout=60.0)
+    # (virtual time: before, the two that asked left at 1.0 s, a RETRY after their asks)
+    assert max(left.values()) < 0.5 + gather_mod.RETRY / 4, left
+
+
+class _Counting(SparseGather):
+    """Records the entries it asks each peer for that are not that peer's own (relayed)."""
+
+    def __init__(self, node: Any, relayed: list[str]) -> None:
+        super().__init__(node)
+        self.relayed = relayed
+
+    async def _ask(self, g: Any, round_id: bytes, peer: str, want: list[str], *rest: Any) -> None:
+        self.relayed.extend(p for p in want if p != peer)
+        await super()._ask(g, round_id, peer, want, *rest)
+
+
+def test_entries_that_arrive_do_not_make_a_member_ask_relays_early() -> None:
+    """Four nodes and a client that opens its gather 0.3 s after them, the lowest node 0.1 s
+    after them. Every node gets the client's entry from the client itself within ``RETRY``,
+    so none asks a relay for it. Waking on every entry to ask again (7ebcd13) made the
+    nodes that had asked ask relays at once for the client, when its pushes were on their
+    way; at 40 peers such asks went to relays that had left, which kept them ``HOLD``
+    seconds (a whole pass), and one of 40 ended its round incomplete."""
+
+    async def main() -> list[str]:
+        net = SimNetwork(seed=0)
+        relayed: list[str] = []
+        async with open_sim_nodes(net, 5, latency=0.01) as nodes:
+            gathers = [_Counting(node, relayed) for node in nodes]
+            for g in gathers:
+                g.register()
+            for a in nodes:
+                for b in nodes:
+                    if a is not b:
+                        a.peerstore.add_addrs(b.peer_id, b.addrs)
+            ids = sorted(str(node.peer_id) for node in nodes)
+            by_id = {str(node.peer_id): i for i, node in enumerate(nodes)}
+            client = ids[2]
+            spec = GroupSpec(
+                tuple(Member(p, "client" if p == client else "node") for p in ids), group_id=b"g"
+            )
+
+            async def run(peer: str) -> None:
+                await trio.sleep(0.3 if peer == client else 0.1 if peer == ids[0] else 0.0)
+                rng = np.random.default_rng(by_id[peer])
+                data = pack(CFG, encode(CFG, rng.standard_normal(N).astype(np.float32)), N)
+                got = await gathers[by_id[peer]].gather(spec, CFG, data, N, 4.0, timeout=30.0)
+                assert got.complete
+
+            async with trio.open_nursery() as nursery:
+                for peer in ids:
+                    nursery.start_soon(run, peer)
+        return relayed
+
+    assert run_sim(main, timeout=60.0) == []
 
 
 @pytest.mark.parametrize("late_rank", [0, 1, 2])
