@@ -245,8 +245,8 @@ class SparseGather:
             if trio.current_time() < ask_at:
                 # Between passes an entry brought to us only ends the round (it creates no
                 # ask: missing shrinks, pushed grows); RETRY paces the asks. Asking again on
-                # every entry (7ebcd13) re-asked relays for clients whose pushes were on
-                # their way, relays that had left kept each ask HOLD: 1 of 40 incomplete.
+                # every entry (7ebcd13) asked relays for clients whose pushes were on their
+                # way (docs/decisions.md: the sparse gather waits for entries).
                 with trio.move_on_at(ask_at):
                     await g.changed.wait()
                 continue
