@@ -82,6 +82,8 @@ class SparseGather:
         self.admit = admit  # a private run's check of the caller
         self._rounds: dict[bytes, _Gather] = {}
         self._opened: dict[bytes, trio.Event] = {}
+        # rounds that ended here, until HOLD after: late asks get what we held at once
+        self._ended: dict[bytes, tuple[_Gather, float]] = {}
 
     def register(self) -> None:
         self.node.add_handler(GATHER, self._handle)
@@ -145,6 +147,11 @@ class SparseGather:
         round_id = request["r"]
         if self.admit is not None:
             await self.admit(ctx.remote_peer, None)
+        ended = self._ended.get(round_id)
+        if ended is not None and ended[1] > trio.current_time():
+            # Over here: what we held, at once. A round that ended was never opened again,
+            # so the wait below took HOLD (the asker's whole deadline) for nothing.
+            return {"e": [ended[0].raw[p] for p in want if p in ended[0].raw], "h": True}
         with trio.move_on_after(HOLD):
             await self._opened_event(round_id).wait()
         g = self._rounds.get(round_id)
@@ -158,7 +165,8 @@ class SparseGather:
         me = str(self.node.peer_id)
         if me in want and me in g.raw:  # the asker gets ours in this answer: no push needed
             g.pushed.add(str(ctx.remote_peer))
-        return {"e": [g.raw[p] for p in want if p in g.raw]}
+        # "h": our round is open here, the asker's entry (if it carried one) held
+        return {"e": [g.raw[p] for p in want if p in g.raw], "h": True}
 
     async def gather(
         self,
@@ -201,6 +209,9 @@ class SparseGather:
         finally:
             del self._rounds[round_id]
             self._opened.pop(round_id, None)
+            now = trio.current_time()
+            self._ended = {r: e for r, e in self._ended.items() if e[1] > now}
+            self._ended[round_id] = (g, now + HOLD)
         order = [m for m in spec.members if m.peer_id in g.held]
         if not order:
             raise ValueError("no payload held, not even our own")
@@ -218,7 +229,8 @@ class SparseGather:
         pushed_to_me: bool,
     ) -> None:
         """Ask until every sender's entry is held. Clients push their entries to reachable
-        members, so a reachable member asks a relay for a client's only on a second try.
+        members, so a reachable member asks a relay for a client's only on a second try or
+        ``RETRY`` into the round (the highest ID, with no one to ask, never tried).
 
         Of two reachable senders only the lower ID asks at first: its request carries its
         entry and the answer the other's, so one call moves both (when both asked, each
@@ -228,32 +240,38 @@ class SparseGather:
         me = str(self.node.peer_id)
         started = trio.current_time()
         attempt = 0
+        ask_at = started
         while not g.senders - g.excluded <= set(g.held):
-            missing = sorted(g.senders - g.excluded - set(g.held))
+            if trio.current_time() < ask_at:
+                # Between passes an entry brought to us only ends the round (it creates no
+                # ask: missing shrinks, pushed grows); RETRY paces the asks. Asking again on
+                # every entry (7ebcd13) asked relays for clients whose pushes were on their
+                # way (docs/decisions.md: the sparse gather waits for entries).
+                with trio.move_on_at(ask_at):
+                    await g.changed.wait()
+                continue
+            waited = trio.current_time() - started
             # a client or a member with nothing to send is asked by no one: it asks everyone
             first = {p for p in reachable if me < p or own is None or not pushed_to_me}
-            if trio.current_time() - started >= HOLD:
+            if waited >= HOLD:
                 first = set(reachable)
             asks: dict[str, list[str]] = {}
-            for p in missing:  # a reachable sender is asked itself, a client through a relay
-                if p in reachable:
+            for p in sorted(g.senders - g.excluded - set(g.held)):
+                if p in reachable:  # a reachable sender is asked itself, a client via a relay
                     if p in first:  # else p asks us, and its request carries its entry
                         asks.setdefault(p, []).append(p)
-                elif reachable and (attempt or not pushed_to_me):
+                elif reachable and (attempt or not pushed_to_me or waited >= RETRY):
                     relay = reachable[(attempt + sorted(g.senders).index(p)) % len(reachable)]
                     asks.setdefault(relay, []).append(p)
             for p in reachable:  # everyone reachable gets our entry once
                 if own is not None and p not in pushed and p in first:
                     asks.setdefault(p, [])
-            if not asks:
-                await trio.sleep(RETRY)
-                continue
-            async with trio.open_nursery() as nursery:
-                for p, want in asks.items():
-                    nursery.start_soon(self._ask, g, round_id, p, want, own, pushed)
-            attempt += 1
-            if not g.senders - g.excluded <= set(g.held):
-                await trio.sleep(RETRY)
+            if asks:
+                async with trio.open_nursery() as nursery:
+                    for p, want in asks.items():
+                        nursery.start_soon(self._ask, g, round_id, p, want, own, pushed)
+                attempt += 1
+            ask_at = trio.current_time() + RETRY
 
     async def _ask(
         self,
@@ -274,8 +292,10 @@ class SparseGather:
         except P2PError as e:
             log.info("sparse gather: %s did not answer: %s", peer, e)
             return
-        pushed.add(peer)
         entries = answer.get("e") if isinstance(answer, dict) else None
+        if isinstance(answer, dict) and answer.get("h") is True:
+            # (not from a peer whose round had not opened: our entry was not taken there)
+            pushed.add(peer)
         if not isinstance(entries, list) or len(entries) > len(g.senders):
             log.warning("sparse gather: malformed answer from %s", peer)
             return
