@@ -698,6 +698,13 @@ def main() -> None:
     )
     parser.add_argument("--out", help="--processes: logs and event files (unset: /tmp/...)")
     parser.add_argument(
+        "--recipe",
+        choices=["bench", "readme"],
+        default="bench",
+        help="--processes: the trainers' run (bench: short epochs for the attack table; "
+        "readme: the README's one-machine try, the shortest epochs a user runs)",
+    )
+    parser.add_argument(
         "--lockstep-epochs",
         type=int,
         default=150,

@@ -22,6 +22,9 @@ trainers' epochs from the attack to the first honest trainer's ban of the hostil
 ``detected`` (a node refused the attacker's record, an honest trainer logged it as ignored or
 bounded, or banned it), ``finite`` and ``in_step`` (the honest trainers' digests at the last
 epoch they all reached). The last line is one JSON object.
+
+``--recipe readme`` runs the README's one-machine try instead of the bench's shorter epochs
+(:data:`RECIPES`): the clean run's speed cost at the shortest epochs a user runs.
 """
 
 from __future__ import annotations
@@ -44,6 +47,17 @@ ROOT = Path(__file__).resolve().parents[1]
 RUN_ID = "chaos-sahajbert"  # bench.chaos's prepared tiny run (and compilation cache)
 TARGET = 64
 MICRO = 8
+# What the trainers run. "bench": the attack table's, short epochs (~0.5 s on 2 cores) so that
+# a 40 s window holds dozens. "readme": the README's one-machine try (its `prepare` flags, the
+# volunteers' default batch), the smallest run a user starts: the clean cost is a fixed CPU
+# time a round, so its share depends on the epoch's length, and this is the shortest real one.
+RECIPES = {
+    "bench": {"target": TARGET, "prepare": ["--seq-length", "32", "--learning-rate", "0.01",
+                                            "--warmup-steps", "1"], "micro": MICRO},
+    "readme": {"target": 96, "prepare": ["--seq-length", "64", "--learning-rate", "0.03",
+                                         "--warmup-steps", "2", "--total-steps", "1000"],
+               "micro": None},
+}  # fmt: skip
 HONEST = 3
 PERIOD = 2  # undefended: epochs with the defences off, then on, and so on (short spans: the
 # machine's load moves within seconds, and each on span is set against its neighbours)
@@ -74,18 +88,21 @@ def _env() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
 
 
-def prepared_run() -> Path:
-    """bench.chaos's prepared tiny run (prepared here if missing), and its compilation cache."""
+def prepared_run(recipe: str = "bench") -> Path:
+    """The tiny run of ``recipe`` (:data:`RECIPES`; "bench" is bench.chaos's), prepared here if
+    missing, and its compilation cache."""
     from bench.chaos import prepared_dir
     from models.text.corpus import write_corpus
 
-    prepared = prepared_dir(TARGET)
+    spec = RECIPES[recipe]
+    prepared = prepared_dir(spec["target"])
+    if recipe != "bench":
+        prepared = prepared.with_name(f"{prepared.name}-{recipe}")
     if not (prepared / "run" / "manifest.json").is_file():
         prepared.mkdir(parents=True, exist_ok=True)
         write_corpus(prepared / "text.txt", 300, seed=0)
         cmd = [sys.executable, "-m", "examples.sahajbert", "prepare", "--run-id", RUN_ID,
-               "--config", "tiny", "--seq-length", "32", "--target-batch-size", str(TARGET),
-               "--learning-rate", "0.01", "--warmup-steps", "1",
+               "--config", "tiny", "--target-batch-size", str(spec["target"]), *spec["prepare"],
                "--data", str(prepared / "text.txt"), "--out", str(prepared / "run"),
                "--work-dir", str(prepared / "organiser")]  # fmt: skip
         subprocess.run(cmd, cwd=ROOT, env=_env(), check=True, capture_output=True)
@@ -95,8 +112,9 @@ def prepared_run() -> Path:
 class Scenario:
     """One run: a coordinator, three honest trainers and one patched with ``attack``."""
 
-    def __init__(self, attack: str, out: Path, manifest: Path) -> None:
+    def __init__(self, attack: str, out: Path, manifest: Path, micro: int | None = MICRO) -> None:
         self.attack = attack
+        self.micro = micro
         self.out = out
         self.manifest = manifest
         self.go = out / "go"
@@ -144,9 +162,10 @@ class Scenario:
             args = ["trainer", "--run-id", RUN_ID, "--initial-peers", addr,
                     "--work-dir", str(self._work(name)),
                     "--identity", str(self.out / f"{name}.key"),
-                    "--per-device-batch-size", str(MICRO),
                     "--events", str(self.out / f"{name}.jsonl"),
                     "--listen", "/ip4/127.0.0.1/tcp/0"]  # fmt: skip
+            if self.micro is not None:
+                args += ["--per-device-batch-size", str(self.micro)]
             honest = undefended or "none"
             patch = honest if i < HONEST or self.attack == "none" else self.attack
             self._spawn(name, args, patch)
@@ -209,8 +228,10 @@ def _noted(prefix: Path, needle: str) -> list[float]:
     return out
 
 
-def run_scenario(attack: str, out: Path, manifest: Path, warm: int, window: float) -> dict:
-    sc = Scenario(attack, out, manifest)
+def run_scenario(
+    attack: str, out: Path, manifest: Path, warm: int, window: float, micro: int | None = MICRO
+) -> dict:
+    sc = Scenario(attack, out, manifest, micro)
     t_start = time.monotonic()
     try:
         sc.start(t_start + 300)
@@ -450,7 +471,9 @@ def rows(results: dict[str, dict]) -> list[dict]:
 
 
 def main(args: Any) -> None:
-    manifest = prepared_run()
+    recipe = getattr(args, "recipe", "bench")
+    manifest = prepared_run(recipe)
+    micro = RECIPES[recipe]["micro"]
     base = Path(args.out or f"/tmp/byzantine-processes-{int(time.time())}")
     wall = time.monotonic()
     load = os.getloadavg()  # the machine's, shared: the 1/5/15-minute loads at start and end
@@ -459,7 +482,9 @@ def main(args: Any) -> None:
         # the clean cost's pairs are the undefended run's epochs: it watches longer
         window = max(args.window, COST_WINDOW) if attack == "undefended" else args.window
         try:
-            results[attack] = run_scenario(attack, base / attack, manifest, args.warm, window)
+            results[attack] = run_scenario(
+                attack, base / attack, manifest, args.warm, window, micro
+            )
         except RuntimeError as e:
             print(f"{attack}: {e}", file=sys.stderr)
             continue
@@ -487,7 +512,8 @@ def main(args: Any) -> None:
                     "lockstep": lock["rows"][0]}  # fmt: skip
     if overhead is not None:
         print(f"defences' cost on a clean run (defended / undefended): {overhead}")
-    print(json.dumps({"processes": True, "warm": args.warm, "window_s": args.window,
+    print(json.dumps({"processes": True, "recipe": recipe, "warm": args.warm,
+                      "window_s": args.window,
                       "rows": table, "overhead": overhead, "out": str(base),
                       "load": [round(x, 2) for x in (*load, *os.getloadavg())],
                       "wall_s": round(time.monotonic() - wall, 1)}))  # fmt: skip
