@@ -32,10 +32,12 @@ async def train_steadily(
     micro: int,
     rate: float,
     on_step: Callable[[int], None] | None = None,
+    serve: bool = True,
 ) -> None:
     """Peer ``i`` trains forever at ``rate`` samples/s in micro-batches of ``micro``: at each
     step it averages a gradient of ``i + 1`` everywhere, applies it to ``params[i]``, calls
-    ``on_step(samples it fed)`` and serves its new state."""
+    ``on_step(samples it fed)`` and serves its new state (with ``serve=False`` it serves
+    none, as bench.byzantine's peers train)."""
     epoch = 0
     while True:
         samples = 0
@@ -50,4 +52,5 @@ async def train_steadily(
         epoch = outcome.epoch
         if on_step is not None:
             on_step(samples)
-        await core.share_state([params[i]], epoch)
+        if serve:
+            await core.share_state([params[i]], epoch)

@@ -26,24 +26,53 @@ CFG = TopK(density=0.25, bits=2, error_feedback=0.95, chunk=4)
 N = 16
 
 
+def _registered(nodes: list, make: Any = SparseGather) -> list[SparseGather]:
+    """``make(node)`` for each node, registered."""
+    gathers = [make(node) for node in nodes]
+    for g in gathers:
+        g.register()
+    return gathers
+
+
+def _introduce(nodes: list) -> tuple[list[str], dict[str, int]]:
+    """Every node learns every other's addresses. Returns the sorted IDs and each ID's index
+    in ``nodes``."""
+    for a in nodes:
+        for b in nodes:
+            if a is not b:
+                a.peerstore.add_addrs(b.peer_id, b.addrs)
+    ids = sorted(str(node.peer_id) for node in nodes)
+    return ids, {str(node.peer_id): i for i, node in enumerate(nodes)}
+
+
+def _spec(ids: list[str], client: str | None = None) -> GroupSpec:
+    """The group of ``ids`` (sorted), all nodes but ``client``."""
+    members = (Member(p, "client" if p == client else "node") for p in sorted(ids))
+    return GroupSpec(tuple(members), group_id=b"g")
+
+
+async def _gather(
+    g: SparseGather, spec: GroupSpec, rng: np.random.Generator, timeout: float = 30.0
+) -> Any:
+    """``g``'s gather of N random values (drawn from ``rng``), weight 4."""
+    data = pack(CFG, encode(CFG, rng.standard_normal(N).astype(np.float32)), N)
+    return await g.gather(spec, CFG, data, N, 4.0, timeout=timeout)
+
+
 def test_both_members_leave_the_gather_when_the_entries_are_swapped() -> None:
     async def main() -> dict[str, float]:
         net = SimNetwork(seed=0)
         async with open_sim_nodes(net, 2) as nodes:
-            gathers = [SparseGather(node) for node in nodes]
-            for g in gathers:
-                g.register()
+            gathers = _registered(nodes)
             await nodes[0].connect(nodes[1].addrs[0])
             ids = [str(node.peer_id) for node in nodes]
-            spec = GroupSpec(tuple(Member(p) for p in sorted(ids)), group_id=b"g")
+            spec = _spec(ids)
             rng = np.random.default_rng(0)
             left: dict[str, float] = {}
             start = trio.current_time()
 
             async def run(i: int) -> None:
-                payload = encode(CFG, rng.standard_normal(N).astype(np.float32))
-                data = pack(CFG, payload, N)
-                got = await gathers[i].gather(spec, CFG, data, N, 4.0, timeout=30.0)
+                got = await _gather(gathers[i], spec, rng)
                 assert got.complete
                 left[ids[i]] = trio.current_time() - start
 
@@ -66,16 +95,9 @@ def test_a_member_that_asked_leaves_when_the_last_entry_comes() -> None:
     async def main() -> dict[str, float]:
         net = SimNetwork(seed=0)
         async with open_sim_nodes(net, 3, latency=0.01) as nodes:
-            gathers = [SparseGather(node) for node in nodes]
-            for g in gathers:
-                g.register()
-            for a in nodes:
-                for b in nodes:
-                    if a is not b:
-                        a.peerstore.add_addrs(b.peer_id, b.addrs)
-            ids = sorted(str(node.peer_id) for node in nodes)
-            by_id = {str(node.peer_id): i for i, node in enumerate(nodes)}
-            spec = GroupSpec(tuple(Member(p) for p in ids), group_id=b"g")
+            gathers = _registered(nodes)
+            ids, by_id = _introduce(nodes)
+            spec = _spec(ids)
             left: dict[str, float] = {}
             start = trio.current_time()
 
@@ -83,8 +105,7 @@ def test_a_member_that_asked_leaves_when_the_last_entry_comes() -> None:
                 if peer == ids[0]:
                     await trio.sleep(0.5)
                 rng = np.random.default_rng(by_id[peer])
-                data = pack(CFG, encode(CFG, rng.standard_normal(N).astype(np.float32)), N)
-                got = await gathers[by_id[peer]].gather(spec, CFG, data, N, 4.0, timeout=30.0)
+                got = await _gather(gathers[by_id[peer]], spec, rng)
                 assert got.complete
                 left[peer[:6]] = trio.current_time() - start
 
@@ -122,25 +143,15 @@ def test_entries_that_arrive_do_not_make_a_member_ask_relays_early() -> None:
         net = SimNetwork(seed=0)
         relayed: list[str] = []
         async with open_sim_nodes(net, 5, latency=0.01) as nodes:
-            gathers = [_Counting(node, relayed) for node in nodes]
-            for g in gathers:
-                g.register()
-            for a in nodes:
-                for b in nodes:
-                    if a is not b:
-                        a.peerstore.add_addrs(b.peer_id, b.addrs)
-            ids = sorted(str(node.peer_id) for node in nodes)
-            by_id = {str(node.peer_id): i for i, node in enumerate(nodes)}
+            gathers = _registered(nodes, lambda node: _Counting(node, relayed))
+            ids, by_id = _introduce(nodes)
             client = ids[2]
-            spec = GroupSpec(
-                tuple(Member(p, "client" if p == client else "node") for p in ids), group_id=b"g"
-            )
+            spec = _spec(ids, client)
 
             async def run(peer: str) -> None:
                 await trio.sleep(0.3 if peer == client else 0.1 if peer == ids[0] else 0.0)
                 rng = np.random.default_rng(by_id[peer])
-                data = pack(CFG, encode(CFG, rng.standard_normal(N).astype(np.float32)), N)
-                got = await gathers[by_id[peer]].gather(spec, CFG, data, N, 4.0, timeout=30.0)
+                got = await _gather(gathers[by_id[peer]], spec, rng)
                 assert got.complete
 
             async with trio.open_nursery() as nursery:
@@ -164,28 +175,20 @@ def test_a_member_that_opens_late_still_gets_every_entry(late_rank: int) -> None
     async def main() -> dict[str, bool]:
         net = SimNetwork(seed=0)
         async with open_sim_nodes(net, 4, latency=0.01) as nodes:
-            gathers = [SparseGather(node) for node in nodes]
-            for g in gathers:
-                g.register()
-            for a in nodes:
-                for b in nodes:
-                    if a is not b:
-                        a.peerstore.add_addrs(b.peer_id, b.addrs)
-            ids = sorted(str(node.peer_id) for node in nodes)
-            by_id = {str(node.peer_id): i for i, node in enumerate(nodes)}
+            gathers = _registered(nodes)
+            ids, by_id = _introduce(nodes)
             client = ids[1]
             late = [p for p in ids if p != client][late_rank]
             modes = {p: "client" if p == client else "node" for p in ids}
-            spec = GroupSpec(tuple(Member(p, modes[p]) for p in ids), group_id=b"g")
+            spec = _spec(ids, client)
             complete: dict[str, bool] = {}
 
             async def run(peer: str) -> None:
                 if peer == late:
                     await trio.sleep(gather_mod.HOLD + 1.0)
                 rng = np.random.default_rng(by_id[peer])
-                data = pack(CFG, encode(CFG, rng.standard_normal(N).astype(np.float32)), N)
                 timeout = 5.0 if peer == late else 30.0
-                got = await gathers[by_id[peer]].gather(spec, CFG, data, N, 4.0, timeout=timeout)
+                got = await _gather(gathers[by_id[peer]], spec, rng, timeout=timeout)
                 complete[peer] = got.complete
 
             async with trio.open_nursery() as nursery:
@@ -205,17 +208,13 @@ def test_a_round_that_ended_answers_a_late_ask_at_once() -> None:
     async def main() -> tuple[float, int]:
         net = SimNetwork(seed=0)
         async with open_sim_nodes(net, 2, latency=0.01) as nodes:
-            gathers = [SparseGather(node) for node in nodes]
-            for g in gathers:
-                g.register()
+            gathers = _registered(nodes)
             await nodes[0].connect(nodes[1].addrs[0])
             ids = [str(node.peer_id) for node in nodes]
-            spec = GroupSpec(tuple(Member(p) for p in sorted(ids)), group_id=b"g")
+            spec = _spec(ids)
 
             async def run(i: int) -> None:
-                rng = np.random.default_rng(i)
-                data = pack(CFG, encode(CFG, rng.standard_normal(N).astype(np.float32)), N)
-                assert (await gathers[i].gather(spec, CFG, data, N, 4.0, timeout=30.0)).complete
+                assert (await _gather(gathers[i], spec, np.random.default_rng(i))).complete
 
             async with trio.open_nursery() as nursery:
                 for i in range(2):
@@ -239,26 +238,16 @@ def test_the_highest_node_gets_a_client_it_cannot_hear_from_through_a_relay() ->
     async def main() -> bool:
         net = SimNetwork(seed=0)
         async with open_sim_nodes(net, 4, latency=0.01) as nodes:
-            gathers = [SparseGather(node) for node in nodes]
-            for g in gathers:
-                g.register()
-            for a in nodes:
-                for b in nodes:
-                    if a is not b:
-                        a.peerstore.add_addrs(b.peer_id, b.addrs)
-            ids = sorted(str(node.peer_id) for node in nodes)
-            by_id = {str(node.peer_id): i for i, node in enumerate(nodes)}
+            gathers = _registered(nodes)
+            ids, by_id = _introduce(nodes)
             client, top = ids[0], ids[-1]
             net.partition([host_of(net, nodes[by_id[client]])], [host_of(net, nodes[by_id[top]])])
-            spec = GroupSpec(
-                tuple(Member(p, "client" if p == client else "node") for p in ids), group_id=b"g"
-            )
+            spec = _spec(ids, client)
             complete: dict[str, bool] = {}
 
             async def run(peer: str) -> None:
                 rng = np.random.default_rng(by_id[peer])
-                data = pack(CFG, encode(CFG, rng.standard_normal(N).astype(np.float32)), N)
-                got = await gathers[by_id[peer]].gather(spec, CFG, data, N, 4.0, timeout=8.0)
+                got = await _gather(gathers[by_id[peer]], spec, rng, timeout=8.0)
                 complete[peer] = got.complete
 
             async with trio.open_nursery() as nursery:

@@ -42,23 +42,6 @@ TARGET = 96
 PHASE = 30.0  # seconds before and after the attack
 
 
-async def _train_serving_nothing(
-    core: object, i: int, params: list, *, micro: int, rate: float, on_step: Callable
-) -> None:
-    """:func:`train_steadily` without serving a state (as bench.byzantine's peers train)."""
-    epoch = 0
-    while True:
-        samples = 0
-        while True:
-            await trio.sleep(micro / rate)
-            samples += micro
-            if core.report(epoch, samples, micro):  # type: ignore[attr-defined]
-                break
-        outcome = await core.average(epoch, [np.ones(100, np.float32)], samples)  # type: ignore[attr-defined]
-        epoch = outcome.epoch
-        on_step(samples)
-
-
 def _run(
     attack: Callable[..., Awaitable[object]],
     seed: int = 7,
@@ -82,8 +65,9 @@ def _run(
                     out["steps"][i].append(trio.current_time())
                     out["samples"][i].append(samples)
 
-                train = train_steadily if serve else _train_serving_nothing
-                await train(cores[i], i, params, micro=MICRO, rate=RATE, on_step=stepped)
+                await train_steadily(
+                    cores[i], i, params, micro=MICRO, rate=RATE, on_step=stepped, serve=serve
+                )
 
             async with (
                 open_sim_attacker(net, cores[0].node) as attacker,

@@ -21,8 +21,11 @@ from dedloc_jax.state.keeping import StepKeeper, keep_in_step_async
 from p2p.dht import DHTClock, DHTConfig
 from p2p.node import NodeConfig
 from p2p.testing import SimNetwork, open_sim_nodes, run_sim
-from tests.dedloc_jax.simcollab import open_sim_attacker, open_sim_collaboration
-from tests.dedloc_jax.test_hostile_progress import _train_serving_nothing
+from tests.dedloc_jax.simcollab import (
+    open_sim_attacker,
+    open_sim_collaboration,
+    train_steadily,
+)
 
 MICRO = 4
 RATE = 16.0  # samples/s per honest peer
@@ -103,8 +106,8 @@ def _run(*, trainers: str, attack_at: float | None, newcomer_at: float | None, s
                     continue
                 stepped = lambda _s, i=i: out["steps"][i].append((trio.current_time(), -1))  # noqa: E731
                 nursery.start_soon(
-                    lambda i=i, s=stepped: _train_serving_nothing(
-                        cores[i], i, params, micro=MICRO, rate=RATE, on_step=s
+                    lambda i=i, s=stepped: train_steadily(
+                        cores[i], i, params, micro=MICRO, rate=RATE, on_step=s, serve=False
                     )
                 )
             for at, what in sorted((t, w) for t, w in ((attack_at, 0), (newcomer_at, 1)) if t):
