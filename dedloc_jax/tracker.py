@@ -501,11 +501,28 @@ class ProgressTracker:
                 ceiling,
             )
         self._unbacked_since = ahead
+        undecided = self._undecided()
         for pid, epoch in sorted(unbacked.items()):
             # One epoch ahead is also a round's member whose record landed before its mates'
             # (a coordinator warned of each trainer in healthy runs): said once it lasts.
             since = self._unbacked_since.get(pid)
             if since is not None and now - since < self.config.progress.ttl:
+                continue
+            if undecided and self.records[pid].state and pid not in self._unbacked_logged:
+                # Its state is what our keeper's look at the download's choice is about (a
+                # coordinator's copy once the trainers left): warned of, it read as the bug
+                # seconds before the load that made it moot. Warned of once we decided.
+                if pid not in self._unbacked_noted:
+                    if len(self._unbacked_noted) >= MAX_LOGGED:
+                        self._unbacked_noted.clear()
+                    self._unbacked_noted.add(pid)
+                    log.info(
+                        "peer %s serves a state of epoch %d that no progress record backs "
+                        "(most trainers are at %d or before): the download's choice decides",
+                        pid,
+                        epoch,
+                        ceiling,
+                    )
                 continue
             if pid not in self._unbacked_logged:
                 if len(self._unbacked_logged) >= MAX_LOGGED:
@@ -519,6 +536,12 @@ class ProgressTracker:
                     ceiling,
                 )
         self.unbacked = frozenset(unbacked)
+
+    def _undecided(self) -> bool:
+        """Whether our keeper may still take the run's state instead of ours: we serve none
+        yet, or our initial one (epoch 0, no lineage), and averaged with nobody."""
+        served = self.served
+        return not self._averaged_with and (served is None or (served[0] == 0 and not served[2]))
 
     def expect_mates(self, epoch: int, peers: Iterable[str]) -> None:
         """``peers`` averaged with us into ``epoch``: they are expected in its round (the

@@ -66,6 +66,9 @@ class KeepConfig:
     fork_hold: float = 0.0
     lost_loads: int = 3  # downloads tried when our lineage lost the fork check
     behind_recheck: float = 1.0  # between looks for a newer state while behind
+    # A history-less peer (it served its own initial state: nothing loaded, no step since)
+    # asks the download's choice again this often while a state ahead is announced.
+    fresh_recheck: float = 5.0
     retry: float = 1.0  # between download attempts
     load_timeout: float = 60.0  # one state download at most
 
@@ -137,6 +140,8 @@ class StepKeeper:
         self._suspect = False  # the epoch began with a step without the whole collaboration
         self._said_suspect = False  # the last step was one too (its line said at INFO)
         self._behind_checked = -math.inf
+        self._fresh = False  # history-less: serves its own initial state (see _look_again)
+        self._fresh_checked = -math.inf
         # figures for tests and benchmarks
         self.loads = 0  # states loaded
         self.forks = 0  # of them, after our lineage lost a fork check
@@ -149,6 +154,8 @@ class StepKeeper:
         if self.epoch is None or (epoch is not None and epoch != self.epoch):
             return True
         if now >= self._next_check:
+            return True
+        if self._fresh and now - self._fresh_checked > self.config.fresh_recheck:
             return True
         return behind and now - self._behind_checked > self.config.behind_recheck
 
@@ -174,6 +181,9 @@ class StepKeeper:
             if newer and isinstance((yield from self._load(None, obs.now)), int):
                 return
             yield Serve()
+            self._fresh, self._fresh_checked = True, obs.now
+            return
+        if self._fresh and (yield from self._look_again(obs)):
             return
         if obs.epoch != self.epoch:  # this peer stepped
             unchecked = not self.checked
@@ -206,6 +216,29 @@ class StepKeeper:
                 self.resyncs += 1
                 log.info("epoch %d: the collaboration is ahead; loading its state", obs.epoch)
                 yield from self._load(None, obs.now)
+
+    def _look_again(self, obs: Observation) -> Generator[Request, Any, bool]:
+        """A history-less peer asks the download's choice again (as its first call did) while
+        a state ahead is announced; whether it loaded one. Its first call could not choose (a
+        progress read that failed, the coordinator's record not read yet), and with no trainer
+        around nothing else looks: it restarted from scratch beside a coordinator's saved
+        state. It stops once it stepped or loaded, or after ``lost_loads`` failed downloads
+        (a stranger's made-up state, renamed at each republish, would make it try forever)."""
+        c = self.config
+        if obs.epoch != self.epoch or self.load_failures >= c.lost_loads:
+            self._fresh = False  # it stepped: its own lineage now
+            return False
+        if obs.now - self._fresh_checked <= c.fresh_recheck:
+            return False
+        self._fresh_checked = obs.now  # (paced when nothing is ahead too: see due)
+        if (obs.newest_announced or -1) <= obs.epoch:
+            return False
+        if not (yield NewerServed(obs.epoch, strict=True)):
+            return False
+        if isinstance((yield from self._load(None, obs.now)), int):
+            self._fresh = False
+            return True
+        return False
 
     def _check(self, obs: Observation) -> Generator[Request, Any, None]:
         """Ask whether our lineage lost (patiently: see the module docstring); load the

@@ -131,16 +131,22 @@ class LocalState:
         """The table's states and ours: the fork choice that names the state to load counts
         our vote as our fork check does. Without it, after a healed partition, a peer of the
         majority that fell behind found its side one vote short, lost a 1-1 tie by digest and
-        loaded the minority's state, which its fork check had just beaten."""
+        loaded the minority's state, which its fork check had just beaten.
+
+        Our initial state (epoch 0, no lineage: we neither stepped nor loaded) chose nothing and
+        is no vote (it is still a state held: with nothing else announced, the choice names it
+        and nothing is newer): a vote, it outvoted a coordinator's copy (no vote) in a
+        newcomer's own choice once it served it, and the newcomer restarted from scratch."""
         latest, server = self.server.latest, self.server
         if latest is None:
             return self.table_states()
+        initial = latest.epoch == 0 and not server.lineage
         ours = Announcement(
             self.node.peer_id,
             latest.epoch,
             latest.digest,
             server.lineage,
-            votes=self.tracker.mode != "aux",
+            votes=self.tracker.mode != "aux" and not initial,
             vouched=server.vouched,
             endorsed=self.endorsed,
         )

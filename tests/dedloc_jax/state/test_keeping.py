@@ -81,6 +81,43 @@ def test_a_newcomer_asks_the_downloads_choice_of_a_state_ahead_that_no_record_ba
     assert _requests(first, obs(None), []) == [Serve()]
 
 
+def test_a_history_less_peer_asks_again_until_it_loads_steps_or_fails_a_few_downloads() -> None:
+    """Its first call saw no state ahead (a progress read that failed, the coordinator's record
+    not read yet) and served its own epoch-0 state: it asked once and never again, and with no
+    trainer around nothing else looked. It asks the download's choice again each
+    ``fresh_recheck`` while a state ahead is announced, until it loaded or stepped, or
+    ``lost_loads`` downloads failed (a stranger's made-up states)."""
+    config = KeepConfig(fork_check_after=1e9)  # (no fork check in the way)
+    wait = config.fresh_recheck + 0.5
+
+    def obs(now: float, announced: int | None, epoch: int = 0) -> Observation:
+        return Observation(now, epoch, True, False, None, False, announced)
+
+    late = StepKeeper(config)
+    assert _requests(late, obs(0.0, None), []) == [Serve()]
+    assert not late.due(1.0, 0, False)  # paced
+    assert _requests(late, obs(1.0, 6), []) == []
+    assert late.due(wait, 0, False)
+    assert _requests(late, obs(wait, 6), [True, 6]) == [NewerServed(0, strict=True), Load(None)]
+    assert late.epoch == 6 and late.loads == 1
+    assert _requests(late, obs(3 * wait, 9, epoch=6), []) == []  # loaded: done
+    refused = StepKeeper(config)  # the choice names nothing newer: asked again later
+    _requests(refused, obs(0.0, None), [])
+    assert _requests(refused, obs(wait, 6), [False]) == [NewerServed(0, strict=True)]
+    assert _requests(refused, obs(2 * wait, 6), [False]) == [NewerServed(0, strict=True)]
+    stepped = StepKeeper(config)  # its own step: its own lineage from then on
+    _requests(stepped, obs(0.0, None), [])
+    assert _requests(stepped, obs(wait, 6, epoch=1), [None, False]) == [Serve(), ForkLost()]
+    assert _requests(stepped, obs(3 * wait, 6, epoch=1), []) == []
+    hostile = StepKeeper(config)  # downloads that fail: lost_loads of them, then no more
+    _requests(hostile, obs(0.0, None), [])
+    for k in range(1, config.lost_loads + 1):
+        got = _requests(hostile, obs(k * wait, 6), [True, FAILED])
+        assert got == [NewerServed(0, strict=True), Load(None)]
+    assert _requests(hostile, obs(10 * wait, 6), []) == []
+    assert hostile.epoch == 0 and hostile.load_failures == config.lost_loads
+
+
 def test_after_a_step_it_serves_then_checks_an_epoch_too_short_to_have_been_checked() -> None:
     config = KeepConfig()
     keeper = StepKeeper(config)
