@@ -182,7 +182,10 @@ class Coordinator:
             stopped = self._stopped(records)
             if self._checkpoint_due(self.newest_epoch, stopped):
                 if stopped is not None and stopped != self._stop_saved:
-                    log.info("most trainers stopped at epoch %d: saving the run's state", stopped)
+                    log.info(
+                        "most trainers stopped, at epoch %d or later: saving the newest state",
+                        stopped,
+                    )
                     self._stop_saved = stopped
                 self._checkpoint(collab)
             self._read_bans(collab)
