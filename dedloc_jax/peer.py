@@ -170,17 +170,17 @@ class CollaborationPeer:
         instead."""
         if not est.others_waiting or est.epoch != epoch:
             return False
-        into, mates = self.tracker.mates
-        if into == epoch and mates:
+        if self.tracker.mates[0] == epoch and self.tracker.mates[1]:
             return False
         # Peers that stopped after our record of the epoch was stored expect us (it was in
         # their table), and their leader holds the group open for us: join it.
-        waiting = [
-            r.time
-            for pid, r in self.tracker.contenders().items()
-            if pid != self.tracker.peer_id and r.epoch == epoch and r.waiting
-        ]
+        waiting = self.tracker.waiting_since(epoch)
         if waiting and self.tracker.stored_since(epoch) <= min(waiting):
+            return False
+        # One peer alone that stopped under a window ago expects nobody: it takes registrations
+        # a whole window from then, so join it (a time ahead of ours, a mere claim: skip).
+        window = self.stepper.deadlines(est).window
+        if len(waiting) == 1 and 0 <= self.dht.now() - waiting[0] < window:
             return False
         log.info("epoch %d: its round began before our first micro-step; skipping it", epoch)
         return True

@@ -745,6 +745,15 @@ class ProgressTracker:
             poll=self.poll,
         )
 
+    def waiting_since(self, epoch: int) -> list[float]:
+        """When each other contender that waits in ``epoch``'s round stopped (its record's
+        time, DHT time)."""
+        return [
+            r.time
+            for pid, r in self.contenders().items()
+            if pid != self.peer_id and r.epoch == epoch and r.waiting
+        ]
+
     def stored_since(self, epoch: int) -> float:
         """DHT time by which our first record of ``epoch`` was stored (inf: none yet): a peer
         that read the table after it knows that we train toward ``epoch``."""

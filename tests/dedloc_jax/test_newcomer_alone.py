@@ -85,3 +85,41 @@ def test_a_newcomer_whose_skipped_rounds_peers_left_steps_by_itself(caplog) -> N
     assert out["due"] is not None and out["due"][0] == 0  # it went on (never, before)
     assert out["due"][1] >= 48  # by its own samples, once the others' records lapsed
     assert any("no peer is left at it" in r.getMessage() for r in caplog.records)
+
+
+def test_a_newcomer_joins_only_a_lone_peer_that_stopped_under_a_window_ago() -> None:
+    """The skip rule's narrowing (peer.py): at its first report toward an epoch whose every
+    other contributor already waits without having seen it, a newcomer joins when one peer
+    waits, alone, and stopped under a matchmaking window ago (it expects nobody, so its
+    gathering still takes registrations: a restarted newcomer skipped every round of a lone
+    survivor, 9 lone steps); it still skips one that stopped earlier, one whose time is ahead
+    of ours (a claim), and two or more waiting peers (they close as soon as both registered:
+    joining then forked the newcomer)."""
+    from dedloc_jax.progress import CollaborationEstimate, PeerProgress
+
+    config = CollaborationConfig.local_demo(48)
+
+    async def main() -> dict[str, bool]:
+        net = SimNetwork(seed=5)
+        async with open_sim_collaboration(net, 1, config=config, latency=0.01) as (core,):
+            await trio.sleep(5.0)
+            est = CollaborationEstimate(1, 48.0, 0.0, 0.0, 2, 0, 48, others_waiting=True)
+            window = core.stepper.deadlines(est).window
+            now = core.dht.now()
+
+            def skips(*stopped: float) -> bool:
+                core.tracker.records = {
+                    f"p{i}": PeerProgress(f"p{i}", 1, 48, 8.0, now - ago, waiting=True)
+                    for i, ago in enumerate(stopped)
+                }
+                return core._round_began_without_us(1, est)
+
+            return {
+                "recent": skips(0.2 * window),
+                "earlier": skips(1.5 * window),
+                "ahead": skips(-1.0),
+                "two": skips(0.2 * window, 0.1 * window),
+            }
+
+    out = run_sim(main, seed=5)
+    assert out == {"recent": False, "earlier": True, "ahead": True, "two": True}
