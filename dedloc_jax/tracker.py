@@ -40,7 +40,19 @@ from p2p.errors import P2PError
 log = logging.getLogger(__name__)
 
 MAX_LOGGED = 4096  # peers remembered as logged for an unbacked epoch (then forgotten)
+
 OUTCOME_EPOCHS = 4  # epochs of others' round outcomes kept (a record holds only its last)
+
+
+def _first_time(said: set[str], pid: str) -> bool:
+    """Whether ``pid`` is new to ``said`` (then remembered): a line said once per peer. Bounded
+    by :data:`MAX_LOGGED`: peer IDs made up by the thousand only make it forget."""
+    if pid in said:
+        return False
+    if len(said) >= MAX_LOGGED:
+        said.clear()
+    said.add(pid)
+    return True
 
 
 def progress_key(run_id: str) -> str:
@@ -490,9 +502,7 @@ class ProgressTracker:
         for pid in sorted(ahead.keys() - self._unbacked_since.keys() - self._unbacked_noted):
             # Said at INFO when first left out: a claim that keeps one epoch ahead moves with
             # the run, its wait restarting at every step, so the WARNING below may never come.
-            if len(self._unbacked_noted) >= MAX_LOGGED:
-                self._unbacked_noted.clear()
-            self._unbacked_noted.add(pid)
+            _first_time(self._unbacked_noted, pid)
             log.info(
                 "ignoring peer %s's progress at epoch %d for now: most trainers are at %d or "
                 "before and no state of it is served (said once per peer)",
@@ -512,10 +522,7 @@ class ProgressTracker:
                 # Its state is what our keeper's look at the download's choice is about (a
                 # coordinator's copy once the trainers left): warned of, it read as the bug
                 # seconds before the load that made it moot. Warned of once we decided.
-                if pid not in self._unbacked_noted:
-                    if len(self._unbacked_noted) >= MAX_LOGGED:
-                        self._unbacked_noted.clear()
-                    self._unbacked_noted.add(pid)
+                if _first_time(self._unbacked_noted, pid):
                     log.info(
                         "peer %s serves a state of epoch %d that no progress record backs "
                         "(most trainers are at %d or before): the download's choice decides",
@@ -524,10 +531,7 @@ class ProgressTracker:
                         ceiling,
                     )
                 continue
-            if pid not in self._unbacked_logged:
-                if len(self._unbacked_logged) >= MAX_LOGGED:
-                    self._unbacked_logged.clear()
-                self._unbacked_logged.add(pid)
+            if _first_time(self._unbacked_logged, pid):
                 log.warning(
                     "ignoring peer %s's progress at epoch %d: most trainers are at %d or "
                     "before and no state of it is served (logged once per peer)",
