@@ -40,7 +40,6 @@ from p2p.errors import P2PError
 log = logging.getLogger(__name__)
 
 MAX_LOGGED = 4096  # peers remembered as logged for an unbacked epoch (then forgotten)
-
 OUTCOME_EPOCHS = 4  # epochs of others' round outcomes kept (a record holds only its last)
 
 
@@ -519,9 +518,8 @@ class ProgressTracker:
             if since is not None and now - since < self.config.progress.ttl:
                 continue
             if undecided and self.records[pid].state and pid not in self._unbacked_logged:
-                # Its state is what our keeper's look at the download's choice is about (a
-                # coordinator's copy once the trainers left): warned of, it read as the bug
-                # seconds before the load that made it moot. Warned of once we decided.
+                # While our keeper may still load it, the download's choice decides about its
+                # state, not this table: said at INFO; the WARNING once we have decided.
                 if _first_time(self._unbacked_noted, pid):
                     log.info(
                         "peer %s serves a state of epoch %d that no progress record backs "

@@ -244,9 +244,8 @@ class SparseGather:
         while not g.senders - g.excluded <= set(g.held):
             if trio.current_time() < ask_at:
                 # Between passes an entry brought to us only ends the round (it creates no
-                # ask: missing shrinks, pushed grows); RETRY paces the asks. Asking again on
-                # every entry (7ebcd13) asked relays for clients whose pushes were on their
-                # way (docs/decisions.md: the sparse gather waits for entries).
+                # ask: missing shrinks, pushed grows); RETRY paces the asks, so relays are not
+                # asked for clients whose pushes are on their way.
                 with trio.move_on_at(ask_at):
                     await g.changed.wait()
                 continue

@@ -125,9 +125,8 @@ def plan_groups(
     if level == 0 and missing:
         # Expected peers not registered yet keep their seats: each registered peer's group is
         # the one it has once they register. A group over the cap passes its highest ranks on
-        # (assign_groups), so a view without a late peer kept one the late peer's view passed
-        # on: the leader took it, and refused the late peer as full, which stepped alone
-        # (capped soak seed 2, epoch 0: parameters apart).
+        # (assign_groups): every view, with the late peer or without it, must pass on the
+        # same ones, or a leader fills the late peer's seat and refuses it as full.
         full = assign_groups(
             sorted((set(planned) | here) - apart),
             max_group_size=cap,

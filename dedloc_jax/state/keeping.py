@@ -192,8 +192,7 @@ class StepKeeper:
             self._suspect = not obs.complete and obs.others_train
             if self._suspect:
                 # (the round already warned, naming why: one event, one WARNING). Said at
-                # INFO once per run of such steps: after a mate's kill -9 it came every
-                # epoch until its record lapsed (12 lines in one README run).
+                # INFO once per run of such steps, not at every step until a record lapses.
                 log.log(
                     logging.DEBUG if self._said_suspect else logging.INFO,
                     "epoch %d: stepped without the whole collaboration; checking our lineage",
@@ -219,14 +218,13 @@ class StepKeeper:
 
     def _look_again(self, obs: Observation) -> Generator[Request, Any, bool]:
         """A history-less peer asks the download's choice again (as its first call did) while
-        a state ahead is announced; whether it loaded one. Its first call could not choose (a
-        progress read that failed, the coordinator's record not read yet), and with no trainer
-        around nothing else looks: it restarted from scratch beside a coordinator's saved
-        state. It stops once it stepped or loaded, or after ``lost_loads`` failed downloads
-        (a stranger's made-up state, renamed at each republish, would make it try forever)."""
+        a state ahead is announced; whether it loaded one. Its first call may have chosen
+        nothing (a failed or early progress read), and with no trainer around nothing else
+        looks. It stops once it stepped or loaded, or after ``lost_loads`` failed downloads
+        (a stranger's made-up state, renamed at each republish, would keep it trying)."""
         c = self.config
         if obs.epoch != self.epoch or self.load_failures >= c.lost_loads:
-            self._fresh = False  # it stepped: its own lineage now
+            self._fresh = False  # it stepped (its own lineage now), or gave up
             return False
         if obs.now - self._fresh_checked <= c.fresh_recheck:
             return False

@@ -134,9 +134,9 @@ class LocalState:
         loaded the minority's state, which its fork check had just beaten.
 
         Our initial state (epoch 0, no lineage: we neither stepped nor loaded) chose nothing and
-        is no vote (it is still a state held: with nothing else announced, the choice names it
-        and nothing is newer): a vote, it outvoted a coordinator's copy (no vote) in a
-        newcomer's own choice once it served it, and the newcomer restarted from scratch."""
+        is no vote, so a copy ahead (a coordinator's saved state) can win our own choice; it is
+        still a state held: with nothing else announced, the choice names it and nothing is
+        newer."""
         latest, server = self.server.latest, self.server
         if latest is None:
             return self.table_states()
